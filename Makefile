@@ -1,0 +1,33 @@
+# The README's commands. `make install` creates .venv; everything else uses it.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: install test test-fast lint demo bench clean
+
+$(BIN)/tierfs:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+
+install: $(BIN)/tierfs
+
+# The whole suite, slow multi-node tests included (what CI runs).
+test: install
+	$(BIN)/pytest -q
+
+# Everything but the tests marked slow.
+test-fast: install
+	$(BIN)/pytest -q -m "not slow"
+
+lint: install
+	$(BIN)/ruff check tierfs tests bench
+
+demo: install
+	$(BIN)/tierfs demo
+
+bench: install
+	$(BIN)/python bench/fs_bench.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

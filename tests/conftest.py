@@ -1,0 +1,120 @@
+"""Shared fixtures: real tierfs mounts started through the CLI, as a user would."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+SHM = Path("/dev/shm")
+TIERFS = [sys.executable, "-m", "tierfs"]
+
+
+def tierfs(*args: str, check: bool = True, timeout: float = 120,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the tierfs CLI in a subprocess; returns the completed process."""
+    proc = subprocess.run([*TIERFS, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, check=False)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"tierfs {' '.join(args)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def is_mounted(path: Path) -> bool:
+    target = str(path.resolve()) if path.exists() else str(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == target for line in f)
+
+
+@dataclass
+class Mount:
+    """A tierfs mount made with ``tierfs mount`` (background daemon)."""
+
+    path: Path
+    ram_dir: Path
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def view(self) -> Path:
+        return self.ram_dir / "view"
+
+    def pid(self) -> int:
+        return int((self.ram_dir / "store" / "daemon.pid").read_text().split()[0])
+
+    def mount(self) -> None:
+        tierfs("mount", str(self.path), "--ram-dir", str(self.ram_dir), *self.args)
+
+    def unmount(self) -> None:
+        if is_mounted(self.path):
+            tierfs("unmount", str(self.path), "--lazy")
+
+    def kill9(self) -> None:
+        """kill -9 the daemon (the mount is left dead, answering ENOTCONN)."""
+        pid = self.pid()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"daemon {pid} survived SIGKILL")
+
+    def log(self) -> str:
+        p = self.ram_dir / "store" / "daemon.log"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+
+def _fuse_available() -> str | None:
+    if not os.path.exists("/dev/fuse"):
+        return "/dev/fuse is missing"
+    if os.geteuid() != 0:
+        return "tests mount with mount(2) and need root"
+    return None
+
+
+@pytest.fixture
+def make_mount(tmp_path: Path) -> Iterator:
+    """Factory: ``make_mount(*extra_args, ram_dir=None)`` mounts and returns a :class:`Mount`."""
+    reason = _fuse_available()
+    if reason:
+        pytest.skip(reason)
+    mounts: list[Mount] = []
+    ram_dirs: list[Path] = []
+
+    def factory(*args: str, ram_dir: Path | None = None, name: str | None = None) -> Mount:
+        mnt = tmp_path / (name or f"mnt{len(mounts)}")
+        mnt.mkdir(exist_ok=True)
+        if ram_dir is None:
+            ram_dir = SHM / f"tierfs-test-{uuid.uuid4().hex[:10]}"
+            ram_dirs.append(ram_dir)
+        m = Mount(mnt, ram_dir, list(args))
+        m.mount()
+        mounts.append(m)
+        return m
+
+    yield factory
+    for m in mounts:
+        try:
+            m.unmount()
+        except Exception:
+            subprocess.run(["umount", "-l", str(m.path)], check=False, capture_output=True)
+    for d in ram_dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def mount(make_mount) -> Mount:
+    """One tierfs mount with default options and ``allow_other``."""
+    return make_mount("-o", "allow_other")

@@ -1,0 +1,388 @@
+"""The ``tierfs`` command line: mount, unmount, status (and the tiers' own commands).
+
+``tierfs mount`` behaves like gcsfuse: it checks its arguments, starts the
+node daemon in the background and returns once the mount answers (or stays
+in the foreground with ``--foreground``). Errors are one line on stderr and
+exit status 1.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from typing import Any
+
+import click
+
+from tierfs import __version__
+from tierfs.config import (
+    ConfigError,
+    NodeConfig,
+    format_size,
+    load_config_file,
+    parse_size,
+)
+
+STATUS_PATH = os.path.join(".tierfs", "status.json")
+READY_TIMEOUT = 120.0
+
+
+def _fail(msg: str) -> None:
+    raise click.ClickException(msg)
+
+
+def _warn(msg: str) -> None:
+    click.echo(f"tierfs: warning: {msg}", err=True)
+
+
+def _dead_mount(path: str) -> bool:
+    """True if ``path`` is a FUSE mount whose daemon is gone (ENOTCONN)."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return exc.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+    return False
+
+
+def check_mountpoint(path: str, nonempty_ok: bool) -> None:
+    """Validate a mountpoint; clears a dead tierfs mount left by a killed daemon.
+
+    Raises:
+        click.ClickException: missing, not a directory, already mounted, not empty.
+    """
+    from tierfs.fs.session import mount_entry, unmount_path
+
+    entry = mount_entry(path)
+    if entry is not None:
+        if entry["fstype"].startswith("fuse") and _dead_mount(path):
+            _warn(f"{path}: clearing the mount of a daemon that died")
+            try:
+                unmount_path(path, lazy=True)
+            except OSError as exc:
+                _fail(f"{path}: cannot clear dead mount: {exc.strerror or exc}")
+        else:
+            _fail(f"{path} is already mounted ({entry['fstype']})")
+    if not os.path.exists(path):
+        _fail(f"mountpoint {path} does not exist")
+    if not os.path.isdir(path):
+        _fail(f"mountpoint {path} is not a directory")
+    if not nonempty_ok and os.listdir(path):
+        _fail(f"mountpoint {path} is not empty (use -o nonempty to mount over it)")
+
+
+def check_ram_dir(path: str) -> None:
+    """Create the ram-dir if needed, refuse one in use, warn if it is not tmpfs."""
+    from tierfs.fs.ramstore import RamStore
+
+    try:
+        store = RamStore(path)
+    except OSError as exc:
+        _fail(f"ram-dir {path}: {exc.strerror or exc}")
+        return
+    try:
+        with open(store.pid_file) as f:
+            pid = int(f.readline())
+            other = f.readline().strip()
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        pass
+    else:
+        if pid != os.getpid():
+            _fail(f"ram-dir {path} is in use by tierfs daemon pid {pid} (mounted at {other})")
+    if not store.on_tmpfs():
+        _warn(f"ram-dir {path} is not on tmpfs: checkpoints will be written to disk")
+
+
+def _build_config(opts: dict[str, Any]) -> NodeConfig:
+    data: dict[str, Any] = {}
+    if opts.get("config"):
+        data.update(load_config_file(opts["config"]))
+    mapping = {
+        "ram_dir": "ram_dir", "log_file": "log_file", "log_level": "log_level", "job": "job",
+        "node_rank": "node_rank", "nodes": "nodes", "peers_per_node": "peers_per_node",
+        "process_id": "process_id", "jax_coordinator": "jax_coordinator",
+        "keep_local": "keep_local", "listen": "listen", "advertise": "advertise",
+        "coordinator": "coordinator", "peer_token": "peer_token", "bucket": "bucket",
+        "metrics_port": "metrics_port", "join_timeout": "join_timeout",
+        "backup_interval_minutes": "backup_interval_minutes",
+        "backup_interval_steps": "backup_interval_steps",
+        "assume_data_parallelism": "assume_data_parallelism",
+    }
+    for opt, attr in mapping.items():
+        if opts.get(opt) is not None:
+            data[attr] = opts[opt]
+    if opts.get("size") is not None:
+        data["size"] = parse_size(opts["size"])
+    if opts.get("option"):
+        data["mount_options"] = list(data.get("mount_options", [])) + list(opts["option"])
+    if opts.get("seal_pattern"):
+        data["seal_patterns"] = list(opts["seal_pattern"])
+    if opts.get("peer_ranks"):
+        data["peer_ranks"] = [int(x) for x in opts["peer_ranks"].split(",") if x.strip()]
+    if data.get("peer_token") is None and os.environ.get("TIERFS_PEER_TOKEN"):
+        data["peer_token"] = os.environ["TIERFS_PEER_TOKEN"]
+    config = NodeConfig.from_dict(data)
+    config.mountpoint = os.path.abspath(opts["mountpoint"])
+    if not config.ram_dir:
+        _fail("--ram-dir is required (or ramDir in --config)")
+    config.ram_dir = os.path.abspath(config.ram_dir)
+    config.validate()
+    return config
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="tierfs")
+def main() -> None:
+    """tierfs: a tiered checkpoint store (RAM, peers, Google Cloud Storage) behind a FUSE mount."""
+
+
+def mount_options(f: Any) -> Any:
+    """The options shared by ``tierfs mount`` and ``tierfs csi``."""
+    decorators = [
+        click.option("--ram-dir", help="Directory on tmpfs that holds the bytes (created)."),
+        click.option("--size", help="RAM budget, e.g. 8GiB, 512MiB or bytes "
+                                    "(default: free space of the ram-dir's filesystem)."),
+        click.option("-o", "option", multiple=True, metavar="OPT[,OPT...]",
+                     help="Mount options: allow_other, ro, noatime, attr_timeout=S, "
+                          "entry_timeout=S, no_passthrough, fsname=NAME, ..."),
+        click.option("--config", type=click.Path(dir_okay=False),
+                     help="YAML config file (flags win)."),
+        click.option("--log-file", help="Daemon log (default: <ram-dir>/store/daemon.log)."),
+        click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"],
+                                                      case_sensitive=False)),
+        click.option("--job", help="Job name for generic mode (no replicator.yaml)."),
+        click.option("--node-rank", type=int, help="This node's rank (generic mode)."),
+        click.option("--nodes", type=int, help="Number of nodes (generic mode)."),
+        click.option("--peers-per-node", type=int, help="Peers receiving each node's steps."),
+        click.option("--peer-ranks", help="Explicit comma-separated peer ranks."),
+        click.option("--assume-data-parallelism", type=int,
+                     help="D: ranks form a D x (nodes/D) grid with identical columns."),
+        click.option("--process-id", type=int, help="Process id for jax-init-info.txt."),
+        click.option("--jax-coordinator", metavar="HOST:PORT",
+                     help="JAX coordinator for jax-init-info.txt (MTC uses port 8476)."),
+        click.option("--seal-pattern", multiple=True, metavar="REGEX",
+                     help="Top-level step names that seal (needs a (?P<step>\\d+) group); "
+                          "repeatable; replaces the default set."),
+        click.option("--keep-local", type=int, help="Sealed steps kept in RAM (default 2)."),
+        click.option("--listen", metavar="HOST:PORT", help="Peer gRPC listen address."),
+        click.option("--advertise", metavar="HOST:PORT",
+                     help="Address peers use to reach this node (default: --listen)."),
+        click.option("--coordinator", metavar="HOST:PORT",
+                     help="Rank 0's peer address (static rendezvous)."),
+        click.option("--peer-token", help="Shared secret on every peer call "
+                                          "(or $TIERFS_PEER_TOKEN)."),
+        click.option("--join-timeout", type=float, help="Seconds to wait for all nodes."),
+        click.option("--bucket", metavar="NAME[/PREFIX]", help="GCS bucket for backups."),
+        click.option("--backup-interval-minutes", type=float,
+                     help="Backup period (generic mode; replicator.yaml overrides)."),
+        click.option("--backup-interval-steps", type=int, help="Back up every N steps."),
+        click.option("--metrics-port", type=int, help="Serve Prometheus /metrics on this port."),
+    ]
+    for d in reversed(decorators):
+        f = d(f)
+    return f
+
+
+@main.command()
+@click.argument("mountpoint", type=click.Path())
+@mount_options
+@click.option("-f", "--foreground", is_flag=True, help="Stay in the foreground.")
+@click.option("--ready-fd", type=int, hidden=True)
+def mount(**opts: Any) -> None:
+    """Mount tierfs at MOUNTPOINT, keeping every byte in RAM under --ram-dir."""
+    try:
+        config = _build_config(opts)
+    except ConfigError as exc:
+        _fail(str(exc))
+        return
+    ready_fd = opts.get("ready_fd")
+    if ready_fd is None:
+        nonempty = any("nonempty" in o.split(",") for o in config.mount_options)
+        check_mountpoint(config.mountpoint, nonempty)
+        check_ram_dir(config.ram_dir)
+    from tierfs.fs.session import MountOptionError, MountOptions
+
+    try:
+        MountOptions.parse(config.mount_options)
+    except MountOptionError as exc:
+        _fail(str(exc))
+    if opts["foreground"] or ready_fd is not None:
+        _run_daemon(config, opts["foreground"] and ready_fd is None, ready_fd)
+    else:
+        _spawn_daemon(config)
+
+
+def _run_daemon(config: NodeConfig, foreground: bool, ready_fd: int | None) -> None:
+    from tierfs.daemon import run_foreground, setup_logging
+
+    setup_logging(config, foreground)
+
+    def ready() -> None:
+        if ready_fd is not None:
+            os.write(ready_fd, b"READY\n")
+            os.close(ready_fd)
+
+    try:
+        code = run_foreground(config, on_ready=ready)
+    except BaseException as exc:  # report why the mount failed to the waiting parent
+        msg = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        if isinstance(exc, KeyboardInterrupt):
+            sys.exit(130)
+        if isinstance(exc, BaseExceptionGroup):
+            msg = "; ".join(str(e) for e in exc.exceptions)
+        if ready_fd is not None:
+            try:
+                os.write(ready_fd, f"ERROR {msg}\n".encode())
+            except OSError:
+                pass
+        import logging
+
+        logging.getLogger("tierfs").exception("daemon failed")
+        _fail(f"mount failed: {msg}")
+        return
+    sys.exit(code)
+
+
+def _spawn_daemon(config: NodeConfig) -> None:
+    r, w = os.pipe()
+    args = [sys.executable, "-m", "tierfs", "_daemon", "--config-json",
+            json.dumps(config.to_dict()), "--ready-fd", str(w)]
+    from tierfs.fs.ramstore import RamStore
+
+    store = RamStore(config.ram_dir)
+    log_path = config.log_file or store.log_file
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                                pass_fds=(w,), start_new_session=True, close_fds=True)
+    os.close(w)
+    deadline = time.monotonic() + READY_TIMEOUT
+    buf = b""
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([r], [], [], 0.5)
+            if ready:
+                chunk = os.read(r, 4096)
+                if not chunk:
+                    break
+                buf += chunk
+                if b"\n" in buf:
+                    break
+            elif proc.poll() is not None:
+                break
+    finally:
+        os.close(r)
+    line = buf.decode(errors="replace").strip()
+    if line == "READY":
+        return
+    if line.startswith("ERROR "):
+        _fail(f"mount failed: {line[6:]} (log: {log_path})")
+    if proc.poll() is None:
+        _fail(f"daemon did not become ready in {READY_TIMEOUT:.0f}s (log: {log_path})")
+    _fail(f"daemon exited with status {proc.returncode} (log: {log_path})")
+
+
+@main.command("_daemon", hidden=True)
+@click.option("--config-json", required=True)
+@click.option("--ready-fd", type=int, required=True)
+def _daemon(config_json: str, ready_fd: int) -> None:
+    """Run the daemon (started by ``tierfs mount``)."""
+    _run_daemon(NodeConfig.from_dict(json.loads(config_json)), False, ready_fd)
+
+
+def read_status(mountpoint: str) -> dict[str, Any]:
+    """Read ``.tierfs/status.json`` through the mount.
+
+    Raises:
+        click.ClickException: not a tierfs mount, or its daemon is gone.
+    """
+    path = os.path.join(mountpoint, STATUS_PATH)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTCONN, errno.ECONNABORTED):
+            _fail(f"{mountpoint}: the tierfs daemon is not running (transport endpoint "
+                  "not connected); mount again to recover")
+        _fail(f"{mountpoint} is not a tierfs mount ({exc.strerror})")
+    except json.JSONDecodeError:
+        _fail(f"{mountpoint}: unreadable status file")
+    return {}
+
+
+@main.command()
+@click.argument("mountpoint", type=click.Path())
+@click.option("--lazy", "-z", is_flag=True, help="Detach even if files are still open.")
+@click.option("--timeout", default=30.0, show_default=True,
+              help="Seconds to wait for the daemon to exit.")
+def unmount(mountpoint: str, lazy: bool, timeout: float) -> None:
+    """Unmount MOUNTPOINT and stop its daemon (the RAM store is kept)."""
+    from tierfs.fs.session import mount_entry, unmount_path
+
+    mountpoint = os.path.abspath(mountpoint)
+    entry = mount_entry(mountpoint)
+    if entry is None:
+        _fail(f"{mountpoint} is not mounted")
+        return
+    if entry["fstype"] != "fuse.tierfs" and not entry["fstype"].startswith("fuse"):
+        _fail(f"{mountpoint} is not a tierfs mount ({entry['fstype']})")
+    pid = None
+    if not _dead_mount(mountpoint):
+        try:
+            with open(os.path.join(mountpoint, STATUS_PATH), encoding="utf-8") as f:
+                pid = json.load(f).get("pid")
+        except (OSError, ValueError):
+            pid = None
+    try:
+        unmount_path(mountpoint, lazy=lazy)
+    except OSError as exc:
+        if exc.errno == errno.EBUSY:
+            _fail(f"{mountpoint} is busy (files are open); close them or use --lazy")
+        _fail(f"cannot unmount {mountpoint}: {exc.strerror or exc}")
+    if pid:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except OSError:
+                return
+            time.sleep(0.05)
+        _fail(f"daemon pid {pid} did not exit within {timeout:.0f}s")
+
+
+@main.command()
+@click.argument("mountpoint", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
+def status(mountpoint: str, as_json: bool) -> None:
+    """Show the job, its steps, the RAM budget and recent errors of a mount."""
+    data = read_status(mountpoint)
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        return
+    from tierfs.status import render_status
+
+    render_status(data)
+
+
+def _register_plugins() -> None:
+    """Attach the commands that live with their tier, where that module exists."""
+    import importlib
+    import importlib.util
+
+    for module, name in (("tierfs.tiers.gcs_cli", "backups"), ("tierfs.csi.cli", "csi"),
+                         ("tierfs.demo.cli", "demo")):
+        try:
+            if importlib.util.find_spec(module) is None:
+                continue
+        except ModuleNotFoundError:  # the parent package does not exist yet
+            continue
+        main.add_command(getattr(importlib.import_module(module), name))
+
+
+_register_plugins()
+
+__all__ = ["format_size", "main"]

@@ -1,0 +1,773 @@
+"""The namespace: inodes, lookup counts and handles over the RAM store's view.
+
+This module is FUSE-free: it speaks in inode numbers, names (bytes), open
+flags and ``os.stat_result`` and raises ``OSError`` with a POSIX errno. The
+FUSE layer (:mod:`tierfs.fs.operations`) translates requests onto it.
+
+Every client-visible object is a real object in ``<ram-dir>/view`` on tmpfs,
+so POSIX behaviour (rename atomicity, unlink of open files, hard links,
+holes, xattrs, ENOTEMPTY...) is the kernel's own. Each inode the kernel knows
+is held by an ``O_PATH`` file descriptor, as libfuse's passthrough_ll does:
+renames made by the daemon itself never break an inode, unlinked files stay
+reachable while the kernel holds them, and hard links are one inode.
+
+Lookup counts follow the FUSE contract: every reply carrying an entry
+(lookup, create, mkdir, mknod, symlink, link, readdirplus) adds one; FORGET
+subtracts. An inode is dropped when the kernel forgot it and no handle is
+open. FUSE node ids are never reused.
+
+Concurrency: all methods run on the single thread that serves FUSE requests
+(the trio thread); none of them blocks for long (tmpfs syscalls only). The
+daemon's own changes to the view go through :meth:`Namespace.notify_changed`
+so the kernel drops stale cache entries (FIELD-NOTES 17).
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import stat
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tierfs.fs import syscalls
+from tierfs.fs.ramstore import Budget, StatFs
+
+log = logging.getLogger(__name__)
+
+ROOT_ID = 1
+_PROC_FD = b"/proc/self/fd/%d"
+_BACKING_FLAGS = os.O_ACCMODE | os.O_APPEND | os.O_NOATIME | os.O_SYNC | os.O_DSYNC
+
+
+def _proc(fd: int) -> bytes:
+    return _PROC_FD % fd
+
+
+class FsEvents(Protocol):
+    """What the namespace tells the node agent. Called on the FUSE thread: be quick."""
+
+    def opening_for_write(self, ino: int) -> None:
+        """Backing inode ``ino`` is about to be opened for writing or truncated."""
+
+    def changed(self, relpath: bytes) -> None:
+        """The entry ``relpath`` (relative to the mount root) was created, removed or modified."""
+
+    def renamed(self, old: bytes, new: bytes, mode: int) -> None:
+        """``old`` was renamed to ``new`` (paths relative to the root); ``mode`` is its st_mode."""
+
+    def released(self, relpath: bytes | None, ino: int) -> None:
+        """A handle opened for writing was closed; ``relpath`` is None if the file is unlinked."""
+
+
+class NullEvents:
+    """An :class:`FsEvents` that ignores everything (a bare RAM filesystem)."""
+
+    def opening_for_write(self, ino: int) -> None:
+        pass
+
+    def changed(self, relpath: bytes) -> None:
+        pass
+
+    def renamed(self, old: bytes, new: bytes, mode: int) -> None:
+        pass
+
+    def released(self, relpath: bytes | None, ino: int) -> None:
+        pass
+
+
+@dataclass(eq=False, slots=True)
+class Inode:
+    """One object the kernel knows.
+
+    Attributes:
+        nodeid: the FUSE node id (never reused).
+        ino: the backing tmpfs inode number.
+        fd: an ``O_PATH`` descriptor of the backing object.
+        mode: ``st_mode`` type bits when first seen.
+        lookups: the kernel's lookup count.
+        handles: open file handles.
+        writers: open handles that may write.
+        backing_id: the kernel passthrough id while passthrough handles are open.
+        reserved: the object lies under a daemon-managed top-level name (read-only).
+        virtual: generator of the content, for daemon-generated files.
+    """
+
+    nodeid: int
+    ino: int
+    fd: int
+    mode: int
+    lookups: int = 0
+    handles: int = 0
+    writers: int = 0
+    backing_id: int = 0
+    reserved: bool = False
+    virtual: Callable[[], bytes] | None = None
+
+
+@dataclass(eq=False, slots=True)
+class Handle:
+    """An open file: ``fd`` is a real descriptor of the backing file."""
+
+    fh: int
+    inode: Inode
+    fd: int
+    flags: int
+    writable: bool
+    passthrough: bool
+    direct_io: bool = False
+    keep_cache: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class DirHandle:
+    """An open directory with a listing taken at opendir (stable readdir cookies)."""
+
+    fh: int
+    inode: Inode
+    fd: int
+    names: list[bytes] = field(default_factory=list)
+    listed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class DirEntry:
+    """One readdir entry. ``nodeid`` is 0 for entries that carry no lookup ('.' and '..')."""
+
+    name: bytes
+    cookie: int
+    nodeid: int
+    st: os.stat_result | None
+    mode: int
+
+
+class Namespace:
+    """Inode and handle table over ``view_dir`` (see the module docstring).
+
+    Args:
+        view_dir: the directory served as the mount root.
+        budget: the RAM budget (managed-mode growth checks, statfs).
+        events: receiver of namespace events (the node agent).
+        reserved: top-level names the daemon owns; clients cannot modify them (EPERM).
+        virtual: relative paths (bytes) whose content is generated when opened.
+
+    Raises:
+        OSError: ``view_dir`` cannot be opened.
+    """
+
+    def __init__(self, view_dir: str, budget: Budget, events: FsEvents | None = None,
+                 reserved: frozenset[bytes] = frozenset(),
+                 virtual: dict[bytes, Callable[[], bytes]] | None = None) -> None:
+        self.view_dir = os.path.abspath(view_dir)
+        self._view_prefix = os.fsencode(self.view_dir) + b"/"
+        self.budget = budget
+        self.events: FsEvents = events or NullEvents()
+        self.reserved = reserved
+        self.virtual = dict(virtual or {})
+        root_fd = os.open(self.view_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        st = os.fstat(root_fd)
+        self.dev = st.st_dev
+        self.root = Inode(ROOT_ID, st.st_ino, root_fd, stat.S_IFDIR, lookups=1)
+        self._by_node: dict[int, Inode] = {ROOT_ID: self.root}
+        self._by_ino: dict[int, Inode] = {st.st_ino: self.root}
+        self._handles: dict[int, Handle | DirHandle] = {}
+        self._next_node = itertools.count(ROOT_ID + 1)
+        self._next_fh = itertools.count(1)
+        #: set by the FUSE session once INIT is done: passthrough enabled, backing registry
+        self.passthrough = False
+        self.register_backing: Callable[[int], int] | None = None
+        self.close_backing: Callable[[int], None] | None = None
+        #: set by the FUSE session: send an entry invalidation (parent nodeid, name)
+        self.notify_inval_entry: Callable[[int, bytes], None] | None = None
+        self.entry_timeout = 1.0
+        self.attr_timeout = 1.0
+
+    # ------------------------------------------------------------------ lookup table
+
+    def inode(self, nodeid: int) -> Inode:
+        """The inode for ``nodeid``; ``OSError(ESTALE)`` if unknown."""
+        try:
+            return self._by_node[nodeid]
+        except KeyError:
+            raise OSError(errno.ESTALE, "unknown inode") from None
+
+    def _dir(self, nodeid: int) -> Inode:
+        inode = self.inode(nodeid)
+        if not stat.S_ISDIR(inode.mode):
+            raise OSError(errno.ENOTDIR, "not a directory")
+        return inode
+
+    def _learn(self, parent: Inode, name: bytes, fd: int, st: os.stat_result) -> Inode:
+        """Return the inode for backing object ``st`` (opened as ``fd``), adding one lookup.
+
+        Takes ownership of ``fd`` (closed if the inode is already known).
+        """
+        known = self._by_ino.get(st.st_ino)
+        if known is not None:
+            os.close(fd)
+            known.lookups += 1
+            return known
+        reserved = parent.reserved or (parent is self.root and name in self.reserved)
+        virtual = None
+        if reserved and self.virtual:
+            virtual = self.virtual.get(self._child_relpath(parent, name) or b"")
+        inode = Inode(next(self._next_node), st.st_ino, fd, stat.S_IFMT(st.st_mode),
+                      lookups=1, reserved=reserved, virtual=virtual)
+        self._by_node[inode.nodeid] = inode
+        self._by_ino[inode.ino] = inode
+        return inode
+
+    def _open_child(self, parent: Inode, name: bytes) -> tuple[int, os.stat_result]:
+        if name in (b".", b"..") or b"/" in name:
+            raise OSError(errno.EINVAL, "invalid name")
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent.fd)
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        return fd, st
+
+    def lookup(self, parent_id: int, name: bytes) -> tuple[Inode, os.stat_result]:
+        """Resolve ``name`` in directory ``parent_id`` (adds one lookup).
+
+        Raises:
+            OSError: ENOENT if absent, ENOTDIR if the parent is not a directory.
+        """
+        parent = self._dir(parent_id)
+        fd, st = self._open_child(parent, name)
+        if st.st_dev != self.dev:
+            os.close(fd)
+            raise OSError(errno.EXDEV, "foreign filesystem in the RAM store")
+        return self._learn(parent, name, fd, st), st
+
+    def forget(self, nodeid: int, nlookup: int) -> None:
+        """The kernel dropped ``nlookup`` references to ``nodeid`` (never raises)."""
+        inode = self._by_node.get(nodeid)
+        if inode is None or inode is self.root:
+            return
+        inode.lookups -= nlookup
+        self._maybe_drop(inode)
+
+    def _maybe_drop(self, inode: Inode) -> None:
+        if inode.lookups <= 0 and inode.handles <= 0 and inode is not self.root:
+            self._by_node.pop(inode.nodeid, None)
+            if self._by_ino.get(inode.ino) is inode:
+                del self._by_ino[inode.ino]
+            try:
+                os.close(inode.fd)
+            except OSError:
+                pass
+
+    def nodeid_hint(self, st: os.stat_result | None) -> int:
+        """The node id already assigned to backing object ``st``, or 0."""
+        if st is None:
+            return 0
+        known = self._by_ino.get(st.st_ino)
+        return known.nodeid if known is not None else st.st_ino
+
+    def known_inodes(self) -> int:
+        """Number of inodes currently held (for status and tests)."""
+        return len(self._by_node)
+
+    # ------------------------------------------------------------------ paths and events
+
+    def relpath(self, inode: Inode) -> bytes | None:
+        """Path of ``inode`` relative to the root (b"" for the root); None if unlinked."""
+        if inode is self.root:
+            return b""
+        try:
+            target = os.readlink(_proc(inode.fd))
+        except OSError:
+            return None
+        if not target.startswith(self._view_prefix):
+            return None
+        if target.endswith(b" (deleted)") and os.fstat(inode.fd).st_nlink == 0:
+            return None
+        return target[len(self._view_prefix):]
+
+    def _child_relpath(self, parent: Inode, name: bytes) -> bytes | None:
+        if parent is self.root:
+            return name
+        base = self.relpath(parent)
+        return None if base is None else base + b"/" + name
+
+    def _check_mutable(self, parent: Inode, name: bytes | None = None) -> None:
+        if parent.reserved or (parent is self.root and name in self.reserved):
+            raise OSError(errno.EPERM, "managed by tierfs")
+
+    def _changed(self, parent: Inode, name: bytes) -> None:
+        rel = self._child_relpath(parent, name)
+        if rel is not None:
+            self.events.changed(rel)
+
+    def notify_changed(self, relpath: str | bytes) -> None:
+        """The daemon changed ``relpath`` in the view behind the kernel's back.
+
+        Sends an entry invalidation so clients see the change at once. Safe to
+        call from any thread; never blocks.
+        """
+        rel = os.fsencode(relpath).strip(b"/")
+        parent_rel, _, name = rel.rpartition(b"/")
+        if self.notify_inval_entry is None or not name:
+            return
+        if not parent_rel:
+            self.notify_inval_entry(ROOT_ID, name)
+            return
+        try:
+            st = os.lstat(os.path.join(self._view_prefix, parent_rel))
+        except OSError:
+            return
+        parent = self._by_ino.get(st.st_ino)
+        if parent is not None:
+            self.notify_inval_entry(parent.nodeid, name)
+
+    # ------------------------------------------------------------------ attributes
+
+    def getattr(self, nodeid: int, fh: int | None = None) -> tuple[Inode, os.stat_result]:
+        """``stat`` of an inode (via the handle ``fh`` if given)."""
+        inode = self.inode(nodeid)
+        if fh is not None:
+            handle = self._handles.get(fh)
+            if isinstance(handle, Handle):
+                return inode, os.fstat(handle.fd)
+        return inode, os.fstat(inode.fd)
+
+    def setattr(self, nodeid: int, fh: int | None, *, mode: int | None = None,
+                uid: int | None = None, gid: int | None = None, size: int | None = None,
+                atime_ns: int | None = None, mtime_ns: int | None = None,
+                atime_now: bool = False, mtime_now: bool = False) -> os.stat_result:
+        """chmod/chown/truncate/utimens in one call, as FUSE SETATTR delivers them.
+
+        Raises:
+            OSError: EPERM under reserved names, ENOSPC past the budget, EISDIR
+                for truncating a directory.
+        """
+        inode = self.inode(nodeid)
+        if inode.reserved:
+            raise OSError(errno.EPERM, "managed by tierfs")
+        handle = self._handles.get(fh) if fh is not None else None
+        if size is not None:
+            if stat.S_ISDIR(inode.mode):
+                raise OSError(errno.EISDIR, "is a directory")
+            if not stat.S_ISREG(inode.mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            self.events.opening_for_write(inode.ino)
+            current = os.fstat(inode.fd)
+            self.budget.check_growth(size - current.st_blocks * 512)
+            if isinstance(handle, Handle) and handle.writable:
+                os.ftruncate(handle.fd, size)
+            else:
+                os.truncate(_proc(inode.fd), size)
+        if mode is not None:
+            if stat.S_ISLNK(inode.mode):
+                raise OSError(errno.EOPNOTSUPP, "symlink mode")
+            os.chmod(_proc(inode.fd), stat.S_IMODE(mode))
+        if uid is not None or gid is not None:
+            syscalls.fchown_empty(inode.fd, -1 if uid is None else uid,
+                                  -1 if gid is None else gid)
+        if atime_ns is not None or mtime_ns is not None or atime_now or mtime_now:
+            syscalls.utimens_empty(inode.fd, atime_ns, mtime_ns, atime_now, mtime_now)
+        if size is not None or mode is not None or uid is not None or gid is not None:
+            rel = self.relpath(inode)
+            if rel:
+                self.events.changed(rel)
+        return os.fstat(inode.fd)
+
+    def readlink(self, nodeid: int) -> bytes:
+        """Target of a symlink (EINVAL if not a symlink)."""
+        inode = self.inode(nodeid)
+        if not stat.S_ISLNK(inode.mode):
+            raise OSError(errno.EINVAL, "not a symlink")
+        # readlinkat(fd, "") reads the symlink an O_PATH|O_NOFOLLOW fd refers to.
+        return os.readlink(b"", dir_fd=inode.fd)
+
+    def statfs(self) -> StatFs:
+        """The RAM budget as statfs numbers."""
+        return self.budget.statfs()
+
+    # ------------------------------------------------------------------ creating names
+
+    def _owner(self, parent: Inode, uid: int, gid: int) -> tuple[int, int]:
+        pst = os.fstat(parent.fd)
+        return uid, (pst.st_gid if pst.st_mode & stat.S_ISGID else gid)
+
+    def _finish_create(self, parent: Inode, name: bytes, uid: int, gid: int,
+                       fd: int | None = None) -> tuple[Inode, os.stat_result]:
+        owner = self._owner(parent, uid, gid)
+        if fd is None:
+            opath, st = self._open_child(parent, name)
+        else:
+            opath = os.open(_proc(fd), os.O_PATH | os.O_CLOEXEC)
+            st = os.fstat(opath)
+        try:
+            if (st.st_uid, st.st_gid) != owner:
+                syscalls.fchown_empty(opath, *owner)
+                st = os.fstat(opath)
+        except OSError:
+            os.close(opath)
+            raise
+        inode = self._learn(parent, name, opath, st)
+        self._changed(parent, name)
+        return inode, st
+
+    def mkdir(self, parent_id: int, name: bytes, mode: int, uid: int,
+              gid: int) -> tuple[Inode, os.stat_result]:
+        """mkdir(2) of ``name`` owned by the caller (setgid directories pass their group on)."""
+        parent = self._dir(parent_id)
+        self._check_mutable(parent, name)
+        os.mkdir(name, stat.S_IMODE(mode), dir_fd=parent.fd)
+        return self._finish_create(parent, name, uid, gid)
+
+    def mknod(self, parent_id: int, name: bytes, mode: int, rdev: int, uid: int,
+              gid: int) -> tuple[Inode, os.stat_result]:
+        """mknod(2): regular files, FIFOs, sockets (devices need CAP_MKNOD)."""
+        parent = self._dir(parent_id)
+        self._check_mutable(parent, name)
+        if stat.S_ISREG(mode):
+            self.budget.check_growth(1)
+        os.mknod(name, mode, rdev, dir_fd=parent.fd)
+        return self._finish_create(parent, name, uid, gid)
+
+    def symlink(self, parent_id: int, name: bytes, target: bytes, uid: int,
+                gid: int) -> tuple[Inode, os.stat_result]:
+        """symlink(2): ``name`` in ``parent_id`` pointing at ``target`` (stored verbatim)."""
+        parent = self._dir(parent_id)
+        self._check_mutable(parent, name)
+        os.symlink(target, name, dir_fd=parent.fd)
+        return self._finish_create(parent, name, uid, gid)
+
+    def link(self, nodeid: int, parent_id: int, name: bytes) -> tuple[Inode, os.stat_result]:
+        """link(2): a new name for an existing inode (EPERM for directories)."""
+        inode = self.inode(nodeid)
+        parent = self._dir(parent_id)
+        self._check_mutable(parent, name)
+        if stat.S_ISDIR(inode.mode):
+            raise OSError(errno.EPERM, "hard link to directory")
+        if inode.reserved:
+            raise OSError(errno.EPERM, "managed by tierfs")
+        syscalls.link_empty(inode.fd, parent.fd, name)
+        st = os.fstat(inode.fd)
+        inode.lookups += 1
+        self._changed(parent, name)
+        return inode, st
+
+    # ------------------------------------------------------------------ removing and renaming
+
+    def unlink(self, parent_id: int, name: bytes) -> None:
+        """unlink(2). Open handles keep the data until closed (POSIX)."""
+        parent = self._dir(parent_id)
+        self._check_mutable(parent, name)
+        os.unlink(name, dir_fd=parent.fd)
+        self._changed(parent, name)
+
+    def rmdir(self, parent_id: int, name: bytes) -> None:
+        """rmdir(2): ENOTEMPTY for a non-empty directory."""
+        parent = self._dir(parent_id)
+        self._check_mutable(parent, name)
+        os.rmdir(name, dir_fd=parent.fd)
+        self._changed(parent, name)
+
+    def rename(self, parent_id: int, name: bytes, newparent_id: int, newname: bytes,
+               flags: int = 0) -> None:
+        """rename(2)/renameat2(2): atomic and O(1); errno values are the kernel's.
+
+        ``flags`` may be RENAME_NOREPLACE (EEXIST if ``newname`` exists) or
+        RENAME_EXCHANGE.
+        """
+        parent = self._dir(parent_id)
+        newparent = self._dir(newparent_id)
+        self._check_mutable(parent, name)
+        self._check_mutable(newparent, newname)
+        st = os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
+        old_rel = self._child_relpath(parent, name)
+        new_rel = self._child_relpath(newparent, newname)
+        syscalls.renameat2(parent.fd, name, newparent.fd, newname, flags)
+        if old_rel is not None and new_rel is not None:
+            self.events.renamed(old_rel, new_rel, st.st_mode)
+        if old_rel is not None:
+            self.events.changed(old_rel)
+        if new_rel is not None:
+            self.events.changed(new_rel)
+
+    # ------------------------------------------------------------------ files
+
+    def _new_handle(self, inode: Inode, fd: int, flags: int) -> Handle:
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        handle = Handle(next(self._next_fh), inode, fd, flags, writable, passthrough=False)
+        if inode.virtual is not None:
+            handle.direct_io = True
+        elif self.passthrough and self.register_backing is not None:
+            if inode.backing_id == 0:
+                inode.backing_id = self.register_backing(fd)
+            handle.passthrough = True
+        elif (flags & os.O_ACCMODE) == os.O_WRONLY:
+            # FUSE-NOTES trap 3: direct_io only where no mmap can happen.
+            handle.direct_io = True
+        else:
+            handle.keep_cache = True
+        inode.handles += 1
+        if writable:
+            inode.writers += 1
+        self._handles[handle.fh] = handle
+        return handle
+
+    def _backing_open(self, inode: Inode, flags: int) -> int:
+        # No O_NOFOLLOW: /proc/self/fd/N is a magic link (the kernel resolves
+        # client symlinks itself and never opens one through FUSE).
+        return os.open(_proc(inode.fd), (flags & _BACKING_FLAGS) | os.O_CLOEXEC)
+
+    def open(self, nodeid: int, flags: int) -> Handle:
+        """open(2) of an existing file. O_TRUNC truncates here (atomic O_TRUNC).
+
+        Raises:
+            OSError: EISDIR for directories, EPERM writing reserved files,
+                ELOOP for symlinks.
+        """
+        inode = self.inode(nodeid)
+        if stat.S_ISDIR(inode.mode):
+            raise OSError(errno.EISDIR, "is a directory")
+        writes = (flags & os.O_ACCMODE) != os.O_RDONLY or flags & os.O_TRUNC
+        if writes:
+            if inode.reserved:
+                raise OSError(errno.EPERM, "managed by tierfs")
+            self.events.opening_for_write(inode.ino)
+        elif inode.virtual is not None:
+            self._regenerate(inode)
+        fd = self._backing_open(inode, flags)
+        try:
+            if flags & os.O_TRUNC and stat.S_ISREG(inode.mode):
+                os.ftruncate(fd, 0)
+            return self._new_handle(inode, fd, flags)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _regenerate(self, inode: Inode) -> None:
+        assert inode.virtual is not None
+        try:
+            content = inode.virtual()
+        except Exception:  # a status generator must never break open()
+            log.exception("generating virtual file failed")
+            return
+        fd = os.open(_proc(inode.fd), os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+        try:
+            os.write(fd, content)
+        finally:
+            os.close(fd)
+
+    def create(self, parent_id: int, name: bytes, flags: int, mode: int, uid: int,
+               gid: int) -> tuple[Inode, os.stat_result, Handle]:
+        """open(2) with O_CREAT: returns the new (or existing) inode and a handle."""
+        parent = self._dir(parent_id)
+        self._check_mutable(parent, name)
+        if b"/" in name or name in (b".", b".."):
+            raise OSError(errno.EINVAL, "invalid name")
+        self.budget.check_growth(1)
+        bflags = (flags & (_BACKING_FLAGS | os.O_EXCL | os.O_TRUNC)) | os.O_CREAT | os.O_CLOEXEC
+        bflags |= os.O_NOFOLLOW
+        fd = os.open(name, bflags, stat.S_IMODE(mode), dir_fd=parent.fd)
+        try:
+            inode, st = self._finish_create(parent, name, uid, gid, fd=fd)
+            if inode.reserved:
+                raise OSError(errno.EPERM, "managed by tierfs")
+            if (flags & os.O_ACCMODE) != os.O_RDONLY:
+                self.events.opening_for_write(inode.ino)
+            handle = self._new_handle(inode, fd, flags)
+        except BaseException:
+            os.close(fd)
+            raise
+        return inode, st, handle
+
+    def handle(self, fh: int) -> Handle:
+        """The open file ``fh``; EBADF if unknown."""
+        h = self._handles.get(fh)
+        if not isinstance(h, Handle):
+            raise OSError(errno.EBADF, "bad file handle")
+        return h
+
+    def read_into(self, fh: int, offset: int, buf: memoryview) -> int:
+        """Read up to ``len(buf)`` bytes at ``offset`` into ``buf``; returns bytes read."""
+        return os.preadv(self.handle(fh).fd, [buf], offset)
+
+    def write(self, fh: int, offset: int, data: memoryview) -> int:
+        """Write ``data`` at ``offset`` (appends if the handle has O_APPEND).
+
+        Raises:
+            OSError: ENOSPC past the budget (nothing written), EBADF.
+        """
+        handle = self.handle(fh)
+        if not self.budget.native:
+            end = offset + len(data)
+            st = os.fstat(handle.fd)
+            if end > st.st_blocks * 512:
+                self.budget.check_growth(end - st.st_blocks * 512)
+        return os.pwrite(handle.fd, data, offset)
+
+    def flush(self, fh: int) -> None:
+        """close(2) of one descriptor of the handle: nothing to flush on tmpfs."""
+        self.handle(fh)
+
+    def fsync(self, fh: int, datasync: bool) -> None:
+        """fsync/fdatasync: bytes are in RAM (tmpfs) once write returned; see SEMANTICS."""
+        handle = self._handles.get(fh)
+        if handle is None:
+            raise OSError(errno.EBADF, "bad file handle")
+        (os.fdatasync if datasync else os.fsync)(handle.fd)
+
+    def release(self, fh: int) -> None:
+        """The last descriptor of handle ``fh`` was closed (never raises)."""
+        handle = self._handles.pop(fh, None)
+        if not isinstance(handle, Handle):
+            return
+        inode = handle.inode
+        try:
+            os.close(handle.fd)
+        except OSError:
+            pass
+        inode.handles -= 1
+        if handle.writable:
+            inode.writers -= 1
+        if inode.handles == 0 and inode.backing_id and self.close_backing is not None:
+            bid, inode.backing_id = inode.backing_id, 0
+            try:
+                self.close_backing(bid)
+            except OSError:
+                log.warning("closing passthrough backing %d failed", bid, exc_info=True)
+        if handle.writable:
+            try:
+                self.events.released(self.relpath(inode), inode.ino)
+            except Exception:
+                log.exception("release event failed")
+        self._maybe_drop(inode)
+
+    def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
+        """fallocate(2) on tmpfs (mode 0, KEEP_SIZE, PUNCH_HOLE)."""
+        handle = self.handle(fh)
+        if mode == 0 and not self.budget.native:
+            st = os.fstat(handle.fd)
+            self.budget.check_growth(offset + length - st.st_blocks * 512)
+        self.events.opening_for_write(handle.inode.ino)
+        syscalls.fallocate(handle.fd, mode, offset, length)
+
+    def lseek(self, fh: int, offset: int, whence: int) -> int:
+        """lseek(2) with SEEK_DATA/SEEK_HOLE (the kernel handles the others)."""
+        return os.lseek(self.handle(fh).fd, offset, whence)
+
+    def copy_file_range(self, fh_in: int, off_in: int, fh_out: int, off_out: int,
+                        length: int) -> int:
+        """copy_file_range(2) between two open files of the mount; returns bytes copied."""
+        src, dst = self.handle(fh_in), self.handle(fh_out)
+        if not self.budget.native:
+            self.budget.check_growth(length)
+        return os.copy_file_range(src.fd, dst.fd, length, off_in, off_out)
+
+    def handles_open_for_write(self) -> int:
+        """Number of open handles that may write (status, tests)."""
+        return sum(1 for h in self._handles.values() if isinstance(h, Handle) and h.writable)
+
+    # ------------------------------------------------------------------ xattrs
+
+    def _xattr_path(self, inode: Inode) -> bytes:
+        if stat.S_ISLNK(inode.mode):
+            raise OSError(errno.ENOTSUP, "no xattrs on symlinks")
+        return _proc(inode.fd)
+
+    def getxattr(self, nodeid: int, name: bytes) -> bytes:
+        """getxattr(2): ENODATA if absent, ENOTSUP where unsupported."""
+        return os.getxattr(self._xattr_path(self.inode(nodeid)), name)
+
+    def setxattr(self, nodeid: int, name: bytes, value: bytes, flags: int) -> None:
+        """setxattr(2) with XATTR_CREATE/XATTR_REPLACE flags."""
+        inode = self.inode(nodeid)
+        if inode.reserved:
+            raise OSError(errno.EPERM, "managed by tierfs")
+        os.setxattr(self._xattr_path(inode), name, value, flags)
+
+    def listxattr(self, nodeid: int) -> list[bytes]:
+        """listxattr(2) as a list of names."""
+        inode = self.inode(nodeid)
+        if stat.S_ISLNK(inode.mode):
+            return []
+        return [os.fsencode(n) for n in os.listxattr(_proc(inode.fd))]
+
+    def removexattr(self, nodeid: int, name: bytes) -> None:
+        """removexattr(2)."""
+        inode = self.inode(nodeid)
+        if inode.reserved:
+            raise OSError(errno.EPERM, "managed by tierfs")
+        os.removexattr(self._xattr_path(inode), name)
+
+    # ------------------------------------------------------------------ directories
+
+    def opendir(self, nodeid: int) -> DirHandle:
+        """opendir(3): the listing is taken on the first readdir."""
+        inode = self._dir(nodeid)
+        fd = os.open(_proc(inode.fd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        handle = DirHandle(next(self._next_fh), inode, fd)
+        inode.handles += 1
+        self._handles[handle.fh] = handle
+        return handle
+
+    def _dirhandle(self, fh: int) -> DirHandle:
+        h = self._handles.get(fh)
+        if not isinstance(h, DirHandle):
+            raise OSError(errno.EBADF, "bad directory handle")
+        return h
+
+    def readdir(self, fh: int, offset: int, plus: bool,
+                fits: Callable[[bytes], bool]) -> Iterator[DirEntry]:
+        """Yield entries after cookie ``offset``.
+
+        Cookies are positions in a listing taken once per directory handle
+        (again when the caller rewinds to 0), so entries created or removed
+        during the listing cause neither skips nor duplicates (FUSE-NOTES 6).
+        With ``plus`` each yielded entry (other than '.' and '..') carries a
+        lookup, so the caller must check ``fits(name)`` is consulted before
+        the lookup is taken: an entry is only yielded if it fits the reply.
+        """
+        handle = self._dirhandle(fh)
+        if not handle.listed or offset == 0:
+            handle.names = [b".", b".."] + [os.fsencode(n) for n in os.listdir(handle.fd)]
+            handle.listed = True
+        parent = handle.inode
+        for index in range(offset, len(handle.names)):
+            name = handle.names[index]
+            cookie = index + 1
+            if not fits(name):
+                return
+            if name in (b".", b".."):
+                yield DirEntry(name, cookie, 0, None, stat.S_IFDIR)
+                continue
+            try:
+                st = os.stat(name, dir_fd=handle.fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # removed since the listing was taken
+            if not plus:
+                yield DirEntry(name, cookie, 0, st, st.st_mode)
+                continue
+            try:
+                fd, st = self._open_child(parent, name)
+            except FileNotFoundError:
+                continue
+            inode = self._learn(parent, name, fd, st)
+            yield DirEntry(name, cookie, inode.nodeid, st, st.st_mode)
+
+    def fsyncdir(self, fh: int) -> None:
+        """fsync(2) of a directory."""
+        os.fsync(self._dirhandle(fh).fd)
+
+    def releasedir(self, fh: int) -> None:
+        """closedir(3) (never raises)."""
+        handle = self._handles.pop(fh, None)
+        if not isinstance(handle, DirHandle):
+            return
+        try:
+            os.close(handle.fd)
+        except OSError:
+            pass
+        handle.inode.handles -= 1
+        self._maybe_drop(handle.inode)

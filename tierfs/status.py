@@ -1,0 +1,56 @@
+"""Rendering of a node's status (``tierfs status``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from tierfs.config import format_size
+
+
+def format_status(data: dict[str, Any]) -> list[str]:
+    """The status as plain text lines (no colour), e.g. for logs and tests."""
+    lines = []
+    job = data.get("job") or {}
+    budget = data.get("budget", {})
+    lines.append(f"mount      {data.get('mountpoint')}  (pid {data.get('pid')}, ram-dir "
+                 f"{data.get('ram_dir')})")
+    if job:
+        lines.append(f"job        {job.get('name')}  rank {job.get('node_rank')}/"
+                     f"{job.get('nodes')}  framework {job.get('framework')}  "
+                     f"state {job.get('state')}")
+    else:
+        lines.append("job        none (no replicator.yaml and no --job)")
+    lines.append(f"ram        {format_size(budget.get('used_bytes', 0))} used of "
+                 f"{format_size(budget.get('total_bytes', 0))} "
+                 f"({format_size(budget.get('free_bytes', 0))} free, "
+                 f"{budget.get('mode')} accounting, passthrough "
+                 f"{'on' if data.get('passthrough') else 'off'})")
+    for tier in ("peer", "gcs"):
+        info = data.get(tier)
+        if info:
+            lines.append(f"{tier:<10} {info.get('summary', '')}")
+    return lines
+
+
+def render_status(data: dict[str, Any]) -> None:
+    """Print the status as text plus a table of steps."""
+    console = Console()
+    for line in format_status(data):
+        console.print(line, highlight=False)
+    steps = data.get("steps") or []
+    if steps:
+        table = Table(title="steps")
+        for col in ("step", "name", "state", "size", "where"):
+            table.add_column(col)
+        for s in steps:
+            table.add_row(str(s.get("step")), str(s.get("name", "")), str(s.get("state")),
+                          format_size(s.get("bytes", 0)), ", ".join(s.get("where", [])))
+        console.print(table)
+    errors = data.get("errors") or []
+    if errors:
+        console.print("recent errors:", style="bold red")
+        for e in errors[-10:]:
+            console.print(f"  {e}", highlight=False)
