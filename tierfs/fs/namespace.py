@@ -181,7 +181,7 @@ class Namespace:
         self.register_backing: Callable[[int], int] | None = None
         self.close_backing: Callable[[int], None] | None = None
         #: set by the FUSE session: send an entry invalidation (parent nodeid, name)
-        self.notify_inval_entry: Callable[[int, bytes], None] | None = None
+        self.notify_inval_entry: Callable[..., None] | None = None
         self.entry_timeout = 1.0
         self.attr_timeout = 1.0
 
@@ -262,6 +262,11 @@ class Namespace:
             except OSError:
                 pass
 
+    def writers_of(self, ino: int) -> int:
+        """Open writable handles on backing inode ``ino`` (safe from any thread)."""
+        inode = self._by_ino.get(ino)
+        return inode.writers if inode is not None else 0
+
     def nodeid_hint(self, st: os.stat_result | None) -> int:
         """The node id already assigned to backing object ``st``, or 0."""
         if st is None:
@@ -304,18 +309,20 @@ class Namespace:
         if rel is not None:
             self.events.changed(rel)
 
-    def notify_changed(self, relpath: str | bytes) -> None:
+    def notify_changed(self, relpath: str | bytes, wait: bool = False) -> None:
         """The daemon changed ``relpath`` in the view behind the kernel's back.
 
         Sends an entry invalidation so clients see the change at once. Safe to
-        call from any thread; never blocks.
+        call from any thread. With ``wait`` the call returns only after the
+        kernel processed it: use that from worker threads only, never from
+        the FUSE thread (the kernel takes the parent directory's lock).
         """
         rel = os.fsencode(relpath).strip(b"/")
         parent_rel, _, name = rel.rpartition(b"/")
         if self.notify_inval_entry is None or not name:
             return
         if not parent_rel:
-            self.notify_inval_entry(ROOT_ID, name)
+            self.notify_inval_entry(ROOT_ID, name, wait)
             return
         try:
             st = os.lstat(os.path.join(self._view_prefix, parent_rel))
@@ -323,7 +330,7 @@ class Namespace:
             return
         parent = self._by_ino.get(st.st_ino)
         if parent is not None:
-            self.notify_inval_entry(parent.nodeid, name)
+            self.notify_inval_entry(parent.nodeid, name, wait)
 
     # ------------------------------------------------------------------ attributes
 

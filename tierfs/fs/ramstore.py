@@ -51,7 +51,8 @@ def fs_type(path: str) -> str:
                 if len(fields) < 5:
                     continue
                 mnt = fields[4].replace("\\040", " ")
-                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
                     best, best_type = mnt, right.split()[0]
     except OSError:
         pass
@@ -194,7 +195,7 @@ class RamStore:
         return path
 
     def to_trash(self, path: str) -> str:
-        """Move ``path`` (inside the ram-dir) to ``trash/`` with one rename; returns the new path."""
+        """Move ``path`` (inside the ram-dir) to ``trash/`` with one rename; returns where."""
         dest = os.path.join(self.trash, f"{uuid.uuid4().hex[:12]}-{os.path.basename(path)}")
         os.rename(path, dest)
         return dest

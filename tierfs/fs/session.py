@@ -111,9 +111,7 @@ class MountOptions:
             self.flags |= _FLAG_OPTS[key]
         elif key in _NEGATED:
             self.flags &= ~_FLAG_OPTS[_NEGATED[key]]
-        elif key == "allow_other":
-            self.allow_other = True
-        elif key == "allow_root":
+        elif key in ("allow_other", "allow_root"):
             self.allow_other = True
         elif key == "default_permissions":
             self.default_permissions = True
@@ -195,7 +193,8 @@ class FuseSession:
         self.requests = 0
         self._buf = bytearray(BUFFER_SIZE)
         self._view = memoryview(self._buf)
-        self._notify_q: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._notify_q: queue.SimpleQueue[tuple[bytes, threading.Event | None] | None] = (
+            queue.SimpleQueue())
         self._notify_thread: threading.Thread | None = None
         ns.entry_timeout = options.entry_timeout
         ns.attr_timeout = options.attr_timeout
@@ -264,8 +263,9 @@ class FuseSession:
             except RuntimeError:
                 pass  # not inside trio
             os.close(fd)
-        if self._notify_thread is not None and self._notify_thread is not threading.current_thread():
-            self._notify_thread.join(timeout=2)
+        thread = self._notify_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2)
             self._notify_thread = None
 
     # ------------------------------------------------------------------ passthrough
@@ -293,18 +293,27 @@ class FuseSession:
 
     # ------------------------------------------------------------------ notifications
 
-    def notify_inval_entry(self, parent: int, name: bytes) -> None:
-        """Queue an entry invalidation; thread-safe, returns at once."""
+    def notify_inval_entry(self, parent: int, name: bytes, wait: bool = False) -> None:
+        """Queue an entry invalidation; thread-safe.
+
+        Returns at once, or with ``wait`` once the kernel has processed it (at
+        most 5 s). Never wait on the FUSE thread: the kernel needs the parent
+        directory's lock, which a request we have not answered may hold.
+        """
         body = P.NOTIFY_INVAL_ENTRY.pack(parent, len(name), 0) + name + b"\0"
-        self._notify_q.put(P.OUT_HEADER.pack(P.OUT_HEADER.size + len(body),
-                                             P.Notify.INVAL_ENTRY, 0) + body)
+        msg = P.OUT_HEADER.pack(P.OUT_HEADER.size + len(body), P.Notify.INVAL_ENTRY, 0) + body
+        done = threading.Event() if wait else None
+        self._notify_q.put((msg, done))
+        if done is not None:
+            done.wait(timeout=5)
 
     def _notifier(self, fd: int) -> None:
         try:
             while True:
-                msg = self._notify_q.get()
-                if msg is None:
+                item = self._notify_q.get()
+                if item is None:
                     return
+                msg, done = item
                 try:
                     os.write(fd, msg)
                 except OSError as exc:
@@ -312,6 +321,9 @@ class FuseSession:
                         log.debug("invalidation failed: %s", exc)
                     if exc.errno in (errno.ENODEV, errno.ENOTCONN, errno.EBADF):
                         return
+                finally:
+                    if done is not None:
+                        done.set()
         finally:
             os.close(fd)
 
