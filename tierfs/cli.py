@@ -49,6 +49,27 @@ def _dead_mount(path: str) -> bool:
     return False
 
 
+def pid_running(pid: int) -> bool:
+    """True if process ``pid`` exists and is not a zombie.
+
+    A daemon started by ``tierfs mount`` is re-parented to init, which may be
+    slow to reap it (seconds in some containers); an exited but unreaped
+    daemon must count as gone.
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
 def check_mountpoint(path: str, nonempty_ok: bool) -> None:
     """Validate a mountpoint; clears a dead tierfs mount left by a killed daemon.
 
@@ -88,11 +109,10 @@ def check_ram_dir(path: str) -> None:
         with open(store.pid_file) as f:
             pid = int(f.readline())
             other = f.readline().strip()
-        os.kill(pid, 0)
     except (OSError, ValueError):
         pass
     else:
-        if pid != os.getpid():
+        if pid != os.getpid() and pid_running(pid):
             _fail(f"ram-dir {path} is in use by tierfs daemon pid {pid} (mounted at {other})")
     if not store.on_tmpfs():
         _warn(f"ram-dir {path} is not on tmpfs: checkpoints will be written to disk")
@@ -346,11 +366,9 @@ def unmount(mountpoint: str, lazy: bool, timeout: float) -> None:
     if pid:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except OSError:
+            if not pid_running(pid):
                 return
-            time.sleep(0.05)
+            time.sleep(0.02)
         _fail(f"daemon pid {pid} did not exit within {timeout:.0f}s")
 
 
