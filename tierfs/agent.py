@@ -1,19 +1,222 @@
-"""The node agent: the job state machine of one node (placeholder until sealing lands)."""
+"""The node agent: the job state machine of one node (DESIGN.md "One picture").
+
+It receives namespace events from the FUSE thread, decides with the pure
+policy modules (:mod:`tierfs.control`, :mod:`tierfs.sealing`,
+:mod:`tierfs.tiers.local`) and does the blocking work in worker threads:
+
+* ``replicator.yaml`` arrives (renamed into place or closed after writing):
+  parse it, hide the old client-visible entries, report problems through
+  ``replicator.failed``/``replicator.errors``, delete it, then restore
+  (PROTOCOL.md sections 2 and 4) through a :class:`Cluster`.
+* A seal event (rename into a step name, a closed marker or worker file):
+  hard-link snapshot, manifest with crc32c, retention; tiers are told.
+* A write into a sealed file (reported *before* the handle opens) withdraws
+  that seal at once; the step is sealed again when its writers close.
+* The client renames a restore marker: the step is presented as a real
+  directory afterwards (Orbax's rmtree-based GC cannot delete a symlink).
+
+Concurrency: the ``FsEvents`` callbacks run on the FUSE thread and only touch
+dicts and a memory channel. Everything else runs in trio tasks on the same
+thread (serialized by ``_control_lock`` where it matters) or in worker
+threads through ``trio.to_thread.run_sync`` with a capacity limiter.
+"""
 
 from __future__ import annotations
 
+import collections
 import json
+import logging
+import math
 import os
+import stat
 import time
+import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import trio
 
+from tierfs import control
 from tierfs.config import NodeConfig
-from tierfs.fs.namespace import FsEvents, Namespace, NullEvents
+from tierfs.control import ControlError, JobSpec
+from tierfs.fs import syscalls
+from tierfs.fs.namespace import Namespace
 from tierfs.fs.ramstore import Budget, RamStore
+from tierfs.manifest import CrcCache
+from tierfs.sealing import SealCandidate, SealRules
+from tierfs.tiers.local import SealBusy, Shard, ShardKey, ShardStore, link_tree, retention
+
+log = logging.getLogger(__name__)
 
 STATUS_FILE = b".tierfs/status.json"
+CONTROL_DIR = ".tierfs"
+STATE_VERSION = 1
+DEFAULT_JOB = "default"
+
+
+# ---------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Renamed:
+    old: str
+    new: str
+    mode: int
+
+
+@dataclass(frozen=True)
+class Released:
+    path: str | None
+    ino: int
+
+
+@dataclass(frozen=True)
+class Changed:
+    path: str
+
+
+Event = Renamed | Released | Changed
+
+
+def _top(path: str) -> str:
+    return path.split("/", 1)[0]
+
+
+class AgentEvents:
+    """The agent's :class:`~tierfs.fs.namespace.FsEvents`; runs on the FUSE thread.
+
+    Only dictionary updates and a non-blocking channel send happen here.
+    """
+
+    def __init__(self, agent: NodeAgent) -> None:
+        self.agent = agent
+
+    def opening_for_write(self, ino: int) -> None:
+        self.agent.write_opening(ino)
+
+    def changed(self, relpath: bytes) -> None:
+        path = os.fsdecode(relpath)
+        self.agent.bump(_top(path))
+        self.agent.post(Changed(path))
+
+    def renamed(self, old: bytes, new: bytes, mode: int) -> None:
+        o, n = os.fsdecode(old), os.fsdecode(new)
+        self.agent.bump(_top(o))
+        self.agent.bump(_top(n))
+        self.agent.post(Renamed(o, n, mode))
+
+    def released(self, relpath: bytes | None, ino: int) -> None:
+        path = os.fsdecode(relpath) if relpath is not None else None
+        if path is not None:
+            self.agent.bump(_top(path))
+        self.agent.post(Released(path, ino))
+
+
+class BackingView:
+    """:class:`~tierfs.sealing.ViewProbe` over the view directory on tmpfs."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def _p(self, path: str) -> str:
+        return os.path.join(self.root, path) if path else self.root
+
+    def is_dir(self, path: str) -> bool:
+        try:
+            return stat.S_ISDIR(os.lstat(self._p(path)).st_mode)
+        except OSError:
+            return False
+
+    def exists(self, path: str) -> bool:
+        return os.path.lexists(self._p(path))
+
+    def read_text(self, path: str, limit: int = 256) -> str | None:
+        try:
+            with open(self._p(path), "rb") as f:
+                return f.read(limit).decode(errors="replace")
+        except OSError:
+            return None
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return os.listdir(self._p(path))
+        except OSError:
+            return []
+
+
+# ---------------------------------------------------------------------- cluster
+
+
+@dataclass
+class RestorePlan:
+    """What the cluster decided for this node.
+
+    Attributes:
+        step: the step every node restores, or None for "nothing".
+        backup: the GCS round name when the data comes from the bucket.
+        shard: this node's local shard for ``step`` once fetched.
+        source: where this node's data came from (``local``, ``peer:<rank>``, ``gcs``).
+    """
+
+    step: int | None
+    backup: str | None = None
+    shard: Shard | None = None
+    source: str = "local"
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class Cluster(Protocol):
+    """How a node agrees with the others on what to restore (PROTOCOL.md section 6)."""
+
+    async def plan_restore(self, agent: NodeAgent, job: JobSpec) -> RestorePlan:
+        """Choose the step, fetch what this node lacks, return its plan."""
+
+    async def restore_done(self, agent: NodeAgent, job: JobSpec, plan: RestorePlan) -> None:
+        """Barrier: returns once every node has its data for ``plan.step``."""
+
+
+class LocalCluster:
+    """A one-node cluster: the newest local step whose checksums verify."""
+
+    async def plan_restore(self, agent: NodeAgent, job: JobSpec) -> RestorePlan:
+        for shard in agent.own_shards(job):
+            if await agent.verify_shard(shard):
+                return RestorePlan(shard.key.step, shard=shard, source="local")
+        return RestorePlan(None)
+
+    async def restore_done(self, agent: NodeAgent, job: JobSpec, plan: RestorePlan) -> None:
+        return None
+
+
+class Tier(Protocol):
+    """A tier that follows sealed steps (peer replication, GCS backups)."""
+
+    name: str
+
+    async def run(self, agent: NodeAgent,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None: ...
+
+    def on_sealed(self, shard: Shard) -> None: ...
+
+    def on_withdrawn(self, key: ShardKey) -> None: ...
+
+    def pinned(self) -> set[ShardKey]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+# ---------------------------------------------------------------------- agent
+
+
+@dataclass
+class Published:
+    """A restore marker the agent published and the sibling entry it points at."""
+
+    marker: str
+    sibling: str
+    key: ShardKey
+    entry: str
 
 
 class NodeAgent:
@@ -29,12 +232,40 @@ class NodeAgent:
         self.config = config
         self.store = store
         self.budget = budget
+        self.shards = ShardStore(store)
+        self.view = BackingView(store.view)
         self.ns: Namespace | None = None
         self.started = time.time()
+        self.catalog: dict[ShardKey, Shard] = {}
+        self.sealed_inos: dict[int, ShardKey] = {}
+        self.sealing_inos: dict[int, str] = {}
+        self.dirty_inos: set[int] = set()
+        self.generation: collections.Counter[str] = collections.Counter()
+        self.view_steps: dict[str, ShardKey] = {}
+        self.pending: dict[str, SealCandidate] = {}
+        self.withdrawn_names: dict[str, ShardKey] = {}
+        self.published: dict[str, Published] = {}
+        self.crc_cache: CrcCache = {}
+        self.job: JobSpec | None = None
+        self.mode = "none"
+        self.rules: SealRules | None = None
+        self.restore_state: dict[str, Any] = {"state": "idle"}
+        self.errors: collections.deque[str] = collections.deque(maxlen=50)
+        self.cluster: Cluster = LocalCluster()
+        self.tiers: list[Tier] = []
+        self._send, self._recv = trio.open_memory_channel[Event](math.inf)
+        self._control_lock = trio.Lock()
+        self._seal_limiter = trio.CapacityLimiter(1)
+        self._io_limiter = trio.CapacityLimiter(2)
+        self._nursery: trio.Nursery | None = None
+        self._restore_scope: trio.CancelScope | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
 
-    def fs_events(self) -> FsEvents:
+    # ------------------------------------------------------------------ wiring
+
+    def fs_events(self) -> AgentEvents:
         """The receiver of namespace events."""
-        return NullEvents()
+        return AgentEvents(self)
 
     def virtual_files(self) -> dict[bytes, Callable[[], bytes]]:
         """Daemon-generated files in the mount (relative path -> content generator)."""
@@ -43,17 +274,665 @@ class NodeAgent:
     def attach(self, ns: Namespace) -> None:
         """Bind the namespace and prepare the daemon-managed ``.tierfs/`` directory."""
         self.ns = ns
-        control = os.path.join(self.store.view, ".tierfs")
-        os.makedirs(control, exist_ok=True)
-        os.chmod(control, 0o755)
+        control_dir = os.path.join(self.store.view, CONTROL_DIR)
+        os.makedirs(control_dir, exist_ok=True)
+        os.chmod(control_dir, 0o755)
         path = os.path.join(self.store.view, os.fsdecode(STATUS_FILE))
         if not os.path.exists(path):
             with open(path, "wb") as f:
-                f.write(self.status_json())
+                f.write(b"{}\n")
             os.chmod(path, 0o444)
 
-    def status(self) -> dict[str, object]:
-        """The node's status as plain data (what ``tierfs status`` prints)."""
+    def post(self, event: Event) -> None:
+        """Queue an event for the agent loop (FUSE thread; never blocks)."""
+        try:
+            self._send.send_nowait(event)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+
+    def bump(self, top: str) -> None:
+        """Something under the top-level entry ``top`` changed (FUSE thread)."""
+        self.generation[top] += 1
+
+    def write_opening(self, ino: int) -> None:
+        """A client is about to write inode ``ino`` (FUSE thread, before the open).
+
+        A sealed file withdraws its step's seal at once, so no snapshot, replica
+        or backup ever carries bytes that differ from its manifest.
+        """
+        if ino in self.sealing_inos:
+            self.dirty_inos.add(ino)
+        key = self.sealed_inos.get(ino)
+        if key is not None:
+            self.withdraw(key, "a sealed file was opened for writing")
+
+    # ------------------------------------------------------------------ reporting
+
+    def _notify(self, name: str) -> None:
+        if self.ns is not None:
+            self.ns.notify_changed(name)
+
+    def report_error(self, message: str) -> None:
+        """Append one line to ``replicator.errors`` (recoverable problem) and log it."""
+        job = self.job
+        line = control.error_line(message, job=job.name if job else None,
+                                  rank=job.node_rank if job else None)
+        log.warning("%s", message)
+        self.errors.append(line.strip())
+        try:
+            control.append_line(self.store.view, control.REPLICATOR_ERRORS, line)
+            self._notify(control.REPLICATOR_ERRORS)
+        except OSError as exc:
+            log.error("cannot write replicator.errors: %s", exc)
+
+    def report_failure(self, message: str) -> None:
+        """Append one line to ``replicator.failed`` (and ``.errors``, as MTC does)."""
+        job = self.job
+        line = control.error_line(message, job=job.name if job else None,
+                                  rank=job.node_rank if job else None)
+        log.error("%s", message)
+        self.errors.append(line.strip())
+        for name in (control.REPLICATOR_FAILED, control.REPLICATOR_ERRORS):
+            try:
+                control.append_line(self.store.view, name, line)
+                self._notify(name)
+            except OSError as exc:
+                log.error("cannot write %s: %s", name, exc)
+
+    # ------------------------------------------------------------------ catalog
+
+    def own_shards(self, job: JobSpec) -> list[Shard]:
+        """This node's shards of ``job``, newest step first."""
+        return sorted((s for k, s in self.catalog.items()
+                       if k.job == job.name and k.rank == job.node_rank),
+                      key=lambda s: s.key.step, reverse=True)
+
+    def shards_of(self, job: str) -> list[Shard]:
+        """Every shard of ``job`` held here (own and replicas)."""
+        return [s for k, s in self.catalog.items() if k.job == job]
+
+    def add_shard(self, shard: Shard) -> None:
+        """Register a committed shard (trio thread)."""
+        old = self.catalog.get(shard.key)
+        if old is not None:
+            self._forget_inodes(old)
+        self.catalog[shard.key] = shard
+        for ino in shard.inodes:
+            self.sealed_inos[ino] = shard.key
+
+    def _forget_inodes(self, shard: Shard) -> None:
+        for ino in shard.inodes:
+            if self.sealed_inos.get(ino) == shard.key:
+                del self.sealed_inos[ino]
+
+    def drop_shard(self, key: ShardKey, reason: str) -> None:
+        """Remove a shard from the catalog and the store (trio thread; one rename)."""
+        shard = self.catalog.pop(key, None)
+        if shard is None:
+            return
+        log.info("dropping shard %s: %s", key, reason)
+        self._forget_inodes(shard)
+        try:
+            self.shards.remove(shard)
+        except OSError as exc:
+            log.warning("removing %s: %s", shard.path, exc)
+        for tier in self.tiers:
+            tier.on_withdrawn(key)
+
+    def withdraw(self, key: ShardKey, reason: str) -> None:
+        """Withdraw a seal: the snapshot no longer matches the client's bytes."""
+        names = [n for n, k in self.view_steps.items() if k == key]
+        self.drop_shard(key, reason)
+        for name in names:
+            self.withdrawn_names[name] = key
+
+    async def verify_shard(self, shard: Shard) -> bool:
+        """Re-check a shard's checksums in a worker thread; a bad copy is dropped."""
+        async with self._io_limiter:
+            problems = await trio.to_thread.run_sync(self.shards.verify, shard)
+        if problems:
+            self.report_error(f"step {shard.key.step} of rank {shard.key.rank} failed "
+                              f"verification ({problems[0]}; {len(problems)} problem(s)); "
+                              "copy discarded")
+            self.drop_shard(shard.key, "checksum mismatch")
+            return False
+        return True
+
+    # ------------------------------------------------------------------ job
+
+    def _set_job(self, job: JobSpec | None, mode: str) -> None:
+        self.job = job
+        self.mode = mode if job else "none"
+        if job is None:
+            self.rules = None
+            return
+        self.rules = SealRules(job.framework, job.name, job.node_rank, job.workers_per_node,
+                               self.config.seal_patterns)
+
+    def _generic_job(self) -> JobSpec:
+        c = self.config
+        return JobSpec(name=c.job or DEFAULT_JOB, framework=control.GENERIC,
+                       node_rank=c.node_rank, nodes=c.nodes,
+                       peer_ranks=tuple(c.peer_ranks) if c.peer_ranks is not None else None,
+                       peers_per_node=c.peers_per_node,
+                       assume_data_parallelism=c.assume_data_parallelism,
+                       backup_interval_minutes=c.backup_interval_minutes,
+                       backup_interval_steps=c.backup_interval_steps)
+
+    def _save_state(self) -> None:
+        state = {
+            "version": STATE_VERSION,
+            "mode": self.mode,
+            "job": self.job.to_dict() if self.job else None,
+            "view_steps": {n: [k.job, k.rank, k.step] for n, k in self.view_steps.items()},
+            "published": {m: [p.sibling, p.key.job, p.key.rank, p.key.step, p.entry]
+                          for m, p in self.published.items()},
+            "restore": self.restore_state,
+        }
+        control.atomic_write(self.store.store, "state.json",
+                             json.dumps(state, indent=1, sort_keys=True).encode(), 0o600)
+
+    def _load_state(self) -> None:
+        try:
+            with open(self.store.state_file, encoding="utf-8") as f:
+                state = json.load(f)
+        except (OSError, ValueError):
+            state = {}
+        job = state.get("job")
+        if job and state.get("mode") == "protocol":
+            try:
+                self._set_job(JobSpec.from_dict(job), "protocol")
+            except (KeyError, TypeError, ValueError):
+                self._set_job(None, "none")
+        self.view_steps = {n: ShardKey(j, int(r), int(s))
+                           for n, (j, r, s) in state.get("view_steps", {}).items()
+                           if os.path.lexists(os.path.join(self.store.view, n))}
+        for m, (sib, j, r, s, entry) in state.get("published", {}).items():
+            self.published[m] = Published(m, sib, ShardKey(j, int(r), int(s)), entry)
+        self.restore_state = state.get("restore", {"state": "idle"})
+
+    # ------------------------------------------------------------------ main loop
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Load state, start tiers, then process events until cancelled."""
+        self._token = trio.lowlevel.current_trio_token()
+        catalog = await trio.to_thread.run_sync(self.shards.load)
+        for shard in catalog.values():
+            self.add_shard(shard)
+        self._load_state()
+        if self.job is None:
+            self._set_job(self._generic_job(), "generic")
+        await trio.to_thread.run_sync(self._write_jax_init_info)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for tier in self.tiers:
+                await nursery.start(tier.run, self)
+            nursery.start_soon(self._housekeeping)
+            nursery.start_soon(self._reconcile)
+            if self.mode == "generic" and self.job is not None and self.job.nodes > 1:
+                self._spawn(self._generic_restore, self.job)
+            task_status.started()
+            async for event in self._recv:
+                try:
+                    await self._handle(event)
+                except Exception:
+                    log.exception("handling %s failed", event)
+
+    async def shutdown(self) -> None:
+        """Persist state before the daemon exits."""
+        self._send.close()
+        try:
+            self._save_state()
+        except OSError:
+            log.exception("saving state")
+
+    def _write_jax_init_info(self) -> None:
+        c = self.config
+        if c.process_id is None or not c.jax_coordinator:
+            return
+        control.atomic_write(self.store.view, control.JAX_INIT_INFO,
+                             control.jax_init_info_text(c.process_id, c.jax_coordinator).encode())
+        self._notify(control.JAX_INIT_INFO)
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await trio.sleep(2.0)
+            await trio.to_thread.run_sync(self.store.empty_trash)
+            for name in list(self.pending):
+                self._schedule_seal(self.pending[name])
+
+    async def _reconcile(self) -> None:
+        """Seal complete steps that are in the view but not sealed (daemon restart)."""
+        if self.rules is None or self.job is None:
+            return
+        candidates = await trio.to_thread.run_sync(self.rules.scan, self.view)
+        job = self.job
+        for cand in candidates:
+            key = ShardKey(job.name, job.node_rank, cand.step)
+            if key in self.catalog and self.catalog[key].manifest.name == cand.name:
+                self.view_steps.setdefault(cand.name, key)
+                continue
+            self._schedule_seal(cand)
+
+    async def _handle(self, event: Event) -> None:
+        if isinstance(event, Renamed):
+            await self._on_renamed(event)
+        elif isinstance(event, Released):
+            await self._on_released(event)
+        elif isinstance(event, Changed):
+            await self._on_changed(event)
+
+    async def _on_renamed(self, ev: Renamed) -> None:
+        if ev.new == control.REPLICATOR_YAML:
+            self._start_control()
+            return
+        pub = self.published.get(ev.old)
+        if pub is not None and stat.S_ISLNK(ev.mode) and "/" not in ev.new:
+            del self.published[ev.old]
+            self._spawn(self._materialize, ev.new, pub)
+            return
+        old_top, new_top = _top(ev.old), _top(ev.new)
+        if ev.old == old_top and old_top in self.view_steps and ev.new == new_top:
+            self.view_steps[new_top] = self.view_steps.pop(old_top)
+        if self.rules is not None:
+            cand = self.rules.on_rename(ev.old, ev.new, stat.S_ISDIR(ev.mode),
+                                        stat.S_ISLNK(ev.mode), self.view)
+            if cand is not None:
+                self._schedule_seal(cand)
+        self._retry_pending(new_top)
+
+    async def _on_released(self, ev: Released) -> None:
+        if ev.path is None:
+            return
+        if ev.path == control.REPLICATOR_YAML:
+            self._start_control()
+            return
+        if self.rules is not None:
+            cand = self.rules.on_release(ev.path, self.view)
+            if cand is not None:
+                self._schedule_seal(cand)
+        self._retry_pending(_top(ev.path))
+
+    async def _on_changed(self, ev: Changed) -> None:
+        top = _top(ev.path)
+        if ev.path == top and not self.view.exists(top):
+            self.view_steps.pop(top, None)
+            self.pending.pop(top, None)
+            if self.rules is not None:
+                cand = self.rules.on_remove(top, self.view)
+                if cand is not None:
+                    self._schedule_seal(cand)
+        elif (top in self.view_steps and self.rules is not None
+              and self.view.exists(ev.path)):
+            # a file added to or changed in a sealed step: seal it again (a
+            # removal leaves the snapshot as it is: the client may delete freely)
+            key = self.view_steps[top]
+            self.pending[top] = SealCandidate(key.step, top, self._entries_of(key, top),
+                                              "changed after seal")
+
+    def _entries_of(self, key: ShardKey, top: str) -> tuple[str, ...]:
+        shard = self.catalog.get(key)
+        if shard is not None and shard.manifest.name == top:
+            return tuple(shard.manifest.top_level)
+        return (top,)
+
+    def _retry_pending(self, top: str) -> None:
+        for cand in list(self.pending.values()):
+            if top in {_top(e) for e in cand.entries}:
+                self._schedule_seal(cand)
+        if top in self.withdrawn_names and top not in self.pending:
+            key = self.withdrawn_names[top]
+            self.pending[top] = SealCandidate(key.step, top, (top,), "re-seal after write")
+            self._schedule_seal(self.pending[top])
+
+    def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` as a task whose failure is logged, never fatal to the daemon."""
+        if self._nursery is not None:
+            self._nursery.start_soon(self._guarded, fn, args, name=getattr(fn, "__name__", fn))
+
+    async def _guarded(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            await fn(*args)
+        except Exception as exc:
+            log.exception("%s failed", getattr(fn, "__name__", fn))
+            self.errors.append(f"internal error in {getattr(fn, '__name__', fn)}: {exc}")
+
+    # ------------------------------------------------------------------ sealing
+
+    def _schedule_seal(self, cand: SealCandidate) -> None:
+        self.pending[cand.name] = cand
+        self._spawn(self._seal, cand)
+
+    async def _seal(self, cand: SealCandidate) -> None:
+        job = self.job
+        if job is None or self.pending.get(cand.name) is not cand:
+            return
+        key = ShardKey(job.name, job.node_rank, cand.step)
+        tops = {_top(e) for e in cand.entries}
+        async with self._seal_limiter:
+            if self.pending.get(cand.name) is not cand or self.job is not job:
+                return
+            gens = {t: self.generation[t] for t in tops}
+            ns = self.ns
+            writers = ns.writers_of if ns is not None else None
+            token = uuid.uuid4().hex
+
+            def work() -> Shard:
+                return self.shards.snapshot(
+                    self.store.view, key, cand.name, cand.entries, job.framework,
+                    cache=self.crc_cache, writers=writers,
+                    cancelled=lambda: any(self.generation[t] != gens[t] for t in tops),
+                    on_inodes=lambda inos: self._mark_sealing(inos, token))
+
+            try:
+                shard = await trio.to_thread.run_sync(work)
+            except SealBusy:
+                log.info("step %d (%s): files still open for writing; sealing when closed",
+                         cand.step, cand.name)
+                return
+            except (OSError, InterruptedError) as exc:
+                log.info("step %d (%s): seal retried later: %s", cand.step, cand.name, exc)
+                return
+            finally:
+                self._unmark_sealing(token)
+            changed = any(self.generation[t] != gens[t] for t in tops)
+            dirty = bool(shard.inodes & self.dirty_inos)
+            busy = writers is not None and any(writers(i) for i in shard.inodes)
+            self.dirty_inos -= shard.inodes
+            if changed or dirty or busy or self.job is not job:
+                self.shards.remove(shard)
+                log.info("step %d (%s) changed while sealing; will seal again", cand.step,
+                         cand.name)
+                return
+            if self.pending.get(cand.name) is cand:
+                del self.pending[cand.name]
+            self.withdrawn_names.pop(cand.name, None)
+            self.add_shard(shard)
+            self.view_steps[cand.name] = key
+            log.info("sealed step %d (%s, %d files, %d bytes): %s", key.step, cand.name,
+                     len(shard.manifest.files), shard.bytes, cand.reason)
+            for tier in self.tiers:
+                tier.on_sealed(shard)
+            await self._apply_retention()
+            self._save_state()
+
+    def _mark_sealing(self, inos: set[int], token: str) -> None:
+        for ino in inos:
+            self.sealing_inos[ino] = token
+
+    def _unmark_sealing(self, token: str) -> None:
+        for ino in [i for i, t in self.sealing_inos.items() if t == token]:
+            del self.sealing_inos[ino]
+
+    def pinned(self) -> set[ShardKey]:
+        """Shards some tier still needs, plus the ones a published marker points at."""
+        keep = {p.key for p in self.published.values()}
+        for tier in self.tiers:
+            keep |= tier.pinned()
+        return keep
+
+    async def _apply_retention(self) -> None:
+        drop = retention(self.catalog, self.config.keep_local, self.pinned())
+        if not drop:
+            return
+        hide: list[str] = []
+        for key in drop:
+            if self.mode == "protocol" and self.job and key.rank == self.job.node_rank:
+                hide += [n for n, k in self.view_steps.items() if k == key]
+            self.drop_shard(key, f"retention (keep {self.config.keep_local})")
+        for name in hide:
+            self.view_steps.pop(name, None)
+            await trio.to_thread.run_sync(self._hide, name)
+
+    def _hide(self, name: str) -> None:
+        path = os.path.join(self.store.view, name)
+        if os.path.lexists(path):
+            try:
+                self.store.to_trash(path)
+            except OSError as exc:
+                log.warning("hiding %s: %s", name, exc)
+            self._notify(name)
+
+    # ------------------------------------------------------------------ control file
+
+    def _start_control(self) -> None:
+        if self._restore_scope is not None:
+            self._restore_scope.cancel()
+        self._spawn(self._consume_control)
+
+    async def _consume_control(self) -> None:
+        async with self._control_lock:
+            path = os.path.join(self.store.view, control.REPLICATOR_YAML)
+            try:
+                text = await trio.to_thread.run_sync(_read_text, path)
+            except FileNotFoundError:
+                return
+            except OSError as exc:
+                text = ""
+                log.warning("reading replicator.yaml: %s", exc)
+            try:
+                job = control.parse_replicator_yaml(text)
+            except ControlError as exc:
+                await trio.to_thread.run_sync(self._clear_error_files)
+                self.report_failure(str(exc))
+                await trio.to_thread.run_sync(self._delete_control)
+                return
+            if job is None:
+                log.info("empty replicator.yaml: reset")
+                self._set_job(self._generic_job(), "generic")
+                self.published.clear()
+                self.restore_state = {"state": "idle"}
+                await trio.to_thread.run_sync(self._delete_control)
+                self._save_state()
+                return
+            restarted = self.mode == "protocol"
+            log.info("replicator.yaml: job %s rank %d/%d framework %s%s", job.name,
+                     job.node_rank, job.nodes, job.framework, " (job restarted)"
+                     if restarted else "")
+            self._set_job(job, "protocol")
+            self.pending.clear()
+            self.published.clear()
+            self.restore_state = {"state": "cleanup", "since": time.time()}
+            await trio.to_thread.run_sync(self._cleanup_view)
+            for warning in job.warnings:
+                self.report_error(warning)
+            self._save_state()
+            await trio.to_thread.run_sync(self._delete_control)
+            self._spawn(self._restore, job)
+
+    def _clear_error_files(self) -> None:
+        for name in (control.REPLICATOR_FAILED, control.REPLICATOR_ERRORS):
+            self._hide(name)
+
+    def _delete_control(self) -> None:
+        try:
+            os.unlink(os.path.join(self.store.view, control.REPLICATOR_YAML))
+        except FileNotFoundError:
+            pass
+        self._notify(control.REPLICATOR_YAML)
+
+    def _cleanup_view(self) -> None:
+        """Hide every client-visible entry but the control files (PROTOCOL.md section 2).
+
+        Sealed data stays in the store; the entries only leave the client's view.
+        """
+        for name in os.listdir(self.store.view):
+            if name in control.KEPT_ON_CLEANUP:
+                continue
+            self.view_steps.pop(name, None)
+            self._hide(name)
+
+    # ------------------------------------------------------------------ restore
+
+    async def _restore(self, job: JobSpec) -> None:
+        with trio.CancelScope() as scope:
+            self._restore_scope = scope
+            try:
+                await self._restore_inner(job)
+            except Exception as exc:
+                log.exception("restore failed")
+                self.report_failure(f"restore failed: {exc}")
+                self.restore_state = {"state": "failed", "error": str(exc)}
+            finally:
+                if self._restore_scope is scope:
+                    self._restore_scope = None
+                self._save_state()
+
+    async def _restore_inner(self, job: JobSpec) -> None:
+        self.restore_state = {"state": "planning", "since": time.time()}
+        plan = await self.cluster.plan_restore(self, job)
+        step = plan.step or None
+        await trio.to_thread.run_sync(
+            self._write_file, control.REPLICATOR_PRERESTORE,
+            control.prerestore_text(step, plan.backup).encode())
+        self.restore_state = {"state": "barrier", "step": step, "source": plan.source,
+                              "since": time.time()}
+        await self.cluster.restore_done(self, job, plan)
+        if step is None or plan.shard is None:
+            await trio.to_thread.run_sync(
+                self._write_file, control.marker_name(job.name, 0, job.node_rank, 0), b"")
+            self.restore_state = {"state": "done", "step": None, "at": time.time()}
+            log.info("nothing to restore: published the empty s0 marker")
+            return
+        await trio.to_thread.run_sync(self._publish, job, plan.shard)
+        self.restore_state = {"state": "done", "step": step, "source": plan.source,
+                              "backup": plan.backup, "at": time.time()}
+        log.info("restore of step %d published (%s)", step, plan.source)
+
+    async def _generic_restore(self, job: JobSpec) -> None:
+        """Generic mode after a node loss: bring the agreed step back under its own names.
+
+        Frameworks that resume by listing their directory (HF Trainer,
+        Lightning, Megatron) then find ``checkpoint-<N>/``, ``iter_<N>/`` and
+        their tracker files as they left them.
+        """
+        self.restore_state = {"state": "planning", "since": time.time()}
+        plan = await self.cluster.plan_restore(self, job)
+        await self.cluster.restore_done(self, job, plan)
+        if plan.shard is None:
+            self.restore_state = {"state": "done", "step": None, "at": time.time()}
+            return
+        shard = plan.shard
+
+        def work() -> list[str]:
+            missing = [e for e in shard.manifest.top_level if not self.view.exists(e)]
+            if not missing:
+                return []
+            created = []
+            for entry in missing:
+                link_tree(os.path.join(shard.data, entry), os.path.join(self.store.view, entry))
+                created.append(entry)
+                self._notify(entry)
+            return created
+
+        created = await trio.to_thread.run_sync(work)
+        self.view_steps[shard.manifest.name] = shard.key
+        self.restore_state = {"state": "done", "step": shard.key.step, "source": plan.source,
+                              "backup": plan.backup, "at": time.time(), "created": created}
+        if created:
+            log.info("generic restore: step %d back in the view as %s (%s)", shard.key.step,
+                     ", ".join(created), plan.source)
+        self._save_state()
+
+    def _write_file(self, name: str, data: bytes) -> None:
+        control.atomic_write(self.store.view, name, data)
+        self._notify(name)
+
+    def _publish(self, job: JobSpec, shard: Shard) -> None:
+        """Link the shard into the view under sibling names and publish the markers."""
+        step = shard.key.step
+        for clash in (str(step), f"step={step}"):
+            self._hide(clash)
+        entries = shard.manifest.top_level
+        if job.framework == "pytorch":
+            workers = [(int(control.SAVE_FILE_RE.match(e)["worker"]), e)  # type: ignore[index]
+                       for e in entries if control.SAVE_FILE_RE.match(e)]
+        else:
+            workers = [(0, shard.manifest.name)]
+        for worker, entry in workers:
+            marker = control.marker_name(job.name, step, job.node_rank, worker)
+            sibling = f".{job.name}-s{step}-n{job.node_rank}-w{worker}.data"
+            for name in (sibling, marker):
+                self._hide(name)
+            link_tree(os.path.join(shard.data, entry), os.path.join(self.store.view, sibling))
+            self.published[marker] = Published(marker, sibling, shard.key, entry)
+            tmp = f".{marker}.tierfs-tmp"
+            os.symlink(sibling, os.path.join(self.store.view, tmp))
+            os.rename(os.path.join(self.store.view, tmp),
+                      os.path.join(self.store.view, marker))
+            self._notify(sibling)
+            self._notify(marker)
+
+    async def _materialize(self, name: str, pub: Published) -> None:
+        """After the client renamed a marker to ``name``: make ``name`` a real entry.
+
+        The symlink and the real entry are swapped with RENAME_EXCHANGE while
+        the sibling stays valid, the kernel's cached entry is invalidated
+        (waiting for it), and only then is the sibling removed; a client that
+        resolves ``name`` at any moment reaches the same bytes.
+        """
+        view = self.store.view
+        shard = self.catalog.get(pub.key)
+
+        def work() -> bool:
+            path = os.path.join(view, name)
+            try:
+                if os.readlink(path) != pub.sibling:
+                    return False
+            except OSError:
+                return False
+            tmp = f".tierfs-mat-{uuid.uuid4().hex[:8]}"
+            source = os.path.join(shard.data, pub.entry) if shard else os.path.join(
+                view, pub.sibling)
+            link_tree(source, os.path.join(view, tmp))
+            fd = os.open(view, os.O_PATH | os.O_DIRECTORY)
+            try:
+                syscalls.renameat2(fd, name.encode(), fd, tmp.encode(), 2)  # RENAME_EXCHANGE
+            finally:
+                os.close(fd)
+            if self.ns is not None:
+                self.ns.notify_changed(name, wait=True)
+            os.unlink(os.path.join(view, tmp))
+            self._hide(pub.sibling)
+            return True
+
+        if await trio.to_thread.run_sync(work):
+            self.view_steps[name] = pub.key
+            log.info("restored step %d presented as %s", pub.key.step, name)
+        self._save_state()
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict[str, Any]:
+        """The node's status as plain data (``tierfs status``, ``.tierfs/status.json``)."""
+        job = self.job
+        steps: dict[int, dict[str, Any]] = {}
+        names = {k: n for n, k in self.view_steps.items()}
+        if job is not None:
+            for cand in self.pending.values():
+                steps[cand.step] = {"step": cand.step, "name": cand.name, "state": "writing",
+                                    "bytes": 0, "where": []}
+            for shard in self.own_shards(job):
+                steps[shard.key.step] = {
+                    "step": shard.key.step,
+                    "name": names.get(shard.key, shard.manifest.name),
+                    "state": "verified" if shard.verified else "sealed",
+                    "bytes": shard.bytes,
+                    "files": len(shard.manifest.files),
+                    "where": ["local"],
+                    "visible": shard.key in names,
+                }
+        for tier in self.tiers:
+            for s in tier.status().get("steps", []):
+                entry = steps.get(s["step"])
+                if entry is not None:
+                    entry["where"] = sorted(set(entry["where"]) | set(s.get("where", [])))
+                    if s.get("state"):
+                        entry["state"] = s["state"]
+        replicas = [{"job": k.job, "rank": k.rank, "step": k.step, "bytes": s.bytes}
+                    for k, s in sorted(self.catalog.items())
+                    if job is None or k.rank != job.node_rank or k.job != job.name]
         return {
             "mountpoint": os.path.abspath(self.config.mountpoint),
             "ram_dir": self.store.root,
@@ -62,19 +941,21 @@ class NodeAgent:
             "budget": {"mode": self.budget.mode, "total_bytes": self.budget.size,
                        "used_bytes": self.budget.used(), "free_bytes": self.budget.free()},
             "passthrough": bool(self.ns and self.ns.passthrough),
-            "job": None,
-            "steps": [],
-            "errors": [],
+            "mode": self.mode,
+            "job": ({"name": job.name, "framework": job.framework, "node_rank": job.node_rank,
+                     "nodes": job.nodes, "state": self.restore_state.get("state")}
+                    if job else None),
+            "restore": self.restore_state,
+            "steps": [steps[s] for s in sorted(steps, reverse=True)],
+            "replicas": replicas,
+            "tiers": {t.name: t.status() for t in self.tiers},
+            "errors": list(self.errors),
         }
 
     def status_json(self) -> bytes:
-        return (json.dumps(self.status(), indent=2, sort_keys=True) + "\n").encode()
+        return (json.dumps(self.status(), indent=2, sort_keys=True, default=str) + "\n").encode()
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-                  ) -> None:
-        """Run until cancelled."""
-        task_status.started()
-        await trio.sleep_forever()
 
-    async def shutdown(self) -> None:
-        """Persist state before the daemon exits."""
+def _read_text(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read(1 << 20)

@@ -94,11 +94,13 @@ class NodeDaemon:
 
     def _build(self) -> None:
         from tierfs.agent import NodeAgent  # the agent imports the tiers; keep startup lazy
+        from tierfs.tiers import attach_tiers
 
         self.store.clear_incoming()
         used = self.store.usage()
         self.budget = Budget(self.store.root, self.config.size, used)
         self.agent = NodeAgent(self.config, self.store, self.budget)
+        attach_tiers(self.agent)
         self.ns = Namespace(
             self.store.view, self.budget, events=self.agent.fs_events(),
             reserved=frozenset({CONTROL_DIR.encode()}),

@@ -1,0 +1,291 @@
+"""The control protocol of GKE multi-tier checkpointing, as files in the mount root.
+
+Everything here is pure or does one small atomic file operation, so it can be
+unit-tested without a mount. The contract is PROTOCOL.md (sections 1, 2, 4,
+5) and what the real clients do (docs/CLIENTS.md): Orbax's
+``initialize_multi_tier_checkpointing``/``ReplicatorCheckpointManager`` and
+the NeMo helper ``high_scale_ckpt_utils.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import string
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+REPLICATOR_YAML = "replicator.yaml"
+REPLICATOR_ERRORS = "replicator.errors"
+REPLICATOR_FAILED = "replicator.failed"
+REPLICATOR_PRERESTORE = "replicator.prerestore"
+JAX_INIT_INFO = "jax-init-info.txt"
+#: entries that survive the cleanup done when a new replicator.yaml arrives
+KEPT_ON_CLEANUP = frozenset({REPLICATOR_YAML, JAX_INIT_INFO, ".tierfs"})
+
+FRAMEWORKS = ("orbax", "pytorch.distributed", "pytorch")
+#: framework name of generic mode (no control file; seal rules from the config)
+GENERIC = "generic"
+
+KNOWN_KEYS = frozenset({
+    "job-name", "framework", "node-rank", "nodes", "peer-ranks", "peers-per-node",
+    "assume-data-parallelism", "backup-interval-minutes", "backup-interval-steps",
+    "workers-per-node", "master-port",
+})
+
+MARKER_RE = re.compile(r"^(?P<job>.+)-s(?P<step>\d+)-n(?P<node>\d+)-w(?P<worker>\d+)\.restore$")
+SAVE_FILE_RE = re.compile(r"^(?P<job>.+)-s(?P<step>\d+)-n(?P<node>\d+)-w(?P<worker>\d+)\.save$")
+
+
+class ControlError(ValueError):
+    """A ``replicator.yaml`` the node cannot act on; the message is one line for
+    ``replicator.failed``."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A job as ``replicator.yaml`` (or generic-mode flags) describes it.
+
+    Attributes:
+        name: ``job-name``; prefix of marker names and the job's bucket directory.
+        framework: ``orbax``, ``pytorch.distributed``, ``pytorch`` or ``generic``.
+        node_rank: 0 <= rank < nodes, stable across restarts.
+        nodes: number of nodes.
+        peer_ranks: explicit receivers of this node's steps, or None.
+        peers_per_node: number of receivers when ranks are not given.
+        assume_data_parallelism: D for a D x (nodes/D) grid with identical columns.
+        backup_interval_minutes, backup_interval_steps: GCS backup period.
+        workers_per_node: ``w`` indices (``pytorch`` framework only).
+        master_port: coordinator port hint.
+        warnings: one line per unknown key (for ``replicator.errors``).
+    """
+
+    name: str
+    framework: str
+    node_rank: int
+    nodes: int
+    peer_ranks: tuple[int, ...] | None = None
+    peers_per_node: int = 0
+    assume_data_parallelism: int | None = None
+    backup_interval_minutes: float | None = None
+    backup_interval_steps: int | None = None
+    workers_per_node: int = 1
+    master_port: int = 4242
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "framework": self.framework, "node_rank": self.node_rank,
+            "nodes": self.nodes,
+            "peer_ranks": list(self.peer_ranks) if self.peer_ranks is not None else None,
+            "peers_per_node": self.peers_per_node,
+            "assume_data_parallelism": self.assume_data_parallelism,
+            "backup_interval_minutes": self.backup_interval_minutes,
+            "backup_interval_steps": self.backup_interval_steps,
+            "workers_per_node": self.workers_per_node, "master_port": self.master_port,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> JobSpec:
+        pr = d.get("peer_ranks")
+        return cls(
+            name=d["name"], framework=d["framework"], node_rank=int(d["node_rank"]),
+            nodes=int(d["nodes"]), peer_ranks=tuple(pr) if pr is not None else None,
+            peers_per_node=int(d.get("peers_per_node") or 0),
+            assume_data_parallelism=d.get("assume_data_parallelism"),
+            backup_interval_minutes=d.get("backup_interval_minutes"),
+            backup_interval_steps=d.get("backup_interval_steps"),
+            workers_per_node=int(d.get("workers_per_node") or 1),
+            master_port=int(d.get("master_port") or 4242),
+        )
+
+
+def expand_vars(value: Any, env: dict[str, str]) -> Any:
+    """Expand ``$VAR``/``${VAR}`` in strings (recursively in lists); unknown vars stay as is."""
+    if isinstance(value, str):
+        return string.Template(value).safe_substitute(env)
+    if isinstance(value, list):
+        return [expand_vars(v, env) for v in value]
+    return value
+
+
+def _as_int(key: str, value: Any, minimum: int = 0) -> int:
+    if isinstance(value, bool):
+        raise ControlError(f"{key} must be an integer, got {value!r}")
+    integral_float = isinstance(value, float) and value.is_integer()
+    integral_str = isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value)
+    if isinstance(value, int) or integral_float or integral_str:
+        result = int(value)
+    else:
+        raise ControlError(f"{key} must be an integer, got {value!r}")
+    if result < minimum:
+        raise ControlError(f"{key} must be >= {minimum}, got {result}")
+    return result
+
+
+def _as_number(key: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise ControlError(f"{key} must be a number, got {value!r}")
+    try:
+        result = float(value)
+    except (TypeError, ValueError):
+        raise ControlError(f"{key} must be a number, got {value!r}") from None
+    if not result > 0:
+        raise ControlError(f"{key} must be > 0, got {value!r}")
+    return result
+
+
+def parse_replicator_yaml(text: str, env: dict[str, str] | None = None) -> JobSpec | None:
+    """Parse the content of ``replicator.yaml``.
+
+    Accepts what Orbax writes (flow lists, no trailing newline) and what the
+    NeMo helper writes (block style); ``$VAR`` references are expanded from
+    ``env``; integers may arrive as strings. If both ``peer-ranks`` and
+    ``peers-per-node`` are given, the explicit ranks win (the NeMo helper
+    sends both; docs/CLIENTS.md section 4).
+
+    Returns:
+        The job, or None for an empty file (PROTOCOL.md section 2: reset).
+
+    Raises:
+        ControlError: bad YAML, not a mapping, missing key, unknown framework,
+            rank outside [0, nodes), negative or non-integer numbers.
+    """
+    if not text.strip():
+        return None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        detail = str(exc).replace("\n", " ")
+        raise ControlError(f"replicator.yaml is not valid YAML: {detail}") from None
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ControlError(f"replicator.yaml must be a mapping, got {type(raw).__name__}")
+    env = dict(os.environ if env is None else env)
+    data = {str(k): expand_vars(v, env) for k, v in raw.items()}
+    for key in ("job-name", "framework", "node-rank", "nodes"):
+        if key not in data or data[key] is None or data[key] == "":
+            raise ControlError(f"replicator.yaml is missing required key {key!r}")
+    name = str(data["job-name"]).strip()
+    if not name or "/" in name or name in (".", ".."):
+        raise ControlError(f"job-name {data['job-name']!r} is not a valid name")
+    framework = str(data["framework"]).strip()
+    if framework not in FRAMEWORKS:
+        raise ControlError(f"unknown framework {framework!r} (expected one of "
+                           f"{', '.join(FRAMEWORKS)})")
+    nodes = _as_int("nodes", data["nodes"], minimum=1)
+    rank = _as_int("node-rank", data["node-rank"])
+    if rank >= nodes:
+        raise ControlError(f"node-rank {rank} must be < nodes {nodes}")
+    peer_ranks: tuple[int, ...] | None = None
+    if data.get("peer-ranks") is not None:
+        pr = data["peer-ranks"]
+        if isinstance(pr, str | int) and not isinstance(pr, bool):
+            pr = [p for p in re.split(r"[,\s\[\]]+", str(pr)) if p]
+        if not isinstance(pr, list):
+            raise ControlError(f"peer-ranks must be a list, got {pr!r}")
+        ranks = [_as_int("peer-ranks", p) for p in pr]
+        for p in ranks:
+            if p >= nodes:
+                raise ControlError(f"peer rank {p} must be < nodes {nodes}")
+        peer_ranks = tuple(dict.fromkeys(p for p in ranks if p != rank))
+    ppn = data.get("peers-per-node")
+    peers_per_node = _as_int("peers-per-node", ppn) if ppn is not None else (
+        len(peer_ranks) if peer_ranks is not None else 0)
+    dp = data.get("assume-data-parallelism")
+    assume_dp = None
+    if dp is not None:
+        assume_dp = _as_int("assume-data-parallelism", dp, minimum=1)
+        if nodes % assume_dp:
+            raise ControlError(f"assume-data-parallelism {assume_dp} must divide nodes {nodes}")
+    minutes = data.get("backup-interval-minutes")
+    steps = data.get("backup-interval-steps")
+    workers = _as_int("workers-per-node", data.get("workers-per-node", 1), minimum=1)
+    port = _as_int("master-port", data.get("master-port", 4242), minimum=1)
+    if port > 65535:
+        raise ControlError(f"master-port {port} is out of range")
+    warnings = tuple(f"replicator.yaml: unknown key {k!r} ignored"
+                     for k in data if k not in KNOWN_KEYS)
+    return JobSpec(
+        name=name, framework=framework, node_rank=rank, nodes=nodes, peer_ranks=peer_ranks,
+        peers_per_node=peers_per_node, assume_data_parallelism=assume_dp,
+        backup_interval_minutes=_as_number("backup-interval-minutes", minutes)
+        if minutes is not None else None,
+        backup_interval_steps=_as_int("backup-interval-steps", steps, minimum=1)
+        if steps is not None else None,
+        workers_per_node=workers, master_port=port, warnings=warnings)
+
+
+def marker_name(job: str, step: int, node: int, worker: int = 0) -> str:
+    """``<job>-s<step>-n<node>-w<worker>.restore`` (PROTOCOL.md section 4)."""
+    return f"{job}-s{step}-n{node}-w{worker}.restore"
+
+
+def parse_marker(name: str) -> tuple[str, int, int, int] | None:
+    """(job, step, node, worker) of a marker name, or None."""
+    m = MARKER_RE.match(name)
+    if not m:
+        return None
+    return m["job"], int(m["step"]), int(m["node"]), int(m["worker"])
+
+
+def prerestore_text(step: int | None, backup: str | None = None) -> str:
+    """Content of ``replicator.prerestore``: a YAML mapping with sorted keys, never empty.
+
+    ``{}`` when there is nothing to restore (step None or 0); ``restore-backup``
+    names the GCS round when the data comes from the bucket.
+    """
+    if not step:
+        return "{}\n"
+    data: dict[str, Any] = {"restore-step": int(step)}
+    if backup:
+        data["restore-backup"] = backup
+    return yaml.safe_dump(data, sort_keys=True, default_flow_style=False)
+
+
+def jax_init_info_text(process_id: int, coordinator: str) -> str:
+    """Content of ``jax-init-info.txt``: ``<process_id>\\n<host>:<port>\\n``."""
+    return f"{int(process_id)}\n{coordinator}\n"
+
+
+def atomic_write(directory: str, name: str, data: bytes, mode: int = 0o644) -> str:
+    """Write ``directory/name`` through a temp name and a rename; returns the path.
+
+    Raises:
+        OSError: from the underlying calls (ENOSPC, EACCES...).
+    """
+    path = os.path.join(directory, name)
+    tmp = os.path.join(directory, f".{name}.tierfs-tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+    finally:
+        os.close(fd)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+    return path
+
+
+def error_line(message: str, *, job: str | None = None, rank: int | None = None) -> str:
+    """One line for ``replicator.errors``/``replicator.failed``: UTC time, context, message."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+    ctx = f"job={job} node={rank}" if job is not None else "tierfs"
+    flat = " ".join(str(message).split())
+    return f"{stamp} {ctx}: {flat}\n"
+
+
+def append_line(directory: str, name: str, line: str) -> None:
+    """Append one line to ``directory/name`` (created if missing)."""
+    fd = os.open(os.path.join(directory, name),
+                 os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
