@@ -1,0 +1,553 @@
+"""The CSI servicer over a real unix socket, with real bind mounts of a real tierfs mount.
+
+Every rule of issue 6 / the CSI spec that the node service follows has a
+test here; the servicer runs in this process so faults can be injected.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tierfs import __version__
+from tierfs.csi import mounts, server
+from tierfs.csi.proto import load
+
+pb2, pb2_grpc = load()
+Mode = pb2.VolumeCapability.AccessMode.Mode
+
+
+@dataclass
+class Csi:
+    """A running servicer and stubs talking to it over its unix socket."""
+
+    endpoint: str
+    identity: pb2_grpc.IdentityStub
+    node: pb2_grpc.NodeStub
+    channel: grpc.Channel
+    grpc_server: grpc.Server
+    node_service: server.NodeService
+
+
+def _start(node_mount, state_dir: Path, fuse_device: str = "/dev/fuse",
+           node_id: str = "node-a") -> Csi:
+    sock_dir = tempfile.mkdtemp(prefix="csi-", dir="/tmp")
+    endpoint = f"unix://{sock_dir}/csi.sock"
+    identity = server.IdentityService(server.DEFAULT_DRIVER_NAME, node_mount, fuse_device)
+    node = server.NodeService(node_id, node_mount, str(state_dir))
+    srv = server.serve(endpoint, identity, node)
+    channel = grpc.insecure_channel(endpoint)
+    grpc.channel_ready_future(channel).result(timeout=10)
+    return Csi(endpoint, pb2_grpc.IdentityStub(channel), pb2_grpc.NodeStub(channel), channel, srv,
+               node)
+
+
+def _stop(csi: Csi) -> None:
+    csi.channel.close()
+    csi.grpc_server.stop(None).wait(5)
+    sock = server.socket_path(csi.endpoint)
+    server.remove_socket(csi.endpoint)
+    shutil.rmtree(os.path.dirname(sock), ignore_errors=True)
+
+
+def _unmount_under(root: Path, keep: set[str]) -> None:
+    """Safety net: unmount whatever a failing test left mounted under ``root``."""
+    for entry in reversed(mounts.read_mountinfo()):
+        if entry.mountpoint.startswith(str(root) + "/") and entry.mountpoint not in keep:
+            try:
+                mounts.unmount(entry.mountpoint)
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def node_mount(make_mount):
+    """The node's tierfs mount (allow_other, as ``tierfs csi`` mounts it)."""
+    return make_mount("-o", "allow_other", name="node")
+
+
+@pytest.fixture
+def csi(node_mount, tmp_path):
+    """The servicer publishing ``node_mount``, on a unix socket."""
+    c = _start(server.StaticMount(str(node_mount.path)), tmp_path / "state")
+    yield c
+    _stop(c)
+    _unmount_under(tmp_path, keep={str(node_mount.path)})
+
+
+def kubelet_target(root: Path, uid: str = "6f1c0b52-0000-4000-8000-000000000001",
+                   volume: str = "checkpoint") -> Path:
+    """A kubelet-shaped target path whose parent exists, as kubelet leaves it."""
+    parent = root / "kubelet" / "pods" / uid / "volumes" / "kubernetes.io~csi" / volume
+    parent.mkdir(parents=True, exist_ok=True)
+    return parent / "mount"
+
+
+def mount_cap(mode=Mode.SINGLE_NODE_WRITER, fs_type: str = "", flags=()):
+    return pb2.VolumeCapability(mount=pb2.VolumeCapability.MountVolume(
+        fs_type=fs_type, mount_flags=list(flags)),
+        access_mode=pb2.VolumeCapability.AccessMode(mode=mode))
+
+
+def publish_req(target: Path | str, volume_id: str = "csi-vol-1", readonly: bool = False,
+                context: dict[str, str] | None = None, cap=None, **kw):
+    return pb2.NodePublishVolumeRequest(
+        volume_id=volume_id, target_path=str(target), readonly=readonly,
+        volume_capability=cap if cap is not None else mount_cap(),
+        volume_context=context or {}, **kw)
+
+
+def unpublish_req(target: Path | str, volume_id: str = "csi-vol-1"):
+    return pb2.NodeUnpublishVolumeRequest(volume_id=volume_id, target_path=str(target))
+
+
+def code_of(fn, *args) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as exc:
+        fn(*args, timeout=30)
+    return exc.value.code()
+
+
+def stack_at(path: Path) -> list[mounts.MountEntry]:
+    return mounts.mounts_at(str(path))
+
+
+# --------------------------------------------------------------------------- identity
+
+def test_identity(csi):
+    info = csi.identity.GetPluginInfo(pb2.GetPluginInfoRequest(), timeout=10)
+    assert info.name == "tierfs.csi.dev" and len(info.name) <= 63
+    assert info.vendor_version == __version__
+    caps = csi.identity.GetPluginCapabilities(pb2.GetPluginCapabilitiesRequest(), timeout=10)
+    assert list(caps.capabilities) == []
+    probe = csi.identity.Probe(pb2.ProbeRequest(), timeout=10)
+    assert probe.HasField("ready") and probe.ready.value is True
+
+
+def test_socket_is_private(csi):
+    st = os.stat(server.socket_path(csi.endpoint))
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o600
+
+
+class FakeNode:
+    def __init__(self, mountpoint: str, ready: bool, error: str | None = None) -> None:
+        self.mountpoint, self._ready, self._error = mountpoint, ready, error
+
+    def ready(self) -> bool:
+        return self._ready
+
+    def error(self) -> str | None:
+        return self._error
+
+
+def test_probe_states(tmp_path):
+    """ready=false while starting; FAILED_PRECONDITION for a failed mount or no /dev/fuse."""
+    starting = _start(FakeNode(str(tmp_path), ready=False), tmp_path / "s1")
+    failed = _start(FakeNode(str(tmp_path), ready=False, error="EPERM"), tmp_path / "s2")
+    no_fuse = _start(FakeNode(str(tmp_path), ready=True), tmp_path / "s3",
+                     fuse_device=str(tmp_path / "no-such-fuse"))
+    try:
+        probe = starting.identity.Probe(pb2.ProbeRequest(), timeout=10)
+        assert probe.HasField("ready") and probe.ready.value is False
+        with pytest.raises(grpc.RpcError) as exc:
+            failed.identity.Probe(pb2.ProbeRequest(), timeout=10)
+        assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "EPERM" in exc.value.details()
+        with pytest.raises(grpc.RpcError) as exc:
+            no_fuse.identity.Probe(pb2.ProbeRequest(), timeout=10)
+        assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no-such-fuse" in exc.value.details()
+        # a node whose mount is not up refuses to publish, with a retryable code
+        target = kubelet_target(tmp_path)
+        assert code_of(starting.node.NodePublishVolume,
+                       publish_req(target)) == grpc.StatusCode.UNAVAILABLE
+        assert not target.exists()
+    finally:
+        for c in (starting, failed, no_fuse):
+            _stop(c)
+
+
+def test_static_mount_readiness(tmp_path, node_mount):
+    assert server.StaticMount(str(node_mount.path)).ready()
+    assert not server.StaticMount(str(tmp_path)).ready()
+
+
+def test_driver_name_rule():
+    server.validate_driver_name("tierfs.csi.dev")
+    server.validate_driver_name("a" * 63)
+    for bad in ("a" * 64, "-tierfs", "tierfs.", "tier_fs", ""):
+        with pytest.raises(ValueError):
+            server.validate_driver_name(bad)
+
+
+# --------------------------------------------------------------------------- node info
+
+def test_node_info_and_capabilities(csi):
+    info = csi.node.NodeGetInfo(pb2.NodeGetInfoRequest(), timeout=10)
+    assert info.node_id == "node-a"
+    assert info.max_volumes_per_node == 0
+    assert not info.HasField("accessible_topology")
+    caps = csi.node.NodeGetCapabilities(pb2.NodeGetCapabilitiesRequest(), timeout=10)
+    assert list(caps.capabilities) == []
+
+
+@pytest.mark.parametrize("path", [
+    "/csi.v1.Node/NodeStageVolume", "/csi.v1.Node/NodeUnstageVolume",
+    "/csi.v1.Node/NodeGetVolumeStats", "/csi.v1.Node/NodeExpandVolume",
+    "/csi.v1.Controller/CreateVolume", "/csi.v1.Controller/ControllerGetCapabilities",
+    "/csi.v1.Controller/ControllerPublishVolume",
+    "/csi.v1.GroupController/GroupControllerGetCapabilities",
+    "/csi.v1.SnapshotMetadata/GetMetadataAllocated",
+])
+def test_everything_else_is_unimplemented(csi, path):
+    call = csi.channel.unary_unary(path, request_serializer=None, response_deserializer=None)
+    with pytest.raises(grpc.RpcError) as exc:
+        call(b"", timeout=10)
+    assert exc.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+# --------------------------------------------------------------------------- publish
+
+def test_publish_write_read_unpublish(csi, node_mount, tmp_path):
+    target = kubelet_target(tmp_path)
+    csi.node.NodePublishVolume(publish_req(target), timeout=30)
+    stack = stack_at(target)
+    assert len(stack) == 1 and stack[0].fstype == "fuse.tierfs" and not stack[0].readonly
+    node_entry = mounts.top_mount(str(node_mount.path))
+    assert stack[0].device == node_entry.device  # a bind mount of the node's mount
+    (target / "step_1").mkdir()
+    (target / "step_1" / "shard.bin").write_bytes(b"x" * 4096)
+    assert (node_mount.path / "step_1" / "shard.bin").read_bytes() == b"x" * 4096
+    (node_mount.path / "from-node.txt").write_text("hi")
+    assert (target / "from-node.txt").read_text() == "hi"
+
+    csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
+    assert stack_at(target) == []
+    assert not target.exists()  # the SP deletes what it created
+    assert target.parent.exists()  # kubelet's directory stays
+    assert (node_mount.path / "step_1" / "shard.bin").stat().st_size == 4096  # data stays
+
+
+def test_publish_creates_missing_parents_and_unpublish_removes_target(csi, tmp_path):
+    target = tmp_path / "a" / "b" / "mount"
+    csi.node.NodePublishVolume(publish_req(target), timeout=30)
+    assert len(stack_at(target)) == 1
+    csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
+    assert not target.exists() and stack_at(target) == []
+
+
+def test_publish_is_idempotent(csi, tmp_path):
+    target = kubelet_target(tmp_path)
+    ctx = {"csi.storage.k8s.io/pod.name": "p", "csi.storage.k8s.io/ephemeral": "true"}
+    for token in ("tok-1", "tok-2"):  # kubelet mints a new token per call: still the same
+        csi.node.NodePublishVolume(publish_req(target, context={
+            **ctx, "csi.storage.k8s.io/serviceAccount.tokens": token}), timeout=30)
+    assert len(stack_at(target)) == 1
+    csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
+
+
+def test_unpublish_is_idempotent(csi, tmp_path):
+    target = kubelet_target(tmp_path)
+    csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)  # never published
+    csi.node.NodePublishVolume(publish_req(target), timeout=30)
+    for _ in range(3):
+        csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
+    assert not target.exists() and stack_at(target) == []
+
+
+def _invalid_requests(target: Path):
+    block = pb2.VolumeCapability(block=pb2.VolumeCapability.BlockVolume(),
+                                 access_mode=pb2.VolumeCapability.AccessMode(
+                                     mode=Mode.SINGLE_NODE_WRITER))
+    no_type = pb2.VolumeCapability(access_mode=pb2.VolumeCapability.AccessMode(
+        mode=Mode.SINGLE_NODE_WRITER))
+    group = mount_cap()
+    group.mount.volume_mount_group = "1000"
+    return {
+        "no volume_id": publish_req(target, volume_id=""),
+        "no target_path": publish_req(""),
+        "relative target_path": publish_req("relative/mount"),
+        "no volume_capability": pb2.NodePublishVolumeRequest(volume_id="v",
+                                                             target_path=str(target)),
+        "block access": publish_req(target, cap=block),
+        "no access type": publish_req(target, cap=no_type),
+        "foreign fs_type": publish_req(target, cap=mount_cap(fs_type="ext4")),
+        "unknown mount flag": publish_req(target, cap=mount_cap(flags=["discard"])),
+        "volume_mount_group": publish_req(target, cap=group),
+        "process id without coordinator": publish_req(target, context={"jaxProcessId": "1"}),
+        "bad process id": publish_req(target, context={"jaxProcessId": "-1",
+                                                       "jaxCoordinatorAddress": "h"}),
+        "bad coordinator": publish_req(target, context={"jaxProcessId": "0",
+                                                        "jaxCoordinatorAddress": "h:99999"}),
+    }
+
+
+def test_invalid_publish_arguments(csi, tmp_path):
+    target = kubelet_target(tmp_path)
+    for name, req in _invalid_requests(target).items():
+        assert code_of(csi.node.NodePublishVolume, req) == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert not target.exists(), name
+    assert os.listdir(tmp_path / "state") == []
+
+
+def test_invalid_unpublish_arguments(csi, tmp_path):
+    target = kubelet_target(tmp_path)
+    for req in (unpublish_req(target, volume_id=""), unpublish_req("")):
+        assert code_of(csi.node.NodeUnpublishVolume, req) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_conflicting_republish(csi, tmp_path):
+    target = kubelet_target(tmp_path)
+    csi.node.NodePublishVolume(publish_req(target, context={"a": "1"}), timeout=30)
+    conflicts = {
+        "other volume": publish_req(target, volume_id="csi-vol-2", context={"a": "1"}),
+        "readonly": publish_req(target, readonly=True, context={"a": "1"}),
+        "other context": publish_req(target, context={"a": "2"}),
+        "other access mode": publish_req(target, context={"a": "1"},
+                                         cap=mount_cap(Mode.MULTI_NODE_MULTI_WRITER)),
+    }
+    for name, req in conflicts.items():
+        assert code_of(csi.node.NodePublishVolume, req) == grpc.StatusCode.ALREADY_EXISTS, name
+    assert len(stack_at(target)) == 1 and not stack_at(target)[0].readonly
+    csi.node.NodePublishVolume(publish_req(target, context={"a": "1"}), timeout=30)  # still OK
+    csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
+    assert not target.exists()
+
+
+@pytest.mark.parametrize("how", ["readonly flag", "reader-only access mode", "ro mount flag"])
+def test_readonly_publish(csi, node_mount, tmp_path, how):
+    target = kubelet_target(tmp_path)
+    (node_mount.path / "ckpt.txt").write_text("step 7")
+    req = {"readonly flag": publish_req(target, readonly=True),
+           "reader-only access mode": publish_req(target,
+                                                  cap=mount_cap(Mode.SINGLE_NODE_READER_ONLY)),
+           "ro mount flag": publish_req(target, cap=mount_cap(flags=["ro,noexec"]))}[how]
+    csi.node.NodePublishVolume(req, timeout=30)
+    top = stack_at(target)[-1]
+    assert top.readonly and "nosuid" in top.options and "nodev" in top.options
+    if how == "ro mount flag":
+        assert "noexec" in top.options
+    assert (target / "ckpt.txt").read_text() == "step 7"
+    with pytest.raises(OSError) as exc:
+        (target / "new.txt").write_text("no")
+    assert exc.value.errno == errno.EROFS
+    (node_mount.path / "still-writable.txt").write_text("yes")  # the node mount stays rw
+    assert not mounts.top_mount(str(node_mount.path)).readonly
+    csi.node.NodePublishVolume(req, timeout=30)  # idempotent
+    csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
+    assert not target.exists()
+
+
+def test_concurrent_calls_on_one_target_are_aborted(csi, tmp_path, monkeypatch):
+    target = kubelet_target(tmp_path)
+    other = kubelet_target(tmp_path, uid="6f1c0b52-0000-4000-8000-000000000002")
+    entered, release = threading.Event(), threading.Event()
+    real_bind = mounts.bind_mount
+
+    def slow_bind(source: str, tgt: str) -> None:
+        if tgt == str(target):
+            entered.set()
+            release.wait(20)
+        real_bind(source, tgt)
+
+    monkeypatch.setattr(mounts, "bind_mount", slow_bind)
+    result: dict[str, object] = {}
+
+    def first() -> None:
+        try:
+            csi.node.NodePublishVolume(publish_req(target), timeout=30)
+            result["first"] = "ok"
+        except grpc.RpcError as exc:
+            result["first"] = exc.code()
+
+    t = threading.Thread(target=first)
+    t.start()
+    try:
+        assert entered.wait(10)
+        assert code_of(csi.node.NodePublishVolume, publish_req(target)) == grpc.StatusCode.ABORTED
+        assert code_of(csi.node.NodeUnpublishVolume,
+                       unpublish_req(target)) == grpc.StatusCode.ABORTED
+        # another target is not held up
+        csi.node.NodePublishVolume(publish_req(other, volume_id="csi-vol-2"), timeout=30)
+    finally:
+        release.set()
+        t.join(30)
+    assert result["first"] == "ok"
+    assert len(stack_at(target)) == 1
+    csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
+    csi.node.NodeUnpublishVolume(unpublish_req(other, volume_id="csi-vol-2"), timeout=30)
+
+
+def test_failed_publish_is_undone(csi, tmp_path, monkeypatch):
+    """A failure after the bind mount leaves no mount, no directory, no record behind."""
+    target = tmp_path / "fresh" / "parents" / "mount"
+
+    def broken_remount(*args, **kwargs):
+        raise OSError(errno.EIO, "injected remount failure")
+
+    monkeypatch.setattr(mounts, "remount_bind", broken_remount)
+    with pytest.raises(grpc.RpcError) as exc:
+        csi.node.NodePublishVolume(publish_req(target, readonly=True), timeout=30)
+    assert exc.value.code() == grpc.StatusCode.INTERNAL
+    assert "injected remount failure" in exc.value.details()
+    assert stack_at(target) == []
+    assert not (tmp_path / "fresh").exists()  # every directory it created is gone
+    assert os.listdir(tmp_path / "state") == []
+    monkeypatch.undo()
+    csi.node.NodePublishVolume(publish_req(target, readonly=True), timeout=30)  # retry works
+    csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
+
+
+def test_failed_jax_info_write_is_undone(make_mount, tmp_path):
+    """A read-only node mount cannot take jax-init-info.txt: the publish fails cleanly."""
+    ro_mount = make_mount("-o", "ro,allow_other", name="ro-node")
+    c = _start(server.StaticMount(str(ro_mount.path)), tmp_path / "state")
+    try:
+        target = kubelet_target(tmp_path)
+        req = publish_req(target, context={"jaxProcessId": "0",
+                                           "jaxCoordinatorAddress": "coord"})
+        assert code_of(c.node.NodePublishVolume, req) == grpc.StatusCode.INTERNAL
+        assert stack_at(target) == [] and not target.exists()
+        assert os.listdir(tmp_path / "state") == []
+        assert target.parent.exists()  # kubelet's directory is not ours to remove
+        c.node.NodePublishVolume(publish_req(target), timeout=30)  # without jax info: fine
+        c.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
+    finally:
+        _stop(c)
+        _unmount_under(tmp_path, keep={str(ro_mount.path)})
+
+
+def test_restarted_driver_unpublishes_what_it_published(node_mount, tmp_path):
+    target = kubelet_target(tmp_path)
+    kept = kubelet_target(tmp_path, uid="6f1c0b52-0000-4000-8000-000000000003")
+    first = _start(server.StaticMount(str(node_mount.path)), tmp_path / "state")
+    try:
+        first.node.NodePublishVolume(publish_req(target), timeout=30)
+        first.node.NodePublishVolume(publish_req(kept, volume_id="csi-vol-3", readonly=True),
+                                     timeout=30)
+    finally:
+        _stop(first)
+    # a new process: no memory of the first; one run keeps the records, one loses them
+    second = _start(server.StaticMount(str(node_mount.path)), tmp_path / "state")
+    third = _start(server.StaticMount(str(node_mount.path)), tmp_path / "lost-state")
+    try:
+        second.node.NodePublishVolume(publish_req(target), timeout=30)  # idempotent
+        assert code_of(second.node.NodePublishVolume,
+                       publish_req(target, volume_id="other")) == grpc.StatusCode.ALREADY_EXISTS
+        assert code_of(third.node.NodePublishVolume, publish_req(kept, volume_id="csi-vol-3"))\
+            == grpc.StatusCode.ALREADY_EXISTS  # readonly differs, seen in mountinfo
+        third.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
+        third.node.NodeUnpublishVolume(unpublish_req(kept, volume_id="csi-vol-3"), timeout=30)
+        assert stack_at(target) == [] and stack_at(kept) == []
+        assert not target.exists() and not kept.exists()
+    finally:
+        _stop(second)
+        _stop(third)
+        _unmount_under(tmp_path, keep={str(node_mount.path)})
+
+
+def test_dead_bind_mount_is_unpublished_and_replaced(make_mount, tmp_path):
+    """The node daemon dies (kill -9) and is mounted again: old bind mounts still go away."""
+    node = make_mount("-o", "allow_other", name="node")
+    c = _start(server.StaticMount(str(node.path)), tmp_path / "state")
+    try:
+        dead = kubelet_target(tmp_path)
+        repl = kubelet_target(tmp_path, uid="6f1c0b52-0000-4000-8000-000000000004")
+        c.node.NodePublishVolume(publish_req(dead), timeout=30)
+        c.node.NodePublishVolume(publish_req(repl, volume_id="v4"), timeout=30)
+        node.kill9()
+        assert mounts.is_dead(str(dead))
+        node.mount()  # `tierfs mount` clears the dead node mount and mounts again
+        c.node.NodeUnpublishVolume(unpublish_req(dead), timeout=30)
+        assert stack_at(dead) == [] and not dead.exists()
+        c.node.NodePublishVolume(publish_req(repl, volume_id="v4"), timeout=30)
+        assert len(stack_at(repl)) == 1 and not mounts.is_dead(str(repl))
+        (repl / "alive.txt").write_text("again")
+        assert (node.path / "alive.txt").read_text() == "again"
+        c.node.NodeUnpublishVolume(unpublish_req(repl, volume_id="v4"), timeout=30)
+    finally:
+        _stop(c)
+        _unmount_under(tmp_path, keep={str(node.path)})
+
+
+def test_foreign_mount_at_target_is_left_alone(csi, tmp_path):
+    target = kubelet_target(tmp_path)
+    target.mkdir()
+    from tierfs.fs import syscalls
+
+    syscalls.mount("tmpfs", str(target), "tmpfs", 0, "size=1m")
+    try:
+        assert code_of(csi.node.NodePublishVolume,
+                       publish_req(target)) == grpc.StatusCode.FAILED_PRECONDITION
+        assert code_of(csi.node.NodeUnpublishVolume,
+                       unpublish_req(target)) == grpc.StatusCode.FAILED_PRECONDITION
+        assert stack_at(target)[-1].fstype == "tmpfs"
+    finally:
+        mounts.unmount(str(target))
+
+
+# --------------------------------------------------------------------------- jax-init-info
+
+def test_jax_init_info_written_atomically(csi, node_mount, tmp_path):
+    target = kubelet_target(tmp_path)
+    ctx = {"jaxProcessId": "3", "jaxCoordinatorAddress": "train-slice-0-0.train",
+           "csi.storage.k8s.io/pod.name": "train-slice-0-3-x7k2p"}
+    csi.node.NodePublishVolume(publish_req(target, context=ctx), timeout=30)
+    assert (target / "jax-init-info.txt").read_bytes() == b"3\ntrain-slice-0-0.train:8476\n"
+    assert [n for n in os.listdir(node_mount.path) if "tmp" in n] == []
+    csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
+
+    auto = kubelet_target(tmp_path, uid="6f1c0b52-0000-4000-8000-000000000005")
+    ctx = {"jaxProcessId": "auto", "jaxProcessesPerJob": "4",
+           "jaxCoordinatorAddress": "[fd00::1]:1234",
+           "csi.storage.k8s.io/pod.name": "train-slice-2-1-x7k2p"}
+    csi.node.NodePublishVolume(publish_req(auto, volume_id="v5", context=ctx), timeout=30)
+    assert (auto / "jax-init-info.txt").read_bytes() == b"9\n[fd00::1]:1234\n"
+    csi.node.NodeUnpublishVolume(unpublish_req(auto, volume_id="v5"), timeout=30)
+
+
+def test_no_jax_init_info_without_attributes(csi, node_mount, tmp_path):
+    target = kubelet_target(tmp_path)
+    csi.node.NodePublishVolume(publish_req(target), timeout=30)
+    assert not (target / "jax-init-info.txt").exists()
+    csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
+
+
+# --------------------------------------------------------------------------- secrets
+
+def test_secrets_and_tokens_are_never_logged(csi, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)
+    target = kubelet_target(tmp_path)
+    token = "eyJTOKEN-VALUE-never-in-logs"
+    secret = "S3CRET-VALUE-never-in-logs"
+    ctx = {"csi.storage.k8s.io/serviceAccount.tokens":
+           f'{{"gcp":{{"token":"{token}","expirationTimestamp":"2030-01-01T00:00:00Z"}}}}',
+           "csi.storage.k8s.io/pod.name": "p", "myApiToken": token}
+    csi.node.NodePublishVolume(publish_req(target, context=ctx, secrets={"key": secret}),
+                               timeout=30)
+    details = []
+    for req in (publish_req(target, volume_id="other", context=ctx, secrets={"key": secret}),
+                publish_req(target, context={**ctx, "jaxProcessId": "x",
+                                             "jaxCoordinatorAddress": "h"},
+                            secrets={"key": secret})):
+        with pytest.raises(grpc.RpcError) as exc:
+            csi.node.NodePublishVolume(req, timeout=30)
+        details.append(exc.value.details())
+    csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
+    assert "NodePublishVolume" in caplog.text and "<redacted>" in caplog.text
+    for text in [caplog.text, *details]:
+        assert token not in text and secret not in text
+    for name in os.listdir(tmp_path / "state"):
+        data = (tmp_path / "state" / name).read_text()
+        assert token not in data and secret not in data
+
