@@ -1,0 +1,152 @@
+"""``tierfs csi``: the node daemon of a Kubernetes node, serving CSI on a unix socket.
+
+It keeps the node's tierfs mount up at ``--mount-dir`` (through ``tierfs
+mount``, with the same mount options), and serves the CSI Identity and Node
+services (:mod:`tierfs.csi.server`) at ``--endpoint`` until SIGTERM/SIGINT.
+On the way out the node mount is unmounted only if no volume is published;
+otherwise it is left to the pods using it and adopted by the next driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+import click
+
+DEFAULT_MOUNT_DIR = "/run/tierfs/mount"
+DEFAULT_STATE_DIR = "/run/tierfs/csi"
+
+log = logging.getLogger("tierfs.csi")
+
+
+def _mount_params() -> list[click.Parameter]:
+    """The click parameters ``mount_options`` adds (shared with ``tierfs mount``)."""
+
+    from tierfs.cli import mount_options
+
+    def probe() -> None:
+        """Placeholder carrying the decorators."""
+
+    return list(getattr(mount_options(probe), "__click_params__", []))
+
+
+def mount_argv(opts: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """Turn the parsed mount options back into ``tierfs mount`` arguments.
+
+    ``allow_other`` is always added: pods run as any user. A peer token goes
+    into the environment (``TIERFS_PEER_TOKEN``), never onto a command line.
+
+    Returns:
+        ``(argv, env)``: the arguments after ``tierfs mount MOUNTPOINT`` and extra environment.
+    """
+    argv: list[str] = []
+    env: dict[str, str] = {}
+    for param in _mount_params():
+        value = opts.get(param.name or "")
+        if value is None or value == () or value is False:
+            continue
+        if param.name == "peer_token":
+            env["TIERFS_PEER_TOKEN"] = str(value)
+            continue
+        flag = param.opts[0]
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            argv += [flag, str(v)]
+    if not any("allow_other" in o.split(",") for o in opts.get("option") or ()):
+        argv += ["-o", "allow_other"]
+    return argv, env
+
+
+def _make_command(mount_options: Any) -> click.Command:
+    """Build the ``csi`` click command around the shared ``mount_options``."""
+
+    @click.command("csi")
+    @click.option("--endpoint", envvar="CSI_ENDPOINT", default="unix:///csi/csi.sock",
+                  show_default=True, help="CSI endpoint, unix:///path.sock (or $CSI_ENDPOINT).")
+    @click.option("--node-id", envvar="NODE_ID", required=True,
+                  help="This node's id, normally the Kubernetes node name (or $NODE_ID).")
+    @click.option("--driver-name", default="tierfs.csi.dev", show_default=True,
+                  help="CSI driver name (the CSIDriver object's name; at most 63 characters).")
+    @click.option("--mount-dir", default=DEFAULT_MOUNT_DIR, show_default=True,
+                  help="Where the node's tierfs mount lives; volumes are bind mounts of it.")
+    @click.option("--state-dir", default=DEFAULT_STATE_DIR, show_default=True,
+                  help="Small per-target publish records (no secrets).")
+    @mount_options
+    def csi(**opts: Any) -> None:
+        """Run the CSI node driver: keep the node's tierfs mount up and serve CSI on a socket."""
+        from tierfs.csi import server
+        from tierfs.csi.nodemount import SupervisedMount
+
+        level = (opts.get("log_level") or "INFO").upper()
+        logging.basicConfig(level=level, stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if not opts.get("ram_dir") and not opts.get("config"):
+            raise click.ClickException("--ram-dir is required (or ramDir in --config)")
+        try:
+            server.validate_driver_name(opts["driver_name"])
+            server.socket_path(opts["endpoint"])
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from None
+        argv, env = mount_argv(opts)
+        node = SupervisedMount(opts["mount_dir"], argv, env=env)
+        identity = server.IdentityService(opts["driver_name"], node)
+        service = server.NodeService(opts["node_id"], node, opts["state_dir"])
+
+        stop = threading.Event()
+
+        def on_signal(signum: int, frame: Any) -> None:
+            log.info("signal %d: stopping", signum)
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
+        try:
+            grpc_server = server.serve(opts["endpoint"], identity, service)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise click.ClickException(f"cannot serve CSI on {opts['endpoint']}: {exc}") from None
+        node.start()
+        log.info("tierfs %s CSI node driver %s on node %s (mount %s, pid %d)",
+                 _version(), opts["driver_name"], opts["node_id"], node.mountpoint, os.getpid())
+        try:
+            while not stop.wait(1.0):
+                pass
+        finally:
+            grpc_server.stop(5).wait(10)
+            server.remove_socket(opts["endpoint"])
+            node.stop()
+            node.unmount_if_unused()
+            log.info("CSI driver stopped")
+
+    return csi
+
+
+_command: click.Command | None = None
+
+
+def __getattr__(name: str) -> Any:
+    """Build ``csi`` on first access (PEP 562).
+
+    ``tierfs.cli`` imports this module from ``_register_plugins`` while it is
+    itself being imported, so this module must not import ``tierfs.cli`` at
+    its top: the command is made when first asked for, and the re-entrant
+    import (``tierfs.cli`` registering plugins again) finds it made.
+    """
+    global _command
+    if name != "csi":
+        raise AttributeError(name)
+    if _command is None:
+        from tierfs.cli import mount_options  # may re-enter this function
+
+        if _command is None:
+            _command = _make_command(mount_options)
+    return _command
+
+
+def _version() -> str:
+    from tierfs import __version__
+
+    return __version__
