@@ -84,8 +84,16 @@ def _fuse_available() -> str | None:
     return None
 
 
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Remember each phase's report on the item (fixtures print daemon logs on failure)."""
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, f"rep_{rep.when}", rep)
+
+
 @pytest.fixture
-def make_mount(tmp_path: Path) -> Iterator:
+def make_mount(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator:
     """Factory: ``make_mount(*extra_args, ram_dir=None)`` mounts and returns a :class:`Mount`."""
     reason = _fuse_available()
     if reason:
@@ -105,6 +113,11 @@ def make_mount(tmp_path: Path) -> Iterator:
         return m
 
     yield factory
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        for m in mounts:
+            print(f"\n===== daemon log of {m.path} (ram-dir {m.ram_dir}) =====\n"
+                  f"{m.log()[-20000:]}")
     for m in mounts:
         try:
             m.unmount()

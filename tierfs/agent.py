@@ -613,6 +613,9 @@ class NodeAgent:
         async with self._seal_limiter:
             if self.pending.get(cand.name) is not cand or self.job is not job:
                 return
+            if not all(self.view.exists(e) for e in cand.entries):
+                del self.pending[cand.name]  # renamed or deleted meanwhile
+                return
             gens = {t: self.generation[t] for t in tops}
             ns = self.ns
             writers = ns.writers_of if ns is not None else None
@@ -642,8 +645,9 @@ class NodeAgent:
             self.dirty_inos -= shard.inodes
             if changed or dirty or busy or self.job is not job:
                 self.shards.remove(shard)
-                log.info("step %d (%s) changed while sealing; will seal again", cand.step,
-                         cand.name)
+                log.info("step %d (%s) changed while sealing (%s); will seal again", cand.step,
+                         cand.name, "written" if dirty else "open for writing" if busy
+                         else "changed" if changed else "job restarted")
                 return
             if self.pending.get(cand.name) is cand:
                 del self.pending[cand.name]

@@ -1,0 +1,251 @@
+"""The MTC control protocol on one node, through a real mount and daemon (issue 3)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from conftest import tierfs
+from mtc_clients import (
+    ReplicatorFailed,
+    nemo_restore,
+    nemo_save,
+    nemo_write_yaml,
+    orbax_initialize,
+    orbax_read,
+    orbax_save,
+    orbax_yaml,
+    wait_for,
+)
+
+
+def status(d: Path) -> dict:
+    return json.loads((d / ".tierfs" / "status.json").read_text())
+
+
+def step_states(d: Path) -> dict[int, str]:
+    return {s["step"]: s["state"] for s in status(d)["steps"]}
+
+
+def wait_sealed(d: Path, step: int, timeout: float = 20) -> None:
+    wait_for(lambda: step_states(d).get(step) in ("sealed", "verified"), timeout,
+             f"step {step} sealed")
+
+
+def payload(step: int) -> dict[str, bytes]:
+    return {f"shard{i}": os.urandom(4096 + 997 * i) + bytes([step]) for i in range(3)}
+
+
+def test_orbax_sequence_restore_after_trainer_and_daemon_restart(mount):
+    d = mount.path
+    assert orbax_initialize(d, orbax_yaml("job", 0, 1)) is None
+    assert sorted(os.listdir(d)) == [".tierfs", "replicator.prerestore"]
+    assert (d / "replicator.prerestore").read_text() == "{}\n"
+    saved = {}
+    for step in (1, 2, 3):
+        saved[step] = payload(step)
+        orbax_save(d, step, saved[step])
+        wait_sealed(d, step)
+    # the "trainer" is killed and restarts: a new handshake restores the newest step
+    step = orbax_initialize(d, orbax_yaml("job", 0, 1))
+    assert step == 3
+    assert (d / "replicator.prerestore").read_text() == "restore-step: 3\n"
+    assert orbax_read(d, 3, list(saved[3])) == saved[3]
+    assert not any(n.endswith(".restore") for n in os.listdir(d))
+    # the client's renamed marker becomes a real directory (Orbax's GC can rmtree it)
+    wait_for(lambda: not (d / "3").is_symlink(), 10, "3 presented as a directory")
+    assert (d / "3").is_dir()
+    assert (d / "3" / "state" / "manifest.ocdbt").read_bytes() == b"manifest-for-step-3"
+    # the daemon is killed (-9) and mounted again on the same ram-dir
+    mount.kill9()
+    with pytest.raises(OSError):
+        os.listdir(d)
+    mount.mount()
+    step = orbax_initialize(d, orbax_yaml("job", 0, 1))
+    assert step == 3
+    assert orbax_read(d, 3, list(saved[3])) == saved[3]
+    # saving continues after the restore
+    saved[4] = payload(4)
+    orbax_save(d, 4, saved[4])
+    wait_sealed(d, 4)
+    assert orbax_initialize(d, orbax_yaml("job", 0, 1)) == 4
+    assert orbax_read(d, 4, list(saved[4])) == saved[4]
+
+
+def test_nemo_sequence_sync_and_async_saves(mount):
+    d = mount.path
+    nemo_write_yaml(d, "nemo", 0, 1)
+    assert nemo_restore(d) is None
+    # the helper leaves the s0 marker behind; saving must still work
+    assert (d / "nemo-s0-n0-w0.restore").is_file()
+    sync_payload = payload(10)
+    nemo_save(d, 10, sync_payload)  # synchronous save: stays step=10
+    wait_sealed(d, 10)
+    async_payload = payload(20)
+    nemo_save(d, 21, async_payload, rename_to=20)  # async save: step=21 -> "20"
+    wait_sealed(d, 20)
+    nemo_write_yaml(d, "nemo", 0, 1)
+    step = nemo_restore(d)
+    assert step == 20
+    assert (d / "step=20" / "0" / "shard1").read_bytes() == async_payload["shard1"]
+    assert not (d / "20").exists() and not (d / "step=10").exists()
+    # restart once more after a daemon kill -9
+    mount.kill9()
+    mount.mount()
+    nemo_write_yaml(d, "nemo", 0, 1)
+    assert nemo_restore(d) == 20
+    assert (d / "step=20" / "0" / "shard2").read_bytes() == async_payload["shard2"]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("job-name: [unclosed", "is not valid YAML"),
+    ("framework: orbax\nnode-rank: 0\nnodes: 1", "missing required key 'job-name'"),
+    ("job-name: j\nframework: tensorflow\nnode-rank: 0\nnodes: 1", "unknown framework"),
+    ("job-name: j\nframework: orbax\nnode-rank: 2\nnodes: 2", "node-rank 2 must be < nodes 2"),
+    ("job-name: j\nframework: orbax\nnode-rank: -3\nnodes: 2", "node-rank must be >= 0"),
+    ("job-name: j\nframework: orbax\nnode-rank: one\nnodes: 2", "must be an integer"),
+])
+def test_malformed_yaml_is_reported_through_replicator_failed(mount, text, expected):
+    d = mount.path
+    (d / "replicator.yaml.tmp").write_text(text)
+    os.replace(d / "replicator.yaml.tmp", d / "replicator.yaml")
+    wait_for(lambda: not (d / "replicator.yaml").exists(), 10, "yaml deleted")
+    failed = (d / "replicator.failed").read_text()
+    assert failed.count("\n") == 1 and expected in failed
+    with pytest.raises(ReplicatorFailed, match="replicator.yaml|framework|node-rank|integer"):
+        from mtc_clients import check_error_files
+        check_error_files(d)
+    # the daemon is fine and a good yaml works afterwards
+    assert orbax_initialize(d, orbax_yaml("job", 0, 1)) is None
+
+
+def test_malformed_yaml_written_in_place_like_nemo(mount):
+    d = mount.path
+    with open(d / "replicator.yaml", "w") as f:
+        f.write("job-name: j\nframework: orbax\nnode-rank: 0\n")  # nodes missing
+    wait_for(lambda: not (d / "replicator.yaml").exists(), 10, "yaml deleted")
+    assert "missing required key 'nodes'" in (d / "replicator.failed").read_text()
+
+
+def test_unknown_keys_warn_and_empty_file_resets(mount):
+    d = mount.path
+    assert orbax_initialize(d, orbax_yaml("job", 0, 1) + "\nfancy: 1") is None
+    # orbax_initialize consumed replicator.errors; look at the daemon's status instead
+    assert any("unknown key 'fancy'" in e for e in status(d)["errors"])
+    with open(d / "replicator.yaml", "w"):
+        pass
+    wait_for(lambda: not (d / "replicator.yaml").exists(), 10, "empty yaml consumed")
+    assert status(d)["mode"] == "generic"
+    assert not any(n.endswith(".restore") for n in os.listdir(d))
+
+
+def test_kill_during_save_never_seals_the_partial_step(mount):
+    d = mount.path
+    orbax_initialize(d, orbax_yaml("job", 0, 1))
+    orbax_save(d, 1, payload(1))
+    wait_sealed(d, 1)
+    # a save that dies half-way: the tmp dir stays with files still open
+    tmp = d / "2.orbax-checkpoint-tmp" / "state.orbax-checkpoint-tmp"
+    os.makedirs(tmp)
+    fd = os.open(tmp / "partial", os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(fd, b"x" * 1000)
+    mount.kill9()
+    with pytest.raises(OSError):  # the dead mount answers ENOTCONN, even to close()
+        os.close(fd)
+    mount.mount()
+    time.sleep(1)
+    assert 2 not in step_states(d)
+    assert orbax_initialize(d, orbax_yaml("job", 0, 1)) == 1
+    assert not (d / "2.orbax-checkpoint-tmp").exists()
+
+
+def test_write_into_sealed_file_withdraws_then_reseals(mount):
+    d = mount.path
+    orbax_initialize(d, orbax_yaml("job", 0, 1))
+    orbax_save(d, 1, {"a": b"old" * 1000})
+    wait_sealed(d, 1)
+    f = d / "1" / "state" / "d" / "a"
+    with open(f, "r+b") as h:
+        h.write(b"NEW")
+        wait_for(lambda: 1 not in step_states(d), 10, "seal withdrawn")
+    wait_sealed(d, 1)
+    assert orbax_initialize(d, orbax_yaml("job", 0, 1)) == 1
+    assert (d / "1" / "state" / "d" / "a").read_bytes() == b"NEW" + b"old" * 999
+
+
+def test_pytorch_file_per_worker(mount):
+    d = mount.path
+    text = ("job-name: pt\nframework: pytorch\nnode-rank: 0\nnodes: 1\nworkers-per-node: 2\n"
+            "peers-per-node: 0")
+    assert orbax_initialize(d, text) is None
+    data = {w: os.urandom(10000) for w in (0, 1)}
+    (d / "pt-s7-n0-w0.save").write_bytes(data[0])
+    time.sleep(0.5)
+    assert 7 not in step_states(d)
+    (d / "pt-s7-n0-w1.save").write_bytes(data[1])
+    wait_sealed(d, 7)
+    (d / "replicator.yaml.tmp").write_text(text)
+    os.replace(d / "replicator.yaml.tmp", d / "replicator.yaml")
+    markers = wait_for(lambda: sorted(n for n in os.listdir(d) if n.endswith(".restore")) or
+                       None, 10, "markers")
+    assert markers == ["pt-s7-n0-w0.restore", "pt-s7-n0-w1.restore"]
+    for w in (0, 1):
+        assert (d / f"pt-s7-n0-w{w}.restore").read_bytes() == data[w]
+
+
+def test_local_retention_keeps_newest_steps(make_mount):
+    m = make_mount("--keep-local", "2")
+    d = m.path
+    orbax_initialize(d, orbax_yaml("job", 0, 1))
+    for step in range(1, 6):
+        orbax_save(d, step, payload(step))
+        wait_sealed(d, step)
+    wait_for(lambda: sorted(step_states(d)) == [4, 5], 10, "retention")
+    wait_for(lambda: not (d / "3").exists(), 10, "old step hidden")
+    assert sorted(n for n in os.listdir(d) if n.isdigit()) == ["4", "5"]
+
+
+def test_jax_init_info_written_at_mount(make_mount):
+    m = make_mount("--process-id", "3", "--jax-coordinator", "10.1.2.3:8476")
+    assert (m.path / "jax-init-info.txt").read_text() == "3\n10.1.2.3:8476\n"
+    # kept across the cleanup done for a new replicator.yaml
+    orbax_initialize(m.path, orbax_yaml("job", 0, 1))
+    assert (m.path / "jax-init-info.txt").read_text() == "3\n10.1.2.3:8476\n"
+
+
+def test_status_command_shows_job_steps_budget_errors(mount):
+    d = mount.path
+    orbax_initialize(d, orbax_yaml("job", 0, 1) + "\nodd-key: 1")
+    orbax_save(d, 1, payload(1))
+    wait_sealed(d, 1)
+    out = tierfs("status", str(d)).stdout
+    assert "job        job  rank 0/1  framework orbax" in out
+    assert "odd-key" in out
+    data = json.loads(tierfs("status", str(d), "--json").stdout)
+    assert data["job"]["name"] == "job"
+    assert data["steps"][0]["step"] == 1 and data["steps"][0]["bytes"] > 12000
+    assert data["budget"]["total_bytes"] > data["budget"]["free_bytes"] > 0
+
+
+def test_generic_mode_seals_hf_style_and_dcp_markers(mount):
+    d = mount.path
+    os.makedirs(d / "tmp-checkpoint-100")
+    (d / "tmp-checkpoint-100" / "model.bin").write_bytes(os.urandom(5000))
+    time.sleep(0.3)
+    assert status(d)["steps"] == []
+    os.rename(d / "tmp-checkpoint-100", d / "checkpoint-100")
+    wait_sealed(d, 100)
+    os.makedirs(d / "step_7")
+    (d / "step_7" / "__0_0.distcp").write_bytes(os.urandom(3000))
+    time.sleep(0.3)
+    assert 7 not in step_states(d)
+    (d / "step_7" / ".metadata").write_bytes(b"meta")
+    wait_sealed(d, 7)
+    os.makedirs(d / "iter_0000500" / "mp_rank_00")
+    (d / "iter_0000500" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"w" * 100)
+    (d / "latest_checkpointed_iteration.txt").write_text("500")
+    wait_sealed(d, 500)
+    assert status(d)["mode"] == "generic"
