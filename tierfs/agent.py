@@ -53,6 +53,8 @@ STATUS_FILE = b".tierfs/status.json"
 CONTROL_DIR = ".tierfs"
 STATE_VERSION = 1
 DEFAULT_JOB = "default"
+#: seconds an expired step stays visible before retention hides it (protocol mode)
+VIEW_RETENTION_GRACE = 10.0
 
 
 # ---------------------------------------------------------------------- events
@@ -677,16 +679,25 @@ class NodeAgent:
         return keep
 
     async def _apply_retention(self) -> None:
+        """Drop snapshots past ``--keep-local``; in protocol mode hide their view entries too.
+
+        MTC clients leave retention to the node side (MaxText passes no
+        preservation policy), so without this the RAM fills up. The view entry
+        is hidden after a grace period: a client that deletes old steps itself
+        (an Orbax preservation policy) does so first and never finds a step
+        vanishing under its rmtree.
+        """
         drop = retention(self.catalog, self.config.keep_local, self.pinned())
-        if not drop:
-            return
-        hide: list[str] = []
         for key in drop:
             if self.mode == "protocol" and self.job and key.rank == self.job.node_rank:
-                hide += [n for n, k in self.view_steps.items() if k == key]
+                for name in [n for n, k in self.view_steps.items() if k == key]:
+                    self._spawn(self._hide_later, name, key)
             self.drop_shard(key, f"retention (keep {self.config.keep_local})")
-        for name in hide:
-            self.view_steps.pop(name, None)
+
+    async def _hide_later(self, name: str, key: ShardKey) -> None:
+        await trio.sleep(VIEW_RETENTION_GRACE)
+        if self.view_steps.get(name) == key and key not in self.catalog:
+            del self.view_steps[name]
             await trio.to_thread.run_sync(self._hide, name)
 
     def _hide(self, name: str) -> None:
