@@ -217,6 +217,21 @@ def test_jax_init_info_written_at_mount(make_mount):
     assert (m.path / "jax-init-info.txt").read_text() == "3\n10.1.2.3:8476\n"
 
 
+def test_backup_requested_is_recorded_on_the_step(mount):
+    d = mount.path
+    orbax_initialize(d, orbax_yaml("job", 0, 1))
+    orbax_save(d, 1, payload(1))
+    tmp = d / "2.orbax-checkpoint-tmp"
+    os.makedirs(tmp)
+    (tmp / "data").write_bytes(b"x")
+    (tmp / "_BACKUP_REQUESTED").write_bytes(b"")
+    os.rename(tmp, d / "2")
+    wait_sealed(d, 2)
+    wait_sealed(d, 1)
+    flags = {s["step"]: s["backup_requested"] for s in status(d)["steps"]}
+    assert flags == {1: False, 2: True}
+
+
 def test_status_command_shows_job_steps_budget_errors(mount):
     d = mount.path
     orbax_initialize(d, orbax_yaml("job", 0, 1) + "\nodd-key: 1")

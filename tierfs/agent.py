@@ -935,6 +935,7 @@ class NodeAgent:
                     "state": "verified" if shard.verified else "sealed",
                     "bytes": shard.bytes,
                     "files": len(shard.manifest.files),
+                    "backup_requested": shard.manifest.backup_requested,
                     "where": ["local"],
                     "visible": shard.key in names,
                 }
