@@ -144,27 +144,47 @@ def reconcile(body: Mapping[str, Any], api: Applier,
             "error": ""}
 
 
-def _register() -> None:
-    """Register the kopf handlers (only when kopf is importable)."""
+_api: Applier | None = None
+
+
+def api() -> Applier:
+    """The API client of this process (created on first use)."""
+    global _api
+    if _api is None:
+        _api = InClusterApi()
+    return _api
+
+
+def apply_configuration(body: Mapping[str, Any], patch: Any, logger: Any, **_: Any) -> None:
+    """kopf handler: keep the node DaemonSet of this configuration in line with its spec.
+
+    Writes ``status.daemonSet``/``observedGeneration`` (and clears ``status.error``)
+    on success; on failure writes ``status.error`` and raises kopf's
+    PermanentError (invalid spec: wait for the next change) or TemporaryError
+    (API unreachable or refusing: retry in 30 s).
+    """
     import kopf
 
-    api = InClusterApi()
+    try:
+        status = reconcile(body, api())
+    except render.RenderError as exc:
+        patch.status["error"] = str(exc)
+        raise kopf.PermanentError(str(exc)) from None
+    except (ApiError, OSError) as exc:
+        patch.status["error"] = str(exc)
+        raise kopf.TemporaryError(str(exc), delay=30) from None
+    patch.status.update(status)
+    logger.info("applied DaemonSet %s", status["daemonSet"])
 
-    @kopf.on.resume(render.API_GROUP, "v1", "checkpointconfigurations")
-    @kopf.on.create(render.API_GROUP, "v1", "checkpointconfigurations")
-    @kopf.on.update(render.API_GROUP, "v1", "checkpointconfigurations", field="spec")
-    def apply_configuration(body: Any, patch: Any, logger: Any, **_: Any) -> None:
-        """Keep the node DaemonSet of this configuration in line with its spec."""
-        try:
-            status = reconcile(body, api)
-        except render.RenderError as exc:
-            patch.status["error"] = str(exc)
-            raise kopf.PermanentError(str(exc)) from None
-        except (ApiError, OSError) as exc:
-            patch.status["error"] = str(exc)
-            raise kopf.TemporaryError(str(exc), delay=30) from None
-        patch.status.update(status)
-        logger.info("applied DaemonSet %s", status["daemonSet"])
+
+def _register() -> None:
+    """Register :func:`apply_configuration` with kopf for create, update and resume."""
+    import kopf
+
+    resource = (render.API_GROUP, "v1", "checkpointconfigurations")
+    kopf.on.resume(*resource)(apply_configuration)
+    kopf.on.create(*resource)(apply_configuration)
+    kopf.on.update(*resource, field="spec")(apply_configuration)
 
 
 try:
