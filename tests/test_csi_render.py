@@ -119,13 +119,17 @@ def test_full_render():
                      "blockOwnerDeletion": True}
 
 
-def test_long_names_stay_valid():
+@pytest.mark.parametrize("name", ["a" * 51, "a" * 60 + "-b", "b" * 63, "c." * 100 + "d"])
+def test_long_names_stay_valid_and_distinct(name):
     cpc = copy.deepcopy(MINIMAL)
-    cpc["metadata"]["name"] = "a" * 60 + "-b"
+    cpc["metadata"]["name"] = name
     ds = render.render_node_daemonset(cpc)
     assert len(ds["metadata"]["name"]) <= 63
-    assert ds["metadata"]["labels"][render.CONFIG_LABEL] == cpc["metadata"]["name"][:63]
+    assert len(ds["metadata"]["labels"][render.CONFIG_LABEL]) <= 63
     kubernetes_validate.validate(ds, "1.32.0", strict=True)
+    other = copy.deepcopy(cpc)
+    other["metadata"]["name"] = name[:-1] + "z"
+    assert render.render_node_daemonset(other)["metadata"]["name"] != ds["metadata"]["name"]
 
 
 def _broken(path: str, value):
@@ -153,10 +157,6 @@ def _broken(path: str, value):
 def test_invalid_configurations(path, value):
     with pytest.raises(render.RenderError):
         render.render_node_daemonset(_broken(path, value))
-
-
-def test_label_values_of_long_names_are_truncated_consistently():
-    assert render.daemonset_name("x" * 100).startswith("tierfs-node-xxx")
 
 
 def test_render_command(tmp_path, capsys):

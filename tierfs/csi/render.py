@@ -17,6 +17,7 @@ CONFIG.yaml`` prints it (``deploy/node/daemonset.yaml`` is the render of
 from __future__ import annotations
 
 import copy
+import hashlib
 import re
 import sys
 from collections.abc import Mapping
@@ -70,9 +71,20 @@ def quantity_bytes(text: str) -> int:
     return value
 
 
+def short_name(name: str, limit: int) -> str:
+    """``name`` if it has at most ``limit`` characters, else a prefix plus a hash of it.
+
+    Keeps names and label values unique and within Kubernetes' 63-character limits.
+    """
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name[:limit - 9].rstrip('-.')}-{digest}"
+
+
 def daemonset_name(config_name: str) -> str:
     """The DaemonSet name of a configuration (``tierfs-node-<name>``, at most 63 chars)."""
-    return f"tierfs-node-{config_name}"[:63].rstrip("-.")
+    return "tierfs-node-" + short_name(config_name, 63 - len("tierfs-node-"))
 
 
 def _spec(cpc: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -164,7 +176,7 @@ def render_node_daemonset(cpc: Mapping[str, Any], *, image: str = IMAGE,
     size = spec["inMemoryVolumeSize"]
     quantity_bytes(size)
     labels = {"app.kubernetes.io/name": "tierfs", "app.kubernetes.io/component": "node",
-              CONFIG_LABEL: name}
+              CONFIG_LABEL: short_name(name, 63)}
     node_selector = {"kubernetes.io/os": "linux"}
     selector = spec.get("nodeSelector") or {}
     if not isinstance(selector, Mapping) or not all(
