@@ -208,6 +208,9 @@ def render_node_daemonset(cpc: Mapping[str, Any], *, image: str = IMAGE,
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "healthz"},
                           "initialDelaySeconds": 10, "periodSeconds": 10, "timeoutSeconds": 3,
                           "failureThreshold": 5},
+        # Ready = Probe says ready = the node's tierfs mount answers
+        "readinessProbe": {"httpGet": {"path": "/healthz", "port": "healthz"},
+                           "periodSeconds": 5, "timeoutSeconds": 3},
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
         "volumeMounts": [
             {"name": "plugin-dir", "mountPath": "/csi"},
