@@ -287,3 +287,26 @@ def test_probe_reports_a_mount_that_cannot_start(driver, tmp_path):
         assert time.monotonic() < deadline, driver.log()
         time.sleep(0.1)
     assert driver.stop(signal.SIGTERM) == 0
+
+
+def test_csi_command_is_registered_and_checks_its_arguments():
+    out = tierfs("--help").stdout
+    assert "csi" in out
+    assert "--node-id" in tierfs("csi", "--help").stdout
+    for args, message in [
+        (["--node-id", "n"], "--ram-dir is required"),
+        (["--node-id", "n", "--ram-dir", "/dev/shm/x", "--endpoint", "tcp://1.2.3.4:5"],
+         "only unix sockets"),
+        (["--node-id", "n", "--ram-dir", "/dev/shm/x", "--driver-name", "-bad-"],
+         "driver name"),
+    ]:
+        proc = tierfs("csi", *args, check=False)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("first", ["tierfs.cli", "tierfs.csi.cli"])
+def test_either_import_order_registers_csi(first):
+    """tierfs.cli imports tierfs.csi.cli while being imported; both orders must work."""
+    code = (f"import {first}; import tierfs.cli as m, tierfs.csi.cli as c; "
+            "assert m.main.commands['csi'] is c.csi")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

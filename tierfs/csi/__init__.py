@@ -1,0 +1,11 @@
+"""tierfs on Kubernetes: the CSI node driver and the deployment around it.
+
+Modules: ``csi.proto`` and :mod:`~tierfs.csi.proto` (the CSI v1 subset tierfs
+serves, compiled at run time), :mod:`~tierfs.csi.server` (Identity and Node
+services), :mod:`~tierfs.csi.mounts` (bind mounts and /proc/self/mountinfo),
+:mod:`~tierfs.csi.volume_context` (volume attributes, redaction),
+:mod:`~tierfs.csi.nodemount` (the node's tierfs mount, kept up),
+:mod:`~tierfs.csi.cli` (``tierfs csi``), :mod:`~tierfs.csi.render` (the node
+DaemonSet of a CheckpointConfiguration) and :mod:`~tierfs.csi.operator`
+(optional, kopf). See docs/KUBERNETES.md.
+"""
