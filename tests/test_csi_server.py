@@ -13,6 +13,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -551,3 +552,50 @@ def test_secrets_and_tokens_are_never_logged(csi, tmp_path, caplog):
         data = (tmp_path / "state" / name).read_text()
         assert token not in data and secret not in data
 
+
+
+# --------------------------------------------------------------------------- node mount
+
+def test_supervised_node_mount(tmp_path):
+    """`tierfs mount` through the supervisor: not ready, then ready; kept while published."""
+    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
+        pytest.skip("needs /dev/fuse and root")
+    from tierfs.csi.nodemount import SupervisedMount
+
+    ram = Path("/dev/shm") / f"tierfs-test-csi-{os.getpid()}-{tmp_path.name[-20:]}"
+    node = SupervisedMount(str(tmp_path / "node"), ["--ram-dir", str(ram), "--size", "64MiB",
+                                                    "-o", "allow_other"])
+    c = _start(node, tmp_path / "state")
+    try:
+        probe = c.identity.Probe(pb2.ProbeRequest(), timeout=10)
+        assert probe.ready.value is False and node.error() is None
+        assert node.mount_once() is None
+        assert c.identity.Probe(pb2.ProbeRequest(), timeout=10).ready.value is True
+        target = kubelet_target(tmp_path)
+        c.node.NodePublishVolume(publish_req(target), timeout=30)
+        assert node.published() == [str(target)]
+        assert node.unmount_if_unused() is False  # a pod still uses it
+        c.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
+        assert node.unmount_if_unused() is True
+        assert mounts.top_mount(str(tmp_path / "node")) is None
+    finally:
+        _stop(c)
+        _unmount_under(tmp_path, keep=set())
+        shutil.rmtree(ram, ignore_errors=True)
+
+
+def test_supervised_node_mount_reports_failures(tmp_path):
+    from tierfs.csi.nodemount import SupervisedMount
+
+    node = SupervisedMount(str(tmp_path / "node"), ["--ram-dir", str(tmp_path / "r"),
+                                                    "-o", "no_such_option"], max_backoff=1)
+    node.start()
+    try:
+        deadline = time.monotonic() + 60
+        while node.error() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert "no_such_option" in node.error()
+        assert not node.ready()
+    finally:
+        node.stop()

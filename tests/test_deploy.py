@@ -327,6 +327,29 @@ def test_kustomize_renders_and_validates(overlay):
     assert all(":" in i for i in images), images  # every image pinned to a tag
 
 
+def _kustomize_resources(directory: Path) -> list[Path]:
+    """The files a kustomization pulls in, following directory resources (no kubectl)."""
+    k = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    assert k["apiVersion"] == "kustomize.config.k8s.io/v1beta1" and k["kind"] == "Kustomization"
+    files = []
+    for res in k["resources"]:
+        path = (directory / res).resolve()
+        assert path.is_relative_to(directory.resolve()) or (path / "kustomization.yaml").exists()
+        files += _kustomize_resources(path) if path.is_dir() else [path]
+    return files
+
+
+def test_kustomizations_cover_every_manifest_without_kubectl():
+    """Independent of kubectl: every resource exists, and every manifest is installed somewhere."""
+    used = set()
+    for overlay in ("", "operator", "examples"):
+        files = _kustomize_resources(DEPLOY / overlay)
+        assert files and all(f.exists() for f in files)
+        assert len(files) == len(set(files)), overlay
+        used |= set(files)
+    assert used == {p.resolve() for p in manifest_files()}
+
+
 def test_operator_deployment_runs_the_operator_module():
     docs = [d for d in load_docs(DEPLOY / "operator" / "deployment.yaml")]
     [dep] = docs
