@@ -1,0 +1,665 @@
+"""The coordinator of one job's nodes, run by node-rank 0 (PROTOCOL.md sections 4 and 6).
+
+Every node joins with its inventory (which ranks' shards of which steps it
+holds, verified or not, with their manifest digests). The coordinator
+
+* picks the restore step: the newest step whose shard for **every** rank is
+  held, verified, by some node taking part (PROTOCOL.md section 4); if none,
+  a fallback hook (the GCS tier adds the bucket there), else "nothing";
+* tells each node its plan: its own copy is local, or the holders to pull
+  it from (nearest on the ring first, so restores spread over the nodes);
+* runs the restore barrier in two phases: ``ready`` (every node has its
+  data; a node that found every copy of its shard corrupt reports the bad
+  copies and the step is chosen again without them: *replan*) and ``done``
+  (prerestore written; markers are published after it);
+* after each sealed step, runs a sync round: every node reports the newest
+  own step it has replicated to all its peers; when every rank has reported
+  a step, that step is the cluster's synced step.
+
+Rounds. A restore round collects one join per rank. In ``protocol`` mode
+(``replicator.yaml``) every rank must join, as MTC's nodes all do when a job
+restarts. In ``generic`` mode a restarted daemon restores alone while the
+others keep training: a rank that is live (heartbeat within
+``live_seconds``) and not restoring counts with its heartbeat inventory.
+A newer join of a rank replaces its older one while the round is open; a
+join with a new restore id after the decision opens the next round, and the
+participants of the old one are told to join again (``REJOIN``).
+
+This module is pure policy plus one thin gRPC servicer
+(:class:`CoordinatorServicer`); :class:`Coordinator` is plain data and is
+unit-tested without gRPC (tests/test_coordinator.py). It is not
+thread-safe: the servicer serializes every call with one condition
+variable, which also wakes long-polling ``Decide``/``Barrier`` calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: node-rank that runs the coordinator
+COORDINATOR_RANK = 0
+#: ``step`` on the wire for "nothing to restore" / "no step yet"
+NO_STEP = -1
+
+WAITING, DECIDED, REJOIN, PASSED, REPLAN = "waiting", "decided", "rejoin", "passed", "replan"
+PROTOCOL, GENERIC = "protocol", "generic"
+
+
+class Rejected(Exception):
+    """A join the coordinator refuses; the message is one line for ``replicator.errors``."""
+
+
+@dataclass(frozen=True, order=True)
+class Holding:
+    """One shard in a node's inventory.
+
+    Attributes:
+        rank: the node rank whose data it is.
+        step: the step.
+        verified: its checksums were verified by the holding daemon.
+        digest: :attr:`tierfs.manifest.Manifest.digest` (equal: identical bytes).
+        bytes: its size in bytes.
+        name: its primary top-level entry.
+    """
+
+    rank: int
+    step: int
+    verified: bool
+    digest: str
+    bytes: int = 0
+    name: str = ""
+
+
+#: (holder node rank, shard rank, step): one copy of one shard
+CopyId = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The coordinator's decision for a round.
+
+    Attributes:
+        step: the step every node restores, or None for "nothing".
+        holders: shard rank -> node ranks holding the chosen copy, verified.
+        digests: shard rank -> the chosen copy's digest.
+        reason: one human line (why this step; which newer steps were incomplete).
+        backup: a backup round name when the step comes from the bucket.
+    """
+
+    step: int | None
+    holders: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    digests: dict[int, str] = field(default_factory=dict)
+    reason: str = ""
+    backup: str | None = None
+
+
+#: the hook for the durable tier: (job, nodes) -> a Choice restoring from the bucket, or None
+Fallback = Callable[[str, int], Choice | None]
+
+
+def choose_restore(nodes: int, inventories: Mapping[int, Iterable[Holding]],
+                   bad: Iterable[CopyId] = (), fallback: Callable[[], Choice | None] | None = None
+                   ) -> Choice:
+    """Pick the newest step whose shard for every rank is held, verified, by some node.
+
+    Args:
+        nodes: number of node ranks N; shards of ranks outside [0, N) are ignored.
+        inventories: holder node rank -> what it holds.
+        bad: copies found corrupt (excluded).
+        fallback: asked when no step is complete in the cluster (the bucket).
+
+    Returns:
+        The choice. For each rank the copy is the owner's own one if it holds
+        a verified copy, else the digest most holders agree on.
+    """
+    excluded = set(bad)
+    table: dict[int, dict[int, dict[str, set[int]]]] = {}
+    for holder, held in inventories.items():
+        for h in held:
+            if not h.verified or not 0 <= h.rank < nodes or h.step < 0:
+                continue
+            if (holder, h.rank, h.step) in excluded:
+                continue
+            table.setdefault(h.step, {}).setdefault(h.rank, {}).setdefault(
+                h.digest, set()).add(holder)
+    skipped: list[str] = []
+    for step in sorted(table, reverse=True):
+        by_rank = table[step]
+        missing = [r for r in range(nodes) if r not in by_rank]
+        if missing:
+            skipped.append(f"step {step} lacks rank(s) {_ranks(missing)}")
+            continue
+        holders: dict[int, tuple[int, ...]] = {}
+        digests: dict[int, str] = {}
+        for r in range(nodes):
+            copies = by_rank[r]
+            own = [d for d, hs in copies.items() if r in hs]
+            digest = own[0] if own else sorted(copies, key=lambda d: (-len(copies[d]), d))[0]
+            digests[r] = digest
+            holders[r] = tuple(sorted(copies[digest]))
+        reason = f"step {step} is complete in the cluster"
+        if skipped:
+            reason += " (" + "; ".join(skipped) + ")"
+        return Choice(step, holders, digests, reason)
+    if fallback is not None:
+        choice = fallback()
+        if choice is not None:
+            return choice
+    reason = "no step is complete in the cluster"
+    if skipped:
+        reason += " (" + "; ".join(skipped) + ")"
+    return Choice(None, reason=reason)
+
+
+def sources_for(choice: Choice, rank: int, nodes: int) -> tuple[bool, list[int]]:
+    """Where node ``rank`` gets its shard of ``choice.step``.
+
+    Returns:
+        (local, holders): ``local`` when the node holds the chosen copy
+        itself; ``holders`` the other nodes holding it, nearest first on the
+        ring after ``rank`` (so several restoring nodes pull from different
+        peers).
+    """
+    holders = choice.holders.get(rank, ())
+    others = sorted((h for h in holders if h != rank), key=lambda h: (h - rank) % max(nodes, 1))
+    return rank in holders, others
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    return "[" + ", ".join(str(r) for r in sorted(ranks)) + "]"
+
+
+# ---------------------------------------------------------------------- state
+
+
+@dataclass
+class Member:
+    """A node the coordinator knows (from a join or a heartbeat)."""
+
+    rank: int
+    address: str
+    incarnation: str
+    inventory: tuple[Holding, ...] = ()
+    last_seen: float = 0.0
+    replicated_step: int = NO_STEP
+    mode: str = PROTOCOL
+
+
+@dataclass
+class Participant:
+    """A node taking part in a restore round."""
+
+    rank: int
+    restore_id: str
+    inventory: tuple[Holding, ...]
+    joined_at: float
+
+
+@dataclass
+class Round:
+    """One restore round (see the module docstring)."""
+
+    number: int
+    strict: bool
+    opened_at: float
+    joined: dict[int, Participant] = field(default_factory=dict)
+    choice: Choice | None = None
+    version: int = 0
+    inventories: dict[int, tuple[Holding, ...]] = field(default_factory=dict)
+    borrowed: tuple[int, ...] = ()
+    bad: set[CopyId] = field(default_factory=set)
+    ready: set[int] = field(default_factory=set)
+    done: set[int] = field(default_factory=set)
+    decided_at: float | None = None
+    missing: tuple[int, ...] = ()
+
+    @property
+    def ready_passed(self) -> bool:
+        return self.choice is not None and self.ready >= set(self.joined)
+
+    @property
+    def finished(self) -> bool:
+        return self.ready_passed and self.done >= set(self.joined)
+
+    @property
+    def state(self) -> str:
+        if self.choice is None:
+            return "waiting"
+        if self.finished:
+            return "done"
+        if self.ready_passed:
+            return "ready"
+        return "decided"
+
+
+@dataclass(frozen=True)
+class DecideView:
+    """What :meth:`Coordinator.decide` tells one node."""
+
+    state: str
+    round: int = 0
+    version: int = 0
+    step: int | None = None
+    missing: tuple[int, ...] = ()
+    local: bool = False
+    digest: str = ""
+    sources: tuple[tuple[int, str], ...] = ()
+    reason: str = ""
+    backup: str | None = None
+
+
+@dataclass(frozen=True)
+class BarrierView:
+    """What :meth:`Coordinator.barrier` tells one node."""
+
+    state: str
+    waiting_for: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class SyncView:
+    """What :meth:`Coordinator.sync` tells one node."""
+
+    known: bool
+    synced_step: int = NO_STEP
+    synced_at: float = 0.0
+    steps: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class PeerView:
+    rank: int
+    address: str
+    incarnation: str
+    live: bool
+
+
+class Coordinator:
+    """The coordinator's state for the job it serves (pure; see the module docstring).
+
+    Args:
+        clock: monotonic seconds (injectable for tests).
+        wall: Unix seconds, for the status.
+        live_seconds: a member heard from within this many seconds is live.
+        own_rank: the rank of the node running the coordinator (0); its join
+            with another job name switches the coordinator to that job.
+        fallback: the durable tier's hook, see :data:`Fallback`.
+    """
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time, live_seconds: float = 5.0,
+                 own_rank: int = COORDINATOR_RANK, fallback: Fallback | None = None) -> None:
+        self.clock = clock
+        self.wall = wall
+        self.live_seconds = live_seconds
+        self.own_rank = own_rank
+        self.fallback = fallback
+        self.job: str | None = None
+        self.nodes = 0
+        self.members: dict[int, Member] = {}
+        self.round: Round | None = None
+        self.previous: Round | None = None
+        self.rounds = 0
+        self.sync_steps: dict[int, int] = {}
+        self.synced_step = NO_STEP
+        self.synced_at = 0.0
+        self.history: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ membership
+
+    def _reset(self, job: str, nodes: int) -> None:
+        if self.job is not None:
+            log.info("coordinator: switching from job %s (%d nodes) to %s (%d nodes)",
+                     self.job, self.nodes, job, nodes)
+        self.job, self.nodes = job, nodes
+        self.members.clear()
+        self.round = self.previous = None
+        self.sync_steps.clear()
+        self.synced_step = NO_STEP
+        self.synced_at = 0.0
+
+    def live(self, rank: int) -> bool:
+        """True if ``rank`` was heard from within ``live_seconds``."""
+        m = self.members.get(rank)
+        return m is not None and self.clock() - m.last_seen <= self.live_seconds
+
+    def _check_job(self, job: str, nodes: int, rank: int) -> None:
+        if nodes < 1:
+            raise Rejected(f"node-rank {rank} joined with nodes {nodes}; nodes must be >= 1")
+        if not 0 <= rank < nodes:
+            raise Rejected(f"node-rank {rank} is out of range for {nodes} nodes "
+                           f"(must be < nodes)")
+        if self.job is None or (job, nodes) == (self.job, self.nodes):
+            if self.job is None:
+                self._reset(job, nodes)
+            return
+        others_live = any(self.live(r) for r in self.members if r != rank)
+        busy = self.round is not None and not self.round.finished
+        if rank == self.own_rank or not (others_live or busy):
+            self._reset(job, nodes)
+            return
+        if job != self.job:
+            raise Rejected(f"job-name mismatch: the coordinator (node-rank {self.own_rank}) runs "
+                           f"job {self.job!r} with {self.nodes} nodes; node-rank {rank} joined "
+                           f"as job {job!r}")
+        raise Rejected(f"node count mismatch: job {job!r} has {self.nodes} nodes at the "
+                       f"coordinator; node-rank {rank} joined with nodes {nodes}")
+
+    def join(self, job: str, nodes: int, rank: int, address: str, incarnation: str,
+             inventory: Iterable[Holding], restore_id: str = "", mode: str = PROTOCOL
+             ) -> int:
+        """Register (or refresh) a node; with ``restore_id``, enter the restore round.
+
+        Returns:
+            The round number the node is in (0 for a plain registration).
+
+        Raises:
+            Rejected: rank outside [0, nodes), or a job name / node count other
+                than the coordinator's while that job is active.
+        """
+        self._check_job(job, nodes, rank)
+        now = self.clock()
+        inv = tuple(inventory)
+        m = self.members.get(rank)
+        if m is None or m.incarnation != incarnation:
+            if m is not None:
+                log.info("coordinator: node-rank %d restarted (incarnation %s -> %s)", rank,
+                         m.incarnation[:8], incarnation[:8])
+            m = self.members[rank] = Member(rank, address, incarnation)
+        m.address, m.inventory, m.last_seen, m.mode = address, inv, now, mode
+        if not restore_id:
+            return 0
+        r = self.round
+        if r is not None and r.choice is None and not r.finished:
+            r.joined[rank] = Participant(rank, restore_id, inv, now)
+            r.strict = r.strict or mode == PROTOCOL
+            return r.number
+        if r is not None and r.choice is not None and not r.finished:
+            p = r.joined.get(rank)
+            if p is not None and p.restore_id == restore_id:
+                return r.number  # a retried join of the same restore
+        self.previous = r
+        self.rounds += 1
+        self.round = Round(self.rounds, mode == PROTOCOL, now)
+        self.round.joined[rank] = Participant(rank, restore_id, inv, now)
+        log.info("coordinator: restore round %d opened by node-rank %d", self.rounds, rank)
+        return self.rounds
+
+    # ------------------------------------------------------------------ restore
+
+    def _participant(self, job: str, rank: int, restore_id: str) -> Round | None:
+        r = self.round
+        if job != self.job or r is None:
+            return None
+        p = r.joined.get(rank)
+        if p is None or p.restore_id != restore_id:
+            return None
+        m = self.members.get(rank)
+        if m is not None:
+            m.last_seen = self.clock()
+        return r
+
+    def _try_decide(self, r: Round) -> None:
+        if r.choice is not None:
+            return
+        inventories: dict[int, tuple[Holding, ...]] = {}
+        borrowed = []
+        missing = []
+        for rank in range(self.nodes):
+            p = r.joined.get(rank)
+            if p is not None:
+                inventories[rank] = p.inventory
+            elif not r.strict and self.live(rank):
+                inventories[rank] = self.members[rank].inventory
+                borrowed.append(rank)
+            else:
+                missing.append(rank)
+        r.missing = tuple(missing)
+        if missing:
+            return
+        r.inventories = inventories
+        r.borrowed = tuple(borrowed)
+        self._decide(r)
+
+    def _decide(self, r: Round) -> None:
+        job, nodes = self.job or "", self.nodes
+        fallback = (lambda: self.fallback(job, nodes)) if self.fallback else None
+        r.choice = choose_restore(self.nodes, r.inventories, r.bad, fallback)
+        r.version += 1
+        r.ready.clear()
+        r.decided_at = self.clock()
+        self.sync_steps.clear()
+        self.synced_step = NO_STEP
+        log.info("coordinator: round %d decision %d: step %s (%s)", r.number, r.version,
+                 r.choice.step, r.choice.reason)
+        self.history.append({"round": r.number, "version": r.version, "step": r.choice.step,
+                             "reason": r.choice.reason, "at": self.wall()})
+        del self.history[:-20]
+
+    def decide(self, job: str, rank: int, restore_id: str) -> DecideView:
+        """The decision for node ``rank`` once every rank is accounted for.
+
+        Returns:
+            ``waiting`` (with the missing ranks), ``decided`` (step and this
+            node's sources), or ``rejoin`` (unknown restore: join again).
+        """
+        r = self._participant(job, rank, restore_id)
+        if r is None:
+            return DecideView(REJOIN)
+        self._try_decide(r)
+        if r.choice is None:
+            return DecideView(WAITING, r.number, r.version, missing=r.missing)
+        c = r.choice
+        if c.step is None:
+            return DecideView(DECIDED, r.number, r.version, None, reason=c.reason)
+        local, holders = sources_for(c, rank, self.nodes)
+        if c.backup is not None and not local and not holders:
+            return DecideView(DECIDED, r.number, r.version, c.step, reason=c.reason,
+                              backup=c.backup, digest=c.digests.get(rank, ""))
+        sources = tuple((h, self.members[h].address) for h in holders if h in self.members)
+        return DecideView(DECIDED, r.number, r.version, c.step, local=local,
+                          digest=c.digests.get(rank, ""), sources=sources, reason=c.reason,
+                          backup=c.backup)
+
+    def barrier(self, job: str, rank: int, restore_id: str, round_no: int, version: int,
+                phase: str, ok: bool = True, bad: Iterable[CopyId] = ()) -> BarrierView:
+        """Phase ``ready`` (data in place, or the bad copies) or ``done`` (markers next).
+
+        Returns:
+            ``passed`` once every participant reached the phase; ``waiting``
+            with the ranks still missing; ``replan`` when the decision changed
+            (call :meth:`decide` again); ``rejoin`` for an unknown restore.
+        """
+        prev = self.previous
+        if (prev is not None and prev.number == round_no and job == self.job
+                and rank in prev.joined and prev.joined[rank].restore_id == restore_id):
+            if (phase == "done" and prev.finished) or (phase == "ready" and prev.ready_passed):
+                return BarrierView(PASSED)
+            return BarrierView(REJOIN)
+        r = self._participant(job, rank, restore_id)
+        if r is None or r.number != round_no or r.choice is None:
+            return BarrierView(REJOIN)
+        if version != r.version:
+            return BarrierView(REPLAN)
+        if phase == "ready":
+            if not ok:
+                r.bad |= set(bad)
+                log.info("coordinator: node-rank %d found bad copies %s; deciding again", rank,
+                         sorted(set(bad)))
+                self._decide(r)
+                return BarrierView(REPLAN)
+            r.ready.add(rank)
+            waiting = tuple(sorted(set(r.joined) - r.ready))
+            return BarrierView(WAITING, waiting) if waiting else BarrierView(PASSED)
+        if phase == "done":
+            if not r.ready_passed:
+                return BarrierView(WAITING, tuple(sorted(set(r.joined) - r.ready)))
+            r.done.add(rank)
+            waiting = tuple(sorted(set(r.joined) - r.done))
+            return BarrierView(WAITING, waiting) if waiting else BarrierView(PASSED)
+        raise ValueError(f"unknown barrier phase {phase!r}")
+
+    # ------------------------------------------------------------------ sync
+
+    def sync(self, job: str, rank: int, incarnation: str, step: int,
+             inventory: Iterable[Holding]) -> SyncView:
+        """Heartbeat plus sync report: ``step`` = newest own step replicated to all peers.
+
+        Returns:
+            ``known=False`` when the node must join first (coordinator
+            restarted, or another job); else the synced step.
+        """
+        m = self.members.get(rank)
+        if job != self.job or m is None or m.incarnation != incarnation:
+            return SyncView(False)
+        m.last_seen = self.clock()
+        m.inventory = tuple(inventory)
+        m.replicated_step = step
+        if step >= 0:
+            self.sync_steps[rank] = step
+        if len(self.sync_steps) == self.nodes and all(
+                r in self.sync_steps for r in range(self.nodes)):
+            synced = min(self.sync_steps.values())
+            if synced > self.synced_step:
+                self.synced_step = synced
+                self.synced_at = self.wall()
+                log.info("coordinator: sync round complete: step %d on all %d nodes", synced,
+                         self.nodes)
+        steps = tuple(self.sync_steps.get(r, NO_STEP) for r in range(self.nodes))
+        return SyncView(True, self.synced_step, self.synced_at, steps)
+
+    def peers(self) -> list[PeerView]:
+        """Every known member with its address and liveness."""
+        return [PeerView(m.rank, m.address, m.incarnation, self.live(m.rank))
+                for m in sorted(self.members.values(), key=lambda m: m.rank)]
+
+    def status(self) -> dict[str, Any]:
+        """Plain-data status (``tierfs status`` of the coordinator's node)."""
+        now = self.clock()
+        r = self.round
+        rnd = None
+        if r is not None:
+            rnd = {"number": r.number, "state": r.state, "strict": r.strict,
+                   "joined": sorted(r.joined), "missing": list(r.missing),
+                   "borrowed": list(r.borrowed), "version": r.version,
+                   "step": r.choice.step if r.choice else None,
+                   "reason": r.choice.reason if r.choice else None,
+                   "ready": sorted(r.ready), "done": sorted(r.done),
+                   "bad": [list(b) for b in sorted(r.bad)],
+                   "age_seconds": round(now - r.opened_at, 1)}
+        return {
+            "job": self.job, "nodes": self.nodes, "round": rnd,
+            "members": [{"rank": m.rank, "address": m.address, "live": self.live(m.rank),
+                         "seen_seconds_ago": round(now - m.last_seen, 1),
+                         "replicated_step": m.replicated_step, "shards": len(m.inventory)}
+                        for m in sorted(self.members.values(), key=lambda m: m.rank)],
+            "sync": {"step": self.synced_step if self.synced_step >= 0 else None,
+                     "at": self.synced_at or None,
+                     "steps": {str(r): s for r, s in sorted(self.sync_steps.items())}},
+            "decisions": list(self.history[-5:]),
+        }
+
+
+# ---------------------------------------------------------------------- gRPC
+
+
+#: longest a Decide/Barrier long-poll holds a server thread (seconds)
+MAX_WAIT = 5.0
+
+
+class CoordinatorServicer:
+    """The ``tierfs.peer.v1.Coordinator`` service over a :class:`Coordinator`.
+
+    Args:
+        coordinator: the state.
+        pb2: the message module from :func:`tierfs.tiers.peer_wire.load`.
+        recheck: seconds between re-evaluations of a waiting long-poll (a
+            live member may expire or appear without a call).
+    """
+
+    def __init__(self, coordinator: Coordinator, pb2: Any, recheck: float = 0.5) -> None:
+        self.coordinator = coordinator
+        self.pb2 = pb2
+        self.recheck = recheck
+        self.cond = threading.Condition()
+
+    def _holdings(self, items: Iterable[Any]) -> tuple[Holding, ...]:
+        return tuple(Holding(h.rank, h.step, h.verified, h.digest, h.bytes, h.name)
+                     for h in items)
+
+    def _peers(self) -> list[Any]:
+        return [self.pb2.PeerAddress(rank=p.rank, address=p.address, incarnation=p.incarnation,
+                                     live=p.live) for p in self.coordinator.peers()]
+
+    def status(self) -> dict[str, Any]:
+        """The coordinator's status, taken under the lock (any thread)."""
+        with self.cond:
+            return self.coordinator.status()
+
+    def Join(self, request: Any, context: Any) -> Any:
+        import grpc
+
+        with self.cond:
+            try:
+                number = self.coordinator.join(
+                    request.job, request.nodes, request.rank, request.address,
+                    request.incarnation, self._holdings(request.inventory),
+                    request.restore_id, request.mode or PROTOCOL)
+            except Rejected as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            self.cond.notify_all()
+            return self.pb2.JoinReply(round=number, peers=self._peers())
+
+    def _wait(self, request: Any, context: Any, fn: Callable[[], Any]) -> Any:
+        deadline = time.monotonic() + min(max(request.wait_ms, 0) / 1000.0, MAX_WAIT)
+        with self.cond:
+            while True:
+                view = fn()
+                self.cond.notify_all()
+                remaining = deadline - time.monotonic()
+                if view.state != WAITING or remaining <= 0 or not context.is_active():
+                    return view
+                self.cond.wait(min(remaining, self.recheck))
+
+    def Decide(self, request: Any, context: Any) -> Any:
+        view: DecideView = self._wait(request, context, lambda: self.coordinator.decide(
+            request.job, request.rank, request.restore_id))
+        pb = self.pb2.DecideReply
+        state = {WAITING: pb.WAITING, DECIDED: pb.DECIDED, REJOIN: pb.REJOIN}[view.state]
+        return pb(state=state, round=view.round, version=view.version,
+                  step=NO_STEP if view.step is None else view.step, missing=list(view.missing),
+                  local=view.local, digest=view.digest,
+                  sources=[self.pb2.Source(holder=h, address=a) for h, a in view.sources],
+                  reason=view.reason, backup=view.backup or "")
+
+    def Barrier(self, request: Any, context: Any) -> Any:
+        bad = [(b.holder, b.rank, b.step) for b in request.bad]
+
+        def call() -> BarrierView:
+            # a failure report replans at once (not "waiting"); a retried
+            # report carries the old version and only gets "replan" again
+            return self.coordinator.barrier(request.job, request.rank, request.restore_id,
+                                            request.round, request.version, request.phase,
+                                            request.ok, bad)
+
+        view: BarrierView = self._wait(request, context, call)
+        pb = self.pb2.BarrierReply
+        state = {WAITING: pb.WAITING, PASSED: pb.PASSED, REPLAN: pb.REPLAN,
+                 REJOIN: pb.REJOIN}[view.state]
+        return pb(state=state, waiting_for=list(view.waiting_for))
+
+    def Sync(self, request: Any, context: Any) -> Any:
+        with self.cond:
+            view = self.coordinator.sync(request.job, request.rank, request.incarnation,
+                                         request.step, self._holdings(request.inventory))
+            self.cond.notify_all()
+            return self.pb2.SyncReply(known=view.known, synced_step=view.synced_step,
+                                      synced_at=view.synced_at, peers=self._peers(),
+                                      steps=list(view.steps))
