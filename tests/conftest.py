@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from gcs_fixtures import fake_gcs  # noqa: F401  (GCS emulator fixture)
 
 SHM = Path("/dev/shm")
 TIERFS = [sys.executable, "-m", "tierfs"]

@@ -1,0 +1,1121 @@
+"""The GCS tier's storage operations: backup rounds in the MTC bucket layout.
+
+Every function and method here blocks (HTTP, file I/O): the node agent calls
+them from worker threads (``trio.to_thread.run_sync`` with a limiter), the
+CLI and the benchmark call them directly. Google Cloud Storage is reached
+only through ``google-cloud-storage``; credentials are found the library's
+usual way (Application Default Credentials), and ``STORAGE_EMULATOR_HOST``
+(``http://host:port``) selects an emulator such as fake-gcs-server, for which
+the library uses anonymous credentials by itself.
+
+What a node does in a backup round (:meth:`GcsBackend.upload_shard`):
+
+1. its data objects, streamed from the sealed snapshot's hard links, several
+   in parallel (a bounded thread pool), resumable uploads in
+   ``chunk_size`` pieces for files above 8 MiB; each carries the crc32c from
+   the shard manifest, so GCS refuses bytes that differ from what was sealed,
+   and the crc32c GCS reports back is compared with the manifest again;
+2. ``<job>-s<step>-n<rank>.tierfs.json``: the shard manifest and object map;
+3. last, the MTC pointer(s) ``<job>-s<step>-n<rank>-w<w>.meta``.
+
+A round is usable for a node only when its pointer exists and every data
+object its manifest names exists with the manifest's size and crc32c
+(:meth:`GcsBackend.inspect_round`); rounds cut off half-way are never chosen.
+Restores download straight into ``store/incoming/<id>/data`` of the RAM
+store, check every file's crc32c and size against the manifest while
+writing, and commit with :meth:`tierfs.tiers.local.ShardStore.commit`.
+
+Failures: every request is retried with exponential backoff on 429, 408,
+5xx, timeouts and connection errors (``google.cloud.storage.retry``'s
+predicate) until ``GcsSettings.retry_deadline`` seconds have passed; then
+the exception propagates (see :func:`describe_error`).
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures as cf
+import logging
+import os
+import shutil
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierfs.fs.ramstore import RamStore
+from tierfs.manifest import FileEntry, Manifest, check_entries
+from tierfs.tiers import gcs_layout as L
+from tierfs.tiers.gcs_layout import BucketSpec, LayoutError, NodeBackup
+from tierfs.tiers.local import Shard, ShardStore
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+#: google-cloud-storage uses one multipart request up to this size, resumable above
+MULTIPART_MAX = 8 * MiB
+
+
+class GcsError(Exception):
+    """A backup or restore could not be done; the message is one line for humans."""
+
+
+class ChecksumMismatch(GcsError):
+    """Bytes in the bucket (or read for upload) differ from the shard manifest."""
+
+
+class IncompleteRound(GcsError):
+    """A round lacks a node's pointer, manifest or data objects."""
+
+
+class Cancelled(GcsError):
+    """The operation was cancelled through its ``cancel`` event."""
+
+
+# ---------------------------------------------------------------------- settings
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ[name])
+    except (KeyError, ValueError):
+        return default
+
+
+@dataclass(frozen=True)
+class GcsSettings:
+    """Tuning of the GCS tier.
+
+    Attributes:
+        threads: objects transferred in parallel per node (>= 1).
+        chunk_size: bytes per request of a resumable upload (multiple of 256 KiB);
+            each in-flight large upload buffers one chunk.
+        retry_deadline: seconds a request keeps being retried (429/5xx/timeouts/
+            connection errors) before the error propagates.
+        retry_initial, retry_max: first and largest backoff delay in seconds.
+        connect_timeout, read_timeout: per HTTP request, seconds.
+    """
+
+    threads: int = 8
+    chunk_size: int = 64 * MiB
+    retry_deadline: float = 300.0
+    retry_initial: float = 1.0
+    retry_max: float = 30.0
+    connect_timeout: float = 10.0
+    read_timeout: float = 120.0
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> GcsSettings:
+        """Defaults, then ``TIERFS_GCS_THREADS``, ``TIERFS_GCS_CHUNK_MIB``,
+        ``TIERFS_GCS_RETRY_DEADLINE`` (seconds), ``TIERFS_GCS_TIMEOUT``
+        (read timeout, seconds), then ``overrides``."""
+        d = cls()
+        chunk_mib = _env_float("TIERFS_GCS_CHUNK_MIB", d.chunk_size / MiB)
+        values: dict[str, Any] = {
+            "threads": max(1, int(_env_float("TIERFS_GCS_THREADS", d.threads))),
+            "chunk_size": max(1, int(chunk_mib * 4)) * (MiB // 4),
+            "retry_deadline": _env_float("TIERFS_GCS_RETRY_DEADLINE", d.retry_deadline),
+            "read_timeout": _env_float("TIERFS_GCS_TIMEOUT", d.read_timeout),
+        }
+        values.update(overrides)
+        deadline = values["retry_deadline"]
+        if deadline < 60 and "retry_initial" not in overrides:
+            values["retry_initial"] = min(d.retry_initial, 0.25)
+        if deadline < 60 and "retry_max" not in overrides:
+            values["retry_max"] = min(d.retry_max, max(0.5, deadline / 4))
+        return cls(**values)
+
+
+def make_client(project: str | None = None) -> Any:
+    """A ``google.cloud.storage.Client`` the library's usual way.
+
+    With ``STORAGE_EMULATOR_HOST`` set, google-cloud-storage 3.x points the
+    client at the emulator and uses anonymous credentials by itself; the
+    project then defaults to ``$GOOGLE_CLOUD_PROJECT`` or none. Blocking
+    (credential discovery may probe the metadata server).
+    """
+    from google.cloud import storage
+
+    if project is None:
+        project = os.environ.get("GOOGLE_CLOUD_PROJECT") or None
+    if project is None and os.environ.get("STORAGE_EMULATOR_HOST"):
+        return storage.Client(project=None)
+    return storage.Client(project=project) if project else storage.Client()
+
+
+def _widen_pool(client: Any, size: int) -> None:
+    """Let ``size`` threads share the client's HTTP session without pool warnings."""
+    try:
+        import requests.adapters
+
+        session = client._http
+        adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=size + 4)
+        session.mount("https://", adapter)
+        session.mount("http://", adapter)
+    except Exception:  # a private attribute of google-cloud-core; best effort
+        log.debug("could not widen the HTTP connection pool", exc_info=True)
+
+
+def crc_b64(crc: int) -> str:
+    """crc32c as GCS spells it: base64 of the big-endian 4 bytes."""
+    return base64.b64encode((crc & 0xFFFFFFFF).to_bytes(4, "big")).decode("ascii")
+
+
+def crc_from_b64(text: str | None) -> int | None:
+    """Inverse of :func:`crc_b64`; None for a missing or malformed value."""
+    if not text:
+        return None
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except ValueError:
+        return None
+    return int.from_bytes(raw, "big") if len(raw) == 4 else None
+
+
+def describe_error(exc: BaseException) -> str:
+    """A one-line description of a GCS failure for status and ``replicator.errors``."""
+    from google.api_core import exceptions as gexc
+
+    name = type(exc).__name__
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    if isinstance(exc, gexc.RetryError):
+        cause = exc.cause
+        return (f"bucket unreachable: gave up retrying "
+                f"({describe_error(cause) if cause else text})")
+    if isinstance(exc, ConnectionError | TimeoutError) or "Connection" in name:
+        return f"bucket unreachable ({name}: {text[:160]})"
+    if isinstance(exc, gexc.NotFound):
+        return f"not found: {text[:200]}"
+    if isinstance(exc, gexc.Forbidden | gexc.Unauthorized):
+        return f"access denied: {text[:200]}"
+    if isinstance(exc, GcsError):
+        return text
+    return f"{name}: {text[:200]}"
+
+
+# ---------------------------------------------------------------------- streams
+
+
+class _Abort:
+    """A stop flag for one parallel batch: set by its first failure, or by the caller's
+    ``cancel`` event."""
+
+    def __init__(self, outer: threading.Event | None) -> None:
+        self.outer = outer
+        self.local = threading.Event()
+
+    def is_set(self) -> bool:
+        return self.local.is_set() or (self.outer is not None and self.outer.is_set())
+
+    def set(self) -> None:
+        self.local.set()
+
+
+class _Reader:
+    """A file proxy for uploads: counts new bytes, stops on cancel."""
+
+    def __init__(self, f: Any, cancel: _Abort | None,
+                 on_bytes: Callable[[int], None] | None) -> None:
+        self._f = f
+        self._cancel = cancel
+        self._on_bytes = on_bytes
+        self._high = 0
+
+    def read(self, n: int = -1) -> bytes:
+        if self._cancel is not None and self._cancel.is_set():
+            raise Cancelled("upload cancelled")
+        data = self._f.read(n)
+        pos = self._f.tell()
+        if pos > self._high:
+            if self._on_bytes is not None:
+                self._on_bytes(pos - self._high)
+            self._high = pos
+        return data
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+
+class _Writer:
+    """A file proxy for downloads: crc32c and size of what was written, stops on cancel."""
+
+    def __init__(self, f: Any, cancel: _Abort | None,
+                 on_bytes: Callable[[int], None] | None) -> None:
+        import google_crc32c
+
+        self._f = f
+        self._cancel = cancel
+        self._on_bytes = on_bytes
+        self._extend = google_crc32c.extend
+        self.crc = 0
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        if self._cancel is not None and self._cancel.is_set():
+            raise Cancelled("download cancelled")
+        n = self._f.write(data)
+        self.crc = self._extend(self.crc, bytes(data))
+        self.size += len(data)
+        if self._on_bytes is not None:
+            self._on_bytes(len(data))
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+# ---------------------------------------------------------------------- round inspection
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """An object as listed: name relative to the round dir, bytes, crc32c (None if absent)."""
+
+    name: str
+    size: int
+    crc32c: int | None
+    updated: float = 0.0
+
+
+@dataclass
+class NodeEntry:
+    """One node's part of one step in a round.
+
+    Attributes:
+        rank, step: whose part.
+        metas: worker -> the hash its ``.meta`` holds (None: unreadable pointer).
+        backup: tierfs's manifest object, or None (missing, or a round written by MTC).
+        missing: human-readable problems (missing/short/corrupt objects...).
+        notes: problems found while reading the round (kept by :func:`judge_round`).
+        bytes: bytes of the data objects this part names.
+        foreign: written without a tierfs manifest (MTC); completeness is then
+            judged from the data objects' presence only.
+    """
+
+    rank: int
+    step: int
+    metas: dict[int, str | None] = field(default_factory=dict)
+    backup: NodeBackup | None = None
+    missing: list[str] = field(default_factory=list)
+    bytes: int = 0
+    foreign: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """The pointer exists and every data object the part names is there and intact."""
+        return bool(self.metas) and not self.missing
+
+
+@dataclass
+class RoundInfo:
+    """What one backup round directory holds.
+
+    Attributes:
+        name: ``YYYY-MM-DD_HH-MM``.
+        nodes: the number of nodes judged against (given, or from the manifests).
+        parts: (rank, step) -> :class:`NodeEntry` for every pointer or manifest found.
+        objects: every object under the round dir, by relative name.
+        total_bytes: sum of all object sizes in the round dir.
+        complete_step: the newest step complete for every rank 0..nodes-1, or None.
+        error: set when the round could not be read at all.
+    """
+
+    name: str
+    nodes: int
+    parts: dict[tuple[int, int], NodeEntry] = field(default_factory=dict)
+    objects: dict[str, ObjectInfo] = field(default_factory=dict)
+    total_bytes: int = 0
+    complete_step: int | None = None
+    error: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Usable for a restore: some step is complete for every node."""
+        return self.complete_step is not None
+
+    @property
+    def steps(self) -> list[int]:
+        """Steps with at least one part, newest first."""
+        return sorted({s for _r, s in self.parts}, reverse=True)
+
+    def step_for_display(self) -> int | None:
+        """The complete step, else the newest step seen."""
+        if self.complete_step is not None:
+            return self.complete_step
+        steps = self.steps
+        return steps[0] if steps else None
+
+    def ranks_present(self, step: int | None = None) -> list[int]:
+        """Ranks with a pointer (of ``step``, or of any step)."""
+        return sorted({r for (r, s), e in self.parts.items()
+                       if e.metas and (step is None or s == step)})
+
+    def ranks_complete(self, step: int) -> list[int]:
+        """Ranks whose part of ``step`` is complete."""
+        return sorted(r for (r, s), e in self.parts.items() if s == step and e.complete)
+
+    def problems(self, step: int | None = None) -> list[str]:
+        """Why the round (or ``step`` in it) is not usable, one line each."""
+        if self.error:
+            return [self.error]
+        step = self.step_for_display() if step is None else step
+        if step is None:
+            return ["no node pointer (.meta) in this round"]
+        out = []
+        for r in range(self.nodes):
+            e = self.parts.get((r, step))
+            if e is None or not e.metas:
+                out.append(f"rank {r}: no pointer for step {step}")
+            else:
+                out.extend(f"rank {r}: {m}" for m in e.missing[:3])
+                if len(e.missing) > 3:
+                    out.append(f"rank {r}: ... {len(e.missing) - 3} more")
+        return out
+
+    def bytes_of(self, step: int) -> int:
+        """Bytes of the data objects the parts of ``step`` name (deduplicated)."""
+        seen: set[str] = set()
+        total = 0
+        for (_r, s), e in self.parts.items():
+            if s != step or e.backup is None:
+                continue
+            for name in e.backup.objects.values():
+                if name not in seen and name in self.objects:
+                    seen.add(name)
+                    total += self.objects[name].size
+        return total
+
+
+def judge_round(info: RoundInfo) -> RoundInfo:
+    """Fill in each part's problems and the round's ``complete_step`` (pure).
+
+    A part (rank, step) is complete when: it has a ``.meta`` for every worker
+    its manifest lists, each holding the manifest's hash; every data object
+    the manifest names is listed with the manifest's size and crc32c. A part
+    without a tierfs manifest (an MTC-written round) is complete when its
+    pointer is readable and its ``<hash>.data`` object (or at least one
+    object under ``D<hash>.data/``) exists.
+    """
+    objects = info.objects
+    dir_prefixes: set[str] = set()
+    for name in objects:
+        head, sep, _ = name.partition("/")
+        if sep:
+            dir_prefixes.add(head)
+    for part in info.parts.values():
+        part.missing = list(part.notes)
+        part.bytes = 0
+        part.foreign = part.backup is None
+        if not part.metas:
+            part.missing.append("no .meta pointer")
+        for w, h in part.metas.items():
+            if h is None:
+                part.missing.append(f"unreadable .meta for worker {w}")
+        nb = part.backup
+        if nb is None:
+            for _w, h in part.metas.items():
+                if h is None:
+                    continue
+                dname = L.data_name(h)
+                if dname in objects:
+                    part.bytes += objects[dname].size
+                elif dname in dir_prefixes:
+                    part.bytes += sum(o.size for n, o in objects.items()
+                                      if n.startswith(dname + "/"))
+                else:
+                    part.missing.append(f"{dname}: missing")
+            continue
+        for w, h in nb.hashes.items():
+            got = part.metas.get(w, "absent")
+            if got == "absent":
+                part.missing.append(f"no .meta for worker {w}")
+            elif got is not None and got != h:
+                part.missing.append(f".meta for worker {w} names {got}, manifest {h}")
+        sizes = {f.path: f for f in nb.manifest.files if f.kind == "file"}
+        for path, name in nb.objects.items():
+            entry = sizes[path]
+            obj = objects.get(name)
+            if obj is None:
+                part.missing.append(f"{name}: missing")
+            elif obj.size != entry.size:
+                part.missing.append(f"{name}: {obj.size} bytes, manifest {entry.size}")
+            elif obj.crc32c is not None and obj.crc32c != entry.crc32c:
+                part.missing.append(f"{name}: crc32c differs from the manifest")
+            else:
+                part.bytes += obj.size
+    info.complete_step = None
+    for step in info.steps:
+        if all((r, step) in info.parts and info.parts[(r, step)].complete
+               for r in range(info.nodes)):
+            info.complete_step = step
+            break
+    return info
+
+
+# ---------------------------------------------------------------------- results
+
+
+@dataclass
+class UploadResult:
+    """What :meth:`GcsBackend.upload_shard` did (sizes in bytes, times in seconds)."""
+
+    round: str
+    rank: int
+    step: int
+    objects: int = 0
+    bytes: int = 0
+    skipped: int = 0
+    data_uploaded: bool = True
+    seconds: float = 0.0
+    hashes: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RestoreChoice:
+    """Which backup to restore for a job (see :meth:`GcsBackend.choose_restore`).
+
+    Attributes:
+        round: the round name, or None for "nothing".
+        step: the step in it every node restores, or None.
+        forced: chosen through ``restore.version``.
+        reason: why nothing was chosen or what was chosen (one line).
+        info: the inspected round (None when nothing).
+    """
+
+    round: str | None
+    step: int | None
+    forced: bool = False
+    reason: str = ""
+    info: RoundInfo | None = None
+
+
+# ---------------------------------------------------------------------- backend
+
+
+class GcsBackend:
+    """Backups of one bucket spec (``--bucket NAME[/PREFIX]``).
+
+    Args:
+        spec: bucket and prefix (see :func:`tierfs.tiers.gcs_layout.parse_bucket`).
+        client: a ``google.cloud.storage.Client``; made with :func:`make_client` if None.
+        settings: tuning (defaults from :meth:`GcsSettings.from_env`).
+
+    Thread-safe: one backend may be used by several threads at once.
+    """
+
+    def __init__(self, spec: BucketSpec | str, client: Any = None,
+                 settings: GcsSettings | None = None) -> None:
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        self.spec = L.parse_bucket(spec) if isinstance(spec, str) else spec
+        self.settings = settings or GcsSettings.from_env()
+        self.client = client if client is not None else make_client()
+        _widen_pool(self.client, self.settings.threads)
+        self.bucket = self.client.bucket(self.spec.bucket)
+        s = self.settings
+        self.retry = (DEFAULT_RETRY.with_timeout(s.retry_deadline)
+                      .with_delay(initial=s.retry_initial, maximum=s.retry_max,
+                                  multiplier=2.0))
+        self.timeout = (s.connect_timeout, s.read_timeout)
+
+    # ------------------------------------------------------------------ small objects
+
+    def _get_bytes(self, name: str) -> bytes | None:
+        from google.api_core import exceptions as gexc
+
+        try:
+            return self.bucket.blob(name).download_as_bytes(retry=self.retry,
+                                                             timeout=self.timeout)
+        except gexc.NotFound:
+            return None
+
+    def _put_bytes(self, name: str, data: bytes, content_type: str) -> None:
+        import google_crc32c
+
+        blob = self.bucket.blob(name)
+        crc = google_crc32c.value(data)
+        blob.crc32c = crc_b64(crc)
+        blob.upload_from_string(data, content_type=content_type, checksum=None,
+                                retry=self.retry, timeout=self.timeout)
+        if blob.crc32c is not None and crc_from_b64(blob.crc32c) != crc:
+            raise ChecksumMismatch(f"{name}: GCS stored a different crc32c")
+
+    def _delete(self, name: str) -> bool:
+        from google.api_core import exceptions as gexc
+
+        try:
+            self.bucket.blob(name).delete(retry=self.retry, timeout=self.timeout)
+        except gexc.NotFound:
+            return False
+        return True
+
+    def _list(self, prefix: str, delimiter: str | None = None) -> tuple[list[Any], set[str]]:
+        it = self.client.list_blobs(self.bucket, prefix=prefix, delimiter=delimiter,
+                                    retry=self.retry, timeout=self.timeout)
+        blobs = list(it)
+        return blobs, set(it.prefixes)
+
+    # ------------------------------------------------------------------ restore.version
+
+    def read_restore_version(self, job: str) -> str | None:
+        """The round named by ``gs://<bucket>/<job>/restore.version`` (stripped), or None.
+
+        Raises:
+            google.api_core exceptions after retries (bucket unreachable...).
+        """
+        data = self._get_bytes(self.spec.restore_version(job))
+        if data is None:
+            return None
+        return data.decode("utf-8", "replace").strip()
+
+    def write_restore_version(self, job: str, round_name: str) -> None:
+        """Write ``restore.version`` naming ``round_name`` (an operator's action).
+
+        Raises:
+            LayoutError: not a round name.
+        """
+        L.check_round_name(round_name)
+        self._put_bytes(self.spec.restore_version(job), round_name.encode(), "text/plain")
+
+    def delete_restore_version(self, job: str) -> bool:
+        """Delete ``restore.version``; True if it existed."""
+        return self._delete(self.spec.restore_version(job))
+
+    # ------------------------------------------------------------------ rendezvous
+
+    def publish_address(self, job: str, rank: int, address: str, *, incarnation: str) -> None:
+        """Write ``.tierfs/nodes/<rank>`` = this node's peer address (JSON record)."""
+        self._put_bytes(self.spec.rendezvous(job, rank),
+                        L.rendezvous_record(address, rank, incarnation=incarnation,
+                                            written=time.time()), "application/json")
+
+    def read_address(self, job: str, rank: int = 0) -> L.RendezvousRecord | None:
+        """Read node ``rank``'s rendezvous record (None if absent or malformed)."""
+        data = self._get_bytes(self.spec.rendezvous(job, rank))
+        if data is None:
+            return None
+        try:
+            return L.parse_rendezvous(data)
+        except LayoutError as exc:
+            log.warning("rendezvous record of rank %d: %s", rank, exc)
+            return None
+
+    def wait_for_address(self, job: str, rank: int = 0, *, timeout: float,
+                         newer_than: float = 0.0, poll: float = 1.0,
+                         cancel: threading.Event | None = None) -> L.RendezvousRecord:
+        """Poll until rank ``rank`` has published an address written after ``newer_than``.
+
+        Args:
+            timeout: seconds to wait in total.
+            newer_than: Unix time; older records (a previous run) are ignored.
+            poll: seconds between reads.
+
+        Raises:
+            TimeoutError: nothing new appeared in time. Cancelled: ``cancel`` was set.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("rendezvous cancelled")
+            try:
+                rec = self.read_address(job, rank)
+            except Exception as exc:  # keep polling through outages until the deadline
+                log.info("rendezvous read failed: %s", describe_error(exc))
+                rec = None
+            if rec is not None and rec.written >= newer_than:
+                return rec
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no address of rank {rank} under "
+                                   f"{self.spec}{job}/.tierfs/nodes/ after {timeout:.0f}s")
+            time.sleep(poll)
+
+    # ------------------------------------------------------------------ listing
+
+    def list_round_names(self, job: str) -> list[str]:
+        """Round directory names of ``job``, newest first."""
+        _blobs, prefixes = self._list(self.spec.job_dir(job), delimiter="/")
+        base = self.spec.job_dir(job)
+        names = [p[len(base):].rstrip("/") for p in prefixes]
+        return sorted((n for n in names if L.is_round_name(n)), reverse=True)
+
+    def inspect_round(self, job: str, round_name: str, nodes: int | None = None) -> RoundInfo:
+        """List one round and judge which step (if any) is complete for every node.
+
+        Args:
+            job: the job name.
+            round_name: ``YYYY-MM-DD_HH-MM``.
+            nodes: the job's node count; if None, the largest ``nodes`` found in
+                the round's manifests (else the highest rank seen + 1).
+
+        Raises:
+            google.api_core exceptions after retries.
+        """
+        prefix = self.spec.round_dir(job, round_name)
+        blobs, _ = self._list(prefix)
+        objects: dict[str, ObjectInfo] = {}
+        for b in blobs:
+            rel = b.name[len(prefix):]
+            updated = b.updated.timestamp() if getattr(b, "updated", None) else 0.0
+            objects[rel] = ObjectInfo(rel, int(b.size or 0), crc_from_b64(b.crc32c), updated)
+        metas: dict[tuple[int, int, int], str] = {}
+        manifests: dict[tuple[int, int], str] = {}
+        for rel in objects:
+            if "/" in rel:
+                continue
+            m = L.parse_meta_name(rel)
+            if m is not None and m[0] == job:
+                metas[(m[2], m[1], m[3])] = rel
+                continue
+            t = L.parse_tierfs_manifest_name(rel)
+            if t is not None and t[0] == job:
+                manifests[(t[2], t[1])] = rel
+        fetched: dict[str, bytes | None] = {}
+        wanted = list(metas.values()) + list(manifests.values())
+        if wanted:
+            with cf.ThreadPoolExecutor(min(self.settings.threads, len(wanted))) as pool:
+                for name, data in zip(wanted, pool.map(
+                        lambda n: self._get_bytes(prefix + n), wanted), strict=True):
+                    fetched[name] = data
+        parts: dict[tuple[int, int], NodeEntry] = {}
+        for (rank, step, worker), name in metas.items():
+            part = parts.setdefault((rank, step), NodeEntry(rank, step))
+            data = fetched.get(name)
+            try:
+                part.metas[worker] = (L.check_meta_content(data.decode("ascii", "replace"))
+                                      if data is not None else None)
+            except LayoutError:
+                part.metas[worker] = None
+        seen_nodes = 0
+        for (rank, step), name in manifests.items():
+            data = fetched.get(name)
+            if (rank, step) not in parts:
+                # a manifest without pointer: the upload did not finish
+                parts[(rank, step)] = NodeEntry(rank, step)
+            if data is None:
+                continue
+            try:
+                nb = NodeBackup.from_json(data)
+            except LayoutError as exc:
+                parts[(rank, step)].notes.append(f"unreadable manifest: {exc}")
+                continue
+            if (nb.manifest.rank, nb.manifest.step) != (rank, step):
+                continue
+            parts[(rank, step)].backup = nb
+            seen_nodes = max(seen_nodes, nb.nodes)
+        if nodes is None:
+            nodes = seen_nodes or (max((r for r, _ in parts), default=-1) + 1)
+        info = RoundInfo(round_name, nodes, parts, objects,
+                         sum(o.size for o in objects.values()))
+        return judge_round(info)
+
+    def list_rounds(self, job: str, nodes: int | None = None, *,
+                    on_round: Callable[[RoundInfo], None] | None = None,
+                    on_names: Callable[[list[str]], None] | None = None) -> list[RoundInfo]:
+        """Inspect every round of ``job``, newest first (see :meth:`inspect_round`).
+
+        Args:
+            on_names: told the round names before inspection starts (progress bars).
+            on_round: told each inspected round as it finishes (any thread).
+        """
+        names = self.list_round_names(job)
+        if on_names is not None:
+            on_names(names)
+        out: dict[str, RoundInfo] = {}
+
+        def one(name: str) -> RoundInfo:
+            try:
+                info = self.inspect_round(job, name, nodes)
+            except Exception as exc:
+                info = RoundInfo(name, nodes or 0, error=describe_error(exc))
+            if on_round is not None:
+                on_round(info)
+            return info
+
+        workers = max(1, min(4, len(names)))
+        with cf.ThreadPoolExecutor(workers) as pool:
+            for info in pool.map(one, names):
+                out[info.name] = info
+        return [out[n] for n in names]
+
+    def choose_restore(self, job: str, nodes: int) -> RestoreChoice:
+        """The backup every node of ``job`` restores when no step is complete in-cluster.
+
+        ``restore.version`` wins (PROTOCOL.md section 5): if it names a round,
+        that round's newest step complete for all ``nodes`` is chosen, and if
+        the round is missing or incomplete the choice is *nothing* (no
+        fallback). Otherwise the newest round complete for all nodes; partial
+        rounds are skipped.
+
+        Raises:
+            google.api_core exceptions after retries (the caller decides what an
+            unreachable bucket means).
+        """
+        forced = self.read_restore_version(job)
+        if forced is not None:
+            if not L.is_round_name(forced):
+                return RestoreChoice(None, None, True,
+                                     f"restore.version names {forced[:40]!r}, not a round")
+            info = self.inspect_round(job, forced, nodes)
+            if not info.objects:
+                return RestoreChoice(None, None, True,
+                                     f"restore.version names round {forced}, which does "
+                                     "not exist; nothing restored (no fallback)")
+            if info.complete_step is None:
+                why = "; ".join(info.problems()[:3])
+                return RestoreChoice(None, None, True,
+                                     f"restore.version names round {forced}, which is "
+                                     f"incomplete ({why}); nothing restored (no fallback)",
+                                     info)
+            return RestoreChoice(forced, info.complete_step, True,
+                                 f"restore.version: round {forced} step {info.complete_step}",
+                                 info)
+        for name in self.list_round_names(job):
+            info = self.inspect_round(job, name, nodes)
+            if info.complete_step is not None:
+                return RestoreChoice(name, info.complete_step, False,
+                                     f"newest complete round {name} step "
+                                     f"{info.complete_step}", info)
+            log.info("backup round %s skipped: %s", name, "; ".join(info.problems()[:2]))
+        return RestoreChoice(None, None, False, "no complete backup round")
+
+    # ------------------------------------------------------------------ upload
+
+    def _existing(self, prefix: str, names: Iterable[str]) -> dict[str, ObjectInfo]:
+        heads = {n.split("/", 1)[0] for n in names}
+        found: dict[str, ObjectInfo] = {}
+        for head in heads:
+            sub = prefix + head
+            blobs, _ = self._list(sub)
+            for b in blobs:
+                rel = b.name[len(prefix):]
+                found[rel] = ObjectInfo(rel, int(b.size or 0), crc_from_b64(b.crc32c))
+        return found
+
+    def _upload_file(self, name: str, path: str, size: int, crc: int,
+                     cancel: _Abort | None,
+                     on_bytes: Callable[[int], None] | None) -> None:
+        resumable = size > MULTIPART_MAX
+        blob = self.bucket.blob(name, chunk_size=self.settings.chunk_size if resumable else None)
+        want = crc_b64(crc)
+        blob.crc32c = want  # GCS verifies the bytes it receives against this
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if st.st_size != size:
+                raise ChecksumMismatch(f"{path}: {st.st_size} bytes, manifest {size} "
+                                       "(changed since it was sealed)")
+            kwargs: dict[str, Any] = {}
+            if resumable:
+                kwargs["crc32c_checksum_value"] = want
+            blob.upload_from_file(_Reader(f, cancel, on_bytes), size=size, checksum=None,
+                                  content_type="application/octet-stream",
+                                  retry=self.retry, timeout=self.timeout, **kwargs)
+        got = crc_from_b64(blob.crc32c)
+        if (got is not None and got != crc) or (blob.size is not None and blob.size != size):
+            # an emulator may not enforce the crc32c we sent: check what it stored
+            self._delete(name)
+            raise ChecksumMismatch(f"{name}: GCS stored crc32c {got and f'{got:08x}'} for "
+                                   f"{blob.size} bytes, manifest {crc:08x} for {size}")
+
+    def upload_shard(self, shard: Shard, round_name: str, *, nodes: int,
+                     data_parallelism: int | None = None,
+                     cancel: threading.Event | None = None,
+                     on_bytes: Callable[[int], None] | None = None,
+                     resume: bool = True) -> UploadResult:
+        """Upload one sealed shard as its node's part of backup round ``round_name``.
+
+        Data objects first (in parallel; skipped if ``resume`` and an object of
+        the same size and crc32c is already there), then the node's
+        ``.tierfs.json`` manifest, then its ``.meta`` pointer(s) last. With
+        data parallelism D only ranks of the last row upload data
+        (:func:`tierfs.tiers.gcs_layout.uploads_data`); the others write their
+        manifest and pointer naming the same hash.
+
+        Args:
+            shard: a committed shard (its files are read from ``shard.data``).
+            round_name: ``YYYY-MM-DD_HH-MM`` (the coordinator decides it).
+            nodes: the job's node count (recorded; needed for data parallelism).
+            data_parallelism: the job's ``assume-data-parallelism`` or None.
+            cancel: set it to stop between and inside object uploads.
+            on_bytes: called with each increment of data bytes sent (any thread).
+
+        Returns:
+            an :class:`UploadResult`.
+
+        Raises:
+            ChecksumMismatch: a file no longer matches its manifest (it changed
+                after the seal) or GCS stored other bytes.
+            Cancelled: ``cancel`` was set.
+            OSError: a snapshot file vanished.
+            google.api_core / requests exceptions once retries are exhausted.
+        """
+        t0 = time.monotonic()
+        m = shard.manifest
+        rank = m.rank
+        col = L.data_column(rank, nodes, data_parallelism)
+        layout = L.node_layout(m, column=col)
+        prefix = self.spec.round_dir(m.job, round_name)
+        uploader = L.uploader_of(rank, nodes, data_parallelism)
+        result = UploadResult(round_name, rank, m.step, hashes=dict(layout.hashes),
+                              data_uploaded=uploader == rank)
+        if uploader == rank and layout.uploads:
+            todo = list(layout.uploads)
+            if resume:
+                have = self._existing(prefix, (u.name for u in todo))
+                keep = []
+                for u in todo:
+                    o = have.get(u.name)
+                    if o is not None and o.size == u.size and o.crc32c == u.crc32c:
+                        result.skipped += 1
+                    else:
+                        keep.append(u)
+                todo = keep
+            # big files first: the pool stays busy until the end
+            todo.sort(key=lambda u: u.size, reverse=True)
+            abort = _Abort(cancel)
+            self._run_parallel(
+                [lambda u=u: self._upload_file(prefix + u.name, os.path.join(shard.data, u.path),
+                                               u.size, u.crc32c, abort, on_bytes)
+                 for u in todo], abort)
+            result.objects += len(todo)
+            result.bytes += sum(u.size for u in todo)
+        if cancel is not None and cancel.is_set():
+            raise Cancelled("upload cancelled")
+        nb = NodeBackup(manifest=m, round=round_name, nodes=nodes, uploader=uploader,
+                        data_parallelism=data_parallelism, hashes=dict(layout.hashes),
+                        objects=dict(layout.objects), created=time.time())
+        self._put_bytes(prefix + L.tierfs_manifest_name(m.job, m.step, rank), nb.to_json(),
+                        "application/json")
+        for worker, digest in sorted(layout.hashes.items()):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("upload cancelled")
+            self._put_bytes(prefix + L.meta_name(m.job, m.step, rank, worker),
+                            digest.encode("ascii"), "text/plain")
+        result.objects += 1 + len(layout.hashes)
+        result.seconds = time.monotonic() - t0
+        return result
+
+    def _run_parallel(self, tasks: list[Callable[[], Any]],
+                      abort: _Abort | None) -> list[Any]:
+        """Run ``tasks`` on the pool; the first failure sets ``abort`` (which the
+        tasks' streams watch), cancels what has not started, and is raised."""
+        if not tasks:
+            return []
+        stop = abort if abort is not None else _Abort(None)
+
+        def guarded(fn: Callable[[], Any]) -> Any:
+            if stop.is_set():
+                raise Cancelled("cancelled")
+            return fn()
+
+        results: list[Any] = []
+        with cf.ThreadPoolExecutor(min(self.settings.threads, len(tasks))) as pool:
+            futures = [pool.submit(guarded, t) for t in tasks]
+            try:
+                for fut in cf.as_completed(futures):
+                    results.append(fut.result())
+            except BaseException:
+                stop.set()
+                for f in futures:
+                    f.cancel()
+                raise
+        return results
+
+    # ------------------------------------------------------------------ download
+
+    def download_part(self, job: str, round_name: str, rank: int, step: int, dest: str, *,
+                      info: RoundInfo | None = None, framework: str | None = None,
+                      cancel: threading.Event | None = None,
+                      on_bytes: Callable[[int], None] | None = None) -> Manifest:
+        """Download node ``rank``'s part of ``step`` in a round into ``dest/data``.
+
+        Every file is checked against the manifest (size and crc32c computed
+        while writing); directories, symlinks and modes are recreated from it.
+        ``dest`` must exist; ``dest/data`` must not.
+
+        Args:
+            info: the inspected round (inspected here if None).
+            framework: for rounds written by MTC (no tierfs manifest): the
+                job's framework, used to rebuild a manifest from the listing.
+
+        Returns:
+            the shard manifest the data matches.
+
+        Raises:
+            IncompleteRound: the part is missing or incomplete.
+            ChecksumMismatch: a downloaded object differs from the manifest.
+            Cancelled, OSError (e.g. ENOSPC), google.api_core exceptions.
+        """
+        if info is None:
+            info = self.inspect_round(job, round_name)
+        part = info.parts.get((rank, step))
+        if part is None or not part.complete:
+            why = "; ".join(part.missing[:3]) if part else "no pointer"
+            raise IncompleteRound(f"round {round_name} has no complete part for rank {rank} "
+                                  f"step {step} ({why})")
+        if part.backup is not None:
+            manifest = part.backup.manifest
+            objects = part.backup.objects
+        else:
+            manifest, objects = synthesize_manifest(job, rank, step, framework or "orbax",
+                                                    part, info)
+        prefix = self.spec.round_dir(job, round_name)
+        data = os.path.join(dest, "data")
+        os.mkdir(data, 0o700)
+        for f in manifest.files:
+            if f.kind == "dir":
+                os.makedirs(os.path.join(data, f.path), 0o700, exist_ok=True)
+            elif f.kind == "file":
+                os.makedirs(os.path.dirname(os.path.join(data, f.path)), 0o700, exist_ok=True)
+        files = sorted((f for f in manifest.files if f.kind == "file"),
+                       key=lambda f: f.size, reverse=True)
+        abort = _Abort(cancel)
+
+        def fetch(f: FileEntry) -> None:
+            path = os.path.join(data, f.path)
+            name = prefix + objects[f.path]
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb", buffering=1 << 20) as out:
+                w = _Writer(out, abort, on_bytes)
+                self.bucket.blob(name).download_to_file(w, checksum=None, retry=self.retry,
+                                                        timeout=self.timeout)
+            if w.size != f.size or w.crc != f.crc32c:
+                raise ChecksumMismatch(
+                    f"{objects[f.path]} in round {round_name}: got {w.size} bytes crc32c "
+                    f"{w.crc:08x}, manifest {f.size} bytes crc32c {(f.crc32c or 0):08x}")
+
+        self._run_parallel([lambda f=f: fetch(f) for f in files], abort)
+        for f in manifest.files:
+            if f.kind == "symlink":
+                os.symlink(f.target or "", os.path.join(data, f.path))
+        for f in reversed(manifest.files):
+            if f.kind in ("file", "dir"):
+                os.chmod(os.path.join(data, f.path), stat.S_IMODE(f.mode))
+        return manifest
+
+    def restore_shard(self, shards: ShardStore, job: str, round_name: str, rank: int,
+                      step: int, *, info: RoundInfo | None = None,
+                      framework: str | None = None,
+                      cancel: threading.Event | None = None,
+                      on_bytes: Callable[[int], None] | None = None,
+                      free_bytes: int | None = None) -> Shard:
+        """Download a node's part into ``store/incoming/`` and commit it as a verified shard.
+
+        Args:
+            free_bytes: if given, refuse (GcsError) a part larger than this
+                many bytes before downloading anything (RAM budget).
+
+        Raises:
+            like :meth:`download_part`; nothing is left behind on failure.
+        """
+        if info is None:
+            info = self.inspect_round(job, round_name)
+        part = info.parts.get((rank, step))
+        if free_bytes is not None and part is not None:
+            need = (part.backup.manifest.total_bytes if part.backup is not None
+                    else part.bytes)
+            if need > free_bytes:
+                raise GcsError(f"round {round_name} rank {rank}: {need} bytes do not fit in "
+                               f"the {free_bytes} bytes left in the RAM budget")
+        inc = shards.ram.new_incoming(f"gcs-{rank}-{step}")
+        try:
+            manifest = self.download_part(job, round_name, rank, step, inc, info=info,
+                                          framework=framework, cancel=cancel,
+                                          on_bytes=on_bytes)
+            return shards.commit(inc, manifest, verified=True)
+        except BaseException:
+            _discard(shards.ram, inc)
+            raise
+
+    # ------------------------------------------------------------------ delete
+
+    def delete_round(self, job: str, round_name: str, *,
+                     on_object: Callable[[str], None] | None = None,
+                     on_listed: Callable[[int], None] | None = None) -> int:
+        """Delete every object of a round; pointers first so readers see it partial at once.
+
+        Returns the number of objects deleted.
+        """
+        prefix = self.spec.round_dir(job, round_name)
+        blobs, _ = self._list(prefix)
+        names = [b.name for b in blobs]
+        if on_listed is not None:
+            on_listed(len(names))
+        metas = [n for n in names if n.endswith(".meta") and "/" not in n[len(prefix):]]
+        rest = [n for n in names if n not in set(metas)]
+
+        def rm(name: str) -> int:
+            gone = self._delete(name)
+            if on_object is not None:
+                on_object(name)
+            return int(gone)
+
+        count = sum(self._run_parallel([lambda n=n: rm(n) for n in metas], None))
+        count += sum(self._run_parallel([lambda n=n: rm(n) for n in rest], None))
+        return count
+
+
+def _discard(ram: RamStore, path: str) -> None:
+    try:
+        ram.to_trash(path)
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def synthesize_manifest(job: str, rank: int, step: int, framework: str, part: NodeEntry,
+                        info: RoundInfo) -> tuple[Manifest, dict[str, str]]:
+    """A shard manifest for a part written by MTC (no tierfs manifest), from the listing.
+
+    The crc32c GCS reports for each object stands in for the seal-time
+    checksum. Directory data (``D<hash>.data/...``) becomes the step
+    directory ``<step>``; single objects become the ``pytorch`` worker file
+    ``<job>-s<step>-n<rank>-w<w>.save``.
+
+    Raises:
+        IncompleteRound: an object lacks a crc32c.
+    """
+    files: list[FileEntry] = []
+    objects: dict[str, str] = {}
+    dirs: set[str] = set()
+    for w, h in sorted(part.metas.items()):
+        if h is None:
+            continue
+        dname = L.data_name(h)
+        if dname in info.objects:
+            o = info.objects[dname]
+            path = f"{job}-s{step}-n{rank}-w{w}.save"
+            if o.crc32c is None:
+                raise IncompleteRound(f"{dname}: no crc32c in the listing")
+            files.append(FileEntry(path, "file", size=o.size, crc32c=o.crc32c))
+            objects[path] = dname
+            continue
+        top = str(step)
+        dirs.add(top)
+        for name, o in sorted(info.objects.items()):
+            if not name.startswith(dname + "/"):
+                continue
+            rel = name[len(dname) + 1:]
+            if not rel or rel.endswith("/"):
+                continue
+            if o.crc32c is None:
+                raise IncompleteRound(f"{name}: no crc32c in the listing")
+            path = f"{top}/{rel}"
+            parent = path.rsplit("/", 1)[0]
+            while parent and parent not in dirs:
+                dirs.add(parent)
+                parent = parent.rsplit("/", 1)[0] if "/" in parent else ""
+            files.append(FileEntry(path, "file", size=o.size, crc32c=o.crc32c))
+            objects[path] = name
+    entries = [FileEntry(d, "dir", mode=0o755) for d in sorted(dirs)]
+    entries += [FileEntry(f.path, f.kind, f.size, 0o644, f.crc32c) for f in files]
+    entries.sort(key=lambda e: e.path)
+    check_entries(entries)
+    name = str(step) if dirs else (entries[0].path if entries else str(step))
+    manifest = Manifest(job=job, rank=rank, step=step, name=name, framework=framework,
+                        files=tuple(entries))
+    return manifest, objects
