@@ -58,8 +58,7 @@ class Driver:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tierfs", "csi", "--endpoint", self.endpoint,
                  "--node-id", "gke-node-1", "--mount-dir", str(self.mount_dir),
-                 "--state-dir", str(self.state_dir), "--ram-dir", str(self.ram_dir),
-                 "--size", "256MiB"],
+                 "--state-dir", str(self.state_dir), "--ram-dir", str(self.ram_dir)],
                 stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.channel = grpc.insecure_channel(self.endpoint)
         grpc.channel_ready_future(self.channel).result(timeout=30)
@@ -266,6 +265,36 @@ def test_container_restart_loses_no_checkpoint(driver):
     target2 = driver.publish(new_uid, "llama-slice-0-1-n3w00", {})
     assert (target2 / "7" / "weights").read_bytes() == b"w" * 65536
     driver.unpublish(new_uid)
+    assert driver.stop(signal.SIGTERM) == 0
+    assert not is_mounted(driver.mount_dir)
+
+
+def test_driver_remounts_a_daemon_that_died(driver):
+    """The daemon alone is killed: the driver reaps it, mounts the RAM store again."""
+    driver.start()
+    driver.wait_ready()
+    target = driver.publish(POD_UID, POD_NAME, {})
+    (target / "12").mkdir()
+    (target / "12" / "opt").write_bytes(b"o" * 4096)
+    daemon = driver.daemon_pid()
+    os.kill(daemon, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, driver.log()
+        try:
+            if driver.daemon_pid() != daemon and driver.identity.Probe(
+                    pb2.ProbeRequest(), timeout=10).ready.value:
+                break
+        except (OSError, ValueError, grpc.RpcError):
+            pass
+        time.sleep(0.1)
+    assert not Path(f"/proc/{daemon}").exists()  # reaped, no zombie left
+    assert "exited with status -9" in driver.log()
+    assert mounts.is_dead(str(target))  # the pod's old mount stays dead until re-published
+    driver.unpublish(POD_UID)
+    target = driver.publish(POD_UID, POD_NAME, {})
+    assert (target / "12" / "opt").read_bytes() == b"o" * 4096
+    driver.unpublish(POD_UID)
     assert driver.stop(signal.SIGTERM) == 0
     assert not is_mounted(driver.mount_dir)
 

@@ -563,8 +563,7 @@ def test_supervised_node_mount(tmp_path):
     from tierfs.csi.nodemount import SupervisedMount
 
     ram = Path("/dev/shm") / f"tierfs-test-csi-{os.getpid()}-{tmp_path.name[-20:]}"
-    node = SupervisedMount(str(tmp_path / "node"), ["--ram-dir", str(ram), "--size", "64MiB",
-                                                    "-o", "allow_other"])
+    node = SupervisedMount(str(tmp_path / "node"), ["--ram-dir", str(ram), "-o", "allow_other"])
     c = _start(node, tmp_path / "state")
     try:
         probe = c.identity.Probe(pb2.ProbeRequest(), timeout=10)

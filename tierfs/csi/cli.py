@@ -79,7 +79,7 @@ def _make_command(mount_options: Any) -> click.Command:
     def csi(**opts: Any) -> None:
         """Run the CSI node driver: keep the node's tierfs mount up and serve CSI on a socket."""
         from tierfs.csi import server
-        from tierfs.csi.nodemount import SupervisedMount
+        from tierfs.csi.nodemount import SupervisedMount, become_subreaper
 
         level = (opts.get("log_level") or "INFO").upper()
         logging.basicConfig(level=level, stream=sys.stderr,
@@ -108,6 +108,7 @@ def _make_command(mount_options: Any) -> click.Command:
             grpc_server = server.serve(opts["endpoint"], identity, service)
         except (OSError, RuntimeError, ValueError) as exc:
             raise click.ClickException(f"cannot serve CSI on {opts['endpoint']}: {exc}") from None
+        become_subreaper()  # the daemon `tierfs mount` starts becomes our child
         node.start()
         log.info("tierfs %s CSI node driver %s on node %s (mount %s, pid %d)",
                  _version(), opts["driver_name"], opts["node_id"], node.mountpoint, os.getpid())

@@ -11,6 +11,9 @@ mount`` clears the dead mount first.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import json
 import logging
 import os
 import subprocess
@@ -23,6 +26,26 @@ log = logging.getLogger("tierfs.csi")
 
 STATUS_FILE = os.path.join(".tierfs", "status.json")
 MOUNT_TIMEOUT = 150.0
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (prctl(2)).
+
+    ``tierfs mount`` starts the daemon in a new session and exits, so the
+    daemon is re-parented: to this process once it is a subreaper, exactly
+    as it would be to a container's PID 1. Either way this process must reap
+    a daemon that died, or its zombie would keep its pid "alive" and block
+    the next ``tierfs mount`` ("ram-dir in use"). See :meth:`SupervisedMount.reap`.
+
+    Returns:
+        True on success (Linux), False where prctl is unavailable.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 class SupervisedMount:
@@ -46,6 +69,7 @@ class SupervisedMount:
         self.check_interval = check_interval
         self.max_backoff = max_backoff
         self._error: str | None = None
+        self._daemon_pid: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -58,10 +82,35 @@ class SupervisedMount:
             return False
         try:
             with open(os.path.join(self.mountpoint, STATUS_FILE), "rb") as f:
-                f.read(1)
+                data = f.read()
         except OSError:
             return False
+        try:
+            pid = json.loads(data).get("pid")
+        except (ValueError, AttributeError):
+            pid = None
+        if isinstance(pid, int):
+            self._daemon_pid = pid
         return True
+
+    def reap(self) -> None:
+        """Collect the exit status of the last daemon if it died and is this process's child.
+
+        Only that pid is waited for, never ``-1``: ``subprocess`` keeps the
+        exit status of the children it runs.
+        """
+        pid = self._daemon_pid
+        if pid is None:
+            return
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # not our child, or already collected
+            self._daemon_pid = None
+            return
+        if done:
+            log.warning("the tierfs daemon (pid %d) exited with status %d", pid,
+                        os.waitstatus_to_exitcode(status))
+            self._daemon_pid = None
 
     def error(self) -> str | None:
         """Why the last mount attempt failed, until one succeeds; None otherwise."""
@@ -88,6 +137,7 @@ class SupervisedMount:
                 backoff = 1.0
                 self._stop.wait(self.check_interval)
                 continue
+            self.reap()
             err = self.mount_once()
             if err is None:
                 backoff = 1.0
