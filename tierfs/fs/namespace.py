@@ -11,6 +11,14 @@ is held by an ``O_PATH`` file descriptor, as libfuse's passthrough_ll does:
 renames made by the daemon itself never break an inode, unlinked files stay
 reachable while the kernel holds them, and hard links are one inode.
 
+Descriptors are a bounded resource (RLIMIT_NOFILE; a container often cannot
+raise its hard limit), while the kernel may hold any number of inodes. The
+``O_PATH`` descriptors therefore form a pool: past its budget the least
+recently used are closed after the request that overflowed it, and their
+inodes remember a file handle (``name_to_handle_at``) to be reopened with
+``open_by_handle_at`` when the kernel asks for them again. Unlinked inodes
+are never evicted (a handle could not bring them back).
+
 Lookup counts follow the FUSE contract: every reply carrying an entry
 (lookup, create, mkdir, mknod, symlink, link, readdirplus) adds one; FORGET
 subtracts. An inode is dropped when the kernel forgot it and no handle is
@@ -29,6 +37,7 @@ import itertools
 import logging
 import os
 import stat
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -45,6 +54,80 @@ _BACKING_FLAGS = os.O_ACCMODE | os.O_APPEND | os.O_NOATIME | os.O_SYNC | os.O_DS
 
 def _proc(fd: int) -> bytes:
     return _PROC_FD % fd
+
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+def unallocated(fd: int, offset: int, length: int) -> int:
+    """Bytes tmpfs would newly allocate to write ``[offset, offset + length)`` of ``fd``.
+
+    Counts whole pages in the holes of that range (found with SEEK_HOLE and
+    SEEK_DATA; everything past EOF is a hole), so rewriting data already
+    there costs nothing and a write far past EOF costs only what it writes.
+    May overcount by one page at EOF. Moves ``fd``'s file offset.
+
+    Raises:
+        OSError: from lseek(2) (not ENXIO, which means "past the data").
+    """
+    end = offset + length
+    pos, total = offset, 0
+    while pos < end:
+        try:
+            hole = os.lseek(fd, pos, os.SEEK_HOLE)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:
+                raise
+            hole = pos  # at or past EOF
+        if hole >= end:
+            break
+        try:
+            data = os.lseek(fd, hole, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:
+                raise
+            data = end  # no data after the hole
+        stop = min(data, end)
+        total += (-(-stop // PAGE_SIZE) - hole // PAGE_SIZE) * PAGE_SIZE
+        pos = stop
+    return total
+
+
+def _check_access(st: os.stat_result, uid: int, gid: int, flags: int) -> None:
+    """Mode-bit check for ``uid``/``gid`` opening ``st`` with ``flags`` (EACCES if denied).
+
+    Supplementary groups are unknown to FUSE; only the primary group counts.
+    """
+    if uid == 0:
+        return
+    need = 0
+    acc = flags & os.O_ACCMODE
+    if acc in (os.O_RDONLY, os.O_RDWR):
+        need |= 4
+    if acc in (os.O_WRONLY, os.O_RDWR) or flags & os.O_TRUNC:
+        need |= 2
+    if st.st_uid == uid:
+        bits = (st.st_mode >> 6) & 7
+    elif st.st_gid == gid:
+        bits = (st.st_mode >> 3) & 7
+    else:
+        bits = st.st_mode & 7
+    if bits & need != need:
+        raise OSError(errno.EACCES, "permission denied")
+
+
+def default_max_fds() -> int:
+    """Descriptors a namespace may hold: the soft RLIMIT_NOFILE minus a reserve.
+
+    The reserve (an eighth, at least 256) is for sockets, logs, pipes and
+    the inodes learned within one request before the pool is trimmed.
+    """
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(64, soft - max(256, soft // 8))
 
 
 class FsEvents(Protocol):
@@ -86,7 +169,12 @@ class Inode:
     Attributes:
         nodeid: the FUSE node id (never reused).
         ino: the backing tmpfs inode number.
-        fd: an ``O_PATH`` descriptor of the backing object.
+        opath: an ``O_PATH`` descriptor of the backing object, or -1 while evicted
+            (use :meth:`Namespace.fd_of`, which reopens it).
+        fhandle: the backing object's file handle, once it was evicted (a handle
+            never changes, so it is kept after the object is reopened).
+        evicted_ctime_ns: ``st_ctime_ns`` when ``opath`` was evicted: a name whose
+            stat shows this inode number and this ctime is this object.
         mode: ``st_mode`` type bits when first seen.
         lookups: the kernel's lookup count.
         handles: open file handles.
@@ -98,7 +186,7 @@ class Inode:
 
     nodeid: int
     ino: int
-    fd: int
+    opath: int
     mode: int
     lookups: int = 0
     handles: int = 0
@@ -106,6 +194,8 @@ class Inode:
     backing_id: int = 0
     reserved: bool = False
     virtual: Callable[[], bytes] | None = None
+    fhandle: bytes | None = None
+    evicted_ctime_ns: int = -1
 
 
 @dataclass(eq=False, slots=True)
@@ -153,6 +243,8 @@ class Namespace:
         events: receiver of namespace events (the node agent).
         reserved: top-level names the daemon owns; clients cannot modify them (EPERM).
         virtual: relative paths (bytes) whose content is generated when opened.
+        max_fds: how many descriptors the namespace may hold (``O_PATH`` pool plus
+            open handles) before it evicts; default: RLIMIT_NOFILE minus a reserve.
 
     Raises:
         OSError: ``view_dir`` cannot be opened.
@@ -160,7 +252,8 @@ class Namespace:
 
     def __init__(self, view_dir: str, budget: Budget, events: FsEvents | None = None,
                  reserved: frozenset[bytes] = frozenset(),
-                 virtual: dict[bytes, Callable[[], bytes]] | None = None) -> None:
+                 virtual: dict[bytes, Callable[[], bytes]] | None = None,
+                 max_fds: int | None = None) -> None:
         self.view_dir = os.path.abspath(view_dir)
         self._view_prefix = os.fsencode(self.view_dir) + b"/"
         self.budget = budget
@@ -184,6 +277,111 @@ class Namespace:
         self.notify_inval_entry: Callable[..., None] | None = None
         self.entry_timeout = 1.0
         self.attr_timeout = 1.0
+        #: evictable O_PATH descriptors, least recently used first (nodeid -> inode)
+        self._fd_lru: OrderedDict[int, Inode] = OrderedDict()
+        self.max_fds = max_fds if max_fds is not None else default_max_fds()
+        #: a plain descriptor of the view's filesystem, for open_by_handle_at
+        self._mount_fd = os.open(self.view_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.can_evict = self._handles_work(root_fd)
+
+    def _handles_work(self, fd: int) -> bool:
+        try:
+            handle = syscalls.name_to_handle(fd)
+            os.close(syscalls.open_by_handle(self._mount_fd, handle, os.O_PATH | os.O_CLOEXEC))
+        except OSError as exc:
+            log.warning("file handles unavailable (%s): every inode the kernel holds keeps a "
+                        "descriptor open", exc.strerror)
+            return False
+        return True
+
+    # ------------------------------------------------------------------ descriptor pool
+
+    def close(self) -> None:
+        """Close every descriptor the namespace holds (it is unusable afterwards)."""
+        fds = [h.fd for h in self._handles.values()]
+        fds += [i.opath for i in self._by_node.values() if i.opath >= 0]
+        fds.append(self._mount_fd)
+        self._handles.clear()
+        self._fd_lru.clear()
+        for inode in self._by_node.values():
+            inode.opath = -1
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def fd_of(self, inode: Inode) -> int:
+        """An ``O_PATH`` descriptor of ``inode``'s backing object, reopened if evicted.
+
+        The descriptor stays valid until the next :meth:`trim_fds` (do not keep it).
+
+        Raises:
+            OSError: ESTALE if the backing object no longer exists.
+        """
+        fd = inode.opath
+        if fd >= 0:
+            if inode is not self.root:
+                self._fd_lru.move_to_end(inode.nodeid)
+            return fd
+        assert inode.fhandle is not None
+        fd = syscalls.open_by_handle(self._mount_fd, inode.fhandle, os.O_PATH | os.O_CLOEXEC)
+        inode.opath = fd
+        self._fd_lru[inode.nodeid] = inode
+        return fd
+
+    def fds_held(self) -> int:
+        """Descriptors the namespace holds now: ``O_PATH`` pool plus open handles."""
+        return len(self._fd_lru) + len(self._handles)
+
+    def trim_fds(self) -> int:
+        """Evict least recently used ``O_PATH`` descriptors once past ``max_fds``.
+
+        Evicts down to 15/16 of ``max_fds`` so that a pool at its limit is not
+        trimmed after every request. Call between requests, never while a
+        descriptor from :meth:`fd_of` is in use. Inodes whose object is
+        unlinked (or whose handle cannot be taken) keep their descriptor.
+        Returns the number evicted.
+        """
+        if self.fds_held() <= self.max_fds or not self.can_evict:
+            return 0
+        excess = self.fds_held() - (self.max_fds - self.max_fds // 16)
+        evicted = 0
+        for _ in range(len(self._fd_lru)):
+            if excess <= 0:
+                break
+            nodeid, inode = self._fd_lru.popitem(last=False)
+            try:
+                st = os.fstat(inode.opath)
+                if st.st_nlink == 0:
+                    raise OSError(errno.ENOENT, "unlinked")
+                if inode.fhandle is None:
+                    inode.fhandle = syscalls.name_to_handle(inode.opath)
+            except OSError:
+                self._fd_lru[nodeid] = inode  # keep it, most recently used now
+                continue
+            os.close(inode.opath)
+            inode.opath = -1
+            inode.evicted_ctime_ns = st.st_ctime_ns
+            excess -= 1
+            evicted += 1
+        return evicted
+
+    def _known(self, st: os.stat_result) -> Inode | None:
+        """The inode already known for the object ``st`` describes, if that is certain.
+
+        Certain when its descriptor is held (the inode number cannot have been
+        reused), or when it was evicted and inode number and ctime both match.
+        None means unknown or uncertain: open the object and call :meth:`_learn`.
+        """
+        known = self._by_ino.get(st.st_ino)
+        if known is None:
+            return None
+        if known.opath >= 0:
+            if known is not self.root:
+                self._fd_lru.move_to_end(known.nodeid)
+            return known
+        return known if known.evicted_ctime_ns == st.st_ctime_ns else None
 
     # ------------------------------------------------------------------ lookup table
 
@@ -206,9 +404,24 @@ class Namespace:
         Takes ownership of ``fd`` (closed if the inode is already known).
         """
         known = self._by_ino.get(st.st_ino)
+        if known is not None and known.opath < 0:
+            # Evicted: the inode number is only the same object if the handle is.
+            try:
+                same = syscalls.name_to_handle(fd) == known.fhandle
+            except OSError:
+                same = False
+            if same:
+                known.opath = fd
+                self._fd_lru[known.nodeid] = known
+                known.lookups += 1
+                return known
+            del self._by_ino[st.st_ino]  # a reused inode number: the old entry is stale
+            known = None
         if known is not None:
             os.close(fd)
             known.lookups += 1
+            if known is not self.root:
+                self._fd_lru.move_to_end(known.nodeid)
             return known
         reserved = parent.reserved or (parent is self.root and name in self.reserved)
         virtual = None
@@ -218,12 +431,13 @@ class Namespace:
                       lookups=1, reserved=reserved, virtual=virtual)
         self._by_node[inode.nodeid] = inode
         self._by_ino[inode.ino] = inode
+        self._fd_lru[inode.nodeid] = inode
         return inode
 
     def _open_child(self, parent: Inode, name: bytes) -> tuple[int, os.stat_result]:
         if name in (b".", b"..") or b"/" in name:
             raise OSError(errno.EINVAL, "invalid name")
-        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent.fd)
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd_of(parent))
         try:
             st = os.fstat(fd)
         except OSError:
@@ -238,6 +452,15 @@ class Namespace:
             OSError: ENOENT if absent, ENOTDIR if the parent is not a directory.
         """
         parent = self._dir(parent_id)
+        if name in (b".", b"..") or b"/" in name:
+            raise OSError(errno.EINVAL, "invalid name")
+        st = os.stat(name, dir_fd=self.fd_of(parent), follow_symlinks=False)
+        if st.st_dev != self.dev:
+            raise OSError(errno.EXDEV, "foreign filesystem in the RAM store")
+        known = self._known(st)
+        if known is not None:
+            known.lookups += 1
+            return known, st
         fd, st = self._open_child(parent, name)
         if st.st_dev != self.dev:
             os.close(fd)
@@ -255,12 +478,15 @@ class Namespace:
     def _maybe_drop(self, inode: Inode) -> None:
         if inode.lookups <= 0 and inode.handles <= 0 and inode is not self.root:
             self._by_node.pop(inode.nodeid, None)
+            self._fd_lru.pop(inode.nodeid, None)
             if self._by_ino.get(inode.ino) is inode:
                 del self._by_ino[inode.ino]
-            try:
-                os.close(inode.fd)
-            except OSError:
-                pass
+            if inode.opath >= 0:
+                try:
+                    os.close(inode.opath)
+                except OSError:
+                    pass
+                inode.opath = -1
 
     def writers_of(self, ino: int) -> int:
         """Open writable handles on backing inode ``ino`` (safe from any thread)."""
@@ -285,12 +511,13 @@ class Namespace:
         if inode is self.root:
             return b""
         try:
-            target = os.readlink(_proc(inode.fd))
+            fd = self.fd_of(inode)
+            target = os.readlink(_proc(fd))
         except OSError:
             return None
         if not target.startswith(self._view_prefix):
             return None
-        if target.endswith(b" (deleted)") and os.fstat(inode.fd).st_nlink == 0:
+        if target.endswith(b" (deleted)") and os.fstat(fd).st_nlink == 0:
             return None
         return target[len(self._view_prefix):]
 
@@ -341,7 +568,7 @@ class Namespace:
             handle = self._handles.get(fh)
             if isinstance(handle, Handle):
                 return inode, os.fstat(handle.fd)
-        return inode, os.fstat(inode.fd)
+        return inode, os.fstat(self.fd_of(inode))
 
     def setattr(self, nodeid: int, fh: int | None, *, mode: int | None = None,
                 uid: int | None = None, gid: int | None = None, size: int | None = None,
@@ -349,9 +576,12 @@ class Namespace:
                 atime_now: bool = False, mtime_now: bool = False) -> os.stat_result:
         """chmod/chown/truncate/utimens in one call, as FUSE SETATTR delivers them.
 
+        A size change allocates nothing on tmpfs (growing leaves a hole), so it
+        is not checked against the budget.
+
         Raises:
-            OSError: EPERM under reserved names, ENOSPC past the budget, EISDIR
-                for truncating a directory.
+            OSError: EPERM under reserved names, EISDIR for truncating a directory,
+                EINVAL for truncating other non-regular files.
         """
         inode = self.inode(nodeid)
         if inode.reserved:
@@ -363,26 +593,24 @@ class Namespace:
             if not stat.S_ISREG(inode.mode):
                 raise OSError(errno.EINVAL, "not a regular file")
             self.events.opening_for_write(inode.ino)
-            current = os.fstat(inode.fd)
-            self.budget.check_growth(size - current.st_blocks * 512)
             if isinstance(handle, Handle) and handle.writable:
                 os.ftruncate(handle.fd, size)
             else:
-                os.truncate(_proc(inode.fd), size)
+                os.truncate(_proc(self.fd_of(inode)), size)
         if mode is not None:
             if stat.S_ISLNK(inode.mode):
                 raise OSError(errno.EOPNOTSUPP, "symlink mode")
-            os.chmod(_proc(inode.fd), stat.S_IMODE(mode))
+            os.chmod(_proc(self.fd_of(inode)), stat.S_IMODE(mode))
         if uid is not None or gid is not None:
-            syscalls.fchown_empty(inode.fd, -1 if uid is None else uid,
+            syscalls.fchown_empty(self.fd_of(inode), -1 if uid is None else uid,
                                   -1 if gid is None else gid)
         if atime_ns is not None or mtime_ns is not None or atime_now or mtime_now:
-            syscalls.utimens_empty(inode.fd, atime_ns, mtime_ns, atime_now, mtime_now)
+            syscalls.utimens_empty(self.fd_of(inode), atime_ns, mtime_ns, atime_now, mtime_now)
         if size is not None or mode is not None or uid is not None or gid is not None:
             rel = self.relpath(inode)
             if rel:
                 self.events.changed(rel)
-        return os.fstat(inode.fd)
+        return os.fstat(self.fd_of(inode))
 
     def readlink(self, nodeid: int) -> bytes:
         """Target of a symlink (EINVAL if not a symlink)."""
@@ -390,7 +618,7 @@ class Namespace:
         if not stat.S_ISLNK(inode.mode):
             raise OSError(errno.EINVAL, "not a symlink")
         # readlinkat(fd, "") reads the symlink an O_PATH|O_NOFOLLOW fd refers to.
-        return os.readlink(b"", dir_fd=inode.fd)
+        return os.readlink(b"", dir_fd=self.fd_of(inode))
 
     def statfs(self) -> StatFs:
         """The RAM budget as statfs numbers."""
@@ -399,11 +627,12 @@ class Namespace:
     # ------------------------------------------------------------------ creating names
 
     def _owner(self, parent: Inode, uid: int, gid: int) -> tuple[int, int]:
-        pst = os.fstat(parent.fd)
+        pst = os.fstat(self.fd_of(parent))
         return uid, (pst.st_gid if pst.st_mode & stat.S_ISGID else gid)
 
     def _finish_create(self, parent: Inode, name: bytes, uid: int, gid: int,
-                       fd: int | None = None) -> tuple[Inode, os.stat_result]:
+                       fd: int | None = None, chown: bool = True
+                       ) -> tuple[Inode, os.stat_result]:
         owner = self._owner(parent, uid, gid)
         if fd is None:
             opath, st = self._open_child(parent, name)
@@ -411,7 +640,7 @@ class Namespace:
             opath = os.open(_proc(fd), os.O_PATH | os.O_CLOEXEC)
             st = os.fstat(opath)
         try:
-            if (st.st_uid, st.st_gid) != owner:
+            if chown and (st.st_uid, st.st_gid) != owner:
                 syscalls.fchown_empty(opath, *owner)
                 st = os.fstat(opath)
         except OSError:
@@ -426,7 +655,7 @@ class Namespace:
         """mkdir(2) of ``name`` owned by the caller (setgid directories pass their group on)."""
         parent = self._dir(parent_id)
         self._check_mutable(parent, name)
-        os.mkdir(name, stat.S_IMODE(mode), dir_fd=parent.fd)
+        os.mkdir(name, stat.S_IMODE(mode), dir_fd=self.fd_of(parent))
         return self._finish_create(parent, name, uid, gid)
 
     def mknod(self, parent_id: int, name: bytes, mode: int, rdev: int, uid: int,
@@ -436,7 +665,7 @@ class Namespace:
         self._check_mutable(parent, name)
         if stat.S_ISREG(mode):
             self.budget.check_growth(1)
-        os.mknod(name, mode, rdev, dir_fd=parent.fd)
+        os.mknod(name, mode, rdev, dir_fd=self.fd_of(parent))
         return self._finish_create(parent, name, uid, gid)
 
     def symlink(self, parent_id: int, name: bytes, target: bytes, uid: int,
@@ -444,7 +673,7 @@ class Namespace:
         """symlink(2): ``name`` in ``parent_id`` pointing at ``target`` (stored verbatim)."""
         parent = self._dir(parent_id)
         self._check_mutable(parent, name)
-        os.symlink(target, name, dir_fd=parent.fd)
+        os.symlink(target, name, dir_fd=self.fd_of(parent))
         return self._finish_create(parent, name, uid, gid)
 
     def link(self, nodeid: int, parent_id: int, name: bytes) -> tuple[Inode, os.stat_result]:
@@ -456,8 +685,8 @@ class Namespace:
             raise OSError(errno.EPERM, "hard link to directory")
         if inode.reserved:
             raise OSError(errno.EPERM, "managed by tierfs")
-        syscalls.link_empty(inode.fd, parent.fd, name)
-        st = os.fstat(inode.fd)
+        syscalls.link_empty(self.fd_of(inode), self.fd_of(parent), name)
+        st = os.fstat(self.fd_of(inode))
         inode.lookups += 1
         self._changed(parent, name)
         return inode, st
@@ -468,14 +697,14 @@ class Namespace:
         """unlink(2). Open handles keep the data until closed (POSIX)."""
         parent = self._dir(parent_id)
         self._check_mutable(parent, name)
-        os.unlink(name, dir_fd=parent.fd)
+        os.unlink(name, dir_fd=self.fd_of(parent))
         self._changed(parent, name)
 
     def rmdir(self, parent_id: int, name: bytes) -> None:
         """rmdir(2): ENOTEMPTY for a non-empty directory."""
         parent = self._dir(parent_id)
         self._check_mutable(parent, name)
-        os.rmdir(name, dir_fd=parent.fd)
+        os.rmdir(name, dir_fd=self.fd_of(parent))
         self._changed(parent, name)
 
     def rename(self, parent_id: int, name: bytes, newparent_id: int, newname: bytes,
@@ -489,10 +718,10 @@ class Namespace:
         newparent = self._dir(newparent_id)
         self._check_mutable(parent, name)
         self._check_mutable(newparent, newname)
-        st = os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
+        st = os.stat(name, dir_fd=self.fd_of(parent), follow_symlinks=False)
         old_rel = self._child_relpath(parent, name)
         new_rel = self._child_relpath(newparent, newname)
-        syscalls.renameat2(parent.fd, name, newparent.fd, newname, flags)
+        syscalls.renameat2(self.fd_of(parent), name, self.fd_of(newparent), newname, flags)
         if old_rel is not None and new_rel is not None:
             self.events.renamed(old_rel, new_rel, st.st_mode)
         if old_rel is not None:
@@ -525,7 +754,7 @@ class Namespace:
     def _backing_open(self, inode: Inode, flags: int) -> int:
         # No O_NOFOLLOW: /proc/self/fd/N is a magic link (the kernel resolves
         # client symlinks itself and never opens one through FUSE).
-        return os.open(_proc(inode.fd), (flags & _BACKING_FLAGS) | os.O_CLOEXEC)
+        return os.open(_proc(self.fd_of(inode)), (flags & _BACKING_FLAGS) | os.O_CLOEXEC)
 
     def open(self, nodeid: int, flags: int) -> Handle:
         """open(2) of an existing file. O_TRUNC truncates here (atomic O_TRUNC).
@@ -547,7 +776,11 @@ class Namespace:
         fd = self._backing_open(inode, flags)
         try:
             if flags & os.O_TRUNC and stat.S_ISREG(inode.mode):
-                os.ftruncate(fd, 0)
+                if (flags & os.O_ACCMODE) == os.O_RDONLY:
+                    # Linux truncates on O_RDONLY|O_TRUNC too; the fd cannot.
+                    os.truncate(_proc(self.fd_of(inode)), 0)
+                else:
+                    os.ftruncate(fd, 0)
             return self._new_handle(inode, fd, flags)
         except BaseException:
             os.close(fd)
@@ -560,7 +793,7 @@ class Namespace:
         except Exception:  # a status generator must never break open()
             log.exception("generating virtual file failed")
             return
-        fd = os.open(_proc(inode.fd), os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+        fd = os.open(_proc(self.fd_of(inode)), os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
         try:
             os.write(fd, content)
         finally:
@@ -568,17 +801,36 @@ class Namespace:
 
     def create(self, parent_id: int, name: bytes, flags: int, mode: int, uid: int,
                gid: int) -> tuple[Inode, os.stat_result, Handle]:
-        """open(2) with O_CREAT: returns the new (or existing) inode and a handle."""
+        """open(2) with O_CREAT: returns the new (or existing) inode and a handle.
+
+        The kernel sends CREATE after a lookup found no entry; if another
+        process created the name in between (and O_EXCL is not set) the
+        existing file is opened as it is: owner and mode stay, and the caller
+        needs the permission the mode bits give it.
+
+        Raises:
+            OSError: EEXIST with O_EXCL, EACCES for a racing file the caller may
+                not open, EPERM under reserved names, ENOSPC past the budget.
+        """
         parent = self._dir(parent_id)
         self._check_mutable(parent, name)
         if b"/" in name or name in (b".", b".."):
             raise OSError(errno.EINVAL, "invalid name")
         self.budget.check_growth(1)
-        bflags = (flags & (_BACKING_FLAGS | os.O_EXCL | os.O_TRUNC)) | os.O_CREAT | os.O_CLOEXEC
-        bflags |= os.O_NOFOLLOW
-        fd = os.open(name, bflags, stat.S_IMODE(mode), dir_fd=parent.fd)
+        bflags = (flags & (_BACKING_FLAGS | os.O_TRUNC)) | os.O_CLOEXEC | os.O_NOFOLLOW
+        dirfd = self.fd_of(parent)
+        created = True
         try:
-            inode, st = self._finish_create(parent, name, uid, gid, fd=fd)
+            fd = os.open(name, bflags | os.O_CREAT | os.O_EXCL, stat.S_IMODE(mode), dir_fd=dirfd)
+        except FileExistsError:
+            if flags & os.O_EXCL:
+                raise
+            st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            _check_access(st, uid, gid, flags)
+            fd = os.open(name, bflags, dir_fd=dirfd)
+            created = False
+        try:
+            inode, st = self._finish_create(parent, name, uid, gid, fd=fd, chown=created)
             if inode.reserved:
                 raise OSError(errno.EPERM, "managed by tierfs")
             if (flags & os.O_ACCMODE) != os.O_RDONLY:
@@ -608,10 +860,7 @@ class Namespace:
         """
         handle = self.handle(fh)
         if not self.budget.native:
-            end = offset + len(data)
-            st = os.fstat(handle.fd)
-            if end > st.st_blocks * 512:
-                self.budget.check_growth(end - st.st_blocks * 512)
+            self.budget.check_growth(unallocated(handle.fd, offset, len(data)))
         return os.pwrite(handle.fd, data, offset)
 
     def flush(self, fh: int) -> None:
@@ -652,11 +901,15 @@ class Namespace:
         self._maybe_drop(inode)
 
     def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
-        """fallocate(2) on tmpfs (mode 0, KEEP_SIZE, PUNCH_HOLE)."""
+        """fallocate(2) on tmpfs (mode 0, KEEP_SIZE, PUNCH_HOLE).
+
+        Raises:
+            OSError: ENOSPC if the range's unallocated pages pass the budget,
+                EOPNOTSUPP for modes tmpfs lacks.
+        """
         handle = self.handle(fh)
-        if mode == 0 and not self.budget.native:
-            st = os.fstat(handle.fd)
-            self.budget.check_growth(offset + length - st.st_blocks * 512)
+        if not mode & syscalls.FALLOC_FL_PUNCH_HOLE and not self.budget.native:
+            self.budget.check_growth(unallocated(handle.fd, offset, length))
         self.events.opening_for_write(handle.inode.ino)
         syscalls.fallocate(handle.fd, mode, offset, length)
 
@@ -669,7 +922,7 @@ class Namespace:
         """copy_file_range(2) between two open files of the mount; returns bytes copied."""
         src, dst = self.handle(fh_in), self.handle(fh_out)
         if not self.budget.native:
-            self.budget.check_growth(length)
+            self.budget.check_growth(unallocated(dst.fd, off_out, length))
         return os.copy_file_range(src.fd, dst.fd, length, off_in, off_out)
 
     def handles_open_for_write(self) -> int:
@@ -681,7 +934,7 @@ class Namespace:
     def _xattr_path(self, inode: Inode) -> bytes:
         if stat.S_ISLNK(inode.mode):
             raise OSError(errno.ENOTSUP, "no xattrs on symlinks")
-        return _proc(inode.fd)
+        return _proc(self.fd_of(inode))
 
     def getxattr(self, nodeid: int, name: bytes) -> bytes:
         """getxattr(2): ENODATA if absent, ENOTSUP where unsupported."""
@@ -699,7 +952,7 @@ class Namespace:
         inode = self.inode(nodeid)
         if stat.S_ISLNK(inode.mode):
             return []
-        return [os.fsencode(n) for n in os.listxattr(_proc(inode.fd))]
+        return [os.fsencode(n) for n in os.listxattr(_proc(self.fd_of(inode)))]
 
     def removexattr(self, nodeid: int, name: bytes) -> None:
         """removexattr(2)."""
@@ -713,7 +966,7 @@ class Namespace:
     def opendir(self, nodeid: int) -> DirHandle:
         """opendir(3): the listing is taken on the first readdir."""
         inode = self._dir(nodeid)
-        fd = os.open(_proc(inode.fd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(_proc(self.fd_of(inode)), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         handle = DirHandle(next(self._next_fh), inode, fd)
         inode.handles += 1
         self._handles[handle.fh] = handle
@@ -755,6 +1008,11 @@ class Namespace:
                 continue  # removed since the listing was taken
             if not plus:
                 yield DirEntry(name, cookie, 0, st, st.st_mode)
+                continue
+            known = self._known(st)
+            if known is not None and known is not self.root:
+                known.lookups += 1  # one stat, no descriptor needed
+                yield DirEntry(name, cookie, known.nodeid, st, st.st_mode)
                 continue
             try:
                 fd, st = self._open_child(parent, name)

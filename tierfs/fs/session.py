@@ -432,6 +432,8 @@ class FuseSession:
                         return
                     raise
                 self.dispatch(n)
+                if self.ns.fds_held() > self.ns.max_fds:
+                    self.ns.trim_fds()  # between requests: no descriptor is in use
                 since_yield += 1
                 if since_yield >= 32:
                     since_yield = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import struct
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -36,6 +37,12 @@ _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 _libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
 _libc.linkat.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
                          ctypes.c_int]
+_libc.name_to_handle_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p,
+                                    ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+_libc.open_by_handle_at.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+
+MAX_HANDLE_SZ = 128
+_FILE_HANDLE_HEAD = struct.Struct("=Ii")  # handle_bytes, handle_type
 
 
 class _Timespec(ctypes.Structure):
@@ -118,3 +125,31 @@ def ioctl_buf(fd: int, request: int, buf: bytes) -> int:
     """ioctl(2) with an input buffer; returns the ioctl's (non-negative) result."""
     cbuf = ctypes.create_string_buffer(buf, len(buf))
     return _check(_libc.ioctl(fd, request, cbuf), "ioctl")
+
+
+def name_to_handle(fd: int) -> bytes:
+    """name_to_handle_at(fd, "", AT_EMPTY_PATH): the object's file handle, as opaque bytes.
+
+    Raises:
+        OSError: EOPNOTSUPP if the filesystem has no file handles.
+    """
+    buf = ctypes.create_string_buffer(_FILE_HANDLE_HEAD.size + MAX_HANDLE_SZ)
+    _FILE_HANDLE_HEAD.pack_into(buf, 0, MAX_HANDLE_SZ, 0)
+    mount_id = ctypes.c_int()
+    _check(_libc.name_to_handle_at(fd, b"", buf, ctypes.byref(mount_id), AT_EMPTY_PATH),
+           "name_to_handle_at")
+    size, _type = _FILE_HANDLE_HEAD.unpack_from(buf, 0)
+    return buf.raw[:_FILE_HANDLE_HEAD.size + size]
+
+
+def open_by_handle(mount_fd: int, handle: bytes, flags: int) -> int:
+    """open_by_handle_at(2): open the object ``handle`` names; returns a new descriptor.
+
+    ``mount_fd`` is any ordinary (not ``O_PATH``) descriptor on the same
+    filesystem. Needs CAP_DAC_READ_SEARCH.
+
+    Raises:
+        OSError: ESTALE if the object is gone, EPERM without the capability.
+    """
+    buf = ctypes.create_string_buffer(handle, len(handle))
+    return _check(_libc.open_by_handle_at(mount_fd, buf, flags), "open_by_handle_at")
