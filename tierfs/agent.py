@@ -265,6 +265,16 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ wiring
 
+    @property
+    def trio_token(self) -> trio.lowlevel.TrioToken | None:
+        """The token of the agent's trio loop once :meth:`run` started (for
+        ``trio.from_thread`` calls from gRPC threads), else None."""
+        return self._token
+
+    async def apply_retention(self) -> None:
+        """Apply ``--keep-local`` retention now (trio thread), e.g. after a replica arrived."""
+        await self._apply_retention()
+
     def fs_events(self) -> AgentEvents:
         """The receiver of namespace events."""
         return AgentEvents(self)

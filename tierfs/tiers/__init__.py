@@ -13,6 +13,14 @@ def attach_tiers(agent: NodeAgent) -> None:
 
     Without a peer plane (no ``--listen``/``--coordinator``) the node is a
     one-node cluster (:class:`tierfs.agent.LocalCluster`) and no tier follows
-    its sealed steps.
+    its sealed steps. With one, the node gets a :class:`tierfs.tiers.peer.PeerTier`
+    (replication, gRPC server) and a :class:`tierfs.tiers.peer.PeerCluster`
+    (restore rounds through the coordinator).
     """
-    return None
+    config = agent.config
+    if config.listen or config.coordinator:
+        from tierfs.tiers.peer import PeerCluster, PeerTier
+
+        tier = PeerTier(agent)
+        agent.tiers.append(tier)
+        agent.cluster = PeerCluster(tier)

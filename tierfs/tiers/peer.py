@@ -1,0 +1,1326 @@
+"""The peer tier: replicate sealed steps to peer nodes and restore a lost node from them.
+
+DESIGN.md "Peer plane", PROTOCOL.md sections 2, 4 and 6. One gRPC server per
+node daemon (``--listen``) serves ``tierfs.peer.v1.Peer`` (Inventory,
+PushShard, PullShard) and, on the node at ``--coordinator`` (node-rank 0),
+``tierfs.peer.v1.Coordinator`` (:mod:`tierfs.coordinator`).
+
+Pieces:
+
+* :class:`PeerServicer` (gRPC threads): answers inventories, receives pushed
+  replicas into ``store/incoming`` (:class:`tierfs.tiers.peer_transfer.ShardReceiver`),
+  streams sealed snapshots to pullers. It reaches the agent only through a
+  :class:`PeerHost`, whose calls hop onto the trio thread with
+  ``trio.from_thread.run_sync`` (cheap dictionary work only).
+* :class:`PeerClient`: blocking calls to peers and the coordinator, run in
+  ``trio.to_thread`` workers with capacity limiters.
+* :class:`PeerTier` (the agent's tier, trio thread): after each seal, pushes
+  the snapshot to the peers from :func:`tierfs.placement.peer_ranks` with
+  bounded concurrency; a shard being sent is pinned against retention, a
+  withdrawn shard's transfers are cancelled; if the peer already holds a
+  shard with the same manifest digest (data parallelism: identical bytes)
+  only the manifest is sent and the peer hard-links its copy. A heartbeat
+  (``Sync``) keeps the coordinator's view of this node (address, inventory,
+  newest replicated step) fresh and brings back the peers' addresses.
+* :class:`PeerCluster` (the agent's :class:`tierfs.agent.Cluster`): the
+  restore rounds: verify what this node holds, join, get the decision, pull
+  the own shard from a holder if it is not local (verifying every crc32c;
+  a corrupt copy is reported and the next one used, or the coordinator
+  chooses again without it), then the two barrier phases.
+
+Threads: nothing here blocks the trio thread. gRPC handlers run in the
+server's pool; client calls and file work run in ``trio.to_thread`` with
+limiters (:attr:`PeerTier.transfer_limiter` for data, a separate one for
+control calls so heartbeats are never queued behind a large transfer).
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import functools
+import logging
+import re
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import trio
+
+from tierfs import control, placement
+from tierfs.coordinator import (
+    NO_STEP,
+    Coordinator,
+    CoordinatorServicer,
+    CopyId,
+    Holding,
+)
+from tierfs.manifest import Manifest, ManifestError
+from tierfs.tiers import peer_wire
+from tierfs.tiers.local import Shard, ShardKey
+from tierfs.tiers.peer_transfer import (
+    BadCopy,
+    Cancelled,
+    Refused,
+    ShardReceiver,
+    TransferError,
+    iter_chunks,
+    link_copy,
+)
+
+if TYPE_CHECKING:
+    from tierfs.agent import NodeAgent, RestorePlan
+    from tierfs.control import JobSpec
+
+log = logging.getLogger(__name__)
+
+#: seconds between heartbeats (``Sync``) to the coordinator
+HEARTBEAT = 1.0
+#: long-poll length of Decide/Barrier calls (milliseconds)
+POLL_MS = 2000
+#: how long a sender waits for a data-parallel peer to seal the same step (seconds)
+DP_WAIT = 30.0
+#: how long a push is retried while its peer is unreachable (seconds)
+PUSH_PATIENCE = 120.0
+#: concurrent shard transfers (sends and pulls) per node
+TRANSFERS = 2
+_JOB_RE = re.compile(r"^[^/\0]+$")
+
+
+class RestoreTimeout(Exception):
+    """The cluster did not reach the next restore phase within ``--join-timeout``."""
+
+
+# ---------------------------------------------------------------------- stats
+
+
+class WireStats:
+    """Byte and call counters of the peer plane (thread-safe; shown in the status)."""
+
+    FIELDS = ("sent_bytes", "received_bytes", "pushes_sent", "pushes_received",
+              "manifest_only_sent", "manifest_only_received", "manifest_bytes_sent",
+              "pulls_served", "served_bytes",
+              "pulls", "pulled_bytes", "corrupt_copies", "refused")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._c: collections.Counter[str] = collections.Counter()
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._c[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {f: self._c.get(f, 0) for f in self.FIELDS}
+
+
+# ---------------------------------------------------------------------- host
+
+
+class PeerHost:
+    """What the servicer may ask of its node; every method is safe from any thread.
+
+    Implemented by :class:`PeerTier` (hops onto the trio thread); tests may
+    provide their own.
+    """
+
+    ram: Any
+    shards: Any
+    stats: WireStats
+    incarnation: str
+
+    def own_rank(self, job: str) -> int | None:
+        """This node's rank in ``job``, or None if it runs another job."""
+        raise NotImplementedError
+
+    def inventory(self, job: str) -> list[Holding]:
+        """Every shard of ``job`` held here."""
+        raise NotImplementedError
+
+    def find(self, key: ShardKey) -> Shard | None:
+        """The committed shard ``key`` or None."""
+        raise NotImplementedError
+
+    def find_digest(self, job: str, digest: str) -> tuple[Shard, bool] | None:
+        """A shard of ``job`` with this manifest digest and whether it is trusted."""
+        raise NotImplementedError
+
+    def adopt(self, shard: Shard, linked_from: ShardKey | None = None) -> None:
+        """Register a committed replica (``linked_from``: its files are hard links of that)."""
+        raise NotImplementedError
+
+    def pin(self, key: ShardKey, delta: int) -> None:
+        """Pin (+1) or unpin (-1) a shard against retention."""
+        raise NotImplementedError
+
+    def check_space(self, nbytes: int) -> None:
+        """Raise ``OSError(ENOSPC)`` if ``nbytes`` more do not fit the RAM budget."""
+        raise NotImplementedError
+
+
+def _holding_pb(pb2: Any, h: Holding) -> Any:
+    return pb2.HeldShard(rank=h.rank, step=h.step, verified=h.verified, digest=h.digest,
+                         bytes=h.bytes, name=h.name)
+
+
+def _holding(h: Any) -> Holding:
+    return Holding(h.rank, h.step, h.verified, h.digest, h.bytes, h.name)
+
+
+def _valid_job(job: str) -> bool:
+    return bool(_JOB_RE.match(job)) and job not in (".", "..")
+
+
+# ---------------------------------------------------------------------- servicer
+
+
+class PeerServicer:
+    """The ``tierfs.peer.v1.Peer`` service (gRPC threads).
+
+    Args:
+        host: the node (see :class:`PeerHost`).
+        pb2: the message module from :func:`tierfs.tiers.peer_wire.load`.
+    """
+
+    def __init__(self, host: PeerHost, pb2: Any) -> None:
+        self.host = host
+        self.pb2 = pb2
+
+    def Inventory(self, request: Any, context: Any) -> Any:
+        """What this node holds of ``request.job``; optionally wait (dedup decision)."""
+        deadline = time.monotonic() + min(max(request.wait_ms, 0), 5000) / 1000.0
+        own = self.host.own_rank(request.job)
+        while True:
+            held = self.host.inventory(request.job)
+            if not request.want_digest or request.wait_ms <= 0:
+                break
+            if any(h.digest == request.want_digest for h in held):
+                break
+            if (own is not None and request.wait_step >= 0
+                    and any(h.rank == own and h.step == request.wait_step for h in held)):
+                break
+            if time.monotonic() >= deadline or not context.is_active():
+                break
+            time.sleep(0.1)
+        return self.pb2.InventoryReply(node_rank=-1 if own is None else own,
+                                       incarnation=self.host.incarnation,
+                                       shards=[_holding_pb(self.pb2, h) for h in held])
+
+    def PushShard(self, request_iterator: Any, context: Any) -> Any:
+        """Receive a replica: header, chunks, manifest last; commit only if all checks pass."""
+        pb2 = self.pb2
+        it = iter(request_iterator)
+        first = next(it, None)
+        if first is None or not first.HasField("header"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PushShard must start with a header")
+        h = first.header
+        if not _valid_job(h.job) or h.rank < 0 or h.step < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"bad shard identity job={h.job!r} rank={h.rank} step={h.step}")
+        key = ShardKey(h.job, h.rank, h.step)
+        if self.host.own_rank(h.job) == h.rank:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"node-rank {h.rank} does not take replicas of its own rank")
+        code, detail = None, ""
+        inc = None
+        try:
+            if not h.dedup:
+                self.host.check_space(h.total_bytes)
+            inc = self.host.ram.new_incoming(f"peer-{h.rank}-{h.step}")
+            if h.dedup:
+                return self._dedup(h, key, it, inc)
+            rx = ShardReceiver(inc)
+            manifest = None
+            for msg in it:
+                kind = msg.WhichOneof("kind")
+                if kind == "chunk":
+                    c = msg.chunk
+                    rx.chunk(c.path, c.offset, c.data, c.crc32c)
+                    self.host.stats.add("received_bytes", len(c.data))
+                elif kind == "manifest":
+                    manifest = _parse_manifest(msg.manifest.json)
+                    break
+                else:
+                    raise Refused(f"unexpected {kind} message")
+            if manifest is None:
+                rx.abort()
+                inc = None
+                return pb2.PushReply(committed=False, bytes_received=rx.bytes_received,
+                                     detail="stream ended without a manifest")
+            _check_identity(manifest, key, h.digest)
+            rx.finish(manifest)
+            shard = self.host.shards.commit(inc, manifest, verified=True)
+            inc = None
+            self.host.adopt(shard)
+            self.host.stats.add("pushes_received")
+            log.info("received step %d of rank %d from node-rank %d (%d bytes)", h.step,
+                     h.rank, h.sender_rank, rx.bytes_received)
+            return pb2.PushReply(committed=True, bytes_received=rx.bytes_received)
+        except BadCopy as exc:
+            self.host.stats.add("corrupt_copies")
+            code, detail = grpc.StatusCode.DATA_LOSS, f"step {h.step} of rank {h.rank}: {exc}"
+        except Refused as exc:
+            self.host.stats.add("refused")
+            code, detail = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        except OSError as exc:
+            code = (grpc.StatusCode.RESOURCE_EXHAUSTED if exc.errno == errno.ENOSPC
+                    else grpc.StatusCode.INTERNAL)
+            detail = f"step {h.step} of rank {h.rank}: {exc.strerror or exc}"
+        except grpc.RpcError:
+            code, detail = grpc.StatusCode.CANCELLED, "sender went away"
+        except _HostGone:
+            code, detail = grpc.StatusCode.UNAVAILABLE, "daemon is stopping"
+        finally:
+            if inc is not None:
+                shutil.rmtree(inc, ignore_errors=True)
+        log.warning("refused a replica from node-rank %d: %s", h.sender_rank, detail)
+        context.abort(code, detail)
+
+    def _dedup(self, h: Any, key: ShardKey, it: Any, inc: str) -> Any:
+        msg = next(it, None)
+        if msg is None or msg.WhichOneof("kind") != "manifest":
+            raise Refused("a manifest-only push must carry the manifest")
+        manifest = _parse_manifest(msg.manifest.json)
+        _check_identity(manifest, key, h.digest)
+        found = self.host.find_digest(h.job, h.digest)
+        if found is None:
+            shutil.rmtree(inc, ignore_errors=True)
+            return self.pb2.PushReply(committed=False, detail="no local copy with that digest")
+        src, trusted = found
+        try:
+            link_copy(src.data, inc)
+        except OSError:
+            shutil.rmtree(inc, ignore_errors=True)
+            return self.pb2.PushReply(committed=False, detail="no local copy with that digest")
+        shard = self.host.shards.commit(inc, manifest, verified=src.verified or trusted)
+        self.host.adopt(shard, linked_from=src.key)
+        self.host.stats.add("manifest_only_received")
+        self.host.stats.add("pushes_received")
+        log.info("received step %d of rank %d from node-rank %d as a manifest (identical to %s)",
+                 h.step, h.rank, h.sender_rank, src.key)
+        return self.pb2.PushReply(committed=True, deduped=True)
+
+    def PullShard(self, request: Any, context: Any) -> Any:
+        """Stream a sealed shard: its manifest, then every file's chunks."""
+        key = ShardKey(request.job, request.rank, request.step)
+        try:
+            shard = self.host.find(key)
+        except _HostGone:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "daemon is stopping")
+        if shard is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no copy of {key} here")
+        if request.digest and shard.manifest.digest != request.digest:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"the copy of {key} here has digest {shard.manifest.digest}, "
+                          f"not {request.digest}")
+        self.host.pin(key, +1)
+        sent = 0
+        failed = None
+        try:
+            yield self.pb2.PullMessage(manifest=self.pb2.ShardManifest(
+                json=shard.manifest.to_json()))
+            for path, off, data, crc in iter_chunks(shard.data, shard.manifest.files,
+                                                    cancelled=lambda: not context.is_active()):
+                yield self.pb2.PullMessage(chunk=self.pb2.FileChunk(
+                    path=path, offset=off, data=data, crc32c=crc))
+                sent += len(data)
+            self.host.stats.add("pulls_served")
+        except (OSError, Cancelled) as exc:
+            failed = f"the copy of {key} vanished while being sent: {exc}"
+        finally:
+            self.host.stats.add("served_bytes", sent)
+            try:
+                self.host.pin(key, -1)
+            except _HostGone:
+                pass
+        if failed:
+            context.abort(grpc.StatusCode.NOT_FOUND, failed)
+
+
+def _parse_manifest(data: bytes) -> Manifest:
+    try:
+        return Manifest.from_json(data)
+    except ManifestError as exc:
+        raise Refused(f"bad manifest: {exc}") from None
+
+
+def _check_identity(m: Manifest, key: ShardKey, digest: str) -> None:
+    if (m.job, m.rank, m.step) != (key.job, key.rank, key.step):
+        raise Refused(f"manifest is for {m.job}/n{m.rank}/s{m.step}, not {key}")
+    if digest and m.digest != digest:
+        raise BadCopy(f"manifest digest {m.digest} != announced {digest}")
+
+
+class _HostGone(Exception):
+    """The agent's trio loop is not running (starting or stopping)."""
+
+
+# ---------------------------------------------------------------------- client
+
+
+class PeerClient:
+    """Blocking calls to peers and the coordinator (run them in worker threads).
+
+    Args:
+        token: the shared peer token or None.
+        stats: counters to update.
+    """
+
+    def __init__(self, token: str | None, stats: WireStats) -> None:
+        self.pb2, self.pb2_grpc = peer_wire.load()
+        self.md = peer_wire.metadata(token)
+        self.stats = stats
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = grpc.insecure_channel(
+                    address, options=list(peer_wire.CHANNEL_OPTIONS))
+            return ch
+
+    def peer(self, address: str) -> Any:
+        return self.pb2_grpc.PeerStub(self.channel(address))
+
+    def coordinator(self, address: str) -> Any:
+        return self.pb2_grpc.CoordinatorStub(self.channel(address))
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            ch.close()
+
+    # ------------------------------------------------------------------ data
+
+    def inventory(self, address: str, job: str, want_digest: str = "", wait_step: int = -1,
+                  wait_s: float = 0.0) -> Any:
+        """The peer's :class:`InventoryReply` (waiting up to ``wait_s`` for the digest)."""
+        req = self.pb2.InventoryRequest(job=job, want_digest=want_digest, wait_step=wait_step,
+                                        wait_ms=int(wait_s * 1000))
+        return self.peer(address).Inventory(req, metadata=self.md, timeout=wait_s + 10)
+
+    def push(self, address: str, shard: Shard, sender_rank: int, dedup: bool,
+             cancel: threading.Event) -> Any:
+        """Push ``shard`` (or only its manifest with ``dedup``); returns the PushReply.
+
+        Raises:
+            Cancelled: ``cancel`` was set.
+            grpc.RpcError: the peer refused (DATA_LOSS for a checksum mismatch,
+                RESOURCE_EXHAUSTED for a full RAM budget...) or is unreachable.
+            OSError: the snapshot vanished while it was read.
+        """
+        pb2 = self.pb2
+        m = shard.manifest
+        problem: list[BaseException] = []
+
+        def messages() -> Any:
+            yield pb2.PushMessage(header=pb2.PushHeader(
+                job=m.job, rank=m.rank, step=m.step, digest=m.digest, sender_rank=sender_rank,
+                total_bytes=0 if dedup else m.total_bytes, dedup=dedup))
+            if not dedup:
+                try:
+                    for path, off, data, crc in iter_chunks(shard.data, m.files,
+                                                            cancelled=cancel.is_set):
+                        yield pb2.PushMessage(chunk=pb2.FileChunk(path=path, offset=off,
+                                                                  data=data, crc32c=crc))
+                        self.stats.add("sent_bytes", len(data))
+                except (OSError, Cancelled) as exc:
+                    problem.append(exc)
+                    return  # ends the stream without a manifest: the receiver discards it
+            data = m.to_json()
+            self.stats.add("manifest_bytes_sent", len(data))
+            yield pb2.PushMessage(manifest=pb2.ShardManifest(json=data))
+
+        fut = self.peer(address).PushShard.future(messages(), metadata=self.md)
+        while True:
+            try:
+                reply = fut.result(timeout=0.25)
+                break
+            except grpc.FutureTimeoutError:
+                if cancel.is_set():
+                    fut.cancel()
+                    raise Cancelled("transfer cancelled") from None
+        if problem:
+            raise problem[0]
+        self.stats.add("pushes_sent")
+        if dedup and reply.committed:
+            self.stats.add("manifest_only_sent")
+        return reply
+
+    def pull(self, address: str, key: ShardKey, digest: str, puller_rank: int, ram: Any,
+             shards: Any, cancel: threading.Event) -> Shard:
+        """Pull ``key`` from a holder, verify it and commit it to ``shards``.
+
+        Returns:
+            The committed shard (not yet in the agent's catalog).
+
+        Raises:
+            BadCopy: a chunk or file failed its crc32c, or the manifest is not
+                the expected one (the copy is corrupt).
+            Refused: the holder broke the protocol (unsafe paths...).
+            Cancelled: ``cancel`` was set.
+            grpc.RpcError: the holder is unreachable or has no such copy.
+        """
+        req = self.pb2.PullRequest(job=key.job, rank=key.rank, step=key.step, digest=digest,
+                                   puller_rank=puller_rank)
+        call = self.peer(address).PullShard(req, metadata=self.md)
+        inc = ram.new_incoming(f"pull-{key.rank}-{key.step}")
+        rx: ShardReceiver | None = None
+        try:
+            first = next(call)
+            if first.WhichOneof("kind") != "manifest":
+                raise Refused("PullShard must start with the manifest")
+            manifest = _parse_manifest(first.manifest.json)
+            _check_identity(manifest, key, digest)
+            rx = ShardReceiver(inc, manifest)
+            for msg in call:
+                if cancel.is_set():
+                    raise Cancelled("transfer cancelled")
+                if msg.WhichOneof("kind") != "chunk":
+                    raise Refused("PullShard sent a second manifest")
+                c = msg.chunk
+                rx.chunk(c.path, c.offset, c.data, c.crc32c)
+                self.stats.add("pulled_bytes", len(c.data))
+            rx.finish()
+            shard = shards.commit(inc, manifest, verified=True)
+            self.stats.add("pulls")
+            return shard
+        except BaseException:
+            call.cancel()
+            if rx is not None:
+                rx.abort()
+            else:
+                shutil.rmtree(inc, ignore_errors=True)
+            raise
+
+    # ------------------------------------------------------------------ coordinator
+
+    def join(self, coord: str, **fields: Any) -> Any:
+        """Join (or register with) the coordinator at ``coord``; fields of JoinRequest."""
+        inventory = fields.pop("inventory", ())
+        req = self.pb2.JoinRequest(inventory=[_holding_pb(self.pb2, h) for h in inventory],
+                                   **fields)
+        return self.coordinator(coord).Join(req, metadata=self.md, timeout=10)
+
+    def decide(self, address: str, job: str, rank: int, restore_id: str) -> Any:
+        req = self.pb2.DecideRequest(job=job, rank=rank, restore_id=restore_id, wait_ms=POLL_MS)
+        return self.coordinator(address).Decide(req, metadata=self.md,
+                                                timeout=POLL_MS / 1000 + 10)
+
+    def barrier(self, address: str, bad: Iterable[CopyId] = (), **fields: Any) -> Any:
+        req = self.pb2.BarrierRequest(
+            bad=[self.pb2.BadCopy(holder=h, rank=r, step=s) for h, r, s in bad],
+            wait_ms=POLL_MS, **fields)
+        return self.coordinator(address).Barrier(req, metadata=self.md,
+                                                 timeout=POLL_MS / 1000 + 10)
+
+    def sync(self, address: str, job: str, rank: int, incarnation: str, step: int,
+             inventory: Iterable[Holding]) -> Any:
+        req = self.pb2.SyncRequest(job=job, rank=rank, incarnation=incarnation, step=step,
+                                   inventory=[_holding_pb(self.pb2, h) for h in inventory])
+        return self.coordinator(address).Sync(req, metadata=self.md, timeout=10)
+
+
+def rpc_reason(exc: BaseException) -> str:
+    """A short one-line reason for a failed call."""
+    if isinstance(exc, grpc.RpcError):
+        code = exc.code() if hasattr(exc, "code") else None
+        details = exc.details() if hasattr(exc, "details") else ""
+        name = code.name if code is not None else "ERROR"
+        return f"{name}: {details}" if details else name
+    return str(exc) or type(exc).__name__
+
+
+def rpc_code(exc: BaseException) -> grpc.StatusCode | None:
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return exc.code()
+    return None
+
+
+# ---------------------------------------------------------------------- tier
+
+
+@dataclass
+class PeerInfo:
+    """A node as the coordinator last described it."""
+
+    rank: int
+    address: str
+    incarnation: str
+    live: bool
+
+
+@dataclass
+class _Send:
+    cancel: threading.Event = field(default_factory=threading.Event)
+    states: dict[int, str] = field(default_factory=dict)
+
+
+class PeerTier(PeerHost):
+    """The peer tier of one node (see the module docstring).
+
+    Args:
+        agent: the node agent; its config gives ``listen``, ``advertise``,
+            ``coordinator``, ``peer_token`` and ``join_timeout``.
+    """
+
+    name = "peer"
+
+    def __init__(self, agent: NodeAgent) -> None:
+        c = agent.config
+        self.agent = agent
+        self.ram = agent.store
+        self.shards = agent.shards
+        self.stats = WireStats()
+        self.incarnation = uuid.uuid4().hex
+        self.listen = c.listen
+        self.address = c.advertise or c.listen or ""
+        self.coordinator_address = c.coordinator
+        self.token = c.peer_token
+        self.join_timeout = float(c.join_timeout)
+        self.is_coordinator = bool(c.coordinator) and (
+            peer_wire.same_endpoint(c.coordinator, c.listen)
+            or peer_wire.same_endpoint(c.coordinator, c.advertise))
+        self.client = PeerClient(self.token, self.stats)
+        self.coordinator: CoordinatorServicer | None = None
+        self.port: int | None = None
+        self.transfer_limiter = trio.CapacityLimiter(TRANSFERS)
+        self._control_limiter = trio.CapacityLimiter(8)
+        self._server: grpc.Server | None = None
+        self._nursery: trio.Nursery | None = None
+        self._poke = trio.Event()
+        self._sends: dict[ShardKey, _Send] = {}
+        self._pins: collections.Counter[ShardKey] = collections.Counter()
+        self._trusted: set[ShardKey] = set()
+        self._linked: dict[ShardKey, ShardKey] = {}
+        self._digests: dict[ShardKey, tuple[int, str]] = {}
+        self.peers: dict[int, PeerInfo] = {}
+        self.sync: dict[str, Any] = {"step": None, "at": None, "steps": []}
+        self.last_error: str | None = None
+        self._coord_ok: bool | None = None
+        self._registered: tuple[str, int] | None = None
+
+    # ------------------------------------------------------------------ helpers
+
+    def active_job(self) -> JobSpec | None:
+        """The agent's job if it spans several nodes and a coordinator is configured."""
+        job = self.agent.job
+        if job is None or job.nodes <= 1 or not self.coordinator_address:
+            return None
+        return job
+
+    def replica_peers(self, job: JobSpec) -> list[int]:
+        """The ranks receiving this node's steps (:func:`tierfs.placement.peer_ranks`)."""
+        try:
+            return placement.peer_ranks(job.node_rank, job.nodes, peer_ranks=job.peer_ranks,
+                                        peers_per_node=job.peers_per_node,
+                                        data_parallelism=job.assume_data_parallelism)
+        except ValueError as exc:
+            log.warning("no peers: %s", exc)
+            return []
+
+    def digest(self, shard: Shard) -> str:
+        """The shard's manifest digest (cached per manifest object)."""
+        cached = self._digests.get(shard.key)
+        if cached is not None and cached[0] == id(shard.manifest):
+            return cached[1]
+        d = shard.manifest.digest
+        self._digests[shard.key] = (id(shard.manifest), d)
+        return d
+
+    def holdings(self, job: str) -> list[Holding]:
+        """This node's inventory of ``job`` (trio thread)."""
+        return [Holding(s.key.rank, s.key.step, s.verified or s.key in self._trusted,
+                        self.digest(s), s.bytes, s.manifest.name)
+                for s in self.agent.shards_of(job)]
+
+    def _on_trio(self, fn: Callable[..., Any], *args: Any) -> Any:
+        token = self.agent.trio_token
+        if token is None:
+            raise _HostGone()
+        try:
+            return trio.from_thread.run_sync(fn, *args, trio_token=token)
+        except trio.RunFinishedError:
+            raise _HostGone() from None
+
+    # ------------------------------------------------------------------ PeerHost (any thread)
+
+    def own_rank(self, job: str) -> int | None:
+        j = self.agent.job  # one attribute read of a frozen JobSpec: safe from any thread
+        return j.node_rank if j is not None and j.name == job else None
+
+    def inventory(self, job: str) -> list[Holding]:
+        return self._on_trio(self.holdings, job)
+
+    def find(self, key: ShardKey) -> Shard | None:
+        return self._on_trio(self.agent.catalog.get, key)
+
+    def find_digest(self, job: str, digest: str) -> tuple[Shard, bool] | None:
+        def look() -> tuple[Shard, bool] | None:
+            own = self.agent.job.node_rank if self.agent.job else None
+            found = [s for s in self.agent.shards_of(job) if self.digest(s) == digest]
+            # prefer a copy that is not the client's view (no hard links to live files)
+            found.sort(key=lambda s: (s.key.rank == own, -s.key.step))
+            if not found:
+                return None
+            return found[0], found[0].key in self._trusted
+        return self._on_trio(look)
+
+    def adopt(self, shard: Shard, linked_from: ShardKey | None = None) -> None:
+        self._on_trio(self._adopt, shard, linked_from)
+
+    def _adopt(self, shard: Shard, linked_from: ShardKey | None) -> None:
+        if linked_from is not None:
+            # the files are the source's inodes: leave the inode map to the source,
+            # whose withdrawal then drops this replica too (see on_withdrawn)
+            shard.inodes = set()
+            self._linked[shard.key] = linked_from
+        self.agent.add_shard(shard)
+        if self._nursery is not None:
+            self._nursery.start_soon(self.agent.apply_retention)
+
+    def pin(self, key: ShardKey, delta: int) -> None:
+        self._on_trio(self._pin, key, delta)
+
+    def _pin(self, key: ShardKey, delta: int) -> None:
+        self._pins[key] += delta
+        if self._pins[key] <= 0:
+            del self._pins[key]
+
+    def check_space(self, nbytes: int) -> None:
+        self.agent.budget.check_growth(nbytes)
+
+    # ------------------------------------------------------------------ Tier
+
+    async def run(self, agent: NodeAgent,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start the gRPC server (if ``--listen``), then heartbeat until cancelled.
+
+        Raises:
+            RuntimeError: the listen address cannot be bound.
+        """
+        self._relink_loaded()
+        if self.listen:
+            self._start_server()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._heartbeat)
+                task_status.started()
+        finally:
+            for send in self._sends.values():
+                send.cancel.set()
+            if self._server is not None:
+                self._server.stop(0)
+            self.client.close()
+
+    def _start_server(self) -> None:
+        pb2, pb2_grpc = peer_wire.load()
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32,
+                                                        thread_name_prefix="tierfs-peer"),
+                             interceptors=[peer_wire.TokenInterceptor(self.token)],
+                             options=list(peer_wire.SERVER_OPTIONS))
+        pb2_grpc.add_PeerServicer_to_server(PeerServicer(self, pb2), server)
+        if self.is_coordinator:
+            self.coordinator = CoordinatorServicer(Coordinator(), pb2)
+            pb2_grpc.add_CoordinatorServicer_to_server(self.coordinator, server)
+        assert self.listen is not None
+        try:
+            self.port = server.add_insecure_port(self.listen)
+        except RuntimeError as exc:
+            raise RuntimeError(f"cannot listen on {self.listen}: {exc}") from None
+        if not self.port:
+            raise RuntimeError(f"cannot listen on {self.listen}")
+        server.start()
+        self._server = server
+        if not self.token:
+            log.warning("peer plane without --peer-token: any client can call this node")
+        log.info("peer server on %s (advertised as %s)%s", self.listen, self.address,
+                 "; coordinator of the job" if self.is_coordinator else "")
+
+    def _relink_loaded(self) -> None:
+        """After a daemon restart: replicas that are hard links of own shards (dedup)."""
+        job = self.agent.job
+        if job is None:
+            return
+        own = {k: s for k, s in self.agent.catalog.items()
+               if k.job == job.name and k.rank == job.node_rank}
+        by_ino = {ino: k for k, s in own.items() for ino in s.inodes}
+        for k, s in list(self.agent.catalog.items()):
+            if k in own or k.job != job.name:
+                continue
+            shared = s.inodes & by_ino.keys()
+            if shared:
+                src = by_ino[next(iter(shared))]
+                s.inodes = set()
+                self._linked[k] = src
+                self.agent.add_shard(own[src])
+
+    def on_sealed(self, shard: Shard) -> None:
+        """A step of this node was sealed: replicate it to the peers (trio thread)."""
+        self._trusted.add(shard.key)
+        job = self.active_job()
+        if job is None or shard.key.job != job.name or shard.key.rank != job.node_rank:
+            return
+        peers = self.replica_peers(job)
+        old = self._sends.pop(shard.key, None)
+        if old is not None:
+            old.cancel.set()
+        send = self._sends[shard.key] = _Send()
+        if not peers:
+            self._poke.set()
+            return
+        for p in peers:
+            send.states[p] = "queued"
+            self._start_send(shard, p, send)
+
+    def _start_send(self, shard: Shard, peer: int, send: _Send) -> None:
+        if self._nursery is None:
+            return
+        self._pins[shard.key] += 1
+        self._nursery.start_soon(self._replicate, shard, peer, send)
+
+    def on_withdrawn(self, key: ShardKey) -> None:
+        """A shard left the catalog: cancel its transfers; drop replicas linked to it."""
+        send = self._sends.pop(key, None)
+        if send is not None:
+            send.cancel.set()
+        self._trusted.discard(key)
+        self._digests.pop(key, None)
+        self._linked.pop(key, None)
+        linked = [k for k, src in self._linked.items() if src == key]
+        if linked and not self._retention_victim(key):
+            for k in linked:
+                del self._linked[k]
+                self.agent.drop_shard(k, f"its files are hard links of {key}, which was withdrawn")
+        elif linked:
+            for k in linked:
+                del self._linked[k]
+
+    def _retention_victim(self, key: ShardKey) -> bool:
+        steps = sorted((k.step for k in self.agent.catalog
+                        if k.job == key.job and k.rank == key.rank), reverse=True)
+        keep = steps[:self.agent.config.keep_local]
+        return len(keep) >= self.agent.config.keep_local and key.step < min(keep)
+
+    def pinned(self) -> set[ShardKey]:
+        """Shards being sent or served, and a restore's chosen shard until it is published."""
+        return set(self._pins)
+
+    # ------------------------------------------------------------------ replication
+
+    async def _replicate(self, shard: Shard, peer: int, send: _Send) -> None:
+        key = shard.key
+        job = self.agent.job
+        dp = bool(job and job.assume_data_parallelism and peer in placement.column_of(
+            key.rank, job.nodes, job.assume_data_parallelism))
+        deadline = trio.current_time() + PUSH_PATIENCE
+        delay = 0.25
+        data_loss = 0
+        try:
+            async with self.transfer_limiter:
+                while not send.cancel.is_set():
+                    if not self._worth_sending(key):
+                        send.states[peer] = "superseded"
+                        return
+                    info = self.peers.get(peer)
+                    if info is None or not info.address:
+                        if trio.current_time() > deadline:
+                            send.states[peer] = "failed"
+                            self.agent.report_error(
+                                f"replication of step {key.step} to node-rank {peer} failed: "
+                                "its address is unknown (it never joined the coordinator)")
+                            return
+                        self._poke.set()
+                        await trio.sleep(0.2)
+                        continue
+                    send.states[peer] = "sending"
+                    try:
+                        outcome = await trio.to_thread.run_sync(
+                            self._push_blocking, info.address, shard, key, dp, send.cancel,
+                            abandon_on_cancel=True)
+                    except Cancelled:
+                        break
+                    except OSError as exc:
+                        send.states[peer] = "cancelled"
+                        log.info("replication of %s stopped: snapshot gone (%s)", key, exc)
+                        return
+                    except grpc.RpcError as exc:
+                        code = rpc_code(exc)
+                        if code == grpc.StatusCode.DATA_LOSS and data_loss == 0:
+                            data_loss += 1
+                            log.warning("node-rank %d found %s corrupt in transit; sending "
+                                        "again", peer, key)
+                            continue
+                        retry = code in (grpc.StatusCode.UNAVAILABLE,
+                                         grpc.StatusCode.DEADLINE_EXCEEDED,
+                                         grpc.StatusCode.CANCELLED)
+                        if retry and trio.current_time() < deadline:
+                            send.states[peer] = "retrying"
+                            await trio.sleep(delay)
+                            delay = min(delay * 2, 5.0)
+                            continue
+                        send.states[peer] = "failed"
+                        self.agent.report_error(
+                            f"replication of step {key.step} to node-rank {peer} "
+                            f"({info.address}) failed: {rpc_reason(exc)}")
+                        return
+                    send.states[peer] = outcome
+                    log.info("step %d %s to node-rank %d", key.step, outcome, peer)
+                    self._poke.set()
+                    return
+                send.states[peer] = "cancelled"
+        finally:
+            self._pin(key, -1)
+
+    def _worth_sending(self, key: ShardKey) -> bool:
+        """False once ``key`` left the catalog or is older than the steps retention keeps."""
+        if key not in self.agent.catalog:
+            return False
+        newer = sum(1 for k in self.agent.catalog
+                    if k.job == key.job and k.rank == key.rank and k.step > key.step)
+        return newer < self.agent.config.keep_local
+
+    def _push_blocking(self, address: str, shard: Shard, key: ShardKey, dp: bool,
+                       cancel: threading.Event) -> str:
+        digest = shard.manifest.digest
+        inv = self.client.inventory(address, key.job, want_digest=digest,
+                                    wait_step=key.step if dp else -1,
+                                    wait_s=min(DP_WAIT, 5.0) if dp else 0.0)
+        waited = 5.0
+        while dp and not any(h.digest == digest for h in inv.shards) and not any(
+                h.rank == inv.node_rank and h.step == key.step for h in inv.shards):
+            if waited >= DP_WAIT or cancel.is_set():
+                break
+            inv = self.client.inventory(address, key.job, want_digest=digest,
+                                        wait_step=key.step, wait_s=5.0)
+            waited += 5.0
+        if any(h.rank == key.rank and h.step == key.step and h.digest == digest
+               for h in inv.shards):
+            return "present"
+        dedup = any(h.digest == digest for h in inv.shards)
+        reply = self.client.push(address, shard, self.agent.job.node_rank
+                                 if self.agent.job else -1, dedup, cancel)
+        if dedup and not reply.committed:
+            reply = self.client.push(address, shard, key.rank, False, cancel)
+        if not reply.committed:
+            if cancel.is_set():
+                raise Cancelled("transfer cancelled")
+            raise OSError(errno.EIO, reply.detail or "not committed")
+        return "replicated" if not reply.deduped else "replicated (manifest only)"
+
+    def _replicated_step(self, job: JobSpec) -> int:
+        peers = self.replica_peers(job)
+        for shard in self.agent.own_shards(job):
+            if not peers:
+                return shard.key.step
+            send = self._sends.get(shard.key)
+            if send is not None and all(_done(send.states.get(p)) for p in peers):
+                return shard.key.step
+        return NO_STEP
+
+    def _rereplicate(self, peer: int) -> None:
+        """A peer came back (new incarnation): send it our newest step again."""
+        job = self.active_job()
+        if job is None or peer not in self.replica_peers(job):
+            return
+        own = self.agent.own_shards(job)
+        if not own:
+            return
+        shard = own[0]
+        send = self._sends.setdefault(shard.key, _Send())
+        if send.states.get(peer) in ("queued", "sending", "retrying"):
+            return
+        send.states[peer] = "queued"
+        log.info("node-rank %d restarted: sending step %d again", peer, shard.key.step)
+        self._start_send(shard, peer, send)
+
+    # ------------------------------------------------------------------ heartbeat
+
+    async def _heartbeat(self) -> None:
+        while True:
+            job = self.active_job()
+            if job is not None:
+                try:
+                    await self._sync_once(job)
+                    if self._coord_ok is False:
+                        log.info("coordinator %s reachable again", self.coordinator_address)
+                    self._coord_ok = True
+                except grpc.RpcError as exc:
+                    self.last_error = f"coordinator {self.coordinator_address}: " \
+                                      f"{rpc_reason(exc)}"
+                    if self._coord_ok is not False:
+                        log.warning("%s", self.last_error)
+                    self._coord_ok = False
+                except Exception:
+                    log.exception("heartbeat failed")
+            with trio.move_on_after(HEARTBEAT):
+                await self._poke.wait()
+            self._poke = trio.Event()
+
+    async def _sync_once(self, job: JobSpec) -> None:
+        inventory = self.holdings(job.name)
+        step = self._replicated_step(job)
+        coord = self.coordinator_address
+        assert coord is not None
+        async with self._control_limiter:
+            reply = await trio.to_thread.run_sync(
+                self.client.sync, coord, job.name, job.node_rank, self.incarnation, step,
+                inventory)
+            if not reply.known:
+                try:
+                    joined = await trio.to_thread.run_sync(lambda: self.client.join(
+                        coord, job=job.name, nodes=job.nodes, rank=job.node_rank,
+                        address=self.address, incarnation=self.incarnation, restore_id="",
+                        mode=self.agent.mode, inventory=inventory))
+                except grpc.RpcError as exc:
+                    if rpc_code(exc) == grpc.StatusCode.FAILED_PRECONDITION:
+                        self.last_error = f"coordinator refused this node: {rpc_reason(exc)}"
+                        return
+                    raise
+                self.update_peers(joined.peers)
+                return
+        self.update_peers(reply.peers)
+        self.last_error = None
+        self.sync = {"step": reply.synced_step if reply.synced_step >= 0 else None,
+                     "at": reply.synced_at or None, "steps": list(reply.steps)}
+
+    def update_peers(self, peers: Iterable[Any]) -> None:
+        """Take the coordinator's address book (trio thread)."""
+        for p in peers:
+            old = self.peers.get(p.rank)
+            self.peers[p.rank] = PeerInfo(p.rank, p.address, p.incarnation, p.live)
+            if (old is not None and old.incarnation != p.incarnation
+                    and p.incarnation != self.incarnation):
+                self._rereplicate(p.rank)
+
+    # ------------------------------------------------------------------ restore support
+
+    async def pull(self, address: str, key: ShardKey, digest: str, cancel: threading.Event
+                   ) -> Shard:
+        """Pull, verify and commit ``key`` from a holder (worker thread); not yet cataloged."""
+        job = self.agent.job
+        async with self.transfer_limiter:
+            return await trio.to_thread.run_sync(
+                self.client.pull, address, key, digest, job.node_rank if job else -1, self.ram,
+                self.shards, cancel, abandon_on_cancel=True)
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a blocking control call in a worker thread."""
+        async with self._control_limiter:
+            return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict[str, Any]:
+        """Peers, addresses, replication per step, the last sync round, wire counters."""
+        job = self.agent.job
+        active = self.active_job()
+        targets = self.replica_peers(active) if active else []
+        steps = []
+        if job is not None:
+            for shard in self.agent.own_shards(job):
+                send = self._sends.get(shard.key)
+                if send is None or not targets:
+                    continue
+                where = [f"peer:{p}" for p in targets if _done(send.states.get(p))]
+                if len(where) == len(targets):
+                    state = "replicated"
+                elif any(s == "failed" for s in send.states.values()):
+                    state = "replication failed"
+                else:
+                    state = "replicating"
+                steps.append({"step": shard.key.step, "where": where, "state": state,
+                              "peers": {str(p): send.states.get(p) for p in targets}})
+        peers = [{"rank": p.rank, "address": p.address, "live": p.live,
+                  "target": p.rank in targets}
+                 for p in sorted(self.peers.values(), key=lambda p: p.rank)]
+        live = sum(1 for p in peers if p["live"])
+        sync_step = self.sync.get("step")
+        summary = (f"{self.address or 'no server'}; coordinator {self.coordinator_address}"
+                   f"{' (this node)' if self.is_coordinator else ''}; "
+                   f"replicates to {targets or 'nobody'}; {live} node(s) live; "
+                   f"last sync round: {'step ' + str(sync_step) if sync_step is not None else '-'}")
+        out: dict[str, Any] = {
+            "summary": summary, "address": self.address, "listen": self.listen,
+            "port": self.port, "coordinator": self.coordinator_address,
+            "is_coordinator": self.is_coordinator, "incarnation": self.incarnation,
+            "active": active is not None, "replicate_to": targets, "peers": peers,
+            "steps": steps, "sync": dict(self.sync), "wire": self.stats.snapshot(),
+            "pinned": sorted(str(k) for k in self._pins), "last_error": self.last_error,
+        }
+        if self.coordinator is not None:
+            out["coordinator_state"] = self.coordinator.status()
+        return out
+
+
+def _done(state: str | None) -> bool:
+    return bool(state) and (state == "present" or state.startswith("replicated"))  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------- cluster
+
+
+@dataclass
+class _Round:
+    restore_id: str
+    round: int
+    version: int
+
+
+class PeerCluster:
+    """The restore rounds of a multi-node job (:class:`tierfs.agent.Cluster`).
+
+    Args:
+        tier: the node's peer tier (client, address book, transfers).
+
+    Attributes:
+        fetch_backup: hook for the durable tier, ``async (agent, job, step,
+            backup) -> Shard | None``, used when the coordinator chose a step
+            from the bucket; None until the GCS tier sets it.
+    """
+
+    def __init__(self, tier: PeerTier) -> None:
+        self.tier = tier
+        self.fetch_backup: Callable[..., Any] | None = None
+        self._current: _Round | None = None
+
+    def _phase(self, agent: NodeAgent, text: str, **extra: Any) -> None:
+        agent.restore_state.update({"phase": text, **extra})
+
+    async def plan_restore(self, agent: NodeAgent, job: JobSpec) -> RestorePlan:
+        """Join the cluster's restore round and bring this node's shard of the chosen step.
+
+        Returns once every node has its data for the decided step (barrier
+        phase "ready"). Protocol contract: PROTOCOL.md section 4.
+
+        Raises:
+            RestoreTimeout: (protocol mode) nodes did not join or finish in
+                ``--join-timeout`` seconds; the reason is in replicator.errors.
+        """
+        from tierfs.agent import LocalCluster
+
+        self._current = None
+        if job.nodes <= 1 or not self.tier.coordinator_address:
+            return await LocalCluster().plan_restore(agent, job)
+        try:
+            return await self._plan(agent, job)
+        except RestoreTimeout:
+            if job.framework == control.GENERIC:
+                from tierfs.agent import RestorePlan
+                return RestorePlan(None, source="none")
+            raise
+
+    async def _plan(self, agent: NodeAgent, job: JobSpec) -> RestorePlan:
+        tier = self.tier
+        strict = job.framework != control.GENERIC
+        restore_id = uuid.uuid4().hex
+        self._phase(agent, "verifying local copies")
+        for shard in sorted(agent.shards_of(job.name), key=lambda s: s.key, reverse=True):
+            if shard.key in agent.catalog:
+                await agent.verify_shard(shard)
+        while True:
+            number = await self._join(agent, job, restore_id, strict)
+            while True:
+                view = await self._decide(agent, job, restore_id, number)
+                if view is None:
+                    break  # rejoin
+                plan, bad = await self._fetch(agent, job, view)
+                self._phase(agent, "waiting for the other nodes' data", round=number,
+                            step=plan.step if plan else None)
+                state = await self._barrier(agent, job, restore_id, number, view.version,
+                                            "ready", plan is not None, bad)
+                if state == "passed" and plan is not None:
+                    self._current = _Round(restore_id, number, view.version)
+                    if plan.shard is not None:
+                        tier._pin(plan.shard.key, +1)
+                        plan.detail["pinned"] = True
+                    plan.detail.update(round=number, reason=view.reason)
+                    return plan
+                if state == "rejoin":
+                    break
+                # replan (a copy was bad somewhere): ask again
+
+    async def _join(self, agent: NodeAgent, job: JobSpec, restore_id: str, strict: bool) -> int:
+        tier = self.tier
+        start = trio.current_time()
+        delay = 0.2
+        last = ""
+        while True:
+            fields = dict(job=job.name, nodes=job.nodes, rank=job.node_rank,
+                          address=tier.address, incarnation=tier.incarnation,
+                          restore_id=restore_id, mode="protocol" if strict else "generic",
+                          inventory=tier.holdings(job.name))
+            try:
+                reply = await tier.call(functools.partial(
+                    tier.client.join, tier.coordinator_address, **fields))
+                tier.update_peers(reply.peers)
+                self._phase(agent, "joined", round=reply.round)
+                return int(reply.round)
+            except grpc.RpcError as exc:
+                last = rpc_reason(exc)
+                if rpc_code(exc) == grpc.StatusCode.UNAUTHENTICATED:
+                    last = "the coordinator refused the peer token"
+                self._phase(agent, f"joining the coordinator at {tier.coordinator_address}: "
+                                   f"{last}")
+            if trio.current_time() - start > tier.join_timeout:
+                agent.report_error(f"restore: could not join the coordinator at "
+                                   f"{tier.coordinator_address} within "
+                                   f"{tier.join_timeout:.0f} s: {last}")
+                raise RestoreTimeout(last)
+            await trio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def _decide(self, agent: NodeAgent, job: JobSpec, restore_id: str, number: int
+                      ) -> Any:
+        tier = self.tier
+        start = trio.current_time()
+        pb = tier.client.pb2.DecideReply
+        while True:
+            try:
+                view = await tier.call(tier.client.decide, tier.coordinator_address, job.name,
+                                       job.node_rank, restore_id)
+            except grpc.RpcError as exc:
+                self._phase(agent, f"coordinator unreachable: {rpc_reason(exc)}")
+                if trio.current_time() - start > tier.join_timeout:
+                    agent.report_error(f"restore: coordinator {tier.coordinator_address} "
+                                       f"unreachable for {tier.join_timeout:.0f} s")
+                    raise RestoreTimeout(rpc_reason(exc)) from None
+                await trio.sleep(0.5)
+                continue
+            if view.state == pb.REJOIN:
+                return None
+            if view.state == pb.DECIDED:
+                step = None if view.step < 0 else int(view.step)
+                self._phase(agent, "decided", round=view.round, step=step, reason=view.reason,
+                            missing=[])
+                return view
+            missing = list(view.missing)
+            self._phase(agent, f"waiting for node-rank(s) {missing} to join", round=view.round,
+                        missing=missing)
+            if trio.current_time() - start > tier.join_timeout:
+                agent.report_error(f"restore: node-rank(s) {missing} did not join within "
+                                   f"{tier.join_timeout:.0f} s (job {job.name}, round "
+                                   f"{view.round}); no step can be agreed")
+                raise RestoreTimeout(f"node-rank(s) {missing} did not join")
+
+    async def _fetch(self, agent: NodeAgent, job: JobSpec, view: Any
+                     ) -> tuple[RestorePlan | None, list[CopyId]]:
+        from tierfs.agent import RestorePlan
+
+        tier = self.tier
+        if view.step < 0:
+            return RestorePlan(None, source="none"), []
+        step = int(view.step)
+        key = ShardKey(job.name, job.node_rank, step)
+        bad: list[CopyId] = []
+        if view.local:
+            shard = agent.catalog.get(key)
+            if shard is not None and (not view.digest or tier.digest(shard) == view.digest):
+                return RestorePlan(step, shard=shard, source="local"), []
+            bad.append((job.node_rank, job.node_rank, step))
+        for src in view.sources:
+            self._phase(agent, f"pulling step {step} from node-rank {src.holder}",
+                        source=f"peer:{src.holder}")
+            cancel = threading.Event()
+            try:
+                shard = await tier.pull(src.address, key, view.digest, cancel)
+            except (BadCopy, Refused) as exc:
+                tier.stats.add("corrupt_copies")
+                agent.report_error(f"restore: the copy of step {step} of rank {job.node_rank} "
+                                   f"on node-rank {src.holder} is bad ({exc}); trying another "
+                                   "copy")
+                bad.append((src.holder, job.node_rank, step))
+                continue
+            except (TransferError, grpc.RpcError, OSError) as exc:
+                log.warning("pulling %s from node-rank %d failed: %s", key, src.holder,
+                            rpc_reason(exc))
+                bad.append((src.holder, job.node_rank, step))
+                continue
+            finally:
+                cancel.set()
+            agent.add_shard(shard)
+            log.info("restored step %d of rank %d from node-rank %d (%d bytes, verified)",
+                     step, job.node_rank, src.holder, shard.bytes)
+            return RestorePlan(step, shard=shard, source=f"peer:{src.holder}"), []
+        if view.backup and self.fetch_backup is not None:
+            shard = await self.fetch_backup(agent, job, step, view.backup)
+            if shard is not None:
+                return RestorePlan(step, backup=view.backup, shard=shard, source="gcs"), []
+        agent.report_error(f"restore: no usable copy of step {step} for node-rank "
+                           f"{job.node_rank}; asking the coordinator for another step")
+        return None, bad
+
+    async def _barrier(self, agent: NodeAgent, job: JobSpec, restore_id: str, number: int,
+                       version: int, phase: str, ok: bool, bad: list[CopyId],
+                       timeout: float | None = None) -> str:
+        tier = self.tier
+        pb = tier.client.pb2.BarrierReply
+        start = trio.current_time()
+        limit = tier.join_timeout if timeout is None else timeout
+        while True:
+            try:
+                reply = await tier.call(lambda: tier.client.barrier(
+                    tier.coordinator_address, bad, job=job.name, rank=job.node_rank,
+                    restore_id=restore_id, round=number, version=version, phase=phase, ok=ok))
+            except grpc.RpcError as exc:
+                self._phase(agent, f"coordinator unreachable: {rpc_reason(exc)}")
+                if trio.current_time() - start > limit:
+                    agent.report_error(f"restore: coordinator {tier.coordinator_address} "
+                                       f"unreachable for {limit:.0f} s")
+                    raise RestoreTimeout(rpc_reason(exc)) from None
+                await trio.sleep(0.5)
+                continue
+            if reply.state == pb.PASSED:
+                return "passed"
+            if reply.state == pb.REPLAN:
+                return "replan"
+            if reply.state == pb.REJOIN:
+                return "rejoin"
+            waiting = list(reply.waiting_for)
+            self._phase(agent, f"barrier {phase}: waiting for node-rank(s) {waiting}",
+                        waiting_for=waiting)
+            if not ok:
+                return "replan"
+            if trio.current_time() - start > limit:
+                agent.report_error(f"restore: node-rank(s) {waiting} did not reach the "
+                                   f"'{phase}' barrier within {limit:.0f} s")
+                raise RestoreTimeout(f"node-rank(s) {waiting} did not reach '{phase}'")
+
+    async def restore_done(self, agent: NodeAgent, job: JobSpec, plan: RestorePlan) -> None:
+        """Barrier phase "done": returns once every node wrote its prerestore.
+
+        Every node already has its data (phase "ready" passed in
+        :meth:`plan_restore`), so a coordinator lost at this point only
+        costs a warning: markers are published anyway.
+        """
+        cur, self._current = self._current, None
+        try:
+            if cur is None:
+                return
+            try:
+                state = await self._barrier(agent, job, cur.restore_id, cur.round, cur.version,
+                                            "done", True, [], timeout=min(
+                                                self.tier.join_timeout, 60.0))
+            except RestoreTimeout as exc:
+                log.warning("restore-done barrier: %s; publishing anyway", exc)
+                return
+            if state != "passed":
+                log.warning("restore-done barrier answered %s; publishing anyway", state)
+        finally:
+            if plan.shard is not None and plan.detail.pop("pinned", False):
+                self.tier._pin(plan.shard.key, -1)
+
+
+__all__ = ["PeerClient", "PeerCluster", "PeerServicer", "PeerTier", "RestoreTimeout",
+           "WireStats"]
