@@ -840,6 +840,23 @@ def test_mmap_shared_read_and_write(fs):
                           np.arange(512 * 64).reshape(512, 64))
 
 
+def test_mmap_write_through_an_o_append_handle_lands_in_place(fs):
+    """Regression: without passthrough the kernel flushes mmap'd pages through the
+    O_APPEND handle, and the daemon's O_APPEND descriptor appended them at EOF."""
+    p = fs.path / "am"
+    write_file(p, b"." * 8192)
+    fd = os.open(p, os.O_RDWR | os.O_APPEND)
+    try:
+        m = mmap.mmap(fd, 8192, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        m[0:5] = b"HELLO"
+        m.flush()
+        m.close()
+        assert os.write(fd, b"tail") == 4  # write(2) still appends
+    finally:
+        os.close(fd)
+    assert p.read_bytes() == b"HELLO" + b"." * 8187 + b"tail"
+
+
 def test_mmap_under_load(fs):
     """FIELD-NOTES 7: 16 threads read a safetensors file through mmap while another
     process lists and stats the mount; nothing hangs and metadata stays quick."""

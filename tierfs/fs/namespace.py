@@ -93,6 +93,23 @@ def unallocated(fd: int, offset: int, length: int) -> int:
     return total
 
 
+RWF_NOAPPEND = 0x20  # pwritev2: ignore O_APPEND for this call (Linux 6.9)
+
+
+def _pwrite_noappend(fd: int, data: memoryview, offset: int) -> int:
+    """pwrite at ``offset`` even though ``fd`` has O_APPEND."""
+    try:
+        return os.pwritev(fd, [data], offset, RWF_NOAPPEND)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+    plain = os.open(_proc(fd), os.O_WRONLY | os.O_CLOEXEC)  # older kernels
+    try:
+        return os.pwrite(plain, data, offset)
+    finally:
+        os.close(plain)
+
+
 def _check_access(st: os.stat_result, uid: int, gid: int, flags: int) -> None:
     """Mode-bit check for ``uid``/``gid`` opening ``st`` with ``flags`` (EACCES if denied).
 
@@ -852,8 +869,13 @@ class Namespace:
         """Read up to ``len(buf)`` bytes at ``offset`` into ``buf``; returns bytes read."""
         return os.preadv(self.handle(fh).fd, [buf], offset)
 
-    def write(self, fh: int, offset: int, data: memoryview) -> int:
-        """Write ``data`` at ``offset`` (appends if the handle has O_APPEND).
+    def write(self, fh: int, offset: int, data: memoryview, cached: bool = False) -> int:
+        """Write ``data`` at ``offset``; returns bytes written.
+
+        A write(2) on an O_APPEND handle appends (the backing descriptor has
+        O_APPEND). A page-cache writeback (``cached``: the kernel flushing
+        mmap'd pages through whichever handle it holds) always lands at
+        ``offset``, also through an O_APPEND handle.
 
         Raises:
             OSError: ENOSPC past the budget (nothing written), EBADF.
@@ -861,6 +883,8 @@ class Namespace:
         handle = self.handle(fh)
         if not self.budget.native:
             self.budget.check_growth(unallocated(handle.fd, offset, len(data)))
+        if cached and handle.flags & os.O_APPEND:
+            return _pwrite_noappend(handle.fd, data, offset)
         return os.pwrite(handle.fd, data, offset)
 
     def flush(self, fh: int) -> None:

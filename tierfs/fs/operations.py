@@ -208,9 +208,9 @@ class Operations:
         return [view[:n]]
 
     def write(self, h: P.RequestHeader, body: memoryview) -> Payload:
-        fh, offset, size, *_ = P.WRITE_IN.unpack_from(body)
+        fh, offset, size, write_flags, *_ = P.WRITE_IN.unpack_from(body)
         data = body[P.WRITE_IN.size:P.WRITE_IN.size + size]
-        written = self.ns.write(fh, offset, data)
+        written = self.ns.write(fh, offset, data, cached=bool(write_flags & P.FUSE_WRITE_CACHE))
         return P.WRITE_OUT.pack(written, 0)
 
     def statfs(self, h: P.RequestHeader, body: memoryview) -> Payload:

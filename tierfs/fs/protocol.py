@@ -128,6 +128,9 @@ FATTR_ATIME_NOW = 1 << 7
 FATTR_MTIME_NOW = 1 << 8
 FATTR_CTIME = 1 << 10
 
+# fuse_write_in.write_flags
+FUSE_WRITE_CACHE = 1 << 0  # a page-cache writeback (mmap, writeback cache), not a write(2)
+
 FUSE_GETATTR_FH = 1 << 0
 FUSE_FSYNC_FDATASYNC = 1 << 0
 
