@@ -29,7 +29,7 @@ def format_status(data: dict[str, Any]) -> list[str]:
                  f"{budget.get('mode')} accounting, passthrough "
                  f"{'on' if data.get('passthrough') else 'off'})")
     for tier in ("peer", "gcs"):
-        info = data.get(tier)
+        info = data.get(tier) or (data.get("tiers") or {}).get(tier)
         if info:
             lines.append(f"{tier:<10} {info.get('summary', '')}")
     return lines
