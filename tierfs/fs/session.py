@@ -422,7 +422,12 @@ class FuseSession:
                     n = os.readv(self.fd, [self._buf])
                 except BlockingIOError:
                     since_yield = 0
-                    await trio.lowlevel.wait_readable(self.fd)
+                    try:
+                        await trio.lowlevel.wait_readable(self.fd)
+                    except trio.ClosedResourceError:
+                        # close() from another task (SIGTERM, unmount): the end.
+                        log.info("FUSE channel closed")
+                        return
                     continue
                 except OSError as exc:
                     if exc.errno in (errno.ENOENT, errno.EINTR, errno.EAGAIN):

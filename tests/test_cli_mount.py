@@ -1,0 +1,227 @@
+"""The ``tierfs mount`` / ``tierfs unmount`` contract (issue 2), through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import SHM, TIERFS, is_mounted, tierfs
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@pytest.fixture
+def ram_dir():
+    d = SHM / f"tierfs-cli-{uuid.uuid4().hex[:10]}"
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def cleanup():
+    """Mountpoints registered here are unmounted after the test, whatever happened."""
+    paths: list[Path] = []
+    yield paths
+    for p in paths:
+        if is_mounted(p):
+            subprocess.run([*TIERFS, "unmount", "--lazy", str(p)], capture_output=True,
+                           check=False)
+            if is_mounted(p):
+                subprocess.run(["umount", "-l", str(p)], capture_output=True, check=False)
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """Assert exit status 1 and a single non-empty stderr line containing ``needles``."""
+    assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("Error: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def test_mountpoint_missing(tmp_path, ram_dir):
+    proc = tierfs("mount", str(tmp_path / "nope"), "--ram-dir", str(ram_dir), check=False)
+    one_line_error(proc, str(tmp_path / "nope"), "does not exist")
+
+
+def test_mountpoint_not_a_directory(tmp_path, ram_dir):
+    (tmp_path / "file").write_text("x")
+    proc = tierfs("mount", str(tmp_path / "file"), "--ram-dir", str(ram_dir), check=False)
+    one_line_error(proc, "not a directory")
+
+
+def test_mountpoint_not_empty(tmp_path, ram_dir):
+    (tmp_path / "mnt").mkdir()
+    (tmp_path / "mnt" / "something").write_text("x")
+    proc = tierfs("mount", str(tmp_path / "mnt"), "--ram-dir", str(ram_dir), check=False)
+    one_line_error(proc, "not empty")
+    assert not is_mounted(tmp_path / "mnt")
+
+
+def test_already_mounted(make_mount, tmp_path):
+    m = make_mount()
+    proc = tierfs("mount", str(m.path), "--ram-dir", str(tmp_path / "other-ram"), check=False)
+    one_line_error(proc, "already mounted")
+    assert (m.path / ".tierfs" / "status.json").exists()  # the first mount is untouched
+
+
+@pytest.mark.parametrize("size", ["12XB", "lots", "-5GiB", "0", "1.2.3G", ""])
+def test_size_unparsable(tmp_path, ram_dir, size):
+    (tmp_path / "mnt").mkdir()
+    proc = tierfs("mount", str(tmp_path / "mnt"), "--ram-dir", str(ram_dir), "--size", size,
+                  check=False)
+    one_line_error(proc, "size")
+    assert not is_mounted(tmp_path / "mnt")
+
+
+@pytest.mark.parametrize("opt", ["bogus", "allow_other,frobnicate", "attr_timeout=abc",
+                                 "entry_timeout=-1"])
+def test_unknown_or_bad_mount_option(tmp_path, ram_dir, opt):
+    (tmp_path / "mnt").mkdir()
+    proc = tierfs("mount", str(tmp_path / "mnt"), "--ram-dir", str(ram_dir), "-o", opt,
+                  check=False)
+    line = one_line_error(proc)
+    bad = opt.split(",")[-1]
+    assert bad in line, line
+    assert not is_mounted(tmp_path / "mnt")
+
+
+def test_ram_dir_not_on_tmpfs_is_a_warning(tmp_path, cleanup):
+    from tierfs.fs.ramstore import fs_type
+
+    disk_dir = Path("/var/tmp") / f"tierfs-disk-{uuid.uuid4().hex[:8]}"
+    if fs_type(str(disk_dir.parent)) in ("tmpfs", "ramfs"):
+        pytest.skip("no disk-backed directory on this machine")
+    (tmp_path / "mnt").mkdir()
+    cleanup.append(tmp_path / "mnt")
+    try:
+        proc = tierfs("mount", str(tmp_path / "mnt"), "--ram-dir", str(disk_dir), check=False)
+        assert proc.returncode == 0, proc.stderr
+        warnings = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(warnings) == 1 and "warning" in warnings[0] and "tmpfs" in warnings[0]
+        assert is_mounted(tmp_path / "mnt")
+        (tmp_path / "mnt" / "f").write_bytes(b"on disk")
+        assert (disk_dir / "view" / "f").read_bytes() == b"on disk"
+        tierfs("unmount", str(tmp_path / "mnt"))
+    finally:
+        shutil.rmtree(disk_dir, ignore_errors=True)
+
+
+def test_tmpfs_ram_dir_gives_no_warning(tmp_path, ram_dir, cleanup):
+    (tmp_path / "mnt").mkdir()
+    cleanup.append(tmp_path / "mnt")
+    proc = tierfs("mount", str(tmp_path / "mnt"), "--ram-dir", str(ram_dir))
+    assert proc.stderr.strip() == ""
+    assert proc.stdout.strip() == ""
+    tierfs("unmount", str(tmp_path / "mnt"))
+
+
+@pytest.mark.parametrize(("size", "expect"), [("8GiB", 8 * GiB), ("512MiB", 512 * MiB),
+                                              ("100000000", 100_000_000)])
+def test_size_formats(make_mount, size, expect):
+    m = make_mount("--size", size)
+    status = json.loads((m.path / ".tierfs" / "status.json").read_text())
+    free = shutil.disk_usage(SHM).free
+    if expect >= free:
+        pytest.skip(f"{size} is more than /dev/shm can hold here")
+    assert status["budget"] == status["budget"] | {"mode": "managed", "total_bytes": expect}
+    total = shutil.disk_usage(m.path).total
+    assert expect - 4096 < total <= expect
+
+
+def test_default_size_is_the_free_space_of_the_ram_dir(make_mount):
+    m = make_mount()
+    status = json.loads((m.path / ".tierfs" / "status.json").read_text())
+    assert status["budget"]["mode"] == "native"
+    free = shutil.disk_usage(m.ram_dir).free
+    used = status["budget"]["used_bytes"]
+    # total = what the store holds + what tmpfs can still take (others may write meanwhile)
+    assert abs(status["budget"]["total_bytes"] - (free + used)) < 256 * MiB
+
+
+def _wait(pred, timeout: float = 20) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_foreground_stays_then_sigterm_unmounts(tmp_path, ram_dir, cleanup):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cleanup.append(mnt)
+    proc = subprocess.Popen([*TIERFS, "mount", str(mnt), "--ram-dir", str(ram_dir),
+                             "--foreground", "-o", "allow_other"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait(lambda: (mnt / ".tierfs" / "status.json").exists()
+                     or proc.poll() is not None)
+        assert proc.poll() is None, proc.communicate()
+        status = json.loads((mnt / ".tierfs" / "status.json").read_text())
+        assert status["pid"] == proc.pid  # the daemon is this very process
+        (mnt / "f").write_bytes(b"fg")
+        time.sleep(0.3)
+        assert proc.poll() is None  # still in the foreground
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert not is_mounted(mnt)
+    assert os.listdir(mnt) == []
+    assert (ram_dir / "view" / "f").read_bytes() == b"fg"
+    assert not (ram_dir / "store" / "daemon.pid").exists()
+
+
+def test_unmount_stops_the_daemon(make_mount):
+    m = make_mount()
+    pid = m.pid()
+    proc = tierfs("unmount", str(m.path))
+    assert proc.returncode == 0 and proc.stderr.strip() == ""
+    assert not is_mounted(m.path)
+    from tierfs.cli import pid_running
+
+    assert not pid_running(pid)
+    assert not (m.ram_dir / "store" / "daemon.pid").exists()
+
+
+def test_unmount_of_something_not_mounted(tmp_path):
+    one_line_error(tierfs("unmount", str(tmp_path), check=False), "not mounted")
+
+
+def test_second_mount_of_the_same_ram_dir_is_refused(make_mount, tmp_path):
+    m = make_mount()
+    (tmp_path / "other").mkdir()
+    proc = tierfs("mount", str(tmp_path / "other"), "--ram-dir", str(m.ram_dir), check=False)
+    one_line_error(proc, "in use")
+    assert not is_mounted(tmp_path / "other")
+
+
+def test_sigterm_to_the_background_daemon_unmounts_cleanly(make_mount):
+    """Regression: closing the channel under the waiting serve task raised
+    trio.ClosedResourceError and the daemon died with a traceback."""
+    m = make_mount()
+    (m.path / "f").write_bytes(b"kept")
+    pid = m.pid()
+    os.kill(pid, signal.SIGTERM)
+    from tierfs.cli import pid_running
+
+    assert _wait(lambda: not pid_running(pid) and not is_mounted(m.path))
+    assert "Traceback" not in m.log() and "daemon failed" not in m.log()
+    assert "daemon stopped" in m.log()
+    m.mount()
+    assert (m.path / "f").read_bytes() == b"kept"
