@@ -56,9 +56,11 @@ class Cluster:
     """
 
     def __init__(self, make_mount: Any, n: int, *, extra: tuple[str, ...] = (),
-                 token: str = "t", join_timeout: float = 60, start: bool = True) -> None:
+                 token: str = "t", join_timeout: float = 60, start: bool = True,
+                 node_args: Callable[[int], list[str]] | None = None) -> None:
         self.make_mount = make_mount
         self.n = n
+        self.node_args = node_args
         self.ports = [free_port() for _ in range(n)]
         self.token = token
         self.extra = extra
@@ -72,7 +74,7 @@ class Cluster:
         return ["--listen", f"127.0.0.1:{self.ports[i]}",
                 "--coordinator", f"127.0.0.1:{self.ports[0]}",
                 "--peer-token", self.token, "--join-timeout", str(self.join_timeout),
-                *self.extra]
+                *self.extra, *(self.node_args(i) if self.node_args else [])]
 
     def root(self, i: int) -> Path:
         return self.mounts[i].path

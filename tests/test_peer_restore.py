@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from peer_cluster import Cluster, flip_byte
+from peer_cluster import Cluster, flip_byte, wait_until
 
 pytestmark = pytest.mark.slow
 
 
-def test_four_nodes_survive_the_loss_of_one(make_mount):
+@pytest.mark.parametrize("lost", [3, 0], ids=["node3", "node0-the-coordinator"])
+def test_four_nodes_survive_the_loss_of_one(make_mount, lost):
     c = Cluster(make_mount, 4)
     first = c.clients(steps="1,2,3,4,5", size=300_000)
     assert [r["restored"] for r in first] == [None] * 4
@@ -17,13 +18,18 @@ def test_four_nodes_survive_the_loss_of_one(make_mount):
         steps = {s["step"]: s for s in c.status(i)["steps"]}
         assert steps[5]["state"] == "replicated"
         assert steps[5]["where"] == ["local", f"peer:{i ^ 1}"]
-    c.lose(3)
-    c.remount(3)
+    c.lose(lost)
+    c.remount(lost)
     again = c.clients(size=300_000)
     assert [r["restored"] for r in again] == [5, 5, 5, 5], c.logs()
     assert all(r["restored_ok"] for r in again), again
-    assert again[3]["restored_digest"] == first[3]["saved"]["5"]
-    assert c.status(3)["restore"]["source"] == "peer:2"
+    assert again[lost]["restored_digest"] == first[lost]["saved"]["5"]
+    assert c.status(lost)["restore"]["source"] == f"peer:{lost ^ 1}"
+    assert all(c.status(i)["restore"]["source"] == "local" for i in range(4) if i != lost)
+    # the node's own steps are replicated again to the peer that lost them
+    wait_until(lambda: any(r["rank"] == lost ^ 1 and r["step"] == 5
+                           for r in c.status(lost)["replicas"]), 30,
+               "re-replication to the restarted peer")
 
 
 def test_data_parallel_replication_sends_manifests_only(make_mount):
