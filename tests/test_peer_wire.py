@@ -223,3 +223,14 @@ def test_status_shows_the_peer_plane(make_mount):
     # generic mode, 2 nodes, node 1 absent: the daemon's own restore waits visibly
     wait_until(lambda: json.loads(tierfs("status", str(m.path), "--json").stdout)
                ["restore"].get("missing") == [1], 10, "the waiting generic restore")
+
+
+@pytest.mark.parametrize(("path", "offset", "data", "crc"), [
+    ("a/b", 0, b"", 0), ("x", 5, b"\x00" * 300, 123456789),
+    ("é/ü", 1 << 40, b"z" * 200_000, 0xFFFFFFFF)])
+def test_hand_encoded_chunks_are_the_proto_encoding(path, offset, data, crc):
+    pb2, _ = peer_wire.load()
+    chunk = pb2.FileChunk(path=path, offset=offset, data=data, crc32c=crc)
+    fast = peer_wire.encode_chunk(path, offset, data, crc)
+    assert fast == pb2.PushMessage(chunk=chunk).SerializeToString()
+    assert pb2.PullMessage.FromString(fast).chunk == chunk

@@ -40,6 +40,7 @@ import collections
 import errno
 import functools
 import logging
+import os
 import re
 import shutil
 import threading
@@ -91,6 +92,21 @@ PUSH_PATIENCE = 120.0
 #: concurrent shard transfers (sends and pulls) per node
 TRANSFERS = 2
 _JOB_RE = re.compile(r"^[^/\0]+$")
+
+
+#: nice value of threads that move replicas (a trainer on the node keeps priority)
+REPLICATION_NICE = 10
+
+
+def _set_thread_nice(value: int) -> int | None:
+    """Set this thread's nice value (Linux: per thread); returns the old one, None if refused."""
+    tid = threading.get_native_id()
+    try:
+        old = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, value)
+        return old
+    except OSError:
+        return None
 
 
 class RestoreTimeout(Exception):
@@ -230,6 +246,7 @@ class PeerServicer:
                           f"node-rank {h.rank} does not take replicas of its own rank")
         code, detail = None, ""
         inc = None
+        old_nice = _set_thread_nice(REPLICATION_NICE)
         try:
             if not h.dedup:
                 self.host.check_space(h.total_bytes)
@@ -280,6 +297,8 @@ class PeerServicer:
         finally:
             if inc is not None:
                 shutil.rmtree(inc, ignore_errors=True)
+            if old_nice is not None:
+                _set_thread_nice(old_nice)
         log.warning("refused a replica from node-rank %d: %s", h.sender_rank, detail)
         context.abort(code, detail)
 
@@ -325,11 +344,10 @@ class PeerServicer:
         failed = None
         try:
             yield self.pb2.PullMessage(manifest=self.pb2.ShardManifest(
-                json=shard.manifest.to_json()))
+                json=shard.manifest.to_json())).SerializeToString()
             for path, off, data, crc in iter_chunks(shard.data, shard.manifest.files,
                                                     cancelled=lambda: not context.is_active()):
-                yield self.pb2.PullMessage(chunk=self.pb2.FileChunk(
-                    path=path, offset=off, data=data, crc32c=crc))
+                yield peer_wire.encode_chunk(path, off, data, crc)  # a PullMessage
                 sent += len(data)
             self.host.stats.add("pulls_served")
         except (OSError, Cancelled) as exc:
@@ -342,6 +360,21 @@ class PeerServicer:
                 pass
         if failed:
             context.abort(grpc.StatusCode.NOT_FOUND, failed)
+
+
+def peer_handlers(servicer: PeerServicer, pb2: Any) -> grpc.GenericRpcHandler:
+    """The Peer service's handlers; PullShard answers with pre-encoded ``bytes`` messages."""
+    return grpc.method_handlers_generic_handler("tierfs.peer.v1.Peer", {
+        "Inventory": grpc.unary_unary_rpc_method_handler(
+            servicer.Inventory, request_deserializer=pb2.InventoryRequest.FromString,
+            response_serializer=peer_wire.serialize),
+        "PushShard": grpc.stream_unary_rpc_method_handler(
+            servicer.PushShard, request_deserializer=pb2.PushMessage.FromString,
+            response_serializer=peer_wire.serialize),
+        "PullShard": grpc.unary_stream_rpc_method_handler(
+            servicer.PullShard, request_deserializer=pb2.PullRequest.FromString,
+            response_serializer=peer_wire.serialize),
+    })
 
 
 def _parse_manifest(data: bytes) -> Manifest:
@@ -428,11 +461,11 @@ class PeerClient:
                 job=m.job, rank=m.rank, step=m.step, digest=m.digest, sender_rank=sender_rank,
                 total_bytes=0 if dedup else m.total_bytes, dedup=dedup))
             if not dedup:
+                _set_thread_nice(REPLICATION_NICE)  # grpc's per-call request thread
                 try:
                     for path, off, data, crc in iter_chunks(shard.data, m.files,
                                                             cancelled=cancel.is_set):
-                        yield pb2.PushMessage(chunk=pb2.FileChunk(path=path, offset=off,
-                                                                  data=data, crc32c=crc))
+                        yield peer_wire.encode_chunk(path, off, data, crc)  # a PushMessage
                         self.stats.add("sent_bytes", len(data))
                 except (OSError, Cancelled) as exc:
                     problem.append(exc)
@@ -441,7 +474,10 @@ class PeerClient:
             self.stats.add("manifest_bytes_sent", len(data))
             yield pb2.PushMessage(manifest=pb2.ShardManifest(json=data))
 
-        fut = self.peer(address).PushShard.future(messages(), metadata=self.md)
+        push = self.channel(address).stream_unary(
+            "/tierfs.peer.v1.Peer/PushShard", request_serializer=peer_wire.serialize,
+            response_deserializer=pb2.PushReply.FromString)
+        fut = push.future(messages(), metadata=self.md)
         while True:
             try:
                 reply = fut.result(timeout=0.25)
@@ -564,6 +600,8 @@ class PeerInfo:
 class _Send:
     cancel: threading.Event = field(default_factory=threading.Event)
     states: dict[int, str] = field(default_factory=dict)
+    #: peer -> {"seconds": transfer time, "bytes": data bytes sent}
+    timings: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
 class PeerTier(PeerHost):
@@ -730,7 +768,7 @@ class PeerTier(PeerHost):
                                                         thread_name_prefix="tierfs-peer"),
                              interceptors=[peer_wire.TokenInterceptor(self.token)],
                              options=list(peer_wire.SERVER_OPTIONS))
-        pb2_grpc.add_PeerServicer_to_server(PeerServicer(self, pb2), server)
+        server.add_generic_rpc_handlers((peer_handlers(PeerServicer(self, pb2), pb2),))
         if self.is_coordinator:
             self.coordinator = CoordinatorServicer(Coordinator(), pb2)
             pb2_grpc.add_CoordinatorServicer_to_server(self.coordinator, server)
@@ -845,6 +883,7 @@ class PeerTier(PeerHost):
                         await trio.sleep(0.2)
                         continue
                     send.states[peer] = "sending"
+                    started = time.monotonic()
                     try:
                         outcome = await trio.to_thread.run_sync(
                             self._push_blocking, info.address, shard, key, dp, send.cancel,
@@ -876,7 +915,11 @@ class PeerTier(PeerHost):
                             f"({info.address}) failed: {rpc_reason(exc)}")
                         return
                     send.states[peer] = outcome
-                    log.info("step %d %s to node-rank %d", key.step, outcome, peer)
+                    seconds = time.monotonic() - started
+                    sent = shard.bytes if outcome == "replicated" else 0
+                    send.timings[peer] = {"seconds": round(seconds, 4), "bytes": sent}
+                    log.info("step %d %s to node-rank %d (%.2f s, %.0f MB/s)", key.step,
+                             outcome, peer, seconds, sent / max(seconds, 1e-9) / 1e6)
                     self._poke.set()
                     return
                 send.states[peer] = "cancelled"
@@ -1041,7 +1084,8 @@ class PeerTier(PeerHost):
                 else:
                     state = "replicating"
                 steps.append({"step": shard.key.step, "where": where, "state": state,
-                              "peers": {str(p): send.states.get(p) for p in targets}})
+                              "peers": {str(p): send.states.get(p) for p in targets},
+                              "transfers": {str(p): t for p, t in send.timings.items()}})
         peers = [{"rank": p.rank, "address": p.address, "live": p.live,
                   "target": p.rank in targets}
                  for p in sorted(self.peers.values(), key=lambda p: p.rank)]
