@@ -185,7 +185,9 @@ def fake_gcs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGc
 
 # ---------------------------------------------------------------------- fault injection
 
-Fault = str | int | None  # None: forward; 429/503...: answer with that status; "reset"
+#: None: forward; an int (429, 503...): answer with that status; "reset": close the
+#: connection without an answer; a float: wait that many seconds, then forward
+Fault = str | int | float | None
 
 
 class FaultyProxy:
@@ -193,9 +195,8 @@ class FaultyProxy:
 
     Args:
         target: ``http://host:port`` of the real server.
-        plan: ``plan(method, path, n)`` -> None (forward), an HTTP status to
-            answer with, or ``"reset"`` (close the connection without an
-            answer); ``n`` counts requests from 0.
+        plan: ``plan(method, path, n)`` -> a :data:`Fault`; ``n`` counts
+            requests from 0. If the target is down, the connection is reset.
     """
 
     def __init__(self, target: str, plan: Callable[[str, str, int], Fault]) -> None:
@@ -219,6 +220,9 @@ class FaultyProxy:
                     n = proxy.count
                     proxy.count += 1
                 fault = proxy.plan(self.command, self.path, n)
+                if isinstance(fault, float):
+                    time.sleep(fault)
+                    fault = None
                 if fault is not None:
                     proxy.faults.append((self.command, self.path, fault))
                 if fault == "reset":
@@ -239,9 +243,17 @@ class FaultyProxy:
                 conn = http.client.HTTPConnection(proxy.target, timeout=60)
                 headers = {k: v for k, v in self.headers.items()
                            if k.lower() not in ("host", "connection")}
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                except OSError:  # the target is down: the client sees a reset
+                    self.close_connection = True
+                    try:
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                    return
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):

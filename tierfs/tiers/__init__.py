@@ -24,3 +24,7 @@ def attach_tiers(agent: NodeAgent) -> None:
         tier = PeerTier(agent)
         agent.tiers.append(tier)
         agent.cluster = PeerCluster(tier)
+    # the durable tier (off without --bucket); it wraps the cluster set above
+    from tierfs.tiers.gcs_tier import attach_gcs
+
+    attach_gcs(agent)

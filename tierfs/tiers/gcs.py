@@ -170,6 +170,20 @@ def _widen_pool(client: Any, size: int) -> None:
         log.debug("could not widen the HTTP connection pool", exc_info=True)
 
 
+def _make_retry(s: GcsSettings, on_error: Callable[[Exception], None]) -> Any:
+    """google-cloud-storage's retry policy (its predicate: 408/429/5xx, timeouts,
+    connection errors) with our backoff, deadline and an ``on_error`` hook."""
+    from google.api_core import retry as gretry
+    from google.cloud.storage.retry import DEFAULT_RETRY
+
+    predicate = getattr(DEFAULT_RETRY, "_predicate", None)
+    if predicate is None:  # a future library without the attribute: its default object
+        return (DEFAULT_RETRY.with_timeout(s.retry_deadline)
+                .with_delay(initial=s.retry_initial, maximum=s.retry_max, multiplier=2.0))
+    return gretry.Retry(predicate=predicate, initial=s.retry_initial, maximum=s.retry_max,
+                        multiplier=2.0, timeout=s.retry_deadline, on_error=on_error)
+
+
 def crc_b64(crc: int) -> str:
     """crc32c as GCS spells it: base64 of the big-endian 4 bytes."""
     return base64.b64encode((crc & 0xFFFFFFFF).to_bytes(4, "big")).decode("ascii")
@@ -517,24 +531,44 @@ class GcsBackend:
         spec: bucket and prefix (see :func:`tierfs.tiers.gcs_layout.parse_bucket`).
         client: a ``google.cloud.storage.Client``; made with :func:`make_client` if None.
         settings: tuning (defaults from :meth:`GcsSettings.from_env`).
+        on_retry: called (any thread) with each retryable failure before its retry.
+        widen_pool: size the client's HTTP connection pool for ``settings.threads``.
 
     Thread-safe: one backend may be used by several threads at once.
     """
 
     def __init__(self, spec: BucketSpec | str, client: Any = None,
-                 settings: GcsSettings | None = None) -> None:
-        from google.cloud.storage.retry import DEFAULT_RETRY
-
+                 settings: GcsSettings | None = None,
+                 on_retry: Callable[[Exception], None] | None = None,
+                 widen_pool: bool = True) -> None:
         self.spec = L.parse_bucket(spec) if isinstance(spec, str) else spec
         self.settings = settings or GcsSettings.from_env()
         self.client = client if client is not None else make_client()
-        _widen_pool(self.client, self.settings.threads)
+        if widen_pool:
+            _widen_pool(self.client, self.settings.threads)
         self.bucket = self.client.bucket(self.spec.bucket)
-        s = self.settings
-        self.retry = (DEFAULT_RETRY.with_timeout(s.retry_deadline)
-                      .with_delay(initial=s.retry_initial, maximum=s.retry_max,
-                                  multiplier=2.0))
-        self.timeout = (s.connect_timeout, s.read_timeout)
+        self.on_retry = on_retry
+        self.retry = _make_retry(self.settings, self._retrying)
+        self.timeout = (self.settings.connect_timeout, self.settings.read_timeout)
+
+    def _retrying(self, exc: Exception) -> None:
+        log.info("GCS request failed, retrying: %s", describe_error(exc))
+        if self.on_retry is not None:
+            try:
+                self.on_retry(exc)
+            except Exception:  # a status hook must never break a transfer
+                log.debug("on_retry hook failed", exc_info=True)
+
+    def bounded(self, deadline: float) -> GcsBackend:
+        """A backend on the same client whose requests give up after ``deadline`` seconds."""
+        import dataclasses
+
+        s = dataclasses.replace(self.settings,
+                                retry_deadline=min(deadline, self.settings.retry_deadline),
+                                retry_initial=min(self.settings.retry_initial, 0.25),
+                                retry_max=min(self.settings.retry_max, max(0.5, deadline / 4)))
+        return GcsBackend(self.spec, client=self.client, settings=s, on_retry=self.on_retry,
+                          widen_pool=False)
 
     # ------------------------------------------------------------------ small objects
 
@@ -646,6 +680,45 @@ class GcsBackend:
                 raise TimeoutError(f"no address of rank {rank} under "
                                    f"{self.spec}{job}/.tierfs/nodes/ after {timeout:.0f}s")
             time.sleep(poll)
+
+    # ------------------------------------------------------------------ round orders
+
+    def write_order(self, job: str, order: L.RoundOrder) -> None:
+        """Publish node-rank 0's round order (``.tierfs/rounds/order``)."""
+        self._put_bytes(self.spec.round_order(job), order.to_json(), "application/json")
+
+    def read_order(self, job: str) -> L.RoundOrder | None:
+        """The current round order, or None (absent or malformed)."""
+        data = self._get_bytes(self.spec.round_order(job))
+        if data is None:
+            return None
+        try:
+            return L.RoundOrder.from_json(data)
+        except LayoutError as exc:
+            log.warning("ignoring the round order: %s", exc)
+            return None
+
+    def write_round_status(self, job: str, round_name: str, rank: int, record: bytes) -> None:
+        """Publish this node's outcome of a round (see :func:`gcs_layout.round_status_record`)."""
+        self._put_bytes(self.spec.round_status(job, round_name, rank), record,
+                        "application/json")
+
+    def read_round_status(self, job: str, round_name: str, rank: int) -> dict[str, Any] | None:
+        """Node ``rank``'s outcome of a round, or None if it has not reported."""
+        data = self._get_bytes(self.spec.round_status(job, round_name, rank))
+        return None if data is None else L.parse_round_status(data)
+
+    def round_statuses(self, job: str, round_name: str) -> dict[int, dict[str, Any]]:
+        """Every reported outcome of a round: rank -> record."""
+        prefix = self.spec.round_status_dir(job, round_name)
+        blobs, _ = self._list(prefix)
+        names = [b.name for b in blobs if b.name[len(prefix):].isdigit()]
+        out: dict[int, dict[str, Any]] = {}
+        for name in names:
+            data = self._get_bytes(name)
+            if data is not None:
+                out[int(name[len(prefix):])] = L.parse_round_status(data)
+        return out
 
     # ------------------------------------------------------------------ listing
 

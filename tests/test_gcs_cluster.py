@@ -1,0 +1,202 @@
+"""The GCS tier with four real daemons (peer plane on 127.0.0.1, fake-gcs-server):
+backup rounds, the loss of every RAM tier, a round cut off by kill -9,
+restore.version, and the bucket going away during a round."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from gcs_cluster import (
+    all_nodes,
+    backed_up,
+    errors,
+    gcs_status,
+    handshake,
+    save,
+    status,
+    step_files,
+    wait_for,
+)
+from gcs_fixtures import FaultyProxy
+from peer_cluster import Cluster
+
+from tierfs.tiers.gcs import GcsBackend, GcsSettings
+
+pytestmark = pytest.mark.slow
+
+N = 4
+YAML = ("backup-interval-steps: 1",)
+
+
+@pytest.fixture(autouse=True)
+def _quick(monkeypatch):
+    """Daemons decide and poll the round order every half second."""
+    monkeypatch.setenv("TIERFS_GCS_TICK", "0.5")
+    monkeypatch.setenv("TIERFS_GCS_ORDER_POLL", "0.5")
+
+
+def start(make_mount, bucket: str, env_for=None) -> Cluster:
+    """Four daemons with ``--bucket``; ``env_for(i)`` may give node i other environment."""
+    c = Cluster(make_mount, N, extra=("--bucket", bucket), start=False)
+    for i in range(N):
+        saved = dict(os.environ)
+        try:
+            if env_for is not None:
+                os.environ.update(env_for(i))
+            c.mounts.append(make_mount(*c.args(i), name=f"node{i}"))
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+    return c
+
+
+def handshake_all(c: Cluster) -> list[dict]:
+    return all_nodes(lambda r: handshake(c.root(r), r, N, extra=YAML), N)
+
+
+def save_all(c: Cluster, step: int, seed: str = "g", size: int = 100_000) -> None:
+    all_nodes(lambda r: save(c.root(r), step, step_files(r, step, size, seed)), N)
+
+
+def round_of(c: Cluster, step: int, timeout: float = 60) -> str:
+    """Wait until every node uploaded ``step``; returns the (common) round name."""
+    names = [wait_for(lambda i=i: backed_up(c.root(i), step), timeout,
+                      f"node {i}: step {step} backed up") for i in range(N)]
+    assert len(set(names)) == 1, names  # the same round name on every node
+    return names[0]
+
+
+def restart_all(c: Cluster, wipe: bool) -> None:
+    for m in c.mounts:
+        m.unmount()
+        if wipe:
+            shutil.rmtree(m.ram_dir)
+    for m in c.mounts:
+        m.mount()
+
+
+def test_four_nodes_survive_losing_every_ram_tier(make_mount, fake_gcs):
+    g = GcsBackend(fake_gcs.bucket, settings=GcsSettings.from_env())
+    c = start(make_mount, fake_gcs.bucket)
+    assert [r["restored"] for r in handshake_all(c)] == [None] * N
+    rounds = {}
+    for step in (1, 2):
+        save_all(c, step)
+        rounds[step] = round_of(c, step)
+    assert rounds[1] < rounds[2]
+    info = g.inspect_round("job", rounds[2], N)
+    assert info.complete_step == 2 and info.ranks_complete(2) == [0, 1, 2, 3]
+    assert gcs_status(c.root(0))["role"] == "decides rounds"
+    assert gcs_status(c.root(1))["role"] == "follows node-rank 0's rounds"
+
+    # every daemon dies and every RAM tier is wiped: the bucket brings step 2 back
+    for i in range(N):
+        c.lose(i)
+    for i in range(N):
+        c.remount(i)
+    again = handshake_all(c)
+    for r, res in enumerate(again):
+        assert res["restored"] == 2, c.logs()
+        assert res["files"] == step_files(r, 2), f"node {r} restored other bytes"
+        assert f"restore-backup: {rounds[2]}" in res["prerestore"]
+        assert status(c.root(r))["restore"]["source"] == "gcs"
+
+    # restore.version forces the older round for every node, although step 2 is
+    # complete in the cluster
+    g.write_restore_version("job", rounds[1])
+    restart_all(c, wipe=False)
+    forced = handshake_all(c)
+    for r, res in enumerate(forced):
+        assert res["restored"] == 1 and res["files"] == step_files(r, 1), c.logs()
+        assert f"restore-backup: {rounds[1]}" in res["prerestore"]
+    assert g.read_restore_version("job") == rounds[1]
+    # training goes on from step 1; once every node sealed and replicated a newer
+    # step, node-rank 0 deletes restore.version and the new step is backed up
+    save_all(c, 2, seed="second timeline")
+    wait_for(lambda: g.read_restore_version("job") is None, 60, "restore.version deleted")
+    new2 = round_of(c, 2)
+    assert new2 > rounds[2]
+
+    # restore.version naming a round that does not exist: nothing, no fallback
+    g.write_restore_version("job", "2031-01-01_00-00")
+    restart_all(c, wipe=False)
+    nothing = handshake_all(c)
+    for res in nothing:
+        assert res["restored"] is None, c.logs()
+        assert "2031-01-01_00-00, which does not exist" in res["errors"]
+
+
+def test_round_cut_off_by_kill_9_is_never_chosen(make_mount, fake_gcs):
+    g = GcsBackend(fake_gcs.bucket, settings=GcsSettings.from_env())
+
+    def slow_uploads(method, path, n):
+        return 1.0 if path.startswith("/upload/") else None
+
+    with FaultyProxy(fake_gcs.url, slow_uploads) as proxy:
+        # node 3 reaches the bucket through a proxy that delays every upload by 1 s
+        c = start(make_mount, fake_gcs.bucket,
+                  env_for=lambda i: {"STORAGE_EMULATOR_HOST": proxy.url} if i == 3 else {})
+        handshake_all(c)
+        save_all(c, 1)
+        first = round_of(c, 1, timeout=90)
+        save_all(c, 2)
+        wait_for(lambda: any(u["step"] == 2 for u in gcs_status(c.root(3))["uploads"]), 60,
+                 "node 3 uploading step 2")
+        c.mounts[3].kill9()
+        second = wait_for(lambda: backed_up(c.root(0), 2), 60, "node 0 uploaded step 2")
+    for i in (1, 2):
+        assert wait_for(lambda i=i: backed_up(c.root(i), 2), 60, "step 2 uploaded") == second
+    info = g.inspect_round("job", second, N)
+    assert not info.complete and 3 not in info.ranks_present(2)
+    # lose every RAM tier: the newest *complete* round is restored, not the cut-off one
+    for i in range(3):
+        c.lose(i)
+    shutil.rmtree(c.mounts[3].ram_dir)
+    for i in range(N):
+        c.remount(i)
+    again = handshake_all(c)
+    for r, res in enumerate(again):
+        assert res["restored"] == 1, c.logs()
+        assert res["files"] == step_files(r, 1)
+        assert f"restore-backup: {first}" in res["prerestore"]
+
+
+def test_bucket_lost_during_a_round(make_mount, fake_gcs, monkeypatch):
+    monkeypatch.setenv("TIERFS_GCS_RETRY_DEADLINE", "3")
+    g = GcsBackend(fake_gcs.bucket, settings=GcsSettings.from_env())
+
+    def slow_uploads(method, path, n):
+        return 0.7 if path.startswith("/upload/") else None
+
+    with FaultyProxy(fake_gcs.url, slow_uploads) as proxy:
+        c = start(make_mount, fake_gcs.bucket,
+                  env_for=lambda i: {"STORAGE_EMULATOR_HOST": proxy.url})
+        handshake_all(c)
+        save_all(c, 1)
+        round_of(c, 1, timeout=90)
+        save_all(c, 2)
+        wait_for(lambda: any(gcs_status(c.root(i))["uploads"] for i in range(N)), 60,
+                 "a node uploading step 2")
+        fake_gcs.stop()
+        # training goes on: saves land in RAM and are replicated while the bucket is gone
+        save_all(c, 3)
+        c.wait_synced(3)
+        failed = [i for i in range(N) if "bucket unreachable" in errors(c.root(i))]
+        failed = wait_for(lambda: [i for i in range(N)
+                                   if "bucket unreachable" in errors(c.root(i))], 60,
+                          "a node reporting the unreachable bucket")
+        for i in failed:
+            assert "backup of step 2" in errors(c.root(i))
+            assert "bucket unreachable" in (gcs_status(c.root(i))["last_error"] or "")
+        for i in range(N):
+            steps = {s["step"]: s for s in status(c.root(i))["steps"]}
+            assert steps[3]["state"] == "replicated"  # nothing lost, nothing waited
+        fake_gcs.start()
+        # the cut-off round is closed once the outcomes reach the bucket; the next
+        # round then backs up the newest replicated step
+        save_all(c, 4)
+        last = round_of(c, 4, timeout=90)
+    choice = g.choose_restore("job", N)
+    assert (choice.round, choice.step) == (last, 4)

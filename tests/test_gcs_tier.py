@@ -1,0 +1,161 @@
+"""The GCS tier in a real daemon (one node): backup rounds, restore from the bucket,
+restore.version, an unreachable bucket. The four-node versions are in
+test_gcs_cluster.py."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from gcs_cluster import backed_up, errors, gcs_status, handshake, save, status, step_files, wait_for
+
+from tierfs.tiers import gcs_schedule as S
+from tierfs.tiers.gcs import GcsBackend, GcsSettings
+
+# ---------------------------------------------------------------------- schedule (pure)
+
+
+def test_schedule_intervals_and_skips():
+    st = S.ScheduleState(started_at=1000.0)
+    assert S.intervals(None, None) == (30.0, None)
+    assert S.intervals(5, None) == (5, None) and S.intervals(None, 3) == (None, 3)
+    # minutes: not before the interval has passed since the start
+    d = S.decide_round(st, now=1000 + 299, step=4, interval_minutes=5)
+    assert d.action == S.WAIT
+    d = S.decide_round(st, now=1000 + 300, step=4, interval_minutes=5)
+    assert d.action == S.START and d.step == 4 and d.round == "1970-01-01_00-21"
+    S.started(st, d, 1300)
+    # the same step is never backed up twice; a newer one waits for the interval
+    assert S.decide_round(st, now=5000, step=4, interval_minutes=5).action == S.WAIT
+    d = S.decide_round(st, now=1500, step=5, interval_minutes=5)
+    assert d.action == S.WAIT
+    # due while the round still runs: skipped, reported once
+    d = S.decide_round(st, now=1600, step=5, interval_minutes=5)
+    assert d.action == S.SKIP and d.report and "still running" in d.reason
+    S.skipped(st, d)
+    assert not S.decide_round(st, now=1601, step=5, interval_minutes=5).report
+    S.finished(st, "1970-01-01_00-21")
+    d = S.decide_round(st, now=1602, step=6, interval_minutes=5)
+    assert d.action == S.START and d.round == "1970-01-01_00-26"
+
+
+def test_schedule_steps_requested_and_names():
+    st = S.ScheduleState(started_at=0.0)
+    assert S.decide_round(st, now=10, step=1, interval_steps=3).action == S.WAIT
+    d = S.decide_round(st, now=10, step=3, interval_steps=3)
+    assert d.action == S.START
+    S.started(st, d, 10)
+    S.finished(st, d.round)
+    assert S.decide_round(st, now=20, step=5, interval_steps=3).action == S.WAIT
+    # _BACKUP_REQUESTED: at once, whatever the interval
+    d = S.decide_round(st, now=20, step=4, interval_steps=3, backup_requested=True)
+    assert d.action == S.START
+    # a second round within the same minute gets the next minute's name
+    assert d.round == "1970-01-01_00-01"
+    # names never go back behind what the bucket already holds
+    d = S.decide_round(S.ScheduleState(0.0), now=10, step=1, interval_steps=1,
+                       previous_name="2030-01-01_00-00")
+    assert d.round == "2030-01-01_00-01"
+    # after a restore: periods count from it, only newer steps
+    st = S.ScheduleState(started_at=0.0)
+    S.restored(st, "1970-01-01_00-00", 7, 100.0)
+    assert S.decide_round(st, now=100, step=7, interval_steps=1).action == S.WAIT
+    assert S.decide_round(st, now=100, step=8, interval_steps=1).action == S.START
+    assert S.decide_round(st, now=399, step=8, interval_minutes=5).action == S.WAIT
+
+
+# ---------------------------------------------------------------------- one daemon
+
+
+def remount_wiped(m) -> None:
+    m.unmount()
+    shutil.rmtree(m.ram_dir)
+    m.mount()
+
+
+def test_without_bucket_the_tier_is_off(mount):
+    assert gcs_status(mount.path)["summary"] == "off (no --bucket)"
+
+
+def test_one_node_backs_up_and_restores_from_the_bucket(make_mount, fake_gcs):
+    bucket = f"{fake_gcs.bucket}/ckpt"
+    m = make_mount("--bucket", bucket, "-o", "allow_other")
+    first = handshake(m.path, 0, 1, extra=("backup-interval-steps: 1",))
+    assert first["restored"] is None
+    rounds = {}
+    for step in (1, 2):
+        save(m.path, step, step_files(0, step))
+        rounds[step] = wait_for(lambda step=step: backed_up(m.path, step), 30,
+                                f"step {step} backed up")
+    assert rounds[1] < rounds[2]
+    g = GcsBackend(bucket, settings=GcsSettings.from_env())
+    infos = {r.name: r for r in g.list_rounds("job")}
+    assert infos[rounds[1]].complete_step == 1 and infos[rounds[2]].complete_step == 2
+    st = gcs_status(m.path)
+    assert st["role"] == "decides rounds" and st["last_error"] is None
+    assert "gcs:" + rounds[2] in next(s for s in status(m.path)["steps"]
+                                      if s["step"] == 2)["where"]
+    # the whole RAM tier is lost: the newest complete round comes back byte-exactly
+    remount_wiped(m)
+    again = handshake(m.path, 0, 1, extra=("backup-interval-steps: 1",))
+    assert again["restored"] == 2
+    assert again["files"] == step_files(0, 2)
+    assert f"restore-backup: {rounds[2]}" in again["prerestore"]
+    assert "restore-step: 2" in again["prerestore"]
+    assert status(m.path)["restore"]["source"] == "gcs"
+
+    # restore.version forces the older round, even with step 2 in RAM
+    g.write_restore_version("job", rounds[1])
+    m.unmount()
+    m.mount()
+    forced = handshake(m.path, 0, 1, extra=("backup-interval-steps: 1",))
+    assert forced["restored"] == 1 and forced["files"] == step_files(0, 1)
+    assert f"restore-backup: {rounds[1]}" in forced["prerestore"]
+    assert gcs_status(m.path)["restore_version_pending"][1] == rounds[1]
+    # training goes on from step 1: the new step 2 is backed up (a new round), and
+    # restore.version is deleted once a newer step is sealed (one node: no peers)
+    save(m.path, 2, step_files(0, 2, seed="second timeline"))
+    wait_for(lambda: g.read_restore_version("job") is None, 30, "restore.version deleted")
+    new2 = wait_for(lambda: (backed_up(m.path, 2) or "") > rounds[2] and backed_up(m.path, 2),
+                    30, "the new step 2 backed up")
+    assert g.choose_restore("job", 1).round == new2
+
+    # restore.version naming a round that does not exist: nothing, no fallback
+    g.write_restore_version("job", "2031-01-01_00-00")
+    m.unmount()
+    m.mount()
+    none = handshake(m.path, 0, 1, extra=("backup-interval-steps: 1",))
+    assert none["restored"] is None
+    assert "restore.version names round 2031-01-01_00-00, which does not exist" in \
+        none["errors"]
+    assert "{}" in none["prerestore"]
+
+
+def test_one_node_unreachable_bucket_never_blocks_training(make_mount, fake_gcs,
+                                                           monkeypatch):
+    monkeypatch.setenv("TIERFS_GCS_RETRY_DEADLINE", "2")
+    m = make_mount("--bucket", fake_gcs.bucket)
+    handshake(m.path, 0, 1, extra=("backup-interval-steps: 1",))
+    save(m.path, 1, step_files(0, 1))
+    wait_for(lambda: backed_up(m.path, 1), 30, "step 1 backed up")
+    fake_gcs.stop()
+    save(m.path, 2, step_files(0, 2))  # the save itself is not slowed down
+    wait_for(lambda: "backup of step 2" in errors(m.path), 30, "the failure reported")
+    assert "bucket unreachable" in errors(m.path)
+    st = gcs_status(m.path)
+    assert "bucket unreachable" in (st["last_error"] or "")
+    assert "bucket unreachable" in st["summary"] or "last error" in st["summary"]
+    steps = {s["step"]: s for s in status(m.path)["steps"]}
+    assert steps[2]["where"] == ["local"]  # in RAM, not lost
+    save(m.path, 3, step_files(0, 3))  # training goes on
+    fake_gcs.start()
+    save(m.path, 4, step_files(0, 4))
+    wait_for(lambda: backed_up(m.path, 4), 60, "step 4 backed up once the bucket is back")
+    g = GcsBackend(fake_gcs.bucket, settings=GcsSettings.from_env())
+    assert g.choose_restore("job", 1).step == 4
+
+
+@pytest.mark.parametrize("bad", ["UPPER", "b//x"])
+def test_bad_bucket_fails_the_mount(make_mount, bad):
+    with pytest.raises(AssertionError, match="bucket"):
+        make_mount("--bucket", bad)
