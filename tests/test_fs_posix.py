@@ -1042,7 +1042,9 @@ def test_statfs_shows_the_budget(fs):
     status = json.loads((fs.path / ".tierfs" / "status.json").read_text())
     usage = shutil.disk_usage(fs.path)
     assert usage.total > 0 and 0 < usage.free <= usage.total
-    assert abs(usage.total - status["budget"]["total_bytes"]) < 4096
+    # native budget = what the store holds + what tmpfs can still take; other
+    # tenants of /dev/shm move it a little between the two reads
+    assert abs(usage.total - status["budget"]["total_bytes"]) < max(4096, usage.total // 100)
     before = usage.free
     write_file(fs.path / "eight-mib", b"\1" * 8 * MiB)
     assert shutil.disk_usage(fs.path).free < before - 7 * MiB + 4 * MiB  # other tenants: noise

@@ -42,7 +42,7 @@ from tierfs.config import NodeConfig
 from tierfs.control import ControlError, JobSpec
 from tierfs.fs import syscalls
 from tierfs.fs.namespace import Namespace
-from tierfs.fs.ramstore import Budget, RamStore
+from tierfs.fs.ramstore import TRASH_GRACE, Budget, RamStore
 from tierfs.manifest import CrcCache
 from tierfs.sealing import SealCandidate, SealRules
 from tierfs.tiers.local import SealBusy, Shard, ShardKey, ShardStore, link_tree, retention
@@ -55,6 +55,8 @@ STATE_VERSION = 1
 DEFAULT_JOB = "default"
 #: seconds an expired step stays visible before retention hides it (protocol mode)
 VIEW_RETENTION_GRACE = 10.0
+#: seconds the entry a renamed restore marker pointed at stays (readers mid-walk)
+SIBLING_GRACE = 60.0
 
 
 # ---------------------------------------------------------------------- events
@@ -508,9 +510,17 @@ class NodeAgent:
         self._notify(control.JAX_INIT_INFO)
 
     async def _housekeeping(self) -> None:
+        last_count = time.monotonic()
         while True:
             await trio.sleep(2.0)
-            await trio.to_thread.run_sync(self.store.empty_trash)
+            if not self.budget.native and time.monotonic() - last_count >= 5.0:
+                # managed budget: recount the store so deletions free budget
+                before = self.budget.grown
+                counted = await trio.to_thread.run_sync(self.store.usage)
+                self.budget.remeasure(counted, before)
+                last_count = time.monotonic()
+            short = self.budget.free() < 0.1 * self.budget.size
+            await trio.to_thread.run_sync(self.store.empty_trash, 0.0 if short else TRASH_GRACE)
             for name in list(self.pending):
                 self._schedule_seal(self.pending[name])
 
@@ -545,13 +555,23 @@ class NodeAgent:
             self._spawn(self._materialize, ev.new, pub)
             return
         old_top, new_top = _top(ev.old), _top(ev.new)
-        if ev.old == old_top and old_top in self.view_steps and ev.new == new_top:
-            self.view_steps[new_top] = self.view_steps.pop(old_top)
+        cand = None
         if self.rules is not None:
             cand = self.rules.on_rename(ev.old, ev.new, stat.S_ISDIR(ev.mode),
                                         stat.S_ISLNK(ev.mode), self.view)
-            if cand is not None:
-                self._schedule_seal(cand)
+        moved = ev.old == old_top and ev.new == new_top and old_top in self.view_steps
+        if moved:
+            old_key = self.view_steps.pop(old_top)
+            if cand is not None and cand.step != old_key.step:
+                # NeMo's async finalize: step=<N> (sealed) renamed to <digits>. The same
+                # checkpoint now has its final name and step; the old seal is retired.
+                shard = self.catalog.get(old_key)
+                if shard is not None and shard.manifest.name == old_top:
+                    self.drop_shard(old_key, f"renamed to {new_top}")
+            else:
+                self.view_steps[new_top] = old_key
+        if cand is not None:
+            self._schedule_seal(cand)
         self._retry_pending(new_top)
 
     async def _on_released(self, ev: Released) -> None:
@@ -919,13 +939,19 @@ class NodeAgent:
             if self.ns is not None:
                 self.ns.notify_changed(name, wait=True)
             os.unlink(os.path.join(view, tmp))
-            self._hide(pub.sibling)
             return True
 
         if await trio.to_thread.run_sync(work):
             self.view_steps[name] = pub.key
             log.info("restored step %d presented as %s", pub.key.step, name)
+            # the sibling stays a while for readers that resolved the symlink before
+            self._spawn(self._hide_after, pub.sibling, SIBLING_GRACE)
         self._save_state()
+
+    async def _hide_after(self, name: str, delay: float) -> None:
+        await trio.sleep(delay)
+        if name not in {p.sibling for p in self.published.values()}:
+            await trio.to_thread.run_sync(self._hide, name)
 
     # ------------------------------------------------------------------ status
 

@@ -31,12 +31,16 @@ import errno
 import logging
 import os
 import shutil
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
 TMPFS_MAGIC = 0x01021994
+#: seconds a trashed entry is kept before its bytes are freed (unless RAM is short)
+TRASH_GRACE = 30.0
 
 
 def fs_type(path: str) -> str:
@@ -80,59 +84,118 @@ class Budget:
         size: the budget in bytes, or None for "what the filesystem can hold".
         used_at_start: bytes the store already holds when the daemon starts
             (counted by :meth:`RamStore.usage`).
+        recount: optional ``() -> bytes`` that counts the store again; used
+            before answering ENOSPC so freed space is found at once.
+
+    In managed mode the store's usage is its own count, not the filesystem's:
+    the last count (:meth:`remeasure`, done periodically by the node agent)
+    plus the growth granted since. Other programs filling a shared tmpfs
+    therefore never eat into the budget (they can still fill the
+    filesystem, which then answers ENOSPC itself).
     """
 
-    def __init__(self, root: str, size: int | None, used_at_start: int) -> None:
+    def __init__(self, root: str, size: int | None, used_at_start: int,
+                 recount: Callable[[], int] | None = None) -> None:
         self.root = root
+        self._recount = recount
+        self._base = used_at_start
+        self._grown = 0
+        self._last_recount = 0.0
         vfs = os.statvfs(root)
         fs_used = (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize
         fs_avail = vfs.f_bavail * vfs.f_frsize
-        #: bytes on the filesystem that are not ours (other tenants of a shared tmpfs)
+        #: bytes on the filesystem that are not ours when the daemon started
         self.foreign = max(0, fs_used - used_at_start)
         native_capacity = used_at_start + fs_avail
         if size is None or size >= native_capacity:
             self.mode = "native"
-            self.size = native_capacity if size is None else min(size, native_capacity)
+            self._size = None
         else:
             self.mode = "managed"
-            self.size = size
+            self._size = size
 
     @property
     def native(self) -> bool:
         """True when the filesystem itself enforces the budget."""
         return self.mode == "native"
 
+    @property
+    def size(self) -> int:
+        """The budget in bytes (native: what the store holds plus what the filesystem can take)."""
+        if self._size is not None:
+            return self._size
+        return self.used() + self.free()
+
     def used(self) -> int:
-        """Bytes the store holds now (filesystem usage minus foreign usage)."""
+        """Bytes the store holds now.
+
+        Managed mode: the store's own count. Native mode: the filesystem's
+        usage minus what others used when the daemon started (an estimate).
+        """
+        if not self.native:
+            return self._base + self._grown
         vfs = os.statvfs(self.root)
         return max(0, (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize - self.foreign)
 
     def free(self) -> int:
-        """Bytes that can still be written before ENOSPC."""
+        """Bytes that can still be written before ENOSPC.
+
+        Managed mode recounts the store first when the last count is more than
+        a second old, so ``statfs`` shows space freed by deletions at once.
+        """
+        vfs = os.statvfs(self.root)
+        fs_avail = vfs.f_bavail * vfs.f_frsize
         if self.native:
-            vfs = os.statvfs(self.root)
-            return vfs.f_bavail * vfs.f_frsize
-        return max(0, self.size - self.used())
+            return fs_avail
+        self._maybe_recount()
+        return max(0, min(fs_avail, self.size - self.used()))
+
+    def _maybe_recount(self) -> None:
+        if self._recount is None:
+            return
+        now = time.monotonic()
+        if now - self._last_recount >= 1.0:
+            self._last_recount = now
+            before = self._grown
+            self.remeasure(self._recount(), before)
+
+    def remeasure(self, counted: int, grown_before: int) -> None:
+        """Install a fresh count of the store's bytes.
+
+        ``grown_before`` is :attr:`grown` read just before counting started;
+        growth granted while counting stays added (counted at most twice,
+        which errs towards ENOSPC, never past the budget).
+        """
+        self._base = counted
+        self._grown = max(0, self._grown - grown_before)
+
+    @property
+    def grown(self) -> int:
+        """Growth granted since the last count (bytes)."""
+        return self._grown
 
     def check_growth(self, nbytes: int) -> None:
-        """Raise ``OSError(ENOSPC)`` if ``nbytes`` more bytes would pass the budget.
+        """Grant ``nbytes`` more bytes, or raise ``OSError(ENOSPC)`` past the budget.
 
         Only meaningful in managed mode; in native mode the filesystem answers.
+        Before refusing, the store is counted again (at most once a second) so
+        that space freed by deletions is found.
         """
-        if nbytes > 0 and not self.native and self.used() + nbytes > self.size:
+        if nbytes <= 0 or self.native:
+            return
+        if self.used() + nbytes > self._size:  # type: ignore[operator]
+            self._maybe_recount()
+        if self.used() + nbytes > self._size:  # type: ignore[operator]
             raise OSError(errno.ENOSPC, "tierfs RAM budget exhausted")
+        self._grown += nbytes
 
     def statfs(self) -> StatFs:
         """The budget as a statfs answer: total = budget, free = what is left."""
         vfs = os.statvfs(self.root)
         bsize = vfs.f_frsize or 4096
-        if self.native:
-            total = (self.size + bsize - 1) // bsize
-            return StatFs(bsize, total, min(total, vfs.f_bfree), min(total, vfs.f_bavail),
-                          vfs.f_files, vfs.f_ffree, vfs.f_namemax)
         free = self.free() // bsize
-        return StatFs(bsize, self.size // bsize, free, free, vfs.f_files, vfs.f_ffree,
-                      vfs.f_namemax)
+        total = max(self.size // bsize, free)
+        return StatFs(bsize, total, free, free, vfs.f_files, vfs.f_ffree, vfs.f_namemax)
 
 
 class RamStore:
@@ -195,18 +258,30 @@ class RamStore:
         return path
 
     def to_trash(self, path: str) -> str:
-        """Move ``path`` (inside the ram-dir) to ``trash/`` with one rename; returns where."""
-        dest = os.path.join(self.trash, f"{uuid.uuid4().hex[:12]}-{os.path.basename(path)}")
+        """Move ``path`` (inside the ram-dir) to ``trash/`` with one rename; returns where.
+
+        The trash name starts with the Unix time, so :meth:`empty_trash` can
+        leave recent entries alone for a while.
+        """
+        dest = os.path.join(self.trash, f"{int(time.time())}-{uuid.uuid4().hex[:8]}-"
+                                        f"{os.path.basename(path)}")
         os.rename(path, dest)
         return dest
 
-    def empty_trash(self) -> int:
-        """Delete everything in ``trash/`` and ``incoming/`` leftovers; returns entries removed.
+    def empty_trash(self, min_age: float = TRASH_GRACE) -> int:
+        """Delete trash entries older than ``min_age`` seconds; returns entries removed.
 
-        Blocking (may free many GiB): call from a worker thread.
+        The grace period lets a reader that is still walking a hidden entry
+        (a client reading through a restore marker that was just replaced, a
+        peer streaming a dropped snapshot) finish. Blocking (may free many
+        GiB): call from a worker thread.
         """
         removed = 0
+        now = time.time()
         for name in os.listdir(self.trash):
+            stamp = name.split("-", 1)[0]
+            if stamp.isdigit() and now - int(stamp) < min_age:
+                continue
             p = os.path.join(self.trash, name)
             if os.path.isdir(p) and not os.path.islink(p):
                 shutil.rmtree(p, ignore_errors=True)
