@@ -5,12 +5,15 @@ test_gcs_cluster.py."""
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
+import trio
 from gcs_cluster import backed_up, errors, gcs_status, handshake, save, status, step_files, wait_for
 
 from tierfs.tiers import gcs_schedule as S
 from tierfs.tiers.gcs import GcsBackend, GcsSettings
+from tierfs.tiers.gcs_tier import rendezvous
 
 # ---------------------------------------------------------------------- schedule (pure)
 
@@ -159,3 +162,47 @@ def test_one_node_unreachable_bucket_never_blocks_training(make_mount, fake_gcs,
 def test_bad_bucket_fails_the_mount(make_mount, bad):
     with pytest.raises(AssertionError, match="bucket"):
         make_mount("--bucket", bad)
+
+
+def test_one_node_backs_up_a_requested_step_at_once(make_mount, fake_gcs):
+    """With the default 30-minute period only a step carrying _BACKUP_REQUESTED is
+    backed up right away."""
+    m = make_mount("--bucket", fake_gcs.bucket)
+    handshake(m.path, 0, 1)
+    save(m.path, 1, step_files(0, 1))
+    save(m.path, 2, {**step_files(0, 2), "_BACKUP_REQUESTED": b""})
+    rnd = wait_for(lambda: backed_up(m.path, 2), 30, "the requested step backed up")
+    time.sleep(1.5)
+    assert backed_up(m.path, 1) is None
+    st = gcs_status(m.path)
+    assert st["interval_minutes"] == 30.0 and st["rounds"][-1]["round"] == rnd
+    assert "_BACKUP_REQUESTED" in st["rounds"][-1]["reason"]
+
+
+def test_bucket_rendezvous(fake_gcs):
+    g = GcsBackend(fake_gcs.bucket, settings=GcsSettings.from_env())
+    start = time.time()
+    found: dict[int, str] = {}
+
+    async def main() -> None:
+        async def node(rank: int, delay: float) -> None:
+            await trio.sleep(delay)
+            found[rank] = await rendezvous(g, "job", rank, f"10.0.0.{rank}:7000",
+                                           incarnation=f"i{rank}", timeout=20,
+                                           newer_than=start - 1, poll=0.1)
+
+        async with trio.open_nursery() as n:
+            for r in (1, 2, 3):
+                n.start_soon(node, r, 0.0)
+            n.start_soon(node, 0, 0.5)  # rank 0 comes last
+
+    trio.run(main)
+    assert found == {r: "10.0.0.0:7000" for r in range(4)}
+    assert g.read_address("job", 2).address == "10.0.0.2:7000"
+
+    async def late() -> None:
+        with pytest.raises(TimeoutError):
+            await rendezvous(g, "job", 1, "x:1", incarnation="j", timeout=0.3,
+                             newer_than=time.time() + 60, poll=0.1)
+
+    trio.run(late)

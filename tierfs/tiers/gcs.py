@@ -1122,13 +1122,16 @@ class GcsBackend:
     def delete_round(self, job: str, round_name: str, *,
                      on_object: Callable[[str], None] | None = None,
                      on_listed: Callable[[int], None] | None = None) -> int:
-        """Delete every object of a round; pointers first so readers see it partial at once.
+        """Delete every object of a round (and the nodes' outcome records of it);
+        pointers first, so readers see it partial at once.
 
         Returns the number of objects deleted.
         """
         prefix = self.spec.round_dir(job, round_name)
         blobs, _ = self._list(prefix)
         names = [b.name for b in blobs]
+        outcomes, _ = self._list(self.spec.round_status_dir(job, round_name))
+        names += [b.name for b in outcomes]
         if on_listed is not None:
             on_listed(len(names))
         metas = [n for n in names if n.endswith(".meta") and "/" not in n[len(prefix):]]

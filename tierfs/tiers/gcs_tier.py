@@ -784,6 +784,38 @@ class GcsCluster:
             await self.inner.restore_done(agent, job, plan)
 
 
+# ---------------------------------------------------------------------- rendezvous
+
+
+async def rendezvous(backend: GcsBackend, job: str, rank: int, address: str, *,
+                     incarnation: str, timeout: float, newer_than: float = 0.0,
+                     poll: float = 1.0) -> str:
+    """Bucket rendezvous (DESIGN.md "Peer plane"): the coordinator's address for ``job``.
+
+    Node-rank 0 publishes ``address`` (its peer service, ``HOST:PORT``) to
+    ``gs://<bucket>/<job>/.tierfs/nodes/0`` and returns it; every other rank
+    publishes its own record and waits (polling every ``poll`` seconds, in a
+    worker thread) for a rank-0 record written after ``newer_than`` (Unix
+    seconds; older records are a previous run's).
+
+    Raises:
+        TimeoutError: no such record within ``timeout`` seconds.
+        google.api_core exceptions: publishing failed after retries.
+    """
+    await trio.to_thread.run_sync(functools.partial(
+        backend.publish_address, job, rank, address, incarnation=incarnation))
+    if rank == 0:
+        return address
+    cancel = threading.Event()
+    try:
+        rec = await trio.to_thread.run_sync(functools.partial(
+            backend.wait_for_address, job, 0, timeout=timeout, newer_than=newer_than,
+            poll=poll, cancel=cancel), abandon_on_cancel=True)
+    finally:
+        cancel.set()
+    return rec.address
+
+
 # ---------------------------------------------------------------------- wiring
 
 
