@@ -144,11 +144,14 @@ def main() -> None:
     dist.all_gather_object(steps_seen, start)
     if len(set(steps_seen)) != 1:
         raise RuntimeError(f"ranks restored different steps: {steps_seen}")
+    if args.rank == 0:
+        log_event(events, event="start", step=start)
     gen = torch.Generator().manual_seed(1234)
     x_all = torch.randn(4096, 64, generator=gen)
-    y_all = torch.sin(x_all[:, :8].sum(dim=1, keepdim=True)) + 0.1 * x_all[:, 8:9]
+    w_true = torch.randn(64, 1, generator=gen) / 4
+    y_all = x_all @ w_true + 0.2 * torch.tanh(x_all[:, :1] * x_all[:, 1:2])
     for i in range(start + 1, args.until + 1):
-        idx = torch.randint(0, 4096, (128,), generator=torch.Generator().manual_seed(
+        idx = torch.randint(0, 4096, (256,), generator=torch.Generator().manual_seed(
             i * 1000 + args.rank))
         loss = torch.nn.functional.mse_loss(ddp(x_all[idx]), y_all[idx])
         opt.zero_grad()

