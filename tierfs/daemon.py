@@ -134,6 +134,8 @@ class NodeDaemon:
                 with trio.fail_after(30):
                     await self.session.initialized.wait()
                 await nursery.start(self.agent.run)
+                if self.config.metrics_port:
+                    self._serve_metrics(self.config.metrics_port)
                 task_status.started()
                 await self._stop.wait()
                 self._unmount()
@@ -143,6 +145,15 @@ class NodeDaemon:
             except OSError:
                 pass
             log.info("daemon stopped")
+
+    def _serve_metrics(self, port: int) -> None:
+        from tierfs import metrics
+
+        agent = self.agent
+        assert agent is not None
+        token = trio.lowlevel.current_trio_token()
+        # the exporter thread reads the agent's status on the trio thread
+        metrics.serve(port, lambda: trio.from_thread.run_sync(agent.status, trio_token=token))
 
     async def _serve_then_stop(self, scope: trio.CancelScope) -> None:
         assert self.session is not None

@@ -1,0 +1,96 @@
+"""Prometheus metrics (``tierfs mount --metrics-port PORT`` serves ``/metrics``).
+
+The exporter is a custom collector: at each scrape it asks the node agent
+for its status on the trio thread (``trio.from_thread``) and turns that into
+metric families, so nothing on the FUSE path is instrumented and the numbers
+are the same ones ``tierfs status`` shows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+STEP_STATES = ("writing", "sealed", "verified", "replicating", "replicated",
+               "replication failed")
+
+
+def families(status: dict[str, Any]) -> list[Any]:
+    """Metric families for one status snapshot (pure; unit-tested)."""
+    budget = status.get("budget", {})
+    ram = GaugeMetricFamily("tierfs_ram_bytes", "RAM tier budget in bytes", labels=["kind"])
+    for kind in ("total", "used", "free"):
+        ram.add_metric([kind], float(budget.get(f"{kind}_bytes", 0)))
+    job = status.get("job") or {}
+    info = InfoMetricFamily("tierfs_job", "The job this node serves")
+    info.add_metric([], {"name": str(job.get("name", "")),
+                         "framework": str(job.get("framework", "")),
+                         "node_rank": str(job.get("node_rank", "")),
+                         "nodes": str(job.get("nodes", "")),
+                         "mode": str(status.get("mode", ""))})
+    steps = status.get("steps", [])
+    by_state = GaugeMetricFamily("tierfs_steps", "Steps of this node by state",
+                                 labels=["state"])
+    counts = {s: 0 for s in STEP_STATES}
+    for s in steps:
+        counts[s.get("state", "sealed")] = counts.get(s.get("state", "sealed"), 0) + 1
+    for state, n in sorted(counts.items()):
+        by_state.add_metric([state], float(n))
+    newest = GaugeMetricFamily("tierfs_newest_step", "Newest step per tier on this node",
+                               labels=["tier"])
+    sealed = [s["step"] for s in steps if s.get("state") != "writing"]
+    newest.add_metric(["local"], float(max(sealed, default=0)))
+    replicated = [s["step"] for s in steps
+                  if any(w.startswith("peer:") for w in s.get("where", []))]
+    newest.add_metric(["peer"], float(max(replicated, default=0)))
+    backed = [s["step"] for s in steps if any(w.startswith("gcs:") for w in s.get("where", []))]
+    newest.add_metric(["gcs"], float(max(backed, default=0)))
+    held = GaugeMetricFamily("tierfs_sealed_bytes", "Bytes of sealed steps held in RAM",
+                             labels=["owner"])
+    held.add_metric(["own"], float(sum(s.get("bytes", 0) for s in steps)))
+    held.add_metric(["replicas"], float(sum(r.get("bytes", 0)
+                                            for r in status.get("replicas", []))))
+    errors = GaugeMetricFamily("tierfs_recent_errors", "Recent problems reported by the node")
+    errors.add_metric([], float(len(status.get("errors", []))))
+    restore = status.get("restore") or {}
+    restored = GaugeMetricFamily("tierfs_restored_step", "Step of the last finished restore")
+    restored.add_metric([], float(restore.get("step") or 0))
+    up = GaugeMetricFamily("tierfs_passthrough", "1 if FUSE passthrough serves file data")
+    up.add_metric([], 1.0 if status.get("passthrough") else 0.0)
+    return [ram, info, by_state, newest, held, errors, restored, up]
+
+
+class StatusCollector(Collector):
+    """A collector that turns ``snapshot()`` (a status dict) into metric families."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Any]:
+        try:
+            status = self.snapshot()
+        except Exception:  # a scrape must never take the daemon down
+            log.exception("metrics snapshot failed")
+            return
+        yield from families(status)
+
+
+def serve(port: int, snapshot: Callable[[], dict[str, Any]], addr: str = "0.0.0.0") -> None:
+    """Serve ``/metrics`` on ``addr:port`` from a background thread.
+
+    Raises:
+        OSError: the port is taken.
+    """
+    from prometheus_client import start_http_server
+    from prometheus_client.registry import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatusCollector(snapshot))
+    start_http_server(port, addr=addr, registry=registry)
+    log.info("Prometheus metrics on %s:%d/metrics", addr, port)
