@@ -28,6 +28,8 @@ demo: install
 
 bench: install
 	$(BIN)/python bench/fs_bench.py
+	$(BIN)/python bench/peer_bench.py
+	$(BIN)/python bench/gcs_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
