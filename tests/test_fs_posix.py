@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import faulthandler
 import fcntl
 import hashlib
 import json
 import mmap
 import os
 import shutil
+import signal
 import stat
 import struct
 import subprocess
@@ -855,6 +857,41 @@ def test_mmap_write_through_an_o_append_handle_lands_in_place(fs):
     finally:
         os.close(fd)
     assert p.read_bytes() == b"HELLO" + b"." * 8187 + b"tail"
+
+
+def test_truncating_a_file_another_process_maps_hurts_only_that_process(fs):
+    """FIELD-NOTES 7: the mapper may get SIGBUS past the new EOF (POSIX); the daemon
+    and every other file are unaffected."""
+    p = fs.path / "mapped"
+    other = pattern(MiB, seed=12)
+    write_file(p, pattern(MiB, seed=11))
+    write_file(fs.path / "other", other)
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            fd = os.open(p, os.O_RDONLY)
+            m = mmap.mmap(fd, MiB, prot=mmap.PROT_READ)
+            assert m[MiB - 1] == pattern(MiB, seed=11)[-1]
+            os.write(ready_w, b"r")
+            os.read(go_r, 1)
+            faulthandler.disable()  # the SIGBUS below is expected: no dump
+            _ = m[MiB - 1]  # past the new EOF: SIGBUS ends this process here
+            code = 0
+        finally:
+            os._exit(code)
+    os.read(ready_r, 1)
+    os.truncate(p, 100)
+    os.write(go_w, b"g")
+    _, status = os.waitpid(pid, 0)
+    for fd in (ready_r, ready_w, go_r, go_w):
+        os.close(fd)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGBUS, status
+    assert _alive(fs.pid())
+    assert (fs.path / "other").read_bytes() == other
+    assert p.read_bytes() == pattern(MiB, seed=11)[:100]
 
 
 def test_mmap_under_load(fs):

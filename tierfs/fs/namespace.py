@@ -332,6 +332,9 @@ class Namespace:
         """An ``O_PATH`` descriptor of ``inode``'s backing object, reopened if evicted.
 
         The descriptor stays valid until the next :meth:`trim_fds` (do not keep it).
+        FUSE thread only: the pool is not locked (of the namespace, only
+        :meth:`writers_of` and :meth:`notify_changed` may be called from other
+        threads).
 
         Raises:
             OSError: ESTALE if the backing object no longer exists.
