@@ -17,6 +17,16 @@ from tierfs.coordinator import (
     choose_restore,
     sources_for,
 )
+from tierfs.tiers.gcs_schedule import (
+    COMPLETE,
+    DONE,
+    FAILED,
+    INCOMPLETE,
+    RUNNING,
+    Outcome,
+    RoundBook,
+    RoundView,
+)
 
 
 def H(rank, step, digest=None, verified=True):
@@ -249,3 +259,198 @@ def test_nothing_to_restore():
     join(c, 1)
     v = c.decide("job", 0, "r0")
     assert v.state == DECIDED and v.step is None
+
+
+# ---------------------------------------------------------------------- restore.version
+
+
+def forced_round(step, name="2025-01-01_00-00"):
+    return Choice(step, reason=f"restore.version names round {name}", backup=name,
+                  forced=name)
+
+
+def test_restore_version_overrides_a_newer_step_complete_in_the_cluster():
+    reads = []
+
+    def override(job, nodes):
+        reads.append((job, nodes))
+        return forced_round(3)
+
+    c, _ = coord(override=override)
+    join(c, 0, [H(0, 5), H(1, 5)])
+    join(c, 1, [H(1, 5)])
+    views = [c.decide("job", r, f"r{r}") for r in (0, 1)]
+    for v in views:  # every node: the named round's step, from the bucket, no peer sources
+        assert (v.state, v.step, v.backup, v.forced) == (DECIDED, 3, "2025-01-01_00-00",
+                                                         "2025-01-01_00-00")
+        assert not v.local and not v.sources
+    assert reads == [("job", 2)]  # read once per restore round
+    # the same barrier as any restore
+    assert c.barrier("job", 0, "r0", views[0].round, views[0].version, "ready").state == WAITING
+    assert c.barrier("job", 1, "r1", views[1].round, views[1].version, "ready").state == PASSED
+
+
+def test_restore_version_that_cannot_be_restored_means_nothing():
+    reads = []
+
+    def override(job, nodes):
+        reads.append(job)
+        return forced_round(3)
+
+    c, _ = coord(override=override, fallback=lambda job, nodes: Choice(1, backup="old"))
+    join(c, 0, [H(0, 5), H(1, 5)])
+    join(c, 1, [H(1, 5)])
+    v = c.decide("job", 1, "r1")
+    # node 1 could not download its part of the named round: no fallback at all
+    assert c.barrier("job", 1, "r1", v.round, v.version, "ready", ok=False).state == REPLAN
+    v2 = c.decide("job", 0, "r0")
+    assert v2.step is None and v2.forced == "2025-01-01_00-00"
+    assert "could not be restored on every node" in v2.reason and "no fallback" in v2.reason
+    assert reads == ["job"]
+
+
+def test_restore_version_naming_a_missing_round_means_nothing():
+    c, _ = coord(override=lambda job, nodes: Choice(
+        None, reason="restore.version names round 2031-01-01_00-00, which does not exist",
+        forced="2031-01-01_00-00"))
+    join(c, 0, [H(0, 5), H(1, 5)])
+    join(c, 1, [H(1, 5)])
+    for r in (0, 1):
+        v = c.decide("job", r, f"r{r}")
+        assert v.state == DECIDED and v.step is None and v.forced == "2031-01-01_00-00"
+        assert "does not exist" in v.reason
+
+
+def test_without_restore_version_the_cluster_decides():
+    c, _ = coord(override=lambda job, nodes: None)
+    join(c, 0, [H(0, 5), H(1, 5)])
+    join(c, 1, [H(1, 5)])
+    v = c.decide("job", 0, "r0")
+    assert v.step == 5 and v.forced is None
+
+
+# ---------------------------------------------------------------------- backup rounds
+
+
+def book_coord(nodes=2, steps=1, minutes=None, seed=True, **kw):
+    c, clock = coord(backups=RoundBook(**kw))
+    for r in range(nodes):
+        c.join("job", nodes, r, f"a{r}", f"inc{r}", (), "", "protocol",
+               backup_interval_steps=steps, backup_interval_minutes=minutes)
+    if seed:
+        assert c.backups.seed("job", "2025-01-01_00-00", None)
+    return c, clock
+
+
+def sync(c, rank, step, inv=(), backup=None, inc=None, nodes=None):
+    return c.sync("job", rank, inc or f"inc{rank}", step, inv, backup)
+
+
+def test_a_completed_sync_round_orders_a_backup_round_to_every_node():
+    c, _ = book_coord()
+    assert sync(c, 0, 1).backup_order is None  # rank 1 has not reported step 1
+    s1 = sync(c, 1, 1)
+    assert s1.synced_step == 1
+    rnd, step = s1.backup_order
+    assert step == 1 and rnd > "2025-01-01_00-00"  # names sort after the bucket's
+    assert sync(c, 0, 1).backup_order == (rnd, 1)
+    assert s1.backup_last == RoundView(rnd, 1, RUNNING)
+    # node 0 reports; it is not ordered again, node 1 still is
+    s = sync(c, 0, 1, backup=Outcome(rnd, 1, DONE))
+    assert s.backup_order is None and sync(c, 1, 1).backup_order == (rnd, 1)
+    s = sync(c, 1, 1, backup=Outcome(rnd, 1, DONE))
+    assert s.backup_last == RoundView(rnd, 1, COMPLETE) and s.backup_order is None
+    assert c.backups.drain() == []  # a complete round writes no error line
+    assert c.status()["backups"]["rounds"][-1]["state"] == COMPLETE
+
+
+def test_never_two_rounds_at_once_and_a_skip_is_reported_once():
+    c, _ = book_coord()
+    sync(c, 0, 1)
+    rnd, _ = sync(c, 1, 1).backup_order
+    sync(c, 0, 2)
+    s = sync(c, 1, 2)  # step 2 is due while the round of step 1 runs
+    assert s.backup_order == (rnd, 1)
+    events = c.backups.drain()
+    assert len(events) == 1 and "backup of step 2 skipped" in events[0] and rnd in events[0]
+    sync(c, 0, 2)
+    sync(c, 1, 2)
+    assert c.backups.drain() == []  # once
+    # a failure makes the round incomplete, reported once; the next step gets a round
+    sync(c, 0, 2, backup=Outcome(rnd, 1, DONE))
+    sync(c, 1, 2, backup=Outcome(rnd, 1, FAILED, "bucket unreachable: 503"))
+    events = c.backups.drain()
+    assert len(events) == 1 and "incomplete" in events[0] and "node-rank [1]" not in events[0]
+    assert "node-rank(s) [1] failed (node-rank 1: bucket unreachable: 503)" in events[0]
+    # step 2, skipped while that round ran, is still the newest: its round starts now
+    nxt = sync(c, 0, 2).backup_order
+    assert nxt is not None and nxt[1] == 2 and nxt[0] > rnd
+
+
+def test_stale_outcomes_are_ignored_and_a_restarted_node_fails_its_part():
+    c, _ = book_coord()
+    sync(c, 0, 1)
+    rnd, _ = sync(c, 1, 1).backup_order
+    sync(c, 0, 1, backup=Outcome("2020-01-01_00-00", 1, DONE))  # an older round's outcome
+    assert sync(c, 0, 1).backup_order == (rnd, 1)
+    sync(c, 0, 1, backup=Outcome(rnd, 1, DONE))
+    c.join("job", 2, 1, "a1", "new-incarnation", (), "", "protocol")  # node 1 restarted
+    s = c.sync("job", 1, "new-incarnation", -1, ())
+    assert s.backup_order is None and s.backup_last.state == INCOMPLETE
+    assert "node-rank 1 restarted during the round" in c.backups.drain()[0]
+
+
+def test_a_round_nobody_finishes_is_given_up():
+    c, clock = book_coord(timeout=100)
+    sync(c, 0, 1)
+    rnd, _ = sync(c, 1, 1).backup_order
+    clock.t += 99
+    assert sync(c, 0, 1).backup_last.state == RUNNING
+    clock.t += 2
+    assert sync(c, 0, 1).backup_last == RoundView(rnd, 1, INCOMPLETE)
+    assert "given up after 100 s: node-rank(s) [0, 1] never finished" in c.backups.drain()[0]
+
+
+def test_no_round_before_the_bucket_was_listed():
+    c, _ = book_coord(seed=False)
+    sync(c, 0, 1)
+    assert sync(c, 1, 1).backup_order is None
+    # the bucket's newest complete round holds step 1: not backed up again
+    c.backups.seed("job", "2025-01-01_00-05", ("2025-01-01_00-05", 1))
+    assert sync(c, 1, 1).backup_order is None
+    sync(c, 0, 2)
+    assert sync(c, 1, 2).backup_order[1] == 2
+
+
+def test_intervals_come_from_rank_zero_and_backup_requested_starts_at_once():
+    c, clock = book_coord(steps=None, minutes=None)  # neither: Orbax's 30 minutes
+    sync(c, 0, 1)
+    assert sync(c, 1, 1).backup_order is None
+    clock.t += 30 * 60
+    assert sync(c, 1, 1).backup_order[1] == 1
+    c, clock = book_coord(steps=None, minutes=None)
+    flagged = [Holding(1, 1, True, "d", backup_requested=True)]
+    sync(c, 0, 1)
+    assert sync(c, 1, 1, inv=flagged).backup_order[1] == 1
+
+
+def test_a_restore_starts_a_new_timeline_for_the_rounds():
+    c, _ = book_coord()
+    sync(c, 0, 2)
+    rnd, _ = sync(c, 1, 2).backup_order
+    # the job restarts (every node joins a restore round) and restores step 1
+    for r, inv in ((0, [H(0, 1), H(1, 1)]), (1, [H(1, 1)])):
+        c.join("job", 2, r, f"a{r}", f"inc{r}", inv, f"x{r}", "protocol",
+               backup_interval_steps=1)
+    assert c.decide("job", 0, "x0").step == 1
+    assert sync(c, 0, 1).backup_order is None  # the old round was dropped
+    # no new round while the restore round is open, then the new step 2 is backed up
+    sync(c, 0, 2)
+    assert sync(c, 1, 2).backup_order is None
+    v = c.decide("job", 1, "x1")
+    for r in (0, 1):
+        c.barrier("job", r, f"x{r}", v.round, v.version, "ready")
+    for r in (0, 1):
+        c.barrier("job", r, f"x{r}", v.round, v.version, "done")
+    new = sync(c, 1, 2).backup_order
+    assert new is not None and new[1] == 2 and new[0] > rnd

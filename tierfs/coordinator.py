@@ -14,7 +14,17 @@ holds, verified or not, with their manifest digests). The coordinator
   (prerestore written; markers are published after it);
 * after each sealed step, runs a sync round: every node reports the newest
   own step it has replicated to all its peers; when every rank has reported
-  a step, that step is the cluster's synced step.
+  a step, that step is the cluster's synced step;
+* with the durable tier's hooks (node-rank 0's GCS tier installs them):
+  ``override`` -- ``restore.version`` read once per restore round, which
+  replaces the choice for every node (PROTOCOL.md section 5; a missing or
+  incomplete named round means "nothing", never another step), ``fallback``
+  -- the newest complete backup when no step is complete in the cluster,
+  and ``backups`` -- a :class:`tierfs.tiers.gcs_schedule.RoundBook` that the
+  sync round drives: each ``Sync`` carries the node's outcome of the last
+  round it was ordered into, and its reply the round the node still has to
+  upload (PROTOCOL.md section 6: the sync round "also decides when a backup
+  round starts").
 
 Rounds. A restore round collects one join per rank. In ``protocol`` mode
 (``replicator.yaml``) every rank must join, as MTC's nodes all do when a job
@@ -40,6 +50,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from tierfs.tiers.gcs_schedule import Outcome, RoundBook, RoundView
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +79,7 @@ class Holding:
         digest: :attr:`tierfs.manifest.Manifest.digest` (equal: identical bytes).
         bytes: its size in bytes.
         name: its primary top-level entry.
+        backup_requested: the step carries ``_BACKUP_REQUESTED`` (back it up at once).
     """
 
     rank: int
@@ -75,6 +88,7 @@ class Holding:
     digest: str
     bytes: int = 0
     name: str = ""
+    backup_requested: bool = False
 
 
 #: (holder node rank, shard rank, step): one copy of one shard
@@ -91,6 +105,8 @@ class Choice:
         digests: shard rank -> the chosen copy's digest.
         reason: one human line (why this step; which newer steps were incomplete).
         backup: a backup round name when the step comes from the bucket.
+        forced: the round ``restore.version`` named when it made this choice
+            (then ``step`` None means "nothing, no fallback").
     """
 
     step: int | None
@@ -98,10 +114,13 @@ class Choice:
     digests: dict[int, str] = field(default_factory=dict)
     reason: str = ""
     backup: str | None = None
+    forced: str | None = None
 
 
 #: the hook for the durable tier: (job, nodes) -> a Choice restoring from the bucket, or None
 Fallback = Callable[[str, int], Choice | None]
+#: ``restore.version``: (job, nodes) -> a Choice with ``forced`` set, or None (no such file)
+Override = Callable[[str, int], Choice | None]
 
 
 def choose_restore(nodes: int, inventories: Mapping[int, Iterable[Holding]],
@@ -190,6 +209,8 @@ class Member:
     last_seen: float = 0.0
     replicated_step: int = NO_STEP
     mode: str = PROTOCOL
+    backup_interval_minutes: float | None = None
+    backup_interval_steps: int | None = None
 
 
 @dataclass
@@ -219,6 +240,11 @@ class Round:
     done: set[int] = field(default_factory=set)
     decided_at: float | None = None
     missing: tuple[int, ...] = ()
+    #: restore.version's choice, read once per round (see Coordinator.override)
+    override: Choice | None = None
+    override_read: bool = False
+    #: "ready" reports of nodes that could not get their data
+    failures: int = 0
 
     @property
     def ready_passed(self) -> bool:
@@ -253,6 +279,7 @@ class DecideView:
     sources: tuple[tuple[int, str], ...] = ()
     reason: str = ""
     backup: str | None = None
+    forced: str | None = None
 
 
 @dataclass(frozen=True)
@@ -265,12 +292,19 @@ class BarrierView:
 
 @dataclass(frozen=True)
 class SyncView:
-    """What :meth:`Coordinator.sync` tells one node."""
+    """What :meth:`Coordinator.sync` tells one node.
+
+    Attributes:
+        backup_order: (round, step) this node still has to upload, or None.
+        backup_last: the newest backup round ordered, with its state.
+    """
 
     known: bool
     synced_step: int = NO_STEP
     synced_at: float = 0.0
     steps: tuple[int, ...] = ()
+    backup_order: tuple[str, int] | None = None
+    backup_last: RoundView | None = None
 
 
 @dataclass(frozen=True)
@@ -291,16 +325,21 @@ class Coordinator:
         own_rank: the rank of the node running the coordinator (0); its join
             with another job name switches the coordinator to that job.
         fallback: the durable tier's hook, see :data:`Fallback`.
+        override: ``restore.version``, see :data:`Override`.
+        backups: the backup rounds' book (see :meth:`set_backups`).
     """
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time, live_seconds: float = 5.0,
-                 own_rank: int = COORDINATOR_RANK, fallback: Fallback | None = None) -> None:
+                 own_rank: int = COORDINATOR_RANK, fallback: Fallback | None = None,
+                 override: Override | None = None, backups: RoundBook | None = None) -> None:
         self.clock = clock
         self.wall = wall
         self.live_seconds = live_seconds
         self.own_rank = own_rank
         self.fallback = fallback
+        self.override = override
+        self.backups: RoundBook | None = None
         self.job: str | None = None
         self.nodes = 0
         self.members: dict[int, Member] = {}
@@ -311,6 +350,14 @@ class Coordinator:
         self.synced_step = NO_STEP
         self.synced_at = 0.0
         self.history: list[dict[str, Any]] = []
+        if backups is not None:
+            self.set_backups(backups)
+
+    def set_backups(self, book: RoundBook | None) -> None:
+        """Let the sync round drive ``book`` (reset to the current job, if any)."""
+        self.backups = book
+        if book is not None and self.job is not None:
+            book.reset(self.job, self.nodes, self.wall())
 
     # ------------------------------------------------------------------ membership
 
@@ -324,6 +371,8 @@ class Coordinator:
         self.sync_steps.clear()
         self.synced_step = NO_STEP
         self.synced_at = 0.0
+        if self.backups is not None:
+            self.backups.reset(job, nodes, self.wall())
 
     def live(self, rank: int) -> bool:
         """True if ``rank`` was heard from within ``live_seconds``."""
@@ -353,9 +402,13 @@ class Coordinator:
                        f"coordinator; node-rank {rank} joined with nodes {nodes}")
 
     def join(self, job: str, nodes: int, rank: int, address: str, incarnation: str,
-             inventory: Iterable[Holding], restore_id: str = "", mode: str = PROTOCOL
-             ) -> int:
+             inventory: Iterable[Holding], restore_id: str = "", mode: str = PROTOCOL,
+             *, backup_interval_minutes: float | None = None,
+             backup_interval_steps: int | None = None) -> int:
         """Register (or refresh) a node; with ``restore_id``, enter the restore round.
+
+        The backup intervals are the node's job settings; node-rank 0's are
+        the ones the backup rounds follow (0 or None: not set).
 
         Returns:
             The round number the node is in (0 for a plain registration).
@@ -372,8 +425,12 @@ class Coordinator:
             if m is not None:
                 log.info("coordinator: node-rank %d restarted (incarnation %s -> %s)", rank,
                          m.incarnation[:8], incarnation[:8])
+                if self.backups is not None:
+                    self.backups.member_restarted(rank)
             m = self.members[rank] = Member(rank, address, incarnation)
         m.address, m.inventory, m.last_seen, m.mode = address, inv, now, mode
+        m.backup_interval_minutes = backup_interval_minutes or None
+        m.backup_interval_steps = backup_interval_steps or None
         if not restore_id:
             return 0
         r = self.round
@@ -430,13 +487,29 @@ class Coordinator:
 
     def _decide(self, r: Round) -> None:
         job, nodes = self.job or "", self.nodes
-        fallback = (lambda: self.fallback(job, nodes)) if self.fallback else None
-        r.choice = choose_restore(self.nodes, r.inventories, r.bad, fallback)
+        if self.override is not None and not r.override_read:
+            r.override_read = True  # restore.version is read once per round
+            r.override = self.override(job, nodes)
+        forced = r.override
+        if forced is not None and forced.step is not None and r.failures:
+            # some node could not restore the named round: nothing, never another step
+            r.choice = Choice(None, forced=forced.forced or forced.backup,
+                              reason=f"restore.version names round "
+                                     f"{forced.forced or forced.backup}, which could not be "
+                                     "restored on every node; nothing restored (no fallback)")
+        elif forced is not None:
+            r.choice = forced
+        else:
+            fallback = (lambda: self.fallback(job, nodes)) if self.fallback else None
+            r.choice = choose_restore(self.nodes, r.inventories, r.bad, fallback)
         r.version += 1
         r.ready.clear()
         r.decided_at = self.clock()
         self.sync_steps.clear()
         self.synced_step = NO_STEP
+        if self.backups is not None:
+            self.backups.restored(r.choice.backup, r.choice.step, self.wall(),
+                                  new_timeline=r.strict)
         log.info("coordinator: round %d decision %d: step %s (%s)", r.number, r.version,
                  r.choice.step, r.choice.reason)
         self.history.append({"round": r.number, "version": r.version, "step": r.choice.step,
@@ -458,15 +531,17 @@ class Coordinator:
             return DecideView(WAITING, r.number, r.version, missing=r.missing)
         c = r.choice
         if c.step is None:
-            return DecideView(DECIDED, r.number, r.version, None, reason=c.reason)
+            return DecideView(DECIDED, r.number, r.version, None, reason=c.reason,
+                              forced=c.forced)
         local, holders = sources_for(c, rank, self.nodes)
         if c.backup is not None and not local and not holders:
             return DecideView(DECIDED, r.number, r.version, c.step, reason=c.reason,
-                              backup=c.backup, digest=c.digests.get(rank, ""))
+                              backup=c.backup, digest=c.digests.get(rank, ""),
+                              forced=c.forced)
         sources = tuple((h, self.members[h].address) for h in holders if h in self.members)
         return DecideView(DECIDED, r.number, r.version, c.step, local=local,
                           digest=c.digests.get(rank, ""), sources=sources, reason=c.reason,
-                          backup=c.backup)
+                          backup=c.backup, forced=c.forced)
 
     def barrier(self, job: str, rank: int, restore_id: str, round_no: int, version: int,
                 phase: str, ok: bool = True, bad: Iterable[CopyId] = ()) -> BarrierView:
@@ -491,6 +566,7 @@ class Coordinator:
         if phase == "ready":
             if not ok:
                 r.bad |= set(bad)
+                r.failures += 1
                 log.info("coordinator: node-rank %d found bad copies %s; deciding again", rank,
                          sorted(set(bad)))
                 self._decide(r)
@@ -509,12 +585,20 @@ class Coordinator:
     # ------------------------------------------------------------------ sync
 
     def sync(self, job: str, rank: int, incarnation: str, step: int,
-             inventory: Iterable[Holding]) -> SyncView:
+             inventory: Iterable[Holding], backup: Outcome | None = None) -> SyncView:
         """Heartbeat plus sync report: ``step`` = newest own step replicated to all peers.
+
+        With a backup book (:meth:`set_backups`) this is also where backup
+        rounds are decided: ``backup`` is the node's outcome of the last
+        round it was ordered into (repeated until a newer one; stale ones are
+        ignored), then the book closes a finished round and decides about
+        the synced step (:meth:`tierfs.tiers.gcs_schedule.RoundBook.tick`).
 
         Returns:
             ``known=False`` when the node must join first (coordinator
-            restarted, or another job); else the synced step.
+            restarted, or another job); else the synced step and, with a
+            book, the round this node still has to upload and the newest
+            round's state.
         """
         m = self.members.get(rank)
         if job != self.job or m is None or m.incarnation != incarnation:
@@ -533,7 +617,26 @@ class Coordinator:
                 log.info("coordinator: sync round complete: step %d on all %d nodes", synced,
                          self.nodes)
         steps = tuple(self.sync_steps.get(r, NO_STEP) for r in range(self.nodes))
-        return SyncView(True, self.synced_step, self.synced_at, steps)
+        book = self.backups
+        if book is None:
+            return SyncView(True, self.synced_step, self.synced_at, steps)
+        if backup is not None:
+            book.report(rank, backup)
+        self._backup_tick(book)
+        return SyncView(True, self.synced_step, self.synced_at, steps,
+                        book.order_for(rank), book.last())
+
+    def _backup_tick(self, book: RoundBook) -> None:
+        step = self.synced_step if self.synced_step >= 0 else None
+        requested = step is not None and any(
+            h.backup_requested for m in self.members.values() for h in m.inventory
+            if h.step == step and h.rank == m.rank)
+        own = self.members.get(self.own_rank)
+        r = self.round
+        book.tick(self.wall(), step=step, backup_requested=requested,
+                  interval_minutes=own.backup_interval_minutes if own else None,
+                  interval_steps=own.backup_interval_steps if own else None,
+                  may_start=r is None or r.finished or not r.strict)
 
     def peers(self) -> list[PeerView]:
         """Every known member with its address and liveness."""
@@ -564,6 +667,7 @@ class Coordinator:
                      "at": self.synced_at or None,
                      "steps": {str(r): s for r, s in sorted(self.sync_steps.items())}},
             "decisions": list(self.history[-5:]),
+            "backups": self.backups.status() if self.backups is not None else None,
         }
 
 
@@ -577,22 +681,50 @@ MAX_WAIT = 5.0
 class CoordinatorServicer:
     """The ``tierfs.peer.v1.Coordinator`` service over a :class:`Coordinator`.
 
+    Every node with a gRPC server registers it, because with the bucket
+    rendezvous any node may turn out to be node-rank 0 only when its job
+    starts; ``gate`` says whether this node serves the coordinator right now.
+
     Args:
         coordinator: the state.
         pb2: the message module from :func:`tierfs.tiers.peer_wire.load`.
         recheck: seconds between re-evaluations of a waiting long-poll (a
             live member may expire or appear without a call).
+        gate: any thread; returns None while this node is the coordinator,
+            else one line why not -- every call is then answered UNAVAILABLE
+            with that line (a caller holding a stale address looks again).
+            None: always serve.
     """
 
-    def __init__(self, coordinator: Coordinator, pb2: Any, recheck: float = 0.5) -> None:
+    def __init__(self, coordinator: Coordinator, pb2: Any, recheck: float = 0.5,
+                 gate: Callable[[], str | None] | None = None) -> None:
         self.coordinator = coordinator
         self.pb2 = pb2
         self.recheck = recheck
+        self.gate = gate
         self.cond = threading.Condition()
 
+    def serving(self) -> bool:
+        """True while this node answers coordinator calls (any thread)."""
+        return self.gate is None or self.gate() is None
+
+    def _admit(self, context: Any) -> None:
+        if self.gate is None:
+            return
+        why = self.gate()
+        if why is not None:
+            import grpc
+
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"not the coordinator: {why}")
+
+    def locked(self, fn: Callable[[Coordinator], Any]) -> Any:
+        """Run ``fn(coordinator)`` under the servicer's lock (any thread; keep it short)."""
+        with self.cond:
+            return fn(self.coordinator)
+
     def _holdings(self, items: Iterable[Any]) -> tuple[Holding, ...]:
-        return tuple(Holding(h.rank, h.step, h.verified, h.digest, h.bytes, h.name)
-                     for h in items)
+        return tuple(Holding(h.rank, h.step, h.verified, h.digest, h.bytes, h.name,
+                             h.backup_requested) for h in items)
 
     def _peers(self) -> list[Any]:
         return [self.pb2.PeerAddress(rank=p.rank, address=p.address, incarnation=p.incarnation,
@@ -606,12 +738,15 @@ class CoordinatorServicer:
     def Join(self, request: Any, context: Any) -> Any:
         import grpc
 
+        self._admit(context)
         with self.cond:
             try:
                 number = self.coordinator.join(
                     request.job, request.nodes, request.rank, request.address,
                     request.incarnation, self._holdings(request.inventory),
-                    request.restore_id, request.mode or PROTOCOL)
+                    request.restore_id, request.mode or PROTOCOL,
+                    backup_interval_minutes=request.backup_interval_minutes or None,
+                    backup_interval_steps=request.backup_interval_steps or None)
             except Rejected as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             self.cond.notify_all()
@@ -629,6 +764,7 @@ class CoordinatorServicer:
                 self.cond.wait(min(remaining, self.recheck))
 
     def Decide(self, request: Any, context: Any) -> Any:
+        self._admit(context)
         view: DecideView = self._wait(request, context, lambda: self.coordinator.decide(
             request.job, request.rank, request.restore_id))
         pb = self.pb2.DecideReply
@@ -637,9 +773,11 @@ class CoordinatorServicer:
                   step=NO_STEP if view.step is None else view.step, missing=list(view.missing),
                   local=view.local, digest=view.digest,
                   sources=[self.pb2.Source(holder=h, address=a) for h, a in view.sources],
-                  reason=view.reason, backup=view.backup or "")
+                  reason=view.reason, backup=view.backup or "",
+                  restore_version=view.forced or "")
 
     def Barrier(self, request: Any, context: Any) -> Any:
+        self._admit(context)
         bad = [(b.holder, b.rank, b.step) for b in request.bad]
 
         def call() -> BarrierView:
@@ -656,10 +794,25 @@ class CoordinatorServicer:
         return pb(state=state, waiting_for=list(view.waiting_for))
 
     def Sync(self, request: Any, context: Any) -> Any:
+        self._admit(context)
+        backup = None
+        if request.HasField("backup") and request.backup.round:
+            b = request.backup
+            backup = Outcome(b.round, b.step, b.state, b.error, b.bytes, b.seconds)
         with self.cond:
             view = self.coordinator.sync(request.job, request.rank, request.incarnation,
-                                         request.step, self._holdings(request.inventory))
+                                         request.step, self._holdings(request.inventory),
+                                         backup)
             self.cond.notify_all()
-            return self.pb2.SyncReply(known=view.known, synced_step=view.synced_step,
-                                      synced_at=view.synced_at, peers=self._peers(),
-                                      steps=list(view.steps))
+            pb2 = self.pb2
+            reply = pb2.SyncReply(known=view.known, synced_step=view.synced_step,
+                                  synced_at=view.synced_at, peers=self._peers(),
+                                  steps=list(view.steps))
+            if view.backup_order is not None:
+                reply.backup_order.CopyFrom(pb2.BackupRound(
+                    round=view.backup_order[0], step=view.backup_order[1], state="running"))
+            if view.backup_last is not None:
+                last = view.backup_last
+                reply.backup_last.CopyFrom(pb2.BackupRound(round=last.round, step=last.step,
+                                                           state=last.state))
+            return reply

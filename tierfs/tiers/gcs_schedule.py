@@ -1,4 +1,4 @@
-"""When a backup round starts: the pure schedule the deciding node (node-rank 0) follows.
+"""When a backup round starts, and how the coordinator follows it: pure policy.
 
 PROTOCOL.md section 5 and docs/CLIENTS.md section 5 "Backups": a round is
 taken every ``backup-interval-minutes`` (MTC: counted from the last round, or
@@ -9,15 +9,30 @@ round is still running (that step is skipped with a line in
 sealed and replicated (the cluster's sync round; on one node: the newest
 sealed step).
 
-No I/O and no clock reads here: :func:`decide_round` is a function of a
-:class:`ScheduleState` and the caller's inputs (unit-tested).
+Two users:
+
+* :func:`decide_round` over a :class:`ScheduleState`: the decision itself.
+  A one-node job (no peer plane) calls it from its GCS tier.
+* :class:`RoundBook`: the coordinator's bookkeeping of a multi-node job's
+  rounds (PROTOCOL.md section 6: the sync round "also decides when a backup
+  round starts"). :class:`tierfs.coordinator.Coordinator` calls it on every
+  ``Sync``: it closes the active round once every rank reported its
+  :class:`Outcome` (or after a timeout), runs :func:`decide_round` for the
+  cluster's synced step, and tells each rank the round it still has to
+  upload (:meth:`RoundBook.order_for`). Lines for ``replicator.errors``
+  (a skipped step, an incomplete round) queue in :attr:`RoundBook.events`.
+
+No I/O and no clock reads here: every time is an argument (Unix seconds),
+everything is unit-tested (tests/test_gcs_tier.py, tests/test_coordinator.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import collections
+from dataclasses import dataclass, field
+from typing import Any
 
-from tierfs.tiers.gcs_layout import next_round_name
+from tierfs.tiers.gcs_layout import next_round_name, round_time
 
 #: Orbax's default when a job names no interval (minutes)
 DEFAULT_INTERVAL_MINUTES = 30.0
@@ -142,3 +157,267 @@ def restored(state: ScheduleState, round_name: str | None, step: int | None,
         state.last_round_at = now
     if step is not None:
         state.last_step = max(step, state.last_step or 0)
+
+
+# ---------------------------------------------------------------------- the coordinator's book
+
+DONE, FAILED = "done", "failed"
+RUNNING, COMPLETE, INCOMPLETE = "running", "complete", "incomplete"
+#: a round not finished by every node after this many seconds is given up (default)
+ROUND_TIMEOUT = 1800.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One node's report of its part of a round (``SyncRequest.backup`` on the wire).
+
+    Attributes:
+        round: the round name.
+        step: the step the node uploaded (or tried to).
+        state: :data:`DONE` or :data:`FAILED`.
+        error: one human line for a failure.
+        bytes: data bytes uploaded.
+        seconds: how long the upload took.
+    """
+
+    round: str
+    step: int
+    state: str
+    error: str = ""
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """A round as the coordinator tells the nodes about it.
+
+    Attributes:
+        round: the round name.
+        step: the step it backs up.
+        state: :data:`RUNNING`, :data:`COMPLETE` or :data:`INCOMPLETE`.
+    """
+
+    round: str
+    step: int
+    state: str
+
+
+@dataclass
+class ActiveRound:
+    """The round the coordinator ordered and is waiting on."""
+
+    round: str
+    step: int
+    started: float
+    reason: str = ""
+    outcomes: dict[int, Outcome] = field(default_factory=dict)
+
+
+class RoundBook:
+    """The coordinator's backup rounds of one job (pure; not thread-safe).
+
+    The coordinator serializes every call (its servicer's lock). Life cycle:
+    :meth:`reset` when the coordinator takes up a job; :meth:`seed` once the
+    owner (node-rank 0's GCS tier) has listed the bucket, since round names
+    must sort after every round already there and a restarted coordinator
+    must not back up the newest complete round's step again -- no round
+    starts before that; :meth:`restored` at each restore decision;
+    :meth:`report`/:meth:`member_restarted`/:meth:`tick` on every ``Sync``.
+
+    Args:
+        timeout: seconds after which a round some node never finished is
+            given up (reported once as incomplete).
+        history: finished rounds kept for the status.
+
+    Attributes:
+        events: lines for ``replicator.errors`` of the coordinator's node, in
+            order; the owner takes them with :meth:`drain`.
+    """
+
+    def __init__(self, *, timeout: float = ROUND_TIMEOUT, history: int = 10) -> None:
+        self.timeout = timeout
+        self.job: str | None = None
+        self.nodes = 0
+        self.state = ScheduleState(started_at=0.0)
+        self.seeded = False
+        self.previous_name: str | None = None
+        self.restored_seen = False
+        self.active: ActiveRound | None = None
+        self.last_view: RoundView | None = None
+        self.last_reason = ""
+        self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=history)
+        self.events: list[str] = []
+
+    # ------------------------------------------------------------------ life cycle
+
+    def reset(self, job: str, nodes: int, now: float) -> None:
+        """Take up ``job`` of ``nodes`` nodes from scratch (unseeded, no round)."""
+        self.job, self.nodes = job, nodes
+        self.state = ScheduleState(started_at=now)
+        self.seeded = False
+        self.previous_name = None
+        self.restored_seen = False
+        self.active = None
+        self.last_view = None
+        self.last_reason = ""
+        self.history.clear()
+
+    def seed(self, job: str, newest: str | None, complete: tuple[str, int] | None) -> bool:
+        """What the bucket holds: its newest round name and newest complete (round, step).
+
+        Round names from now on sort after ``newest``. Unless a restore was
+        decided since :meth:`reset` (then the restore sets the timeline),
+        ``complete``'s step is taken as backed up and the period counts from
+        that round's time. Ignored (returns False) if the book has moved on
+        to another job meanwhile.
+        """
+        if job != self.job:
+            return False
+        if newest is not None:
+            self.previous_name = max(newest, self.previous_name or "")
+        if complete is not None and not self.restored_seen:
+            name, step = complete
+            restored(self.state, name, step, min(round_time(name).timestamp(),
+                                                  self.state.started_at))
+        self.seeded = True
+        return True
+
+    def restored(self, backup: str | None, step: int | None, now: float, *,
+                 new_timeline: bool = True) -> None:
+        """A restore was decided (``step`` from ``backup``, or from the cluster; None: nothing).
+
+        Args:
+            new_timeline: every node restarts from ``step`` (protocol mode):
+                steps up to it count as backed up, newer ones are new, and a
+                round still running belongs to the old timeline (dropped).
+                False (generic mode, one node came back while the others
+                train on): only the period restarts.
+        """
+        self.restored_seen = True
+        if not new_timeline:
+            restored(self.state, backup, step, now)
+            return
+        if self.active is not None:
+            self._close(self.active, "abandoned (the job restarted)", report=None)
+        old = self.state
+        self.state = ScheduleState(started_at=now, last_round=old.last_round,
+                                   last_round_at=old.last_round_at)
+        restored(self.state, backup, step, now)
+        self.state.last_step = step
+
+    # ------------------------------------------------------------------ per Sync
+
+    def report(self, rank: int, outcome: Outcome) -> None:
+        """Node ``rank``'s outcome; anything but the active round's is ignored (stale)."""
+        a = self.active
+        if a is None or outcome.round != a.round or not 0 <= rank < self.nodes:
+            return
+        if outcome.state not in (DONE, FAILED):
+            outcome = Outcome(outcome.round, outcome.step, FAILED,
+                              f"unknown outcome {outcome.state!r}")
+        a.outcomes.setdefault(rank, outcome)
+
+    def member_restarted(self, rank: int) -> None:
+        """Node ``rank`` came back as a new daemon: its part of the active round is lost."""
+        a = self.active
+        if a is not None and 0 <= rank < self.nodes and rank not in a.outcomes:
+            a.outcomes[rank] = Outcome(a.round, a.step, FAILED,
+                                       f"node-rank {rank} restarted during the round")
+
+    def tick(self, now: float, *, step: int | None, backup_requested: bool = False,
+             interval_minutes: float | None = None, interval_steps: int | None = None,
+             may_start: bool = True) -> Decision:
+        """Close the active round if it is over, then decide about ``step``.
+
+        Args:
+            now: Unix seconds.
+            step: the cluster's synced step (None: none yet).
+            backup_requested: that step carries ``_BACKUP_REQUESTED`` on some node.
+            interval_minutes, interval_steps: the job's settings as given (None/0:
+                not set; :func:`intervals` turns them into the period).
+            may_start: False while a restore round is open (no new round then).
+
+        Returns:
+            the decision (``start``: :attr:`active` is the new round; ``skip``:
+            reported once through :attr:`events`; ``wait``).
+        """
+        a = self.active
+        if a is not None:
+            missing = [r for r in range(self.nodes) if r not in a.outcomes]
+            if not missing:
+                failed = sorted(r for r, o in a.outcomes.items() if o.state != DONE)
+                if failed:
+                    first = a.outcomes[failed[0]]
+                    self._close(a, INCOMPLETE, report=(
+                        f"backup round {a.round} (step {a.step}) is incomplete: node-rank(s) "
+                        f"{failed} failed (node-rank {failed[0]}: {first.error or '?'})"))
+                else:
+                    self._close(a, COMPLETE, report=None)
+            elif now - a.started >= self.timeout:
+                self._close(a, INCOMPLETE, report=(
+                    f"backup round {a.round} (step {a.step}) given up after "
+                    f"{self.timeout:.0f} s: node-rank(s) {missing} never finished; the round "
+                    "is incomplete"))
+        if not may_start:
+            return Decision(WAIT, step, reason="a restore round is open")
+        if not self.seeded:
+            return Decision(WAIT, step, reason="the bucket has not been listed yet")
+        minutes, steps = intervals(interval_minutes, interval_steps)
+        decision = decide_round(self.state, now=now, step=step,
+                                backup_requested=backup_requested,
+                                interval_minutes=minutes, interval_steps=steps,
+                                previous_name=self.previous_name)
+        if decision.action == SKIP:
+            if decision.report:
+                self.events.append(decision.reason)
+            skipped(self.state, decision)
+        elif decision.action == START:
+            assert decision.round is not None and decision.step is not None
+            started(self.state, decision, now)
+            self.active = ActiveRound(decision.round, decision.step, now, decision.reason)
+            self.last_view = RoundView(decision.round, decision.step, RUNNING)
+            self.history.append({"round": decision.round, "step": decision.step,
+                                 "state": RUNNING, "started": now,
+                                 "reason": decision.reason})
+        self.last_reason = decision.reason
+        return decision
+
+    def _close(self, a: ActiveRound, state: str, report: str | None) -> None:
+        finished(self.state, a.round)
+        self.active = None
+        self.last_view = RoundView(a.round, a.step, state)
+        for h in reversed(self.history):
+            if h["round"] == a.round:
+                h["state"] = state
+                h["nodes"] = {str(r): o.state for r, o in sorted(a.outcomes.items())}
+                break
+        if report is not None:
+            self.events.append(report)
+
+    def order_for(self, rank: int) -> tuple[str, int] | None:
+        """The (round, step) node ``rank`` still has to upload, or None."""
+        a = self.active
+        if a is None or rank in a.outcomes:
+            return None
+        return a.round, a.step
+
+    def last(self) -> RoundView | None:
+        """The newest round ordered, with its state."""
+        return self.last_view
+
+    def drain(self) -> list[str]:
+        """Take the queued ``replicator.errors`` lines."""
+        out, self.events = self.events, []
+        return out
+
+    def status(self) -> dict[str, Any]:
+        """Plain data for the coordinator's status."""
+        a = self.active
+        return {
+            "seeded": self.seeded,
+            "active": ({"round": a.round, "step": a.step, "reported": sorted(a.outcomes)}
+                       if a else None),
+            "last_round": self.state.last_round, "last_step": self.state.last_step,
+            "last_decision": self.last_reason, "rounds": list(self.history),
+        }
