@@ -38,7 +38,8 @@ def handshake(root: Path, rank: int, nodes: int, *, job: str = "job",
               extra: tuple[str, ...] = (), timeout: float = 90) -> dict[str, Any]:
     """Write replicator.yaml as Orbax does, wait for the restore marker and take it.
 
-    Returns {"restored": step or None, "files": {...}, "prerestore": text, "errors": text}.
+    Returns {"restored": step or None, "files": {...}, "prerestore": text, "errors": text,
+    "markers": the marker names found}.
     """
     lines = [f"job-name: {job}", "framework: orbax", f"node-rank: {rank}", f"nodes: {nodes}",
              "peers-per-node: 1", *extra]
@@ -57,7 +58,8 @@ def handshake(root: Path, rank: int, nodes: int, *, job: str = "job",
         if (root / "replicator.prerestore").exists() else ""
     errors_path = root / "replicator.errors"
     out: dict[str, Any] = {"restored": None, "files": {}, "prerestore": prerestore,
-                           "errors": errors_path.read_text() if errors_path.exists() else ""}
+                           "errors": errors_path.read_text() if errors_path.exists() else "",
+                           "markers": [os.path.basename(m) for m in markers]}
     real = []
     for m in markers:
         step = int(MARKER.match(os.path.basename(m))["step"])  # type: ignore[index]

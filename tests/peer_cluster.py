@@ -1,7 +1,9 @@
 """A cluster of real node daemons on 127.0.0.1 for the peer-plane tests.
 
 Each node is a ``tierfs mount`` (own mountpoint, own ram-dir, own gRPC
-port); node 0 listens on the coordinator address. Trainers are separate
+port); node 0 listens on the coordinator address (or, with
+``coordinator=False``, the nodes find it through the bucket rendezvous and
+need ``--bucket`` in ``extra``). Trainers are separate
 processes running ``tests/mtc_client.py`` on every node at once.
 """
 
@@ -53,13 +55,16 @@ class Cluster:
         extra: more ``tierfs mount`` arguments for every node.
         token: the peer token.
         join_timeout: ``--join-timeout`` seconds.
+        coordinator: pass ``--coordinator`` (node 0's address) to every node.
     """
 
     def __init__(self, make_mount: Any, n: int, *, extra: tuple[str, ...] = (),
                  token: str = "t", join_timeout: float = 60, start: bool = True,
-                 node_args: Callable[[int], list[str]] | None = None) -> None:
+                 node_args: Callable[[int], list[str]] | None = None,
+                 coordinator: bool = True) -> None:
         self.make_mount = make_mount
         self.n = n
+        self.coordinator = coordinator
         self.node_args = node_args
         self.ports = [free_port() for _ in range(n)]
         self.token = token
@@ -71,10 +76,15 @@ class Cluster:
                 self.mounts.append(make_mount(*self.args(i), name=f"node{i}"))
 
     def args(self, i: int) -> list[str]:
-        return ["--listen", f"127.0.0.1:{self.ports[i]}",
-                "--coordinator", f"127.0.0.1:{self.ports[0]}",
+        coord = ["--coordinator", f"127.0.0.1:{self.ports[0]}"] if self.coordinator else []
+        return ["--listen", f"127.0.0.1:{self.ports[i]}", *coord,
                 "--peer-token", self.token, "--join-timeout", str(self.join_timeout),
                 *self.extra, *(self.node_args(i) if self.node_args else [])]
+
+    def move(self, i: int) -> None:
+        """Give node ``i`` a new port for its next mount (a restart elsewhere)."""
+        self.ports[i] = free_port()
+        self.mounts[i].args = self.args(i)
 
     def root(self, i: int) -> Path:
         return self.mounts[i].path

@@ -454,3 +454,24 @@ def test_a_restore_starts_a_new_timeline_for_the_rounds():
         c.barrier("job", r, f"x{r}", v.round, v.version, "done")
     new = sync(c, 1, 2).backup_order
     assert new is not None and new[1] == 2 and new[0] > rnd
+
+
+def test_after_a_restore_from_the_cluster_the_interval_counts_from_the_last_round():
+    """backup-interval-steps 10: a round for step 10; the job restarts from step 15
+    (RAM/peers); step 20 is 10 steps after the last round, so it is backed up."""
+    c, _ = book_coord(steps=10)
+    sync(c, 0, 10)
+    rnd, _step = sync(c, 1, 10).backup_order
+    for r in (0, 1):
+        sync(c, r, 10, backup=Outcome(rnd, 10, DONE))
+    for r, inv in ((0, [H(0, 15), H(1, 15)]), (1, [H(1, 15)])):
+        c.join("job", 2, r, f"a{r}", f"inc{r}", inv, f"x{r}", "protocol",
+               backup_interval_steps=10)
+    v = c.decide("job", 0, "x0")
+    assert v.step == 15
+    for phase in ("ready", "done"):
+        for r in (0, 1):
+            c.barrier("job", r, f"x{r}", v.round, v.version, phase)
+    sync(c, 0, 20)
+    order = sync(c, 1, 20).backup_order
+    assert order is not None and order[1] == 20 and order[0] > rnd

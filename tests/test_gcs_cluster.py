@@ -1,6 +1,7 @@
 """The GCS tier with four real daemons (peer plane on 127.0.0.1, fake-gcs-server):
-backup rounds, the loss of every RAM tier, a round cut off by kill -9,
-restore.version, and the bucket going away during a round."""
+backup rounds ordered by the coordinator, the loss of every RAM tier, a round
+cut off by kill -9, restore.version through the coordinator's decision and
+barrier, and the bucket going away during a round."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import shutil
 
 import pytest
+from conftest import tierfs
 from gcs_cluster import (
     all_nodes,
     backed_up,
@@ -32,9 +34,8 @@ YAML = ("backup-interval-steps: 1",)
 
 @pytest.fixture(autouse=True)
 def _quick(monkeypatch):
-    """Daemons decide and poll the round order every half second."""
+    """The GCS tiers tick every half second."""
     monkeypatch.setenv("TIERFS_GCS_TICK", "0.5")
-    monkeypatch.setenv("TIERFS_GCS_ORDER_POLL", "0.5")
 
 
 def start(make_mount, bucket: str, env_for=None) -> Cluster:
@@ -90,6 +91,15 @@ def test_four_nodes_survive_losing_every_ram_tier(make_mount, fake_gcs):
     assert info.complete_step == 2 and info.ranks_complete(2) == [0, 1, 2, 3]
     assert gcs_status(c.root(0))["role"] == "decides rounds"
     assert gcs_status(c.root(1))["role"] == "follows node-rank 0's rounds"
+    # the rounds went through the coordinator's sync round, not through the bucket
+    book = c.peer(0)["coordinator_state"]["backups"]
+    assert [r["round"] for r in book["rounds"]] == [rounds[1], rounds[2]]
+    wait_for(lambda: all(gcs_status(c.root(i))["last_state"] == "complete" for i in range(N)),
+             30, "every node to learn that the round is complete")
+    assert not [b.name for b in g.client.list_blobs(g.bucket, prefix="job/.tierfs/rounds")]
+    out = " ".join(tierfs("status", str(c.root(1))).stdout.split())  # rich wraps lines
+    assert f"last round {rounds[2]} step 2: complete" in out
+    assert "(found through the bucket)" not in out and "replicates to [0]" in out
 
     # every daemon dies and every RAM tier is wiped: the bucket brings step 2 back
     for i in range(N):
@@ -123,8 +133,9 @@ def test_four_nodes_survive_losing_every_ram_tier(make_mount, fake_gcs):
     g.write_restore_version("job", "2031-01-01_00-00")
     restart_all(c, wipe=False)
     nothing = handshake_all(c)
-    for res in nothing:
+    for r, res in enumerate(nothing):
         assert res["restored"] is None, c.logs()
+        assert res["markers"] == [f"job-s0-n{r}-w0.restore"]
         assert "2031-01-01_00-00, which does not exist" in res["errors"]
 
 
@@ -200,3 +211,45 @@ def test_bucket_lost_during_a_round(make_mount, fake_gcs, monkeypatch):
         last = round_of(c, 4, timeout=90)
     choice = g.choose_restore("job", N)
     assert (choice.round, choice.step) == (last, 4)
+
+
+def test_restore_version_goes_through_the_coordinator(make_mount, fake_gcs):
+    """restore.version names an older round while newer steps are complete in the
+    cluster: every node restores that round's step in one coordinator round (same
+    decision, same barrier); a missing round means the empty s0 marker everywhere."""
+    g = GcsBackend(fake_gcs.bucket, settings=GcsSettings.from_env())
+    c = start(make_mount, fake_gcs.bucket)
+    handshake_all(c)
+    rounds = {}
+    for step in (1, 2):
+        save_all(c, step)
+        rounds[step] = round_of(c, step)
+    save_all(c, 3)
+    c.wait_synced(3)  # step 3 is complete in the cluster
+    g.write_restore_version("job", rounds[1])
+    forced = handshake_all(c)  # the job restarts; the daemons keep their RAM
+    for r, res in enumerate(forced):
+        assert res["restored"] == 1, c.logs()
+        assert res["markers"] == [f"job-s1-n{r}-w0.restore"]
+        assert res["files"] == step_files(r, 1)
+        assert f"restore-backup: {rounds[1]}" in res["prerestore"]
+        assert "restore-step: 1" in res["prerestore"]
+        assert status(c.root(r))["restore"]["backup"] == rounds[1]
+    coord = c.peer(0)["coordinator_state"]
+    rnd = coord["round"]
+    assert rnd["joined"] == [0, 1, 2, 3] and rnd["done"] == [0, 1, 2, 3]
+    assert rnd["step"] == 1 and f"restore.version: round {rounds[1]} step 1" in rnd["reason"]
+    assert [d["step"] for d in coord["decisions"] if d["round"] == rnd["number"]] == [1]
+
+    # a round that does not exist: every node publishes the empty s0 marker and says why
+    g.write_restore_version("job", "2031-01-01_00-00")
+    nothing = handshake_all(c)
+    for r, res in enumerate(nothing):
+        assert res["restored"] is None, c.logs()
+        assert res["markers"] == [f"job-s0-n{r}-w0.restore"]
+        assert res["prerestore"].strip() == "{}"
+        assert "restore.version names round 2031-01-01_00-00, which does not exist" in \
+            res["errors"]
+    rnd = c.peer(0)["coordinator_state"]["round"]
+    assert rnd["step"] is None and rnd["done"] == [0, 1, 2, 3]
+    assert "2031-01-01_00-00, which does not exist" in rnd["reason"]

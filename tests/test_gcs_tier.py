@@ -8,12 +8,10 @@ import shutil
 import time
 
 import pytest
-import trio
 from gcs_cluster import backed_up, errors, gcs_status, handshake, save, status, step_files, wait_for
 
 from tierfs.tiers import gcs_schedule as S
 from tierfs.tiers.gcs import GcsBackend, GcsSettings
-from tierfs.tiers.gcs_tier import rendezvous
 
 # ---------------------------------------------------------------------- schedule (pure)
 
@@ -65,6 +63,44 @@ def test_schedule_steps_requested_and_names():
     assert S.decide_round(st, now=100, step=7, interval_steps=1).action == S.WAIT
     assert S.decide_round(st, now=100, step=8, interval_steps=1).action == S.START
     assert S.decide_round(st, now=399, step=8, interval_minutes=5).action == S.WAIT
+
+
+def test_restart_timeline_and_seed():
+    st = S.ScheduleState(started_at=0.0, last_round="1970-01-01_00-10", last_round_at=600.0,
+                         last_step=10)
+    # from the cluster, after the last round's step: the interval counts from that round
+    t = S.restart_timeline(st, backup=None, step=15, now=1000.0)
+    assert (t.last_step, t.last_round, t.started_at) == (10, "1970-01-01_00-10", 1000.0)
+    # from the cluster, before it: that round belongs to the discarded steps
+    assert S.restart_timeline(st, backup=None, step=7, now=1000.0).last_step == 7
+    # from a round: that round holds the step; names keep growing
+    t = S.restart_timeline(st, backup="1970-01-01_00-05", step=5, now=1000.0)
+    assert (t.last_step, t.last_round, t.last_round_at) == (5, "1970-01-01_00-10", 1000.0)
+    # nothing restored: the job starts over
+    assert S.restart_timeline(st, backup=None, step=None, now=1000.0).last_step is None
+    # the bucket's newest complete round, seeded later
+    t = S.restart_timeline(S.ScheduleState(0.0), backup=None, step=15, now=1000.0)
+    assert t.last_step == 15  # unknown rounds: count from the restored step
+    S.apply_seed(t, ("1970-01-01_00-10", 10), after_restore=True)
+    assert t.last_step == 10
+    S.apply_seed(t, ("1970-01-01_00-20", 20), after_restore=True)  # a discarded step
+    assert t.last_step == 10
+    fresh = S.ScheduleState(started_at=5000.0)  # a daemon restarted under a running job
+    S.apply_seed(fresh, ("1970-01-01_00-20", 20), after_restore=False)
+    assert (fresh.last_step, fresh.last_round, fresh.started_at) == (20, "1970-01-01_00-20",
+                                                                     1200.0)
+
+
+def test_round_book_generic_restore_keeps_the_schedule():
+    book = S.RoundBook()
+    book.reset("job", 2, 0.0)
+    book.seed("job", None, None)
+    book.tick(100.0, step=3, interval_steps=1)
+    assert book.order_for(0) == ("1970-01-01_00-01", 3)
+    book.restored(None, 2, 200.0, new_timeline=False)  # one node came back (generic)
+    assert book.order_for(1) == ("1970-01-01_00-01", 3) and book.state.last_step == 3
+    assert not book.seed("other", "2030-01-01_00-00", None)  # another job's listing
+    assert book.previous_name is None
 
 
 # ---------------------------------------------------------------------- one daemon
@@ -177,32 +213,3 @@ def test_one_node_backs_up_a_requested_step_at_once(make_mount, fake_gcs):
     st = gcs_status(m.path)
     assert st["interval_minutes"] == 30.0 and st["rounds"][-1]["round"] == rnd
     assert "_BACKUP_REQUESTED" in st["rounds"][-1]["reason"]
-
-
-def test_bucket_rendezvous(fake_gcs):
-    g = GcsBackend(fake_gcs.bucket, settings=GcsSettings.from_env())
-    start = time.time()
-    found: dict[int, str] = {}
-
-    async def main() -> None:
-        async def node(rank: int, delay: float) -> None:
-            await trio.sleep(delay)
-            found[rank] = await rendezvous(g, "job", rank, f"10.0.0.{rank}:7000",
-                                           incarnation=f"i{rank}", timeout=20,
-                                           newer_than=start - 1, poll=0.1)
-
-        async with trio.open_nursery() as n:
-            for r in (1, 2, 3):
-                n.start_soon(node, r, 0.0)
-            n.start_soon(node, 0, 0.5)  # rank 0 comes last
-
-    trio.run(main)
-    assert found == {r: "10.0.0.0:7000" for r in range(4)}
-    assert g.read_address("job", 2).address == "10.0.0.2:7000"
-
-    async def late() -> None:
-        with pytest.raises(TimeoutError):
-            await rendezvous(g, "job", 1, "x:1", incarnation="j", timeout=0.3,
-                             newer_than=time.time() + 60, poll=0.1)
-
-    trio.run(late)

@@ -254,6 +254,9 @@ class NodeAgent:
         self.mode = "none"
         self.rules: SealRules | None = None
         self.restore_state: dict[str, Any] = {"state": "idle"}
+        #: Unix time the current timeline began (a replicator.yaml was consumed): steps
+        #: sealed before it belong to the job's previous run (see PeerTier's sync reports)
+        self.timeline_since = 0.0
         self.errors: collections.deque[str] = collections.deque(maxlen=50)
         self.cluster: Cluster = LocalCluster()
         self.tiers: list[Tier] = []
@@ -776,6 +779,7 @@ class NodeAgent:
                      job.node_rank, job.nodes, job.framework, " (job restarted)"
                      if restarted else "")
             self._set_job(job, "protocol")
+            self.timeline_since = time.time()
             self.pending.clear()
             self.published.clear()
             self.restore_state = {"state": "cleanup", "since": time.time()}

@@ -193,7 +193,8 @@ def mount_options(f: Any) -> Any:
         click.option("--advertise", metavar="HOST:PORT",
                      help="Address peers use to reach this node (default: --listen)."),
         click.option("--coordinator", metavar="HOST:PORT",
-                     help="Rank 0's peer address (static rendezvous)."),
+                     help="Rank 0's peer address (static rendezvous); without it, nodes "
+                          "with --listen and --bucket find rank 0 through the bucket."),
         click.option("--peer-token", help="Shared secret on every peer call "
                                           "(or $TIERFS_PEER_TOKEN)."),
         click.option("--join-timeout", type=float, help="Seconds to wait for all nodes."),

@@ -703,6 +703,7 @@ class CoordinatorServicer:
         self.recheck = recheck
         self.gate = gate
         self.cond = threading.Condition()
+        self._snapshot: dict[str, Any] = coordinator.status()
 
     def serving(self) -> bool:
         """True while this node answers coordinator calls (any thread)."""
@@ -718,7 +719,12 @@ class CoordinatorServicer:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"not the coordinator: {why}")
 
     def locked(self, fn: Callable[[Coordinator], Any]) -> Any:
-        """Run ``fn(coordinator)`` under the servicer's lock (any thread; keep it short)."""
+        """Run ``fn(coordinator)`` under the servicer's lock and return its result.
+
+        Blocks while a call holds the lock, which a durable-tier hook may do
+        for its bucket deadline: call it from a worker thread, never from
+        the trio thread.
+        """
         with self.cond:
             return fn(self.coordinator)
 
@@ -731,9 +737,14 @@ class CoordinatorServicer:
                                      live=p.live) for p in self.coordinator.peers()]
 
     def status(self) -> dict[str, Any]:
-        """The coordinator's status, taken under the lock (any thread)."""
-        with self.cond:
-            return self.coordinator.status()
+        """The coordinator's status (any thread; never waits: while a call holds the
+        lock, e.g. a bucket lookup, the status taken last time)."""
+        if self.cond.acquire(blocking=False):
+            try:
+                self._snapshot = self.coordinator.status()
+            finally:
+                self.cond.release()
+        return self._snapshot
 
     def Join(self, request: Any, context: Any) -> Any:
         import grpc

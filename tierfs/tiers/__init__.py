@@ -15,7 +15,9 @@ def attach_tiers(agent: NodeAgent) -> None:
     one-node cluster (:class:`tierfs.agent.LocalCluster`) and no tier follows
     its sealed steps. With one, the node gets a :class:`tierfs.tiers.peer.PeerTier`
     (replication, gRPC server) and a :class:`tierfs.tiers.peer.PeerCluster`
-    (restore rounds through the coordinator).
+    (restore rounds through the coordinator). The GCS tier comes last: it
+    wraps the cluster, takes the peer tier's backup orders and, without
+    ``--coordinator``, gives it the bucket rendezvous.
     """
     config = agent.config
     if config.listen or config.coordinator:

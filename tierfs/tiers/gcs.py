@@ -681,45 +681,6 @@ class GcsBackend:
                                    f"{self.spec}{job}/.tierfs/nodes/ after {timeout:.0f}s")
             time.sleep(poll)
 
-    # ------------------------------------------------------------------ round orders
-
-    def write_order(self, job: str, order: L.RoundOrder) -> None:
-        """Publish node-rank 0's round order (``.tierfs/rounds/order``)."""
-        self._put_bytes(self.spec.round_order(job), order.to_json(), "application/json")
-
-    def read_order(self, job: str) -> L.RoundOrder | None:
-        """The current round order, or None (absent or malformed)."""
-        data = self._get_bytes(self.spec.round_order(job))
-        if data is None:
-            return None
-        try:
-            return L.RoundOrder.from_json(data)
-        except LayoutError as exc:
-            log.warning("ignoring the round order: %s", exc)
-            return None
-
-    def write_round_status(self, job: str, round_name: str, rank: int, record: bytes) -> None:
-        """Publish this node's outcome of a round (see :func:`gcs_layout.round_status_record`)."""
-        self._put_bytes(self.spec.round_status(job, round_name, rank), record,
-                        "application/json")
-
-    def read_round_status(self, job: str, round_name: str, rank: int) -> dict[str, Any] | None:
-        """Node ``rank``'s outcome of a round, or None if it has not reported."""
-        data = self._get_bytes(self.spec.round_status(job, round_name, rank))
-        return None if data is None else L.parse_round_status(data)
-
-    def round_statuses(self, job: str, round_name: str) -> dict[int, dict[str, Any]]:
-        """Every reported outcome of a round: rank -> record."""
-        prefix = self.spec.round_status_dir(job, round_name)
-        blobs, _ = self._list(prefix)
-        names = [b.name for b in blobs if b.name[len(prefix):].isdigit()]
-        out: dict[int, dict[str, Any]] = {}
-        for name in names:
-            data = self._get_bytes(name)
-            if data is not None:
-                out[int(name[len(prefix):])] = L.parse_round_status(data)
-        return out
-
     # ------------------------------------------------------------------ listing
 
     def list_round_names(self, job: str) -> list[str]:

@@ -9,8 +9,6 @@ can be read by MTC's replicator and vice versa::
     gs://<bucket>/[<prefix>/]<job>/
         restore.version                        a round name: forces that backup
         .tierfs/nodes/<rank>                   bucket rendezvous (JSON, see below)
-        .tierfs/rounds/order                   the current round order of node-rank 0
-        .tierfs/rounds/<round>/<rank>          each node's outcome of that round
         <UTC YYYY-MM-DD_HH-MM>/                one directory per backup round
             <job>-s<step>-n<rank>-w<w>.meta    the data hash, no newline (written last)
             <hash>.data                        one object (``pytorch``: file per GPU)
@@ -47,7 +45,6 @@ HASH_RE = re.compile(r"^D?[0-9a-f]{64}$")
 SAVE_FILE_RE = re.compile(r"^(?P<job>.+)-s(?P<step>\d+)-n(?P<node>\d+)-w(?P<worker>\d+)\.save$")
 
 RESTORE_VERSION = "restore.version"
-ORDER_FORMAT = "tierfs.backup-order/1"
 TIERFS_DIR = ".tierfs"
 BACKUP_FORMAT = "tierfs.gcs-backup/1"
 RENDEZVOUS_FORMAT = "tierfs.rendezvous/1"
@@ -101,18 +98,14 @@ class BucketSpec:
             raise LayoutError(f"rank must be >= 0, got {rank}")
         return f"{self.job_dir(job)}{TIERFS_DIR}/nodes/{rank}"
 
-    def round_order(self, job: str) -> str:
-        """Object name of the current backup-round order (written by node-rank 0)."""
-        return f"{self.job_dir(job)}{TIERFS_DIR}/rounds/order"
-
     def round_status_dir(self, job: str, round_name: str) -> str:
-        """Prefix of the per-node outcome objects of one round, ending in ``/``."""
+        """Prefix of the per-node outcome records of one round, ending in ``/``.
+
+        Only earlier tierfs versions wrote these (rounds now go through the
+        coordinator); ``tierfs backups prune`` still deletes them with their round.
+        """
         check_round_name(round_name)
         return f"{self.job_dir(job)}{TIERFS_DIR}/rounds/{round_name}/"
-
-    def round_status(self, job: str, round_name: str, rank: int) -> str:
-        """Object name of node ``rank``'s outcome of a round."""
-        return f"{self.round_status_dir(job, round_name)}{rank}"
 
 
 def parse_bucket(text: str) -> BucketSpec:
@@ -524,64 +517,3 @@ def parse_rendezvous(data: bytes | str) -> RendezvousRecord:
     if sep and host and port.isdigit():
         return RendezvousRecord(text, -1, "", 0.0)
     raise LayoutError(f"rendezvous object holds no address: {text[:80]!r}")
-
-
-# ---------------------------------------------------------------------- round orders
-
-
-@dataclass(frozen=True)
-class RoundOrder:
-    """Node-rank 0's order to back up ``step`` into round ``round`` (``.tierfs/rounds/order``).
-
-    Attributes:
-        round: the round directory name.
-        step: the step every node uploads (the cluster's newest synced step).
-        nodes: the job's node count.
-        issued: Unix time (seconds) of the order.
-        issuer: the incarnation id of the deciding daemon.
-    """
-
-    round: str
-    step: int
-    nodes: int
-    issued: float
-    issuer: str = ""
-
-    def to_json(self) -> bytes:
-        return json.dumps({"format": ORDER_FORMAT, "round": self.round, "step": self.step,
-                           "nodes": self.nodes, "issued": self.issued,
-                           "issuer": self.issuer}, sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes | str) -> RoundOrder:
-        """Raises LayoutError for anything but a well-formed order."""
-        try:
-            d = json.loads(data)
-            if not isinstance(d, dict) or d.get("format") != ORDER_FORMAT:
-                raise LayoutError("not a tierfs round order")
-            order = cls(str(d["round"]), int(d["step"]), int(d["nodes"]), float(d["issued"]),
-                        str(d.get("issuer", "")))
-        except (ValueError, KeyError, TypeError) as exc:
-            if isinstance(exc, LayoutError):
-                raise
-            raise LayoutError(f"malformed round order: {exc}") from None
-        check_round_name(order.round)
-        return order
-
-
-def round_status_record(state: str, step: int, *, error: str = "", nbytes: int = 0,
-                        seconds: float = 0.0) -> bytes:
-    """A node's outcome of a round: ``state`` is ``done`` or ``failed``."""
-    return json.dumps({"state": state, "step": step, "error": error, "bytes": nbytes,
-                       "seconds": round(seconds, 3)}, sort_keys=True).encode()
-
-
-def parse_round_status(data: bytes | str) -> dict[str, Any]:
-    """Parse an outcome object (unknown content counts as ``failed``)."""
-    try:
-        d = json.loads(data)
-    except ValueError:
-        d = None
-    if not isinstance(d, dict) or d.get("state") not in ("done", "failed"):
-        return {"state": "failed", "error": "unreadable outcome record"}
-    return d

@@ -48,7 +48,9 @@ class ScheduleState:
         started_at: when scheduling began (job start, or the end of a restore).
         last_round: name of the newest round started (or restored from), if any.
         last_round_at: when it started.
-        last_step: the step it holds (or the restored step); newer steps only.
+        last_step: the newest step of the job's current timeline known to be
+            in a round (None: none); only newer steps are backed up, and
+            ``backup-interval-steps`` counts from it.
         active: the round still running, or None.
         skipped_step: the last step a skip was reported for (one line per step).
     """
@@ -150,13 +152,62 @@ def finished(state: ScheduleState, round_name: str) -> None:
 
 def restored(state: ScheduleState, round_name: str | None, step: int | None,
              now: float) -> None:
-    """A restore happened: periods count from now; only newer steps are backed up."""
+    """Step ``step`` of round ``round_name`` is known to be backed up (a restore from
+    it, or the bucket's newest complete round): periods count from ``now``; only
+    newer steps are backed up."""
     state.started_at = now
     if round_name is not None:
         state.last_round = max(round_name, state.last_round or "")
         state.last_round_at = now
     if step is not None:
         state.last_step = max(step, state.last_step or 0)
+
+
+def restart_timeline(state: ScheduleState, *, backup: str | None, step: int | None,
+                     now: float) -> ScheduleState:
+    """The schedule after a restore that restarts the job from ``step`` (every node).
+
+    Round names keep growing (``last_round`` stays) and the period counts from
+    the restore. Which step the step interval counts from:
+
+    * restored from round ``backup``: ``step`` (that round holds it);
+    * restored from the cluster: the last round's step if it is not newer
+      than ``step`` (it is still part of the job's history), else ``step``
+      (the last round belongs to the discarded steps after it);
+    * nothing restored (``step`` None): the job starts over, none.
+    """
+    fresh = ScheduleState(started_at=now, last_round=state.last_round,
+                          last_round_at=state.last_round_at)
+    if backup is not None:
+        fresh.last_round = max(backup, state.last_round or "")
+        fresh.last_round_at = now
+        fresh.last_step = step
+    elif step is None:
+        fresh.last_step = None
+    elif state.last_step is not None and state.last_step <= step:
+        fresh.last_step = state.last_step
+    else:
+        fresh.last_step = step
+    return fresh
+
+
+def apply_seed(state: ScheduleState, complete: tuple[str, int] | None, *,
+               after_restore: bool) -> None:
+    """Take the bucket's newest complete (round, step) into a schedule.
+
+    Without a restore since the schedule began (a daemon restarted under a
+    running job) that round's step counts as backed up and the period runs
+    from its time. After a restore (:func:`restart_timeline`) it only lowers
+    the step the interval counts from, when that round's step is part of the
+    restored history.
+    """
+    if complete is None:
+        return
+    name, step = complete
+    if not after_restore:
+        restored(state, name, step, min(round_time(name).timestamp(), state.started_at))
+    elif state.last_step is not None and step <= state.last_step:
+        state.last_step = step
 
 
 # ---------------------------------------------------------------------- the coordinator's book
@@ -222,7 +273,8 @@ class RoundBook:
     owner (node-rank 0's GCS tier) has listed the bucket, since round names
     must sort after every round already there and a restarted coordinator
     must not back up the newest complete round's step again -- no round
-    starts before that; :meth:`restored` at each restore decision;
+    starts before that (:func:`apply_seed`); :meth:`restored` at each
+    restore decision;
     :meth:`report`/:meth:`member_restarted`/:meth:`tick` on every ``Sync``.
 
     Args:
@@ -276,10 +328,7 @@ class RoundBook:
             return False
         if newest is not None:
             self.previous_name = max(newest, self.previous_name or "")
-        if complete is not None and not self.restored_seen:
-            name, step = complete
-            restored(self.state, name, step, min(round_time(name).timestamp(),
-                                                  self.state.started_at))
+        apply_seed(self.state, complete, after_restore=self.restored_seen)
         self.seeded = True
         return True
 
@@ -288,23 +337,17 @@ class RoundBook:
         """A restore was decided (``step`` from ``backup``, or from the cluster; None: nothing).
 
         Args:
-            new_timeline: every node restarts from ``step`` (protocol mode):
-                steps up to it count as backed up, newer ones are new, and a
-                round still running belongs to the old timeline (dropped).
-                False (generic mode, one node came back while the others
-                train on): only the period restarts.
+            new_timeline: every node restarts from ``step`` (protocol mode): see
+                :func:`restart_timeline`; a round still running belongs to
+                the old timeline (dropped). False (generic mode: one node came
+                back while the others train on): the schedule stays as it is.
         """
-        self.restored_seen = True
         if not new_timeline:
-            restored(self.state, backup, step, now)
             return
+        self.restored_seen = True
         if self.active is not None:
             self._close(self.active, "abandoned (the job restarted)", report=None)
-        old = self.state
-        self.state = ScheduleState(started_at=now, last_round=old.last_round,
-                                   last_round_at=old.last_round_at)
-        restored(self.state, backup, step, now)
-        self.state.last_step = step
+        self.state = restart_timeline(self.state, backup=backup, step=step, now=now)
 
     # ------------------------------------------------------------------ per Sync
 

@@ -1,36 +1,47 @@
 """The GCS tier inside the node daemon: backup rounds, restores from the bucket,
-``restore.version`` (DESIGN.md "Durable plane", PROTOCOL.md sections 4 and 5).
+``restore.version``, the bucket rendezvous (DESIGN.md "Durable plane" and
+"Peer plane", PROTOCOL.md sections 4 to 6).
 
 Pieces:
 
-* :class:`GcsTier` (the agent's :class:`tierfs.agent.Tier`, trio thread). Its
-  loop decides rounds on node-rank 0 (:mod:`tierfs.tiers.gcs_schedule`: every
-  ``backup-interval-minutes``/``-steps`` or at once for ``_BACKUP_REQUESTED``,
-  never while the previous round runs) for the newest step every node has
-  sealed and replicated (the peer tier's sync round; one node: its newest
-  sealed step), and uploads this node's part of each round
-  (:meth:`tierfs.tiers.gcs.GcsBackend.upload_shard`) in a worker thread. The
-  shard is pinned against retention while it uploads; a withdrawn shard's
+* :class:`GcsTier` (the agent's :class:`tierfs.agent.Tier`, trio thread).
+
+  - Multi-node job with a peer plane: the coordinator decides the rounds.
+    Node-rank 0's tier installs a :class:`tierfs.tiers.gcs_schedule.RoundBook`
+    in its coordinator (seeded from the bucket listing, so round names grow
+    and a restarted coordinator does not back the same step up twice); the
+    coordinator runs ``decide_round`` in its sync round and each node's
+    ``Sync`` reply carries the round that node still has to upload. The
+    node's peer tier hands that order to :meth:`GcsTier.on_backup_round`,
+    which uploads this node's part in a worker thread and reports the
+    outcome in its next ``Sync`` (:meth:`GcsTier.backup_outcome`). Node-rank
+    0's tier also writes the coordinator's lines (a skipped step, an
+    incomplete round) to ``replicator.errors``.
+  - One node (no peer plane needed): the tier decides its rounds itself
+    with :func:`tierfs.tiers.gcs_schedule.decide_round`.
+  - A multi-node job without a peer plane takes no backups (it says so).
+
+  The uploading shard is pinned against retention; a withdrawn shard's
   upload is cancelled. Failures become a line in ``replicator.errors`` and
   the tier's status; training never waits.
-* How a round reaches the other nodes: node-rank 0 writes the order to
-  ``gs://<bucket>/<job>/.tierfs/rounds/order``; the others poll it, upload,
-  and report their outcome to ``.tierfs/rounds/<round>/<rank>``, which
-  node-rank 0 watches to know when the round is over. (The coordinator's
-  ``Sync`` reply does not carry round orders yet; when it does, only
-  :meth:`GcsTier.order_round` has to be called from there.)
-* :class:`GcsCluster` (wraps the agent's :class:`tierfs.agent.Cluster`): if
-  ``restore.version`` exists, every node restores exactly that round (or
-  nothing, with a line in ``replicator.errors``: no fallback); else the
-  inner cluster decides, with the bucket as fallback: through the
-  coordinator's ``fallback`` hook (node-rank 0) and the peer cluster's
-  ``fetch_backup`` hook for a multi-node job, directly on one node.
-* ``restore.version`` is deleted by node-rank 0 once every node has sealed
-  and replicated a newer step than the one restored through it.
+* Restores. With a coordinator, :meth:`GcsTier.coordinator_override` reads
+  ``restore.version`` once per restore round (the named round for every
+  node, through the same decision and barrier; missing or incomplete:
+  nothing, no fallback) and :meth:`GcsTier.coordinator_fallback` offers the
+  newest complete round when no step is complete in the cluster; each node
+  brings its part with :meth:`GcsTier.fetch_backup` (the peer cluster's
+  hook). Without one (one node, or no peer plane), :class:`GcsCluster` does
+  the same on the node alone.
+* ``restore.version`` is deleted by the deciding node once every node has
+  sealed and replicated a newer step than the one restored through it.
+* :class:`BucketRendezvous`: ``gs://<bucket>/<job>/.tierfs/nodes/<rank>``
+  records for :class:`tierfs.tiers.peer.PeerTier` when there is no
+  ``--coordinator``.
 
 Threads: every GCS call runs in ``trio.to_thread.run_sync`` behind capacity
-limiters (one upload at a time, a few control calls); the coordinator
-fallback runs in the coordinator's gRPC thread with a bounded deadline.
+limiters (one upload at a time, a few control calls); the coordinator's
+hooks run in its gRPC thread with a bounded deadline, and hand lines for
+``replicator.errors`` to the trio thread through a queue.
 """
 
 from __future__ import annotations
@@ -61,6 +72,7 @@ from tierfs.tiers.local import Shard, ShardKey
 if TYPE_CHECKING:
     from tierfs.agent import NodeAgent, RestorePlan
     from tierfs.control import JobSpec
+    from tierfs.coordinator import Choice
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +86,14 @@ def _env(name: str, default: float) -> float:
 
 #: seconds between the tier's decisions (also woken by seals)
 TICK = _env("TIERFS_GCS_TICK", 1.0)
-#: seconds between polls of the round order on nodes other than node-rank 0
-ORDER_POLL = _env("TIERFS_GCS_ORDER_POLL", 2.0)
 #: a round not finished by every node after this many seconds is given up
-ROUND_TIMEOUT = _env("TIERFS_GCS_ROUND_TIMEOUT", 1800.0)
-#: retry deadline of the coordinator's bucket lookup (it holds the coordinator's lock)
+ROUND_TIMEOUT = _env("TIERFS_GCS_ROUND_TIMEOUT", S.ROUND_TIMEOUT)
+#: retry deadline of the coordinator's bucket lookups (they hold the coordinator's lock)
 FALLBACK_DEADLINE = _env("TIERFS_GCS_FALLBACK_DEADLINE", 30.0)
 #: retry deadline of reading restore.version and choosing a backup at restore time
 RESTORE_LOOKUP_DEADLINE = _env("TIERFS_GCS_LOOKUP_DEADLINE", 20.0)
+#: retry deadline of one rendezvous read or write (the caller polls again)
+RENDEZVOUS_DEADLINE = _env("TIERFS_GCS_RENDEZVOUS_DEADLINE", 10.0)
 
 
 @dataclass
@@ -106,6 +118,12 @@ class GcsTier:
         agent: the node agent.
         spec: the bucket, or None (the tier is off and says so).
         settings: transfer tuning (default :meth:`GcsSettings.from_env`).
+
+    Attributes:
+        cluster_last: (multi-node) the newest round the coordinator ordered,
+            with its state, as the last ``Sync`` reply said.
+        forced: (job, round, restored step, when) of a restore through
+            ``restore.version``, until the file is deleted.
     """
 
     name = "gcs"
@@ -123,18 +141,19 @@ class GcsTier:
         self.last_error: str | None = None
         self.retrying: str | None = None
         self.note: str | None = None
-        #: (job, round, restored step, when): a restore through restore.version
         self.forced: tuple[str, str, int, float] | None = None
+        self.cluster_last: S.RoundView | None = None
+        self._outcome: S.Outcome | None = None
+        self._ordered: collections.deque[str] = collections.deque(maxlen=64)
         self._uploads: dict[ShardKey, _Upload] = {}
         self._job_id: tuple[str, int, int] | None = None
-        self._order_seen: str | None = None
         self._seeded = False
+        self._seed_failed = False
         self._restored_here = False
         self._epoch = 0.0
-        self._order_checked = 0.0
-        self._statuses_checked = 0.0
-        self._pending_status: list[tuple[str, str, int, bytes]] = []
         self._fallback_tried: dict[int, set[str]] = {}
+        #: lines for replicator.errors from the coordinator's gRPC threads
+        self._pending_errors: collections.deque[str] = collections.deque(maxlen=50)
         self._poke = trio.Event()
         self._control = trio.CapacityLimiter(2)
         self._upload_limiter = trio.CapacityLimiter(1)
@@ -151,6 +170,11 @@ class GcsTier:
     def _peer(self) -> Any:
         return next((t for t in self.agent.tiers if getattr(t, "name", "") == "peer"), None)
 
+    def _servicer(self) -> Any:
+        """The coordinator service of this node's peer tier (None without a server)."""
+        peer = self._peer()
+        return getattr(peer, "coordinator", None) if peer is not None else None
+
     def _on_retry(self, exc: Exception) -> None:
         self.retrying = f"{describe_error(exc)} (retrying, at {time.strftime('%H:%M:%S')})"
 
@@ -164,7 +188,8 @@ class GcsTier:
             return self.backend
 
     def bounded(self, deadline: float) -> GcsBackend:
-        """The backend with requests that give up after ``deadline`` seconds (cached)."""
+        """The backend with requests that give up after ``deadline`` seconds (cached;
+        blocking on first use)."""
         backend = self.get_backend()
         with self._backend_lock:
             b = self._bounded.get(deadline)
@@ -182,13 +207,24 @@ class GcsTier:
         self.retrying = None
 
     def _fail(self, message: str) -> None:
+        """A line in ``replicator.errors`` and the status (trio thread)."""
         self.last_error = f"{time.strftime('%H:%M:%S')} {message}"
         self.agent.report_error(message)
+
+    def _fail_later(self, message: str) -> None:
+        """:meth:`_fail` from another thread: written by the next tick."""
+        self.last_error = f"{time.strftime('%H:%M:%S')} {message}"
+        self._pending_errors.append(message)
 
     def multi(self, job: JobSpec) -> bool:
         """A multi-node job coordinated by the peer plane."""
         peer = self._peer()
         return job.nodes > 1 and peer is not None and peer.active_job() is not None
+
+    def coordinating(self, job: JobSpec) -> bool:
+        """This node's coordinator serves ``job`` (it decides the rounds)."""
+        peer = self._peer()
+        return self.multi(job) and bool(peer.is_coordinator)
 
     def synced_step(self, job: JobSpec) -> int | None:
         """The newest step every node sealed and replicated (one node: sealed)."""
@@ -202,17 +238,18 @@ class GcsTier:
         return int(step) if step is not None and step >= 0 else None
 
     def decider(self, job: JobSpec) -> bool:
-        return job.node_rank == 0
+        """This node decides the rounds: one node, or the coordinator's node."""
+        return job.nodes <= 1 or self.coordinating(job)
 
     # ------------------------------------------------------------------ Tier
 
     async def run(self, agent: NodeAgent,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Install the restore hooks, then decide and follow rounds until cancelled."""
+        """Install the coordinator's hooks, then decide and follow rounds until cancelled."""
         if not self.enabled:
             task_status.started()
             return
-        self._install_coordinator_fallback()
+        await self._install_coordinator_hooks()
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -222,13 +259,26 @@ class GcsTier:
             for up in self._uploads.values():
                 up.cancel.set()
 
-    def _install_coordinator_fallback(self) -> None:
-        peer = self._peer()
-        servicer = getattr(peer, "coordinator", None) if peer is not None else None
-        coord = getattr(servicer, "coordinator", None)
-        if coord is not None and hasattr(coord, "fallback"):
+    async def _locked(self, fn: Any) -> Any:
+        """``fn(coordinator)`` under the coordinator's lock, waited for in a worker thread
+        (a gRPC thread may hold it through a bucket lookup)."""
+        servicer = self._servicer()
+        return await trio.to_thread.run_sync(servicer.locked, fn)
+
+    async def _install_coordinator_hooks(self) -> None:
+        """restore.version, the bucket fallback and the round book in this node's
+        coordinator (used only while this node serves it)."""
+        if self._servicer() is None:
+            return
+
+        def install(coord: Any) -> None:
             coord.fallback = self.coordinator_fallback
-            log.info("GCS tier: the coordinator falls back to %s", self.spec)
+            coord.override = self.coordinator_override
+            coord.set_backups(S.RoundBook(timeout=ROUND_TIMEOUT))
+
+        await self._locked(install)
+        log.info("GCS tier: the coordinator decides backup rounds and restores from %s",
+                 self.spec)
 
     def on_sealed(self, shard: Shard) -> None:
         """A step of this node was sealed: decide soon (trio thread)."""
@@ -246,9 +296,10 @@ class GcsTier:
         job = self.agent.job
         if self.enabled and job is not None and job.nodes > 1:
             step = self.synced_step(job)
-            if step is not None:
+            last = self.cluster_last.step if self.cluster_last is not None else -1
+            if step is not None and step > last and step not in self.backed_up:
                 key = ShardKey(job.name, job.node_rank, step)
-                if key in self.agent.catalog and (self.state.last_step or -1) < step:
+                if key in self.agent.catalog:
                     keep.add(key)
         return keep
 
@@ -257,10 +308,15 @@ class GcsTier:
         if not self.enabled:
             return {"summary": "off (no --bucket)", "enabled": False, "steps": []}
         job = self.agent.job
+        multi = job is not None and self.multi(job)
         uploads = [{"round": u.round, "step": u.step, "bytes_done": u.done,
                     "bytes_total": u.total, "seconds": round(time.time() - u.started, 1)}
                    for u in self._uploads.values()]
-        last = self.history[-1] if self.history else None
+        if multi and self.cluster_last is not None:
+            c = self.cluster_last
+            last: dict[str, Any] | None = {"round": c.round, "step": c.step, "state": c.state}
+        else:
+            last = self.history[-1] if self.history else None
         parts = [str(self.spec)]
         if uploads:
             u = uploads[0]
@@ -268,6 +324,8 @@ class GcsTier:
             parts.append(f"uploading step {u['step']} to {u['round']} ({pct:.0f}%)")
         if last is not None:
             parts.append(f"last round {last['round']} step {last['step']}: {last['state']}")
+        else:
+            parts.append("no round yet")
         if self.retrying:
             parts.append(f"bucket problem: {self.retrying}")
         elif self.last_error:
@@ -280,11 +338,19 @@ class GcsTier:
                     else "follows node-rank 0's rounds")
         minutes, steps = (S.intervals(job.backup_interval_minutes, job.backup_interval_steps)
                           if job else (None, None))
+        active = None
+        if multi:
+            if self.cluster_last is not None and self.cluster_last.state == S.RUNNING:
+                active = self.cluster_last.round
+        else:
+            active = self.state.active
         return {
             "summary": "; ".join(parts), "enabled": True, "bucket": str(self.spec),
             "role": role, "interval_minutes": minutes, "interval_steps": steps,
-            "active_round": self.state.active, "last_round": self.state.last_round,
-            "last_step": self.state.last_step, "uploads": uploads,
+            "active_round": active,
+            "last_round": last["round"] if last else None,
+            "last_step": last["step"] if last else None,
+            "last_state": last["state"] if last else None, "uploads": uploads,
             "rounds": list(self.history), "last_error": self.last_error,
             "retrying": self.retrying, "note": self.note,
             "restore_version_pending": list(self.forced) if self.forced else None,
@@ -308,6 +374,8 @@ class GcsTier:
         return self.agent.restore_state.get("state") in ("cleanup", "planning", "barrier")
 
     async def _tick(self) -> None:
+        while self._pending_errors:
+            self.agent.report_error(self._pending_errors.popleft())
         job = self.agent.job
         if job is None or self.agent.mode == "none":
             return
@@ -315,34 +383,71 @@ class GcsTier:
         if ident != self._job_id:
             self._job_id = ident
             self.state = S.ScheduleState(started_at=time.time())
-            self._order_seen = None
             self._seeded = False
             self.backed_up.clear()
-        if self._restoring():
-            return
+            self.cluster_last = None
         try:
             await self.call(self.get_backend)
         except Exception as exc:
             self.note = f"cannot create the GCS client: {describe_error(exc)}"
             return
-        await self._flush_statuses()
-        if job.nodes > 1 and not self.multi(job):
+        if self.multi(job):
+            self.note = None
+            if self.coordinating(job):
+                await self._coordinate(job)
+            return
+        if job.nodes > 1:
             self.note = ("no backup rounds: a multi-node job needs the peer plane "
-                         "(--listen/--coordinator) to agree on them")
+                         "(--listen with --coordinator or the bucket rendezvous) to agree "
+                         "on them")
             return
         self.note = None
-        if self.decider(job):
-            await self._decide(job)
-            await self._maybe_delete_restore_version(job)
-        else:
-            await self._follow(job)
+        if self._restoring():
+            return
+        await self._decide(job)
+        await self._maybe_delete_restore_version(job)
 
-    # ------------------------------------------------------------------ deciding (rank 0)
+    # ------------------------------------------------------------------ coordinator (rank 0)
+
+    async def _coordinate(self, job: JobSpec) -> None:
+        """Node-rank 0 of a multi-node job: seed the coordinator's round book from the
+        bucket, write its lines to replicator.errors, delete restore.version when due."""
+        if self._servicer() is None:
+            return
+        book_job, nodes, seeded = await self._locked(
+            lambda c: (c.backups.job, c.backups.nodes, c.backups.seeded)
+            if c.backups is not None else (None, 0, True))
+        if book_job is not None and not seeded:
+            try:
+                newest, complete = await self._read_seed(book_job, nodes)
+            except Exception as exc:
+                if not self._seed_failed:
+                    self._seed_failed = True
+                    self._fail(f"backup rounds wait: the bucket cannot be listed "
+                               f"({describe_error(exc)})")
+            else:
+                self._seed_failed = False
+                self._ok()
+                await self._locked(lambda c: c.backups.seed(book_job, newest, complete))
+        for line in await self._locked(lambda c: c.backups.drain() if c.backups else []):
+            self._fail(line)
+        await self._maybe_delete_restore_version(job)
+
+    async def _read_seed(self, job: str, nodes: int) -> tuple[str | None, tuple[str, int] | None]:
+        """The bucket's newest round name and newest complete (round, step) of the last 3."""
+        backend = self.bounded(RESTORE_LOOKUP_DEADLINE)
+        names = await self.call(backend.list_round_names, job)
+        complete = None
+        for name in names[:3]:
+            info = await self.call(backend.inspect_round, job, name, nodes)
+            if info.complete_step is not None:
+                complete = (name, info.complete_step)
+                break
+        return (names[0] if names else None), complete
+
+    # ------------------------------------------------------------------ deciding (one node)
 
     async def _decide(self, job: JobSpec) -> None:
-        multi = job.nodes > 1
-        if self.state.active is not None and multi:
-            await self._track(job)
         step = self.synced_step(job)
         shard = self.agent.catalog.get(ShardKey(job.name, job.node_rank, step)) \
             if step is not None else None
@@ -350,9 +455,8 @@ class GcsTier:
             step = None  # not held here, or sealed before this job's restore
         minutes, steps = S.intervals(job.backup_interval_minutes, job.backup_interval_steps)
         now = time.time()
-        decision = S.decide_round(self.state, now=now, step=step,
-                                  backup_requested=bool(shard and
-                                                        shard.manifest.backup_requested),
+        requested = bool(shard and shard.manifest.backup_requested)
+        decision = S.decide_round(self.state, now=now, step=step, backup_requested=requested,
                                   interval_minutes=minutes, interval_steps=steps)
         if decision.action == S.SKIP:
             if decision.report:
@@ -361,33 +465,25 @@ class GcsTier:
             return
         if decision.action != S.START:
             return
-        backend = self.get_backend()
         if not self._seeded:
             # a restarted daemon: never redo a step the bucket already holds, never
             # reuse a round name, count the period from the newest round
             try:
-                await self._seed(job, backend)
+                newest, complete = await self._read_seed(job.name, job.nodes)
             except Exception as exc:
                 self._fail(f"backup of step {decision.step} not started: "
                            f"{describe_error(exc)}")
                 return
+            if newest is not None:
+                self.state.last_round = max(newest, self.state.last_round or "")
+            S.apply_seed(self.state, complete, after_restore=self._restored_here)
+            self._seeded = True
             decision = S.decide_round(self.state, now=now, step=step,
-                                      backup_requested=bool(shard and
-                                                            shard.manifest.backup_requested),
+                                      backup_requested=requested,
                                       interval_minutes=minutes, interval_steps=steps)
             if decision.action != S.START:
                 return
         assert decision.round is not None and decision.step is not None
-        if multi:
-            order = L.RoundOrder(decision.round, decision.step, job.nodes, now,
-                                 self.incarnation)
-            try:
-                await self.call(backend.write_order, job.name, order)
-            except Exception as exc:
-                self._fail(f"backup round {decision.round} (step {decision.step}) not "
-                           f"started: {describe_error(exc)}")
-                return
-            self._statuses_checked = 0.0
         S.started(self.state, decision, now)
         log.info("backup round %s: step %d (%s)", decision.round, decision.step,
                  decision.reason)
@@ -395,95 +491,35 @@ class GcsTier:
                              "state": "running", "started": now, "reason": decision.reason})
         self._spawn_upload(job, decision.round, decision.step)
 
-    async def _seed(self, job: JobSpec, backend: GcsBackend) -> None:
-        """First decision: new round names sort after every round in the bucket; and
-        unless this daemon restored the job itself (a restarted daemon under a running
-        job), the newest complete round's step is not backed up again and the period
-        counts from that round."""
-        names = await self.call(backend.list_round_names, job.name)
-        order = await self.call(backend.read_order, job.name) if job.nodes > 1 else None
-        known = [n for n in [*names[:1], order.round if order else None] if n]
-        if known:
-            self.state.last_round = max([*known, self.state.last_round or ""])
-        if not self._restored_here:
-            for name in names[:3]:
-                info = await self.call(backend.inspect_round, job.name, name, job.nodes)
-                if info.complete_step is not None:
-                    at = min(L.round_time(name).timestamp(), time.time())
-                    S.restored(self.state, name, info.complete_step, at)
-                    break
-        self._seeded = True
-
-    async def _track(self, job: JobSpec) -> None:
-        """Node-rank 0: is the active round over (every node reported, or timed out)?"""
-        rnd = self.state.active
-        assert rnd is not None
-        if time.monotonic() - self._statuses_checked < ORDER_POLL:
-            return
-        self._statuses_checked = time.monotonic()
-        try:
-            statuses = await self.call(self.get_backend().round_statuses, job.name, rnd)
-        except Exception as exc:
-            log.info("backup round %s: cannot read outcomes: %s", rnd, describe_error(exc))
-            return
-        self._ok()
-        started = self.state.last_round_at or time.time()
-        missing = [r for r in range(job.nodes) if r not in statuses]
-        if missing and time.time() - started < ROUND_TIMEOUT:
-            return
-        failed = {r: s for r, s in statuses.items() if s.get("state") != "done"}
-        entry = self._history(rnd)
-        if missing:
-            self._fail(f"backup round {rnd} given up after {ROUND_TIMEOUT:.0f} s: node-rank(s) "
-                       f"{missing} never finished; the round is incomplete")
-            state = "incomplete"
-        elif failed:
-            first = next(iter(failed.items()))
-            self._fail(f"backup round {rnd} is incomplete: node-rank(s) {sorted(failed)} "
-                       f"failed (node-rank {first[0]}: {first[1].get('error', '?')})")
-            state = "incomplete"
-        else:
-            state = "complete"
-            log.info("backup round %s complete on all %d nodes", rnd, job.nodes)
-        if entry is not None:
-            entry["state"] = state
-        S.finished(self.state, rnd)
-
     def _history(self, rnd: str) -> dict[str, Any] | None:
         return next((h for h in reversed(self.history) if h["round"] == rnd), None)
 
-    # ------------------------------------------------------------------ following
+    # ------------------------------------------------------------------ following (BackupAgent)
 
-    async def _follow(self, job: JobSpec) -> None:
-        if time.monotonic() - self._order_checked < ORDER_POLL:
+    def backup_outcome(self) -> S.Outcome | None:
+        """This node's outcome of the last round it was ordered into (trio thread)."""
+        return self._outcome
+
+    def on_backup_round(self, job: JobSpec, order: tuple[str, int] | None,
+                        last: S.RoundView | None) -> None:
+        """The coordinator's reply (trio thread): start uploading ``order`` once; note
+        the newest round's state for the status."""
+        self.cluster_last = last
+        if last is not None and last.state != S.RUNNING:
+            entry = self._history(last.round)
+            if entry is not None:
+                entry["state"] = last.state
+        if order is None or not self.enabled:
             return
-        self._order_checked = time.monotonic()
-        backend = self.get_backend()
-        try:
-            order = await self.call(backend.read_order, job.name)
-        except Exception as exc:
-            log.info("reading the round order: %s", describe_error(exc))
+        rnd, step = order
+        if rnd in self._ordered or any(u.round == rnd for u in self._uploads.values()):
             return
-        self._ok()
-        if order is None or order.round == self._order_seen:
-            return
-        first = self._order_seen is None
-        self._order_seen = order.round
-        if order.nodes != job.nodes or time.time() - order.issued > ROUND_TIMEOUT:
-            return
-        if first:
-            # just started: an order this node already answered is not redone
-            try:
-                done = await self.call(backend.read_round_status, job.name, order.round,
-                                       job.node_rank)
-            except Exception:
-                done = None
-            if done is not None:
-                return
-        self.state.last_round = order.round
-        self.history.append({"round": order.round, "step": order.step, "state": "running",
-                             "started": time.time(), "reason": "ordered by node-rank 0"})
-        self._spawn_upload(job, order.round, order.step)
+        self._ordered.append(rnd)
+        self.state.last_round = rnd
+        log.info("backup round %s: the coordinator orders step %d", rnd, step)
+        self.history.append({"round": rnd, "step": step, "state": "running",
+                             "started": time.time(), "reason": "ordered by the coordinator"})
+        self._spawn_upload(job, rnd, step)
 
     # ------------------------------------------------------------------ uploading
 
@@ -499,13 +535,13 @@ class GcsTier:
         if shard is None:
             msg = f"backup round {rnd}: step {step} is no longer held on this node"
             self._fail(msg)
-            self._finish(job, rnd, step, "failed", msg, 0, 0.0, entry)
+            self._finish(job, rnd, step, S.FAILED, msg, 0, 0.0, entry)
             return
         up = _Upload(rnd, step, shard.bytes, threading.Event(), t0)
         self._uploads[key] = up
-        backend = self.get_backend()
         try:
             async with self._upload_limiter:
+                backend = await self.call(self.get_backend)
                 result = await trio.to_thread.run_sync(functools.partial(
                     backend.upload_shard, shard, rnd, nodes=job.nodes,
                     data_parallelism=job.assume_data_parallelism, cancel=up.cancel,
@@ -514,11 +550,11 @@ class GcsTier:
             msg = (f"backup of step {step} to round {rnd} stopped: the step was written to "
                    "after it was sealed")
             self._fail(msg)
-            self._finish(job, rnd, step, "failed", msg, up.done, time.time() - t0, entry)
+            self._finish(job, rnd, step, S.FAILED, msg, up.done, time.time() - t0, entry)
         except Exception as exc:
             msg = f"backup of step {step} to round {rnd} failed: {describe_error(exc)}"
             self._fail(msg)
-            self._finish(job, rnd, step, "failed", msg, up.done, time.time() - t0, entry)
+            self._finish(job, rnd, step, S.FAILED, msg, up.done, time.time() - t0, entry)
         else:
             self._ok()
             self.backed_up[step] = rnd
@@ -527,7 +563,7 @@ class GcsTier:
             log.info("backup round %s: step %d uploaded (%d objects, %d bytes, %d skipped, "
                      "%.1f s)", rnd, step, result.objects, result.bytes, result.skipped,
                      result.seconds)
-            self._finish(job, rnd, step, "done", "", result.bytes, result.seconds, entry)
+            self._finish(job, rnd, step, S.DONE, "", result.bytes, result.seconds, entry)
         finally:
             up.cancel.set()
             if self._uploads.get(key) is up:
@@ -538,40 +574,34 @@ class GcsTier:
                 nbytes: int, seconds: float, entry: dict[str, Any] | None) -> None:
         if entry is not None:
             entry.update(node=state, seconds=round(seconds, 1), bytes=nbytes)
-            if job.nodes <= 1 or state == "failed":
-                entry["state"] = "complete" if state == "done" else "incomplete"
+            if job.nodes <= 1 or state == S.FAILED:
+                entry["state"] = S.COMPLETE if state == S.DONE else S.INCOMPLETE
         if job.nodes <= 1:
             S.finished(self.state, rnd)
             return
-        record = L.round_status_record(state, step, error=error, nbytes=nbytes,
-                                       seconds=seconds)
-        self._pending_status.append((job.name, rnd, job.node_rank, record))
-        self._poke.set()
-
-    async def _flush_statuses(self) -> None:
-        """Report round outcomes to the bucket; kept and retried while it is unreachable."""
-        while self._pending_status:
-            job, rnd, rank, record = self._pending_status[0]
-            try:
-                await self.call(self.bounded(10.0).write_round_status, job, rnd,
-                                rank, record)
-            except Exception as exc:
-                log.info("reporting the outcome of round %s: %s", rnd, describe_error(exc))
-                return
-            self._pending_status.pop(0)
+        # reported to the coordinator in the next Sync (repeated until a newer round)
+        self._outcome = S.Outcome(rnd, step, state, error, nbytes, round(seconds, 3))
+        peer = self._peer()
+        if peer is not None:
+            peer.poke()
 
     # ------------------------------------------------------------------ restore
 
     def note_restored(self, job: JobSpec, plan: RestorePlan, forced: str | None) -> None:
-        """Record a finished restore plan (trio thread): rounds count from now; a
-        restore through ``restore.version`` is remembered for its deletion."""
-        self._job_id = (job.name, job.nodes, job.node_rank)
-        self.state = S.ScheduleState(started_at=time.time())
+        """Record a finished restore plan (trio thread): the one-node schedule restarts
+        from it (:func:`tierfs.tiers.gcs_schedule.restart_timeline`); a restore
+        through ``restore.version`` is remembered for its deletion."""
+        if self._job_id != (job.name, job.nodes, job.node_rank):
+            self._job_id = (job.name, job.nodes, job.node_rank)
+            self.state = S.ScheduleState(started_at=time.time())
+            self.backed_up.clear()
+            self.cluster_last = None
         self._seeded = False
         self._restored_here = True
         # steps sealed before the restore belong to the old timeline (see _decide)
         self._epoch = time.time()
-        S.restored(self.state, plan.backup, plan.step, self._epoch)
+        self.state = S.restart_timeline(self.state, backup=plan.backup, step=plan.step,
+                                        now=self._epoch)
         if forced is not None:
             self.forced = (job.name, forced, plan.step or 0, time.time())
 
@@ -616,18 +646,49 @@ class GcsTier:
                  step, job.node_rank, backup, shard.bytes)
         return shard
 
-    def coordinator_fallback(self, job: str, nodes: int) -> Any:
-        """The coordinator's bucket fallback (gRPC thread, under its lock; bounded).
+    def coordinator_override(self, job: str, nodes: int) -> Choice | None:
+        """``restore.version`` for the coordinator's decision (gRPC thread, under its lock;
+        bounded by :data:`FALLBACK_DEADLINE`; called once per restore round).
 
-        Returns a :class:`tierfs.coordinator.Choice` restoring from the newest
-        complete round (``restore.version``'s round if it exists, or nothing
-        with the reason when that one is missing or incomplete), or None.
-        A round tried in this restore round is skipped on a replan (some node
-        could not restore from it).
+        Returns:
+            None when the file does not exist (or cannot be read: one line in
+            ``replicator.errors``, the cluster decides as usual); else a
+            :class:`tierfs.coordinator.Choice` with ``forced`` set: the named
+            round's newest step complete for all ``nodes`` from the bucket, or
+            ``step`` None with the reason (missing or incomplete: nothing, no
+            fallback).
         """
         from tierfs.coordinator import Choice
 
-        servicer = getattr(self._peer(), "coordinator", None)
+        try:
+            backend = self.bounded(FALLBACK_DEADLINE)
+            forced = backend.read_restore_version(job)
+            if forced is None:
+                return None
+            choice = backend.choose_restore(job, nodes)
+        except Exception as exc:
+            self._fail_later(f"restore: cannot read restore.version from {self.spec} "
+                             f"({describe_error(exc)}); the cluster decides without it")
+            return None
+        if not choice.forced:
+            return None  # deleted in between
+        self.forced = (job, forced, choice.step or 0, time.time())
+        log.info("coordinator: %s", choice.reason)
+        if choice.round is None or choice.step is None:
+            return Choice(None, reason=choice.reason, forced=forced)
+        return Choice(choice.step, reason=choice.reason, backup=choice.round, forced=forced)
+
+    def coordinator_fallback(self, job: str, nodes: int) -> Choice | None:
+        """The coordinator's bucket fallback (gRPC thread, under its lock; bounded).
+
+        Returns a :class:`tierfs.coordinator.Choice` restoring from the newest
+        complete round, or None. A round tried in this restore round is
+        skipped on a replan (some node could not restore from it).
+        ``restore.version`` is not read here (see :meth:`coordinator_override`).
+        """
+        from tierfs.coordinator import Choice
+
+        servicer = self._servicer()
         coord = getattr(servicer, "coordinator", None)
         number = coord.round.number if coord is not None and coord.round is not None else 0
         tried = self._fallback_tried.setdefault(number, set())
@@ -635,19 +696,6 @@ class GcsTier:
             del self._fallback_tried[old]
         try:
             backend = self.bounded(FALLBACK_DEADLINE)
-            forced = backend.read_restore_version(job)
-            if forced is not None:
-                choice = backend.choose_restore(job, nodes)
-                if choice.round is not None and choice.round in tried:
-                    choice = type(choice)(None, None, True,
-                                          f"restore.version names round {choice.round}, "
-                                          "which could not be restored on every node; nothing "
-                                          "restored (no fallback)")
-                self.forced = (job, forced, choice.step or 0, time.time())
-                if choice.round is None:
-                    return Choice(None, reason=choice.reason)
-                tried.add(choice.round)
-                return Choice(choice.step, reason=choice.reason, backup=choice.round)
             for name in backend.list_round_names(job):
                 if name in tried:
                     continue
@@ -662,7 +710,7 @@ class GcsTier:
             msg = f"restore: the bucket could not be read ({describe_error(exc)}); nothing " \
                   "restored from it"
             log.warning("%s", msg)
-            self.last_error = msg
+            self._fail_later(msg)
             return None
 
     # ------------------------------------------------------------------ restore.version
@@ -694,6 +742,13 @@ class GcsTier:
 class GcsCluster:
     """Wraps the agent's cluster with the bucket (see the module docstring).
 
+    With a coordinator (multi-node job, peer plane) the inner cluster does
+    everything -- ``restore.version`` and the bucket are the coordinator's
+    hooks, so every node restores the same step behind the same barrier --
+    and this wrapper only reports a forced "nothing" on every node and
+    records the restore. Without one it reads ``restore.version`` and falls
+    back to the bucket on the node alone.
+
     Args:
         inner: the cluster it wraps (:class:`tierfs.agent.LocalCluster` or the
             peer cluster).
@@ -710,6 +765,14 @@ class GcsCluster:
 
         tier = self.tier
         self._used_inner = False
+        if tier.multi(job):
+            self._used_inner = True
+            plan = await self.inner.plan_restore(agent, job)
+            forced = plan.detail.get("forced")
+            if forced and plan.step is None:
+                tier._fail(f"restore: {plan.detail.get('reason') or 'restore.version'}")
+            tier.note_restored(job, plan, forced)
+            return plan
         forced = None
         backend = None
         try:
@@ -725,10 +788,8 @@ class GcsCluster:
             return plan
         self._used_inner = True
         plan = await self.inner.plan_restore(agent, job)
-        if plan.step is None and not tier.multi(job) and backend is not None:
+        if plan.step is None and backend is not None:
             plan = await self._from_bucket(agent, job, backend, plan)
-        if plan.step is None and "restore.version" in str(plan.detail.get("reason", "")):
-            tier._fail(f"restore: {plan.detail['reason']}")
         tier.note_restored(job, plan, None)
         return plan
 
@@ -787,33 +848,57 @@ class GcsCluster:
 # ---------------------------------------------------------------------- rendezvous
 
 
-async def rendezvous(backend: GcsBackend, job: str, rank: int, address: str, *,
-                     incarnation: str, timeout: float, newer_than: float = 0.0,
-                     poll: float = 1.0) -> str:
-    """Bucket rendezvous (DESIGN.md "Peer plane"): the coordinator's address for ``job``.
+class BucketRendezvous:
+    """The bucket rendezvous of :class:`tierfs.tiers.peer.PeerTier` (DESIGN.md "Peer plane").
 
-    Node-rank 0 publishes ``address`` (its peer service, ``HOST:PORT``) to
-    ``gs://<bucket>/<job>/.tierfs/nodes/0`` and returns it; every other rank
-    publishes its own record and waits (polling every ``poll`` seconds, in a
-    worker thread) for a rank-0 record written after ``newer_than`` (Unix
-    seconds; older records are a previous run's).
+    Records live at ``gs://<bucket>/[<prefix>/]<job>/.tierfs/nodes/<rank>``
+    (:func:`tierfs.tiers.gcs_layout.rendezvous_record`: address, rank,
+    incarnation, time written). Both calls run in the tier's worker threads
+    and give up after ``deadline`` seconds of retries; the peer tier polls
+    again and decides whether a record is current (it probes the address).
 
-    Raises:
-        TimeoutError: no such record within ``timeout`` seconds.
-        google.api_core exceptions: publishing failed after retries.
+    Args:
+        tier: the node's GCS tier (backend, limiter).
+        deadline: seconds one read or write keeps retrying.
     """
-    await trio.to_thread.run_sync(functools.partial(
-        backend.publish_address, job, rank, address, incarnation=incarnation))
-    if rank == 0:
-        return address
-    cancel = threading.Event()
-    try:
-        rec = await trio.to_thread.run_sync(functools.partial(
-            backend.wait_for_address, job, 0, timeout=timeout, newer_than=newer_than,
-            poll=poll, cancel=cancel), abandon_on_cancel=True)
-    finally:
-        cancel.set()
-    return rec.address
+
+    def __init__(self, tier: GcsTier, deadline: float = RENDEZVOUS_DEADLINE) -> None:
+        self.tier = tier
+        self.deadline = deadline
+
+    def where(self, job: str, rank: int) -> str:
+        """``gs://`` name of node ``rank``'s record (for messages)."""
+        spec = self.tier.spec
+        assert spec is not None
+        return f"gs://{spec.bucket}/{spec.rendezvous(job, rank)}"
+
+    async def publish(self, job: str, rank: int, address: str, incarnation: str) -> None:
+        """Write this node's record.
+
+        Raises:
+            RuntimeError: one line (bucket unreachable, access denied...).
+        """
+        def work() -> None:
+            self.tier.bounded(self.deadline).publish_address(job, rank, address,
+                                                             incarnation=incarnation)
+
+        try:
+            await self.tier.call(work)
+        except Exception as exc:
+            raise RuntimeError(describe_error(exc)) from None
+
+    async def lookup(self, job: str, rank: int) -> tuple[str, str] | None:
+        """Node ``rank``'s record as (address, incarnation), None if absent or malformed.
+
+        Raises:
+            RuntimeError: one line (bucket unreachable...).
+        """
+        try:
+            rec = await self.tier.call(
+                lambda: self.tier.bounded(self.deadline).read_address(job, rank))
+        except Exception as exc:
+            raise RuntimeError(describe_error(exc)) from None
+        return (rec.address, rec.incarnation) if rec is not None else None
 
 
 # ---------------------------------------------------------------------- wiring
@@ -822,7 +907,9 @@ async def rendezvous(backend: GcsBackend, job: str, rank: int, address: str, *,
 def attach_gcs(agent: NodeAgent) -> GcsTier:
     """Give ``agent`` its GCS tier (off without ``--bucket``) and wrap its cluster.
 
-    Call after the peer tier is attached (the wrapper sits around its cluster).
+    Call after the peer tier is attached: the wrapper sits around its
+    cluster, the tier takes the peer tier's backup orders, and without
+    ``--coordinator`` the peer tier finds the coordinator through the bucket.
 
     Raises:
         ConfigError: an invalid ``--bucket`` value.
@@ -834,8 +921,13 @@ def attach_gcs(agent: NodeAgent) -> GcsTier:
         except L.LayoutError as exc:
             raise ConfigError(f"--bucket: {exc}") from None
     tier = GcsTier(agent, spec)
+    peer = tier._peer()
     agent.tiers.append(tier)
     if spec is not None:
+        if peer is not None:
+            peer.backup_agent = tier
+            if not agent.config.coordinator:
+                peer.rendezvous = BucketRendezvous(tier)
         inner = agent.cluster
         if hasattr(inner, "fetch_backup"):
             inner.fetch_backup = tier.fetch_backup

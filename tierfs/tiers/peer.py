@@ -2,8 +2,23 @@
 
 DESIGN.md "Peer plane", PROTOCOL.md sections 2, 4 and 6. One gRPC server per
 node daemon (``--listen``) serves ``tierfs.peer.v1.Peer`` (Inventory,
-PushShard, PullShard) and, on the node at ``--coordinator`` (node-rank 0),
-``tierfs.peer.v1.Coordinator`` (:mod:`tierfs.coordinator`).
+PushShard, PullShard) and ``tierfs.peer.v1.Coordinator``
+(:mod:`tierfs.coordinator`), the latter answered only while this node is the
+coordinator: the node at ``--coordinator``, or without it node-rank 0 of the
+running job.
+
+Rendezvous (how a node finds the coordinator), resolved when the job starts
+and again whenever the coordinator stops answering:
+
+* static: ``--coordinator HOST:PORT`` (VMs, tests);
+* bucket: without ``--coordinator`` but with ``--bucket``, the GCS tier
+  installs a :class:`Rendezvous`. Every node publishes its own address to
+  ``gs://<bucket>/<job>/.tierfs/nodes/<rank>`` with its incarnation (a random
+  id per daemon start); node-rank 0 is the coordinator itself, the others
+  read rank 0's record and *probe* it (an ``Inventory`` call must answer
+  node-rank 0 of the job with the record's incarnation) before using it, so
+  a record left by a previous daemon -- dead, restarted, or now another
+  rank -- is never used.
 
 Pieces:
 
@@ -14,14 +29,18 @@ Pieces:
   ``trio.from_thread.run_sync`` (cheap dictionary work only).
 * :class:`PeerClient`: blocking calls to peers and the coordinator, run in
   ``trio.to_thread`` workers with capacity limiters.
-* :class:`PeerTier` (the agent's tier, trio thread): after each seal, pushes
+* :class:`PeerTier` (the agent's tier, trio thread): finds the coordinator
+  (:meth:`PeerTier.find_coordinator`); after each seal, pushes
   the snapshot to the peers from :func:`tierfs.placement.peer_ranks` with
   bounded concurrency; a shard being sent is pinned against retention, a
   withdrawn shard's transfers are cancelled; if the peer already holds a
   shard with the same manifest digest (data parallelism: identical bytes)
   only the manifest is sent and the peer hard-links its copy. A heartbeat
   (``Sync``) keeps the coordinator's view of this node (address, inventory,
-  newest replicated step) fresh and brings back the peers' addresses.
+  newest replicated step) fresh and brings back the peers' addresses; it
+  also carries backup rounds between the coordinator and the node's GCS
+  tier (a :class:`BackupAgent`): the node's outcome of its last round up,
+  the round it is ordered into down.
 * :class:`PeerCluster` (the agent's :class:`tierfs.agent.Cluster`): the
   restore rounds: verify what this node holds, join, get the decision, pull
   the own shard from a holder if it is not local (verifying every crc32c;
@@ -40,6 +59,7 @@ import collections
 import errno
 import functools
 import logging
+import math
 import os
 import re
 import shutil
@@ -49,13 +69,14 @@ import uuid
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 import trio
 
 from tierfs import control, placement
 from tierfs.coordinator import (
+    COORDINATOR_RANK,
     NO_STEP,
     Coordinator,
     CoordinatorServicer,
@@ -64,6 +85,7 @@ from tierfs.coordinator import (
 )
 from tierfs.manifest import Manifest, ManifestError
 from tierfs.tiers import peer_wire
+from tierfs.tiers.gcs_schedule import FAILED, Outcome, RoundView
 from tierfs.tiers.local import Shard, ShardKey
 from tierfs.tiers.peer_transfer import (
     BadCopy,
@@ -91,6 +113,10 @@ DP_WAIT = 30.0
 PUSH_PATIENCE = 120.0
 #: concurrent shard transfers (sends and pulls) per node
 TRANSFERS = 2
+#: least seconds between two bucket lookups (or publications) of the rendezvous
+LOOKUP_INTERVAL = 1.0
+#: seconds a probe of a rendezvous address may take
+PROBE_TIMEOUT = 5.0
 _JOB_RE = re.compile(r"^[^/\0]+$")
 
 
@@ -111,6 +137,43 @@ def _set_thread_nice(value: int) -> int | None:
 
 class RestoreTimeout(Exception):
     """The cluster did not reach the next restore phase within ``--join-timeout``."""
+
+
+class Rendezvous(Protocol):
+    """Where nodes of a job publish their peer addresses (the bucket; trio thread).
+
+    Implemented by :class:`tierfs.tiers.gcs_tier.BucketRendezvous`. Both calls
+    do their I/O in worker threads and give up within a bounded time.
+    """
+
+    def where(self, job: str, rank: int) -> str:
+        """Where node ``rank``'s record of ``job`` lives, for messages (``gs://...``)."""
+        ...
+
+    async def publish(self, job: str, rank: int, address: str, incarnation: str) -> None:
+        """Write this node's record. Raises ``Exception`` (one line) when it cannot."""
+        ...
+
+    async def lookup(self, job: str, rank: int) -> tuple[str, str] | None:
+        """Node ``rank``'s record: (address, incarnation), or None if there is none.
+
+        Raises ``Exception`` (one line) when the bucket cannot be read.
+        """
+        ...
+
+
+class BackupAgent(Protocol):
+    """The node's side of coordinator-driven backup rounds (the GCS tier; trio thread)."""
+
+    def backup_outcome(self) -> Outcome | None:
+        """The outcome of the last round this node was ordered into (None: none yet)."""
+        ...
+
+    def on_backup_round(self, job: JobSpec, order: tuple[str, int] | None,
+                        last: RoundView | None) -> None:
+        """The coordinator's answer: the (round, step) to upload now, if any, and the
+        newest round with its state. Must not block (start uploads as tasks)."""
+        ...
 
 
 # ---------------------------------------------------------------------- stats
@@ -183,11 +246,7 @@ class PeerHost:
 
 def _holding_pb(pb2: Any, h: Holding) -> Any:
     return pb2.HeldShard(rank=h.rank, step=h.step, verified=h.verified, digest=h.digest,
-                         bytes=h.bytes, name=h.name)
-
-
-def _holding(h: Any) -> Holding:
-    return Holding(h.rank, h.step, h.verified, h.digest, h.bytes, h.name)
+                         bytes=h.bytes, name=h.name, backup_requested=h.backup_requested)
 
 
 def _valid_job(job: str) -> bool:
@@ -436,11 +495,15 @@ class PeerClient:
     # ------------------------------------------------------------------ data
 
     def inventory(self, address: str, job: str, want_digest: str = "", wait_step: int = -1,
-                  wait_s: float = 0.0) -> Any:
-        """The peer's :class:`InventoryReply` (waiting up to ``wait_s`` for the digest)."""
+                  wait_s: float = 0.0, timeout: float = 10.0) -> Any:
+        """The peer's :class:`InventoryReply` (waiting up to ``wait_s`` for the digest).
+
+        Raises:
+            grpc.RpcError: unreachable (after ``wait_s + timeout`` seconds at most).
+        """
         req = self.pb2.InventoryRequest(job=job, want_digest=want_digest, wait_step=wait_step,
                                         wait_ms=int(wait_s * 1000))
-        return self.peer(address).Inventory(req, metadata=self.md, timeout=wait_s + 10)
+        return self.peer(address).Inventory(req, metadata=self.md, timeout=wait_s + timeout)
 
     def push(self, address: str, shard: Shard, sender_rank: int, dedup: bool,
              cancel: threading.Event) -> Any:
@@ -561,9 +624,14 @@ class PeerClient:
                                                  timeout=POLL_MS / 1000 + 10)
 
     def sync(self, address: str, job: str, rank: int, incarnation: str, step: int,
-             inventory: Iterable[Holding]) -> Any:
+             inventory: Iterable[Holding], backup: Outcome | None = None) -> Any:
+        """Heartbeat and sync report (with the last backup outcome); returns the SyncReply."""
         req = self.pb2.SyncRequest(job=job, rank=rank, incarnation=incarnation, step=step,
                                    inventory=[_holding_pb(self.pb2, h) for h in inventory])
+        if backup is not None:
+            req.backup.CopyFrom(self.pb2.BackupOutcome(
+                round=backup.round, step=backup.step, state=backup.state, error=backup.error,
+                bytes=backup.bytes, seconds=backup.seconds))
         return self.coordinator(address).Sync(req, metadata=self.md, timeout=10)
 
 
@@ -610,6 +678,14 @@ class PeerTier(PeerHost):
     Args:
         agent: the node agent; its config gives ``listen``, ``advertise``,
             ``coordinator``, ``peer_token`` and ``join_timeout``.
+
+    Attributes:
+        rendezvous: the bucket rendezvous (set by the GCS tier when there is a
+            bucket and no ``--coordinator``), else None.
+        backup_agent: the node's GCS tier when it takes part in backup
+            rounds, else None (an order is then answered "failed").
+        coordinator_address: where this node last found the coordinator
+            (the static address, its own, or the bucket's), or None.
     """
 
     name = "peer"
@@ -623,12 +699,23 @@ class PeerTier(PeerHost):
         self.incarnation = uuid.uuid4().hex
         self.listen = c.listen
         self.address = c.advertise or c.listen or ""
+        self.static_coordinator = c.coordinator
         self.coordinator_address = c.coordinator
         self.token = c.peer_token
         self.join_timeout = float(c.join_timeout)
-        self.is_coordinator = bool(c.coordinator) and (
+        self._static_is_me = bool(c.coordinator) and (
             peer_wire.same_endpoint(c.coordinator, c.listen)
             or peer_wire.same_endpoint(c.coordinator, c.advertise))
+        self.rendezvous: Rendezvous | None = None
+        self.backup_agent: BackupAgent | None = None
+        self.rendezvous_note: str | None = None
+        self._found: tuple[tuple[str, int, int], str, str] | None = None
+        self._published: tuple[tuple[str, int, int], str] | None = None
+        self._publish_failed: tuple[str, int, int] | None = None
+        self._looked_at = -math.inf
+        self._publish_tried = -math.inf
+        self._find_lock = trio.Lock()
+        self._no_bucket: Outcome | None = None
         self.client = PeerClient(self.token, self.stats)
         self.coordinator: CoordinatorServicer | None = None
         self.port: int | None = None
@@ -650,12 +737,140 @@ class PeerTier(PeerHost):
 
     # ------------------------------------------------------------------ helpers
 
+    def has_plane(self) -> bool:
+        """A coordinator can be found: ``--coordinator``, or ``--listen`` with the bucket
+        rendezvous."""
+        return bool(self.static_coordinator) or (self.rendezvous is not None
+                                                 and bool(self.listen))
+
     def active_job(self) -> JobSpec | None:
-        """The agent's job if it spans several nodes and a coordinator is configured."""
+        """The agent's job if it spans several nodes and a coordinator can be found."""
         job = self.agent.job
-        if job is None or job.nodes <= 1 or not self.coordinator_address:
+        if job is None or job.nodes <= 1 or not self.has_plane():
             return None
         return job
+
+    @property
+    def is_coordinator(self) -> bool:
+        """This node serves the coordinator of its job right now (any thread)."""
+        return self._server is not None and self.coordinator_gate() is None
+
+    def coordinator_gate(self) -> str | None:
+        """None while this node is the coordinator, else one line why not (any thread).
+
+        Static rendezvous: the node whose ``--listen``/``--advertise`` is the
+        ``--coordinator`` address, whatever its job. Bucket rendezvous:
+        node-rank 0 of a multi-node job (known once the job started).
+        """
+        if self.static_coordinator:
+            return None if self._static_is_me else (
+                f"the coordinator is at {self.static_coordinator}")
+        if self.rendezvous is None:
+            return "no --coordinator and no bucket rendezvous on this node"
+        job = self.agent.job  # one read of a frozen JobSpec: safe from any thread
+        if job is None or job.nodes <= 1:
+            return "no multi-node job runs on this node"
+        if job.node_rank != COORDINATOR_RANK:
+            return f"this node is node-rank {job.node_rank} of job {job.name}"
+        return None
+
+    # ------------------------------------------------------------------ rendezvous
+
+    def poke(self) -> None:
+        """Send a heartbeat now (e.g. a backup outcome to report; trio thread)."""
+        self._poke.set()
+
+    async def find_coordinator(self, job: JobSpec) -> str | None:
+        """The coordinator's address for ``job`` (trio thread), or None if not found yet.
+
+        Static: ``--coordinator``. Bucket: node-rank 0 publishes its record
+        and is the coordinator; the others use rank 0's record once a probe
+        confirmed it (see the module docstring). Bucket reads happen at most
+        every :data:`LOOKUP_INTERVAL` seconds; a failed lookup leaves a line
+        in :attr:`rendezvous_note` (and ``None``), the caller retries.
+        """
+        if self.static_coordinator:
+            return self.static_coordinator
+        rdv = self.rendezvous
+        if rdv is None or not self.address or not self.listen:
+            return None
+        ident = (job.name, job.nodes, job.node_rank)
+        async with self._find_lock:
+            await self._publish(rdv, job, ident)
+            if job.node_rank == COORDINATOR_RANK:
+                self.coordinator_address = self.address
+                return self.address
+            if self._found is not None and self._found[0] == ident:
+                return self._found[1]
+            now = trio.current_time()
+            if now - self._looked_at < LOOKUP_INTERVAL:
+                return None
+            self._looked_at = now
+            where = rdv.where(job.name, COORDINATOR_RANK)
+            try:
+                rec = await rdv.lookup(job.name, COORDINATOR_RANK)
+            except Exception as exc:
+                self.rendezvous_note = f"cannot read {where}: {exc}"
+                return None
+            if rec is None:
+                self.rendezvous_note = f"waiting for node-rank 0 to publish {where}"
+                return None
+            address, incarnation = rec
+            problem = await self._probe(job, address, incarnation)
+            if problem is not None:
+                self.rendezvous_note = f"{where} is stale ({address}: {problem}); waiting " \
+                                       "for node-rank 0 to publish again"
+                return None
+            if self.coordinator_address != address:
+                log.info("bucket rendezvous: the coordinator of job %s is at %s", job.name,
+                         address)
+            self._found = (ident, address, incarnation)
+            self.coordinator_address = address
+            self.rendezvous_note = None
+            return address
+
+    async def _publish(self, rdv: Rendezvous, job: JobSpec, ident: tuple[str, int, int]
+                       ) -> None:
+        if self._published == (ident, self.address):
+            return
+        now = trio.current_time()
+        if now - self._publish_tried < LOOKUP_INTERVAL:
+            return
+        self._publish_tried = now
+        try:
+            await rdv.publish(job.name, job.node_rank, self.address, self.incarnation)
+        except Exception as exc:
+            where = rdv.where(job.name, job.node_rank)
+            self.rendezvous_note = f"cannot publish this node's address to {where}: {exc}"
+            if job.node_rank == COORDINATOR_RANK and self._publish_failed != ident:
+                self._publish_failed = ident
+                self.agent.report_error(f"bucket rendezvous: {self.rendezvous_note}; the "
+                                        "other nodes cannot find the coordinator until it "
+                                        "is written")
+            return
+        self._published = (ident, self.address)
+        self._publish_failed = None
+        log.info("bucket rendezvous: published %s as node-rank %d of job %s", self.address,
+                 job.node_rank, job.name)
+
+    async def _probe(self, job: JobSpec, address: str, incarnation: str) -> str | None:
+        """None if ``address`` is node-rank 0 of ``job`` with ``incarnation``, else why not."""
+        try:
+            reply = await self.call(functools.partial(
+                self.client.inventory, address, job.name, timeout=PROBE_TIMEOUT))
+        except grpc.RpcError as exc:
+            return rpc_reason(exc)
+        if reply.incarnation != incarnation:
+            return "another daemon answers there (the record is from an earlier start)"
+        if reply.node_rank != COORDINATOR_RANK:
+            return (f"that daemon is not node-rank 0 of job {job.name}"
+                    + (f" (it is node-rank {reply.node_rank})" if reply.node_rank >= 0 else ""))
+        return None
+
+    def coordinator_lost(self) -> None:
+        """A coordinator call failed: with the bucket rendezvous, look it up again."""
+        if self.rendezvous is not None and not self.static_coordinator:
+            self._found = None
 
     def replica_peers(self, job: JobSpec) -> list[int]:
         """The ranks receiving this node's steps (:func:`tierfs.placement.peer_ranks`)."""
@@ -679,7 +894,7 @@ class PeerTier(PeerHost):
     def holdings(self, job: str) -> list[Holding]:
         """This node's inventory of ``job`` (trio thread)."""
         return [Holding(s.key.rank, s.key.step, s.verified or s.key in self._trusted,
-                        self.digest(s), s.bytes, s.manifest.name)
+                        self.digest(s), s.bytes, s.manifest.name, s.manifest.backup_requested)
                 for s in self.agent.shards_of(job)]
 
     def _on_trio(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -769,9 +984,10 @@ class PeerTier(PeerHost):
                              interceptors=[peer_wire.TokenInterceptor(self.token)],
                              options=list(peer_wire.SERVER_OPTIONS))
         server.add_generic_rpc_handlers((peer_handlers(PeerServicer(self, pb2), pb2),))
-        if self.is_coordinator:
-            self.coordinator = CoordinatorServicer(Coordinator(), pb2)
-            pb2_grpc.add_CoordinatorServicer_to_server(self.coordinator, server)
+        # every node registers the coordinator service: which node serves it
+        # may be known only once a job starts (the gate answers the others)
+        self.coordinator = CoordinatorServicer(Coordinator(), pb2, gate=self.coordinator_gate)
+        pb2_grpc.add_CoordinatorServicer_to_server(self.coordinator, server)
         assert self.listen is not None
         try:
             self.port = server.add_insecure_port(self.listen)
@@ -779,12 +995,16 @@ class PeerTier(PeerHost):
             raise RuntimeError(f"cannot listen on {self.listen}: {exc}") from None
         if not self.port:
             raise RuntimeError(f"cannot listen on {self.listen}")
+        if self.address.endswith(":0"):
+            self.address = f"{self.address[:-2]}:{self.port}"  # --listen HOST:0
         server.start()
         self._server = server
         if not self.token:
             log.warning("peer plane without --peer-token: any client can call this node")
         log.info("peer server on %s (advertised as %s)%s", self.listen, self.address,
-                 "; coordinator of the job" if self.is_coordinator else "")
+                 "; coordinator of the job" if self.is_coordinator else
+                 "" if self.static_coordinator else
+                 "; the coordinator is found through the bucket (node-rank 0 serves it)")
 
     def _relink_loaded(self) -> None:
         """After a daemon restart: replicas that are hard links of own shards (dedup)."""
@@ -963,8 +1183,13 @@ class PeerTier(PeerHost):
         return "replicated" if not reply.deduped else "replicated (manifest only)"
 
     def _replicated_step(self, job: JobSpec) -> int:
+        """The newest own step replicated to every peer, sealed since the job (re)started
+        (steps of the timeline before a restore are never reported)."""
         peers = self.replica_peers(job)
+        since = self.agent.timeline_since
         for shard in self.agent.own_shards(job):
+            if shard.manifest.created < since:
+                break
             if not peers:
                 return shard.key.step
             send = self._sends.get(shard.key)
@@ -994,38 +1219,52 @@ class PeerTier(PeerHost):
         while True:
             job = self.active_job()
             if job is not None:
+                coord = None
                 try:
-                    await self._sync_once(job)
-                    if self._coord_ok is False:
-                        log.info("coordinator %s reachable again", self.coordinator_address)
-                    self._coord_ok = True
+                    coord = await self.find_coordinator(job)
+                    if coord is None:
+                        self.last_error = f"coordinator not found yet: {self.rendezvous_note}"
+                    else:
+                        await self._sync_once(job, coord)
+                        if self._coord_ok is False:
+                            log.info("coordinator %s reachable again", coord)
+                        self._coord_ok = True
                 except grpc.RpcError as exc:
-                    self.last_error = f"coordinator {self.coordinator_address}: " \
-                                      f"{rpc_reason(exc)}"
+                    self.last_error = f"coordinator {coord}: {rpc_reason(exc)}"
                     if self._coord_ok is not False:
                         log.warning("%s", self.last_error)
                     self._coord_ok = False
+                    self.coordinator_lost()
                 except Exception:
                     log.exception("heartbeat failed")
             with trio.move_on_after(HEARTBEAT):
                 await self._poke.wait()
             self._poke = trio.Event()
 
-    async def _sync_once(self, job: JobSpec) -> None:
+    def join_fields(self, job: JobSpec) -> dict[str, Any]:
+        """The JoinRequest fields describing this node in ``job`` (trio thread)."""
+        return dict(job=job.name, nodes=job.nodes, rank=job.node_rank, address=self.address,
+                    incarnation=self.incarnation,
+                    backup_interval_minutes=job.backup_interval_minutes or 0.0,
+                    backup_interval_steps=job.backup_interval_steps or 0,
+                    inventory=self.holdings(job.name))
+
+    def _backup_outcome(self) -> Outcome | None:
+        agent = self.backup_agent
+        return agent.backup_outcome() if agent is not None else self._no_bucket
+
+    async def _sync_once(self, job: JobSpec, coord: str) -> None:
         inventory = self.holdings(job.name)
         step = self._replicated_step(job)
-        coord = self.coordinator_address
-        assert coord is not None
         async with self._control_limiter:
             reply = await trio.to_thread.run_sync(
                 self.client.sync, coord, job.name, job.node_rank, self.incarnation, step,
-                inventory)
+                inventory, self._backup_outcome())
             if not reply.known:
+                fields = self.join_fields(job)
                 try:
                     joined = await trio.to_thread.run_sync(lambda: self.client.join(
-                        coord, job=job.name, nodes=job.nodes, rank=job.node_rank,
-                        address=self.address, incarnation=self.incarnation, restore_id="",
-                        mode=self.agent.mode, inventory=inventory))
+                        coord, restore_id="", mode=self.agent.mode, **fields))
                 except grpc.RpcError as exc:
                     if rpc_code(exc) == grpc.StatusCode.FAILED_PRECONDITION:
                         self.last_error = f"coordinator refused this node: {rpc_reason(exc)}"
@@ -1037,6 +1276,21 @@ class PeerTier(PeerHost):
         self.last_error = None
         self.sync = {"step": reply.synced_step if reply.synced_step >= 0 else None,
                      "at": reply.synced_at or None, "steps": list(reply.steps)}
+        self._backup_round(job, reply)
+
+    def _backup_round(self, job: JobSpec, reply: Any) -> None:
+        """Hand the coordinator's backup round order to the node's GCS tier."""
+        order = last = None
+        if reply.HasField("backup_order") and reply.backup_order.round:
+            order = (reply.backup_order.round, int(reply.backup_order.step))
+        if reply.HasField("backup_last") and reply.backup_last.round:
+            b = reply.backup_last
+            last = RoundView(b.round, int(b.step), b.state)
+        if self.backup_agent is not None:
+            self.backup_agent.on_backup_round(job, order, last)
+        elif order is not None:
+            self._no_bucket = Outcome(order[0], order[1], FAILED,
+                                      f"node-rank {job.node_rank} has no --bucket")
 
     def update_peers(self, peers: Iterable[Any]) -> None:
         """Take the coordinator's address book (trio thread)."""
@@ -1091,19 +1345,36 @@ class PeerTier(PeerHost):
                  for p in sorted(self.peers.values(), key=lambda p: p.rank)]
         live = sum(1 for p in peers if p["live"])
         sync_step = self.sync.get("step")
-        summary = (f"{self.address or 'no server'}; coordinator {self.coordinator_address}"
-                   f"{' (this node)' if self.is_coordinator else ''}; "
+        serving = self.is_coordinator
+        if self.static_coordinator:
+            rendezvous = "static (--coordinator)"
+        elif self.rendezvous is not None:
+            rendezvous = "bucket"
+        else:
+            rendezvous = "none (no --coordinator, no --bucket)"
+        if self.coordinator_address:
+            how = " (this node)" if serving else (
+                " (found through the bucket)" if rendezvous == "bucket" else "")
+            where = f"coordinator {self.coordinator_address}{how}"
+        elif active is not None:
+            where = f"coordinator not found yet ({self.rendezvous_note or 'looking'})"
+        else:
+            where = f"coordinator: {rendezvous}"
+        summary = (f"{self.address or 'no server'}; {where}; "
                    f"replicates to {targets or 'nobody'}; {live} node(s) live; "
                    f"last sync round: {'step ' + str(sync_step) if sync_step is not None else '-'}")
+        if self.last_error:
+            summary += f"; problem: {self.last_error}"
         out: dict[str, Any] = {
             "summary": summary, "address": self.address, "listen": self.listen,
             "port": self.port, "coordinator": self.coordinator_address,
-            "is_coordinator": self.is_coordinator, "incarnation": self.incarnation,
+            "rendezvous": rendezvous, "rendezvous_note": self.rendezvous_note,
+            "is_coordinator": serving, "incarnation": self.incarnation,
             "active": active is not None, "replicate_to": targets, "peers": peers,
             "steps": steps, "sync": dict(self.sync), "wire": self.stats.snapshot(),
             "pinned": sorted(str(k) for k in self._pins), "last_error": self.last_error,
         }
-        if self.coordinator is not None:
+        if self.coordinator is not None and serving:
             out["coordinator_state"] = self.coordinator.status()
         return out
 
@@ -1155,7 +1426,7 @@ class PeerCluster:
         from tierfs.agent import LocalCluster
 
         self._current = None
-        if job.nodes <= 1 or not self.tier.coordinator_address:
+        if job.nodes <= 1 or not self.tier.has_plane():
             return await LocalCluster().plan_restore(agent, job)
         try:
             return await self._plan(agent, job)
@@ -1189,7 +1460,8 @@ class PeerCluster:
                     if plan.shard is not None:
                         tier._pin(plan.shard.key, +1)
                         plan.detail["pinned"] = True
-                    plan.detail.update(round=number, reason=view.reason)
+                    plan.detail.update(round=number, reason=view.reason,
+                                       forced=view.restore_version or None)
                     return plan
                 if state == "rejoin":
                     break
@@ -1201,29 +1473,39 @@ class PeerCluster:
         delay = 0.2
         last = ""
         while True:
-            fields = dict(job=job.name, nodes=job.nodes, rank=job.node_rank,
-                          address=tier.address, incarnation=tier.incarnation,
-                          restore_id=restore_id, mode="protocol" if strict else "generic",
-                          inventory=tier.holdings(job.name))
-            try:
-                reply = await tier.call(functools.partial(
-                    tier.client.join, tier.coordinator_address, **fields))
-                tier.update_peers(reply.peers)
-                self._phase(agent, "joined", round=reply.round)
-                return int(reply.round)
-            except grpc.RpcError as exc:
-                last = rpc_reason(exc)
-                if rpc_code(exc) == grpc.StatusCode.UNAUTHENTICATED:
-                    last = "the coordinator refused the peer token"
-                self._phase(agent, f"joining the coordinator at {tier.coordinator_address}: "
-                                   f"{last}")
+            coord = await tier.find_coordinator(job)
+            if coord is None:
+                last = f"the coordinator was not found ({tier.rendezvous_note})"
+                self._phase(agent, f"looking for the coordinator: {tier.rendezvous_note}")
+            else:
+                fields = tier.join_fields(job)
+                try:
+                    reply = await tier.call(functools.partial(
+                        tier.client.join, coord, restore_id=restore_id,
+                        mode="protocol" if strict else "generic", **fields))
+                    tier.update_peers(reply.peers)
+                    self._phase(agent, "joined", round=reply.round, coordinator=coord)
+                    return int(reply.round)
+                except grpc.RpcError as exc:
+                    last = rpc_reason(exc)
+                    if rpc_code(exc) == grpc.StatusCode.UNAUTHENTICATED:
+                        last = "the coordinator refused the peer token"
+                    last = f"at {coord}: {last}"
+                    tier.coordinator_lost()
+                    self._phase(agent, f"joining the coordinator {last}")
             if trio.current_time() - start > tier.join_timeout:
-                agent.report_error(f"restore: could not join the coordinator at "
-                                   f"{tier.coordinator_address} within "
+                agent.report_error(f"restore: could not join the coordinator within "
                                    f"{tier.join_timeout:.0f} s: {last}")
                 raise RestoreTimeout(last)
             await trio.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+    async def _moved(self, job: JobSpec, address: str) -> bool:
+        """After a failed call to ``address``: did the coordinator move (bucket rendezvous)?"""
+        tier = self.tier
+        tier.coordinator_lost()
+        found = await tier.find_coordinator(job)
+        return found is not None and found != address
 
     async def _decide(self, agent: NodeAgent, job: JobSpec, restore_id: str, number: int
                       ) -> Any:
@@ -1231,13 +1513,16 @@ class PeerCluster:
         start = trio.current_time()
         pb = tier.client.pb2.DecideReply
         while True:
+            coord = tier.coordinator_address or ""
             try:
-                view = await tier.call(tier.client.decide, tier.coordinator_address, job.name,
-                                       job.node_rank, restore_id)
+                view = await tier.call(tier.client.decide, coord, job.name, job.node_rank,
+                                       restore_id)
             except grpc.RpcError as exc:
                 self._phase(agent, f"coordinator unreachable: {rpc_reason(exc)}")
+                if await self._moved(job, coord):
+                    return None  # the coordinator restarted elsewhere: join it
                 if trio.current_time() - start > tier.join_timeout:
-                    agent.report_error(f"restore: coordinator {tier.coordinator_address} "
+                    agent.report_error(f"restore: coordinator {coord} "
                                        f"unreachable for {tier.join_timeout:.0f} s")
                     raise RestoreTimeout(rpc_reason(exc)) from None
                 await trio.sleep(0.5)
@@ -1313,14 +1598,17 @@ class PeerCluster:
         start = trio.current_time()
         limit = tier.join_timeout if timeout is None else timeout
         while True:
+            coord = tier.coordinator_address or ""
             try:
-                reply = await tier.call(lambda: tier.client.barrier(
-                    tier.coordinator_address, bad, job=job.name, rank=job.node_rank,
+                reply = await tier.call(functools.partial(
+                    tier.client.barrier, coord, bad, job=job.name, rank=job.node_rank,
                     restore_id=restore_id, round=number, version=version, phase=phase, ok=ok))
             except grpc.RpcError as exc:
                 self._phase(agent, f"coordinator unreachable: {rpc_reason(exc)}")
+                if await self._moved(job, coord):
+                    return "rejoin"  # the coordinator restarted elsewhere
                 if trio.current_time() - start > limit:
-                    agent.report_error(f"restore: coordinator {tier.coordinator_address} "
+                    agent.report_error(f"restore: coordinator {coord} "
                                        f"unreachable for {limit:.0f} s")
                     raise RestoreTimeout(rpc_reason(exc)) from None
                 await trio.sleep(0.5)
