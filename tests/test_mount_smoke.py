@@ -27,5 +27,8 @@ def test_mount_write_read_unmount_remount(mount):
 def test_status_command(mount):
     out = tierfs("status", str(mount.path)).stdout
     assert "passthrough" in out
+    # both tiers are listed, off here, and say why
+    assert "peer       off (no --listen or --coordinator: a one-node cluster)" in out
+    assert "gcs        off (no --bucket)" in out
     data = json.loads(tierfs("status", str(mount.path), "--json").stdout)
     assert data["mountpoint"] == str(mount.path)

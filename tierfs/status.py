@@ -9,6 +9,10 @@ from rich.table import Table
 
 from tierfs.config import format_size
 
+#: what ``tierfs status`` says of a tier the daemon runs without
+TIERS_OFF = {"peer": "off (no --listen or --coordinator: a one-node cluster)",
+             "gcs": "off (no --bucket)"}
+
 
 def format_status(data: dict[str, Any]) -> list[str]:
     """The status as plain text lines (no colour), e.g. for logs and tests."""
@@ -28,10 +32,9 @@ def format_status(data: dict[str, Any]) -> list[str]:
                  f"({format_size(budget.get('free_bytes', 0))} free, "
                  f"{budget.get('mode')} accounting, passthrough "
                  f"{'on' if data.get('passthrough') else 'off'})")
-    for tier in ("peer", "gcs"):
+    for tier, off in TIERS_OFF.items():
         info = data.get(tier) or (data.get("tiers") or {}).get(tier)
-        if info:
-            lines.append(f"{tier:<10} {info.get('summary', '')}")
+        lines.append(f"{tier:<10} {info.get('summary', '') if info else off}")
     return lines
 
 
