@@ -46,11 +46,14 @@ class FakeRendezvous:
         self.records: dict[tuple[str, int], tuple[str, str]] = {}
         self.lookups = 0
         self.down = False
+        self.hang = False
 
     def where(self, job: str, rank: int) -> str:
         return f"gs://b/{job}/.tierfs/nodes/{rank}"
 
     async def publish(self, job: str, rank: int, address: str, incarnation: str) -> None:
+        if self.hang:
+            await trio.sleep_forever()
         if self.down:
             raise RuntimeError("bucket unreachable (ConnectionError: refused)")
         self.records[(job, rank)] = (address, incarnation)
@@ -94,6 +97,7 @@ def test_rank_zero_publishes_itself_and_is_the_coordinator(monkeypatch):
     async def main() -> None:
         tier, agent = make_tier(0, rdv, {})
         assert await tier.find_coordinator(agent.job) == "127.0.0.1:7000"
+        assert await tier.publish_once(agent.job)  # what its publisher task does
         assert rdv.records[("j", 0)] == ("127.0.0.1:7000", tier.incarnation)
         assert rdv.lookups == 0  # rank 0 never reads its own record
         assert tier.coordinator_gate() is None  # and serves the coordinator calls
@@ -111,13 +115,14 @@ def test_rank_zero_that_cannot_publish_reports_it_once(monkeypatch):
     async def main() -> None:
         tier, agent = make_tier(0, rdv, {})
         for _ in range(3):  # it still coordinates itself; the others cannot find it yet
+            assert not await tier.publish_once(agent.job)
             assert await tier.find_coordinator(agent.job) == "127.0.0.1:7000"
         assert len(agent.errors) == 1
         assert "cannot publish this node's address to gs://b/j/.tierfs/nodes/0" in \
             agent.errors[0]
         rdv.down = False
-        await tier.find_coordinator(agent.job)
-        assert ("j", 0) in rdv.records
+        assert await tier.publish_once(agent.job)
+        assert ("j", 0) in rdv.records and tier.publish_note is None
 
     trio.run(main)
 
@@ -133,6 +138,7 @@ def test_stale_records_are_never_used(monkeypatch):
         assert await tier.find_coordinator(job) is None
         assert tier.rendezvous_note == "waiting for node-rank 0 to publish " \
                                        "gs://b/j/.tierfs/nodes/0"
+        assert await tier.publish_once(job)  # every node publishes its own record
         assert rdv.records[("j", 1)] == ("127.0.0.1:7001", tier.incarnation)
         # a record of a daemon that is gone (killed, its port closed)
         rdv.records[("j", 0)] = ("127.0.0.1:6000", "dead")
@@ -169,6 +175,23 @@ def test_stale_records_are_never_used(monkeypatch):
         assert "cannot read gs://b/j/.tierfs/nodes/0: bucket unreachable" in \
             tier.rendezvous_note
         assert agent.errors == []
+
+    trio.run(main)
+
+
+def test_a_hanging_bucket_write_never_delays_finding_the_coordinator(monkeypatch):
+    monkeypatch.setattr(peer_mod, "LOOKUP_INTERVAL", 0.0)
+    rdv = FakeRendezvous()
+    rdv.records[("j", 0)] = ("127.0.0.1:7000", "zero")
+    rdv.hang = True
+
+    async def main() -> None:
+        tier, agent = make_tier(1, rdv, {"127.0.0.1:7000": ("zero", 0)})
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tier._publisher)  # stuck in its first write
+            with trio.fail_after(5):
+                assert await tier.find_coordinator(agent.job) == "127.0.0.1:7000"
+            nursery.cancel_scope.cancel()
 
     trio.run(main)
 

@@ -113,8 +113,10 @@ DP_WAIT = 30.0
 PUSH_PATIENCE = 120.0
 #: concurrent shard transfers (sends and pulls) per node
 TRANSFERS = 2
-#: least seconds between two bucket lookups (or publications) of the rendezvous
+#: least seconds between two bucket lookups of the rendezvous (and the publisher's tick)
 LOOKUP_INTERVAL = 1.0
+#: longest pause between two attempts to publish this node's rendezvous record (seconds)
+PUBLISH_BACKOFF = 30.0
 #: seconds a probe of a rendezvous address may take
 PROBE_TIMEOUT = 5.0
 _JOB_RE = re.compile(r"^[^/\0]+$")
@@ -712,9 +714,10 @@ class PeerTier(PeerHost):
         self._found: tuple[tuple[str, int, int], str, str] | None = None
         self._published: tuple[tuple[str, int, int], str] | None = None
         self._publish_failed: tuple[str, int, int] | None = None
+        self.publish_note: str | None = None
         self._looked_at = -math.inf
-        self._publish_tried = -math.inf
         self._find_lock = trio.Lock()
+        self._publish_poke = trio.Event()
         self._no_bucket: Outcome | None = None
         self.client = PeerClient(self.token, self.stats)
         self.coordinator: CoordinatorServicer | None = None
@@ -783,11 +786,13 @@ class PeerTier(PeerHost):
     async def find_coordinator(self, job: JobSpec) -> str | None:
         """The coordinator's address for ``job`` (trio thread), or None if not found yet.
 
-        Static: ``--coordinator``. Bucket: node-rank 0 publishes its record
-        and is the coordinator; the others use rank 0's record once a probe
-        confirmed it (see the module docstring). Bucket reads happen at most
-        every :data:`LOOKUP_INTERVAL` seconds; a failed lookup leaves a line
-        in :attr:`rendezvous_note` (and ``None``), the caller retries.
+        Static: ``--coordinator``. Bucket: node-rank 0 is the coordinator
+        (its record is written by :meth:`_publisher`); the others use rank
+        0's record once a probe confirmed it (see the module docstring).
+        Once found, no I/O; else bucket reads happen at most every
+        :data:`LOOKUP_INTERVAL` seconds (each bounded by the rendezvous's
+        deadline plus :data:`PROBE_TIMEOUT`), and a failed lookup leaves a
+        line in :attr:`rendezvous_note` and returns None: the caller retries.
         """
         if self.static_coordinator:
             return self.static_coordinator
@@ -795,11 +800,12 @@ class PeerTier(PeerHost):
         if rdv is None or not self.address or not self.listen:
             return None
         ident = (job.name, job.nodes, job.node_rank)
+        if self._published != (ident, self.address):
+            self._publish_poke.set()
+        if job.node_rank == COORDINATOR_RANK:
+            self.coordinator_address = self.address
+            return self.address
         async with self._find_lock:
-            await self._publish(rdv, job, ident)
-            if job.node_rank == COORDINATOR_RANK:
-                self.coordinator_address = self.address
-                return self.address
             if self._found is not None and self._found[0] == ident:
                 return self._found[1]
             now = trio.current_time()
@@ -829,29 +835,53 @@ class PeerTier(PeerHost):
             self.rendezvous_note = None
             return address
 
-    async def _publish(self, rdv: Rendezvous, job: JobSpec, ident: tuple[str, int, int]
-                       ) -> None:
+    async def publish_once(self, job: JobSpec) -> bool:
+        """Write this node's rendezvous record for ``job`` unless it is there (trio thread).
+
+        Returns True when the record is written. A failure is kept in
+        :attr:`publish_note`; node-rank 0 also reports it once per job in
+        ``replicator.errors`` (the others cannot find it meanwhile).
+        """
+        rdv = self.rendezvous
+        if rdv is None or self.static_coordinator or not self.listen or not self.address:
+            return True
+        ident = (job.name, job.nodes, job.node_rank)
         if self._published == (ident, self.address):
-            return
-        now = trio.current_time()
-        if now - self._publish_tried < LOOKUP_INTERVAL:
-            return
-        self._publish_tried = now
+            return True
         try:
             await rdv.publish(job.name, job.node_rank, self.address, self.incarnation)
         except Exception as exc:
             where = rdv.where(job.name, job.node_rank)
-            self.rendezvous_note = f"cannot publish this node's address to {where}: {exc}"
+            self.publish_note = f"cannot publish this node's address to {where}: {exc}"
             if job.node_rank == COORDINATOR_RANK and self._publish_failed != ident:
                 self._publish_failed = ident
-                self.agent.report_error(f"bucket rendezvous: {self.rendezvous_note}; the "
+                self.agent.report_error(f"bucket rendezvous: {self.publish_note}; the "
                                         "other nodes cannot find the coordinator until it "
                                         "is written")
-            return
+            return False
         self._published = (ident, self.address)
         self._publish_failed = None
+        self.publish_note = None
         log.info("bucket rendezvous: published %s as node-rank %d of job %s", self.address,
                  job.node_rank, job.name)
+        return True
+
+    async def _publisher(self) -> None:
+        """Keep this node's rendezvous record current (a task of its own, so a slow or
+        unreachable bucket never delays the heartbeat); failures back off up to
+        :data:`PUBLISH_BACKOFF` seconds."""
+        delay = LOOKUP_INTERVAL
+        while True:
+            job = self.active_job()
+            if job is not None and self.rendezvous is not None and not await self.publish_once(
+                    job):
+                await trio.sleep(delay)  # back off; pokes do not hurry a failing bucket
+                delay = min(delay * 2, PUBLISH_BACKOFF)
+                continue
+            delay = LOOKUP_INTERVAL
+            with trio.move_on_after(LOOKUP_INTERVAL):  # a new job is seen within this
+                await self._publish_poke.wait()
+            self._publish_poke = trio.Event()
 
     async def _probe(self, job: JobSpec, address: str, incarnation: str) -> str | None:
         """None if ``address`` is node-rank 0 of ``job`` with ``incarnation``, else why not."""
@@ -969,6 +999,7 @@ class PeerTier(PeerHost):
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._heartbeat)
+                nursery.start_soon(self._publisher)
                 task_status.started()
         finally:
             for send in self._sends.values():
