@@ -1396,10 +1396,13 @@ class PeerTier(PeerHost):
                    f"last sync round: {'step ' + str(sync_step) if sync_step is not None else '-'}")
         if self.last_error:
             summary += f"; problem: {self.last_error}"
+        if self.publish_note:
+            summary += f"; {self.publish_note}"
         out: dict[str, Any] = {
             "summary": summary, "address": self.address, "listen": self.listen,
             "port": self.port, "coordinator": self.coordinator_address,
             "rendezvous": rendezvous, "rendezvous_note": self.rendezvous_note,
+            "publish_note": self.publish_note,
             "is_coordinator": serving, "incarnation": self.incarnation,
             "active": active is not None, "replicate_to": targets, "peers": peers,
             "steps": steps, "sync": dict(self.sync), "wire": self.stats.snapshot(),
