@@ -41,12 +41,9 @@ def _warn(msg: str) -> None:
 
 
 def _dead_mount(path: str) -> bool:
-    """True if ``path`` is a FUSE mount whose daemon is gone (ENOTCONN)."""
-    try:
-        os.stat(path)
-    except OSError as exc:
-        return exc.errno in (errno.ENOTCONN, errno.ECONNABORTED)
-    return False
+    from tierfs.fs.session import is_dead_mount
+
+    return is_dead_mount(path)
 
 
 def pid_running(pid: int) -> bool:

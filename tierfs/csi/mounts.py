@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 
 from tierfs.fs import syscalls
+from tierfs.fs.session import is_dead_mount
 
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
@@ -129,12 +130,8 @@ def bind_mounts_of(node: MountEntry) -> list[MountEntry]:
 
 
 def is_dead(path: str) -> bool:
-    """True if ``path`` is a FUSE mount whose daemon is gone (stat fails with ENOTCONN)."""
-    try:
-        os.stat(path)
-    except OSError as exc:
-        return exc.errno in (errno.ENOTCONN, errno.ECONNABORTED)
-    return False
+    """True if ``path`` is a FUSE mount whose daemon is gone (statfs fails with ENOTCONN)."""
+    return is_dead_mount(path)
 
 
 def parse_flags(flags: list[str] | tuple[str, ...]) -> int:

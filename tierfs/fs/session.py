@@ -80,8 +80,8 @@ class MountOptions:
     fsname: str = "tierfs"
     subtype: str = "tierfs"
     passthrough: bool = True
-    entry_timeout: float = 1.0
-    attr_timeout: float = 1.0
+    entry_timeout: float = 10.0
+    attr_timeout: float = 10.0
     max_read: int | None = None
     auto_unmount: bool = False
     extra: list[str] = field(default_factory=list)
@@ -474,6 +474,19 @@ def mount_entry(path: str) -> dict[str, str] | None:
     except OSError:
         return None
     return found
+
+
+def is_dead_mount(path: str) -> bool:
+    """True if ``path`` is a FUSE mount whose daemon is gone (ENOTCONN/ECONNABORTED).
+
+    statfs always reaches the daemon; a stat may be answered from the
+    kernel's attribute cache even after the daemon died.
+    """
+    try:
+        os.statvfs(path)
+    except OSError as exc:
+        return exc.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+    return False
 
 
 def unmount_path(path: str, lazy: bool = True) -> None:
