@@ -486,6 +486,7 @@ class NodeAgent:
             for tier in self.tiers:
                 await nursery.start(tier.run, self)
             nursery.start_soon(self._housekeeping)
+            nursery.start_soon(self._count_budget)
             nursery.start_soon(self._reconcile)
             if self.mode == "generic" and self.job is not None and self.job.nodes > 1:
                 self._spawn(self._generic_restore, self.job)
@@ -512,16 +513,22 @@ class NodeAgent:
                              control.jax_init_info_text(c.process_id, c.jax_coordinator).encode())
         self._notify(control.JAX_INIT_INFO)
 
+    async def _count_budget(self) -> None:
+        """Managed budget: count the store in a worker thread, so deletions free budget.
+
+        Every 5 s, or every 0.5 s while the budget is nearly used up or a write
+        was just refused.
+        """
+        if self.budget.native:
+            return
+        while True:
+            await trio.sleep(0.5 if self.budget.wants_recount else 5.0)
+            async with self._io_limiter:
+                await trio.to_thread.run_sync(self.budget.recount)
+
     async def _housekeeping(self) -> None:
-        last_count = time.monotonic()
         while True:
             await trio.sleep(2.0)
-            if not self.budget.native and time.monotonic() - last_count >= 5.0:
-                # managed budget: recount the store so deletions free budget
-                before = self.budget.grown
-                counted = await trio.to_thread.run_sync(self.store.usage)
-                self.budget.remeasure(counted, before)
-                last_count = time.monotonic()
             short = self.budget.free() < 0.1 * self.budget.size
             await trio.to_thread.run_sync(self.store.empty_trash, 0.0 if short else TRASH_GRACE)
             for name in list(self.pending):

@@ -84,14 +84,14 @@ class Budget:
         size: the budget in bytes, or None for "what the filesystem can hold".
         used_at_start: bytes the store already holds when the daemon starts
             (counted by :meth:`RamStore.usage`).
-        recount: optional ``() -> bytes`` that counts the store again; used
-            before answering ENOSPC so freed space is found at once.
+        recount: optional ``() -> bytes`` that counts the store again (a walk:
+            call :meth:`recount` from a worker thread, never the FUSE thread).
 
     In managed mode the store's usage is its own count, not the filesystem's:
     the last count (:meth:`remeasure`, done periodically by the node agent)
-    plus the growth granted since. Other programs filling a shared tmpfs
-    therefore never eat into the budget (they can still fill the
-    filesystem, which then answers ENOSPC itself).
+    plus the growth granted since (frees show at the next count). Other
+    programs filling a shared tmpfs therefore never eat into the budget
+    (they can still fill the filesystem, which then answers ENOSPC itself).
     """
 
     def __init__(self, root: str, size: int | None, used_at_start: int,
@@ -100,7 +100,7 @@ class Budget:
         self._recount = recount
         self._base = used_at_start
         self._grown = 0
-        self._last_recount = 0.0
+        self._refused = False
         vfs = os.statvfs(root)
         fs_used = (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize
         fs_avail = vfs.f_bavail * vfs.f_frsize
@@ -138,26 +138,23 @@ class Budget:
         return max(0, (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize - self.foreign)
 
     def free(self) -> int:
-        """Bytes that can still be written before ENOSPC.
-
-        Managed mode recounts the store first when the last count is more than
-        a second old, so ``statfs`` shows space freed by deletions at once.
-        """
+        """Bytes that can still be written before ENOSPC."""
         vfs = os.statvfs(self.root)
         fs_avail = vfs.f_bavail * vfs.f_frsize
         if self.native:
             return fs_avail
-        self._maybe_recount()
         return max(0, min(fs_avail, self.size - self.used()))
 
-    def _maybe_recount(self) -> None:
-        if self._recount is None:
-            return
-        now = time.monotonic()
-        if now - self._last_recount >= 1.0:
-            self._last_recount = now
-            before = self._grown
-            self.remeasure(self._recount(), before)
+    @property
+    def wants_recount(self) -> bool:
+        """True when a fresh count matters soon: ENOSPC was answered, or the budget is 90 % used.
+
+        The node agent then counts the store every half second (in a worker
+        thread) instead of every few seconds, so deletions free budget quickly.
+        """
+        if self.native:
+            return False
+        return self._refused or self.used() >= 0.9 * self.size
 
     def remeasure(self, counted: int, grown_before: int) -> None:
         """Install a fresh count of the store's bytes.
@@ -168,6 +165,14 @@ class Budget:
         """
         self._base = counted
         self._grown = max(0, self._grown - grown_before)
+        self._refused = False
+
+    def recount(self) -> None:
+        """Count the store again and install the result (blocking: a worker thread)."""
+        if self._recount is None or self.native:
+            return
+        before = self._grown
+        self.remeasure(self._recount(), before)
 
     @property
     def grown(self) -> int:
@@ -178,14 +183,13 @@ class Budget:
         """Grant ``nbytes`` more bytes, or raise ``OSError(ENOSPC)`` past the budget.
 
         Only meaningful in managed mode; in native mode the filesystem answers.
-        Before refusing, the store is counted again (at most once a second) so
-        that space freed by deletions is found.
+        Never counts the store itself (that is a walk, done off the FUSE
+        thread by the node agent, see :attr:`wants_recount`).
         """
         if nbytes <= 0 or self.native:
             return
         if self.used() + nbytes > self._size:  # type: ignore[operator]
-            self._maybe_recount()
-        if self.used() + nbytes > self._size:  # type: ignore[operator]
+            self._refused = True
             raise OSError(errno.ENOSPC, "tierfs RAM budget exhausted")
         self._grown += nbytes
 
