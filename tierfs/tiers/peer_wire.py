@@ -12,15 +12,13 @@ without one (a cluster either uses a token everywhere or nowhere).
 
 from __future__ import annotations
 
-import functools
 import hmac
-import os
-import sys
-import threading
 from types import ModuleType
 from typing import Any
 
 import grpc
+
+from tierfs.protos import load_proto
 
 #: the proto file, relative to the directory that holds the ``tierfs`` package
 PROTO_PATH = "tierfs/tiers/peer.proto"
@@ -48,35 +46,13 @@ SERVER_OPTIONS = (
     ("grpc.so_reuseport", 0),
 )
 
-_lock = threading.Lock()
-
-
-def _package_root() -> str:
-    import tierfs
-
-    return os.path.dirname(os.path.dirname(os.path.abspath(tierfs.__file__)))
-
-
-@functools.cache
 def load() -> tuple[ModuleType, ModuleType]:
     """Compile ``peer.proto`` (once per process) and return ``(pb2, pb2_grpc)``.
 
     Raises:
         ImportError: grpcio-tools is missing or the file does not compile.
     """
-    root = _package_root()
-    with _lock:
-        added = root not in sys.path
-        if added:
-            sys.path.insert(0, root)
-        try:
-            return grpc.protos_and_services(PROTO_PATH)
-        finally:
-            if added:
-                try:
-                    sys.path.remove(root)
-                except ValueError:
-                    pass
+    return load_proto(PROTO_PATH)
 
 
 def metadata(token: str | None) -> tuple[tuple[str, str], ...]:
