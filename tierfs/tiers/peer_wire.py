@@ -46,6 +46,7 @@ SERVER_OPTIONS = (
     ("grpc.so_reuseport", 0),
 )
 
+
 def load() -> tuple[ModuleType, ModuleType]:
     """Compile ``peer.proto`` (once per process) and return ``(pb2, pb2_grpc)``.
 
