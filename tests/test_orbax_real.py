@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,13 +11,10 @@ from pathlib import Path
 import pytest
 from mtc_clients import wait_for
 
+from tierfs.demo.emulator import free_port
+
 CLIENT = Path(__file__).parent / "clients" / "orbax_mtc.py"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_client(directory: Path, phase: str, expected: Path, *steps: int) -> str:

