@@ -22,11 +22,13 @@ def test_loss_segments_split_runs_at_restarts():
     assert [[s for s, _ in seg] for seg in segs] == [[1, 2, 3, 4], [3, 4, 5]]
 
 
-def test_phases_fall_on_backup_boundaries():
-    assert DemoConfig(steps=50, backup_every=10).phases() == (20, 40, 50)
-    assert DemoConfig(steps=30, backup_every=10).phases() == (10, 20, 30)
-    p1, p2, p3 = DemoConfig(steps=8, save_every=2, backup_every=4).phases()
-    assert p1 < p2 < p3 and p1 % 4 == 0 and p2 % 4 == 0
+def test_phases_leave_room_after_the_failure():
+    assert DemoConfig(steps=50, save_every=5, backup_every=10).phases() == (20, 25, 45, 55)
+    assert DemoConfig(steps=30, save_every=5, backup_every=10).phases() == (10, 15, 35, 45)
+    for steps in (8, 30, 50, 100):
+        p1, kill, p2, end = DemoConfig(steps=steps, save_every=2, backup_every=4).phases()
+        assert p1 % 4 == 0 and kill == p1 + 2 and p2 >= kill + 8 and p2 % 2 == 0
+        assert end >= max(steps, p2 + 4)
 
 
 @pytest.mark.slow

@@ -71,12 +71,19 @@ class DemoConfig:
     timeout: float = 120.0
     keep: bool = False
 
-    def phases(self) -> tuple[int, int, int]:
-        """Step at which phase 1 ends, phase 2 ends, and the run ends."""
-        unit = self.backup_every
-        p1 = max(unit, (self.steps * 2 // 5) // unit * unit)
-        p2 = max(p1 + unit, (self.steps * 4 // 5) // unit * unit)
-        return p1, p2, max(self.steps, p2 + self.save_every)
+    def phases(self) -> tuple[int, int, int, int]:
+        """(end of phase 1, checkpoint before the node failure, end of phase 2, end).
+
+        Phase 2 runs at least two backup periods past the failure, so the
+        restarted job always saves, replicates and backs up new steps however
+        far the trainers got before they were killed.
+        """
+        s, b = self.save_every, self.backup_every
+        p1 = max(b, (self.steps * 2 // 5) // b * b)
+        kill = p1 + s
+        p2 = max(kill + 2 * b, (self.steps * 4 // 5) // b * b)
+        p2 = -(-p2 // s) * s
+        return p1, kill, p2, max(self.steps, p2 + 2 * s)
 
 
 @dataclass
@@ -340,7 +347,7 @@ class Demo:
     def run(self) -> dict[str, Any]:
         """Run the whole story; returns the summary (also written to ``summary.json``)."""
         c = self.config
-        p1, p2, p3 = c.phases()
+        p1, kill_after, p2, p3 = c.phases()
         self.setup()
         try:
             # phase 1: train and checkpoint
@@ -355,11 +362,10 @@ class Demo:
                             "a backup round")
             # phase 2: a node failure in the middle of training
             victim = self.nodes[min(2, c.nodes - 1)]
-            kill_after = p1 + c.save_every
             self.timeline.add("train", f"training resumes: steps {p1 + 1}-{p2}")
             self.launch_trainers(p2)
             self.wait_until(lambda: self.step_fact("replicated", kill_after)
-                            and self.last_loss_step() >= kill_after + 2,
+                            and self.last_loss_step() > kill_after,
                             f"step {kill_after} replicated")
             self.kill_daemon(victim)
             self.kill_trainers()
