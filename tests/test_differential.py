@@ -70,6 +70,25 @@ def _short(value: Any) -> Any:
     return value
 
 
+def seek_answer_valid(res: tuple[str, Any], whence: int, offset: int, size: int,
+                      data: bytes) -> bool:
+    """Is ``res`` (an :func:`outcome` of lseek) a valid SEEK_DATA/SEEK_HOLE answer?
+
+    ``data`` are the file's bytes from ``offset`` to its end. A hole must read
+    as zeros; any range may be called data.
+    """
+    kind, value = res
+    if offset >= size:
+        return kind == "errno" and value == "ENXIO"
+    if whence == os.SEEK_DATA:
+        if kind == "errno":
+            return value == "ENXIO" and not any(data)  # no data: all holes
+        return offset <= value < size and not any(data[:value - offset])
+    if kind == "errno":
+        return False
+    return offset <= value <= size and not any(data[value - offset:value - offset + 1])
+
+
 def outcome(fn: Any, *args: Any) -> Any:
     """The result of ``fn(*args)``, or ``("errno", name)``, or ``("exc", type name)``."""
     try:
@@ -238,7 +257,27 @@ class DiffMachine(RuleBasedStateMachine):
         m, _r, _ = self.fds[i % len(self.fds)]
         if stat.S_ISDIR(os.fstat(m).st_mode) and whence != os.SEEK_SET:
             return  # directory seeks are the kernel's FUSE code, not tierfs (SEEK_END differs)
-        self.both_fd(i, os.lseek, offset, whence)
+        if whence not in (os.SEEK_DATA, os.SEEK_HOLE):
+            self.both_fd(i, os.lseek, offset, whence)
+            return
+        # Where a file is "data" or "hole" depends on page allocation, which
+        # differs legitimately: tmpfs allocates a page on an mmap read fault of
+        # a hole, a FUSE read through the daemon does not. POSIX lets a
+        # filesystem report any hole as data. Both answers must be valid for
+        # the (identical) bytes; then both descriptors continue at the same offset.
+        m, r, what = self.fds[i % len(self.fds)]
+        res_m, res_r = outcome(os.lseek, m, offset, whence), outcome(os.lseek, r, offset, whence)
+        if res_m == res_r:
+            return
+        size = os.fstat(r).st_size
+        data = os.pread(r, max(0, size - offset), offset) if offset < size else b""
+        for res in (res_m, res_r):
+            assert seek_answer_valid(res, whence, offset, size, data), (
+                "lseek", what, offset, whence, res_m, res_r)
+        if res_r[0] == "ok":
+            os.lseek(m, res_r[1], os.SEEK_SET)
+        elif res_m[0] == "ok":
+            os.lseek(r, res_m[1], os.SEEK_SET)
 
     @precondition(lambda self: self.fds)
     @rule(i=st.integers(0, MAX_OPEN), size=offsets)
@@ -358,3 +397,18 @@ def test_mount_behaves_like_tmpfs(make_mount, mode):
     finally:
         shutil.rmtree(ref, ignore_errors=True)
     assert sorted(os.listdir(m.path)) == [".tierfs"]
+
+
+def test_seek_answers_for_a_hole_read_through_mmap():
+    """Regression (CI, seed 52211629082842445596825772633101440874): after
+    ftruncate(1) and an mmap read, tmpfs answers SEEK_DATA 0 -> 0 (the fault
+    allocated a page) while the daemon's data path answers ENXIO (a hole). Both
+    are valid for a file whose only byte is zero; a non-zero byte is data."""
+    assert seek_answer_valid(("errno", "ENXIO"), os.SEEK_DATA, 0, 1, b"\0")
+    assert seek_answer_valid(("ok", 0), os.SEEK_DATA, 0, 1, b"\0")
+    assert not seek_answer_valid(("errno", "ENXIO"), os.SEEK_DATA, 0, 1, b"\1")
+    assert not seek_answer_valid(("ok", 1), os.SEEK_DATA, 0, 2, b"\1\0")
+    assert seek_answer_valid(("ok", 0), os.SEEK_HOLE, 0, 1, b"\0")
+    assert seek_answer_valid(("ok", 1), os.SEEK_HOLE, 0, 1, b"\0")
+    assert not seek_answer_valid(("ok", 0), os.SEEK_HOLE, 0, 1, b"\1")
+    assert seek_answer_valid(("errno", "ENXIO"), os.SEEK_HOLE, 5, 1, b"")
