@@ -175,12 +175,24 @@ def trainer(root: Path, total: int, block: bytes) -> float:
     return dt
 
 
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of ``pid`` (threads started later inherit it) to ``cpus``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gib", type=float, default=1.0, help="size of the replicated step")
     p.add_argument("--trainer-gib", type=float, default=1.0)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--pin", action="store_true",
+                   help="pin both daemons to the last CPU and the trainer to CPU 0: "
+                        "replication on a core of its own, as on a many-core training host")
     a = p.parse_args()
     total = int(a.gib * GiB)
     block = os.urandom(CHUNK)
@@ -199,6 +211,13 @@ def main() -> None:
             mounts.append(mnt)
         for m in mounts:
             wait(lambda m=m: status(m)["restore"].get("state") == "done", 60, "startup restore")
+        if a.pin:
+            cpus = sorted(os.sched_getaffinity(0))
+            for ram in rams:
+                pin_process(int((ram / "store" / "daemon.pid").read_text().split()[0]),
+                            {cpus[-1]})
+            os.sched_setaffinity(0, {cpus[0]})
+            print(f"pinned: daemons on CPU {cpus[-1]}, trainer on CPU {cpus[0]}")
         print(f"peer_bench: step of {total / GiB:.2f} GiB, {CHUNK // MiB} MiB chunks, "
               f"{os.cpu_count()} CPUs")
 
