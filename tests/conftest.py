@@ -44,6 +44,7 @@ class Mount:
     path: Path
     ram_dir: Path
     args: list[str] = field(default_factory=list)
+    mount_stderr: str = ""
 
     @property
     def view(self) -> Path:
@@ -53,7 +54,8 @@ class Mount:
         return int((self.ram_dir / "store" / "daemon.pid").read_text().split()[0])
 
     def mount(self) -> None:
-        tierfs("mount", str(self.path), "--ram-dir", str(self.ram_dir), *self.args)
+        proc = tierfs("mount", str(self.path), "--ram-dir", str(self.ram_dir), *self.args)
+        self.mount_stderr = proc.stderr
 
     def unmount(self) -> None:
         if is_mounted(self.path):

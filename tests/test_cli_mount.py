@@ -94,6 +94,34 @@ def test_unknown_or_bad_mount_option(tmp_path, ram_dir, opt):
     bad = opt.split(",")[-1]
     assert bad in line, line
     assert not is_mounted(tmp_path / "mnt")
+    assert not ram_dir.exists()  # options are checked before anything is created
+
+
+def test_ram_dir_inside_the_mountpoint_is_refused(tmp_path):
+    """Regression: the daemon waited on its own mount for 120 s and left it hung."""
+    mnt = SHM / f"tierfs-cli-mnt-{uuid.uuid4().hex[:8]}"
+    mnt.mkdir()
+    try:
+        for ram in (mnt / "ram", mnt):
+            proc = tierfs("mount", str(mnt), "--ram-dir", str(ram), check=False, timeout=20)
+            one_line_error(proc, "must not be the mountpoint or inside it")
+            assert not is_mounted(mnt)
+    finally:
+        shutil.rmtree(mnt, ignore_errors=True)
+
+
+def test_mountpoint_inside_the_ram_dir_is_refused(tmp_path, ram_dir):
+    (ram_dir / "view" / "x").mkdir(parents=True)
+    proc = tierfs("mount", str(ram_dir / "view" / "x"), "--ram-dir", str(ram_dir),
+                  check=False, timeout=20)
+    one_line_error(proc, "must not be inside --ram-dir")
+
+
+def test_size_beyond_the_filesystem_is_a_warning(make_mount):
+    m = make_mount("--size", "100TiB")
+    assert "warning: --size 100.0 TiB is more than" in m.mount_stderr
+    status = json.loads((m.path / ".tierfs" / "status.json").read_text())
+    assert status["budget"]["mode"] == "native"
 
 
 def test_ram_dir_not_on_tmpfs_is_a_warning(tmp_path, cleanup):

@@ -93,6 +93,31 @@ def check_mountpoint(path: str, nonempty_ok: bool) -> None:
         _fail(f"mountpoint {path} is not empty (use -o nonempty to mount over it)")
 
 
+def _inside(path: str, root: str) -> bool:
+    path, root = os.path.realpath(path), os.path.realpath(root)
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def check_overlap(mountpoint: str, ram_dir: str) -> None:
+    """Refuse a ram-dir inside the mountpoint (the daemon would wait on its own
+    mount) and a mountpoint inside the ram-dir (it would hide the store)."""
+    if _inside(ram_dir, mountpoint):
+        _fail(f"--ram-dir {ram_dir} must not be the mountpoint or inside it")
+    if _inside(mountpoint, ram_dir):
+        _fail(f"mountpoint {mountpoint} must not be inside --ram-dir {ram_dir}")
+
+
+def check_size(ram_dir: str, size: int | None) -> None:
+    """Warn when ``--size`` exceeds what the ram-dir's filesystem can hold at all."""
+    if size is None:
+        return
+    vfs = os.statvfs(ram_dir)
+    capacity = vfs.f_blocks * vfs.f_frsize
+    if size > capacity:
+        _warn(f"--size {format_size(size)} is more than the ram-dir's filesystem holds "
+              f"({format_size(capacity)}); that limit applies")
+
+
 def check_ram_dir(path: str) -> None:
     """Create the ram-dir if needed, refuse one in use, warn if it is not tmpfs."""
     from tierfs.fs.ramstore import RamStore
@@ -218,17 +243,19 @@ def mount(**opts: Any) -> None:
     except ConfigError as exc:
         _fail(str(exc))
         return
-    ready_fd = opts.get("ready_fd")
-    if ready_fd is None:
-        nonempty = any("nonempty" in o.split(",") for o in config.mount_options)
-        check_mountpoint(config.mountpoint, nonempty)
-        check_ram_dir(config.ram_dir)
     from tierfs.fs.session import MountOptionError, MountOptions
 
     try:
         MountOptions.parse(config.mount_options)
     except MountOptionError as exc:
         _fail(str(exc))
+    ready_fd = opts.get("ready_fd")
+    if ready_fd is None:
+        check_overlap(config.mountpoint, config.ram_dir)
+        nonempty = any("nonempty" in o.split(",") for o in config.mount_options)
+        check_mountpoint(config.mountpoint, nonempty)
+        check_ram_dir(config.ram_dir)
+        check_size(config.ram_dir, config.size)
     if opts["foreground"] or ready_fd is not None:
         _run_daemon(config, opts["foreground"] and ready_fd is None, ready_fd)
     else:
@@ -346,7 +373,10 @@ def unmount(mountpoint: str, lazy: bool, timeout: float) -> None:
     if entry is None:
         _fail(f"{mountpoint} is not mounted")
         return
-    if entry["fstype"] != "fuse.tierfs" and not entry["fstype"].startswith("fuse"):
+    if not entry["fstype"].startswith("fuse"):
+        _fail(f"{mountpoint} is not a tierfs mount ({entry['fstype']})")
+    if entry["fstype"] != "fuse.tierfs" and not _dead_mount(mountpoint) and not os.path.exists(
+            os.path.join(mountpoint, STATUS_PATH)):
         _fail(f"{mountpoint} is not a tierfs mount ({entry['fstype']})")
     pid = None
     if not _dead_mount(mountpoint):
