@@ -10,7 +10,9 @@ import click
 
 @click.command()
 @click.option("--nodes", default=4, show_default=True, help="Local node daemons and ranks.")
-@click.option("--steps", default=50, show_default=True, help="Training steps in total.")
+@click.option("--steps", default=50, show_default=True,
+              help="Training length in steps; extended where needed so that two backup "
+                   "periods follow the node failure (the default run ends at step 55).")
 @click.option("--save-every", default=5, show_default=True, help="Checkpoint period (steps).")
 @click.option("--backup-every", default=10, show_default=True,
               help="GCS backup period (steps).")
