@@ -1,4 +1,4 @@
-"""The peer tier: replicate sealed steps to peer nodes and restore a lost node from them.
+"""The peer tier: replicate sealed steps to peer nodes and keep the coordinator informed.
 
 DESIGN.md "Peer plane", PROTOCOL.md sections 2, 4 and 6. One gRPC server per
 node daemon (``--listen``) serves ``tierfs.peer.v1.Peer`` (Inventory,
@@ -20,16 +20,19 @@ and again whenever the coordinator stops answering:
   a record left by a previous daemon -- dead, restarted, or now another
   rank -- is never used.
 
-Pieces:
+Pieces, one module each:
 
-* :class:`PeerServicer` (gRPC threads): answers inventories, receives pushed
-  replicas into ``store/incoming`` (:class:`tierfs.tiers.peer_transfer.ShardReceiver`),
+* :mod:`tierfs.tiers.peer_service`: :class:`~tierfs.tiers.peer_service.PeerServicer`
+  (gRPC threads) answers inventories, receives pushed replicas into
+  ``store/incoming`` (:class:`tierfs.tiers.peer_transfer.ShardReceiver`),
   streams sealed snapshots to pullers. It reaches the agent only through a
-  :class:`PeerHost`, whose calls hop onto the trio thread with
-  ``trio.from_thread.run_sync`` (cheap dictionary work only).
-* :class:`PeerClient`: blocking calls to peers and the coordinator, run in
-  ``trio.to_thread`` workers with capacity limiters.
-* :class:`PeerTier` (the agent's tier, trio thread): finds the coordinator
+  :class:`~tierfs.tiers.peer_service.PeerHost`, whose calls hop onto the
+  trio thread with ``trio.from_thread.run_sync`` (cheap dictionary work only).
+* :mod:`tierfs.tiers.peer_client`: :class:`~tierfs.tiers.peer_client.PeerClient`,
+  blocking calls to peers and the coordinator, run in ``trio.to_thread``
+  workers with capacity limiters.
+* this module: :class:`PeerTier` (the agent's tier and the servicer's
+  host, trio thread): finds the coordinator
   (:meth:`PeerTier.find_coordinator`); after each seal, pushes
   the snapshot to the peers from :func:`tierfs.placement.peer_ranks` with
   bounded concurrency; a shard being sent is pinned against retention, a
@@ -41,11 +44,15 @@ Pieces:
   also carries backup rounds between the coordinator and the node's GCS
   tier (a :class:`BackupAgent`): the node's outcome of its last round up,
   the round it is ordered into down.
-* :class:`PeerCluster` (the agent's :class:`tierfs.agent.Cluster`): the
-  restore rounds: verify what this node holds, join, get the decision, pull
-  the own shard from a holder if it is not local (verifying every crc32c;
-  a corrupt copy is reported and the next one used, or the coordinator
-  chooses again without it), then the two barrier phases.
+* :mod:`tierfs.tiers.peer_restore`: :class:`~tierfs.tiers.peer_restore.PeerCluster`
+  (the agent's :class:`tierfs.agent.Cluster`): the restore rounds: verify
+  what this node holds, join, get the decision, pull the own shard from a
+  holder if it is not local (verifying every crc32c; a corrupt copy is
+  reported and the next one used, or the coordinator chooses again without
+  it), then the two barrier phases.
+* shared by both sides: :mod:`tierfs.tiers.peer_wire` (the compiled proto,
+  auth, channel settings, wire counters) and :mod:`tierfs.tiers.peer_transfer`
+  (reading a snapshot as chunks, receiving them safely).
 
 Threads: nothing here blocks the trio thread. gRPC handlers run in the
 server's pool; client calls and file work run in ``trio.to_thread`` with
@@ -60,9 +67,6 @@ import errno
 import functools
 import logging
 import math
-import os
-import re
-import shutil
 import threading
 import time
 import uuid
@@ -74,39 +78,30 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 import trio
 
-from tierfs import control, placement
+from tierfs import placement
 from tierfs.coordinator import (
     COORDINATOR_RANK,
     NO_STEP,
     Coordinator,
     CoordinatorServicer,
-    CopyId,
     Holding,
 )
-from tierfs.manifest import Manifest, ManifestError
 from tierfs.tiers import peer_wire
 from tierfs.tiers.gcs_schedule import FAILED, Outcome, RoundView
 from tierfs.tiers.local import Shard, ShardKey
-from tierfs.tiers.peer_transfer import (
-    BadCopy,
-    Cancelled,
-    Refused,
-    ShardReceiver,
-    TransferError,
-    iter_chunks,
-    link_copy,
-)
+from tierfs.tiers.peer_client import PeerClient, rpc_code, rpc_reason
+from tierfs.tiers.peer_service import HostGone, PeerHost, PeerServicer, peer_handlers
+from tierfs.tiers.peer_transfer import Cancelled
+from tierfs.tiers.peer_wire import WireStats
 
 if TYPE_CHECKING:
-    from tierfs.agent import NodeAgent, RestorePlan
+    from tierfs.agent import NodeAgent
     from tierfs.control import JobSpec
 
 log = logging.getLogger(__name__)
 
 #: seconds between heartbeats (``Sync``) to the coordinator
 HEARTBEAT = 1.0
-#: long-poll length of Decide/Barrier calls (milliseconds)
-POLL_MS = 2000
 #: how long a sender waits for a data-parallel peer to seal the same step (seconds)
 DP_WAIT = 30.0
 #: how long a push is retried while its peer is unreachable (seconds)
@@ -119,26 +114,6 @@ LOOKUP_INTERVAL = 1.0
 PUBLISH_BACKOFF = 30.0
 #: seconds a probe of a rendezvous address may take
 PROBE_TIMEOUT = 5.0
-_JOB_RE = re.compile(r"^[^/\0]+$")
-
-
-#: nice value of threads that move replicas (a trainer on the node keeps priority)
-REPLICATION_NICE = 10
-
-
-def _set_thread_nice(value: int) -> int | None:
-    """Set this thread's nice value (Linux: per thread); returns the old one, None if refused."""
-    tid = threading.get_native_id()
-    try:
-        old = os.getpriority(os.PRIO_PROCESS, tid)
-        os.setpriority(os.PRIO_PROCESS, tid, value)
-        return old
-    except OSError:
-        return None
-
-
-class RestoreTimeout(Exception):
-    """The cluster did not reach the next restore phase within ``--join-timeout``."""
 
 
 class Rendezvous(Protocol):
@@ -176,481 +151,6 @@ class BackupAgent(Protocol):
         """The coordinator's answer: the (round, step) to upload now, if any, and the
         newest round with its state. Must not block (start uploads as tasks)."""
         ...
-
-
-# ---------------------------------------------------------------------- stats
-
-
-class WireStats:
-    """Byte and call counters of the peer plane (thread-safe; shown in the status)."""
-
-    FIELDS = ("sent_bytes", "received_bytes", "pushes_sent", "pushes_received",
-              "manifest_only_sent", "manifest_only_received", "manifest_bytes_sent",
-              "pulls_served", "served_bytes",
-              "pulls", "pulled_bytes", "corrupt_copies", "refused")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._c: collections.Counter[str] = collections.Counter()
-
-    def add(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._c[name] += n
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {f: self._c.get(f, 0) for f in self.FIELDS}
-
-
-# ---------------------------------------------------------------------- host
-
-
-class PeerHost:
-    """What the servicer may ask of its node; every method is safe from any thread.
-
-    Implemented by :class:`PeerTier` (hops onto the trio thread); tests may
-    provide their own.
-    """
-
-    ram: Any
-    shards: Any
-    stats: WireStats
-    incarnation: str
-
-    def own_rank(self, job: str) -> int | None:
-        """This node's rank in ``job``, or None if it runs another job."""
-        raise NotImplementedError
-
-    def inventory(self, job: str) -> list[Holding]:
-        """Every shard of ``job`` held here."""
-        raise NotImplementedError
-
-    def find(self, key: ShardKey) -> Shard | None:
-        """The committed shard ``key`` or None."""
-        raise NotImplementedError
-
-    def find_digest(self, job: str, digest: str) -> tuple[Shard, bool] | None:
-        """A shard of ``job`` with this manifest digest and whether it is trusted."""
-        raise NotImplementedError
-
-    def adopt(self, shard: Shard, linked_from: ShardKey | None = None) -> None:
-        """Register a committed replica (``linked_from``: its files are hard links of that)."""
-        raise NotImplementedError
-
-    def pin(self, key: ShardKey, delta: int) -> None:
-        """Pin (+1) or unpin (-1) a shard against retention."""
-        raise NotImplementedError
-
-    def check_space(self, nbytes: int) -> None:
-        """Raise ``OSError(ENOSPC)`` if ``nbytes`` more do not fit the RAM budget."""
-        raise NotImplementedError
-
-
-def _holding_pb(pb2: Any, h: Holding) -> Any:
-    return pb2.HeldShard(rank=h.rank, step=h.step, verified=h.verified, digest=h.digest,
-                         bytes=h.bytes, name=h.name, backup_requested=h.backup_requested)
-
-
-def _valid_job(job: str) -> bool:
-    return bool(_JOB_RE.match(job)) and job not in (".", "..")
-
-
-# ---------------------------------------------------------------------- servicer
-
-
-class PeerServicer:
-    """The ``tierfs.peer.v1.Peer`` service (gRPC threads).
-
-    Args:
-        host: the node (see :class:`PeerHost`).
-        pb2: the message module from :func:`tierfs.tiers.peer_wire.load`.
-    """
-
-    def __init__(self, host: PeerHost, pb2: Any) -> None:
-        self.host = host
-        self.pb2 = pb2
-
-    def Inventory(self, request: Any, context: Any) -> Any:
-        """What this node holds of ``request.job``; optionally wait (dedup decision)."""
-        deadline = time.monotonic() + min(max(request.wait_ms, 0), 5000) / 1000.0
-        own = self.host.own_rank(request.job)
-        while True:
-            held = self.host.inventory(request.job)
-            if not request.want_digest or request.wait_ms <= 0:
-                break
-            if any(h.digest == request.want_digest for h in held):
-                break
-            if (own is not None and request.wait_step >= 0
-                    and any(h.rank == own and h.step == request.wait_step for h in held)):
-                break
-            if time.monotonic() >= deadline or not context.is_active():
-                break
-            time.sleep(0.1)
-        return self.pb2.InventoryReply(node_rank=-1 if own is None else own,
-                                       incarnation=self.host.incarnation,
-                                       shards=[_holding_pb(self.pb2, h) for h in held])
-
-    def PushShard(self, request_iterator: Any, context: Any) -> Any:
-        """Receive a replica: header, chunks, manifest last; commit only if all checks pass."""
-        pb2 = self.pb2
-        it = iter(request_iterator)
-        first = next(it, None)
-        if first is None or not first.HasField("header"):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PushShard must start with a header")
-        h = first.header
-        if not _valid_job(h.job) or h.rank < 0 or h.step < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"bad shard identity job={h.job!r} rank={h.rank} step={h.step}")
-        key = ShardKey(h.job, h.rank, h.step)
-        if self.host.own_rank(h.job) == h.rank:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"node-rank {h.rank} does not take replicas of its own rank")
-        code, detail = None, ""
-        inc = None
-        old_nice = _set_thread_nice(REPLICATION_NICE)
-        try:
-            if not h.dedup:
-                self.host.check_space(h.total_bytes)
-            inc = self.host.ram.new_incoming(f"peer-{h.rank}-{h.step}")
-            if h.dedup:
-                return self._dedup(h, key, it, inc)
-            rx = ShardReceiver(inc)
-            manifest = None
-            for msg in it:
-                kind = msg.WhichOneof("kind")
-                if kind == "chunk":
-                    c = msg.chunk
-                    rx.chunk(c.path, c.offset, c.data, c.crc32c)
-                    self.host.stats.add("received_bytes", len(c.data))
-                elif kind == "manifest":
-                    manifest = _parse_manifest(msg.manifest.json)
-                    break
-                else:
-                    raise Refused(f"unexpected {kind} message")
-            if manifest is None:
-                rx.abort()
-                inc = None
-                return pb2.PushReply(committed=False, bytes_received=rx.bytes_received,
-                                     detail="stream ended without a manifest")
-            _check_identity(manifest, key, h.digest)
-            rx.finish(manifest)
-            shard = self.host.shards.commit(inc, manifest, verified=True)
-            inc = None
-            self.host.adopt(shard)
-            self.host.stats.add("pushes_received")
-            log.info("received step %d of rank %d from node-rank %d (%d bytes)", h.step,
-                     h.rank, h.sender_rank, rx.bytes_received)
-            return pb2.PushReply(committed=True, bytes_received=rx.bytes_received)
-        except BadCopy as exc:
-            self.host.stats.add("corrupt_copies")
-            code, detail = grpc.StatusCode.DATA_LOSS, f"step {h.step} of rank {h.rank}: {exc}"
-        except Refused as exc:
-            self.host.stats.add("refused")
-            code, detail = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-        except OSError as exc:
-            code = (grpc.StatusCode.RESOURCE_EXHAUSTED if exc.errno == errno.ENOSPC
-                    else grpc.StatusCode.INTERNAL)
-            detail = f"step {h.step} of rank {h.rank}: {exc.strerror or exc}"
-        except grpc.RpcError:
-            code, detail = grpc.StatusCode.CANCELLED, "sender went away"
-        except _HostGone:
-            code, detail = grpc.StatusCode.UNAVAILABLE, "daemon is stopping"
-        finally:
-            if inc is not None:
-                shutil.rmtree(inc, ignore_errors=True)
-            if old_nice is not None:
-                _set_thread_nice(old_nice)
-        log.warning("refused a replica from node-rank %d: %s", h.sender_rank, detail)
-        context.abort(code, detail)
-
-    def _dedup(self, h: Any, key: ShardKey, it: Any, inc: str) -> Any:
-        msg = next(it, None)
-        if msg is None or msg.WhichOneof("kind") != "manifest":
-            raise Refused("a manifest-only push must carry the manifest")
-        manifest = _parse_manifest(msg.manifest.json)
-        _check_identity(manifest, key, h.digest)
-        found = self.host.find_digest(h.job, h.digest)
-        if found is None:
-            shutil.rmtree(inc, ignore_errors=True)
-            return self.pb2.PushReply(committed=False, detail="no local copy with that digest")
-        src, trusted = found
-        try:
-            link_copy(src.data, inc)
-        except OSError:
-            shutil.rmtree(inc, ignore_errors=True)
-            return self.pb2.PushReply(committed=False, detail="no local copy with that digest")
-        shard = self.host.shards.commit(inc, manifest, verified=src.verified or trusted)
-        self.host.adopt(shard, linked_from=src.key)
-        self.host.stats.add("manifest_only_received")
-        self.host.stats.add("pushes_received")
-        log.info("received step %d of rank %d from node-rank %d as a manifest (identical to %s)",
-                 h.step, h.rank, h.sender_rank, src.key)
-        return self.pb2.PushReply(committed=True, deduped=True)
-
-    def PullShard(self, request: Any, context: Any) -> Any:
-        """Stream a sealed shard: its manifest, then every file's chunks."""
-        key = ShardKey(request.job, request.rank, request.step)
-        try:
-            shard = self.host.find(key)
-        except _HostGone:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "daemon is stopping")
-        if shard is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no copy of {key} here")
-        if request.digest and shard.manifest.digest != request.digest:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"the copy of {key} here has digest {shard.manifest.digest}, "
-                          f"not {request.digest}")
-        self.host.pin(key, +1)
-        sent = 0
-        failed = None
-        try:
-            yield self.pb2.PullMessage(manifest=self.pb2.ShardManifest(
-                json=shard.manifest.to_json())).SerializeToString()
-            for path, off, data, crc in iter_chunks(shard.data, shard.manifest.files,
-                                                    cancelled=lambda: not context.is_active()):
-                yield peer_wire.encode_chunk(path, off, data, crc)  # a PullMessage
-                sent += len(data)
-            self.host.stats.add("pulls_served")
-        except (OSError, Cancelled) as exc:
-            failed = f"the copy of {key} vanished while being sent: {exc}"
-        finally:
-            self.host.stats.add("served_bytes", sent)
-            try:
-                self.host.pin(key, -1)
-            except _HostGone:
-                pass
-        if failed:
-            context.abort(grpc.StatusCode.NOT_FOUND, failed)
-
-
-def peer_handlers(servicer: PeerServicer, pb2: Any) -> grpc.GenericRpcHandler:
-    """The Peer service's handlers; PullShard answers with pre-encoded ``bytes`` messages."""
-    return grpc.method_handlers_generic_handler("tierfs.peer.v1.Peer", {
-        "Inventory": grpc.unary_unary_rpc_method_handler(
-            servicer.Inventory, request_deserializer=pb2.InventoryRequest.FromString,
-            response_serializer=peer_wire.serialize),
-        "PushShard": grpc.stream_unary_rpc_method_handler(
-            servicer.PushShard, request_deserializer=pb2.PushMessage.FromString,
-            response_serializer=peer_wire.serialize),
-        "PullShard": grpc.unary_stream_rpc_method_handler(
-            servicer.PullShard, request_deserializer=pb2.PullRequest.FromString,
-            response_serializer=peer_wire.serialize),
-    })
-
-
-def _parse_manifest(data: bytes) -> Manifest:
-    try:
-        return Manifest.from_json(data)
-    except ManifestError as exc:
-        raise Refused(f"bad manifest: {exc}") from None
-
-
-def _check_identity(m: Manifest, key: ShardKey, digest: str) -> None:
-    if (m.job, m.rank, m.step) != (key.job, key.rank, key.step):
-        raise Refused(f"manifest is for {m.job}/n{m.rank}/s{m.step}, not {key}")
-    if digest and m.digest != digest:
-        raise BadCopy(f"manifest digest {m.digest} != announced {digest}")
-
-
-class _HostGone(Exception):
-    """The agent's trio loop is not running (starting or stopping)."""
-
-
-# ---------------------------------------------------------------------- client
-
-
-class PeerClient:
-    """Blocking calls to peers and the coordinator (run them in worker threads).
-
-    Args:
-        token: the shared peer token or None.
-        stats: counters to update.
-    """
-
-    def __init__(self, token: str | None, stats: WireStats) -> None:
-        self.pb2, self.pb2_grpc = peer_wire.load()
-        self.md = peer_wire.metadata(token)
-        self.stats = stats
-        self._channels: dict[str, grpc.Channel] = {}
-        self._lock = threading.Lock()
-
-    def channel(self, address: str) -> grpc.Channel:
-        with self._lock:
-            ch = self._channels.get(address)
-            if ch is None:
-                ch = self._channels[address] = grpc.insecure_channel(
-                    address, options=list(peer_wire.CHANNEL_OPTIONS))
-            return ch
-
-    def peer(self, address: str) -> Any:
-        return self.pb2_grpc.PeerStub(self.channel(address))
-
-    def coordinator(self, address: str) -> Any:
-        return self.pb2_grpc.CoordinatorStub(self.channel(address))
-
-    def close(self) -> None:
-        with self._lock:
-            channels, self._channels = list(self._channels.values()), {}
-        for ch in channels:
-            ch.close()
-
-    # ------------------------------------------------------------------ data
-
-    def inventory(self, address: str, job: str, want_digest: str = "", wait_step: int = -1,
-                  wait_s: float = 0.0, timeout: float = 10.0) -> Any:
-        """The peer's :class:`InventoryReply` (waiting up to ``wait_s`` for the digest).
-
-        Raises:
-            grpc.RpcError: unreachable (after ``wait_s + timeout`` seconds at most).
-        """
-        req = self.pb2.InventoryRequest(job=job, want_digest=want_digest, wait_step=wait_step,
-                                        wait_ms=int(wait_s * 1000))
-        return self.peer(address).Inventory(req, metadata=self.md, timeout=wait_s + timeout)
-
-    def push(self, address: str, shard: Shard, sender_rank: int, dedup: bool,
-             cancel: threading.Event) -> Any:
-        """Push ``shard`` (or only its manifest with ``dedup``); returns the PushReply.
-
-        Raises:
-            Cancelled: ``cancel`` was set.
-            grpc.RpcError: the peer refused (DATA_LOSS for a checksum mismatch,
-                RESOURCE_EXHAUSTED for a full RAM budget...) or is unreachable.
-            OSError: the snapshot vanished while it was read.
-        """
-        pb2 = self.pb2
-        m = shard.manifest
-        problem: list[BaseException] = []
-
-        def messages() -> Any:
-            yield pb2.PushMessage(header=pb2.PushHeader(
-                job=m.job, rank=m.rank, step=m.step, digest=m.digest, sender_rank=sender_rank,
-                total_bytes=0 if dedup else m.total_bytes, dedup=dedup))
-            if not dedup:
-                _set_thread_nice(REPLICATION_NICE)  # grpc's per-call request thread
-                try:
-                    for path, off, data, crc in iter_chunks(shard.data, m.files,
-                                                            cancelled=cancel.is_set):
-                        yield peer_wire.encode_chunk(path, off, data, crc)  # a PushMessage
-                        self.stats.add("sent_bytes", len(data))
-                except (OSError, Cancelled) as exc:
-                    problem.append(exc)
-                    return  # ends the stream without a manifest: the receiver discards it
-            data = m.to_json()
-            self.stats.add("manifest_bytes_sent", len(data))
-            yield pb2.PushMessage(manifest=pb2.ShardManifest(json=data))
-
-        push = self.channel(address).stream_unary(
-            "/tierfs.peer.v1.Peer/PushShard", request_serializer=peer_wire.serialize,
-            response_deserializer=pb2.PushReply.FromString)
-        fut = push.future(messages(), metadata=self.md)
-        while True:
-            try:
-                reply = fut.result(timeout=0.25)
-                break
-            except grpc.FutureTimeoutError:
-                if cancel.is_set():
-                    fut.cancel()
-                    raise Cancelled("transfer cancelled") from None
-        if problem:
-            raise problem[0]
-        self.stats.add("pushes_sent")
-        if dedup and reply.committed:
-            self.stats.add("manifest_only_sent")
-        return reply
-
-    def pull(self, address: str, key: ShardKey, digest: str, puller_rank: int, ram: Any,
-             shards: Any, cancel: threading.Event) -> Shard:
-        """Pull ``key`` from a holder, verify it and commit it to ``shards``.
-
-        Returns:
-            The committed shard (not yet in the agent's catalog).
-
-        Raises:
-            BadCopy: a chunk or file failed its crc32c, or the manifest is not
-                the expected one (the copy is corrupt).
-            Refused: the holder broke the protocol (unsafe paths...).
-            Cancelled: ``cancel`` was set.
-            grpc.RpcError: the holder is unreachable or has no such copy.
-        """
-        req = self.pb2.PullRequest(job=key.job, rank=key.rank, step=key.step, digest=digest,
-                                   puller_rank=puller_rank)
-        call = self.peer(address).PullShard(req, metadata=self.md)
-        inc = ram.new_incoming(f"pull-{key.rank}-{key.step}")
-        rx: ShardReceiver | None = None
-        try:
-            first = next(call)
-            if first.WhichOneof("kind") != "manifest":
-                raise Refused("PullShard must start with the manifest")
-            manifest = _parse_manifest(first.manifest.json)
-            _check_identity(manifest, key, digest)
-            rx = ShardReceiver(inc, manifest)
-            for msg in call:
-                if cancel.is_set():
-                    raise Cancelled("transfer cancelled")
-                if msg.WhichOneof("kind") != "chunk":
-                    raise Refused("PullShard sent a second manifest")
-                c = msg.chunk
-                rx.chunk(c.path, c.offset, c.data, c.crc32c)
-                self.stats.add("pulled_bytes", len(c.data))
-            rx.finish()
-            shard = shards.commit(inc, manifest, verified=True)
-            self.stats.add("pulls")
-            return shard
-        except BaseException:
-            call.cancel()
-            if rx is not None:
-                rx.abort()
-            else:
-                shutil.rmtree(inc, ignore_errors=True)
-            raise
-
-    # ------------------------------------------------------------------ coordinator
-
-    def join(self, coord: str, **fields: Any) -> Any:
-        """Join (or register with) the coordinator at ``coord``; fields of JoinRequest."""
-        inventory = fields.pop("inventory", ())
-        req = self.pb2.JoinRequest(inventory=[_holding_pb(self.pb2, h) for h in inventory],
-                                   **fields)
-        return self.coordinator(coord).Join(req, metadata=self.md, timeout=10)
-
-    def decide(self, address: str, job: str, rank: int, restore_id: str) -> Any:
-        req = self.pb2.DecideRequest(job=job, rank=rank, restore_id=restore_id, wait_ms=POLL_MS)
-        return self.coordinator(address).Decide(req, metadata=self.md,
-                                                timeout=POLL_MS / 1000 + 10)
-
-    def barrier(self, address: str, bad: Iterable[CopyId] = (), **fields: Any) -> Any:
-        req = self.pb2.BarrierRequest(
-            bad=[self.pb2.BadCopy(holder=h, rank=r, step=s) for h, r, s in bad],
-            wait_ms=POLL_MS, **fields)
-        return self.coordinator(address).Barrier(req, metadata=self.md,
-                                                 timeout=POLL_MS / 1000 + 10)
-
-    def sync(self, address: str, job: str, rank: int, incarnation: str, step: int,
-             inventory: Iterable[Holding], backup: Outcome | None = None) -> Any:
-        """Heartbeat and sync report (with the last backup outcome); returns the SyncReply."""
-        req = self.pb2.SyncRequest(job=job, rank=rank, incarnation=incarnation, step=step,
-                                   inventory=[_holding_pb(self.pb2, h) for h in inventory])
-        if backup is not None:
-            req.backup.CopyFrom(self.pb2.BackupOutcome(
-                round=backup.round, step=backup.step, state=backup.state, error=backup.error,
-                bytes=backup.bytes, seconds=backup.seconds))
-        return self.coordinator(address).Sync(req, metadata=self.md, timeout=10)
-
-
-def rpc_reason(exc: BaseException) -> str:
-    """A short one-line reason for a failed call."""
-    if isinstance(exc, grpc.RpcError):
-        code = exc.code() if hasattr(exc, "code") else None
-        details = exc.details() if hasattr(exc, "details") else ""
-        name = code.name if code is not None else "ERROR"
-        return f"{name}: {details}" if details else name
-    return str(exc) or type(exc).__name__
-
-
-def rpc_code(exc: BaseException) -> grpc.StatusCode | None:
-    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
-        return exc.code()
-    return None
 
 
 # ---------------------------------------------------------------------- tier
@@ -930,11 +430,11 @@ class PeerTier(PeerHost):
     def _on_trio(self, fn: Callable[..., Any], *args: Any) -> Any:
         token = self.agent.trio_token
         if token is None:
-            raise _HostGone()
+            raise HostGone()
         try:
             return trio.from_thread.run_sync(fn, *args, trio_token=token)
         except trio.RunFinishedError:
-            raise _HostGone() from None
+            raise HostGone() from None
 
     # ------------------------------------------------------------------ PeerHost (any thread)
 
@@ -1415,278 +915,3 @@ class PeerTier(PeerHost):
 
 def _done(state: str | None) -> bool:
     return bool(state) and (state == "present" or state.startswith("replicated"))  # type: ignore[union-attr]
-
-
-# ---------------------------------------------------------------------- cluster
-
-
-@dataclass
-class _Round:
-    restore_id: str
-    round: int
-    version: int
-
-
-class PeerCluster:
-    """The restore rounds of a multi-node job (:class:`tierfs.agent.Cluster`).
-
-    Args:
-        tier: the node's peer tier (client, address book, transfers).
-
-    Attributes:
-        fetch_backup: hook for the durable tier, ``async (agent, job, step,
-            backup) -> Shard | None``, used when the coordinator chose a step
-            from the bucket; None until the GCS tier sets it.
-    """
-
-    def __init__(self, tier: PeerTier) -> None:
-        self.tier = tier
-        self.fetch_backup: Callable[..., Any] | None = None
-        self._current: _Round | None = None
-
-    def _phase(self, agent: NodeAgent, text: str, **extra: Any) -> None:
-        agent.restore_state.update({"phase": text, **extra})
-
-    async def plan_restore(self, agent: NodeAgent, job: JobSpec) -> RestorePlan:
-        """Join the cluster's restore round and bring this node's shard of the chosen step.
-
-        Returns once every node has its data for the decided step (barrier
-        phase "ready"). Protocol contract: PROTOCOL.md section 4.
-
-        Raises:
-            RestoreTimeout: (protocol mode) nodes did not join or finish in
-                ``--join-timeout`` seconds; the reason is in replicator.errors.
-        """
-        from tierfs.agent import LocalCluster
-
-        self._current = None
-        if job.nodes <= 1 or not self.tier.has_plane():
-            return await LocalCluster().plan_restore(agent, job)
-        try:
-            return await self._plan(agent, job)
-        except RestoreTimeout:
-            if job.framework == control.GENERIC:
-                from tierfs.agent import RestorePlan
-                return RestorePlan(None, source="none")
-            raise
-
-    async def _plan(self, agent: NodeAgent, job: JobSpec) -> RestorePlan:
-        tier = self.tier
-        strict = job.framework != control.GENERIC
-        restore_id = uuid.uuid4().hex
-        self._phase(agent, "verifying local copies")
-        for shard in sorted(agent.shards_of(job.name), key=lambda s: s.key, reverse=True):
-            if shard.key in agent.catalog:
-                await agent.verify_shard(shard)
-        while True:
-            number = await self._join(agent, job, restore_id, strict)
-            while True:
-                view = await self._decide(agent, job, restore_id, number)
-                if view is None:
-                    break  # rejoin
-                plan, bad = await self._fetch(agent, job, view)
-                self._phase(agent, "waiting for the other nodes' data", round=number,
-                            step=plan.step if plan else None)
-                state = await self._barrier(agent, job, restore_id, number, view.version,
-                                            "ready", plan is not None, bad)
-                if state == "passed" and plan is not None:
-                    self._current = _Round(restore_id, number, view.version)
-                    if plan.shard is not None:
-                        tier._pin(plan.shard.key, +1)
-                        plan.detail["pinned"] = True
-                    plan.detail.update(round=number, reason=view.reason,
-                                       forced=view.restore_version or None)
-                    return plan
-                if state == "rejoin":
-                    break
-                # replan (a copy was bad somewhere): ask again
-
-    async def _join(self, agent: NodeAgent, job: JobSpec, restore_id: str, strict: bool) -> int:
-        tier = self.tier
-        start = trio.current_time()
-        delay = 0.2
-        last = ""
-        while True:
-            coord = await tier.find_coordinator(job)
-            if coord is None:
-                last = f"the coordinator was not found ({tier.rendezvous_note})"
-                self._phase(agent, f"looking for the coordinator: {tier.rendezvous_note}")
-            else:
-                fields = tier.join_fields(job)
-                try:
-                    reply = await tier.call(functools.partial(
-                        tier.client.join, coord, restore_id=restore_id,
-                        mode="protocol" if strict else "generic", **fields))
-                    tier.update_peers(reply.peers)
-                    self._phase(agent, "joined", round=reply.round, coordinator=coord)
-                    return int(reply.round)
-                except grpc.RpcError as exc:
-                    last = rpc_reason(exc)
-                    if rpc_code(exc) == grpc.StatusCode.UNAUTHENTICATED:
-                        last = "the coordinator refused the peer token"
-                    last = f"at {coord}: {last}"
-                    tier.coordinator_lost()
-                    self._phase(agent, f"joining the coordinator {last}")
-            if trio.current_time() - start > tier.join_timeout:
-                agent.report_error(f"restore: could not join the coordinator within "
-                                   f"{tier.join_timeout:.0f} s: {last}")
-                raise RestoreTimeout(last)
-            await trio.sleep(delay)
-            delay = min(delay * 2, 2.0)
-
-    async def _moved(self, job: JobSpec, address: str) -> bool:
-        """After a failed call to ``address``: did the coordinator move (bucket rendezvous)?"""
-        tier = self.tier
-        tier.coordinator_lost()
-        found = await tier.find_coordinator(job)
-        return found is not None and found != address
-
-    async def _decide(self, agent: NodeAgent, job: JobSpec, restore_id: str, number: int
-                      ) -> Any:
-        tier = self.tier
-        start = trio.current_time()
-        pb = tier.client.pb2.DecideReply
-        while True:
-            coord = tier.coordinator_address or ""
-            try:
-                view = await tier.call(tier.client.decide, coord, job.name, job.node_rank,
-                                       restore_id)
-            except grpc.RpcError as exc:
-                self._phase(agent, f"coordinator unreachable: {rpc_reason(exc)}")
-                if await self._moved(job, coord):
-                    return None  # the coordinator restarted elsewhere: join it
-                if trio.current_time() - start > tier.join_timeout:
-                    agent.report_error(f"restore: coordinator {coord} "
-                                       f"unreachable for {tier.join_timeout:.0f} s")
-                    raise RestoreTimeout(rpc_reason(exc)) from None
-                await trio.sleep(0.5)
-                continue
-            if view.state == pb.REJOIN:
-                return None
-            if view.state == pb.DECIDED:
-                step = None if view.step < 0 else int(view.step)
-                self._phase(agent, "decided", round=view.round, step=step, reason=view.reason,
-                            missing=[])
-                return view
-            missing = list(view.missing)
-            self._phase(agent, f"waiting for node-rank(s) {missing} to join", round=view.round,
-                        missing=missing)
-            if trio.current_time() - start > tier.join_timeout:
-                agent.report_error(f"restore: node-rank(s) {missing} did not join within "
-                                   f"{tier.join_timeout:.0f} s (job {job.name}, round "
-                                   f"{view.round}); no step can be agreed")
-                raise RestoreTimeout(f"node-rank(s) {missing} did not join")
-
-    async def _fetch(self, agent: NodeAgent, job: JobSpec, view: Any
-                     ) -> tuple[RestorePlan | None, list[CopyId]]:
-        from tierfs.agent import RestorePlan
-
-        tier = self.tier
-        if view.step < 0:
-            return RestorePlan(None, source="none"), []
-        step = int(view.step)
-        key = ShardKey(job.name, job.node_rank, step)
-        bad: list[CopyId] = []
-        if view.local:
-            shard = agent.catalog.get(key)
-            if shard is not None and (not view.digest or tier.digest(shard) == view.digest):
-                return RestorePlan(step, shard=shard, source="local"), []
-            bad.append((job.node_rank, job.node_rank, step))
-        for src in view.sources:
-            self._phase(agent, f"pulling step {step} from node-rank {src.holder}",
-                        source=f"peer:{src.holder}")
-            cancel = threading.Event()
-            try:
-                shard = await tier.pull(src.address, key, view.digest, cancel)
-            except (BadCopy, Refused) as exc:
-                tier.stats.add("corrupt_copies")
-                agent.report_error(f"restore: the copy of step {step} of rank {job.node_rank} "
-                                   f"on node-rank {src.holder} is bad ({exc}); trying another "
-                                   "copy")
-                bad.append((src.holder, job.node_rank, step))
-                continue
-            except (TransferError, grpc.RpcError, OSError) as exc:
-                log.warning("pulling %s from node-rank %d failed: %s", key, src.holder,
-                            rpc_reason(exc))
-                bad.append((src.holder, job.node_rank, step))
-                continue
-            finally:
-                cancel.set()
-            agent.add_shard(shard)
-            log.info("restored step %d of rank %d from node-rank %d (%d bytes, verified)",
-                     step, job.node_rank, src.holder, shard.bytes)
-            return RestorePlan(step, shard=shard, source=f"peer:{src.holder}"), []
-        if view.backup and self.fetch_backup is not None:
-            shard = await self.fetch_backup(agent, job, step, view.backup)
-            if shard is not None:
-                return RestorePlan(step, backup=view.backup, shard=shard, source="gcs"), []
-        agent.report_error(f"restore: no usable copy of step {step} for node-rank "
-                           f"{job.node_rank}; asking the coordinator for another step")
-        return None, bad
-
-    async def _barrier(self, agent: NodeAgent, job: JobSpec, restore_id: str, number: int,
-                       version: int, phase: str, ok: bool, bad: list[CopyId],
-                       timeout: float | None = None) -> str:
-        tier = self.tier
-        pb = tier.client.pb2.BarrierReply
-        start = trio.current_time()
-        limit = tier.join_timeout if timeout is None else timeout
-        while True:
-            coord = tier.coordinator_address or ""
-            try:
-                reply = await tier.call(functools.partial(
-                    tier.client.barrier, coord, bad, job=job.name, rank=job.node_rank,
-                    restore_id=restore_id, round=number, version=version, phase=phase, ok=ok))
-            except grpc.RpcError as exc:
-                self._phase(agent, f"coordinator unreachable: {rpc_reason(exc)}")
-                if await self._moved(job, coord):
-                    return "rejoin"  # the coordinator restarted elsewhere
-                if trio.current_time() - start > limit:
-                    agent.report_error(f"restore: coordinator {coord} "
-                                       f"unreachable for {limit:.0f} s")
-                    raise RestoreTimeout(rpc_reason(exc)) from None
-                await trio.sleep(0.5)
-                continue
-            if reply.state == pb.PASSED:
-                return "passed"
-            if reply.state == pb.REPLAN:
-                return "replan"
-            if reply.state == pb.REJOIN:
-                return "rejoin"
-            waiting = list(reply.waiting_for)
-            self._phase(agent, f"barrier {phase}: waiting for node-rank(s) {waiting}",
-                        waiting_for=waiting)
-            if not ok:
-                return "replan"
-            if trio.current_time() - start > limit:
-                agent.report_error(f"restore: node-rank(s) {waiting} did not reach the "
-                                   f"'{phase}' barrier within {limit:.0f} s")
-                raise RestoreTimeout(f"node-rank(s) {waiting} did not reach '{phase}'")
-
-    async def restore_done(self, agent: NodeAgent, job: JobSpec, plan: RestorePlan) -> None:
-        """Barrier phase "done": returns once every node wrote its prerestore.
-
-        Every node already has its data (phase "ready" passed in
-        :meth:`plan_restore`), so a coordinator lost at this point only
-        costs a warning: markers are published anyway.
-        """
-        cur, self._current = self._current, None
-        try:
-            if cur is None:
-                return
-            try:
-                state = await self._barrier(agent, job, cur.restore_id, cur.round, cur.version,
-                                            "done", True, [], timeout=min(
-                                                self.tier.join_timeout, 60.0))
-            except RestoreTimeout as exc:
-                log.warning("restore-done barrier: %s; publishing anyway", exc)
-                return
-            if state != "passed":
-                log.warning("restore-done barrier answered %s; publishing anyway", state)
-        finally:
-            if plan.shard is not None and plan.detail.pop("pinned", False):
-                self.tier._pin(plan.shard.key, -1)
-
-
-__all__ = ["PeerClient", "PeerCluster", "PeerServicer", "PeerTier", "RestoreTimeout",
-           "WireStats"]

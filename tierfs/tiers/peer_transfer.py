@@ -3,6 +3,9 @@
 Both sides of PushShard and PullShard use these; they block (file I/O and
 crc32c), so they run in gRPC server threads or ``trio.to_thread`` workers,
 never on the trio/FUSE thread. No gRPC here: tests drive them directly.
+Threads that move a replica's bytes lower their priority
+(:func:`set_thread_nice`, :data:`REPLICATION_NICE`) so a trainer on the node
+keeps its CPU.
 
 Receiving (:class:`ShardReceiver`) writes into ``store/incoming/<id>/data``:
 
@@ -16,21 +19,39 @@ Receiving (:class:`ShardReceiver`) writes into ``store/incoming/<id>/data``:
   (:func:`tierfs.manifest.check_entries`);
 * at the end every file's size and crc32c must equal the manifest's; only
   then may the caller commit (:meth:`tierfs.tiers.local.ShardStore.commit`).
+
+The manifest itself must parse (:func:`parse_manifest`) and describe the
+shard the stream announced (:func:`check_identity`).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import google_crc32c
 
 from tierfs.manifest import FileEntry, Manifest, ManifestError, check_entries, check_path
-from tierfs.tiers.local import link_tree
+from tierfs.tiers.local import ShardKey, link_tree
 
 CHUNK = 4 << 20
+
+#: nice value of threads that move replicas (a trainer on the node keeps priority)
+REPLICATION_NICE = 10
+
+
+def set_thread_nice(value: int) -> int | None:
+    """Set this thread's nice value (Linux: per thread); returns the old one, None if refused."""
+    tid = threading.get_native_id()
+    try:
+        old = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, value)
+        return old
+    except OSError:
+        return None
 
 
 class TransferError(Exception):
@@ -231,6 +252,23 @@ class ShardReceiver:
                 st.fd = -1
         self._current = None
         shutil.rmtree(self.incoming, ignore_errors=True)
+
+
+def parse_manifest(data: bytes) -> Manifest:
+    """The manifest a sender sent, parsed (:class:`Refused` if it does not parse)."""
+    try:
+        return Manifest.from_json(data)
+    except ManifestError as exc:
+        raise Refused(f"bad manifest: {exc}") from None
+
+
+def check_identity(m: Manifest, key: ShardKey, digest: str) -> None:
+    """Refuse a manifest of another shard than ``key``; :class:`BadCopy` if its digest is
+    not the announced ``digest`` (empty: not checked)."""
+    if (m.job, m.rank, m.step) != (key.job, key.rank, key.step):
+        raise Refused(f"manifest is for {m.job}/n{m.rank}/s{m.step}, not {key}")
+    if digest and m.digest != digest:
+        raise BadCopy(f"manifest digest {m.digest} != announced {digest}")
 
 
 def link_copy(src_data: str, incoming: str) -> None:

@@ -8,17 +8,26 @@ Authentication: every call carries the shared token (``--peer-token``,
 :data:`TOKEN_HEADER`; :class:`TokenInterceptor` answers UNAUTHENTICATED to
 any call without the right one. A node without a token accepts only calls
 without one (a cluster either uses a token everywhere or nowhere).
+
+Both sides also share :func:`held_shard` (a node's holding as a ``HeldShard``
+message), the counters of bytes and calls (:class:`WireStats`) and a
+hand-made encoding of data chunks (:func:`encode_chunk`).
 """
 
 from __future__ import annotations
 
+import collections
 import hmac
+import threading
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from tierfs.protos import load_proto
+
+if TYPE_CHECKING:
+    from tierfs.coordinator import Holding
 
 #: the proto file, relative to the directory that holds the ``tierfs`` package
 PROTO_PATH = "tierfs/tiers/peer.proto"
@@ -107,6 +116,36 @@ def same_endpoint(a: str | None, b: str | None) -> bool:
         return host, port
 
     return norm(a) == norm(b)
+
+
+def held_shard(pb2: Any, h: Holding) -> Any:
+    """The ``HeldShard`` message describing ``h`` (inventories, Join and Sync requests)."""
+    return pb2.HeldShard(rank=h.rank, step=h.step, verified=h.verified, digest=h.digest,
+                         bytes=h.bytes, name=h.name, backup_requested=h.backup_requested)
+
+
+# ---------------------------------------------------------------------- stats
+
+
+class WireStats:
+    """Byte and call counters of the peer plane (thread-safe; shown in the status)."""
+
+    FIELDS = ("sent_bytes", "received_bytes", "pushes_sent", "pushes_received",
+              "manifest_only_sent", "manifest_only_received", "manifest_bytes_sent",
+              "pulls_served", "served_bytes",
+              "pulls", "pulled_bytes", "corrupt_copies", "refused")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._c: collections.Counter[str] = collections.Counter()
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._c[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {f: self._c.get(f, 0) for f in self.FIELDS}
 
 
 # ---------------------------------------------------------------------- fast path

@@ -1,0 +1,310 @@
+"""Restoring a multi-node job through its peers: the restore rounds of one node.
+
+PROTOCOL.md section 4. :class:`PeerCluster` is the agent's
+:class:`tierfs.agent.Cluster` when the node has a peer plane: verify what
+this node holds, join the coordinator's round, get the decision, pull the
+own shard from a holder if it is not local (verifying every crc32c; a
+corrupt copy is reported and the next one used, or the coordinator chooses
+again without it), then the two barrier phases ("ready" before the
+prerestore file, "done" before the markers). It works through the node's
+:class:`tierfs.tiers.peer.PeerTier` (client, address book, transfers), on
+the trio thread; every call runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import trio
+
+from tierfs import control
+from tierfs.coordinator import CopyId
+from tierfs.tiers.local import ShardKey
+from tierfs.tiers.peer_client import rpc_code, rpc_reason
+from tierfs.tiers.peer_transfer import BadCopy, Refused, TransferError
+
+if TYPE_CHECKING:
+    from tierfs.agent import NodeAgent, RestorePlan
+    from tierfs.control import JobSpec
+    from tierfs.tiers.peer import PeerTier
+
+log = logging.getLogger(__name__)
+
+
+class RestoreTimeout(Exception):
+    """The cluster did not reach the next restore phase within ``--join-timeout``."""
+
+
+@dataclass
+class _Round:
+    restore_id: str
+    round: int
+    version: int
+
+
+class PeerCluster:
+    """The restore rounds of a multi-node job (:class:`tierfs.agent.Cluster`).
+
+    Args:
+        tier: the node's peer tier (client, address book, transfers).
+
+    Attributes:
+        fetch_backup: hook for the durable tier, ``async (agent, job, step,
+            backup) -> Shard | None``, used when the coordinator chose a step
+            from the bucket; None until the GCS tier sets it.
+    """
+
+    def __init__(self, tier: PeerTier) -> None:
+        self.tier = tier
+        self.fetch_backup: Callable[..., Any] | None = None
+        self._current: _Round | None = None
+
+    def _phase(self, agent: NodeAgent, text: str, **extra: Any) -> None:
+        agent.restore_state.update({"phase": text, **extra})
+
+    async def plan_restore(self, agent: NodeAgent, job: JobSpec) -> RestorePlan:
+        """Join the cluster's restore round and bring this node's shard of the chosen step.
+
+        Returns once every node has its data for the decided step (barrier
+        phase "ready"). Protocol contract: PROTOCOL.md section 4.
+
+        Raises:
+            RestoreTimeout: (protocol mode) nodes did not join or finish in
+                ``--join-timeout`` seconds; the reason is in replicator.errors.
+        """
+        from tierfs.agent import LocalCluster
+
+        self._current = None
+        if job.nodes <= 1 or not self.tier.has_plane():
+            return await LocalCluster().plan_restore(agent, job)
+        try:
+            return await self._plan(agent, job)
+        except RestoreTimeout:
+            if job.framework == control.GENERIC:
+                from tierfs.agent import RestorePlan
+                return RestorePlan(None, source="none")
+            raise
+
+    async def _plan(self, agent: NodeAgent, job: JobSpec) -> RestorePlan:
+        tier = self.tier
+        strict = job.framework != control.GENERIC
+        restore_id = uuid.uuid4().hex
+        self._phase(agent, "verifying local copies")
+        for shard in sorted(agent.shards_of(job.name), key=lambda s: s.key, reverse=True):
+            if shard.key in agent.catalog:
+                await agent.verify_shard(shard)
+        while True:
+            number = await self._join(agent, job, restore_id, strict)
+            while True:
+                view = await self._decide(agent, job, restore_id, number)
+                if view is None:
+                    break  # rejoin
+                plan, bad = await self._fetch(agent, job, view)
+                self._phase(agent, "waiting for the other nodes' data", round=number,
+                            step=plan.step if plan else None)
+                state = await self._barrier(agent, job, restore_id, number, view.version,
+                                            "ready", plan is not None, bad)
+                if state == "passed" and plan is not None:
+                    self._current = _Round(restore_id, number, view.version)
+                    if plan.shard is not None:
+                        tier._pin(plan.shard.key, +1)
+                        plan.detail["pinned"] = True
+                    plan.detail.update(round=number, reason=view.reason,
+                                       forced=view.restore_version or None)
+                    return plan
+                if state == "rejoin":
+                    break
+                # replan (a copy was bad somewhere): ask again
+
+    async def _join(self, agent: NodeAgent, job: JobSpec, restore_id: str, strict: bool) -> int:
+        tier = self.tier
+        start = trio.current_time()
+        delay = 0.2
+        last = ""
+        while True:
+            coord = await tier.find_coordinator(job)
+            if coord is None:
+                last = f"the coordinator was not found ({tier.rendezvous_note})"
+                self._phase(agent, f"looking for the coordinator: {tier.rendezvous_note}")
+            else:
+                fields = tier.join_fields(job)
+                try:
+                    reply = await tier.call(functools.partial(
+                        tier.client.join, coord, restore_id=restore_id,
+                        mode="protocol" if strict else "generic", **fields))
+                    tier.update_peers(reply.peers)
+                    self._phase(agent, "joined", round=reply.round, coordinator=coord)
+                    return int(reply.round)
+                except grpc.RpcError as exc:
+                    last = rpc_reason(exc)
+                    if rpc_code(exc) == grpc.StatusCode.UNAUTHENTICATED:
+                        last = "the coordinator refused the peer token"
+                    last = f"at {coord}: {last}"
+                    tier.coordinator_lost()
+                    self._phase(agent, f"joining the coordinator {last}")
+            if trio.current_time() - start > tier.join_timeout:
+                agent.report_error(f"restore: could not join the coordinator within "
+                                   f"{tier.join_timeout:.0f} s: {last}")
+                raise RestoreTimeout(last)
+            await trio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def _moved(self, job: JobSpec, address: str) -> bool:
+        """After a failed call to ``address``: did the coordinator move (bucket rendezvous)?"""
+        tier = self.tier
+        tier.coordinator_lost()
+        found = await tier.find_coordinator(job)
+        return found is not None and found != address
+
+    async def _decide(self, agent: NodeAgent, job: JobSpec, restore_id: str, number: int
+                      ) -> Any:
+        tier = self.tier
+        start = trio.current_time()
+        pb = tier.client.pb2.DecideReply
+        while True:
+            coord = tier.coordinator_address or ""
+            try:
+                view = await tier.call(tier.client.decide, coord, job.name, job.node_rank,
+                                       restore_id)
+            except grpc.RpcError as exc:
+                self._phase(agent, f"coordinator unreachable: {rpc_reason(exc)}")
+                if await self._moved(job, coord):
+                    return None  # the coordinator restarted elsewhere: join it
+                if trio.current_time() - start > tier.join_timeout:
+                    agent.report_error(f"restore: coordinator {coord} "
+                                       f"unreachable for {tier.join_timeout:.0f} s")
+                    raise RestoreTimeout(rpc_reason(exc)) from None
+                await trio.sleep(0.5)
+                continue
+            if view.state == pb.REJOIN:
+                return None
+            if view.state == pb.DECIDED:
+                step = None if view.step < 0 else int(view.step)
+                self._phase(agent, "decided", round=view.round, step=step, reason=view.reason,
+                            missing=[])
+                return view
+            missing = list(view.missing)
+            self._phase(agent, f"waiting for node-rank(s) {missing} to join", round=view.round,
+                        missing=missing)
+            if trio.current_time() - start > tier.join_timeout:
+                agent.report_error(f"restore: node-rank(s) {missing} did not join within "
+                                   f"{tier.join_timeout:.0f} s (job {job.name}, round "
+                                   f"{view.round}); no step can be agreed")
+                raise RestoreTimeout(f"node-rank(s) {missing} did not join")
+
+    async def _fetch(self, agent: NodeAgent, job: JobSpec, view: Any
+                     ) -> tuple[RestorePlan | None, list[CopyId]]:
+        from tierfs.agent import RestorePlan
+
+        tier = self.tier
+        if view.step < 0:
+            return RestorePlan(None, source="none"), []
+        step = int(view.step)
+        key = ShardKey(job.name, job.node_rank, step)
+        bad: list[CopyId] = []
+        if view.local:
+            shard = agent.catalog.get(key)
+            if shard is not None and (not view.digest or tier.digest(shard) == view.digest):
+                return RestorePlan(step, shard=shard, source="local"), []
+            bad.append((job.node_rank, job.node_rank, step))
+        for src in view.sources:
+            self._phase(agent, f"pulling step {step} from node-rank {src.holder}",
+                        source=f"peer:{src.holder}")
+            cancel = threading.Event()
+            try:
+                shard = await tier.pull(src.address, key, view.digest, cancel)
+            except (BadCopy, Refused) as exc:
+                tier.stats.add("corrupt_copies")
+                agent.report_error(f"restore: the copy of step {step} of rank {job.node_rank} "
+                                   f"on node-rank {src.holder} is bad ({exc}); trying another "
+                                   "copy")
+                bad.append((src.holder, job.node_rank, step))
+                continue
+            except (TransferError, grpc.RpcError, OSError) as exc:
+                log.warning("pulling %s from node-rank %d failed: %s", key, src.holder,
+                            rpc_reason(exc))
+                bad.append((src.holder, job.node_rank, step))
+                continue
+            finally:
+                cancel.set()
+            agent.add_shard(shard)
+            log.info("restored step %d of rank %d from node-rank %d (%d bytes, verified)",
+                     step, job.node_rank, src.holder, shard.bytes)
+            return RestorePlan(step, shard=shard, source=f"peer:{src.holder}"), []
+        if view.backup and self.fetch_backup is not None:
+            shard = await self.fetch_backup(agent, job, step, view.backup)
+            if shard is not None:
+                return RestorePlan(step, backup=view.backup, shard=shard, source="gcs"), []
+        agent.report_error(f"restore: no usable copy of step {step} for node-rank "
+                           f"{job.node_rank}; asking the coordinator for another step")
+        return None, bad
+
+    async def _barrier(self, agent: NodeAgent, job: JobSpec, restore_id: str, number: int,
+                       version: int, phase: str, ok: bool, bad: list[CopyId],
+                       timeout: float | None = None) -> str:
+        tier = self.tier
+        pb = tier.client.pb2.BarrierReply
+        start = trio.current_time()
+        limit = tier.join_timeout if timeout is None else timeout
+        while True:
+            coord = tier.coordinator_address or ""
+            try:
+                reply = await tier.call(functools.partial(
+                    tier.client.barrier, coord, bad, job=job.name, rank=job.node_rank,
+                    restore_id=restore_id, round=number, version=version, phase=phase, ok=ok))
+            except grpc.RpcError as exc:
+                self._phase(agent, f"coordinator unreachable: {rpc_reason(exc)}")
+                if await self._moved(job, coord):
+                    return "rejoin"  # the coordinator restarted elsewhere
+                if trio.current_time() - start > limit:
+                    agent.report_error(f"restore: coordinator {coord} "
+                                       f"unreachable for {limit:.0f} s")
+                    raise RestoreTimeout(rpc_reason(exc)) from None
+                await trio.sleep(0.5)
+                continue
+            if reply.state == pb.PASSED:
+                return "passed"
+            if reply.state == pb.REPLAN:
+                return "replan"
+            if reply.state == pb.REJOIN:
+                return "rejoin"
+            waiting = list(reply.waiting_for)
+            self._phase(agent, f"barrier {phase}: waiting for node-rank(s) {waiting}",
+                        waiting_for=waiting)
+            if not ok:
+                return "replan"
+            if trio.current_time() - start > limit:
+                agent.report_error(f"restore: node-rank(s) {waiting} did not reach the "
+                                   f"'{phase}' barrier within {limit:.0f} s")
+                raise RestoreTimeout(f"node-rank(s) {waiting} did not reach '{phase}'")
+
+    async def restore_done(self, agent: NodeAgent, job: JobSpec, plan: RestorePlan) -> None:
+        """Barrier phase "done": returns once every node wrote its prerestore.
+
+        Every node already has its data (phase "ready" passed in
+        :meth:`plan_restore`), so a coordinator lost at this point only
+        costs a warning: markers are published anyway.
+        """
+        cur, self._current = self._current, None
+        try:
+            if cur is None:
+                return
+            try:
+                state = await self._barrier(agent, job, cur.restore_id, cur.round, cur.version,
+                                            "done", True, [], timeout=min(
+                                                self.tier.join_timeout, 60.0))
+            except RestoreTimeout as exc:
+                log.warning("restore-done barrier: %s; publishing anyway", exc)
+                return
+            if state != "passed":
+                log.warning("restore-done barrier answered %s; publishing anyway", state)
+        finally:
+            if plan.shard is not None and plan.detail.pop("pinned", False):
+                self.tier._pin(plan.shard.key, -1)
