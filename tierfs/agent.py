@@ -15,6 +15,9 @@ policy modules (:mod:`tierfs.control`, :mod:`tierfs.sealing`,
 * The client renames a restore marker: the step is presented as a real
   directory afterwards (Orbax's rmtree-based GC cannot delete a symlink).
 
+What the client sees is changed through a :class:`tierfs.view.ClientView`:
+hiding entries, control files, restore markers and their sibling entries.
+
 Concurrency: the ``FsEvents`` callbacks run on the FUSE thread and only touch
 dicts and a memory channel. Everything else runs in trio tasks on the same
 thread (serialized by ``_control_lock`` where it matters) or in worker
@@ -40,12 +43,12 @@ import trio
 from tierfs import control
 from tierfs.config import NodeConfig
 from tierfs.control import ControlError, JobSpec
-from tierfs.fs import syscalls
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.ramstore import TRASH_GRACE, Budget, RamStore
 from tierfs.manifest import CrcCache
 from tierfs.sealing import SealCandidate, SealRules
-from tierfs.tiers.local import SealBusy, Shard, ShardKey, ShardStore, link_tree, retention
+from tierfs.tiers.local import SealBusy, Shard, ShardKey, ShardStore, retention
+from tierfs.view import SIBLING_GRACE, ClientView, Published
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +58,6 @@ STATE_VERSION = 1
 DEFAULT_JOB = "default"
 #: seconds an expired step stays visible before retention hides it (protocol mode)
 VIEW_RETENTION_GRACE = 10.0
-#: seconds the entry a renamed restore marker pointed at stays (readers mid-walk)
-SIBLING_GRACE = 60.0
 
 
 # ---------------------------------------------------------------------- events
@@ -115,38 +116,6 @@ class AgentEvents:
         if path is not None:
             self.agent.bump(_top(path))
         self.agent.post(Released(path, ino))
-
-
-class BackingView:
-    """:class:`~tierfs.sealing.ViewProbe` over the view directory on tmpfs."""
-
-    def __init__(self, root: str) -> None:
-        self.root = root
-
-    def _p(self, path: str) -> str:
-        return os.path.join(self.root, path) if path else self.root
-
-    def is_dir(self, path: str) -> bool:
-        try:
-            return stat.S_ISDIR(os.lstat(self._p(path)).st_mode)
-        except OSError:
-            return False
-
-    def exists(self, path: str) -> bool:
-        return os.path.lexists(self._p(path))
-
-    def read_text(self, path: str, limit: int = 256) -> str | None:
-        try:
-            with open(self._p(path), "rb") as f:
-                return f.read(limit).decode(errors="replace")
-        except OSError:
-            return None
-
-    def listdir(self, path: str) -> list[str]:
-        try:
-            return os.listdir(self._p(path))
-        except OSError:
-            return []
 
 
 # ---------------------------------------------------------------------- cluster
@@ -213,16 +182,6 @@ class Tier(Protocol):
 # ---------------------------------------------------------------------- agent
 
 
-@dataclass
-class Published:
-    """A restore marker the agent published and the sibling entry it points at."""
-
-    marker: str
-    sibling: str
-    key: ShardKey
-    entry: str
-
-
 class NodeAgent:
     """Job state machine of one node.
 
@@ -237,7 +196,7 @@ class NodeAgent:
         self.store = store
         self.budget = budget
         self.shards = ShardStore(store)
-        self.view = BackingView(store.view)
+        self.view = ClientView(store)
         self.ns: Namespace | None = None
         self.started = time.time()
         self.catalog: dict[ShardKey, Shard] = {}
@@ -248,7 +207,6 @@ class NodeAgent:
         self.view_steps: dict[str, ShardKey] = {}
         self.pending: dict[str, SealCandidate] = {}
         self.withdrawn_names: dict[str, ShardKey] = {}
-        self.published: dict[str, Published] = {}
         self.crc_cache: CrcCache = {}
         self.job: JobSpec | None = None
         self.mode = "none"
@@ -291,6 +249,7 @@ class NodeAgent:
     def attach(self, ns: Namespace) -> None:
         """Bind the namespace and prepare the daemon-managed ``.tierfs/`` directory."""
         self.ns = ns
+        self.view.attach(ns)
         control_dir = os.path.join(self.store.view, CONTROL_DIR)
         os.makedirs(control_dir, exist_ok=True)
         os.chmod(control_dir, 0o755)
@@ -443,7 +402,7 @@ class NodeAgent:
             "job": self.job.to_dict() if self.job else None,
             "view_steps": {n: [k.job, k.rank, k.step] for n, k in self.view_steps.items()},
             "published": {m: [p.sibling, p.key.job, p.key.rank, p.key.step, p.entry]
-                          for m, p in self.published.items()},
+                          for m, p in self.view.published.items()},
             "restore": self.restore_state,
         }
         control.atomic_write(self.store.store, "state.json",
@@ -465,7 +424,7 @@ class NodeAgent:
                            for n, (j, r, s) in state.get("view_steps", {}).items()
                            if os.path.lexists(os.path.join(self.store.view, n))}
         for m, (sib, j, r, s, entry) in state.get("published", {}).items():
-            self.published[m] = Published(m, sib, ShardKey(j, int(r), int(s)), entry)
+            self.view.published[m] = Published(m, sib, ShardKey(j, int(r), int(s)), entry)
         self.restore_state = state.get("restore", {"state": "idle"})
 
     # ------------------------------------------------------------------ main loop
@@ -559,9 +518,9 @@ class NodeAgent:
         if ev.new == control.REPLICATOR_YAML:
             self._start_control()
             return
-        pub = self.published.get(ev.old)
+        pub = self.view.published.get(ev.old)
         if pub is not None and stat.S_ISLNK(ev.mode) and "/" not in ev.new:
-            del self.published[ev.old]
+            del self.view.published[ev.old]
             self._spawn(self._materialize, ev.new, pub)
             return
         old_top, new_top = _top(ev.old), _top(ev.new)
@@ -713,7 +672,7 @@ class NodeAgent:
 
     def pinned(self) -> set[ShardKey]:
         """Shards some tier still needs, plus the ones a published marker points at."""
-        keep = {p.key for p in self.published.values()}
+        keep = {p.key for p in self.view.published.values()}
         for tier in self.tiers:
             keep |= tier.pinned()
         return keep
@@ -738,16 +697,7 @@ class NodeAgent:
         await trio.sleep(VIEW_RETENTION_GRACE)
         if self.view_steps.get(name) == key and key not in self.catalog:
             del self.view_steps[name]
-            await trio.to_thread.run_sync(self._hide, name)
-
-    def _hide(self, name: str) -> None:
-        path = os.path.join(self.store.view, name)
-        if os.path.lexists(path):
-            try:
-                self.store.to_trash(path)
-            except OSError as exc:
-                log.warning("hiding %s: %s", name, exc)
-            self._notify(name)
+            await trio.to_thread.run_sync(self.view.hide, name)
 
     # ------------------------------------------------------------------ control file
 
@@ -769,16 +719,16 @@ class NodeAgent:
             try:
                 job = control.parse_replicator_yaml(text)
             except ControlError as exc:
-                await trio.to_thread.run_sync(self._clear_error_files)
+                await trio.to_thread.run_sync(self.view.clear_error_files)
                 self.report_failure(str(exc))
-                await trio.to_thread.run_sync(self._delete_control)
+                await trio.to_thread.run_sync(self.view.delete_control)
                 return
             if job is None:
                 log.info("empty replicator.yaml: reset")
                 self._set_job(self._generic_job(), "generic")
-                self.published.clear()
+                self.view.published.clear()
                 self.restore_state = {"state": "idle"}
-                await trio.to_thread.run_sync(self._delete_control)
+                await trio.to_thread.run_sync(self.view.delete_control)
                 self._save_state()
                 return
             restarted = self.mode == "protocol"
@@ -788,36 +738,14 @@ class NodeAgent:
             self._set_job(job, "protocol")
             self.timeline_since = time.time()
             self.pending.clear()
-            self.published.clear()
+            self.view.published.clear()
             self.restore_state = {"state": "cleanup", "since": time.time()}
-            await trio.to_thread.run_sync(self._cleanup_view)
+            await trio.to_thread.run_sync(self.view.cleanup, self.view_steps)
             for warning in job.warnings:
                 self.report_error(warning)
             self._save_state()
-            await trio.to_thread.run_sync(self._delete_control)
+            await trio.to_thread.run_sync(self.view.delete_control)
             self._spawn(self._restore, job)
-
-    def _clear_error_files(self) -> None:
-        for name in (control.REPLICATOR_FAILED, control.REPLICATOR_ERRORS):
-            self._hide(name)
-
-    def _delete_control(self) -> None:
-        try:
-            os.unlink(os.path.join(self.store.view, control.REPLICATOR_YAML))
-        except FileNotFoundError:
-            pass
-        self._notify(control.REPLICATOR_YAML)
-
-    def _cleanup_view(self) -> None:
-        """Hide every client-visible entry but the control files (PROTOCOL.md section 2).
-
-        Sealed data stays in the store; the entries only leave the client's view.
-        """
-        for name in os.listdir(self.store.view):
-            if name in control.KEPT_ON_CLEANUP:
-                continue
-            self.view_steps.pop(name, None)
-            self._hide(name)
 
     # ------------------------------------------------------------------ restore
 
@@ -840,18 +768,18 @@ class NodeAgent:
         plan = await self.cluster.plan_restore(self, job)
         step = plan.step or None
         await trio.to_thread.run_sync(
-            self._write_file, control.REPLICATOR_PRERESTORE,
+            self.view.write_file, control.REPLICATOR_PRERESTORE,
             control.prerestore_text(step, plan.backup).encode())
         self.restore_state = {"state": "barrier", "step": step, "source": plan.source,
                               "since": time.time()}
         await self.cluster.restore_done(self, job, plan)
         if step is None or plan.shard is None:
             await trio.to_thread.run_sync(
-                self._write_file, control.marker_name(job.name, 0, job.node_rank, 0), b"")
+                self.view.write_file, control.marker_name(job.name, 0, job.node_rank, 0), b"")
             self.restore_state = {"state": "done", "step": None, "at": time.time()}
             log.info("nothing to restore: published the empty s0 marker")
             return
-        await trio.to_thread.run_sync(self._publish, job, plan.shard)
+        await trio.to_thread.run_sync(self.view.publish, job, plan.shard)
         self.restore_state = {"state": "done", "step": step, "source": plan.source,
                               "backup": plan.backup, "at": time.time()}
         log.info("restore of step %d published (%s)", step, plan.source)
@@ -870,19 +798,7 @@ class NodeAgent:
             self.restore_state = {"state": "done", "step": None, "at": time.time()}
             return
         shard = plan.shard
-
-        def work() -> list[str]:
-            missing = [e for e in shard.manifest.top_level if not self.view.exists(e)]
-            if not missing:
-                return []
-            created = []
-            for entry in missing:
-                link_tree(os.path.join(shard.data, entry), os.path.join(self.store.view, entry))
-                created.append(entry)
-                self._notify(entry)
-            return created
-
-        created = await trio.to_thread.run_sync(work)
+        created = await trio.to_thread.run_sync(self.view.link_missing, shard)
         self.view_steps[shard.manifest.name] = shard.key
         self.restore_state = {"state": "done", "step": shard.key.step, "source": plan.source,
                               "backup": plan.backup, "at": time.time(), "created": created}
@@ -891,78 +807,16 @@ class NodeAgent:
                      ", ".join(created), plan.source)
         self._save_state()
 
-    def _write_file(self, name: str, data: bytes) -> None:
-        control.atomic_write(self.store.view, name, data)
-        self._notify(name)
-
-    def _publish(self, job: JobSpec, shard: Shard) -> None:
-        """Link the shard into the view under sibling names and publish the markers."""
-        step = shard.key.step
-        for clash in (str(step), f"step={step}"):
-            self._hide(clash)
-        entries = shard.manifest.top_level
-        if job.framework == "pytorch":
-            workers = [(int(control.SAVE_FILE_RE.match(e)["worker"]), e)  # type: ignore[index]
-                       for e in entries if control.SAVE_FILE_RE.match(e)]
-        else:
-            workers = [(0, shard.manifest.name)]
-        for worker, entry in workers:
-            marker = control.marker_name(job.name, step, job.node_rank, worker)
-            sibling = f".{job.name}-s{step}-n{job.node_rank}-w{worker}.data"
-            for name in (sibling, marker):
-                self._hide(name)
-            link_tree(os.path.join(shard.data, entry), os.path.join(self.store.view, sibling))
-            self.published[marker] = Published(marker, sibling, shard.key, entry)
-            tmp = f".{marker}.tierfs-tmp"
-            os.symlink(sibling, os.path.join(self.store.view, tmp))
-            os.rename(os.path.join(self.store.view, tmp),
-                      os.path.join(self.store.view, marker))
-            self._notify(sibling)
-            self._notify(marker)
-
     async def _materialize(self, name: str, pub: Published) -> None:
-        """After the client renamed a marker to ``name``: make ``name`` a real entry.
-
-        The symlink and the real entry are swapped with RENAME_EXCHANGE while
-        the sibling stays valid, the kernel's cached entry is invalidated
-        (waiting for it), and only then is the sibling removed; a client that
-        resolves ``name`` at any moment reaches the same bytes.
-        """
-        view = self.store.view
+        """After the client renamed a marker to ``name``: make ``name`` a real entry
+        (:meth:`tierfs.view.ClientView.materialize`), then retire the sibling."""
         shard = self.catalog.get(pub.key)
-
-        def work() -> bool:
-            path = os.path.join(view, name)
-            try:
-                if os.readlink(path) != pub.sibling:
-                    return False
-            except OSError:
-                return False
-            tmp = f".tierfs-mat-{uuid.uuid4().hex[:8]}"
-            source = os.path.join(shard.data, pub.entry) if shard else os.path.join(
-                view, pub.sibling)
-            link_tree(source, os.path.join(view, tmp))
-            fd = os.open(view, os.O_PATH | os.O_DIRECTORY)
-            try:
-                syscalls.renameat2(fd, name.encode(), fd, tmp.encode(), 2)  # RENAME_EXCHANGE
-            finally:
-                os.close(fd)
-            if self.ns is not None:
-                self.ns.notify_changed(name, wait=True)
-            os.unlink(os.path.join(view, tmp))
-            return True
-
-        if await trio.to_thread.run_sync(work):
+        if await trio.to_thread.run_sync(self.view.materialize, name, pub, shard):
             self.view_steps[name] = pub.key
             log.info("restored step %d presented as %s", pub.key.step, name)
             # the sibling stays a while for readers that resolved the symlink before
-            self._spawn(self._hide_after, pub.sibling, SIBLING_GRACE)
+            self._spawn(self.view.hide_after, pub.sibling, SIBLING_GRACE)
         self._save_state()
-
-    async def _hide_after(self, name: str, delay: float) -> None:
-        await trio.sleep(delay)
-        if name not in {p.sibling for p in self.published.values()}:
-            await trio.to_thread.run_sync(self._hide, name)
 
     # ------------------------------------------------------------------ status
 
