@@ -473,15 +473,18 @@ class NodeAgent:
         self._notify(control.JAX_INIT_INFO)
 
     async def _count_budget(self) -> None:
-        """Managed budget: count the store in a worker thread, so deletions free budget.
+        """Count the store in a worker thread.
 
-        Every 5 s, or every 0.5 s while the budget is nearly used up or a write
-        was just refused.
+        Managed budget: every 5 s, or every 0.5 s while the budget is nearly
+        used up or a write was just refused, so deletions free budget quickly.
+        Native budget: every 30 s, to re-anchor the usage estimate shown in
+        status (others' use of a shared tmpfs changes under it).
         """
-        if self.budget.native:
-            return
         while True:
-            await trio.sleep(0.5 if self.budget.wants_recount else 5.0)
+            if self.budget.native:
+                await trio.sleep(30.0)
+            else:
+                await trio.sleep(0.5 if self.budget.wants_recount else 5.0)
             async with self._io_limiter:
                 await trio.to_thread.run_sync(self.budget.recount)
 

@@ -280,6 +280,11 @@ class Demo:
                 raise DemoError(f"trainer {node.rank} exited with {code}; see "
                                 f"{self.out / 'logs' / f'trainer{node.rank}.log'}")
 
+    def kill_trainer(self, node: Node) -> None:
+        if node.trainer is not None and node.trainer.poll() is None:
+            node.trainer.kill()
+            node.trainer.wait()
+
     def kill_trainers(self) -> None:
         for node in self.nodes:
             if node.trainer is not None and node.trainer.poll() is None:
@@ -367,6 +372,9 @@ class Demo:
             self.wait_until(lambda: self.step_fact("replicated", kill_after)
                             and self.last_loss_step() > kill_after,
                             f"step {kill_after} replicated")
+            # the victim's trainer dies first: once its mount is gone, a trainer
+            # still saving would write into the bare mountpoint directory
+            self.kill_trainer(victim)
             self.kill_daemon(victim)
             self.kill_trainers()
             self.wipe(victim)

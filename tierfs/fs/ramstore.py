@@ -130,7 +130,8 @@ class Budget:
         """Bytes the store holds now.
 
         Managed mode: the store's own count. Native mode: the filesystem's
-        usage minus what others used when the daemon started (an estimate).
+        usage minus what others used at the last count (an estimate between
+        counts, re-anchored by :meth:`remeasure`).
         """
         if not self.native:
             return self._base + self._grown
@@ -166,10 +167,14 @@ class Budget:
         self._base = counted
         self._grown = max(0, self._grown - grown_before)
         self._refused = False
+        if self.native:
+            # re-anchor the estimate: others' usage is the filesystem's minus ours
+            vfs = os.statvfs(self.root)
+            self.foreign = max(0, (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize - counted)
 
     def recount(self) -> None:
         """Count the store again and install the result (blocking: a worker thread)."""
-        if self._recount is None or self.native:
+        if self._recount is None:
             return
         before = self._grown
         self.remeasure(self._recount(), before)
