@@ -137,11 +137,14 @@ def test_unknown_keys_warn_and_empty_file_resets(mount):
     assert orbax_initialize(d, orbax_yaml("job", 0, 1) + "\nfancy: 1") is None
     # orbax_initialize consumed replicator.errors; look at the daemon's status instead
     assert any("unknown key 'fancy'" in e for e in status(d)["errors"])
+    # a restore leaves its marker and prerestore; a reset takes them back
+    (d / "job-s0-n0-w0.restore").write_bytes(b"")
     with open(d / "replicator.yaml", "w"):
         pass
     wait_for(lambda: not (d / "replicator.yaml").exists(), 10, "empty yaml consumed")
     assert status(d)["mode"] == "generic"
-    assert not any(n.endswith(".restore") for n in os.listdir(d))
+    wait_for(lambda: not any(n.endswith(".restore") or n == "replicator.prerestore"
+                             for n in os.listdir(d)), 10, "markers and prerestore withdrawn")
 
 
 def test_kill_during_save_never_seals_the_partial_step(mount):
@@ -174,7 +177,7 @@ def test_write_into_sealed_file_withdraws_then_reseals(mount):
     f = d / "1" / "state" / "d" / "a"
     with open(f, "r+b") as h:
         h.write(b"NEW")
-        wait_for(lambda: 1 not in step_states(d), 10, "seal withdrawn")
+        wait_for(lambda: step_states(d).get(1) == "writing", 10, "seal withdrawn")
     wait_sealed(d, 1)
     assert orbax_initialize(d, orbax_yaml("job", 0, 1)) == 1
     assert (d / "1" / "state" / "d" / "a").read_bytes() == b"NEW" + b"old" * 999
@@ -246,6 +249,9 @@ def test_status_command_shows_job_steps_budget_errors(mount):
     data = json.loads(tierfs("status", str(d), "--json").stdout)
     assert data["job"]["name"] == "job"
     assert data["steps"][0]["step"] == 1 and data["steps"][0]["bytes"] > 12000
+    # files only (no directories): _CHECKPOINT_METADATA, 3 shards, manifest.ocdbt and
+    # two commit_success.txt
+    assert data["steps"][0]["files"] == 7
     assert data["budget"]["total_bytes"] > data["budget"]["free_bytes"] > 0
 
 

@@ -729,8 +729,8 @@ class NodeAgent:
             if job is None:
                 log.info("empty replicator.yaml: reset")
                 self._set_job(self._generic_job(), "generic")
-                self.view.published.clear()
                 self.restore_state = {"state": "idle"}
+                await trio.to_thread.run_sync(self.view.withdraw_restore)
                 await trio.to_thread.run_sync(self.view.delete_control)
                 self._save_state()
                 return
@@ -832,13 +832,18 @@ class NodeAgent:
             for cand in self.pending.values():
                 steps[cand.step] = {"step": cand.step, "name": cand.name, "state": "writing",
                                     "bytes": 0, "where": []}
+            for name, key in self.withdrawn_names.items():
+                # a write withdrew the seal; the step seals again when the writer closes
+                if key.job == job.name and key.rank == job.node_rank:
+                    steps.setdefault(key.step, {"step": key.step, "name": name,
+                                                "state": "writing", "bytes": 0, "where": []})
             for shard in self.own_shards(job):
                 steps[shard.key.step] = {
                     "step": shard.key.step,
                     "name": names.get(shard.key, shard.manifest.name),
                     "state": "verified" if shard.verified else "sealed",
                     "bytes": shard.bytes,
-                    "files": len(shard.manifest.files),
+                    "files": sum(1 for f in shard.manifest.files if f.kind == "file"),
                     "backup_requested": shard.manifest.backup_requested,
                     "where": ["local"],
                     "visible": shard.key in names,

@@ -135,6 +135,19 @@ class ClientView:
             view_steps.pop(name, None)
             self.hide(name)
 
+    def withdraw_restore(self) -> None:
+        """Take back what a restore published: markers, their siblings, the prerestore.
+
+        For a reset (an empty ``replicator.yaml``): nothing of the old job's
+        restore may mislead the next client.
+        """
+        siblings = {p.sibling for p in self.published.values()}
+        self.published.clear()
+        for name in os.listdir(self.store.view):
+            if (name.endswith(".restore") or name in siblings
+                    or name == control.REPLICATOR_PRERESTORE):
+                self.hide(name)
+
     # ------------------------------------------------------------------ control files
 
     def clear_error_files(self) -> None:
