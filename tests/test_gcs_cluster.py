@@ -253,3 +253,31 @@ def test_restore_version_goes_through_the_coordinator(make_mount, fake_gcs):
     rnd = c.peer(0)["coordinator_state"]["round"]
     assert rnd["step"] is None and rnd["done"] == [0, 1, 2, 3]
     assert "2031-01-01_00-00, which does not exist" in rnd["reason"]
+
+
+def test_after_a_restore_to_an_older_step_new_steps_replicate_and_win(make_mount, fake_gcs):
+    """Regression (found by trying it as a user): restore.version rolled the job back
+    to an older round while newer steps were complete in the cluster. The abandoned
+    newer steps stayed in RAM, retention kept them instead of the job's new steps,
+    which were therefore never replicated or backed up, restore.version was never
+    deleted, and the next restart went back to the abandoned history."""
+    g = GcsBackend(fake_gcs.bucket, settings=GcsSettings.from_env())
+    c = start(make_mount, fake_gcs.bucket)
+    handshake_all(c)
+    save_all(c, 1)
+    first = round_of(c, 1)
+    for step in (2, 3, 4):
+        save_all(c, step)
+    c.wait_synced(4)
+    g.write_restore_version("job", first)
+    assert [res["restored"] for res in handshake_all(c)] == [1] * N
+    # the job goes on from step 1: its new step 2 replaces the abandoned 2, 3 and 4
+    save_all(c, 2, seed="new")
+    c.wait_synced(2)
+    for r in range(N):
+        wait_for(lambda r=r: backed_up(c.root(r), 2), 60, f"node {r}: new step 2 backed up")
+    wait_for(lambda: g.read_restore_version("job") is None, 60, "restore.version deleted")
+    again = handshake_all(c)
+    for r, res in enumerate(again):
+        assert res["restored"] == 2, c.logs()
+        assert res["files"] == step_files(r, 2, seed="new")

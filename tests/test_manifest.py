@@ -128,3 +128,15 @@ def test_retention_keeps_newest_per_owner_and_pinned():
     assert retention(keys, 2, {ShardKey("j", 0, 1)}) == [
         ShardKey("j", 0, 2), ShardKey("j", 1, 1), ShardKey("j", 1, 2)]
     assert retention(keys, 10, set()) == []
+
+
+def test_retention_by_seal_time_keeps_the_steps_written_after_a_rollback():
+    """After a rollback to step 20 the job writes 30 and 40 again while abandoned
+    50 and 60 exist: by seal time the new steps are the newest."""
+    keys = [ShardKey("j", 0, s) for s in (20, 50, 60, 30, 40)]
+    sealed_at = {k: t for t, k in enumerate(keys)}  # 20, 50, 60, then 30, 40
+    drop = retention(keys, 2, set(), age=lambda k: sealed_at[k])
+    assert drop == [ShardKey("j", 0, 20), ShardKey("j", 0, 50), ShardKey("j", 0, 60)]
+    # by step number (the old rule) the job's new steps would have been dropped
+    assert retention(keys, 2, set()) == [ShardKey("j", 0, 20), ShardKey("j", 0, 30),
+                                         ShardKey("j", 0, 40)]

@@ -327,6 +327,32 @@ class NodeAgent:
         """Every shard of ``job`` held here (own and replicas)."""
         return [s for k, s in self.catalog.items() if k.job == job]
 
+    def age(self, key: ShardKey) -> tuple[float, int]:
+        """Recency of a shard for retention: (seal time, step); larger is newer."""
+        shard = self.catalog.get(key)
+        return (shard.manifest.created if shard is not None else 0.0, key.step)
+
+    def retained(self, key: ShardKey) -> bool:
+        """True if ``key`` is among the ``--keep-local`` newest shards of its (job, rank)."""
+        if key not in self.catalog:
+            return False
+        mine = self.age(key)
+        newer = sum(1 for k in self.catalog
+                    if (k.job, k.rank) == (key.job, key.rank) and self.age(k) > mine)
+        return newer < self.config.keep_local
+
+    def drop_abandoned(self, job: JobSpec, step: int) -> None:
+        """The cluster restored ``step``: this node's shards of later steps are abandoned.
+
+        They are incomplete in the cluster, so no restore can use them, and the
+        job now writes new steps with lower numbers; keeping them would make
+        retention and the next restore prefer the abandoned history (MTC keeps
+        only the restored step after a restore, too). When nothing is restored,
+        nothing is dropped: retention by seal time ages the old steps out.
+        """
+        for key in [k for k in self.catalog if k.job == job.name and k.step > step]:
+            self.drop_shard(key, f"abandoned: the job restored step {step}")
+
     def add_shard(self, shard: Shard) -> None:
         """Register a committed shard (trio thread)."""
         old = self.catalog.get(shard.key)
@@ -689,7 +715,7 @@ class NodeAgent:
         (an Orbax preservation policy) does so first and never finds a step
         vanishing under its rmtree.
         """
-        drop = retention(self.catalog, self.config.keep_local, self.pinned())
+        drop = retention(self.catalog, self.config.keep_local, self.pinned(), age=self.age)
         for key in drop:
             if self.mode == "protocol" and self.job and key.rank == self.job.node_rank:
                 for name in [n for n, k in self.view_steps.items() if k == key]:
@@ -770,6 +796,8 @@ class NodeAgent:
         self.restore_state = {"state": "planning", "since": time.time()}
         plan = await self.cluster.plan_restore(self, job)
         step = plan.step or None
+        if step:
+            self.drop_abandoned(job, step)
         await trio.to_thread.run_sync(
             self.view.write_file, control.REPLICATOR_PRERESTORE,
             control.prerestore_text(step, plan.backup).encode())
@@ -796,6 +824,8 @@ class NodeAgent:
         """
         self.restore_state = {"state": "planning", "since": time.time()}
         plan = await self.cluster.plan_restore(self, job)
+        if plan.step:
+            self.drop_abandoned(job, plan.step)
         await self.cluster.restore_done(self, job, plan)
         if plan.shard is None:
             self.restore_state = {"state": "done", "step": None, "at": time.time()}

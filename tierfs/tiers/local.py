@@ -22,6 +22,7 @@ import shutil
 import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from tierfs.fs.ramstore import RamStore
 from tierfs.manifest import CrcCache, Manifest, ManifestError, scan_tree, verify_tree
@@ -245,16 +246,21 @@ class ShardStore:
         return created
 
 
-def retention(keys: Iterable[ShardKey], keep: int, pinned: set[ShardKey]) -> list[ShardKey]:
-    """Shards to drop: per (job, rank), all but the newest ``keep`` steps, never a pinned one.
+def retention(keys: Iterable[ShardKey], keep: int, pinned: set[ShardKey],
+              age: Callable[[ShardKey], Any] | None = None) -> list[ShardKey]:
+    """Shards to drop: per (job, rank), all but the newest ``keep``, never a pinned one.
 
+    "Newest" is by ``age(key)`` (larger = newer; default: the step number).
+    The node agent passes the seal time, so after a job rolled back to an
+    older step the steps it saves now are kept, not the abandoned higher ones.
     Pure policy (unit-tested): ``keep`` >= 1.
     """
+    order = age or (lambda k: k.step)
     by_owner: dict[tuple[str, int], list[ShardKey]] = {}
     for k in keys:
         by_owner.setdefault((k.job, k.rank), []).append(k)
     drop = []
     for owned in by_owner.values():
-        owned.sort(key=lambda k: k.step, reverse=True)
+        owned.sort(key=order, reverse=True)
         drop.extend(k for k in owned[keep:] if k not in pinned)
     return sorted(drop)

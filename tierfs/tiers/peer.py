@@ -678,12 +678,8 @@ class PeerTier(PeerHost):
             self._pin(key, -1)
 
     def _worth_sending(self, key: ShardKey) -> bool:
-        """False once ``key`` left the catalog or is older than the steps retention keeps."""
-        if key not in self.agent.catalog:
-            return False
-        newer = sum(1 for k in self.agent.catalog
-                    if k.job == key.job and k.rank == key.rank and k.step > key.step)
-        return newer < self.agent.config.keep_local
+        """False once ``key`` left the catalog or is older than the shards retention keeps."""
+        return self.agent.retained(key)
 
     def _push_blocking(self, address: str, shard: Shard, key: ShardKey, dp: bool,
                        cancel: threading.Event) -> str:
