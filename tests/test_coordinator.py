@@ -475,3 +475,18 @@ def test_after_a_restore_from_the_cluster_the_interval_counts_from_the_last_roun
     sync(c, 0, 20)
     order = sync(c, 1, 20).backup_order
     assert order is not None and order[1] == 20 and order[0] > rnd
+
+
+def test_two_live_nodes_with_one_rank_are_refused():
+    """Regression: a second daemon mounted with --node-rank 1 at another address made
+    the coordinator flap between the two incarnations twice a second, silently."""
+    c, clock = coord()
+    join(c, 0, rid="")
+    c.join("job", 2, 1, "10.0.0.1:7000", "first", (), "", "protocol")
+    with pytest.raises(Rejected, match=r"node-rank 1 is taken: 10.0.0.1:7000 still serves it"):
+        c.join("job", 2, 1, "10.0.0.9:7000", "second", (), "", "protocol")
+    assert [p.incarnation for p in c.peers() if p.rank == 1] == ["first"]
+    # the first one goes quiet (it died): a node that restarted elsewhere is accepted
+    clock.t += c.live_seconds + 1
+    c.join("job", 2, 1, "10.0.0.9:7000", "second", (), "", "protocol")
+    assert [p.incarnation for p in c.peers() if p.rank == 1] == ["second"]

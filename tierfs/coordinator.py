@@ -414,13 +414,23 @@ class Coordinator:
             The round number the node is in (0 for a plain registration).
 
         Raises:
-            Rejected: rank outside [0, nodes), or a job name / node count other
-                than the coordinator's while that job is active.
+            Rejected: rank outside [0, nodes), a job name / node count other
+                than the coordinator's while that job is active, or a rank a
+                live node at another address still serves (a duplicate rank).
         """
         self._check_job(job, nodes, rank)
         now = self.clock()
         inv = tuple(inventory)
         m = self.members.get(rank)
+        if (m is not None and m.incarnation != incarnation and m.address != address
+                and now - m.last_seen <= self.live_seconds):
+            # another daemon at another address still answers for this rank
+            log.warning("coordinator: node-rank %d joined from %s while %s still serves it",
+                        rank, address, m.address)
+            raise Rejected(f"node-rank {rank} is taken: {m.address} still serves it (heard "
+                           f"{now - m.last_seen:.1f} s ago); two nodes with one rank? A node "
+                           f"that restarted elsewhere is accepted once the old one has been "
+                           f"silent for {self.live_seconds:.0f} s")
         if m is None or m.incarnation != incarnation:
             if m is not None:
                 log.info("coordinator: node-rank %d restarted (incarnation %s -> %s)", rank,
