@@ -213,3 +213,10 @@ def test_one_node_backs_up_a_requested_step_at_once(make_mount, fake_gcs):
     st = gcs_status(m.path)
     assert st["interval_minutes"] == 30.0 and st["rounds"][-1]["round"] == rnd
     assert "_BACKUP_REQUESTED" in st["rounds"][-1]["reason"]
+
+
+def test_a_bucket_that_does_not_exist_fails_the_mount(make_mount, fake_gcs):
+    """Regression: --bucket nosuchbucket mounted fine, then appended one line per
+    second to replicator.errors."""
+    with pytest.raises(AssertionError, match="bucket 'nosuchbucket' does not exist"):
+        make_mount("--bucket", "nosuchbucket", "--job", "solo", "--backup-interval-steps", "1")

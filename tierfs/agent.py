@@ -58,6 +58,8 @@ STATE_VERSION = 1
 DEFAULT_JOB = "default"
 #: seconds an expired step stays visible before retention hides it (protocol mode)
 VIEW_RETENTION_GRACE = 10.0
+#: an identical replicator.errors line is written at most once per this many seconds
+ERROR_REPEAT_SECONDS = 60.0
 
 
 # ---------------------------------------------------------------------- events
@@ -216,6 +218,7 @@ class NodeAgent:
         #: sealed before it belong to the job's previous run (see PeerTier's sync reports)
         self.timeline_since = 0.0
         self.errors: collections.deque[str] = collections.deque(maxlen=50)
+        self._reported: dict[str, tuple[float, int]] = {}
         self.cluster: Cluster = LocalCluster()
         self.tiers: list[Tier] = []
         self._send, self._recv = trio.open_memory_channel[Event](math.inf)
@@ -289,7 +292,19 @@ class NodeAgent:
             self.ns.notify_changed(name)
 
     def report_error(self, message: str) -> None:
-        """Append one line to ``replicator.errors`` (recoverable problem) and log it."""
+        """Append one line to ``replicator.errors`` (recoverable problem) and log it.
+
+        The same message is written at most once a minute (a failing retry loop
+        must not flood the file); repeats are counted in the next line.
+        """
+        now = time.monotonic()
+        last, repeats = self._reported.get(message, (-1e9, 0))
+        if now - last < ERROR_REPEAT_SECONDS:
+            self._reported[message] = (last, repeats + 1)
+            return
+        self._reported[message] = (now, 0)
+        if repeats:
+            message = f"{message} (and {repeats} more time(s) in the last minute)"
         job = self.job
         line = control.error_line(message, job=job.name if job else None,
                                   rank=job.node_rank if job else None)
@@ -737,6 +752,7 @@ class NodeAgent:
 
     async def _consume_control(self) -> None:
         async with self._control_lock:
+            self._reported.clear()  # a (re)started job hears about every problem again
             path = os.path.join(self.store.view, control.REPLICATOR_YAML)
             try:
                 text = await trio.to_thread.run_sync(_read_text, path)

@@ -275,11 +275,9 @@ def _run_daemon(config: NodeConfig, foreground: bool, ready_fd: int | None) -> N
     try:
         code = run_foreground(config, on_ready=ready)
     except BaseException as exc:  # report why the mount failed to the waiting parent
-        msg = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         if isinstance(exc, KeyboardInterrupt):
             sys.exit(130)
-        if isinstance(exc, BaseExceptionGroup):
-            msg = "; ".join(str(e) for e in exc.exceptions)
+        msg = "; ".join(_leaf_messages(exc))
         if ready_fd is not None:
             try:
                 os.write(ready_fd, f"ERROR {msg}\n".encode())
@@ -291,6 +289,15 @@ def _run_daemon(config: NodeConfig, foreground: bool, ready_fd: int | None) -> N
         _fail(f"mount failed: {msg}")
         return
     sys.exit(code)
+
+
+def _leaf_messages(exc: BaseException) -> list[str]:
+    """The messages of the real errors inside (nested) exception groups."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [m for e in exc.exceptions for m in _leaf_messages(e)]
+    if isinstance(exc, OSError) and exc.strerror:
+        return [f"{exc.strerror}" + (f": {exc.filename}" if exc.filename else "")]
+    return [str(exc) or type(exc).__name__]
 
 
 def _spawn_daemon(config: NodeConfig) -> None:

@@ -570,6 +570,15 @@ class GcsBackend:
         return GcsBackend(self.spec, client=self.client, settings=s, on_retry=self.on_retry,
                           widen_pool=False)
 
+    def bucket_exists(self) -> bool:
+        """True if the bucket exists (blocking; retried like every request).
+
+        Raises:
+            google.api_core exceptions after retries (bucket unreachable,
+            permission denied).
+        """
+        return bool(self.bucket.exists(retry=self.retry, timeout=self.timeout))
+
     # ------------------------------------------------------------------ small objects
 
     def _get_bytes(self, name: str) -> bytes | None:

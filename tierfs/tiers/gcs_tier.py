@@ -64,6 +64,7 @@ from tierfs.tiers import gcs_schedule as S
 from tierfs.tiers.gcs import (
     Cancelled,
     GcsBackend,
+    GcsError,
     GcsSettings,
     describe_error,
 )
@@ -249,6 +250,7 @@ class GcsTier:
         if not self.enabled:
             task_status.started()
             return
+        await self._check_bucket()
         await self._install_coordinator_hooks()
         try:
             async with trio.open_nursery() as nursery:
@@ -258,6 +260,23 @@ class GcsTier:
         finally:
             for up in self._uploads.values():
                 up.cancel.set()
+
+    async def _check_bucket(self) -> None:
+        """Fail the mount for a bucket that does not exist; only warn if it is unreachable.
+
+        Raises:
+            GcsError: the bucket does not exist (a typo would otherwise show up
+                only as a stream of failed rounds).
+        """
+        assert self.spec is not None
+        try:
+            exists = await trio.to_thread.run_sync(
+                lambda: self.bounded(RENDEZVOUS_DEADLINE).bucket_exists())
+        except Exception as exc:  # unreachable now: training must not wait for it
+            self._fail(f"bucket unreachable at start ({describe_error(exc)})")
+            return
+        if not exists:
+            raise GcsError(f"bucket {self.spec.bucket!r} does not exist")
 
     async def _locked(self, fn: Any) -> Any:
         """``fn(coordinator)`` under the coordinator's lock, waited for in a worker thread
