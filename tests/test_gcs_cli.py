@@ -130,3 +130,17 @@ def test_cli_is_registered_and_reports_errors(fake_gcs):
     down = tierfs("backups", "list", "--bucket", fake_gcs.bucket, "--job", "job",
                   check=False, env={**os.environ, **env_deadline})
     assert down.returncode == 1 and "unreachable" in down.stderr
+
+
+def test_restore_version_refuses_a_missing_or_incomplete_round(rounds):
+    """Regression: naming a round that does not exist was accepted, and every later
+    restart of the job then started from nothing."""
+    bucket, _ = rounds
+    base = ["backups", "restore-version", "--bucket", bucket, "--job", "job"]
+    res = CliRunner().invoke(main, [*base[:2], "2026-11-30_15-22", *base[2:]])
+    assert res.exit_code == 1 and "does not exist" in res.output
+    res = CliRunner().invoke(main, [*base[:2], _name(90), *base[2:]])
+    assert res.exit_code == 1 and "incomplete" in res.output
+    assert "no restore.version" in run(*base)
+    run(*base[:2], "2026-11-30_15-22", *base[2:], "--force")
+    assert run(*base).strip() == "2026-11-30_15-22"

@@ -278,7 +278,11 @@ def prune_cmd(bucket: str, job: str, nodes: int | None, keep_last: int, hourly: 
               help="The backup bucket.")
 @click.option("--job", required=True, help="The job name.")
 @click.option("--clear", is_flag=True, help="Delete restore.version.")
-def restore_version_cmd(round_name: str | None, bucket: str, job: str, clear: bool) -> None:
+@click.option("--force", is_flag=True,
+              help="Set it even if the round is missing or incomplete (then every node "
+                   "starts from nothing).")
+def restore_version_cmd(round_name: str | None, bucket: str, job: str, clear: bool,
+                        force: bool) -> None:
     """Show, set (ROUND) or --clear gs://BUCKET/JOB/restore.version.
 
     While it exists every node of the job restores exactly that round, or
@@ -298,6 +302,16 @@ def restore_version_cmd(round_name: str | None, bucket: str, job: str, clear: bo
             check_round_name(round_name)
         except LayoutError as exc:
             raise click.ClickException(str(exc)) from None
+        if not force:
+            info = _guard(lambda: backend.inspect_round(job, round_name))
+            if not info.objects:
+                raise click.ClickException(
+                    f"round {round_name} of job {job!r} does not exist (see 'tierfs backups "
+                    "list'); --force sets it anyway")
+            if not info.complete:
+                raise click.ClickException(
+                    f"round {round_name} is incomplete; a restore from it would give every "
+                    "node nothing; --force sets it anyway")
         _guard(lambda: backend.write_restore_version(job, round_name))
         click.echo(f"restore.version = {round_name}")
         return
