@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import tierfs
 from peer_cluster import Cluster, flip_byte, wait_until
 
 pytestmark = pytest.mark.slow
@@ -57,8 +58,10 @@ def test_torch_loop_resumes_after_a_node_loses_its_ram(make_mount):
     assert set(before) == {"model.pt", "optimizer.pt", "trainer_state.json"}
     c.lose(1)
     c.remount(1)
-    wait_until(lambda: (c.root(1) / "checkpoint-6" / "trainer_state.json").exists(), 60,
-               "checkpoint-6 to come back on node 1")
+    # the mount returns before the cluster agreed on a step; `tierfs wait` waits for it
+    # (a trainer started right after the mount once began from scratch)
+    waited = tierfs("wait", str(c.root(1)), "--timeout", "60")
+    assert waited.stdout.strip() == "restored step 6 from peer:0"
     assert tree_hashes(c.root(1) / "checkpoint-6") == before
     restore = c.status(1)["restore"]
     assert restore["step"] == 6 and restore["source"] == "peer:0"

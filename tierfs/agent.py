@@ -489,6 +489,8 @@ class NodeAgent:
             nursery.start_soon(self._count_budget)
             nursery.start_soon(self._reconcile)
             if self.mode == "generic" and self.job is not None and self.job.nodes > 1:
+                # visible at once, so `tierfs wait` right after the mount waits for it
+                self.restore_state = {"state": "pending", "since": time.time()}
                 self._spawn(self._generic_restore, self.job)
             task_status.started()
             async for event in self._recv:
@@ -839,10 +841,16 @@ class NodeAgent:
         their tracker files as they left them.
         """
         self.restore_state = {"state": "planning", "since": time.time()}
-        plan = await self.cluster.plan_restore(self, job)
-        if plan.step:
-            self.drop_abandoned(job, plan.step)
-        await self.cluster.restore_done(self, job, plan)
+        try:
+            plan = await self.cluster.plan_restore(self, job)
+            if plan.step:
+                self.drop_abandoned(job, plan.step)
+            await self.cluster.restore_done(self, job, plan)
+        except Exception as exc:
+            log.exception("generic restore failed")
+            self.report_error(f"restore failed: {exc}")
+            self.restore_state = {"state": "failed", "error": str(exc), "at": time.time()}
+            return
         if plan.shard is None:
             self.restore_state = {"state": "done", "step": None, "at": time.time()}
             return

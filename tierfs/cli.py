@@ -421,6 +421,40 @@ def status(mountpoint: str, as_json: bool) -> None:
     render_status(data)
 
 
+#: restore states after which a node's view holds what it will resume from
+RESTORE_SETTLED = ("done", "failed", "idle")
+
+
+@main.command("wait")
+@click.argument("mountpoint", type=click.Path())
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait.")
+def wait_cmd(mountpoint: str, timeout: float) -> None:
+    """Wait until the node's restore has finished; print what it restored.
+
+    Use it between `tierfs mount` and starting a trainer that lists its own
+    checkpoint directory (generic mode): after a node loss the restored step
+    appears in the mount only when the cluster has agreed on it. Exit status
+    1 if the restore failed or did not finish within --timeout.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        restore = read_status(mountpoint).get("restore") or {}
+        state = restore.get("state")
+        if state in RESTORE_SETTLED:
+            break
+        if time.monotonic() > deadline:
+            _fail(f"restore still {state} after {timeout:.0f}s (tierfs status {mountpoint})")
+        time.sleep(0.2)
+    if state == "failed":
+        _fail(f"restore failed: {restore.get('error', 'see replicator.errors')}")
+    if restore.get("step"):
+        source = (f"GCS round {restore['backup']}" if restore.get("backup")
+                  else restore.get("source", "?"))
+        click.echo(f"restored step {restore['step']} from {source}")
+    else:
+        click.echo("nothing to restore" if state == "done" else "no restore needed")
+
+
 def _register_plugins() -> None:
     """Attach the commands that live with their tier, where that module exists."""
     import importlib

@@ -32,9 +32,25 @@ def format_status(data: dict[str, Any]) -> list[str]:
                  f"({format_size(budget.get('free_bytes', 0))} free, "
                  f"{budget.get('mode')} accounting, passthrough "
                  f"{'on' if data.get('passthrough') else 'off'})")
+    restore = data.get("restore") or {}
+    if restore.get("state") not in (None, "idle"):
+        text = f"restore    {restore.get('state')}"
+        if restore.get("step"):
+            source = (f"GCS round {restore['backup']}" if restore.get("backup")
+                      else restore.get("source", "?"))
+            text += f": step {restore['step']} from {source}"
+        elif restore.get("state") == "done":
+            text += ": nothing to restore"
+        if restore.get("error"):
+            text += f" ({restore['error']})"
+        lines.append(text)
     for tier, off in TIERS_OFF.items():
         info = data.get(tier) or (data.get("tiers") or {}).get(tier)
         lines.append(f"{tier:<10} {info.get('summary', '') if info else off}")
+        if tier == "peer" and info and info.get("peers"):
+            lines.append("peers      " + ", ".join(
+                f"{p['rank']}@{p['address']}{'' if p.get('live') else ' (not heard)'}"
+                for p in info["peers"]))
     return lines
 
 
