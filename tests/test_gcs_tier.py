@@ -219,4 +219,8 @@ def test_a_bucket_that_does_not_exist_fails_the_mount(make_mount, fake_gcs):
     """Regression: --bucket nosuchbucket mounted fine, then appended one line per
     second to replicator.errors."""
     with pytest.raises(AssertionError, match="bucket 'nosuchbucket' does not exist"):
-        make_mount("--bucket", "nosuchbucket", "--job", "solo", "--backup-interval-steps", "1")
+        make_mount("--bucket", "nosuchbucket", "--job", "solo", "--backup-interval-steps", "1",
+                   name="nobucket")
+    # and the failed start leaves no (dead) mount behind
+    with open("/proc/self/mountinfo") as f:
+        assert not any("/nobucket " in line for line in f)

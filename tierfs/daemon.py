@@ -139,6 +139,10 @@ class NodeDaemon:
                 task_status.started()
                 await self._stop.wait()
                 self._unmount()
+        except BaseException:
+            # a start that fails after mount(2) must not leave a dead mount behind
+            self._unmount()
+            raise
         finally:
             try:
                 os.unlink(self.store.pid_file)
