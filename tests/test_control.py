@@ -128,3 +128,17 @@ def test_error_lines_are_single_lines(tmp_path):
     control.append_line(str(tmp_path), "replicator.errors", line)
     control.append_line(str(tmp_path), "replicator.errors", line)
     assert open(tmp_path / "replicator.errors").read() == line * 2
+
+
+def test_unset_variables_and_own_rank_in_peer_ranks_are_warnings():
+    """Found by a user: $NOPE_UNSET silently became the literal job name, and
+    peer-ranks naming the node itself was silently dropped."""
+    text = "job-name: $NOPE_UNSET\nframework: orbax\nnode-rank: 1\nnodes: 3\npeer-ranks: [1, 2]"
+    job = parse_replicator_yaml(text, env={})
+    assert job is not None and job.name == "$NOPE_UNSET" and job.peer_ranks == (2,)
+    assert job.warnings == (
+        "replicator.yaml: $NOPE_UNSET is not set in the node daemon's environment; "
+        "used literally",
+        "replicator.yaml: peer-ranks lists this node's own rank 1 or a rank twice; ignored")
+    job = parse_replicator_yaml(text.replace("$NOPE_UNSET", "${JOB}"), env={"JOB": "x"})
+    assert job is not None and job.name == "x" and len(job.warnings) == 1

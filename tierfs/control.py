@@ -103,6 +103,17 @@ class JobSpec:
         )
 
 
+def _var_names(value: Any) -> list[str]:
+    """The ``$VAR``/``${VAR}`` names a value refers to (recursively in lists)."""
+    if isinstance(value, str):
+        return [m.group("named") or m.group("braced")
+                for m in string.Template.pattern.finditer(value)
+                if m.group("named") or m.group("braced")]
+    if isinstance(value, list):
+        return [n for v in value for n in _var_names(v)]
+    return []
+
+
 def expand_vars(value: Any, env: dict[str, str]) -> Any:
     """Expand ``$VAR``/``${VAR}`` in strings (recursively in lists); unknown vars stay as is."""
     if isinstance(value, str):
@@ -166,6 +177,7 @@ def parse_replicator_yaml(text: str, env: dict[str, str] | None = None) -> JobSp
     if not isinstance(raw, dict):
         raise ControlError(f"replicator.yaml must be a mapping, got {type(raw).__name__}")
     env = dict(os.environ if env is None else env)
+    unset = sorted({name for v in raw.values() for name in _var_names(v) if name not in env})
     data = {str(k): expand_vars(v, env) for k, v in raw.items()}
     for key in ("job-name", "framework", "node-rank", "nodes"):
         if key not in data or data[key] is None or data[key] == "":
@@ -210,6 +222,11 @@ def parse_replicator_yaml(text: str, env: dict[str, str] | None = None) -> JobSp
         raise ControlError(f"master-port {port} is out of range")
     warnings = tuple(f"replicator.yaml: unknown key {k!r} ignored"
                      for k in data if k not in KNOWN_KEYS)
+    warnings += tuple(f"replicator.yaml: ${name} is not set in the node daemon's "
+                      f"environment; used literally" for name in unset)
+    if peer_ranks is not None and len(peer_ranks) < len(data.get("peer-ranks") or []):
+        warnings += (f"replicator.yaml: peer-ranks lists this node's own rank {rank} or a "
+                     "rank twice; ignored",)
     return JobSpec(
         name=name, framework=framework, node_rank=rank, nodes=nodes, peer_ranks=peer_ranks,
         peers_per_node=peers_per_node, assume_data_parallelism=assume_dp,
