@@ -94,3 +94,22 @@ def test_corrupt_copy_caught_by_the_puller_falls_back_a_step(make_mount):
     assert "the copy of step 4 of rank 1 on node-rank 0 is bad" in errors
     assert "crc32c" in errors
     assert c.peer(1)["wire"]["corrupt_copies"] == 1
+
+
+def test_a_step_sealed_while_its_peer_was_down_reaches_it_later(make_mount, monkeypatch):
+    """Found by a user: a step whose replication failed while the peer was down
+    stayed 'replicating' forever once a newer step had been sent."""
+    monkeypatch.setenv("TIERFS_PEER_PUSH_PATIENCE", "2")
+    c = Cluster(make_mount, 2, node_args=generic(2))
+    c.mounts[1].unmount()
+    for step in (1, 2):
+        tmp = c.root(0) / f"tmp-checkpoint-{step}"
+        tmp.mkdir()
+        (tmp / "model.bin").write_bytes(os.urandom(10_000))
+        os.rename(tmp, c.root(0) / f"checkpoint-{step}")
+    wait_until(lambda: {s["step"]: s["state"] for s in c.status(0)["steps"]}.get(1)
+               == "replication failed", 60, "step 1's replication to fail")
+    c.mounts[1].mount()
+    for step in (1, 2):
+        wait_until(lambda step=step: replicated(c, 0, step), 60,
+                   f"step {step} to reach node 1 once it is back")

@@ -67,6 +67,7 @@ import errno
 import functools
 import logging
 import math
+import os
 import threading
 import time
 import uuid
@@ -102,10 +103,12 @@ log = logging.getLogger(__name__)
 
 #: seconds between heartbeats (``Sync``) to the coordinator
 HEARTBEAT = 1.0
+#: seconds between checks that every retained step reached every live peer
+CATCH_UP = 10.0
 #: how long a sender waits for a data-parallel peer to seal the same step (seconds)
 DP_WAIT = 30.0
 #: how long a push is retried while its peer is unreachable (seconds)
-PUSH_PATIENCE = 120.0
+PUSH_PATIENCE = float(os.environ.get("TIERFS_PEER_PUSH_PATIENCE", "120"))
 #: concurrent shard transfers (sends and pulls) per node
 TRANSFERS = 2
 #: least seconds between two bucket lookups of the rendezvous (and the publisher's tick)
@@ -740,10 +743,37 @@ class PeerTier(PeerHost):
         log.info("node-rank %d restarted: sending step %d again", peer, shard.key.step)
         self._start_send(shard, peer, send)
 
+    def _catch_up(self) -> None:
+        """Send again what a live peer lacks: retained steps whose transfer to it
+        failed, or that were sealed before the peer was known (trio thread)."""
+        job = self.active_job()
+        if job is None:
+            return
+        for shard in self.agent.own_shards(job):
+            if not self.agent.retained(shard.key):
+                continue
+            send = self._sends.setdefault(shard.key, _Send())
+            for peer in self.replica_peers(job):
+                info = self.peers.get(peer)
+                if info is None or not info.live or not info.address:
+                    continue
+                if send.states.get(peer) in (None, "failed"):
+                    send.states[peer] = "queued"
+                    log.info("sending step %d to node-rank %d again (it lacks it)",
+                             shard.key.step, peer)
+                    self._start_send(shard, peer, send)
+
     # ------------------------------------------------------------------ heartbeat
 
     async def _heartbeat(self) -> None:
+        last_catch_up = trio.current_time()
         while True:
+            if trio.current_time() - last_catch_up >= CATCH_UP:
+                last_catch_up = trio.current_time()
+                try:
+                    self._catch_up()
+                except Exception:
+                    log.exception("catch-up of replicas failed")
             job = self.active_job()
             if job is not None:
                 coord = None
