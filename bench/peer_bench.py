@@ -63,8 +63,9 @@ def wait(cond, timeout: float, what: str):
     raise SystemExit(f"timed out waiting for {what}")
 
 
-def write_step(root: Path, name: str, total: int, block: bytes) -> None:
-    """A step of ``total`` bytes in 256 MiB files, written through the mount, then sealed."""
+def write_step(root: Path, name: str, total: int, block: bytes) -> Path:
+    """A step of ``total`` bytes in 256 MiB files, written through the mount under a
+    temporary name; returns that directory. Renaming it to ``name`` seals the step."""
     tmp = root / f"tmp-{name}"
     tmp.mkdir()
     left, i = total, 0
@@ -75,7 +76,7 @@ def write_step(root: Path, name: str, total: int, block: bytes) -> None:
                 f.write(block[: min(len(block), size - off)])
         left -= size
         i += 1
-    os.rename(tmp, root / name)
+    return tmp
 
 
 def step_entry(mnt: Path, step: int) -> dict | None:
@@ -175,6 +176,26 @@ def trainer(root: Path, total: int, block: bytes) -> float:
     return dt
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) a process has used so far, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def quiesce(pids: list[int], timeout: float = 30.0) -> None:
+    """Wait until the daemons use under 5 % of a CPU over half a second.
+
+    Each timed trainer run starts from the same quiet machine, not while a
+    daemon still commits the previous step or drops an old one.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = sum(cpu_seconds(p) for p in pids)
+        time.sleep(0.5)
+        if sum(cpu_seconds(p) for p in pids) - before < 0.025:
+            return
+
+
 def pin_process(pid: int, cpus: set[int]) -> None:
     """Pin every thread of ``pid`` (threads started later inherit it) to ``cpus``."""
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -211,23 +232,30 @@ def main() -> None:
             mounts.append(mnt)
         for m in mounts:
             wait(lambda m=m: status(m)["restore"].get("state") == "done", 60, "startup restore")
+        pids = [int((ram / "store" / "daemon.pid").read_text().split()[0]) for ram in rams]
         if a.pin:
             cpus = sorted(os.sched_getaffinity(0))
-            for ram in rams:
-                pin_process(int((ram / "store" / "daemon.pid").read_text().split()[0]),
-                            {cpus[-1]})
+            for pid in pids:
+                pin_process(pid, {cpus[-1]})
             os.sched_setaffinity(0, {cpus[0]})
             print(f"pinned: daemons on CPU {cpus[-1]}, trainer on CPU {cpus[0]}")
         print(f"peer_bench: step of {total / GiB:.2f} GiB, {CHUNK // MiB} MiB chunks, "
               f"{os.cpu_count()} CPUs")
 
         results: dict[str, list[float]] = {"replication": [], "raw": [], "raw_write": [],
-                                           "alone": [], "during": []}
+                                           "alone": [], "during": [], "cpu_sender": [],
+                                           "cpu_receiver": []}
         step = 0
         for r in range(a.repeat):
             step += 1
-            write_step(mounts[0], f"checkpoint-{step}", total, block)
+            quiesce(pids)
+            tmp = write_step(mounts[0], f"checkpoint-{step}", total, block)
+            cpu0 = [cpu_seconds(p) for p in pids]
+            os.rename(tmp, mounts[0] / f"checkpoint-{step}")
             entry = wait(lambda s=step: replicated(mounts[0], s), 600, f"step {step}")
+            cpu = [cpu_seconds(p) - c for p, c in zip(pids, cpu0, strict=True)]
+            results["cpu_sender"].append(cpu[0] / (total / GiB))
+            results["cpu_receiver"].append(cpu[1] / (total / GiB))
             t = entry["transfers"]["1"]
             assert t["bytes"] == total, t
             rate = t["bytes"] / t["seconds"]
@@ -242,14 +270,16 @@ def main() -> None:
             print(f"  run {r + 1}: replication {rate / 1e6:5.0f} MB/s   raw gRPC stream "
                   f"{n / dt / 1e6:5.0f} MB/s (ratio {rate / (n / dt):.2f})   raw stream "
                   f"written to tmpfs {n2 / dt2 / 1e6:5.0f} MB/s (ratio {rate / (n2 / dt2):.2f})")
+            print(f"         CPU per GiB: node 0 (seal + send) {cpu[0] / (total / GiB):.2f} s, "
+                  f"node 1 (receive + verify + commit) {cpu[1] / (total / GiB):.2f} s")
 
         trainer_bytes = int(a.trainer_gib * GiB)
         for _ in range(a.repeat):
+            quiesce(pids)
             alone = trainer(mounts[0], trainer_bytes, block)
             step += 1
-            tmp_name = f"checkpoint-{step}"
-            write_step(mounts[0], f"x{tmp_name}", total, block)  # not a step name yet
-            os.rename(mounts[0] / f"x{tmp_name}", mounts[0] / tmp_name)
+            tmp = write_step(mounts[0], f"checkpoint-{step}", total, block)
+            os.rename(tmp, mounts[0] / f"checkpoint-{step}")
             wait(lambda s=step: (step_entry(mounts[0], s) or {}).get("state")
                  in ("replicating", "replicated"), 120, "replication to start")
             during = trainer(mounts[0], trainer_bytes, block)
@@ -272,6 +302,8 @@ def main() -> None:
               f"(goal >= 0.80) {'OK' if ratio >= 0.8 else 'BELOW GOAL'}")
         print(f"against a raw stream whose receiver writes the bytes to tmpfs "
               f"({median(results['raw_write']) / 1e6:.0f} MB/s): ratio {ratio_w:.2f}")
+        print(f"daemon CPU per replicated GiB: sender {median(results['cpu_sender']):.2f} s, "
+              f"receiver {median(results['cpu_receiver']):.2f} s")
         print(f"trainer slowdown while replicating: {slowdown:+.1%} (goal <= 10%) "
               f"{'OK' if slowdown <= 0.10 else 'ABOVE GOAL'}")
         if a.json:

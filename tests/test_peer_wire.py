@@ -234,3 +234,57 @@ def test_hand_encoded_chunks_are_the_proto_encoding(path, offset, data, crc):
     fast = peer_wire.encode_chunk(path, offset, data, crc)
     assert fast == pb2.PushMessage(chunk=chunk).SerializeToString()
     assert pb2.PullMessage.FromString(fast).chunk == chunk
+    # and the receiver's hand decoder reads exactly what protobuf reads
+    assert peer_wire.decode_chunk(fast) == peer_wire.Chunk(path, offset, data, crc)
+
+
+def test_hand_decoder_agrees_with_protobuf_or_defers_to_it():
+    """decode_chunk either returns what protobuf parses or None (protobuf parses it then)."""
+    import random
+
+    from google.protobuf.message import DecodeError
+
+    pb2, _ = peer_wire.load()
+    rng = random.Random(4)
+    messages = [
+        pb2.PushMessage(chunk=pb2.FileChunk(path="p", offset=-3, data=b"ab", crc32c=7)),
+        pb2.PushMessage(header=pb2.PushHeader(job="j", rank=1, step=2)),
+        pb2.PushMessage(manifest=pb2.ShardManifest(json=b"{}")),
+        pb2.PullMessage(chunk=pb2.FileChunk(path="q/r", data=b"\x12\x00" * 50)),
+        pb2.PushMessage(chunk=pb2.FileChunk()),
+    ]
+    raws = [m.SerializeToString() for m in messages]
+    # fields in another order, a repeated field (the last wins), an unknown field 9
+    inner = b"\x1a\x02hi" + b"\x0a\x01a" + b"\x20\x05" + b"\x10\x07" + b"\x0a\x01b"
+    raws.append(b"\x12" + bytes([len(inner)]) + inner)
+    raws.append(b"\x12\x04" + b"\x48\x01\x0a\x00")
+    raws.append(b"\x12\x06\x20\xff\xff\xff\xff\x1f")  # crc32c beyond 32 bits
+    raws.append(b"\x12\x03\x0a\x01\xff")  # path that is not UTF-8
+    base = peer_wire.encode_chunk("dir/f.bin", 1 << 33, bytes(range(256)) * 4, 0xABCDEF01)
+    raws.append(base)
+    raws += [base[:n] for n in (0, 1, 2, 5, 17, len(base) - 1)]  # truncated
+    for _ in range(300):  # flipped bytes
+        b = bytearray(base)
+        b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+        raws.append(bytes(b))
+    decoded = 0
+    for raw in raws:
+        fast = peer_wire.decode_chunk(raw)
+        try:
+            ref = pb2.PushMessage.FromString(raw)
+        except DecodeError:
+            assert fast is None, raw[:40]
+            continue
+        if fast is None:
+            continue
+        decoded += 1
+        assert ref.WhichOneof("kind") == "chunk", raw[:40]
+        c = ref.chunk
+        assert fast == peer_wire.Chunk(c.path, c.offset, c.data, c.crc32c), raw[:40]
+        assert peer_wire.as_chunk(ref) == fast and peer_wire.kind_of(fast) == "chunk"
+    assert decoded > 250
+    assert peer_wire.decode_chunk(raws[5]) == peer_wire.Chunk("b", 7, b"hi", 5)
+    assert peer_wire.decode_chunk(raws[1]) is None and peer_wire.decode_chunk(raws[6]) is None
+    deserialize = peer_wire.chunk_deserializer(pb2.PushMessage)
+    assert peer_wire.kind_of(deserialize(raws[1])) == "header"
+    assert deserialize(raws[0]) == peer_wire.Chunk("p", -3, b"ab", 7)

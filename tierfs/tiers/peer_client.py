@@ -152,12 +152,15 @@ class PeerClient:
         """
         req = self.pb2.PullRequest(job=key.job, rank=key.rank, step=key.step, digest=digest,
                                    puller_rank=puller_rank)
-        call = self.peer(address).PullShard(req, metadata=self.md)
+        pull = self.channel(address).unary_stream(
+            "/tierfs.peer.v1.Peer/PullShard", request_serializer=peer_wire.serialize,
+            response_deserializer=peer_wire.chunk_deserializer(self.pb2.PullMessage))
+        call = pull(req, metadata=self.md)
         inc = ram.new_incoming(f"pull-{key.rank}-{key.step}")
         rx: ShardReceiver | None = None
         try:
             first = next(call)
-            if first.WhichOneof("kind") != "manifest":
+            if peer_wire.kind_of(first) != "manifest":
                 raise Refused("PullShard must start with the manifest")
             manifest = parse_manifest(first.manifest.json)
             check_identity(manifest, key, digest)
@@ -165,9 +168,9 @@ class PeerClient:
             for msg in call:
                 if cancel.is_set():
                     raise Cancelled("transfer cancelled")
-                if msg.WhichOneof("kind") != "chunk":
+                if peer_wire.kind_of(msg) != "chunk":
                     raise Refused("PullShard sent a second manifest")
-                c = msg.chunk
+                c = peer_wire.as_chunk(msg)
                 rx.chunk(c.path, c.offset, c.data, c.crc32c)
                 self.stats.add("pulled_bytes", len(c.data))
             rx.finish()

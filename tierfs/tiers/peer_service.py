@@ -140,7 +140,7 @@ class PeerServicer:
         pb2 = self.pb2
         it = iter(request_iterator)
         first = next(it, None)
-        if first is None or not first.HasField("header"):
+        if first is None or peer_wire.kind_of(first) != "header":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PushShard must start with a header")
         h = first.header
         if not _valid_job(h.job) or h.rank < 0 or h.step < 0:
@@ -162,9 +162,9 @@ class PeerServicer:
             rx = ShardReceiver(inc)
             manifest = None
             for msg in it:
-                kind = msg.WhichOneof("kind")
+                kind = peer_wire.kind_of(msg)
                 if kind == "chunk":
-                    c = msg.chunk
+                    c = peer_wire.as_chunk(msg)
                     rx.chunk(c.path, c.offset, c.data, c.crc32c)
                     self.host.stats.add("received_bytes", len(c.data))
                 elif kind == "manifest":
@@ -210,7 +210,7 @@ class PeerServicer:
 
     def _dedup(self, h: Any, key: ShardKey, it: Any, inc: str) -> Any:
         msg = next(it, None)
-        if msg is None or msg.WhichOneof("kind") != "manifest":
+        if msg is None or peer_wire.kind_of(msg) != "manifest":
             raise Refused("a manifest-only push must carry the manifest")
         manifest = parse_manifest(msg.manifest.json)
         check_identity(manifest, key, h.digest)
@@ -275,7 +275,8 @@ def peer_handlers(servicer: PeerServicer, pb2: Any) -> grpc.GenericRpcHandler:
             servicer.Inventory, request_deserializer=pb2.InventoryRequest.FromString,
             response_serializer=peer_wire.serialize),
         "PushShard": grpc.stream_unary_rpc_method_handler(
-            servicer.PushShard, request_deserializer=pb2.PushMessage.FromString,
+            servicer.PushShard,
+            request_deserializer=peer_wire.chunk_deserializer(pb2.PushMessage),
             response_serializer=peer_wire.serialize),
         "PullShard": grpc.unary_stream_rpc_method_handler(
             servicer.PullShard, request_deserializer=pb2.PullRequest.FromString,

@@ -11,7 +11,8 @@ without one (a cluster either uses a token everywhere or nowhere).
 
 Both sides also share :func:`held_shard` (a node's holding as a ``HeldShard``
 message), the counters of bytes and calls (:class:`WireStats`) and a
-hand-made encoding of data chunks (:func:`encode_chunk`).
+hand-made encoding and decoding of data chunks (:func:`encode_chunk`,
+:func:`decode_chunk`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import collections
 import hmac
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -180,6 +183,103 @@ def encode_chunk(path: str, offset: int, data: bytes, crc: int) -> bytes:
     tail = b"\x20" + _varint(crc) if crc else b""
     inner = len(head) + len(data) + len(tail)
     return b"".join((b"\x12", _varint(inner), head, data, tail))
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One ``FileChunk`` of a shard transfer, decoded by :func:`decode_chunk`.
+
+    Attributes:
+        path: the file's path inside the shard (validated by the receiver).
+        offset: where ``data`` starts in the file, in bytes.
+        data: the bytes (1-4 MiB on the wire).
+        crc32c: crc32c (Castagnoli) of ``data`` as the sender computed it.
+    """
+
+    path: str
+    offset: int
+    data: bytes
+    crc32c: int
+
+
+def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
+    """A base-128 varint at ``pos``: ``(value, position after it)``; ValueError if cut short."""
+    value = shift = 0
+    while shift < 70:
+        b = buf[pos]  # IndexError past the end
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, pos
+        shift += 7
+    raise ValueError("varint longer than 10 bytes")
+
+
+def decode_chunk(raw: bytes) -> Chunk | None:
+    """Decode a ``PushMessage``/``PullMessage`` that carries a ``FileChunk`` (field 2).
+
+    The inverse of :func:`encode_chunk`, with one copy of the data (a slice of
+    ``raw``) instead of protobuf's parse, which costs about 0.45 s of CPU per
+    GiB on the receiver. Follows the protobuf wire format (fields in any order,
+    the last occurrence wins), but returns None for anything it does not
+    expect -- another kind of message, an unknown field, truncated or
+    out-of-range values -- so that the caller parses it with protobuf, which
+    also reports malformed input (``google.protobuf.message.DecodeError``).
+    """
+    try:
+        if not raw or raw[0] != 0x12:
+            return None
+        size, pos = _read_varint(raw, 1)
+        if pos + size != len(raw):
+            return None
+        path, offset, data, crc = "", 0, b"", 0
+        while pos < len(raw):
+            tag, pos = _read_varint(raw, pos)
+            if tag in (0x0A, 0x1A):  # path, data: length-delimited
+                n, pos = _read_varint(raw, pos)
+                end = pos + n
+                if end > len(raw):
+                    return None
+                if tag == 0x0A:
+                    path = raw[pos:end].decode()
+                else:
+                    data = raw[pos:end]
+                pos = end
+            elif tag == 0x10:  # offset: int64
+                offset, pos = _read_varint(raw, pos)
+                if offset >= 1 << 63:
+                    offset -= 1 << 64
+            elif tag == 0x20:  # crc32c: uint32
+                crc, pos = _read_varint(raw, pos)
+                if crc >= 1 << 32:
+                    return None
+            else:
+                return None
+        return Chunk(path, offset, data, crc)
+    except (IndexError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def chunk_deserializer(message_class: Any) -> Callable[[bytes], Any]:
+    """A gRPC deserializer for ``PushMessage``/``PullMessage``: a :class:`Chunk` when
+    :func:`decode_chunk` reads the bytes, else ``message_class.FromString(raw)``."""
+    def deserialize(raw: bytes) -> Any:
+        return decode_chunk(raw) or message_class.FromString(raw)
+    return deserialize
+
+
+def kind_of(message: Any) -> str | None:
+    """The ``kind`` of a Push/PullMessage as a deserializer returned it (``"chunk"`` for a
+    :class:`Chunk`)."""
+    return "chunk" if isinstance(message, Chunk) else message.WhichOneof("kind")
+
+
+def as_chunk(message: Any) -> Chunk:
+    """A message whose :func:`kind_of` is ``"chunk"`` as a :class:`Chunk`."""
+    if isinstance(message, Chunk):
+        return message
+    c = message.chunk
+    return Chunk(c.path, c.offset, c.data, c.crc32c)
 
 
 def serialize(message: Any) -> bytes:
