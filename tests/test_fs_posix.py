@@ -1199,6 +1199,56 @@ def test_enospc_native_small_tmpfs(small_tmpfs, make_mount, mode):
     assert _alive(m.pid())
 
 
+# ---------------------------------------------------------------- passthrough refused
+
+
+@pytest.fixture
+def overlay_dir(tmp_path):
+    """An overlayfs mount (on tmpfs layers); returns a directory inside it."""
+    base = Path("/dev/shm") / f"tierfs-ovl-{uuid.uuid4().hex[:8]}"
+    for d in ("l", "u", "w", "m"):
+        (base / d).mkdir(parents=True)
+    proc = subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                           f"lowerdir={base}/l,upperdir={base}/u,workdir={base}/w",
+                           str(base / "m")], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        shutil.rmtree(base, ignore_errors=True)
+        pytest.skip(f"cannot mount overlayfs: {proc.stderr.strip()}")
+    yield base / "m"
+    subprocess.run(["umount", "-l", str(base / "m")], check=False)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _first_writes_succeed(m) -> None:
+    """The first open of the session finds that passthrough is refused: it must still work."""
+    with open(m.path / "f1", "w") as f:  # `echo hi > f1`: ELOOP before the fix
+        f.write("hi\n")
+    assert (m.path / "f1").read_text() == "hi\n"
+    data = pattern(3 * MiB, seed=9)
+    write_file(m.path / "f2", data)
+    assert (m.path / "f2").read_bytes() == data
+    status = json.loads((m.path / ".tierfs" / "status.json").read_text())
+    assert status["passthrough"] is False
+    assert "FUSE passthrough unavailable (ioctl: ELOOP)" in m.log()
+
+
+def test_ram_dir_on_overlayfs_falls_back_on_the_first_open(overlay_dir, make_mount):
+    """Regression: the open that found passthrough refused (ELOOP on a stacked
+    filesystem) failed with 'Too many levels of symbolic links' and left f1 empty."""
+    m = make_mount("-o", "allow_other", ram_dir=overlay_dir / "ram")
+    _first_writes_succeed(m)
+
+
+def test_ram_dir_inside_another_tierfs_mount_falls_back(make_mount):
+    outer = mount_mode(make_mount, "passthrough", name="outer")
+    inner = make_mount("-o", "allow_other", ram_dir=outer.path / "ram", name="inner")
+    try:
+        _first_writes_succeed(inner)
+        assert (outer.path / "ram" / "view" / "f1").read_text() == "hi\n"
+    finally:
+        inner.unmount()  # before the outer mount it lives in
+
+
 # ---------------------------------------------------------------- daemon restart
 
 

@@ -756,9 +756,9 @@ class Namespace:
         handle = Handle(next(self._next_fh), inode, fd, flags, writable, passthrough=False)
         if inode.virtual is not None:
             handle.direct_io = True
-        elif self.passthrough and self.register_backing is not None:
-            if inode.backing_id == 0:
-                inode.backing_id = self.register_backing(fd)
+        elif inode.backing_id or self._register_backing(inode, fd):
+            # every passthrough open of one inode shares its backing id, also
+            # after passthrough was turned off for new inodes
             handle.passthrough = True
         elif (flags & os.O_ACCMODE) == os.O_WRONLY:
             # FUSE-NOTES trap 3: direct_io only where no mmap can happen.
@@ -770,6 +770,24 @@ class Namespace:
             inode.writers += 1
         self._handles[handle.fh] = handle
         return handle
+
+    def _register_backing(self, inode: Inode, fd: int) -> bool:
+        """Register ``fd`` as ``inode``'s passthrough backing file; False to serve it here.
+
+        A failed registration (EPERM without CAP_SYS_ADMIN; ELOOP when the
+        ram-dir is on a stacked filesystem such as overlayfs or another FUSE
+        mount) turns passthrough off for the session (the session's
+        ``register_backing`` does that), and this open, like every later one,
+        is served through the daemon instead of failing.
+        """
+        if not self.passthrough or self.register_backing is None:
+            return False
+        try:
+            inode.backing_id = self.register_backing(fd)
+        except OSError:
+            self.passthrough = False
+            return False
+        return True
 
     def _backing_open(self, inode: Inode, flags: int) -> int:
         # No O_NOFOLLOW: /proc/self/fd/N is a magic link (the kernel resolves

@@ -275,17 +275,23 @@ class FuseSession:
     def register_backing(self, fd: int) -> int:
         """Register ``fd`` as a passthrough backing file; returns the backing id.
 
-        On failure (no CAP_SYS_ADMIN: EPERM) passthrough is turned off for the
-        rest of the session and the error is re-raised; callers fall back.
+        On failure (no CAP_SYS_ADMIN: EPERM; a ram-dir on overlayfs or on
+        another FUSE mount: ELOOP, the kernel's stacking limit) passthrough is
+        turned off for the rest of the session and the error is re-raised;
+        the namespace then serves the open through the daemon.
+
+        Raises:
+            OSError: from the FUSE_DEV_IOC_BACKING_OPEN ioctl.
         """
         try:
             return syscalls.ioctl_buf(self.fd, P.FUSE_DEV_IOC_BACKING_OPEN,
                                       P.BACKING_MAP.pack(fd, 0, 0))
         except OSError as exc:
-            log.warning("FUSE passthrough unavailable (%s); serving data through the daemon",
-                        exc.strerror)
+            log.warning("FUSE passthrough unavailable (ioctl: %s); serving data through "
+                        "the daemon", errno.errorcode.get(exc.errno or 0, exc.strerror))
             self.passthrough = False
             self.ns.passthrough = False
+            self._raise_readahead()
             raise
 
     def close_backing(self, backing_id: int) -> None:
