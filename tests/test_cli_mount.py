@@ -253,3 +253,40 @@ def test_sigterm_to_the_background_daemon_unmounts_cleanly(make_mount):
     assert "daemon stopped" in m.log()
     m.mount()
     assert (m.path / "f").read_bytes() == b"kept"
+
+
+def test_peer_token_stays_off_the_daemons_command_line(tmp_path, ram_dir, cleanup):
+    """Regression: the daemon got the whole config, peer token included, as
+    ``--config-json`` in argv, where every local user can read it (ps)."""
+    import grpc
+
+    from tierfs.demo.emulator import free_port
+    from tierfs.tiers import peer_wire
+
+    secret = "SuperSecret123"
+    port = free_port()
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cleanup.append(mnt)
+    tierfs("mount", str(mnt), "--ram-dir", str(ram_dir), "--listen", f"127.0.0.1:{port}",
+           "--coordinator", f"127.0.0.1:{port}",
+           env=dict(os.environ, TIERFS_PEER_TOKEN=secret))
+    pid = int((ram_dir / "store" / "daemon.pid").read_text().split()[0])
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    assert b"_daemon" in cmdline
+    assert secret.encode() not in cmdline
+    # the daemon got the token all the same: the peer service accepts it, and only it
+    pb2, pb2_grpc = peer_wire.load()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        peer = pb2_grpc.PeerStub(ch)
+        reply = peer.Inventory(pb2.InventoryRequest(job="j"),
+                               metadata=(("x-tierfs-token", secret),), timeout=10)
+        assert list(reply.shards) == []
+        with pytest.raises(grpc.RpcError) as err:
+            peer.Inventory(pb2.InventoryRequest(job="j"),
+                           metadata=(("x-tierfs-token", "wrong"),), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    status = tierfs("status", str(mnt), "--json").stdout + tierfs("status", str(mnt)).stdout
+    assert secret not in status
+    tierfs("unmount", str(mnt))
+    assert secret not in (ram_dir / "store" / "daemon.log").read_text()

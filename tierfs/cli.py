@@ -301,17 +301,31 @@ def _leaf_messages(exc: BaseException) -> list[str]:
 
 
 def _spawn_daemon(config: NodeConfig) -> None:
+    """Start the background daemon and wait until it mounted (or failed).
+
+    The configuration travels as JSON on the daemon's stdin, never in its
+    argv: a command line is readable by every local user (``ps``), and the
+    configuration may hold the peer token.
+
+    Raises:
+        click.ClickException: the daemon failed, exited or did not become ready.
+    """
     r, w = os.pipe()
-    args = [sys.executable, "-m", "tierfs", "_daemon", "--config-json",
-            json.dumps(config.to_dict()), "--ready-fd", str(w)]
+    args = [sys.executable, "-m", "tierfs", "_daemon", "--ready-fd", str(w)]
     from tierfs.fs.ramstore import RamStore
 
     store = RamStore(config.ram_dir)
     log_path = config.log_file or store.log_file
     with open(log_path, "ab") as logf:
-        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+        proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=logf, stderr=logf,
                                 pass_fds=(w,), start_new_session=True, close_fds=True)
     os.close(w)
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(json.dumps(config.to_dict()).encode())
+        proc.stdin.close()
+    except BrokenPipeError:  # the daemon died at once; its exit status says the rest
+        pass
     deadline = time.monotonic() + READY_TIMEOUT
     buf = b""
     try:
@@ -338,12 +352,32 @@ def _spawn_daemon(config: NodeConfig) -> None:
     _fail(f"daemon exited with status {proc.returncode} (log: {log_path})")
 
 
+def _read_config_stdin() -> NodeConfig:
+    """The configuration ``tierfs mount`` writes as JSON to the daemon's stdin.
+
+    stdin is then pointed at /dev/null (a daemon reads nothing else from it).
+
+    Raises:
+        click.ClickException: stdin held no valid configuration.
+    """
+    raw = sys.stdin.buffer.read()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        _fail("the daemon expects its configuration as a JSON object on stdin")
+    return NodeConfig.from_dict(data)
+
+
 @main.command("_daemon", hidden=True)
-@click.option("--config-json", required=True)
 @click.option("--ready-fd", type=int, required=True)
-def _daemon(config_json: str, ready_fd: int) -> None:
-    """Run the daemon (started by ``tierfs mount``)."""
-    _run_daemon(NodeConfig.from_dict(json.loads(config_json)), False, ready_fd)
+def _daemon(ready_fd: int) -> None:
+    """Run the daemon (started by ``tierfs mount``; the configuration comes on stdin)."""
+    _run_daemon(_read_config_stdin(), False, ready_fd)
 
 
 def read_status(mountpoint: str) -> dict[str, Any]:

@@ -114,7 +114,7 @@ class NodeConfig:
     listen: str | None = None
     advertise: str | None = None
     coordinator: str | None = None
-    peer_token: str | None = None
+    peer_token: str | None = field(default=None, repr=False)  # a secret: never in logs
     join_timeout: float = 600.0
     # durable plane
     bucket: str | None = None
