@@ -85,8 +85,12 @@ def test_size_unparsable(tmp_path, ram_dir, size):
 
 
 @pytest.mark.parametrize("opt", ["bogus", "allow_other,frobnicate", "attr_timeout=abc",
-                                 "entry_timeout=-1"])
+                                 "entry_timeout=-1", "attr_timeout=inf", "attr_timeout=nan",
+                                 "entry_timeout=1e30", "entry_timeout=-inf",
+                                 "negative_timeout=nan", "max_read=0"])
 def test_unknown_or_bad_mount_option(tmp_path, ram_dir, opt):
+    """Regression (inf, nan, 1e30): accepted, then every stat failed with EIO
+    (the timeout did not fit the reply)."""
     (tmp_path / "mnt").mkdir()
     proc = tierfs("mount", str(tmp_path / "mnt"), "--ram-dir", str(ram_dir), "-o", opt,
                   check=False)
@@ -95,6 +99,12 @@ def test_unknown_or_bad_mount_option(tmp_path, ram_dir, opt):
     assert bad in line, line
     assert not is_mounted(tmp_path / "mnt")
     assert not ram_dir.exists()  # options are checked before anything is created
+
+
+def test_largest_timeouts_work(make_mount):
+    m = make_mount("-o", "attr_timeout=1e9,entry_timeout=1e9")
+    (m.path / "f").write_bytes(b"x")
+    assert (m.path / "f").stat().st_size == 1
 
 
 def test_ram_dir_inside_the_mountpoint_is_refused(tmp_path):

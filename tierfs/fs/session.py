@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import queue
 import socket
@@ -40,6 +41,9 @@ MAX_PAGES = MAX_WRITE // 4096
 BUFFER_SIZE = MAX_WRITE + 64 * 1024
 #: kernel readahead for the mount when the daemon serves reads (KiB)
 READAHEAD_KIB = 4096
+#: longest accepted entry/attr cache timeout (seconds, about 31 years): "forever"
+#: in practice, and it fits the protocol's u64 seconds with room to spare
+MAX_TIMEOUT = 1e9
 
 _FLAG_OPTS = {
     "ro": 1,  # MS_RDONLY
@@ -125,14 +129,17 @@ class MountOptions:
             self.subtype = value
         elif key in ("entry_timeout", "attr_timeout", "negative_timeout") and value is not None:
             seconds = float(value)
-            if seconds < 0:
-                raise ValueError("negative timeout")
+            if not math.isfinite(seconds) or not 0 <= seconds <= MAX_TIMEOUT:
+                raise ValueError(f"a timeout must be a number of seconds from 0 to "
+                                 f"{MAX_TIMEOUT:.0f}")
             if key == "entry_timeout":
                 self.entry_timeout = seconds
             elif key == "attr_timeout":
                 self.attr_timeout = seconds
         elif key == "max_read" and value is not None:
             self.max_read = int(value)
+            if not 0 < self.max_read < 1 << 32:
+                raise ValueError("max_read must be a positive number of bytes below 4 GiB")
         elif key == "auto_unmount":
             self.auto_unmount = True
         elif key == "passthrough":
