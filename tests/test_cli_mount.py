@@ -300,3 +300,39 @@ def test_peer_token_stays_off_the_daemons_command_line(tmp_path, ram_dir, cleanu
     assert secret not in status
     tierfs("unmount", str(mnt))
     assert secret not in (ram_dir / "store" / "daemon.log").read_text()
+
+
+def test_a_reused_daemon_pid_does_not_block_recovery(make_mount, tmp_path):
+    """Regression: after kill -9 of the daemon, a new process that got its pid
+    made `tierfs mount` refuse the ram-dir ("in use by tierfs daemon pid N")."""
+    m = make_mount()
+    (m.path / "f").write_bytes(b"kept")
+    m.kill9()
+    pid_file = m.ram_dir / "store" / "daemon.pid"
+    stranger = subprocess.Popen(["sleep", "60"])
+    try:
+        pid_file.write_text(f"{stranger.pid}\n{m.path}\n")  # the daemon's pid, reused
+        m.mount()
+        assert (m.path / "f").read_bytes() == b"kept"
+        assert m.pid() != stranger.pid
+    finally:
+        stranger.kill()
+        stranger.wait()
+    # a process that holds the ram-dir open is still taken for a daemon
+    m.unmount()
+    holder = subprocess.Popen(["python3", "-c", "import os, sys, time; "
+                               "os.open(sys.argv[1], os.O_RDONLY); print(flush=True); "
+                               "time.sleep(60)", str(m.ram_dir / "view")],
+                              stdout=subprocess.PIPE)
+    other = tmp_path / "other"
+    other.mkdir()
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"\n"
+        pid_file.write_text(f"{holder.pid}\n{m.path}\n")
+        proc = tierfs("mount", str(other), "--ram-dir", str(m.ram_dir), check=False)
+        one_line_error(proc, "in use", str(holder.pid))
+    finally:
+        holder.kill()
+        holder.wait()
+        if is_mounted(other):
+            tierfs("unmount", "--lazy", str(other), check=False)

@@ -67,6 +67,44 @@ def pid_running(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
+def is_tierfs_daemon(pid: int, ram_dir: str) -> bool:
+    """True if the running process ``pid`` is a tierfs daemon that may own ``ram_dir``.
+
+    A pid in ``daemon.pid`` may belong to an unrelated process by now (the
+    daemon was killed with SIGKILL and the pid was reused). The process
+    counts as a tierfs daemon if its command line runs ``tierfs`` (``tierfs
+    _daemon``, ``tierfs mount -f``), or if it holds a descriptor inside
+    ``ram_dir`` (a daemon embedded in another program). A command line that
+    cannot be read (e.g. /proc mounted with ``hidepid``) counts as a daemon.
+    """
+    if not pid_running(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:
+        return True
+    runs_tierfs = any(os.path.basename(a) == b"tierfs" or a.startswith(b"tierfs.")
+                      for a in args)
+    if runs_tierfs and any(a in (b"_daemon", b"mount") for a in args):
+        return True
+    root = os.fsencode(os.path.realpath(ram_dir)).rstrip(b"/") + b"/"
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}".encode())
+        except OSError:
+            continue
+        if target.startswith(root):
+            return True
+    return False
+
+
 def check_mountpoint(path: str, nonempty_ok: bool) -> None:
     """Validate a mountpoint; clears a dead tierfs mount left by a killed daemon.
 
@@ -134,7 +172,7 @@ def check_ram_dir(path: str) -> None:
     except (OSError, ValueError):
         pass
     else:
-        if pid != os.getpid() and pid_running(pid):
+        if pid != os.getpid() and is_tierfs_daemon(pid, store.root):
             _fail(f"ram-dir {path} is in use by tierfs daemon pid {pid} (mounted at {other})")
     if not store.on_tmpfs():
         _warn(f"ram-dir {path} is not on tmpfs: checkpoints will be written to disk")
