@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import time
 import uuid
@@ -336,3 +338,30 @@ def test_a_reused_daemon_pid_does_not_block_recovery(make_mount, tmp_path):
         holder.wait()
         if is_mounted(other):
             tierfs("unmount", "--lazy", str(other), check=False)
+
+
+def test_a_ram_dir_tierfs_creates_is_private(tmp_path, ram_dir, cleanup):
+    """Regression: the ram-dir was created 0755, so any local user could read the
+    checkpoints under <ram-dir>/view, bypassing the mount."""
+    from fs_helpers import as_user, err
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cleanup.append(mnt)
+    assert not ram_dir.exists()
+    tierfs("mount", str(mnt), "--ram-dir", str(ram_dir / "deeper"), "-o", "allow_other")
+    root = ram_dir / "deeper"
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert stat.S_IMODE((root / "store").stat().st_mode) == 0o700
+    (mnt / "ckpt").write_bytes(b"weights")
+    os.chmod(mnt / "ckpt", 0o644)
+    assert err(as_user, Path.read_bytes, root / "view" / "ckpt") == errno.EACCES
+    assert as_user(Path.read_bytes, Path("ckpt"), cwd=mnt) == b"weights"  # the mount lets in
+    tierfs("unmount", str(mnt))
+    # an existing ram-dir keeps the mode its owner gave it
+    shared = ram_dir / "shared"
+    shared.mkdir(mode=0o750)
+    os.chmod(shared, 0o750)
+    tierfs("mount", str(mnt), "--ram-dir", str(shared))
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o750
+    tierfs("unmount", str(mnt))

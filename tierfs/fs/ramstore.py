@@ -211,7 +211,10 @@ class RamStore:
     """Paths and housekeeping of one ram-dir (see the module docstring).
 
     Args:
-        root: the ram-dir; created if missing.
+        root: the ram-dir; created if missing, with mode 0700: nobody else may
+            read the checkpoints behind the mount's back. (``view/`` keeps the
+            usual 0755: it is the mount root, which other users enter through
+            ``-o allow_other``; ``store/`` is always 0700.)
 
     Raises:
         OSError: the directory cannot be created or is not writable.
@@ -224,8 +227,13 @@ class RamStore:
         self.shards = os.path.join(self.store, "shards")
         self.incoming = os.path.join(self.store, "incoming")
         self.trash = os.path.join(self.store, "trash")
-        for d in (self.root, self.view, self.store, self.shards, self.incoming, self.trash):
-            os.makedirs(d, exist_ok=True)
+        if not os.path.lexists(self.root):
+            # mode at mkdir time: never readable by others, not even for a moment
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+            os.chmod(self.root, 0o700)
+        os.makedirs(self.view, exist_ok=True)
+        for d in (self.store, self.shards, self.incoming, self.trash):
+            os.makedirs(d, mode=0o700, exist_ok=True)
         os.chmod(self.store, 0o700)
 
     @property
