@@ -365,3 +365,27 @@ def test_a_ram_dir_tierfs_creates_is_private(tmp_path, ram_dir, cleanup):
     tierfs("mount", str(mnt), "--ram-dir", str(shared))
     assert stat.S_IMODE(shared.stat().st_mode) == 0o750
     tierfs("unmount", str(mnt))
+
+
+def test_status_prints_user_text_with_markup_characters_verbatim(make_mount):
+    """Regression: an error line quoting ``job-name: "x[/bold]y"`` made `tierfs status`
+    crash with rich.errors.MarkupError."""
+    m = make_mount()
+    (m.path / "replicator.yaml").write_text(
+        'job-name: "x[/bold]y"\nframework: orbax\nnode-rank: 0\nnodes: 1\n')
+    assert _wait(lambda: "x[/bold]y" in " ".join(
+        json.loads(tierfs("status", str(m.path), "--json").stdout).get("errors", [])))
+    proc = tierfs("status", str(m.path), check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "x[/bold]y" in proc.stdout and "MarkupError" not in proc.stderr
+
+
+def test_status_table_cells_are_not_markup(capsys):
+    from tierfs.status import render_status
+
+    render_status({"mountpoint": "/m[/red]", "steps": [
+        {"step": 1, "name": "step_1[/bold]", "state": "sealed", "bytes": 1, "where": ["[b]x"]}],
+        "errors": ["[/i] broken"]})
+    out = capsys.readouterr().out
+    for text in ("/m[/red]", "step_1[/bold]", "[b]x", "[/i] broken"):
+        assert text in out, out

@@ -1,4 +1,9 @@
-"""Rendering of a node's status (``tierfs status``)."""
+"""Rendering of a node's status (``tierfs status``).
+
+Every string in the status may come from users (job names from
+``replicator.yaml``, step names, paths, error lines quoting them), so
+nothing from it is ever parsed as rich markup.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from tierfs.config import format_size
 
@@ -58,18 +64,19 @@ def render_status(data: dict[str, Any]) -> None:
     """Print the status as text plus a table of steps."""
     console = Console()
     for line in format_status(data):
-        console.print(line, highlight=False)
+        console.print(line, markup=False, highlight=False)
     steps = data.get("steps") or []
     if steps:
         table = Table(title="steps")
         for col in ("step", "name", "state", "size", "where"):
             table.add_column(col)
         for s in steps:
-            table.add_row(str(s.get("step")), str(s.get("name", "")), str(s.get("state")),
-                          format_size(s.get("bytes", 0)), ", ".join(s.get("where", [])))
+            cells = (str(s.get("step")), str(s.get("name", "")), str(s.get("state")),
+                     format_size(s.get("bytes", 0)), ", ".join(s.get("where", [])))
+            table.add_row(*(Text(c) for c in cells))  # Text: never markup
         console.print(table)
     errors = data.get("errors") or []
     if errors:
         console.print("recent errors:", style="bold red")
         for e in errors[-10:]:
-            console.print(f"  {e}", highlight=False)
+            console.print(f"  {e}", markup=False, highlight=False)
