@@ -389,3 +389,22 @@ def test_status_table_cells_are_not_markup(capsys):
     out = capsys.readouterr().out
     for text in ("/m[/red]", "step_1[/bold]", "[b]x", "[/i] broken"):
         assert text in out, out
+
+
+def test_mountpoint_given_through_a_symlink(tmp_path, ram_dir, cleanup):
+    """Regression: `tierfs mount <symlink>` worked, but `tierfs unmount <symlink>`
+    said "is not mounted" and status showed the symlink's path."""
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    cleanup.append(real)
+    tierfs("mount", str(link), "--ram-dir", str(ram_dir))
+    assert is_mounted(real)
+    status = json.loads(tierfs("status", str(link), "--json").stdout)
+    assert status["mountpoint"] == str(real)
+    assert (ram_dir / "store" / "daemon.pid").read_text().split()[1] == str(real)
+    (link / "f").write_bytes(b"x")
+    tierfs("unmount", str(link))
+    assert not is_mounted(real)
+    assert (ram_dir / "view" / "f").read_bytes() == b"x"

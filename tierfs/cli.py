@@ -207,10 +207,12 @@ def _build_config(opts: dict[str, Any]) -> NodeConfig:
     if data.get("peer_token") is None and os.environ.get("TIERFS_PEER_TOKEN"):
         data["peer_token"] = os.environ["TIERFS_PEER_TOKEN"]
     config = NodeConfig.from_dict(data)
-    config.mountpoint = os.path.abspath(opts["mountpoint"])
+    # symlinks resolved: /proc/self/mountinfo, `tierfs unmount` and status all
+    # name the real path
+    config.mountpoint = os.path.realpath(opts["mountpoint"])
     if not config.ram_dir:
         _fail("--ram-dir is required (or ramDir in --config)")
-    config.ram_dir = os.path.abspath(config.ram_dir)
+    config.ram_dir = os.path.realpath(config.ram_dir)
     config.validate()
     return config
 
@@ -447,7 +449,7 @@ def unmount(mountpoint: str, lazy: bool, timeout: float) -> None:
     """Unmount MOUNTPOINT and stop its daemon (the RAM store is kept)."""
     from tierfs.fs.session import mount_entry, unmount_path
 
-    mountpoint = os.path.abspath(mountpoint)
+    mountpoint = os.path.realpath(mountpoint)  # as `tierfs mount` recorded it
     entry = mount_entry(mountpoint)
     if entry is None:
         _fail(f"{mountpoint} is not mounted")
