@@ -408,3 +408,24 @@ def test_mountpoint_given_through_a_symlink(tmp_path, ram_dir, cleanup):
     tierfs("unmount", str(link))
     assert not is_mounted(real)
     assert (ram_dir / "view" / "f").read_bytes() == b"x"
+
+
+@pytest.mark.parametrize("foreground", [False, True])
+@pytest.mark.parametrize(("log", "why"), [("/nonexistent/dir/log", "No such file or directory"),
+                                          ("/tmp", "Is a directory")])
+def test_unusable_log_file_is_a_one_line_error(tmp_path, ram_dir, log, why, foreground):
+    """Regression: `--log-file /nonexistent/dir/log` printed a raw traceback."""
+    (tmp_path / "mnt").mkdir()
+    proc = tierfs("mount", str(tmp_path / "mnt"), "--ram-dir", str(ram_dir), "--log-file", log,
+                  *(["-f"] if foreground else []), check=False, timeout=30)
+    one_line_error(proc, f"--log-file {log}", why)
+    assert "Traceback" not in proc.stderr
+    assert not is_mounted(tmp_path / "mnt")
+    assert not ram_dir.exists()
+
+
+def test_relative_log_file_is_relative_to_where_mount_ran(make_mount, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    m = make_mount("--log-file", "rel.log")
+    (m.path / "f").write_bytes(b"x")
+    assert "mounted" in (tmp_path / "rel.log").read_text()

@@ -178,6 +178,21 @@ def check_ram_dir(path: str) -> None:
         _warn(f"ram-dir {path} is not on tmpfs: checkpoints will be written to disk")
 
 
+def check_log_file(path: str | None) -> None:
+    """Open (create) an explicit ``--log-file`` for appending, as the daemon will.
+
+    Raises:
+        click.ClickException: its directory is missing, it is a directory, no permission.
+    """
+    if not path:
+        return
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        _fail(f"--log-file {path}: {exc.strerror or exc}")
+
+
 def _build_config(opts: dict[str, Any]) -> NodeConfig:
     data: dict[str, Any] = {}
     if opts.get("config"):
@@ -213,6 +228,8 @@ def _build_config(opts: dict[str, Any]) -> NodeConfig:
     if not config.ram_dir:
         _fail("--ram-dir is required (or ramDir in --config)")
     config.ram_dir = os.path.realpath(config.ram_dir)
+    if config.log_file:
+        config.log_file = os.path.abspath(config.log_file)
     config.validate()
     return config
 
@@ -291,6 +308,7 @@ def mount(**opts: Any) -> None:
         _fail(str(exc))
     ready_fd = opts.get("ready_fd")
     if ready_fd is None:
+        check_log_file(config.log_file)
         check_overlap(config.mountpoint, config.ram_dir)
         nonempty = any("nonempty" in o.split(",") for o in config.mount_options)
         check_mountpoint(config.mountpoint, nonempty)
