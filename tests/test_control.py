@@ -142,3 +142,20 @@ def test_unset_variables_and_own_rank_in_peer_ranks_are_warnings():
         "replicator.yaml: peer-ranks lists this node's own rank 1 or a rank twice; ignored")
     job = parse_replicator_yaml(text.replace("$NOPE_UNSET", "${JOB}"), env={"JOB": "x"})
     assert job is not None and job.name == "x" and len(job.warnings) == 1
+
+
+def test_unknown_keys_are_reported_ten_at_most():
+    """Regression: 100k unknown keys wrote 100k lines to replicator.errors."""
+    text = "job-name: j\nframework: orbax\nnode-rank: 0\nnodes: 1\n" + "".join(
+        f"k{i}: {i}\n" for i in range(25))
+    job = control.parse_replicator_yaml(text, env={})
+    assert len(job.warnings) == 11
+    assert job.warnings[-1] == "replicator.yaml: 15 more unknown keys ignored"
+
+
+def test_deep_nesting_and_aliases_are_invalid_yaml():
+    base = "job-name: j\nframework: orbax\nnode-rank: 0\nnodes: 1\n"
+    with pytest.raises(control.ControlError, match="nested too deeply"):
+        control.parse_replicator_yaml(base + "x: " + "[" * 50_000, env={})
+    with pytest.raises(control.ControlError, match="aliases"):
+        control.parse_replicator_yaml(base + "a: &a [1]\nb: *a\n", env={})

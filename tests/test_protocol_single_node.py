@@ -124,6 +124,141 @@ def test_malformed_yaml_is_reported_through_replicator_failed(mount, text, expec
     assert orbax_initialize(d, orbax_yaml("job", 0, 1)) is None
 
 
+BILLION_LAUGHS = "\n".join(
+    ['a0: &a0 ["x"]'] + [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]"
+                          for i in range(1, 10)]
+) + "\njob-name: j\nframework: orbax\nnode-rank: 0\nnodes: 1"
+
+
+def test_yaml_aliases_are_refused_without_stalling_the_mount(mount):
+    """Regression: 478 bytes of nested aliases expanded to gigabytes on the FUSE loop."""
+    d = mount.path
+    (d / "replicator.yaml.tmp").write_text(BILLION_LAUGHS)
+    t = time.monotonic()
+    os.replace(d / "replicator.yaml.tmp", d / "replicator.yaml")
+    wait_for(lambda: not (d / "replicator.yaml").exists(), 10, "yaml deleted")
+    assert time.monotonic() - t < 5
+    failed = (d / "replicator.failed").read_text()
+    assert failed.count("\n") == 1 and "aliases (*name) are not allowed" in failed
+    assert orbax_initialize(d, orbax_yaml("job", 0, 1)) is None
+
+
+def test_yaml_that_is_not_a_regular_file_is_refused(mount, tmp_path):
+    """Regressions: a symlink was followed as root (a root-only file's lines leaked into
+    replicator.failed), a FIFO hung the control protocol, a directory reset the job."""
+    d = mount.path
+    assert orbax_initialize(d, orbax_yaml("job", 0, 1)) is None
+    secret = tmp_path / "secret"
+    secret.write_text("root:x\ndaemon: [*:19000\n")
+    secret.chmod(0o600)
+    os.symlink(secret, d / "y")
+    os.rename(d / "y", d / "replicator.yaml")
+    wait_for(lambda: not os.path.lexists(d / "replicator.yaml"), 10, "symlink deleted")
+    failed = (d / "replicator.failed").read_text()
+    assert "replicator.yaml is a symbolic link" in failed
+    assert "19000" not in failed and "19000" not in json.dumps(status(d))
+    assert status(d)["job"]["name"] == "job"  # the job is untouched
+    # a FIFO: refused at once, and a good yaml afterwards is consumed
+    os.mkfifo(d / "f")
+    os.rename(d / "f", d / "replicator.yaml")
+    wait_for(lambda: not os.path.lexists(d / "replicator.yaml"), 10, "FIFO deleted")
+    assert "replicator.yaml is a FIFO" in (d / "replicator.failed").read_text()
+    assert orbax_initialize(d, orbax_yaml("job2", 0, 1)) is None
+    # a directory: refused, not taken for an empty file (which would reset the job)
+    os.mkdir(d / "dir")
+    os.rename(d / "dir", d / "replicator.yaml")
+    wait_for(lambda: not os.path.lexists(d / "replicator.yaml"), 10, "directory removed")
+    assert "replicator.yaml is a directory" in (d / "replicator.failed").read_text()
+    assert status(d)["job"]["name"] == "job2" and status(d)["mode"] == "protocol"
+
+
+def test_job_name_too_long_for_a_marker_is_refused(mount):
+    d = mount.path
+    (d / "replicator.yaml.tmp").write_text(orbax_yaml("j" * 215, 0, 1))
+    os.replace(d / "replicator.yaml.tmp", d / "replicator.yaml")
+    wait_for(lambda: not (d / "replicator.yaml").exists(), 10, "yaml deleted")
+    assert "job-name is 215 bytes long; the limit is 128" in (
+        d / "replicator.failed").read_text()
+
+
+def test_yaml_left_by_a_killed_daemon_is_consumed_at_start(make_mount):
+    m = make_mount()
+    m.kill9()
+    # renamed into place just before the daemon died: still in the RAM store
+    (m.view / "replicator.yaml").write_text(orbax_yaml("job", 0, 1))
+    m.mount()
+    wait_for(lambda: not (m.path / "replicator.yaml").exists(), 10, "yaml consumed")
+    wait_for(lambda: (m.path / "job-s0-n0-w0.restore").exists(), 10, "empty marker")
+    assert status(m.path)["mode"] == "protocol"
+
+
+def test_step_renamed_into_place_before_a_kill_is_sealed_after_restart(make_mount):
+    """Regression: a generic-mode step whose seal event (the rename) reached the
+    daemon, which was killed before sealing it, stayed unsealed for good."""
+    m = make_mount()
+    d = m.path
+    os.mkdir(d / "tmp-checkpoint-901")
+    data = os.urandom(300_000)
+    f = open(d / "tmp-checkpoint-901" / "model.bin", "wb")
+    f.write(data)
+    f.flush()
+    os.rename(d / "tmp-checkpoint-901", d / "checkpoint-901")
+    # the open writer holds the seal back; the daemon records it as pending
+    state = m.ram_dir / "store" / "state.json"
+    wait_for(lambda: "checkpoint-901" in json.loads(state.read_text()).get("pending", {}),
+             10, "pending seal saved")
+    m.kill9()
+    try:
+        f.close()
+    except OSError:
+        pass
+    m.mount()
+    wait_sealed(d, 901)
+    assert (d / "checkpoint-901" / "model.bin").read_bytes() == data
+
+
+def test_step_with_an_escaping_symlink_is_not_sealed(mount):
+    """Regression: such a step was sealed, then dropped as unreadable at the next start."""
+    d = mount.path
+    os.mkdir(d / "tmp-checkpoint-7")
+    (d / "tmp-checkpoint-7" / "w").write_bytes(b"d")
+    os.symlink("/etc/hostname", d / "tmp-checkpoint-7" / "abs")
+    os.rename(d / "tmp-checkpoint-7", d / "checkpoint-7")
+    wait_for(lambda: any("checkpoint-7" in e for e in status(d)["errors"]), 10, "error line")
+    line = next(e for e in status(d)["errors"] if "checkpoint-7" in e)
+    assert "step 7 (checkpoint-7) not sealed" in line and "escapes the shard" in line
+    assert 7 not in step_states(d)
+    mount.unmount()
+    mount.mount()
+    assert (d / "checkpoint-7" / "w").read_bytes() == b"d"  # the client's data is intact
+    assert os.readlink(d / "checkpoint-7" / "abs") == "/etc/hostname"
+
+
+def test_a_step_sealed_again_after_a_write_keeps_its_place_in_retention(make_mount):
+    """Regression: writing into step 10 after step 20 was sealed made step 10 the
+    "newest" (re-sealed later), so sealing step 30 evicted step 20."""
+    m = make_mount("--keep-local", "2")
+    d = m.path
+    nemo_write_yaml(d, "nemo", 0, 1)
+    assert nemo_restore(d) is None
+    for step in (10, 20):
+        nemo_save(d, step, payload(step))
+        wait_sealed(d, step)
+    def step10_bytes() -> int | None:
+        return next((s["bytes"] for s in status(d)["steps"] if s["step"] == 10
+                     and s["state"] in ("sealed", "verified")), None)
+
+    before = step10_bytes()
+    with open(d / "step=10" / "0" / "shard0", "r+b") as f:
+        f.truncate(10)
+    wait_for(lambda: step10_bytes() == before - len(payload(10)["shard0"]) + 10, 10,
+             "step 10 withdrawn and sealed again")
+    nemo_save(d, 30, payload(30))
+    wait_sealed(d, 30)
+    wait_for(lambda: sorted(step_states(d)) == [20, 30], 10, "retention")
+    assert "dropping shard nemo/n0/s20" not in m.log()
+
+
 def test_malformed_yaml_written_in_place_like_nemo(mount):
     d = mount.path
     with open(d / "replicator.yaml", "w") as f:

@@ -45,7 +45,7 @@ from tierfs.config import NodeConfig
 from tierfs.control import ControlError, JobSpec
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.ramstore import TRASH_GRACE, Budget, RamStore
-from tierfs.manifest import CrcCache
+from tierfs.manifest import CrcCache, ManifestError
 from tierfs.sealing import SealCandidate, SealRules
 from tierfs.tiers.local import SealBusy, Shard, ShardKey, ShardStore, retention
 from tierfs.view import SIBLING_GRACE, ClientView, Published
@@ -208,7 +208,11 @@ class NodeAgent:
         self.generation: collections.Counter[str] = collections.Counter()
         self.view_steps: dict[str, ShardKey] = {}
         self.pending: dict[str, SealCandidate] = {}
+        #: seal candidates the previous daemon had not acted on (state.json)
+        self.pending_at_start: list[SealCandidate] = []
         self.withdrawn_names: dict[str, ShardKey] = {}
+        #: first seal time of a withdrawn step, kept when it is sealed again
+        self.withdrawn_created: dict[ShardKey, float] = {}
         self.crc_cache: CrcCache = {}
         self.job: JobSpec | None = None
         self.mode = "none"
@@ -399,6 +403,9 @@ class NodeAgent:
     def withdraw(self, key: ShardKey, reason: str) -> None:
         """Withdraw a seal: the snapshot no longer matches the client's bytes."""
         names = [n for n, k in self.view_steps.items() if k == key]
+        shard = self.catalog.get(key)
+        if shard is not None:
+            self.withdrawn_created[key] = shard.manifest.created
         self.drop_shard(key, reason)
         for name in names:
             self.withdrawn_names[name] = key
@@ -445,6 +452,9 @@ class NodeAgent:
             "published": {m: [p.sibling, p.key.job, p.key.rank, p.key.step, p.entry]
                           for m, p in self.view.published.items()},
             "restore": self.restore_state,
+            # seal events not yet acted on: a restart must not lose them (a rename
+            # into a step name is the only sign a generic-mode step is complete)
+            "pending": {n: [c.step, list(c.entries), c.reason] for n, c in self.pending.items()},
         }
         control.atomic_write(self.store.store, "state.json",
                              json.dumps(state, indent=1, sort_keys=True).encode(), 0o600)
@@ -467,6 +477,11 @@ class NodeAgent:
         for m, (sib, j, r, s, entry) in state.get("published", {}).items():
             self.view.published[m] = Published(m, sib, ShardKey(j, int(r), int(s)), entry)
         self.restore_state = state.get("restore", {"state": "idle"})
+        try:
+            self.pending_at_start = [SealCandidate(int(st), n, tuple(e), str(r))
+                                     for n, (st, e, r) in state.get("pending", {}).items()]
+        except (TypeError, ValueError):
+            self.pending_at_start = []
 
     # ------------------------------------------------------------------ main loop
 
@@ -488,7 +503,10 @@ class NodeAgent:
             nursery.start_soon(self._housekeeping)
             nursery.start_soon(self._count_budget)
             nursery.start_soon(self._reconcile)
-            if self.mode == "generic" and self.job is not None and self.job.nodes > 1:
+            if os.path.lexists(os.path.join(self.store.view, control.REPLICATOR_YAML)):
+                # renamed into place just before the previous daemon died: still unread
+                self._start_control()
+            elif self.mode == "generic" and self.job is not None and self.job.nodes > 1:
                 # visible at once, so `tierfs wait` right after the mount waits for it
                 self.restore_state = {"state": "pending", "since": time.time()}
                 self._spawn(self._generic_restore, self.job)
@@ -544,6 +562,10 @@ class NodeAgent:
         if self.rules is None or self.job is None:
             return
         candidates = await trio.to_thread.run_sync(self.rules.scan, self.view)
+        found = {c.name for c in candidates}
+        candidates += [c for c in self.pending_at_start if c.name not in found
+                       and all(self.view.exists(e) for e in c.entries)]
+        self.pending_at_start = []
         job = self.job
         for cand in candidates:
             key = ShardKey(job.name, job.node_rank, cand.step)
@@ -648,7 +670,10 @@ class NodeAgent:
     # ------------------------------------------------------------------ sealing
 
     def _schedule_seal(self, cand: SealCandidate) -> None:
+        known = self.pending.get(cand.name)
         self.pending[cand.name] = cand
+        if known is None or known.step != cand.step:
+            self._save_state()
         self._spawn(self._seal, cand)
 
     async def _seal(self, cand: SealCandidate) -> None:
@@ -673,13 +698,19 @@ class NodeAgent:
                     self.store.view, key, cand.name, cand.entries, job.framework,
                     cache=self.crc_cache, writers=writers,
                     cancelled=lambda: any(self.generation[t] != gens[t] for t in tops),
-                    on_inodes=lambda inos: self._mark_sealing(inos, token))
+                    on_inodes=lambda inos: self._mark_sealing(inos, token),
+                    created=self.withdrawn_created.get(key))
 
             try:
                 shard = await trio.to_thread.run_sync(work)
             except SealBusy:
                 log.info("step %d (%s): files still open for writing; sealing when closed",
                          cand.step, cand.name)
+                return
+            except ManifestError as exc:
+                if self.pending.get(cand.name) is cand:
+                    del self.pending[cand.name]
+                self.report_error(f"step {cand.step} ({cand.name}) not sealed: {exc}")
                 return
             except (OSError, InterruptedError) as exc:
                 log.info("step %d (%s): seal retried later: %s", cand.step, cand.name, exc)
@@ -699,6 +730,7 @@ class NodeAgent:
             if self.pending.get(cand.name) is cand:
                 del self.pending[cand.name]
             self.withdrawn_names.pop(cand.name, None)
+            self.withdrawn_created.pop(key, None)
             self.add_shard(shard)
             self.view_steps[cand.name] = key
             log.info("sealed step %d (%s, %d files, %d bytes): %s", key.step, cand.name,
@@ -757,14 +789,16 @@ class NodeAgent:
             self._reported.clear()  # a (re)started job hears about every problem again
             path = os.path.join(self.store.view, control.REPLICATOR_YAML)
             try:
-                text = await trio.to_thread.run_sync(_read_text, path)
+                # read and parse off the FUSE loop: a large file takes seconds
+                job = await trio.to_thread.run_sync(control.load_replicator_yaml, path)
             except FileNotFoundError:
                 return
             except OSError as exc:
-                text = ""
-                log.warning("reading replicator.yaml: %s", exc)
-            try:
-                job = control.parse_replicator_yaml(text)
+                await trio.to_thread.run_sync(self.view.clear_error_files)
+                self.report_failure(f"replicator.yaml could not be read: "
+                                    f"{exc.strerror or exc}")
+                await trio.to_thread.run_sync(self.view.delete_control)
+                return
             except ControlError as exc:
                 await trio.to_thread.run_sync(self.view.clear_error_files)
                 self.report_failure(str(exc))
@@ -934,7 +968,3 @@ class NodeAgent:
     def status_json(self) -> bytes:
         return (json.dumps(self.status(), indent=2, sort_keys=True, default=str) + "\n").encode()
 
-
-def _read_text(path: str) -> str:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read(1 << 20)

@@ -9,8 +9,10 @@ the NeMo helper ``high_scale_ckpt_utils.py``.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 import string
 import time
 from dataclasses import dataclass, field
@@ -43,6 +45,80 @@ SAVE_FILE_RE = re.compile(r"^(?P<job>.+)-s(?P<step>\d+)-n(?P<node>\d+)-w(?P<work
 class ControlError(ValueError):
     """A ``replicator.yaml`` the node cannot act on; the message is one line for
     ``replicator.failed``."""
+
+
+#: largest ``replicator.yaml`` read, in bytes (real ones are a few hundred)
+MAX_CONTROL_BYTES = 1 << 20
+#: longest job name, in bytes: markers (``<job>-s<step>-n<node>-w<w>.restore``)
+#: and their temporary names must stay within NAME_MAX (255)
+MAX_JOB_NAME = 128
+
+
+class _ControlLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` without aliases (``*name``).
+
+    Neither Orbax nor the NeMo helper writes anchors; an alias, on the other
+    hand, lets a few hundred bytes expand to gigabytes ("billion laughs").
+    """
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, "aliases (*name) are not allowed", event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def read_control(path: str) -> str:
+    """Read ``replicator.yaml`` without following a symlink or blocking on a FIFO.
+
+    Args:
+        path: the file in the view (the daemon's side of the mount).
+
+    Returns:
+        Its text (invalid UTF-8 replaced).
+
+    Raises:
+        FileNotFoundError: it is gone (consumed or renamed away meanwhile).
+        ControlError: a symlink, directory, FIFO or other non-regular file, or
+            larger than :data:`MAX_CONTROL_BYTES`: a client writes a regular file
+            (PROTOCOL.md section 2), and the daemon runs as root, so it never
+            reads what a link points at.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ControlError("replicator.yaml is a symbolic link; write a regular "
+                               "file") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO"
+                    if stat.S_ISFIFO(st.st_mode) else "not a regular file")
+            raise ControlError(f"replicator.yaml is {kind}; write a regular file")
+        if st.st_size > MAX_CONTROL_BYTES:
+            raise ControlError(f"replicator.yaml is {st.st_size} bytes; the limit is "
+                               f"{MAX_CONTROL_BYTES}")
+        chunks, total = [], 0
+        while total <= MAX_CONTROL_BYTES:
+            data = os.read(fd, MAX_CONTROL_BYTES + 1 - total)
+            if not data:
+                break
+            chunks.append(data)
+            total += len(data)
+        if total > MAX_CONTROL_BYTES:
+            raise ControlError(f"replicator.yaml is over {MAX_CONTROL_BYTES} bytes")
+        return b"".join(chunks).decode("utf-8", errors="replace")
+    finally:
+        os.close(fd)
+
+
+def load_replicator_yaml(path: str, env: dict[str, str] | None = None) -> JobSpec | None:
+    """:func:`read_control` then :func:`parse_replicator_yaml` (blocking: call it in a
+    worker thread). Raises what both raise."""
+    return parse_replicator_yaml(read_control(path), env)
 
 
 @dataclass(frozen=True)
@@ -162,16 +238,19 @@ def parse_replicator_yaml(text: str, env: dict[str, str] | None = None) -> JobSp
         The job, or None for an empty file (PROTOCOL.md section 2: reset).
 
     Raises:
-        ControlError: bad YAML, not a mapping, missing key, unknown framework,
+        ControlError: bad YAML (aliases included), not a mapping, missing key,
+            a job-name over :data:`MAX_JOB_NAME` bytes, unknown framework,
             rank outside [0, nodes), negative or non-integer numbers.
     """
     if not text.strip():
         return None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_ControlLoader)  # a SafeLoader subclass
     except yaml.YAMLError as exc:
-        detail = str(exc).replace("\n", " ")
+        detail = " ".join(str(exc).split())
         raise ControlError(f"replicator.yaml is not valid YAML: {detail}") from None
+    except RecursionError:
+        raise ControlError("replicator.yaml is not valid YAML: nested too deeply") from None
     if raw is None:
         return None
     if not isinstance(raw, dict):
@@ -183,8 +262,11 @@ def parse_replicator_yaml(text: str, env: dict[str, str] | None = None) -> JobSp
         if key not in data or data[key] is None or data[key] == "":
             raise ControlError(f"replicator.yaml is missing required key {key!r}")
     name = str(data["job-name"]).strip()
-    if not name or "/" in name or name in (".", ".."):
+    if not name or "/" in name or "\0" in name or name in (".", ".."):
         raise ControlError(f"job-name {data['job-name']!r} is not a valid name")
+    if len(name.encode()) > MAX_JOB_NAME:
+        raise ControlError(f"job-name is {len(name.encode())} bytes long; the limit is "
+                           f"{MAX_JOB_NAME} (restore markers must fit in a file name)")
     framework = str(data["framework"]).strip()
     if framework not in FRAMEWORKS:
         raise ControlError(f"unknown framework {framework!r} (expected one of "
@@ -220,8 +302,10 @@ def parse_replicator_yaml(text: str, env: dict[str, str] | None = None) -> JobSp
     port = _as_int("master-port", data.get("master-port", 4242), minimum=1)
     if port > 65535:
         raise ControlError(f"master-port {port} is out of range")
-    warnings = tuple(f"replicator.yaml: unknown key {k!r} ignored"
-                     for k in data if k not in KNOWN_KEYS)
+    unknown = [k for k in data if k not in KNOWN_KEYS]
+    warnings = tuple(f"replicator.yaml: unknown key {k!r} ignored" for k in unknown[:10])
+    if len(unknown) > 10:
+        warnings += (f"replicator.yaml: {len(unknown) - 10} more unknown keys ignored",)
     warnings += tuple(f"replicator.yaml: ${name} is not set in the node daemon's "
                       f"environment; used literally" for name in unset)
     if peer_ranks is not None and len(peer_ranks) < len(data.get("peer-ranks") or []):

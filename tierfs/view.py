@@ -156,11 +156,20 @@ class ClientView:
             self.hide(name)
 
     def delete_control(self) -> None:
-        """Delete the consumed ``replicator.yaml``."""
+        """Delete the consumed ``replicator.yaml`` (an empty directory of that name too;
+        a non-empty one is left to the client and logged)."""
+        path = os.path.join(self.store.view, control.REPLICATOR_YAML)
         try:
-            os.unlink(os.path.join(self.store.view, control.REPLICATOR_YAML))
+            os.unlink(path)
         except FileNotFoundError:
             pass
+        except IsADirectoryError:
+            try:
+                os.rmdir(path)
+            except OSError as exc:
+                log.warning("left the directory replicator.yaml in place: %s", exc)
+        except OSError as exc:
+            log.warning("could not delete replicator.yaml: %s", exc)
         self.notify(control.REPLICATOR_YAML)
 
     def write_file(self, name: str, data: bytes) -> None:

@@ -16,6 +16,7 @@ threads, never from the FUSE thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -25,7 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierfs.fs.ramstore import RamStore
-from tierfs.manifest import CrcCache, Manifest, ManifestError, scan_tree, verify_tree
+from tierfs.manifest import (
+    CrcCache,
+    Manifest,
+    ManifestError,
+    check_entries,
+    scan_tree,
+    verify_tree,
+)
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +160,8 @@ class ShardStore:
                  framework: str, *, cache: CrcCache | None = None,
                  writers: Callable[[int], int] | None = None,
                  cancelled: Callable[[], bool] | None = None,
-                 on_inodes: Callable[[set[int]], None] | None = None) -> Shard:
+                 on_inodes: Callable[[set[int]], None] | None = None,
+                 created: float | None = None) -> Shard:
         """Seal: hard-link ``view/<entry>`` for each entry into a new shard and checksum it.
 
         Args:
@@ -166,9 +175,14 @@ class ShardStore:
             cancelled: polled during checksumming.
             on_inodes: told the snapshot's file inodes before they are checksummed
                 (so writes opened meanwhile can be noticed).
+            created: the seal time to record (Unix seconds; default: now). A step
+                sealed again after a write keeps its first seal time, so retention
+                (newest by seal time) does not rank it above later steps.
 
         Raises:
             SealBusy: a file is still open for writing.
+            ManifestError: the step holds a symlink that leaves it (absolute, or
+                ``..`` past its top): no other node could restore it safely.
             OSError: an entry vanished or changed meanwhile.
         """
         entries = tuple(entries)
@@ -186,10 +200,13 @@ class ShardStore:
                     if writers(ino) > 0:
                         raise SealBusy(f"{key}: a file is still open for writing")
             files = scan_tree(data, entries, cache=cache, cancelled=cancelled)
+            check_entries(files)  # what a peer or a restart would refuse is never sealed
             backup = any(f.path.rsplit("/", 1)[-1] == "_BACKUP_REQUESTED" for f in files)
             manifest = Manifest(job=key.job, rank=key.rank, step=key.step, name=name,
                                 framework=framework, files=tuple(files),
                                 backup_requested=backup)
+            if created is not None:
+                manifest = dataclasses.replace(manifest, created=created)
             return self._install(inc, manifest, inodes, verified=False)
         except BaseException:
             shutil.rmtree(inc, ignore_errors=True)
