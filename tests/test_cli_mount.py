@@ -429,3 +429,36 @@ def test_relative_log_file_is_relative_to_where_mount_ran(make_mount, tmp_path, 
     m = make_mount("--log-file", "rel.log")
     (m.path / "f").write_bytes(b"x")
     assert "mounted" in (tmp_path / "rel.log").read_text()
+
+
+@pytest.mark.parametrize("size", ["1", "4096", "1023KiB"])
+def test_size_below_one_mib_is_refused(tmp_path, ram_dir, size, cleanup):
+    """Regression: `--size 1` was accepted silently (every write then failed)."""
+    (tmp_path / "mnt").mkdir()
+    cleanup.append(tmp_path / "mnt")
+    proc = tierfs("mount", str(tmp_path / "mnt"), "--ram-dir", str(ram_dir), "--size", size,
+                  check=False)
+    one_line_error(proc, "--size", "too small", "at least 1.0 MiB")
+    assert not is_mounted(tmp_path / "mnt")
+    assert not ram_dir.exists()
+
+
+def test_size_below_what_the_ram_dir_holds_is_a_warning(make_mount):
+    """Regression: a --size below the data already stored was accepted silently."""
+    m = make_mount()
+    (m.path / "old").write_bytes(b"\1" * (3 * MiB))
+    m.unmount()
+    m.args = ["--size", "2MiB"]
+    m.mount()
+    warnings = [line for line in m.mount_stderr.splitlines() if line.strip()]
+    assert len(warnings) == 1, m.mount_stderr
+    assert "warning: --size 2.0 MiB is not more than the 3.0 MiB" in warnings[0]
+    assert "ENOSPC" in warnings[0]
+    with pytest.raises(OSError) as info:
+        (m.path / "new").write_bytes(b"\2" * MiB)
+    assert info.value.errno == errno.ENOSPC
+    assert (m.path / "old").read_bytes() == b"\1" * (3 * MiB)
+    m.unmount()
+    m.args = ["--size", "1MiB"]  # the smallest budget mounts without other complaint
+    m.mount()
+    assert "too small" not in m.mount_stderr

@@ -146,7 +146,8 @@ def check_overlap(mountpoint: str, ram_dir: str) -> None:
 
 
 def check_size(ram_dir: str, size: int | None) -> None:
-    """Warn when ``--size`` exceeds what the ram-dir's filesystem can hold at all."""
+    """Warn when ``--size`` exceeds what the ram-dir's filesystem can hold at all,
+    or is not more than the ram-dir already holds (every write would get ENOSPC)."""
     if size is None:
         return
     vfs = os.statvfs(ram_dir)
@@ -154,6 +155,13 @@ def check_size(ram_dir: str, size: int | None) -> None:
     if size > capacity:
         _warn(f"--size {format_size(size)} is more than the ram-dir's filesystem holds "
               f"({format_size(capacity)}); that limit applies")
+        return
+    from tierfs.fs.ramstore import RamStore
+
+    held = RamStore(ram_dir).usage()
+    if held >= size:
+        _warn(f"--size {format_size(size)} is not more than the {format_size(held)} the "
+              f"ram-dir already holds: writes fail with ENOSPC until steps are deleted")
 
 
 def check_ram_dir(path: str) -> None:

@@ -52,6 +52,10 @@ def parse_size(text: str | int) -> int:
     return value
 
 
+#: smallest accepted RAM budget (bytes): less cannot hold a checkpoint of any use
+MIN_SIZE = 1 << 20
+
+
 def format_size(n: int) -> str:
     """Bytes as a short human string (``1.5 GiB``)."""
     size = float(n)
@@ -129,6 +133,9 @@ class NodeConfig:
         Raises:
             ConfigError: naming the first bad setting.
         """
+        if self.size is not None and self.size < MIN_SIZE:
+            raise ConfigError(f"--size {format_size(self.size)} is too small: the RAM budget "
+                              f"must be at least {format_size(MIN_SIZE)}")
         if self.nodes < 1:
             raise ConfigError(f"nodes must be >= 1, got {self.nodes}")
         if not 0 <= self.node_rank < self.nodes:
