@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import time
 
 import pytest
 
@@ -54,3 +55,94 @@ def test_managed_budget_counts_only_the_store(tmp_path):
     assert not budget.wants_recount
     budget.check_growth(2 * MiB)
     assert budget.statfs().blocks * budget.statfs().bsize == 4 * MiB
+
+
+@pytest.fixture
+def shm_ram():
+    """A ram-dir on tmpfs (directories allocate no blocks there, as in production)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    if base is None:
+        pytest.skip("no /dev/shm")
+    path = os.path.join(base, f"budget-{os.getpid()}-{time.monotonic_ns()}")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_managed_frees_count_at_once_and_survive_a_racing_count(shm_ram):
+    """Regression: freed bytes only came back at the next count (seconds of ENOSPC)."""
+    store = RamStore(shm_ram)
+    budget = Budget(store.root, 8 * MiB, store.usage(), recount=store.usage)
+    base = budget.used()
+    _fill(os.path.join(store.view, "a"), 2 * MiB)
+    _fill(os.path.join(store.view, "b"), 2 * MiB)
+    budget.recount()
+    assert budget.used() == base + 4 * MiB
+    st = os.stat(os.path.join(store.view, "a"))
+    os.unlink(os.path.join(store.view, "a"))
+    budget.release(st.st_blocks * 512, st.st_ino)
+    assert budget.used() == base + 2 * MiB  # at once, no count needed
+    budget.recount()
+    assert budget.used() == base + 2 * MiB  # and the next count agrees
+
+    # an object freed while a count runs: subtracted only if the count saw it
+    def counting_while_b_goes(seen: set[int]) -> int:
+        total = store.usage(seen)  # sees b
+        st = os.stat(os.path.join(store.view, "b"))
+        os.unlink(os.path.join(store.view, "b"))
+        budget.release(st.st_blocks * 512, st.st_ino)
+        budget.release(MiB, 123456789)  # something the count never saw
+        return total
+
+    budget._recount = counting_while_b_goes
+    budget.recount()
+    assert budget.used() == base
+
+
+def test_files_unlinked_while_open_keep_counting_until_dropped(shm_ram):
+    """Regression: a count could not see open-unlinked files, so they were not counted."""
+    store = RamStore(shm_ram)
+    budget = Budget(store.root, 8 * MiB, store.usage(), recount=store.usage)
+    base = budget.used()
+    path = os.path.join(store.view, "orphan")
+    _fill(path, 3 * MiB)
+    fd = os.open(path, os.O_RDONLY)
+    ino = os.fstat(fd).st_ino
+    os.unlink(path)
+    budget.hold_orphan(ino, fd)
+    budget.recount()
+    assert budget.used() == base + 3 * MiB and budget.orphans() == 1
+    with pytest.raises(OSError) as info:
+        budget.check_growth(6 * MiB)
+    assert info.value.errno == errno.ENOSPC
+    budget.drop_orphan(ino)  # the last handle closed
+    assert budget.used() == base and budget.orphans() == 0
+    budget.check_growth(6 * MiB)
+
+
+def test_emptied_trash_frees_budget_and_skips_the_grace_when_needed(shm_ram):
+    """A snapshot dropped by retention goes to the trash; its room must come back
+    before the next step needs it, not after the 30 s grace and the next count."""
+    store = RamStore(shm_ram)
+    budget = Budget(store.root, 8 * MiB, store.usage(), recount=store.usage)
+    store.attach_budget(budget)
+    base = budget.used()
+    snap = os.path.join(store.store, "shards", "s1")
+    os.makedirs(os.path.join(snap, "data"))
+    _fill(os.path.join(snap, "data", "w"), 3 * MiB)
+    kept = os.path.join(store.view, "still-linked")
+    _fill(kept, MiB)
+    os.link(kept, os.path.join(snap, "data", "linked"))  # the view keeps this one
+    budget.recount()
+    assert budget.used() == base + 4 * MiB
+    store.to_trash(snap)
+    # plenty of room: the trash keeps its grace (and nothing is released)
+    assert store.empty_trash() == 0
+    assert budget.used() == base + 4 * MiB
+    budget.check_growth(2 * MiB)  # free is now 2 MiB: less than the trash's 3 MiB
+    deadline = time.monotonic() + 5  # the reclaimer thread wakes on to_trash; help it
+    while os.listdir(store.trash) and time.monotonic() < deadline:
+        store.empty_trash()
+        time.sleep(0.01)
+    assert os.listdir(store.trash) == []
+    assert budget.used() == base + 3 * MiB  # 2 granted + the file the view still holds
+    assert os.path.exists(kept)

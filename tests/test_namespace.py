@@ -54,11 +54,25 @@ class StubBudget:
     def __init__(self, limit: int = 1 << 40) -> None:
         self.limit = limit
         self.asked: list[int] = []
+        self.released: list[int] = []
+        self.orphans: dict[int, int] = {}
 
     def check_growth(self, nbytes: int) -> None:
         self.asked.append(nbytes)
         if nbytes > self.limit:
             raise OSError(errno.ENOSPC, "budget")
+
+    def release(self, nbytes: int, ino: int | None = None) -> None:
+        self.released.append(nbytes)
+
+    def hold_orphan(self, ino: int, fd: int) -> None:
+        self.orphans[ino] = fd
+
+    def drop_orphan(self, ino: int) -> None:
+        fd = self.orphans.pop(ino, None)
+        if fd is not None:
+            self.released.append(os.fstat(fd).st_blocks * 512)
+            os.close(fd)
 
 
 @pytest.fixture

@@ -99,6 +99,7 @@ class NodeDaemon:
         self.store.clear_incoming()
         used = self.store.usage()
         self.budget = Budget(self.store.root, self.config.size, used, recount=self.store.usage)
+        self.store.attach_budget(self.budget)  # emptied trash frees budget at once
         self.agent = NodeAgent(self.config, self.store, self.budget)
         attach_tiers(self.agent)
         self.ns = Namespace(

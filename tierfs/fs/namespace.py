@@ -199,6 +199,8 @@ class Inode:
         backing_id: the kernel passthrough id while passthrough handles are open.
         reserved: the object lies under a daemon-managed top-level name (read-only).
         virtual: generator of the content, for daemon-generated files.
+        orphan: unlinked while open; the budget keeps counting it until the last
+            handle is closed (managed budget only).
     """
 
     nodeid: int
@@ -213,6 +215,7 @@ class Inode:
     virtual: Callable[[], bytes] | None = None
     fhandle: bytes | None = None
     evicted_ctime_ns: int = -1
+    orphan: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -318,6 +321,10 @@ class Namespace:
         fds = [h.fd for h in self._handles.values()]
         fds += [i.opath for i in self._by_node.values() if i.opath >= 0]
         fds.append(self._mount_fd)
+        for inode in self._by_node.values():
+            if inode.orphan:
+                inode.orphan = False
+                self.budget.drop_orphan(inode.ino)
         self._handles.clear()
         self._fd_lru.clear()
         for inode in self._by_node.values():
@@ -613,10 +620,12 @@ class Namespace:
             if not stat.S_ISREG(inode.mode):
                 raise OSError(errno.EINVAL, "not a regular file")
             self.events.opening_for_write(inode.ino)
+            before = self._allocated(self.fd_of(inode))
             if isinstance(handle, Handle) and handle.writable:
                 os.ftruncate(handle.fd, size)
             else:
                 os.truncate(_proc(self.fd_of(inode)), size)
+            self._shrunk(self.fd_of(inode), before)
         if mode is not None:
             if stat.S_ISLNK(inode.mode):
                 raise OSError(errno.EOPNOTSUPP, "symlink mode")
@@ -714,18 +723,88 @@ class Namespace:
     # ------------------------------------------------------------------ removing and renaming
 
     def unlink(self, parent_id: int, name: bytes) -> None:
-        """unlink(2). Open handles keep the data until closed (POSIX)."""
+        """unlink(2). Open handles keep the data until closed (POSIX).
+
+        Managed budget: the file's bytes are released at once when this was
+        its last link (a sealed step's files keep a link in the store's
+        snapshot, so deleting them from the view frees nothing) and no handle
+        is open; else when its last handle is closed.
+        """
         parent = self._dir(parent_id)
         self._check_mutable(parent, name)
-        os.unlink(name, dir_fd=self.fd_of(parent))
+        dirfd = self.fd_of(parent)
+        removed = self._before_remove(dirfd, name)
+        try:
+            os.unlink(name, dir_fd=dirfd)
+        finally:
+            self._after_remove(removed)
         self._changed(parent, name)
 
     def rmdir(self, parent_id: int, name: bytes) -> None:
         """rmdir(2): ENOTEMPTY for a non-empty directory."""
         parent = self._dir(parent_id)
         self._check_mutable(parent, name)
-        os.rmdir(name, dir_fd=self.fd_of(parent))
+        dirfd = self.fd_of(parent)
+        removed = self._before_remove(dirfd, name)
+        try:
+            os.rmdir(name, dir_fd=dirfd)
+        finally:
+            self._after_remove(removed)
         self._changed(parent, name)
+
+    # managed budget: bytes freed by removing and shrinking
+
+    def _before_remove(self, dirfd: int, name: bytes) -> int:
+        """An ``O_PATH`` descriptor of ``name`` about to lose a link, or -1.
+
+        -1 in native mode (the filesystem keeps the budget) and when ``name``
+        cannot be opened (the removal itself will report why).
+        """
+        if self.budget.native:
+            return -1
+        try:
+            return os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+        except OSError:
+            return -1
+
+    def _after_remove(self, fd: int) -> None:
+        """Account for the object ``fd`` after a removal (successful or not); closes ``fd``.
+
+        Its bytes are freed if it has no link left: released to the budget
+        now, or, while handles are open, when the last one is closed.
+        """
+        if fd < 0:
+            return
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            return
+        if st.st_nlink > 0:  # other links (a snapshot in the store) keep the bytes
+            os.close(fd)
+            return
+        inode = self._by_ino.get(st.st_ino)
+        if (stat.S_ISREG(st.st_mode) and inode is not None and inode.handles > 0
+                and not inode.orphan):
+            inode.orphan = True
+            self.budget.hold_orphan(st.st_ino, fd)  # takes the descriptor
+            return
+        os.close(fd)
+        self.budget.release(st.st_blocks * 512, st.st_ino)
+
+    def _allocated(self, fd: int) -> int:
+        """Bytes allocated to ``fd``'s file (managed mode; 0 in native mode)."""
+        return 0 if self.budget.native else os.fstat(fd).st_blocks * 512
+
+    def _shrunk(self, fd: int, before: int) -> None:
+        """``fd``'s file had ``before`` bytes allocated: release what a truncation freed."""
+        if self.budget.native:
+            return
+        try:
+            after = os.fstat(fd).st_blocks * 512
+        except OSError:
+            return
+        self.budget.release(before - after)
 
     def rename(self, parent_id: int, name: bytes, newparent_id: int, newname: bytes,
                flags: int = 0) -> None:
@@ -741,7 +820,13 @@ class Namespace:
         st = os.stat(name, dir_fd=self.fd_of(parent), follow_symlinks=False)
         old_rel = self._child_relpath(parent, name)
         new_rel = self._child_relpath(newparent, newname)
-        syscalls.renameat2(self.fd_of(parent), name, self.fd_of(newparent), newname, flags)
+        # a replaced target loses its name: its bytes may be free afterwards
+        replaced = (-1 if flags & syscalls.RENAME_EXCHANGE
+                    else self._before_remove(self.fd_of(newparent), newname))
+        try:
+            syscalls.renameat2(self.fd_of(parent), name, self.fd_of(newparent), newname, flags)
+        finally:
+            self._after_remove(replaced)
         if old_rel is not None and new_rel is not None:
             self.events.renamed(old_rel, new_rel, st.st_mode)
         if old_rel is not None:
@@ -814,11 +899,13 @@ class Namespace:
         fd = self._backing_open(inode, flags)
         try:
             if flags & os.O_TRUNC and stat.S_ISREG(inode.mode):
+                before = self._allocated(fd)
                 if (flags & os.O_ACCMODE) == os.O_RDONLY:
                     # Linux truncates on O_RDONLY|O_TRUNC too; the fd cannot.
                     os.truncate(_proc(self.fd_of(inode)), 0)
                 else:
                     os.ftruncate(fd, 0)
+                self._shrunk(fd, before)
             return self._new_handle(inode, fd, flags)
         except BaseException:
             os.close(fd)
@@ -868,6 +955,9 @@ class Namespace:
             fd = os.open(name, bflags, dir_fd=dirfd)
             created = False
         try:
+            if (not created and bflags & os.O_TRUNC and not self.budget.native
+                    and os.fstat(fd).st_ino == st.st_ino):  # the file stat saw: truncated
+                self._shrunk(fd, st.st_blocks * 512)
             inode, st = self._finish_create(parent, name, uid, gid, fd=fd, chown=created)
             if inode.reserved:
                 raise OSError(errno.EPERM, "managed by tierfs")
@@ -932,6 +1022,9 @@ class Namespace:
         inode.handles -= 1
         if handle.writable:
             inode.writers -= 1
+        if inode.handles == 0 and inode.orphan:
+            inode.orphan = False
+            self.budget.drop_orphan(inode.ino)  # unlinked while open: freed now
         if inode.handles == 0 and inode.backing_id and self.close_backing is not None:
             bid, inode.backing_id = inode.backing_id, 0
             try:
@@ -956,7 +1049,10 @@ class Namespace:
         if not mode & syscalls.FALLOC_FL_PUNCH_HOLE and not self.budget.native:
             self.budget.check_growth(unallocated(handle.fd, offset, length))
         self.events.opening_for_write(handle.inode.ino)
+        before = self._allocated(handle.fd)
         syscalls.fallocate(handle.fd, mode, offset, length)
+        if mode & syscalls.FALLOC_FL_PUNCH_HOLE:
+            self._shrunk(handle.fd, before)
 
     def lseek(self, fh: int, offset: int, whence: int) -> int:
         """lseek(2) with SEEK_DATA/SEEK_HOLE (the kernel handles the others)."""

@@ -20,9 +20,13 @@ The budget is the amount of RAM tierfs may fill. Two accounting modes:
   hold; the filesystem itself returns ENOSPC and the kernel may pass file
   data straight through to it (FUSE passthrough).
 * ``managed``: ``--size`` is smaller than that, so tierfs counts the bytes
-  itself (filesystem usage minus what others used when tierfs started) and
-  refuses growth past the budget with ENOSPC. Writes then go through the
-  daemon (no passthrough).
+  itself (a periodic count of the ram-dir, plus growth granted and minus
+  bytes freed since, plus files unlinked while open) and refuses growth past
+  the budget with ENOSPC. Writes then go through the daemon (no passthrough).
+
+Either way the budget covers the sealed snapshots in ``store/`` as well as
+the view: a step deleted from the view keeps its bytes while retention keeps
+its snapshot.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import errno
 import logging
 import os
 import shutil
+import stat
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -84,23 +90,40 @@ class Budget:
         size: the budget in bytes, or None for "what the filesystem can hold".
         used_at_start: bytes the store already holds when the daemon starts
             (counted by :meth:`RamStore.usage`).
-        recount: optional ``() -> bytes`` that counts the store again (a walk:
-            call :meth:`recount` from a worker thread, never the FUSE thread).
+        recount: optional ``(seen) -> bytes`` that counts the store again and
+            adds the inode number of everything it counted to the set ``seen``
+            (:meth:`RamStore.usage`; a walk: call :meth:`recount` from a worker
+            thread, never the FUSE thread).
 
     In managed mode the store's usage is its own count, not the filesystem's:
-    the last count (:meth:`remeasure`, done periodically by the node agent)
-    plus the growth granted since (frees show at the next count). Other
-    programs filling a shared tmpfs therefore never eat into the budget
-    (they can still fill the filesystem, which then answers ENOSPC itself).
+    the last count (:meth:`recount`, done periodically by the node agent)
+    plus the growth granted since, minus what the namespace reported freed
+    since (:meth:`release`: a file's last link removed, a truncation, a
+    punched hole). Other programs filling a shared tmpfs therefore never eat
+    into the budget (they can still fill the filesystem, which then answers
+    ENOSPC itself). Files unlinked while open are invisible to a count; the
+    namespace hands them to :meth:`hold_orphan` so they keep counting until
+    their last handle is closed (:meth:`drop_orphan`).
+
+    Bytes the agent frees outside the mount (dropped snapshots, trash) show
+    at the next count. Thread-safe: growth is granted from the FUSE thread
+    and from gRPC threads, counts run in a worker thread.
     """
 
     def __init__(self, root: str, size: int | None, used_at_start: int,
-                 recount: Callable[[], int] | None = None) -> None:
+                 recount: Callable[[set[int]], int] | None = None) -> None:
         self.root = root
         self._recount = recount
+        self._lock = threading.Lock()
         self._base = used_at_start
         self._grown = 0
+        self._freed = 0
         self._refused = False
+        #: while a count runs: whole objects freed meanwhile, (inode number, bytes)
+        self._counting = False
+        self._freed_while_counting: list[tuple[int, int]] = []
+        #: files unlinked while open: inode number -> a descriptor that keeps them
+        self._orphans: dict[int, int] = {}
         vfs = os.statvfs(root)
         fs_used = (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize
         fs_avail = vfs.f_bavail * vfs.f_frsize
@@ -131,10 +154,10 @@ class Budget:
 
         Managed mode: the store's own count. Native mode: the filesystem's
         usage minus what others used at the last count (an estimate between
-        counts, re-anchored by :meth:`remeasure`).
+        counts, re-anchored by :meth:`recount`).
         """
         if not self.native:
-            return self._base + self._grown
+            return max(0, self._base + self._grown - self._freed)
         vfs = os.statvfs(self.root)
         return max(0, (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize - self.foreign)
 
@@ -151,33 +174,48 @@ class Budget:
         """True when a fresh count matters soon: ENOSPC was answered, or the budget is 90 % used.
 
         The node agent then counts the store every half second (in a worker
-        thread) instead of every few seconds, so deletions free budget quickly.
+        thread) instead of every few seconds, so bytes freed outside the
+        mount (dropped snapshots, emptied trash) return quickly.
         """
         if self.native:
             return False
         return self._refused or self.used() >= 0.9 * self.size
 
-    def remeasure(self, counted: int, grown_before: int) -> None:
-        """Install a fresh count of the store's bytes.
-
-        ``grown_before`` is :attr:`grown` read just before counting started;
-        growth granted while counting stays added (counted at most twice,
-        which errs towards ENOSPC, never past the budget).
-        """
-        self._base = counted
-        self._grown = max(0, self._grown - grown_before)
-        self._refused = False
-        if self.native:
-            # re-anchor the estimate: others' usage is the filesystem's minus ours
-            vfs = os.statvfs(self.root)
-            self.foreign = max(0, (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize - counted)
-
     def recount(self) -> None:
-        """Count the store again and install the result (blocking: a worker thread)."""
+        """Count the store again and install the result (blocking: a worker thread).
+
+        Growth granted while counting stays added (counted at most twice,
+        which errs towards ENOSPC, never past the budget). A whole object
+        freed while counting stays subtracted only if the count saw it; a
+        truncation while counting is forgotten (the count may or may not
+        include it), again erring towards ENOSPC until the next count.
+        """
         if self._recount is None:
             return
-        before = self._grown
-        self.remeasure(self._recount(), before)
+        with self._lock:
+            self._counting = True
+            self._freed_while_counting = []
+            grown_before = self._grown
+        seen: set[int] = set()
+        try:
+            counted = self._recount(seen)
+        except BaseException:
+            with self._lock:
+                self._counting = False
+            raise
+        with self._lock:
+            self._counting = False
+            orphans = self._orphan_bytes(exclude=seen)
+            self._base = counted + orphans
+            self._grown = max(0, self._grown - grown_before)
+            self._freed = sum(n for ino, n in self._freed_while_counting if ino in seen)
+            self._freed_while_counting = []
+            self._refused = False
+            if self.native:
+                # re-anchor the estimate: others' usage is the filesystem's minus ours
+                vfs = os.statvfs(self.root)
+                self.foreign = max(0, (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize
+                                   - self._base)
 
     @property
     def grown(self) -> int:
@@ -193,10 +231,83 @@ class Budget:
         """
         if nbytes <= 0 or self.native:
             return
-        if self.used() + nbytes > self._size:  # type: ignore[operator]
-            self._refused = True
-            raise OSError(errno.ENOSPC, "tierfs RAM budget exhausted")
-        self._grown += nbytes
+        with self._lock:
+            if self.used() + nbytes > self._size:  # type: ignore[operator]
+                self._refused = True
+                raise OSError(errno.ENOSPC, "tierfs RAM budget exhausted")
+            self._grown += nbytes
+
+    def release(self, nbytes: int, ino: int | None = None) -> None:
+        """``nbytes`` of the store were freed (managed mode; native mode ignores it).
+
+        Args:
+            nbytes: bytes freed (``st_blocks * 512`` before minus after).
+            ino: the inode number when a whole object is gone (its last link
+                removed and no handle open); None for a truncation or a hole.
+        """
+        if nbytes <= 0 or self.native:
+            return
+        with self._lock:
+            self._freed += nbytes
+            if self._counting and ino is not None:
+                self._freed_while_counting.append((ino, nbytes))
+
+    def hold_orphan(self, ino: int, fd: int) -> None:
+        """Keep counting file ``ino``, unlinked while open, until :meth:`drop_orphan`.
+
+        Takes ownership of ``fd`` (any descriptor of the file; closed by
+        :meth:`drop_orphan` or :meth:`close`). Managed mode only; in native
+        mode ``fd`` is closed at once.
+        """
+        if self.native:
+            os.close(fd)
+            return
+        with self._lock:
+            old = self._orphans.pop(ino, None)
+            self._orphans[ino] = fd
+        if old is not None:
+            os.close(old)
+
+    def drop_orphan(self, ino: int) -> None:
+        """The last handle of orphan ``ino`` was closed: its bytes are free."""
+        with self._lock:
+            fd = self._orphans.pop(ino, None)
+            if fd is None:
+                return
+            try:
+                nbytes = os.fstat(fd).st_blocks * 512
+            except OSError:
+                nbytes = 0
+            self._freed += nbytes
+            if self._counting:
+                self._freed_while_counting.append((ino, nbytes))
+        os.close(fd)
+
+    def orphans(self) -> int:
+        """Number of files unlinked while open that still count (status, tests)."""
+        return len(self._orphans)
+
+    def _orphan_bytes(self, exclude: set[int]) -> int:
+        total = 0
+        for ino, fd in self._orphans.items():
+            if ino in exclude:
+                continue  # the count saw it before it was unlinked
+            try:
+                total += os.fstat(fd).st_blocks * 512
+            except OSError:
+                continue
+        return total
+
+    def close(self) -> None:
+        """Close the descriptors of orphans (the budget is unusable afterwards)."""
+        with self._lock:
+            fds = list(self._orphans.values())
+            self._orphans.clear()
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def statfs(self) -> StatFs:
         """The budget as a statfs answer: total = budget, free = what is left."""
@@ -227,6 +338,10 @@ class RamStore:
         self.shards = os.path.join(self.store, "shards")
         self.incoming = os.path.join(self.store, "incoming")
         self.trash = os.path.join(self.store, "trash")
+        #: the budget told about bytes :meth:`empty_trash` frees (see :meth:`attach_budget`)
+        self._budget: Budget | None = None
+        self._trash_lock = threading.Lock()
+        self._trashed = threading.Event()
         if not os.path.lexists(self.root):
             # mode at mkdir time: never readable by others, not even for a moment
             os.makedirs(self.root, mode=0o700, exist_ok=True)
@@ -252,9 +367,14 @@ class RamStore:
         """True when the ram-dir lives on tmpfs (bytes in RAM, not on a disk)."""
         return fs_type(self.root) in ("tmpfs", "ramfs")
 
-    def usage(self) -> int:
-        """Bytes allocated by everything under the ram-dir (hard links counted once)."""
-        seen: set[int] = set()
+    def usage(self, seen: set[int] | None = None) -> int:
+        """Bytes allocated by everything under the ram-dir (hard links counted once).
+
+        Args:
+            seen: if given, receives the inode number of every object counted.
+        """
+        if seen is None:
+            seen = set()
         total = 0
         for dirpath, dirnames, filenames in os.walk(self.root):
             for name in dirnames + filenames:
@@ -283,22 +403,63 @@ class RamStore:
         dest = os.path.join(self.trash, f"{int(time.time())}-{uuid.uuid4().hex[:8]}-"
                                         f"{os.path.basename(path)}")
         os.rename(path, dest)
+        self._trashed.set()
         return dest
+
+    def attach_budget(self, budget: Budget) -> None:
+        """Report what :meth:`empty_trash` frees to ``budget`` (and let it waive the grace).
+
+        Also starts a thread that empties the trash right after :meth:`to_trash`
+        whenever the trash then holds more than the budget has free: a
+        snapshot dropped by retention makes room for the next step at once,
+        not at the node agent's next housekeeping round.
+        """
+        self._budget = budget
+        threading.Thread(target=self._reclaimer, name="trash-reclaimer", daemon=True).start()
+
+    def _reclaimer(self) -> None:
+        while True:
+            self._trashed.wait()
+            self._trashed.clear()
+            try:
+                self.empty_trash(TRASH_GRACE)
+            except OSError:
+                log.warning("emptying the trash failed", exc_info=True)
 
     def empty_trash(self, min_age: float = TRASH_GRACE) -> int:
         """Delete trash entries older than ``min_age`` seconds; returns entries removed.
 
         The grace period lets a reader that is still walking a hidden entry
         (a client reading through a restore marker that was just replaced, a
-        peer streaming a dropped snapshot) finish. Blocking (may free many
-        GiB): call from a worker thread.
+        peer streaming a dropped snapshot) finish. It is waived when the
+        trash holds more freeable bytes than the budget has free (a snapshot
+        dropped by retention is then what the next step needs).
+
+        With a budget attached (:meth:`attach_budget`), the bytes freed are
+        released to it at once: a dropped snapshot's room is back before the
+        next count. Blocking (may free many GiB): call from a worker thread.
         """
-        removed = 0
+        with self._trash_lock:  # the reclaimer thread and the node agent's housekeeping
+            return self._empty_trash(min_age)
+
+    def _empty_trash(self, min_age: float) -> int:
         now = time.time()
-        for name in os.listdir(self.trash):
+        names = os.listdir(self.trash)
+
+        def young(name: str) -> bool:
             stamp = name.split("-", 1)[0]
-            if stamp.isdigit() and now - int(stamp) < min_age:
+            return stamp.isdigit() and now - int(stamp) < min_age
+
+        budget = self._budget
+        if budget is not None and any(young(n) for n in names):
+            held = sum(n for name in names for _ino, n in self._freeable(name))
+            if held > budget.free():
+                min_age = 0.0
+        removed = 0
+        for name in names:
+            if young(name):
                 continue
+            freeable = self._freeable(name) if budget is not None else []
             p = os.path.join(self.trash, name)
             if os.path.isdir(p) and not os.path.islink(p):
                 shutil.rmtree(p, ignore_errors=True)
@@ -308,7 +469,36 @@ class RamStore:
                 except OSError:
                     continue
             removed += 1
+            if budget is not None and not os.path.lexists(p):
+                for ino, nbytes in freeable:
+                    budget.release(nbytes, ino)
         return removed
+
+    def _freeable(self, name: str) -> list[tuple[int, int]]:
+        """(inode number, bytes) of the objects in trash entry ``name`` with no link elsewhere.
+
+        Not cached: a link elsewhere (the client's copy in the view) may go at
+        any time. Blocking: a walk (lstat only).
+        """
+        top = os.path.join(self.trash, name)
+        found: dict[int, list[int]] = {}  # ino -> [links outside unknown, bytes, links seen]
+
+        def note(path: str) -> None:
+            try:
+                st = os.lstat(path)
+            except OSError:
+                return
+            entry = found.setdefault(st.st_ino, [st.st_nlink, st.st_blocks * 512, 0])
+            entry[2] += 1
+            if stat.S_ISDIR(st.st_mode):
+                entry[0] = 1  # a directory has no other name; its nlink counts subdirectories
+
+        note(top)
+        if os.path.isdir(top) and not os.path.islink(top):
+            for dirpath, dirnames, filenames in os.walk(top):
+                for n in dirnames + filenames:
+                    note(os.path.join(dirpath, n))
+        return [(ino, nbytes) for ino, (nlink, nbytes, seen) in found.items() if seen >= nlink]
 
     def clear_incoming(self) -> None:
         """Drop transfers a previous daemon left unfinished (called once at start)."""
