@@ -259,6 +259,73 @@ def test_a_step_sealed_again_after_a_write_keeps_its_place_in_retention(make_mou
     assert "dropping shard nemo/n0/s20" not in m.log()
 
 
+def test_restart_does_not_reseal_steps_retention_dropped(make_mount):
+    """Regression: at start, step directories retention had dropped (still visible
+    within the 10 s grace) were sealed again with a fresh seal time, and retention
+    then dropped the newest steps (4 and 5) instead, here and on the peers."""
+    m = make_mount("--keep-local", "2")
+    d = m.path
+    orbax_initialize(d, orbax_yaml("job", 0, 1))
+    saved = {}
+    for step in range(1, 6):
+        saved[step] = payload(step)
+        orbax_save(d, step, saved[step])
+        wait_sealed(d, step)
+    wait_for(lambda: sorted(step_states(d)) == [4, 5], 10, "retention")
+    m.unmount()  # within the grace period: 1, 2 and 3 are still visible
+    m.mount()
+    wait_for(lambda: "found at start is older than the 2 kept steps" in m.log(), 10,
+             "the reconcile pass")
+    time.sleep(1)
+    assert sorted(step_states(d)) == [4, 5]
+    assert orbax_read(d, 5, list(saved[5])) == saved[5]
+    assert "dropping shard job/n0/s5" not in m.log()
+    # and the expired client copies are still hidden after the grace period
+    wait_for(lambda: not (d / "3").exists(), 30, "old step hidden")
+    assert orbax_initialize(d, orbax_yaml("job", 0, 1)) == 5
+
+
+def test_generic_restart_keeps_the_newest_steps(make_mount):
+    """The same in generic mode, where marker files make steps found at start complete."""
+    m = make_mount("--keep-local", "2")
+    d = m.path
+    for step in range(1, 6):
+        tmp = d / f"tmp-step_{step}"
+        tmp.mkdir()
+        (tmp / "model.bin").write_bytes(payload(step)["shard0"])
+        (tmp / "commit_success.txt").write_text("ok")
+        os.rename(tmp, d / f"step_{step}")
+        wait_sealed(d, step)
+    wait_for(lambda: sorted(step_states(d)) == [4, 5], 10, "retention")
+    m.unmount()
+    m.mount()
+    wait_for(lambda: m.log().count("found at start is older") == 3, 10, "the reconcile pass")
+    time.sleep(1)
+    assert sorted(step_states(d)) == [4, 5]
+
+
+def test_restore_interrupted_by_a_daemon_kill_is_resumed(make_mount):
+    """Regression: a daemon killed between consuming replicator.yaml and publishing the
+    marker came back in state "cleanup" for good; the client waited forever."""
+    m = make_mount()
+    d = m.path
+    orbax_initialize(d, orbax_yaml("job", 0, 1))
+    saved = payload(3)
+    orbax_save(d, 3, saved)
+    wait_sealed(d, 3)
+    m.kill9()
+    # what the killed daemon had saved: the yaml consumed, the restore under way
+    state_file = m.ram_dir / "store" / "state.json"
+    state = json.loads(state_file.read_text())
+    state["restore"] = {"state": "cleanup", "since": time.time()}
+    state_file.write_text(json.dumps(state))
+    m.mount()
+    wait_for(lambda: (d / "job-s3-n0-w0.restore").exists(), 20, "the marker")
+    assert status(d)["restore"]["state"] == "done"
+    os.replace(d / "job-s3-n0-w0.restore", d / "3")
+    assert orbax_read(d, 3, list(saved)) == saved
+
+
 def test_malformed_yaml_written_in_place_like_nemo(mount):
     d = mount.path
     with open(d / "replicator.yaml", "w") as f:

@@ -27,6 +27,7 @@ threads through ``trio.to_thread.run_sync`` with a capacity limiter.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import math
@@ -51,6 +52,9 @@ from tierfs.tiers.local import SealBusy, Shard, ShardKey, ShardStore, retention
 from tierfs.view import SIBLING_GRACE, ClientView, Published
 
 log = logging.getLogger(__name__)
+
+#: restore states a daemon restart resumes (the yaml is consumed, no marker yet)
+RESUMABLE_RESTORE_STATES = frozenset({"cleanup", "planning", "barrier"})
 
 STATUS_FILE = b".tierfs/status.json"
 CONTROL_DIR = ".tierfs"
@@ -506,6 +510,11 @@ class NodeAgent:
             if os.path.lexists(os.path.join(self.store.view, control.REPLICATOR_YAML)):
                 # renamed into place just before the previous daemon died: still unread
                 self._start_control()
+            elif (self.mode == "protocol" and self.job is not None
+                  and self.restore_state.get("state") in RESUMABLE_RESTORE_STATES):
+                # the previous daemon died between consuming the yaml and publishing
+                # the marker: the client still waits for one
+                self._spawn(self._resume_restore, self.job)
             elif self.mode == "generic" and self.job is not None and self.job.nodes > 1:
                 # visible at once, so `tierfs wait` right after the mount waits for it
                 self.restore_state = {"state": "pending", "since": time.time()}
@@ -567,10 +576,32 @@ class NodeAgent:
                        and all(self.view.exists(e) for e in c.entries)]
         self.pending_at_start = []
         job = self.job
+        now = time.time()
+        fresh: dict[ShardKey, SealCandidate] = {}
         for cand in candidates:
             key = ShardKey(job.name, job.node_rank, cand.step)
             if key in self.catalog and self.catalog[key].manifest.name == cand.name:
                 self.view_steps.setdefault(cand.name, key)
+                continue
+            try:
+                mtime = os.lstat(os.path.join(self.store.view, cand.name)).st_mtime
+            except OSError:
+                continue
+            fresh[key] = dataclasses.replace(cand, created=min(now, mtime))
+        # A step still visible after retention dropped it (the client's copy, or one
+        # whose hide timer died with the previous daemon) is not sealed again: it
+        # would only push a newer step out of --keep-local.
+        ages = {k: self.age(k) for k in self.catalog
+                if (k.job, k.rank) == (job.name, job.node_rank)}
+        ages.update({k: (c.created or now, k.step) for k, c in fresh.items()})
+        too_old = set(retention(ages, self.config.keep_local, set(), age=ages.__getitem__))
+        for key, cand in fresh.items():
+            if key in too_old and key not in self.catalog:
+                log.info("step %d (%s) found at start is older than the %d kept steps; "
+                         "not sealed", cand.step, cand.name, self.config.keep_local)
+                if self.mode == "protocol":
+                    self.view_steps[cand.name] = key
+                    self._spawn(self._hide_later, cand.name, key)
                 continue
             self._schedule_seal(cand)
 
@@ -699,7 +730,7 @@ class NodeAgent:
                     cache=self.crc_cache, writers=writers,
                     cancelled=lambda: any(self.generation[t] != gens[t] for t in tops),
                     on_inodes=lambda inos: self._mark_sealing(inos, token),
-                    created=self.withdrawn_created.get(key))
+                    created=self.withdrawn_created.get(key) or cand.created)
 
             try:
                 shard = await trio.to_thread.run_sync(work)
@@ -829,6 +860,14 @@ class NodeAgent:
             self._spawn(self._restore, job)
 
     # ------------------------------------------------------------------ restore
+
+    async def _resume_restore(self, job: JobSpec) -> None:
+        log.info("resuming the restore of job %s (the previous daemon stopped in state %s)",
+                 job.name, self.restore_state.get("state"))
+        self.restore_state = {"state": "cleanup", "since": time.time()}
+        await trio.to_thread.run_sync(self.view.cleanup, self.view_steps)
+        self._save_state()
+        await self._restore(job)
 
     async def _restore(self, job: JobSpec) -> None:
         with trio.CancelScope() as scope:

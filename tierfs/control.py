@@ -262,7 +262,8 @@ def parse_replicator_yaml(text: str, env: dict[str, str] | None = None) -> JobSp
         if key not in data or data[key] is None or data[key] == "":
             raise ControlError(f"replicator.yaml is missing required key {key!r}")
     name = str(data["job-name"]).strip()
-    if not name or "/" in name or "\0" in name or name in (".", ".."):
+    if (not name or "/" in name or name in (".", "..")
+            or any(ord(c) < 0x20 or ord(c) == 0x7F for c in name)):
         raise ControlError(f"job-name {data['job-name']!r} is not a valid name")
     if len(name.encode()) > MAX_JOB_NAME:
         raise ControlError(f"job-name is {len(name.encode())} bytes long; the limit is "

@@ -50,12 +50,16 @@ class SealCandidate:
         name: the primary top-level entry (the step directory, or the first file).
         entries: every top-level entry that belongs to the shard.
         reason: why (for logs and status).
+        created: the seal time to record (Unix seconds), None for "now". A step
+            found at a daemon start gets its directory's mtime, so retention
+            (newest by seal time) does not rank it above steps sealed earlier.
     """
 
     step: int
     name: str
     entries: tuple[str, ...]
     reason: str
+    created: float | None = None
 
 
 class ViewProbe(Protocol):
