@@ -401,9 +401,16 @@ class PeerTier(PeerHost):
         return None
 
     def coordinator_lost(self) -> None:
-        """A coordinator call failed: with the bucket rendezvous, look it up again."""
+        """A coordinator call failed: with the bucket rendezvous, look it up again.
+
+        The coordinator's node no longer counts as live in status (the address
+        book is the coordinator's, so nothing else would say it is gone).
+        """
         if self.rendezvous is not None and not self.static_coordinator:
             self._found = None
+        info = self.peers.get(COORDINATOR_RANK)
+        if info is not None and info.live:
+            info.live = False
 
     def replica_peers(self, job: JobSpec) -> list[int]:
         """The ranks receiving this node's steps (:func:`tierfs.placement.peer_ranks`)."""
