@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import json
 import logging
 import math
@@ -744,6 +745,10 @@ class NodeAgent:
                 self.report_error(f"step {cand.step} ({cand.name}) not sealed: {exc}")
                 return
             except (OSError, InterruptedError) as exc:
+                if getattr(exc, "errno", None) == errno.ENOSPC:
+                    # visible to the client: the step stays unprotected until there is room
+                    self.report_error(f"step {cand.step} ({cand.name}) not sealed yet: the "
+                                      "RAM tier is full (retried every few seconds)")
                 log.info("step %d (%s): seal retried later: %s", cand.step, cand.name, exc)
                 return
             finally:
