@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -476,3 +477,42 @@ def test_generic_mode_seals_hf_style_and_dcp_markers(mount):
     (d / "latest_checkpointed_iteration.txt").write_text("500")
     wait_sealed(d, 500)
     assert status(d)["mode"] == "generic"
+
+
+def test_seal_failing_for_lack_of_ram_is_reported(make_mount, tmp_path):
+    """A full tmpfs made seals fail silently (an INFO log line only)."""
+    small = tmp_path / "small-tmpfs"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)], check=True)
+    try:
+        m = make_mount(ram_dir=small / "ram")
+        d = m.path
+        tmp = d / "tmp-checkpoint-3"
+        tmp.mkdir()
+        with open(tmp / "model.bin", "wb") as f:
+            try:
+                while True:
+                    f.write(b"x" * 65536)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+        os.rename(tmp, d / "checkpoint-3")
+        wait_for(lambda: any("step 3 (checkpoint-3) not sealed yet: the RAM tier is full" in e
+                             for e in status(d)["errors"]), 15, "the error line")
+        # room again (once a seal attempt in flight lets go of its link): the step seals
+        (d / "checkpoint-3" / "model.bin").unlink()
+
+        def write_small() -> bool:
+            try:
+                (d / "checkpoint-3" / "small.bin").write_bytes(b"y" * 1000)
+                return True
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+                return False
+
+        wait_for(write_small, 10, "room in the RAM tier")
+        # the directory and small.bin (an earlier seal may have caught the empty directory)
+        wait_for(lambda: [(s["step"], s.get("files"), s["state"]) for s in status(d)["steps"]]
+                 == [(3, 2, "sealed")], 10, "step 3 sealed with small.bin")
+        m.unmount()
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
