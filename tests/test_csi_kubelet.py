@@ -299,6 +299,37 @@ def test_driver_remounts_a_daemon_that_died(driver):
     assert not is_mounted(driver.mount_dir)
 
 
+def test_node_mount_and_ram_dir_are_not_targets(driver):
+    """Unpublish of --mount-dir used to unmount the node mount (the daemon exited,
+    pods saw ENOTCONN, the driver remounted 2.4 s later); publish at
+    --mount-dir/sub bind-mounted tierfs inside itself. Both, and the ram-dir,
+    are INVALID_ARGUMENT now, and the daemon lives on."""
+    driver.start()
+    driver.wait_ready()
+    target = driver.publish(POD_UID, POD_NAME, {})
+    daemon = driver.daemon_pid()
+    cap = pb2.VolumeCapability(
+        mount=pb2.VolumeCapability.MountVolume(),
+        access_mode=pb2.VolumeCapability.AccessMode(
+            mode=pb2.VolumeCapability.AccessMode.Mode.SINGLE_NODE_WRITER))
+    for path in (driver.mount_dir, driver.mount_dir / "sub", driver.ram_dir,
+                 driver.ram_dir / "view" / "x"):
+        with pytest.raises(grpc.RpcError) as exc:
+            driver.node.NodeUnpublishVolume(pb2.NodeUnpublishVolumeRequest(
+                volume_id="csi-x", target_path=str(path)), timeout=60)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, path
+        with pytest.raises(grpc.RpcError) as exc:
+            driver.node.NodePublishVolume(pb2.NodePublishVolumeRequest(
+                volume_id="csi-x", target_path=str(path), volume_capability=cap), timeout=60)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, path
+    assert not (driver.mount_dir / "sub").exists() and not (driver.ram_dir / "view" / "x").exists()
+    assert driver.daemon_pid() == daemon and not mounts.is_dead(str(target))
+    assert len(mounts.mounts_at(str(driver.mount_dir))) == 1
+    (target / "1").mkdir()  # the pod's volume never went away
+    driver.unpublish(POD_UID)
+    assert driver.stop(signal.SIGTERM) == 0
+
+
 def test_probe_reports_a_mount_that_cannot_start(driver, tmp_path):
     """A ram-dir that cannot be created: Probe says FAILED_PRECONDITION, with the reason."""
     blocker = tmp_path / "file"

@@ -150,12 +150,16 @@ class FakeNode:
     def error(self) -> str | None:
         return self._error
 
+    def ram_dirs(self) -> list[str]:
+        return []
+
 
 def test_probe_states(tmp_path):
     """ready=false while starting; FAILED_PRECONDITION for a failed mount or no /dev/fuse."""
-    starting = _start(FakeNode(str(tmp_path), ready=False), tmp_path / "s1")
-    failed = _start(FakeNode(str(tmp_path), ready=False, error="EPERM"), tmp_path / "s2")
-    no_fuse = _start(FakeNode(str(tmp_path), ready=True), tmp_path / "s3",
+    mnt = str(tmp_path / "node-mount")
+    starting = _start(FakeNode(mnt, ready=False), tmp_path / "s1")
+    failed = _start(FakeNode(mnt, ready=False, error="EPERM"), tmp_path / "s2")
+    no_fuse = _start(FakeNode(mnt, ready=True), tmp_path / "s3",
                      fuse_device=str(tmp_path / "no-such-fuse"))
     try:
         probe = starting.identity.Probe(pb2.ProbeRequest(), timeout=10)
@@ -495,6 +499,64 @@ def test_foreign_mount_at_target_is_left_alone(csi, tmp_path):
         assert stack_at(target)[-1].fstype == "tmpfs"
     finally:
         mounts.unmount(str(target))
+
+
+def test_the_drivers_own_paths_are_never_targets(csi, node_mount, tmp_path):
+    """The node mount, the ram-dir, the state dir, their parents, and anything inside
+    tierfs are INVALID_ARGUMENT for publish and unpublish, and nothing is touched.
+
+    Before: unpublish of the mount dir unmounted the node's tierfs mount (the
+    daemon exited under every pod), publish at the mount dir answered OK and
+    wrote a record, and publish at ``<mount dir>/sub`` bind-mounted tierfs
+    inside itself, creating ``sub`` for every trainer to see.
+    """
+    pub = kubelet_target(tmp_path)
+    csi.node.NodePublishVolume(publish_req(pub), timeout=30)
+    link = tmp_path / "link-to-node"
+    link.symlink_to(node_mount.path)
+    ram = node_mount.ram_dir
+    targets = [
+        node_mount.path, node_mount.path / "sub", node_mount.path / "a" / "b",
+        ram, ram / "view", ram / "store", ram / "new" / "dir",
+        tmp_path, tmp_path / "state", tmp_path / "state" / "x", Path("/"),
+        pub / "sub",  # inside a published target: also tierfs
+        link, link / "sub",  # a symlink does not lead around the rules
+    ]
+    pid = node_mount.pid()
+    listing, ram_listing = sorted(os.listdir(node_mount.path)), sorted(os.listdir(ram))
+    table = sorted((e.mountpoint, e.options) for e in mounts.read_mountinfo())
+    records = sorted(os.listdir(tmp_path / "state"))
+    for target in targets:
+        for call, req in ((csi.node.NodePublishVolume, publish_req(target)),
+                          (csi.node.NodeUnpublishVolume, unpublish_req(target))):
+            with pytest.raises(grpc.RpcError) as exc:
+                call(req, timeout=30)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (target, call)
+            assert str(target) in exc.value.details()
+    assert sorted((e.mountpoint, e.options) for e in mounts.read_mountinfo()) == table
+    assert node_mount.pid() == pid and not mounts.is_dead(str(node_mount.path))
+    assert sorted(os.listdir(node_mount.path)) == listing  # no "sub", no "a"
+    assert sorted(os.listdir(ram)) == ram_listing and not (ram / "new").exists()
+    assert sorted(os.listdir(tmp_path / "state")) == records
+    (pub / "still.txt").write_text("alive")  # the pod's volume still works
+    assert (node_mount.path / "still.txt").read_text() == "alive"
+    csi.node.NodeUnpublishVolume(unpublish_req(pub), timeout=30)
+    assert stack_at(pub) == [] and len(stack_at(node_mount.path)) == 1
+
+
+def test_configured_ram_dir_is_refused_before_the_mount_answers(tmp_path):
+    """A ram-dir known only from the driver's flags (the daemon is not up) is refused too."""
+    ram = tmp_path / "ram"
+    c = _start(server.StaticMount(str(tmp_path / "node-mount"), ram_dir=str(ram)),
+               tmp_path / "state")
+    try:
+        for target in (ram, ram / "view" / "x"):
+            for call, req in ((c.node.NodePublishVolume, publish_req(target)),
+                              (c.node.NodeUnpublishVolume, unpublish_req(target))):
+                assert code_of(call, req) == grpc.StatusCode.INVALID_ARGUMENT, target
+        assert not ram.exists()
+    finally:
+        _stop(c)
 
 
 # --------------------------------------------------------------------------- jax-init-info

@@ -61,6 +61,25 @@ def mount_argv(opts: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
     return argv, env
 
 
+def configured_ram_dir(opts: dict[str, Any]) -> str | None:
+    """The ram-dir ``tierfs mount`` will be given: ``--ram-dir``, else ``ramDir`` of ``--config``.
+
+    None if neither names one or the config file cannot be read (``tierfs
+    mount`` then reports the error, and Probe with it).
+    """
+    if opts.get("ram_dir"):
+        return str(opts["ram_dir"])
+    if opts.get("config"):
+        from tierfs.config import ConfigError, load_config_file
+
+        try:
+            value = load_config_file(opts["config"]).get("ram_dir")
+        except ConfigError:
+            return None
+        return str(value) if value else None
+    return None
+
+
 def _make_command(mount_options: Any) -> click.Command:
     """Build the ``csi`` click command around the shared ``mount_options``."""
 
@@ -92,7 +111,8 @@ def _make_command(mount_options: Any) -> click.Command:
         except ValueError as exc:
             raise click.ClickException(str(exc)) from None
         argv, env = mount_argv(opts)
-        node = SupervisedMount(opts["mount_dir"], argv, env=env)
+        node = SupervisedMount(opts["mount_dir"], argv, env=env,
+                               ram_dir=configured_ram_dir(opts))
         identity = server.IdentityService(opts["driver_name"], node)
         service = server.NodeService(opts["node_id"], node, opts["state_dir"])
 

@@ -123,6 +123,27 @@ def top_mount(path: str) -> MountEntry | None:
     return stack[-1] if stack else None
 
 
+def is_within(path: str, root: str) -> bool:
+    """True if ``path`` is ``root`` or lies below it (both absolute and normalised)."""
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def containing_mount(path: str, entries: list[MountEntry] | None = None) -> MountEntry | None:
+    """The mount ``path`` lies on, by mountinfo alone (never a stat, so never a FUSE call).
+
+    That is the mount with the longest mountpoint that is ``path`` or one of
+    its ancestors; of several stacked at that mountpoint, the last (visible)
+    one. ``path`` must be absolute, normalised and free of symlinks
+    (``os.path.realpath``), as mountinfo's paths are.
+    """
+    best: MountEntry | None = None
+    for entry in read_mountinfo() if entries is None else entries:
+        if is_within(path, entry.mountpoint) and (
+                best is None or len(entry.mountpoint) >= len(best.mountpoint)):
+            best = entry
+    return best
+
+
 def bind_mounts_of(node: MountEntry) -> list[MountEntry]:
     """Every other mount of the same filesystem as ``node`` (its bind mounts and their copies)."""
     return [e for e in read_mountinfo()

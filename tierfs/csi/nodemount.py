@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import threading
+from typing import Any
 
 from tierfs.csi import mounts
 
@@ -27,6 +28,20 @@ log = logging.getLogger("tierfs.csi")
 STATUS_FILE = os.path.join(".tierfs", "status.json")
 MOUNT_TIMEOUT = 150.0
 PR_SET_CHILD_SUBREAPER = 36
+
+
+def read_status(mountpoint: str) -> dict[str, Any] | None:
+    """The daemon's ``.tierfs/status.json`` read through the mount, or None.
+
+    None when nothing answers at ``mountpoint`` (not mounted, a dead mount,
+    not tierfs) or the file does not hold a JSON object.
+    """
+    try:
+        with open(os.path.join(mountpoint, STATUS_FILE), "rb") as f:
+            data = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def become_subreaper() -> bool:
@@ -59,13 +74,18 @@ class SupervisedMount:
             (the wait doubles from 1 s).
         env: extra environment for ``tierfs mount`` (e.g. ``TIERFS_PEER_TOKEN``, which
             is kept off the command line).
+        ram_dir: the ram-dir ``mount_args`` name (``--ram-dir`` or ``ramDir`` of
+            ``--config``), if known; see :meth:`ram_dirs`.
     """
 
     def __init__(self, mountpoint: str, mount_args: list[str], check_interval: float = 5.0,
-                 max_backoff: float = 60.0, env: dict[str, str] | None = None) -> None:
+                 max_backoff: float = 60.0, env: dict[str, str] | None = None,
+                 ram_dir: str | None = None) -> None:
         self.mountpoint = os.path.abspath(mountpoint)
         self.mount_args = list(mount_args)
         self.env = dict(env or {})
+        self.ram_dir = os.path.realpath(ram_dir) if ram_dir else None
+        self._status_ram_dir: str | None = None
         self.check_interval = check_interval
         self.max_backoff = max_backoff
         self._error: str | None = None
@@ -86,12 +106,26 @@ class SupervisedMount:
         except OSError:
             return False
         try:
-            pid = json.loads(data).get("pid")
-        except (ValueError, AttributeError):
-            pid = None
-        if isinstance(pid, int):
-            self._daemon_pid = pid
+            status = json.loads(data)
+        except ValueError:
+            status = None
+        if isinstance(status, dict):
+            if isinstance(status.get("pid"), int):
+                self._daemon_pid = status["pid"]
+            if isinstance(status.get("ram_dir"), str):
+                self._status_ram_dir = status["ram_dir"]
         return True
+
+    def ram_dirs(self) -> list[str]:
+        """The ram-dirs behind the mount: the configured one and the one the daemon reports.
+
+        They differ when an adopted daemon was started with another
+        ``--ram-dir``; no volume may be published in either.
+        """
+        status = read_status(self.mountpoint)
+        if status is not None and isinstance(status.get("ram_dir"), str):
+            self._status_ram_dir = status["ram_dir"]
+        return [d for d in dict.fromkeys((self.ram_dir, self._status_ram_dir)) if d]
 
     def reap(self) -> None:
         """Collect the exit status of the last daemon if it died and is this process's child.

@@ -41,6 +41,7 @@ from google.protobuf import wrappers_pb2
 from tierfs import __version__
 from tierfs.csi import mounts
 from tierfs.csi import volume_context as vc
+from tierfs.csi.nodemount import read_status
 from tierfs.csi.proto import load
 
 log = logging.getLogger("tierfs.csi")
@@ -68,12 +69,21 @@ class NodeMount(Protocol):
     def error(self) -> str | None:
         """Why the mount is not up, if starting it failed; None while starting or up."""
 
+    def ram_dirs(self) -> list[str]:
+        """The ram-dir(s) holding the mount's bytes, as far as known (absolute paths)."""
+
 
 @dataclass
 class StaticMount:
-    """A :class:`NodeMount` for a mount someone else keeps up (tests, ``--no-mount``)."""
+    """A :class:`NodeMount` for a mount someone else keeps up (tests, ``--no-mount``).
+
+    Attributes:
+        mountpoint: where the tierfs mount is.
+        ram_dir: its ram-dir, if known; the one the daemon reports is used too.
+    """
 
     mountpoint: str
+    ram_dir: str | None = None
 
     def ready(self) -> bool:
         """True if a FUSE filesystem is mounted at the mountpoint and answers stat."""
@@ -84,6 +94,12 @@ class StaticMount:
     def error(self) -> str | None:
         """Always None: nothing is started here."""
         return None
+
+    def ram_dirs(self) -> list[str]:
+        """``ram_dir`` if given, and the ram-dir the mount's ``.tierfs/status.json`` names."""
+        status = read_status(self.mountpoint) or {}
+        found = status.get("ram_dir") if isinstance(status.get("ram_dir"), str) else None
+        return [d for d in dict.fromkeys((self.ram_dir, found)) if d]
 
 
 def validate_driver_name(name: str) -> str:
@@ -329,16 +345,15 @@ class NodeService(pb2_grpc.NodeServicer):
         Raises:
             Abort: INVALID_ARGUMENT for a missing volume_id, target_path or
                 volume_capability, a block or missing access type, an
-                unsupported fs type, mount flag or mount group, or malformed
-                tierfs volume attributes (spec "Error Scheme").
+                unsupported fs type, mount flag or mount group, malformed
+                tierfs volume attributes (spec "Error Scheme"), or a target
+                path :meth:`_check_target` refuses.
         """
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if not request.volume_id:
             raise Abort(bad, "volume_id is required")
         if not request.target_path:
             raise Abort(bad, "target_path is required")
-        if not os.path.isabs(request.target_path):
-            raise Abort(bad, "target_path must be an absolute path")
         if not request.HasField("volume_capability"):
             raise Abort(bad, "volume_capability is required")
         cap = request.volume_capability
@@ -359,9 +374,9 @@ class NodeService(pb2_grpc.NodeServicer):
             jax = vc.jax_init_info(request.volume_context)
         except vc.ContextError as exc:
             raise Abort(bad, str(exc)) from None
+        target = self._check_target(request.target_path)
         readonly = (request.readonly or cap.access_mode.mode in _READ_ONLY_MODES
                     or bool(flags & mounts.MS_RDONLY))
-        target = os.path.normpath(request.target_path)
         params = {
             "volume_id": request.volume_id, "readonly": readonly,
             "fs_type": cap.mount.fs_type, "flags": flags, "mode": int(cap.access_mode.mode),
@@ -371,6 +386,56 @@ class NodeService(pb2_grpc.NodeServicer):
         digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()
         return _Publish(request.volume_id, target, readonly, flags & ~mounts.MS_RDONLY, digest,
                         jax)
+
+    def _check_target(self, target_path: str) -> str:
+        """Check a ``target_path`` of publish or unpublish; return it resolved (realpath).
+
+        Refused, before anything is touched, are paths that are not
+        absolute, and paths a bind mount would harm the node through:
+
+        * the node's tierfs mount (``--mount-dir``), anything inside it, and
+          any directory above it (a mount there would hide it from the
+          driver); unpublishing the mount dir would end the daemon under
+          every pod;
+        * the ram-dir(s) behind it, inside them, or above them;
+        * the driver's state directory, inside it, or above it;
+        * a path inside any tierfs mount (a published target included):
+          tierfs would be mounted inside itself, and the directories a
+          publish creates would appear to every trainer.
+
+        Symlinks are resolved first, so no link leads around these rules;
+        the resolved path is where mount(2) would act, and what the
+        publication is recorded under.
+
+        Raises:
+            Abort: INVALID_ARGUMENT naming the rule (spec "Error Scheme":
+                "Invalid or unsupported field in the request").
+        """
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        if not target_path:
+            raise Abort(bad, "target_path is required")
+        if not os.path.isabs(target_path):
+            raise Abort(bad, "target_path must be an absolute path")
+        target = os.path.realpath(target_path)
+        named = os.path.normpath(target_path)
+        own = [("the node's tierfs mount", self.node.mountpoint)]
+        own += [("the node's ram-dir", d) for d in self.node.ram_dirs()]
+        own.append(("the CSI driver's state directory", self.records.dir))
+        for what, path in own:
+            for p in dict.fromkeys((os.path.normpath(path), os.path.realpath(path))):
+                for t in dict.fromkeys((named, target)):
+                    if mounts.is_within(t, p):
+                        where = "is" if t == p else "lies inside"
+                        raise Abort(bad, f"target_path {target_path} {where} {what} ({p}): "
+                                         "volumes cannot be published there")
+                    if mounts.is_within(p, t):
+                        raise Abort(bad, f"target_path {target_path} contains {what} ({p}): "
+                                         "a mount there would hide it")
+        outer = mounts.containing_mount(os.path.dirname(target))
+        if outer is not None and self._is_ours(outer):
+            raise Abort(bad, f"target_path {target_path} lies inside the tierfs mount at "
+                             f"{outer.mountpoint}: volumes cannot be published inside tierfs")
+        return target
 
     @_rpc
     def NodePublishVolume(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -506,12 +571,11 @@ class NodeService(pb2_grpc.NodeServicer):
         by an earlier run of the driver are found too.
         """
         bad = grpc.StatusCode.INVALID_ARGUMENT
+        log.info("NodeUnpublishVolume volume_id=%r target_path=%r", request.volume_id,
+                 request.target_path)
         if not request.volume_id:
             raise Abort(bad, "volume_id is required")
-        if not request.target_path:
-            raise Abort(bad, "target_path is required")
-        target = os.path.normpath(request.target_path)
-        log.info("NodeUnpublishVolume volume_id=%r target_path=%r", request.volume_id, target)
+        target = self._check_target(request.target_path)
         try:
             with self.locks.hold(target):
                 rec = self.records.get(target)
