@@ -461,8 +461,12 @@ class NodeAgent:
             # into a step name is the only sign a generic-mode step is complete)
             "pending": {n: [c.step, list(c.entries), c.reason] for n, c in self.pending.items()},
         }
-        control.atomic_write(self.store.store, "state.json",
-                             json.dumps(state, indent=1, sort_keys=True).encode(), 0o600)
+        try:
+            control.atomic_write(self.store.store, "state.json",
+                                 json.dumps(state, indent=1, sort_keys=True).encode(), 0o600)
+        except OSError as exc:
+            # a full tmpfs must not stop sealing or a restore; the next save catches up
+            log.warning("could not save state.json: %s", exc.strerror or exc)
 
     def _load_state(self) -> None:
         try:
@@ -530,10 +534,7 @@ class NodeAgent:
     async def shutdown(self) -> None:
         """Persist state before the daemon exits."""
         self._send.close()
-        try:
-            self._save_state()
-        except OSError:
-            log.exception("saving state")
+        self._save_state()
 
     def _write_jax_init_info(self) -> None:
         c = self.config
