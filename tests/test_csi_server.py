@@ -7,6 +7,7 @@ test here; the servicer runs in this process so faults can be injected.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import shutil
@@ -268,6 +269,62 @@ def test_unpublish_is_idempotent(csi, tmp_path):
     for _ in range(3):
         csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
     assert not target.exists() and stack_at(target) == []
+
+
+def test_unpublish_leaves_unpublished_paths_alone(csi, tmp_path, caplog):
+    """Never-published targets answer OK untouched: an empty directory used to be
+    rmdir'ed, a non-empty one answered INTERNAL "Directory not empty"."""
+    caplog.set_level(logging.INFO, logger="tierfs.csi")
+    empty = kubelet_target(tmp_path)
+    empty.mkdir()
+    full = kubelet_target(tmp_path, uid="6f1c0b52-0000-4000-8000-000000000011")
+    full.mkdir()
+    (full / "data.bin").write_bytes(b"keep me")
+    a_file = kubelet_target(tmp_path, uid="6f1c0b52-0000-4000-8000-000000000012")
+    a_file.write_text("a file")
+    for target in (empty, full, a_file):
+        for _ in range(2):
+            csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
+    assert empty.is_dir() and os.listdir(empty) == []
+    assert (full / "data.bin").read_bytes() == b"keep me"
+    assert a_file.read_text() == "a file"
+    assert f"{full}: not published; left in place" in caplog.text
+    assert os.listdir(tmp_path / "state") == []
+
+
+def test_unpublish_removes_only_the_directory_publish_created(csi, tmp_path, caplog):
+    """A target that existed before publish (the CO's) stays after unpublish; one the
+    publish created goes, unless something was written into it underneath."""
+    caplog.set_level(logging.INFO, logger="tierfs.csi")
+    existing = kubelet_target(tmp_path)
+    existing.mkdir()
+    csi.node.NodePublishVolume(publish_req(existing), timeout=30)
+    csi.node.NodeUnpublishVolume(unpublish_req(existing), timeout=30)
+    assert stack_at(existing) == [] and existing.is_dir()
+    assert "there before the publish; left in place" in caplog.text
+
+    made = kubelet_target(tmp_path, uid="6f1c0b52-0000-4000-8000-000000000013")
+    csi.node.NodePublishVolume(publish_req(made, volume_id="v13"), timeout=30)
+    mounts.unmount(str(made))  # someone unmounted it, then wrote into the directory
+    (made / "underneath.txt").write_text("not ours to delete")
+    csi.node.NodeUnpublishVolume(unpublish_req(made, volume_id="v13"), timeout=30)
+    assert (made / "underneath.txt").read_text() == "not ours to delete"
+    assert "not empty once unmounted; left in place" in caplog.text
+    csi.node.NodeUnpublishVolume(unpublish_req(made, volume_id="v13"), timeout=30)
+    assert made.is_dir() and os.listdir(tmp_path / "state") == []
+
+
+def test_unpublish_with_a_record_of_an_older_driver(csi, node_mount, tmp_path):
+    """A record without ``created`` (older driver): the mountpoint it published is removed."""
+    target = kubelet_target(tmp_path)
+    csi.node.NodePublishVolume(publish_req(target), timeout=30)
+    records = csi.node_service.records
+    rec = records.get(str(target))
+    old = {k: v for k, v in rec.__dict__.items() if k != "created"}
+    Path(records._path(str(target))).write_text(json.dumps(old))
+    assert records.get(str(target)).created is None
+    csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
+    assert stack_at(target) == [] and not target.exists()
 
 
 def _invalid_requests(target: Path):

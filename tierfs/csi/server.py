@@ -119,12 +119,24 @@ def validate_driver_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class PublishRecord:
-    """What a publish at one target was: enough to judge a re-publish, nothing secret."""
+    """What a publish at one target was: enough to judge a re-publish, nothing secret.
+
+    Attributes:
+        target_path: the published target (resolved).
+        volume_id: the volume published there.
+        readonly: whether the bind mount is read-only.
+        digest: sha256 of the publish arguments (secrets and tokens left out).
+        created: True if the publish created the target directory (unpublish
+            removes it), False if it was there before (the CO's: unpublish
+            leaves it), None if unknown (a record of an older driver, or a
+            publication adopted without its record).
+    """
 
     target_path: str
     volume_id: str
     readonly: bool
     digest: str
+    created: bool | None = None
 
 
 class PublishRecords:
@@ -469,7 +481,10 @@ class NodeService(pb2_grpc.NodeServicer):
                             f"{pub.target} holds a {top.fstype} mount that is not tierfs")
             if mounts.is_dead(pub.target):
                 log.warning("%s: replacing a bind mount of a tierfs daemon that died", pub.target)
+                old = self.records.get(pub.target)
                 self._unmount_all(pub.target)
+                # the dead mount's publish made the directory, or nobody knows who did
+                created: bool | None = old.created if old is not None else None
             else:
                 rec = self.records.get(pub.target)
                 if top.readonly != pub.readonly or (rec is not None and rec.digest != pub.digest):
@@ -478,12 +493,15 @@ class NodeService(pb2_grpc.NodeServicer):
                                 + (f" (volume {rec.volume_id!r})" if rec else ""))
                 if rec is None:  # published by a run whose record is gone: adopt it
                     self.records.put(PublishRecord(pub.target, pub.volume_id, pub.readonly,
-                                                   pub.digest))
+                                                   pub.digest, created=None))
                 log.info("%s already published: OK", pub.target)
                 return
+        else:
+            created = False
         try:
-            self._make_target(pub)
-            self.records.put(PublishRecord(pub.target, pub.volume_id, pub.readonly, pub.digest))
+            created = self._make_target(pub) or created
+            self.records.put(PublishRecord(pub.target, pub.volume_id, pub.readonly, pub.digest,
+                                           created))
             pub.undo.append(lambda: self.records.remove(pub.target))
             mounts.bind_mount(self.node.mountpoint, pub.target)
             pub.undo.append(lambda: mounts.unmount(pub.target))
@@ -508,8 +526,12 @@ class NodeService(pb2_grpc.NodeServicer):
         log.info("published %s at %s%s", self.node.mountpoint, pub.target,
                  " (read-only)" if pub.readonly else "")
 
-    def _make_target(self, pub: _Publish) -> None:
-        """Create ``target_path`` and any missing parents, queueing their removal on undo."""
+    def _make_target(self, pub: _Publish) -> bool:
+        """Create ``target_path`` and any missing parents, queueing their removal on undo.
+
+        Returns:
+            True if ``target_path`` itself was created here.
+        """
         missing = []
         path = pub.target
         while True:
@@ -526,6 +548,7 @@ class NodeService(pb2_grpc.NodeServicer):
         for d in reversed(missing):
             os.mkdir(d, 0o750)
             pub.undo.append(lambda d=d: os.rmdir(d))
+        return bool(missing)
 
     def _write_jax_init_info(self, info: vc.JaxInitInfo) -> None:
         """Write ``jax-init-info.txt`` into the node mount root (PROTOCOL.md §1)."""
@@ -546,29 +569,75 @@ class NodeService(pb2_grpc.NodeServicer):
             fstypes.add(node.fstype)
         return entry.fstype in fstypes
 
-    def _unmount_all(self, target: str) -> None:
+    def _unmount_all(self, target: str) -> int:
         """Unmount every tierfs mount stacked at ``target``.
+
+        Returns:
+            how many mounts were unmounted.
 
         Raises:
             Abort: FAILED_PRECONDITION if a mount that is not tierfs is found there.
         """
+        count = 0
         while True:
             top = mounts.top_mount(target)
             if top is None:
-                return
+                return count
             if not self._is_ours(top):
                 raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
                             f"{target} holds a {top.fstype} mount that is not tierfs; "
                             "not unmounting it")
             mounts.unmount(target)
+            count += 1
+
+    def _remove_target(self, target: str, rec: PublishRecord | None, unmounted: int) -> None:
+        """Remove the target directory after unpublishing, if it is the driver's to remove.
+
+        Removed (``rmdir``, so only when empty) is a directory the record says
+        a publish created, or, when who created it is unknown (no record, or
+        a record of an older driver), one that held a tierfs bind mount: a
+        mountpoint a tierfs publish made. Left alone, with a log line: a
+        directory that was there before the publish (the CO's), any path
+        that was not published (not mounted, no record: nothing to undo, spec
+        "NodeUnpublishVolume" is idempotent), and a published directory that
+        is not empty once unmounted (something wrote into it underneath the
+        mount; removing it would lose that).
+
+        Raises:
+            OSError: rmdir failed for another reason (EACCES, EROFS, EBUSY, ...):
+                INTERNAL, and the record stays so a retry removes it.
+        """
+        if rec is not None and rec.created is not None:
+            ours = rec.created
+            why = "created by the publish" if ours else "there before the publish"
+        else:
+            ours = unmounted > 0
+            why = "a tierfs mountpoint" if ours else "not published"
+        if not ours:
+            if os.path.lexists(target):
+                log.info("%s: %s; left in place", target, why)
+            return
+        try:
+            os.rmdir(target)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                raise
+            log.warning("%s: %s, but %s once unmounted; left in place", target, why,
+                        "not a directory" if exc.errno == errno.ENOTDIR else "not empty")
 
     @_rpc
     def NodeUnpublishVolume(self, request: Any, context: grpc.ServicerContext) -> Any:
-        """Unmount ``target_path`` and delete it (spec "NodeUnpublishVolume").
+        """Unmount ``target_path`` and remove the directory publish made (spec
+        "NodeUnpublishVolume": "The SP MUST delete the file or directory it
+        created at this path").
 
-        Idempotent: an unknown or already removed target answers OK. What is
+        Idempotent: a target that is not published (missing, an unrelated
+        directory, empty or not) answers OK and is not touched. What is
         mounted there is read from /proc/self/mountinfo, so bind mounts made
-        by an earlier run of the driver are found too.
+        by an earlier run of the driver are found too. Which directories are
+        removed: :meth:`_remove_target`.
         """
         bad = grpc.StatusCode.INVALID_ARGUMENT
         log.info("NodeUnpublishVolume volume_id=%r target_path=%r", request.volume_id,
@@ -582,16 +651,8 @@ class NodeService(pb2_grpc.NodeServicer):
                 if rec is not None and rec.volume_id != request.volume_id:
                     log.warning("%s was published for volume %r, unpublishing it for %r", target,
                                 rec.volume_id, request.volume_id)
-                self._unmount_all(target)
-                try:
-                    os.rmdir(target)
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    if exc.errno == errno.ENOTDIR:
-                        raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"{target} is not a directory") from None
-                    raise
+                unmounted = self._unmount_all(target)
+                self._remove_target(target, rec, unmounted)
                 self.records.remove(target)
         except TargetBusy:
             raise Abort(grpc.StatusCode.ABORTED,
