@@ -345,6 +345,9 @@ def _invalid_requests(target: Path):
         "no access type": publish_req(target, cap=no_type),
         "foreign fs_type": publish_req(target, cap=mount_cap(fs_type="ext4")),
         "unknown mount flag": publish_req(target, cap=mount_cap(flags=["discard"])),
+        "suid mount flag": publish_req(target, cap=mount_cap(flags=["suid"])),
+        "exec mount flag": publish_req(target, cap=mount_cap(flags=["exec"])),
+        "dev mount flag": publish_req(target, cap=mount_cap(flags=["nosuid", "dev"])),
         "volume_mount_group": publish_req(target, cap=group),
         "process id without coordinator": publish_req(target, context={"jaxProcessId": "1"}),
         "bad process id": publish_req(target, context={"jaxProcessId": "-1",
@@ -408,6 +411,20 @@ def test_readonly_publish(csi, node_mount, tmp_path, how):
     csi.node.NodePublishVolume(req, timeout=30)  # idempotent
     csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
     assert not target.exists()
+
+
+def test_rw_and_bind_flags_are_accepted_without_effect(csi, tmp_path):
+    """``rw`` and ``bind`` change nothing; a read-only request wins over ``rw``."""
+    target = kubelet_target(tmp_path)
+    csi.node.NodePublishVolume(publish_req(target, cap=mount_cap(flags=["rw,bind"])),
+                               timeout=30)
+    assert not stack_at(target)[-1].readonly
+    csi.node.NodePublishVolume(publish_req(target), timeout=30)  # the same publication
+    csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
+    csi.node.NodePublishVolume(publish_req(target, cap=mount_cap(flags=["ro", "rw"])),
+                               timeout=30)
+    assert stack_at(target)[-1].readonly
+    csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
 
 
 def test_concurrent_calls_on_one_target_are_aborted(csi, tmp_path, monkeypatch):

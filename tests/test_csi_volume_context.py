@@ -84,6 +84,10 @@ def test_mount_flags():
     assert mounts.parse_flags(["rw", "bind", ""]) == 0
     with pytest.raises(ValueError, match="discard"):
         mounts.parse_flags(["discard"])
+    # these were accepted and ignored: they would lift a flag of the node mount
+    for flag in ("suid", "dev", "exec", "atime", "diratime", "strictatime", "ro,exec"):
+        with pytest.raises(ValueError, match=f"'{flag.split(',')[-1]}' is not supported"):
+            mounts.parse_flags([flag])
 
 
 def test_mountinfo_unescapes(tmp_path):

@@ -39,8 +39,13 @@ BIND_FLAGS = {
     "nodiratime": MS_NODIRATIME,
     "relatime": MS_RELATIME,
 }
-#: per-mount options that are defaults and need no flag
-NEUTRAL_FLAGS = frozenset({"rw", "suid", "dev", "exec", "atime", "diratime", "strictatime"})
+#: mount flags accepted without effect: every volume is a bind mount, read-write
+#: unless something asks for read-only (which wins over ``rw``)
+NOOP_FLAGS = frozenset({"rw", "bind"})
+#: flags that would lift a restriction of the node mount (its nosuid, nodev, a
+#: noexec or noatime it was given) or pick an atime mode it cannot hold: refused
+#: rather than ignored, since a bind mount keeps the node mount's flags
+LIFTING_FLAGS = frozenset({"suid", "dev", "exec", "atime", "diratime", "strictatime"})
 
 MOUNTINFO = "/proc/self/mountinfo"
 
@@ -158,15 +163,23 @@ def is_dead(path: str) -> bool:
 def parse_flags(flags: list[str] | tuple[str, ...]) -> int:
     """Turn CSI ``mount_flags`` (each may be comma-separated) into mount(2) flags.
 
+    :data:`BIND_FLAGS` are honoured (set on the bind mount), :data:`NOOP_FLAGS`
+    accepted without effect, everything else refused.
+
     Raises:
-        ValueError: a flag a bind mount cannot carry (names it).
+        ValueError: a flag a bind mount cannot carry or that would lift a
+            restriction of the node mount (:data:`LIFTING_FLAGS`); names it.
     """
     result = 0
     for group in flags:
         for flag in group.split(","):
             flag = flag.strip()
-            if not flag or flag in NEUTRAL_FLAGS or flag == "bind":
+            if not flag or flag in NOOP_FLAGS:
                 continue
+            if flag in LIFTING_FLAGS:
+                raise ValueError(f"mount flag {flag!r} is not supported: a volume keeps the "
+                                 "node mount's flags (nosuid,nodev by default) and can only add "
+                                 f"{', '.join(sorted(BIND_FLAGS))}")
             if flag not in BIND_FLAGS:
                 raise ValueError(f"mount flag {flag!r} is not supported for a bind mount "
                                  f"(supported: {', '.join(sorted(BIND_FLAGS))})")
