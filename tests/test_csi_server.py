@@ -339,6 +339,9 @@ def _invalid_requests(target: Path):
         "no volume_id": publish_req(target, volume_id=""),
         "no target_path": publish_req(""),
         "relative target_path": publish_req("relative/mount"),
+        "NUL in target_path": publish_req(f"{target}\0evil"),
+        "too long a name in target_path": publish_req(target.parent / ("n" * 256)),
+        "too long a target_path": publish_req("/" + "/".join(["d" * 200] * 21)),
         "no volume_capability": pb2.NodePublishVolumeRequest(volume_id="v",
                                                              target_path=str(target)),
         "block access": publish_req(target, cap=block),
@@ -366,9 +369,16 @@ def test_invalid_publish_arguments(csi, tmp_path):
 
 
 def test_invalid_unpublish_arguments(csi, tmp_path):
+    """A NUL byte in target_path used to answer INTERNAL; a relative path was taken
+    relative to the driver's working directory."""
     target = kubelet_target(tmp_path)
-    for req in (unpublish_req(target, volume_id=""), unpublish_req("")):
-        assert code_of(csi.node.NodeUnpublishVolume, req) == grpc.StatusCode.INVALID_ARGUMENT
+    target.mkdir()
+    for req in (unpublish_req(target, volume_id=""), unpublish_req(""),
+                unpublish_req(f"{target}\0"), unpublish_req(f"{target}\0/x"),
+                unpublish_req(os.path.relpath(target)), unpublish_req("mount"),
+                unpublish_req(target.parent / ("n" * 256))):
+        assert code_of(csi.node.NodeUnpublishVolume, req) == grpc.StatusCode.INVALID_ARGUMENT, req
+    assert target.is_dir()
 
 
 def test_conflicting_republish(csi, tmp_path):

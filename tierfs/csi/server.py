@@ -52,6 +52,9 @@ pb2, pb2_grpc = load()
 DEFAULT_DRIVER_NAME = "tierfs.csi.dev"
 JAX_INIT_INFO = "jax-init-info.txt"
 FUSE_DEVICE = "/dev/fuse"
+#: Linux's limits on a path (with its NUL) and on one name in it, in bytes
+PATH_MAX = 4096
+NAME_MAX = 255
 _NAME_RE = r"^[A-Za-z0-9]([A-Za-z0-9.\-]{0,61}[A-Za-z0-9])?$"
 
 _Mode = pb2.VolumeCapability.AccessMode.Mode
@@ -402,8 +405,9 @@ class NodeService(pb2_grpc.NodeServicer):
     def _check_target(self, target_path: str) -> str:
         """Check a ``target_path`` of publish or unpublish; return it resolved (realpath).
 
-        Refused, before anything is touched, are paths that are not
-        absolute, and paths a bind mount would harm the node through:
+        Refused, before anything is touched, are paths that hold a NUL byte,
+        are not absolute or are too long for Linux (PATH_MAX, NAME_MAX), and
+        paths a bind mount would harm the node through:
 
         * the node's tierfs mount (``--mount-dir``), anything inside it, and
           any directory above it (a mount there would hide it from the
@@ -426,8 +430,14 @@ class NodeService(pb2_grpc.NodeServicer):
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if not target_path:
             raise Abort(bad, "target_path is required")
+        if "\0" in target_path:
+            raise Abort(bad, "target_path must not contain a NUL byte")
         if not os.path.isabs(target_path):
             raise Abort(bad, "target_path must be an absolute path")
+        if len(os.fsencode(target_path)) >= PATH_MAX or any(
+                len(os.fsencode(part)) > NAME_MAX for part in target_path.split("/")):
+            raise Abort(bad, f"target_path is longer than Linux allows ({PATH_MAX - 1} bytes, "
+                             f"{NAME_MAX} per name)")
         target = os.path.realpath(target_path)
         named = os.path.normpath(target_path)
         own = [("the node's tierfs mount", self.node.mountpoint)]
