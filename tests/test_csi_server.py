@@ -327,6 +327,18 @@ def test_unpublish_with_a_record_of_an_older_driver(csi, node_mount, tmp_path):
     assert stack_at(target) == [] and not target.exists()
 
 
+def test_unpublish_with_another_volume_id_unpublishes_the_target(csi, tmp_path, caplog):
+    """The target path names the publication (decided and documented): an unpublish
+    naming another volume unpublishes it, with a warning."""
+    caplog.set_level(logging.WARNING, logger="tierfs.csi")
+    target = kubelet_target(tmp_path)
+    csi.node.NodePublishVolume(publish_req(target, volume_id="csi-vol-1"), timeout=30)
+    csi.node.NodeUnpublishVolume(unpublish_req(target, volume_id="csi-vol-2"), timeout=30)
+    assert stack_at(target) == [] and not target.exists()
+    assert "published for volume 'csi-vol-1'; unpublishing it for 'csi-vol-2'" in caplog.text
+    assert os.listdir(tmp_path / "state") == []
+
+
 def _invalid_requests(target: Path):
     block = pb2.VolumeCapability(block=pb2.VolumeCapability.BlockVolume(),
                                  access_mode=pb2.VolumeCapability.AccessMode(

@@ -648,6 +648,16 @@ class NodeService(pb2_grpc.NodeServicer):
         mounted there is read from /proc/self/mountinfo, so bind mounts made
         by an earlier run of the driver are found too. Which directories are
         removed: :meth:`_remove_target`.
+
+        The target path identifies the publication, not ``volume_id``: the CO
+        keeps target paths unique per volume (spec "NodePublishVolume"), a
+        target holds at most one publication (another volume there answers
+        ALREADY_EXISTS), and must be unpublished at least once for each
+        successful publish. An unpublish naming another volume than the
+        record therefore still unpublishes the target, with a warning: a
+        refusal would leave the pod stuck terminating, and it cannot reach
+        another volume's data (every tierfs volume is the same node mount).
+        ``volume_id`` is still required (INVALID_ARGUMENT without it).
         """
         bad = grpc.StatusCode.INVALID_ARGUMENT
         log.info("NodeUnpublishVolume volume_id=%r target_path=%r", request.volume_id,
@@ -659,7 +669,8 @@ class NodeService(pb2_grpc.NodeServicer):
             with self.locks.hold(target):
                 rec = self.records.get(target)
                 if rec is not None and rec.volume_id != request.volume_id:
-                    log.warning("%s was published for volume %r, unpublishing it for %r", target,
+                    log.warning("%s was published for volume %r; unpublishing it for %r, "
+                                "as the target path names the publication", target,
                                 rec.volume_id, request.volume_id)
                 unmounted = self._unmount_all(target)
                 self._remove_target(target, rec, unmounted)
