@@ -51,14 +51,15 @@ class Driver:
         self.channel: grpc.Channel | None = None
 
     # -- process
-    def start(self) -> None:
+    def start(self, *extra: str, ram_dir: Path | None = None) -> None:
         log = self.root / f"driver-{len(self.logs)}.log"
         self.logs.append(log)
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tierfs", "csi", "--endpoint", self.endpoint,
                  "--node-id", "gke-node-1", "--mount-dir", str(self.mount_dir),
-                 "--state-dir", str(self.state_dir), "--ram-dir", str(self.ram_dir)],
+                 "--state-dir", str(self.state_dir), "--ram-dir", str(ram_dir or self.ram_dir),
+                 *extra],
                 stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.channel = grpc.insecure_channel(self.endpoint)
         grpc.channel_ready_future(self.channel).result(timeout=30)
@@ -81,6 +82,16 @@ class Driver:
 
     def log(self) -> str:
         return "".join(p.read_text(errors="replace") for p in self.logs if p.exists())
+
+    def wait_log(self, text: str, timeout: float = 30) -> str:
+        """Wait until the current driver's log holds ``text``; returns that log."""
+        deadline = time.monotonic() + timeout
+        while True:
+            current = self.logs[-1].read_text(errors="replace")
+            if text in current:
+                return current
+            assert time.monotonic() < deadline, f"{text!r} not logged:\n{self.log()}"
+            time.sleep(0.05)
 
     def daemon_pid(self) -> int:
         return int((self.ram_dir / "store" / "daemon.pid").read_text().split()[0])
@@ -328,6 +339,44 @@ def test_node_mount_and_ram_dir_are_not_targets(driver):
     (target / "1").mkdir()  # the pod's volume never went away
     driver.unpublish(POD_UID)
     assert driver.stop(signal.SIGTERM) == 0
+
+
+def test_adopted_daemon_with_other_options_is_warned_about(driver):
+    """A restarted driver adopted the running daemon without comparing its
+    configuration; now a difference from the driver's flags is a warning."""
+    driver.start()
+    driver.wait_ready()
+    daemon = driver.daemon_pid()
+    record = (driver.state_dir / "node-mount.json").read_text()
+    assert str(driver.ram_dir) in record
+    driver.stop(signal.SIGKILL)
+    driver.start()  # the same flags: adopted quietly
+    driver.wait_ready()
+    log = driver.wait_log(f"adopted the running tierfs daemon (pid {daemon})")
+    assert "differs" not in log and "without a record" not in log
+
+    driver.stop(signal.SIGKILL)
+    other_ram = SHM / f"tierfs-test-other-{uuid.uuid4().hex[:8]}"
+    try:
+        driver.start("--keep-local", "5", ram_dir=other_ram)
+        driver.wait_ready()
+        log = driver.wait_log("differs from this driver's flags")
+        assert f"ram-dir {driver.ram_dir} (this driver's: {other_ram})" in log
+        assert "--keep-local 5" in log
+        assert driver.daemon_pid() == daemon  # adopted, not replaced
+        cap = pb2.VolumeCapability(
+            mount=pb2.VolumeCapability.MountVolume(),
+            access_mode=pb2.VolumeCapability.AccessMode(
+                mode=pb2.VolumeCapability.AccessMode.Mode.SINGLE_NODE_WRITER))
+        for ram in (driver.ram_dir, other_ram):  # both ram-dirs stay out of reach
+            with pytest.raises(grpc.RpcError) as exc:
+                driver.node.NodePublishVolume(pb2.NodePublishVolumeRequest(
+                    volume_id="v", target_path=str(ram / "x"), volume_capability=cap),
+                    timeout=60)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert driver.stop(signal.SIGTERM) == 0
+    finally:
+        shutil.rmtree(other_ram, ignore_errors=True)
 
 
 def test_probe_reports_a_mount_that_cannot_start(driver, tmp_path):

@@ -741,6 +741,52 @@ def test_supervised_node_mount(tmp_path):
         shutil.rmtree(ram, ignore_errors=True)
 
 
+def test_adoption_compares_token_and_config_file(tmp_path, caplog):
+    """check_adopted: arguments, peer token, --config contents, ram-dir; the record
+    holds no token and only root reads it."""
+    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
+        pytest.skip("needs /dev/fuse and root")
+    from tierfs.csi.nodemount import SupervisedMount
+
+    caplog.set_level(logging.INFO, logger="tierfs.csi")
+    ram = Path("/dev/shm") / f"tierfs-test-csi-{os.getpid()}-{tmp_path.name[-20:]}"
+    conf = tmp_path / "tierfs.yaml"
+    conf.write_text("keepLocal: 2\n")
+    record = str(tmp_path / "state" / "node-mount.json")
+    mnt = str(tmp_path / "node")
+    token = "PEER-TOKEN-not-in-the-record"
+
+    def node(*extra: str, tok: str = token, rec: str | None = record, ram_dir: Path = ram):
+        return SupervisedMount(mnt, ["--ram-dir", str(ram_dir), "--config", str(conf),
+                                     "-o", "allow_other", *extra],
+                               env={"TIERFS_PEER_TOKEN": tok}, ram_dir=str(ram_dir),
+                               record_path=rec)
+
+    first = node()
+    try:
+        assert first.mount_once() is None
+        text = Path(record).read_text()
+        assert token not in text and stat.S_IMODE(os.stat(record).st_mode) == 0o600
+        assert node().check_adopted() == []
+        assert node(tok="another-token").check_adopted() == [
+            "peer token or --config file contents"]
+        diffs = node("--keep-local", "3").check_adopted()
+        assert len(diffs) == 1 and "--keep-local 3" in diffs[0]
+        other = tmp_path / "other-ram"
+        assert node(ram_dir=other).check_adopted()[0] == \
+            f"ram-dir {os.path.realpath(ram)} (this driver's: {other})"
+        caplog.clear()
+        assert node(rec=None).check_adopted() == []
+        assert "without a record of the options" in caplog.text
+        conf.write_text("keepLocal: 4\n")
+        assert node().check_adopted() == ["peer token or --config file contents"]
+        assert token not in caplog.text
+    finally:
+        first.unmount_if_unused()
+        _unmount_under(tmp_path, keep=set())
+        shutil.rmtree(ram, ignore_errors=True)
+
+
 def test_supervised_node_mount_reports_failures(tmp_path):
     from tierfs.csi.nodemount import SupervisedMount
 

@@ -20,6 +20,8 @@ import click
 
 DEFAULT_MOUNT_DIR = "/run/tierfs/mount"
 DEFAULT_STATE_DIR = "/run/tierfs/csi"
+#: in the state dir: how the node mount was started (see SupervisedMount.check_adopted)
+NODE_MOUNT_RECORD = "node-mount.json"
 
 log = logging.getLogger("tierfs.csi")
 
@@ -112,7 +114,8 @@ def _make_command(mount_options: Any) -> click.Command:
             raise click.ClickException(str(exc)) from None
         argv, env = mount_argv(opts)
         node = SupervisedMount(opts["mount_dir"], argv, env=env,
-                               ram_dir=configured_ram_dir(opts))
+                               ram_dir=configured_ram_dir(opts),
+                               record_path=os.path.join(opts["state_dir"], NODE_MOUNT_RECORD))
         identity = server.IdentityService(opts["driver_name"], node)
         service = server.NodeService(opts["node_id"], node, opts["state_dir"])
 

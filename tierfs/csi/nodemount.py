@@ -4,7 +4,9 @@
 every published volume is a bind mount of it. The mount is started through
 the ordinary CLI (``tierfs mount MOUNTPOINT --ram-dir ...``), so the daemon
 runs exactly as on a VM, in its own session: it outlives a driver restart,
-and a restarted driver adopts the running mount instead of starting another.
+and a restarted driver adopts the running mount instead of starting another
+(warning when the daemon's configuration differs from its flags:
+:meth:`SupervisedMount.check_adopted`).
 A daemon that died (the mount answers ENOTCONN) is mounted again; ``tierfs
 mount`` clears the dead mount first.
 """
@@ -13,9 +15,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import hashlib
 import json
 import logging
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -76,12 +80,18 @@ class SupervisedMount:
             is kept off the command line).
         ram_dir: the ram-dir ``mount_args`` name (``--ram-dir`` or ``ramDir`` of
             ``--config``), if known; see :meth:`ram_dirs`.
+        record_path: a file (in the driver's state directory) where each mount
+            this supervisor makes is described, so that a restarted driver can
+            tell whether the daemon it adopts runs with its options; see
+            :meth:`check_adopted`. None: no record, only the ram-dir is compared.
     """
 
     def __init__(self, mountpoint: str, mount_args: list[str], check_interval: float = 5.0,
                  max_backoff: float = 60.0, env: dict[str, str] | None = None,
-                 ram_dir: str | None = None) -> None:
+                 ram_dir: str | None = None, record_path: str | None = None) -> None:
         self.mountpoint = os.path.abspath(mountpoint)
+        self.record_path = record_path
+        self._adoption_checked = False
         self.mount_args = list(mount_args)
         self.env = dict(env or {})
         self.ram_dir = os.path.realpath(ram_dir) if ram_dir else None
@@ -167,6 +177,9 @@ class SupervisedMount:
         backoff = 1.0
         while not self._stop.is_set():
             if self.ready():
+                if not self._adoption_checked:  # up before this driver mounted anything
+                    self._adoption_checked = True
+                    self.check_adopted()
                 self._error = None
                 backoff = 1.0
                 self._stop.wait(self.check_interval)
@@ -201,9 +214,109 @@ class SupervisedMount:
             return f"tierfs mount did not return within {MOUNT_TIMEOUT:.0f}s"
         if proc.returncode == 0:
             log.info("node mount is up at %s", self.mountpoint)
+            self._adoption_checked = True  # mounted here: nothing to adopt
+            self._write_record()
             return None
         lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
         return lines[-1].removeprefix("Error: ") if lines else f"exit status {proc.returncode}"
+
+    # ------------------------------------------------------------------ adoption
+
+    def _fingerprint(self, salt: str) -> str:
+        """A salted digest of everything the mount was asked for: the arguments, the
+        environment (the peer token) and the ``--config`` file's contents."""
+        path = None
+        args = iter(self.mount_args)
+        for arg in args:
+            if arg == "--config":
+                path = next(args, None)
+            elif arg.startswith("--config="):
+                path = arg.split("=", 1)[1]
+        config = b""
+        if path:
+            try:
+                with open(path, "rb") as f:
+                    config = f.read()
+            except OSError:
+                config = b"<unreadable>"
+        h = hashlib.sha256(salt.encode())
+        h.update(json.dumps({"argv": self.mount_args, "env": self.env}, sort_keys=True).encode())
+        h.update(hashlib.sha256(config).digest())
+        return h.hexdigest()
+
+    def _write_record(self) -> None:
+        """Describe the mount just made (daemon pid, ram-dir, redacted arguments, and a
+        salted digest of all of it, token included) in :attr:`record_path`."""
+        if self.record_path is None:
+            return
+        status = read_status(self.mountpoint) or {}
+        salt = secrets.token_hex(16)
+        record = {"pid": status.get("pid"), "ram_dir": status.get("ram_dir"),
+                  "argv": _redact_argv(self.mount_args), "salt": salt,
+                  "digest": self._fingerprint(salt)}
+        tmp = f"{self.record_path}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(self.record_path), mode=0o700, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(record, f)
+            os.replace(tmp, self.record_path)
+        except OSError as exc:
+            log.warning("cannot record the node mount's options in %s: %s", self.record_path,
+                        exc.strerror or exc)
+
+    def _read_record(self) -> dict[str, Any] | None:
+        if self.record_path is None:
+            return None
+        try:
+            with open(self.record_path, encoding="utf-8") as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return record if isinstance(record, dict) else None
+
+    def check_adopted(self) -> list[str]:
+        """Compare the running daemon this driver adopts with the driver's own options.
+
+        The daemon keeps running with the configuration it was started with
+        (it serves the pods' mounts); a difference is logged as a warning,
+        never acted on. Compared: the ram-dir the daemon reports against the
+        driver's; and, if the record of the mount (:attr:`record_path`) is
+        about this very daemon (same pid), every argument, the peer token and
+        the ``--config`` file's contents. Without such a record (state
+        directory lost, daemon mounted by hand) only the ram-dir is compared,
+        and a warning says so.
+
+        Returns:
+            the differences found, one phrase each (empty if none or if nothing answers).
+        """
+        status = read_status(self.mountpoint)
+        if status is None:
+            return []
+        pid = status.get("pid")
+        diffs = []
+        theirs = status.get("ram_dir")
+        if self.ram_dir and isinstance(theirs, str) and os.path.realpath(theirs) != self.ram_dir:
+            diffs.append(f"ram-dir {theirs} (this driver's: {self.ram_dir})")
+        record = self._read_record()
+        if record is None or record.get("pid") != pid:
+            log.warning("adopting the running tierfs daemon (pid %s) at %s without a record of "
+                        "the options it was started with (lost state directory, or mounted by "
+                        "hand): only its ram-dir is compared with this driver's flags", pid,
+                        self.mountpoint)
+        elif record.get("argv") != _redact_argv(self.mount_args):
+            diffs.append(f"options {' '.join(map(str, record.get('argv') or []))!r} "
+                         f"(this driver's: {' '.join(_redact_argv(self.mount_args))!r})")
+        elif record.get("digest") != self._fingerprint(str(record.get("salt"))):
+            diffs.append("peer token or --config file contents")
+        if diffs:
+            log.warning("the adopted tierfs daemon (pid %s) at %s was started with a configuration "
+                        "that differs from this driver's flags: %s. It keeps running with its own "
+                        "until the node mount is mounted again (delete the node pod between jobs)",
+                        pid, self.mountpoint, "; ".join(diffs))
+        else:
+            log.info("adopted the running tierfs daemon (pid %s) at %s", pid, self.mountpoint)
+        return diffs
 
     def published(self) -> list[str]:
         """Mountpoints of the bind mounts of the node mount (the published volumes)."""
