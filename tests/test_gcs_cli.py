@@ -144,3 +144,60 @@ def test_restore_version_refuses_a_missing_or_incomplete_round(rounds):
     assert "no restore.version" in run(*base)
     run(*base[:2], "2026-11-30_15-22", *base[2:], "--force")
     assert run(*base).strip() == "2026-11-30_15-22"
+
+
+def _mtc_round(bucket, job: str, name: str, ranks, step: int = 7) -> None:
+    """A round as MTC's replicator writes it: data and pointers, no .tierfs.json."""
+    for r in ranks:
+        h = "D" + f"{r + 1:x}" * 64
+        bucket.blob(f"{job}/{name}/{h}.data/state/a").upload_from_string(b"a" * (10 + r))
+        bucket.blob(f"{job}/{name}/{job}-s{step}-n{r}-w0.meta").upload_from_string(h)
+
+
+def test_mtc_round_missing_its_last_rank_is_partial(fake_gcs):
+    """Regression: for rounds without .tierfs.json the node count was the highest
+    rank present + 1, so a round missing rank 2 of 3 showed "2/2" complete, and
+    `prune --keep-last 1` kept it as the newest complete round and deleted the
+    real newest complete one."""
+    bucket = fake_gcs.client().bucket(fake_gcs.bucket)
+    old, good, cut = _name(0), _name(30), _name(60)
+    _mtc_round(bucket, "mtc", old, (0, 1, 2))
+    _mtc_round(bucket, "mtc", good, (0, 1, 2))
+    _mtc_round(bucket, "mtc", cut, (0, 1))  # rank 2 never wrote its part
+    common = ["--bucket", fake_gcs.bucket, "--job", "mtc"]
+    rows = {r["round"]: r for r in json.loads(run("backups", "list", *common,
+                                                  "--json"))["rounds"]}
+    assert rows[cut]["complete"] is False and rows[cut]["nodes"] == 3
+    assert rows[cut]["ranks_present"] == [0, 1]
+    assert rows[good]["complete"] is True and rows[good]["nodes"] == 3
+    table = run("backups", "list", *common)
+    line = next(ln for ln in table.splitlines() if cut in ln)
+    assert "2/3 (0,1)" in line and " no " in line
+    shown = json.loads(run("backups", "show", cut, *common, "--json"))
+    assert shown["complete"] is False and "rank 2: no pointer for step 7" in shown["problems"]
+    plan = json.loads(run("backups", "prune", *common, "--keep-last", "1", "--json"))
+    keep = {k["round"]: k["why"] for k in plan["keep"]}
+    assert set(keep) == {good, cut}
+    assert [d["round"] for d in plan["delete"]] == [old]
+    res = CliRunner().invoke(main, ["backups", "restore-version", cut, *common])
+    assert res.exit_code == 1 and "incomplete" in res.output
+    # --nodes still wins
+    rows = {r["round"]: r for r in json.loads(run("backups", "list", *common, "--nodes", "2",
+                                                  "--json"))["rounds"]}
+    assert rows[cut]["complete"] is True and rows[cut]["nodes"] == 2
+
+
+def test_mtc_round_is_judged_by_the_count_tierfs_rounds_record(fake_gcs, tmp_path):
+    """A job whose tierfs rounds record 2 nodes: a newer MTC-written round holding
+    only rank 0 is partial (not "1/1" complete)."""
+    g = GcsBackend(fake_gcs.bucket, settings=GcsSettings.from_env(threads=4))
+    for r in (0, 1):
+        shard = make_shard(tmp_path / f"n{r}", "mix", r, 5, {"5/a": b"x" * (10 + r)})
+        g.upload_shard(shard, _name(0), nodes=2)
+    _mtc_round(fake_gcs.client().bucket(fake_gcs.bucket), "mix", _name(30), (0,))
+    rounds = {r.name: r for r in g.list_rounds("mix")}
+    assert rounds[_name(0)].complete and rounds[_name(0)].recorded_nodes == 2
+    assert not rounds[_name(30)].complete and rounds[_name(30)].nodes == 2
+    assert g.job_nodes("mix") == 2
+    assert not g.inspect_round_of_job("mix", _name(30)).complete
+    assert g.inspect_round_of_job("mix", _name(30), nodes=1).complete

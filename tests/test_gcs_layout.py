@@ -312,3 +312,28 @@ def test_retention_hourly_daily_weekly():
     gap = [RoundState(n, True) for n in _names(T0, [0, 5, 300, 600])]
     sel = select_rounds(gap, RetentionPolicy(hourly=3))
     assert sorted(sel.keep) == _names(T0, [5, 300, 600])
+
+
+def test_infer_job_nodes_from_the_rounds():
+    from tierfs.tiers.gcs import apply_job_nodes, infer_job_nodes
+
+    def mtc(name: str, ranks: list[int]) -> RoundInfo:
+        parts = {(r, 7): NodeEntry(r, 7, metas={0: "D" + "a" * 64}) for r in ranks}
+        objects = {f"D{'a' * 64}.data/x": ObjectInfo(f"D{'a' * 64}.data/x", 1, None)}
+        return judge_round(RoundInfo(name, max(ranks) + 1, parts, objects))
+
+    newest, older = mtc("2025-01-01_00-02", [0, 1]), mtc("2025-01-01_00-01", [0, 1, 2])
+    assert newest.complete  # judged alone: 2 ranks, 2 nodes
+    assert infer_job_nodes([newest, older]) == 3  # the most ranks any round holds
+    apply_job_nodes([newest, older], 3)
+    assert not newest.complete and newest.nodes == 3 and older.complete
+    assert newest.problems() == ["rank 2: no pointer for step 7"]
+    # a round that records its node count (tierfs manifest) gives the job's count
+    recorded = RoundInfo("2025-01-01_00-00", 4, recorded_nodes=4)
+    assert infer_job_nodes([mtc("2025-01-01_00-03", [0]), recorded]) == 4
+    # and keeps its own count; a round with more ranks than inferred keeps those
+    wide = mtc("2025-01-01_00-04", [0, 1, 2, 3, 4])
+    apply_job_nodes([recorded, wide], 2)
+    assert recorded.nodes == 4 and wide.nodes == 5
+    assert infer_job_nodes([]) is None
+    assert infer_job_nodes([RoundInfo("2025-01-01_00-05", 0, error="unreadable")]) is None

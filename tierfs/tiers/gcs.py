@@ -350,6 +350,8 @@ class RoundInfo:
         total_bytes: sum of all object sizes in the round dir.
         complete_step: the newest step complete for every rank 0..nodes-1, or None.
         error: set when the round could not be read at all.
+        recorded_nodes: the largest node count the round's tierfs manifests
+            record (0: none, e.g. a round written by MTC).
     """
 
     name: str
@@ -359,6 +361,12 @@ class RoundInfo:
     total_bytes: int = 0
     complete_step: int | None = None
     error: str | None = None
+    recorded_nodes: int = 0
+
+    @property
+    def ranks_seen(self) -> int:
+        """The highest rank with a pointer or manifest in the round, plus one (0: none)."""
+        return max((r for r, _ in self.parts), default=-1) + 1
 
     @property
     def complete(self) -> bool:
@@ -482,6 +490,38 @@ def judge_round(info: RoundInfo) -> RoundInfo:
             info.complete_step = step
             break
     return info
+
+
+def infer_job_nodes(rounds: Iterable[RoundInfo]) -> int | None:
+    """A job's node count from its rounds (pure; ``rounds`` newest first): the count
+    the newest round with a tierfs manifest records, else the most ranks any
+    round holds (highest rank + 1); None if no round tells anything.
+
+    A round written by MTC has no manifest, so on its own its node count can
+    only be guessed from the ranks present, and a round missing its last
+    ranks would look complete; the job's other rounds know better.
+    """
+    rounds = list(rounds)
+    for info in rounds:
+        if info.recorded_nodes > 0:
+            return info.recorded_nodes
+    most = max((info.ranks_seen for info in rounds if not info.error), default=0)
+    return most or None
+
+
+def apply_job_nodes(rounds: Iterable[RoundInfo], nodes: int | None) -> None:
+    """Judge every round that records no node count (MTC-written) against ``nodes``
+    (at least its own highest rank + 1) instead of the ranks it happens to hold.
+    Rounds with tierfs manifests keep the count they record."""
+    if not nodes:
+        return
+    for info in rounds:
+        if info.error or info.recorded_nodes:
+            continue
+        want = max(nodes, info.ranks_seen)
+        if want != info.nodes:
+            info.nodes = want
+            judge_round(info)
 
 
 # ---------------------------------------------------------------------- results
@@ -766,7 +806,7 @@ class GcsBackend:
         if nodes is None:
             nodes = seen_nodes or (max((r for r, _ in parts), default=-1) + 1)
         info = RoundInfo(round_name, nodes, parts, objects,
-                         sum(o.size for o in objects.values()))
+                         sum(o.size for o in objects.values()), recorded_nodes=seen_nodes)
         return judge_round(info)
 
     def list_rounds(self, job: str, nodes: int | None = None, *,
@@ -796,7 +836,52 @@ class GcsBackend:
         with cf.ThreadPoolExecutor(workers) as pool:
             for info in pool.map(one, names):
                 out[info.name] = info
-        return [out[n] for n in names]
+        rounds = [out[n] for n in names]
+        if nodes is None:
+            apply_job_nodes(rounds, infer_job_nodes(rounds))
+        return rounds
+
+    def job_nodes(self, job: str) -> int | None:
+        """The job's node count as its backups tell it (see :func:`infer_job_nodes`),
+        from listings only: the newest round holding a tierfs manifest gives it
+        (one manifest read); without one, the most ranks any round holds.
+        None when the job has no round with a pointer or manifest.
+
+        Raises:
+            google.api_core exceptions after retries.
+        """
+        most = 0
+        for name in self.list_round_names(job):
+            prefix = self.spec.round_dir(job, name)
+            blobs, _ = self._list(prefix, delimiter="/")
+            for b in blobs:
+                rel = b.name[len(prefix):]
+                t = L.parse_tierfs_manifest_name(rel)
+                if t is not None and t[0] == job:
+                    data = self._get_bytes(b.name)
+                    try:
+                        nb = NodeBackup.from_json(data) if data is not None else None
+                    except LayoutError:
+                        nb = None
+                    if nb is not None and nb.nodes > 0:
+                        return nb.nodes
+                m = L.parse_meta_name(rel)
+                if m is not None and m[0] == job:
+                    most = max(most, m[2] + 1)
+                elif t is not None and t[0] == job:
+                    most = max(most, t[2] + 1)
+        return most or None
+
+    def inspect_round_of_job(self, job: str, round_name: str,
+                             nodes: int | None = None) -> RoundInfo:
+        """:meth:`inspect_round` for one round, judged like :meth:`list_rounds` judges
+        it: a round without a tierfs manifest (written by MTC) against the job's
+        node count (:meth:`job_nodes`) unless ``nodes`` is given."""
+        info = self.inspect_round(job, round_name, nodes)
+        if nodes is None and not info.recorded_nodes and info.parts:
+            apply_job_nodes([info], self.job_nodes(job))
+        return info
+
 
     def choose_restore(self, job: str, nodes: int) -> RestoreChoice:
         """The backup every node of ``job`` restores when no step is complete in-cluster.

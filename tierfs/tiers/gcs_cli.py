@@ -22,7 +22,8 @@ _COMMON = [
                  help="The backup bucket (as given to tierfs mount --bucket)."),
     click.option("--job", required=True, help="The job name (the directory under the bucket)."),
     click.option("--nodes", type=click.IntRange(min=1),
-                 help="Nodes of the job (default: from the backups' manifests)."),
+                 help="Nodes of the job (default: what the newest round with a tierfs "
+                      "manifest records, else the most ranks any round of the job holds)."),
 ]
 
 
@@ -158,7 +159,7 @@ def show_cmd(round_name: str, bucket: str, job: str, nodes: int | None,
         raise click.ClickException(str(exc)) from None
     backend = _backend(bucket)
     forced = _guard(lambda: backend.read_restore_version(job))
-    info = _guard(lambda: backend.inspect_round(job, round_name, nodes))
+    info = _guard(lambda: backend.inspect_round_of_job(job, round_name, nodes))
     if not info.objects:
         raise click.ClickException(f"no round {round_name} under {backend.spec}{job}/")
     parts = []
@@ -303,7 +304,7 @@ def restore_version_cmd(round_name: str | None, bucket: str, job: str, clear: bo
         except LayoutError as exc:
             raise click.ClickException(str(exc)) from None
         if not force:
-            info = _guard(lambda: backend.inspect_round(job, round_name))
+            info = _guard(lambda: backend.inspect_round_of_job(job, round_name))
             if not info.objects:
                 raise click.ClickException(
                     f"round {round_name} of job {job!r} does not exist (see 'tierfs backups "
