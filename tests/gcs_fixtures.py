@@ -43,14 +43,32 @@ class FakeGcs(GcsEmulator):
         super().__init__(root, port, backend, external_url)
         self.bucket = ""
 
+    def _state(self) -> str:
+        """The server process's state letter from /proc (``T``: stopped)."""
+        assert self.proc is not None
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+
+    def _wait_state(self, stopped: bool, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (self._state() in "tT") != stopped:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"fake-gcs-server did not {'stop' if stopped else 'resume'}")
+            time.sleep(0.01)
+
     def freeze(self) -> None:
-        """SIGSTOP the server: connections hang (requests time out) until :meth:`thaw`."""
+        """SIGSTOP the server: connections are still accepted (by the kernel) but
+        nothing is answered until :meth:`thaw`. Returns once the process is stopped."""
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGSTOP)
+        self._wait_state(stopped=True)
 
     def thaw(self) -> None:
-        assert self.proc is not None
+        """SIGCONT the server (harmless if it is not stopped)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
         os.kill(self.proc.pid, signal.SIGCONT)
+        self._wait_state(stopped=False)
 
     def client(self):  # -> google.cloud.storage.Client
         """A storage client pointed at this server (anonymous credentials)."""

@@ -307,3 +307,88 @@ def test_round_written_by_mtc_is_readable(fake_gcs, tmp_path):
     shard = restore_into(g, tmp_path / "new", "job", R1, 0, 9, framework="orbax")
     assert shard.manifest.name == "9"
     assert Path(shard.data, "9/state/a").read_bytes() == b"alpha"
+
+
+# ---------------------------------------------------------------------- a hanging bucket
+
+
+def _timed(fn) -> tuple[float, BaseException | None]:
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:
+        return time.monotonic() - t0, exc
+    return time.monotonic() - t0, None
+
+
+def test_bounded_calls_end_within_their_deadline_when_the_bucket_hangs(fake_gcs, tmp_path):
+    """Regression: bounded() only shortened the retry deadline; every request still
+    waited up to the 120 s read timeout, so with the emulator SIGSTOPped a
+    restore.version read bounded to 3 s took 120 s."""
+    g = backend(fake_gcs)  # retry deadline 15 s (the fixture's), read timeout 120 s
+    shard = make_shard(tmp_path / "n0", "job", 0, 5, orbax_files(9))
+    g.upload_shard(shard, R1, nodes=1)
+    assert g.monitor is not None and g.monitor.last_answer > 0
+    fake_gcs.freeze()
+    try:
+        b = g.bounded(3)
+        for call in (lambda: b.read_restore_version("job"), lambda: b.bucket_exists(),
+                     lambda: b.choose_restore("job", 1), lambda: b.list_rounds("job")):
+            took, exc = _timed(call)
+            assert 2.5 < took < 5, took
+            if exc is not None:  # list_rounds reports per round; the listing itself raises
+                assert "unreachable" in describe_error(exc), describe_error(exc)
+                from tierfs.tiers.gcs import is_transient
+                assert is_transient(exc)
+        # the plain backend: each request within its retry deadline, not 120 s
+        short = backend(fake_gcs, retry_deadline=2)
+        took, exc = _timed(lambda: short.list_round_names("job"))
+        assert exc is not None and 1.5 < took < 4, took
+        # an upload: the resumable session start and each chunk within the deadline
+        big = make_shard(tmp_path / "n1", "job", 0, 6, {"6/big": os.urandom(9 * MiB)})
+        took, exc = _timed(lambda: short.upload_shard(big, R2, nodes=1))
+        assert exc is not None and took < 5, took
+        # requests waiting without an answer show up in the monitor
+        t = threading.Thread(target=lambda: _timed(lambda: short.read_restore_version("job")))
+        t.start()
+        time.sleep(1.2)
+        assert short.monitor is not None and short.monitor.in_flight() >= 1
+        assert short.monitor.stalled_for() >= 1.0
+        t.join()
+        assert b.monitor is g.monitor  # one monitor per client session
+    finally:
+        fake_gcs.thaw()
+    before = g.monitor.last_answer
+    assert g.read_restore_version("job") is None
+    assert g.monitor.last_answer > before and g.monitor.stalled_for() == 0.0
+
+
+def test_each_resumable_chunk_gets_the_whole_retry_deadline(fake_gcs, tmp_path):
+    """The per-request deadline caps every HTTP attempt; a resumable upload's chunks
+    are separate requests, so a file whose upload as a whole lasts longer than
+    the deadline still goes through (here each 1 MiB chunk is held 0.4 s before
+    it is sent, through the progress callback)."""
+    g = backend(fake_gcs, retry_deadline=1.5)
+    shard = make_shard(tmp_path / "n0", "job", 0, 5, {"5/big": os.urandom(10 * MiB)})
+    took, exc = _timed(lambda: g.upload_shard(shard, R1, nodes=1,
+                                              on_bytes=lambda n: time.sleep(0.4)))
+    assert exc is None, describe_error(exc)
+    assert took > 3  # ten chunks at 0.4 s each: longer than the 1.5 s deadline
+    assert g.inspect_round("job", R1).complete
+
+
+def test_is_transient():
+    from google.api_core import exceptions as gexc
+    from requests.exceptions import ConnectionError as RequestsConnectionError
+
+    from tierfs.tiers.gcs import BucketTimeout, is_transient
+
+    assert is_transient(gexc.RetryError("gave up", None))
+    assert is_transient(BucketTimeout("no answer"))
+    assert is_transient(gexc.ServiceUnavailable("503"))
+    assert is_transient(RequestsConnectionError("refused"))
+    assert not is_transient(gexc.NotFound("no bucket"))
+    assert not is_transient(gexc.Forbidden("denied"))
+    assert not is_transient(ChecksumMismatch("differs"))
+    assert not is_transient(Cancelled("cancelled"))
+    assert not is_transient(FileNotFoundError("gone"))

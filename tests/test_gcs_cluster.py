@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import pytest
 from conftest import tierfs
@@ -281,3 +282,51 @@ def test_after_a_restore_to_an_older_step_new_steps_replicate_and_win(make_mount
     for r, res in enumerate(again):
         assert res["restored"] == 2, c.logs()
         assert res["files"] == step_files(r, 2, seed="new")
+
+
+def test_hanging_bucket_costs_at_most_its_deadlines(make_mount, fake_gcs, monkeypatch):
+    """Regressions with the emulator SIGSTOPped (connections hang): (1) the round of
+    step 2 failed on the nodes and was never tried again once the bucket came
+    back; (2) a job restart with every step in the cluster's RAM waited for the
+    coordinator's restore.version read, 120 s (the read timeout) instead of
+    TIERFS_GCS_FALLBACK_DEADLINE, and failed with --join-timeout below that."""
+    monkeypatch.setenv("TIERFS_GCS_FALLBACK_DEADLINE", "4")
+    monkeypatch.setenv("TIERFS_GCS_RETRY_DEADLINE", "4")
+    monkeypatch.setenv("TIERFS_GCS_UPLOAD_RETRY_MAX", "3")
+    monkeypatch.setenv("TIERFS_GCS_STALL_SECONDS", "2")
+    g = GcsBackend(fake_gcs.bucket, settings=GcsSettings.from_env())
+    c = start(make_mount, fake_gcs.bucket)
+    handshake_all(c)
+    save_all(c, 1)
+    round_of(c, 1)
+    fake_gcs.freeze()
+    try:
+        save_all(c, 2)
+        c.wait_synced(2)
+        failed = wait_for(lambda: [i for i in range(N) if "backup of step 2" in
+                                   errors(c.root(i))], 30, "a failed upload of step 2")
+        assert all("trying again" in errors(c.root(i)) for i in failed)
+        assert any(gcs_status(c.root(i))["problem"] for i in range(N))
+    finally:
+        fake_gcs.thaw()
+    t0 = time.monotonic()
+    second = round_of(c, 2, timeout=40)  # no new save: the failed parts are tried again
+    print(f"round of step 2 complete {time.monotonic() - t0:.1f} s after the bucket came back")
+    assert g.inspect_round("job", second, N).complete_step == 2
+    wait_for(lambda: all(gcs_status(c.root(i))["problem"] is None for i in range(N)), 20,
+             "every node's bucket problem to clear")
+
+    fake_gcs.freeze()
+    try:
+        t0 = time.monotonic()
+        again = handshake_all(c)  # the job restarts; every step is in the cluster's RAM
+        took = time.monotonic() - t0
+        print(f"restart with a hanging bucket decided in {took:.1f} s")
+        for r, res in enumerate(again):
+            assert res["restored"] == 2 and res["files"] == step_files(r, 2), c.logs()
+        assert took < 4 + 12
+        assert "cannot read restore.version" in (gcs_status(c.root(0))["last_error"] or "")
+        wait_for(lambda: "cannot read restore.version" in errors(c.root(0)), 10,
+                 "the line in replicator.errors")
+    finally:
+        fake_gcs.thaw()

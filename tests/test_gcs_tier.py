@@ -8,6 +8,7 @@ import shutil
 import time
 
 import pytest
+from conftest import tierfs
 from gcs_cluster import backed_up, errors, gcs_status, handshake, save, status, step_files, wait_for
 
 from tierfs.tiers import gcs_schedule as S
@@ -224,3 +225,83 @@ def test_a_bucket_that_does_not_exist_fails_the_mount(make_mount, fake_gcs):
     # and the failed start leaves no (dead) mount behind
     with open("/proc/self/mountinfo") as f:
         assert not any("/nobucket " in line for line in f)
+
+
+# ---------------------------------------------------------------------- a hanging bucket
+
+
+def test_a_bucket_that_does_not_answer_does_not_stop_the_mount(make_mount, fake_gcs,
+                                                                monkeypatch):
+    """Regression: with the emulator SIGSTOPped, `tierfs mount --bucket B` failed
+    after 2 min with "daemon did not become ready in 120s": the bucket check at
+    start waited for the 120 s read timeout. It now gives up after
+    TIERFS_GCS_START_DEADLINE, mounts, reports the problem and checks again in
+    the background until the bucket answers."""
+    monkeypatch.setenv("TIERFS_GCS_START_DEADLINE", "2")
+    monkeypatch.setenv("TIERFS_GCS_UPLOAD_RETRY_MAX", "2")
+    fake_gcs.freeze()
+    try:
+        t0 = time.monotonic()
+        m = make_mount("--bucket", fake_gcs.bucket)
+        took = time.monotonic() - t0
+        print(f"mount with a hanging bucket took {took:.1f} s")
+        assert took < 10
+        st = gcs_status(m.path)
+        assert st["bucket_checked"] is False
+        assert "bucket unreachable at start" in st["problem"]
+        assert "bucket problem: bucket unreachable at start" in st["summary"]
+        assert "bucket unreachable at start" in errors(m.path)
+        assert "checking it again in the background" in errors(m.path)
+        time.sleep(2.5)  # background checks fail meanwhile; the problem stays
+        assert gcs_status(m.path)["problem"]
+    finally:
+        fake_gcs.thaw()
+    t0 = time.monotonic()
+    wait_for(lambda: gcs_status(m.path)["bucket_checked"] and not gcs_status(m.path)["problem"],
+             20, "the bucket problem to clear")
+    print(f"problem cleared {time.monotonic() - t0:.1f} s after the bucket came back")
+    handshake(m.path, 0, 1, extra=("backup-interval-steps: 1",))
+    save(m.path, 1, step_files(0, 1))
+    wait_for(lambda: backed_up(m.path, 1), 30, "step 1 backed up")
+
+
+def test_stalled_upload_is_reported_and_tried_again_when_the_bucket_answers(
+        make_mount, fake_gcs, monkeypatch):
+    """Regressions: while the bucket hung, the status said "uploading step 2 ...
+    (0%)" with no bucket problem until the read timeout; after the bucket came
+    back, "bucket unreachable ... (retrying, at ...)" stayed in the status and
+    the failed round was never tried again, so the newest step had no backup
+    until the next save."""
+    monkeypatch.setenv("TIERFS_GCS_STALL_SECONDS", "2")
+    monkeypatch.setenv("TIERFS_GCS_RETRY_DEADLINE", "4")
+    monkeypatch.setenv("TIERFS_GCS_UPLOAD_RETRY_MAX", "3")
+    m = make_mount("--bucket", fake_gcs.bucket)
+    handshake(m.path, 0, 1, extra=("backup-interval-steps: 1",))
+    save(m.path, 1, step_files(0, 1))
+    wait_for(lambda: backed_up(m.path, 1), 30, "step 1 backed up")
+    fake_gcs.freeze()
+    try:
+        t0 = time.monotonic()
+        save(m.path, 2, step_files(0, 2))
+        st = wait_for(lambda: (s := gcs_status(m.path))["stalled_seconds"] and s, 15,
+                      "the stall reported")
+        print(f"stall reported {time.monotonic() - t0:.1f} s after the save")
+        assert "bucket problem: bucket slow or stalled: no answer for" in st["summary"]
+        out = " ".join(tierfs("status", str(m.path)).stdout.split())
+        assert "slow or stalled" in out
+        # the attempt gives up after its retry deadline; the upload waits to try again
+        wait_for(lambda: "backup of step 2" in errors(m.path), 20, "the failed attempt")
+        assert "trying again" in errors(m.path)
+        assert backed_up(m.path, 2) is None
+    finally:
+        fake_gcs.thaw()
+    t0 = time.monotonic()
+    rnd = wait_for(lambda: backed_up(m.path, 2), 30, "step 2 backed up without a new save")
+    print(f"step 2 backed up {time.monotonic() - t0:.1f} s after the bucket came back")
+    st = gcs_status(m.path)
+    assert st["retrying"] is None and st["problem"] is None and st["stalled_seconds"] == 0
+    assert "bucket problem" not in st["summary"]
+    assert st["rounds"][-1]["round"] == rnd and st["rounds"][-1]["state"] == "complete"
+    g = GcsBackend(fake_gcs.bucket, settings=GcsSettings.from_env())
+    assert (g.choose_restore("job", 1).round, g.choose_restore("job", 1).step) == (rnd, 2)
+

@@ -29,19 +29,29 @@ Failures: every request is retried with exponential backoff on 429, 408,
 5xx, timeouts and connection errors (``google.cloud.storage.retry``'s
 predicate) until ``GcsSettings.retry_deadline`` seconds have passed; then
 the exception propagates (see :func:`describe_error`).
+
+Deadlines: each library call gets ``timeout=`` (connect, read) no longer than
+its retry deadline and ``retry=`` with that deadline, and every HTTP attempt
+the client sends inside the call (retries, each resumable chunk) has its
+timeout capped at the time left (:class:`BucketMonitor` wraps the client's
+session). A bucket that stops answering (connections accepted, nothing read)
+therefore costs a :meth:`GcsBackend.bounded` caller its deadline, not the
+120 s read timeout. The same monitor records requests in flight and the last
+answer, for "slow or stalled" reports (:meth:`BucketMonitor.stalled_for`).
 """
 
 from __future__ import annotations
 
 import base64
 import concurrent.futures as cf
+import contextlib
 import logging
 import os
 import shutil
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +82,10 @@ class IncompleteRound(GcsError):
 
 class Cancelled(GcsError):
     """The operation was cancelled through its ``cancel`` event."""
+
+
+class BucketTimeout(GcsError):
+    """The caller's deadline passed before the bucket answered (a hanging bucket)."""
 
 
 # ---------------------------------------------------------------------- settings
@@ -184,6 +198,176 @@ def _make_retry(s: GcsSettings, on_error: Callable[[Exception], None]) -> Any:
                         multiplier=2.0, timeout=s.retry_deadline, on_error=on_error)
 
 
+def is_transient(exc: BaseException) -> bool:
+    """True for failures that may go away by themselves: the bucket did not answer
+    (timeouts, connection errors, retries given up) or answered 408/429/5xx.
+
+    False for definite answers and local problems: not found, access denied,
+    a checksum mismatch, a cancel, an ``OSError`` of a local file.
+    """
+    from google.api_core import exceptions as gexc
+    from google.cloud.storage.retry import DEFAULT_RETRY
+
+    if isinstance(exc, gexc.RetryError | BucketTimeout):
+        return True
+    if isinstance(exc, GcsError):
+        return False
+    predicate = getattr(DEFAULT_RETRY, "_predicate", None)
+    try:
+        if predicate is not None and predicate(exc):
+            return True
+    except Exception:  # a predicate that cannot judge this exception
+        return False
+    return isinstance(exc, ConnectionError | TimeoutError)
+
+
+# ---------------------------------------------------------------------- deadlines, monitor
+
+_deadline = threading.local()
+
+#: HTTP statuses that mean "try again" rather than an answer about the bucket
+_RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+def _thread_deadline() -> float | None:
+    """The calling thread's deadline (``time.monotonic()`` seconds), if any."""
+    return getattr(_deadline, "until", None)
+
+
+@contextlib.contextmanager
+def _deadline_scope(until: float) -> Iterator[None]:
+    """Cap every HTTP request this thread sends inside the block at ``until``
+    (``time.monotonic()`` seconds)."""
+    prev = _thread_deadline()
+    _deadline.until = until
+    try:
+        yield
+    finally:
+        _deadline.until = prev
+
+
+def _cap_timeout(timeout: Any, left: float) -> Any:
+    """``timeout`` (seconds, (connect, read) or None) with no part longer than ``left``."""
+    if isinstance(timeout, tuple):
+        return tuple(left if t is None else min(float(t), left) for t in timeout)
+    if timeout is None:
+        return left
+    return min(float(timeout), left)
+
+
+class BucketMonitor:
+    """Watches every HTTP request of one storage client (thread-safe).
+
+    Installed on the client's session by :func:`monitor_of`: caps each
+    request's timeout at the calling thread's deadline (raising
+    :class:`BucketTimeout` if it has already passed) and records requests in
+    flight, the last answer and data progress.
+
+    Attributes:
+        last_answer: ``time.monotonic()`` of the last response that was an
+            answer about the bucket (any status but 408/429/5xx), 0.0 if none.
+        last_activity: ``time.monotonic()`` of the last response of any kind
+            or the last data bytes moved.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inflight: dict[int, float] = {}
+        self._next = 0
+        self.last_answer = 0.0
+        self.last_activity = time.monotonic()
+
+    def cap(self, timeout: Any) -> Any:
+        """The timeout to send with a request from this thread.
+
+        Raises:
+            BucketTimeout: the thread's deadline has passed.
+        """
+        until = _thread_deadline()
+        if until is None:
+            return timeout
+        left = until - time.monotonic()
+        if left <= 0:
+            raise BucketTimeout("bucket unreachable: no answer within the request's deadline")
+        return _cap_timeout(timeout, left)
+
+    def begin(self) -> int:
+        """A request goes out; returns its token for :meth:`end`."""
+        with self._lock:
+            self._next += 1
+            self._inflight[self._next] = time.monotonic()
+            return self._next
+
+    def end(self, token: int, status: int | None) -> None:
+        """The request ``token`` finished with HTTP ``status`` (None: no response)."""
+        now = time.monotonic()
+        with self._lock:
+            self._inflight.pop(token, None)
+            if status is not None:
+                self.last_activity = now
+                if status not in _RETRY_STATUSES:
+                    self.last_answer = now
+
+    def progress(self) -> None:
+        """Data bytes moved (an upload read the next piece, a download wrote one)."""
+        self.last_activity = time.monotonic()
+
+    def in_flight(self) -> int:
+        """Requests sent and not answered yet."""
+        with self._lock:
+            return len(self._inflight)
+
+    def stalled_for(self, now: float | None = None) -> float:
+        """Seconds requests have been waiting without any answer or data progress
+        (0.0 when nothing is in flight)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if not self._inflight:
+                return 0.0
+            oldest = min(self._inflight.values())
+        return max(0.0, now - max(oldest, self.last_activity))
+
+
+def monitor_of(client: Any) -> BucketMonitor | None:
+    """The :class:`BucketMonitor` of ``client``'s HTTP session, installed on first use
+    (None if the session cannot be wrapped; then deadlines rely on the per-call
+    ``timeout=`` and ``retry=`` only)."""
+    try:
+        session = client._http  # google-cloud-core's AuthorizedSession (private attribute)
+    except Exception:
+        log.debug("no HTTP session to monitor", exc_info=True)
+        return None
+    mon = getattr(session, "_tierfs_monitor", None)
+    if isinstance(mon, BucketMonitor):
+        return mon
+    original = getattr(session, "request", None)
+    if original is None:
+        return None
+    mon = BucketMonitor()
+
+    def request(method: Any, url: Any, *args: Any, **kwargs: Any) -> Any:
+        if "timeout" in kwargs:
+            kwargs["timeout"] = mon.cap(kwargs["timeout"])
+        else:
+            mon.cap(None)  # raises once the deadline has passed
+        token = mon.begin()
+        status = None
+        try:
+            resp = original(method, url, *args, **kwargs)
+            status = getattr(resp, "status_code", None)
+            return resp
+        finally:
+            mon.end(token, status)
+
+    try:
+        session.request = request
+        session._tierfs_monitor = mon
+    except Exception:
+        log.debug("could not wrap the HTTP session", exc_info=True)
+        return None
+    return mon
+
+
 def crc_b64(crc: int) -> str:
     """crc32c as GCS spells it: base64 of the big-endian 4 bytes."""
     return base64.b64encode((crc & 0xFFFFFFFF).to_bytes(4, "big")).decode("ascii")
@@ -210,7 +394,8 @@ def describe_error(exc: BaseException) -> str:
         cause = exc.cause
         return (f"bucket unreachable: gave up retrying "
                 f"({describe_error(cause) if cause else text})")
-    if isinstance(exc, ConnectionError | TimeoutError) or "Connection" in name:
+    if (isinstance(exc, ConnectionError | TimeoutError) or "Connection" in name
+            or "Timeout" in name) and not isinstance(exc, GcsError):
         return f"bucket unreachable ({name}: {text[:160]})"
     if isinstance(exc, gexc.NotFound):
         return f"not found: {text[:200]}"
@@ -240,13 +425,24 @@ class _Abort:
 
 
 class _Reader:
-    """A file proxy for uploads: counts new bytes, stops on cancel."""
+    """A file proxy for uploads: counts new bytes, stops on cancel, tells the
+    monitor each piece read (the bucket took the previous one).
+
+    Args:
+        window: for a resumable upload (one request per chunk, each retried
+            on its own): at each read, the thread's request deadline becomes
+            ``window`` seconds from now, so every chunk gets a full retry
+            deadline and no more.
+    """
 
     def __init__(self, f: Any, cancel: _Abort | None,
-                 on_bytes: Callable[[int], None] | None) -> None:
+                 on_bytes: Callable[[int], None] | None,
+                 monitor: BucketMonitor | None = None, window: float | None = None) -> None:
         self._f = f
         self._cancel = cancel
         self._on_bytes = on_bytes
+        self._monitor = monitor
+        self._window = window
         self._high = 0
 
     def read(self, n: int = -1) -> bytes:
@@ -254,6 +450,10 @@ class _Reader:
             raise Cancelled("upload cancelled")
         data = self._f.read(n)
         pos = self._f.tell()
+        if self._window is not None:
+            _deadline.until = time.monotonic() + self._window
+        if self._monitor is not None:
+            self._monitor.progress()
         if pos > self._high:
             if self._on_bytes is not None:
                 self._on_bytes(pos - self._high)
@@ -271,12 +471,14 @@ class _Writer:
     """A file proxy for downloads: crc32c and size of what was written, stops on cancel."""
 
     def __init__(self, f: Any, cancel: _Abort | None,
-                 on_bytes: Callable[[int], None] | None) -> None:
+                 on_bytes: Callable[[int], None] | None,
+                 monitor: BucketMonitor | None = None) -> None:
         import google_crc32c
 
         self._f = f
         self._cancel = cancel
         self._on_bytes = on_bytes
+        self._monitor = monitor
         self._extend = google_crc32c.extend
         self.crc = 0
         self.size = 0
@@ -287,6 +489,8 @@ class _Writer:
         n = self._f.write(data)
         self.crc = self._extend(self.crc, bytes(data))
         self.size += len(data)
+        if self._monitor is not None:
+            self._monitor.progress()
         if self._on_bytes is not None:
             self._on_bytes(len(data))
         return n
@@ -574,7 +778,14 @@ class GcsBackend:
         on_retry: called (any thread) with each retryable failure before its retry.
         widen_pool: size the client's HTTP connection pool for ``settings.threads``.
 
-    Thread-safe: one backend may be used by several threads at once.
+    Attributes:
+        monitor: the client's :class:`BucketMonitor` (shared by every backend on
+            the same client), or None if the client's session could not be wrapped.
+
+    Every request, its retries included, ends within ``settings.retry_deadline``
+    seconds: each HTTP attempt's timeout is capped at the time left (a
+    resumable upload gets that much per chunk). Thread-safe: one backend may
+    be used by several threads at once.
     """
 
     def __init__(self, spec: BucketSpec | str, client: Any = None,
@@ -586,10 +797,13 @@ class GcsBackend:
         self.client = client if client is not None else make_client()
         if widen_pool:
             _widen_pool(self.client, self.settings.threads)
+        self.monitor = monitor_of(self.client)
         self.bucket = self.client.bucket(self.spec.bucket)
         self.on_retry = on_retry
         self.retry = _make_retry(self.settings, self._retrying)
-        self.timeout = (self.settings.connect_timeout, self.settings.read_timeout)
+        s = self.settings
+        self.timeout = (min(s.connect_timeout, s.retry_deadline),
+                        min(s.read_timeout, s.retry_deadline))
 
     def _retrying(self, exc: Exception) -> None:
         log.info("GCS request failed, retrying: %s", describe_error(exc))
@@ -600,24 +814,42 @@ class GcsBackend:
                 log.debug("on_retry hook failed", exc_info=True)
 
     def bounded(self, deadline: float) -> GcsBackend:
-        """A backend on the same client whose requests give up after ``deadline`` seconds."""
+        """A backend on the same client whose every request, retries and waiting for
+        an answer included, ends within ``deadline`` seconds (or the settings'
+        retry deadline if shorter). A bucket that does not answer (connections
+        accepted, nothing read) then makes the first request of a call raise
+        ``RetryError`` or :class:`BucketTimeout` after ``deadline`` seconds, so a
+        lookup that stops at its first failure is bounded by it, not by the
+        read timeout. Non-blocking (the client is shared).
+        """
         import dataclasses
 
-        s = dataclasses.replace(self.settings,
-                                retry_deadline=min(deadline, self.settings.retry_deadline),
+        d = max(0.1, min(deadline, self.settings.retry_deadline))
+        s = dataclasses.replace(self.settings, retry_deadline=d,
                                 retry_initial=min(self.settings.retry_initial, 0.25),
-                                retry_max=min(self.settings.retry_max, max(0.5, deadline / 4)))
+                                retry_max=min(self.settings.retry_max, max(0.5, d / 4)))
         return GcsBackend(self.spec, client=self.client, settings=s, on_retry=self.on_retry,
                           widen_pool=False)
+
+    @contextlib.contextmanager
+    def _request(self) -> Iterator[dict[str, Any]]:
+        """``retry=`` and ``timeout=`` for one library call; inside the block every HTTP
+        request of this thread is capped at ``settings.retry_deadline`` from now
+        (:class:`BucketMonitor`; a resumable upload's reader moves that deadline
+        at each chunk).
+        """
+        with _deadline_scope(time.monotonic() + self.settings.retry_deadline):
+            yield {"retry": self.retry, "timeout": self.timeout}
 
     def bucket_exists(self) -> bool:
         """True if the bucket exists (blocking; retried like every request).
 
         Raises:
             google.api_core exceptions after retries (bucket unreachable,
-            permission denied).
+            permission denied); BucketTimeout (a bounded backend's deadline).
         """
-        return bool(self.bucket.exists(retry=self.retry, timeout=self.timeout))
+        with self._request() as kw:
+            return bool(self.bucket.exists(**kw))
 
     # ------------------------------------------------------------------ small objects
 
@@ -625,8 +857,8 @@ class GcsBackend:
         from google.api_core import exceptions as gexc
 
         try:
-            return self.bucket.blob(name).download_as_bytes(retry=self.retry,
-                                                             timeout=self.timeout)
+            with self._request() as kw:
+                return self.bucket.blob(name).download_as_bytes(**kw)
         except gexc.NotFound:
             return None
 
@@ -636,8 +868,8 @@ class GcsBackend:
         blob = self.bucket.blob(name)
         crc = google_crc32c.value(data)
         blob.crc32c = crc_b64(crc)
-        blob.upload_from_string(data, content_type=content_type, checksum=None,
-                                retry=self.retry, timeout=self.timeout)
+        with self._request() as kw:
+            blob.upload_from_string(data, content_type=content_type, checksum=None, **kw)
         if blob.crc32c is not None and crc_from_b64(blob.crc32c) != crc:
             raise ChecksumMismatch(f"{name}: GCS stored a different crc32c")
 
@@ -645,15 +877,16 @@ class GcsBackend:
         from google.api_core import exceptions as gexc
 
         try:
-            self.bucket.blob(name).delete(retry=self.retry, timeout=self.timeout)
+            with self._request() as kw:
+                self.bucket.blob(name).delete(**kw)
         except gexc.NotFound:
             return False
         return True
 
     def _list(self, prefix: str, delimiter: str | None = None) -> tuple[list[Any], set[str]]:
-        it = self.client.list_blobs(self.bucket, prefix=prefix, delimiter=delimiter,
-                                    retry=self.retry, timeout=self.timeout)
-        blobs = list(it)
+        with self._request() as kw:
+            it = self.client.list_blobs(self.bucket, prefix=prefix, delimiter=delimiter, **kw)
+            blobs = list(it)
         return blobs, set(it.prefixes)
 
     # ------------------------------------------------------------------ restore.version
@@ -882,7 +1115,6 @@ class GcsBackend:
             apply_job_nodes([info], self.job_nodes(job))
         return info
 
-
     def choose_restore(self, job: str, nodes: int) -> RestoreChoice:
         """The backup every node of ``job`` restores when no step is complete in-cluster.
 
@@ -952,9 +1184,11 @@ class GcsBackend:
             kwargs: dict[str, Any] = {}
             if resumable:
                 kwargs["crc32c_checksum_value"] = want
-            blob.upload_from_file(_Reader(f, cancel, on_bytes), size=size, checksum=None,
-                                  content_type="application/octet-stream",
-                                  retry=self.retry, timeout=self.timeout, **kwargs)
+            window = self.settings.retry_deadline if resumable else None
+            with self._request() as kw:
+                blob.upload_from_file(_Reader(f, cancel, on_bytes, self.monitor, window),
+                                      size=size, checksum=None,
+                                      content_type="application/octet-stream", **kw, **kwargs)
         got = crc_from_b64(blob.crc32c)
         if (got is not None and got != crc) or (blob.size is not None and blob.size != size):
             # an emulator may not enforce the crc32c we sent: check what it stored
@@ -1121,9 +1355,9 @@ class GcsBackend:
             name = prefix + objects[f.path]
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "wb", buffering=1 << 20) as out:
-                w = _Writer(out, abort, on_bytes)
-                self.bucket.blob(name).download_to_file(w, checksum=None, retry=self.retry,
-                                                        timeout=self.timeout)
+                w = _Writer(out, abort, on_bytes, self.monitor)
+                with self._request() as kw:
+                    self.bucket.blob(name).download_to_file(w, checksum=None, **kw)
             if w.size != f.size or w.crc != f.crc32c:
                 raise ChecksumMismatch(
                     f"{objects[f.path]} in round {round_name}: got {w.size} bytes crc32c "

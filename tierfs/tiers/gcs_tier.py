@@ -23,7 +23,16 @@ Pieces:
 
   The uploading shard is pinned against retention; a withdrawn shard's
   upload is cancelled. Failures become a line in ``replicator.errors`` and
-  the tier's status; training never waits.
+  the tier's status; training never waits. An upload that failed because the
+  bucket did not answer is tried again (backoff, or at once when the bucket
+  answers) while its round still wants it.
+* The bucket's health: the check at mount is bounded by
+  :data:`START_DEADLINE` (only "does not exist" fails the mount); a bucket
+  problem is reported while it lasts -- requests waiting without an answer
+  for :data:`STALL_SECONDS`, or the last failed request -- and cleared by the
+  next answer (:meth:`GcsTier.bucket_problem`, fed by the backend's
+  :class:`tierfs.tiers.gcs.BucketMonitor`); meanwhile the tier checks the
+  bucket itself in the background.
 * Restores. With a coordinator, :meth:`GcsTier.coordinator_override` reads
   ``restore.version`` once per restore round (the named round for every
   node, through the same decision and barrier; missing or incomplete:
@@ -67,6 +76,7 @@ from tierfs.tiers.gcs import (
     GcsError,
     GcsSettings,
     describe_error,
+    is_transient,
 )
 from tierfs.tiers.local import Shard, ShardKey
 
@@ -95,11 +105,27 @@ FALLBACK_DEADLINE = _env("TIERFS_GCS_FALLBACK_DEADLINE", 30.0)
 RESTORE_LOOKUP_DEADLINE = _env("TIERFS_GCS_LOOKUP_DEADLINE", 20.0)
 #: retry deadline of one rendezvous read or write (the caller polls again)
 RENDEZVOUS_DEADLINE = _env("TIERFS_GCS_RENDEZVOUS_DEADLINE", 10.0)
+#: deadline of the bucket check at mount (only a definite "does not exist" fails the mount)
+START_DEADLINE = _env("TIERFS_GCS_START_DEADLINE", 5.0)
+#: requests waiting this many seconds without any answer make the status say
+#: "slow or stalled"
+STALL_SECONDS = _env("TIERFS_GCS_STALL_SECONDS", 20.0)
+#: first and longest pause (s) before a failed upload (bucket unreachable) is tried
+#: again, and between checks of a bucket that had a problem; an answer from the
+#: bucket ends the pause at once
+RETRY_FIRST = _env("TIERFS_GCS_UPLOAD_RETRY_FIRST", 2.0)
+RETRY_MAX = _env("TIERFS_GCS_UPLOAD_RETRY_MAX", 30.0)
 
 
 @dataclass
 class _Upload:
-    """An upload of this node's part of a round (trio thread owns it)."""
+    """An upload of this node's part of a round (trio thread owns it).
+
+    Attributes:
+        attempt: 1 for the first try, +1 for each retry after the bucket failed.
+        waiting_until: Unix time of the next attempt while the upload waits
+            for the bucket (the shard is not pinned then), else None.
+    """
 
     round: str
     step: int
@@ -107,6 +133,8 @@ class _Upload:
     cancel: threading.Event
     started: float
     done: int = 0
+    attempt: int = 1
+    waiting_until: float | None = None
 
     def add(self, n: int) -> None:  # any thread; a lost increment only skews the status
         self.done += n
@@ -140,7 +168,15 @@ class GcsTier:
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=10)
         self.backed_up: dict[int, str] = {}
         self.last_error: str | None = None
+        #: the current bucket problem (set by a failed request, cleared by an answer)
         self.retrying: str | None = None
+        self._retrying_at = 0.0
+        #: False while the bucket check at mount could not get an answer
+        self.bucket_checked = True
+        self._missing_reported = False
+        self._stall_logged = False
+        #: the round the coordinator last ordered this node into (multi-node)
+        self._order: tuple[str, int] | None = None
         self.note: str | None = None
         self.forced: tuple[str, str, int, float] | None = None
         self.cluster_last: S.RoundView | None = None
@@ -177,7 +213,42 @@ class GcsTier:
         return getattr(peer, "coordinator", None) if peer is not None else None
 
     def _on_retry(self, exc: Exception) -> None:
-        self.retrying = f"{describe_error(exc)} (retrying, at {time.strftime('%H:%M:%S')})"
+        self._problem(describe_error(exc))
+
+    def _problem(self, text: str) -> None:
+        """Note a current bucket problem (any thread); an answer clears it."""
+        self._retrying_at = time.monotonic()
+        self.retrying = f"{text} (retrying, at {time.strftime('%H:%M:%S')})"
+
+    def _monitor(self) -> Any:
+        backend = self.backend
+        return backend.monitor if backend is not None else None
+
+    def _answered_since(self, when: float) -> bool:
+        """The bucket answered a request after ``time.monotonic()`` time ``when``."""
+        mon = self._monitor()
+        return mon is not None and mon.last_answer > when
+
+    def stalled(self) -> float:
+        """Seconds requests have waited for the bucket without any answer, if at
+        least :data:`STALL_SECONDS`; else 0.0."""
+        mon = self._monitor()
+        waited = mon.stalled_for() if mon is not None else 0.0
+        return waited if waited >= STALL_SECONDS else 0.0
+
+    def bucket_problem(self) -> str | None:
+        """The bucket's current problem as one line, or None: requests waiting
+        without an answer (slow or stalled), else the last failure not followed
+        by an answer (any thread)."""
+        if self.retrying is not None and self._answered_since(self._retrying_at):
+            self.retrying = None
+        waited = self.stalled()
+        if waited:
+            mon = self._monitor()
+            n = mon.in_flight() if mon is not None else 0
+            return (f"bucket slow or stalled: no answer for {waited:.0f} s "
+                    f"({n} request(s) waiting)")
+        return self.retrying
 
     def get_backend(self) -> GcsBackend:
         """The backend, created on first use (blocking: credential discovery)."""
@@ -206,6 +277,7 @@ class GcsTier:
 
     def _ok(self) -> None:
         self.retrying = None
+        self.bucket_checked = True
 
     def _fail(self, message: str) -> None:
         """A line in ``replicator.errors`` and the status (trio thread)."""
@@ -256,27 +328,78 @@ class GcsTier:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._loop)
+                nursery.start_soon(self._watch_bucket)
                 task_status.started()
         finally:
             for up in self._uploads.values():
                 up.cancel.set()
 
     async def _check_bucket(self) -> None:
-        """Fail the mount for a bucket that does not exist; only warn if it is unreachable.
+        """Fail the mount for a bucket that does not exist; a bucket that does not
+        answer within :data:`START_DEADLINE` seconds is reported (status,
+        ``replicator.errors``) and checked again in the background.
 
         Raises:
             GcsError: the bucket does not exist (a typo would otherwise show up
                 only as a stream of failed rounds).
         """
         assert self.spec is not None
-        try:
-            exists = await trio.to_thread.run_sync(
-                lambda: self.bounded(RENDEZVOUS_DEADLINE).bucket_exists())
-        except Exception as exc:  # unreachable now: training must not wait for it
-            self._fail(f"bucket unreachable at start ({describe_error(exc)})")
+        exists = None
+        problem = "no answer"
+        # the thread is abandoned if even the capped request outlives the deadline
+        # (name resolution, for one, has no socket timeout)
+        with trio.move_on_after(START_DEADLINE + 1.0):
+            try:
+                exists = await trio.to_thread.run_sync(
+                    lambda: self.bounded(START_DEADLINE).bucket_exists(),
+                    abandon_on_cancel=True)
+            except Exception as exc:  # unreachable now: training must not wait for it
+                problem = describe_error(exc)
+        if exists is None:
+            self.bucket_checked = False
+            self._problem(f"bucket unreachable at start ({problem})")
+            self._fail(f"bucket unreachable at start ({problem}); mounted anyway, "
+                       "checking it again in the background")
             return
         if not exists:
             raise GcsError(f"bucket {self.spec.bucket!r} does not exist")
+
+    async def _watch_bucket(self) -> None:
+        """While the bucket has a problem (or the check at mount got no answer):
+        check it again, every :data:`RETRY_FIRST` s doubling up to
+        :data:`RETRY_MAX` s, so the problem clears as soon as it answers even
+        when nothing else calls it. A bucket that turns out not to exist is
+        reported once."""
+        delay = RETRY_FIRST
+        while True:
+            if self.bucket_checked and self.bucket_problem() is None:
+                delay = RETRY_FIRST
+                await trio.sleep(TICK)
+                continue
+            since = time.monotonic()
+            with trio.move_on_after(delay):
+                while not self._answered_since(since):
+                    await trio.sleep(min(TICK, 0.5))
+            try:
+                exists = await self.call(lambda: self.bounded(START_DEADLINE).bucket_exists())
+            except Exception as exc:
+                if not self._answered_since(since):
+                    self._problem(describe_error(exc))
+                delay = min(delay * 2, RETRY_MAX)
+                continue
+            if not exists:
+                if not self._missing_reported:
+                    self._missing_reported = True
+                    self._fail(f"bucket {self.spec.bucket!r} does not exist; backups "
+                               "fail until it is created")
+                self._problem(f"bucket {self.spec.bucket!r} does not exist")
+                delay = RETRY_MAX
+                continue
+            if not self.bucket_checked or self.retrying is not None:
+                log.info("GCS tier: bucket %s answers again", self.spec)
+            self._missing_reported = False
+            self._ok()
+            delay = RETRY_FIRST
 
     async def _locked(self, fn: Any) -> Any:
         """``fn(coordinator)`` under the coordinator's lock, waited for in a worker thread
@@ -310,8 +433,9 @@ class GcsTier:
             up.cancel.set()
 
     def pinned(self) -> set[ShardKey]:
-        """Shards being uploaded, and (multi-node) the synced step a round may order next."""
-        keep = set(self._uploads)
+        """Shards being uploaded (not those waiting to try again), and (multi-node) the
+        synced step a round may order next."""
+        keep = {k for k, u in self._uploads.items() if u.waiting_until is None}
         job = self.agent.job
         if self.enabled and job is not None and job.nodes > 1:
             step = self.synced_step(job)
@@ -329,7 +453,8 @@ class GcsTier:
         job = self.agent.job
         multi = job is not None and self.multi(job)
         uploads = [{"round": u.round, "step": u.step, "bytes_done": u.done,
-                    "bytes_total": u.total, "seconds": round(time.time() - u.started, 1)}
+                    "bytes_total": u.total, "seconds": round(time.time() - u.started, 1),
+                    "attempt": u.attempt, "waiting_until": u.waiting_until}
                    for u in self._uploads.values()]
         if multi and self.cluster_last is not None:
             c = self.cluster_last
@@ -340,13 +465,20 @@ class GcsTier:
         if uploads:
             u = uploads[0]
             pct = 100 * u["bytes_done"] / u["bytes_total"] if u["bytes_total"] else 100
-            parts.append(f"uploading step {u['step']} to {u['round']} ({pct:.0f}%)")
+            if u["waiting_until"] is not None:
+                at = time.strftime("%H:%M:%S", time.localtime(u["waiting_until"]))
+                parts.append(f"step {u['step']} of {u['round']} waits for the bucket "
+                             f"(attempt {u['attempt'] + 1} at {at} or when it answers)")
+            else:
+                again = f", attempt {u['attempt']}" if u["attempt"] > 1 else ""
+                parts.append(f"uploading step {u['step']} to {u['round']} ({pct:.0f}%{again})")
         if last is not None:
             parts.append(f"last round {last['round']} step {last['step']}: {last['state']}")
         else:
             parts.append("no round yet")
-        if self.retrying:
-            parts.append(f"bucket problem: {self.retrying}")
+        problem = self.bucket_problem()
+        if problem:
+            parts.append(f"bucket problem: {problem}")
         elif self.last_error:
             parts.append(f"last error: {self.last_error}")
         if self.note:
@@ -371,7 +503,9 @@ class GcsTier:
             "last_step": last["step"] if last else None,
             "last_state": last["state"] if last else None, "uploads": uploads,
             "rounds": list(self.history), "last_error": self.last_error,
-            "retrying": self.retrying, "note": self.note,
+            "retrying": self.retrying, "problem": problem,
+            "stalled_seconds": round(self.stalled(), 1),
+            "bucket_checked": self.bucket_checked, "note": self.note,
             "restore_version_pending": list(self.forced) if self.forced else None,
             "steps": [{"step": s, "where": [f"gcs:{r}"]} for s, r in
                       sorted(self.backed_up.items(), reverse=True)],
@@ -395,6 +529,13 @@ class GcsTier:
     async def _tick(self) -> None:
         while self._pending_errors:
             self.agent.report_error(self._pending_errors.popleft())
+        waited = self.stalled()
+        if waited and not self._stall_logged:
+            self._stall_logged = True
+            log.warning("GCS tier: %s", self.bucket_problem())
+        elif not waited and self._stall_logged:
+            self._stall_logged = False
+            log.info("GCS tier: the bucket answers again")
         job = self.agent.job
         if job is None or self.agent.mode == "none":
             return
@@ -524,6 +665,7 @@ class GcsTier:
         """The coordinator's reply (trio thread): start uploading ``order`` once; note
         the newest round's state for the status."""
         self.cluster_last = last
+        self._order = order
         if last is not None and last.state != S.RUNNING:
             entry = self._history(last.round)
             if entry is not None:
@@ -546,48 +688,120 @@ class GcsTier:
         if self._nursery is not None:
             self._nursery.start_soon(self._upload, job, rnd, step)
 
+    def _still_wanted(self, job: JobSpec, rnd: str, step: int, up: _Upload) -> str | None:
+        """Why a failed upload of ``step`` to ``rnd`` should not be tried again (None:
+        try again): cancelled, another job, the round is over, too old."""
+        if up.cancel.is_set():
+            return "the step was written to after it was sealed"
+        cur = self.agent.job
+        if cur is None or (cur.name, cur.nodes, cur.node_rank) != \
+                (job.name, job.nodes, job.node_rank):
+            return "the job changed"
+        if job.nodes > 1:
+            if self.multi(job) and self._order != (rnd, step):
+                return "the coordinator no longer orders the round"
+        elif self.state.active != rnd:
+            return "the round is no longer running"
+        if time.time() - up.started > ROUND_TIMEOUT:
+            return f"the round is older than {ROUND_TIMEOUT:.0f} s"
+        return None
+
     async def _upload(self, job: JobSpec, rnd: str, step: int) -> None:
+        """Upload this node's part of round ``rnd``; while the bucket fails
+        (:func:`tierfs.tiers.gcs.is_transient`) try again -- after
+        :data:`RETRY_FIRST` s doubling up to :data:`RETRY_MAX` s, or as soon as
+        the bucket answers -- as long as the round still wants it
+        (:meth:`_still_wanted`) and the step is still held. The outcome goes
+        to the coordinator (multi-node) or the schedule (one node) once."""
         key = ShardKey(job.name, job.node_rank, step)
-        shard = self.agent.catalog.get(key)
         entry = self._history(rnd)
-        t0 = time.time()
-        if shard is None:
-            msg = f"backup round {rnd}: step {step} is no longer held on this node"
-            self._fail(msg)
-            self._finish(job, rnd, step, S.FAILED, msg, 0, 0.0, entry)
-            return
-        up = _Upload(rnd, step, shard.bytes, threading.Event(), t0)
-        self._uploads[key] = up
+        up = _Upload(rnd, step, 0, threading.Event(), time.time())
+        delay = RETRY_FIRST
         try:
-            async with self._upload_limiter:
-                backend = await self.call(self.get_backend)
-                result = await trio.to_thread.run_sync(functools.partial(
-                    backend.upload_shard, shard, rnd, nodes=job.nodes,
-                    data_parallelism=job.assume_data_parallelism, cancel=up.cancel,
-                    on_bytes=up.add), abandon_on_cancel=True)
-        except Cancelled:
-            msg = (f"backup of step {step} to round {rnd} stopped: the step was written to "
-                   "after it was sealed")
-            self._fail(msg)
-            self._finish(job, rnd, step, S.FAILED, msg, up.done, time.time() - t0, entry)
-        except Exception as exc:
-            msg = f"backup of step {step} to round {rnd} failed: {describe_error(exc)}"
-            self._fail(msg)
-            self._finish(job, rnd, step, S.FAILED, msg, up.done, time.time() - t0, entry)
-        else:
-            self._ok()
-            self.backed_up[step] = rnd
-            for old in sorted(self.backed_up)[:-8]:
-                del self.backed_up[old]
-            log.info("backup round %s: step %d uploaded (%d objects, %d bytes, %d skipped, "
-                     "%.1f s)", rnd, step, result.objects, result.bytes, result.skipped,
-                     result.seconds)
-            self._finish(job, rnd, step, S.DONE, "", result.bytes, result.seconds, entry)
+            while True:
+                shard = self.agent.catalog.get(key)
+                if shard is None:
+                    msg = f"backup round {rnd}: step {step} is no longer held on this node"
+                    self._fail(msg)
+                    self._finish(job, rnd, step, S.FAILED, msg, up.done,
+                                 time.time() - up.started, entry)
+                    return
+                up.total, up.done, up.waiting_until = shard.bytes, 0, None
+                self._uploads[key] = up
+                try:
+                    async with self._upload_limiter:
+                        backend = await self.call(self.get_backend)
+                        result = await trio.to_thread.run_sync(functools.partial(
+                            backend.upload_shard, shard, rnd, nodes=job.nodes,
+                            data_parallelism=job.assume_data_parallelism, cancel=up.cancel,
+                            on_bytes=up.add), abandon_on_cancel=True)
+                except Cancelled:
+                    msg = (f"backup of step {step} to round {rnd} stopped: the step was "
+                           "written to after it was sealed")
+                    self._fail(msg)
+                    self._finish(job, rnd, step, S.FAILED, msg, up.done,
+                                 time.time() - up.started, entry)
+                    return
+                except Exception as exc:
+                    msg = f"backup of step {step} to round {rnd} failed: {describe_error(exc)}"
+                    why = self._still_wanted(job, rnd, step, up) if is_transient(exc) else \
+                        "not a bucket outage"
+                    if why is not None:
+                        if up.attempt > 1:
+                            msg += f" (attempt {up.attempt}; not tried again: {why})"
+                        self._fail(msg)
+                        self._finish(job, rnd, step, S.FAILED, msg, up.done,
+                                     time.time() - up.started, entry)
+                        return
+                    msg += f"; trying again within {delay:.0f} s or when the bucket answers"
+                    if up.attempt == 1:
+                        self._fail(msg)  # one line in replicator.errors per round
+                    else:
+                        self.last_error = f"{time.strftime('%H:%M:%S')} {msg}"
+                        log.info("%s (attempt %d)", msg, up.attempt)
+                    if not self.bucket_problem():
+                        self._problem(describe_error(exc))
+                    if not await self._pause(job, rnd, step, up, delay):
+                        why = self._still_wanted(job, rnd, step, up) or "stopped"
+                        msg = (f"backup of step {step} to round {rnd} given up after "
+                               f"{up.attempt} attempt(s): {why}")
+                        self._fail(msg)
+                        self._finish(job, rnd, step, S.FAILED, msg, up.done,
+                                     time.time() - up.started, entry)
+                        return
+                    up.attempt += 1
+                    delay = min(delay * 2, RETRY_MAX)
+                    continue
+                self._ok()
+                self.backed_up[step] = rnd
+                for old in sorted(self.backed_up)[:-8]:
+                    del self.backed_up[old]
+                log.info("backup round %s: step %d uploaded (%d objects, %d bytes, %d skipped, "
+                         "%.1f s, attempt %d)", rnd, step, result.objects, result.bytes,
+                         result.skipped, result.seconds, up.attempt)
+                self._finish(job, rnd, step, S.DONE, "", result.bytes,
+                             time.time() - up.started, entry)
+                return
         finally:
             up.cancel.set()
             if self._uploads.get(key) is up:
                 del self._uploads[key]
             self._poke.set()
+
+    async def _pause(self, job: JobSpec, rnd: str, step: int, up: _Upload,
+                     delay: float) -> bool:
+        """Wait up to ``delay`` seconds before the next attempt, unpinned; end early
+        when the bucket answers or the shard leaves the catalog (the caller then
+        reports it). False if the upload is no longer wanted."""
+        since = time.monotonic()
+        up.waiting_until = time.time() + delay
+        key = ShardKey(job.name, job.node_rank, step)
+        with trio.move_on_after(delay):
+            while not self._answered_since(since) and key in self.agent.catalog:
+                if self._still_wanted(job, rnd, step, up) is not None:
+                    return False
+                await trio.sleep(min(TICK, 0.5))
+        return self._still_wanted(job, rnd, step, up) is None
 
     def _finish(self, job: JobSpec, rnd: str, step: int, state: str, error: str,
                 nbytes: int, seconds: float, entry: dict[str, Any] | None) -> None:
