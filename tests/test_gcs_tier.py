@@ -305,3 +305,19 @@ def test_stalled_upload_is_reported_and_tried_again_when_the_bucket_answers(
     g = GcsBackend(fake_gcs.bucket, settings=GcsSettings.from_env())
     assert (g.choose_restore("job", 1).round, g.choose_restore("job", 1).step) == (rnd, 2)
 
+
+def test_preflight_bucket(fake_gcs):
+    """For tierfs mount (cli.py), to refuse a bucket that does not exist before the
+    ram-dir is created; an unreachable bucket never stops a mount."""
+    from tierfs.tiers.gcs_tier import preflight_bucket
+
+    assert preflight_bucket(f"{fake_gcs.bucket}/pre") is None
+    assert preflight_bucket("nosuchbucket") == "bucket 'nosuchbucket' does not exist"
+    assert "--bucket" in (preflight_bucket("b//x") or "")
+    fake_gcs.freeze()
+    try:
+        t0 = time.monotonic()
+        assert preflight_bucket(fake_gcs.bucket, deadline=1.5) is None
+        assert time.monotonic() - t0 < 4
+    finally:
+        fake_gcs.thaw()

@@ -1137,6 +1137,37 @@ class BucketRendezvous:
 # ---------------------------------------------------------------------- wiring
 
 
+def preflight_bucket(bucket: str, deadline: float | None = None) -> str | None:
+    """Check ``--bucket NAME[/PREFIX]`` before a mount creates anything (blocking).
+
+    For ``tierfs mount``, so that a bucket the daemon would refuse fails the
+    command before the ram-dir is created. The daemon checks again at start
+    (:meth:`GcsTier._check_bucket`), with the same rule.
+
+    Args:
+        deadline: seconds the check may wait for the bucket (default
+            :data:`START_DEADLINE`).
+
+    Returns:
+        a one-line error for an invalid name or a bucket that definitely does
+        not exist; None if it exists or did not answer in time (an
+        unreachable bucket never stops a mount).
+    """
+    try:
+        spec = L.parse_bucket(bucket)
+    except L.LayoutError as exc:
+        return f"--bucket: {exc}"
+    try:
+        backend = GcsBackend(spec, widen_pool=False).bounded(
+            START_DEADLINE if deadline is None else deadline)
+        exists = backend.bucket_exists()
+    except Exception as exc:  # unreachable, credentials: the daemon reports it
+        log.info("bucket check before mounting: %s", describe_error(exc))
+        return None
+    return None if exists else f"bucket {spec.bucket!r} does not exist"
+
+
+
 def attach_gcs(agent: NodeAgent) -> GcsTier:
     """Give ``agent`` its GCS tier (off without ``--bucket``) and wrap its cluster.
 
