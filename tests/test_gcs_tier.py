@@ -4,8 +4,10 @@ test_gcs_cluster.py."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 from conftest import tierfs
@@ -219,12 +221,14 @@ def test_one_node_backs_up_a_requested_step_at_once(make_mount, fake_gcs):
 def test_a_bucket_that_does_not_exist_fails_the_mount(make_mount, fake_gcs):
     """Regression: --bucket nosuchbucket mounted fine, then appended one line per
     second to replicator.errors."""
+    ram_dir = Path(f"/dev/shm/tierfs-test-nobucket-{os.getpid()}")
     with pytest.raises(AssertionError, match="bucket 'nosuchbucket' does not exist"):
         make_mount("--bucket", "nosuchbucket", "--job", "solo", "--backup-interval-steps", "1",
-                   name="nobucket")
-    # and the failed start leaves no (dead) mount behind
+                   name="nobucket", ram_dir=ram_dir)
+    # and the failed start leaves no (dead) mount and no ram-dir behind
     with open("/proc/self/mountinfo") as f:
         assert not any("/nobucket " in line for line in f)
+    assert not ram_dir.exists()
 
 
 # ---------------------------------------------------------------------- a hanging bucket

@@ -164,6 +164,18 @@ def check_size(ram_dir: str, size: int | None) -> None:
               f"ram-dir already holds: writes fail with ENOSPC until steps are deleted")
 
 
+def check_bucket(bucket: str | None) -> None:
+    """Refuse an invalid ``--bucket`` or one that does not exist before anything is
+    created (a bucket that does not answer in time is the daemon's to report)."""
+    if not bucket:
+        return
+    from tierfs.tiers.gcs_tier import preflight_bucket
+
+    problem = preflight_bucket(bucket)
+    if problem:
+        _fail(problem)
+
+
 def check_ram_dir(path: str) -> None:
     """Create the ram-dir if needed, refuse one in use, warn if it is not tmpfs."""
     from tierfs.fs.ramstore import RamStore
@@ -320,6 +332,7 @@ def mount(**opts: Any) -> None:
         check_overlap(config.mountpoint, config.ram_dir)
         nonempty = any("nonempty" in o.split(",") for o in config.mount_options)
         check_mountpoint(config.mountpoint, nonempty)
+        check_bucket(config.bucket)
         check_ram_dir(config.ram_dir)
         check_size(config.ram_dir, config.size)
     if opts["foreground"] or ready_fd is not None:
