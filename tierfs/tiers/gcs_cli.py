@@ -121,7 +121,7 @@ def list_cmd(bucket: str, job: str, nodes: int | None, as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(markup=False)  # bucket object names and errors are not markup
     if not rounds:
         console.print(f"no backup rounds under {backend.spec}{job}/", highlight=False,
                       soft_wrap=True)
@@ -178,7 +178,7 @@ def show_cmd(round_name: str, bucket: str, job: str, nodes: int | None,
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(markup=False)  # bucket object names and errors are not markup
     state = (f"complete (step {info.complete_step})" if info.complete else "INCOMPLETE")
     console.print(f"round {info.name} of {job} in {backend.spec}: {state}; "
                   f"{len(info.objects)} objects, {format_size(info.total_bytes)}"
