@@ -206,8 +206,14 @@ def test_step_renamed_into_place_before_a_kill_is_sealed_after_restart(make_moun
     os.rename(d / "tmp-checkpoint-901", d / "checkpoint-901")
     # the open writer holds the seal back; the daemon records it as pending
     state = m.ram_dir / "store" / "state.json"
-    wait_for(lambda: "checkpoint-901" in json.loads(state.read_text()).get("pending", {}),
-             10, "pending seal saved")
+
+    def saved_pending() -> bool:
+        try:
+            return "checkpoint-901" in json.loads(state.read_text()).get("pending", {})
+        except FileNotFoundError:  # not saved yet
+            return False
+
+    wait_for(saved_pending, 10, "pending seal saved")
     m.kill9()
     try:
         f.close()
