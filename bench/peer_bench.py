@@ -182,17 +182,29 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def busy_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU time of the whole machine so far, from /proc/stat, in ticks."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
 def quiesce(pids: list[int], timeout: float = 30.0) -> None:
-    """Wait until the daemons use under 5 % of a CPU over half a second.
+    """Wait until the daemons use under 5 % of a CPU and the machine under 10 % of
+    its CPUs, over half a second.
 
     Each timed trainer run starts from the same quiet machine, not while a
-    daemon still commits the previous step or drops an old one.
+    daemon still commits the previous step or drops an old one, nor while the
+    kernel still returns freed memory (page reporting runs in kernel workers).
     """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         before = sum(cpu_seconds(p) for p in pids)
+        b0, t0 = busy_jiffies()
         time.sleep(0.5)
-        if sum(cpu_seconds(p) for p in pids) - before < 0.025:
+        b1, t1 = busy_jiffies()
+        if (sum(cpu_seconds(p) for p in pids) - before < 0.025
+                and (b1 - b0) <= 0.1 * max(1, t1 - t0)):
             return
 
 
