@@ -129,6 +129,20 @@ def test_mountpoint_inside_the_ram_dir_is_refused(tmp_path, ram_dir):
     one_line_error(proc, "must not be inside --ram-dir")
 
 
+def test_ram_dir_inside_another_mounts_ram_dir_is_refused(make_mount, tmp_path):
+    """Regression: --ram-dir <other ram-dir>/view mounted, and the second daemon's
+    store/ and view/ appeared in the first mount's tree."""
+    m = make_mount()
+    for inner in (m.ram_dir / "view", m.ram_dir / "store" / "x"):
+        (tmp_path / "mnt2").mkdir(exist_ok=True)
+        proc = tierfs("mount", str(tmp_path / "mnt2"), "--ram-dir", str(inner), check=False,
+                      timeout=20)
+        one_line_error(proc, f"must not be inside the ram-dir {m.ram_dir} of another "
+                             "tierfs mount")
+        assert not is_mounted(tmp_path / "mnt2")
+    assert sorted(os.listdir(m.path)) == [".tierfs"]
+
+
 def test_size_beyond_the_filesystem_is_a_warning(make_mount):
     m = make_mount("--size", "100TiB")
     assert "warning: --size 100.0 TiB is more than" in m.mount_stderr

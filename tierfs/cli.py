@@ -143,6 +143,22 @@ def check_overlap(mountpoint: str, ram_dir: str) -> None:
         _fail(f"--ram-dir {ram_dir} must not be the mountpoint or inside it")
     if _inside(mountpoint, ram_dir):
         _fail(f"mountpoint {mountpoint} must not be inside --ram-dir {ram_dir}")
+    other = _enclosing_ram_dir(ram_dir)
+    if other is not None:
+        _fail(f"--ram-dir {ram_dir} must not be inside the ram-dir {other} of another "
+              "tierfs mount")
+
+
+def _enclosing_ram_dir(ram_dir: str) -> str | None:
+    """A tierfs ram-dir (``store/daemon.pid`` next to ``view/``) above ``ram_dir``."""
+    path = os.path.realpath(ram_dir)
+    parent = os.path.dirname(path)
+    while parent != path:
+        path, parent = parent, os.path.dirname(parent)
+        if (os.path.isfile(os.path.join(path, "store", "daemon.pid"))
+                and os.path.isdir(os.path.join(path, "view"))):
+            return path
+    return None
 
 
 def check_size(ram_dir: str, size: int | None) -> None:
