@@ -157,6 +157,8 @@ def test_yaml_that_is_not_a_regular_file_is_refused(mount, tmp_path):
     wait_for(lambda: not os.path.lexists(d / "replicator.yaml"), 10, "symlink deleted")
     failed = (d / "replicator.failed").read_text()
     assert "replicator.yaml is a symbolic link" in failed
+    # the line is about the refused file, not the job that runs ("job=job node=0")
+    assert " tierfs: replicator.yaml is a symbolic link" in failed and "job=" not in failed
     assert "19000" not in failed and "19000" not in json.dumps(status(d))
     assert status(d)["job"]["name"] == "job"  # the job is untouched
     # a FIFO: refused at once, and a good yaml afterwards is consumed

@@ -325,9 +325,13 @@ class NodeAgent:
         except OSError as exc:
             log.error("cannot write replicator.errors: %s", exc)
 
-    def report_failure(self, message: str) -> None:
-        """Append one line to ``replicator.failed`` (and ``.errors``, as MTC does)."""
-        job = self.job
+    def report_failure(self, message: str, *, job_context: bool = True) -> None:
+        """Append one line to ``replicator.failed`` (and ``.errors``, as MTC does).
+
+        ``job_context=False`` for a ``replicator.yaml`` that was refused: the line
+        must not name the job that was running before it.
+        """
+        job = self.job if job_context else None
         line = control.error_line(message, job=job.name if job else None,
                                   rank=job.node_rank if job else None)
         log.error("%s", message)
@@ -833,12 +837,12 @@ class NodeAgent:
             except OSError as exc:
                 await trio.to_thread.run_sync(self.view.clear_error_files)
                 self.report_failure(f"replicator.yaml could not be read: "
-                                    f"{exc.strerror or exc}")
+                                    f"{exc.strerror or exc}", job_context=False)
                 await trio.to_thread.run_sync(self.view.delete_control)
                 return
             except ControlError as exc:
                 await trio.to_thread.run_sync(self.view.clear_error_files)
-                self.report_failure(str(exc))
+                self.report_failure(str(exc), job_context=False)
                 await trio.to_thread.run_sync(self.view.delete_control)
                 return
             if job is None:
