@@ -161,7 +161,8 @@ def test_deep_nesting_and_aliases_are_invalid_yaml():
         control.parse_replicator_yaml(base + "a: &a [1]\nb: *a\n", env={})
 
 
-@pytest.mark.parametrize("name", ["a\nb", "a\tb", "x\x7f", "a/b", ".."])
+@pytest.mark.parametrize("name", ["a\nb", "a\tb", "x\x7f", "a/b", "..", "run\u202eexe",
+                                  "a\u2028b"])
 def test_job_names_with_control_characters_are_refused(name):
     """Regression: a newline in job-name went into marker names and split error lines."""
     text = yaml.safe_dump({"job-name": name, "framework": "orbax", "node-rank": 0, "nodes": 1})

@@ -140,3 +140,18 @@ def test_retention_by_seal_time_keeps_the_steps_written_after_a_rollback():
     # by step number (the old rule) the job's new steps would have been dropped
     assert retention(keys, 2, set()) == [ShardKey("j", 0, 20), ShardKey("j", 0, 30),
                                          ShardKey("j", 0, 40)]
+
+
+def test_a_step_must_not_link_into_a_sibling_step():
+    """Regression: checkpoint-6/sub/link -> ../../checkpoint-1/data.bin was sealed."""
+    from tierfs.manifest import check_self_contained
+
+    def link(path: str, target: str) -> FileEntry:
+        return FileEntry(path=path, kind="symlink", mode=0o777, size=0, target=target)
+
+    step = [FileEntry(path="checkpoint-6", kind="dir", mode=0o755, size=0),
+            FileEntry(path="checkpoint-6/sub", kind="dir", mode=0o755, size=0)]
+    check_self_contained([*step, link("checkpoint-6/sub/ok", "../data.bin")])
+    for target in ("../../checkpoint-1/data.bin", "../..", "../../checkpoint-6x/a"):
+        with pytest.raises(ManifestError, match="leaves the step"):
+            check_self_contained([*step, link("checkpoint-6/sub/bad", target)])

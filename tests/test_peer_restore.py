@@ -18,6 +18,9 @@ def test_four_nodes_survive_the_loss_of_one(make_mount, lost):
         steps = {s["step"]: s for s in c.status(i)["steps"]}
         assert steps[5]["state"] == "replicated"
         assert steps[5]["where"] == ["local", f"peer:{i ^ 1}"]
+        # regression: a step pinned while replicating outlived --keep-local 2 for good
+        wait_until(lambda i=i: sorted(s["step"] for s in c.status(i)["steps"]) == [4, 5],
+                   10, f"node {i} to keep only steps 4 and 5")
     c.lose(lost)
     if lost == 0:
         # regression: the survivors showed the dead coordinator as live for 40-75 s

@@ -175,6 +175,20 @@ def test_yaml_that_is_not_a_regular_file_is_refused(mount, tmp_path):
     assert status(d)["job"]["name"] == "job2" and status(d)["mode"] == "protocol"
 
 
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "dir"])
+def test_yaml_made_in_place_as_a_non_regular_file_is_refused(mount, tmp_path, kind):
+    """Regression: a symlink, FIFO or directory created directly under the name (not
+    renamed into place) was never consumed; every later client waited for it."""
+    d = mount.path
+    target = tmp_path / "t.yaml"
+    target.write_text(orbax_yaml("job", 0, 1))
+    {"symlink": lambda p: os.symlink(target, p), "fifo": os.mkfifo,
+     "dir": os.mkdir}[kind](d / "replicator.yaml")
+    wait_for(lambda: not os.path.lexists(d / "replicator.yaml"), 10, "refused and deleted")
+    assert "write a regular file" in (d / "replicator.failed").read_text()
+    assert orbax_initialize(d, orbax_yaml("job", 0, 1)) is None
+
+
 def test_job_name_too_long_for_a_marker_is_refused(mount):
     d = mount.path
     (d / "replicator.yaml.tmp").write_text(orbax_yaml("j" * 215, 0, 1))
@@ -241,6 +255,20 @@ def test_step_with_an_escaping_symlink_is_not_sealed(mount):
     mount.mount()
     assert (d / "checkpoint-7" / "w").read_bytes() == b"d"  # the client's data is intact
     assert os.readlink(d / "checkpoint-7" / "abs") == "/etc/hostname"
+    # a relative link into a sibling step leaves the step too
+    os.makedirs(d / "tmp-checkpoint-8" / "sub")
+    (d / "tmp-checkpoint-8" / "w").write_bytes(b"e")
+    os.symlink("../../checkpoint-7/w", d / "tmp-checkpoint-8" / "sub" / "link")
+    os.rename(d / "tmp-checkpoint-8", d / "checkpoint-8")
+    wait_for(lambda: any("step 8 (checkpoint-8) not sealed" in e and "leaves the step" in e
+                         for e in status(d)["errors"]), 10, "error line for step 8")
+    assert 8 not in step_states(d)
+    # a link inside the step is fine
+    os.makedirs(d / "tmp-checkpoint-9" / "sub")
+    (d / "tmp-checkpoint-9" / "w").write_bytes(b"f")
+    os.symlink("../w", d / "tmp-checkpoint-9" / "sub" / "link")
+    os.rename(d / "tmp-checkpoint-9", d / "checkpoint-9")
+    wait_sealed(d, 9)
 
 
 def test_a_step_sealed_again_after_a_write_keeps_its_place_in_retention(make_mount):

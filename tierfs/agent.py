@@ -571,6 +571,9 @@ class NodeAgent:
             await trio.to_thread.run_sync(self.store.empty_trash, 0.0 if short else TRASH_GRACE)
             for name in list(self.pending):
                 self._schedule_seal(self.pending[name])
+            # a step another tier pinned (replicating, uploading) past --keep-local
+            # goes once the pin is released
+            await self._apply_retention()
 
     async def _reconcile(self) -> None:
         """Seal complete steps that are in the view but not sealed (daemon restart)."""
@@ -661,6 +664,17 @@ class NodeAgent:
         self._retry_pending(_top(ev.path))
 
     async def _on_changed(self, ev: Changed) -> None:
+        if ev.path == control.REPLICATOR_YAML:
+            # a regular file is read when renamed into place or closed; a symlink,
+            # FIFO or directory made under that name is refused at once (no client
+            # could ever write another yaml while it stays)
+            try:
+                st = os.lstat(os.path.join(self.store.view, ev.path))
+            except OSError:
+                return
+            if not stat.S_ISREG(st.st_mode):
+                self._start_control()
+            return
         top = _top(ev.path)
         if ev.path == top and not self.view.exists(top):
             self.view_steps.pop(top, None)

@@ -15,6 +15,7 @@ import re
 import stat
 import string
 import time
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -263,7 +264,7 @@ def parse_replicator_yaml(text: str, env: dict[str, str] | None = None) -> JobSp
             raise ControlError(f"replicator.yaml is missing required key {key!r}")
     name = str(data["job-name"]).strip()
     if (not name or "/" in name or name in (".", "..")
-            or any(ord(c) < 0x20 or ord(c) == 0x7F for c in name)):
+            or any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in name)):
         raise ControlError(f"job-name {data['job-name']!r} is not a valid name")
     if len(name.encode()) > MAX_JOB_NAME:
         raise ControlError(f"job-name is {len(name.encode())} bytes long; the limit is "

@@ -173,6 +173,28 @@ def check_entries(files: Iterable[FileEntry]) -> None:
                 raise ManifestError(f"symlink {f.path!r} escapes the shard ({target!r})")
 
 
+def check_self_contained(files: Iterable[FileEntry]) -> None:
+    """Refuse a symlink that resolves outside the shard's own top-level entries.
+
+    :func:`check_entries` keeps links inside the shard's root; at seal time a
+    step must also not link into a *sibling* step (``checkpoint-6/x ->
+    ../checkpoint-1/y``): wherever the step is restored, that target may be
+    missing or hold other bytes.
+
+    Raises:
+        ManifestError: naming the first such link.
+    """
+    files = list(files)
+    tops = {f.path.split("/", 1)[0] for f in files}
+    for f in files:
+        if f.kind != "symlink":
+            continue
+        target = f.target or ""
+        resolved = posixpath.normpath(posixpath.join(posixpath.dirname(f.path), target))
+        if resolved.split("/", 1)[0] not in tops:
+            raise ManifestError(f"symlink {f.path!r} leaves the step ({target!r})")
+
+
 def crc32c_file(path: str | int, buf: bytearray | None = None,
                 cancelled: Callable[[], bool] | None = None) -> tuple[int, int]:
     """crc32c and size of a file (path or open descriptor), streaming 4 MiB at a time.

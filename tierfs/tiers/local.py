@@ -31,6 +31,7 @@ from tierfs.manifest import (
     Manifest,
     ManifestError,
     check_entries,
+    check_self_contained,
     scan_tree,
     verify_tree,
 )
@@ -181,8 +182,9 @@ class ShardStore:
 
         Raises:
             SealBusy: a file is still open for writing.
-            ManifestError: the step holds a symlink that leaves it (absolute, or
-                ``..`` past its top): no other node could restore it safely.
+            ManifestError: the step holds a symlink that leaves it (absolute,
+                ``..`` past its top, or into another step): no other node could
+                restore it safely.
             OSError: an entry vanished or changed meanwhile.
         """
         entries = tuple(entries)
@@ -201,6 +203,7 @@ class ShardStore:
                         raise SealBusy(f"{key}: a file is still open for writing")
             files = scan_tree(data, entries, cache=cache, cancelled=cancelled)
             check_entries(files)  # what a peer or a restart would refuse is never sealed
+            check_self_contained(files)
             backup = any(f.path.rsplit("/", 1)[-1] == "_BACKUP_REQUESTED" for f in files)
             manifest = Manifest(job=key.job, rank=key.rank, step=key.step, name=name,
                                 framework=framework, files=tuple(files),
