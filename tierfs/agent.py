@@ -818,6 +818,10 @@ class NodeAgent:
         is hidden after a grace period: a client that deletes old steps itself
         (an Orbax preservation policy) does so first and never finds a step
         vanishing under its rmtree.
+
+        A restore pins the step it fetched (the peer tier) from the moment it is
+        in the catalog: until the abandoned newer steps are dropped, it is the
+        oldest and would go first.
         """
         drop = retention(self.catalog, self.config.keep_local, self.pinned(), age=self.age)
         for key in drop:

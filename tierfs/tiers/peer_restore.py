@@ -107,18 +107,29 @@ class PeerCluster:
                 if view is None:
                     break  # rejoin
                 plan, bad = await self._fetch(agent, job, view)
-                self._phase(agent, "waiting for the other nodes' data", round=number,
-                            step=plan.step if plan else None)
-                state = await self._barrier(agent, job, restore_id, number, view.version,
-                                            "ready", plan is not None, bad)
+                # pinned from now on: retention must not drop the fetched step while
+                # the abandoned newer ones (which it ranks above it) are still held
+                held = plan.shard.key if plan is not None and plan.shard is not None else None
+                if held is not None:
+                    tier._pin(held, +1)
+                try:
+                    self._phase(agent, "waiting for the other nodes' data", round=number,
+                                step=plan.step if plan else None)
+                    state = await self._barrier(agent, job, restore_id, number, view.version,
+                                                "ready", plan is not None, bad)
+                except BaseException:
+                    if held is not None:
+                        tier._pin(held, -1)
+                    raise
                 if state == "passed" and plan is not None:
                     self._current = _Round(restore_id, number, view.version)
-                    if plan.shard is not None:
-                        tier._pin(plan.shard.key, +1)
+                    if held is not None:
                         plan.detail["pinned"] = True
                     plan.detail.update(round=number, reason=view.reason,
                                        forced=view.restore_version or None)
                     return plan
+                if held is not None:
+                    tier._pin(held, -1)
                 if state == "rejoin":
                     break
                 # replan (a copy was bad somewhere): ask again
