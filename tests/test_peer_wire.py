@@ -288,3 +288,22 @@ def test_hand_decoder_agrees_with_protobuf_or_defers_to_it():
     deserialize = peer_wire.chunk_deserializer(pb2.PushMessage)
     assert peer_wire.kind_of(deserialize(raws[1])) == "header"
     assert deserialize(raws[0]) == peer_wire.Chunk("p", -3, b"ab", 7)
+
+
+@pytest.mark.slow
+def test_a_node_the_coordinator_refuses_fails_fast(make_mount, monkeypatch):
+    """Regression: a wrong peer token (or another job-name or node count) made the
+    restore wait the whole --join-timeout (10 min by default) before failing."""
+    monkeypatch.setenv("TIERFS_REFUSAL_GRACE", "2")
+    c = Cluster(make_mount, 2, join_timeout=600,
+                node_args=lambda i: ["--peer-token", "wrong"] if i == 1 else [])
+    root = c.root(1)
+    start = time.monotonic()
+    (root / "replicator.yaml.tmp").write_text(
+        "job-name: job\nframework: orbax\nnode-rank: 1\nnodes: 2\npeers-per-node: 1")
+    os.replace(root / "replicator.yaml.tmp", root / "replicator.yaml")
+    wait_until(lambda: (root / "replicator.failed").exists(), 30, "replicator.failed")
+    assert time.monotonic() - start < 30
+    failed = (root / "replicator.failed").read_text()
+    assert "refused this node" in failed and "refused the peer token" in failed
+    assert "the coordinator refuses this node" in (root / "replicator.errors").read_text()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Callable
@@ -36,6 +37,22 @@ if TYPE_CHECKING:
     from tierfs.tiers.peer import PeerTier
 
 log = logging.getLogger(__name__)
+
+#: seconds a coordinator may refuse this node's join for good (wrong peer token,
+#: another job-name or node count, rank out of range) before the restore fails
+REFUSAL_GRACE = float(os.environ.get("TIERFS_REFUSAL_GRACE", "30"))
+
+
+def _refused_for_good(exc: grpc.RpcError) -> bool:
+    """A join refusal that retrying cannot cure: a wrong token or a configuration that
+    disagrees with the coordinator's. Not "node-rank N is taken" (the previous
+    incarnation's heartbeat runs out within seconds)."""
+    code = rpc_code(exc)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return True
+    detail = rpc_reason(exc)
+    return code == grpc.StatusCode.FAILED_PRECONDITION and (
+        "mismatch" in detail or "out of range" in detail)
 
 
 class RestoreTimeout(Exception):
@@ -139,11 +156,13 @@ class PeerCluster:
         start = trio.current_time()
         delay = 0.2
         last = ""
+        refused_since: float | None = None
         while True:
             coord = await tier.find_coordinator(job)
             if coord is None:
                 last = f"the coordinator was not found ({tier.rendezvous_note})"
                 self._phase(agent, f"looking for the coordinator: {tier.rendezvous_note}")
+                refused_since = None
             else:
                 fields = tier.join_fields(job)
                 try:
@@ -160,6 +179,19 @@ class PeerCluster:
                     last = f"at {coord}: {last}"
                     tier.coordinator_lost()
                     self._phase(agent, f"joining the coordinator {last}")
+                    if _refused_for_good(exc):
+                        now = trio.current_time()
+                        if refused_since is None:
+                            refused_since = now
+                            agent.report_error(f"restore: the coordinator refuses this node "
+                                               f"{last}")
+                        elif now - refused_since > REFUSAL_GRACE:
+                            # a configuration error: the job fails now, not after the
+                            # join timeout (minutes), unless it is fixed meanwhile
+                            raise RestoreTimeout(f"the coordinator refused this node for "
+                                                 f"{REFUSAL_GRACE:.0f} s {last}") from None
+                    else:
+                        refused_since = None
             if trio.current_time() - start > tier.join_timeout:
                 agent.report_error(f"restore: could not join the coordinator within "
                                    f"{tier.join_timeout:.0f} s: {last}")
