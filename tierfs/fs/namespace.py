@@ -730,24 +730,20 @@ class Namespace:
         snapshot, so deleting them from the view frees nothing) and no handle
         is open; else when its last handle is closed.
         """
-        parent = self._dir(parent_id)
-        self._check_mutable(parent, name)
-        dirfd = self.fd_of(parent)
-        removed = self._before_remove(dirfd, name)
-        try:
-            os.unlink(name, dir_fd=dirfd)
-        finally:
-            self._after_remove(removed)
-        self._changed(parent, name)
+        self._remove(parent_id, name, os.unlink)
 
     def rmdir(self, parent_id: int, name: bytes) -> None:
         """rmdir(2): ENOTEMPTY for a non-empty directory."""
+        self._remove(parent_id, name, os.rmdir)
+
+    def _remove(self, parent_id: int, name: bytes, remove: Callable[..., None]) -> None:
+        """``remove(name, dir_fd=...)`` (os.unlink or os.rmdir) with the budget told."""
         parent = self._dir(parent_id)
         self._check_mutable(parent, name)
         dirfd = self.fd_of(parent)
         removed = self._before_remove(dirfd, name)
         try:
-            os.rmdir(name, dir_fd=dirfd)
+            remove(name, dir_fd=dirfd)
         finally:
             self._after_remove(removed)
         self._changed(parent, name)

@@ -199,6 +199,25 @@ class PeerCluster:
             await trio.sleep(delay)
             delay = min(delay * 2, 2.0)
 
+    async def _unreachable(self, agent: NodeAgent, job: JobSpec, coord: str,
+                           exc: grpc.RpcError, start: float, limit: float) -> bool:
+        """After a failed Decide/Barrier call to ``coord``: True if the coordinator
+        moved (the caller joins it again); else wait 0.5 s for the next try.
+
+        Raises:
+            RestoreTimeout: ``coord`` has been unreachable for ``limit`` seconds
+                since ``start`` (``trio.current_time()``); one line in
+                ``replicator.errors``.
+        """
+        self._phase(agent, f"coordinator unreachable: {rpc_reason(exc)}")
+        if await self._moved(job, coord):
+            return True
+        if trio.current_time() - start > limit:
+            agent.report_error(f"restore: coordinator {coord} unreachable for {limit:.0f} s")
+            raise RestoreTimeout(rpc_reason(exc)) from None
+        await trio.sleep(0.5)
+        return False
+
     async def _moved(self, job: JobSpec, address: str) -> bool:
         """After a failed call to ``address``: did the coordinator move (bucket rendezvous)?"""
         tier = self.tier
@@ -217,14 +236,8 @@ class PeerCluster:
                 view = await tier.call(tier.client.decide, coord, job.name, job.node_rank,
                                        restore_id)
             except grpc.RpcError as exc:
-                self._phase(agent, f"coordinator unreachable: {rpc_reason(exc)}")
-                if await self._moved(job, coord):
+                if await self._unreachable(agent, job, coord, exc, start, tier.join_timeout):
                     return None  # the coordinator restarted elsewhere: join it
-                if trio.current_time() - start > tier.join_timeout:
-                    agent.report_error(f"restore: coordinator {coord} "
-                                       f"unreachable for {tier.join_timeout:.0f} s")
-                    raise RestoreTimeout(rpc_reason(exc)) from None
-                await trio.sleep(0.5)
                 continue
             if view.state == pb.REJOIN:
                 return None
@@ -303,14 +316,8 @@ class PeerCluster:
                     tier.client.barrier, coord, bad, job=job.name, rank=job.node_rank,
                     restore_id=restore_id, round=number, version=version, phase=phase, ok=ok))
             except grpc.RpcError as exc:
-                self._phase(agent, f"coordinator unreachable: {rpc_reason(exc)}")
-                if await self._moved(job, coord):
+                if await self._unreachable(agent, job, coord, exc, start, limit):
                     return "rejoin"  # the coordinator restarted elsewhere
-                if trio.current_time() - start > limit:
-                    agent.report_error(f"restore: coordinator {coord} "
-                                       f"unreachable for {limit:.0f} s")
-                    raise RestoreTimeout(rpc_reason(exc)) from None
-                await trio.sleep(0.5)
                 continue
             if reply.state == pb.PASSED:
                 return "passed"
