@@ -342,8 +342,11 @@ def book_coord(nodes=2, steps=1, minutes=None, seed=True, **kw):
     return c, clock
 
 
-def sync(c, rank, step, inv=(), backup=None, inc=None, nodes=None):
-    return c.sync("job", rank, inc or f"inc{rank}", step, inv, backup)
+def sync(c, rank, step, inv=None, backup=None, inc=None, nodes=None, dp=None):
+    """A Sync of ``rank`` reporting ``step``; by default it holds its steps 1..step."""
+    if inv is None:
+        inv = [H(rank, s) for s in range(1, step + 1)]
+    return c.sync("job", rank, inc or f"inc{rank}", step, inv, backup, dp)
 
 
 def test_a_completed_sync_round_orders_a_backup_round_to_every_node():
@@ -369,22 +372,42 @@ def test_never_two_rounds_at_once_and_a_skip_is_reported_once():
     sync(c, 0, 1)
     rnd, _ = sync(c, 1, 1).backup_order
     sync(c, 0, 2)
-    s = sync(c, 1, 2)  # step 2 is due while the round of step 1 runs
+    s = sync(c, 1, 2)  # step 2 is due while the round of step 1 runs: it waits
     assert s.backup_order == (rnd, 1)
+    assert c.backups.drain() == []
+    # step 3 becomes due while that round still runs: step 2 is skipped for good
+    sync(c, 0, 3)
+    sync(c, 1, 3)
     events = c.backups.drain()
     assert len(events) == 1 and "backup of step 2 skipped" in events[0] and rnd in events[0]
-    sync(c, 0, 2)
-    sync(c, 1, 2)
+    assert "the newer step 3 became due" in events[0]
+    sync(c, 0, 3)
+    sync(c, 1, 3)
     assert c.backups.drain() == []  # once
     # a failure makes the round incomplete, reported once; the next step gets a round
-    sync(c, 0, 2, backup=Outcome(rnd, 1, DONE))
-    sync(c, 1, 2, backup=Outcome(rnd, 1, FAILED, "bucket unreachable: 503"))
+    sync(c, 0, 3, backup=Outcome(rnd, 1, DONE))
+    sync(c, 1, 3, backup=Outcome(rnd, 1, FAILED, "bucket unreachable: 503"))
     events = c.backups.drain()
     assert len(events) == 1 and "incomplete" in events[0] and "node-rank [1]" not in events[0]
     assert "node-rank(s) [1] failed (node-rank 1: bucket unreachable: 503)" in events[0]
-    # step 2, skipped while that round ran, is still the newest: its round starts now
-    nxt = sync(c, 0, 2).backup_order
-    assert nxt is not None and nxt[1] == 2 and nxt[0] > rnd
+    # step 3, which waited while that round ran, is the newest: its round starts now
+    nxt = sync(c, 0, 3).backup_order
+    assert nxt is not None and nxt[1] == 3 and nxt[0] > rnd
+    assert c.backups.drain() == []  # step 3 was not skipped
+
+
+def test_a_step_due_while_a_round_runs_is_backed_up_next_without_a_skip_line():
+    """issue 19 case 2: steps sealed back to back with backup-interval-steps 1 wrote
+    "backup of step 2 skipped" although step 2 got its round right after."""
+    c, _ = book_coord()
+    sync(c, 0, 1)
+    rnd, _ = sync(c, 1, 1).backup_order
+    sync(c, 0, 2)
+    sync(c, 1, 2, backup=Outcome(rnd, 1, DONE))
+    sync(c, 0, 2, backup=Outcome(rnd, 1, DONE))
+    nxt = sync(c, 1, 2).backup_order
+    assert nxt is not None and nxt[1] == 2
+    assert c.backups.drain() == []
 
 
 def test_stale_outcomes_are_ignored_and_a_restarted_node_fails_its_part():

@@ -159,20 +159,26 @@ def test_partial_rounds_are_reported_and_never_chosen(fake_gcs, tmp_path):
     assert g.choose_restore("job", 3).round is None
 
 
-def test_data_parallelism_only_last_row_uploads(fake_gcs, tmp_path):
+def test_data_parallelism_dedups_only_what_the_bucket_proves(fake_gcs, tmp_path):
     g = backend(fake_gcs)
     # 4 nodes, D=2: columns {0,2} and {1,3} hold identical data; ranks 2,3 upload
     content = {0: orbax_files(20), 1: orbax_files(21)}
     shards = {r: make_shard(tmp_path / f"n{r}", "job", r, 5, content[r % 2]) for r in range(4)}
-    results = {r: g.upload_shard(shards[r], R1, nodes=4, data_parallelism=2)
-               for r in (0, 1)}
-    assert not results[0].data_uploaded and results[0].bytes == 0
-    # the uploading row has not run yet: rows 0/1 point at nothing
+    results = {}
+    # rows 0/1 start first and wait for the uploaders' objects (threads, as on nodes)
+    waiting = {r: threading.Thread(target=lambda r=r: results.__setitem__(
+        r, g.upload_shard(shards[r], R1, nodes=4, data_parallelism=2, dedup=True,
+                          dedup_wait=60))) for r in (0, 1)}
+    for t in waiting.values():
+        t.start()
     info = g.inspect_round("job", R1, nodes=4)
-    assert not info.complete
+    assert not info.complete and info.ranks_present() == []  # no pointer before the data
     for r in (2, 3):
         results[r] = g.upload_shard(shards[r], R1, nodes=4, data_parallelism=2)
         assert results[r].data_uploaded
+    for t in waiting.values():
+        t.join(60)
+    assert not results[0].data_uploaded and results[0].bytes == 0 and not results[0].note
     assert results[0].hashes == results[2].hashes != results[1].hashes
     info = g.inspect_round("job", R1, nodes=4)
     assert info.complete_step == 5
@@ -180,6 +186,101 @@ def test_data_parallelism_only_last_row_uploads(fake_gcs, tmp_path):
     restored = restore_into(g, tmp_path / "new0", "job", R1, 0, 5)
     assert restored.key.rank == 0
     assert tree_of(Path(restored.data)) == tree_of(Path(shards[0].data))
+
+
+def test_data_parallel_ranks_whose_bytes_differ_upload_their_own(fake_gcs, tmp_path):
+    """Exact input of issue 19 case 1 at the backend: 2 nodes, D=2, the nodes'
+    step directories differ (an array sharded across them). Before: node 0 uploaded
+    nothing and wrote a .meta naming D...data that never existed."""
+    g = backend(fake_gcs)
+    shards = {r: make_shard(tmp_path / f"n{r}", "job", r, 3, orbax_files(30 + r))
+              for r in range(2)}
+    # the coordinator saw the digests differ: no dedup for node 0
+    res0 = g.upload_shard(shards[0], R1, nodes=2, data_parallelism=2)
+    assert res0.data_uploaded and res0.bytes == shards[0].bytes
+    res1 = g.upload_shard(shards[1], R1, nodes=2, data_parallelism=2)
+    assert res0.hashes != res1.hashes
+    info = g.inspect_round("job", R1, nodes=2)
+    assert info.complete_step == 3
+    assert info.parts[(0, 3)].backup.uploader == 0
+    for r in range(2):
+        restored = restore_into(g, tmp_path / f"new{r}", "job", R1, r, 3)
+        assert tree_of(Path(restored.data)) == tree_of(Path(shards[r].data))
+
+
+def test_a_dedup_the_bucket_never_proves_uploads_its_own_data(fake_gcs, tmp_path):
+    """A claim of identical data (dedup) that the bucket does not back up within
+    the wait: the node uploads its own data; its pointer never names a missing
+    object. Here the bytes differ (a digest collision would look like this), and
+    the uploader never comes."""
+    g = backend(fake_gcs)
+    shard = make_shard(tmp_path / "n0", "job", 0, 3, orbax_files(40))
+    t0 = time.monotonic()
+    res = g.upload_shard(shard, R1, nodes=2, data_parallelism=2, dedup=True, dedup_wait=1.0)
+    assert time.monotonic() - t0 < 30
+    assert res.data_uploaded and res.bytes == shard.bytes
+    assert "node-rank 1's data for step 3 was not in round" in res.note
+    info = g.inspect_round("job", R1, nodes=2)
+    assert info.parts[(0, 3)].complete and info.ranks_complete(3) == [0]
+    # a cancel ends the wait at once
+    cancel = threading.Event()
+    cancel.set()
+    other = make_shard(tmp_path / "n2", "job", 0, 4, orbax_files(41))
+    with pytest.raises(Cancelled):
+        g.upload_shard(other, R2, nodes=2, data_parallelism=2, dedup=True, cancel=cancel)
+    assert g.inspect_round("job", R2, nodes=2).ranks_present() == []
+
+
+def test_judging_reads_one_listing_and_the_manifests(fake_gcs, tmp_path, monkeypatch):
+    """One listing per round; the .meta pointers are judged from the listing (size and
+    crc32c of the hash the manifest names), not read one by one."""
+    g = backend(fake_gcs)
+    for r in range(3):
+        g.upload_shard(make_shard(tmp_path / f"n{r}", "job", r, 5, {"5/x": b"%d" % r}), R1,
+                       nodes=3)
+    calls = {"list": 0, "get": []}
+    real_list, real_get = g._list, g._get_bytes
+    monkeypatch.setattr(g, "_list", lambda *a, **k: (calls.__setitem__(
+        "list", calls["list"] + 1), real_list(*a, **k))[1])
+    monkeypatch.setattr(g, "_get_bytes", lambda name: (calls["get"].append(name),
+                                                       real_get(name))[1])
+    assert g.inspect_round("job", R1).complete_step == 5
+    assert calls["list"] == 1
+    assert sorted(n.rsplit("/", 1)[1] for n in calls["get"]) == [
+        f"job-s5-n{r}.tierfs.json" for r in range(3)]
+    # a pointer that does not hold the manifest's hash is read and reported
+    fake_gcs.client().bucket(fake_gcs.bucket).blob(f"job/{R1}/job-s5-n1-w0.meta") \
+        .upload_from_string("D" + "0" * 64)
+    info = g.inspect_round("job", R1)
+    assert info.complete_step is None
+    assert any(".meta for worker 0 names D000" in p for p in info.problems())
+
+
+def test_tidy_round_removes_a_failed_round_and_a_moved_rounds_older_parts(fake_gcs, tmp_path):
+    g = backend(fake_gcs)
+    names = lambda rnd: sorted(b.name for b in fake_gcs.client().list_blobs(  # noqa: E731
+        fake_gcs.bucket, prefix=f"job/{rnd}/"))
+    s = {(r, st): make_shard(tmp_path / f"n{r}s{st}", "job", r, st, {f"{st}/x": b"%d%d" % (r, st)})
+         for r in range(2) for st in (1, 3)}
+    # a failed round: only node 1's part of step 1
+    g.upload_shard(s[(1, 1)], R1, nodes=2)
+    # a moved round: node 1's part of step 1, then both nodes' parts of step 3
+    for key in ((1, 1), (0, 3), (1, 3)):
+        g.upload_shard(s[key], R2, nodes=2)
+    g.write_restore_version("job", R2)
+    assert g.tidy_round("job", R2, 2) == 0  # restore.version's round is never touched
+    g.delete_restore_version("job")
+    assert g.tidy_round("job", R1, 2) == 3 and names(R1) == []
+    before = g.inspect_round("job", R2, 2)
+    assert before.complete_step == 3 and (1, 1) in before.parts
+    assert g.tidy_round("job", R2, 2) == 3
+    after = g.inspect_round("job", R2, 2)
+    assert after.complete_step == 3 and sorted(after.parts) == [(0, 3), (1, 3)]
+    assert all("-s3-" in n or "/D" in n for n in names(R2))
+    assert g.tidy_round("job", R2, 2) == 0
+    for r in range(2):
+        restored = restore_into(g, tmp_path / f"new{r}", "job", R2, r, 3)
+        assert tree_of(Path(restored.data)) == tree_of(Path(s[(r, 3)].data))
 
 
 def test_cancel_stops_an_upload_before_the_pointer(fake_gcs, tmp_path):

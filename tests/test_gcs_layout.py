@@ -319,7 +319,7 @@ def test_infer_job_nodes_from_the_rounds():
 
     def mtc(name: str, ranks: list[int]) -> RoundInfo:
         parts = {(r, 7): NodeEntry(r, 7, metas={0: "D" + "a" * 64}) for r in ranks}
-        objects = {f"D{'a' * 64}.data/x": ObjectInfo(f"D{'a' * 64}.data/x", 1, None)}
+        objects = {f"D{'a' * 64}.data/x": ObjectInfo(f"D{'a' * 64}.data/x", 1, 0x1234)}
         return judge_round(RoundInfo(name, max(ranks) + 1, parts, objects))
 
     newest, older = mtc("2025-01-01_00-02", [0, 1]), mtc("2025-01-01_00-01", [0, 1, 2])

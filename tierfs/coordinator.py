@@ -211,6 +211,8 @@ class Member:
     mode: str = PROTOCOL
     backup_interval_minutes: float | None = None
     backup_interval_steps: int | None = None
+    #: the job's assume-data-parallelism as the node's Sync reports it (None: off)
+    data_parallelism: int | None = None
 
 
 @dataclass
@@ -297,6 +299,9 @@ class SyncView:
     Attributes:
         backup_order: (round, step) this node still has to upload, or None.
         backup_last: the newest backup round ordered, with its state.
+        backup_dedup: with the order: this node's shard has the same checksums as
+            its data-parallel column's uploader's, so it may point at that data
+            once the bucket holds it.
     """
 
     known: bool
@@ -305,6 +310,7 @@ class SyncView:
     steps: tuple[int, ...] = ()
     backup_order: tuple[str, int] | None = None
     backup_last: RoundView | None = None
+    backup_dedup: bool = False
 
 
 @dataclass(frozen=True)
@@ -350,6 +356,8 @@ class Coordinator:
         self.synced_step = NO_STEP
         self.synced_at = 0.0
         self.history: list[dict[str, Any]] = []
+        #: rank -> (the inventory it was built from, own step -> digest), see holders()
+        self._own_steps: dict[int, tuple[tuple[Holding, ...], dict[int, str]]] = {}
         if backups is not None:
             self.set_backups(backups)
 
@@ -595,7 +603,8 @@ class Coordinator:
     # ------------------------------------------------------------------ sync
 
     def sync(self, job: str, rank: int, incarnation: str, step: int,
-             inventory: Iterable[Holding], backup: Outcome | None = None) -> SyncView:
+             inventory: Iterable[Holding], backup: Outcome | None = None,
+             data_parallelism: int | None = None) -> SyncView:
         """Heartbeat plus sync report: ``step`` = newest own step replicated to all peers.
 
         With a backup book (:meth:`set_backups`) this is also where backup
@@ -616,6 +625,7 @@ class Coordinator:
         m.last_seen = self.clock()
         m.inventory = tuple(inventory)
         m.replicated_step = step
+        m.data_parallelism = data_parallelism or None
         if step >= 0:
             self.sync_steps[rank] = step
         if len(self.sync_steps) == self.nodes and all(
@@ -633,8 +643,24 @@ class Coordinator:
         if backup is not None:
             book.report(rank, backup)
         self._backup_tick(book)
-        return SyncView(True, self.synced_step, self.synced_at, steps,
-                        book.order_for(rank), book.last())
+        order = book.order_for(rank)
+        return SyncView(True, self.synced_step, self.synced_at, steps, order, book.last(),
+                        order is not None and book.dedup_for(rank))
+
+    def holders(self, step: int) -> dict[int, str | None]:
+        """Rank -> the digest of its own shard of ``step``, for every member whose
+        latest inventory holds it (the backup book's view of who can upload).
+        O(members): each member's index is rebuilt only when its inventory changed."""
+        cache = self._own_steps
+        out: dict[int, str | None] = {}
+        for m in self.members.values():
+            hit = cache.get(m.rank)
+            if hit is None or hit[0] is not m.inventory:
+                hit = cache[m.rank] = (m.inventory, {h.step: h.digest for h in m.inventory
+                                                     if h.rank == m.rank})
+            if step in hit[1]:
+                out[m.rank] = hit[1][step] or None
+        return out
 
     def _backup_tick(self, book: RoundBook) -> None:
         step = self.synced_step if self.synced_step >= 0 else None
@@ -646,7 +672,9 @@ class Coordinator:
         book.tick(self.wall(), step=step, backup_requested=requested,
                   interval_minutes=own.backup_interval_minutes if own else None,
                   interval_steps=own.backup_interval_steps if own else None,
-                  may_start=r is None or r.finished or not r.strict)
+                  may_start=r is None or r.finished or not r.strict,
+                  holders=self.holders,
+                  data_parallelism=own.data_parallelism if own else None)
 
     def peers(self) -> list[PeerView]:
         """Every known member with its address and liveness."""
@@ -823,7 +851,7 @@ class CoordinatorServicer:
         with self.cond:
             view = self.coordinator.sync(request.job, request.rank, request.incarnation,
                                          request.step, self._holdings(request.inventory),
-                                         backup)
+                                         backup, request.data_parallelism)
             self.cond.notify_all()
             pb2 = self.pb2
             reply = pb2.SyncReply(known=view.known, synced_step=view.synced_step,
@@ -831,7 +859,8 @@ class CoordinatorServicer:
                                   steps=list(view.steps))
             if view.backup_order is not None:
                 reply.backup_order.CopyFrom(pb2.BackupRound(
-                    round=view.backup_order[0], step=view.backup_order[1], state="running"))
+                    round=view.backup_order[0], step=view.backup_order[1], state="running",
+                    dedup=view.backup_dedup))
             if view.backup_last is not None:
                 last = view.backup_last
                 reply.backup_last.CopyFrom(pb2.BackupRound(round=last.round, step=last.step,

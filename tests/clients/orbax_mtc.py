@@ -1,6 +1,6 @@
 """A real, unmodified Orbax multi-tier checkpointing client (run as a subprocess).
 
-Usage: orbax_mtc.py CHECKPOINT_DIR PHASE EXPECTED_NPZ [STEPS...]
+Usage: orbax_mtc.py [OPTIONS] CHECKPOINT_DIR PHASE EXPECTED_NPZ [STEPS...]
 
 PHASE ``save``: initialize MTC, restore whatever the replicator offers, save
 STEPS with sharded arrays, store the arrays of the last step in EXPECTED_NPZ.
@@ -8,9 +8,19 @@ PHASE ``restore``: initialize MTC, restore the latest step and compare with
 EXPECTED_NPZ, then save STEPS (with a LatestN(2) preservation policy, so
 Orbax's own garbage collection runs on the restored step too).
 
-Running Orbax MTC on CPU in one process needs (docs/CLIENTS.md section 3): a
-cluster environment giving the process count (Open MPI variables), parsed
-absl flags, an absolute checkpoint path and ``num_slices``.
+A job of several processes, one per tierfs node: set ``OMPI_COMM_WORLD_SIZE``
+and ``OMPI_COMM_WORLD_RANK`` (the Open MPI variables JAX reads; the
+coordinator address and process id come from the node's
+``jax-init-info.txt``). OPTIONS: ``--data-parallelism D``: what
+``initialize_multi_tier_checkpointing`` writes as ``assume-data-parallelism``;
+``--backup-steps S``: ``backup-interval-steps`` instead of 5 minutes. The
+arrays are sharded across all processes, so every node's step directory
+holds different bytes. Each process compares the shards it holds after a
+restore.
+
+Running Orbax MTC on CPU needs (docs/CLIENTS.md section 3): a cluster
+environment giving the process count (Open MPI variables), parsed absl
+flags, an absolute checkpoint path and ``num_slices``.
 """
 
 import os
@@ -23,7 +33,6 @@ os.environ.setdefault("OMPI_COMM_WORLD_RANK", "0")
 os.environ.setdefault("OMPI_COMM_WORLD_LOCAL_RANK", "0")
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import orbax.checkpoint.experimental.emergency.multihost  # noqa: F401
@@ -40,24 +49,59 @@ from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing import (
 flags.FLAGS(sys.argv[:1])
 
 
-def make_state(step: int, mesh: jax.sharding.Mesh) -> dict:
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+def _options(argv: list[str]) -> tuple[dict[str, int], list[str]]:
+    opts = {"data-parallelism": 0, "backup-steps": 0}
+    rest = []
+    it = iter(argv)
+    for a in it:
+        if a.startswith("--") and a[2:] in opts:
+            opts[a[2:]] = int(next(it))
+        else:
+            rest.append(a)
+    return opts, rest
+
+
+OPTS, ARGS = _options(sys.argv[1:])
+
+
+def host_values(step: int) -> dict[str, np.ndarray]:
+    """The arrays of ``step`` as numpy (the same on every process)."""
     rng = np.random.default_rng(step)
-    return {
-        "w": jax.device_put(jnp.asarray(rng.standard_normal((64, 32), dtype=np.float32)),
-                            sharding),
-        "b": jax.device_put(jnp.arange(16, dtype=jnp.int32) * step, sharding),
-        "step": jax.device_put(jnp.asarray(step, dtype=jnp.int32),
-                               jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())),
-    }
+    return {"w": rng.standard_normal((64, 32), dtype=np.float32),
+            "b": np.arange(16, dtype=np.int32) * step,
+            "step": np.asarray(step, dtype=np.int32)}
+
+
+def make_state(step: int, mesh: jax.sharding.Mesh) -> dict:
+    """``w`` and ``b`` sharded over every process's device, ``step`` replicated."""
+    values = host_values(step)
+    out = {}
+    for name, value in values.items():
+        spec = jax.sharding.PartitionSpec("x") if value.ndim else jax.sharding.PartitionSpec()
+        sharding = jax.sharding.NamedSharding(mesh, spec)
+        out[name] = jax.make_array_from_callback(value.shape, sharding,
+                                                 lambda idx, v=value: v[idx])
+    return out
+
+
+def check_restored(restored: dict, expected: dict[str, np.ndarray]) -> None:
+    """Every shard this process holds has the expected bytes."""
+    for name in ("w", "b", "step"):
+        arr = restored[name]
+        for shard in arr.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), expected[name][shard.index],
+                                          err_msg=f"{name}{shard.index}")
 
 
 def main() -> None:
-    directory = epath.Path(os.path.abspath(sys.argv[1]))
-    phase, expected_path = sys.argv[2], sys.argv[3]
-    steps = [int(s) for s in sys.argv[4:]]
+    directory = epath.Path(os.path.abspath(ARGS[0]))
+    phase, expected_path = ARGS[1], ARGS[2]
+    steps = [int(s) for s in ARGS[3:]]
+    interval = ({"backup_interval_steps": OPTS["backup-steps"]} if OPTS["backup-steps"]
+                else {"backup_interval_minutes": 5})
     initialization.initialize_multi_tier_checkpointing(
-        directory, run_name="orbaxjob", backup_interval_minutes=5, num_slices=1)
+        directory, run_name="orbaxjob", num_slices=1,
+        data_parallelism=OPTS["data-parallelism"] or None, **interval)
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(-1), ("x",))
     policy = preservation_policy.LatestN(n=2) if phase == "restore" else None
     options = rcm.ReplicatorCheckpointManagerOptions(save_interval_steps=1,
@@ -68,10 +112,8 @@ def main() -> None:
     if phase == "restore":
         restored = manager.restore(latest, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore()))["state"]
-        expected = np.load(expected_path)
-        np.testing.assert_array_equal(np.asarray(restored["w"]), expected["w"])
-        np.testing.assert_array_equal(np.asarray(restored["b"]), expected["b"])
-        assert int(restored["step"]) == int(expected["step"]), restored["step"]
+        expected = dict(np.load(expected_path))
+        check_restored(restored, expected)
         print("RESTORED_OK", latest, flush=True)
     state = None
     for step in steps:
@@ -79,9 +121,8 @@ def main() -> None:
         manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
         manager.wait_until_finished()
     manager.close()
-    if state is not None:
-        np.savez(expected_path, w=np.asarray(state["w"]), b=np.asarray(state["b"]),
-                 step=np.asarray(state["step"]))
+    if steps:
+        np.savez(expected_path, **host_values(steps[-1]))
     print("DONE", flush=True)
 
 

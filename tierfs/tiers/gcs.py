@@ -98,6 +98,11 @@ def _env_float(name: str, default: float) -> float:
         return default
 
 
+#: seconds a data-parallel rank waits (after the last progress) for its column's
+#: uploader's objects before it uploads its own data
+DEDUP_WAIT = _env_float("TIERFS_GCS_DEDUP_WAIT", 60.0)
+
+
 def default_threads() -> int:
     """Objects in flight per node: the CPU count, between 2 and 8.
 
@@ -630,15 +635,96 @@ class RoundInfo:
         return total
 
 
+def meta_crc(digest: str) -> int:
+    """The crc32c a ``.meta`` object holding ``digest`` (no newline) is listed with."""
+    import google_crc32c
+
+    return google_crc32c.value(digest.encode("ascii"))
+
+
+def _check_object(name: str, obj: ObjectInfo | None, size: int, crc: int | None) -> str | None:
+    """Why the listed object ``obj`` does not prove ``size`` bytes with crc32c ``crc``
+    (None: it does)."""
+    if obj is None:
+        return f"{name}: missing"
+    if obj.size != size:
+        return f"{name}: {obj.size} bytes, manifest {size}"
+    if obj.crc32c is None:
+        return f"{name}: no crc32c in the listing"
+    if crc is not None and obj.crc32c != crc:
+        return f"{name}: crc32c {obj.crc32c:08x} differs from the manifest's {crc:08x}"
+    return None
+
+
+def _judge_foreign(part: NodeEntry, objects: dict[str, ObjectInfo],
+                   dir_prefixes: set[str]) -> None:
+    """A part without a tierfs manifest (MTC): each pointer's data is listed (one
+    ``<hash>.data`` object, or objects under ``D<hash>.data/``), each with a crc32c."""
+    for _w, h in part.metas.items():
+        if h is None:
+            continue
+        dname = L.data_name(h)
+        if dname in objects:
+            names = [dname]
+        elif dname in dir_prefixes:
+            names = [n for n in objects if n.startswith(dname + "/")]
+        else:
+            part.missing.append(f"{dname}: missing")
+            continue
+        for n in names:
+            o = objects[n]
+            if o.crc32c is None:
+                part.missing.append(f"{n}: no crc32c in the listing")
+            else:
+                part.bytes += o.size
+
+
+def _judge_tierfs(part: NodeEntry, nb: NodeBackup, objects: dict[str, ObjectInfo]) -> None:
+    """A part with a tierfs manifest: pointers name the manifest's hashes, and every
+    file's object lies under one of those hashes' data names and is listed with the
+    manifest's size and crc32c."""
+    for w, h in nb.hashes.items():
+        got = part.metas.get(w, "absent")
+        if got == "absent":
+            part.missing.append(f"no .meta for worker {w}")
+        elif got is not None and got != h:
+            part.missing.append(f".meta for worker {w} names {got}, manifest {h}")
+    heads = {L.data_name(h) for h in nb.hashes.values()}
+    sizes = {f.path: f for f in nb.manifest.files if f.kind == "file"}
+    for path, name in sorted(nb.objects.items()):
+        entry = sizes[path]
+        if name.split("/", 1)[0] not in heads:
+            part.missing.append(f"{name}: not under the data its .meta names")
+            continue
+        problem = _check_object(name, objects.get(name), entry.size, entry.crc32c)
+        if problem is not None:
+            part.missing.append(problem)
+        else:
+            part.bytes += entry.size
+
+
 def judge_round(info: RoundInfo) -> RoundInfo:
     """Fill in each part's problems and the round's ``complete_step`` (pure).
 
-    A part (rank, step) is complete when: it has a ``.meta`` for every worker
-    its manifest lists, each holding the manifest's hash; every data object
-    the manifest names is listed with the manifest's size and crc32c. A part
-    without a tierfs manifest (an MTC-written round) is complete when its
-    pointer is readable and its ``<hash>.data`` object (or at least one
-    object under ``D<hash>.data/``) exists.
+    The rule: a step is complete only if, for every rank 0..nodes-1, the
+    rank's data objects are present and match their checksums. From the
+    listing alone (names, sizes, crc32c) and the parts' manifests:
+
+    * A part (rank, step) with a tierfs manifest is complete when it has a
+      ``.meta`` for every worker its manifest lists, each holding the
+      manifest's hash, and every file the manifest names has its object in
+      the listing -- under the data name of one of those hashes (where MTC's
+      reader looks) -- with the manifest's size and crc32c. An object the
+      listing gives no crc32c for proves nothing.
+    * A part without one (an MTC-written round) is complete when its pointer
+      is readable and its data is listed -- the ``<hash>.data`` object, or at
+      least one object under ``D<hash>.data/`` -- each object with a crc32c
+      (which the restore then checks the bytes against). In a round written
+      by tierfs (some part has a manifest) a part without one is incomplete:
+      tierfs writes the manifest before the pointer, so its data cannot be
+      judged.
+
+    Objects no part names (leftovers, another step's data) change nothing.
     """
     objects = info.objects
     dir_prefixes: set[str] = set()
@@ -646,6 +732,7 @@ def judge_round(info: RoundInfo) -> RoundInfo:
         head, sep, _ = name.partition("/")
         if sep:
             dir_prefixes.add(head)
+    tierfs_round = any(p.backup is not None for p in info.parts.values())
     for part in info.parts.values():
         part.missing = list(part.notes)
         part.bytes = 0
@@ -655,38 +742,14 @@ def judge_round(info: RoundInfo) -> RoundInfo:
         for w, h in part.metas.items():
             if h is None:
                 part.missing.append(f"unreadable .meta for worker {w}")
-        nb = part.backup
-        if nb is None:
-            for _w, h in part.metas.items():
-                if h is None:
-                    continue
-                dname = L.data_name(h)
-                if dname in objects:
-                    part.bytes += objects[dname].size
-                elif dname in dir_prefixes:
-                    part.bytes += sum(o.size for n, o in objects.items()
-                                      if n.startswith(dname + "/"))
-                else:
-                    part.missing.append(f"{dname}: missing")
-            continue
-        for w, h in nb.hashes.items():
-            got = part.metas.get(w, "absent")
-            if got == "absent":
-                part.missing.append(f"no .meta for worker {w}")
-            elif got is not None and got != h:
-                part.missing.append(f".meta for worker {w} names {got}, manifest {h}")
-        sizes = {f.path: f for f in nb.manifest.files if f.kind == "file"}
-        for path, name in nb.objects.items():
-            entry = sizes[path]
-            obj = objects.get(name)
-            if obj is None:
-                part.missing.append(f"{name}: missing")
-            elif obj.size != entry.size:
-                part.missing.append(f"{name}: {obj.size} bytes, manifest {entry.size}")
-            elif obj.crc32c is not None and obj.crc32c != entry.crc32c:
-                part.missing.append(f"{name}: crc32c differs from the manifest")
-            else:
-                part.bytes += obj.size
+        if part.backup is None and tierfs_round:
+            if not part.notes:
+                part.missing.append("no .tierfs.json manifest (the round's other parts "
+                                    "have one)")
+        elif part.backup is None:
+            _judge_foreign(part, objects, dir_prefixes)
+        else:
+            _judge_tierfs(part, part.backup, objects)
     info.complete_step = None
     for step in info.steps:
         if all((r, step) in info.parts and info.parts[(r, step)].complete
@@ -744,6 +807,7 @@ class UploadResult:
     data_uploaded: bool = True
     seconds: float = 0.0
     hashes: dict[int, str] = field(default_factory=dict)
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -889,6 +953,15 @@ class GcsBackend:
             blobs = list(it)
         return blobs, set(it.prefixes)
 
+    def _get_many(self, prefix: str, names: list[str]) -> dict[str, bytes | None]:
+        """The contents of small objects ``prefix + name`` (None: not found), read in
+        parallel."""
+        if not names:
+            return {}
+        with cf.ThreadPoolExecutor(min(self.settings.threads, len(names))) as pool:
+            return dict(zip(names, pool.map(lambda n: self._get_bytes(prefix + n), names),
+                            strict=True))
+
     # ------------------------------------------------------------------ restore.version
 
     def read_restore_version(self, job: str) -> str | None:
@@ -1003,39 +1076,44 @@ class GcsBackend:
             t = L.parse_tierfs_manifest_name(rel)
             if t is not None and t[0] == job:
                 manifests[(t[2], t[1])] = rel
-        fetched: dict[str, bytes | None] = {}
-        wanted = list(metas.values()) + list(manifests.values())
-        if wanted:
-            with cf.ThreadPoolExecutor(min(self.settings.threads, len(wanted))) as pool:
-                for name, data in zip(wanted, pool.map(
-                        lambda n: self._get_bytes(prefix + n), wanted), strict=True):
-                    fetched[name] = data
+        fetched = self._get_many(prefix, list(manifests.values()))
         parts: dict[tuple[int, int], NodeEntry] = {}
-        for (rank, step, worker), name in metas.items():
-            part = parts.setdefault((rank, step), NodeEntry(rank, step))
-            data = fetched.get(name)
-            try:
-                part.metas[worker] = (L.check_meta_content(data.decode("ascii", "replace"))
-                                      if data is not None else None)
-            except LayoutError:
-                part.metas[worker] = None
         seen_nodes = 0
         for (rank, step), name in manifests.items():
+            # a manifest without pointer: the upload did not finish
+            part = parts.setdefault((rank, step), NodeEntry(rank, step))
             data = fetched.get(name)
-            if (rank, step) not in parts:
-                # a manifest without pointer: the upload did not finish
-                parts[(rank, step)] = NodeEntry(rank, step)
             if data is None:
                 continue
             try:
                 nb = NodeBackup.from_json(data)
             except LayoutError as exc:
-                parts[(rank, step)].notes.append(f"unreadable manifest: {exc}")
+                part.notes.append(f"unreadable manifest: {exc}")
                 continue
             if (nb.manifest.rank, nb.manifest.step) != (rank, step):
                 continue
-            parts[(rank, step)].backup = nb
+            part.backup = nb
             seen_nodes = max(seen_nodes, nb.nodes)
+        # a pointer listed with the size and crc32c of the hash its part's manifest
+        # names holds that hash: read only the others (MTC's, or unexpected ones)
+        unread: dict[tuple[int, int, int], str] = {}
+        for (rank, step, worker), name in metas.items():
+            part = parts.setdefault((rank, step), NodeEntry(rank, step))
+            want = part.backup.hashes.get(worker) if part.backup is not None else None
+            o = objects[name]
+            if want is not None and o.size == len(want) and o.crc32c == meta_crc(want):
+                part.metas[worker] = want
+            else:
+                unread[(rank, step, worker)] = name
+        fetched = self._get_many(prefix, list(unread.values()))
+        for (rank, step, worker), name in unread.items():
+            data = fetched.get(name)
+            try:
+                parts[(rank, step)].metas[worker] = (
+                    L.check_meta_content(data.decode("ascii", "replace"))
+                    if data is not None else None)
+            except LayoutError:
+                parts[(rank, step)].metas[worker] = None
         if nodes is None:
             nodes = seen_nodes or (max((r for r, _ in parts), default=-1) + 1)
         info = RoundInfo(round_name, nodes, parts, objects,
@@ -1196,8 +1274,58 @@ class GcsBackend:
             raise ChecksumMismatch(f"{name}: GCS stored crc32c {got and f'{got:08x}'} for "
                                    f"{blob.size} bytes, manifest {crc:08x} for {size}")
 
+    def unproven(self, prefix: str, uploads: Iterable[L.Upload]) -> list[str]:
+        """Which of ``uploads`` the bucket does not hold under ``prefix`` with their size
+        and crc32c, one line each (empty: every one is there). One listing per
+        top-level data name.
+
+        Raises:
+            google.api_core exceptions after retries.
+        """
+        todo = list(uploads)
+        have = self._existing(prefix, (u.name for u in todo))
+        return [p for p in (_check_object(u.name, have.get(u.name), u.size, u.crc32c)
+                            for u in todo) if p is not None]
+
+    def await_objects(self, prefix: str, uploads: Iterable[L.Upload], *, wait: float,
+                      cancel: threading.Event | None = None, poll: float = 0.5) -> list[str]:
+        """Poll the listing until every one of ``uploads`` is there with its size and
+        crc32c (another node uploads them), for at most ``wait`` seconds after the
+        last progress (an object appearing). Polls back off from ``poll`` to 5 s.
+
+        Returns:
+            what is still missing (empty: all there).
+
+        Raises:
+            Cancelled: ``cancel`` was set. google.api_core exceptions after retries.
+        """
+        todo = list(uploads)
+        deadline = time.monotonic() + wait
+        best = -1
+        delay = poll
+        while True:
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("upload cancelled")
+            missing = self.unproven(prefix, todo)
+            if not missing:
+                return []
+            now = time.monotonic()
+            if len(todo) - len(missing) > best:
+                best = len(todo) - len(missing)
+                deadline = max(deadline, now + wait) if best > 0 else deadline
+            if now >= deadline:
+                return missing
+            pause = min(delay, max(0.0, deadline - now))
+            if cancel is not None:
+                if cancel.wait(pause):
+                    raise Cancelled("upload cancelled")
+            else:
+                time.sleep(pause)
+            delay = min(delay * 2, 5.0)
+
     def upload_shard(self, shard: Shard, round_name: str, *, nodes: int,
-                     data_parallelism: int | None = None,
+                     data_parallelism: int | None = None, dedup: bool = False,
+                     dedup_wait: float | None = None,
                      cancel: threading.Event | None = None,
                      on_bytes: Callable[[int], None] | None = None,
                      resume: bool = True) -> UploadResult:
@@ -1205,21 +1333,35 @@ class GcsBackend:
 
         Data objects first (in parallel; skipped if ``resume`` and an object of
         the same size and crc32c is already there), then the node's
-        ``.tierfs.json`` manifest, then its ``.meta`` pointer(s) last. With
-        data parallelism D only ranks of the last row upload data
-        (:func:`tierfs.tiers.gcs_layout.uploads_data`); the others write their
-        manifest and pointer naming the same hash.
+        ``.tierfs.json`` manifest, then its ``.meta`` pointer(s) last.
+
+        Data parallelism (``assume-data-parallelism`` D) only saves uploads when
+        the bytes prove it: with ``dedup`` (the coordinator found this rank's
+        digest equal to its column's uploader's, :func:`tierfs.tiers.gcs_layout.
+        dedup_plan`) a rank that is not its column's uploader
+        (:func:`tierfs.tiers.gcs_layout.uploader_of`) uploads no data if the
+        bucket holds every object its own layout names, with its sizes and
+        crc32c -- the layout hash covers the column and every file's size and
+        crc32c, so equal names mean equal checksums. It waits up to
+        ``dedup_wait`` seconds after the last progress for the uploader
+        (:meth:`await_objects`), then uploads its own data. Without ``dedup``
+        every rank uploads its own data. A pointer is never written before
+        every object it names is proven in the bucket (by this upload's
+        answers or by the listing).
 
         Args:
             shard: a committed shard (its files are read from ``shard.data``).
             round_name: ``YYYY-MM-DD_HH-MM`` (the coordinator decides it).
             nodes: the job's node count (recorded; needed for data parallelism).
             data_parallelism: the job's ``assume-data-parallelism`` or None.
+            dedup: may point at the column's uploader's data (see above).
+            dedup_wait: seconds (default :data:`DEDUP_WAIT`).
             cancel: set it to stop between and inside object uploads.
             on_bytes: called with each increment of data bytes sent (any thread).
 
         Returns:
-            an :class:`UploadResult`.
+            an :class:`UploadResult` (``data_uploaded`` False: the pointer names
+            the uploader's objects; ``note``: why a dedup did not happen).
 
         Raises:
             ChecksumMismatch: a file no longer matches its manifest (it changed
@@ -1235,16 +1377,24 @@ class GcsBackend:
         layout = L.node_layout(m, column=col)
         prefix = self.spec.round_dir(m.job, round_name)
         uploader = L.uploader_of(rank, nodes, data_parallelism)
-        result = UploadResult(round_name, rank, m.step, hashes=dict(layout.hashes),
-                              data_uploaded=uploader == rank)
-        if uploader == rank and layout.uploads:
+        result = UploadResult(round_name, rank, m.step, hashes=dict(layout.hashes))
+        own = uploader == rank or not dedup or not layout.uploads
+        if not own:
+            wait = DEDUP_WAIT if dedup_wait is None else dedup_wait
+            missing = self.await_objects(prefix, layout.uploads, wait=wait, cancel=cancel)
+            if missing:
+                own = True
+                result.note = (f"node-rank {uploader}'s data for step {m.step} was not in "
+                               f"round {round_name} within {wait:.0f} s ({missing[0]}); "
+                               "uploaded this node's own")
+        result.data_uploaded = own
+        if own and layout.uploads:
             todo = list(layout.uploads)
             if resume:
                 have = self._existing(prefix, (u.name for u in todo))
                 keep = []
                 for u in todo:
-                    o = have.get(u.name)
-                    if o is not None and o.size == u.size and o.crc32c == u.crc32c:
+                    if _check_object(u.name, have.get(u.name), u.size, u.crc32c) is None:
                         result.skipped += 1
                     else:
                         keep.append(u)
@@ -1260,7 +1410,8 @@ class GcsBackend:
             result.bytes += sum(u.size for u in todo)
         if cancel is not None and cancel.is_set():
             raise Cancelled("upload cancelled")
-        nb = NodeBackup(manifest=m, round=round_name, nodes=nodes, uploader=uploader,
+        nb = NodeBackup(manifest=m, round=round_name, nodes=nodes,
+                        uploader=rank if own else uploader,
                         data_parallelism=data_parallelism, hashes=dict(layout.hashes),
                         objects=dict(layout.objects), created=time.time())
         self._put_bytes(prefix + L.tierfs_manifest_name(m.job, m.step, rank), nb.to_json(),
@@ -1434,6 +1585,54 @@ class GcsBackend:
 
         count = sum(self._run_parallel([lambda n=n: rm(n) for n in metas], None))
         count += sum(self._run_parallel([lambda n=n: rm(n) for n in rest], None))
+        return count
+
+
+    def tidy_round(self, job: str, round_name: str, nodes: int) -> int:
+        """Remove what a failed or moved backup round left behind; returns the number
+        of objects deleted.
+
+        The round is judged first (the listing decides, not the caller's view):
+        with no step complete for all ``nodes`` the whole round goes
+        (:meth:`delete_round`, pointers first); with one, only the parts of
+        other steps -- their pointers, then their manifests, then data objects
+        under their data names. The round ``restore.version`` names is never
+        touched.
+
+        Raises:
+            google.api_core exceptions after retries.
+        """
+        if self.read_restore_version(job) == round_name:
+            return 0
+        info = self.inspect_round(job, round_name, nodes)
+        if not info.objects:
+            return 0
+        keep = info.complete_step
+        if keep is None:
+            return self.delete_round(job, round_name)
+        prefix = self.spec.round_dir(job, round_name)
+        pointers, manifests, heads = [], [], set()
+        for name in info.objects:
+            m = L.parse_meta_name(name)
+            t = L.parse_tierfs_manifest_name(name)
+            if m is not None and m[0] == job and m[1] != keep:
+                pointers.append(name)
+            elif t is not None and t[0] == job and t[1] != keep:
+                manifests.append(name)
+        for (_r, step), e in info.parts.items():
+            if step == keep:
+                continue
+            hashes = set(e.backup.hashes.values()) if e.backup is not None else set()
+            hashes |= {h for h in e.metas.values() if h is not None}
+            heads |= {L.data_name(h) for h in hashes}
+        kept = {L.data_name(h) for (_r, step), e in info.parts.items() if step == keep
+                for h in (e.backup.hashes.values() if e.backup is not None
+                          else [h for h in e.metas.values() if h is not None])}
+        data = [n for n in info.objects if n.split("/", 1)[0] in heads - kept]
+        count = 0
+        for batch in (pointers, manifests, data):
+            count += sum(self._run_parallel(
+                [lambda n=n: int(self._delete(prefix + n)) for n in batch], None))
         return count
 
 

@@ -279,6 +279,66 @@ def uploader_of(rank: int, nodes: int, data_parallelism: int | None) -> int:
     return nodes - cols + rank % cols
 
 
+@dataclass(frozen=True)
+class DedupPlan:
+    """Which ranks of a data-parallel job may point at their uploader's data for one step.
+
+    Attributes:
+        dedup: ranks (never an uploader) whose shard digest equals their
+            column's uploader's: they upload no data once the bucket proves
+            the objects are there (:meth:`tierfs.tiers.gcs.GcsBackend.upload_shard`).
+        differing: ``(uploader, ranks)`` for every column where some rank's
+            digest differs from the uploader's (``ranks`` sorted, the uploader
+            included): ``assume-data-parallelism`` did not hold there, every
+            rank of it uploads its own data.
+    """
+
+    dedup: frozenset[int] = frozenset()
+    differing: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    def describe(self, step: int, data_parallelism: int | None) -> str:
+        """One line for ``replicator.errors`` (empty when nothing differs)."""
+        if not self.differing:
+            return ""
+        groups = "; ".join(f"node-ranks {list(ranks)} (uploader {u})"
+                           for u, ranks in self.differing)
+        return (f"assume-data-parallelism {data_parallelism} did not hold for step {step}: "
+                f"the shards of {groups} differ (their manifests' checksums), so each of "
+                "these nodes uploads its own data")
+
+
+def dedup_plan(digests: dict[int, str | None], nodes: int,
+               data_parallelism: int | None) -> DedupPlan:
+    """Who may skip uploading data for one step (pure): checksums, not the claim.
+
+    Args:
+        digests: rank -> the manifest digest of its own shard of the step
+            (:attr:`tierfs.manifest.Manifest.digest`), None or absent when the
+            rank does not hold it.
+        nodes: the job's node count.
+        data_parallelism: the job's ``assume-data-parallelism`` (None/1: no dedup).
+
+    A rank dedups only when its digest and its uploader's are both known and
+    equal. A rank or uploader without the step is no sign of differing data
+    (it cannot upload anyway) and is not reported.
+    """
+    dedup: set[int] = set()
+    groups: dict[int, set[int]] = {}
+    for r in range(nodes):
+        u = uploader_of(r, nodes, data_parallelism)
+        if u == r:
+            continue
+        mine, theirs = digests.get(r), digests.get(u)
+        if mine is None or theirs is None:
+            continue
+        if mine == theirs:
+            dedup.add(r)
+        else:
+            groups.setdefault(u, {u}).add(r)
+    differing = tuple((u, tuple(sorted(rs))) for u, rs in sorted(groups.items()))
+    return DedupPlan(frozenset(dedup), differing)
+
+
 # ---------------------------------------------------------------------- object layout
 
 

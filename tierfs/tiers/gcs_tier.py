@@ -135,6 +135,8 @@ class _Upload:
     done: int = 0
     attempt: int = 1
     waiting_until: float | None = None
+    #: the round moved to a newer step: this upload stops without an outcome
+    superseded: bool = False
 
     def add(self, n: int) -> None:  # any thread; a lost increment only skews the status
         self.done += n
@@ -181,7 +183,10 @@ class GcsTier:
         self.forced: tuple[str, str, int, float] | None = None
         self.cluster_last: S.RoundView | None = None
         self._outcome: S.Outcome | None = None
-        self._ordered: collections.deque[str] = collections.deque(maxlen=64)
+        #: (round, step) orders already taken up (a round that moves is ordered again)
+        self._ordered: collections.deque[tuple[str, int]] = collections.deque(maxlen=64)
+        #: one node: rounds whose upload failed, tidied once a later round is done
+        self._untidy: list[str] = []
         self._uploads: dict[ShardKey, _Upload] = {}
         self._job_id: tuple[str, int, int] | None = None
         self._seeded = False
@@ -433,17 +438,31 @@ class GcsTier:
             up.cancel.set()
 
     def pinned(self) -> set[ShardKey]:
-        """Shards being uploaded (not those waiting to try again), and (multi-node) the
-        synced step a round may order next."""
+        """Shards being uploaded (not those waiting to try again) and, multi-node, every
+        step a backup order names or may soon name: the step of the open round
+        (until the coordinator says it ended, also after this node's part is
+        done), the synced step, and the steps this node reported replicated in
+        its last two ``Sync`` calls -- the coordinator orders one of those."""
         keep = {k for k, u in self._uploads.items() if u.waiting_until is None}
         job = self.agent.job
-        if self.enabled and job is not None and job.nodes > 1:
-            step = self.synced_step(job)
-            last = self.cluster_last.step if self.cluster_last is not None else -1
-            if step is not None and step > last and step not in self.backed_up:
-                key = ShardKey(job.name, job.node_rank, step)
-                if key in self.agent.catalog:
-                    keep.add(key)
+        if not self.enabled or job is None or job.nodes <= 1:
+            return keep
+        steps: set[int] = set()
+        last = self.cluster_last
+        done = last.step if last is not None else -1
+        if last is not None and last.state == S.RUNNING:
+            steps.add(last.step)
+        if self._order is not None:
+            steps.add(self._order[1])
+        candidates = [self.synced_step(job)]
+        peer = self._peer()
+        candidates += list(getattr(peer, "reported", ()) or ())
+        steps |= {c for c in candidates if c is not None and c > done
+                  and c not in self.backed_up}
+        for step in steps:
+            key = ShardKey(job.name, job.node_rank, step)
+            if key in self.agent.catalog:
+                keep.add(key)
         return keep
 
     def status(self) -> dict[str, Any]:
@@ -591,6 +610,8 @@ class GcsTier:
                 await self._locked(lambda c: c.backups.seed(book_job, newest, complete))
         for line in await self._locked(lambda c: c.backups.drain() if c.backups else []):
             self._fail(line)
+        self._spawn_tidy(job, await self._locked(
+            lambda c: c.backups.take_cleanup() if c.backups else []))
         await self._maybe_delete_restore_version(job)
 
     async def _read_seed(self, job: str, nodes: int) -> tuple[str | None, tuple[str, int] | None]:
@@ -619,9 +640,8 @@ class GcsTier:
         decision = S.decide_round(self.state, now=now, step=step, backup_requested=requested,
                                   interval_minutes=minutes, interval_steps=steps)
         if decision.action == S.SKIP:
-            if decision.report:
-                self._fail(decision.reason)
-            S.skipped(self.state, decision)
+            for line in S.skipped(self.state, decision):
+                self._fail(line)
             return
         if decision.action != S.START:
             return
@@ -644,7 +664,8 @@ class GcsTier:
             if decision.action != S.START:
                 return
         assert decision.round is not None and decision.step is not None
-        S.started(self.state, decision, now)
+        for line in S.started(self.state, decision, now):
+            self._fail(line)
         log.info("backup round %s: step %d (%s)", decision.round, decision.step,
                  decision.reason)
         self.history.append({"round": decision.round, "step": decision.step,
@@ -661,9 +682,16 @@ class GcsTier:
         return self._outcome
 
     def on_backup_round(self, job: JobSpec, order: tuple[str, int] | None,
-                        last: S.RoundView | None) -> None:
-        """The coordinator's reply (trio thread): start uploading ``order`` once; note
-        the newest round's state for the status."""
+                        last: S.RoundView | None, dedup: bool = False) -> None:
+        """The coordinator's reply (trio thread): start uploading ``order`` once per
+        (round, step) -- a round that moved to a newer step is ordered again --
+        and pin its step at once; note the newest round's state for the status.
+
+        Args:
+            dedup: this node's shard has its data-parallel uploader's checksums
+                (the coordinator compared the digests): point at that data once
+                the bucket proves it is there.
+        """
         self.cluster_last = last
         self._order = order
         if last is not None and last.state != S.RUNNING:
@@ -673,20 +701,33 @@ class GcsTier:
         if order is None or not self.enabled:
             return
         rnd, step = order
-        if rnd in self._ordered or any(u.round == rnd for u in self._uploads.values()):
+        for u in self._uploads.values():
+            if u.round == rnd and u.step != step:  # the round moved on
+                u.superseded = True
+                u.cancel.set()
+        if order in self._ordered or any(u.round == rnd and u.step == step
+                                         for u in self._uploads.values()):
             return
-        self._ordered.append(rnd)
+        self._ordered.append(order)
         self.state.last_round = rnd
-        log.info("backup round %s: the coordinator orders step %d", rnd, step)
-        self.history.append({"round": rnd, "step": step, "state": "running",
-                             "started": time.time(), "reason": "ordered by the coordinator"})
-        self._spawn_upload(job, rnd, step)
+        moved = any(o[0] == rnd and o[1] != step for o in self._ordered)
+        log.info("backup round %s: the coordinator orders step %d%s%s", rnd, step,
+                 " (the round moved to a newer step)" if moved else "",
+                 "; this node's shard matches its data-parallel uploader's" if dedup else "")
+        entry = self._history(rnd)
+        if entry is not None:
+            entry.update(step=step, state="running")
+        else:
+            self.history.append({"round": rnd, "step": step, "state": "running",
+                                 "started": time.time(),
+                                 "reason": "ordered by the coordinator"})
+        self._spawn_upload(job, rnd, step, dedup)
 
     # ------------------------------------------------------------------ uploading
 
-    def _spawn_upload(self, job: JobSpec, rnd: str, step: int) -> None:
+    def _spawn_upload(self, job: JobSpec, rnd: str, step: int, dedup: bool = False) -> None:
         if self._nursery is not None:
-            self._nursery.start_soon(self._upload, job, rnd, step)
+            self._nursery.start_soon(self._upload, job, rnd, step, dedup)
 
     def _still_wanted(self, job: JobSpec, rnd: str, step: int, up: _Upload) -> str | None:
         """Why a failed upload of ``step`` to ``rnd`` should not be tried again (None:
@@ -706,13 +747,18 @@ class GcsTier:
             return f"the round is older than {ROUND_TIMEOUT:.0f} s"
         return None
 
-    async def _upload(self, job: JobSpec, rnd: str, step: int) -> None:
+    async def _upload(self, job: JobSpec, rnd: str, step: int, dedup: bool = False) -> None:
         """Upload this node's part of round ``rnd``; while the bucket fails
         (:func:`tierfs.tiers.gcs.is_transient`) try again -- after
         :data:`RETRY_FIRST` s doubling up to :data:`RETRY_MAX` s, or as soon as
         the bucket answers -- as long as the round still wants it
         (:meth:`_still_wanted`) and the step is still held. The outcome goes
-        to the coordinator (multi-node) or the schedule (one node) once."""
+        to the coordinator (multi-node) or the schedule (one node) once.
+
+        A step no longer held (retention dropped it before the order came)
+        is not a failure: multi-node, the node reports :data:`S.MISSING` and
+        the coordinator moves the round to a newer step every node holds; one
+        node moves its round to its newest sealed step itself."""
         key = ShardKey(job.name, job.node_rank, step)
         entry = self._history(rnd)
         up = _Upload(rnd, step, 0, threading.Event(), time.time())
@@ -720,8 +766,19 @@ class GcsTier:
         try:
             while True:
                 shard = self.agent.catalog.get(key)
+                if shard is None and job.nodes <= 1:
+                    shard = self._move_round(job, rnd, step, entry)
+                    if shard is not None:
+                        if self._uploads.get(key) is up:
+                            del self._uploads[key]
+                        step, key, up.step = shard.key.step, shard.key, shard.key.step
                 if shard is None:
                     msg = f"backup round {rnd}: step {step} is no longer held on this node"
+                    if job.nodes > 1:
+                        log.info("%s; the coordinator moves the round to a newer step", msg)
+                        self._finish(job, rnd, step, S.MISSING, msg, up.done,
+                                     time.time() - up.started, None)
+                        return
                     self._fail(msg)
                     self._finish(job, rnd, step, S.FAILED, msg, up.done,
                                  time.time() - up.started, entry)
@@ -730,12 +787,18 @@ class GcsTier:
                 self._uploads[key] = up
                 try:
                     async with self._upload_limiter:
+                        if up.cancel.is_set():
+                            raise Cancelled("upload cancelled")
                         backend = await self.call(self.get_backend)
                         result = await trio.to_thread.run_sync(functools.partial(
                             backend.upload_shard, shard, rnd, nodes=job.nodes,
-                            data_parallelism=job.assume_data_parallelism, cancel=up.cancel,
-                            on_bytes=up.add), abandon_on_cancel=True)
+                            data_parallelism=job.assume_data_parallelism, dedup=dedup,
+                            cancel=up.cancel, on_bytes=up.add), abandon_on_cancel=True)
                 except Cancelled:
+                    if up.superseded:
+                        log.info("backup of step %d to round %s stopped: the round moved to "
+                                 "a newer step", step, rnd)
+                        return
                     msg = (f"backup of step {step} to round {rnd} stopped: the step was "
                            "written to after it was sealed")
                     self._fail(msg)
@@ -743,6 +806,10 @@ class GcsTier:
                                  time.time() - up.started, entry)
                     return
                 except Exception as exc:
+                    if up.superseded:
+                        log.info("backup of step %d to round %s stopped: the round moved to "
+                                 "a newer step", step, rnd)
+                        return
                     msg = f"backup of step {step} to round {rnd} failed: {describe_error(exc)}"
                     why = self._still_wanted(job, rnd, step, up) if is_transient(exc) else \
                         "not a bucket outage"
@@ -762,6 +829,10 @@ class GcsTier:
                     if not self.bucket_problem():
                         self._problem(describe_error(exc))
                     if not await self._pause(job, rnd, step, up, delay):
+                        if up.superseded:
+                            log.info("backup of step %d to round %s not tried again: the "
+                                     "round moved to a newer step", step, rnd)
+                            return
                         why = self._still_wanted(job, rnd, step, up) or "stopped"
                         msg = (f"backup of step {step} to round {rnd} given up after "
                                f"{up.attempt} attempt(s): {why}")
@@ -777,8 +848,12 @@ class GcsTier:
                 for old in sorted(self.backed_up)[:-8]:
                     del self.backed_up[old]
                 log.info("backup round %s: step %d uploaded (%d objects, %d bytes, %d skipped, "
-                         "%.1f s, attempt %d)", rnd, step, result.objects, result.bytes,
-                         result.skipped, result.seconds, up.attempt)
+                         "%.1f s, attempt %d%s)", rnd, step, result.objects, result.bytes,
+                         result.skipped, result.seconds, up.attempt,
+                         "" if result.data_uploaded else "; data: the data-parallel "
+                         "uploader's, proven in the bucket")
+                if result.note:
+                    log.warning("backup round %s: %s", rnd, result.note)
                 self._finish(job, rnd, step, S.DONE, "", result.bytes,
                              time.time() - up.started, entry)
                 return
@@ -811,12 +886,58 @@ class GcsTier:
                 entry["state"] = S.COMPLETE if state == S.DONE else S.INCOMPLETE
         if job.nodes <= 1:
             S.finished(self.state, rnd)
+            if state != S.DONE or (entry is not None and entry.get("moved_from")):
+                self._untidy.append(rnd)
+            if state == S.DONE and self._untidy:
+                # this node's earlier uploads are over (one at a time): their leftovers
+                # are final
+                names, self._untidy = self._untidy, []
+                self._spawn_tidy(job, names)
             return
         # reported to the coordinator in the next Sync (repeated until a newer round)
         self._outcome = S.Outcome(rnd, step, state, error, nbytes, round(seconds, 3))
         peer = self._peer()
         if peer is not None:
             peer.poke()
+
+    def _move_round(self, job: JobSpec, rnd: str, step: int,
+                    entry: dict[str, Any] | None) -> Shard | None:
+        """One node: the round's step is gone (the cadence outran the backups); back up
+        the newest step sealed since, into the same round (None: there is none)."""
+        if self.state.active != rnd:
+            return None
+        newer = [s for s in self.agent.own_shards(job)
+                 if s.key.step > step and s.manifest.created >= self._epoch]
+        if not newer:
+            return None
+        shard = newer[0]
+        for line in S.superseded(self.state, shard.key.step):
+            self._fail(line)
+        self.state.last_step = max(shard.key.step, self.state.last_step or 0)
+        if entry is not None:
+            entry["step"] = shard.key.step
+            entry.setdefault("moved_from", []).append(step)
+        log.info("backup round %s: step %d is no longer held here; the round moves to step %d",
+                 rnd, step, shard.key.step)
+        return shard
+
+    def _spawn_tidy(self, job: JobSpec, names: list[str]) -> None:
+        if self._nursery is not None and names:
+            self._nursery.start_soon(self._tidy, job.name, job.nodes, names)
+
+    async def _tidy(self, job: str, nodes: int, names: list[str]) -> None:
+        """Remove what failed or moved rounds left in the bucket (each judged again
+        by :meth:`tierfs.tiers.gcs.GcsBackend.tidy_round`)."""
+        for name in names:
+            try:
+                n = await self.call(lambda n=name: self.get_backend().tidy_round(job, n, nodes))
+            except Exception as exc:
+                log.info("backup round %s: leftovers not removed: %s", name,
+                         describe_error(exc))
+                continue
+            if n:
+                log.info("backup round %s: removed %d object(s) a failed or moved round "
+                         "left behind", name, n)
 
     # ------------------------------------------------------------------ restore
 

@@ -150,9 +150,11 @@ class BackupAgent(Protocol):
         ...
 
     def on_backup_round(self, job: JobSpec, order: tuple[str, int] | None,
-                        last: RoundView | None) -> None:
-        """The coordinator's answer: the (round, step) to upload now, if any, and the
-        newest round with its state. Must not block (start uploads as tasks)."""
+                        last: RoundView | None, dedup: bool = False) -> None:
+        """The coordinator's answer: the (round, step) to upload now, if any, the
+        newest round with its state, and whether this node's shard has its
+        data-parallel uploader's checksums (``dedup``). Must not block (start
+        uploads as tasks)."""
         ...
 
 
@@ -237,6 +239,11 @@ class PeerTier(PeerHost):
         self._digests: dict[ShardKey, tuple[int, str]] = {}
         self.peers: dict[int, PeerInfo] = {}
         self.sync: dict[str, Any] = {"step": None, "at": None, "steps": []}
+        #: own steps reported as replicated in the Sync in flight and in the last one
+        #: answered: the coordinator may order a backup round of either (the GCS tier
+        #: pins them against retention)
+        self.reported: tuple[int, ...] = ()
+        self._reported_ok: int | None = None
         self.last_error: str | None = None
         self._coord_ok: bool | None = None
         self._registered: tuple[str, int] | None = None
@@ -820,10 +827,14 @@ class PeerTier(PeerHost):
     async def _sync_once(self, job: JobSpec, coord: str) -> None:
         inventory = self.holdings(job.name)
         step = self._replicated_step(job)
+        self.reported = tuple(sorted({s for s in (self._reported_ok, step)
+                                      if s is not None and s >= 0}))
         async with self._control_limiter:
             reply = await trio.to_thread.run_sync(
                 self.client.sync, coord, job.name, job.node_rank, self.incarnation, step,
-                inventory, self._backup_outcome())
+                inventory, self._backup_outcome(), job.assume_data_parallelism)
+            self._reported_ok = step
+            self.reported = (step,) if step >= 0 else ()
             if not reply.known:
                 fields = self.join_fields(job)
                 try:
@@ -845,13 +856,15 @@ class PeerTier(PeerHost):
     def _backup_round(self, job: JobSpec, reply: Any) -> None:
         """Hand the coordinator's backup round order to the node's GCS tier."""
         order = last = None
+        dedup = False
         if reply.HasField("backup_order") and reply.backup_order.round:
             order = (reply.backup_order.round, int(reply.backup_order.step))
+            dedup = bool(reply.backup_order.dedup)
         if reply.HasField("backup_last") and reply.backup_last.round:
             b = reply.backup_last
             last = RoundView(b.round, int(b.step), b.state)
         if self.backup_agent is not None:
-            self.backup_agent.on_backup_round(job, order, last)
+            self.backup_agent.on_backup_round(job, order, last, dedup)
         elif order is not None:
             self._no_bucket = Outcome(order[0], order[1], FAILED,
                                       f"node-rank {job.node_rank} has no --bucket")

@@ -207,10 +207,13 @@ class PeerClient:
                                                  timeout=POLL_MS / 1000 + 10)
 
     def sync(self, address: str, job: str, rank: int, incarnation: str, step: int,
-             inventory: Iterable[Holding], backup: Outcome | None = None) -> Any:
-        """Heartbeat and sync report (with the last backup outcome); returns the SyncReply."""
+             inventory: Iterable[Holding], backup: Outcome | None = None,
+             data_parallelism: int | None = None) -> Any:
+        """Heartbeat and sync report (with the last backup outcome and the job's
+        ``assume-data-parallelism``); returns the SyncReply."""
         req = self.pb2.SyncRequest(job=job, rank=rank, incarnation=incarnation, step=step,
-                                   inventory=[peer_wire.held_shard(self.pb2, h) for h in inventory])
+                                   inventory=[peer_wire.held_shard(self.pb2, h) for h in inventory],
+                                   data_parallelism=data_parallelism or 0)
         if backup is not None:
             req.backup.CopyFrom(self.pb2.BackupOutcome(
                 round=backup.round, step=backup.step, state=backup.state, error=backup.error,

@@ -32,6 +32,7 @@ from tierfs.tiers.peer_transfer import (
     Refused,
     ShardReceiver,
     check_identity,
+    identical_content,
     iter_chunks,
     link_copy,
     parse_manifest,
@@ -219,6 +220,14 @@ class PeerServicer:
             shutil.rmtree(inc, ignore_errors=True)
             return self.pb2.PushReply(committed=False, detail="no local copy with that digest")
         src, trusted = found
+        if not identical_content(src.manifest, manifest):
+            # equal digests, other files: only what the checksums prove is linked
+            log.warning("manifest-only push of step %d of rank %d from node-rank %d: the "
+                        "local copy with digest %s (%s) lists other files; asking for the "
+                        "data", h.step, h.rank, h.sender_rank, h.digest, src.key)
+            shutil.rmtree(inc, ignore_errors=True)
+            return self.pb2.PushReply(committed=False,
+                                      detail="no local copy with identical checksums")
         try:
             link_copy(src.data, inc)
         except OSError:

@@ -271,6 +271,17 @@ def check_identity(m: Manifest, key: ShardKey, digest: str) -> None:
         raise BadCopy(f"manifest digest {m.digest} != announced {digest}")
 
 
+def identical_content(a: Manifest, b: Manifest) -> bool:
+    """True when ``a`` and ``b`` list the same paths with the same kind, size, crc32c
+    and link target: all the checksums can prove about two shards being
+    identical. (Equal :attr:`tierfs.manifest.Manifest.digest` values are a
+    32-bit summary of the same list; they guide, this decides.)"""
+    def key(m: Manifest) -> list[tuple[str, str, int, int | None, str | None]]:
+        return sorted((f.path, f.kind, f.size, f.crc32c, f.target) for f in m.files)
+
+    return key(a) == key(b)
+
+
 def link_copy(src_data: str, incoming: str) -> None:
     """Dedup: hard-link an identical local shard's ``data`` tree into ``incoming/data``.
 
