@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from tierfs.manifest import FileEntry, Manifest
 from tierfs.tiers import gcs_layout as L
-from tierfs.tiers.gcs import NodeEntry, ObjectInfo, RoundInfo, judge_round
+from tierfs.tiers.gcs_judge import NodeEntry, ObjectInfo, RoundInfo, judge_round
 
 ROUND = "2025-01-02_03-04"
 PATHS = ("a", "b", "sub/c")
