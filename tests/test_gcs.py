@@ -278,9 +278,16 @@ def test_tidy_round_removes_a_failed_round_and_a_moved_rounds_older_parts(fake_g
     assert after.complete_step == 3 and sorted(after.parts) == [(0, 3), (1, 3)]
     assert all("-s3-" in n or "/D" in n for n in names(R2))
     assert g.tidy_round("job", R2, 2) == 0
+    # judged against the node count the round records, not the caller's
+    assert g.tidy_round("job", R2, 5) == 0 and g.inspect_round("job", R2).complete_step == 3
     for r in range(2):
         restored = restore_into(g, tmp_path / f"new{r}", "job", R2, r, 3)
         assert tree_of(Path(restored.data)) == tree_of(Path(s[(r, 3)].data))
+    # a round with two complete steps keeps both
+    for key in sorted(s):
+        g.upload_shard(s[key], R3, nodes=2)
+    assert g.tidy_round("job", R3, 2) == 0
+    assert sorted(g.inspect_round("job", R3).parts) == sorted(s)
 
 
 def test_cancel_stops_an_upload_before_the_pointer(fake_gcs, tmp_path):

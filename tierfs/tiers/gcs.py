@@ -1316,42 +1316,50 @@ class GcsBackend:
         """Remove what a failed or moved backup round left behind; returns the number
         of objects deleted.
 
-        The round is judged first (the listing decides, not the caller's view):
-        with no step complete for all ``nodes`` the whole round goes
-        (:meth:`delete_round`, pointers first); with one, only the parts of
-        other steps -- their pointers, then their manifests, then data objects
-        under their data names. The round ``restore.version`` names is never
-        touched.
+        The round is judged first (the listing decides, not the caller's view),
+        against the node count its manifests record (else ``nodes``): with no
+        step complete for every node the whole round goes (:meth:`delete_round`,
+        pointers first); otherwise the parts of the steps that are not complete
+        -- their pointers, then their manifests, then data objects under their
+        data names. A complete step, and the round ``restore.version`` names,
+        are never touched.
 
         Raises:
             google.api_core exceptions after retries.
         """
         if self.read_restore_version(job) == round_name:
             return 0
-        info = self.inspect_round(job, round_name, nodes)
+        info = self.inspect_round(job, round_name)
         if not info.objects:
             return 0
-        keep = info.complete_step
-        if keep is None:
+        if not info.recorded_nodes:
+            info.nodes = max(nodes, info.ranks_seen)
+            judge_round(info)
+        keep = {s for s in info.steps
+                if all((r, s) in info.parts and info.parts[(r, s)].complete
+                       for r in range(info.nodes))}
+        if not keep:
             return self.delete_round(job, round_name)
         prefix = self.spec.round_dir(job, round_name)
         pointers, manifests, heads = [], [], set()
         for name in info.objects:
             m = L.parse_meta_name(name)
             t = L.parse_tierfs_manifest_name(name)
-            if m is not None and m[0] == job and m[1] != keep:
+            if m is not None and m[0] == job and m[1] not in keep:
                 pointers.append(name)
-            elif t is not None and t[0] == job and t[1] != keep:
+            elif t is not None and t[0] == job and t[1] not in keep:
                 manifests.append(name)
-        for (_r, step), e in info.parts.items():
-            if step == keep:
-                continue
+
+        def data_names(e: NodeEntry) -> set[str]:
             hashes = set(e.backup.hashes.values()) if e.backup is not None else set()
             hashes |= {h for h in e.metas.values() if h is not None}
-            heads |= {L.data_name(h) for h in hashes}
-        kept = {L.data_name(h) for (_r, step), e in info.parts.items() if step == keep
-                for h in (e.backup.hashes.values() if e.backup is not None
-                          else [h for h in e.metas.values() if h is not None])}
+            return {L.data_name(h) for h in hashes}
+
+        for (_r, step), e in info.parts.items():
+            if step not in keep:
+                heads |= data_names(e)
+        kept = set().union(*(data_names(e) for (_r, step), e in info.parts.items()
+                             if step in keep))
         data = [n for n in info.objects if n.split("/", 1)[0] in heads - kept]
         count = 0
         for batch in (pointers, manifests, data):

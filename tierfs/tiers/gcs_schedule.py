@@ -141,8 +141,8 @@ def decide_round(state: ScheduleState, *, now: float, step: int | None,
 
 def superseded(state: ScheduleState, step: int | None) -> list[str]:
     """Step ``step`` is backed up now or waits to be: a step that waited for the
-    running round and is older is skipped for good. Returns its line for ``replicator.errors`` (one
-    per skipped step; none when nothing waited)."""
+    running round and is older is skipped for good. Returns its line for
+    ``replicator.errors`` (one per skipped step; none when nothing waited)."""
     w = state.waiting
     if w is None or step is None or w[0] > step:
         return []
