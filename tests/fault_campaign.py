@@ -115,6 +115,9 @@ STOP_LIMIT = 20
 #: restore states in which a node's restore is running
 RESTORING = ("pending", "cleanup", "planning", "barrier")
 MARKER = re.compile(r"^.+-s(?P<step>\d+)-n\d+-w\d+\.restore$")
+META = re.compile(r"^(?P<job>.+)-s(?P<step>\d+)-n(?P<rank>\d+)-w(?P<w>\d+)\.meta$")
+ROUND_NAME = re.compile(r"^\d{4}-\d\d-\d\d_\d\d-\d\d$")
+ROUND_OPENED = re.compile(r"coordinator: restore round \d+ opened by")
 WAITED = re.compile(r"^restored step (?P<step>\d+) from (?P<source>.+)$")
 
 #: environment of the daemons: short GCS deadlines so a stalled bucket costs seconds
@@ -337,6 +340,9 @@ class Record:
     restored: dict[str, Any] = field(default_factory=dict)
     errors: dict[str, list[str]] = field(default_factory=dict)
     logs: dict[str, list[str]] = field(default_factory=dict)
+    #: restore rounds the coordinator opened during the injection (one per node and
+    #: restart is normal; hundreds mean the nodes kept reopening rounds)
+    restore_rounds: int = 0
 
     def line(self) -> str:
         state = "ok  " if self.ok else "FAIL"
@@ -439,10 +445,12 @@ class Campaign:
         #: job -> round -> seq: rounds verified complete by reading the bucket
         self.rounds: dict[str, dict[str, int]] = {}
         self.bad_rounds: dict[str, set[str]] = {}
-        self.verified: set[tuple[str, str]] = set()
         self.pre_problems: list[str] = []
         self.log_offsets: dict[int, int] = {}
         self._client: Any = None  # google.cloud.storage.Client, made on first use
+        #: (job, round) -> the (rank, step) .meta objects and whether every node claimed
+        #: the round, at its last check
+        self._round_checked: dict[tuple[str, str], tuple[Any, ...]] = {}
         # per injection (reset by run_one)
         self.notes: list[str] = []
         self.pre_notes: list[str] = []
@@ -719,41 +727,70 @@ class Campaign:
         return v.seq if v is not None else None
 
     def _verify_rounds(self) -> None:
-        """Read every round all ranks reported from the bucket; keep those whose bytes are
-        exactly one version's (a claim the bucket contradicts is a problem)."""
-        for rnd, ranks in self.claims.get(self.job, {}).items():
-            if (self.job, rnd) in self.verified or sorted(ranks) != list(range(NODES)):
+        """Read the job's rounds from the bucket (not from tierfs): a round is complete when
+        every rank's ``.meta`` names data objects holding exactly one version's bytes, the
+        same version for every rank. A round every node reported backed up that the bucket
+        contradicts is a problem of this injection."""
+        if self._client is None:
+            self._client = self.gcs.client()
+        client, bucket = self._client, self.gcs.bucket
+        top = client.list_blobs(bucket, prefix=f"{self.job}/", delimiter="/")
+        list(top)  # the prefixes are known once the pages are read
+        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in top.prefixes)
+        done = self.rounds.setdefault(self.job, {})
+        bad = self.bad_rounds.get(self.job, set())
+        for rnd in names:
+            if rnd in done or rnd in bad or not ROUND_NAME.match(rnd):
                 continue
-            steps = set(ranks.values())
-            self.verified.add((self.job, rnd))
-            if len(steps) != 1:
-                self.pre_problems.append(f"round {rnd}: nodes report different steps {ranks}")
-                continue
-            step = steps.pop()
-            seqs, problems = set(), []
-            for r in range(NODES):
-                try:
-                    files = self._round_part(rnd, step, r)
-                except Exception as exc:
-                    problems.append(f"rank {r}'s part unreadable: {exc!r}")
-                    continue
-                v = self.truth.identify(self.epoch, r, step, digest(files))
-                if v is None:
-                    problems.append(f"rank {r}'s part holds bytes of no save of step {step} "
-                                    f"({len(files)} objects)")
-                else:
-                    seqs.add(v.seq)
-            if problems or len(seqs) != 1:
+            prefix = f"{self.job}/{rnd}/"
+            blobs = {b.name[len(prefix):]: b for b in client.list_blobs(bucket, prefix=prefix)}
+            metas = {}
+            for name in blobs:
+                m = META.fullmatch(name)
+                if m and m["job"] == self.job and m["w"] == "0":
+                    metas[int(m["rank"])] = int(m["step"])
+            key = (self.job, rnd)
+            claims = self.claims.get(self.job, {}).get(rnd, {})
+            claimed = sorted(claims) == list(range(NODES))
+            seen = (*sorted(metas.items()), claimed)
+            if self._round_checked.get(key) == seen:
+                continue  # nothing new since the last look
+            self._round_checked[key] = seen
+            problem = self._judge_round(rnd, metas, blobs)
+            if problem is not None and claimed:
                 self.pre_problems.append(
-                    f"round {rnd}: every node reported step {step} backed up, but the bucket "
-                    f"says otherwise: {'; '.join(problems) or f'mixed saves {sorted(seqs)}'}")
-                continue
-            self.rounds.setdefault(self.job, {})[rnd] = seqs.pop()
+                    f"round {rnd}: every node reported step(s) {sorted(set(claims.values()))} "
+                    f"backed up there, but the bucket says otherwise: {problem}")
 
-    def _round_part(self, rnd: str, step: int, rank: int) -> dict[str, bytes]:
-        """Rank ``rank``'s files in round ``rnd`` as the bucket holds them (path -> bytes)."""
-        blobs, prefix = self._round_objects(rnd, step, rank)
-        return {b.name[len(prefix):]: b.download_as_bytes() for b in blobs}
+    def _judge_round(self, rnd: str, metas: dict[int, int], blobs: dict[str, Any]
+                     ) -> str | None:
+        """Record ``rnd`` as complete (returns None) or say why it is not."""
+        if sorted(metas) != list(range(NODES)):
+            return f"ranks {sorted(set(range(NODES)) - set(metas))} have no .meta"
+        steps = set(metas.values())
+        if len(steps) != 1:
+            return f"ranks name different steps {metas}"
+        step = steps.pop()
+        seqs, problems = set(), []
+        for r in range(NODES):
+            try:
+                name = blobs[f"{self.job}-s{step}-n{r}-w0.meta"].download_as_bytes().decode()
+                data = f"{name.strip()}.data/"
+                files = {n[len(data):]: b.download_as_bytes() for n, b in blobs.items()
+                         if n.startswith(data)}
+            except Exception as exc:
+                problems.append(f"rank {r}'s part unreadable: {exc!r}")
+                continue
+            v = self.truth.identify(self.epoch, r, step, digest(files))
+            if v is None:
+                problems.append(f"rank {r}'s part holds bytes of no save of step {step} "
+                                f"({len(files)} objects)")
+            else:
+                seqs.add(v.seq)
+        if problems or len(seqs) != 1:
+            return "; ".join(problems) or f"ranks hold different saves {sorted(seqs)}"
+        self.rounds[self.job][rnd] = seqs.pop()
+        return None
 
     def _round_objects(self, rnd: str, step: int, rank: int) -> tuple[list[Any], str]:
         """The data objects of rank ``rank``'s part of ``rnd`` (via its ``.meta``) and
@@ -911,22 +948,31 @@ class Campaign:
         agreed = {o.step for o in out.values() if not o.error}
         if len(agreed) == 1 and not any(o.error for o in out.values()):
             step = agreed.pop()
-            for i in range(NODES):
-                if step is None:
+            if step is None:
+                for i in range(NODES):
                     out.setdefault(i, NodeRestore(None))
-                    continue
-                o = out.get(i)
-                out[i] = self._present(i, step, o.wait_rc if o else None)
-                out[i].said = o.said if o else ""
+            else:  # every node, the survivors too
+                out = self._present_all({i: step for i in range(NODES)}, out)
         else:  # no agreement: still record which bytes each restarted node shows
-            for i, o in list(out.items()):
-                if o.step is not None and not o.error:
-                    r = self._present(i, o.step, o.wait_rc)
-                    r.said = o.said
-                    out[i] = r
+            out = self._present_all({i: o.step for i, o in out.items()
+                                     if o.step is not None and not o.error}, out)
         for i in range(NODES):
             if i in out:
                 out[i].errors += take_errors(self.root(i))
+        return out
+
+    def _present_all(self, steps: dict[int, int], waited: dict[int, NodeRestore]
+                     ) -> dict[int, NodeRestore]:
+        """:meth:`_present` for every node of ``steps`` at once; keeps what ``tierfs wait``
+        said; the other nodes of ``waited`` stay as they are."""
+        got = parallel(lambda i: self._present(i, steps[i], waited[i].wait_rc
+                                               if i in waited else None), sorted(steps))
+        out = dict(waited)
+        for i, r in got.items():
+            if isinstance(r, BaseException):
+                r = NodeRestore(None, error=f"reading checkpoint-{steps[i]}: {r!r}")
+            r.said = waited[i].said if i in waited else ""
+            out[i] = r
         return out
 
     def _present(self, i: int, step: int, wait_rc: int | None) -> NodeRestore:
@@ -1394,6 +1440,10 @@ class Campaign:
                         for i, o in sorted(outcomes.items())}
         rec.errors = {str(i): o.errors for i, o in sorted(outcomes.items()) if o.errors}
         self._keep_logs(rec, since=time.time() - (time.monotonic() - fault.t0))
+        rec.restore_rounds = len(ROUND_OPENED.findall(self._log_slice(0)))
+        if rec.restore_rounds > 3 * NODES:
+            rec.notes.append(f"the coordinator opened {rec.restore_rounds} restore rounds "
+                             "during this injection")
         self._go_on(outcomes)
         return rec
 
@@ -1446,12 +1496,18 @@ class Campaign:
             for inj in self.plan:
                 try:
                     rec = self.run_one(inj)
-                except Exception as exc:  # a harness step failed: record it, start over
+                except Exception as exc:  # a step failed: record it, start over
                     rec = Record(inj.index, self.seed, inj.kind, inj.variant, inj.mode,
                                  self.epoch, self.job, inj.node, inj.other, inj.settle,
-                                 ok=False, reasons=[f"campaign step failed: {exc!r}"])
+                                 ok=False, reasons=[*self.pre_problems, *self.reasons_extra,
+                                                    f"campaign step failed: {exc!r}"],
+                                 notes=list(self.notes))
                     self._keep_logs(rec)
-                    self.new_epoch(inj.mode, "after a harness error")
+                    try:
+                        self.new_epoch(inj.mode, "after a failed step")
+                    except Exception as again:  # once more from scratch, then give up
+                        rec.reasons.append(f"a new epoch failed too: {again!r}")
+                        self.new_epoch(inj.mode, "after a failed new epoch")
                 self.records.append(rec)
                 log.write(json.dumps(asdict(rec)) + "\n")
                 log.flush()

@@ -24,10 +24,13 @@ are exactly the bytes of one version's rank r. Then :func:`counted_copies`
 drops copies that ``--keep-local`` retention may remove before the restore:
 a copy with ``keep_local`` or more newer versions of its rank that are held
 on h or still on their way to h (h is r or r's replica target, and r sealed
-a non-abandoned newer version) does not count. A bucket round counts only if
-every rank reported (``tierfs status`` of each node: step S backed up to
-round R) **and** the campaign's own read of the bucket found every rank's
-objects with exactly the version's bytes.
+a non-abandoned newer version) does not count. A bucket round counts when
+the campaign's own read of the bucket (google-cloud-storage, not tierfs)
+finds for every rank its ``.meta`` naming data objects with exactly the
+bytes of one version's rank, the same version for every rank (the ``.meta``
+is written last, so this is a complete round). What each node's ``tierfs
+status`` reported backed up is kept as its claim; a round every node claimed
+that the bucket contradicts fails the injection.
 
 The fault then destroys copies: node loss (every copy on that node), cluster
 loss (every RAM copy), a flipped bit in a replica (that copy), a flipped bit
