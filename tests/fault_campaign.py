@@ -393,7 +393,7 @@ class Snapshot:
 
 @dataclass
 class Fault:
-    """What a fault destroyed and which daemons it restarted."""
+    """What a fault destroyed (for the oracle) and when it hit (``time.monotonic()``)."""
 
     lost: set[int] = field(default_factory=set)
     bad_copies: set[Copy] = field(default_factory=set)
@@ -453,7 +453,6 @@ class Campaign:
         self._round_checked: dict[tuple[str, str], tuple[Any, ...]] = {}
         # per injection (reset by run_one)
         self.notes: list[str] = []
-        self.pre_notes: list[str] = []
         self.reasons_extra: list[str] = []
         self.late_snapshot: Snapshot | None = None
 
@@ -618,14 +617,12 @@ class Campaign:
                 out.append(int(m[1]))
         return sorted(out)
 
-    def save_all(self, backup: bool = False, skip: frozenset[int] = frozenset()
-                 ) -> tuple[Version, dict[int, Any]]:
-        """Every rank (but ``skip``) saves the next step; returns the version and per
-        rank None or the exception."""
+    def save_all(self, backup: bool = False) -> tuple[Version, dict[int, Any]]:
+        """Every rank saves the next step at once; returns the version and per rank None
+        or the exception its save raised."""
         v = self.truth.new_version(self.step + 1, self.epoch)
         self.step = v.step
-        ranks = [i for i in range(NODES) if i not in skip]
-        res = parallel(lambda i: self.save_one(i, v, backup), ranks)
+        res = parallel(lambda i: self.save_one(i, v, backup), list(range(NODES)))
         return v, res
 
     def _train(self, inj: Injection) -> Version:
@@ -646,7 +643,7 @@ class Campaign:
         try:
             wait_for(idle, 60, "no backup round running")
         except TimeoutError as exc:
-            self.pre_notes.append(str(exc))
+            self.notes.append(str(exc))
 
     def _settle(self, inj: Injection, v: Version) -> None:
         if inj.settle == "hot":
@@ -660,7 +657,7 @@ class Campaign:
                     wait_for(lambda i=i: self._backed_up(i, v.step), 60,
                              f"node {i}: step {v.step} backed up")
         except TimeoutError as exc:
-            self.pre_notes.append(f"settle: {exc}")
+            self.notes.append(f"settle: {exc}")
 
     def _own_state(self, i: int, step: int) -> str | None:
         for s in self.status(i)["steps"]:
@@ -1327,26 +1324,16 @@ class Campaign:
         root = self.root(n)
         filler = root / "filler.bin"
         fault.t0 = time.monotonic()
-        sv = os.statvfs(root)
-        free = sv.f_bavail * sv.f_frsize
-        written = 0
-        try:
-            with open(filler, "wb") as f:
-                chunk = b"\0" * (256 << 10)
-                while written < free - (16 << 10):
-                    k = min(len(chunk), free - (16 << 10) - written)
-                    f.write(chunk[:k])
-                    written += k
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC:
-                self.reasons_extra.append(f"filling node {n}'s RAM budget failed with "
-                                          f"{errno.errorcode.get(exc.errno, exc.errno)}")
+        written, full = self._fill(filler, cap=2 * self._budget(n))
+        if not full:
+            self.reasons_extra.append(f"node {n}: {written} bytes written past its "
+                                      f"{RAM_SIZE} RAM budget without ENOSPC")
         v, res = self.save_all()
         err = res.get(n)
         if err is None:
             self.reasons_extra.append(f"node {n}: saving step {v.step} ({self.size} bytes) "
-                                      f"succeeded with the RAM budget full "
-                                      f"({free - written} bytes free)")
+                                      f"succeeded although a filler of {written} bytes had "
+                                      "just got ENOSPC")
         elif not isinstance(err, OSError) or err.errno != errno.ENOSPC:
             self.reasons_extra.append(f"node {n}: saving step {v.step} on a full RAM budget "
                                       f"failed with {err!r}, not ENOSPC")
@@ -1367,6 +1354,35 @@ class Campaign:
             self.reasons_extra.append(f"node {n}: saving step {v.step} again after freeing "
                                       f"the RAM failed: {exc!r}")
         return self.progress(v)
+
+    def _budget(self, i: int) -> int:
+        sv = os.statvfs(self.root(i))
+        return sv.f_blocks * sv.f_frsize
+
+    @staticmethod
+    def _fill(path: Path, cap: int) -> tuple[int, bool]:
+        """Write zeros to ``path`` until ENOSPC, with ever smaller writes (the RAM budget is
+        then full to within 64 bytes, whatever tierfs could reclaim); at most ``cap`` bytes.
+
+        Returns (bytes written, True if ENOSPC ended it).
+
+        Raises:
+            OSError: a write failed with another errno than ENOSPC.
+        """
+        written = 0
+        with open(path, "wb", buffering=0) as f:
+            for size in (256 << 10, 16 << 10, 1 << 10, 64):
+                chunk = b"\0" * size
+                while written < cap:
+                    try:
+                        written += f.write(chunk) or 0
+                    except OSError as exc:
+                        if exc.errno != errno.ENOSPC:
+                            raise
+                        break
+                else:
+                    return written, False
+        return written, True
 
     # ------------------------------------------------------------------ one injection
 
@@ -1402,7 +1418,6 @@ class Campaign:
         rec = Record(inj.index, self.seed, inj.kind, inj.variant, inj.mode, self.epoch, self.job,
                      inj.node, inj.other, inj.settle)
         self.notes = rec.notes
-        self.pre_notes = rec.notes
         self.reasons_extra = []
         self.pre_problems = []
         self.late_snapshot = None
