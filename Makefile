@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-fast lint demo bench clean
+.PHONY: install test test-fast lint demo bench soak clean
 
 $(BIN)/tierfs:
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,15 @@ bench: install
 	$(BIN)/python bench/fs_bench.py
 	$(BIN)/python bench/peer_bench.py
 	$(BIN)/python bench/gcs_bench.py
+
+# The randomized fault campaign of tests/fault_campaign.py, longer than the suite's
+# 20 injections; prints per kind: count, failures, recovery median/max. Needs root.
+SEED ?= 1
+INJECTIONS ?= 200
+SOAK_MODE ?= both
+soak: install
+	$(BIN)/python tests/fault_campaign.py --seed $(SEED) --injections $(INJECTIONS) \
+		--mode $(SOAK_MODE) $(if $(SOAK_OUT),--out $(SOAK_OUT))
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
