@@ -821,6 +821,7 @@ class PeerTier(PeerHost):
                             log.info("coordinator %s reachable again", coord)
                         self._coord_ok = True
                 except grpc.RpcError as exc:
+                    self.restore_round = 0  # unknown now: retention must not stay paused
                     self.last_error = f"coordinator {coord}: {rpc_reason(exc)}"
                     if self._coord_ok is not False:
                         log.warning("%s", self.last_error)
@@ -852,6 +853,7 @@ class PeerTier(PeerHost):
                 self.client.sync, coord, job.name, job.node_rank, self.incarnation, step,
                 inventory, self._backup_outcome())
             if not reply.known:
+                self.restore_round = 0
                 fields = self.join_fields(job)
                 try:
                     joined = await trio.to_thread.run_sync(lambda: self.client.join(
