@@ -124,6 +124,7 @@ class BucketView:
         return min(steps) if steps else None
 
     def holds_anything(self) -> bool:
+        """The bucket holds something of the job (a round, a part, restore.version)."""
         return bool(self.parts or self.incomplete or self.rounds or self.forced)
 
     def problems_above(self, step: int | None) -> list[str]:

@@ -64,6 +64,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -912,7 +913,7 @@ class GcsTier:
 
     def read_bucket(self, job: str, nodes: int, depth: int = 1, *,
                     deadline: float = RESTORE_LOOKUP_DEADLINE,
-                    report: Any = None) -> BucketView:
+                    report: Callable[[str], None] | None = None) -> BucketView:
         """What the bucket holds for a restore of ``job`` with ``nodes`` nodes (blocking;
         the coordinator's reader, or the node's own on one node).
 
@@ -970,7 +971,8 @@ class GcsTier:
         return BucketView(tuple(parts), tuple(incomplete), tuple(read),
                           exhausted=len(read) == len(names), depth=depth)
 
-    def _unreadable(self, line: str, depth: int, report: Any) -> BucketView:
+    def _unreadable(self, line: str, depth: int,
+                    report: Callable[[str], None] | None) -> BucketView:
         log.warning("restore: %s", line)
         if report is not None:
             report(f"restore: {line}; deciding without the bucket")
