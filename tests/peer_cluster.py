@@ -9,6 +9,7 @@ processes running ``tests/mtc_client.py`` on every node at once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -138,6 +139,16 @@ class Cluster:
         for i, m in enumerate(self.mounts):
             out.append(f"----- node {i} log -----\n{m.log()[-6000:]}")
         return "\n".join(out)
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    """Every file under ``root``: relative path -> sha256 of its bytes."""
+    out = {}
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            p = Path(dirpath) / name
+            out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
 
 
 def flip_byte(path: str | os.PathLike[str], offset: int = 100) -> None:

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierfs.coordinator import (
     DECIDED,
+    FRESH,
+    MAX_DECISIONS,
     PASSED,
     REJOIN,
     REPLAN,
+    RESTORED,
     WAITING,
+    BucketPart,
+    BucketView,
     Choice,
     Coordinator,
     Holding,
@@ -17,6 +26,7 @@ from tierfs.coordinator import (
     choose_restore,
     sources_for,
 )
+from tierfs.restore_choice import INCOMPLETE as NOT_COMPLETE
 from tierfs.tiers.gcs_schedule import (
     COMPLETE,
     DONE,
@@ -29,8 +39,13 @@ from tierfs.tiers.gcs_schedule import (
 )
 
 
-def H(rank, step, digest=None, verified=True):
-    return Holding(rank, step, verified, digest or f"d{rank}-{step}")
+def H(rank, step, digest=None, verified=True, created=0.0):
+    return Holding(rank, step, verified, digest or f"d{rank}-{step}", created=created)
+
+
+def P(rnd, rank, step, digest=None):
+    """A complete part of a backup round, with the digest a RAM copy would have."""
+    return BucketPart(rnd, rank, step, f"d{rank}-{step}" if digest is None else digest)
 
 
 # ---------------------------------------------------------------------- choose_restore
@@ -61,12 +76,19 @@ def test_unverified_and_bad_copies_do_not_count():
     assert choose_restore(2, inv, bad={(0, 1, 5), (1, 1, 5)}).step is None
 
 
-def test_none_and_fallback_hook():
+def test_nothing_complete_and_the_bucket():
     c = choose_restore(2, {0: [H(0, 3)], 1: []})
     assert c.step is None and "no step is complete" in c.reason
-    hook = Choice(7, backup="2026-01-02_03-04", reason="backup")
-    assert choose_restore(2, {0: [], 1: []}, fallback=lambda: hook) is hook
-    assert choose_restore(1, {0: [H(0, 3)]}, fallback=lambda: hook).step == 3  # cluster first
+    assert c.outcome == NOT_COMPLETE and c.problems == ("step 3 lacks rank(s) [1]",)
+    rnd = "2026-01-02_03-04"
+    bucket = BucketView(parts=(P(rnd, 0, 7), P(rnd, 1, 7)), rounds=(rnd,))
+    c = choose_restore(2, {0: [], 1: []}, bucket=bucket)
+    assert (c.step, c.backup, c.outcome) == (7, rnd, RESTORED)
+    assert c.rounds == {0: (rnd,), 1: (rnd,)} and c.holders == {0: (), 1: ()}
+    assert "step 7 from backup round 2026-01-02_03-04" in c.reason and not c.problems
+    # the newest step counting every tier: the bucket's 7 beats the cluster's 3
+    assert choose_restore(1, {0: [H(0, 3)]}, bucket=bucket).step == 7
+    assert choose_restore(1, {0: [H(0, 9)]}, bucket=bucket).step == 9
 
 
 def test_owner_copy_wins_then_majority_digest():
@@ -210,16 +232,31 @@ def test_retried_join_of_the_same_restore_is_idempotent():
     assert join(c, 1, [H(1, 1)]) == number
 
 
-def test_generic_round_borrows_live_nodes_inventory():
+def test_generic_round_summons_the_live_nodes():
+    """Regression (#19 case 3): a live node used to count with its heartbeat inventory,
+    so a node that had just started (empty inventory, its own restore still to come)
+    made the others decide "nothing"; and a survivor never had to present the step."""
     c, _clock = coord(live_seconds=5)
     join(c, 0, rid="", mode="generic")  # registered, heartbeating
     c.sync("job", 0, "inc0", 5, [H(0, 5), H(1, 5)])
     join(c, 1, [], rid="restart", mode="generic")  # node 1 restarted with empty RAM
     v = c.decide("job", 1, "restart")
+    assert v.state == WAITING and v.missing == (0,)
+    s = c.sync("job", 0, "inc0", 5, [H(0, 5), H(1, 5)])
+    assert s.summoned and s.restore_round == v.round
+    assert not c.sync("job", 1, "inc1", -1, []).summoned  # unknown member: joins first
+    join(c, 0, [H(0, 5), H(1, 5)], rid="summoned", mode="generic")
+    assert not c.sync("job", 0, "inc0", 5, [H(0, 5), H(1, 5)]).summoned
+    v = c.decide("job", 1, "restart")
     assert v.state == DECIDED and v.step == 5 and v.sources[0][0] == 0
-    assert c.round.borrowed == (0,)
-    # only the restoring node takes part in the barrier
-    assert c.barrier("job", 1, "restart", v.round, v.version, "ready").state == PASSED
+    v0 = c.decide("job", 0, "summoned")
+    assert v0.step == 5 and v0.local
+    # both take part in the barrier
+    assert c.barrier("job", 1, "restart", v.round, v.version, "ready").state == WAITING
+    assert c.barrier("job", 0, "summoned", v.round, v.version, "ready").state == PASSED
+    for r, rid in ((0, "summoned"), (1, "restart")):
+        c.barrier("job", r, rid, v.round, v.version, "done")
+    assert c.sync("job", 0, "inc0", 5, []).restore_round == 0  # finished
 
 
 def test_generic_round_waits_for_a_dead_node():
@@ -264,67 +301,76 @@ def test_nothing_to_restore():
 # ---------------------------------------------------------------------- restore.version
 
 
-def forced_round(step, name="2025-01-01_00-00"):
-    return Choice(step, reason=f"restore.version names round {name}", backup=name,
-                  forced=name)
+ROUND = "2025-01-01_00-00"
+
+
+def forced_view(step, name=ROUND, problem=None, nodes=2):
+    parts = tuple(P(name, r, step) for r in range(nodes)) if step is not None else ()
+    return BucketView(parts=parts, rounds=(name,), forced=name, forced_step=step,
+                      forced_problem=problem)
+
+
+def answer(c, view):
+    """Hand the bucket's answer to the round waiting for it (the servicer's job)."""
+    want = c.bucket_wanted()
+    assert want is not None, "the round does not wait for the bucket"
+    c.bucket_answered(want[0], dataclasses.replace(view, depth=want[3]))
 
 
 def test_restore_version_overrides_a_newer_step_complete_in_the_cluster():
-    reads = []
-
-    def override(job, nodes):
-        reads.append((job, nodes))
-        return forced_round(3)
-
-    c, _ = coord(override=override)
+    c, _ = coord(bucket=True)
     join(c, 0, [H(0, 5), H(1, 5)])
     join(c, 1, [H(1, 5)])
+    assert c.decide("job", 0, "r0").waiting_for == "the bucket"
+    assert c.bucket_wanted()[1:] == ("job", 2, 1)
+    answer(c, forced_view(3))
+    assert c.bucket_wanted() is None  # read once per restore round
     views = [c.decide("job", r, f"r{r}") for r in (0, 1)]
     for v in views:  # every node: the named round's step, from the bucket, no peer sources
-        assert (v.state, v.step, v.backup, v.forced) == (DECIDED, 3, "2025-01-01_00-00",
-                                                         "2025-01-01_00-00")
-        assert not v.local and not v.sources
-    assert reads == [("job", 2)]  # read once per restore round
+        assert (v.state, v.step, v.backup, v.forced) == (DECIDED, 3, ROUND, ROUND)
+        assert not v.local and not v.sources and v.backups == (ROUND,)
     # the same barrier as any restore
     assert c.barrier("job", 0, "r0", views[0].round, views[0].version, "ready").state == WAITING
     assert c.barrier("job", 1, "r1", views[1].round, views[1].version, "ready").state == PASSED
 
 
 def test_restore_version_that_cannot_be_restored_means_nothing():
-    reads = []
-
-    def override(job, nodes):
-        reads.append(job)
-        return forced_round(3)
-
-    c, _ = coord(override=override, fallback=lambda job, nodes: Choice(1, backup="old"))
+    c, _ = coord(bucket=True)
     join(c, 0, [H(0, 5), H(1, 5)])
     join(c, 1, [H(1, 5)])
+    c.decide("job", 1, "r1")
+    older = BucketPart("2024-01-01_00-00", 1, 1)
+    answer(c, dataclasses.replace(forced_view(3), parts=(*forced_view(3).parts, older)))
     v = c.decide("job", 1, "r1")
     # node 1 could not download its part of the named round: no fallback at all
-    assert c.barrier("job", 1, "r1", v.round, v.version, "ready", ok=False).state == REPLAN
+    b = c.barrier("job", 1, "r1", v.round, v.version, "ready", ok=False,
+                  bad=[(ROUND, 1, 3)], detail="crc32c mismatch")
+    assert b.state == REPLAN
     v2 = c.decide("job", 0, "r0")
-    assert v2.step is None and v2.forced == "2025-01-01_00-00"
+    assert v2.step is None and v2.forced == ROUND and v2.outcome == NOT_COMPLETE
     assert "could not be restored on every node" in v2.reason and "no fallback" in v2.reason
-    assert reads == ["job"]
+    assert c.bucket_wanted() is None
 
 
 def test_restore_version_naming_a_missing_round_means_nothing():
-    c, _ = coord(override=lambda job, nodes: Choice(
-        None, reason="restore.version names round 2031-01-01_00-00, which does not exist",
-        forced="2031-01-01_00-00"))
+    c, _ = coord(bucket=True)
     join(c, 0, [H(0, 5), H(1, 5)])
     join(c, 1, [H(1, 5)])
+    c.decide("job", 0, "r0")
+    answer(c, forced_view(None, "2031-01-01_00-00", problem="restore.version names round "
+                          "2031-01-01_00-00, which does not exist"))
     for r in (0, 1):
         v = c.decide("job", r, f"r{r}")
         assert v.state == DECIDED and v.step is None and v.forced == "2031-01-01_00-00"
-        assert "does not exist" in v.reason
+        assert "does not exist" in v.reason and v.outcome == NOT_COMPLETE
 
 
 def test_without_restore_version_the_cluster_decides():
-    c, _ = coord(override=lambda job, nodes: None)
+    c, _ = coord(bucket=True)
     join(c, 0, [H(0, 5), H(1, 5)])
     join(c, 1, [H(1, 5)])
+    c.decide("job", 0, "r0")
+    answer(c, BucketView())
     v = c.decide("job", 0, "r0")
     assert v.step == 5 and v.forced is None
 
@@ -513,3 +559,251 @@ def test_two_live_nodes_with_one_rank_are_refused():
     clock.t += c.live_seconds + 1
     c.join("job", 2, 1, "10.0.0.9:7000", "second", (), "", "protocol")
     assert [p.incarnation for p in c.peers() if p.rank == 1] == ["second"]
+
+
+# ---------------------------------------------------------------------- issue #19
+
+R1, R2, R3 = "2026-12-01_10-00", "2026-12-01_10-10", "2026-12-01_10-20"
+
+
+def round_of(name, step, nodes=4, skip=()):
+    return tuple(P(name, r, step) for r in range(nodes) if r not in skip)
+
+
+def decide_all(c, rids, nodes=4):
+    return [c.decide("job", r, rids[r]) for r in range(nodes)]
+
+
+def join_all(c, invs, nodes=4, mode="protocol"):
+    for r in range(nodes):
+        c.join("job", nodes, r, f"10.0.0.{r}:7000", f"inc{r}", invs.get(r, ()), f"x{r}", mode)
+    return {r: f"x{r}" for r in range(nodes)}
+
+
+def test_no_decision_before_the_bucket_answered():
+    """Case 3: with a bucket, every node waits for the bucket's answer; the same
+    decision (the bucket's step) for every node, never "nothing" first."""
+    c, _ = coord(bucket=True)
+    rids = join_all(c, {})
+    views = decide_all(c, rids)
+    assert {(v.state, v.waiting_for) for v in views} == {(WAITING, "the bucket")}
+    assert c.status()["round"]["waiting_for"] == "the bucket"
+    answer(c, BucketView(parts=round_of(R3, 30), rounds=(R3,)))
+    views = decide_all(c, rids)
+    assert [(v.step, v.backup, v.outcome) for v in views] == [(30, R3, RESTORED)] * 4
+    assert [d["step"] for d in c.history] == [30]
+
+
+def test_an_unreadable_bucket_is_never_a_fresh_start():
+    c, _ = coord(bucket=True)
+    rids = join_all(c, {})
+    decide_all(c, rids)
+    answer(c, BucketView(error="bucket unreachable: timed out"))
+    v = c.decide("job", 0, rids[0])
+    assert v.step is None and v.outcome == NOT_COMPLETE
+    assert "the bucket could not be read (bucket unreachable: timed out)" in v.reason
+    assert any("bucket unreachable" in p for p in v.problems)
+    # with a complete step in RAM the bucket is not needed, and its state is said once
+    c, _ = coord(bucket=True)
+    rids = join_all(c, {r: [H(r, 5)] for r in range(4)})
+    decide_all(c, rids)
+    answer(c, BucketView(error="bucket unreachable: timed out"))
+    v = c.decide("job", 2, rids[2])
+    assert v.step == 5 and v.local and v.outcome == RESTORED
+    assert v.problems == ("the bucket could not be read (bucket unreachable: timed out); "
+                          "deciding without it",)
+
+
+def test_fresh_only_when_nothing_exists_anywhere():
+    assert choose_restore(2, {0: [], 1: []}, bucket=BucketView()).outcome == FRESH
+    assert choose_restore(2, {0: [], 1: []}).outcome == FRESH
+    # a round that holds something but no complete step: incomplete, with why
+    why = "rank 0: D3bb6b.data: missing"
+    inc = BucketView(incomplete=((R3, 3, why),), rounds=(R3,))
+    c = choose_restore(2, {0: [], 1: []}, bucket=inc)
+    assert c.outcome == NOT_COMPLETE and c.step is None
+    assert f"backup round {R3} (step 3) is incomplete: {why}" in c.problems
+    # a peer holding part of a step
+    c = choose_restore(2, {0: [H(1, 4)], 1: []}, bucket=BucketView())
+    assert c.outcome == NOT_COMPLETE and c.problems == ("step 4 lacks rank(s) [0]",)
+    # copies a node discarded (corrupt) count as "something existed"
+    c = choose_restore(2, {0: [], 1: []}, notes=["node-rank 1 discarded its copy of step 4"])
+    assert c.outcome == NOT_COMPLETE
+
+
+def test_a_rank_from_the_bucket_the_others_from_ram():
+    """Node 1 lost; node 0's replica of its step 74 is corrupt (discarded): rank 1's
+    part of step 74 comes from the bucket, the other ranks from RAM."""
+    inv = {0: [H(0, 73), H(0, 74), H(1, 73)], 1: [],
+           2: [H(2, 73), H(2, 74), H(3, 73), H(3, 74)], 3: [H(3, 74), H(2, 74)]}
+    bucket = BucketView(parts=round_of(R3, 74), rounds=(R3,))
+    c = choose_restore(4, inv, bucket=bucket)
+    assert c.step == 74 and c.holders[1] == () and c.rounds[1] == (R3,)
+    assert c.holders[0] == (0,) and c.rounds[0] == (R3,)  # the same bytes are in R3 too
+    assert c.backup == R3 and "rank(s) [1] from backup round" in c.reason
+    assert choose_restore(4, inv).step == 73  # without the bucket: the previous step
+
+
+def test_a_corrupt_bucket_copy_falls_back_to_a_peer_replica():
+    """Case 6: node 3's part of step 30 in the bucket is corrupt; a peer holds it."""
+    inv = {0: [], 1: [], 2: [H(2, 30), H(3, 30)], 3: []}
+    bucket = BucketView(parts=round_of(R3, 30) + round_of(R2, 27), rounds=(R3, R2))
+    c = choose_restore(4, inv, bad={(R3, 3, 30)}, bucket=bucket)
+    assert c.step == 30 and c.holders[3] == (2,) and c.rounds[3] == ()
+    assert sources_for(c, 3, 4) == (False, [2])
+    c = choose_restore(4, inv, bad={(R3, 3, 30), (2, 3, 30)}, bucket=bucket)
+    assert c.step == 27 and "step 30 lacks rank(s) [3]" in c.reason
+    assert "bad copies: backup round 2026-12-01_10-20, node-rank 2" in c.problems[0]
+
+
+def test_other_bytes_of_a_step_in_the_bucket_are_not_mixed_in():
+    inv = {0: [H(0, 5)], 1: []}
+    other = (P(R3, 0, 5, "new-generation"), P(R3, 1, 5, "other"))
+    c = choose_restore(2, inv, bucket=BucketView(parts=other, rounds=(R3,)))
+    assert c.step is None
+    assert any("holds other bytes of step 5 for rank(s) [0]" in p for p in c.problems)
+
+
+def test_rounds_of_an_abandoned_history_are_not_used():
+    """restore.version rolled the job back to step 1 after round R2 backed up step 4;
+    the job then wrote a new step 2 (sealed after R2): R2's step 4 is abandoned."""
+    sealed_after = 1796000000.0 + 10 ** 7  # long after every round name below
+    inv = {0: [H(0, 2, "new", created=sealed_after)], 1: [H(1, 2, "new", created=sealed_after)]}
+    bucket = BucketView(parts=(P(R1, 0, 1), P(R1, 1, 1), P(R2, 0, 4), P(R2, 1, 4)),
+                        rounds=(R2, R1))
+    c = choose_restore(2, inv, bucket=bucket)
+    assert c.step == 2 and c.holders == {0: (0,), 1: (1,)}
+    # a later round holding a smaller step says the same without any seal time
+    bucket = BucketView(parts=(P(R2, 0, 4), P(R2, 1, 4), P(R3, 0, 2), P(R3, 1, 2)),
+                        rounds=(R3, R2))
+    assert choose_restore(2, {0: [], 1: []}, bucket=bucket).step == 2
+    c = choose_restore(2, {0: [], 1: []}, bad={(R3, 0, 2)}, bucket=bucket)
+    assert c.step is None and any("rolled back" in p for p in c.problems)
+
+
+def test_a_replan_is_a_new_decision_for_every_node():
+    """Case 6 (split restore): cluster loss, rank 3's object of the newest round is
+    corrupt. Nodes 0-2 already hold step 30 (ready); node 3 fails: every node is
+    told to replan and all restore step 27, none stays on 30."""
+    c, _ = coord(bucket=True)
+    rids = join_all(c, {}, mode="generic")
+    decide_all(c, rids)
+    answer(c, BucketView(parts=round_of(R3, 30) + round_of(R2, 27), rounds=(R3, R2)))
+    views = decide_all(c, rids)
+    assert {v.step for v in views} == {30}
+    for r in (0, 1, 2):
+        assert c.barrier("job", r, rids[r], views[r].round, views[r].version,
+                         "ready").state == WAITING
+    b = c.barrier("job", 3, rids[3], views[3].round, views[3].version, "ready", ok=False,
+                  bad=[(R3, 3, 30)], detail="got 1117718 bytes crc32c 24143f9a, manifest "
+                  "... crc32c 5a996919")
+    assert b.state == REPLAN
+    for r in (0, 1, 2):  # the nodes that were ready must fetch again
+        assert c.barrier("job", r, rids[r], views[r].round, views[r].version,
+                         "ready").state == REPLAN
+        assert c.barrier("job", r, rids[r], views[r].round, views[r].version,
+                         "done").state == REPLAN
+    again = decide_all(c, rids)
+    assert [(v.step, v.backup) for v in again] == [(27, R2)] * 4
+    assert again[0].version == views[0].version + 1
+    assert any("node-rank 3: got 1117718 bytes" in p for p in again[0].problems)
+    for r in range(4):
+        c.barrier("job", r, rids[r], again[r].round, again[r].version, "ready")
+    assert c.round.ready_passed
+
+
+def test_a_replan_below_the_rounds_read_reads_older_rounds():
+    c, _ = coord(bucket=True)
+    rids = join_all(c, {})
+    decide_all(c, rids)
+    answer(c, BucketView(parts=round_of(R3, 30), rounds=(R3,), exhausted=False))
+    v = c.decide("job", 3, rids[3])
+    c.barrier("job", 3, rids[3], v.round, v.version, "ready", ok=False, bad=[(R3, 3, 30)])
+    v = c.decide("job", 0, rids[0])
+    assert v.state == WAITING and v.waiting_for == "older backup rounds"
+    assert c.bucket_wanted()[3] == 3
+    answer(c, BucketView(parts=round_of(R3, 30) + round_of(R2, 27), rounds=(R3, R2, R1),
+                         exhausted=False))
+    assert [v.step for v in decide_all(c, rids)] == [27] * 4
+
+
+def test_a_failure_without_bad_copies_excludes_its_sources_and_the_round_ends():
+    """Case 6 (stuck restore): a node that cannot get its data for another reason
+    (no room, every source unreachable) must not get the same plan forever."""
+    c, _ = coord()
+    inv = {0: [H(0, 2), H(0, 3), H(1, 2), H(1, 3)], 1: []}
+    join(c, 0, inv[0])
+    join(c, 1, [])
+    v = c.decide("job", 1, "r1")
+    assert v.step == 3
+    c.barrier("job", 1, "r1", v.round, v.version, "ready", ok=False, detail="ENOSPC")
+    v = c.decide("job", 1, "r1")
+    assert v.step == 2
+    c.barrier("job", 1, "r1", v.round, v.version, "ready", ok=False, detail="ENOSPC")
+    v = c.decide("job", 1, "r1")
+    assert v.step is None and v.outcome == NOT_COMPLETE
+    assert "node-rank 1: ENOSPC" in " ".join(v.problems)
+    assert c.decide("job", 0, "r0").step is None  # the same for every node
+
+
+def test_decisions_of_a_round_are_bounded():
+    c, _ = coord()
+    join(c, 0, [H(0, 1), H(1, 1)])
+    join(c, 1, [])
+    r = c.round
+    r.version = MAX_DECISIONS - 1
+    v = c.decide("job", 1, "r1")
+    c.barrier("job", 1, "r1", v.round, v.version, "ready", ok=False, bad=[(7, 1, 1)],
+              detail="boom")
+    v = c.decide("job", 1, "r1")
+    assert v.step is None and "after 64 decisions" in v.reason
+
+
+def test_the_sync_reply_says_a_restore_round_is_open():
+    c, clock = coord()
+    join(c, 0, rid="")
+    join(c, 1, rid="")
+    assert c.sync("job", 0, "inc0", 1, []).restore_round == 0
+    join(c, 1, [], rid="again")
+    n = c.round.number
+    assert c.sync("job", 0, "inc0", 1, []).restore_round == n
+    assert not c.sync("job", 0, "inc0", 1, []).summoned  # protocol mode: no summons
+    clock.t += 61  # nobody of the round was heard from: retention goes on again
+    assert c.sync("job", 0, "inc0", 1, []).restore_round == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_property_the_choice_is_the_newest_step_with_a_good_copy_of_every_rank(data):
+    nodes = data.draw(st.integers(1, 4))
+    steps = st.integers(1, 5)
+    inventories = {h: data.draw(st.lists(st.builds(H, st.integers(0, nodes - 1), steps),
+                                         max_size=6)) for h in range(nodes)}
+    rounds = ["2026-12-01_10-0" + str(i) for i in range(3)]
+    parts = tuple(data.draw(st.lists(st.builds(P, st.sampled_from(rounds),
+                                               st.integers(0, nodes - 1), steps),
+                                     max_size=8, unique_by=lambda p: (p.round, p.rank))))
+    # a round backs up one step (per rank) and steps grow with round names
+    parts = tuple(p for p in parts if all(q.step == p.step for q in parts if q.round == p.round))
+    parts = tuple(p for p in parts if all(
+        (q.round < p.round) == (q.step < p.step) or q.step == p.step for q in parts))
+    copies = {(h, x.rank, x.step) for h, xs in inventories.items() for x in xs}
+    copies |= {(p.round, p.rank, p.step) for p in parts}
+    bad = set(data.draw(st.lists(st.sampled_from(sorted(copies, key=str)), max_size=4))
+              if copies else [])
+    names = tuple(sorted({p.round for p in parts}, reverse=True))
+    c = choose_restore(nodes, inventories, bad, BucketView(parts=parts, rounds=names))
+    good = copies - bad
+
+    def complete(step):
+        return all(any(r == rank and s == step for _h, r, s in good) for rank in range(nodes))
+
+    newest = max((s for _h, _r, s in good if complete(s)), default=None)
+    assert c.step == newest
+    if c.step is None:
+        assert c.outcome == (FRESH if not copies else NOT_COMPLETE)
+        return
+    for rank in range(nodes):
+        offered = {(h, rank, c.step) for h in c.holders.get(rank, ())}
+        offered |= {(n, rank, c.step) for n in c.rounds.get(rank, ())}
+        assert offered and offered <= good  # every rank has a source, none known bad

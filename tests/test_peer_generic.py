@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import tierfs
-from peer_cluster import Cluster, flip_byte, wait_until
+from peer_cluster import Cluster, flip_byte, tree_hashes, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -21,15 +20,6 @@ TRAIN = str(Path(__file__).with_name("torch_train.py"))
 def generic(n: int):
     return lambda i: ["--job", "hf", "--nodes", str(n), "--node-rank", str(i),
                       "--peers-per-node", "1"]
-
-
-def tree_hashes(root: Path) -> dict[str, str]:
-    out = {}
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            p = Path(dirpath) / name
-            out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
 
 
 def train(root: Path, until: int, seed: int) -> dict:
@@ -70,8 +60,9 @@ def test_torch_loop_resumes_after_a_node_loses_its_ram(make_mount):
     assert again["resumed_from"] == 6 and again["step"] == 8
 
 
-def test_corrupt_copy_caught_by_the_puller_falls_back_a_step(make_mount):
-    """In generic mode the live holder does not re-verify: the restoring node catches it."""
+def test_corrupt_copy_caught_by_the_holder_falls_back_a_step(make_mount):
+    """The live holder takes part in the restore round (summoned) and verifies its
+    copies first: it discards the bad one, and every node agrees on the older step."""
     c = Cluster(make_mount, 2, node_args=generic(2))
     for step in (2, 4):
         for i in range(2):
@@ -90,10 +81,13 @@ def test_corrupt_copy_caught_by_the_puller_falls_back_a_step(make_mount):
     assert c.status(1)["restore"]["step"] == 2, c.logs()
     assert tree_hashes(c.root(1) / "checkpoint-2") == before
     assert not (c.root(1) / "checkpoint-4").exists()
+    held = c.errors(0)
+    assert "step 4 of rank 1 failed verification" in held and "crc32c" in held
     errors = c.errors(1)
-    assert "the copy of step 4 of rank 1 on node-rank 0 is bad" in errors
-    assert "crc32c" in errors
-    assert c.peer(1)["wire"]["corrupt_copies"] == 1
+    assert "step 4 lacks rank(s) [1]" in errors
+    assert "node-rank 0 discarded its copy of step 4 of rank 1" in errors
+    survivor = c.status(0)["restore"]
+    assert (survivor["state"], survivor["step"], survivor["summoned"]) == ("done", 2, True)
 
 
 def test_a_step_sealed_while_its_peer_was_down_reaches_it_later(make_mount, monkeypatch):

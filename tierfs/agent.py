@@ -56,6 +56,15 @@ log = logging.getLogger(__name__)
 
 #: restore states a daemon restart resumes (the yaml is consumed, no marker yet)
 RESUMABLE_RESTORE_STATES = frozenset({"cleanup", "planning", "barrier"})
+#: restore states during which retention drops nothing (a copy may still be needed)
+RESTORING_STATES = RESUMABLE_RESTORE_STATES | {"pending"}
+
+#: how a restore ended (``restore_state["outcome"]``, ``tierfs wait``'s exit code):
+#: a step restored, nothing exists anywhere, something exists but no step is
+#: complete -- and the failures: a node never joined, a phase timed out, the
+#: coordinator refused this node, anything else
+RESTORED, FRESH, INCOMPLETE = "restored", "fresh", "incomplete"
+MISSING, TIMEOUT, REFUSED, FAILED = "missing", "timeout", "refused", "failed"
 
 STATUS_FILE = b".tierfs/status.json"
 CONTROL_DIR = ".tierfs"
@@ -160,10 +169,23 @@ class LocalCluster:
     """A one-node cluster: the newest local step whose checksums verify."""
 
     async def plan_restore(self, agent: NodeAgent, job: JobSpec) -> RestorePlan:
+        bad = []
         for shard in agent.own_shards(job):
             if await agent.verify_shard(shard):
-                return RestorePlan(shard.key.step, shard=shard, source="local")
-        return RestorePlan(None)
+                reason = f"step {shard.key.step} is complete on this node"
+                if bad:
+                    reason += f" (step(s) {bad} failed verification)"
+                return RestorePlan(shard.key.step, shard=shard, source="local",
+                                   detail={"reason": reason, "outcome": RESTORED,
+                                           "problems": [reason] if bad else []})
+            bad.append(shard.key.step)
+        if bad:
+            reason = f"no step is complete: step(s) {bad} failed verification"
+            return RestorePlan(None, source="none", detail={
+                "reason": reason, "outcome": INCOMPLETE, "problems": [reason]})
+        return RestorePlan(None, source="none", detail={
+            "reason": "no step of the job exists on this node (no peers, no bucket): a fresh "
+                      "start", "outcome": FRESH})
 
     async def restore_done(self, agent: NodeAgent, job: JobSpec, plan: RestorePlan) -> None:
         return None
@@ -236,6 +258,7 @@ class NodeAgent:
         self._io_limiter = trio.CapacityLimiter(2)
         self._nursery: trio.Nursery | None = None
         self._restore_scope: trio.CancelScope | None = None
+        self._generic_running = False
         self._token: trio.lowlevel.TrioToken | None = None
 
     # ------------------------------------------------------------------ wiring
@@ -508,6 +531,9 @@ class NodeAgent:
         self._load_state()
         if self.job is None:
             self._set_job(self._generic_job(), "generic")
+        if self.mode == "generic" and self.restore_state.get("state") in RESTORING_STATES:
+            # a generic restore is never resumed: a new one starts below
+            self.restore_state = {"state": "idle"}
         await trio.to_thread.run_sync(self._write_jax_init_info)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -526,8 +552,8 @@ class NodeAgent:
                 self._spawn(self._resume_restore, self.job)
             elif self.mode == "generic" and self.job is not None and self.job.nodes > 1:
                 # visible at once, so `tierfs wait` right after the mount waits for it
-                self.restore_state = {"state": "pending", "since": time.time()}
-                self._spawn(self._generic_restore, self.job)
+                # (unless the coordinator summoned this node while its tiers started)
+                self._start_generic_restore(self.job)
             task_status.started()
             async for event in self._recv:
                 try:
@@ -821,8 +847,13 @@ class NodeAgent:
 
         A restore pins the step it fetched (the peer tier) from the moment it is
         in the catalog: until the abandoned newer steps are dropped, it is the
-        oldest and would go first.
+        oldest and would go first. While a restore runs on this node nothing is
+        dropped at all: any copy may still be chosen (a replan after a bad
+        copy, another node's pull); the peer tier pins the job's copies while a
+        restore round of the cluster is open.
         """
+        if self.restore_state.get("state") in RESTORING_STATES:
+            return
         drop = retention(self.catalog, self.config.keep_local, self.pinned(), age=self.age)
         for key in drop:
             if self.mode == "protocol" and self.job and key.rank == self.job.node_rank:
@@ -905,7 +936,9 @@ class NodeAgent:
             except Exception as exc:
                 log.exception("restore failed")
                 self.report_failure(f"restore failed: {exc}")
-                self.restore_state = {"state": "failed", "error": str(exc)}
+                self.restore_state = {"state": "failed", "error": str(exc),
+                                      "outcome": getattr(exc, "outcome", FAILED),
+                                      "at": time.time()}
             finally:
                 if self._restore_scope is scope:
                     self._restore_scope = None
@@ -923,47 +956,95 @@ class NodeAgent:
         self.restore_state = {"state": "barrier", "step": step, "source": plan.source,
                               "since": time.time()}
         await self.cluster.restore_done(self, job, plan)
+        outcome = self._report_plan(plan)
         if step is None or plan.shard is None:
             await trio.to_thread.run_sync(
                 self.view.write_file, control.marker_name(job.name, 0, job.node_rank, 0), b"")
-            self.restore_state = {"state": "done", "step": None, "at": time.time()}
-            log.info("nothing to restore: published the empty s0 marker")
+            self.restore_state = {"state": "done", "step": None, "at": time.time(), **outcome}
+            log.info("nothing restored (%s): published the empty s0 marker",
+                     outcome.get("reason") or outcome["outcome"])
             return
         await trio.to_thread.run_sync(self.view.publish, job, plan.shard)
         self.restore_state = {"state": "done", "step": step, "source": plan.source,
-                              "backup": plan.backup, "at": time.time()}
+                              "backup": plan.backup, "at": time.time(), **outcome}
         log.info("restore of step %d published (%s)", step, plan.source)
 
-    async def _generic_restore(self, job: JobSpec) -> None:
-        """Generic mode after a node loss: bring the agreed step back under its own names.
+    def _report_plan(self, plan: RestorePlan) -> dict[str, Any]:
+        """Say in ``replicator.errors`` why the restore is not the newest step, or
+        nothing although something exists; returns the outcome fields of the
+        restore state (``outcome``, ``reason``, ``problems``)."""
+        d = plan.detail
+        outcome = d.get("outcome") or (RESTORED if plan.step else INCOMPLETE)
+        reason = str(d.get("reason") or "")
+        problems = [str(p) for p in d.get("problems") or []]
+        if plan.step is None and outcome == INCOMPLETE:
+            self.report_error(f"restore: nothing restored: {reason or 'no step is complete'}")
+        elif problems:
+            self.report_error(f"restore: step {plan.step} restored: {reason}")
+        for line in problems:
+            if line not in reason:
+                self.report_error(f"restore: {line}")
+        return {"outcome": outcome, "reason": reason, "problems": problems}
 
-        Frameworks that resume by listing their directory (HF Trainer,
-        Lightning, Megatron) then find ``checkpoint-<N>/``, ``iter_<N>/`` and
-        their tracker files as they left them.
+    async def _generic_restore(self, job: JobSpec, summoned: bool = False) -> None:
+        """Generic mode: take part in a restore round and present the agreed step in the
+        view under its own names.
+
+        Run after a node loss (this daemon started) and, with ``summoned``, on a
+        node that kept running when the coordinator asks it to join another
+        node's round: every node must be able to present the agreed step, so
+        a survivor that no longer holds it fetches it too. Frameworks that
+        resume by listing their directory (HF Trainer, Lightning, Megatron)
+        then find ``checkpoint-<N>/``, ``iter_<N>/`` and their tracker files
+        as they left them. A survivor keeps its newer steps.
         """
-        self.restore_state = {"state": "planning", "since": time.time()}
+        self._generic_running = True
+        self.restore_state = {"state": "planning", "since": time.time(),
+                              "summoned": summoned}
         try:
             plan = await self.cluster.plan_restore(self, job)
-            if plan.step:
+            if plan.step and not summoned:
                 self.drop_abandoned(job, plan.step)
             await self.cluster.restore_done(self, job, plan)
         except Exception as exc:
             log.exception("generic restore failed")
             self.report_error(f"restore failed: {exc}")
-            self.restore_state = {"state": "failed", "error": str(exc), "at": time.time()}
+            self.restore_state = {"state": "failed", "error": str(exc), "at": time.time(),
+                                  "outcome": getattr(exc, "outcome", FAILED)}
             return
+        finally:
+            self._generic_running = False
+        outcome = self._report_plan(plan)
         if plan.shard is None:
-            self.restore_state = {"state": "done", "step": None, "at": time.time()}
+            self.restore_state = {"state": "done", "step": None, "at": time.time(), **outcome}
             return
         shard = plan.shard
         created = await trio.to_thread.run_sync(self.view.link_missing, shard)
         self.view_steps[shard.manifest.name] = shard.key
         self.restore_state = {"state": "done", "step": shard.key.step, "source": plan.source,
-                              "backup": plan.backup, "at": time.time(), "created": created}
+                              "backup": plan.backup, "at": time.time(), "created": created,
+                              "summoned": summoned, **outcome}
         if created:
             log.info("generic restore: step %d back in the view as %s (%s)", shard.key.step,
                      ", ".join(created), plan.source)
         self._save_state()
+
+    def summoned(self, job: JobSpec) -> None:
+        """The coordinator asks this node to join a restore round (generic mode; trio
+        thread): join it unless a restore already runs here."""
+        if self.mode == "generic" and self.job is job and self._start_generic_restore(job,
+                                                                                      True):
+            log.info("the coordinator asks this node to join a restore round")
+
+    def _start_generic_restore(self, job: JobSpec, summoned: bool = False) -> bool:
+        """Start a generic restore unless one runs (one at a time: two restore ids of one
+        rank would take turns superseding each other's round). True if started."""
+        if self._generic_running:
+            return False
+        self._generic_running = True
+        self.restore_state = {"state": "pending", "since": time.time(), "summoned": summoned}
+        self._spawn(self._generic_restore, job, summoned)
+        return True
 
     async def _materialize(self, name: str, pub: Published) -> None:
         """After the client renamed a marker to ``name``: make ``name`` a real entry

@@ -553,6 +553,40 @@ def status(mountpoint: str, as_json: bool) -> None:
 #: restore states after which a node's view holds what it will resume from
 RESTORE_SETTLED = ("done", "failed", "idle")
 
+#: ``tierfs wait`` exit codes by restore outcome (README "tierfs wait")
+WAIT_EXIT = {"restored": 0, "fresh": 0, "failed": 1, "incomplete": 3, "missing": 4,
+             "refused": 5, "timeout": 6}
+#: ``tierfs wait``: the restore was still running when --timeout passed
+WAIT_STILL_RUNNING = 7
+
+
+def wait_outcome(restore: dict[str, Any]) -> tuple[int, str]:
+    """What ``tierfs wait`` prints and returns for a settled restore state (pure).
+
+    Returns:
+        (exit code, one line): 0 for a restored step or a true fresh start
+        (nothing of the job exists anywhere), else the code of
+        :data:`WAIT_EXIT` with the reason.
+    """
+    state = restore.get("state")
+    step = restore.get("step")
+    outcome = restore.get("outcome") or ("failed" if state == "failed" else
+                                         "restored" if step else "fresh")
+    reason = restore.get("reason") or restore.get("error") or ""
+    if state == "idle":
+        return 0, "no restore needed"
+    if state == "failed":
+        what = {"missing": "a node did not join", "refused": "the coordinator refused this "
+                "node", "timeout": "timed out"}.get(outcome, "failed")
+        return WAIT_EXIT.get(outcome, 1), f"restore {what}: {reason or 'see replicator.errors'}"
+    if step:
+        source = (f"GCS round {restore['backup']}" if restore.get("backup")
+                  else restore.get("source", "?"))
+        return 0, f"restored step {step} from {source}"
+    if outcome == "fresh":
+        return 0, f"nothing to restore{': ' + reason if reason else ''}"
+    return WAIT_EXIT.get(outcome, 1), f"nothing restored ({outcome}): {reason}"
+
 
 @main.command("wait")
 @click.argument("mountpoint", type=click.Path())
@@ -563,7 +597,11 @@ def wait_cmd(mountpoint: str, timeout: float) -> None:
     Use it between `tierfs mount` and starting a trainer that lists its own
     checkpoint directory (generic mode): after a node loss the restored step
     appears in the mount only when the cluster has agreed on it. Exit status
-    1 if the restore failed or did not finish within --timeout.
+    0: a step was restored, or nothing of the job exists anywhere (a fresh
+    start); 1: the restore failed; 3: something exists but no step is
+    complete (nothing restored); 4: a node did not join in time; 5: the
+    coordinator refuses this node; 6: a restore phase timed out; 7: still
+    running after --timeout.
     """
     deadline = time.monotonic() + timeout
     while True:
@@ -572,16 +610,19 @@ def wait_cmd(mountpoint: str, timeout: float) -> None:
         if state in RESTORE_SETTLED:
             break
         if time.monotonic() > deadline:
-            _fail(f"restore still {state} after {timeout:.0f}s (tierfs status {mountpoint})")
+            click.echo(f"tierfs: error: restore still {state} after {timeout:.0f}s "
+                       f"({restore.get('phase') or 'tierfs status ' + mountpoint})", err=True)
+            sys.exit(WAIT_STILL_RUNNING)
         time.sleep(0.2)
-    if state == "failed":
-        _fail(f"restore failed: {restore.get('error', 'see replicator.errors')}")
-    if restore.get("step"):
-        source = (f"GCS round {restore['backup']}" if restore.get("backup")
-                  else restore.get("source", "?"))
-        click.echo(f"restored step {restore['step']} from {source}")
-    else:
-        click.echo("nothing to restore" if state == "done" else "no restore needed")
+    code, line = wait_outcome(restore)
+    if not code:
+        click.echo(line)
+    for problem in restore.get("problems") or []:
+        if problem not in line:
+            click.echo(f"tierfs: note: {problem}", err=True)
+    if code:
+        click.echo(f"tierfs: error: {line}", err=True)
+        sys.exit(code)
 
 
 def _register_plugins() -> None:

@@ -3,37 +3,47 @@
 Every node joins with its inventory (which ranks' shards of which steps it
 holds, verified or not, with their manifest digests). The coordinator
 
-* picks the restore step: the newest step whose shard for **every** rank is
-  held, verified, by some node taking part (PROTOCOL.md section 4); if none,
-  a fallback hook (the GCS tier adds the bucket there), else "nothing";
+* waits until every rank has joined the restore round and, when node-rank 0
+  has a bucket, until the bucket has answered (or its deadline passed: the
+  decision then says so): no decision is made on part of the picture;
+* picks the restore step with :func:`tierfs.restore_choice.choose_restore`:
+  the newest step with a good copy of every rank's shard in some node's RAM
+  or in a backup round, or ``restore.version``'s round (PROTOCOL.md
+  sections 4 and 5); a "nothing" says whether it is a fresh start or why no
+  step is complete;
 * tells each node its plan: its own copy is local, or the holders to pull
-  it from (nearest on the ring first, so restores spread over the nodes);
+  it from (nearest on the ring first), then the backup rounds holding the
+  same bytes;
 * runs the restore barrier in two phases: ``ready`` (every node has its
-  data; a node that found every copy of its shard corrupt reports the bad
-  copies and the step is chosen again without them: *replan*) and ``done``
-  (prerestore written; markers are published after it);
+  data; a node that could not get any copy reports the copies it found bad
+  and the step is chosen again without them for *every* node: *replan*)
+  and ``done`` (prerestore written; markers are published after it). Every
+  replan excludes at least one more copy, so the loop ends: at worst with
+  "nothing" and the reasons;
 * after each sealed step, runs a sync round: every node reports the newest
   own step it has replicated to all its peers; when every rank has reported
-  a step, that step is the cluster's synced step;
-* with the durable tier's hooks (node-rank 0's GCS tier installs them):
-  ``override`` -- ``restore.version`` read once per restore round, which
-  replaces the choice for every node (PROTOCOL.md section 5; a missing or
-  incomplete named round means "nothing", never another step), ``fallback``
-  -- the newest complete backup when no step is complete in the cluster,
-  and ``backups`` -- a :class:`tierfs.tiers.gcs_schedule.RoundBook` that the
-  sync round drives: each ``Sync`` carries the node's outcome of the last
-  round it was ordered into, and its reply the round the node still has to
-  upload (PROTOCOL.md section 6: the sync round "also decides when a backup
-  round starts").
+  a step, that step is the cluster's synced step; the reply also says which
+  restore round is open (nodes pause retention meanwhile) and, in generic
+  mode, asks a live node that has not joined it to join (*summons*);
+* with a :class:`tierfs.tiers.gcs_schedule.RoundBook` (node-rank 0's GCS
+  tier installs it), decides backup rounds in the sync round: each ``Sync``
+  carries the node's outcome of the last round it was ordered into, and its
+  reply the round the node still has to upload (PROTOCOL.md section 6: the
+  sync round "also decides when a backup round starts").
 
 Rounds. A restore round collects one join per rank. In ``protocol`` mode
-(``replicator.yaml``) every rank must join, as MTC's nodes all do when a job
-restarts. In ``generic`` mode a restarted daemon restores alone while the
-others keep training: a rank that is live (heartbeat within
-``live_seconds``) and not restoring counts with its heartbeat inventory.
-A newer join of a rank replaces its older one while the round is open; a
-join with a new restore id after the decision opens the next round, and the
+(``replicator.yaml``) every rank joins when its job restarts, as MTC's nodes
+do. In ``generic`` mode a restarted daemon starts a round and the nodes that
+kept running join it when summoned: every node must be able to present the
+agreed step, so every node takes part in the decision and the barrier. A
+newer join of a rank replaces its older one while the round is open; a join
+with a new restore id after the decision opens the next round, and the
 participants of the old one are told to join again (``REJOIN``).
+
+The bucket is read outside the coordinator's lock: :meth:`Coordinator.bucket_wanted`
+says which read a round waits for, the servicer runs the reader the GCS tier
+installed (:meth:`CoordinatorServicer.set_bucket_reader`) in a thread of its
+own and hands the answer in with :meth:`Coordinator.bucket_answered`.
 
 This module is pure policy plus one thin gRPC servicer
 (:class:`CoordinatorServicer`); :class:`Coordinator` is plain data and is
@@ -47,10 +57,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierfs.restore_choice import (
+    FRESH,
+    INCOMPLETE,
+    RESTORED,
+    BucketPart,
+    BucketView,
+    Choice,
+    CopyId,
+    Holder,
+    Holding,
+    choose_restore,
+    needs_deeper_read,
+    sources_for,
+)
 from tierfs.tiers.gcs_schedule import Outcome, RoundBook, RoundView
 
 log = logging.getLogger(__name__)
@@ -64,135 +88,33 @@ WAITING, DECIDED, REJOIN, PASSED, REPLAN = "waiting", "decided", "rejoin", "pass
 PROTOCOL, GENERIC = "protocol", "generic"
 
 
+#: decisions of one round after which it gives up ("nothing", with the reasons)
+MAX_DECISIONS = 64
+#: a restore round not heard from for this many seconds no longer pauses retention
+ROUND_IDLE = 60.0
+#: complete backup rounds a first bucket read looks for (a replan may read deeper)
+BUCKET_DEPTH = 1
+
+__all__ = [
+    "FRESH",
+    "INCOMPLETE",
+    "RESTORED",
+    "BucketPart",
+    "BucketView",
+    "Choice",
+    "Coordinator",
+    "CoordinatorServicer",
+    "CopyId",
+    "Holder",
+    "Holding",
+    "Rejected",
+    "choose_restore",
+    "sources_for",
+]
+
+
 class Rejected(Exception):
     """A join the coordinator refuses; the message is one line for ``replicator.errors``."""
-
-
-@dataclass(frozen=True, order=True)
-class Holding:
-    """One shard in a node's inventory.
-
-    Attributes:
-        rank: the node rank whose data it is.
-        step: the step.
-        verified: its checksums were verified by the holding daemon.
-        digest: :attr:`tierfs.manifest.Manifest.digest` (equal: identical bytes).
-        bytes: its size in bytes.
-        name: its primary top-level entry.
-        backup_requested: the step carries ``_BACKUP_REQUESTED`` (back it up at once).
-    """
-
-    rank: int
-    step: int
-    verified: bool
-    digest: str
-    bytes: int = 0
-    name: str = ""
-    backup_requested: bool = False
-
-
-#: (holder node rank, shard rank, step): one copy of one shard
-CopyId = tuple[int, int, int]
-
-
-@dataclass(frozen=True)
-class Choice:
-    """The coordinator's decision for a round.
-
-    Attributes:
-        step: the step every node restores, or None for "nothing".
-        holders: shard rank -> node ranks holding the chosen copy, verified.
-        digests: shard rank -> the chosen copy's digest.
-        reason: one human line (why this step; which newer steps were incomplete).
-        backup: a backup round name when the step comes from the bucket.
-        forced: the round ``restore.version`` named when it made this choice
-            (then ``step`` None means "nothing, no fallback").
-    """
-
-    step: int | None
-    holders: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    digests: dict[int, str] = field(default_factory=dict)
-    reason: str = ""
-    backup: str | None = None
-    forced: str | None = None
-
-
-#: the hook for the durable tier: (job, nodes) -> a Choice restoring from the bucket, or None
-Fallback = Callable[[str, int], Choice | None]
-#: ``restore.version``: (job, nodes) -> a Choice with ``forced`` set, or None (no such file)
-Override = Callable[[str, int], Choice | None]
-
-
-def choose_restore(nodes: int, inventories: Mapping[int, Iterable[Holding]],
-                   bad: Iterable[CopyId] = (), fallback: Callable[[], Choice | None] | None = None
-                   ) -> Choice:
-    """Pick the newest step whose shard for every rank is held, verified, by some node.
-
-    Args:
-        nodes: number of node ranks N; shards of ranks outside [0, N) are ignored.
-        inventories: holder node rank -> what it holds.
-        bad: copies found corrupt (excluded).
-        fallback: asked when no step is complete in the cluster (the bucket).
-
-    Returns:
-        The choice. For each rank the copy is the owner's own one if it holds
-        a verified copy, else the digest most holders agree on.
-    """
-    excluded = set(bad)
-    table: dict[int, dict[int, dict[str, set[int]]]] = {}
-    for holder, held in inventories.items():
-        for h in held:
-            if not h.verified or not 0 <= h.rank < nodes or h.step < 0:
-                continue
-            if (holder, h.rank, h.step) in excluded:
-                continue
-            table.setdefault(h.step, {}).setdefault(h.rank, {}).setdefault(
-                h.digest, set()).add(holder)
-    skipped: list[str] = []
-    for step in sorted(table, reverse=True):
-        by_rank = table[step]
-        missing = [r for r in range(nodes) if r not in by_rank]
-        if missing:
-            skipped.append(f"step {step} lacks rank(s) {_ranks(missing)}")
-            continue
-        holders: dict[int, tuple[int, ...]] = {}
-        digests: dict[int, str] = {}
-        for r in range(nodes):
-            copies = by_rank[r]
-            own = [d for d, hs in copies.items() if r in hs]
-            digest = own[0] if own else sorted(copies, key=lambda d: (-len(copies[d]), d))[0]
-            digests[r] = digest
-            holders[r] = tuple(sorted(copies[digest]))
-        reason = f"step {step} is complete in the cluster"
-        if skipped:
-            reason += " (" + "; ".join(skipped) + ")"
-        return Choice(step, holders, digests, reason)
-    if fallback is not None:
-        choice = fallback()
-        if choice is not None:
-            return choice
-    reason = "no step is complete in the cluster"
-    if skipped:
-        reason += " (" + "; ".join(skipped) + ")"
-    return Choice(None, reason=reason)
-
-
-def sources_for(choice: Choice, rank: int, nodes: int) -> tuple[bool, list[int]]:
-    """Where node ``rank`` gets its shard of ``choice.step``.
-
-    Returns:
-        (local, holders): ``local`` when the node holds the chosen copy
-        itself; ``holders`` the other nodes holding it, nearest first on the
-        ring after ``rank`` (so several restoring nodes pull from different
-        peers).
-    """
-    holders = choice.holders.get(rank, ())
-    others = sorted((h for h in holders if h != rank), key=lambda h: (h - rank) % max(nodes, 1))
-    return rank in holders, others
-
-
-def _ranks(ranks: Iterable[int]) -> str:
-    return "[" + ", ".join(str(r) for r in sorted(ranks)) + "]"
 
 
 # ---------------------------------------------------------------------- state
@@ -217,17 +139,31 @@ class Member:
 
 @dataclass
 class Participant:
-    """A node taking part in a restore round."""
+    """A node taking part in a restore round.
+
+    Attributes:
+        notes: what the node found while checking its copies (discarded ones).
+    """
 
     rank: int
     restore_id: str
     inventory: tuple[Holding, ...]
     joined_at: float
+    notes: tuple[str, ...] = ()
 
 
 @dataclass
 class Round:
-    """One restore round (see the module docstring)."""
+    """One restore round (see the module docstring).
+
+    Attributes:
+        bucket: the bucket's answer for this round (None: not read yet).
+        bucket_depth: the complete rounds the decision needs the read to look for.
+        bad: copies found bad or unusable during this round.
+        notes: lines from the nodes (discarded copies, failed fetches).
+        waiting_for: what the decision waits for ("" or e.g. "the bucket").
+        touched: clock time of the last call of a participant.
+    """
 
     number: int
     strict: bool
@@ -236,15 +172,16 @@ class Round:
     choice: Choice | None = None
     version: int = 0
     inventories: dict[int, tuple[Holding, ...]] = field(default_factory=dict)
-    borrowed: tuple[int, ...] = ()
     bad: set[CopyId] = field(default_factory=set)
     ready: set[int] = field(default_factory=set)
     done: set[int] = field(default_factory=set)
     decided_at: float | None = None
     missing: tuple[int, ...] = ()
-    #: restore.version's choice, read once per round (see Coordinator.override)
-    override: Choice | None = None
-    override_read: bool = False
+    bucket: BucketView | None = None
+    bucket_depth: int = BUCKET_DEPTH
+    notes: list[str] = field(default_factory=list)
+    waiting_for: str = ""
+    touched: float = 0.0
     #: "ready" reports of nodes that could not get their data
     failures: int = 0
 
@@ -282,6 +219,12 @@ class DecideView:
     reason: str = ""
     backup: str | None = None
     forced: str | None = None
+    #: backup rounds holding this node's chosen copy, newest first
+    backups: tuple[str, ...] = ()
+    outcome: str = ""
+    problems: tuple[str, ...] = ()
+    #: while waiting: what for, besides the missing ranks
+    waiting_for: str = ""
 
 
 @dataclass(frozen=True)
@@ -302,6 +245,9 @@ class SyncView:
         backup_dedup: with the order: this node's shard has the same checksums as
             its data-parallel column's uploader's, so it may point at that data
             once the bucket holds it.
+        restore_round: the restore round in progress (0: none): nodes keep
+            every copy of the job meanwhile.
+        summoned: (generic mode) join that round: it waits for this node.
     """
 
     known: bool
@@ -311,6 +257,8 @@ class SyncView:
     backup_order: tuple[str, int] | None = None
     backup_last: RoundView | None = None
     backup_dedup: bool = False
+    restore_round: int = 0
+    summoned: bool = False
 
 
 @dataclass(frozen=True)
@@ -330,21 +278,20 @@ class Coordinator:
         live_seconds: a member heard from within this many seconds is live.
         own_rank: the rank of the node running the coordinator (0); its join
             with another job name switches the coordinator to that job.
-        fallback: the durable tier's hook, see :data:`Fallback`.
-        override: ``restore.version``, see :data:`Override`.
+        bucket: node-rank 0 has a bucket: every decision waits for the bucket's
+            answer (:meth:`bucket_wanted`, :meth:`bucket_answered`).
         backups: the backup rounds' book (see :meth:`set_backups`).
     """
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time, live_seconds: float = 5.0,
-                 own_rank: int = COORDINATOR_RANK, fallback: Fallback | None = None,
-                 override: Override | None = None, backups: RoundBook | None = None) -> None:
+                 own_rank: int = COORDINATOR_RANK, bucket: bool = False,
+                 backups: RoundBook | None = None) -> None:
         self.clock = clock
         self.wall = wall
         self.live_seconds = live_seconds
         self.own_rank = own_rank
-        self.fallback = fallback
-        self.override = override
+        self.bucket = bucket
         self.backups: RoundBook | None = None
         self.job: str | None = None
         self.nodes = 0
@@ -412,11 +359,13 @@ class Coordinator:
     def join(self, job: str, nodes: int, rank: int, address: str, incarnation: str,
              inventory: Iterable[Holding], restore_id: str = "", mode: str = PROTOCOL,
              *, backup_interval_minutes: float | None = None,
-             backup_interval_steps: int | None = None) -> int:
+             backup_interval_steps: int | None = None, notes: Iterable[str] = ()) -> int:
         """Register (or refresh) a node; with ``restore_id``, enter the restore round.
 
         The backup intervals are the node's job settings; node-rank 0's are
-        the ones the backup rounds follow (0 or None: not set).
+        the ones the backup rounds follow (0 or None: not set). ``notes``:
+        one line per copy the node discarded while checking it (reported
+        with a decision that is not the newest step).
 
         Returns:
             The round number the node is in (0 for a plain registration).
@@ -451,10 +400,12 @@ class Coordinator:
         m.backup_interval_steps = backup_interval_steps or None
         if not restore_id:
             return 0
+        joining = Participant(rank, restore_id, inv, now, tuple(notes))
         r = self.round
         if r is not None and r.choice is None and not r.finished:
-            r.joined[rank] = Participant(rank, restore_id, inv, now)
+            r.joined[rank] = joining
             r.strict = r.strict or mode == PROTOCOL
+            r.touched = now
             return r.number
         if r is not None and r.choice is not None and not r.finished:
             p = r.joined.get(rank)
@@ -462,8 +413,8 @@ class Coordinator:
                 return r.number  # a retried join of the same restore
         self.previous = r
         self.rounds += 1
-        self.round = Round(self.rounds, mode == PROTOCOL, now)
-        self.round.joined[rank] = Participant(rank, restore_id, inv, now)
+        self.round = Round(self.rounds, mode == PROTOCOL, now, touched=now)
+        self.round.joined[rank] = joining
         log.info("coordinator: restore round %d opened by node-rank %d", self.rounds, rank)
         return self.rounds
 
@@ -476,50 +427,69 @@ class Coordinator:
         p = r.joined.get(rank)
         if p is None or p.restore_id != restore_id:
             return None
+        now = self.clock()
+        r.touched = now
         m = self.members.get(rank)
         if m is not None:
-            m.last_seen = self.clock()
+            m.last_seen = now
         return r
 
     def _try_decide(self, r: Round) -> None:
+        """Decide once every rank joined (and, with a bucket, the bucket answered)."""
         if r.choice is not None:
             return
-        inventories: dict[int, tuple[Holding, ...]] = {}
-        borrowed = []
-        missing = []
-        for rank in range(self.nodes):
-            p = r.joined.get(rank)
-            if p is not None:
-                inventories[rank] = p.inventory
-            elif not r.strict and self.live(rank):
-                inventories[rank] = self.members[rank].inventory
-                borrowed.append(rank)
-            else:
-                missing.append(rank)
-        r.missing = tuple(missing)
-        if missing:
+        r.missing = tuple(rank for rank in range(self.nodes) if rank not in r.joined)
+        if r.missing:
+            r.waiting_for = ""
             return
-        r.inventories = inventories
-        r.borrowed = tuple(borrowed)
+        r.inventories = {rank: p.inventory for rank, p in r.joined.items()}
         self._decide(r)
 
+    def bucket_wanted(self) -> tuple[int, str, int, int] | None:
+        """The bucket read the open round waits for: (round, job, nodes, depth), else None.
+
+        Depth: how many complete backup rounds the read looks for, newest
+        first (:data:`BUCKET_DEPTH`, more once bad copies ruled those out).
+        """
+        r = self.round
+        if (not self.bucket or r is None or r.choice is not None or r.missing
+                or self.job is None or not r.joined):
+            return None
+        if r.bucket is not None and r.bucket.depth >= r.bucket_depth:
+            return None
+        return r.number, self.job, self.nodes, r.bucket_depth
+
+    def bucket_answered(self, round_no: int, view: BucketView) -> None:
+        """The bucket's answer for round ``round_no`` (a stale one is ignored)."""
+        r = self.round
+        if r is None or r.number != round_no or r.choice is not None:
+            return
+        if view.error:
+            log.warning("coordinator: round %d: the bucket could not be read: %s", round_no,
+                        view.error)
+        r.bucket = view
+        self._try_decide(r)
+
     def _decide(self, r: Round) -> None:
-        job, nodes = self.job or "", self.nodes
-        if self.override is not None and not r.override_read:
-            r.override_read = True  # restore.version is read once per round
-            r.override = self.override(job, nodes)
-        forced = r.override
-        if forced is not None and forced.step is not None and r.failures:
-            # some node could not restore the named round: nothing, never another step
-            r.choice = Choice(None, forced=forced.forced or forced.backup,
-                              reason=f"restore.version names round "
-                                     f"{forced.forced or forced.backup}, which could not be "
-                                     "restored on every node; nothing restored (no fallback)")
-        elif forced is not None:
-            r.choice = forced
+        """Choose (again) for every participant; waits for the bucket if it must."""
+        if self.bucket and (r.bucket is None or r.bucket.depth < r.bucket_depth):
+            r.choice = None
+            r.waiting_for = "the bucket" if r.bucket is None else "older backup rounds"
+            return
+        notes = [n for p in r.joined.values() for n in p.notes] + r.notes
+        if r.version >= MAX_DECISIONS:
+            why = (f"no step could be restored after {r.version} decisions of round "
+                   f"{r.number}: " + "; ".join(notes[-3:] or ["every copy failed"]))
+            choice = Choice(None, reason=why, outcome=INCOMPLETE, problems=(why,))
         else:
-            fallback = (lambda: self.fallback(job, nodes)) if self.fallback else None
-            r.choice = choose_restore(self.nodes, r.inventories, r.bad, fallback)
+            choice = choose_restore(self.nodes, r.inventories, r.bad, r.bucket, notes)
+            if needs_deeper_read(choice, r.bucket, self.nodes):
+                r.bucket_depth = (r.bucket.depth if r.bucket else BUCKET_DEPTH) + 2
+                r.choice = None
+                r.waiting_for = "older backup rounds"
+                return
+        r.choice = choice
+        r.waiting_for = ""
         r.version += 1
         r.ready.clear()
         r.decided_at = self.clock()
@@ -531,39 +501,47 @@ class Coordinator:
         log.info("coordinator: round %d decision %d: step %s (%s)", r.number, r.version,
                  r.choice.step, r.choice.reason)
         self.history.append({"round": r.number, "version": r.version, "step": r.choice.step,
-                             "reason": r.choice.reason, "at": self.wall()})
+                             "reason": r.choice.reason, "outcome": r.choice.outcome,
+                             "at": self.wall()})
         del self.history[:-20]
 
     def decide(self, job: str, rank: int, restore_id: str) -> DecideView:
         """The decision for node ``rank`` once every rank is accounted for.
 
         Returns:
-            ``waiting`` (with the missing ranks), ``decided`` (step and this
-            node's sources), or ``rejoin`` (unknown restore: join again).
+            ``waiting`` (with the missing ranks, or what else it waits for),
+            ``decided`` (step and this node's sources), or ``rejoin``
+            (unknown restore: join again).
         """
         r = self._participant(job, rank, restore_id)
         if r is None:
             return DecideView(REJOIN)
         self._try_decide(r)
         if r.choice is None:
-            return DecideView(WAITING, r.number, r.version, missing=r.missing)
+            return DecideView(WAITING, r.number, r.version, missing=r.missing,
+                              waiting_for=r.waiting_for)
         c = r.choice
+        common = dict(reason=c.reason, forced=c.forced, outcome=c.outcome, problems=c.problems)
         if c.step is None:
-            return DecideView(DECIDED, r.number, r.version, None, reason=c.reason,
-                              forced=c.forced)
+            return DecideView(DECIDED, r.number, r.version, None, **common)
         local, holders = sources_for(c, rank, self.nodes)
-        if c.backup is not None and not local and not holders:
-            return DecideView(DECIDED, r.number, r.version, c.step, reason=c.reason,
-                              backup=c.backup, digest=c.digests.get(rank, ""),
-                              forced=c.forced)
         sources = tuple((h, self.members[h].address) for h in holders if h in self.members)
+        backups = c.rounds.get(rank, ())
+        # a forced round is restored from the bucket even when a peer holds the same bytes
+        backup = c.forced or (backups[0] if backups and not local and not sources else None)
         return DecideView(DECIDED, r.number, r.version, c.step, local=local,
-                          digest=c.digests.get(rank, ""), sources=sources, reason=c.reason,
-                          backup=c.backup, forced=c.forced)
+                          digest=c.digests.get(rank, ""), sources=sources, backup=backup,
+                          backups=backups, **common)
 
     def barrier(self, job: str, rank: int, restore_id: str, round_no: int, version: int,
-                phase: str, ok: bool = True, bad: Iterable[CopyId] = ()) -> BarrierView:
+                phase: str, ok: bool = True, bad: Iterable[CopyId] = (),
+                detail: str = "") -> BarrierView:
         """Phase ``ready`` (data in place, or the bad copies) or ``done`` (markers next).
+
+        A failure (``ok`` False) excludes the copies named in ``bad`` -- or, if
+        it names none that are new, every copy of this node's plan -- and
+        decides again for every participant, so each replan rules out at
+        least one copy and the round ends (``detail``: the node's reason).
 
         Returns:
             ``passed`` once every participant reached the phase; ``waiting``
@@ -577,17 +555,14 @@ class Coordinator:
                 return BarrierView(PASSED)
             return BarrierView(REJOIN)
         r = self._participant(job, rank, restore_id)
-        if r is None or r.number != round_no or r.choice is None:
+        if r is None or r.number != round_no:
             return BarrierView(REJOIN)
-        if version != r.version:
-            return BarrierView(REPLAN)
+        if r.choice is None or version != r.version:
+            return BarrierView(REPLAN)  # decided again (or deciding): call decide
+        r.touched = self.clock()
         if phase == "ready":
             if not ok:
-                r.bad |= set(bad)
-                r.failures += 1
-                log.info("coordinator: node-rank %d found bad copies %s; deciding again", rank,
-                         sorted(set(bad)))
-                self._decide(r)
+                self._failed(r, rank, set(bad), detail)
                 return BarrierView(REPLAN)
             r.ready.add(rank)
             waiting = tuple(sorted(set(r.joined) - r.ready))
@@ -599,6 +574,32 @@ class Coordinator:
             waiting = tuple(sorted(set(r.joined) - r.done))
             return BarrierView(WAITING, waiting) if waiting else BarrierView(PASSED)
         raise ValueError(f"unknown barrier phase {phase!r}")
+
+    def _failed(self, r: Round, rank: int, bad: set[CopyId], detail: str) -> None:
+        c = r.choice
+        assert c is not None
+        new = bad - r.bad
+        if not new and c.step is not None:
+            # nothing named (e.g. no space, every source unreachable): none of this
+            # node's copies counts any more, so the next decision differs
+            new = {(h, rank, c.step) for h in c.holders.get(rank, ())}
+            new |= {(n, rank, c.step) for n in c.rounds.get(rank, ())}
+        r.bad |= new
+        r.failures += 1
+        what = detail or (f"could not get its data for step {c.step}" if c.step is not None
+                          else "failed")
+        r.notes.append(f"node-rank {rank}: {what}")
+        del r.notes[:-10]
+        log.info("coordinator: node-rank %d could not restore step %s (%s); bad copies %s; "
+                 "deciding again", rank, c.step, what, sorted(map(str, new)))
+        self._decide(r)
+
+    def restore_open(self) -> int:
+        """The restore round in progress (0: none, or idle for :data:`ROUND_IDLE` s)."""
+        r = self.round
+        if r is None or r.finished or self.clock() - r.touched > ROUND_IDLE:
+            return 0
+        return r.number
 
     # ------------------------------------------------------------------ sync
 
@@ -637,15 +638,21 @@ class Coordinator:
                 log.info("coordinator: sync round complete: step %d on all %d nodes", synced,
                          self.nodes)
         steps = tuple(self.sync_steps.get(r, NO_STEP) for r in range(self.nodes))
+        number = self.restore_open()
+        rnd = self.round
+        summoned = bool(number and rnd is not None and rnd.choice is None and not rnd.strict
+                        and rank not in rnd.joined)
         book = self.backups
         if book is None:
-            return SyncView(True, self.synced_step, self.synced_at, steps)
+            return SyncView(True, self.synced_step, self.synced_at, steps,
+                            restore_round=number, summoned=summoned)
         if backup is not None:
             book.report(rank, backup)
         self._backup_tick(book)
         order = book.order_for(rank)
         return SyncView(True, self.synced_step, self.synced_at, steps, order, book.last(),
-                        order is not None and book.dedup_for(rank))
+                        order is not None and book.dedup_for(rank),
+                        restore_round=number, summoned=summoned)
 
     def holders(self, step: int) -> dict[int, str | None]:
         """Rank -> the digest of its own shard of ``step``, for every member whose
@@ -689,11 +696,15 @@ class Coordinator:
         if r is not None:
             rnd = {"number": r.number, "state": r.state, "strict": r.strict,
                    "joined": sorted(r.joined), "missing": list(r.missing),
-                   "borrowed": list(r.borrowed), "version": r.version,
+                   "version": r.version, "waiting_for": r.waiting_for or None,
                    "step": r.choice.step if r.choice else None,
                    "reason": r.choice.reason if r.choice else None,
+                   "outcome": r.choice.outcome if r.choice else None,
+                   "problems": list(r.choice.problems) if r.choice else [],
                    "ready": sorted(r.ready), "done": sorted(r.done),
-                   "bad": [list(b) for b in sorted(r.bad)],
+                   "bad": [list(b) for b in sorted(r.bad, key=str)],
+                   "bucket": (None if r.bucket is None else r.bucket.error or
+                              f"{len(r.bucket.rounds)} round(s) read"),
                    "age_seconds": round(now - r.opened_at, 1)}
         return {
             "job": self.job, "nodes": self.nodes, "round": rnd,
@@ -723,6 +734,11 @@ class CoordinatorServicer:
     rendezvous any node may turn out to be node-rank 0 only when its job
     starts; ``gate`` says whether this node serves the coordinator right now.
 
+    The bucket reads a round waits for (:meth:`Coordinator.bucket_wanted`)
+    run in a thread of their own with the reader from
+    :meth:`set_bucket_reader`, never under the lock: heartbeats and other
+    calls go on while the bucket is slow.
+
     Args:
         coordinator: the state.
         pb2: the message module from :func:`tierfs.tiers.peer_wire.load`.
@@ -742,6 +758,41 @@ class CoordinatorServicer:
         self.gate = gate
         self.cond = threading.Condition()
         self._snapshot: dict[str, Any] = coordinator.status()
+        self._reader: Callable[[str, int, int], BucketView] | None = None
+        self._reading: tuple[int, str, int, int] | None = None
+
+    def set_bucket_reader(self, reader: Callable[[str, int, int], BucketView]) -> None:
+        """Install the bucket reader: ``reader(job, nodes, depth)`` -> :class:`BucketView`
+        (blocking, bounded by its own deadlines; an exception counts as an
+        unreadable bucket). Any thread."""
+        with self.cond:
+            self._reader = reader
+            self._kick()
+            self.cond.notify_all()
+
+    def _kick(self) -> None:
+        """Start the bucket read the coordinator waits for, if any (under the lock)."""
+        want = self.coordinator.bucket_wanted()
+        if want is None or self._reader is None or self._reading == want:
+            return
+        self._reading = want
+        threading.Thread(target=self._read, args=(want, self._reader), daemon=True,
+                         name=f"tierfs-bucket-read-{want[0]}").start()
+
+    def _read(self, want: tuple[int, str, int, int],
+              reader: Callable[[str, int, int], BucketView]) -> None:
+        number, job, nodes, depth = want
+        try:
+            view = reader(job, nodes, depth)
+        except Exception as exc:  # the reader's own errors: an unreadable bucket
+            log.exception("coordinator: bucket read failed")
+            view = BucketView(error=f"{type(exc).__name__}: {exc}", depth=depth)
+        with self.cond:
+            if self._reading == want:
+                self._reading = None
+            self.coordinator.bucket_answered(number, view)
+            self._kick()
+            self.cond.notify_all()
 
     def serving(self) -> bool:
         """True while this node answers coordinator calls (any thread)."""
@@ -768,7 +819,7 @@ class CoordinatorServicer:
 
     def _holdings(self, items: Iterable[Any]) -> tuple[Holding, ...]:
         return tuple(Holding(h.rank, h.step, h.verified, h.digest, h.bytes, h.name,
-                             h.backup_requested) for h in items)
+                             h.backup_requested, h.created) for h in items)
 
     def _peers(self) -> list[Any]:
         return [self.pb2.PeerAddress(rank=p.rank, address=p.address, incarnation=p.incarnation,
@@ -795,9 +846,11 @@ class CoordinatorServicer:
                     request.incarnation, self._holdings(request.inventory),
                     request.restore_id, request.mode or PROTOCOL,
                     backup_interval_minutes=request.backup_interval_minutes or None,
-                    backup_interval_steps=request.backup_interval_steps or None)
+                    backup_interval_steps=request.backup_interval_steps or None,
+                    notes=tuple(request.notes))
             except Rejected as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            self._kick()
             self.cond.notify_all()
             return self.pb2.JoinReply(round=number, peers=self._peers())
 
@@ -806,6 +859,7 @@ class CoordinatorServicer:
         with self.cond:
             while True:
                 view = fn()
+                self._kick()
                 self.cond.notify_all()
                 remaining = deadline - time.monotonic()
                 if view.state != WAITING or remaining <= 0 or not context.is_active():
@@ -823,18 +877,20 @@ class CoordinatorServicer:
                   local=view.local, digest=view.digest,
                   sources=[self.pb2.Source(holder=h, address=a) for h, a in view.sources],
                   reason=view.reason, backup=view.backup or "",
-                  restore_version=view.forced or "")
+                  restore_version=view.forced or "", backups=list(view.backups),
+                  outcome=view.outcome, problems=list(view.problems),
+                  waiting_for=view.waiting_for)
 
     def Barrier(self, request: Any, context: Any) -> Any:
         self._admit(context)
-        bad = [(b.holder, b.rank, b.step) for b in request.bad]
+        bad: list[CopyId] = [(b.round or b.holder, b.rank, b.step) for b in request.bad]
 
         def call() -> BarrierView:
             # a failure report replans at once (not "waiting"); a retried
             # report carries the old version and only gets "replan" again
             return self.coordinator.barrier(request.job, request.rank, request.restore_id,
                                             request.round, request.version, request.phase,
-                                            request.ok, bad)
+                                            request.ok, bad, request.detail)
 
         view: BarrierView = self._wait(request, context, call)
         pb = self.pb2.BarrierReply
@@ -856,7 +912,8 @@ class CoordinatorServicer:
             pb2 = self.pb2
             reply = pb2.SyncReply(known=view.known, synced_step=view.synced_step,
                                   synced_at=view.synced_at, peers=self._peers(),
-                                  steps=list(view.steps))
+                                  steps=list(view.steps), restore_round=view.restore_round,
+                                  summoned=view.summoned)
             if view.backup_order is not None:
                 reply.backup_order.CopyFrom(pb2.BackupRound(
                     round=view.backup_order[0], step=view.backup_order[1], state="running",

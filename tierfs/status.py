@@ -46,9 +46,16 @@ def format_status(data: dict[str, Any]) -> list[str]:
                       else restore.get("source", "?"))
             text += f": step {restore['step']} from {source}"
         elif restore.get("state") == "done":
-            text += ": nothing to restore"
+            text += (": nothing to restore (fresh start)" if restore.get("outcome") == "fresh"
+                     else f": nothing restored ({restore.get('outcome') or 'incomplete'})")
+        if restore.get("outcome") in ("missing", "refused", "timeout"):
+            text += f" [{restore['outcome']}]"
         if restore.get("error"):
             text += f" ({restore['error']})"
+        elif restore.get("reason") and (restore.get("problems") or not restore.get("step")):
+            text += f" ({restore['reason']})"
+        if restore.get("phase") and restore.get("state") not in ("done", "failed"):
+            text += f": {restore['phase']}"
         lines.append(text)
     for tier, off in TIERS_OFF.items():
         info = data.get(tier) or (data.get("tiers") or {}).get(tier)

@@ -33,14 +33,15 @@ Pieces:
   next answer (:meth:`GcsTier.bucket_problem`, fed by the backend's
   :class:`tierfs.tiers.gcs.BucketMonitor`); meanwhile the tier checks the
   bucket itself in the background.
-* Restores. With a coordinator, :meth:`GcsTier.coordinator_override` reads
-  ``restore.version`` once per restore round (the named round for every
-  node, through the same decision and barrier; missing or incomplete:
-  nothing, no fallback) and :meth:`GcsTier.coordinator_fallback` offers the
-  newest complete round when no step is complete in the cluster; each node
-  brings its part with :meth:`GcsTier.fetch_backup` (the peer cluster's
-  hook). Without one (one node, or no peer plane), :class:`GcsCluster` does
-  the same on the node alone.
+* Restores. :meth:`GcsTier.read_bucket` reads what the bucket holds for a
+  restore (``restore.version``'s round, else the newest rounds with every
+  complete node part and why incomplete rounds are incomplete). With a
+  coordinator, node-rank 0's tier installs it as the coordinator's bucket
+  reader: the coordinator decides over every node's RAM and the bucket at
+  once (no decision before the reader answered), and each node brings the
+  parts it needs with :meth:`GcsTier.fetch_backup` (the peer cluster's
+  hook). Without one (one node, or no peer plane), :class:`GcsCluster`
+  decides with the same rule on the node alone.
 * ``restore.version`` is deleted by the deciding node once every node has
   sealed and replicated a newer step than the one restored through it.
 * :class:`BucketRendezvous`: ``gs://<bucket>/<job>/.tierfs/nodes/<rank>``
@@ -56,18 +57,28 @@ hooks run in its gRPC thread with a bounded deadline, and hand lines for
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from tierfs.config import ConfigError
+from tierfs.restore_choice import (
+    BucketPart,
+    BucketView,
+    CopyId,
+    Holding,
+    choose_restore,
+    needs_deeper_read,
+)
 from tierfs.tiers import gcs_layout as L
 from tierfs.tiers import gcs_schedule as S
 from tierfs.tiers.gcs import (
@@ -75,6 +86,7 @@ from tierfs.tiers.gcs import (
     GcsBackend,
     GcsError,
     GcsSettings,
+    RoundInfo,
     describe_error,
     is_transient,
 )
@@ -83,7 +95,6 @@ from tierfs.tiers.local import Shard, ShardKey
 if TYPE_CHECKING:
     from tierfs.agent import NodeAgent, RestorePlan
     from tierfs.control import JobSpec
-    from tierfs.coordinator import Choice
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +126,17 @@ STALL_SECONDS = _env("TIERFS_GCS_STALL_SECONDS", 20.0)
 #: bucket ends the pause at once
 RETRY_FIRST = _env("TIERFS_GCS_UPLOAD_RETRY_FIRST", 2.0)
 RETRY_MAX = _env("TIERFS_GCS_UPLOAD_RETRY_MAX", 30.0)
+
+
+class BackupCopyError(Exception):
+    """A backup round's copy of a shard cannot be used (one line: why)."""
+
+
+def _complete_parts(info: RoundInfo) -> list[BucketPart]:
+    """Every complete node part of an inspected round (pure)."""
+    return [BucketPart(info.name, rank, step,
+                       part.backup.manifest.digest if part.backup is not None else "")
+            for (rank, step), part in sorted(info.parts.items()) if part.complete]
 
 
 @dataclass
@@ -413,17 +435,14 @@ class GcsTier:
         return await trio.to_thread.run_sync(servicer.locked, fn)
 
     async def _install_coordinator_hooks(self) -> None:
-        """restore.version, the bucket fallback and the round book in this node's
-        coordinator (used only while this node serves it)."""
-        if self._servicer() is None:
+        """The round book and the bucket reader in this node's coordinator (used only
+        while this node serves it). Restore decisions wait for the reader."""
+        servicer = self._servicer()
+        if servicer is None:
             return
-
-        def install(coord: Any) -> None:
-            coord.fallback = self.coordinator_fallback
-            coord.override = self.coordinator_override
-            coord.set_backups(S.RoundBook(timeout=ROUND_TIMEOUT))
-
-        await self._locked(install)
+        await self._locked(lambda coord: coord.set_backups(S.RoundBook(timeout=ROUND_TIMEOUT)))
+        await trio.to_thread.run_sync(servicer.set_bucket_reader, functools.partial(
+            self.read_bucket, deadline=FALLBACK_DEADLINE, report=self._fail_later))
         log.info("GCS tier: the coordinator decides backup rounds and restores from %s",
                  self.spec)
 
@@ -959,19 +978,33 @@ class GcsTier:
         if forced is not None:
             self.forced = (job.name, forced, plan.step or 0, time.time())
 
-    async def fetch_backup(self, agent: NodeAgent, job: JobSpec, step: int, backup: str
-                           ) -> Shard | None:
+    async def fetch_backup(self, agent: NodeAgent, job: JobSpec, step: int, backup: str,
+                           digest: str = "") -> Shard:
         """Bring this node's shard of ``step`` from round ``backup`` (the peer cluster's
-        ``fetch_backup`` hook). Returns the committed shard or None (reported)."""
+        ``fetch_backup`` hook): the node's own copy when it holds the same bytes,
+        else a verified download. ``digest``: the bytes the decision chose
+        ("": any).
+
+        Returns:
+            the committed shard (in the catalog).
+
+        Raises:
+            BackupCopyError: one line why this round's copy cannot be used (corrupt,
+                incomplete, other bytes, unreadable, no room).
+        """
         key = ShardKey(job.name, job.node_rank, step)
-        backend = await self.call(self.get_backend)
         try:
+            backend = await self.call(self.get_backend)
             info = await self.call(self.bounded(RESTORE_LOOKUP_DEADLINE).inspect_round,
                                    job.name, backup, job.nodes)
         except Exception as exc:
-            self._fail(f"restore: cannot read backup round {backup}: {describe_error(exc)}")
-            return None
+            raise BackupCopyError(f"backup round {backup} cannot be read: "
+                                  f"{describe_error(exc)}") from None
         part = info.parts.get((job.node_rank, step))
+        if (digest and part is not None and part.backup is not None
+                and part.backup.manifest.digest != digest):
+            raise BackupCopyError(f"backup round {backup} holds other bytes of step {step} "
+                                  f"for rank {job.node_rank}")
         local = agent.catalog.get(key)
         if (local is not None and part is not None and part.backup is not None
                 and part.backup.manifest.digest == local.manifest.digest
@@ -989,9 +1022,8 @@ class GcsTier:
                     info=info, framework=job.framework, cancel=cancel, on_bytes=up.add,
                     free_bytes=agent.budget.free()), abandon_on_cancel=True)
         except Exception as exc:
-            self._fail(f"restore: step {step} of node-rank {job.node_rank} from backup round "
-                       f"{backup} failed: {describe_error(exc)}")
-            return None
+            raise BackupCopyError(f"step {step} of node-rank {job.node_rank} from backup "
+                                  f"round {backup} failed: {describe_error(exc)}") from None
         finally:
             cancel.set()
         agent.add_shard(shard)
@@ -1000,72 +1032,72 @@ class GcsTier:
                  step, job.node_rank, backup, shard.bytes)
         return shard
 
-    def coordinator_override(self, job: str, nodes: int) -> Choice | None:
-        """``restore.version`` for the coordinator's decision (gRPC thread, under its lock;
-        bounded by :data:`FALLBACK_DEADLINE`; called once per restore round).
+    def read_bucket(self, job: str, nodes: int, depth: int = 1, *,
+                    deadline: float = RESTORE_LOOKUP_DEADLINE,
+                    report: Callable[[str], None] | None = None) -> BucketView:
+        """What the bucket holds for a restore of ``job`` with ``nodes`` nodes (blocking;
+        the coordinator's reader, or the node's own on one node).
+
+        ``restore.version`` first: if it names a round, only that round (its
+        step complete for every node, or why it cannot be restored). Else the
+        rounds newest first until ``depth`` complete ones were read, with
+        every complete node part found and, for each round without a complete
+        step, why. Each request gives up after ``deadline`` seconds.
 
         Returns:
-            None when the file does not exist (or cannot be read: one line in
-            ``replicator.errors``, the cluster decides as usual); else a
-            :class:`tierfs.coordinator.Choice` with ``forced`` set: the named
-            round's newest step complete for all ``nodes`` from the bucket, or
-            ``step`` None with the reason (missing or incomplete: nothing, no
-            fallback).
+            the view; a bucket that cannot be read gives a view with ``error``
+            (and ``report(line)`` is called with a line for replicator.errors).
         """
-        from tierfs.coordinator import Choice
-
         try:
-            backend = self.bounded(FALLBACK_DEADLINE)
+            backend = self.bounded(deadline)
+        except Exception as exc:
+            return self._unreadable(f"cannot create the GCS client: {describe_error(exc)}",
+                                    depth, report)
+        try:
             forced = backend.read_restore_version(job)
-            if forced is None:
-                return None
-            choice = backend.choose_restore(job, nodes)
         except Exception as exc:
-            self._fail_later(f"restore: cannot read restore.version from {self.spec} "
-                             f"({describe_error(exc)}); the cluster decides without it")
-            return None
-        if not choice.forced:
-            return None  # deleted in between
-        self.forced = (job, forced, choice.step or 0, time.time())
-        log.info("coordinator: %s", choice.reason)
-        if choice.round is None or choice.step is None:
-            return Choice(None, reason=choice.reason, forced=forced)
-        return Choice(choice.step, reason=choice.reason, backup=choice.round, forced=forced)
-
-    def coordinator_fallback(self, job: str, nodes: int) -> Choice | None:
-        """The coordinator's bucket fallback (gRPC thread, under its lock; bounded).
-
-        Returns a :class:`tierfs.coordinator.Choice` restoring from the newest
-        complete round, or None. A round tried in this restore round is
-        skipped on a replan (some node could not restore from it).
-        ``restore.version`` is not read here (see :meth:`coordinator_override`).
-        """
-        from tierfs.coordinator import Choice
-
-        servicer = self._servicer()
-        coord = getattr(servicer, "coordinator", None)
-        number = coord.round.number if coord is not None and coord.round is not None else 0
-        tried = self._fallback_tried.setdefault(number, set())
-        for old in [n for n in self._fallback_tried if n < number - 2]:
-            del self._fallback_tried[old]
+            return self._unreadable(f"cannot read restore.version from {self.spec} "
+                                    f"({describe_error(exc)})", depth, report)
         try:
-            backend = self.bounded(FALLBACK_DEADLINE)
-            for name in backend.list_round_names(job):
-                if name in tried:
-                    continue
+            if forced is not None:
+                choice = backend.choose_restore(job, nodes)
+                if choice.forced:
+                    log.info("restore: %s", choice.reason)
+                    info = choice.info
+                    parts = _complete_parts(info) if info is not None else []
+                    return BucketView(tuple(p for p in parts if p.step == choice.step),
+                                      rounds=(forced,), forced=forced, forced_step=choice.step,
+                                      forced_problem=None if choice.step is not None
+                                      else choice.reason, depth=depth)
+            names = backend.list_round_names(job)
+            parts = []
+            incomplete = []
+            read = []
+            complete = 0
+            for name in names:
+                if complete >= depth:
+                    break
                 info = backend.inspect_round(job, name, nodes)
+                read.append(name)
+                parts.extend(_complete_parts(info))
                 if info.complete_step is not None:
-                    tried.add(name)
-                    return Choice(info.complete_step, backup=name,
-                                  reason=f"no step is complete in the cluster; backup round "
-                                         f"{name} step {info.complete_step}")
-            return None
+                    complete += 1
+                elif info.parts:
+                    incomplete.append((name, info.step_for_display(),
+                                       "; ".join(info.problems()[:3])))
         except Exception as exc:
-            msg = f"restore: the bucket could not be read ({describe_error(exc)}); nothing " \
-                  "restored from it"
-            log.warning("%s", msg)
-            self._fail_later(msg)
-            return None
+            return self._unreadable(f"the backup rounds of {self.spec}{job} could not be "
+                                    f"listed ({describe_error(exc)})", depth, report)
+        self._ok()
+        return BucketView(tuple(parts), tuple(incomplete), tuple(read),
+                          exhausted=len(read) == len(names), depth=depth)
+
+    def _unreadable(self, line: str, depth: int,
+                    report: Callable[[str], None] | None) -> BucketView:
+        log.warning("restore: %s", line)
+        if report is not None:
+            report(f"restore: {line}; deciding without the bucket")
+        return BucketView(error=line, depth=depth)
 
     # ------------------------------------------------------------------ restore.version
 
@@ -1097,11 +1129,12 @@ class GcsCluster:
     """Wraps the agent's cluster with the bucket (see the module docstring).
 
     With a coordinator (multi-node job, peer plane) the inner cluster does
-    everything -- ``restore.version`` and the bucket are the coordinator's
-    hooks, so every node restores the same step behind the same barrier --
-    and this wrapper only reports a forced "nothing" on every node and
-    records the restore. Without one it reads ``restore.version`` and falls
-    back to the bucket on the node alone.
+    everything -- the coordinator reads the bucket and ``restore.version``
+    itself, so every node restores the same step behind the same barrier --
+    and this wrapper only records the restore. Without one (one node, or a
+    multi-node job without a peer plane) the node decides alone with the same
+    rule (:func:`tierfs.restore_choice.choose_restore` over its own shards and
+    the bucket's parts of its rank).
 
     Args:
         inner: the cluster it wraps (:class:`tierfs.agent.LocalCluster` or the
@@ -1115,86 +1148,86 @@ class GcsCluster:
         self._used_inner = False
 
     async def plan_restore(self, agent: NodeAgent, job: JobSpec) -> RestorePlan:
-        """``restore.version`` first; else the inner cluster, with the bucket as fallback."""
-
+        """The coordinator's decision (multi-node), else this node's own (see the class)."""
         tier = self.tier
-        self._used_inner = False
-        if tier.multi(job):
-            self._used_inner = True
+        self._used_inner = tier.multi(job)
+        if self._used_inner:
             plan = await self.inner.plan_restore(agent, job)
-            forced = plan.detail.get("forced")
-            if forced and plan.step is None:
-                tier._fail(f"restore: {plan.detail.get('reason') or 'restore.version'}")
-            tier.note_restored(job, plan, forced)
-            return plan
-        forced = None
-        backend = None
-        try:
-            backend = await tier.call(tier.get_backend)
-            forced = await tier.call(tier.bounded(RESTORE_LOOKUP_DEADLINE).read_restore_version,
-                                     job.name)
-        except Exception as exc:
-            tier._fail(f"restore: cannot read restore.version from {tier.spec} "
-                       f"({describe_error(exc)}); restoring without the bucket")
-        if forced is not None and backend is not None:
-            plan = await self._forced(agent, job, backend, forced)
-            tier.note_restored(job, plan, forced)
-            return plan
-        self._used_inner = True
-        plan = await self.inner.plan_restore(agent, job)
-        if plan.step is None and backend is not None:
-            plan = await self._from_bucket(agent, job, backend, plan)
-        tier.note_restored(job, plan, None)
+        else:
+            plan = await self._plan_alone(agent, job)
+        tier.note_restored(job, plan, plan.detail.get("forced"))
         return plan
 
-    async def _forced(self, agent: NodeAgent, job: JobSpec, backend: GcsBackend,
-                      forced: str) -> RestorePlan:
+    async def _plan_alone(self, agent: NodeAgent, job: JobSpec) -> RestorePlan:
+        """Newest step of this node's rank among its own shards and the bucket's rounds
+        complete for every node; a bad copy is excluded and the choice made again."""
         from tierfs.agent import RestorePlan
 
         tier = self.tier
-        try:
-            choice = await tier.call(tier.bounded(RESTORE_LOOKUP_DEADLINE).choose_restore,
-                                     job.name, job.nodes)
-        except Exception as exc:
-            reason = (f"restore.version names round {forced}, which could not be read "
-                      f"({describe_error(exc)}); nothing restored (no fallback)")
-            tier._fail(f"restore: {reason}")
-            return RestorePlan(None, source="none", detail={"reason": reason})
-        if choice.round is None or choice.step is None:
-            tier._fail(f"restore: {choice.reason}")
-            return RestorePlan(None, source="none", detail={"reason": choice.reason})
-        shard = await tier.fetch_backup(agent, job, choice.step, choice.round)
-        if shard is None:
-            reason = (f"restore.version names round {choice.round}, which could not be "
-                      "restored; nothing restored (no fallback)")
-            tier._fail(f"restore: {reason}")
-            return RestorePlan(None, source="none", detail={"reason": reason})
-        return RestorePlan(choice.step, backup=choice.round, shard=shard, source="gcs",
-                           detail={"reason": choice.reason})
+        own = {s.key.step: s for s in agent.own_shards(job)}
+        holdings = [Holding(0, step, True, s.manifest.digest, s.bytes, s.manifest.name,
+                            created=s.manifest.created) for step, s in own.items()]
+        bad: set[CopyId] = set()
+        notes: list[str] = []
+        depth = 1
+        view = await self._read(job, depth)
+        for _ in range(64):
+            choice = choose_restore(1, {0: holdings}, bad, view, notes)
+            if needs_deeper_read(choice, view, 1):
+                depth = view.depth + 2
+                view = await self._read(job, depth)
+                continue
+            detail = {"reason": choice.reason, "outcome": choice.outcome,
+                      "problems": list(choice.problems), "forced": choice.forced}
+            if choice.step is None:
+                return RestorePlan(None, source="none", detail=detail)
+            step = choice.step
+            shard = own.get(step)
+            if choice.holders.get(0) and shard is not None:
+                if await agent.verify_shard(shard):
+                    return RestorePlan(step, backup=choice.forced, shard=shard,
+                                       source="gcs" if choice.forced else "local",
+                                       detail=detail)
+                bad.add((0, 0, step))
+                notes.append(f"the local copy of step {step} failed verification")
+            for rnd in choice.rounds.get(0, ()):
+                try:
+                    got = await tier.fetch_backup(agent, job, step, rnd,
+                                                  choice.digests.get(0, ""))
+                except BackupCopyError as exc:
+                    tier._fail(f"restore: {exc}")
+                    notes.append(str(exc))
+                    bad.add((rnd, 0, step))
+                    continue
+                return RestorePlan(step, backup=rnd, shard=got, source="gcs", detail=detail)
+            bad |= {(h, 0, step) for h in choice.holders.get(0, ())}
+        reason = "no step could be restored: " + "; ".join(notes[-3:])
+        return RestorePlan(None, source="none", detail={"reason": reason,
+                                                        "outcome": "incomplete",
+                                                        "problems": [reason]})
 
-    async def _from_bucket(self, agent: NodeAgent, job: JobSpec, backend: GcsBackend,
-                           plan: RestorePlan) -> RestorePlan:
-        from tierfs.agent import RestorePlan
-
+    async def _read(self, job: JobSpec, depth: int) -> BucketView:
+        """The bucket's parts of this node's rank, as rank 0, from rounds complete for
+        every node of the job (worker thread)."""
         tier = self.tier
-        try:
-            choice = await tier.call(tier.bounded(RESTORE_LOOKUP_DEADLINE).choose_restore,
-                                     job.name, job.nodes)
-        except Exception as exc:
-            tier._fail(f"restore: the bucket could not be read ({describe_error(exc)}); "
-                       "nothing restored from it")
-            return plan
-        if choice.round is None or choice.step is None:
-            log.info("restore: nothing in the bucket either (%s)", choice.reason)
-            return plan
-        shard = await tier.fetch_backup(agent, job, choice.step, choice.round)
-        if shard is None:
-            return plan
-        return RestorePlan(choice.step, backup=choice.round, shard=shard, source="gcs",
-                           detail={"reason": choice.reason})
+        view = await trio.to_thread.run_sync(functools.partial(
+            tier.read_bucket, job.name, job.nodes, depth, deadline=RESTORE_LOOKUP_DEADLINE,
+            report=tier._fail_later), abandon_on_cancel=True)
+        while tier._pending_errors:
+            tier.agent.report_error(tier._pending_errors.popleft())
+        if job.nodes <= 1:
+            return view
+        # another rank's parts only tell whether the round is complete for every node
+        everyone = set(range(job.nodes))
+        ranks: dict[tuple[str, int], set[int]] = {}
+        for p in view.parts:
+            ranks.setdefault((p.round, p.step), set()).add(p.rank)
+        mine = tuple(dataclasses.replace(p, rank=0) for p in view.parts
+                     if p.rank == job.node_rank and ranks[(p.round, p.step)] >= everyone)
+        return dataclasses.replace(view, parts=mine)
 
     async def restore_done(self, agent: NodeAgent, job: JobSpec, plan: RestorePlan) -> None:
-        """The inner cluster's barrier when it planned; nothing after a forced restore."""
+        """The inner cluster's barrier when it planned; nothing when this node decided."""
         if self._used_inner:
             await self.inner.restore_done(agent, job, plan)
 

@@ -244,6 +244,8 @@ class PeerTier(PeerHost):
         #: pins them against retention)
         self.reported: tuple[int, ...] = ()
         self._reported_ok: int | None = None
+        #: the restore round the coordinator has open (0: none), from the last Sync
+        self.restore_round = 0
         self.last_error: str | None = None
         self._coord_ok: bool | None = None
         self._registered: tuple[str, int] | None = None
@@ -441,7 +443,8 @@ class PeerTier(PeerHost):
     def holdings(self, job: str) -> list[Holding]:
         """This node's inventory of ``job`` (trio thread)."""
         return [Holding(s.key.rank, s.key.step, s.verified or s.key in self._trusted,
-                        self.digest(s), s.bytes, s.manifest.name, s.manifest.backup_requested)
+                        self.digest(s), s.bytes, s.manifest.name, s.manifest.backup_requested,
+                        s.manifest.created)
                 for s in self.agent.shards_of(job)]
 
     def _on_trio(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -534,7 +537,10 @@ class PeerTier(PeerHost):
         server.add_generic_rpc_handlers((peer_handlers(PeerServicer(self, pb2), pb2),))
         # every node registers the coordinator service: which node serves it
         # may be known only once a job starts (the gate answers the others)
-        self.coordinator = CoordinatorServicer(Coordinator(), pb2, gate=self.coordinator_gate)
+        # with a bucket, no restore is decided before the bucket answered (the GCS
+        # tier installs the reader once it is up; until then decisions wait)
+        self.coordinator = CoordinatorServicer(Coordinator(bucket=bool(self.agent.config.bucket)),
+                                               pb2, gate=self.coordinator_gate)
         pb2_grpc.add_CoordinatorServicer_to_server(self.coordinator, server)
         assert self.listen is not None
         try:
@@ -620,8 +626,29 @@ class PeerTier(PeerHost):
         return len(keep) >= self.agent.config.keep_local and key.step < min(keep)
 
     def pinned(self) -> set[ShardKey]:
-        """Shards being sent or served, and a restore's chosen shard until it is published."""
-        return set(self._pins)
+        """Shards being sent or served, a restore's chosen shard until it is published,
+        and the copies a restore may need: while a restore round is open, every
+        copy of the job; else, per rank, the ``--keep-local`` newest steps not
+        newer than the cluster's synced step (steps sealed while a peer is down
+        can never be complete, so they must not push out the ones that are)."""
+        keep = set(self._pins)
+        job = self.agent.job
+        if job is None or self.active_job() is None:
+            return keep
+        mine = [k for k in self.agent.catalog if k.job == job.name]
+        if self.restore_round:
+            return keep | set(mine)
+        synced = self.sync.get("step")
+        if synced is None:
+            return keep
+        by_rank: dict[int, list[int]] = {}
+        for k in mine:
+            if k.step <= synced:
+                by_rank.setdefault(k.rank, []).append(k.step)
+        n = self.agent.config.keep_local
+        for rank, steps in by_rank.items():
+            keep |= {ShardKey(job.name, rank, s) for s in sorted(steps, reverse=True)[:n]}
+        return keep
 
     # ------------------------------------------------------------------ replication
 
@@ -801,6 +828,7 @@ class PeerTier(PeerHost):
                             log.info("coordinator %s reachable again", coord)
                         self._coord_ok = True
                 except grpc.RpcError as exc:
+                    self.restore_round = 0  # unknown now: retention must not stay paused
                     self.last_error = f"coordinator {coord}: {rpc_reason(exc)}"
                     if self._coord_ok is not False:
                         log.warning("%s", self.last_error)
@@ -836,6 +864,7 @@ class PeerTier(PeerHost):
             self._reported_ok = step
             self.reported = (step,) if step >= 0 else ()
             if not reply.known:
+                self.restore_round = 0
                 fields = self.join_fields(job)
                 try:
                     joined = await trio.to_thread.run_sync(lambda: self.client.join(
@@ -851,7 +880,12 @@ class PeerTier(PeerHost):
         self.last_error = None
         self.sync = {"step": reply.synced_step if reply.synced_step >= 0 else None,
                      "at": reply.synced_at or None, "steps": list(reply.steps)}
+        self.restore_round = int(reply.restore_round)
+        if reply.summoned:
+            self.agent.summoned(job)
         self._backup_round(job, reply)
+
+
 
     def _backup_round(self, job: JobSpec, reply: Any) -> None:
         """Hand the coordinator's backup round order to the node's GCS tier."""

@@ -201,7 +201,8 @@ class PeerClient:
 
     def barrier(self, address: str, bad: Iterable[CopyId] = (), **fields: Any) -> Any:
         req = self.pb2.BarrierRequest(
-            bad=[self.pb2.BadCopy(holder=h, rank=r, step=s) for h, r, s in bad],
+            bad=[self.pb2.BadCopy(holder=h, rank=r, step=s) if isinstance(h, int)
+                 else self.pb2.BadCopy(holder=-1, rank=r, step=s, round=h) for h, r, s in bad],
             wait_ms=POLL_MS, **fields)
         return self.coordinator(address).Barrier(req, metadata=self.md,
                                                  timeout=POLL_MS / 1000 + 10)

@@ -2,13 +2,20 @@
 
 PROTOCOL.md section 4. :class:`PeerCluster` is the agent's
 :class:`tierfs.agent.Cluster` when the node has a peer plane: verify what
-this node holds, join the coordinator's round, get the decision, pull the
-own shard from a holder if it is not local (verifying every crc32c; a
-corrupt copy is reported and the next one used, or the coordinator chooses
-again without it), then the two barrier phases ("ready" before the
-prerestore file, "done" before the markers). It works through the node's
+this node holds, join the coordinator's round, get the decision, bring the
+own shard of the chosen step -- the local copy, else a pull from the peers
+holding the same bytes, else a download from the backup rounds holding them
+(every crc32c verified; a bad copy is skipped for the next one) -- and, if
+every copy failed, report the bad ones so the coordinator chooses again for
+every node; then the two barrier phases ("ready" before the prerestore
+file, "done" before the markers). It works through the node's
 :class:`tierfs.tiers.peer.PeerTier` (client, address book, transfers), on
 the trio thread; every call runs in a worker thread.
+
+A restore that cannot finish raises :class:`RestoreFailed` with its
+``outcome`` (``missing``: a node never joined; ``timeout``: a barrier or the
+coordinator did not answer in time; ``refused``: the coordinator refuses
+this node), in every mode: a failure never passes for "nothing to restore".
 """
 
 from __future__ import annotations
@@ -55,8 +62,28 @@ def _refused_for_good(exc: grpc.RpcError) -> bool:
         "mismatch" in detail or "out of range" in detail)
 
 
-class RestoreTimeout(Exception):
+class RestoreFailed(Exception):
+    """A restore that cannot finish; ``outcome`` says how (``tierfs wait``'s exit code)."""
+
+    outcome = "failed"
+
+
+class RestoreTimeout(RestoreFailed):
     """The cluster did not reach the next restore phase within ``--join-timeout``."""
+
+    outcome = "timeout"
+
+
+class NodesMissing(RestoreTimeout):
+    """Node ranks did not join the restore round within ``--join-timeout``."""
+
+    outcome = "missing"
+
+
+class RestoreRefused(RestoreFailed):
+    """The coordinator refuses this node (token, job name, node count, rank)."""
+
+    outcome = "refused"
 
 
 @dataclass
@@ -73,9 +100,9 @@ class PeerCluster:
         tier: the node's peer tier (client, address book, transfers).
 
     Attributes:
-        fetch_backup: hook for the durable tier, ``async (agent, job, step,
-            backup) -> Shard | None``, used when the coordinator chose a step
-            from the bucket; None until the GCS tier sets it.
+        fetch_backup: the durable tier's download, ``async (agent, job, step,
+            backup, digest) -> Shard`` (raises with the reason), used for the
+            backup rounds of a plan; None without a bucket.
     """
 
     def __init__(self, tier: PeerTier) -> None:
@@ -93,37 +120,34 @@ class PeerCluster:
         phase "ready"). Protocol contract: PROTOCOL.md section 4.
 
         Raises:
-            RestoreTimeout: (protocol mode) nodes did not join or finish in
-                ``--join-timeout`` seconds; the reason is in replicator.errors.
+            RestoreFailed: nodes did not join or finish in ``--join-timeout``
+                seconds, or the coordinator refuses this node; the reason is in
+                replicator.errors.
         """
         from tierfs.agent import LocalCluster
 
         self._current = None
         if job.nodes <= 1 or not self.tier.has_plane():
             return await LocalCluster().plan_restore(agent, job)
-        try:
-            return await self._plan(agent, job)
-        except RestoreTimeout:
-            if job.framework == control.GENERIC:
-                from tierfs.agent import RestorePlan
-                return RestorePlan(None, source="none")
-            raise
+        return await self._plan(agent, job)
 
     async def _plan(self, agent: NodeAgent, job: JobSpec) -> RestorePlan:
         tier = self.tier
         strict = job.framework != control.GENERIC
         restore_id = uuid.uuid4().hex
         self._phase(agent, "verifying local copies")
+        notes = []
         for shard in sorted(agent.shards_of(job.name), key=lambda s: s.key, reverse=True):
-            if shard.key in agent.catalog:
-                await agent.verify_shard(shard)
+            if shard.key in agent.catalog and not await agent.verify_shard(shard):
+                notes.append(f"node-rank {job.node_rank} discarded its copy of step "
+                             f"{shard.key.step} of rank {shard.key.rank} (checksum mismatch)")
         while True:
-            number = await self._join(agent, job, restore_id, strict)
+            number = await self._join(agent, job, restore_id, strict, notes)
             while True:
                 view = await self._decide(agent, job, restore_id, number)
                 if view is None:
                     break  # rejoin
-                plan, bad = await self._fetch(agent, job, view)
+                plan, bad, detail = await self._fetch(agent, job, view)
                 # pinned from now on: retention must not drop the fetched step while
                 # the abandoned newer ones (which it ranks above it) are still held
                 held = plan.shard.key if plan is not None and plan.shard is not None else None
@@ -133,7 +157,7 @@ class PeerCluster:
                     self._phase(agent, "waiting for the other nodes' data", round=number,
                                 step=plan.step if plan else None)
                     state = await self._barrier(agent, job, restore_id, number, view.version,
-                                                "ready", plan is not None, bad)
+                                                "ready", plan is not None, bad, detail=detail)
                 except BaseException:
                     if held is not None:
                         tier._pin(held, -1)
@@ -143,7 +167,9 @@ class PeerCluster:
                     if held is not None:
                         plan.detail["pinned"] = True
                     plan.detail.update(round=number, reason=view.reason,
-                                       forced=view.restore_version or None)
+                                       forced=view.restore_version or None,
+                                       outcome=view.outcome or None,
+                                       problems=list(view.problems))
                     return plan
                 if held is not None:
                     tier._pin(held, -1)
@@ -151,7 +177,8 @@ class PeerCluster:
                     break
                 # replan (a copy was bad somewhere): ask again
 
-    async def _join(self, agent: NodeAgent, job: JobSpec, restore_id: str, strict: bool) -> int:
+    async def _join(self, agent: NodeAgent, job: JobSpec, restore_id: str, strict: bool,
+                    notes: list[str]) -> int:
         tier = self.tier
         start = trio.current_time()
         delay = 0.2
@@ -168,7 +195,7 @@ class PeerCluster:
                 try:
                     reply = await tier.call(functools.partial(
                         tier.client.join, coord, restore_id=restore_id,
-                        mode="protocol" if strict else "generic", **fields))
+                        mode="protocol" if strict else "generic", notes=notes, **fields))
                     tier.update_peers(reply.peers)
                     self._phase(agent, "joined", round=reply.round, coordinator=coord)
                     return int(reply.round)
@@ -188,14 +215,17 @@ class PeerCluster:
                         elif now - refused_since > REFUSAL_GRACE:
                             # a configuration error: the job fails now, not after the
                             # join timeout (minutes), unless it is fixed meanwhile
-                            raise RestoreTimeout(f"the coordinator refused this node for "
+                            raise RestoreRefused(f"the coordinator refused this node for "
                                                  f"{REFUSAL_GRACE:.0f} s {last}") from None
                     else:
                         refused_since = None
             if trio.current_time() - start > tier.join_timeout:
                 agent.report_error(f"restore: could not join the coordinator within "
                                    f"{tier.join_timeout:.0f} s: {last}")
-                raise RestoreTimeout(last)
+                if refused_since is not None:
+                    raise RestoreRefused(last)
+                raise RestoreTimeout(f"could not join the coordinator within "
+                                     f"{tier.join_timeout:.0f} s: {last}")
             await trio.sleep(delay)
             delay = min(delay * 2, 2.0)
 
@@ -214,7 +244,8 @@ class PeerCluster:
             return True
         if trio.current_time() - start > limit:
             agent.report_error(f"restore: coordinator {coord} unreachable for {limit:.0f} s")
-            raise RestoreTimeout(rpc_reason(exc)) from None
+            raise RestoreTimeout(f"coordinator {coord} unreachable for {limit:.0f} s: "
+                                 f"{rpc_reason(exc)}") from None
         await trio.sleep(0.5)
         return False
 
@@ -247,29 +278,48 @@ class PeerCluster:
                             missing=[])
                 return view
             missing = list(view.missing)
-            self._phase(agent, f"waiting for node-rank(s) {missing} to join", round=view.round,
-                        missing=missing)
+            what = (f"node-rank(s) {missing} to join" if missing
+                    else view.waiting_for or "the coordinator")
+            self._phase(agent, f"waiting for {what}", round=view.round, missing=missing)
             if trio.current_time() - start > tier.join_timeout:
-                agent.report_error(f"restore: node-rank(s) {missing} did not join within "
-                                   f"{tier.join_timeout:.0f} s (job {job.name}, round "
-                                   f"{view.round}); no step can be agreed")
-                raise RestoreTimeout(f"node-rank(s) {missing} did not join")
+                if missing:
+                    msg = (f"node-rank(s) {missing} did not join within "
+                           f"{tier.join_timeout:.0f} s (job {job.name}, round {view.round}); "
+                           "no step can be agreed")
+                    agent.report_error(f"restore: {msg}")
+                    raise NodesMissing(msg)
+                msg = f"no decision within {tier.join_timeout:.0f} s (waiting for {what})"
+                agent.report_error(f"restore: {msg}")
+                raise RestoreTimeout(msg)
 
     async def _fetch(self, agent: NodeAgent, job: JobSpec, view: Any
-                     ) -> tuple[RestorePlan | None, list[CopyId]]:
+                     ) -> tuple[RestorePlan | None, list[CopyId], str]:
+        """This node's shard of the decided step: its own copy, else the peers holding the
+        same bytes, else the backup rounds holding them.
+
+        Returns:
+            (plan, [], "") on success (a "nothing" decision included); else
+            (None, the copies found bad or unusable, one line why).
+        """
         from tierfs.agent import RestorePlan
 
         tier = self.tier
         if view.step < 0:
-            return RestorePlan(None, source="none"), []
+            return RestorePlan(None, source="none", detail={
+                "reason": view.reason, "outcome": view.outcome or None,
+                "problems": list(view.problems),
+                "forced": view.restore_version or None}), [], ""
         step = int(view.step)
         key = ShardKey(job.name, job.node_rank, step)
         bad: list[CopyId] = []
+        why: list[str] = []
+        forced = view.restore_version or None
         if view.local:
             shard = agent.catalog.get(key)
             if shard is not None and (not view.digest or tier.digest(shard) == view.digest):
-                return RestorePlan(step, shard=shard, source="local"), []
+                return RestorePlan(step, shard=shard, source="local", backup=forced), [], ""
             bad.append((job.node_rank, job.node_rank, step))
+            why.append("its own copy is gone or holds other bytes")
         for src in view.sources:
             self._phase(agent, f"pulling step {step} from node-rank {src.holder}",
                         source=f"peer:{src.holder}")
@@ -282,29 +332,42 @@ class PeerCluster:
                                    f"on node-rank {src.holder} is bad ({exc}); trying another "
                                    "copy")
                 bad.append((src.holder, job.node_rank, step))
+                why.append(f"node-rank {src.holder}'s copy is bad ({exc})")
                 continue
             except (TransferError, grpc.RpcError, OSError) as exc:
                 log.warning("pulling %s from node-rank %d failed: %s", key, src.holder,
                             rpc_reason(exc))
                 bad.append((src.holder, job.node_rank, step))
+                why.append(f"pulling from node-rank {src.holder} failed ({rpc_reason(exc)})")
                 continue
             finally:
                 cancel.set()
             agent.add_shard(shard)
             log.info("restored step %d of rank %d from node-rank %d (%d bytes, verified)",
                      step, job.node_rank, src.holder, shard.bytes)
-            return RestorePlan(step, shard=shard, source=f"peer:{src.holder}"), []
-        if view.backup and self.fetch_backup is not None:
-            shard = await self.fetch_backup(agent, job, step, view.backup)
-            if shard is not None:
-                return RestorePlan(step, backup=view.backup, shard=shard, source="gcs"), []
-        agent.report_error(f"restore: no usable copy of step {step} for node-rank "
-                           f"{job.node_rank}; asking the coordinator for another step")
-        return None, bad
+            return RestorePlan(step, shard=shard, source=f"peer:{src.holder}",
+                               backup=forced), [], ""
+        rounds = list(view.backups) or ([view.backup] if view.backup else [])
+        for rnd in rounds:
+            if self.fetch_backup is None:
+                why.append(f"backup round {rnd} holds it but this node has no --bucket")
+                break
+            try:
+                shard = await self.fetch_backup(agent, job, step, rnd, view.digest)
+            except Exception as exc:
+                agent.report_error(f"restore: {exc}; trying another copy")
+                bad.append((rnd, job.node_rank, step))
+                why.append(str(exc))
+                continue
+            return RestorePlan(step, backup=rnd, shard=shard, source="gcs"), [], ""
+        detail = (f"no usable copy of step {step} of rank {job.node_rank}: "
+                  + "; ".join(why or ["no copy was offered"]))
+        agent.report_error(f"restore: {detail}; asking the coordinator to decide again")
+        return None, bad, detail
 
     async def _barrier(self, agent: NodeAgent, job: JobSpec, restore_id: str, number: int,
                        version: int, phase: str, ok: bool, bad: list[CopyId],
-                       timeout: float | None = None) -> str:
+                       timeout: float | None = None, detail: str = "") -> str:
         tier = self.tier
         pb = tier.client.pb2.BarrierReply
         start = trio.current_time()
@@ -314,7 +377,8 @@ class PeerCluster:
             try:
                 reply = await tier.call(functools.partial(
                     tier.client.barrier, coord, bad, job=job.name, rank=job.node_rank,
-                    restore_id=restore_id, round=number, version=version, phase=phase, ok=ok))
+                    restore_id=restore_id, round=number, version=version, phase=phase, ok=ok,
+                    detail=detail[:2000]))
             except grpc.RpcError as exc:
                 if await self._unreachable(agent, job, coord, exc, start, limit):
                     return "rejoin"  # the coordinator restarted elsewhere
@@ -350,7 +414,7 @@ class PeerCluster:
                 state = await self._barrier(agent, job, cur.restore_id, cur.round, cur.version,
                                             "done", True, [], timeout=min(
                                                 self.tier.join_timeout, 60.0))
-            except RestoreTimeout as exc:
+            except RestoreFailed as exc:
                 log.warning("restore-done barrier: %s; publishing anyway", exc)
                 return
             if state != "passed":

@@ -124,7 +124,8 @@ def same_endpoint(a: str | None, b: str | None) -> bool:
 def held_shard(pb2: Any, h: Holding) -> Any:
     """The ``HeldShard`` message describing ``h`` (inventories, Join and Sync requests)."""
     return pb2.HeldShard(rank=h.rank, step=h.step, verified=h.verified, digest=h.digest,
-                         bytes=h.bytes, name=h.name, backup_requested=h.backup_requested)
+                         bytes=h.bytes, name=h.name, backup_requested=h.backup_requested,
+                         created=h.created)
 
 
 # ---------------------------------------------------------------------- stats
