@@ -176,7 +176,8 @@ def test_tmpfs_ram_dir_gives_no_warning(tmp_path, ram_dir, cleanup):
     cleanup.append(tmp_path / "mnt")
     proc = tierfs("mount", str(tmp_path / "mnt"), "--ram-dir", str(ram_dir))
     assert proc.stderr.strip() == ""
-    assert proc.stdout.strip() == ""
+    assert proc.stdout.startswith(f"mounted {tmp_path / 'mnt'} ")  # and nothing else
+    assert len(proc.stdout.splitlines()) == 1
     tierfs("unmount", str(tmp_path / "mnt"))
 
 
