@@ -318,6 +318,42 @@ class Budget:
         return StatFs(bsize, total, free, free, vfs.f_files, vfs.f_ffree, vfs.f_namemax)
 
 
+@dataclass(frozen=True, slots=True)
+class StoreUsage:
+    """One count of a ram-dir by area (:meth:`RamStore.usage`), in bytes allocated.
+
+    A file hard-linked into several areas (a sealed step's snapshot shares
+    its files with the view) counts once, in the first area counted: the
+    view, then the shards, then the rest.
+
+    Attributes:
+        view: the client-visible tree.
+        shards: bytes under ``store/shards/<job>/<rank>/`` not also in the
+            view, by ``(job, rank)`` as named on disk: this node's own sealed
+            snapshots (steps deleted from the view but kept by
+            ``--keep-local``, or rewritten since) and the replicas of peers.
+        other: everything else (transfers in progress, trash, state, log).
+        counted_at: Unix time of the count.
+    """
+
+    view: int
+    shards: dict[tuple[str, str], int]
+    other: int
+    counted_at: float
+
+    @property
+    def total(self) -> int:
+        """All bytes of the ram-dir."""
+        return self.view + sum(self.shards.values()) + self.other
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
 class RamStore:
     """Paths and housekeeping of one ram-dir (see the module docstring).
 
@@ -338,6 +374,8 @@ class RamStore:
         self.shards = os.path.join(self.store, "shards")
         self.incoming = os.path.join(self.store, "incoming")
         self.trash = os.path.join(self.store, "trash")
+        #: the last count by area (:meth:`usage`), None before the first
+        self.last_usage: StoreUsage | None = None
         #: the budget told about bytes :meth:`empty_trash` frees (see :meth:`attach_budget`)
         self._budget: Budget | None = None
         self._trash_lock = threading.Lock()
@@ -370,13 +408,36 @@ class RamStore:
     def usage(self, seen: set[int] | None = None) -> int:
         """Bytes allocated by everything under the ram-dir (hard links counted once).
 
+        The count by area is kept in :attr:`last_usage` (``tierfs status``).
+        Blocking (a walk, lstat only): never on the FUSE thread.
+
         Args:
             seen: if given, receives the inode number of every object counted.
         """
         if seen is None:
             seen = set()
+        view = self._count_tree(self.view, seen)
+        shards: dict[tuple[str, str], int] = {}
+        for job in _listdir(self.shards):
+            for rank in _listdir(os.path.join(self.shards, job)):
+                shards[(job, rank)] = self._count_tree(os.path.join(self.shards, job, rank),
+                                                       seen)
+        # the rest (incoming, trash, state, log), without walking the two trees again
+        other = self._count_tree(self.root, seen, prune=(self.view, self.shards))
+        self.last_usage = StoreUsage(view, shards, other, time.time())
+        return self.last_usage.total
+
+    @staticmethod
+    def _count_tree(top: str, seen: set[int], prune: tuple[str, ...] = ()) -> int:
+        """Bytes of the objects under ``top`` (itself excluded) not already in ``seen``;
+        the directories in ``prune`` count, but not what is inside them."""
         total = 0
-        for dirpath, dirnames, filenames in os.walk(self.root):
+        for dirpath, dirnames, filenames in os.walk(top):
+            if prune:
+                dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) not in prune]
+                for d in prune:
+                    if os.path.dirname(d) == dirpath:
+                        filenames = [*filenames, os.path.basename(d)]
             for name in dirnames + filenames:
                 try:
                     st = os.lstat(os.path.join(dirpath, name))
