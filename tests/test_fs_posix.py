@@ -1179,6 +1179,15 @@ def _budget(m) -> dict:
     return json.loads((m.path / ".tierfs" / "status.json").read_text())["budget"]
 
 
+def _wait_for_count_after(m, t: float, timeout: float = 60) -> None:
+    """Wait until the daemon counted its store (status ``usage.counted_at``) after ``t``."""
+    deadline = time.monotonic() + timeout
+    while json.loads((m.path / ".tierfs" / "status.json").read_text())["usage"][
+            "counted_at"] <= t:
+        assert time.monotonic() < deadline, "the daemon did not count its store"
+        time.sleep(0.05)
+
+
 def test_managed_budget_frees_at_once(small_tmpfs, make_mount):
     """Regression: with --size 64MiB, deleted bytes came back only at the next count
     (ENOSPC for up to ~3 s); a loop "write a 25 MiB step, rmtree the previous one"
@@ -1241,8 +1250,8 @@ def test_managed_budget_counts_files_unlinked_while_open(small_tmpfs, make_mount
             while n < 50 and err(os.write, fd, b"\xee" * MiB) == 0:
                 n += 1
             got.append(n)
-            if k == 0:
-                time.sleep(6)  # the daemon counts the store (every 5 s at this usage)
+            if k == 0:  # after the daemon's next count of the store, the orphan still counts
+                _wait_for_count_after(m, time.time())
                 assert _budget(m)["used_bytes"] >= 50 * MiB
         assert got[0] == 50 and sum(got) <= 64, got
         assert _budget(m)["used_bytes"] >= 60 * MiB

@@ -69,7 +69,7 @@ def _ram_lines(data: dict[str, Any]) -> list[str]:
     lines = [f"ram        tierfs holds {format_size(usage['total_bytes'])}: view "
              f"{format_size(usage['view_bytes'])}, snapshots "
              f"{format_size(usage['snapshot_bytes'])}, replicas "
-             f"{format_size(usage['replica_bytes'])}, other "
+             f"{format_size(usage['replica_bytes'])}, trash and transfers "
              f"{format_size(usage['other_bytes'])} (counted {usage['age_seconds']:.0f} s ago)"]
     if budget.get("mode") == "managed":
         lines.append(f"budget     {format_size(budget.get('total_bytes', 0))} (--size, counted "
