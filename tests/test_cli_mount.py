@@ -204,7 +204,7 @@ def test_default_size_is_the_free_space_of_the_ram_dir(make_mount):
     assert abs(status["budget"]["total_bytes"] - (free + used)) < 256 * MiB
 
 
-def _wait(pred, timeout: float = 20) -> bool:
+def _wait(pred, timeout: float = 60) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():

@@ -287,7 +287,7 @@ def test_stalled_upload_is_reported_and_tried_again_when_the_bucket_answers(
     try:
         t0 = time.monotonic()
         save(m.path, 2, step_files(0, 2))
-        st = wait_for(lambda: (s := gcs_status(m.path))["stalled_seconds"] and s, 15,
+        st = wait_for(lambda: (s := gcs_status(m.path))["stalled_seconds"] and s, 45,
                       "the stall reported")
         print(f"stall reported {time.monotonic() - t0:.1f} s after the save")
         assert "bucket problem: bucket slow or stalled: no answer for" in st["summary"]
