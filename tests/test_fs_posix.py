@@ -1175,8 +1175,12 @@ def test_enospc_managed_budget(small_tmpfs, make_mount):
     assert _alive(m.pid())
 
 
+def _status(m) -> dict:
+    return json.loads((m.path / ".tierfs" / "status.json").read_text())
+
+
 def _budget(m) -> dict:
-    return json.loads((m.path / ".tierfs" / "status.json").read_text())["budget"]
+    return _status(m)["budget"]
 
 
 def _wait_for_count_after(m, t: float, timeout: float = 60) -> None:
@@ -1277,7 +1281,19 @@ def test_managed_budget_holds_keep_local_plus_one_sealed_steps(small_tmpfs, make
         os.rename(tmp, m.path / f"checkpoint-{step}")  # seals
         if step > 1:
             shutil.rmtree(m.path / f"checkpoint-{step - 1}")
-        time.sleep(1.0)  # the trainer computes between saves
+        # the trainer computes between saves: by the next one this step is sealed (until
+        # then step - 1 is the only good step and stays), and the room of step - 1 is
+        # back well within the trash's 30 s grace, whichever of the client's delete and
+        # retention's drop came first (regression: CI got ENOSPC when the drop did)
+        deadline = time.monotonic() + 60
+        while not any(s["step"] == step and s["state"] in ("sealed", "verified")
+                      for s in _status(m)["steps"]):
+            assert time.monotonic() < deadline, f"step {step} not sealed"
+            time.sleep(0.05)
+        deadline = time.monotonic() + 20
+        while _budget(m)["free_bytes"] < 26 * MiB:
+            assert time.monotonic() < deadline, f"no room after step {step}: {_budget(m)}"
+            time.sleep(0.05)
     steps = json.loads((m.path / ".tierfs" / "status.json").read_text())["steps"]
     assert [s["name"] for s in steps] == ["checkpoint-6"]
 

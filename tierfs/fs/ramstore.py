@@ -122,6 +122,9 @@ class Budget:
         #: while a count runs: whole objects freed meanwhile, (inode number, bytes)
         self._counting = False
         self._freed_while_counting: list[tuple[int, int]] = []
+        #: called (from the FUSE thread) after a removal left an object's bytes to its
+        #: other links, e.g. a dropped snapshot in the trash (see RamStore.attach_budget)
+        self.on_shared_remove: Callable[[], None] | None = None
         #: files unlinked while open: inode number -> a descriptor that keeps them
         self._orphans: dict[int, int] = {}
         vfs = os.statvfs(root)
@@ -252,6 +255,18 @@ class Budget:
             if self._counting and ino is not None:
                 self._freed_while_counting.append((ino, nbytes))
 
+    def shared_removed(self) -> None:
+        """A removal took a link of an object that keeps other links (managed mode).
+
+        Its bytes are freed only with its last link. If that is in the trash (a
+        snapshot retention dropped before the client deleted its own copy), the
+        trash reclaimer is woken to look again: otherwise the bytes would wait
+        for the trash's grace period while writes get ENOSPC. Never blocks.
+        """
+        callback = self.on_shared_remove
+        if callback is not None:
+            callback()
+
     def hold_orphan(self, ino: int, fd: int) -> None:
         """Keep counting file ``ino``, unlinked while open, until :meth:`drop_orphan`.
 
@@ -380,6 +395,8 @@ class RamStore:
         self._budget: Budget | None = None
         self._trash_lock = threading.Lock()
         self._trashed = threading.Event()
+        #: the trash may hold entries (set by to_trash, cleared by a pass that emptied it)
+        self._trash_held = True
         if not os.path.lexists(self.root):
             # mode at mkdir time: never readable by others, not even for a moment
             os.makedirs(self.root, mode=0o700, exist_ok=True)
@@ -464,6 +481,7 @@ class RamStore:
         dest = os.path.join(self.trash, f"{int(time.time())}-{uuid.uuid4().hex[:8]}-"
                                         f"{os.path.basename(path)}")
         os.rename(path, dest)
+        self._trash_held = True
         self._trashed.set()
         return dest
 
@@ -473,10 +491,18 @@ class RamStore:
         Also starts a thread that empties the trash right after :meth:`to_trash`
         whenever the trash then holds more than the budget has free: a
         snapshot dropped by retention makes room for the next step at once,
-        not at the node agent's next housekeeping round.
+        not at the node agent's next housekeeping round. The thread also
+        looks again when the client removes a link of a file whose other
+        links may be in the trash (:meth:`Budget.shared_removed`): retention
+        may drop a snapshot before the client deletes its copy of the step.
         """
         self._budget = budget
+        budget.on_shared_remove = self._wake_reclaimer
         threading.Thread(target=self._reclaimer, name="trash-reclaimer", daemon=True).start()
+
+    def _wake_reclaimer(self) -> None:
+        if self._trash_held:
+            self._trashed.set()
 
     def _reclaimer(self) -> None:
         while True:
@@ -533,6 +559,7 @@ class RamStore:
             if budget is not None and not os.path.lexists(p):
                 for ino, nbytes in freeable:
                     budget.release(nbytes, ino)
+        self._trash_held = bool(os.listdir(self.trash))  # to_trash meanwhile wakes a new pass
         return removed
 
     def _freeable(self, name: str) -> list[tuple[int, int]]:
