@@ -249,7 +249,9 @@ def test_a_bucket_that_does_not_answer_does_not_stop_the_mount(make_mount, fake_
         m = make_mount("--bucket", fake_gcs.bucket)
         took = time.monotonic() - t0
         print(f"mount with a hanging bucket took {took:.1f} s")
-        assert took < 10
+        # the bug waited for the 120 s read timeout; a mount on a loaded 2-core
+        # machine takes seconds by itself (CI: 13.4 s under a bound of 10)
+        assert took < 60
         st = gcs_status(m.path)
         assert st["bucket_checked"] is False
         assert "bucket unreachable at start" in st["problem"]
