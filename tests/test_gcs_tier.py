@@ -324,6 +324,6 @@ def test_preflight_bucket(fake_gcs):
     try:
         t0 = time.monotonic()
         assert preflight_bucket(fake_gcs.bucket, deadline=1.5) is None
-        assert time.monotonic() - t0 < 4
+        assert time.monotonic() - t0 < 15  # not the 120 s read timeout; slack for a busy CI
     finally:
         fake_gcs.thaw()
