@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from conftest import SHM, TIERFS, is_mounted, tierfs
+from mtc_clients import wait_for
 
 import tierfs as tierfs_pkg
 from tierfs import cli
@@ -40,16 +41,6 @@ def mnt(tmp_path):
         subprocess.run([*TIERFS, "unmount", "--lazy", str(path)], capture_output=True)
         if is_mounted(path):
             subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
-def wait_for(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def status_of(path: Path) -> dict:

@@ -6,11 +6,11 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 from conftest import is_mounted
+from mtc_clients import wait_for
 
 from tierfs import command
 from tierfs.demo.emulator import emulator_binary
@@ -39,16 +39,6 @@ def emulators_of(out: Path) -> list[int]:
         if root in args and state not in ("Z", "X"):
             pids.append(int(name))
     return pids
-
-
-def wait_for(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def timeline_text(out: Path) -> str:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from mtc_clients import wait_for
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -23,13 +23,6 @@ def train_py(ckpt: Path) -> str:
 def run(script: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=300)
-
-
-def wait_for(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 @pytest.mark.slow
