@@ -2,15 +2,18 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# made by a finished install; older than pyproject.toml means the dependencies changed
+STAMP := $(VENV)/.installed
 
 .PHONY: install test test-fast lint demo bench soak clean
 
-$(BIN)/tierfs:
-	$(PY) -m venv $(VENV)
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
 
-install: $(BIN)/tierfs
+install: $(STAMP)
 
 # The whole suite, slow multi-node tests included (what CI runs).
 test: install

@@ -65,7 +65,7 @@ class Mount:
         """kill -9 the daemon (the mount is left dead, answering ENOTCONN)."""
         pid = self.pid()
         os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # a zombie counts until init reaps it
         while time.monotonic() < deadline:
             try:
                 os.kill(pid, 0)

@@ -146,3 +146,40 @@ def test_emptied_trash_frees_budget_and_skips_the_grace_when_needed(shm_ram):
     assert os.listdir(store.trash) == []
     assert budget.used() == base + 3 * MiB  # 2 granted + the file the view still holds
     assert os.path.exists(kept)
+
+
+def test_a_snapshot_dropped_before_the_client_deletes_its_copy_frees_at_once(shm_ram):
+    """Regression (CI: test_managed_budget_holds_keep_local_plus_one_sealed_steps got
+    ENOSPC): retention dropped step 1's snapshot into the trash while the client's
+    copy still linked its files, so the reclaimer found nothing freeable; the
+    client's rmtree a moment later woke nobody, and the bytes sat out the 30 s
+    grace while the next step's writes were refused."""
+    from tierfs.fs.namespace import ROOT_ID, Namespace
+
+    store = RamStore(shm_ram)
+    budget = Budget(store.root, 8 * MiB, store.usage(), recount=store.usage)
+    store.attach_budget(budget)
+    ns = Namespace(store.view, budget, reserved=frozenset())
+    step = os.path.join(store.view, "checkpoint-1")
+    os.mkdir(step)
+    _fill(os.path.join(step, "model.pt"), 5 * MiB)
+    snap = os.path.join(store.shards, "job", "0", "1")
+    os.makedirs(snap)
+    os.link(os.path.join(step, "model.pt"), os.path.join(snap, "model.pt"))  # the seal
+    budget.recount()
+    base = budget.used()
+    store.to_trash(snap)  # retention drops it first: the view still links the file
+    deadline = time.monotonic() + 20
+    while store._trashed.is_set():  # the reclaimer took the wake-up ...
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with store._trash_lock:  # ... and finished its pass: nothing was freeable
+        assert os.listdir(store.trash) != []
+    parent, _ = ns.lookup(ROOT_ID, b"checkpoint-1")
+    ns.unlink(parent.nodeid, b"model.pt")  # then the client deletes its copy
+    deadline = time.monotonic() + 20  # well below the 30 s grace the bug waited for
+    while budget.used() > base - 5 * MiB:
+        assert time.monotonic() < deadline, "the dropped snapshot's bytes never came back"
+        time.sleep(0.01)
+    assert os.listdir(store.trash) == []
+    budget.check_growth(7 * MiB)  # room for the next step

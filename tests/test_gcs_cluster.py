@@ -324,9 +324,9 @@ def test_hanging_bucket_costs_at_most_its_deadlines(make_mount, fake_gcs, monkey
         print(f"restart with a hanging bucket decided in {took:.1f} s")
         for r, res in enumerate(again):
             assert res["restored"] == 2 and res["files"] == step_files(r, 2), c.logs()
-        assert took < 4 + 12
+        assert took < 60  # 4 s of fallback deadline, not the 120 s read timeout (busy CI: slack)
         assert "cannot read restore.version" in (gcs_status(c.root(0))["last_error"] or "")
-        wait_for(lambda: "cannot read restore.version" in errors(c.root(0)), 10,
+        wait_for(lambda: "cannot read restore.version" in errors(c.root(0)), 60,
                  "the line in replicator.errors")
     finally:
         fake_gcs.thaw()

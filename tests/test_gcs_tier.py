@@ -249,7 +249,9 @@ def test_a_bucket_that_does_not_answer_does_not_stop_the_mount(make_mount, fake_
         m = make_mount("--bucket", fake_gcs.bucket)
         took = time.monotonic() - t0
         print(f"mount with a hanging bucket took {took:.1f} s")
-        assert took < 10
+        # the bug waited for the 120 s read timeout; a mount on a loaded 2-core
+        # machine takes seconds by itself (CI: 13.4 s under a bound of 10)
+        assert took < 60
         st = gcs_status(m.path)
         assert st["bucket_checked"] is False
         assert "bucket unreachable at start" in st["problem"]
@@ -287,7 +289,7 @@ def test_stalled_upload_is_reported_and_tried_again_when_the_bucket_answers(
     try:
         t0 = time.monotonic()
         save(m.path, 2, step_files(0, 2))
-        st = wait_for(lambda: (s := gcs_status(m.path))["stalled_seconds"] and s, 15,
+        st = wait_for(lambda: (s := gcs_status(m.path))["stalled_seconds"] and s, 45,
                       "the stall reported")
         print(f"stall reported {time.monotonic() - t0:.1f} s after the save")
         assert "bucket problem: bucket slow or stalled: no answer for" in st["summary"]
@@ -322,6 +324,6 @@ def test_preflight_bucket(fake_gcs):
     try:
         t0 = time.monotonic()
         assert preflight_bucket(fake_gcs.bucket, deadline=1.5) is None
-        assert time.monotonic() - t0 < 4
+        assert time.monotonic() - t0 < 15  # not the 120 s read timeout; slack for a busy CI
     finally:
         fake_gcs.thaw()

@@ -68,6 +68,9 @@ class StubBudget:
     def hold_orphan(self, ino: int, fd: int) -> None:
         self.orphans[ino] = fd
 
+    def shared_removed(self) -> None:
+        pass
+
     def drop_orphan(self, ino: int) -> None:
         fd = self.orphans.pop(ino, None)
         if fd is not None:

@@ -265,7 +265,7 @@ def test_a_node_that_is_not_rank_zero_refuses_coordinator_calls(make_mount, fake
         assert err.value.details() == "not the coordinator: this node is node-rank 1 of job j"
     # its own record is in the bucket; node-rank 0 has published nothing
     g = GcsBackend(fake_gcs.bucket, settings=GcsSettings.from_env())
-    rec = wait_for(lambda: g.read_address("j", 1), 20, "node 1's rendezvous record")
+    rec = wait_for(lambda: g.read_address("j", 1), 60, "node 1's rendezvous record")
     assert (rec.address, rec.incarnation, rec.rank) == (f"127.0.0.1:{port}", inc, 1)
     data = json.loads(tierfs("status", str(m.path), "--json").stdout)
     peer = data["tiers"]["peer"]

@@ -100,6 +100,17 @@ class Changed:
 Event = Renamed | Released | Changed
 
 
+def _filesystem_status(path: str) -> dict[str, Any]:
+    """Size and free space (bytes) of the filesystem holding ``path`` (statvfs), which
+    other programs may share: not tierfs's usage (that is the status's ``usage``)."""
+    try:
+        vfs = os.statvfs(path)
+    except OSError:
+        return {}
+    return {"total_bytes": vfs.f_blocks * vfs.f_frsize, "free_bytes": vfs.f_bavail * vfs.f_frsize,
+            "used_bytes": (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize}
+
+
 def _top(path: str) -> str:
     return path.split("/", 1)[0]
 
@@ -579,12 +590,13 @@ class NodeAgent:
 
         Managed budget: every 5 s, or every 0.5 s while the budget is nearly
         used up or a write was just refused, so deletions free budget quickly.
-        Native budget: every 30 s, to re-anchor the usage estimate shown in
-        status (others' use of a shared tmpfs changes under it).
+        Native budget: every 5 s too: the count by area is what ``tierfs
+        status`` shows as tierfs's own bytes (others' use of a shared tmpfs
+        changes the filesystem's numbers, never this count).
         """
         while True:
             if self.budget.native:
-                await trio.sleep(30.0)
+                await trio.sleep(5.0)
             else:
                 await trio.sleep(0.5 if self.budget.wants_recount else 5.0)
             async with self._io_limiter:
@@ -1101,6 +1113,8 @@ class NodeAgent:
             "uptime_seconds": round(time.time() - self.started, 1),
             "budget": {"mode": self.budget.mode, "total_bytes": self.budget.size,
                        "used_bytes": self.budget.used(), "free_bytes": self.budget.free()},
+            "usage": self._usage_status(job),
+            "filesystem": _filesystem_status(self.store.root),
             "passthrough": bool(self.ns and self.ns.passthrough),
             "mode": self.mode,
             "job": ({"name": job.name, "framework": job.framework, "node_rank": job.node_rank,
@@ -1112,6 +1126,22 @@ class NodeAgent:
             "tiers": {t.name: t.status() for t in self.tiers},
             "errors": list(self.errors),
         }
+
+    def _usage_status(self, job: JobSpec | None) -> dict[str, Any] | None:
+        """The last count of the ram-dir by area (bytes), or None before the first.
+
+        ``snapshot_bytes``: this node's sealed steps beyond what the view
+        shares with them; ``replica_bytes``: the peers' steps held here.
+        """
+        u = self.store.last_usage
+        if u is None:
+            return None
+        own = sum(n for (j, rank), n in u.shards.items()
+                  if job is None or (j == job.name and rank == str(job.node_rank)))
+        return {"total_bytes": u.total, "view_bytes": u.view, "snapshot_bytes": own,
+                "replica_bytes": sum(u.shards.values()) - own, "other_bytes": u.other,
+                "counted_at": round(u.counted_at, 3),
+                "age_seconds": round(max(0.0, time.time() - u.counted_at), 1)}
 
     def status_json(self) -> bytes:
         return (json.dumps(self.status(), indent=2, sort_keys=True, default=str) + "\n").encode()

@@ -276,10 +276,16 @@ def main() -> None:
     """tierfs: a tiered checkpoint store (RAM, peers, Google Cloud Storage) behind a FUSE mount."""
 
 
+#: the defaults named in ``--help`` (click defaults would override --config)
+_DEFAULTS = NodeConfig()
+
+
 def mount_options(f: Any) -> Any:
     """The options shared by ``tierfs mount`` and ``tierfs csi``."""
     decorators = [
-        click.option("--ram-dir", help="Directory on tmpfs that holds the bytes (created)."),
+        click.option("--ram-dir", metavar="DIR",
+                     help="[required unless --config sets ramDir] Directory on tmpfs that "
+                          "holds the bytes (created with mode 0700)."),
         click.option("--size", help="RAM budget, e.g. 8GiB, 512MiB or bytes "
                                     "(default: free space of the ram-dir's filesystem)."),
         click.option("-o", "option", multiple=True, metavar="OPT[,OPT...]",
@@ -287,9 +293,11 @@ def mount_options(f: Any) -> Any:
                           "entry_timeout=S, no_passthrough, fsname=NAME, ..."),
         click.option("--config", type=click.Path(dir_okay=False),
                      help="YAML config file (flags win)."),
-        click.option("--log-file", help="Daemon log (default: <ram-dir>/store/daemon.log)."),
+        click.option("--log-file", metavar="FILE",
+                     help="Daemon log (default: <ram-dir>/store/daemon.log)."),
         click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"],
-                                                      case_sensitive=False)),
+                                                      case_sensitive=False),
+                     help=f"Daemon log level (default: {_DEFAULTS.log_level.lower()})."),
         click.option("--job", help="Job name for generic mode (no replicator.yaml)."),
         click.option("--node-rank", type=int, help="This node's rank (generic mode)."),
         click.option("--nodes", type=int, help="Number of nodes (generic mode)."),
@@ -303,7 +311,8 @@ def mount_options(f: Any) -> Any:
         click.option("--seal-pattern", multiple=True, metavar="REGEX",
                      help="Top-level step names that seal (needs a (?P<step>\\d+) group); "
                           "repeatable; replaces the default set."),
-        click.option("--keep-local", type=int, help="Sealed steps kept in RAM (default 2)."),
+        click.option("--keep-local", type=int,
+                     help=f"Sealed steps kept in RAM (default: {_DEFAULTS.keep_local})."),
         click.option("--listen", metavar="HOST:PORT", help="Peer gRPC listen address."),
         click.option("--advertise", metavar="HOST:PORT",
                      help="Address peers use to reach this node (default: --listen)."),
@@ -312,7 +321,9 @@ def mount_options(f: Any) -> Any:
                           "with --listen and --bucket find rank 0 through the bucket."),
         click.option("--peer-token", help="Shared secret on every peer call "
                                           "(or $TIERFS_PEER_TOKEN)."),
-        click.option("--join-timeout", type=float, help="Seconds to wait for all nodes."),
+        click.option("--join-timeout", type=float,
+                     help="Seconds a restore waits for every node to join (default: "
+                          f"{_DEFAULTS.join_timeout:.0f})."),
         click.option("--bucket", metavar="NAME[/PREFIX]", help="GCS bucket for backups."),
         click.option("--backup-interval-minutes", type=float,
                      help="Backup period (generic mode; replicator.yaml overrides)."),
@@ -395,25 +406,35 @@ def _leaf_messages(exc: BaseException) -> list[str]:
     return [str(exc) or type(exc).__name__]
 
 
+#: seconds a daemon that closed its ready pipe without a word gets to exit
+EXIT_GRACE = 30.0
+
+
 def _spawn_daemon(config: NodeConfig) -> None:
     """Start the background daemon and wait until it mounted (or failed).
 
     The configuration travels as JSON on the daemon's stdin, never in its
     argv: a command line is readable by every local user (``ps``), and the
-    configuration may hold the peer token.
+    configuration may hold the peer token. The daemon runs as ``python -P -m
+    tierfs`` (:func:`tierfs.command`: a ``tierfs`` folder in the current
+    directory cannot shadow the installed package) from ``/`` (a daemon
+    keeps no directory of the caller busy; every path it gets is absolute).
 
     Raises:
-        click.ClickException: the daemon failed, exited or did not become ready.
+        click.ClickException: the daemon failed, exited or did not become ready
+            within :data:`READY_TIMEOUT` seconds.
     """
-    r, w = os.pipe()
-    args = [sys.executable, "-m", "tierfs", "_daemon", "--ready-fd", str(w)]
+    from tierfs import command
     from tierfs.fs.ramstore import RamStore
 
+    r, w = os.pipe()
     store = RamStore(config.ram_dir)
     log_path = config.log_file or store.log_file
     with open(log_path, "ab") as logf:
-        proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=logf, stderr=logf,
-                                pass_fds=(w,), start_new_session=True, close_fds=True)
+        log_start = logf.tell()
+        proc = subprocess.Popen(command("_daemon", "--ready-fd", str(w)), stdin=subprocess.PIPE,
+                                stdout=logf, stderr=logf, pass_fds=(w,), start_new_session=True,
+                                close_fds=True, cwd="/", env=_daemon_env())
     os.close(w)
     assert proc.stdin is not None
     try:
@@ -421,30 +442,111 @@ def _spawn_daemon(config: NodeConfig) -> None:
         proc.stdin.close()
     except BrokenPipeError:  # the daemon died at once; its exit status says the rest
         pass
-    deadline = time.monotonic() + READY_TIMEOUT
-    buf = b""
     try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([r], [], [], 0.5)
-            if ready:
-                chunk = os.read(r, 4096)
-                if not chunk:
-                    break
-                buf += chunk
-                if b"\n" in buf:
-                    break
-            elif proc.poll() is not None:
-                break
+        line, closed = _read_ready_line(r, proc, READY_TIMEOUT)
     finally:
         os.close(r)
-    line = buf.decode(errors="replace").strip()
     if line == "READY":
+        _report_mounted(config, log_path)
         return
     if line.startswith("ERROR "):
         _fail(f"mount failed: {line[6:]} (log: {log_path})")
-    if proc.poll() is None:
-        _fail(f"daemon did not become ready in {READY_TIMEOUT:.0f}s (log: {log_path})")
-    _fail(f"daemon exited with status {proc.returncode} (log: {log_path})")
+    if closed or proc.poll() is not None:
+        # the pipe closes as the daemon exits, a moment before its exit status exists
+        try:
+            code = proc.wait(timeout=EXIT_GRACE)
+        except subprocess.TimeoutExpired:
+            _fail(f"daemon pid {proc.pid} closed its ready pipe without reporting and is "
+                  f"still running (log: {log_path})")
+            return
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        last = _last_log_line(log_path, log_start)
+        _fail(f"daemon {how} at start" + (f": {last}" if last else "") + f" (log: {log_path})")
+    _fail(f"daemon did not become ready in {READY_TIMEOUT:.0f}s (pid {proc.pid} still "
+          f"running; log: {log_path})")
+
+
+def _daemon_env() -> dict[str, str]:
+    """The daemon's environment: ours, with a relative credentials path made absolute
+    (the daemon runs from ``/``)."""
+    env = dict(os.environ)
+    creds = env.get("GOOGLE_APPLICATION_CREDENTIALS")
+    if creds and not os.path.isabs(creds):
+        env["GOOGLE_APPLICATION_CREDENTIALS"] = os.path.abspath(creds)
+    return env
+
+
+def _read_ready_line(fd: int, proc: subprocess.Popen[bytes], timeout: float
+                     ) -> tuple[str, bool]:
+    """Read the daemon's one-line report (``READY`` or ``ERROR <why>``) from ``fd``.
+
+    Returns:
+        ``(line, closed)``: the line read so far (stripped; empty if none) and
+        whether the pipe was closed (the daemon exited or closed it) before a
+        whole line came. Returns after ``timeout`` seconds at the latest.
+    """
+    deadline = time.monotonic() + timeout
+    buf = b""
+    closed = False
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        ready, _, _ = select.select([fd], [], [], min(0.5, left))
+        if ready:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                closed = True
+                break
+            buf += chunk
+        elif proc.poll() is not None:
+            closed = True
+            break
+    return buf.decode(errors="replace").strip(), closed
+
+
+def _last_log_line(path: str, offset: int) -> str:
+    """The last non-empty line the daemon wrote to its log after ``offset`` (at most
+    64 KiB back), e.g. the ``ImportError: ...`` line ending a traceback; '' if none."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(offset, size - 65536))
+            tail = f.read()
+    except OSError:
+        return ""
+    lines = [ln.strip() for ln in tail.decode(errors="replace").splitlines() if ln.strip()]
+    return lines[-1][:500] if lines else ""
+
+
+def _report_mounted(config: NodeConfig, log_path: str) -> None:
+    """Say on stdout what was mounted: where, the ram-dir, the mode, passthrough on/off."""
+    try:
+        with open(os.path.join(config.mountpoint, STATUS_PATH), encoding="utf-8") as f:
+            status = json.load(f)
+    except (OSError, ValueError):
+        status = {}
+    click.echo(mounted_summary(config, status if isinstance(status, dict) else {}, log_path))
+
+
+def mounted_summary(config: NodeConfig, status: dict[str, Any], log_path: str) -> str:
+    """The line ``tierfs mount`` prints once mounted, from the daemon's first status.
+
+    Example: ``mounted /ckpt (ram-dir /dev/shm/tierfs): generic mode, job default
+    rank 0/1; passthrough on; RAM 62.9 GiB free; log /dev/shm/tierfs/store/daemon.log``.
+    """
+    job = status.get("job") or {}
+    mode = {"protocol": "MTC protocol mode", "generic": "generic mode"}.get(
+        str(status.get("mode")), "no job yet (waiting for replicator.yaml)")
+    if job:
+        mode += f", job {job.get('name')} rank {job.get('node_rank')}/{job.get('nodes')}"
+    passthrough = "on" if status.get("passthrough") else "off"
+    budget = status.get("budget") or {}
+    ram = (f"RAM budget {format_size(budget.get('total_bytes', 0))} (managed)"
+           if budget.get("mode") == "managed"
+           else f"RAM {format_size(budget.get('free_bytes', 0))} free")
+    return (f"mounted {config.mountpoint} (ram-dir {config.ram_dir}): {mode}; passthrough "
+            f"{passthrough}; {ram}; log {log_path}")
 
 
 def _read_config_stdin() -> NodeConfig:

@@ -24,7 +24,6 @@ def format_status(data: dict[str, Any]) -> list[str]:
     """The status as plain text lines (no colour), e.g. for logs and tests."""
     lines = []
     job = data.get("job") or {}
-    budget = data.get("budget", {})
     lines.append(f"mount      {data.get('mountpoint')}  (pid {data.get('pid')}, ram-dir "
                  f"{data.get('ram_dir')})")
     if job:
@@ -33,11 +32,7 @@ def format_status(data: dict[str, Any]) -> list[str]:
                      f"state {job.get('state')}")
     else:
         lines.append("job        none (no replicator.yaml and no --job)")
-    lines.append(f"ram        {format_size(budget.get('used_bytes', 0))} used of "
-                 f"{format_size(budget.get('total_bytes', 0))} "
-                 f"({format_size(budget.get('free_bytes', 0))} free, "
-                 f"{budget.get('mode')} accounting, passthrough "
-                 f"{'on' if data.get('passthrough') else 'off'})")
+    lines += _ram_lines(data)
     restore = data.get("restore") or {}
     if restore.get("state") not in (None, "idle"):
         text = f"restore    {restore.get('state')}"
@@ -67,9 +62,49 @@ def format_status(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _ram_lines(data: dict[str, Any]) -> list[str]:
+    """What tierfs holds (its own count, by area), the budget, and the filesystem's
+    free space (shared with other programs), as separate lines."""
+    budget = data.get("budget") or {}
+    usage = data.get("usage")
+    passthrough = f"passthrough {'on' if data.get('passthrough') else 'off'}"
+    if not usage:  # a daemon from before the count by area
+        return [f"ram        {format_size(budget.get('used_bytes', 0))} used of "
+                f"{format_size(budget.get('total_bytes', 0))} "
+                f"({format_size(budget.get('free_bytes', 0))} free, "
+                f"{budget.get('mode')} accounting, {passthrough})"]
+    lines = [f"ram        tierfs holds {format_size(usage['total_bytes'])}: view "
+             f"{format_size(usage['view_bytes'])}, snapshots "
+             f"{format_size(usage['snapshot_bytes'])}, replicas "
+             f"{format_size(usage['replica_bytes'])}, trash and transfers "
+             f"{format_size(usage['other_bytes'])} (counted {usage['age_seconds']:.0f} s ago)"]
+    if budget.get("mode") == "managed":
+        lines.append(f"budget     {format_size(budget.get('total_bytes', 0))} (--size, counted "
+                     f"by tierfs): {format_size(budget.get('free_bytes', 0))} left; "
+                     f"{passthrough}")
+    else:
+        lines.append(f"budget     the filesystem's free space (no --size); {passthrough}")
+    fs = data.get("filesystem") or {}
+    if fs:
+        others = max(0, fs["used_bytes"] - usage["total_bytes"])
+        lines.append(f"filesystem {format_size(fs['free_bytes'])} free of "
+                     f"{format_size(fs['total_bytes'])} ({format_size(others)} used by "
+                     "other programs)")
+    return lines
+
+
+def _console() -> Console:
+    """A console for stdout; when it is not a terminal (a pipe, a file), lines are
+    never wrapped or cut (rich would wrap at 80 columns)."""
+    probe = Console()
+    if probe.is_terminal:
+        return probe
+    return Console(width=10_000, soft_wrap=True)
+
+
 def render_status(data: dict[str, Any]) -> None:
     """Print the status as text plus a table of steps."""
-    console = Console()
+    console = _console()
     for line in format_status(data):
         console.print(line, markup=False, highlight=False)
     steps = data.get("steps") or []

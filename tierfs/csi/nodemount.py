@@ -21,10 +21,10 @@ import logging
 import os
 import secrets
 import subprocess
-import sys
 import threading
 from typing import Any
 
+from tierfs import command
 from tierfs.csi import mounts
 
 log = logging.getLogger("tierfs.csi")
@@ -91,7 +91,8 @@ class SupervisedMount:
                  ram_dir: str | None = None, record_path: str | None = None) -> None:
         self.mountpoint = os.path.abspath(mountpoint)
         self.record_path = record_path
-        self._adoption_checked = False
+        #: pid of the daemon this driver mounted (record written) or adopted (compared)
+        self._settled_pid: int | None = None
         self.mount_args = list(mount_args)
         self.env = dict(env or {})
         self.ram_dir = os.path.realpath(ram_dir) if ram_dir else None
@@ -105,26 +106,36 @@ class SupervisedMount:
 
     # ------------------------------------------------------------------ NodeMount
 
-    def ready(self) -> bool:
-        """True if a tierfs mount answers at the mountpoint (its status file is readable)."""
+    def _answering(self) -> dict[str, Any] | None:
+        """The status of the tierfs daemon answering at the mountpoint, or None.
+
+        None unless a FUSE filesystem is mounted there and its
+        ``.tierfs/status.json`` is a JSON object naming the daemon's pid.
+        """
         entry = mounts.top_mount(self.mountpoint)
         if entry is None or not entry.fstype.startswith("fuse"):
-            return False
-        try:
-            with open(os.path.join(self.mountpoint, STATUS_FILE), "rb") as f:
-                data = f.read()
-        except OSError:
-            return False
-        try:
-            status = json.loads(data)
-        except ValueError:
-            status = None
-        if isinstance(status, dict):
-            if isinstance(status.get("pid"), int):
-                self._daemon_pid = status["pid"]
-            if isinstance(status.get("ram_dir"), str):
-                self._status_ram_dir = status["ram_dir"]
-        return True
+            return None
+        status = read_status(self.mountpoint)
+        if status is None or not isinstance(status.get("pid"), int):
+            return None
+        self._daemon_pid = status["pid"]
+        if isinstance(status.get("ram_dir"), str):
+            self._status_ram_dir = status["ram_dir"]
+        return status
+
+    def ready(self) -> bool:
+        """True once a tierfs daemon answers at the mountpoint *and* this driver settled on it.
+
+        Settled: the driver mounted it and wrote its record (:attr:`record_path`,
+        written only after ``tierfs mount`` returned), or it found the daemon
+        running and compared it with its own flags (:meth:`check_adopted`). A
+        mount that already answers but is not settled yet is not ready: a
+        kubelet (or a test) acting on "ready" must find the record there.
+        A daemon with another pid than the settled one (it died and something
+        else mounted again) is not ready until it is settled in turn.
+        """
+        status = self._answering()
+        return status is not None and status["pid"] == self._settled_pid
 
     def ram_dirs(self) -> list[str]:
         """The ram-dirs behind the mount: the configured one and the one the daemon reports.
@@ -176,10 +187,11 @@ class SupervisedMount:
     def _run(self) -> None:
         backoff = 1.0
         while not self._stop.is_set():
-            if self.ready():
-                if not self._adoption_checked:  # up before this driver mounted anything
-                    self._adoption_checked = True
+            status = self._answering()
+            if status is not None:
+                if status["pid"] != self._settled_pid:  # up, but not mounted by this driver
                     self.check_adopted()
+                    self._settled_pid = status["pid"]
                 self._error = None
                 backoff = 1.0
                 self._stop.wait(self.check_interval)
@@ -203,7 +215,7 @@ class SupervisedMount:
             pass  # a dead FUSE mount (ENOTCONN on stat): `tierfs mount` clears it
         except OSError as exc:
             return f"cannot create {self.mountpoint}: {exc.strerror}"
-        argv = [sys.executable, "-m", "tierfs", "mount", self.mountpoint, *self.mount_args]
+        argv = command("mount", self.mountpoint, *self.mount_args)
         log.info("starting the node's tierfs mount: tierfs mount %s %s", self.mountpoint,
                  " ".join(_redact_argv(self.mount_args)))
         try:
@@ -214,8 +226,8 @@ class SupervisedMount:
             return f"tierfs mount did not return within {MOUNT_TIMEOUT:.0f}s"
         if proc.returncode == 0:
             log.info("node mount is up at %s", self.mountpoint)
-            self._adoption_checked = True  # mounted here: nothing to adopt
-            self._write_record()
+            # settled (ready) only once the record exists: mounted here, nothing to adopt
+            self._settled_pid = self._write_record()
             return None
         lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
         return lines[-1].removeprefix("Error: ") if lines else f"exit status {proc.returncode}"
@@ -244,12 +256,17 @@ class SupervisedMount:
         h.update(hashlib.sha256(config).digest())
         return h.hexdigest()
 
-    def _write_record(self) -> None:
+    def _write_record(self) -> int | None:
         """Describe the mount just made (daemon pid, ram-dir, redacted arguments, and a
-        salted digest of all of it, token included) in :attr:`record_path`."""
-        if self.record_path is None:
-            return
+        salted digest of all of it, token included) in :attr:`record_path`.
+
+        Returns:
+            the pid of the daemon described (None if its status could not be read).
+        """
         status = read_status(self.mountpoint) or {}
+        pid = status.get("pid") if isinstance(status.get("pid"), int) else None
+        if self.record_path is None:
+            return pid
         salt = secrets.token_hex(16)
         record = {"pid": status.get("pid"), "ram_dir": status.get("ram_dir"),
                   "argv": _redact_argv(self.mount_args), "salt": salt,
@@ -264,6 +281,7 @@ class SupervisedMount:
         except OSError as exc:
             log.warning("cannot record the node mount's options in %s: %s", self.record_path,
                         exc.strerror or exc)
+        return pid
 
     def _read_record(self) -> dict[str, Any] | None:
         if self.record_path is None:
@@ -341,8 +359,8 @@ class SupervisedMount:
             log.info("leaving the node mount up: %d volume(s) published (%s)", len(busy),
                      ", ".join(busy[:5]))
             return False
-        proc = subprocess.run([sys.executable, "-m", "tierfs", "unmount", self.mountpoint,
-                               "--lazy", "--timeout", str(timeout)],
+        proc = subprocess.run(command("unmount", self.mountpoint, "--lazy", "--timeout",
+                                      str(timeout)),
                               capture_output=True, text=True, check=False, timeout=timeout + 10)
         if proc.returncode != 0:
             log.error("unmounting %s: %s", self.mountpoint, proc.stderr.strip())

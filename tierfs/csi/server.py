@@ -4,7 +4,8 @@ Follows the CSI v1 specification (container-storage-interface/spec, spec.md);
 section names are cited where a rule comes from. In short:
 
 * Identity: ``GetPluginInfo``, ``GetPluginCapabilities`` (none: no controller
-  service, no topology), ``Probe`` (ready once the node's tierfs mount answers;
+  service, no topology), ``Probe`` (ready once the node's tierfs mount answers and
+  the driver recorded or adopted it;
   FAILED_PRECONDITION when /dev/fuse is missing or the mount failed).
 * Node: ``NodeGetInfo``, ``NodeGetCapabilities`` (none: no staging),
   ``NodePublishVolume`` (bind-mount the node's tierfs mount at

@@ -29,7 +29,13 @@ import click
 def demo(nodes: int, steps: int, save_every: int, backup_every: int, model_size: str,
          out: str, step_delay: float, timeout: float, keep: bool) -> None:
     """Run a real PyTorch job on local tierfs nodes through a node loss and a cluster loss."""
-    from tierfs.demo.orchestrator import Demo, DemoConfig, DemoError
+    from tierfs.demo.orchestrator import (
+        Demo,
+        DemoConfig,
+        DemoError,
+        DemoInterrupted,
+        interrupt_on_signals,
+    )
 
     if nodes < 2:
         raise click.ClickException("--nodes must be at least 2 (a peer must hold a copy)")
@@ -38,8 +44,13 @@ def demo(nodes: int, steps: int, save_every: int, backup_every: int, model_size:
     config = DemoConfig(nodes=nodes, steps=steps, save_every=save_every,
                         backup_every=backup_every, model_size=model_size, out=Path(out),
                         step_delay=step_delay, timeout=timeout, keep=keep)
+    interrupt_on_signals()  # SIGTERM/SIGHUP stop what the demo started, as Ctrl-C does
     try:
         summary = Demo(config).run()
+    except DemoInterrupted as exc:
+        click.echo(f"demo stopped: {exc}; everything it started was stopped (logs in "
+                   f"{out}/logs)", err=True)
+        sys.exit(128 + exc.signum)
     except DemoError as exc:
         raise click.ClickException(f"demo failed: {exc} (logs in {out}/logs)") from None
     if not summary["ok"]:

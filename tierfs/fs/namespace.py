@@ -778,6 +778,7 @@ class Namespace:
             return
         if st.st_nlink > 0:  # other links (a snapshot in the store) keep the bytes
             os.close(fd)
+            self.budget.shared_removed()  # the last of them may be in the trash
             return
         inode = self._by_ino.get(st.st_ino)
         if (stat.S_ISREG(st.st_mode) and inode is not None and inode.handles > 0

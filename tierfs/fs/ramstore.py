@@ -122,6 +122,9 @@ class Budget:
         #: while a count runs: whole objects freed meanwhile, (inode number, bytes)
         self._counting = False
         self._freed_while_counting: list[tuple[int, int]] = []
+        #: called (from the FUSE thread) after a removal left an object's bytes to its
+        #: other links, e.g. a dropped snapshot in the trash (see RamStore.attach_budget)
+        self.on_shared_remove: Callable[[], None] | None = None
         #: files unlinked while open: inode number -> a descriptor that keeps them
         self._orphans: dict[int, int] = {}
         vfs = os.statvfs(root)
@@ -252,6 +255,18 @@ class Budget:
             if self._counting and ino is not None:
                 self._freed_while_counting.append((ino, nbytes))
 
+    def shared_removed(self) -> None:
+        """A removal took a link of an object that keeps other links (managed mode).
+
+        Its bytes are freed only with its last link. If that is in the trash (a
+        snapshot retention dropped before the client deleted its own copy), the
+        trash reclaimer is woken to look again: otherwise the bytes would wait
+        for the trash's grace period while writes get ENOSPC. Never blocks.
+        """
+        callback = self.on_shared_remove
+        if callback is not None:
+            callback()
+
     def hold_orphan(self, ino: int, fd: int) -> None:
         """Keep counting file ``ino``, unlinked while open, until :meth:`drop_orphan`.
 
@@ -318,6 +333,42 @@ class Budget:
         return StatFs(bsize, total, free, free, vfs.f_files, vfs.f_ffree, vfs.f_namemax)
 
 
+@dataclass(frozen=True, slots=True)
+class StoreUsage:
+    """One count of a ram-dir by area (:meth:`RamStore.usage`), in bytes allocated.
+
+    A file hard-linked into several areas (a sealed step's snapshot shares
+    its files with the view) counts once, in the first area counted: the
+    view, then the shards, then the rest.
+
+    Attributes:
+        view: the client-visible tree.
+        shards: bytes under ``store/shards/<job>/<rank>/`` not also in the
+            view, by ``(job, rank)`` as named on disk: this node's own sealed
+            snapshots (steps deleted from the view but kept by
+            ``--keep-local``, or rewritten since) and the replicas of peers.
+        other: everything else (transfers in progress, trash, state, log).
+        counted_at: Unix time of the count.
+    """
+
+    view: int
+    shards: dict[tuple[str, str], int]
+    other: int
+    counted_at: float
+
+    @property
+    def total(self) -> int:
+        """All bytes of the ram-dir."""
+        return self.view + sum(self.shards.values()) + self.other
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
 class RamStore:
     """Paths and housekeeping of one ram-dir (see the module docstring).
 
@@ -338,10 +389,14 @@ class RamStore:
         self.shards = os.path.join(self.store, "shards")
         self.incoming = os.path.join(self.store, "incoming")
         self.trash = os.path.join(self.store, "trash")
+        #: the last count by area (:meth:`usage`), None before the first
+        self.last_usage: StoreUsage | None = None
         #: the budget told about bytes :meth:`empty_trash` frees (see :meth:`attach_budget`)
         self._budget: Budget | None = None
         self._trash_lock = threading.Lock()
         self._trashed = threading.Event()
+        #: the trash may hold entries (set by to_trash, cleared by a pass that emptied it)
+        self._trash_held = True
         if not os.path.lexists(self.root):
             # mode at mkdir time: never readable by others, not even for a moment
             os.makedirs(self.root, mode=0o700, exist_ok=True)
@@ -370,13 +425,36 @@ class RamStore:
     def usage(self, seen: set[int] | None = None) -> int:
         """Bytes allocated by everything under the ram-dir (hard links counted once).
 
+        The count by area is kept in :attr:`last_usage` (``tierfs status``).
+        Blocking (a walk, lstat only): never on the FUSE thread.
+
         Args:
             seen: if given, receives the inode number of every object counted.
         """
         if seen is None:
             seen = set()
+        view = self._count_tree(self.view, seen)
+        shards: dict[tuple[str, str], int] = {}
+        for job in _listdir(self.shards):
+            for rank in _listdir(os.path.join(self.shards, job)):
+                shards[(job, rank)] = self._count_tree(os.path.join(self.shards, job, rank),
+                                                       seen)
+        # the rest (incoming, trash, state, log), without walking the two trees again
+        other = self._count_tree(self.root, seen, prune=(self.view, self.shards))
+        self.last_usage = StoreUsage(view, shards, other, time.time())
+        return self.last_usage.total
+
+    @staticmethod
+    def _count_tree(top: str, seen: set[int], prune: tuple[str, ...] = ()) -> int:
+        """Bytes of the objects under ``top`` (itself excluded) not already in ``seen``;
+        the directories in ``prune`` count, but not what is inside them."""
         total = 0
-        for dirpath, dirnames, filenames in os.walk(self.root):
+        for dirpath, dirnames, filenames in os.walk(top):
+            if prune:
+                dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) not in prune]
+                for d in prune:
+                    if os.path.dirname(d) == dirpath:
+                        filenames = [*filenames, os.path.basename(d)]
             for name in dirnames + filenames:
                 try:
                     st = os.lstat(os.path.join(dirpath, name))
@@ -403,6 +481,7 @@ class RamStore:
         dest = os.path.join(self.trash, f"{int(time.time())}-{uuid.uuid4().hex[:8]}-"
                                         f"{os.path.basename(path)}")
         os.rename(path, dest)
+        self._trash_held = True
         self._trashed.set()
         return dest
 
@@ -412,10 +491,18 @@ class RamStore:
         Also starts a thread that empties the trash right after :meth:`to_trash`
         whenever the trash then holds more than the budget has free: a
         snapshot dropped by retention makes room for the next step at once,
-        not at the node agent's next housekeeping round.
+        not at the node agent's next housekeeping round. The thread also
+        looks again when the client removes a link of a file whose other
+        links may be in the trash (:meth:`Budget.shared_removed`): retention
+        may drop a snapshot before the client deletes its copy of the step.
         """
         self._budget = budget
+        budget.on_shared_remove = self._wake_reclaimer
         threading.Thread(target=self._reclaimer, name="trash-reclaimer", daemon=True).start()
+
+    def _wake_reclaimer(self) -> None:
+        if self._trash_held:
+            self._trashed.set()
 
     def _reclaimer(self) -> None:
         while True:
@@ -472,6 +559,7 @@ class RamStore:
             if budget is not None and not os.path.lexists(p):
                 for ino, nbytes in freeable:
                     budget.release(nbytes, ino)
+        self._trash_held = bool(os.listdir(self.trash))  # to_trash meanwhile wakes a new pass
         return removed
 
     def _freeable(self, name: str) -> list[tuple[int, int]]:
