@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SHM, TIERFS, is_mounted, tierfs
+from fs_helpers import as_user, err
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -89,10 +90,13 @@ def test_size_unparsable(tmp_path, ram_dir, size):
 @pytest.mark.parametrize("opt", ["bogus", "allow_other,frobnicate", "attr_timeout=abc",
                                  "entry_timeout=-1", "attr_timeout=inf", "attr_timeout=nan",
                                  "entry_timeout=1e30", "entry_timeout=-inf",
-                                 "negative_timeout=nan", "max_read=0"])
+                                 "negative_timeout=nan", "max_read=0",
+                                 "allow_other,no_default_permissions",
+                                 "no_default_permissions,allow_root"])
 def test_unknown_or_bad_mount_option(tmp_path, ram_dir, opt):
     """Regression (inf, nan, 1e30): accepted, then every stat failed with EIO
-    (the timeout did not fit the reply)."""
+    (the timeout did not fit the reply). Regression (issue 13): no_default_permissions
+    with allow_other let every user chmod and write every other user's files."""
     (tmp_path / "mnt").mkdir()
     proc = tierfs("mount", str(tmp_path / "mnt"), "--ram-dir", str(ram_dir), "-o", opt,
                   check=False)
@@ -101,6 +105,16 @@ def test_unknown_or_bad_mount_option(tmp_path, ram_dir, opt):
     assert bad in line, line
     assert not is_mounted(tmp_path / "mnt")
     assert not ram_dir.exists()  # options are checked before anything is created
+
+
+def test_no_default_permissions_alone_lets_only_the_mounting_user_in(make_mount):
+    """Without allow_other only the mounting user (root here) enters, so nothing is
+    exposed by leaving the mode checks out; other users get EACCES from FUSE itself."""
+    m = make_mount("-o", "no_default_permissions")
+    (m.path / "f").write_bytes(b"root's")
+    os.chmod(m.path / "f", 0o600)
+    assert (m.path / "f").read_bytes() == b"root's"
+    assert err(as_user, os.stat, str(m.path / "f")) == errno.EACCES
 
 
 def test_largest_timeouts_work(make_mount):

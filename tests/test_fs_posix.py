@@ -666,6 +666,59 @@ def _child_try_locks(path: str) -> dict[str, int]:
     return out
 
 
+def _write_and_fstat_mode(name: str, flags: int) -> tuple[int, int]:
+    """Open ``name`` with ``flags``, write one byte, return (fstat mode, stat mode)."""
+    fd = os.open(name, flags)
+    try:
+        os.write(fd, b"x")
+        through_fd = stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+    return through_fd, stat.S_IMODE(os.stat(name).st_mode)
+
+
+@pytest.mark.parametrize("mode, flags, after", [
+    # pjdfstest chmod/12.t: a non-owner's write clears SUID, SGID and both
+    (0o4777, os.O_WRONLY, 0o777),
+    (0o2777, os.O_RDWR, 0o777),
+    (0o6777, os.O_RDWR, 0o777),
+    (0o4777, os.O_RDWR, 0o777),
+    (0o6777, os.O_WRONLY, 0o777),
+    # set-group-ID without group execute is kept (mandatory-locking marker), as Linux does
+    (0o2767, os.O_WRONLY, 0o2767),
+    (0o6767, os.O_WRONLY, 0o2767),
+])
+def test_write_by_unprivileged_user_clears_setuid_setgid(fs, mode, flags, after):
+    """Regression (issue 13): with the daemon serving writes, a non-owner's O_WRONLY write
+    left 04777 (the kernel asks the daemon to clear the bits: FUSE_WRITE_KILL_SUIDGID)."""
+    d = fs.path / "sgid"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)
+    p = d / "f"
+    write_file(p, b"")
+    os.chmod(p, mode)
+    assert stat.S_IMODE(p.stat().st_mode) == mode
+    assert as_user(_write_and_fstat_mode, "f", flags, cwd=d) == (after, after)
+    assert stat.S_IMODE(p.stat().st_mode) == after
+    assert stat.S_IMODE((fs.view / "sgid" / "f").stat().st_mode) == after
+    assert p.read_bytes() == b"x"
+
+
+@pytest.mark.parametrize("flags", [os.O_WRONLY, os.O_RDWR])
+def test_write_by_owner_clears_setuid_and_root_keeps_it(fs, flags):
+    """The owner has no CAP_FSETID either (bits cleared); root has it (bits kept)."""
+    d = fs.path / "own"
+    d.mkdir(mode=0o777)
+    os.chmod(d, 0o777)
+    write_file(d / "mine", b"")
+    os.chown(d / "mine", 1000, 1000)
+    os.chmod(d / "mine", 0o6755)
+    assert as_user(_write_and_fstat_mode, "mine", flags, cwd=d) == (0o755, 0o755)
+    write_file(d / "roots", b"")
+    os.chmod(d / "roots", 0o6777)
+    assert _write_and_fstat_mode(str(d / "roots"), flags) == (0o6777, 0o6777)
+
+
 def test_locks_between_processes(fs):
     p = fs.path / "x.__lock"
     write_file(p, b"")

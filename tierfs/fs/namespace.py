@@ -295,6 +295,8 @@ class Namespace:
         self.close_backing: Callable[[int], None] | None = None
         #: set by the FUSE session: send an entry invalidation (parent nodeid, name)
         self.notify_inval_entry: Callable[..., None] | None = None
+        #: set by the FUSE session: drop the kernel's cached attributes of a node id
+        self.notify_inval_inode: Callable[[int], None] | None = None
         self.entry_timeout = 1.0
         self.attr_timeout = 1.0
         #: evictable O_PATH descriptors, least recently used first (nodeid -> inode)
@@ -993,6 +995,30 @@ class Namespace:
         if cached and handle.flags & os.O_APPEND:
             return _pwrite_noappend(handle.fd, data, offset)
         return os.pwrite(handle.fd, data, offset)
+
+    def kill_suidgid(self, fh: int) -> None:
+        """Clear the set-user-ID bit, and set-group-ID with group execute, of ``fh``'s file.
+
+        What Linux's write(2) does for a writer without CAP_FSETID
+        (``should_remove_suid``). The kernel asks for it on writes it sends
+        itself (``FUSE_WRITE_KILL_SUIDGID``, the daemon-served direct-I/O
+        path); on the page-cache path and through passthrough it sends a
+        SETATTR of the mode instead. The kernel's cached attributes of the
+        inode are invalidated afterwards, so the new mode shows at once.
+
+        Raises:
+            OSError: EBADF for an unknown handle.
+        """
+        handle = self.handle(fh)
+        mode = os.fstat(handle.fd).st_mode
+        kill = mode & stat.S_ISUID
+        if mode & stat.S_ISGID and mode & stat.S_IXGRP:
+            kill |= stat.S_ISGID
+        if not kill:
+            return
+        os.fchmod(handle.fd, stat.S_IMODE(mode) & ~kill)
+        if self.notify_inval_inode is not None:
+            self.notify_inval_inode(handle.inode.nodeid)
 
     def flush(self, fh: int) -> None:
         """close(2) of one descriptor of the handle: nothing to flush on tmpfs."""

@@ -210,6 +210,8 @@ class Operations:
     def write(self, h: P.RequestHeader, body: memoryview) -> Payload:
         fh, offset, size, write_flags, *_ = P.WRITE_IN.unpack_from(body)
         data = body[P.WRITE_IN.size:P.WRITE_IN.size + size]
+        if write_flags & P.FUSE_WRITE_KILL_SUIDGID:
+            self.ns.kill_suidgid(fh)
         written = self.ns.write(fh, offset, data, cached=bool(write_flags & P.FUSE_WRITE_CACHE))
         return P.WRITE_OUT.pack(written, 0)
 

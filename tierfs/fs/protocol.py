@@ -130,6 +130,9 @@ FATTR_CTIME = 1 << 10
 
 # fuse_write_in.write_flags
 FUSE_WRITE_CACHE = 1 << 0  # a page-cache writeback (mmap, writeback cache), not a write(2)
+#: the writer lacks CAP_FSETID: clear S_ISUID (and S_ISGID with group exec) as Linux's
+#: write(2) does. Set on every direct-I/O write, whatever INIT negotiated.
+FUSE_WRITE_KILL_SUIDGID = 1 << 2
 
 FUSE_GETATTR_FH = 1 << 0
 FUSE_FSYNC_FDATASYNC = 1 << 0

@@ -16,7 +16,9 @@ invalidations are written from a separate thread, never from a handler
 
 from __future__ import annotations
 
+import collections
 import errno
+import json
 import logging
 import math
 import os
@@ -71,7 +73,8 @@ class MountOptions:
     Attributes:
         allow_other: let users other than the mounter in (FUSE ``allow_other``).
         default_permissions: the kernel checks mode bits (always on unless
-            ``-o no_default_permissions``).
+            ``-o no_default_permissions``, which only the mounting user may use:
+            it is refused together with ``allow_other``).
         flags: mount(2) flags (MS_RDONLY, MS_NOSUID, ...).
         fsname: the source shown in /proc/mounts.
         passthrough: use FUSE passthrough when the kernel and budget allow.
@@ -110,6 +113,13 @@ class MountOptions:
                     result._apply(key, value if eq else None)
                 except ValueError as exc:
                     raise MountOptionError(f"bad mount option {opt!r}: {exc}") from None
+        if result.allow_other and not result.default_permissions:
+            # The daemon runs as root and checks no mode bits itself: with other users let
+            # in, each could read, write, chmod and delete every file of every other user.
+            raise MountOptionError(
+                "no_default_permissions cannot be combined with allow_other or allow_root: tierfs "
+                "leaves permission checks to the kernel (default_permissions), so every "
+                "user let in could read and change every file")
         return result
 
     def _apply(self, key: str, value: str | None) -> None:
@@ -200,6 +210,8 @@ class FuseSession:
         self.passthrough = False
         self.initialized = trio.Event()
         self.requests = 0
+        #: requests answered per opcode since the mount (a debug counter: .tierfs/fuse.json)
+        self.op_counts: collections.Counter[int] = collections.Counter()
         self._buf = bytearray(BUFFER_SIZE)
         self._view = memoryview(self._buf)
         self._notify_q: queue.SimpleQueue[tuple[bytes, threading.Event | None] | None] = (
@@ -208,6 +220,7 @@ class FuseSession:
         ns.entry_timeout = options.entry_timeout
         ns.attr_timeout = options.attr_timeout
         ns.notify_inval_entry = self.notify_inval_entry
+        ns.notify_inval_inode = self.notify_inval_inode
 
     # ------------------------------------------------------------------ mount / unmount
 
@@ -277,6 +290,17 @@ class FuseSession:
             thread.join(timeout=2)
             self._notify_thread = None
 
+    def counters_json(self) -> bytes:
+        """The session's counters as JSON: requests per opcode name, INIT results.
+
+        Content of ``.tierfs/fuse.json`` (bench/ reads it to count round trips
+        per file). Generated on the FUSE thread when the file is opened.
+        """
+        counts = {P.Op.name(op): n for op, n in sorted(self.op_counts.items())}
+        return (json.dumps({"requests": counts, "total": self.requests,
+                            "protocol": f"7.{self.minor}", "passthrough": self.passthrough},
+                           indent=2, sort_keys=True) + "\n").encode()
+
     # ------------------------------------------------------------------ passthrough
 
     def register_backing(self, fd: int) -> int:
@@ -321,6 +345,16 @@ class FuseSession:
         self._notify_q.put((msg, done))
         if done is not None:
             done.wait(timeout=5)
+
+    def notify_inval_inode(self, nodeid: int) -> None:
+        """Queue an invalidation of ``nodeid``'s cached attributes (not its pages); thread-safe.
+
+        Returns at once. Safe to call from a request handler: with a negative
+        offset the kernel only marks the attributes stale and takes no lock.
+        """
+        body = P.NOTIFY_INVAL_INODE.pack(nodeid, -1, 0)
+        msg = P.OUT_HEADER.pack(P.OUT_HEADER.size + len(body), P.Notify.INVAL_INODE, 0) + body
+        self._notify_q.put((msg, None))
 
     def _notifier(self, fd: int) -> None:
         try:
@@ -419,6 +453,7 @@ class FuseSession:
         hdr = P.RequestHeader.decode(self._buf)
         body = self._view[P.IN_HEADER.size:n]
         self.requests += 1
+        self.op_counts[hdr.opcode] += 1
         if hdr.opcode == P.Op.INIT:
             self._init(hdr, body)
             return
