@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import SHM, TIERFS, is_mounted, tierfs
+from conftest import SHM, TIERFS, is_mounted, remove_ram_dir, tierfs
 from fs_helpers import as_user, err
 
 MiB = 1 << 20
@@ -25,7 +25,7 @@ GiB = 1 << 30
 def ram_dir():
     d = SHM / f"tierfs-cli-{uuid.uuid4().hex[:10]}"
     yield d
-    shutil.rmtree(d, ignore_errors=True)
+    remove_ram_dir(d)
 
 
 @pytest.fixture
@@ -197,14 +197,15 @@ def test_tmpfs_ram_dir_gives_no_warning(tmp_path, ram_dir, cleanup):
 @pytest.mark.parametrize(("size", "expect"), [("8GiB", 8 * GiB), ("512MiB", 512 * MiB),
                                               ("100000000", 100_000_000)])
 def test_size_formats(make_mount, size, expect):
+    """The budget is a tmpfs of that size (rounded down to pages) on the ram-dir."""
+    if expect >= shutil.disk_usage(SHM).total:
+        pytest.skip(f"{size} is more than /dev/shm can hold here")
     m = make_mount("--size", size)
     status = json.loads((m.path / ".tierfs" / "status.json").read_text())
-    free = shutil.disk_usage(SHM).free
-    if expect >= free:
-        pytest.skip(f"{size} is more than /dev/shm can hold here")
-    assert status["budget"] == status["budget"] | {"mode": "managed", "total_bytes": expect}
-    total = shutil.disk_usage(m.path).total
-    assert expect - 4096 < total <= expect
+    pages = expect - expect % 4096
+    assert status["budget"] == status["budget"] | {"mode": "native", "total_bytes": pages}
+    assert status["passthrough"] is True
+    assert shutil.disk_usage(m.path).total == pages
 
 
 def test_default_size_is_the_free_space_of_the_ram_dir(make_mount):
@@ -479,9 +480,11 @@ def test_size_below_what_the_ram_dir_holds_is_a_warning(make_mount):
     m.args = ["--size", "2MiB"]
     m.mount()
     warnings = [line for line in m.mount_stderr.splitlines() if line.strip()]
-    assert len(warnings) == 1, m.mount_stderr
-    assert "warning: --size 2.0 MiB is not more than the 3.0 MiB" in warnings[0]
-    assert "ENOSPC" in warnings[0]
+    assert len(warnings) == 2, m.mount_stderr
+    # the ram-dir holds a store on /dev/shm: no tmpfs of its own, tierfs counts
+    assert "the ram-dir is not empty" in warnings[0] and "counts the budget" in warnings[0]
+    assert "warning: --size 2.0 MiB is not more than the 3.0 MiB" in warnings[1]
+    assert "ENOSPC" in warnings[1]
     with pytest.raises(OSError) as info:
         (m.path / "new").write_bytes(b"\2" * MiB)
     assert info.value.errno == errno.ENOSPC

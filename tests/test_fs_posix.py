@@ -1158,6 +1158,15 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(d)], check=False)
 
 
+def shared_ram(small_tmpfs, size: str = "512m") -> Path:
+    """A ram-dir on a small tmpfs that already holds something: ``--size`` below that
+    tmpfs then keeps the managed budget (tierfs counts bytes, no passthrough) instead
+    of mounting a tmpfs of the budget's size (tests/test_ramtmpfs.py)."""
+    ram = small_tmpfs(size)
+    (ram / "view").mkdir(parents=True)
+    return ram
+
+
 def _fill(path: Path, chunk: int = MiB) -> tuple[int, int]:
     """Write ``chunk``-sized blocks to ``path`` until an error; returns (bytes, errno)."""
     fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o644)
@@ -1192,7 +1201,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_enospc_managed_budget(small_tmpfs, make_mount):
-    ram = small_tmpfs("512m")
+    ram = shared_ram(small_tmpfs)
     m = make_mount("-o", "allow_other", "--size", "64MiB", ram_dir=ram)
     status = json.loads((m.path / ".tierfs" / "status.json").read_text())
     assert status["budget"]["mode"] == "managed" and status["passthrough"] is False
@@ -1236,7 +1245,7 @@ def test_managed_budget_frees_at_once(small_tmpfs, make_mount):
     """Regression: with --size 64MiB, deleted bytes came back only at the next count
     (ENOSPC for up to ~3 s); a loop "write a 25 MiB step, rmtree the previous one"
     failed 8 of 10 saves."""
-    ram = small_tmpfs("512m")
+    ram = shared_ram(small_tmpfs)
     m = make_mount("-o", "allow_other", "--size", "64MiB", ram_dir=ram)
     chunk = b"\xcd" * MiB
     for i in range(10):
@@ -1280,7 +1289,7 @@ def test_managed_budget_frees_at_once(small_tmpfs, make_mount):
 def test_managed_budget_counts_files_unlinked_while_open(small_tmpfs, make_mount):
     """Regression: 5 open-unlinked 50 MiB files held 250 MiB under a 64 MiB budget
     (a count cannot see them; status said 12 KiB used)."""
-    ram = small_tmpfs("512m")
+    ram = shared_ram(small_tmpfs)
     m = make_mount("-o", "allow_other", "--size", "64MiB", ram_dir=ram)
     fds = []
     try:
@@ -1310,7 +1319,7 @@ def test_managed_budget_holds_keep_local_plus_one_sealed_steps(small_tmpfs, make
     """A budget for keep_local + 1 steps suffices: the snapshot that retention drops
     makes room for the next step at once (it sat 30 s in the trash before, and its
     bytes came back only at the next count)."""
-    ram = small_tmpfs("512m")
+    ram = shared_ram(small_tmpfs)
     m = make_mount("-o", "allow_other", "--size", "64MiB", "--keep-local", "1", ram_dir=ram)
     chunk = b"\x5a" * MiB
     for step in range(1, 7):
