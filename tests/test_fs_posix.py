@@ -719,6 +719,80 @@ def test_write_by_owner_clears_setuid_and_root_keeps_it(fs, flags):
     assert _write_and_fstat_mode(str(d / "roots"), flags) == (0o6777, 0o6777)
 
 
+def _truncate_mode(name: str) -> int:
+    os.truncate(name, 1)
+    return stat.S_IMODE(os.stat(name).st_mode)
+
+
+def _open_trunc_mode(name: str) -> int:
+    os.close(os.open(name, os.O_WRONLY | os.O_TRUNC))
+    return stat.S_IMODE(os.stat(name).st_mode)
+
+
+def test_truncate_and_o_trunc_by_unprivileged_user_clear_setuid(fs):
+    """Linux clears the bits on truncate too; the daemon is told (FATTR_KILL_SUIDGID,
+    FUSE_OPEN_KILL_SUIDGID) and must do it, root's truncate keeps them."""
+    d = fs.path / "trunc"
+    d.mkdir(mode=0o777)
+    os.chmod(d, 0o777)
+    for name in ("a", "b", "c"):
+        write_file(d / name, b"abc")
+        os.chmod(d / name, 0o6777)
+    assert as_user(_truncate_mode, "a", cwd=d) == 0o777
+    assert as_user(_open_trunc_mode, "b", cwd=d) == 0o777
+    os.truncate(d / "c", 1)
+    assert stat.S_IMODE((d / "c").stat().st_mode) == 0o6777
+    assert _open_trunc_mode(str(d / "c")) == 0o6777
+    os.chown(d / "c", 1000, 1000)  # chown clears them for everyone (as root, too)
+    assert stat.S_IMODE((d / "c").stat().st_mode) == 0o777
+
+
+def _two_handles_on_setuid_file(name: str) -> bytes:
+    a = os.open(name, os.O_RDWR)
+    try:
+        os.write(a, b"first")  # clears the bits: later opens must still be served alike
+        b = os.open(name, os.O_RDWR)
+        try:
+            os.pwrite(b, b"second", 5)
+            return os.pread(a, 11, 0)
+        finally:
+            os.close(b)
+    finally:
+        os.close(a)
+
+
+def test_handles_opened_after_the_bits_were_cleared_work(fs):
+    """A set-user-ID file is served by the daemon; an open after a write cleared the
+    bit joins it there (the kernel refuses to mix passthrough and cached opens)."""
+    d = fs.path / "mix"
+    d.mkdir(mode=0o777)
+    os.chmod(d, 0o777)
+    write_file(d / "f", b"")
+    os.chmod(d / "f", 0o4777)
+    assert as_user(_two_handles_on_setuid_file, "f", cwd=d) == b"firstsecond"
+    assert stat.S_IMODE((d / "f").stat().st_mode) == 0o777
+    assert (d / "f").read_bytes() == b"firstsecond"
+
+
+def test_writes_ask_for_security_capability_once_per_file(fs):
+    """Regression (issue 13): every write(2) through passthrough cost a GETXATTR
+    round trip ("security.capability"); with FUSE_HANDLE_KILLPRIV_V2 the kernel asks
+    once per inode and remembers the answer (S_NOSEC)."""
+    def getxattrs() -> int:
+        return json.loads((fs.path / ".tierfs" / "fuse.json").read_text())["requests"].get(
+            "GETXATTR", 0)
+
+    before = getxattrs()
+    fd = os.open(fs.path / "many", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for _ in range(50):
+            os.write(fd, b"x" * 4096)
+    finally:
+        os.close(fd)
+    assert getxattrs() - before <= 2
+    assert (fs.path / "many").stat().st_size == 50 * 4096
+
+
 def test_locks_between_processes(fs):
     p = fs.path / "x.__lock"
     write_file(p, b"")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import os
 import struct
 
@@ -37,7 +38,6 @@ _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
                         ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-_libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
 _libc.linkat.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
                          ctypes.c_int]
 _libc.name_to_handle_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p,
@@ -181,9 +181,12 @@ def umount2(target: str, flags: int = 0) -> None:
 
 
 def ioctl_buf(fd: int, request: int, buf: bytes) -> int:
-    """ioctl(2) with an input buffer; returns the ioctl's (non-negative) result."""
-    cbuf = ctypes.create_string_buffer(buf, len(buf))
-    return _check(_libc.ioctl(fd, request, cbuf), "ioctl")
+    """ioctl(2) with an input buffer; returns the ioctl's (non-negative) result.
+
+    Raises:
+        OSError: the ioctl's errno.
+    """
+    return fcntl.ioctl(fd, request, bytearray(buf), True)
 
 
 def name_to_handle(fd: int) -> bytes:
