@@ -240,13 +240,37 @@ def step_dir(client: str, step: int) -> str:
     return str(step)
 
 
-def run_worker(client: str, phase: str, root: Path, step: int, total: int) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--worker", client, phase, str(root),
-                           str(step), str(total)], capture_output=True, text=True,
-                          timeout=1800, check=False)
+def run_worker(client: str, phase: str, root: Path, step: int, total: int,
+               watch: Path | None = None) -> dict:
+    """Run one save or load in a fresh process; returns its result.
+
+    With ``watch`` (a tierfs mount), ``step``'s state there is polled every
+    10 ms while the process runs and afterwards, and the result gains
+    ``sealed_at`` / ``replicated_at`` (``time.monotonic()`` when first seen).
+    """
+    proc = subprocess.Popen([sys.executable, __file__, "--worker", client, phase, str(root),
+                             str(step), str(total)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    seen: dict[str, float] = {}
+    deadline = time.monotonic() + 1800
+    while watch is not None and "replicated_at" not in seen and time.monotonic() < deadline:
+        try:
+            state = step_state(watch, step)
+        except (OSError, ValueError):
+            state = None
+        now = time.monotonic()
+        if state in SEALED:
+            seen.setdefault("sealed_at", now)
+        if state == "replicated":
+            seen["replicated_at"] = now
+        time.sleep(0.01)
+    out, err = proc.communicate(timeout=max(1, deadline - time.monotonic()))
     if proc.returncode != 0:
-        raise SystemExit(f"{client} {phase} on {root} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise SystemExit(f"{client} {phase} on {root} failed:\n{err[-4000:]}")
+    result = json.loads(out.strip().splitlines()[-1])
+    if watch is not None and "replicated_at" not in seen:
+        raise SystemExit(f"step {step} was not replicated within the deadline")
+    return result | seen
 
 
 def drop_caches() -> None:
@@ -263,15 +287,6 @@ def step_state(mnt: Path, step: int) -> str | None:
 
 
 SEALED = ("sealed", "verified", "replicating", "replicated")
-
-
-def wait_tiers(mnt: Path, step: int, done_at: float) -> tuple[float, float]:
-    """Seconds from the save's return until node 0 reports ``step`` sealed, and replicated."""
-    sealed = wait(lambda: step_state(mnt, step) in SEALED and time.monotonic(), 300,
-                  f"step {step} sealed")
-    replicated = wait(lambda: step_state(mnt, step) == "replicated" and time.monotonic(), 600,
-                      f"step {step} replicated")
-    return max(0.0, sealed - done_at), max(0.0, replicated - done_at)
 
 
 def remove(path: Path) -> None:
@@ -301,12 +316,12 @@ def measure(client: str, total: int, repeat: int, mnt: Path, plain: Path, pids: 
             steps[0] += 1
             step = steps[0]
             settle(pids)
-            saved = run_worker(client, "save", root, step, total)
+            saved = run_worker(client, "save", root, step, total,
+                               watch=mnt if side == "tierfs" else None)
             samples[f"save_{side}"].append(saved["seconds"])
             if side == "tierfs":
-                sealed, replicated = wait_tiers(mnt, step, saved["done_at"])
-                samples["sealed"].append(sealed)
-                samples["replicated"].append(replicated)
+                samples["sealed"].append(max(0.0, saved["sealed_at"] - saved["done_at"]))
+                samples["replicated"].append(max(0.0, saved["replicated_at"] - saved["done_at"]))
                 settle(pids)
             drop_caches()
             loaded = run_worker(client, "load", root, step, total)

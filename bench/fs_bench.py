@@ -137,9 +137,11 @@ def cleanup(root: Path) -> None:
             p.unlink()
 
 
-def mount_tierfs(mnt: Path, ram: Path, *opts: str) -> None:
+def mount_tierfs(mnt: Path, ram: Path, *opts: str, tree: str | None = None) -> None:
+    """``tierfs mount``; with ``tree``, the tierfs of that source tree (a `before` side)."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree)) if tree else None
     subprocess.run([sys.executable, "-m", "tierfs", "mount", str(mnt), "--ram-dir", str(ram),
-                    *opts], check=True)
+                    *opts], check=True, env=env)
 
 
 def unmount(mnt: Path) -> None:
@@ -212,7 +214,11 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default="bench-out/fs_bench.json")
-    ap.add_argument("--modes", default="passthrough,no_passthrough,size,size_managed")
+    ap.add_argument("--modes", default="passthrough,no_passthrough,size,size_managed",
+                    help="comma-separated; a mode prefixed before_ (before_passthrough) runs "
+                         "the tierfs of --before")
+    ap.add_argument("--before", metavar="TREE",
+                    help="source tree of an older tierfs for before_* modes (git archive)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("run as root (mounts and drop_caches)")
@@ -231,8 +237,9 @@ def main() -> None:
             mnt = work / mode
             mnt.mkdir()
             ram = shm / f"ram-{mode}"
-            opts = mode_options(mode, ram, size)
-            mount_tierfs(mnt, ram, *opts)
+            opts = mode_options(mode.removeprefix("before_"), ram, size)
+            mount_tierfs(mnt, ram, *opts,
+                         tree=args.before if mode.startswith("before_") else None)
             try:
                 report[mode] = run_suite(f"tierfs ({mode} {' '.join(opts)}) vs tmpfs", mnt,
                                          baseline, size, args.repeat)
