@@ -1,11 +1,19 @@
 """RAM-tier benchmark: the same workload through a tierfs mount and straight on tmpfs.
 
-Run as root: ``python bench/fs_bench.py [--size-mib 2048] [--repeat 3]``. It
-mounts tierfs twice on fresh ram-dirs under /dev/shm (FUSE passthrough on,
-and ``-o no_passthrough`` where the daemon serves the data itself), runs each
-workload alternately on tmpfs and on the mount (``--repeat`` times, median
-kept, so memory warm-up and noise hit both sides alike) and prints the
-ratio tierfs / tmpfs for each (throughput; higher is better, 1.0 = tmpfs).
+Run as root: ``python bench/fs_bench.py [--size-mib 2048] [--repeat 3]
+[--modes passthrough,no_passthrough,size,size_managed]``. It mounts tierfs once
+per mode on a fresh ram-dir under /dev/shm, runs each workload alternately on
+tmpfs and on the mount (``--repeat`` times, median kept, so memory warm-up and
+noise hit both sides alike) and prints the ratio tierfs / tmpfs for each
+(throughput; higher is better, 1.0 = tmpfs). Modes:
+
+* ``passthrough``: the default (FUSE passthrough, the ram-dir's tmpfs is the budget);
+* ``no_passthrough``: ``-o no_passthrough``, the daemon serves the data itself;
+* ``size``: ``--size`` below /dev/shm's size (a budget every user sets): tierfs
+  mounts a tmpfs of that size on the ram-dir and keeps passthrough;
+* ``size_managed``: the same ``--size`` on a ram-dir that already holds a
+  store, where tierfs counts the budget itself (what ``--size`` always did
+  before issue 13).
 
 Workloads (issue 2): 1 MiB sequential writes of a 2 GiB file with 1 and 4
 writers (4 writers: 4 files of size/4 in parallel processes), cold reads
@@ -129,14 +137,39 @@ def cleanup(root: Path) -> None:
             p.unlink()
 
 
-def mount_tierfs(mnt: Path, ram: Path, *opts: str) -> None:
+def mount_tierfs(mnt: Path, ram: Path, *opts: str, tree: str | None = None) -> None:
+    """``tierfs mount``; with ``tree``, the tierfs of that source tree (a `before` side)."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree)) if tree else None
     subprocess.run([sys.executable, "-m", "tierfs", "mount", str(mnt), "--ram-dir", str(ram),
-                    *opts], check=True)
+                    *opts], check=True, env=env)
 
 
 def unmount(mnt: Path) -> None:
     subprocess.run([sys.executable, "-m", "tierfs", "unmount", str(mnt), "--lazy"],
                    check=False)
+
+
+def mode_options(mode: str, ram: Path, size: int) -> list[str]:
+    """``tierfs mount`` options of a benchmark mode (see the module docstring)."""
+    if mode == "no_passthrough":
+        return ["-o", "no_passthrough"]
+    if mode in ("size", "size_managed"):
+        budget = 2 * size + 512 * MIB  # the 1- and 4-writer files coexist in a round
+        if budget >= shutil.disk_usage("/dev/shm").total:
+            sys.exit(f"--size-mib {size // MIB} needs a /dev/shm larger than "
+                     f"{budget // MIB} MiB for the size modes")
+        if mode == "size_managed":
+            (ram / "view").mkdir(parents=True)  # an existing store: no tmpfs of its own
+        return ["--size", str(budget)]
+    if mode != "passthrough":
+        sys.exit(f"unknown mode {mode!r}")
+    return []
+
+
+def release_ram_tmpfs(ram: Path) -> None:
+    """Unmount the tmpfs tierfs put on the ram-dir for ``--size`` (if it did)."""
+    shutil.rmtree(ram, ignore_errors=True)
+    subprocess.run(["umount", str(ram)], check=False, capture_output=True)
 
 
 WORKLOADS: list[tuple[str, str]] = [
@@ -181,7 +214,11 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default="bench-out/fs_bench.json")
-    ap.add_argument("--modes", default="passthrough,no_passthrough")
+    ap.add_argument("--modes", default="passthrough,no_passthrough,size,size_managed",
+                    help="comma-separated; a mode prefixed before_ (before_passthrough) runs "
+                         "the tierfs of --before")
+    ap.add_argument("--before", metavar="TREE",
+                    help="source tree of an older tierfs for before_* modes (git archive)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("run as root (mounts and drop_caches)")
@@ -200,13 +237,15 @@ def main() -> None:
             mnt = work / mode
             mnt.mkdir()
             ram = shm / f"ram-{mode}"
-            opts = ["-o", "no_passthrough"] if mode == "no_passthrough" else []
-            mount_tierfs(mnt, ram, *opts)
+            opts = mode_options(mode.removeprefix("before_"), ram, size)
+            mount_tierfs(mnt, ram, *opts,
+                         tree=args.before if mode.startswith("before_") else None)
             try:
-                report[mode] = run_suite(f"tierfs ({mode}) vs tmpfs", mnt, baseline, size,
-                                         args.repeat)
+                report[mode] = run_suite(f"tierfs ({mode} {' '.join(opts)}) vs tmpfs", mnt,
+                                         baseline, size, args.repeat)
             finally:
                 unmount(mnt)
+                release_ram_tmpfs(ram)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)

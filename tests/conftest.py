@@ -37,6 +37,14 @@ def is_mounted(path: Path) -> bool:
         return any(line.split()[4] == target for line in f)
 
 
+def remove_ram_dir(path: Path) -> None:
+    """Delete a test's ram-dir, and the tmpfs tierfs mounted on it for ``--size`` (if any)."""
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists() and is_mounted(path):
+        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @dataclass
 class Mount:
     """A tierfs mount made with ``tierfs mount`` (background daemon)."""
@@ -127,7 +135,7 @@ def make_mount(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator:
         except Exception:
             subprocess.run(["umount", "-l", str(m.path)], check=False, capture_output=True)
     for d in ram_dirs:
-        shutil.rmtree(d, ignore_errors=True)
+        remove_ram_dir(d)
 
 
 @pytest.fixture

@@ -14,7 +14,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import SHM, TIERFS, is_mounted, tierfs
+from conftest import SHM, TIERFS, is_mounted, remove_ram_dir, tierfs
+from fs_helpers import as_user, err
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -24,7 +25,7 @@ GiB = 1 << 30
 def ram_dir():
     d = SHM / f"tierfs-cli-{uuid.uuid4().hex[:10]}"
     yield d
-    shutil.rmtree(d, ignore_errors=True)
+    remove_ram_dir(d)
 
 
 @pytest.fixture
@@ -89,10 +90,13 @@ def test_size_unparsable(tmp_path, ram_dir, size):
 @pytest.mark.parametrize("opt", ["bogus", "allow_other,frobnicate", "attr_timeout=abc",
                                  "entry_timeout=-1", "attr_timeout=inf", "attr_timeout=nan",
                                  "entry_timeout=1e30", "entry_timeout=-inf",
-                                 "negative_timeout=nan", "max_read=0"])
+                                 "negative_timeout=nan", "max_read=0",
+                                 "allow_other,no_default_permissions",
+                                 "no_default_permissions,allow_root"])
 def test_unknown_or_bad_mount_option(tmp_path, ram_dir, opt):
     """Regression (inf, nan, 1e30): accepted, then every stat failed with EIO
-    (the timeout did not fit the reply)."""
+    (the timeout did not fit the reply). Regression (issue 13): no_default_permissions
+    with allow_other let every user chmod and write every other user's files."""
     (tmp_path / "mnt").mkdir()
     proc = tierfs("mount", str(tmp_path / "mnt"), "--ram-dir", str(ram_dir), "-o", opt,
                   check=False)
@@ -101,6 +105,16 @@ def test_unknown_or_bad_mount_option(tmp_path, ram_dir, opt):
     assert bad in line, line
     assert not is_mounted(tmp_path / "mnt")
     assert not ram_dir.exists()  # options are checked before anything is created
+
+
+def test_no_default_permissions_alone_lets_only_the_mounting_user_in(make_mount):
+    """Without allow_other only the mounting user (root here) enters, so nothing is
+    exposed by leaving the mode checks out; other users get EACCES from FUSE itself."""
+    m = make_mount("-o", "no_default_permissions")
+    (m.path / "f").write_bytes(b"root's")
+    os.chmod(m.path / "f", 0o600)
+    assert (m.path / "f").read_bytes() == b"root's"
+    assert err(as_user, os.stat, str(m.path / "f")) == errno.EACCES
 
 
 def test_largest_timeouts_work(make_mount):
@@ -184,14 +198,15 @@ def test_tmpfs_ram_dir_gives_no_warning(tmp_path, ram_dir, cleanup):
 @pytest.mark.parametrize(("size", "expect"), [("8GiB", 8 * GiB), ("512MiB", 512 * MiB),
                                               ("100000000", 100_000_000)])
 def test_size_formats(make_mount, size, expect):
+    """The budget is a tmpfs of that size (rounded down to pages) on the ram-dir."""
+    if expect >= shutil.disk_usage(SHM).total:
+        pytest.skip(f"{size} is more than /dev/shm can hold here")
     m = make_mount("--size", size)
     status = json.loads((m.path / ".tierfs" / "status.json").read_text())
-    free = shutil.disk_usage(SHM).free
-    if expect >= free:
-        pytest.skip(f"{size} is more than /dev/shm can hold here")
-    assert status["budget"] == status["budget"] | {"mode": "managed", "total_bytes": expect}
-    total = shutil.disk_usage(m.path).total
-    assert expect - 4096 < total <= expect
+    pages = expect - expect % 4096
+    assert status["budget"] == status["budget"] | {"mode": "native", "total_bytes": pages}
+    assert status["passthrough"] is True
+    assert shutil.disk_usage(m.path).total == pages
 
 
 def test_default_size_is_the_free_space_of_the_ram_dir(make_mount):
@@ -466,9 +481,11 @@ def test_size_below_what_the_ram_dir_holds_is_a_warning(make_mount):
     m.args = ["--size", "2MiB"]
     m.mount()
     warnings = [line for line in m.mount_stderr.splitlines() if line.strip()]
-    assert len(warnings) == 1, m.mount_stderr
-    assert "warning: --size 2.0 MiB is not more than the 3.0 MiB" in warnings[0]
-    assert "ENOSPC" in warnings[0]
+    assert len(warnings) == 2, m.mount_stderr
+    # the ram-dir holds a store on /dev/shm: no tmpfs of its own, tierfs counts
+    assert "the ram-dir is not empty" in warnings[0] and "counts the budget" in warnings[0]
+    assert "warning: --size 2.0 MiB is not more than the 3.0 MiB" in warnings[1]
+    assert "ENOSPC" in warnings[1]
     with pytest.raises(OSError) as info:
         (m.path / "new").write_bytes(b"\2" * MiB)
     assert info.value.errno == errno.ENOSPC

@@ -91,6 +91,17 @@ def test_unknown_keys_are_warnings():
     ("job-name: j\nframework: orbax\nnode-rank: 0\nnodes: 1\nbackup-interval-minutes: -5\n",
      "backup-interval-minutes must be > 0"),
     ("job-name: a/b\nframework: orbax\nnode-rank: 0\nnodes: 1\n", "is not a valid name"),
+    # regression (issue 13): scalar peer-ranks were split into a list and accepted
+    ("job-name: j\nframework: orbax\nnode-rank: 0\nnodes: 2\npeer-ranks: 0\n",
+     "peer-ranks must be a list of ranks such as [1, 2], got 0"),
+    ("job-name: j\nframework: orbax\nnode-rank: 0\nnodes: 2\npeer-ranks: '[0]'\n",
+     "peer-ranks must be a list of ranks such as [1, 2], got '[0]'"),
+    ("job-name: j\nframework: orbax\nnode-rank: 0\nnodes: 3\npeer-ranks: 1,2\n",
+     "peer-ranks must be a list"),
+    ("job-name: j\nframework: orbax\nnode-rank: 0\nnodes: 3\npeer-ranks: {1: 2}\n",
+     "peer-ranks must be a list"),
+    ("job-name: j\nframework: orbax\nnode-rank: 0\nnodes: 3\npeer-ranks: [true]\n",
+     "peer-ranks must be an integer"),
 ])
 def test_malformed_files_raise_one_clear_line(text, message):
     with pytest.raises(ControlError) as info:

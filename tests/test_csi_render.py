@@ -83,6 +83,7 @@ def test_minimal_render():
     assert "ownerReferences" not in ds["metadata"]
     args = node_container(ds)["args"]
     assert f"--size={8 * 2**30}" in args
+    assert "--resize-ram-volume" in args  # the emptyDir is the driver's own: fit it
     assert not any(a.startswith(("--bucket", "--listen", "--keep-local")) for a in args)
     assert "-o" not in args
     assert volumes(ds)["ram"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}

@@ -666,6 +666,133 @@ def _child_try_locks(path: str) -> dict[str, int]:
     return out
 
 
+def _write_and_fstat_mode(name: str, flags: int) -> tuple[int, int]:
+    """Open ``name`` with ``flags``, write one byte, return (fstat mode, stat mode)."""
+    fd = os.open(name, flags)
+    try:
+        os.write(fd, b"x")
+        through_fd = stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+    return through_fd, stat.S_IMODE(os.stat(name).st_mode)
+
+
+@pytest.mark.parametrize("mode, flags, after", [
+    # pjdfstest chmod/12.t: a non-owner's write clears SUID, SGID and both
+    (0o4777, os.O_WRONLY, 0o777),
+    (0o2777, os.O_RDWR, 0o777),
+    (0o6777, os.O_RDWR, 0o777),
+    (0o4777, os.O_RDWR, 0o777),
+    (0o6777, os.O_WRONLY, 0o777),
+    # set-group-ID without group execute is kept (mandatory-locking marker), as Linux does
+    (0o2767, os.O_WRONLY, 0o2767),
+    (0o6767, os.O_WRONLY, 0o2767),
+])
+def test_write_by_unprivileged_user_clears_setuid_setgid(fs, mode, flags, after):
+    """Regression (issue 13): with the daemon serving writes, a non-owner's O_WRONLY write
+    left 04777 (the kernel asks the daemon to clear the bits: FUSE_WRITE_KILL_SUIDGID)."""
+    d = fs.path / "sgid"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)
+    p = d / "f"
+    write_file(p, b"")
+    os.chmod(p, mode)
+    assert stat.S_IMODE(p.stat().st_mode) == mode
+    assert as_user(_write_and_fstat_mode, "f", flags, cwd=d) == (after, after)
+    assert stat.S_IMODE(p.stat().st_mode) == after
+    assert stat.S_IMODE((fs.view / "sgid" / "f").stat().st_mode) == after
+    assert p.read_bytes() == b"x"
+
+
+@pytest.mark.parametrize("flags", [os.O_WRONLY, os.O_RDWR])
+def test_write_by_owner_clears_setuid_and_root_keeps_it(fs, flags):
+    """The owner has no CAP_FSETID either (bits cleared); root has it (bits kept)."""
+    d = fs.path / "own"
+    d.mkdir(mode=0o777)
+    os.chmod(d, 0o777)
+    write_file(d / "mine", b"")
+    os.chown(d / "mine", 1000, 1000)
+    os.chmod(d / "mine", 0o6755)
+    assert as_user(_write_and_fstat_mode, "mine", flags, cwd=d) == (0o755, 0o755)
+    write_file(d / "roots", b"")
+    os.chmod(d / "roots", 0o6777)
+    assert _write_and_fstat_mode(str(d / "roots"), flags) == (0o6777, 0o6777)
+
+
+def _truncate_mode(name: str) -> int:
+    os.truncate(name, 1)
+    return stat.S_IMODE(os.stat(name).st_mode)
+
+
+def _open_trunc_mode(name: str) -> int:
+    os.close(os.open(name, os.O_WRONLY | os.O_TRUNC))
+    return stat.S_IMODE(os.stat(name).st_mode)
+
+
+def test_truncate_and_o_trunc_by_unprivileged_user_clear_setuid(fs):
+    """Linux clears the bits on truncate too; the daemon is told (FATTR_KILL_SUIDGID,
+    FUSE_OPEN_KILL_SUIDGID) and must do it, root's truncate keeps them."""
+    d = fs.path / "trunc"
+    d.mkdir(mode=0o777)
+    os.chmod(d, 0o777)
+    for name in ("a", "b", "c"):
+        write_file(d / name, b"abc")
+        os.chmod(d / name, 0o6777)
+    assert as_user(_truncate_mode, "a", cwd=d) == 0o777
+    assert as_user(_open_trunc_mode, "b", cwd=d) == 0o777
+    os.truncate(d / "c", 1)
+    assert stat.S_IMODE((d / "c").stat().st_mode) == 0o6777
+    assert _open_trunc_mode(str(d / "c")) == 0o6777
+    os.chown(d / "c", 1000, 1000)  # chown clears them for everyone (as root, too)
+    assert stat.S_IMODE((d / "c").stat().st_mode) == 0o777
+
+
+def _two_handles_on_setuid_file(name: str) -> bytes:
+    a = os.open(name, os.O_RDWR)
+    try:
+        os.write(a, b"first")  # clears the bits: later opens must still be served alike
+        b = os.open(name, os.O_RDWR)
+        try:
+            os.pwrite(b, b"second", 5)
+            return os.pread(a, 11, 0)
+        finally:
+            os.close(b)
+    finally:
+        os.close(a)
+
+
+def test_handles_opened_after_the_bits_were_cleared_work(fs):
+    """A set-user-ID file is served by the daemon; an open after a write cleared the
+    bit joins it there (the kernel refuses to mix passthrough and cached opens)."""
+    d = fs.path / "mix"
+    d.mkdir(mode=0o777)
+    os.chmod(d, 0o777)
+    write_file(d / "f", b"")
+    os.chmod(d / "f", 0o4777)
+    assert as_user(_two_handles_on_setuid_file, "f", cwd=d) == b"firstsecond"
+    assert stat.S_IMODE((d / "f").stat().st_mode) == 0o777
+    assert (d / "f").read_bytes() == b"firstsecond"
+
+
+def test_writes_ask_for_security_capability_once_per_file(fs):
+    """Regression (issue 13): every write(2) through passthrough cost a GETXATTR
+    round trip ("security.capability"); with FUSE_HANDLE_KILLPRIV_V2 the kernel asks
+    once per inode and remembers the answer (S_NOSEC)."""
+    def getxattrs() -> int:
+        return json.loads((fs.path / ".tierfs" / "fuse.json").read_text())["requests"].get(
+            "GETXATTR", 0)
+
+    before = getxattrs()
+    fd = os.open(fs.path / "many", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for _ in range(50):
+            os.write(fd, b"x" * 4096)
+    finally:
+        os.close(fd)
+    assert getxattrs() - before <= 2
+    assert (fs.path / "many").stat().st_size == 50 * 4096
+
+
 def test_locks_between_processes(fs):
     p = fs.path / "x.__lock"
     write_file(p, b"")
@@ -1105,6 +1232,15 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(d)], check=False)
 
 
+def shared_ram(small_tmpfs, size: str = "512m") -> Path:
+    """A ram-dir on a small tmpfs that already holds something: ``--size`` below that
+    tmpfs then keeps the managed budget (tierfs counts bytes, no passthrough) instead
+    of mounting a tmpfs of the budget's size (tests/test_ramtmpfs.py)."""
+    ram = small_tmpfs(size)
+    (ram / "view").mkdir(parents=True)
+    return ram
+
+
 def _fill(path: Path, chunk: int = MiB) -> tuple[int, int]:
     """Write ``chunk``-sized blocks to ``path`` until an error; returns (bytes, errno)."""
     fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o644)
@@ -1139,7 +1275,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_enospc_managed_budget(small_tmpfs, make_mount):
-    ram = small_tmpfs("512m")
+    ram = shared_ram(small_tmpfs)
     m = make_mount("-o", "allow_other", "--size", "64MiB", ram_dir=ram)
     status = json.loads((m.path / ".tierfs" / "status.json").read_text())
     assert status["budget"]["mode"] == "managed" and status["passthrough"] is False
@@ -1196,7 +1332,7 @@ def test_managed_budget_frees_at_once(small_tmpfs, make_mount):
     """Regression: with --size 64MiB, deleted bytes came back only at the next count
     (ENOSPC for up to ~3 s); a loop "write a 25 MiB step, rmtree the previous one"
     failed 8 of 10 saves."""
-    ram = small_tmpfs("512m")
+    ram = shared_ram(small_tmpfs)
     m = make_mount("-o", "allow_other", "--size", "64MiB", ram_dir=ram)
     chunk = b"\xcd" * MiB
     for i in range(10):
@@ -1240,7 +1376,7 @@ def test_managed_budget_frees_at_once(small_tmpfs, make_mount):
 def test_managed_budget_counts_files_unlinked_while_open(small_tmpfs, make_mount):
     """Regression: 5 open-unlinked 50 MiB files held 250 MiB under a 64 MiB budget
     (a count cannot see them; status said 12 KiB used)."""
-    ram = small_tmpfs("512m")
+    ram = shared_ram(small_tmpfs)
     m = make_mount("-o", "allow_other", "--size", "64MiB", ram_dir=ram)
     fds = []
     try:
@@ -1270,7 +1406,7 @@ def test_managed_budget_holds_keep_local_plus_one_sealed_steps(small_tmpfs, make
     """A budget for keep_local + 1 steps suffices: the snapshot that retention drops
     makes room for the next step at once (it sat 30 s in the trash before, and its
     bytes came back only at the next count)."""
-    ram = small_tmpfs("512m")
+    ram = shared_ram(small_tmpfs)
     m = make_mount("-o", "allow_other", "--size", "64MiB", "--keep-local", "1", ram_dir=ram)
     chunk = b"\x5a" * MiB
     for step in range(1, 7):

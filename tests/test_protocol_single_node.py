@@ -111,6 +111,11 @@ def test_nemo_sequence_sync_and_async_saves(mount):
     ("job-name: j\nframework: orbax\nnode-rank: 2\nnodes: 2", "node-rank 2 must be < nodes 2"),
     ("job-name: j\nframework: orbax\nnode-rank: -3\nnodes: 2", "node-rank must be >= 0"),
     ("job-name: j\nframework: orbax\nnode-rank: one\nnodes: 2", "must be an integer"),
+    # regression (issue 13): scalars were split into a list and accepted
+    ("job-name: j\nframework: orbax\nnode-rank: 0\nnodes: 2\npeer-ranks: 0",
+     "peer-ranks must be a list"),
+    ("job-name: j\nframework: orbax\nnode-rank: 0\nnodes: 2\npeer-ranks: '[1]'",
+     "peer-ranks must be a list"),
 ])
 def test_malformed_yaml_is_reported_through_replicator_failed(mount, text, expected):
     d = mount.path

@@ -163,11 +163,20 @@ def _enclosing_ram_dir(ram_dir: str) -> str | None:
 
 def check_size(ram_dir: str, size: int | None) -> None:
     """Warn when ``--size`` exceeds what the ram-dir's filesystem can hold at all,
-    or is not more than the ram-dir already holds (every write would get ENOSPC)."""
+    or is not more than the ram-dir already holds (every write would get ENOSPC).
+
+    Call after :func:`check_ram_dir`: a tmpfs of tierfs's own on the ram-dir is
+    measured against the filesystem below it (the one that bounds it).
+    """
     if size is None:
         return
+    from tierfs.fs import ramtmpfs
+
     vfs = os.statvfs(ram_dir)
     capacity = vfs.f_blocks * vfs.f_frsize
+    if ramtmpfs.mounted_kind(ram_dir) == "ours":
+        below = os.statvfs(os.path.dirname(ram_dir))
+        capacity = max(capacity, below.f_blocks * below.f_frsize)
     if size > capacity:
         _warn(f"--size {format_size(size)} is more than the ram-dir's filesystem holds "
               f"({format_size(capacity)}); that limit applies")
@@ -192,24 +201,35 @@ def check_bucket(bucket: str | None) -> None:
         _fail(problem)
 
 
-def check_ram_dir(path: str) -> None:
-    """Create the ram-dir if needed, refuse one in use, warn if it is not tmpfs."""
+def check_ram_dir(path: str, size: int | None = None) -> None:
+    """Refuse a ram-dir in use, give it a tmpfs of ``size`` bytes where that works
+    (:mod:`tierfs.fs.ramtmpfs`), create it if needed, warn if it is not tmpfs."""
+    from tierfs.fs import ramtmpfs
     from tierfs.fs.ramstore import RamStore
 
+    root = os.path.abspath(path)
     try:
-        store = RamStore(path)
-    except OSError as exc:
-        _fail(f"ram-dir {path}: {exc.strerror or exc}")
-        return
-    try:
-        with open(store.pid_file) as f:
+        with open(os.path.join(root, "store", "daemon.pid")) as f:
             pid = int(f.readline())
             other = f.readline().strip()
     except (OSError, ValueError):
         pass
     else:
-        if pid != os.getpid() and is_tierfs_daemon(pid, store.root):
+        if pid != os.getpid() and is_tierfs_daemon(pid, root):
             _fail(f"ram-dir {path} is in use by tierfs daemon pid {pid} (mounted at {other})")
+    try:
+        plan = ramtmpfs.prepare(root, size)
+    except OSError as exc:
+        _fail(f"ram-dir {path}: mounting a tmpfs of the --size budget failed: "
+              f"{exc.strerror or exc}")
+        return
+    if plan.managed:
+        _warn(f"--size: {plan.reason}")
+    try:
+        store = RamStore(path)
+    except OSError as exc:
+        _fail(f"ram-dir {path}: {exc.strerror or exc}")
+        return
     if not store.on_tmpfs():
         _warn(f"ram-dir {path} is not on tmpfs: checkpoints will be written to disk")
 
@@ -360,7 +380,7 @@ def mount(**opts: Any) -> None:
         nonempty = any("nonempty" in o.split(",") for o in config.mount_options)
         check_mountpoint(config.mountpoint, nonempty)
         check_bucket(config.bucket)
-        check_ram_dir(config.ram_dir)
+        check_ram_dir(config.ram_dir, config.size)
         check_size(config.ram_dir, config.size)
     if opts["foreground"] or ready_fd is not None:
         _run_daemon(config, opts["foreground"] and ready_fd is None, ready_fd)

@@ -280,10 +280,11 @@ def parse_replicator_yaml(text: str, env: dict[str, str] | None = None) -> JobSp
     peer_ranks: tuple[int, ...] | None = None
     if data.get("peer-ranks") is not None:
         pr = data["peer-ranks"]
-        if isinstance(pr, str | int) and not isinstance(pr, bool):
-            pr = [p for p in re.split(r"[,\s\[\]]+", str(pr)) if p]
         if not isinstance(pr, list):
-            raise ControlError(f"peer-ranks must be a list, got {pr!r}")
+            # PROTOCOL.md: a list (flow `[1, 2]` or block style). A scalar (`0`, `'[0]'`,
+            # `1,2`) is not one, whatever it spells: refused like any malformed value.
+            raise ControlError(f"peer-ranks must be a list of ranks such as [1, 2], got "
+                               f"{pr!r}")
         ranks = [_as_int("peer-ranks", p) for p in pr]
         for p in ranks:
             if p >= nodes:

@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 #: top-level name of the daemon-managed directory in the mount
 CONTROL_DIR = ".tierfs"
+#: the FUSE session's request counters (JSON, generated when opened)
+FUSE_COUNTERS_FILE = b".tierfs/fuse.json"
 
 
 def setup_logging(config: NodeConfig, foreground: bool) -> None:
@@ -102,12 +104,21 @@ class NodeDaemon:
         self.store.attach_budget(self.budget)  # emptied trash frees budget at once
         self.agent = NodeAgent(self.config, self.store, self.budget)
         attach_tiers(self.agent)
+        virtual = dict(self.agent.virtual_files())
+        virtual[FUSE_COUNTERS_FILE] = self._fuse_counters
         self.ns = Namespace(
             self.store.view, self.budget, events=self.agent.fs_events(),
-            reserved=frozenset({CONTROL_DIR.encode()}),
-            virtual=self.agent.virtual_files())
+            reserved=frozenset({CONTROL_DIR.encode()}), virtual=virtual)
         self.agent.attach(self.ns)
+        counters = os.path.join(self.store.view, os.fsdecode(FUSE_COUNTERS_FILE))
+        if not os.path.exists(counters):
+            with open(counters, "wb") as f:
+                f.write(b"{}\n")
+            os.chmod(counters, 0o444)
         self.session = FuseSession(self.ns, self.config.mountpoint, self.options)
+
+    def _fuse_counters(self) -> bytes:
+        return self.session.counters_json() if self.session is not None else b"{}\n"
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:

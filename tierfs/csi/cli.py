@@ -82,6 +82,41 @@ def configured_ram_dir(opts: dict[str, Any]) -> str | None:
     return None
 
 
+def configured_size(opts: dict[str, Any]) -> int | None:
+    """The RAM budget ``tierfs mount`` will be given (bytes): ``--size``, else the
+    ``inMemoryVolumeSize``/``size`` of ``--config``; None if neither (or unreadable)."""
+    from tierfs.config import ConfigError, load_config_file, parse_size
+
+    try:
+        if opts.get("size"):
+            return parse_size(opts["size"])
+        if opts.get("config"):
+            value = load_config_file(opts["config"]).get("size")
+            return parse_size(value) if value else None
+    except ConfigError:
+        return None  # `tierfs mount` reports it
+    return None
+
+
+def fit_ram_volume(opts: dict[str, Any]) -> None:
+    """Size the RAM volume's tmpfs to the budget (``--resize-ram-volume``; see
+    :func:`tierfs.fs.ramtmpfs.fit_volume`), so the kernel enforces ``--size`` and file
+    data keeps passthrough. Logs what it did; never fails the driver."""
+    from tierfs.fs import ramtmpfs
+
+    ram_dir, size = configured_ram_dir(opts), configured_size(opts)
+    if not ram_dir or not size:
+        return
+    try:
+        message = ramtmpfs.fit_volume(os.path.realpath(ram_dir), size)
+    except OSError as exc:
+        message = f"cannot size the RAM volume {ram_dir}: {exc}"
+    if message.startswith("resized"):
+        log.info("%s", message)
+    elif message:
+        log.warning("%s", message)
+
+
 def _make_command(mount_options: Any) -> click.Command:
     """Build the ``csi`` click command around the shared ``mount_options``."""
 
@@ -96,6 +131,11 @@ def _make_command(mount_options: Any) -> click.Command:
                   help="Where the node's tierfs mount lives; volumes are bind mounts of it.")
     @click.option("--state-dir", default=DEFAULT_STATE_DIR, show_default=True,
                   help="Small per-target publish records (no secrets).")
+    @click.option("--resize-ram-volume", is_flag=True,
+                  help="--ram-dir is a memory-backed volume of this driver alone (the "
+                       "DaemonSet's emptyDir): size its tmpfs to --size when it is larger, "
+                       "so the kernel enforces the budget and file data keeps FUSE "
+                       "passthrough. Never for a shared tmpfs such as /dev/shm.")
     @mount_options
     def csi(**opts: Any) -> None:
         """Run the CSI node driver: keep the node's tierfs mount up and serve CSI on a socket."""
@@ -131,6 +171,8 @@ def _make_command(mount_options: Any) -> click.Command:
             grpc_server = server.serve(opts["endpoint"], identity, service)
         except (OSError, RuntimeError, ValueError) as exc:
             raise click.ClickException(f"cannot serve CSI on {opts['endpoint']}: {exc}") from None
+        if opts.get("resize_ram_volume"):
+            fit_ram_volume(opts)
         become_subreaper()  # the daemon `tierfs mount` starts becomes our child
         node.start()
         log.info("tierfs %s CSI node driver %s on node %s (mount %s, pid %d)",

@@ -111,7 +111,8 @@ def node_args(spec: Mapping[str, Any], driver_name: str = DRIVER_NAME) -> list[s
     size = quantity_bytes(spec["inMemoryVolumeSize"])
     args = ["csi", "--endpoint=$(CSI_ENDPOINT)", "--node-id=$(NODE_NAME)",
             f"--driver-name={driver_name}", f"--mount-dir={MOUNT_DIR}",
-            f"--state-dir={STATE_DIR}", f"--ram-dir={RAM_DIR}", f"--size={size}"]
+            f"--state-dir={STATE_DIR}", f"--ram-dir={RAM_DIR}", f"--size={size}",
+            "--resize-ram-volume"]
     bucket = spec.get("cloudStorageBucketName")
     if bucket:
         if not isinstance(bucket, str) or bucket.startswith("gs://"):
@@ -158,7 +159,9 @@ def render_node_daemonset(cpc: Mapping[str, Any], *, image: str = IMAGE,
     Pure: the same configuration always gives the same object; nothing is
     read from the cluster or the environment. The RAM tier is a
     memory-backed emptyDir whose ``sizeLimit`` is ``spec.inMemoryVolumeSize``
-    and tierfs's ``--size`` is the same number of bytes. If the configuration
+    and tierfs's ``--size`` is the same number of bytes; ``--resize-ram-volume``
+    lets the driver shrink that tmpfs to the budget where the kubelet mounted it
+    larger (so the kernel enforces the budget and passthrough stays on). If the configuration
     carries ``metadata.uid`` (it came from the API server), the DaemonSet is
     owned by it, so deleting the configuration deletes the DaemonSet.
 

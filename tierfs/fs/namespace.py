@@ -133,6 +133,14 @@ def _check_access(st: os.stat_result, uid: int, gid: int, flags: int) -> None:
         raise OSError(errno.EACCES, "permission denied")
 
 
+def _kill_bits(mode: int) -> int:
+    """The mode bits a write by a caller without CAP_FSETID clears (Linux's rule)."""
+    kill = mode & stat.S_ISUID
+    if mode & stat.S_ISGID and mode & stat.S_IXGRP:
+        kill |= stat.S_ISGID
+    return kill
+
+
 def default_max_fds() -> int:
     """Descriptors a namespace may hold: the soft RLIMIT_NOFILE minus a reserve.
 
@@ -295,6 +303,8 @@ class Namespace:
         self.close_backing: Callable[[int], None] | None = None
         #: set by the FUSE session: send an entry invalidation (parent nodeid, name)
         self.notify_inval_entry: Callable[..., None] | None = None
+        #: set by the FUSE session: drop the kernel's cached attributes of a node id
+        self.notify_inval_inode: Callable[[int], None] | None = None
         self.entry_timeout = 1.0
         self.attr_timeout = 1.0
         #: evictable O_PATH descriptors, least recently used first (nodeid -> inode)
@@ -600,8 +610,12 @@ class Namespace:
     def setattr(self, nodeid: int, fh: int | None, *, mode: int | None = None,
                 uid: int | None = None, gid: int | None = None, size: int | None = None,
                 atime_ns: int | None = None, mtime_ns: int | None = None,
-                atime_now: bool = False, mtime_now: bool = False) -> os.stat_result:
+                atime_now: bool = False, mtime_now: bool = False,
+                kill_suidgid: bool = False) -> os.stat_result:
         """chmod/chown/truncate/utimens in one call, as FUSE SETATTR delivers them.
+
+        ``kill_suidgid`` (a truncate or chown by a caller without CAP_FSETID):
+        clear the set-user-ID and set-group-ID bits afterwards, as Linux does.
 
         A size change allocates nothing on tmpfs (growing leaves a hole), so it
         is not checked against the budget.
@@ -635,6 +649,8 @@ class Namespace:
                                   -1 if gid is None else gid)
         if atime_ns is not None or mtime_ns is not None or atime_now or mtime_now:
             syscalls.utimens_empty(self.fd_of(inode), atime_ns, mtime_ns, atime_now, mtime_now)
+        if kill_suidgid:
+            self._kill_suidgid(inode, self.fd_of(inode))
         if size is not None or mode is not None or uid is not None or gid is not None:
             rel = self.relpath(inode)
             if rel:
@@ -666,8 +682,7 @@ class Namespace:
         if fd is None:
             opath, st = self._open_child(parent, name)
         else:
-            opath = os.open(_proc(fd), os.O_PATH | os.O_CLOEXEC)
-            st = os.fstat(opath)
+            opath, st = self._opath_of(fd, parent, name)
         try:
             if chown and (st.st_uid, st.st_gid) != owner:
                 syscalls.fchown_empty(opath, *owner)
@@ -678,6 +693,27 @@ class Namespace:
         inode = self._learn(parent, name, opath, st)
         self._changed(parent, name)
         return inode, st
+
+    def _opath_of(self, fd: int, parent: Inode, name: bytes) -> tuple[int, os.stat_result]:
+        """An ``O_PATH`` descriptor of the object open as ``fd`` (just created as ``name``).
+
+        Opened by name in the parent (a plain lookup), kept only if it is the
+        same object; through ``/proc/self/fd`` (a slower magic-link walk) if
+        the daemon renamed or replaced the name meanwhile.
+        """
+        want = os.fstat(fd).st_ino
+        try:
+            opath = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC,
+                            dir_fd=self.fd_of(parent))
+        except OSError:
+            opath = -1
+        if opath >= 0:
+            st = os.fstat(opath)
+            if st.st_ino == want:
+                return opath, st
+            os.close(opath)
+        opath = os.open(_proc(fd), os.O_PATH | os.O_CLOEXEC)
+        return opath, os.fstat(opath)
 
     def mkdir(self, parent_id: int, name: bytes, mode: int, uid: int,
               gid: int) -> tuple[Inode, os.stat_result]:
@@ -838,7 +874,8 @@ class Namespace:
         handle = Handle(next(self._next_fh), inode, fd, flags, writable, passthrough=False)
         if inode.virtual is not None:
             handle.direct_io = True
-        elif inode.backing_id or self._register_backing(inode, fd):
+        elif inode.backing_id or (self._passthrough_allowed(inode, fd)
+                                  and self._register_backing(inode, fd)):
             # every passthrough open of one inode shares its backing id, also
             # after passthrough was turned off for new inodes
             handle.passthrough = True
@@ -852,6 +889,20 @@ class Namespace:
             inode.writers += 1
         self._handles[handle.fh] = handle
         return handle
+
+    def _passthrough_allowed(self, inode: Inode, fd: int) -> bool:
+        """May this open of ``inode`` (open as ``fd``) bypass the daemon?
+
+        Not while the inode has handles the daemon serves (the kernel refuses
+        to mix passthrough and cached opens of one inode), and not for a file
+        whose set-user-ID / set-group-ID bits a write must clear: such writes
+        have to reach the daemon (see :meth:`kill_suidgid`).
+        """
+        if not self.passthrough:
+            return False
+        if inode.handles > 0:  # no backing id (the caller checked): daemon-served handles
+            return False
+        return not _kill_bits(os.fstat(fd).st_mode)
 
     def _register_backing(self, inode: Inode, fd: int) -> bool:
         """Register ``fd`` as ``inode``'s passthrough backing file; False to serve it here.
@@ -876,8 +927,11 @@ class Namespace:
         # client symlinks itself and never opens one through FUSE).
         return os.open(_proc(self.fd_of(inode)), (flags & _BACKING_FLAGS) | os.O_CLOEXEC)
 
-    def open(self, nodeid: int, flags: int) -> Handle:
+    def open(self, nodeid: int, flags: int, kill_suidgid: bool = False) -> Handle:
         """open(2) of an existing file. O_TRUNC truncates here (atomic O_TRUNC).
+
+        ``kill_suidgid``: the caller lacks CAP_FSETID and truncates: clear the
+        set-user-ID and set-group-ID bits as Linux does.
 
         Raises:
             OSError: EISDIR for directories, EPERM writing reserved files,
@@ -903,6 +957,8 @@ class Namespace:
                 else:
                     os.ftruncate(fd, 0)
                 self._shrunk(fd, before)
+                if kill_suidgid:
+                    self._kill_suidgid(inode, fd)
             return self._new_handle(inode, fd, flags)
         except BaseException:
             os.close(fd)
@@ -922,7 +978,7 @@ class Namespace:
             os.close(fd)
 
     def create(self, parent_id: int, name: bytes, flags: int, mode: int, uid: int,
-               gid: int) -> tuple[Inode, os.stat_result, Handle]:
+               gid: int, kill_suidgid: bool = False) -> tuple[Inode, os.stat_result, Handle]:
         """open(2) with O_CREAT: returns the new (or existing) inode and a handle.
 
         The kernel sends CREATE after a lookup found no entry; if another
@@ -960,6 +1016,9 @@ class Namespace:
                 raise OSError(errno.EPERM, "managed by tierfs")
             if (flags & os.O_ACCMODE) != os.O_RDONLY:
                 self.events.opening_for_write(inode.ino)
+            if kill_suidgid and not created and bflags & os.O_TRUNC:
+                self._kill_suidgid(inode, fd)
+                st = os.fstat(fd)
             handle = self._new_handle(inode, fd, flags)
         except BaseException:
             os.close(fd)
@@ -994,6 +1053,35 @@ class Namespace:
         if cached and handle.flags & os.O_APPEND:
             return _pwrite_noappend(handle.fd, data, offset)
         return os.pwrite(handle.fd, data, offset)
+
+    def kill_suidgid(self, fh: int) -> None:
+        """Clear the set-user-ID bit, and set-group-ID with group execute, of ``fh``'s file.
+
+        What Linux does on write(2), truncate and fallocate by a caller without
+        CAP_FSETID (``should_remove_suid``). With ``FUSE_HANDLE_KILLPRIV_V2``
+        the kernel leaves it to the daemon and says when: a WRITE with
+        ``FUSE_WRITE_KILL_SUIDGID`` (this method), a SETATTR with
+        ``FATTR_KILL_SUIDGID``, an OPEN with ``FUSE_OPEN_KILL_SUIDGID`` (the
+        ``kill_suidgid`` arguments of :meth:`setattr`, :meth:`open` and
+        :meth:`create`). Writes through passthrough never reach the daemon, so
+        files with those bits are never opened with passthrough
+        (:meth:`_passthrough_allowed`). The kernel's cached attributes of the
+        inode are invalidated afterwards, so the new mode shows at once.
+
+        Raises:
+            OSError: EBADF for an unknown handle.
+        """
+        handle = self.handle(fh)
+        self._kill_suidgid(handle.inode, handle.fd)
+
+    def _kill_suidgid(self, inode: Inode, fd: int) -> None:
+        mode = os.fstat(fd).st_mode
+        kill = _kill_bits(mode)
+        if not kill or not stat.S_ISREG(mode):
+            return
+        os.chmod(_proc(fd), stat.S_IMODE(mode) & ~kill)
+        if self.notify_inval_inode is not None:
+            self.notify_inval_inode(inode.nodeid)
 
     def flush(self, fh: int) -> None:
         """close(2) of one descriptor of the handle: nothing to flush on tmpfs."""

@@ -140,6 +140,7 @@ class Operations:
             mtime_ns=mtime * 1_000_000_000 + mtimens if valid & P.FATTR_MTIME else None,
             atime_now=bool(valid & P.FATTR_ATIME_NOW),
             mtime_now=bool(valid & P.FATTR_MTIME_NOW),
+            kill_suidgid=bool(valid & P.FATTR_KILL_SUIDGID),
         )
         return P.pack_attr_out(h.nodeid, st, self.ns.attr_timeout)
 
@@ -191,13 +192,16 @@ class Operations:
         return self._entry(inode.nodeid, st)
 
     def open(self, h: P.RequestHeader, body: memoryview) -> Payload:
-        flags, _ = P.OPEN_IN.unpack_from(body)
-        return self._open_out(self.ns.open(h.nodeid, flags))
+        flags, open_flags = P.OPEN_IN.unpack_from(body)
+        return self._open_out(self.ns.open(
+            h.nodeid, flags, kill_suidgid=bool(open_flags & P.FUSE_OPEN_KILL_SUIDGID)))
 
     def create(self, h: P.RequestHeader, body: memoryview) -> Payload:
-        flags, mode, _umask, _ = P.CREATE_IN.unpack_from(body)
+        flags, mode, _umask, open_flags = P.CREATE_IN.unpack_from(body)
         name = self._name(body, P.CREATE_IN.size)
-        inode, st, handle = self.ns.create(h.nodeid, name, flags, mode, h.uid, h.gid)
+        inode, st, handle = self.ns.create(
+            h.nodeid, name, flags, mode, h.uid, h.gid,
+            kill_suidgid=bool(open_flags & P.FUSE_OPEN_KILL_SUIDGID))
         return self._entry(inode.nodeid, st) + self._open_out(handle)
 
     def read(self, h: P.RequestHeader, body: memoryview) -> Payload:
@@ -210,6 +214,8 @@ class Operations:
     def write(self, h: P.RequestHeader, body: memoryview) -> Payload:
         fh, offset, size, write_flags, *_ = P.WRITE_IN.unpack_from(body)
         data = body[P.WRITE_IN.size:P.WRITE_IN.size + size]
+        if write_flags & P.FUSE_WRITE_KILL_SUIDGID:
+            self.ns.kill_suidgid(fh)
         written = self.ns.write(fh, offset, data, cached=bool(write_flags & P.FUSE_WRITE_CACHE))
         return P.WRITE_OUT.pack(written, 0)
 
@@ -316,6 +322,11 @@ class Operations:
 
     def fallocate(self, h: P.RequestHeader, body: memoryview) -> Payload:
         fh, offset, length, mode, _ = P.FALLOCATE_IN.unpack_from(body)
+        if h.uid != 0:
+            # Linux clears the bits on fallocate too; under HANDLE_KILLPRIV_V2 the
+            # kernel leaves it to the daemon without saying so. A caller other than
+            # root is taken as one without CAP_FSETID.
+            self.ns.kill_suidgid(fh)
         self.ns.fallocate(fh, mode, offset, length)
         return b""
 
@@ -326,6 +337,8 @@ class Operations:
     def copy_file_range(self, h: P.RequestHeader, body: memoryview) -> Payload:
         fh_in, off_in, _nodeid_out, fh_out, off_out, length, _flags = \
             P.COPY_FILE_RANGE_IN.unpack_from(body)
+        if h.uid != 0:
+            self.ns.kill_suidgid(fh_out)  # a write to fh_out (see fallocate)
         n = self.ns.copy_file_range(fh_in, off_in, fh_out, off_out, length)
         return P.WRITE_OUT.pack(n, 0)
 

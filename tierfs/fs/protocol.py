@@ -8,10 +8,11 @@ lays them out on x86_64 and aarch64. This module is pure data: no I/O.
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 KERNEL_VERSION = 7
 #: Highest minor version tierfs speaks. Older kernels negotiate down.
@@ -106,6 +107,11 @@ FUSE_ASYNC_DIO = 1 << 15
 FUSE_WRITEBACK_CACHE = 1 << 16
 FUSE_PARALLEL_DIROPS = 1 << 18
 FUSE_MAX_PAGES = 1 << 22
+#: the daemon clears set-user-ID/set-group-ID on write, truncate and chown (it is told
+#: when: FUSE_WRITE_KILL_SUIDGID, FATTR_KILL_SUIDGID, FUSE_OPEN_KILL_SUIDGID); in return
+#: the superblock gets SB_NOSEC, so a write(2) no longer costs a GETXATTR round trip
+#: ("security.capability") once an inode was found clean
+FUSE_HANDLE_KILLPRIV_V2 = 1 << 28
 FUSE_CACHE_SYMLINKS = 1 << 23
 FUSE_INIT_EXT = 1 << 30
 FUSE_DIRECT_IO_ALLOW_MMAP = 1 << 36
@@ -127,9 +133,17 @@ FATTR_FH = 1 << 6
 FATTR_ATIME_NOW = 1 << 7
 FATTR_MTIME_NOW = 1 << 8
 FATTR_CTIME = 1 << 10
+#: (HANDLE_KILLPRIV_V2) a truncate or chown by a caller without CAP_FSETID
+FATTR_KILL_SUIDGID = 1 << 11
+
+# fuse_open_in.open_flags / fuse_create_in.open_flags
+FUSE_OPEN_KILL_SUIDGID = 1 << 0  # (HANDLE_KILLPRIV_V2) O_TRUNC by a caller without CAP_FSETID
 
 # fuse_write_in.write_flags
 FUSE_WRITE_CACHE = 1 << 0  # a page-cache writeback (mmap, writeback cache), not a write(2)
+#: the writer lacks CAP_FSETID: clear S_ISUID (and S_ISGID with group exec) as Linux's
+#: write(2) does. Set on every direct-I/O write, whatever INIT negotiated.
+FUSE_WRITE_KILL_SUIDGID = 1 << 2
 
 FUSE_GETATTR_FH = 1 << 0
 FUSE_FSYNC_FDATASYNC = 1 << 0
@@ -225,6 +239,7 @@ def pack_attr(st: os.stat_result, nodeid: int) -> bytes:
     )
 
 
+@functools.lru_cache(maxsize=16)  # a mount has two timeouts; every entry reply splits them
 def split_timeout(seconds: float) -> tuple[int, int]:
     """Seconds as a (whole seconds, nanoseconds) pair for ``*_valid`` fields."""
     whole = int(seconds)
@@ -256,9 +271,8 @@ def pack_dirent(ino: int, cookie: int, name: bytes, mode: int) -> bytes:
     return raw + b"\0" * (-len(raw) % 8)
 
 
-@dataclass(frozen=True, slots=True)
-class RequestHeader:
-    """A decoded ``fuse_in_header``."""
+class RequestHeader(NamedTuple):
+    """A decoded ``fuse_in_header`` (a tuple: decoded for every request, so it is cheap)."""
 
     length: int
     opcode: int
@@ -270,5 +284,7 @@ class RequestHeader:
 
     @classmethod
     def decode(cls, buf: bytes | bytearray | memoryview) -> RequestHeader:
-        length, opcode, unique, nodeid, uid, gid, pid, _ext, _pad = IN_HEADER.unpack_from(buf)
-        return cls(length, opcode, unique, nodeid, uid, gid, pid)
+        return cls._make(_HEADER7.unpack_from(buf))
+
+
+_HEADER7 = struct.Struct("<IIQQIII")  # IN_HEADER without total_extlen and padding

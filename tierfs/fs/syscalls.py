@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import os
 import struct
 
@@ -37,7 +38,6 @@ _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
                         ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-_libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
 _libc.linkat.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
                          ctypes.c_int]
 _libc.name_to_handle_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p,
@@ -119,15 +119,74 @@ def mount(source: str, target: str, fstype: str, flags: int, data: str) -> None:
            f"mount {target}")
 
 
+# new mount API (Linux 5.2; the same numbers on every architecture)
+_SYS_FSCONFIG = 431
+_SYS_FSPICK = 433
+_FSPICK_CLOEXEC = 1
+_FSPICK_NO_AUTOMOUNT = 4
+_FSCONFIG_SET_STRING = 1
+_FSCONFIG_CMD_RECONFIGURE = 7
+_libc.syscall.restype = ctypes.c_long
+
+
+def reconfigure(target: str, params: dict[str, str]) -> None:
+    """Change superblock parameters of the filesystem mounted at ``target`` (e.g. tmpfs
+    ``size``), leaving the others and the mount's own flags as they are.
+
+    fspick(2) + fsconfig(2) ``FSCONFIG_CMD_RECONFIGURE``; on a kernel without
+    them, ``mount(MS_REMOUNT)`` with the mount's current flags.
+
+    Raises:
+        OSError: EINVAL if ``target`` is not a mount root or a value is refused
+            (tmpfs: a size below what it holds), EPERM without CAP_SYS_ADMIN.
+    """
+    fd = _libc.syscall(_SYS_FSPICK, AT_FDCWD, target.encode(),
+                       _FSPICK_CLOEXEC | _FSPICK_NO_AUTOMOUNT)
+    if fd < 0:
+        err = ctypes.get_errno()
+        if err != 38:  # ENOSYS
+            raise OSError(err, f"fspick {target}: {os.strerror(err)}")
+        _remount(target, params)
+        return
+    try:
+        for key, value in params.items():
+            _check(_libc.syscall(_SYS_FSCONFIG, fd, _FSCONFIG_SET_STRING, key.encode(),
+                                 value.encode(), 0), f"fsconfig {key}")
+        _check(_libc.syscall(_SYS_FSCONFIG, fd, _FSCONFIG_CMD_RECONFIGURE, None, None, 0),
+               f"reconfigure {target}")
+    finally:
+        os.close(fd)
+
+
+_MOUNT_FLAGS = {"ro": 1, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": 8,
+                "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
+MS_REMOUNT = 32
+
+
+def _remount(target: str, params: dict[str, str]) -> None:
+    from tierfs.fs.session import mount_entry
+
+    entry = mount_entry(target)
+    if entry is None:
+        raise OSError(22, f"{target} is not a mount point")
+    flags = MS_REMOUNT
+    for opt in entry["options"].split(","):
+        flags |= _MOUNT_FLAGS.get(opt, 0)
+    mount("", target, "", flags, ",".join(f"{k}={v}" for k, v in params.items()))
+
+
 def umount2(target: str, flags: int = 0) -> None:
     """umount2(2); ``flags`` may hold MNT_DETACH."""
     _check(_libc.umount2(target.encode(), flags), f"umount {target}")
 
 
 def ioctl_buf(fd: int, request: int, buf: bytes) -> int:
-    """ioctl(2) with an input buffer; returns the ioctl's (non-negative) result."""
-    cbuf = ctypes.create_string_buffer(buf, len(buf))
-    return _check(_libc.ioctl(fd, request, cbuf), "ioctl")
+    """ioctl(2) with an input buffer; returns the ioctl's (non-negative) result.
+
+    Raises:
+        OSError: the ioctl's errno.
+    """
+    return fcntl.ioctl(fd, request, bytearray(buf), True)
 
 
 def name_to_handle(fd: int) -> bytes:
