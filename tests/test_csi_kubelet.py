@@ -29,9 +29,9 @@ import pytest
 from conftest import SHM, is_mounted, tierfs
 
 from tierfs.csi import mounts
-from tierfs.csi.proto import load
+from tierfs.rpc import csi_pb2 as pb2
+from tierfs.rpc import csi_pb2_grpc as pb2_grpc
 
-pb2, pb2_grpc = load()
 DRIVER = "tierfs.csi.dev"
 
 
