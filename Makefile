@@ -25,6 +25,7 @@ test-fast: install
 
 lint: install
 	$(BIN)/ruff check tierfs tests bench
+	$(BIN)/mypy
 
 demo: install
 	$(BIN)/tierfs demo
@@ -43,5 +44,10 @@ soak: install
 	$(BIN)/python tests/fault_campaign.py --seed $(SEED) --injections $(INJECTIONS) \
 		--mode $(SOAK_MODE) $(if $(SOAK_OUT),--out $(SOAK_OUT))
 
+# the install also generates tierfs/rpc's modules (setup.py build_rpc): again when a
+# .proto or the build step changes
+$(STAMP): setup.py $(wildcard tierfs/rpc/*.proto)
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache
+	rm -f tierfs/rpc/*_pb2.py tierfs/rpc/*_pb2.pyi tierfs/rpc/*_pb2_grpc.py tierfs/rpc/*_pb2_grpc.pyi

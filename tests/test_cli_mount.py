@@ -303,7 +303,8 @@ def test_peer_token_stays_off_the_daemons_command_line(tmp_path, ram_dir, cleanu
     import grpc
 
     from tierfs.demo.emulator import free_port
-    from tierfs.tiers import peer_wire
+    from tierfs.rpc import peer_pb2 as pb2
+    from tierfs.rpc import peer_pb2_grpc as pb2_grpc
 
     secret = "SuperSecret123"
     port = free_port()
@@ -318,7 +319,6 @@ def test_peer_token_stays_off_the_daemons_command_line(tmp_path, ram_dir, cleanu
     assert b"_daemon" in cmdline
     assert secret.encode() not in cmdline
     # the daemon got the token all the same: the peer service accepts it, and only it
-    pb2, pb2_grpc = peer_wire.load()
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         peer = pb2_grpc.PeerStub(ch)
         reply = peer.Inventory(pb2.InventoryRequest(job="j"),

@@ -29,9 +29,9 @@ import pytest
 from conftest import SHM, is_mounted, tierfs
 
 from tierfs.csi import mounts
-from tierfs.csi.proto import load
+from tierfs.rpc import csi_pb2 as pb2
+from tierfs.rpc import csi_pb2_grpc as pb2_grpc
 
-pb2, pb2_grpc = load()
 DRIVER = "tierfs.csi.dev"
 
 
@@ -347,7 +347,13 @@ def test_adopted_daemon_with_other_options_is_warned_about(driver):
     driver.start()
     driver.wait_ready()
     daemon = driver.daemon_pid()
-    record = (driver.state_dir / "node-mount.json").read_text()
+    # Probe is ready once the mount answers; the driver writes its record of the
+    # mount just after `tierfs mount` returned (a busy machine shows the gap)
+    record_file = driver.state_dir / "node-mount.json"
+    deadline = time.monotonic() + 30
+    while not record_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    record = record_file.read_text()
     assert str(driver.ram_dir) in record
     driver.stop(signal.SIGKILL)
     driver.start()  # the same flags: adopted quietly

@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 from google.protobuf.descriptor import FieldDescriptor as FD
 
-from tierfs.csi import proto
-
-pb2, pb2_grpc = proto.load()
+from tierfs.csi import server
+from tierfs.rpc import csi_pb2 as pb2
 
 # the gRPC method path kubelet and the sidecars call -> (request, response) message names
 METHODS = {
@@ -111,7 +110,7 @@ def _nested(name: str):
 
 def test_package_is_csi_v1():
     assert pb2.DESCRIPTOR.package == "csi.v1"
-    assert proto.PROTO_PATH == "tierfs/csi/csi.proto"
+    assert pb2.DESCRIPTOR.name == "tierfs/rpc/csi.proto"
 
 
 def test_method_paths_and_message_types():
@@ -121,7 +120,7 @@ def test_method_paths_and_message_types():
             paths[f"/{service.full_name}/{m.name}"] = (m.input_type.name, m.output_type.name)
             assert not m.client_streaming and not m.server_streaming, m.full_name
     assert paths == METHODS
-    assert set(proto.METHOD_PATHS) == set(METHODS)
+    assert set(server.METHOD_PATHS) == set(METHODS)
     assert set(pb2.DESCRIPTOR.services_by_name) == {"Identity", "Node"}
 
 

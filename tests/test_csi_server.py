@@ -23,9 +23,9 @@ import pytest
 
 from tierfs import __version__
 from tierfs.csi import mounts, server
-from tierfs.csi.proto import load
+from tierfs.rpc import csi_pb2 as pb2
+from tierfs.rpc import csi_pb2_grpc as pb2_grpc
 
-pb2, pb2_grpc = load()
 Mode = pb2.VolumeCapability.AccessMode.Mode
 
 

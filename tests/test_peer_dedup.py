@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gcs_fixtures import make_shard, tree_of
 
-from tierfs.tiers import peer_wire
+from tierfs.rpc import peer_pb2 as pb2
 from tierfs.tiers.local import ShardStore
 from tierfs.tiers.peer_service import PeerServicer
 from tierfs.tiers.peer_transfer import identical_content
@@ -68,7 +68,6 @@ class Context:
 
 
 def push_manifest_only(servicer: PeerServicer, manifest):
-    pb2 = servicer.pb2
     header = pb2.PushHeader(job=manifest.job, rank=manifest.rank, step=manifest.step,
                             digest=manifest.digest, sender_rank=manifest.rank,
                             total_bytes=manifest.total_bytes, dedup=True)
@@ -79,10 +78,9 @@ def push_manifest_only(servicer: PeerServicer, manifest):
 
 def test_a_manifest_only_push_is_refused_unless_the_local_copy_lists_the_same_checksums(
         tmp_path):
-    pb2, _ = peer_wire.load()
     src = make_shard(tmp_path / "ram", "job", 1, 5, {"5/a": b"one", "5/b": os.urandom(100)})
     host = Host(src)
-    servicer = PeerServicer(host, pb2)
+    servicer = PeerServicer(host)
     # rank 3 of the same column, but its bytes differ (a sharded array): refused,
     # the sender then streams the data
     other = make_shard(tmp_path / "other", "job", 3, 5, {"5/a": b"two", "5/b": b"x" * 100})

@@ -13,17 +13,22 @@ from conftest import tierfs
 from peer_cluster import Cluster, free_port, wait_until
 
 from tierfs.manifest import FileEntry, Manifest, scan_tree
+from tierfs.rpc import peer_pb2 as pb2
+from tierfs.rpc import peer_pb2_grpc as pb2_grpc
 from tierfs.tiers import peer_wire
 from tierfs.tiers.peer_transfer import BadCopy, Refused, ShardReceiver, iter_chunks
 
 
 def test_method_paths_are_pinned():
-    _pb2, pb2_grpc = peer_wire.load()
     assert peer_wire.METHOD_PATHS == (
         "/tierfs.peer.v1.Peer/Inventory", "/tierfs.peer.v1.Peer/PushShard",
         "/tierfs.peer.v1.Peer/PullShard", "/tierfs.peer.v1.Coordinator/Join",
         "/tierfs.peer.v1.Coordinator/Decide", "/tierfs.peer.v1.Coordinator/Barrier",
         "/tierfs.peer.v1.Coordinator/Sync")
+    # ... and they are the generated module's (tierfs/rpc/peer.proto, package tierfs.peer.v1)
+    assert pb2.DESCRIPTOR.package == "tierfs.peer.v1"
+    assert tuple(f"/{s.full_name}/{m.name}" for s in pb2.DESCRIPTOR.services_by_name.values()
+                 for m in s.methods) == peer_wire.METHOD_PATHS
     assert hasattr(pb2_grpc, "PeerStub") and hasattr(pb2_grpc, "CoordinatorStub")
 
 
@@ -146,7 +151,6 @@ def test_token_is_required_on_every_call(make_mount):
     port = free_port()
     make_mount("--listen", f"127.0.0.1:{port}", "--coordinator", f"127.0.0.1:{port}",
                "--peer-token", "secret")
-    pb2, pb2_grpc = peer_wire.load()
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         peer, coord = pb2_grpc.PeerStub(ch), pb2_grpc.CoordinatorStub(ch)
         calls = [
@@ -229,7 +233,6 @@ def test_status_shows_the_peer_plane(make_mount):
     ("a/b", 0, b"", 0), ("x", 5, b"\x00" * 300, 123456789),
     ("é/ü", 1 << 40, b"z" * 200_000, 0xFFFFFFFF)])
 def test_hand_encoded_chunks_are_the_proto_encoding(path, offset, data, crc):
-    pb2, _ = peer_wire.load()
     chunk = pb2.FileChunk(path=path, offset=offset, data=data, crc32c=crc)
     fast = peer_wire.encode_chunk(path, offset, data, crc)
     assert fast == pb2.PushMessage(chunk=chunk).SerializeToString()
@@ -244,7 +247,6 @@ def test_hand_decoder_agrees_with_protobuf_or_defers_to_it():
 
     from google.protobuf.message import DecodeError
 
-    pb2, _ = peer_wire.load()
     rng = random.Random(4)
     messages = [
         pb2.PushMessage(chunk=pb2.FileChunk(path="p", offset=-3, data=b"ab", crc32c=7)),

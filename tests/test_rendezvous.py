@@ -16,8 +16,9 @@ from gcs_cluster import wait_for
 from peer_cluster import Cluster, free_port
 
 from tierfs.control import JobSpec
+from tierfs.rpc import peer_pb2 as pb2
+from tierfs.rpc import peer_pb2_grpc as pb2_grpc
 from tierfs.tiers import peer as peer_mod
-from tierfs.tiers import peer_wire
 from tierfs.tiers.gcs import GcsBackend, GcsSettings
 from tierfs.tiers.gcs_layout import parse_bucket
 from tierfs.tiers.gcs_tier import BucketRendezvous, GcsTier
@@ -253,7 +254,6 @@ def test_a_node_that_is_not_rank_zero_refuses_coordinator_calls(make_mount, fake
     m = make_mount("--listen", f"127.0.0.1:{port}", "--bucket", fake_gcs.bucket,
                    "--peer-token", "t", "--job", "j", "--nodes", "2", "--node-rank", "1",
                    "--peers-per-node", "1", "--join-timeout", "30")
-    pb2, pb2_grpc = peer_wire.load()
     md = (("x-tierfs-token", "t"),)
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         inc = pb2_grpc.PeerStub(ch).Inventory(pb2.InventoryRequest(job="j"), metadata=md,

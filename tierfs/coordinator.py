@@ -741,7 +741,6 @@ class CoordinatorServicer:
 
     Args:
         coordinator: the state.
-        pb2: the message module from :func:`tierfs.tiers.peer_wire.load`.
         recheck: seconds between re-evaluations of a waiting long-poll (a
             live member may expire or appear without a call).
         gate: any thread; returns None while this node is the coordinator,
@@ -750,10 +749,12 @@ class CoordinatorServicer:
             None: always serve.
     """
 
-    def __init__(self, coordinator: Coordinator, pb2: Any, recheck: float = 0.5,
+    def __init__(self, coordinator: Coordinator, recheck: float = 0.5,
                  gate: Callable[[], str | None] | None = None) -> None:
+        from tierfs.rpc import peer_pb2  # like grpc below: not needed by Coordinator itself
+
         self.coordinator = coordinator
-        self.pb2 = pb2
+        self.pb2 = peer_pb2
         self.recheck = recheck
         self.gate = gate
         self.cond = threading.Condition()

@@ -1,8 +1,8 @@
 """tierfs on Kubernetes: the CSI node driver and the deployment around it.
 
-Modules: ``csi.proto`` and :mod:`~tierfs.csi.proto` (the CSI v1 subset tierfs
-serves, compiled at run time), :mod:`~tierfs.csi.server` (Identity and Node
-services), :mod:`~tierfs.csi.mounts` (bind mounts and /proc/self/mountinfo),
+Modules: :mod:`~tierfs.csi.server` (Identity and Node services over the CSI v1
+subset of ``tierfs/rpc/csi.proto``), :mod:`~tierfs.csi.mounts` (bind mounts and
+/proc/self/mountinfo),
 :mod:`~tierfs.csi.volume_context` (volume attributes, redaction),
 :mod:`~tierfs.csi.nodemount` (the node's tierfs mount, kept up),
 :mod:`~tierfs.csi.cli` (``tierfs csi``), :mod:`~tierfs.csi.render` (the node

@@ -43,11 +43,17 @@ from tierfs import __version__
 from tierfs.csi import mounts
 from tierfs.csi import volume_context as vc
 from tierfs.csi.nodemount import read_status
-from tierfs.csi.proto import load
+from tierfs.rpc import csi_pb2, csi_pb2_grpc
 
 log = logging.getLogger("tierfs.csi")
 
-pb2, pb2_grpc = load()
+#: the gRPC methods this server registers (CSI spec "RPC Interface"); gRPC answers
+#: every other CSI method UNIMPLEMENTED
+IDENTITY_METHODS = ("GetPluginInfo", "GetPluginCapabilities", "Probe")
+NODE_METHODS = ("NodePublishVolume", "NodeUnpublishVolume", "NodeGetCapabilities",
+                "NodeGetInfo")
+METHOD_PATHS = tuple([f"/csi.v1.Identity/{m}" for m in IDENTITY_METHODS]
+                     + [f"/csi.v1.Node/{m}" for m in NODE_METHODS])
 
 #: the driver name: domain-name notation, at most 63 characters (spec "GetPluginInfo")
 DEFAULT_DRIVER_NAME = "tierfs.csi.dev"
@@ -58,7 +64,7 @@ PATH_MAX = 4096
 NAME_MAX = 255
 _NAME_RE = r"^[A-Za-z0-9]([A-Za-z0-9.\-]{0,61}[A-Za-z0-9])?$"
 
-_Mode = pb2.VolumeCapability.AccessMode.Mode
+_Mode = csi_pb2.VolumeCapability.AccessMode.Mode
 _READ_ONLY_MODES = frozenset({_Mode.SINGLE_NODE_READER_ONLY, _Mode.MULTI_NODE_READER_ONLY})
 
 
@@ -283,7 +289,7 @@ class _Publish:
 
 # ---------------------------------------------------------------------------- services
 
-class IdentityService(pb2_grpc.IdentityServicer):
+class IdentityService(csi_pb2_grpc.IdentityServicer):
     """CSI Identity service (spec "Identity Service RPC").
 
     Args:
@@ -300,12 +306,12 @@ class IdentityService(pb2_grpc.IdentityServicer):
     @_rpc
     def GetPluginInfo(self, request: Any, context: grpc.ServicerContext) -> Any:
         """Name and version (spec "GetPluginInfo": both REQUIRED)."""
-        return pb2.GetPluginInfoResponse(name=self.name, vendor_version=__version__)
+        return csi_pb2.GetPluginInfoResponse(name=self.name, vendor_version=__version__)
 
     @_rpc
     def GetPluginCapabilities(self, request: Any, context: grpc.ServicerContext) -> Any:
         """No plugin capabilities: node service only, no topology constraints."""
-        return pb2.GetPluginCapabilitiesResponse()
+        return csi_pb2.GetPluginCapabilitiesResponse()
 
     @_rpc
     def Probe(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -322,10 +328,10 @@ class IdentityService(pb2_grpc.IdentityServicer):
             if err:
                 raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
                             f"the node's tierfs mount at {self.node.mountpoint} failed: {err}")
-        return pb2.ProbeResponse(ready=wrappers_pb2.BoolValue(value=ready))
+        return csi_pb2.ProbeResponse(ready=wrappers_pb2.BoolValue(value=ready))
 
 
-class NodeService(pb2_grpc.NodeServicer):
+class NodeService(csi_pb2_grpc.NodeServicer):
     """CSI Node service (spec "Node Service RPC") publishing the node's tierfs mount.
 
     Args:
@@ -346,12 +352,12 @@ class NodeService(pb2_grpc.NodeServicer):
     @_rpc
     def NodeGetInfo(self, request: Any, context: grpc.ServicerContext) -> Any:
         """The node id; no volume limit, no topology (spec "NodeGetInfo")."""
-        return pb2.NodeGetInfoResponse(node_id=self.node_id)
+        return csi_pb2.NodeGetInfoResponse(node_id=self.node_id)
 
     @_rpc
     def NodeGetCapabilities(self, request: Any, context: grpc.ServicerContext) -> Any:
         """No node capabilities: no staging, no volume stats (spec "NodeGetCapabilities")."""
-        return pb2.NodeGetCapabilitiesResponse()
+        return csi_pb2.NodeGetCapabilitiesResponse()
 
     # ------------------------------------------------------------------ publish
 
@@ -479,7 +485,7 @@ class NodeService(pb2_grpc.NodeServicer):
         except TargetBusy:
             raise Abort(grpc.StatusCode.ABORTED,
                         f"an operation on {pub.target} is already in progress") from None
-        return pb2.NodePublishVolumeResponse()
+        return csi_pb2.NodePublishVolumeResponse()
 
     def _publish(self, pub: _Publish) -> None:
         if not self.node.ready():
@@ -680,7 +686,7 @@ class NodeService(pb2_grpc.NodeServicer):
             raise Abort(grpc.StatusCode.ABORTED,
                         f"an operation on {target} is already in progress") from None
         log.info("unpublished %s", target)
-        return pb2.NodeUnpublishVolumeResponse()
+        return csi_pb2.NodeUnpublishVolumeResponse()
 
 
 # ---------------------------------------------------------------------------- server
@@ -728,8 +734,8 @@ def serve(endpoint: str, identity: IdentityService, node: NodeService,
             raise ValueError(f"{path} exists and is not a socket")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="csi"))
-    pb2_grpc.add_IdentityServicer_to_server(identity, server)
-    pb2_grpc.add_NodeServicer_to_server(node, server)
+    csi_pb2_grpc.add_IdentityServicer_to_server(identity, server)
+    csi_pb2_grpc.add_NodeServicer_to_server(node, server)
     old = os.umask(0o177)
     try:
         if server.add_insecure_port(f"unix://{path}") == 0:

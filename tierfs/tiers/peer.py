@@ -50,8 +50,8 @@ Pieces, one module each:
   holder if it is not local (verifying every crc32c; a corrupt copy is
   reported and the next one used, or the coordinator chooses again without
   it), then the two barrier phases.
-* shared by both sides: :mod:`tierfs.tiers.peer_wire` (the compiled proto,
-  auth, channel settings, wire counters) and :mod:`tierfs.tiers.peer_transfer`
+* shared by both sides: :mod:`tierfs.tiers.peer_wire` (token auth, channel
+  settings, wire counters) and :mod:`tierfs.tiers.peer_transfer`
   (reading a snapshot as chunks, receiving them safely).
 
 Threads: nothing here blocks the trio thread. gRPC handlers run in the
@@ -87,6 +87,7 @@ from tierfs.coordinator import (
     CoordinatorServicer,
     Holding,
 )
+from tierfs.rpc import peer_pb2_grpc
 from tierfs.tiers import peer_wire
 from tierfs.tiers.gcs_schedule import FAILED, Outcome, RoundView
 from tierfs.tiers.local import Shard, ShardKey
@@ -529,19 +530,18 @@ class PeerTier(PeerHost):
             self.client.close()
 
     def _start_server(self) -> None:
-        pb2, pb2_grpc = peer_wire.load()
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32,
                                                         thread_name_prefix="tierfs-peer"),
                              interceptors=[peer_wire.TokenInterceptor(self.token)],
                              options=list(peer_wire.SERVER_OPTIONS))
-        server.add_generic_rpc_handlers((peer_handlers(PeerServicer(self, pb2), pb2),))
+        server.add_generic_rpc_handlers((peer_handlers(PeerServicer(self)),))
         # every node registers the coordinator service: which node serves it
         # may be known only once a job starts (the gate answers the others)
         # with a bucket, no restore is decided before the bucket answered (the GCS
         # tier installs the reader once it is up; until then decisions wait)
         self.coordinator = CoordinatorServicer(Coordinator(bucket=bool(self.agent.config.bucket)),
-                                               pb2, gate=self.coordinator_gate)
-        pb2_grpc.add_CoordinatorServicer_to_server(self.coordinator, server)
+                                               gate=self.coordinator_gate)
+        peer_pb2_grpc.add_CoordinatorServicer_to_server(self.coordinator, server)
         assert self.listen is not None
         try:
             self.port = server.add_insecure_port(self.listen)

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from tierfs.coordinator import CopyId, Holding
+from tierfs.rpc import peer_pb2, peer_pb2_grpc
 from tierfs.tiers import peer_wire
 from tierfs.tiers.gcs_schedule import Outcome
 from tierfs.tiers.local import Shard, ShardKey
@@ -46,7 +47,6 @@ class PeerClient:
     """
 
     def __init__(self, token: str | None, stats: WireStats) -> None:
-        self.pb2, self.pb2_grpc = peer_wire.load()
         self.md = peer_wire.metadata(token)
         self.stats = stats
         self._channels: dict[str, grpc.Channel] = {}
@@ -61,10 +61,10 @@ class PeerClient:
             return ch
 
     def peer(self, address: str) -> Any:
-        return self.pb2_grpc.PeerStub(self.channel(address))
+        return peer_pb2_grpc.PeerStub(self.channel(address))
 
     def coordinator(self, address: str) -> Any:
-        return self.pb2_grpc.CoordinatorStub(self.channel(address))
+        return peer_pb2_grpc.CoordinatorStub(self.channel(address))
 
     def close(self) -> None:
         with self._lock:
@@ -81,7 +81,7 @@ class PeerClient:
         Raises:
             grpc.RpcError: unreachable (after ``wait_s + timeout`` seconds at most).
         """
-        req = self.pb2.InventoryRequest(job=job, want_digest=want_digest, wait_step=wait_step,
+        req = peer_pb2.InventoryRequest(job=job, want_digest=want_digest, wait_step=wait_step,
                                         wait_ms=int(wait_s * 1000))
         return self.peer(address).Inventory(req, metadata=self.md, timeout=wait_s + timeout)
 
@@ -95,12 +95,11 @@ class PeerClient:
                 RESOURCE_EXHAUSTED for a full RAM budget...) or is unreachable.
             OSError: the snapshot vanished while it was read.
         """
-        pb2 = self.pb2
         m = shard.manifest
         problem: list[BaseException] = []
 
         def messages() -> Any:
-            yield pb2.PushMessage(header=pb2.PushHeader(
+            yield peer_pb2.PushMessage(header=peer_pb2.PushHeader(
                 job=m.job, rank=m.rank, step=m.step, digest=m.digest, sender_rank=sender_rank,
                 total_bytes=0 if dedup else m.total_bytes, dedup=dedup))
             if not dedup:
@@ -115,11 +114,11 @@ class PeerClient:
                     return  # ends the stream without a manifest: the receiver discards it
             data = m.to_json()
             self.stats.add("manifest_bytes_sent", len(data))
-            yield pb2.PushMessage(manifest=pb2.ShardManifest(json=data))
+            yield peer_pb2.PushMessage(manifest=peer_pb2.ShardManifest(json=data))
 
         push = self.channel(address).stream_unary(
             "/tierfs.peer.v1.Peer/PushShard", request_serializer=peer_wire.serialize,
-            response_deserializer=pb2.PushReply.FromString)
+            response_deserializer=peer_pb2.PushReply.FromString)
         fut = push.future(messages(), metadata=self.md)
         while True:
             try:
@@ -150,11 +149,11 @@ class PeerClient:
             Cancelled: ``cancel`` was set.
             grpc.RpcError: the holder is unreachable or has no such copy.
         """
-        req = self.pb2.PullRequest(job=key.job, rank=key.rank, step=key.step, digest=digest,
+        req = peer_pb2.PullRequest(job=key.job, rank=key.rank, step=key.step, digest=digest,
                                    puller_rank=puller_rank)
         pull = self.channel(address).unary_stream(
             "/tierfs.peer.v1.Peer/PullShard", request_serializer=peer_wire.serialize,
-            response_deserializer=peer_wire.chunk_deserializer(self.pb2.PullMessage))
+            response_deserializer=peer_wire.chunk_deserializer(peer_pb2.PullMessage))
         call = pull(req, metadata=self.md)
         inc = ram.new_incoming(f"pull-{key.rank}-{key.step}")
         rx: ShardReceiver | None = None
@@ -190,19 +189,19 @@ class PeerClient:
     def join(self, coord: str, **fields: Any) -> Any:
         """Join (or register with) the coordinator at ``coord``; fields of JoinRequest."""
         inventory = fields.pop("inventory", ())
-        req = self.pb2.JoinRequest(inventory=[peer_wire.held_shard(self.pb2, h) for h in inventory],
+        req = peer_pb2.JoinRequest(inventory=[peer_wire.held_shard(h) for h in inventory],
                                    **fields)
         return self.coordinator(coord).Join(req, metadata=self.md, timeout=10)
 
     def decide(self, address: str, job: str, rank: int, restore_id: str) -> Any:
-        req = self.pb2.DecideRequest(job=job, rank=rank, restore_id=restore_id, wait_ms=POLL_MS)
+        req = peer_pb2.DecideRequest(job=job, rank=rank, restore_id=restore_id, wait_ms=POLL_MS)
         return self.coordinator(address).Decide(req, metadata=self.md,
                                                 timeout=POLL_MS / 1000 + 10)
 
     def barrier(self, address: str, bad: Iterable[CopyId] = (), **fields: Any) -> Any:
-        req = self.pb2.BarrierRequest(
-            bad=[self.pb2.BadCopy(holder=h, rank=r, step=s) if isinstance(h, int)
-                 else self.pb2.BadCopy(holder=-1, rank=r, step=s, round=h) for h, r, s in bad],
+        req = peer_pb2.BarrierRequest(
+            bad=[peer_pb2.BadCopy(holder=h, rank=r, step=s) if isinstance(h, int)
+                 else peer_pb2.BadCopy(holder=-1, rank=r, step=s, round=h) for h, r, s in bad],
             wait_ms=POLL_MS, **fields)
         return self.coordinator(address).Barrier(req, metadata=self.md,
                                                  timeout=POLL_MS / 1000 + 10)
@@ -212,11 +211,11 @@ class PeerClient:
              data_parallelism: int | None = None) -> Any:
         """Heartbeat and sync report (with the last backup outcome and the job's
         ``assume-data-parallelism``); returns the SyncReply."""
-        req = self.pb2.SyncRequest(job=job, rank=rank, incarnation=incarnation, step=step,
-                                   inventory=[peer_wire.held_shard(self.pb2, h) for h in inventory],
+        req = peer_pb2.SyncRequest(job=job, rank=rank, incarnation=incarnation, step=step,
+                                   inventory=[peer_wire.held_shard(h) for h in inventory],
                                    data_parallelism=data_parallelism or 0)
         if backup is not None:
-            req.backup.CopyFrom(self.pb2.BackupOutcome(
+            req.backup.CopyFrom(peer_pb2.BackupOutcome(
                 round=backup.round, step=backup.step, state=backup.state, error=backup.error,
                 bytes=backup.bytes, seconds=backup.seconds))
         return self.coordinator(address).Sync(req, metadata=self.md, timeout=10)

@@ -34,6 +34,7 @@ import trio
 
 from tierfs import control
 from tierfs.coordinator import CopyId
+from tierfs.rpc import peer_pb2
 from tierfs.tiers.local import ShardKey
 from tierfs.tiers.peer_client import rpc_code, rpc_reason
 from tierfs.tiers.peer_transfer import BadCopy, Refused, TransferError
@@ -260,7 +261,7 @@ class PeerCluster:
                       ) -> Any:
         tier = self.tier
         start = trio.current_time()
-        pb = tier.client.pb2.DecideReply
+        pb = peer_pb2.DecideReply
         while True:
             coord = tier.coordinator_address or ""
             try:
@@ -369,7 +370,7 @@ class PeerCluster:
                        version: int, phase: str, ok: bool, bad: list[CopyId],
                        timeout: float | None = None, detail: str = "") -> str:
         tier = self.tier
-        pb = tier.client.pb2.BarrierReply
+        pb = peer_pb2.BarrierReply
         start = trio.current_time()
         limit = tier.join_timeout if timeout is None else timeout
         while True:

@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 
 from tierfs.coordinator import Holding
+from tierfs.rpc import peer_pb2
 from tierfs.tiers import peer_wire
 from tierfs.tiers.local import Shard, ShardKey
 from tierfs.tiers.peer_transfer import (
@@ -109,12 +110,10 @@ class PeerServicer:
 
     Args:
         host: the node (see :class:`PeerHost`).
-        pb2: the message module from :func:`tierfs.tiers.peer_wire.load`.
     """
 
-    def __init__(self, host: PeerHost, pb2: Any) -> None:
+    def __init__(self, host: PeerHost) -> None:
         self.host = host
-        self.pb2 = pb2
 
     def Inventory(self, request: Any, context: Any) -> Any:
         """What this node holds of ``request.job``; optionally wait (dedup decision)."""
@@ -132,13 +131,12 @@ class PeerServicer:
             if time.monotonic() >= deadline or not context.is_active():
                 break
             time.sleep(0.1)
-        return self.pb2.InventoryReply(node_rank=-1 if own is None else own,
+        return peer_pb2.InventoryReply(node_rank=-1 if own is None else own,
                                        incarnation=self.host.incarnation,
-                                       shards=[peer_wire.held_shard(self.pb2, h) for h in held])
+                                       shards=[peer_wire.held_shard(h) for h in held])
 
     def PushShard(self, request_iterator: Any, context: Any) -> Any:
         """Receive a replica: header, chunks, manifest last; commit only if all checks pass."""
-        pb2 = self.pb2
         it = iter(request_iterator)
         first = next(it, None)
         if first is None or peer_wire.kind_of(first) != "header":
@@ -176,8 +174,8 @@ class PeerServicer:
             if manifest is None:
                 rx.abort()
                 inc = None
-                return pb2.PushReply(committed=False, bytes_received=rx.bytes_received,
-                                     detail="stream ended without a manifest")
+                return peer_pb2.PushReply(committed=False, bytes_received=rx.bytes_received,
+                                          detail="stream ended without a manifest")
             check_identity(manifest, key, h.digest)
             rx.finish(manifest)
             shard = self.host.shards.commit(inc, manifest, verified=True)
@@ -186,7 +184,7 @@ class PeerServicer:
             self.host.stats.add("pushes_received")
             log.info("received step %d of rank %d from node-rank %d (%d bytes)", h.step,
                      h.rank, h.sender_rank, rx.bytes_received)
-            return pb2.PushReply(committed=True, bytes_received=rx.bytes_received)
+            return peer_pb2.PushReply(committed=True, bytes_received=rx.bytes_received)
         except BadCopy as exc:
             self.host.stats.add("corrupt_copies")
             code, detail = grpc.StatusCode.DATA_LOSS, f"step {h.step} of rank {h.rank}: {exc}"
@@ -218,7 +216,7 @@ class PeerServicer:
         found = self.host.find_digest(h.job, h.digest)
         if found is None:
             shutil.rmtree(inc, ignore_errors=True)
-            return self.pb2.PushReply(committed=False, detail="no local copy with that digest")
+            return peer_pb2.PushReply(committed=False, detail="no local copy with that digest")
         src, trusted = found
         if not identical_content(src.manifest, manifest):
             # equal digests, other files: only what the checksums prove is linked
@@ -226,20 +224,20 @@ class PeerServicer:
                         "local copy with digest %s (%s) lists other files; asking for the "
                         "data", h.step, h.rank, h.sender_rank, h.digest, src.key)
             shutil.rmtree(inc, ignore_errors=True)
-            return self.pb2.PushReply(committed=False,
+            return peer_pb2.PushReply(committed=False,
                                       detail="no local copy with identical checksums")
         try:
             link_copy(src.data, inc)
         except OSError:
             shutil.rmtree(inc, ignore_errors=True)
-            return self.pb2.PushReply(committed=False, detail="no local copy with that digest")
+            return peer_pb2.PushReply(committed=False, detail="no local copy with that digest")
         shard = self.host.shards.commit(inc, manifest, verified=src.verified or trusted)
         self.host.adopt(shard, linked_from=src.key)
         self.host.stats.add("manifest_only_received")
         self.host.stats.add("pushes_received")
         log.info("received step %d of rank %d from node-rank %d as a manifest (identical to %s)",
                  h.step, h.rank, h.sender_rank, src.key)
-        return self.pb2.PushReply(committed=True, deduped=True)
+        return peer_pb2.PushReply(committed=True, deduped=True)
 
     def PullShard(self, request: Any, context: Any) -> Any:
         """Stream a sealed shard: its manifest, then every file's chunks."""
@@ -258,7 +256,7 @@ class PeerServicer:
         sent = 0
         failed = None
         try:
-            yield self.pb2.PullMessage(manifest=self.pb2.ShardManifest(
+            yield peer_pb2.PullMessage(manifest=peer_pb2.ShardManifest(
                 json=shard.manifest.to_json())).SerializeToString()
             for path, off, data, crc in iter_chunks(shard.data, shard.manifest.files,
                                                     cancelled=lambda: not context.is_active()):
@@ -277,17 +275,17 @@ class PeerServicer:
             context.abort(grpc.StatusCode.NOT_FOUND, failed)
 
 
-def peer_handlers(servicer: PeerServicer, pb2: Any) -> grpc.GenericRpcHandler:
+def peer_handlers(servicer: PeerServicer) -> grpc.GenericRpcHandler:
     """The Peer service's handlers; PullShard answers with pre-encoded ``bytes`` messages."""
     return grpc.method_handlers_generic_handler("tierfs.peer.v1.Peer", {
         "Inventory": grpc.unary_unary_rpc_method_handler(
-            servicer.Inventory, request_deserializer=pb2.InventoryRequest.FromString,
+            servicer.Inventory, request_deserializer=peer_pb2.InventoryRequest.FromString,
             response_serializer=peer_wire.serialize),
         "PushShard": grpc.stream_unary_rpc_method_handler(
             servicer.PushShard,
-            request_deserializer=peer_wire.chunk_deserializer(pb2.PushMessage),
+            request_deserializer=peer_wire.chunk_deserializer(peer_pb2.PushMessage),
             response_serializer=peer_wire.serialize),
         "PullShard": grpc.unary_stream_rpc_method_handler(
-            servicer.PullShard, request_deserializer=pb2.PullRequest.FromString,
+            servicer.PullShard, request_deserializer=peer_pb2.PullRequest.FromString,
             response_serializer=peer_wire.serialize),
     })

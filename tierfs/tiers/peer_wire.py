@@ -1,7 +1,7 @@
-"""The wire of the peer plane: ``peer.proto`` compiled at run time, auth and channel settings.
+"""The wire of the peer plane: auth and channel settings around ``tierfs/rpc/peer.proto``.
 
-Nothing generated is committed: :func:`load` hands ``tierfs/tiers/peer.proto``
-to ``grpc.protos_and_services`` (grpcio-tools) once per process.
+The messages and stubs are :mod:`tierfs.rpc.peer_pb2` and
+:mod:`tierfs.rpc.peer_pb2_grpc`, generated when tierfs is built or installed.
 
 Authentication: every call carries the shared token (``--peer-token``,
 ``peerToken``, ``$TIERFS_PEER_TOKEN``) in the metadata header
@@ -22,18 +22,16 @@ import hmac
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
-from tierfs.protos import load_proto
+from tierfs.rpc import peer_pb2
 
 if TYPE_CHECKING:
     from tierfs.coordinator import Holding
 
-#: the proto file, relative to the directory that holds the ``tierfs`` package
-PROTO_PATH = "tierfs/tiers/peer.proto"
 TOKEN_HEADER = "x-tierfs-token"
 #: largest message: a 4 MiB chunk plus framing, with room to spare
 MAX_MESSAGE = 16 << 20
@@ -58,14 +56,10 @@ SERVER_OPTIONS = (
     ("grpc.so_reuseport", 0),
 )
 
-
-def load() -> tuple[ModuleType, ModuleType]:
-    """Compile ``peer.proto`` (once per process) and return ``(pb2, pb2_grpc)``.
-
-    Raises:
-        ImportError: grpcio-tools is missing or the file does not compile.
-    """
-    return load_proto(PROTO_PATH)
+_Request = TypeVar("_Request")
+_Response = TypeVar("_Response")
+#: the messages of the two streaming calls (PushShard's requests, PullShard's replies)
+StreamMessage = TypeVar("StreamMessage", peer_pb2.PushMessage, peer_pb2.PullMessage)
 
 
 def metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -83,17 +77,22 @@ class TokenInterceptor(grpc.ServerInterceptor):
     def __init__(self, token: str | None) -> None:
         self.token = (token or "").encode()
 
-        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+        def deny(request: object, context: grpc.ServicerContext) -> NoReturn:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing tierfs peer token")
 
-        self._deny = {
+        self._deny: dict[tuple[bool, bool], grpc.RpcMethodHandler[Any, Any]] = {
             (False, False): grpc.unary_unary_rpc_method_handler(deny),
             (True, False): grpc.stream_unary_rpc_method_handler(deny),
             (False, True): grpc.unary_stream_rpc_method_handler(deny),
             (True, True): grpc.stream_stream_rpc_method_handler(deny),
         }
 
-    def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails],
+                               grpc.RpcMethodHandler[_Request, _Response] | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[_Request, _Response] | None:
         sent = b""
         for key, value in handler_call_details.invocation_metadata or ():
             if key == TOKEN_HEADER:
@@ -121,11 +120,11 @@ def same_endpoint(a: str | None, b: str | None) -> bool:
     return norm(a) == norm(b)
 
 
-def held_shard(pb2: Any, h: Holding) -> Any:
+def held_shard(h: Holding) -> peer_pb2.HeldShard:
     """The ``HeldShard`` message describing ``h`` (inventories, Join and Sync requests)."""
-    return pb2.HeldShard(rank=h.rank, step=h.step, verified=h.verified, digest=h.digest,
-                         bytes=h.bytes, name=h.name, backup_requested=h.backup_requested,
-                         created=h.created)
+    return peer_pb2.HeldShard(rank=h.rank, step=h.step, verified=h.verified, digest=h.digest,
+                              bytes=h.bytes, name=h.name, backup_requested=h.backup_requested,
+                              created=h.created)
 
 
 # ---------------------------------------------------------------------- stats
@@ -261,21 +260,23 @@ def decode_chunk(raw: bytes) -> Chunk | None:
         return None
 
 
-def chunk_deserializer(message_class: Any) -> Callable[[bytes], Any]:
+def chunk_deserializer(
+        message_class: type[StreamMessage]) -> Callable[[bytes], StreamMessage | Chunk]:
     """A gRPC deserializer for ``PushMessage``/``PullMessage``: a :class:`Chunk` when
-    :func:`decode_chunk` reads the bytes, else ``message_class.FromString(raw)``."""
-    def deserialize(raw: bytes) -> Any:
+    :func:`decode_chunk` reads the bytes, else ``message_class.FromString(raw)``
+    (``google.protobuf.message.DecodeError`` on malformed bytes)."""
+    def deserialize(raw: bytes) -> StreamMessage | Chunk:
         return decode_chunk(raw) or message_class.FromString(raw)
     return deserialize
 
 
-def kind_of(message: Any) -> str | None:
+def kind_of(message: peer_pb2.PushMessage | peer_pb2.PullMessage | Chunk) -> str | None:
     """The ``kind`` of a Push/PullMessage as a deserializer returned it (``"chunk"`` for a
-    :class:`Chunk`)."""
+    :class:`Chunk`, None for a message with no kind set)."""
     return "chunk" if isinstance(message, Chunk) else message.WhichOneof("kind")
 
 
-def as_chunk(message: Any) -> Chunk:
+def as_chunk(message: peer_pb2.PushMessage | peer_pb2.PullMessage | Chunk) -> Chunk:
     """A message whose :func:`kind_of` is ``"chunk"`` as a :class:`Chunk`."""
     if isinstance(message, Chunk):
         return message
@@ -283,7 +284,7 @@ def as_chunk(message: Any) -> Chunk:
     return Chunk(c.path, c.offset, c.data, c.crc32c)
 
 
-def serialize(message: Any) -> bytes:
+def serialize(message: Message | bytes) -> bytes:
     """gRPC request/response serializer: pre-encoded ``bytes`` pass through."""
     return message if isinstance(message, bytes) else message.SerializeToString()
 
