@@ -119,6 +119,9 @@ META = re.compile(r"^(?P<job>.+)-s(?P<step>\d+)-n(?P<rank>\d+)-w(?P<w>\d+)\.meta
 ROUND_NAME = re.compile(r"^\d{4}-\d\d-\d\d_\d\d-\d\d$")
 ROUND_OPENED = re.compile(r"coordinator: restore round \d+ opened by")
 WAITED = re.compile(r"^restored step (?P<step>\d+) from (?P<source>.+)$")
+#: ``tierfs wait``'s exit status for "nothing restored (incomplete)": an outcome (no step
+#: is complete for every rank, with the reasons), not a failure of the restore
+WAIT_INCOMPLETE = 3
 
 #: environment of the daemons: short GCS deadlines so a stalled bucket costs seconds
 CAMPAIGN_ENV = {
@@ -935,7 +938,9 @@ class Campaign:
                 continue
             rc, text = res
             m = WAITED.match(text)
-            if rc != 0:
+            if rc == WAIT_INCOMPLETE:  # nothing restored, with the reasons: judged as such
+                out[i] = NodeRestore(None, wait_rc=rc, said=text)
+            elif rc != 0:
                 out[i] = NodeRestore(None, error=f"tierfs wait exit {rc}: {text}", wait_rc=rc,
                                      said=text)
             elif m:

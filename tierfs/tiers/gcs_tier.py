@@ -118,6 +118,8 @@ RESTORE_LOOKUP_DEADLINE = _env("TIERFS_GCS_LOOKUP_DEADLINE", 20.0)
 RENDEZVOUS_DEADLINE = _env("TIERFS_GCS_RENDEZVOUS_DEADLINE", 10.0)
 #: deadline of the bucket check at mount (only a definite "does not exist" fails the mount)
 START_DEADLINE = _env("TIERFS_GCS_START_DEADLINE", 5.0)
+#: the bucket problem while the bucket has not answered since the mount
+START_PROBLEM = "bucket unreachable at start"
 #: requests waiting this many seconds without any answer make the status say
 #: "slow or stalled"
 STALL_SECONDS = _env("TIERFS_GCS_STALL_SECONDS", 20.0)
@@ -243,7 +245,14 @@ class GcsTier:
         self._problem(describe_error(exc))
 
     def _problem(self, text: str) -> None:
-        """Note a current bucket problem (any thread); an answer clears it."""
+        """Note a current bucket problem (any thread); an answer clears it.
+
+        Until the bucket has answered once since the mount (``bucket_checked``),
+        the problem keeps saying so: a later failure (the background check, a
+        rendezvous write) adds its own line to "bucket unreachable at start"
+        instead of replacing it."""
+        if not self.bucket_checked and not text.startswith(START_PROBLEM):
+            text = f"{START_PROBLEM}, still: {text}"
         self._retrying_at = time.monotonic()
         self.retrying = f"{text} (retrying, at {time.strftime('%H:%M:%S')})"
 
@@ -273,8 +282,9 @@ class GcsTier:
         if waited:
             mon = self._monitor()
             n = mon.in_flight() if mon is not None else 0
-            return (f"bucket slow or stalled: no answer for {waited:.0f} s "
+            line = (f"bucket slow or stalled: no answer for {waited:.0f} s "
                     f"({n} request(s) waiting)")
+            return line if self.bucket_checked else f"{START_PROBLEM}, still: {line}"
         return self.retrying
 
     def get_backend(self) -> GcsBackend:
@@ -384,8 +394,8 @@ class GcsTier:
                 problem = describe_error(exc)
         if exists is None:
             self.bucket_checked = False
-            self._problem(f"bucket unreachable at start ({problem})")
-            self._fail(f"bucket unreachable at start ({problem}); mounted anyway, "
+            self._problem(f"{START_PROBLEM} ({problem})")
+            self._fail(f"{START_PROBLEM} ({problem}); mounted anyway, "
                        "checking it again in the background")
             return
         if not exists:
