@@ -796,7 +796,21 @@ def test_property_the_choice_is_the_newest_step_with_a_good_copy_of_every_rank(d
     good = copies - bad
 
     def complete(step):
-        return all(any(r == rank and s == step for _h, r, s in good) for rank in range(nodes))
+        # RAM copies count as they are; a rank without one needs a backup round of
+        # one save of the step: a round that held every rank's part of it (bad ones
+        # included), or one sharing a part with a RAM copy (same generation). Ranks
+        # without RAM copies take one such round together, or each a linked one.
+        ram = {r for h, r, s in good if s == step and isinstance(h, int)}
+        needed = set(range(nodes)) - ram
+        if not needed:
+            return True
+        held = {n: {p.rank for p in parts if p.round == n and p.step == step} for n in rounds}
+        ok = {n: {r for h, r, s in good if h == n and s == step} for n in rounds}
+        linked = {n for n in rounds if ok[n] & ram}
+        usable = {n for n in rounds if held[n] == set(range(nodes)) or n in linked}
+        if any(needed <= ok[n] for n in usable):
+            return True
+        return all(any(r in ok[n] for n in linked) for r in needed)
 
     newest = max((s for _h, _r, s in good if complete(s)), default=None)
     assert c.step == newest
@@ -807,3 +821,38 @@ def test_property_the_choice_is_the_newest_step_with_a_good_copy_of_every_rank(d
         offered = {(h, rank, c.step) for h in c.holders.get(rank, ())}
         offered |= {(n, rank, c.step) for n in c.rounds.get(rank, ())}
         assert offered and offered <= good  # every rank has a source, none known bad
+
+
+def test_parts_of_two_half_written_rounds_of_one_step_are_not_combined():
+    """Fault campaign seed 7 #39 (generic mode, a bit flipped in the newest round):
+    round 17-42 held only rank 1's part of step 42 (an older save of that step,
+    the round failed), round 17-43 ranks 0, 2 and 3 (rank 1 restarted during it).
+    Decided again after rank 0's copy of step 43 was bad, the restore combined the
+    two and the nodes presented different saves of step 42; it must take step 41,
+    the newest step one backup round holds for every node."""
+    parts = (
+        [P("2026-12-01_17-41", r, 41) for r in range(4)]
+        + [P("2026-12-01_17-42", 1, 42, digest="d1-42-older-save")]
+        + [P("2026-12-01_17-43", r, 42) for r in (0, 2, 3)]
+        + [P("2026-12-01_17-44", r, 43) for r in range(4)])
+    names = ("2026-12-01_17-44", "2026-12-01_17-43", "2026-12-01_17-42", "2026-12-01_17-41")
+    inventories = {0: [], 1: [H(1, 43)], 2: [H(2, 43)], 3: [H(3, 43)]}
+    c = choose_restore(4, inventories, {("2026-12-01_17-44", 0, 43)},
+                       BucketView(parts=tuple(parts), rounds=names))
+    assert c.step == 41
+    assert all(c.rounds[r] == ("2026-12-01_17-41",) for r in range(4))
+    assert any("step 42 lacks rank(s)" in line for line in c.problems)
+
+
+def test_a_rank_lost_from_ram_comes_from_a_round_that_shares_a_part_with_ram():
+    """Node 3 lost, the others hold step 5 in RAM: rank 3's part of a round that
+    also holds rank 0's RAM bytes is used (the same save); a round holding only a
+    part of rank 3 is not (nothing ties it to the RAM copies' save)."""
+    inventories = {r: [H(r, 5)] for r in range(3)}
+    linked = BucketView(parts=(P("2026-12-01_10-05", 0, 5), P("2026-12-01_10-05", 3, 5)),
+                        rounds=("2026-12-01_10-05",))
+    c = choose_restore(4, inventories, (), linked)
+    assert c.step == 5 and c.rounds[3] == ("2026-12-01_10-05",)
+    alone = BucketView(parts=(P("2026-12-01_10-05", 3, 5),), rounds=("2026-12-01_10-05",))
+    c = choose_restore(4, inventories, (), alone)
+    assert c.step is None and c.outcome == NOT_COMPLETE

@@ -33,6 +33,7 @@ from __future__ import annotations
 import calendar
 import time
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 #: outcomes of a restore decision
@@ -214,8 +215,13 @@ class _StepPlan:
 
 
 def _plan_step(nodes: int, step: int, cluster: Mapping[int, Mapping[str, set[int]]],
-               parts: list[BucketPart]) -> _StepPlan:
-    """Per rank: the digest to restore and every good copy of it (see the module doc)."""
+               parts: list[BucketPart], whole: AbstractSet[tuple[str, int]] = frozenset()
+               ) -> _StepPlan:
+    """Per rank: the digest to restore and every good copy of it (see the module doc).
+
+    ``whole``: the (round, step) pairs with a part of every node rank in the
+    bucket, bad copies included (the round was written as one save of the step).
+    """
     digests: dict[int, str] = {}
     holders: dict[int, tuple[int, ...]] = {}
     for r in range(nodes):
@@ -240,17 +246,40 @@ def _plan_step(nodes: int, step: int, cluster: Mapping[int, Mapping[str, set[int
         else:
             consistent.append(name)
     rounds: dict[int, tuple[str, ...]] = {}
-    for r in range(nodes):
-        if r in digests:
-            rounds[r] = tuple(n for n in consistent
-                              if digests[r] and by_round[n].get(r) == digests[r])
+    for r in digests:
+        rounds[r] = tuple(n for n in consistent
+                          if digests[r] and by_round[n].get(r) == digests[r])
+
+    def linked(name: str) -> bool:
+        # one of the round's parts has the bytes chosen from RAM: the same generation
+        return any(digests.get(r) and d == digests[r] for r, d in by_round[name].items())
+
+    # a rank without a copy in RAM comes from a round that was complete for every
+    # node (its parts were uploaded together, from one generation of the step) or
+    # that shares a part with the RAM copies; never from a half-written round of
+    # another save of the step (seed 7 #39: rank 1's part of an old failed round
+    # combined with the other ranks' parts of a newer one)
+    needed = [r for r in range(nodes) if r not in digests]
+    usable = [n for n in consistent if (n, step) in whole or linked(n)]
+    anchor = next((n for n in usable if all(r in by_round[n] for r in needed)), None)
+    for r in needed:
+        first = anchor if anchor is not None else next(
+            (n for n in usable if r in by_round[n] and linked(n)), None)
+        if first is None:
             continue
-        candidates = [n for n in consistent if r in by_round[n]]
-        if candidates:
-            digests[r] = by_round[candidates[0]][r]
-            rounds[r] = tuple(n for n in candidates if by_round[n][r] == digests[r])
+        digests[r] = by_round[first][r]
+        rounds[r] = (first, *(n for n in usable if n != first and digests[r]
+                              and by_round[n].get(r) == digests[r]))
     missing = [r for r in range(nodes) if r not in digests]
     return _StepPlan(holders, rounds, digests, missing, notes)
+
+
+def _whole(nodes: int, parts: Iterable[BucketPart]) -> set[tuple[str, int]]:
+    """(round, step) pairs holding a part of every node rank in [0, nodes)."""
+    ranks: dict[tuple[str, int], set[int]] = {}
+    for p in parts:
+        ranks.setdefault((p.round, p.step), set()).add(p.rank)
+    return {k for k, rs in ranks.items() if rs >= set(range(nodes))}
 
 
 def _describe(step: int, plan: _StepPlan, bad: set[CopyId]) -> str:
@@ -310,6 +339,7 @@ def choose_restore(nodes: int, inventories: Mapping[int, Iterable[Holding]],
     if bucket is not None and bucket.forced is not None:
         return _choose_forced(nodes, inventories, excluded, bucket)
     table = _table(nodes, inventories, excluded)
+    whole = _whole(nodes, bucket.parts if bucket else ())
     parts = [p for p in (bucket.parts if bucket else ())
              if 0 <= p.rank < nodes and (p.round, p.rank, p.step) not in excluded]
     old = superseded(parts, inventories)
@@ -323,7 +353,8 @@ def choose_restore(nodes: int, inventories: Mapping[int, Iterable[Holding]],
         warnings.append(f"the bucket could not be read ({bucket.error}); deciding without it")
     steps = sorted(set(table) | {p.step for p in parts}, reverse=True)
     for step in steps:
-        plan = _plan_step(nodes, step, table.get(step, {}), [p for p in parts if p.step == step])
+        plan = _plan_step(nodes, step, table.get(step, {}), [p for p in parts if p.step == step],
+                          whole)
         if plan.missing:
             skipped.append(_describe(step, plan, excluded))
             warnings.extend(plan.notes)
