@@ -16,7 +16,12 @@ are never mixed in. A backup round is used for a step only if it agrees with
 every digest chosen from RAM for that step (else it belongs to another
 generation of the step, e.g. from before a rollback), and a round is
 *superseded* -- never used -- when a later round, or a shard sealed after
-it, holds a smaller step (the job was rolled back after that round).
+it, holds a smaller step (the job was rolled back after that round). A rank
+with no copy in RAM takes its part from a round written as one save of the
+step: one that holds a part of every node rank, or one sharing a part with
+the RAM copies; ranks without RAM copies take the same such round where one
+covers them all. Parts of half-written rounds are never combined with each
+other: two failed rounds of one step may hold different saves of it.
 
 ``restore.version`` (:attr:`BucketView.forced`) replaces the rule: exactly
 the named round's step, each rank from that round or from a copy with the
