@@ -276,7 +276,14 @@ def _plan_step(nodes: int, step: int, cluster: Mapping[int, Mapping[str, set[int
         rounds[r] = (first, *(n for n in usable if n != first and digests[r]
                               and by_round[n].get(r) == digests[r]))
     missing = [r for r in range(nodes) if r not in digests]
-    return _StepPlan(holders, rounds, digests, missing, notes)
+    # name the ranks no usable round holds at all; when each has a part somewhere
+    # but no round holds them together, say that the parts were not combined
+    absent = [r for r in missing if not any(r in by_round[n] for n in usable)]
+    if missing and not absent:
+        notes.append(f"step {step}: no backup round holds rank(s) {_ranks(missing)} together "
+                     "and parts of different rounds are not combined (they may be different "
+                     "saves of the step)")
+    return _StepPlan(holders, rounds, digests, absent or missing, notes)
 
 
 def _whole(nodes: int, parts: Iterable[BucketPart]) -> set[tuple[str, int]]:
