@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from tierfs import settings
+from tierfs import settings, sizes
 
 DEFAULT_MOUNT_DIR = "/run/tierfs/mount"
 DEFAULT_STATE_DIR = "/run/tierfs/csi"
@@ -152,7 +152,10 @@ def _make_command(mount_options: Any) -> click.Command:
         try:
             server.validate_driver_name(opts["driver_name"])
             server.socket_path(opts["endpoint"])
-        except ValueError as exc:
+            settings.check_environment()  # the node mount's environment, too
+            if opts.get("size"):
+                sizes.parse_size(opts["size"], "--size")
+        except ValueError as exc:  # SettingError and SizeError included
             raise click.ClickException(str(exc)) from None
         argv, env = mount_argv(opts)
         node = SupervisedMount(opts["mount_dir"], argv, env=env,
