@@ -78,13 +78,29 @@ def test_already_mounted(make_mount, tmp_path):
     assert (m.path / ".tierfs" / "status.json").exists()  # the first mount is untouched
 
 
-@pytest.mark.parametrize("size", ["12XB", "lots", "-5GiB", "0", "1.2.3G", ""])
-def test_size_unparsable(tmp_path, ram_dir, size):
+@pytest.mark.parametrize(("size", "why"), [
+    ("12XB", "unknown suffix"), ("lots", "not a size"), ("-5GiB", "negative"),
+    ("0", "positive"), ("1.2.3G", "not a size"), ("", "empty"), ("8g", "did you mean G?"),
+    ("1.5", "whole number of bytes")])
+def test_size_unparsable(tmp_path, ram_dir, size, why):
     (tmp_path / "mnt").mkdir()
     proc = tierfs("mount", str(tmp_path / "mnt"), "--ram-dir", str(ram_dir), "--size", size,
                   check=False)
-    one_line_error(proc, "size")
+    one_line_error(proc, "--size", why)
     assert not is_mounted(tmp_path / "mnt")
+    assert not ram_dir.exists()
+
+
+@pytest.mark.parametrize(("name", "value"), [("TIERFS_GCS_TICK", "fast"),
+                                             ("TIERFS_GCS_THREADS", "0")])
+def test_bad_environment_variable_fails_the_mount(tmp_path, ram_dir, name, value):
+    """Regression: a malformed TIERFS_* value was silently replaced by its default."""
+    (tmp_path / "mnt").mkdir()
+    proc = tierfs("mount", str(tmp_path / "mnt"), "--ram-dir", str(ram_dir), check=False,
+                  env=dict(os.environ, **{name: value}))
+    one_line_error(proc, f"{name}={value!r}")
+    assert not is_mounted(tmp_path / "mnt")
+    assert not ram_dir.exists()
 
 
 @pytest.mark.parametrize("opt", ["bogus", "allow_other,frobnicate", "attr_timeout=abc",
@@ -196,12 +212,21 @@ def test_tmpfs_ram_dir_gives_no_warning(tmp_path, ram_dir, cleanup):
 
 
 @pytest.mark.parametrize(("size", "expect"), [("8GiB", 8 * GiB), ("512MiB", 512 * MiB),
-                                              ("100000000", 100_000_000)])
+                                              ("100000000", 100_000_000), ("64Mi", 64 * MiB),
+                                              ("64M", 64 * 10**6), ("1.5Gi", 3 * GiB // 2)])
 def test_size_formats(make_mount, size, expect):
-    """The budget is a tmpfs of that size (rounded down to pages) on the ram-dir."""
+    """The budget is a tmpfs of that size (rounded down to pages) on the ram-dir.
+    Sizes are Kubernetes quantities: ``64M`` is 64·10⁶ bytes, and says so."""
     if expect >= shutil.disk_usage(SHM).total:
         pytest.skip(f"{size} is more than /dev/shm can hold here")
     m = make_mount("--size", size)
+    notes = [line for line in m.mount_stderr.splitlines() if "note:" in line]
+    if size == "64M":
+        assert notes == ["tierfs: note: --size 64M is 64000000 bytes = 61.04 MiB: M is 10^6 "
+                         "as in Kubernetes (older tierfs read 64M as 64 MiB); write 64Mi "
+                         "for 64 MiB"]
+    else:
+        assert notes == []
     status = json.loads((m.path / ".tierfs" / "status.json").read_text())
     pages = expect - expect % 4096
     assert status["budget"] == status["budget"] | {"mode": "native", "total_bytes": pages}

@@ -414,9 +414,14 @@ def test_csi_command_is_registered_and_checks_its_arguments():
          "only unix sockets"),
         (["--node-id", "n", "--ram-dir", "/dev/shm/x", "--driver-name", "-bad-"],
          "driver name"),
+        (["--node-id", "n", "--ram-dir", "/dev/shm/x", "--size", "8g"],
+         "--size '8g': unknown suffix 'g'"),
     ]:
         proc = tierfs("csi", *args, check=False)
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    proc = tierfs("csi", "--node-id", "n", "--ram-dir", "/dev/shm/x", check=False,
+                  env=dict(os.environ, TIERFS_GCS_TIMEOUT="2 minutes"))
+    assert proc.returncode != 0 and "TIERFS_GCS_TIMEOUT='2 minutes'" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("first", ["tierfs.cli", "tierfs.csi.cli"])

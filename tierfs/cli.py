@@ -19,7 +19,7 @@ from typing import Any
 
 import click
 
-from tierfs import __version__
+from tierfs import __version__, settings, sizes
 from tierfs.config import (
     ConfigError,
     NodeConfig,
@@ -249,10 +249,17 @@ def check_log_file(path: str | None) -> None:
         _fail(f"--log-file {path}: {exc.strerror or exc}")
 
 
-def _build_config(opts: dict[str, Any]) -> NodeConfig:
+def _build_config(opts: dict[str, Any], notes: list[str] | None = None) -> NodeConfig:
+    """The NodeConfig of ``tierfs mount``'s options (flags over ``--config``); a size
+    with a bare decimal suffix adds a line to ``notes`` (:func:`tierfs.sizes.decimal_note`).
+
+    Raises:
+        ConfigError: naming the first bad setting.
+    """
     data: dict[str, Any] = {}
+    file_notes: list[str] = []
     if opts.get("config"):
-        data.update(load_config_file(opts["config"]))
+        data.update(load_config_file(opts["config"], file_notes))
     mapping = {
         "ram_dir": "ram_dir", "log_file": "log_file", "log_level": "log_level", "job": "job",
         "node_rank": "node_rank", "nodes": "nodes", "peers_per_node": "peers_per_node",
@@ -268,15 +275,18 @@ def _build_config(opts: dict[str, Any]) -> NodeConfig:
         if opts.get(opt) is not None:
             data[attr] = opts[opt]
     if opts.get("size") is not None:
-        data["size"] = parse_size(opts["size"])
+        data["size"] = parse_size(opts["size"], "--size")
+        file_notes = [n for n in [sizes.decimal_note(opts["size"], "--size")] if n]
+    if notes is not None:
+        notes.extend(file_notes)
     if opts.get("option"):
         data["mount_options"] = list(data.get("mount_options", [])) + list(opts["option"])
     if opts.get("seal_pattern"):
         data["seal_patterns"] = list(opts["seal_pattern"])
     if opts.get("peer_ranks"):
         data["peer_ranks"] = [int(x) for x in opts["peer_ranks"].split(",") if x.strip()]
-    if data.get("peer_token") is None and os.environ.get("TIERFS_PEER_TOKEN"):
-        data["peer_token"] = os.environ["TIERFS_PEER_TOKEN"]
+    if data.get("peer_token") is None and settings.PEER_TOKEN.get():
+        data["peer_token"] = settings.PEER_TOKEN.get()
     config = NodeConfig.from_dict(data)
     # symlinks resolved: /proc/self/mountinfo, `tierfs unmount` and status all
     # name the real path
@@ -306,8 +316,9 @@ def mount_options(f: Any) -> Any:
         click.option("--ram-dir", metavar="DIR",
                      help="[required unless --config sets ramDir] Directory on tmpfs that "
                           "holds the bytes (created with mode 0700)."),
-        click.option("--size", help="RAM budget, e.g. 8GiB, 512MiB or bytes "
-                                    "(default: free space of the ram-dir's filesystem)."),
+        click.option("--size", help="RAM budget, a Kubernetes quantity: 8Gi, 512Mi, bytes; "
+                                    "8G is 8·10⁹ bytes (default: free space of the "
+                                    "ram-dir's filesystem)."),
         click.option("-o", "option", multiple=True, metavar="OPT[,OPT...]",
                      help="Mount options: allow_other, ro, noatime, attr_timeout=S, "
                           "entry_timeout=S, no_passthrough, fsname=NAME, ..."),
@@ -362,11 +373,16 @@ def mount_options(f: Any) -> Any:
 @click.option("--ready-fd", type=int, hidden=True)
 def mount(**opts: Any) -> None:
     """Mount tierfs at MOUNTPOINT, keeping every byte in RAM under --ram-dir."""
+    notes: list[str] = []
     try:
-        config = _build_config(opts)
+        config = _build_config(opts, notes)
+        settings.check_environment()
     except ConfigError as exc:
         _fail(str(exc))
         return
+    if opts.get("ready_fd") is None:
+        for note in notes:
+            click.echo(f"tierfs: note: {note}", err=True)
     from tierfs.fs.session import MountOptionError, MountOptions
 
     try:

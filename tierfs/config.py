@@ -16,40 +16,25 @@ from typing import Any
 
 import yaml
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1, "B": 1,
-    "K": 1024, "KI": 1024, "KIB": 1024, "KB": 1000,
-    "M": 1024**2, "MI": 1024**2, "MIB": 1024**2, "MB": 1000**2,
-    "G": 1024**3, "GI": 1024**3, "GIB": 1024**3, "GB": 1000**3,
-    "T": 1024**4, "TI": 1024**4, "TIB": 1024**4, "TB": 1000**4,
-    "P": 1024**5, "PI": 1024**5, "PIB": 1024**5, "PB": 1000**5,
-}
+from tierfs import sizes
 
 
 class ConfigError(ValueError):
     """A setting is missing, malformed or out of range; the message names it."""
 
 
-def parse_size(text: str | int) -> int:
-    """Parse a byte size: ``8GiB``, ``512MiB``, ``1.5G``, ``10GB`` (decimal), plain bytes.
-
-    Kubernetes quantities (``8Gi``, ``512Mi``) are accepted too.
+def parse_size(text: str | int, what: str = "size") -> int:
+    """Bytes in a size (``8Gi`` = 8·2³⁰, ``8G`` = 8·10⁹, ``512Mi``, plain bytes), as
+    :func:`tierfs.sizes.parse_size` reads it everywhere (Kubernetes quantity semantics).
 
     Raises:
-        ConfigError: unparsable or not positive.
+        ConfigError: naming ``what`` and the value: unparsable, not positive or
+            not a whole number of bytes.
     """
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        m = _SIZE_RE.match(str(text))
-        if not m:
-            raise ConfigError(f"cannot parse size {text!r} (use e.g. 8GiB, 512MiB or bytes)")
-        unit = (m.group(2) or "").upper()
-        value = int(float(m.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise ConfigError(f"size must be positive, got {text!r}")
-    return value
+    try:
+        return sizes.parse_size(text, what)
+    except sizes.SizeError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 #: smallest accepted RAM budget (bytes): less cannot hold a checkpoint of any use
@@ -202,8 +187,12 @@ FILE_KEYS = {
 }
 
 
-def load_config_file(path: str) -> dict[str, Any]:
+def load_config_file(path: str, notes: list[str] | None = None) -> dict[str, Any]:
     """Read a YAML config file into NodeConfig attribute names.
+
+    Sizes are parsed by :func:`parse_size`; a size with a bare decimal suffix
+    (``8G`` = 8·10⁹ bytes) adds a line of :func:`tierfs.sizes.decimal_note` to
+    ``notes`` if given.
 
     Raises:
         ConfigError: unreadable file, bad YAML, unknown keys, bad values.
@@ -224,7 +213,12 @@ def load_config_file(path: str) -> dict[str, Any]:
             raise ConfigError(f"config file {path}: unknown key {key!r} "
                               f"(known: {', '.join(sorted(FILE_KEYS))})")
         if attr == "size" and value is not None:
-            value = parse_size(value)
+            what = f"{key} in {path}"
+            parsed = parse_size(value, what)
+            note = sizes.decimal_note(value, what)
+            if note and notes is not None:
+                notes.append(note)
+            value = parsed
         if attr in ("mount_options", "seal_patterns") and isinstance(value, str):
             value = [value]
         out[attr] = value

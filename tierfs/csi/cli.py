@@ -18,6 +18,8 @@ from typing import Any
 
 import click
 
+from tierfs import settings, sizes
+
 DEFAULT_MOUNT_DIR = "/run/tierfs/mount"
 DEFAULT_STATE_DIR = "/run/tierfs/csi"
 #: in the state dir: how the node mount was started (see SupervisedMount.check_adopted)
@@ -53,7 +55,7 @@ def mount_argv(opts: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
         if value is None or value == () or value is False:
             continue
         if param.name == "peer_token":
-            env["TIERFS_PEER_TOKEN"] = str(value)
+            env[settings.PEER_TOKEN.name] = str(value)
             continue
         flag = param.opts[0]
         for v in (value if isinstance(value, (list, tuple)) else [value]):
@@ -150,7 +152,10 @@ def _make_command(mount_options: Any) -> click.Command:
         try:
             server.validate_driver_name(opts["driver_name"])
             server.socket_path(opts["endpoint"])
-        except ValueError as exc:
+            settings.check_environment()  # the node mount's environment, too
+            if opts.get("size"):
+                sizes.parse_size(opts["size"], "--size")
+        except ValueError as exc:  # SettingError and SizeError included
             raise click.ClickException(str(exc)) from None
         argv, env = mount_argv(opts)
         node = SupervisedMount(opts["mount_dir"], argv, env=env,

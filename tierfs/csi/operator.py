@@ -29,6 +29,7 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from tierfs import settings as tierfs_settings
 from tierfs.csi import render
 
 FIELD_MANAGER = "tierfs-operator"
@@ -121,10 +122,9 @@ class InClusterApi:
 
 def settings_from_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """Render options from the operator's environment (image, namespace, driver name)."""
-    env = os.environ if env is None else env
-    return {"image": env.get("TIERFS_IMAGE", render.IMAGE),
-            "namespace": env.get("TIERFS_NAMESPACE", render.NAMESPACE),
-            "driver_name": env.get("TIERFS_DRIVER_NAME", render.DRIVER_NAME)}
+    return {"image": tierfs_settings.IMAGE.get(env),
+            "namespace": tierfs_settings.NAMESPACE.get(env),
+            "driver_name": tierfs_settings.DRIVER_NAME.get(env)}
 
 
 def reconcile(body: Mapping[str, Any], api: Applier,

@@ -21,18 +21,17 @@ import hashlib
 import re
 import sys
 from collections.abc import Mapping
-from decimal import Decimal
 from typing import Any
 
-from tierfs import __version__
+from tierfs import settings, sizes
 
 API_GROUP = "checkpointing.tierfs.dev"
 API_VERSION = f"{API_GROUP}/v1"
 KIND = "CheckpointConfiguration"
-DRIVER_NAME = "tierfs.csi.dev"
-NAMESPACE = "tierfs-system"
+DRIVER_NAME = settings.DRIVER_NAME.default
+NAMESPACE = settings.NAMESPACE.default
 NODE_SERVICE_ACCOUNT = "tierfs-node"
-IMAGE = f"tierfs:{__version__}"
+IMAGE = settings.IMAGE.default
 REGISTRAR_IMAGE = "registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.13.0"
 LIVENESSPROBE_IMAGE = "registry.k8s.io/sig-storage/livenessprobe:v2.15.0"
 
@@ -45,9 +44,6 @@ HEALTH_PORT = 19809
 REGISTRAR_HEALTH_PORT = 19810
 CONFIG_LABEL = f"{API_GROUP}/configuration"
 
-_QUANTITY = re.compile(r"^(?P<num>[0-9]+(\.[0-9]+)?)(?P<unit>Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
-_UNITS = {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-          "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -57,18 +53,17 @@ class RenderError(ValueError):
 
 
 def quantity_bytes(text: str) -> int:
-    """Bytes in a Kubernetes memory quantity (``50Gi``, ``512Mi``, ``8G`` = 8·10⁹, ``1024``).
+    """Bytes in ``spec.inMemoryVolumeSize``, a Kubernetes quantity (``50Gi``, ``512Mi``,
+    ``8G`` = 8·10⁹, ``1024``): :func:`tierfs.sizes.parse_size` in its strict
+    Kubernetes form, the same bytes ``tierfs mount --size`` gives the same text.
 
     Raises:
-        RenderError: not a quantity of the forms above, or zero.
+        RenderError: not a quantity of the CRD's pattern, zero, or not whole bytes.
     """
-    m = _QUANTITY.match(str(text).strip())
-    if not m:
-        raise RenderError(f"spec.inMemoryVolumeSize: {text!r} is not a quantity like 50Gi")
-    value = int(Decimal(m.group("num")) * _UNITS[m.group("unit")])
-    if value <= 0:
-        raise RenderError("spec.inMemoryVolumeSize must be positive")
-    return value
+    try:
+        return sizes.parse_size(text, "spec.inMemoryVolumeSize", kubernetes=True)
+    except sizes.SizeError as exc:
+        raise RenderError(str(exc)) from None
 
 
 def short_name(name: str, limit: int) -> str:

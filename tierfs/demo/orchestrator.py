@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierfs import command
+from tierfs import command, settings
 from tierfs.config import format_size
 from tierfs.demo.emulator import GcsEmulator, free_port
 
@@ -229,7 +229,7 @@ class Demo:
     def _env(self) -> dict[str, str]:
         assert self.emulator is not None
         env = self.emulator.env()
-        env["TIERFS_PEER_TOKEN"] = self.token
+        env[settings.PEER_TOKEN.name] = self.token
         return env
 
     def status(self, rank: int) -> dict[str, Any] | None:

@@ -56,6 +56,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierfs import settings
 from tierfs.fs.ramstore import RamStore
 from tierfs.manifest import FileEntry, Manifest, check_entries
 from tierfs.tiers import gcs_layout as L
@@ -102,27 +103,8 @@ class BucketTimeout(GcsError):
 # ---------------------------------------------------------------------- settings
 
 
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ[name])
-    except (KeyError, ValueError):
-        return default
-
-
-#: seconds a data-parallel rank waits (after the last progress) for its column's
-#: uploader's objects before it uploads its own data
-DEDUP_WAIT = _env_float("TIERFS_GCS_DEDUP_WAIT", 60.0)
-
-
-def default_threads() -> int:
-    """Objects in flight per node: the CPU count, between 2 and 8.
-
-    Every byte passes through Python (the library reads responses in 8 KiB
-    pieces and tierfs checksums them), so more threads than cores only add
-    GIL contention; on the 2-core benchmark machine 8 threads restored ~20 %
-    slower than 2.
-    """
-    return max(2, min(8, os.cpu_count() or 2))
+#: objects in flight per node by default (the CPU count, between 2 and 8)
+default_threads = settings.default_threads
 
 
 @dataclass(frozen=True)
@@ -152,14 +134,19 @@ class GcsSettings:
     def from_env(cls, **overrides: Any) -> GcsSettings:
         """Defaults, then ``TIERFS_GCS_THREADS``, ``TIERFS_GCS_CHUNK_MIB``,
         ``TIERFS_GCS_RETRY_DEADLINE`` (seconds), ``TIERFS_GCS_TIMEOUT``
-        (read timeout, seconds), then ``overrides``."""
+        (read timeout, seconds) as they are now (:mod:`tierfs.settings`), then
+        ``overrides``.
+
+        Raises:
+            tierfs.settings.SettingError: one of those variables is malformed.
+        """
         d = cls()
-        chunk_mib = _env_float("TIERFS_GCS_CHUNK_MIB", d.chunk_size / MiB)
+        chunk_mib = settings.GCS_CHUNK_MIB.get()
         values: dict[str, Any] = {
-            "threads": max(1, int(_env_float("TIERFS_GCS_THREADS", d.threads))),
+            "threads": settings.GCS_THREADS.get(),
             "chunk_size": max(1, int(chunk_mib * 4)) * (MiB // 4),
-            "retry_deadline": _env_float("TIERFS_GCS_RETRY_DEADLINE", d.retry_deadline),
-            "read_timeout": _env_float("TIERFS_GCS_TIMEOUT", d.read_timeout),
+            "retry_deadline": settings.GCS_RETRY_DEADLINE.get(),
+            "read_timeout": settings.GCS_TIMEOUT.get(),
         }
         values.update(overrides)
         deadline = values["retry_deadline"]
@@ -1079,7 +1066,7 @@ class GcsBackend:
             nodes: the job's node count (recorded; needed for data parallelism).
             data_parallelism: the job's ``assume-data-parallelism`` or None.
             dedup: may point at the column's uploader's data (see above).
-            dedup_wait: seconds (default :data:`DEDUP_WAIT`).
+            dedup_wait: seconds (default ``$TIERFS_GCS_DEDUP_WAIT``, 60).
             cancel: set it to stop between and inside object uploads.
             on_bytes: called with each increment of data bytes sent (any thread).
 
@@ -1104,7 +1091,7 @@ class GcsBackend:
         result = UploadResult(round_name, rank, m.step, hashes=dict(layout.hashes))
         own = uploader == rank or not dedup or not layout.uploads
         if not own:
-            wait = DEDUP_WAIT if dedup_wait is None else dedup_wait
+            wait = settings.GCS_DEDUP_WAIT.get() if dedup_wait is None else dedup_wait
             missing = self.await_objects(prefix, layout.uploads, wait=wait, cancel=cancel)
             if missing:
                 own = True

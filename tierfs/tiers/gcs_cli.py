@@ -15,10 +15,11 @@ from typing import Any
 
 import click
 
-from tierfs.config import format_size
+from tierfs import settings
+from tierfs.config import ConfigError, format_size
 
 _COMMON = [
-    click.option("--bucket", required=True, envvar="TIERFS_BUCKET", metavar="NAME[/PREFIX]",
+    click.option("--bucket", required=True, envvar=settings.BUCKET.name, metavar="NAME[/PREFIX]",
                  help="The backup bucket (as given to tierfs mount --bucket)."),
     click.option("--job", required=True, help="The job name (the directory under the bucket)."),
     click.option("--nodes", type=click.IntRange(min=1),
@@ -43,6 +44,8 @@ def _backend(bucket: str) -> Any:
         raise click.ClickException(str(exc)) from None
     try:
         return GcsBackend(spec)
+    except ConfigError as exc:  # a malformed TIERFS_GCS_* variable
+        raise click.ClickException(str(exc)) from None
     except Exception as exc:  # credentials, client construction
         raise click.ClickException(f"cannot reach {spec}: {exc}") from None
 
@@ -275,7 +278,7 @@ def prune_cmd(bucket: str, job: str, nodes: int | None, keep_last: int, hourly: 
 
 @backups.command("restore-version")
 @click.argument("round_name", metavar="[ROUND]", required=False)
-@click.option("--bucket", required=True, envvar="TIERFS_BUCKET", metavar="NAME[/PREFIX]",
+@click.option("--bucket", required=True, envvar=settings.BUCKET.name, metavar="NAME[/PREFIX]",
               help="The backup bucket.")
 @click.option("--job", required=True, help="The job name.")
 @click.option("--clear", is_flag=True, help="Delete restore.version.")

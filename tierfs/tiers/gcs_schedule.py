@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierfs import settings
 from tierfs.tiers.gcs_layout import dedup_plan, next_round_name, round_time
 
 #: Orbax's default when a job names no interval (minutes)
@@ -249,7 +250,7 @@ DONE, FAILED = "done", "failed"
 MISSING = "missing"
 RUNNING, COMPLETE, INCOMPLETE = "running", "complete", "incomplete"
 #: a round not finished by every node after this many seconds is given up (default)
-ROUND_TIMEOUT = 1800.0
+ROUND_TIMEOUT = settings.GCS_ROUND_TIMEOUT.default
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,9 @@ Pieces:
   bucket did not answer is tried again (backoff, or at once when the bucket
   answers) while its round still wants it.
 * The bucket's health: the check at mount is bounded by
-  :data:`START_DEADLINE` (only "does not exist" fails the mount); a bucket
+  ``$TIERFS_GCS_START_DEADLINE`` (only "does not exist" fails the mount); a bucket
   problem is reported while it lasts -- requests waiting without an answer
-  for :data:`STALL_SECONDS`, or the last failed request -- and cleared by the
+  for ``$TIERFS_GCS_STALL_SECONDS``, or the last failed request -- and cleared by the
   next answer (:meth:`GcsTier.bucket_problem`, fed by the backend's
   :class:`tierfs.tiers.gcs.BucketMonitor`); meanwhile the tier checks the
   bucket itself in the background.
@@ -60,7 +60,6 @@ import collections
 import dataclasses
 import functools
 import logging
-import os
 import threading
 import time
 import uuid
@@ -70,6 +69,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from tierfs import settings
 from tierfs.config import ConfigError
 from tierfs.restore_choice import (
     BucketPart,
@@ -99,35 +99,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _env(name: str, default: float) -> float:
-    try:
-        return float(os.environ[name])
-    except (KeyError, ValueError):
-        return default
-
-
-#: seconds between the tier's decisions (also woken by seals)
-TICK = _env("TIERFS_GCS_TICK", 1.0)
-#: a round not finished by every node after this many seconds is given up
-ROUND_TIMEOUT = _env("TIERFS_GCS_ROUND_TIMEOUT", S.ROUND_TIMEOUT)
-#: retry deadline of the coordinator's bucket lookups (they hold the coordinator's lock)
-FALLBACK_DEADLINE = _env("TIERFS_GCS_FALLBACK_DEADLINE", 30.0)
-#: retry deadline of reading restore.version and choosing a backup at restore time
-RESTORE_LOOKUP_DEADLINE = _env("TIERFS_GCS_LOOKUP_DEADLINE", 20.0)
-#: retry deadline of one rendezvous read or write (the caller polls again)
-RENDEZVOUS_DEADLINE = _env("TIERFS_GCS_RENDEZVOUS_DEADLINE", 10.0)
-#: deadline of the bucket check at mount (only a definite "does not exist" fails the mount)
-START_DEADLINE = _env("TIERFS_GCS_START_DEADLINE", 5.0)
 #: the bucket problem while the bucket has not answered since the mount
 START_PROBLEM = "bucket unreachable at start"
-#: requests waiting this many seconds without any answer make the status say
-#: "slow or stalled"
-STALL_SECONDS = _env("TIERFS_GCS_STALL_SECONDS", 20.0)
-#: first and longest pause (s) before a failed upload (bucket unreachable) is tried
-#: again, and between checks of a bucket that had a problem; an answer from the
-#: bucket ends the pause at once
-RETRY_FIRST = _env("TIERFS_GCS_UPLOAD_RETRY_FIRST", 2.0)
-RETRY_MAX = _env("TIERFS_GCS_UPLOAD_RETRY_MAX", 30.0)
 
 
 class BackupCopyError(Exception):
@@ -267,10 +240,10 @@ class GcsTier:
 
     def stalled(self) -> float:
         """Seconds requests have waited for the bucket without any answer, if at
-        least :data:`STALL_SECONDS`; else 0.0."""
+        least ``$TIERFS_GCS_STALL_SECONDS``; else 0.0."""
         mon = self._monitor()
         waited = mon.stalled_for() if mon is not None else 0.0
-        return waited if waited >= STALL_SECONDS else 0.0
+        return waited if waited >= settings.GCS_STALL_SECONDS.get() else 0.0
 
     def bucket_problem(self) -> str | None:
         """The bucket's current problem as one line, or None: requests waiting
@@ -305,6 +278,10 @@ class GcsTier:
             if b is None:
                 b = self._bounded[deadline] = backend.bounded(deadline)
             return b
+
+    def _bucket_exists(self, deadline: float) -> bool:
+        """Whether the bucket exists, asked within ``deadline`` seconds (blocking)."""
+        return self.bounded(deadline).bucket_exists()
 
     async def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a blocking backend call in a worker thread (control limiter)."""
@@ -373,7 +350,7 @@ class GcsTier:
 
     async def _check_bucket(self) -> None:
         """Fail the mount for a bucket that does not exist; a bucket that does not
-        answer within :data:`START_DEADLINE` seconds is reported (status,
+        answer within ``$TIERFS_GCS_START_DEADLINE`` seconds is reported (status,
         ``replicator.errors``) and checked again in the background.
 
         Raises:
@@ -385,11 +362,11 @@ class GcsTier:
         problem = "no answer"
         # the thread is abandoned if even the capped request outlives the deadline
         # (name resolution, for one, has no socket timeout)
-        with trio.move_on_after(START_DEADLINE + 1.0):
+        deadline = settings.GCS_START_DEADLINE.get()
+        with trio.move_on_after(deadline + 1.0):
             try:
                 exists = await trio.to_thread.run_sync(
-                    lambda: self.bounded(START_DEADLINE).bucket_exists(),
-                    abandon_on_cancel=True)
+                    lambda: self.bounded(deadline).bucket_exists(), abandon_on_cancel=True)
             except Exception as exc:  # unreachable now: training must not wait for it
                 problem = describe_error(exc)
         if exists is None:
@@ -403,26 +380,26 @@ class GcsTier:
 
     async def _watch_bucket(self) -> None:
         """While the bucket has a problem (or the check at mount got no answer):
-        check it again, every :data:`RETRY_FIRST` s doubling up to
-        :data:`RETRY_MAX` s, so the problem clears as soon as it answers even
+        check it again, every ``$TIERFS_GCS_UPLOAD_RETRY_FIRST`` s doubling up to
+        ``$TIERFS_GCS_UPLOAD_RETRY_MAX`` s, so the problem clears as soon as it answers even
         when nothing else calls it. A bucket that turns out not to exist is
         reported once."""
-        delay = RETRY_FIRST
+        delay = settings.GCS_UPLOAD_RETRY_FIRST.get()
         while True:
             if self.bucket_checked and self.bucket_problem() is None:
-                delay = RETRY_FIRST
-                await trio.sleep(TICK)
+                delay = settings.GCS_UPLOAD_RETRY_FIRST.get()
+                await trio.sleep(settings.GCS_TICK.get())
                 continue
             since = time.monotonic()
             with trio.move_on_after(delay):
                 while not self._answered_since(since):
-                    await trio.sleep(min(TICK, 0.5))
+                    await trio.sleep(min(settings.GCS_TICK.get(), 0.5))
             try:
-                exists = await self.call(lambda: self.bounded(START_DEADLINE).bucket_exists())
+                exists = await self.call(self._bucket_exists, settings.GCS_START_DEADLINE.get())
             except Exception as exc:
                 if not self._answered_since(since):
                     self._problem(describe_error(exc))
-                delay = min(delay * 2, RETRY_MAX)
+                delay = min(delay * 2, settings.GCS_UPLOAD_RETRY_MAX.get())
                 continue
             if not exists:
                 if not self._missing_reported:
@@ -430,13 +407,13 @@ class GcsTier:
                     self._fail(f"bucket {self.spec.bucket!r} does not exist; backups "
                                "fail until it is created")
                 self._problem(f"bucket {self.spec.bucket!r} does not exist")
-                delay = RETRY_MAX
+                delay = settings.GCS_UPLOAD_RETRY_MAX.get()
                 continue
             if not self.bucket_checked or self.retrying is not None:
                 log.info("GCS tier: bucket %s answers again", self.spec)
             self._missing_reported = False
             self._ok()
-            delay = RETRY_FIRST
+            delay = settings.GCS_UPLOAD_RETRY_FIRST.get()
 
     async def _locked(self, fn: Any) -> Any:
         """``fn(coordinator)`` under the coordinator's lock, waited for in a worker thread
@@ -450,9 +427,11 @@ class GcsTier:
         servicer = self._servicer()
         if servicer is None:
             return
-        await self._locked(lambda coord: coord.set_backups(S.RoundBook(timeout=ROUND_TIMEOUT)))
+        timeout = settings.GCS_ROUND_TIMEOUT.get()
+        await self._locked(lambda coord: coord.set_backups(S.RoundBook(timeout=timeout)))
         await trio.to_thread.run_sync(servicer.set_bucket_reader, functools.partial(
-            self.read_bucket, deadline=FALLBACK_DEADLINE, report=self._fail_later))
+            self.read_bucket, deadline=settings.GCS_FALLBACK_DEADLINE.get(),
+            report=self._fail_later))
         log.info("GCS tier: the coordinator decides backup rounds and restores from %s",
                  self.spec)
 
@@ -567,7 +546,7 @@ class GcsTier:
                 await self._tick()
             except Exception:
                 log.exception("GCS tier: tick failed")
-            with trio.move_on_after(TICK):
+            with trio.move_on_after(settings.GCS_TICK.get()):
                 await self._poke.wait()
             self._poke = trio.Event()
 
@@ -645,7 +624,7 @@ class GcsTier:
 
     async def _read_seed(self, job: str, nodes: int) -> tuple[str | None, tuple[str, int] | None]:
         """The bucket's newest round name and newest complete (round, step) of the last 3."""
-        backend = self.bounded(RESTORE_LOOKUP_DEADLINE)
+        backend = self.bounded(settings.GCS_LOOKUP_DEADLINE.get())
         names = await self.call(backend.list_round_names, job)
         complete = None
         for name in names[:3]:
@@ -772,14 +751,15 @@ class GcsTier:
                 return "the coordinator no longer orders the round"
         elif self.state.active != rnd:
             return "the round is no longer running"
-        if time.time() - up.started > ROUND_TIMEOUT:
-            return f"the round is older than {ROUND_TIMEOUT:.0f} s"
+        if time.time() - up.started > settings.GCS_ROUND_TIMEOUT.get():
+            return f"the round is older than {settings.GCS_ROUND_TIMEOUT.get():.0f} s"
         return None
 
     async def _upload(self, job: JobSpec, rnd: str, step: int, dedup: bool = False) -> None:
         """Upload this node's part of round ``rnd``; while the bucket fails
         (:func:`tierfs.tiers.gcs.is_transient`) try again -- after
-        :data:`RETRY_FIRST` s doubling up to :data:`RETRY_MAX` s, or as soon as
+        ``$TIERFS_GCS_UPLOAD_RETRY_FIRST`` s doubling up to
+        ``$TIERFS_GCS_UPLOAD_RETRY_MAX`` s, or as soon as
         the bucket answers -- as long as the round still wants it
         (:meth:`_still_wanted`) and the step is still held. The outcome goes
         to the coordinator (multi-node) or the schedule (one node) once.
@@ -791,7 +771,7 @@ class GcsTier:
         key = ShardKey(job.name, job.node_rank, step)
         entry = self._history(rnd)
         up = _Upload(rnd, step, 0, threading.Event(), time.time())
-        delay = RETRY_FIRST
+        delay = settings.GCS_UPLOAD_RETRY_FIRST.get()
         try:
             while True:
                 shard = self.agent.catalog.get(key)
@@ -870,7 +850,7 @@ class GcsTier:
                                      time.time() - up.started, entry)
                         return
                     up.attempt += 1
-                    delay = min(delay * 2, RETRY_MAX)
+                    delay = min(delay * 2, settings.GCS_UPLOAD_RETRY_MAX.get())
                     continue
                 self._ok()
                 self.backed_up[step] = rnd
@@ -904,7 +884,7 @@ class GcsTier:
             while not self._answered_since(since) and key in self.agent.catalog:
                 if self._still_wanted(job, rnd, step, up) is not None:
                     return False
-                await trio.sleep(min(TICK, 0.5))
+                await trio.sleep(min(settings.GCS_TICK.get(), 0.5))
         return self._still_wanted(job, rnd, step, up) is None
 
     def _finish(self, job: JobSpec, rnd: str, step: int, state: str, error: str,
@@ -1005,7 +985,7 @@ class GcsTier:
         key = ShardKey(job.name, job.node_rank, step)
         try:
             backend = await self.call(self.get_backend)
-            info = await self.call(self.bounded(RESTORE_LOOKUP_DEADLINE).inspect_round,
+            info = await self.call(self.bounded(settings.GCS_LOOKUP_DEADLINE.get()).inspect_round,
                                    job.name, backup, job.nodes)
         except Exception as exc:
             raise BackupCopyError(f"backup round {backup} cannot be read: "
@@ -1043,7 +1023,7 @@ class GcsTier:
         return shard
 
     def read_bucket(self, job: str, nodes: int, depth: int = 1, *,
-                    deadline: float = RESTORE_LOOKUP_DEADLINE,
+                    deadline: float | None = None,
                     report: Callable[[str], None] | None = None) -> BucketView:
         """What the bucket holds for a restore of ``job`` with ``nodes`` nodes (blocking;
         the coordinator's reader, or the node's own on one node).
@@ -1052,14 +1032,16 @@ class GcsTier:
         step complete for every node, or why it cannot be restored). Else the
         rounds newest first until ``depth`` complete ones were read, with
         every complete node part found and, for each round without a complete
-        step, why. Each request gives up after ``deadline`` seconds.
+        step, why. Each request gives up after ``deadline`` seconds (default
+        ``$TIERFS_GCS_LOOKUP_DEADLINE``).
 
         Returns:
             the view; a bucket that cannot be read gives a view with ``error``
             (and ``report(line)`` is called with a line for replicator.errors).
         """
         try:
-            backend = self.bounded(deadline)
+            backend = self.bounded(settings.GCS_LOOKUP_DEADLINE.get() if deadline is None
+                                   else deadline)
         except Exception as exc:
             return self._unreadable(f"cannot create the GCS client: {describe_error(exc)}",
                                     depth, report)
@@ -1221,7 +1203,8 @@ class GcsCluster:
         every node of the job (worker thread)."""
         tier = self.tier
         view = await trio.to_thread.run_sync(functools.partial(
-            tier.read_bucket, job.name, job.nodes, depth, deadline=RESTORE_LOOKUP_DEADLINE,
+            tier.read_bucket, job.name, job.nodes, depth,
+            deadline=settings.GCS_LOOKUP_DEADLINE.get(),
             report=tier._fail_later), abandon_on_cancel=True)
         while tier._pending_errors:
             tier.agent.report_error(tier._pending_errors.popleft())
@@ -1259,9 +1242,9 @@ class BucketRendezvous:
         deadline: seconds one read or write keeps retrying.
     """
 
-    def __init__(self, tier: GcsTier, deadline: float = RENDEZVOUS_DEADLINE) -> None:
+    def __init__(self, tier: GcsTier, deadline: float | None = None) -> None:
         self.tier = tier
-        self.deadline = deadline
+        self.deadline = settings.GCS_RENDEZVOUS_DEADLINE.get() if deadline is None else deadline
 
     def where(self, job: str, rank: int) -> str:
         """``gs://`` name of node ``rank``'s record (for messages)."""
@@ -1310,7 +1293,7 @@ def preflight_bucket(bucket: str, deadline: float | None = None) -> str | None:
 
     Args:
         deadline: seconds the check may wait for the bucket (default
-            :data:`START_DEADLINE`).
+            ``$TIERFS_GCS_START_DEADLINE``).
 
     Returns:
         a one-line error for an invalid name or a bucket that definitely does
@@ -1323,7 +1306,7 @@ def preflight_bucket(bucket: str, deadline: float | None = None) -> str | None:
         return f"--bucket: {exc}"
     try:
         backend = GcsBackend(spec, widen_pool=False).bounded(
-            START_DEADLINE if deadline is None else deadline)
+            settings.GCS_START_DEADLINE.get() if deadline is None else deadline)
         exists = backend.bucket_exists()
     except Exception as exc:  # unreachable, credentials: the daemon reports it
         log.info("bucket check before mounting: %s", describe_error(exc))

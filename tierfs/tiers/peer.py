@@ -67,7 +67,6 @@ import errno
 import functools
 import logging
 import math
-import os
 import threading
 import time
 import uuid
@@ -79,7 +78,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 import trio
 
-from tierfs import placement
+from tierfs import placement, settings
 from tierfs.coordinator import (
     COORDINATOR_RANK,
     NO_STEP,
@@ -108,8 +107,6 @@ HEARTBEAT = 1.0
 CATCH_UP = 10.0
 #: how long a sender waits for a data-parallel peer to seal the same step (seconds)
 DP_WAIT = 30.0
-#: how long a push is retried while its peer is unreachable (seconds)
-PUSH_PATIENCE = float(os.environ.get("TIERFS_PEER_PUSH_PATIENCE", "120"))
 #: concurrent shard transfers (sends and pulls) per node
 TRANSFERS = 2
 #: least seconds between two bucket lookups of the rendezvous (and the publisher's tick)
@@ -657,7 +654,8 @@ class PeerTier(PeerHost):
         job = self.agent.job
         dp = bool(job and job.assume_data_parallelism and peer in placement.column_of(
             key.rank, job.nodes, job.assume_data_parallelism))
-        deadline = trio.current_time() + PUSH_PATIENCE
+        # how long a push is retried while its peer is unreachable (seconds)
+        deadline = trio.current_time() + settings.PEER_PUSH_PATIENCE.get()
         delay = 0.25
         data_loss = 0
         try:

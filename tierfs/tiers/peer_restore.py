@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import uuid
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import trio
 
-from tierfs import control
+from tierfs import control, settings
 from tierfs.coordinator import CopyId
 from tierfs.rpc import peer_pb2
 from tierfs.tiers.local import ShardKey
@@ -45,10 +44,6 @@ if TYPE_CHECKING:
     from tierfs.tiers.peer import PeerTier
 
 log = logging.getLogger(__name__)
-
-#: seconds a coordinator may refuse this node's join for good (wrong peer token,
-#: another job-name or node count, rank out of range) before the restore fails
-REFUSAL_GRACE = float(os.environ.get("TIERFS_REFUSAL_GRACE", "30"))
 
 
 def _refused_for_good(exc: grpc.RpcError) -> bool:
@@ -213,11 +208,11 @@ class PeerCluster:
                             refused_since = now
                             agent.report_error(f"restore: the coordinator refuses this node "
                                                f"{last}")
-                        elif now - refused_since > REFUSAL_GRACE:
+                        elif now - refused_since > (grace := settings.REFUSAL_GRACE.get()):
                             # a configuration error: the job fails now, not after the
                             # join timeout (minutes), unless it is fixed meanwhile
                             raise RestoreRefused(f"the coordinator refused this node for "
-                                                 f"{REFUSAL_GRACE:.0f} s {last}") from None
+                                                 f"{grace:.0f} s {last}") from None
                     else:
                         refused_since = None
             if trio.current_time() - start > tier.join_timeout:
