@@ -126,8 +126,6 @@ def test_oracle_split_and_wrong_bytes():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.xfail(strict=False, reason="issue 19: corrupt copies split, stall or silently "
-                   "shorten restores; remove once the restore fixes are merged")
 def test_fault_campaign(make_mount, fake_gcs, monkeypatch, tmp_path):
     """18 seeded injections, every kind once in both client modes; every restore judged by
     the oracle of tests/fault_oracle.py (the per-injection lines are printed)."""
