@@ -411,6 +411,8 @@ def _choose_forced(nodes: int, inventories: Mapping[int, Iterable[Holding]],
                    bad: set[CopyId], bucket: BucketView) -> Choice:
     """``restore.version``: the named round's step, each rank from it or the same bytes."""
     name = bucket.forced
+    if name is None:
+        raise ValueError("_choose_forced needs a BucketView with restore.version's round")
     step = bucket.forced_step
     if bucket.forced_problem or step is None:
         why = bucket.forced_problem or f"restore.version names round {name}, which cannot be " \

@@ -153,7 +153,7 @@ def meta_crc(digest: str) -> int:
     """The crc32c a ``.meta`` object holding ``digest`` (no newline) is listed with."""
     import google_crc32c
 
-    return google_crc32c.value(digest.encode("ascii"))
+    return int(google_crc32c.value(digest.encode("ascii")))
 
 
 def check_object(name: str, obj: ObjectInfo | None, size: int, crc: int | None) -> str | None:
