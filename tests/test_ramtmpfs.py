@@ -23,6 +23,7 @@ from fs_helpers import err
 
 from tierfs.fs import ramtmpfs, syscalls
 from tierfs.fs.ramtmpfs import Plan, RamDirFacts, plan
+from tierfs.status import format_status
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -156,6 +157,10 @@ def test_size_is_a_tmpfs_of_the_budget_with_passthrough_and_exact_enospc(make_mo
     assert st["passthrough"] is True
     assert st["budget"]["mode"] == "native" and st["budget"]["total_bytes"] == 64 * MiB
     assert total(m.path) == 64 * MiB
+    # tierfs status names the budget (it said "no --size" for this mount)
+    budget = [line for line in format_status(st) if line.startswith("budget")]
+    assert budget == ["budget     64.0 MiB (--size, a tmpfs of that size: the kernel "
+                      "enforces it); passthrough on"], budget
     keep = os.urandom(MiB)
     (m.path / "keep").write_bytes(keep)
     written, e = fill(m.path / "big")

@@ -82,6 +82,9 @@ def _ram_lines(data: dict[str, Any]) -> list[str]:
         lines.append(f"budget     {format_size(budget.get('total_bytes', 0))} (--size, counted "
                      f"by tierfs): {format_size(budget.get('free_bytes', 0))} left; "
                      f"{passthrough}")
+    elif budget.get("size_bytes"):  # --size given: tierfs's own tmpfs of that size
+        lines.append(f"budget     {format_size(budget['size_bytes'])} (--size, a tmpfs of "
+                     f"that size: the kernel enforces it); {passthrough}")
     else:
         lines.append(f"budget     the filesystem's free space (no --size); {passthrough}")
     fs = data.get("filesystem") or {}
