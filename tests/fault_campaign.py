@@ -751,7 +751,12 @@ class Campaign:
                     metas[int(m["rank"])] = int(m["step"])
             key = (self.job, rnd)
             claims = self.claims.get(self.job, {}).get(rnd, {})
-            claimed = sorted(claims) == list(range(NODES))
+            # a claim of a complete round is every node's "done" for one step; "done"
+            # for different steps is a round that moved after some nodes finished the
+            # older step, which nobody claims complete (seed 23 #38: rank 0 reported
+            # step 22, the others 23, while the round, moved to 23, still ran)
+            claimed = (sorted(claims) == list(range(NODES))
+                       and len(set(claims.values())) == 1)
             seen = (*sorted(metas.items()), claimed)
             if self._round_checked.get(key) == seen:
                 continue  # nothing new since the last look
