@@ -25,6 +25,7 @@ test-fast: install
 
 lint: install
 	$(BIN)/ruff check tierfs tests bench
+	$(BIN)/ruff format --check tierfs tests bench setup.py
 	$(BIN)/mypy
 
 demo: install

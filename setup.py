@@ -66,7 +66,8 @@ def generate(out: Path) -> list[Path]:
         raise RuntimeError(
             f"building tierfs needs grpcio-tools and mypy-protobuf ({exc}); pip installs "
             "them from pyproject.toml's [build-system] requires, so with "
-            "--no-build-isolation install them first") from exc
+            "--no-build-isolation install them first"
+        ) from exc
     wanted = protos()
     if not wanted:
         raise RuntimeError(f"no .proto files in {ROOT / RPC_PACKAGE}")
@@ -79,14 +80,22 @@ def generate(out: Path) -> list[Path]:
         for name, entry in (("protoc-gen-mypy", "main"), ("protoc-gen-mypy_grpc", "grpc")):
             script = Path(tmp) / name
             code = f"import sys; from mypy_protobuf.main import {entry}; sys.exit({entry}())"
-            script.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -c "
-                              f"{shlex.quote(code)}\n")
+            script.write_text(
+                f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -c {shlex.quote(code)}\n"
+            )
             script.chmod(0o755)
             plugins.append(f"--plugin={name}={script}")
-        args = ["grpc_tools.protoc", f"--proto_path={ROOT}", f"--proto_path={well_known}",
-                *plugins, f"--python_out={out}", f"--grpc_python_out={out}",
-                f"--mypy_out=quiet:{out}", f"--mypy_grpc_out=quiet:{out}",
-                *map(str, wanted)]
+        args = [
+            "grpc_tools.protoc",
+            f"--proto_path={ROOT}",
+            f"--proto_path={well_known}",
+            *plugins,
+            f"--python_out={out}",
+            f"--grpc_python_out={out}",
+            f"--mypy_out=quiet:{out}",
+            f"--mypy_grpc_out=quiet:{out}",
+            *map(str, wanted),
+        ]
         rc = protoc.main(args)
     if rc != 0:
         raise RuntimeError(f"protoc failed (exit {rc}) on {', '.join(p.name for p in wanted)}")
@@ -127,8 +136,9 @@ class build_rpc(Command):
     def get_output_mapping(self) -> dict[str, str]:
         if not self.editable_mode:
             return {}
-        return {str(b): str(s) for b, s in zip(outputs(self._build_lib()), outputs(ROOT),
-                                               strict=True)}
+        return {
+            str(b): str(s) for b, s in zip(outputs(self._build_lib()), outputs(ROOT), strict=True)
+        }
 
     def get_source_files(self) -> list[str]:
         return [str(p.relative_to(ROOT)) for p in protos()]

@@ -136,8 +136,9 @@ def _dcp_group(rank: int, world: int, port: int) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def dcp_worker(rank: int, world: int, port: int, phase: str, root: str, step: int,
-               total: int, out: str) -> None:
+def dcp_worker(
+    rank: int, world: int, port: int, phase: str, root: str, step: int, total: int, out: str
+) -> None:
     """One DCP rank: save or load ``step_<step>``; rank 0 writes the timing to ``out``."""
     import torch
     import torch.distributed as dist
@@ -175,8 +176,12 @@ def run_dcp(phase: str, root: Path, step: int, total: int, world: int) -> dict:
     else:
         import torch.multiprocessing as tmp
 
-        tmp.spawn(dcp_worker, args=(world, port, phase, str(root), step, total, out),
-                  nprocs=world, join=True)
+        tmp.spawn(
+            dcp_worker,
+            args=(world, port, phase, str(root), step, total, out),
+            nprocs=world,
+            join=True,
+        )
     result = json.loads(Path(out).read_text())
     os.unlink(out)
     return result
@@ -187,8 +192,11 @@ def _orbax_manager(root: Path):
     import orbax.checkpoint as ocp
 
     return ocp, ocp.CheckpointManager(
-        root, options=ocp.CheckpointManagerOptions(max_to_keep=None, create=False,
-                                                   enable_async_checkpointing=True))
+        root,
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=None, create=False, enable_async_checkpointing=True
+        ),
+    )
 
 
 def save_orbax(root: Path, step: int, total: int) -> float:
@@ -212,15 +220,15 @@ def load_orbax(root: Path, step: int, total: int) -> float:
     ocp, mgr = _orbax_manager(root)
     import jax
 
-    abstract = jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), want)
+    abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), want)
     start = time.perf_counter()
     got = mgr.restore(step, args=ocp.args.StandardRestore(abstract))
     jax.block_until_ready(got)
     took = time.perf_counter() - start
     mgr.close()
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want),
-                            jax.tree_util.tree_leaves(got), strict=True):
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves(got), strict=True
+    ):
         assert np.array_equal(a, np.asarray(b)), f"loaded {path} differs"
     return took
 
@@ -250,17 +258,21 @@ def step_dir(client: str, step: int) -> str:
     return str(step)
 
 
-def run_worker(client: str, phase: str, root: Path, step: int, total: int,
-               watch: Path | None = None) -> dict:
+def run_worker(
+    client: str, phase: str, root: Path, step: int, total: int, watch: Path | None = None
+) -> dict:
     """Run one save or load in a fresh process; returns its result.
 
     With ``watch`` (a tierfs mount), ``step``'s state there is polled every
     10 ms while the process runs and afterwards, and the result gains
     ``sealed_at`` / ``replicated_at`` (``time.monotonic()`` when first seen).
     """
-    proc = subprocess.Popen([sys.executable, __file__, "--worker", client, phase, str(root),
-                             str(step), str(total)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--worker", client, phase, str(root), str(step), str(total)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     seen: dict[str, float] = {}
     deadline = time.monotonic() + 1800
     while watch is not None and "replicated_at" not in seen and time.monotonic() < deadline:
@@ -317,17 +329,25 @@ def settle(pids: list[int], timeout: float = 30.0) -> None:
             return
 
 
-def measure(client: str, total: int, repeat: int, mnt: Path, plain: Path, pids: list[int],
-            steps: list[int]) -> dict:
-    samples: dict[str, list[float]] = {"save_tmpfs": [], "save_tierfs": [], "load_tmpfs": [],
-                                       "load_tierfs": [], "sealed": [], "replicated": []}
+def measure(
+    client: str, total: int, repeat: int, mnt: Path, plain: Path, pids: list[int], steps: list[int]
+) -> dict:
+    samples: dict[str, list[float]] = {
+        "save_tmpfs": [],
+        "save_tierfs": [],
+        "load_tmpfs": [],
+        "load_tierfs": [],
+        "sealed": [],
+        "replicated": [],
+    }
     for _ in range(repeat):
         for side, root in (("tmpfs", plain), ("tierfs", mnt)):
             steps[0] += 1
             step = steps[0]
             settle(pids)
-            saved = run_worker(client, "save", root, step, total,
-                               watch=mnt if side == "tierfs" else None)
+            saved = run_worker(
+                client, "save", root, step, total, watch=mnt if side == "tierfs" else None
+            )
             samples[f"save_{side}"].append(saved["seconds"])
             if side == "tierfs":
                 samples["sealed"].append(max(0.0, saved["sealed_at"] - saved["done_at"]))
@@ -339,17 +359,27 @@ def measure(client: str, total: int, repeat: int, mnt: Path, plain: Path, pids: 
             remove(root / step_dir(client, step))
     med = {k: statistics.median(v) for k, v in samples.items()}
     mb = total / 1e6
-    row = {"client": client, "size_mib": total // MiB, "samples": samples,
-           "save_tmpfs_mbs": mb / med["save_tmpfs"], "save_tierfs_mbs": mb / med["save_tierfs"],
-           "load_tmpfs_mbs": mb / med["load_tmpfs"], "load_tierfs_mbs": mb / med["load_tierfs"],
-           "save_ratio": med["save_tmpfs"] / med["save_tierfs"],
-           "load_ratio": med["load_tmpfs"] / med["load_tierfs"],
-           "sealed_s": med["sealed"], "replicated_s": med["replicated"]}
-    print(f"{client:<12}{total // MiB:>6} MiB  save {row['save_tmpfs_mbs']:7.0f} / "
-          f"{row['save_tierfs_mbs']:7.0f} MB/s = {row['save_ratio']:.2f}   load "
-          f"{row['load_tmpfs_mbs']:7.0f} / {row['load_tierfs_mbs']:7.0f} MB/s = "
-          f"{row['load_ratio']:.2f}   sealed +{row['sealed_s']:.2f} s, replicated "
-          f"+{row['replicated_s']:.2f} s", flush=True)
+    row = {
+        "client": client,
+        "size_mib": total // MiB,
+        "samples": samples,
+        "save_tmpfs_mbs": mb / med["save_tmpfs"],
+        "save_tierfs_mbs": mb / med["save_tierfs"],
+        "load_tmpfs_mbs": mb / med["load_tmpfs"],
+        "load_tierfs_mbs": mb / med["load_tierfs"],
+        "save_ratio": med["save_tmpfs"] / med["save_tierfs"],
+        "load_ratio": med["load_tmpfs"] / med["load_tierfs"],
+        "sealed_s": med["sealed"],
+        "replicated_s": med["replicated"],
+    }
+    print(
+        f"{client:<12}{total // MiB:>6} MiB  save {row['save_tmpfs_mbs']:7.0f} / "
+        f"{row['save_tierfs_mbs']:7.0f} MB/s = {row['save_ratio']:.2f}   load "
+        f"{row['load_tmpfs_mbs']:7.0f} / {row['load_tierfs_mbs']:7.0f} MB/s = "
+        f"{row['load_ratio']:.2f}   sealed +{row['sealed_s']:.2f} s, replicated "
+        f"+{row['replicated_s']:.2f} s",
+        flush=True,
+    )
     return row
 
 
@@ -363,8 +393,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--clients", default=",".join(CLIENTS))
     ap.add_argument("--json", default="bench-out/client_bench.json")
-    ap.add_argument("--mount-option", action="append", default=[],
-                    help="extra tierfs mount arguments for both nodes (e.g. --size=8GiB)")
+    ap.add_argument(
+        "--mount-option",
+        action="append",
+        default=[],
+        help="extra tierfs mount arguments for both nodes (e.g. --size=8GiB)",
+    )
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("run as root (mounts and drop_caches)")
@@ -379,25 +413,49 @@ def main() -> None:
             mnt, ram = work / f"node{i}", Path(f"/dev/shm/tierfs-cbench-{uuid.uuid4().hex[:8]}")
             mnt.mkdir()
             rams.append(ram)
-            tierfs("mount", str(mnt), "--ram-dir", str(ram), "--listen",
-                   f"127.0.0.1:{ports[i]}", "--coordinator", f"127.0.0.1:{ports[0]}",
-                   "--peer-token", "bench", "--job", "bench", "--nodes", "2", "--node-rank",
-                   str(i), "--peers-per-node", "1", "--keep-local", "1", *a.mount_option)
+            tierfs(
+                "mount",
+                str(mnt),
+                "--ram-dir",
+                str(ram),
+                "--listen",
+                f"127.0.0.1:{ports[i]}",
+                "--coordinator",
+                f"127.0.0.1:{ports[0]}",
+                "--peer-token",
+                "bench",
+                "--job",
+                "bench",
+                "--nodes",
+                "2",
+                "--node-rank",
+                str(i),
+                "--peers-per-node",
+                "1",
+                "--keep-local",
+                "1",
+                *a.mount_option,
+            )
             mounts.append(mnt)
         for m in mounts:
             wait(lambda m=m: status(m)["restore"].get("state") == "done", 60, "startup restore")
         pids = [int((ram / "store" / "daemon.pid").read_text().split()[0]) for ram in rams]
-        print(f"client_bench: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, "
-              f"passthrough {status(mounts[0])['passthrough']}; tmpfs / tierfs", flush=True)
+        print(
+            f"client_bench: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, "
+            f"passthrough {status(mounts[0])['passthrough']}; tmpfs / tierfs",
+            flush=True,
+        )
         steps = [0]
         for size in [int(s) for s in a.sizes.split(",")]:
             for client in a.clients.split(","):
-                rows.append(measure(client, size * MiB, a.repeat, mounts[0], plain, pids,
-                                    steps))
+                rows.append(measure(client, size * MiB, a.repeat, mounts[0], plain, pids, steps))
     finally:
         for m in mounts:
-            subprocess.run([sys.executable, "-m", "tierfs", "unmount", str(m), "--lazy"],
-                           check=False, capture_output=True)
+            subprocess.run(
+                [sys.executable, "-m", "tierfs", "unmount", str(m), "--lazy"],
+                check=False,
+                capture_output=True,
+            )
         for ram in rams:
             shutil.rmtree(ram, ignore_errors=True)
             subprocess.run(["umount", str(ram)], check=False, capture_output=True)
@@ -405,8 +463,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
     with open(a.json, "w") as f:
-        json.dump({"kernel": os.uname().release, "cpus": os.cpu_count(), "rows": rows}, f,
-                  indent=2)
+        json.dump({"kernel": os.uname().release, "cpus": os.cpu_count(), "rows": rows}, f, indent=2)
     print(f"results written to {a.json}")
 
 

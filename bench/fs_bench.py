@@ -140,13 +140,15 @@ def cleanup(root: Path) -> None:
 def mount_tierfs(mnt: Path, ram: Path, *opts: str, tree: str | None = None) -> None:
     """``tierfs mount``; with ``tree``, the tierfs of that source tree (a `before` side)."""
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree)) if tree else None
-    subprocess.run([sys.executable, "-m", "tierfs", "mount", str(mnt), "--ram-dir", str(ram),
-                    *opts], check=True, env=env)
+    subprocess.run(
+        [sys.executable, "-m", "tierfs", "mount", str(mnt), "--ram-dir", str(ram), *opts],
+        check=True,
+        env=env,
+    )
 
 
 def unmount(mnt: Path) -> None:
-    subprocess.run([sys.executable, "-m", "tierfs", "unmount", str(mnt), "--lazy"],
-                   check=False)
+    subprocess.run([sys.executable, "-m", "tierfs", "unmount", str(mnt), "--lazy"], check=False)
 
 
 def mode_options(mode: str, ram: Path, size: int) -> list[str]:
@@ -156,8 +158,10 @@ def mode_options(mode: str, ram: Path, size: int) -> list[str]:
     if mode in ("size", "size_managed"):
         budget = 2 * size + 512 * MIB  # the 1- and 4-writer files coexist in a round
         if budget >= shutil.disk_usage("/dev/shm").total:
-            sys.exit(f"--size-mib {size // MIB} needs a /dev/shm larger than "
-                     f"{budget // MIB} MiB for the size modes")
+            sys.exit(
+                f"--size-mib {size // MIB} needs a /dev/shm larger than "
+                f"{budget // MIB} MiB for the size modes"
+            )
         if mode == "size_managed":
             (ram / "view").mkdir(parents=True)  # an existing store: no tmpfs of its own
         return ["--size", str(budget)]
@@ -181,14 +185,20 @@ WORKLOADS: list[tuple[str, str]] = [
 ]
 
 
-def run_suite(name: str, target: Path, baseline: Path, size: int, repeat: int
-              ) -> dict[str, dict[str, float]]:
+def run_suite(
+    name: str, target: Path, baseline: Path, size: int, repeat: int
+) -> dict[str, dict[str, float]]:
     results: dict[str, dict[str, float]] = {}
-    funcs = {"write_1": lambda r: write_1(r, size), "write_4": lambda r: write_4(r, size),
-             "read_cold": lambda r: read_cold(r, size), "read_warm": lambda r: read_warm(r, size),
-             "metadata": metadata}
-    samples: dict[str, dict[str, list[float]]] = {k: {"tmpfs": [], "tierfs": []}
-                                                  for _, k in WORKLOADS}
+    funcs = {
+        "write_1": lambda r: write_1(r, size),
+        "write_4": lambda r: write_4(r, size),
+        "read_cold": lambda r: read_cold(r, size),
+        "read_warm": lambda r: read_warm(r, size),
+        "metadata": metadata,
+    }
+    samples: dict[str, dict[str, list[float]]] = {
+        k: {"tmpfs": [], "tierfs": []} for _, k in WORKLOADS
+    }
     for _ in range(repeat):
         for side, root in (("tmpfs", baseline), ("tierfs", target)):
             for _label, key in WORKLOADS:
@@ -204,8 +214,10 @@ def run_suite(name: str, target: Path, baseline: Path, size: int, repeat: int
         r = results[label]
         unit = "files/s" if key == "metadata" else "MB/s"
         scale = 1 if key == "metadata" else 1e-6
-        print(f"{label:<26}{r['tmpfs'] * scale:>10.0f} {unit:<3}{r['tierfs'] * scale:>10.0f} "
-              f"{unit:<3}{r['ratio']:>8.2f}")
+        print(
+            f"{label:<26}{r['tmpfs'] * scale:>10.0f} {unit:<3}{r['tierfs'] * scale:>10.0f} "
+            f"{unit:<3}{r['ratio']:>8.2f}"
+        )
     return results
 
 
@@ -214,11 +226,17 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default="bench-out/fs_bench.json")
-    ap.add_argument("--modes", default="passthrough,no_passthrough,size,size_managed",
-                    help="comma-separated; a mode prefixed before_ (before_passthrough) runs "
-                         "the tierfs of --before")
-    ap.add_argument("--before", metavar="TREE",
-                    help="source tree of an older tierfs for before_* modes (git archive)")
+    ap.add_argument(
+        "--modes",
+        default="passthrough,no_passthrough,size,size_managed",
+        help="comma-separated; a mode prefixed before_ (before_passthrough) runs "
+        "the tierfs of --before",
+    )
+    ap.add_argument(
+        "--before",
+        metavar="TREE",
+        help="source tree of an older tierfs for before_* modes (git archive)",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("run as root (mounts and drop_caches)")
@@ -230,19 +248,23 @@ def main() -> None:
     # fault the memory in once so the first measured side does not pay for it
     _write_file(str(baseline / "warm"), size)
     os.unlink(baseline / "warm")
-    report: dict[str, object] = {"size_bytes": size, "repeat": args.repeat,
-                                 "kernel": os.uname().release, "cpus": os.cpu_count()}
+    report: dict[str, object] = {
+        "size_bytes": size,
+        "repeat": args.repeat,
+        "kernel": os.uname().release,
+        "cpus": os.cpu_count(),
+    }
     try:
         for mode in args.modes.split(","):
             mnt = work / mode
             mnt.mkdir()
             ram = shm / f"ram-{mode}"
             opts = mode_options(mode.removeprefix("before_"), ram, size)
-            mount_tierfs(mnt, ram, *opts,
-                         tree=args.before if mode.startswith("before_") else None)
+            mount_tierfs(mnt, ram, *opts, tree=args.before if mode.startswith("before_") else None)
             try:
-                report[mode] = run_suite(f"tierfs ({mode} {' '.join(opts)}) vs tmpfs", mnt,
-                                         baseline, size, args.repeat)
+                report[mode] = run_suite(
+                    f"tierfs ({mode} {' '.join(opts)}) vs tmpfs", mnt, baseline, size, args.repeat
+                )
             finally:
                 unmount(mnt)
                 release_ram_tmpfs(ram)

@@ -62,8 +62,7 @@ def make_shard(root: Path, size: int, nfiles: int):
     for i in range(64):
         (step / "state" / f"small{i:02d}").write_bytes(os.urandom(4096 + i))
     (step / "_CHECKPOINT_METADATA").write_bytes(b"{}")
-    shard = ShardStore(ram).snapshot(ram.view, ShardKey("bench", 0, 100), "100", ["100"],
-                                     "orbax")
+    shard = ShardStore(ram).snapshot(ram.view, ShardKey("bench", 0, 100), "100", ["100"], "orbax")
     return ram, shard
 
 
@@ -104,37 +103,55 @@ def main() -> int:
         g = GcsBackend(bucket_name, settings=settings)
         client = make_client()
         bucket = client.bucket(bucket_name)
-        print(f"fake-gcs-server ({args.backend}) at {server.url}; building a "
-              f"{args.size_mib} MiB shard ({args.files} large + 64 small files) ...",
-              flush=True)
+        print(
+            f"fake-gcs-server ({args.backend}) at {server.url}; building a "
+            f"{args.size_mib} MiB shard ({args.files} large + 64 small files) ...",
+            flush=True,
+        )
         _ram, shard = make_shard(work / "ram", args.size_mib * MiB, args.files)
         total = shard.bytes
         files = [f for f in shard.manifest.files if f.kind == "file"]
         paths = [os.path.join(shard.data, f.path) for f in files]
-        print(f"shard: {len(files)} files, {total / MiB:.0f} MiB; tierfs: {settings.threads} "
-              f"threads, {settings.chunk_size // MiB} MiB chunks", flush=True)
+        print(
+            f"shard: {len(files)} files, {total / MiB:.0f} MiB; tierfs: {settings.threads} "
+            f"threads, {settings.chunk_size // MiB} MiB chunks",
+            flush=True,
+        )
 
         def clear() -> None:
             blobs = list(client.list_blobs(bucket_name))
             for b in blobs:
                 b.delete()
 
-        results: dict[str, list[float]] = {k: [] for k in (
-            "tierfs_up", "plain_up_seq", "plain_up_pool",
-            "tierfs_down", "plain_down_seq", "plain_down_pool")}
+        results: dict[str, list[float]] = {
+            k: []
+            for k in (
+                "tierfs_up",
+                "plain_up_seq",
+                "plain_up_pool",
+                "tierfs_down",
+                "plain_down_seq",
+                "plain_down_pool",
+            )
+        }
         for i in range(args.repeat):
             rnd = f"2025-01-01_00-{i:02d}"
             # ---- backup
             clear()
-            results["tierfs_up"].append(timed(
-                lambda rnd=rnd: g.upload_shard(shard, rnd, nodes=1, resume=False)))
+            results["tierfs_up"].append(
+                timed(lambda rnd=rnd: g.upload_shard(shard, rnd, nodes=1, resume=False))
+            )
             # ---- restore (from what tierfs just uploaded)
             info = g.inspect_round("bench", rnd, 1)
             assert info.complete_step == 100, info.problems()
             dest = RamStoreFresh(work / f"restore-{uuid.uuid4().hex[:6]}")
-            results["tierfs_down"].append(timed(
-                lambda rnd=rnd, dest=dest, info=info: g.restore_shard(
-                    dest.shards, "bench", rnd, 0, 100, info=info)))
+            results["tierfs_down"].append(
+                timed(
+                    lambda rnd=rnd, dest=dest, info=info: g.restore_shard(
+                        dest.shards, "bench", rnd, 0, 100, info=info
+                    )
+                )
+            )
             dest.drop()
             clear()
             # ---- plain sequential upload / download of the same files
@@ -156,12 +173,15 @@ def main() -> int:
             results["plain_down_seq"].append(timed(down_seq))
             shutil.rmtree(out)
             clear()
+
             # ---- the library's own thread pool, same thread count
             def up_pool(names=names) -> None:
                 res = transfer_manager.upload_many(
                     [(p, bucket.blob(n)) for p, n in zip(paths, names, strict=True)],
                     max_workers=settings.threads,
-                    worker_type=transfer_manager.THREAD, raise_exception=True)
+                    worker_type=transfer_manager.THREAD,
+                    raise_exception=True,
+                )
                 assert not any(isinstance(r, Exception) for r in res)
 
             results["plain_up_pool"].append(timed(up_pool))
@@ -171,15 +191,19 @@ def main() -> int:
                     (out / name).parent.mkdir(parents=True, exist_ok=True)
                 res = transfer_manager.download_many(
                     [(bucket.blob(n), str(out / n)) for n in names],
-                    max_workers=settings.threads, worker_type=transfer_manager.THREAD,
-                    raise_exception=True)
+                    max_workers=settings.threads,
+                    worker_type=transfer_manager.THREAD,
+                    raise_exception=True,
+                )
                 assert not any(isinstance(r, Exception) for r in res)
 
             results["plain_down_pool"].append(timed(down_pool))
             shutil.rmtree(out)
-            print(f"  run {i + 1}/{args.repeat}: " + ", ".join(
-                f"{k} {total / MiB / v[-1]:.0f} MiB/s" for k, v in results.items()),
-                flush=True)
+            print(
+                f"  run {i + 1}/{args.repeat}: "
+                + ", ".join(f"{k} {total / MiB / v[-1]:.0f} MiB/s" for k, v in results.items()),
+                flush=True,
+            )
 
         med = {k: statistics.median(v) for k, v in results.items()}
         mibs = {k: total / MiB / v for k, v in med.items()}
@@ -196,10 +220,19 @@ def main() -> int:
         for k, v in ratios.items():
             print(f"  {k:<30} {v:6.2f}  {'ok' if v >= 0.9 else 'BELOW GOAL'}")
         if args.json:
-            print(json.dumps({"bytes": total, "mib_per_s": mibs, "ratios": ratios,
-                              "threads": settings.threads,
-                              "chunk_mib": settings.chunk_size // MiB,
-                              "backend": args.backend}, indent=2))
+            print(
+                json.dumps(
+                    {
+                        "bytes": total,
+                        "mib_per_s": mibs,
+                        "ratios": ratios,
+                        "threads": settings.threads,
+                        "chunk_mib": settings.chunk_size // MiB,
+                        "backend": args.backend,
+                    },
+                    indent=2,
+                )
+            )
 
         return 0
     finally:

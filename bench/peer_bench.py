@@ -42,8 +42,13 @@ def free_port() -> int:
 
 
 def tierfs(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "tierfs", *args], check=True, capture_output=True,
-                   text=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "tierfs", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def status(mnt: Path) -> dict:
@@ -129,12 +134,17 @@ def raw_stream(files: list[str], sink: str = "") -> tuple[int, float]:
     """
     import grpc
 
-    proc = subprocess.Popen([sys.executable, "-c", RAW_SERVER, sink], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RAW_SERVER, sink],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = int(proc.stdout.readline())
-        ch = grpc.insecure_channel(f"127.0.0.1:{port}",
-                                   options=[("grpc.max_send_message_length", 16 << 20)])
+        ch = grpc.insecure_channel(
+            f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 16 << 20)]
+        )
         push = ch.stream_unary("/bench.Raw/Push")
 
         def gen():
@@ -203,8 +213,9 @@ def quiesce(pids: list[int], timeout: float = 30.0) -> None:
         b0, t0 = busy_jiffies()
         time.sleep(0.5)
         b1, t1 = busy_jiffies()
-        if (sum(cpu_seconds(p) for p in pids) - before < 0.025
-                and (b1 - b0) <= 0.1 * max(1, t1 - t0)):
+        if sum(cpu_seconds(p) for p in pids) - before < 0.025 and (b1 - b0) <= 0.1 * max(
+            1, t1 - t0
+        ):
             return
 
 
@@ -223,9 +234,12 @@ def main() -> None:
     p.add_argument("--trainer-gib", type=float, default=1.0)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--pin", action="store_true",
-                   help="pin both daemons to the last CPU and the trainer to CPU 0: "
-                        "replication on a core of its own, as on a many-core training host")
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin both daemons to the last CPU and the trainer to CPU 0: "
+        "replication on a core of its own, as on a many-core training host",
+    )
     a = p.parse_args()
     total = int(a.gib * GiB)
     block = os.urandom(CHUNK)
@@ -237,10 +251,28 @@ def main() -> None:
             mnt, ram = work / f"node{i}", Path(f"/dev/shm/tierfs-bench-{uuid.uuid4().hex[:8]}")
             mnt.mkdir()
             rams.append(ram)
-            tierfs("mount", str(mnt), "--ram-dir", str(ram), "--listen",
-                   f"127.0.0.1:{ports[i]}", "--coordinator", f"127.0.0.1:{ports[0]}",
-                   "--peer-token", "bench", "--job", "bench", "--nodes", "2", "--node-rank",
-                   str(i), "--peers-per-node", "1", "--keep-local", "1")
+            tierfs(
+                "mount",
+                str(mnt),
+                "--ram-dir",
+                str(ram),
+                "--listen",
+                f"127.0.0.1:{ports[i]}",
+                "--coordinator",
+                f"127.0.0.1:{ports[0]}",
+                "--peer-token",
+                "bench",
+                "--job",
+                "bench",
+                "--nodes",
+                "2",
+                "--node-rank",
+                str(i),
+                "--peers-per-node",
+                "1",
+                "--keep-local",
+                "1",
+            )
             mounts.append(mnt)
         for m in mounts:
             wait(lambda m=m: status(m)["restore"].get("state") == "done", 60, "startup restore")
@@ -251,12 +283,20 @@ def main() -> None:
                 pin_process(pid, {cpus[-1]})
             os.sched_setaffinity(0, {cpus[0]})
             print(f"pinned: daemons on CPU {cpus[-1]}, trainer on CPU {cpus[0]}")
-        print(f"peer_bench: step of {total / GiB:.2f} GiB, {CHUNK // MiB} MiB chunks, "
-              f"{os.cpu_count()} CPUs")
+        print(
+            f"peer_bench: step of {total / GiB:.2f} GiB, {CHUNK // MiB} MiB chunks, "
+            f"{os.cpu_count()} CPUs"
+        )
 
-        results: dict[str, list[float]] = {"replication": [], "raw": [], "raw_write": [],
-                                           "alone": [], "during": [], "cpu_sender": [],
-                                           "cpu_receiver": []}
+        results: dict[str, list[float]] = {
+            "replication": [],
+            "raw": [],
+            "raw_write": [],
+            "alone": [],
+            "during": [],
+            "cpu_sender": [],
+            "cpu_receiver": [],
+        }
         step = 0
         for r in range(a.repeat):
             step += 1
@@ -279,11 +319,15 @@ def main() -> None:
             results["raw"].append(n / dt)
             n2, dt2 = raw_stream(files, f"/dev/shm/tierfs-bench-sink-{uuid.uuid4().hex[:6]}")
             results["raw_write"].append(n2 / dt2)
-            print(f"  run {r + 1}: replication {rate / 1e6:5.0f} MB/s   raw gRPC stream "
-                  f"{n / dt / 1e6:5.0f} MB/s (ratio {rate / (n / dt):.2f})   raw stream "
-                  f"written to tmpfs {n2 / dt2 / 1e6:5.0f} MB/s (ratio {rate / (n2 / dt2):.2f})")
-            print(f"         CPU per GiB: node 0 (seal + send) {cpu[0] / (total / GiB):.2f} s, "
-                  f"node 1 (receive + verify + commit) {cpu[1] / (total / GiB):.2f} s")
+            print(
+                f"  run {r + 1}: replication {rate / 1e6:5.0f} MB/s   raw gRPC stream "
+                f"{n / dt / 1e6:5.0f} MB/s (ratio {rate / (n / dt):.2f})   raw stream "
+                f"written to tmpfs {n2 / dt2 / 1e6:5.0f} MB/s (ratio {rate / (n2 / dt2):.2f})"
+            )
+            print(
+                f"         CPU per GiB: node 0 (seal + send) {cpu[0] / (total / GiB):.2f} s, "
+                f"node 1 (receive + verify + commit) {cpu[1] / (total / GiB):.2f} s"
+            )
 
         trainer_bytes = int(a.trainer_gib * GiB)
         for _ in range(a.repeat):
@@ -292,16 +336,23 @@ def main() -> None:
             step += 1
             tmp = write_step(mounts[0], f"checkpoint-{step}", total, block)
             os.rename(tmp, mounts[0] / f"checkpoint-{step}")
-            wait(lambda s=step: (step_entry(mounts[0], s) or {}).get("state")
-                 in ("replicating", "replicated"), 120, "replication to start")
+            wait(
+                lambda s=step: (
+                    (step_entry(mounts[0], s) or {}).get("state") in ("replicating", "replicated")
+                ),
+                120,
+                "replication to start",
+            )
             during = trainer(mounts[0], trainer_bytes, block)
             entry = wait(lambda s=step: replicated(mounts[0], s), 600, f"step {step}")
             overlap = entry["transfers"]["1"]["seconds"]
             results["alone"].append(alone)
             results["during"].append(during)
-            print(f"  trainer {trainer_bytes / GiB:.2f} GiB through the mount: alone "
-                  f"{alone:.2f} s, during replication {during:.2f} s (transfer "
-                  f"{overlap:.2f} s) -> slowdown {during / alone - 1:+.1%}")
+            print(
+                f"  trainer {trainer_bytes / GiB:.2f} GiB through the mount: alone "
+                f"{alone:.2f} s, during replication {during:.2f} s (transfer "
+                f"{overlap:.2f} s) -> slowdown {during / alone - 1:+.1%}"
+            )
 
         def median(xs: list[float]) -> float:
             return sorted(xs)[len(xs) // 2]
@@ -309,22 +360,41 @@ def main() -> None:
         ratio = median(results["replication"]) / median(results["raw"])
         ratio_w = median(results["replication"]) / median(results["raw_write"])
         slowdown = median(results["during"]) / median(results["alone"]) - 1
-        print(f"replication throughput {median(results['replication']) / 1e6:.0f} MB/s, "
-              f"raw gRPC stream {median(results['raw']) / 1e6:.0f} MB/s: ratio {ratio:.2f} "
-              f"(goal >= 0.80) {'OK' if ratio >= 0.8 else 'BELOW GOAL'}")
-        print(f"against a raw stream whose receiver writes the bytes to tmpfs "
-              f"({median(results['raw_write']) / 1e6:.0f} MB/s): ratio {ratio_w:.2f}")
-        print(f"daemon CPU per replicated GiB: sender {median(results['cpu_sender']):.2f} s, "
-              f"receiver {median(results['cpu_receiver']):.2f} s")
-        print(f"trainer slowdown while replicating: {slowdown:+.1%} (goal <= 10%) "
-              f"{'OK' if slowdown <= 0.10 else 'ABOVE GOAL'}")
+        print(
+            f"replication throughput {median(results['replication']) / 1e6:.0f} MB/s, "
+            f"raw gRPC stream {median(results['raw']) / 1e6:.0f} MB/s: ratio {ratio:.2f} "
+            f"(goal >= 0.80) {'OK' if ratio >= 0.8 else 'BELOW GOAL'}"
+        )
+        print(
+            f"against a raw stream whose receiver writes the bytes to tmpfs "
+            f"({median(results['raw_write']) / 1e6:.0f} MB/s): ratio {ratio_w:.2f}"
+        )
+        print(
+            f"daemon CPU per replicated GiB: sender {median(results['cpu_sender']):.2f} s, "
+            f"receiver {median(results['cpu_receiver']):.2f} s"
+        )
+        print(
+            f"trainer slowdown while replicating: {slowdown:+.1%} (goal <= 10%) "
+            f"{'OK' if slowdown <= 0.10 else 'ABOVE GOAL'}"
+        )
         if a.json:
-            print(json.dumps({"ratio": ratio, "ratio_write": ratio_w, "slowdown": slowdown, **{
-                k: [round(x, 4) for x in v] for k, v in results.items()}}))
+            print(
+                json.dumps(
+                    {
+                        "ratio": ratio,
+                        "ratio_write": ratio_w,
+                        "slowdown": slowdown,
+                        **{k: [round(x, 4) for x in v] for k, v in results.items()},
+                    }
+                )
+            )
     finally:
         for m in mounts:
-            subprocess.run([sys.executable, "-m", "tierfs", "unmount", str(m), "--lazy"],
-                           capture_output=True, check=False)
+            subprocess.run(
+                [sys.executable, "-m", "tierfs", "unmount", str(m), "--lazy"],
+                capture_output=True,
+                check=False,
+            )
         for ram in rams:
             shutil.rmtree(ram, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)

@@ -64,12 +64,15 @@ def python_phase(d: Path, files: int, size: int, phase: str) -> float:
     return time.perf_counter() - start
 
 
-def run_phase(exe: Path | None, lang: str, d: Path, files: int, size: int, phase: str
-              ) -> float:
+def run_phase(exe: Path | None, lang: str, d: Path, files: int, size: int, phase: str) -> float:
     """One phase in directory ``d`` (made by "create", removed by "unlink"); seconds."""
     if lang == "c" and exe is not None:
-        out = subprocess.run([str(exe), str(d), str(files), str(size), phase], check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [str(exe), str(d), str(files), str(size), phase],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         return next(iter(json.loads(out).values()))
     if phase == "create":
         d.mkdir()
@@ -84,8 +87,9 @@ def counters(mnt: Path) -> dict[str, int]:
         return json.load(f)["requests"]
 
 
-def per_file(before: dict[str, int], after: dict[str, int], overhead: dict[str, int],
-             files: int) -> dict[str, float]:
+def per_file(
+    before: dict[str, int], after: dict[str, int], overhead: dict[str, int], files: int
+) -> dict[str, float]:
     out = {}
     for op in sorted(set(before) | set(after)):
         n = after.get(op, 0) - before.get(op, 0) - overhead.get(op, 0)
@@ -99,12 +103,19 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=10_000)
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--mount-arg", action="append", default=[],
-                    help="extra `tierfs mount` argument (repeatable)")
+    ap.add_argument(
+        "--mount-arg",
+        action="append",
+        default=[],
+        help="extra `tierfs mount` argument (repeatable)",
+    )
     ap.add_argument("--json", default="bench-out/small_bench.json")
-    ap.add_argument("--before", metavar="TREE",
-                    help="also run a tierfs from this source tree (e.g. `git archive` of an "
-                         "older commit) as a third side, for before/after in one run")
+    ap.add_argument(
+        "--before",
+        metavar="TREE",
+        help="also run a tierfs from this source tree (e.g. `git archive` of an "
+        "older commit) as a third side, for before/after in one run",
+    )
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("run as root (mounts)")
@@ -115,24 +126,55 @@ def main() -> None:
     mnt.mkdir()
     exe = build_c(work)
     langs = ["c", "python"] if exe else ["python"]
-    subprocess.run([sys.executable, "-m", "tierfs", "mount", str(mnt), "--ram-dir", str(ram),
-                    "-o", "allow_other", *a.mount_arg], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tierfs",
+            "mount",
+            str(mnt),
+            "--ram-dir",
+            str(ram),
+            "-o",
+            "allow_other",
+            *a.mount_arg,
+        ],
+        check=True,
+    )
     sides: list[tuple[str, Path]] = [("tmpfs", plain), ("tierfs", mnt)]
     if a.before:
         old_mnt, old_ram = work / "before", shm / "ram-before"
         old_mnt.mkdir()
-        subprocess.run([sys.executable, "-m", "tierfs", "mount", str(old_mnt), "--ram-dir",
-                        str(old_ram), "-o", "allow_other", *a.mount_arg], check=True,
-                       env=dict(os.environ, PYTHONPATH=os.path.abspath(a.before)))
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tierfs",
+                "mount",
+                str(old_mnt),
+                "--ram-dir",
+                str(old_ram),
+                "-o",
+                "allow_other",
+                *a.mount_arg,
+            ],
+            check=True,
+            env=dict(os.environ, PYTHONPATH=os.path.abspath(a.before)),
+        )
         sides.append(("before", old_mnt))
-    report: dict = {"files": a.files, "size": a.size, "repeat": a.repeat,
-                    "mount_args": a.mount_arg, "kernel": os.uname().release,
-                    "cpus": os.cpu_count(), "load_before": os.getloadavg()}
+    report: dict = {
+        "files": a.files,
+        "size": a.size,
+        "repeat": a.repeat,
+        "mount_args": a.mount_arg,
+        "kernel": os.uname().release,
+        "cpus": os.cpu_count(),
+        "load_before": os.getloadavg(),
+    }
     try:
         c0 = counters(mnt)
         overhead = {k: v - c0.get(k, 0) for k, v in counters(mnt).items() if v - c0.get(k, 0)}
-        samples = {(lang, side, ph): [] for lang in langs for side, _ in sides
-                   for ph in PHASES}
+        samples = {(lang, side, ph): [] for lang in langs for side, _ in sides for ph in PHASES}
         requests: dict[str, dict[str, float]] = {}
         for _ in range(a.repeat):
             for lang in langs:
@@ -141,24 +183,34 @@ def main() -> None:
                     for ph in PHASES:
                         before = counters(mnt) if side == "tierfs" else {}
                         samples[(lang, side, ph)].append(
-                            run_phase(exe, lang, d, a.files, a.size, ph))
+                            run_phase(exe, lang, d, a.files, a.size, ph)
+                        )
                         if side == "tierfs" and lang == langs[0]:
                             requests[ph] = per_file(before, counters(mnt), overhead, a.files)
         report["load_after"] = os.getloadavg()
         rows = []
-        print(f"small_bench: {a.files} files of {a.size} bytes, {a.repeat} ABAB pairs, "
-              f"load {report['load_before'][0]:.1f} -> {report['load_after'][0]:.1f}")
+        print(
+            f"small_bench: {a.files} files of {a.size} bytes, {a.repeat} ABAB pairs, "
+            f"load {report['load_before'][0]:.1f} -> {report['load_after'][0]:.1f}"
+        )
         before_cols = f"{'before files/s':>16}{'ratio':>7}" if a.before else ""
-        print(f"{'phase':<22}{'client':<8}{'tmpfs files/s':>15}{'tierfs files/s':>16}"
-              f"{'ratio':>7}{before_cols}  FUSE requests per file")
+        print(
+            f"{'phase':<22}{'client':<8}{'tmpfs files/s':>15}{'tierfs files/s':>16}"
+            f"{'ratio':>7}{before_cols}  FUSE requests per file"
+        )
         for ph in PHASES:
             for lang in langs:
                 t = statistics.median(samples[(lang, "tmpfs", ph)])
                 f = statistics.median(samples[(lang, "tierfs", ph)])
-                row = {"phase": ph, "client": lang, "tmpfs_files_s": a.files / t,
-                       "tierfs_files_s": a.files / f, "ratio": t / f,
-                       "requests_per_file": requests[ph],
-                       "samples": {side: samples[(lang, side, ph)] for side, _ in sides}}
+                row = {
+                    "phase": ph,
+                    "client": lang,
+                    "tmpfs_files_s": a.files / t,
+                    "tierfs_files_s": a.files / f,
+                    "ratio": t / f,
+                    "requests_per_file": requests[ph],
+                    "samples": {side: samples[(lang, side, ph)] for side, _ in sides},
+                }
                 extra = ""
                 if a.before:
                     b = statistics.median(samples[(lang, "before", ph)])
@@ -166,14 +218,17 @@ def main() -> None:
                     extra = f"{a.files / b:>16.0f}{t / b:>7.3f}"
                 rows.append(row)
                 reqs = ", ".join(f"{k} {v:g}" for k, v in requests[ph].items())
-                print(f"{LABELS[ph]:<22}{lang:<8}{row['tmpfs_files_s']:>15.0f}"
-                      f"{row['tierfs_files_s']:>16.0f}{row['ratio']:>7.3f}{extra}  "
-                      f"{sum(requests[ph].values()):.2f} ({reqs})")
+                print(
+                    f"{LABELS[ph]:<22}{lang:<8}{row['tmpfs_files_s']:>15.0f}"
+                    f"{row['tierfs_files_s']:>16.0f}{row['ratio']:>7.3f}{extra}  "
+                    f"{sum(requests[ph].values()):.2f} ({reqs})"
+                )
         report["rows"] = rows
     finally:
         for _side, root in sides[1:]:
-            subprocess.run([sys.executable, "-m", "tierfs", "unmount", str(root), "--lazy"],
-                           check=False)
+            subprocess.run(
+                [sys.executable, "-m", "tierfs", "unmount", str(root), "--lazy"], check=False
+            )
         shutil.rmtree(shm, ignore_errors=True)
         subprocess.run(["umount", str(ram)], check=False, capture_output=True)
         shutil.rmtree(shm, ignore_errors=True)

@@ -20,14 +20,17 @@ SHM = Path("/dev/shm")
 TIERFS = [sys.executable, "-m", "tierfs"]
 
 
-def tierfs(*args: str, check: bool = True, timeout: float = 120,
-           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def tierfs(
+    *args: str, check: bool = True, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run the tierfs CLI in a subprocess; returns the completed process."""
-    proc = subprocess.run([*TIERFS, *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, check=False)
+    proc = subprocess.run(
+        [*TIERFS, *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"tierfs {' '.join(args)} failed ({proc.returncode}):\n"
-                             f"{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(
+            f"tierfs {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        )
     return proc
 
 
@@ -127,8 +130,7 @@ def make_mount(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator:
     rep = getattr(request.node, "rep_call", None)
     if rep is not None and rep.failed:
         for m in mounts:
-            print(f"\n===== daemon log of {m.path} (ram-dir {m.ram_dir}) =====\n"
-                  f"{m.log()[-20000:]}")
+            print(f"\n===== daemon log of {m.path} (ram-dir {m.ram_dir}) =====\n{m.log()[-20000:]}")
     for m in mounts:
         try:
             m.unmount()

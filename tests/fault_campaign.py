@@ -102,8 +102,17 @@ from gcs_fixtures import FakeGcs
 from mtc_client import content, read_tree
 from peer_cluster import Cluster
 
-KINDS = ("kill9", "node_loss", "cluster_loss", "kill_during_restore", "bucket_stall",
-         "sigstop", "enospc", "flip_replica", "flip_bucket")
+KINDS = (
+    "kill9",
+    "node_loss",
+    "cluster_loss",
+    "kill_during_restore",
+    "bucket_stall",
+    "sigstop",
+    "enospc",
+    "flip_replica",
+    "flip_bucket",
+)
 CORRUPTION = ("flip_replica", "flip_bucket")
 MODES = ("mtc", "generic")
 NODES = 4
@@ -171,8 +180,10 @@ class Injection:
 
     def describe(self) -> str:
         v = f" {self.variant}" if self.variant else ""
-        return (f"#{self.index} {self.kind}{v} [{self.mode}] node {self.node} other "
-                f"{self.other}, {self.steps} step(s) {self.settle}")
+        return (
+            f"#{self.index} {self.kind}{v} [{self.mode}] node {self.node} other "
+            f"{self.other}, {self.steps} step(s) {self.settle}"
+        )
 
 
 _VARIANTS = {
@@ -183,8 +194,14 @@ _VARIANTS = {
 }
 
 
-def schedule(seed: int, injections: int, *, mode: str = "both", nodes: int = NODES,
-             kinds: tuple[str, ...] = KINDS) -> list[Injection]:
+def schedule(
+    seed: int,
+    injections: int,
+    *,
+    mode: str = "both",
+    nodes: int = NODES,
+    kinds: tuple[str, ...] = KINDS,
+) -> list[Injection]:
     """The campaign's faults, a pure function of its arguments.
 
     Args:
@@ -223,8 +240,18 @@ def schedule(seed: int, injections: int, *, mode: str = "both", nodes: int = NOD
         elif kind == "flip_bucket":
             settle = "backed_up"
         variants = _VARIANTS.get(kind, ("",))
-        out.append(Injection(i, kind, modes[i], r.randrange(nodes), r.randrange(nodes),
-                             r.randint(1, 3), settle, r.choice(variants)))
+        out.append(
+            Injection(
+                i,
+                kind,
+                modes[i],
+                r.randrange(nodes),
+                r.randrange(nodes),
+                r.randint(1, 3),
+                settle,
+                r.choice(variants),
+            )
+        )
     return out
 
 
@@ -239,8 +266,13 @@ def digest(files: dict[str, bytes]) -> str:
     return h.hexdigest()
 
 
-def wait_for(cond: Callable[[], Any], timeout: float, what: str,
-             stop: threading.Event | None = None, interval: float = 0.1) -> Any:
+def wait_for(
+    cond: Callable[[], Any],
+    timeout: float,
+    what: str,
+    stop: threading.Event | None = None,
+    interval: float = 0.1,
+) -> Any:
     """Poll ``cond`` until truthy; returns its value.
 
     Raises:
@@ -259,8 +291,10 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str,
         except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
             last = exc
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}"
-                               + (f" (last error: {last!r})" if last else ""))
+            raise TimeoutError(
+                f"timed out after {timeout:.0f} s waiting for {what}"
+                + (f" (last error: {last!r})" if last else "")
+            )
         time.sleep(interval)
 
 
@@ -350,24 +384,32 @@ class Record:
     def line(self) -> str:
         state = "ok  " if self.ok else "FAIL"
         rec = f"{self.recovery_s:6.1f}s" if self.recovery_s is not None else "     - "
-        what = "; ".join(x[:160] for x in self.reasons) if self.reasons else ", ".join(
-            f"n{k}={v.get('step')}" for k, v in sorted(self.restored.items()))
-        return (f"{state} #{self.index:<3} {self.kind:<20} {self.variant:<14} {self.mode:<7} "
-                f"node {self.node}/{self.other} {self.settle:<10} {rec}  {what}")
+        what = (
+            "; ".join(x[:160] for x in self.reasons)
+            if self.reasons
+            else ", ".join(f"n{k}={v.get('step')}" for k, v in sorted(self.restored.items()))
+        )
+        return (
+            f"{state} #{self.index:<3} {self.kind:<20} {self.variant:<14} {self.mode:<7} "
+            f"node {self.node}/{self.other} {self.settle:<10} {rec}  {what}"
+        )
 
 
 def explanation_only(rec: Record) -> bool:
     """True if every reason of a failed record is a missing explanation (the restored
     data itself was right)."""
-    return not rec.ok and all(r.startswith(("unexplained ", "fresh start while"))
-                              for r in rec.reasons)
+    return not rec.ok and all(
+        r.startswith(("unexplained ", "fresh start while")) for r in rec.reasons
+    )
 
 
 def summarize(records: list[Record]) -> str:
     """Per kind: count, failures (of which only a missing explanation), recovery median and
     max (seconds)."""
-    lines = [f"{'kind':<20} {'count':>5} {'failures':>8} {'explain-only':>12} "
-             f"{'median s':>9} {'max s':>7}"]
+    lines = [
+        f"{'kind':<20} {'count':>5} {'failures':>8} {'explain-only':>12} "
+        f"{'median s':>9} {'max s':>7}"
+    ]
     for kind in (*KINDS, None):
         rs = [r for r in records if r.kind == kind] if kind else records
         if not rs:
@@ -375,8 +417,10 @@ def summarize(records: list[Record]) -> str:
         times = [r.recovery_s for r in rs if r.recovery_s is not None]
         med = f"{statistics.median(times):9.1f}" if times else f"{'-':>9}"
         mx = f"{max(times):7.1f}" if times else f"{'-':>7}"
-        lines.append(f"{kind or 'all':<20} {len(rs):>5} {sum(not r.ok for r in rs):>8} "
-                     f"{sum(explanation_only(r) for r in rs):>12} {med} {mx}")
+        lines.append(
+            f"{kind or 'all':<20} {len(rs):>5} {sum(not r.ok for r in rs):>8} "
+            f"{sum(explanation_only(r) for r in rs):>12} {med} {mx}"
+        )
     return "\n".join(lines)
 
 
@@ -422,10 +466,20 @@ class Campaign:
         say: where progress lines go.
     """
 
-    def __init__(self, make_mount: Callable[..., Mount], gcs: FakeGcs, *, seed: int,
-                 injections: int, mode: str = "both", out: Path,
-                 restore_timeout: float = 150, kinds: tuple[str, ...] = KINDS,
-                 size: int = 60_000, say: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        make_mount: Callable[..., Mount],
+        gcs: FakeGcs,
+        *,
+        seed: int,
+        injections: int,
+        mode: str = "both",
+        out: Path,
+        restore_timeout: float = 150,
+        kinds: tuple[str, ...] = KINDS,
+        size: int = 60_000,
+        say: Callable[[str], None] = print,
+    ) -> None:
         self.make_mount = make_mount
         self.gcs = gcs
         self.seed = seed
@@ -467,9 +521,18 @@ class Campaign:
     def _node_args(self, i: int) -> list[str]:
         args = ["--log-file", str(self.log_path(i))]
         if self.mode == "generic":
-            args += ["--job", self.job, "--nodes", str(NODES), "--node-rank", str(i),
-                     "--peers-per-node", "1", "--backup-interval-steps",
-                     str(BACKUP_INTERVAL_STEPS)]
+            args += [
+                "--job",
+                self.job,
+                "--nodes",
+                str(NODES),
+                "--node-rank",
+                str(i),
+                "--peers-per-node",
+                "1",
+                "--backup-interval-steps",
+                str(BACKUP_INTERVAL_STEPS),
+            ]
         return args
 
     @property
@@ -525,11 +588,17 @@ class Campaign:
         return proc_state(pid) not in ("gone", "Z", "X")
 
     def _start_cluster(self) -> None:
-        self.c = Cluster(self.make_mount, NODES, extra=("--bucket", self.gcs.bucket,
-                                                       "--size", RAM_SIZE),
-                         start=False, node_args=self._node_args, join_timeout=90)
-        made = parallel(lambda i: self.make_mount(*self.cluster.args(i), name=f"node{i}"),
-                        list(range(NODES)))
+        self.c = Cluster(
+            self.make_mount,
+            NODES,
+            extra=("--bucket", self.gcs.bucket, "--size", RAM_SIZE),
+            start=False,
+            node_args=self._node_args,
+            join_timeout=90,
+        )
+        made = parallel(
+            lambda i: self.make_mount(*self.cluster.args(i), name=f"node{i}"), list(range(NODES))
+        )
         bad = {i: m for i, m in made.items() if isinstance(m, BaseException)}
         if bad:
             raise RuntimeError(f"tierfs mount failed: {bad}")
@@ -552,8 +621,7 @@ class Campaign:
                 try:
                     m.unmount()
                 except Exception:
-                    subprocess.run(["umount", "-l", str(m.path)], check=False,
-                                   capture_output=True)
+                    subprocess.run(["umount", "-l", str(m.path)], check=False, capture_output=True)
                     with contextlib.suppress(Exception):
                         m.kill9()
                 shutil.rmtree(m.ram_dir, ignore_errors=True)
@@ -577,8 +645,9 @@ class Campaign:
                 "model.safetensors": rnd.randbytes(self.size),
                 "optimizer.pt": rnd.randbytes(self.size // 3 + 11),
                 "rng_state.pth": rnd.randbytes(1000),
-                "trainer_state.json": json.dumps({"global_step": v.step, "seq": v.seq,
-                                                  "rank": rank}).encode(),
+                "trainer_state.json": json.dumps(
+                    {"global_step": v.step, "seq": v.seq, "rank": rank}
+                ).encode(),
             }
         if backup:
             files["_BACKUP_REQUESTED"] = b""
@@ -595,8 +664,9 @@ class Campaign:
         """
         root = self.root(i)
         files = self.files(v, i, backup)
-        tmp = root / (f"{v.step}.orbax-checkpoint-tmp" if self.mode == "mtc"
-                      else f"tmp-checkpoint-{v.step}")
+        tmp = root / (
+            f"{v.step}.orbax-checkpoint-tmp" if self.mode == "mtc" else f"tmp-checkpoint-{v.step}"
+        )
         if tmp.exists():  # a stale temp dir of a crashed save: start again (Orbax does)
             shutil.rmtree(tmp)
         final = root / self.step_dir(v.step)
@@ -643,6 +713,7 @@ class Campaign:
         def idle() -> bool:
             g = self.status(0)["tiers"]["gcs"]
             return g.get("active_round") is None
+
         try:
             wait_for(idle, 60, "no backup round running")
         except TimeoutError as exc:
@@ -653,12 +724,18 @@ class Campaign:
             return
         try:
             for i in range(NODES):
-                wait_for(lambda i=i: self._own_state(i, v.step) == "replicated", 60,
-                         f"node {i}: step {v.step} replicated")
+                wait_for(
+                    lambda i=i: self._own_state(i, v.step) == "replicated",
+                    60,
+                    f"node {i}: step {v.step} replicated",
+                )
             if inj.settle == "backed_up":
                 for i in range(NODES):
-                    wait_for(lambda i=i: self._backed_up(i, v.step), 60,
-                             f"node {i}: step {v.step} backed up")
+                    wait_for(
+                        lambda i=i: self._backed_up(i, v.step),
+                        60,
+                        f"node {i}: step {v.step} backed up",
+                    )
         except TimeoutError as exc:
             self.notes.append(f"settle: {exc}")
 
@@ -684,8 +761,7 @@ class Campaign:
                 statuses[i] = self.status(i) if i not in self.stopped else None
             except (OSError, ValueError) as exc:
                 statuses[i] = None
-                self.pre_problems.append(f"node {i}: status unreadable before the fault: "
-                                         f"{exc!r}")
+                self.pre_problems.append(f"node {i}: status unreadable before the fault: {exc!r}")
         listed: set[Copy] = set()
         targets: dict[int, list[int]] = {}
         for h, st in statuses.items():
@@ -693,8 +769,9 @@ class Campaign:
                 continue
             targets[h] = list(st["tiers"]["peer"].get("replicate_to") or [])
             cands = [(h, s["step"]) for s in st["steps"] if "local" in s.get("where", [])]
-            cands += [(r["rank"], r["step"]) for r in st.get("replicas", [])
-                      if r["job"] == self.job]
+            cands += [
+                (r["rank"], r["step"]) for r in st.get("replicas", []) if r["job"] == self.job
+            ]
             for rank, step in cands:
                 seq = self._store_copy(h, rank, step)
                 if seq is not None:
@@ -705,13 +782,23 @@ class Campaign:
         if bucket:
             self._verify_rounds()
         copies = counted_copies(listed, self.truth.versions, targets, KEEP_LOCAL)
-        rounds = {r: s for r, s in self.rounds.get(self.job, {}).items()
-                  if r not in self.bad_rounds.get(self.job, set())}
+        rounds = {
+            r: s
+            for r, s in self.rounds.get(self.job, {}).items()
+            if r not in self.bad_rounds.get(self.job, set())
+        }
         return Snapshot(statuses, listed, copies, rounds, targets)
 
     def _shard_dir(self, holder: int, rank: int, step: int) -> Path:
-        return (self.cluster.mounts[holder].ram_dir / "store" / "shards" / self.job / str(rank)
-                / str(step) / "data")
+        return (
+            self.cluster.mounts[holder].ram_dir
+            / "store"
+            / "shards"
+            / self.job
+            / str(rank)
+            / str(step)
+            / "data"
+        )
 
     def _store_copy(self, holder: int, rank: int, step: int) -> int | None:
         """seq of the version whose bytes node ``holder`` holds for (rank, step), or None."""
@@ -743,7 +830,7 @@ class Campaign:
             if rnd in done or rnd in bad or not ROUND_NAME.match(rnd):
                 continue
             prefix = f"{self.job}/{rnd}/"
-            blobs = {b.name[len(prefix):]: b for b in client.list_blobs(bucket, prefix=prefix)}
+            blobs = {b.name[len(prefix) :]: b for b in client.list_blobs(bucket, prefix=prefix)}
             metas = {}
             for name in blobs:
                 m = META.fullmatch(name)
@@ -755,8 +842,7 @@ class Campaign:
             # for different steps is a round that moved after some nodes finished the
             # older step, which nobody claims complete (seed 23 #38: rank 0 reported
             # step 22, the others 23, while the round, moved to 23, still ran)
-            claimed = (sorted(claims) == list(range(NODES))
-                       and len(set(claims.values())) == 1)
+            claimed = sorted(claims) == list(range(NODES)) and len(set(claims.values())) == 1
             seen = (*sorted(metas.items()), claimed)
             if self._round_checked.get(key) == seen:
                 continue  # nothing new since the last look
@@ -765,10 +851,10 @@ class Campaign:
             if problem is not None and claimed:
                 self.pre_problems.append(
                     f"round {rnd}: every node reported step(s) {sorted(set(claims.values()))} "
-                    f"backed up there, but the bucket says otherwise: {problem}")
+                    f"backed up there, but the bucket says otherwise: {problem}"
+                )
 
-    def _judge_round(self, rnd: str, metas: dict[int, int], blobs: dict[str, Any]
-                     ) -> str | None:
+    def _judge_round(self, rnd: str, metas: dict[int, int], blobs: dict[str, Any]) -> str | None:
         """Record ``rnd`` as complete (returns None) or say why it is not."""
         if sorted(metas) != list(range(NODES)):
             return f"ranks {sorted(set(range(NODES)) - set(metas))} have no .meta"
@@ -781,15 +867,19 @@ class Campaign:
             try:
                 name = blobs[f"{self.job}-s{step}-n{r}-w0.meta"].download_as_bytes().decode()
                 data = f"{name.strip()}.data/"
-                files = {n[len(data):]: b.download_as_bytes() for n, b in blobs.items()
-                         if n.startswith(data)}
+                files = {
+                    n[len(data) :]: b.download_as_bytes()
+                    for n, b in blobs.items()
+                    if n.startswith(data)
+                }
             except Exception as exc:
                 problems.append(f"rank {r}'s part unreadable: {exc!r}")
                 continue
             v = self.truth.identify(self.epoch, r, step, digest(files))
             if v is None:
-                problems.append(f"rank {r}'s part holds bytes of no save of step {step} "
-                                f"({len(files)} objects)")
+                problems.append(
+                    f"rank {r}'s part holds bytes of no save of step {step} ({len(files)} objects)"
+                )
             else:
                 seqs.add(v.seq)
         if problems or len(seqs) != 1:
@@ -815,16 +905,21 @@ class Campaign:
         root = self.root(i)
         t = self.restore_timeout
         yml = root / "replicator.yaml"
-        lines = [f"job-name: {self.job}", "framework: orbax", f"node-rank: {i}",
-                 f"nodes: {NODES}", "peers-per-node: 1",
-                 f"backup-interval-steps: {BACKUP_INTERVAL_STEPS}"]
-        wait_for(lambda: not os.path.lexists(yml), t, f"node {i}: an earlier replicator.yaml "
-                 "to go", stop)
+        lines = [
+            f"job-name: {self.job}",
+            "framework: orbax",
+            f"node-rank: {i}",
+            f"nodes: {NODES}",
+            "peers-per-node: 1",
+            f"backup-interval-steps: {BACKUP_INTERVAL_STEPS}",
+        ]
+        wait_for(
+            lambda: not os.path.lexists(yml), t, f"node {i}: an earlier replicator.yaml to go", stop
+        )
         tmp = root / "replicator.yaml.tmp"
         tmp.write_text("\n".join(lines))
         os.replace(tmp, yml)
-        wait_for(lambda: not os.path.lexists(yml), t, f"node {i}: replicator.yaml consumed",
-                 stop)
+        wait_for(lambda: not os.path.lexists(yml), t, f"node {i}: replicator.yaml consumed", stop)
         errors = take_errors(root)
         failed = root / "replicator.failed"
 
@@ -835,8 +930,9 @@ class Campaign:
 
         found = wait_for(markers, t, f"node {i}: a restore marker", stop)
         if found == "failed":
-            return NodeRestore(None, error=f"replicator.failed: {failed.read_text().strip()}",
-                               errors=errors)
+            return NodeRestore(
+                None, error=f"replicator.failed: {failed.read_text().strip()}", errors=errors
+            )
         pre_path = root / "replicator.prerestore"
         prerestore = pre_path.read_text() if pre_path.exists() else ""
         real = []
@@ -851,8 +947,11 @@ class Campaign:
             for m in found:
                 os.unlink(m)
             if prerestore.strip() not in ("{}", ""):
-                return NodeRestore(None, error=f"empty s0 marker but prerestore "
-                                   f"{prerestore.strip()!r}", errors=errors)
+                return NodeRestore(
+                    None,
+                    error=f"empty s0 marker but prerestore {prerestore.strip()!r}",
+                    errors=errors,
+                )
             return NodeRestore(None, errors=errors)
         step, marker = max(real)
         os.replace(marker, root / str(step))
@@ -862,25 +961,37 @@ class Campaign:
         for m in found:
             if os.path.lexists(m) and not os.path.islink(m):
                 os.unlink(m)
-        wait_for(lambda: not os.path.islink(root / str(step)), 30,
-                 f"node {i}: step {step} to become a directory", stop)
-        return self._identify(i, step, root / str(step), errors,
-                              prerestore=prerestore)
+        wait_for(
+            lambda: not os.path.islink(root / str(step)),
+            30,
+            f"node {i}: step {step} to become a directory",
+            stop,
+        )
+        return self._identify(i, step, root / str(step), errors, prerestore=prerestore)
 
-    def _identify(self, i: int, step: int, path: Path, errors: list[str],
-                  prerestore: str | None = None) -> NodeRestore:
+    def _identify(
+        self, i: int, step: int, path: Path, errors: list[str], prerestore: str | None = None
+    ) -> NodeRestore:
         files = read_tree(str(path))
         v = self.truth.identify(self.epoch, i, step, digest(files))
         if v is None:
-            return NodeRestore(step, error=f"step {step}'s bytes ({len(files)} files) match no "
-                               f"save of rank {i}", errors=errors)
+            return NodeRestore(
+                step,
+                error=f"step {step}'s bytes ({len(files)} files) match no save of rank {i}",
+                errors=errors,
+            )
         if prerestore is not None and f"restore-step: {step}" not in prerestore:
-            return NodeRestore(step, v.seq, error=f"prerestore {prerestore.strip()!r} does not "
-                               f"name step {step}", errors=errors)
+            return NodeRestore(
+                step,
+                v.seq,
+                error=f"prerestore {prerestore.strip()!r} does not name step {step}",
+                errors=errors,
+            )
         return NodeRestore(step, v.seq, errors=errors)
 
-    def mtc_restore(self, hook: Callable[[threading.Event, Callable[[], bool]], None]
-                    | None = None) -> dict[int, NodeRestore] | None:
+    def mtc_restore(
+        self, hook: Callable[[threading.Event, Callable[[], bool]], None] | None = None
+    ) -> dict[int, NodeRestore] | None:
         """Every trainer restarts (handshake); ``hook(stop, finished)`` runs meanwhile
         (``finished()``: every handshake has returned) and may abort by setting ``stop``.
 
@@ -918,18 +1029,25 @@ class Campaign:
         return out
 
     def wait_cmd(self, i: int) -> tuple[int, str]:
-        proc = tierfs("wait", str(self.root(i)), "--timeout", str(self.restore_timeout),
-                      check=False, timeout=self.restore_timeout + 60)
+        proc = tierfs(
+            "wait",
+            str(self.root(i)),
+            "--timeout",
+            str(self.restore_timeout),
+            check=False,
+            timeout=self.restore_timeout + 60,
+        )
         return proc.returncode, (proc.stdout.strip() or proc.stderr.strip())
 
-    def generic_restore(self, restarted: set[int],
-                        hook: Callable[[], set[int]] | None = None) -> dict[int, NodeRestore]:
+    def generic_restore(
+        self, restarted: set[int], hook: Callable[[], set[int]] | None = None
+    ) -> dict[int, NodeRestore]:
         """``tierfs wait`` on the restarted nodes (``hook`` may restart more); then every
         node must present ``checkpoint-<agreed step>`` with its rank's bytes."""
         box: dict[str, Any] = {}
-        th = threading.Thread(target=lambda: box.update(parallel(self.wait_cmd,
-                                                                 sorted(restarted))),
-                              daemon=True)
+        th = threading.Thread(
+            target=lambda: box.update(parallel(self.wait_cmd, sorted(restarted))), daemon=True
+        )
         th.start()
         more = hook() if hook is not None else set()
         th.join()
@@ -946,8 +1064,9 @@ class Campaign:
             if rc == WAIT_INCOMPLETE:  # nothing restored, with the reasons: judged as such
                 out[i] = NodeRestore(None, wait_rc=rc, said=text)
             elif rc != 0:
-                out[i] = NodeRestore(None, error=f"tierfs wait exit {rc}: {text}", wait_rc=rc,
-                                     said=text)
+                out[i] = NodeRestore(
+                    None, error=f"tierfs wait exit {rc}: {text}", wait_rc=rc, said=text
+                )
             elif m:
                 out[i] = NodeRestore(int(m["step"]), wait_rc=rc, said=text)
             else:
@@ -961,19 +1080,23 @@ class Campaign:
             else:  # every node, the survivors too
                 out = self._present_all({i: step for i in range(NODES)}, out)
         else:  # no agreement: still record which bytes each restarted node shows
-            out = self._present_all({i: o.step for i, o in out.items()
-                                     if o.step is not None and not o.error}, out)
+            out = self._present_all(
+                {i: o.step for i, o in out.items() if o.step is not None and not o.error}, out
+            )
         for i in range(NODES):
             if i in out:
                 out[i].errors += take_errors(self.root(i))
         return out
 
-    def _present_all(self, steps: dict[int, int], waited: dict[int, NodeRestore]
-                     ) -> dict[int, NodeRestore]:
+    def _present_all(
+        self, steps: dict[int, int], waited: dict[int, NodeRestore]
+    ) -> dict[int, NodeRestore]:
         """:meth:`_present` for every node of ``steps`` at once; keeps what ``tierfs wait``
         said; the other nodes of ``waited`` stay as they are."""
-        got = parallel(lambda i: self._present(i, steps[i], waited[i].wait_rc
-                                               if i in waited else None), sorted(steps))
+        got = parallel(
+            lambda i: self._present(i, steps[i], waited[i].wait_rc if i in waited else None),
+            sorted(steps),
+        )
         out = dict(waited)
         for i, r in got.items():
             if isinstance(r, BaseException):
@@ -1000,8 +1123,11 @@ class Campaign:
                 r = last[0]
             else:
                 have = self._checkpoints(i)
-                r = NodeRestore(None, error=f"does not present the agreed checkpoint-{step} "
-                                f"(it has {[f'checkpoint-{s}' for s in have]})")
+                r = NodeRestore(
+                    None,
+                    error=f"does not present the agreed checkpoint-{step} "
+                    f"(it has {[f'checkpoint-{s}' for s in have]})",
+                )
             r.wait_rc = wait_rc
             return r
         r = last[0]
@@ -1024,8 +1150,11 @@ class Campaign:
         out = {}
         for i in range(NODES):
             try:
-                wait_for(lambda i=i: self._own_state(i, v.step) == "replicated", 90,
-                         f"node {i}: step {v.step} replicated after the fault")
+                wait_for(
+                    lambda i=i: self._own_state(i, v.step) == "replicated",
+                    90,
+                    f"node {i}: step {v.step} replicated after the fault",
+                )
                 out[i] = self._present(i, v.step, None)
             except TimeoutError as exc:
                 out[i] = NodeRestore(None, error=str(exc))
@@ -1059,8 +1188,9 @@ class Campaign:
                 out[i] = "unreadable"
         return out
 
-    def _fault_and_restore(self, inj: Injection, snap: Snapshot, fault: Fault
-                           ) -> dict[int, NodeRestore]:
+    def _fault_and_restore(
+        self, inj: Injection, snap: Snapshot, fault: Fault
+    ) -> dict[int, NodeRestore]:
         kind, n = inj.kind, inj.node
         fault.t0 = time.monotonic()
         if kind == "kill9":
@@ -1085,16 +1215,19 @@ class Campaign:
         if kind == "flip_replica":
             rng = random.Random(f"{self.seed}/{inj.index}/flip")
             holder = (snap.targets.get(n) or [n ^ 1])[0]
-            held = sorted((c for c in snap.listed if c[0] == holder and c[1] == n),
-                          key=lambda c: c[3])
+            held = sorted(
+                (c for c in snap.listed if c[0] == holder and c[1] == n), key=lambda c: c[3]
+            )
             if held:
                 copy = held[-1]
                 path = largest_file(str(self._shard_dir(holder, n, copy[2])))
                 off = flip_bit(path, rng)
                 fault.bad_copies = {copy}
-                self.notes.append(f"flipped a bit at byte {off} of "
-                                  f"{os.path.relpath(path, self.cluster.mounts[holder].ram_dir)}"
-                                  f" on node {holder} (its replica of rank {n} step {copy[2]})")
+                self.notes.append(
+                    f"flipped a bit at byte {off} of "
+                    f"{os.path.relpath(path, self.cluster.mounts[holder].ram_dir)}"
+                    f" on node {holder} (its replica of rank {n} step {copy[2]})"
+                )
             else:
                 self.notes.append(f"node {holder} held no replica of rank {n}: no flip")
             fault.t0 = time.monotonic()
@@ -1136,8 +1269,10 @@ class Campaign:
             how = "on disk (crc32c metadata unchanged)"
         fault.bad_rounds = {rnd}
         self.bad_rounds.setdefault(self.job, set()).add(rnd)
-        self.notes.append(f"flipped a bit at byte {off} of gs://{self.gcs.bucket}/{blob.name} "
-                          f"(rank {inj.node}'s part of round {rnd}, step {step}) {how}")
+        self.notes.append(
+            f"flipped a bit at byte {off} of gs://{self.gcs.bucket}/{blob.name} "
+            f"(rank {inj.node}'s part of round {rnd}, step {step}) {how}"
+        )
 
     def _kill_during_restore(self, inj: Injection, fault: Fault) -> dict[int, NodeRestore]:
         """A kill -9 or node loss of ``node``, then kill -9 of ``other`` while the restore
@@ -1164,8 +1299,10 @@ class Campaign:
 
                 self._poll_until(restoring, f"node {o} restoring", self.restore_timeout)
                 during = bool(seen) and seen[0][o] in RESTORING
-                self.notes.append(f"node {o} killed {'during' if during else 'after'} the "
-                                  f"restore (states {seen[0] if seen else '?'})")
+                self.notes.append(
+                    f"node {o} killed {'during' if during else 'after'} the "
+                    f"restore (states {seen[0] if seen else '?'})"
+                )
                 self.kill9(o)
                 stop.set()
 
@@ -1176,12 +1313,17 @@ class Campaign:
         mounting = threading.Thread(target=self._try_mount, args=(n,), daemon=True)
         mounting.start()
         trigger = "GCS tier:" if o == n else "INFO tierfs.daemon: mounted"
-        self._poll_until(lambda: trigger in self._log_text(n, off),
-                         f"node {n}'s daemon to log {trigger!r}", self.restore_timeout)
+        self._poll_until(
+            lambda: trigger in self._log_text(n, off),
+            f"node {n}'s daemon to log {trigger!r}",
+            self.restore_timeout,
+        )
         text = self._log_text(n, off)
         done = "generic restore" in text or "restore of step" in text
-        self.notes.append(f"node {o} killed {'after' if done else 'during'} node {n}'s "
-                          f"restore ({'the restore had ended' if done else 'not ended yet'})")
+        self.notes.append(
+            f"node {o} killed {'after' if done else 'during'} node {n}'s "
+            f"restore ({'the restore had ended' if done else 'not ended yet'})"
+        )
         with contextlib.suppress(OSError, ValueError, AssertionError):
             self.kill9(o)
         mounting.join()
@@ -1194,8 +1336,10 @@ class Campaign:
         try:
             self.mount(i)
         except Exception as exc:  # the daemon was killed while mounting
-            self.notes.append(f"node {i}: tierfs mount failed as its daemon was killed: "
-                              f"{str(exc).splitlines()[0][:200]}")
+            self.notes.append(
+                f"node {i}: tierfs mount failed as its daemon was killed: "
+                f"{str(exc).splitlines()[0][:200]}"
+            )
 
     def _mounted(self, i: int) -> bool:
         try:
@@ -1227,12 +1371,15 @@ class Campaign:
             if any(e is not None for e in res.values()):
                 raise RuntimeError(f"saving step {v.step} with a stalled bucket failed: {res}")
             for i in range(NODES):
-                self._poll_until(lambda i=i: self._own_state(i, v.step) == "replicated",
-                                 f"node {i}: step {v.step} replicated with the bucket stalled")
+                self._poll_until(
+                    lambda i=i: self._own_state(i, v.step) == "replicated",
+                    f"node {i}: step {v.step} replicated with the bucket stalled",
+                )
             self.late_snapshot = self.snapshot(bucket=False)
             self.kill9(n)
             self.mount(n)
             if inj.variant == "thaw_during":
+
                 def thaw_when_restoring(finished: Callable[[], bool]) -> None:
                     seen: list[dict[int, str | None]] = []
 
@@ -1242,16 +1389,19 @@ class Campaign:
 
                     self._poll_until(restoring, "a node restoring", self.restore_timeout)
                     self.gcs.thaw()
-                    self.notes.append(f"bucket thawed during the restore (states "
-                                      f"{seen[0] if seen else '?'})")
+                    self.notes.append(
+                        f"bucket thawed during the restore (states {seen[0] if seen else '?'})"
+                    )
+
                 if self.mode == "mtc":
                     out = self.mtc_restore(lambda stop, finished: thaw_when_restoring(finished))
                     assert out is not None
                     for i in range(NODES):
                         out[i].errors += take_errors(self.root(i))
                     return out
-                return self.generic_restore({n}, lambda: (thaw_when_restoring(
-                    lambda: self._restore_over([n])), set())[1])
+                return self.generic_restore(
+                    {n}, lambda: (thaw_when_restoring(lambda: self._restore_over([n])), set())[1]
+                )
             return self.restore({n})
         finally:
             self.gcs.thaw()
@@ -1266,13 +1416,18 @@ class Campaign:
             try:
                 self.stop(n)
                 fault.t0 = time.monotonic()
-                th = threading.Thread(target=lambda: box.update(
-                    parallel(lambda i: self.save_one(i, v, False), list(range(NODES)))),
-                    daemon=True)
+                th = threading.Thread(
+                    target=lambda: box.update(
+                        parallel(lambda i: self.save_one(i, v, False), list(range(NODES)))
+                    ),
+                    daemon=True,
+                )
                 th.start()
                 for i in others:
-                    self._poll_until(lambda i=i: self._own_state(i, v.step) is not None,
-                                     f"node {i}: step {v.step} sealed while node {n} is stopped")
+                    self._poll_until(
+                        lambda i=i: self._own_state(i, v.step) is not None,
+                        f"node {i}: step {v.step} sealed while node {n} is stopped",
+                    )
                 self.notes.append(f"node {n} stopped while the others sealed step {v.step}")
             finally:
                 self.cont(n)
@@ -1283,23 +1438,28 @@ class Campaign:
             if self.mode == "generic":
                 return self.progress(v)
             for i in range(NODES):
-                self._poll_until(lambda i=i: self._own_state(i, v.step) == "replicated",
-                                 f"node {i}: step {v.step} replicated after the SIGCONT")
+                self._poll_until(
+                    lambda i=i: self._own_state(i, v.step) == "replicated",
+                    f"node {i}: step {v.step} replicated after the SIGCONT",
+                )
             self.late_snapshot = self.snapshot()
             fault.t0 = time.monotonic()
             return self.restore(set())
         # during the restore
         if self.mode == "mtc":
+
             def hook(stop: threading.Event, finished: Callable[[], bool]) -> None:
                 try:
                     self.stop(n)
                     fault.t0 = time.monotonic()
-                    self._poll_until(lambda: all(s in RESTORING for s in self._states(
-                        others).values()), f"nodes {others} restoring while node {n} is stopped")
-                    self.notes.append(f"node {n} resumed; the others were "
-                                      f"{self._states(others)}")
+                    self._poll_until(
+                        lambda: all(s in RESTORING for s in self._states(others).values()),
+                        f"nodes {others} restoring while node {n} is stopped",
+                    )
+                    self.notes.append(f"node {n} resumed; the others were {self._states(others)}")
                 finally:
                     self.cont(n)
+
             out = self.mtc_restore(hook)
             assert out is not None
             for i in range(NODES):
@@ -1316,15 +1476,20 @@ class Campaign:
                 # node n stays stopped until k's restore is over (it copes with a hung
                 # peer) or STOP_LIMIT s passed (it waits for n; then n resumes)
                 try:
-                    over = self._poll_until(lambda: self._restore_over([k]),
-                                            f"node {k}'s restore to end while node {n} is "
-                                            "stopped", STOP_LIMIT)
-                    self.notes.append(f"node {k} restarted; node {n} resumed "
-                                      f"{'after' if over else 'during'} node {k}'s restore "
-                                      f"({self._states([k])[k]})")
+                    over = self._poll_until(
+                        lambda: self._restore_over([k]),
+                        f"node {k}'s restore to end while node {n} is stopped",
+                        STOP_LIMIT,
+                    )
+                    self.notes.append(
+                        f"node {k} restarted; node {n} resumed "
+                        f"{'after' if over else 'during'} node {k}'s restore "
+                        f"({self._states([k])[k]})"
+                    )
                 finally:
                     self.cont(n)
                 return set()
+
             return self.generic_restore({k}, ghook)
         finally:
             self.cont(n)
@@ -1336,17 +1501,22 @@ class Campaign:
         fault.t0 = time.monotonic()
         written, full = self._fill(filler, cap=2 * self._budget(n))
         if not full:
-            self.reasons_extra.append(f"node {n}: {written} bytes written past its "
-                                      f"{RAM_SIZE} RAM budget without ENOSPC")
+            self.reasons_extra.append(
+                f"node {n}: {written} bytes written past its {RAM_SIZE} RAM budget without ENOSPC"
+            )
         v, res = self.save_all()
         err = res.get(n)
         if err is None:
-            self.reasons_extra.append(f"node {n}: saving step {v.step} ({self.size} bytes) "
-                                      f"succeeded although a filler of {written} bytes had "
-                                      "just got ENOSPC")
+            self.reasons_extra.append(
+                f"node {n}: saving step {v.step} ({self.size} bytes) "
+                f"succeeded although a filler of {written} bytes had "
+                "just got ENOSPC"
+            )
         elif not isinstance(err, OSError) or err.errno != errno.ENOSPC:
-            self.reasons_extra.append(f"node {n}: saving step {v.step} on a full RAM budget "
-                                      f"failed with {err!r}, not ENOSPC")
+            self.reasons_extra.append(
+                f"node {n}: saving step {v.step} on a full RAM budget "
+                f"failed with {err!r}, not ENOSPC"
+            )
         else:
             self.notes.append(f"node {n}: save of step {v.step} got ENOSPC as it should")
         for i, e in res.items():
@@ -1361,8 +1531,9 @@ class Campaign:
         try:
             self.save_one(n, v, False)
         except OSError as exc:
-            self.reasons_extra.append(f"node {n}: saving step {v.step} again after freeing "
-                                      f"the RAM failed: {exc!r}")
+            self.reasons_extra.append(
+                f"node {n}: saving step {v.step} again after freeing the RAM failed: {exc!r}"
+            )
         return self.progress(v)
 
     def _budget(self, i: int) -> int:
@@ -1417,16 +1588,27 @@ class Campaign:
         for i in range(NODES):
             if not self.alive(i):
                 tail = self._log_slice(i).splitlines()[-15:]
-                self.pre_problems.append(f"node {i}'s daemon died by itself before this fault; "
-                                         f"log tail: {tail}")
+                self.pre_problems.append(
+                    f"node {i}'s daemon died by itself before this fault; log tail: {tail}"
+                )
                 self.mount(i)
 
     def run_one(self, inj: Injection) -> Record:
         """Train, settle, snapshot, inject, restore, judge: one :class:`Record`."""
         if inj.mode != self.mode:
             self.new_epoch(inj.mode, "mode switch")
-        rec = Record(inj.index, self.seed, inj.kind, inj.variant, inj.mode, self.epoch, self.job,
-                     inj.node, inj.other, inj.settle)
+        rec = Record(
+            inj.index,
+            self.seed,
+            inj.kind,
+            inj.variant,
+            inj.mode,
+            self.epoch,
+            self.job,
+            inj.node,
+            inj.other,
+            inj.settle,
+        )
         self.notes = rec.notes
         self.reasons_extra = []
         self.pre_problems = []
@@ -1450,34 +1632,57 @@ class Campaign:
             snap = self.late_snapshot
         if self.mode == "mtc" and any(o.step is None for o in outcomes.values()):
             self.wait_rcs(outcomes)
-        exp = expected_restore(snap.copies, snap.rounds, self.truth.versions, NODES,
-                               lost_nodes=fault.lost, bad_copies=fault.bad_copies,
-                               bad_rounds=fault.bad_rounds, bucket_usable=fault.bucket_usable,
-                               all_copies=snap.listed)
-        reasons = self.pre_problems + self.reasons_extra + judge(outcomes, exp,
-                                                                 self.truth.versions)
+        exp = expected_restore(
+            snap.copies,
+            snap.rounds,
+            self.truth.versions,
+            NODES,
+            lost_nodes=fault.lost,
+            bad_copies=fault.bad_copies,
+            bad_rounds=fault.bad_rounds,
+            bucket_usable=fault.bucket_usable,
+            all_copies=snap.listed,
+        )
+        reasons = self.pre_problems + self.reasons_extra + judge(outcomes, exp, self.truth.versions)
         rec.reasons = reasons
         rec.ok = not reasons
         rec.recovery_s = round(t_end - fault.t0, 2) if t_end is not None else None
         rec.expected = self._expectation(exp)
-        rec.restored = {str(i): {"step": o.step, "seq": o.seq, "error": o.error,
-                                 "wait_rc": o.wait_rc, "said": o.said}
-                        for i, o in sorted(outcomes.items())}
+        rec.restored = {
+            str(i): {
+                "step": o.step,
+                "seq": o.seq,
+                "error": o.error,
+                "wait_rc": o.wait_rc,
+                "said": o.said,
+            }
+            for i, o in sorted(outcomes.items())
+        }
         rec.errors = {str(i): o.errors for i, o in sorted(outcomes.items()) if o.errors}
         self._keep_logs(rec, since=time.time() - (time.monotonic() - fault.t0))
         rec.restore_rounds = len(ROUND_OPENED.findall(self._log_slice(0)))
         if rec.restore_rounds > 3 * NODES:
-            rec.notes.append(f"the coordinator opened {rec.restore_rounds} restore rounds "
-                             "during this injection")
+            rec.notes.append(
+                f"the coordinator opened {rec.restore_rounds} restore rounds during this injection"
+            )
         self._go_on(outcomes)
         return rec
 
     def _expectation(self, exp: Expectation) -> dict[str, Any]:
-        return {"floor_step": exp.floor_step, "floor_seq": exp.floor, "where": exp.where,
-                "newest_step": exp.newest_step, "newest_seq": exp.newest, "detail": exp.detail}
+        return {
+            "floor_step": exp.floor_step,
+            "floor_seq": exp.floor,
+            "where": exp.where,
+            "newest_step": exp.newest_step,
+            "newest_seq": exp.newest,
+            "detail": exp.detail,
+        }
 
-    _INTERESTING = re.compile(r"WARNING|ERROR|restore|decision|round|crc32c|verif|abandon|"
-                              r"retention|barrier|replan|no longer held", re.I)
+    _INTERESTING = re.compile(
+        r"WARNING|ERROR|restore|decision|round|crc32c|verif|abandon|"
+        r"retention|barrier|replan|no longer held",
+        re.I,
+    )
 
     def _keep_logs(self, rec: Record, since: float | None = None) -> None:
         """Write each node's log lines of this injection to the output directory; for a
@@ -1487,16 +1692,23 @@ class Campaign:
             text = self._log_slice(i)
             (self.out / f"inj{rec.index:03d}-node{i}.log").write_text(text)
             if not rec.ok:
-                lines = [ln for ln in text.splitlines()
-                         if ln[:19] >= start and self._INTERESTING.search(ln)]
+                lines = [
+                    ln
+                    for ln in text.splitlines()
+                    if ln[:19] >= start and self._INTERESTING.search(ln)
+                ]
                 rec.logs[str(i)] = lines[-40:]
 
     def _go_on(self, outcomes: dict[int, NodeRestore]) -> None:
         """The trainers resume from the common restored version, or a new epoch starts."""
         seqs = {o.seq for o in outcomes.values()}
         steps = {o.step for o in outcomes.values()}
-        usable = len(steps) == 1 and len(seqs) == 1 and not any(
-            o.error for o in outcomes.values()) and len(outcomes) == NODES
+        usable = (
+            len(steps) == 1
+            and len(seqs) == 1
+            and not any(o.error for o in outcomes.values())
+            and len(outcomes) == NODES
+        )
         if not usable:
             self.new_epoch(self.mode, "the restore left no common step")
             return
@@ -1514,19 +1726,32 @@ class Campaign:
     def run(self) -> list[Record]:
         """Run every injection of the schedule; returns the records (also in records.jsonl)."""
         t0 = time.monotonic()
-        self.say(f"fault campaign: seed {self.seed}, {len(self.plan)} injections, "
-                 f"out {self.out}")
+        self.say(f"fault campaign: seed {self.seed}, {len(self.plan)} injections, out {self.out}")
         with open(self.out / "records.jsonl", "w") as log:
             self.new_epoch(self.plan[0].mode if self.plan else "mtc", "start")
             for inj in self.plan:
                 try:
                     rec = self.run_one(inj)
                 except Exception as exc:  # a step failed: record it, start over
-                    rec = Record(inj.index, self.seed, inj.kind, inj.variant, inj.mode,
-                                 self.epoch, self.job, inj.node, inj.other, inj.settle,
-                                 ok=False, reasons=[*self.pre_problems, *self.reasons_extra,
-                                                    f"campaign step failed: {exc!r}"],
-                                 notes=list(self.notes))
+                    rec = Record(
+                        inj.index,
+                        self.seed,
+                        inj.kind,
+                        inj.variant,
+                        inj.mode,
+                        self.epoch,
+                        self.job,
+                        inj.node,
+                        inj.other,
+                        inj.settle,
+                        ok=False,
+                        reasons=[
+                            *self.pre_problems,
+                            *self.reasons_extra,
+                            f"campaign step failed: {exc!r}",
+                        ],
+                        notes=list(self.notes),
+                    )
                     self._keep_logs(rec)
                     try:
                         self.new_epoch(inj.mode, "after a failed step")
@@ -1550,8 +1775,10 @@ class Campaign:
         for r in self.records:
             if r.ok:
                 continue
-            out.append(f"\n== FAIL seed {r.seed} injection #{r.index} {r.kind} {r.variant} "
-                       f"[{r.mode}] job {r.job} node {r.node} other {r.other} settle {r.settle}")
+            out.append(
+                f"\n== FAIL seed {r.seed} injection #{r.index} {r.kind} {r.variant} "
+                f"[{r.mode}] job {r.job} node {r.node} other {r.other} settle {r.settle}"
+            )
             out.extend(f"   reason: {x}" for x in r.reasons)
             out.extend(f"   note: {x}" for x in r.notes)
             out.append(f"   expected: {r.expected}")
@@ -1605,13 +1832,14 @@ def environment(values: dict[str, str]) -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Seeded randomized fault campaign against a "
-                                "4-node tierfs cluster with a bucket (make soak).")
+    p = argparse.ArgumentParser(
+        description="Seeded randomized fault campaign against a "
+        "4-node tierfs cluster with a bucket (make soak)."
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--injections", type=int, default=200)
     p.add_argument("--mode", default="both", choices=("both", "seed", *MODES))
-    p.add_argument("--kinds", default=",".join(KINDS),
-                   help="comma-separated kinds to draw from")
+    p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds to draw from")
     p.add_argument("--out", default=None, help="output directory (default: a new temp dir)")
     p.add_argument("--restore-timeout", type=float, default=150)
     a = p.parse_args(argv)
@@ -1631,8 +1859,16 @@ def main(argv: list[str] | None = None) -> int:
         env = {**CAMPAIGN_ENV, "STORAGE_EMULATOR_HOST": gcs.url}
         with environment(env):
             os.environ.pop("GOOGLE_CLOUD_PROJECT", None)
-            camp = Campaign(factory, gcs, seed=a.seed, injections=a.injections, mode=a.mode,
-                            out=work / "out", restore_timeout=a.restore_timeout, kinds=kinds)
+            camp = Campaign(
+                factory,
+                gcs,
+                seed=a.seed,
+                injections=a.injections,
+                mode=a.mode,
+                out=work / "out",
+                restore_timeout=a.restore_timeout,
+                kinds=kinds,
+            )
             records = camp.run()
         report = camp.failure_report()
         if report:

@@ -141,8 +141,12 @@ class GroundTruth:
                 v.abandoned = True
 
 
-def counted_copies(listed: Iterable[Copy], versions: dict[int, Version],
-                   targets: dict[int, list[int]], keep_local: int) -> set[Copy]:
+def counted_copies(
+    listed: Iterable[Copy],
+    versions: dict[int, Version],
+    targets: dict[int, list[int]],
+    keep_local: int,
+) -> set[Copy]:
     """The listed RAM copies that ``--keep-local`` retention cannot drop before the restore.
 
     Args:
@@ -159,8 +163,11 @@ def counted_copies(listed: Iterable[Copy], versions: dict[int, Version],
     for holder, rank, step, seq in listed:
         newer = {s for h, r, _st, s in listed if h == holder and r == rank and s > seq}
         if holder == rank or holder in targets.get(rank, []):
-            newer |= {v.seq for v in versions.values()
-                      if rank in v.digests and v.seq > seq and not v.abandoned}
+            newer |= {
+                v.seq
+                for v in versions.values()
+                if rank in v.digests and v.seq > seq and not v.abandoned
+            }
         if len(newer) < keep_local:
             out.add((holder, rank, step, seq))
     return out
@@ -188,11 +195,18 @@ class Expectation:
     detail: str
 
 
-def expected_restore(copies: set[Copy], rounds: dict[str, int], versions: dict[int, Version],
-                     nodes: int, *, lost_nodes: Iterable[int] = (),
-                     bad_copies: Iterable[Copy] = (), bad_rounds: Iterable[str] = (),
-                     bucket_usable: bool = True, all_copies: Iterable[Copy] = ()
-                     ) -> Expectation:
+def expected_restore(
+    copies: set[Copy],
+    rounds: dict[str, int],
+    versions: dict[int, Version],
+    nodes: int,
+    *,
+    lost_nodes: Iterable[int] = (),
+    bad_copies: Iterable[Copy] = (),
+    bad_rounds: Iterable[str] = (),
+    bucket_usable: bool = True,
+    all_copies: Iterable[Copy] = (),
+) -> Expectation:
     """The oracle's floor E and the newest version N (see the module docstring).
 
     Args:
@@ -212,11 +226,12 @@ def expected_restore(copies: set[Copy], rounds: dict[str, int], versions: dict[i
     held: dict[int, set[int]] = {}
     for _h, rank, _step, seq in live:
         held.setdefault(seq, set()).add(rank)
-    cluster = [s for s, ranks in held.items()
-               if len(ranks) == nodes and not versions[s].abandoned
-               and versions[s].complete(nodes)]
-    usable = {r: s for r, s in rounds.items() if r not in set(bad_rounds)} \
-        if bucket_usable else {}
+    cluster = [
+        s
+        for s, ranks in held.items()
+        if len(ranks) == nodes and not versions[s].abandoned and versions[s].complete(nodes)
+    ]
+    usable = {r: s for r, s in rounds.items() if r not in set(bad_rounds)} if bucket_usable else {}
     bucket = [s for s in usable.values() if not versions[s].abandoned]
     c = max(cluster, default=None)
     b = max(bucket, default=None)
@@ -231,11 +246,19 @@ def expected_restore(copies: set[Copy], rounds: dict[str, int], versions: dict[i
     def name(seq: int | None) -> str:
         return "-" if seq is None else f"step {versions[seq].step} (seq {seq})"
 
-    detail = (f"C={name(c)} B={name(b)} N={name(newest)}; lost nodes {sorted(lost)}; "
-              f"corrupt copies {sorted(bad)}; corrupt rounds {sorted(set(bad_rounds))}; "
-              f"bucket {'usable' if bucket_usable else 'stalled'}")
-    return Expectation(floor, versions[floor].step if floor is not None else None, where,
-                       newest, versions[newest].step if newest is not None else None, detail)
+    detail = (
+        f"C={name(c)} B={name(b)} N={name(newest)}; lost nodes {sorted(lost)}; "
+        f"corrupt copies {sorted(bad)}; corrupt rounds {sorted(set(bad_rounds))}; "
+        f"bucket {'usable' if bucket_usable else 'stalled'}"
+    )
+    return Expectation(
+        floor,
+        versions[floor].step if floor is not None else None,
+        where,
+        newest,
+        versions[newest].step if newest is not None else None,
+        detail,
+    )
 
 
 @dataclass
@@ -260,16 +283,18 @@ class NodeRestore:
     said: str = ""
 
 
-def judge(outcomes: dict[int, NodeRestore], exp: Expectation, versions: dict[int, Version]
-          ) -> list[str]:
+def judge(
+    outcomes: dict[int, NodeRestore], exp: Expectation, versions: dict[int, Version]
+) -> list[str]:
     """Why a restore fails the rule (empty: it passes). See the module docstring."""
     if not outcomes:
         return ["no node reported an outcome"]
     problems = [f"node {i}: {o.error}" for i, o in sorted(outcomes.items()) if o.error]
     steps = {i: o.step for i, o in outcomes.items()}
     if len(set(steps.values())) > 1:
-        problems.append("split restore: " + ", ".join(
-            f"node {i} step {s}" for i, s in sorted(steps.items())))
+        problems.append(
+            "split restore: " + ", ".join(f"node {i} step {s}" for i, s in sorted(steps.items()))
+        )
     seqs = {o.seq for o in outcomes.values() if o.step is not None and not o.error}
     if len(seqs) > 1 and len(set(steps.values())) == 1:
         problems.append(f"nodes restored bytes of different saves of one step (seq {sorted(seqs)})")
@@ -279,20 +304,28 @@ def judge(outcomes: dict[int, NodeRestore], exp: Expectation, versions: dict[int
     seq = next(iter(seqs), None)
     if step is None:
         if exp.floor is not None:
-            problems.append(f"fresh start although step {exp.floor_step} (seq {exp.floor}) was "
-                            f"provably complete ({exp.where}): {exp.detail}")
+            problems.append(
+                f"fresh start although step {exp.floor_step} (seq {exp.floor}) was "
+                f"provably complete ({exp.where}): {exp.detail}"
+            )
     elif exp.floor is not None and seq is not None and seq < exp.floor:
-        problems.append(f"restored step {step} (seq {seq}), older than step {exp.floor_step} "
-                        f"(seq {exp.floor}) provably complete ({exp.where}): {exp.detail}")
+        problems.append(
+            f"restored step {step} (seq {seq}), older than step {exp.floor_step} "
+            f"(seq {exp.floor}) provably complete ({exp.where}): {exp.detail}"
+        )
     if exp.newest is not None and (seq is None or seq < exp.newest):
         lines = [ln for o in outcomes.values() for ln in o.errors]
         said = any("restore" in ln or f"step {exp.newest_step}" in ln for ln in lines)
         what = "fresh start" if step is None else f"fallback to step {step}"
         if not said:
-            problems.append(f"unexplained {what}: step {exp.newest_step} (seq {exp.newest}) "
-                            "existed before the fault, no replicator.errors line names the "
-                            "restore or that step")
+            problems.append(
+                f"unexplained {what}: step {exp.newest_step} (seq {exp.newest}) "
+                "existed before the fault, no replicator.errors line names the "
+                "restore or that step"
+            )
         if step is None and not any((o.wait_rc or 0) != 0 for o in outcomes.values()):
-            problems.append(f"fresh start while step {exp.newest_step} existed, but every "
-                            "`tierfs wait` exited 0")
+            problems.append(
+                f"fresh start while step {exp.newest_step} existed, but every "
+                "`tierfs wait` exited 0"
+            )
     return problems

@@ -40,8 +40,13 @@ def err(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
     return 0
 
 
-def in_child(fn: Callable[..., Any], *args: Any, uid: int | None = None,
-             gid: int | None = None, cwd: str | Path | None = None) -> Any:
+def in_child(
+    fn: Callable[..., Any],
+    *args: Any,
+    uid: int | None = None,
+    gid: int | None = None,
+    cwd: str | Path | None = None,
+) -> Any:
     """Run ``fn(*args)`` in a forked child and return its result.
 
     The child first changes to ``cwd`` (as root, so it may sit below
@@ -71,7 +76,7 @@ def in_child(fn: Callable[..., Any], *args: Any, uid: int | None = None,
                 out = ("error", traceback.format_exc())
             data = pickle.dumps(out)
             while data:
-                data = data[os.write(w, data):]
+                data = data[os.write(w, data) :]
         except BaseException:
             code = 1
         finally:
@@ -94,8 +99,13 @@ def in_child(fn: Callable[..., Any], *args: Any, uid: int | None = None,
     return value
 
 
-def as_user(fn: Callable[..., Any], *args: Any, cwd: str | Path | None = None,
-            uid: int = USER, gid: int = GROUP) -> Any:
+def as_user(
+    fn: Callable[..., Any],
+    *args: Any,
+    cwd: str | Path | None = None,
+    uid: int = USER,
+    gid: int = GROUP,
+) -> Any:
     """:func:`in_child` as the unprivileged test user."""
     return in_child(fn, *args, uid=uid, gid=gid, cwd=cwd)
 
@@ -133,7 +143,7 @@ def fork_many(n: int, fn: Callable[[int], Any]) -> list[Any]:
                     out = ("error", traceback.format_exc())
                 data = pickle.dumps(out)
                 while data:
-                    data = data[os.write(w, data):]
+                    data = data[os.write(w, data) :]
             except BaseException:
                 code = 1
             finally:

@@ -30,19 +30,34 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float
         except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
             last = exc
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}"
-                         + (f" (last error: {last!r})" if last else ""))
+    raise AssertionError(
+        f"timed out after {timeout:.0f} s waiting for {what}"
+        + (f" (last error: {last!r})" if last else "")
+    )
 
 
-def handshake(root: Path, rank: int, nodes: int, *, job: str = "job",
-              extra: tuple[str, ...] = (), timeout: float = 90) -> dict[str, Any]:
+def handshake(
+    root: Path,
+    rank: int,
+    nodes: int,
+    *,
+    job: str = "job",
+    extra: tuple[str, ...] = (),
+    timeout: float = 90,
+) -> dict[str, Any]:
     """Write replicator.yaml as Orbax does, wait for the restore marker and take it.
 
     Returns {"restored": step or None, "files": {...}, "prerestore": text, "errors": text,
     "markers": the marker names found}.
     """
-    lines = [f"job-name: {job}", "framework: orbax", f"node-rank: {rank}", f"nodes: {nodes}",
-             "peers-per-node: 1", *extra]
+    lines = [
+        f"job-name: {job}",
+        "framework: orbax",
+        f"node-rank: {rank}",
+        f"nodes: {nodes}",
+        "peers-per-node: 1",
+        *extra,
+    ]
     yml = root / "replicator.yaml"
     wait_for(lambda: not yml.exists(), timeout, "an earlier replicator.yaml to go")
     tmp = root / "replicator.yaml.tmp"
@@ -52,14 +67,24 @@ def handshake(root: Path, rank: int, nodes: int, *, job: str = "job",
     failed = root / "replicator.failed"
     if failed.exists():
         raise AssertionError(f"node {rank}: replicator.failed: {failed.read_text()}")
-    markers = wait_for(lambda: sorted(glob.glob(str(root / "*.restore"))), timeout,
-                       f"node {rank}: a restore marker")
-    prerestore = (root / "replicator.prerestore").read_text() \
-        if (root / "replicator.prerestore").exists() else ""
+    markers = wait_for(
+        lambda: sorted(glob.glob(str(root / "*.restore"))),
+        timeout,
+        f"node {rank}: a restore marker",
+    )
+    prerestore = (
+        (root / "replicator.prerestore").read_text()
+        if (root / "replicator.prerestore").exists()
+        else ""
+    )
     errors_path = root / "replicator.errors"
-    out: dict[str, Any] = {"restored": None, "files": {}, "prerestore": prerestore,
-                           "errors": errors_path.read_text() if errors_path.exists() else "",
-                           "markers": [os.path.basename(m) for m in markers]}
+    out: dict[str, Any] = {
+        "restored": None,
+        "files": {},
+        "prerestore": prerestore,
+        "errors": errors_path.read_text() if errors_path.exists() else "",
+        "markers": [os.path.basename(m) for m in markers],
+    }
     real = []
     for m in markers:
         step = int(MARKER.match(os.path.basename(m))["step"])  # type: ignore[index]

@@ -38,8 +38,13 @@ class FakeGcs(GcsEmulator):
     """The product's emulator launcher plus what tests need: a bucket name,
     freezing the server (requests hang) and an environment for subprocesses."""
 
-    def __init__(self, root: Path, port: int | None = None, backend: str = "filesystem",
-                 external_url: str | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        port: int | None = None,
+        backend: str = "filesystem",
+        external_url: str | None = None,
+    ) -> None:
         super().__init__(root, port, backend, external_url)
         self.bucket = ""
 
@@ -75,8 +80,11 @@ class FakeGcs(GcsEmulator):
         from google.auth.credentials import AnonymousCredentials
         from google.cloud import storage
 
-        return storage.Client(project="tierfs-test", credentials=AnonymousCredentials(),
-                              client_options={"api_endpoint": self.url})
+        return storage.Client(
+            project="tierfs-test",
+            credentials=AnonymousCredentials(),
+            client_options={"api_endpoint": self.url},
+        )
 
     def create_bucket(self, name: str | None = None) -> str:
         name = name or f"tierfs-test-{uuid.uuid4().hex[:10]}"
@@ -97,8 +105,9 @@ def fake_gcs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGc
     server = FakeGcs(tmp_path / "fake-gcs")
     server.start()
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
-    monkeypatch.setenv("TIERFS_GCS_RETRY_DEADLINE", os.environ.get(
-        "TIERFS_GCS_RETRY_DEADLINE", "15"))
+    monkeypatch.setenv(
+        "TIERFS_GCS_RETRY_DEADLINE", os.environ.get("TIERFS_GCS_RETRY_DEADLINE", "15")
+    )
     monkeypatch.delenv("GOOGLE_CLOUD_PROJECT", raising=False)
     try:
         server.bucket = server.create_bucket()
@@ -165,8 +174,9 @@ class FaultyProxy:
                     self.wfile.write(msg)
                     return
                 conn = http.client.HTTPConnection(proxy.target, timeout=60)
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("host", "connection")}
+                headers = {
+                    k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")
+                }
                 try:
                     conn.request(self.command, self.path, body=body, headers=headers)
                     resp = conn.getresponse()
@@ -182,8 +192,7 @@ class FaultyProxy:
                 try:
                     self.send_response(resp.status)
                     for k, v in resp.getheaders():
-                        if k.lower() not in ("transfer-encoding", "connection",
-                                             "content-length"):
+                        if k.lower() not in ("transfer-encoding", "connection", "content-length"):
                             self.send_header(k, v)
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
@@ -210,9 +219,16 @@ class FaultyProxy:
 # ---------------------------------------------------------------------- shards for tests
 
 
-def make_shard(ram_dir: Path, job: str, rank: int, step: int, files: dict[str, bytes | str],
-               framework: str = "orbax", entries: list[str] | None = None,
-               modes: dict[str, int] | None = None):
+def make_shard(
+    ram_dir: Path,
+    job: str,
+    rank: int,
+    step: int,
+    files: dict[str, bytes | str],
+    framework: str = "orbax",
+    entries: list[str] | None = None,
+    modes: dict[str, int] | None = None,
+):
     """Seal a shard from ``files`` (relative path -> bytes, or ``"->target"`` for a
     symlink, or ``"/"`` for an empty directory) in a RAM store at ``ram_dir``;
     ``modes`` sets permission bits before the seal.
@@ -236,8 +252,7 @@ def make_shard(ram_dir: Path, job: str, rank: int, step: int, files: dict[str, b
     for rel, mode in (modes or {}).items():
         os.chmod(view / rel, mode)
     tops = entries or sorted({rel.split("/", 1)[0] for rel in files})
-    return ShardStore(ram).snapshot(str(view), ShardKey(job, rank, step), tops[0], tops,
-                                    framework)
+    return ShardStore(ram).snapshot(str(view), ShardKey(job, rank, step), tops[0], tops, framework)
 
 
 def tree_of(root: Path) -> dict[str, object]:

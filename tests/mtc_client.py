@@ -86,9 +86,14 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=120)
     a = p.parse_args()
     root = a.root
-    yaml_lines = [f"job-name: {a.job}", "framework: orbax", f"node-rank: {a.rank}",
-                  f"nodes: {a.nodes}", f"peers-per-node: {a.peers_per_node}",
-                  "backup-interval-minutes: 30"]
+    yaml_lines = [
+        f"job-name: {a.job}",
+        "framework: orbax",
+        f"node-rank: {a.rank}",
+        f"nodes: {a.nodes}",
+        f"peers-per-node: {a.peers_per_node}",
+        "backup-interval-minutes: 30",
+    ]
     if a.dp:
         yaml_lines.insert(2, f"assume-data-parallelism: {a.dp}")
     yaml_path = os.path.join(root, "replicator.yaml")
@@ -112,8 +117,9 @@ def main() -> None:
         if match is None:
             raise SystemExit(f"odd marker name {m}")
         steps.append((int(match["step"]), m))
-    real = [(s, m) for s, m in steps if not (s == 0 and os.path.isfile(m)
-                                              and not os.path.islink(m))]
+    real = [
+        (s, m) for s, m in steps if not (s == 0 and os.path.isfile(m) and not os.path.islink(m))
+    ]
     owner = a.rank % (a.nodes // a.dp) if a.dp else a.rank
     result: dict = {"rank": a.rank, "markers": [os.path.basename(m) for m in found]}
     if real:
@@ -126,8 +132,11 @@ def main() -> None:
         # removes the sibling it pointed at; a walk that started through the
         # symlink can lose that race (reported to the agent's owner), so
         # read once the step is a directory
-        wait(lambda: not os.path.islink(os.path.join(root, str(step))), 30,
-             "the restored step to become a directory")
+        wait(
+            lambda: not os.path.islink(os.path.join(root, str(step))),
+            30,
+            "the restored step to become a directory",
+        )
         files = read_tree(os.path.join(root, str(step)))
         restored = step
         result["restored_digest"] = digest(files)

@@ -48,12 +48,24 @@ def check_error_files(d: Path) -> str:
     return errors
 
 
-def orbax_yaml(job: str, rank: int, nodes: int, peer_ranks: list[int] | None = None,
-               dp: int = 1, minutes: int = 30) -> str:
+def orbax_yaml(
+    job: str,
+    rank: int,
+    nodes: int,
+    peer_ranks: list[int] | None = None,
+    dp: int = 1,
+    minutes: int = 30,
+) -> str:
     """The yaml exactly as Orbax renders it: stripped lines, flow list, no trailing newline."""
-    lines = [f"job-name: {job}", "framework: orbax", f"assume-data-parallelism: {dp}",
-             f"node-rank: {rank}", f"nodes: {nodes}", f"peer-ranks: {peer_ranks or []}",
-             f"backup-interval-minutes: {minutes}"]
+    lines = [
+        f"job-name: {job}",
+        "framework: orbax",
+        f"assume-data-parallelism: {dp}",
+        f"node-rank: {rank}",
+        f"nodes: {nodes}",
+        f"peer-ranks: {peer_ranks or []}",
+        f"backup-interval-minutes: {minutes}",
+    ]
     return "\n".join(line.strip() for line in lines)
 
 
@@ -125,12 +137,25 @@ def orbax_read(d: Path, step: int, names: list[str]) -> dict[str, bytes]:
     return {n: (d / str(step) / "state" / "d" / n).read_bytes() for n in names}
 
 
-def nemo_write_yaml(d: Path, job: str, rank: int, nodes: int, peers_per_node: int = 1,
-                    peer_ranks: list[int] | None = None, timeout: float = 60) -> None:
+def nemo_write_yaml(
+    d: Path,
+    job: str,
+    rank: int,
+    nodes: int,
+    peers_per_node: int = 1,
+    peer_ranks: list[int] | None = None,
+    timeout: float = 60,
+) -> None:
     """The NeMo helper: wait for no yaml, then write it in place in block style."""
     wait_for(lambda: not (d / "replicator.yaml").exists(), timeout, "no replicator.yaml")
-    data = {"job-name": job, "framework": "pytorch.distributed", "node-rank": rank,
-            "nodes": nodes, "peers-per-node": peers_per_node, "backup-interval-minutes": 30}
+    data = {
+        "job-name": job,
+        "framework": "pytorch.distributed",
+        "node-rank": rank,
+        "nodes": nodes,
+        "peers-per-node": peers_per_node,
+        "backup-interval-minutes": 30,
+    }
     if peer_ranks is not None:
         data["peer-ranks"] = peer_ranks
     with open(d / "replicator.yaml", "w") as f:
@@ -141,8 +166,13 @@ def nemo_restore(d: Path, timeout: float = 60) -> int | None:
     """The NeMo helper's block_and_proces_restore_dir: first marker wins, s0 stays."""
     wait_for(lambda: not (d / "replicator.yaml").exists(), timeout, "replicator.yaml consumed")
     check_error_files(d)
-    pre = wait_for(lambda: (d / "replicator.prerestore").exists() and
-                   (d / "replicator.prerestore").read_text(), timeout, "replicator.prerestore")
+    pre = wait_for(
+        lambda: (
+            (d / "replicator.prerestore").exists() and (d / "replicator.prerestore").read_text()
+        ),
+        timeout,
+        "replicator.prerestore",
+    )
     info = yaml.safe_load(pre)
     int(info.get("restore-step", 0))  # crashes on None, as the helper does
     marker = wait_for(lambda: glob.glob(str(d / "*.restore")), timeout, "a marker")[0]
@@ -154,8 +184,9 @@ def nemo_restore(d: Path, timeout: float = 60) -> int | None:
     return step
 
 
-def nemo_save(d: Path, step: int, payload: dict[str, bytes], *, rename_to: int | None = None
-              ) -> None:
+def nemo_save(
+    d: Path, step: int, payload: dict[str, bytes], *, rename_to: int | None = None
+) -> None:
     """A NeMo DCP save: ``step=<N>-unfinished`` marker, per-rank files, finalize.
 
     With ``rename_to`` (async saves) the finalized ``step=<N>`` is renamed to digits.

@@ -25,9 +25,7 @@ from tierfs.demo.emulator import free_port
 CLIENT = str(Path(__file__).with_name("mtc_client.py"))
 
 
-
-def wait_until(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.1
-               ) -> Any:
+def wait_until(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
     """Poll ``cond`` until it returns something truthy; returns it."""
     deadline = time.monotonic() + timeout
     last_exc: Exception | None = None
@@ -39,8 +37,10 @@ def wait_until(cond: Callable[[], Any], timeout: float, what: str, interval: flo
         except (OSError, ValueError, KeyError, TypeError) as exc:
             last_exc = exc
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}"
-                         + (f" (last error: {last_exc})" if last_exc else ""))
+    raise AssertionError(
+        f"timed out after {timeout:.0f}s waiting for {what}"
+        + (f" (last error: {last_exc})" if last_exc else "")
+    )
 
 
 class Cluster:
@@ -55,10 +55,18 @@ class Cluster:
         coordinator: pass ``--coordinator`` (node 0's address) to every node.
     """
 
-    def __init__(self, make_mount: Any, n: int, *, extra: tuple[str, ...] = (),
-                 token: str = "t", join_timeout: float = 60, start: bool = True,
-                 node_args: Callable[[int], list[str]] | None = None,
-                 coordinator: bool = True) -> None:
+    def __init__(
+        self,
+        make_mount: Any,
+        n: int,
+        *,
+        extra: tuple[str, ...] = (),
+        token: str = "t",
+        join_timeout: float = 60,
+        start: bool = True,
+        node_args: Callable[[int], list[str]] | None = None,
+        coordinator: bool = True,
+    ) -> None:
         self.make_mount = make_mount
         self.n = n
         self.coordinator = coordinator
@@ -74,9 +82,17 @@ class Cluster:
 
     def args(self, i: int) -> list[str]:
         coord = ["--coordinator", f"127.0.0.1:{self.ports[0]}"] if self.coordinator else []
-        return ["--listen", f"127.0.0.1:{self.ports[i]}", *coord,
-                "--peer-token", self.token, "--join-timeout", str(self.join_timeout),
-                *self.extra, *(self.node_args(i) if self.node_args else [])]
+        return [
+            "--listen",
+            f"127.0.0.1:{self.ports[i]}",
+            *coord,
+            "--peer-token",
+            self.token,
+            "--join-timeout",
+            str(self.join_timeout),
+            *self.extra,
+            *(self.node_args(i) if self.node_args else []),
+        ]
 
     def move(self, i: int) -> None:
         """Give node ``i`` a new port for its next mount (a restart elsewhere)."""
@@ -96,34 +112,51 @@ class Cluster:
         p = self.mounts[i].view / "replicator.errors"
         return p.read_text() if p.exists() else ""
 
-    def clients(self, *, steps: str = "", ranks: list[int] | None = None, timeout: float = 120,
-                **kw: Any) -> list[dict[str, Any]]:
+    def clients(
+        self, *, steps: str = "", ranks: list[int] | None = None, timeout: float = 120, **kw: Any
+    ) -> list[dict[str, Any]]:
         """Run one trainer per node at once; returns their JSON results by rank."""
         ranks = list(range(self.n)) if ranks is None else ranks
         procs = []
         for r in ranks:
-            cmd = [sys.executable, CLIENT, str(self.root(r)), "--rank", str(r), "--nodes",
-                   str(self.n), "--steps", steps, "--timeout", str(timeout)]
+            cmd = [
+                sys.executable,
+                CLIENT,
+                str(self.root(r)),
+                "--rank",
+                str(r),
+                "--nodes",
+                str(self.n),
+                "--steps",
+                steps,
+                "--timeout",
+                str(timeout),
+            ]
             for k, v in kw.items():
                 cmd += [f"--{k.replace('_', '-')}", str(v)]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True))
+            procs.append(
+                subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            )
         results = []
         for r, proc in zip(ranks, procs, strict=True):
             out, err = proc.communicate(timeout=timeout + 60)
             line = out.strip().splitlines()[-1] if out.strip() else "{}"
             result = json.loads(line)
             if proc.returncode != 0 or "error" in result:
-                raise AssertionError(f"trainer on node {r} failed: {result} {err[-2000:]}\n"
-                                     + self.logs())
+                raise AssertionError(
+                    f"trainer on node {r} failed: {result} {err[-2000:]}\n" + self.logs()
+                )
             results.append(result)
         return results
 
     def wait_synced(self, step: int, timeout: float = 60) -> None:
         """Until every node reports ``step`` as the cluster's last sync round."""
         for i in range(self.n):
-            wait_until(lambda i=i: (self.peer(i)["sync"].get("step") or -1) >= step, timeout,
-                       f"node {i} to report sync round {step}")
+            wait_until(
+                lambda i=i: (self.peer(i)["sync"].get("step") or -1) >= step,
+                timeout,
+                f"node {i} to report sync round {step}",
+            )
 
     def lose(self, i: int) -> None:
         """kill -9 node ``i``'s daemon and wipe its RAM (its ram-dir)."""

@@ -35,8 +35,7 @@ def cleanup():
     yield paths
     for p in paths:
         if is_mounted(p):
-            subprocess.run([*TIERFS, "unmount", "--lazy", str(p)], capture_output=True,
-                           check=False)
+            subprocess.run([*TIERFS, "unmount", "--lazy", str(p)], capture_output=True, check=False)
             if is_mounted(p):
                 subprocess.run(["umount", "-l", str(p)], capture_output=True, check=False)
 
@@ -78,44 +77,71 @@ def test_already_mounted(make_mount, tmp_path):
     assert (m.path / ".tierfs" / "status.json").exists()  # the first mount is untouched
 
 
-@pytest.mark.parametrize(("size", "why"), [
-    ("12XB", "unknown suffix"), ("lots", "not a size"), ("-5GiB", "negative"),
-    ("0", "positive"), ("1.2.3G", "not a size"), ("", "empty"), ("8g", "did you mean G?"),
-    ("1.5", "whole number of bytes")])
+@pytest.mark.parametrize(
+    ("size", "why"),
+    [
+        ("12XB", "unknown suffix"),
+        ("lots", "not a size"),
+        ("-5GiB", "negative"),
+        ("0", "positive"),
+        ("1.2.3G", "not a size"),
+        ("", "empty"),
+        ("8g", "did you mean G?"),
+        ("1.5", "whole number of bytes"),
+    ],
+)
 def test_size_unparsable(tmp_path, ram_dir, size, why):
     (tmp_path / "mnt").mkdir()
-    proc = tierfs("mount", str(tmp_path / "mnt"), "--ram-dir", str(ram_dir), "--size", size,
-                  check=False)
+    proc = tierfs(
+        "mount", str(tmp_path / "mnt"), "--ram-dir", str(ram_dir), "--size", size, check=False
+    )
     one_line_error(proc, "--size", why)
     assert not is_mounted(tmp_path / "mnt")
     assert not ram_dir.exists()
 
 
-@pytest.mark.parametrize(("name", "value"), [("TIERFS_GCS_TICK", "fast"),
-                                             ("TIERFS_GCS_THREADS", "0")])
+@pytest.mark.parametrize(
+    ("name", "value"), [("TIERFS_GCS_TICK", "fast"), ("TIERFS_GCS_THREADS", "0")]
+)
 def test_bad_environment_variable_fails_the_mount(tmp_path, ram_dir, name, value):
     """Regression: a malformed TIERFS_* value was silently replaced by its default."""
     (tmp_path / "mnt").mkdir()
-    proc = tierfs("mount", str(tmp_path / "mnt"), "--ram-dir", str(ram_dir), check=False,
-                  env=dict(os.environ, **{name: value}))
+    proc = tierfs(
+        "mount",
+        str(tmp_path / "mnt"),
+        "--ram-dir",
+        str(ram_dir),
+        check=False,
+        env=dict(os.environ, **{name: value}),
+    )
     one_line_error(proc, f"{name}={value!r}")
     assert not is_mounted(tmp_path / "mnt")
     assert not ram_dir.exists()
 
 
-@pytest.mark.parametrize("opt", ["bogus", "allow_other,frobnicate", "attr_timeout=abc",
-                                 "entry_timeout=-1", "attr_timeout=inf", "attr_timeout=nan",
-                                 "entry_timeout=1e30", "entry_timeout=-inf",
-                                 "negative_timeout=nan", "max_read=0",
-                                 "allow_other,no_default_permissions",
-                                 "no_default_permissions,allow_root"])
+@pytest.mark.parametrize(
+    "opt",
+    [
+        "bogus",
+        "allow_other,frobnicate",
+        "attr_timeout=abc",
+        "entry_timeout=-1",
+        "attr_timeout=inf",
+        "attr_timeout=nan",
+        "entry_timeout=1e30",
+        "entry_timeout=-inf",
+        "negative_timeout=nan",
+        "max_read=0",
+        "allow_other,no_default_permissions",
+        "no_default_permissions,allow_root",
+    ],
+)
 def test_unknown_or_bad_mount_option(tmp_path, ram_dir, opt):
     """Regression (inf, nan, 1e30): accepted, then every stat failed with EIO
     (the timeout did not fit the reply). Regression (issue 13): no_default_permissions
     with allow_other let every user chmod and write every other user's files."""
     (tmp_path / "mnt").mkdir()
-    proc = tierfs("mount", str(tmp_path / "mnt"), "--ram-dir", str(ram_dir), "-o", opt,
-                  check=False)
+    proc = tierfs("mount", str(tmp_path / "mnt"), "--ram-dir", str(ram_dir), "-o", opt, check=False)
     line = one_line_error(proc)
     bad = opt.split(",")[-1]
     assert bad in line, line
@@ -154,8 +180,9 @@ def test_ram_dir_inside_the_mountpoint_is_refused(tmp_path):
 
 def test_mountpoint_inside_the_ram_dir_is_refused(tmp_path, ram_dir):
     (ram_dir / "view" / "x").mkdir(parents=True)
-    proc = tierfs("mount", str(ram_dir / "view" / "x"), "--ram-dir", str(ram_dir),
-                  check=False, timeout=20)
+    proc = tierfs(
+        "mount", str(ram_dir / "view" / "x"), "--ram-dir", str(ram_dir), check=False, timeout=20
+    )
     one_line_error(proc, "must not be inside --ram-dir")
 
 
@@ -165,10 +192,10 @@ def test_ram_dir_inside_another_mounts_ram_dir_is_refused(make_mount, tmp_path):
     m = make_mount()
     for inner in (m.ram_dir / "view", m.ram_dir / "store" / "x"):
         (tmp_path / "mnt2").mkdir(exist_ok=True)
-        proc = tierfs("mount", str(tmp_path / "mnt2"), "--ram-dir", str(inner), check=False,
-                      timeout=20)
-        one_line_error(proc, f"must not be inside the ram-dir {m.ram_dir} of another "
-                             "tierfs mount")
+        proc = tierfs(
+            "mount", str(tmp_path / "mnt2"), "--ram-dir", str(inner), check=False, timeout=20
+        )
+        one_line_error(proc, f"must not be inside the ram-dir {m.ram_dir} of another tierfs mount")
         assert not is_mounted(tmp_path / "mnt2")
     assert sorted(os.listdir(m.path)) == [".tierfs"]
 
@@ -211,9 +238,17 @@ def test_tmpfs_ram_dir_gives_no_warning(tmp_path, ram_dir, cleanup):
     tierfs("unmount", str(tmp_path / "mnt"))
 
 
-@pytest.mark.parametrize(("size", "expect"), [("8GiB", 8 * GiB), ("512MiB", 512 * MiB),
-                                              ("100000000", 100_000_000), ("64Mi", 64 * MiB),
-                                              ("64M", 64 * 10**6), ("1.5Gi", 3 * GiB // 2)])
+@pytest.mark.parametrize(
+    ("size", "expect"),
+    [
+        ("8GiB", 8 * GiB),
+        ("512MiB", 512 * MiB),
+        ("100000000", 100_000_000),
+        ("64Mi", 64 * MiB),
+        ("64M", 64 * 10**6),
+        ("1.5Gi", 3 * GiB // 2),
+    ],
+)
 def test_size_formats(make_mount, size, expect):
     """The budget is a tmpfs of that size (rounded down to pages) on the ram-dir.
     Sizes are Kubernetes quantities: ``64M`` is 64·10⁶ bytes, and says so."""
@@ -222,9 +257,11 @@ def test_size_formats(make_mount, size, expect):
     m = make_mount("--size", size)
     notes = [line for line in m.mount_stderr.splitlines() if "note:" in line]
     if size == "64M":
-        assert notes == ["tierfs: note: --size 64M is 64000000 bytes = 61.04 MiB: M is 10^6 "
-                         "as in Kubernetes (older tierfs read 64M as 64 MiB); write 64Mi "
-                         "for 64 MiB"]
+        assert notes == [
+            "tierfs: note: --size 64M is 64000000 bytes = 61.04 MiB: M is 10^6 "
+            "as in Kubernetes (older tierfs read 64M as 64 MiB); write 64Mi "
+            "for 64 MiB"
+        ]
     else:
         assert notes == []
     status = json.loads((m.path / ".tierfs" / "status.json").read_text())
@@ -257,12 +294,23 @@ def test_foreground_stays_then_sigterm_unmounts(tmp_path, ram_dir, cleanup):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     cleanup.append(mnt)
-    proc = subprocess.Popen([*TIERFS, "mount", str(mnt), "--ram-dir", str(ram_dir),
-                             "--foreground", "-o", "allow_other"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            *TIERFS,
+            "mount",
+            str(mnt),
+            "--ram-dir",
+            str(ram_dir),
+            "--foreground",
+            "-o",
+            "allow_other",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        assert _wait(lambda: (mnt / ".tierfs" / "status.json").exists()
-                     or proc.poll() is not None)
+        assert _wait(lambda: (mnt / ".tierfs" / "status.json").exists() or proc.poll() is not None)
         assert proc.poll() is None, proc.communicate()
         status = json.loads((mnt / ".tierfs" / "status.json").read_text())
         assert status["pid"] == proc.pid  # the daemon is this very process
@@ -336,9 +384,17 @@ def test_peer_token_stays_off_the_daemons_command_line(tmp_path, ram_dir, cleanu
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     cleanup.append(mnt)
-    tierfs("mount", str(mnt), "--ram-dir", str(ram_dir), "--listen", f"127.0.0.1:{port}",
-           "--coordinator", f"127.0.0.1:{port}",
-           env=dict(os.environ, TIERFS_PEER_TOKEN=secret))
+    tierfs(
+        "mount",
+        str(mnt),
+        "--ram-dir",
+        str(ram_dir),
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        env=dict(os.environ, TIERFS_PEER_TOKEN=secret),
+    )
     pid = int((ram_dir / "store" / "daemon.pid").read_text().split()[0])
     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     assert b"_daemon" in cmdline
@@ -346,12 +402,14 @@ def test_peer_token_stays_off_the_daemons_command_line(tmp_path, ram_dir, cleanu
     # the daemon got the token all the same: the peer service accepts it, and only it
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         peer = pb2_grpc.PeerStub(ch)
-        reply = peer.Inventory(pb2.InventoryRequest(job="j"),
-                               metadata=(("x-tierfs-token", secret),), timeout=10)
+        reply = peer.Inventory(
+            pb2.InventoryRequest(job="j"), metadata=(("x-tierfs-token", secret),), timeout=10
+        )
         assert list(reply.shards) == []
         with pytest.raises(grpc.RpcError) as err:
-            peer.Inventory(pb2.InventoryRequest(job="j"),
-                           metadata=(("x-tierfs-token", "wrong"),), timeout=10)
+            peer.Inventory(
+                pb2.InventoryRequest(job="j"), metadata=(("x-tierfs-token", "wrong"),), timeout=10
+            )
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     status = tierfs("status", str(mnt), "--json").stdout + tierfs("status", str(mnt)).stdout
     assert secret not in status
@@ -377,10 +435,17 @@ def test_a_reused_daemon_pid_does_not_block_recovery(make_mount, tmp_path):
         stranger.wait()
     # a process that holds the ram-dir open is still taken for a daemon
     m.unmount()
-    holder = subprocess.Popen(["python3", "-c", "import os, sys, time; "
-                               "os.open(sys.argv[1], os.O_RDONLY); print(flush=True); "
-                               "time.sleep(60)", str(m.ram_dir / "view")],
-                              stdout=subprocess.PIPE)
+    holder = subprocess.Popen(
+        [
+            "python3",
+            "-c",
+            "import os, sys, time; "
+            "os.open(sys.argv[1], os.O_RDONLY); print(flush=True); "
+            "time.sleep(60)",
+            str(m.ram_dir / "view"),
+        ],
+        stdout=subprocess.PIPE,
+    )
     other = tmp_path / "other"
     other.mkdir()
     try:
@@ -427,9 +492,16 @@ def test_status_prints_user_text_with_markup_characters_verbatim(make_mount):
     crash with rich.errors.MarkupError."""
     m = make_mount()
     (m.path / "replicator.yaml").write_text(
-        'job-name: "x[/bold]y"\nframework: orbax\nnode-rank: 0\nnodes: 1\n')
-    assert _wait(lambda: "x[/bold]y" in " ".join(
-        json.loads(tierfs("status", str(m.path), "--json").stdout).get("errors", [])))
+        'job-name: "x[/bold]y"\nframework: orbax\nnode-rank: 0\nnodes: 1\n'
+    )
+    assert _wait(
+        lambda: (
+            "x[/bold]y"
+            in " ".join(
+                json.loads(tierfs("status", str(m.path), "--json").stdout).get("errors", [])
+            )
+        )
+    )
     proc = tierfs("status", str(m.path), check=False)
     assert proc.returncode == 0, proc.stderr
     assert "x[/bold]y" in proc.stdout and "MarkupError" not in proc.stderr
@@ -438,9 +510,21 @@ def test_status_prints_user_text_with_markup_characters_verbatim(make_mount):
 def test_status_table_cells_are_not_markup(capsys):
     from tierfs.status import render_status
 
-    render_status({"mountpoint": "/m[/red]", "steps": [
-        {"step": 1, "name": "step_1[/bold]", "state": "sealed", "bytes": 1, "where": ["[b]x"]}],
-        "errors": ["[/i] broken"]})
+    render_status(
+        {
+            "mountpoint": "/m[/red]",
+            "steps": [
+                {
+                    "step": 1,
+                    "name": "step_1[/bold]",
+                    "state": "sealed",
+                    "bytes": 1,
+                    "where": ["[b]x"],
+                }
+            ],
+            "errors": ["[/i] broken"],
+        }
+    )
     out = capsys.readouterr().out
     for text in ("/m[/red]", "step_1[/bold]", "[b]x", "[/i] broken"):
         assert text in out, out
@@ -466,13 +550,24 @@ def test_mountpoint_given_through_a_symlink(tmp_path, ram_dir, cleanup):
 
 
 @pytest.mark.parametrize("foreground", [False, True])
-@pytest.mark.parametrize(("log", "why"), [("/nonexistent/dir/log", "No such file or directory"),
-                                          ("/tmp", "Is a directory")])
+@pytest.mark.parametrize(
+    ("log", "why"),
+    [("/nonexistent/dir/log", "No such file or directory"), ("/tmp", "Is a directory")],
+)
 def test_unusable_log_file_is_a_one_line_error(tmp_path, ram_dir, log, why, foreground):
     """Regression: `--log-file /nonexistent/dir/log` printed a raw traceback."""
     (tmp_path / "mnt").mkdir()
-    proc = tierfs("mount", str(tmp_path / "mnt"), "--ram-dir", str(ram_dir), "--log-file", log,
-                  *(["-f"] if foreground else []), check=False, timeout=30)
+    proc = tierfs(
+        "mount",
+        str(tmp_path / "mnt"),
+        "--ram-dir",
+        str(ram_dir),
+        "--log-file",
+        log,
+        *(["-f"] if foreground else []),
+        check=False,
+        timeout=30,
+    )
     one_line_error(proc, f"--log-file {log}", why)
     assert "Traceback" not in proc.stderr
     assert not is_mounted(tmp_path / "mnt")
@@ -491,8 +586,9 @@ def test_size_below_one_mib_is_refused(tmp_path, ram_dir, size, cleanup):
     """Regression: `--size 1` was accepted silently (every write then failed)."""
     (tmp_path / "mnt").mkdir()
     cleanup.append(tmp_path / "mnt")
-    proc = tierfs("mount", str(tmp_path / "mnt"), "--ram-dir", str(ram_dir), "--size", size,
-                  check=False)
+    proc = tierfs(
+        "mount", str(tmp_path / "mnt"), "--ram-dir", str(ram_dir), "--size", size, check=False
+    )
     one_line_error(proc, "--size", "too small", "at least 1.0 MiB")
     assert not is_mounted(tmp_path / "mnt")
     assert not ram_dir.exists()

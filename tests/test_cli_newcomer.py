@@ -55,13 +55,19 @@ def installed_tierfs() -> list[str]:
 
 # --------------------------------------------------------------------------- the daemon spawn
 
+
 def test_mount_from_a_directory_holding_a_tierfs_folder(tmp_path, mnt, ram_dir):
     """Regression: `mkdir -p X/tierfs M && cd X && tierfs mount ../M --ram-dir ...` said
     "daemon exited with status 1" (the daemon, spawned as `python -m tierfs`, imported
     X/tierfs: ImportError: cannot import name '__version__' from 'tierfs')."""
     (tmp_path / "X" / "tierfs").mkdir(parents=True)
-    proc = subprocess.run([*installed_tierfs(), "mount", "../M", "--ram-dir", str(ram_dir)],
-                          cwd=tmp_path / "X", capture_output=True, text=True, timeout=150)
+    proc = subprocess.run(
+        [*installed_tierfs(), "mount", "../M", "--ram-dir", str(ram_dir)],
+        cwd=tmp_path / "X",
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert proc.returncode == 0, proc.stderr
     assert is_mounted(mnt)
     pid = status_of(mnt)["pid"]
@@ -69,8 +75,7 @@ def test_mount_from_a_directory_holding_a_tierfs_folder(tmp_path, mnt, ram_dir):
     assert "ImportError" not in (ram_dir / "store" / "daemon.log").read_text()
 
 
-def test_csi_node_mount_from_a_directory_holding_a_tierfs_folder(tmp_path, ram_dir,
-                                                                 monkeypatch):
+def test_csi_node_mount_from_a_directory_holding_a_tierfs_folder(tmp_path, ram_dir, monkeypatch):
     """The CSI driver runs `tierfs mount` the same way: a `tierfs` folder in its cwd
     must not break it either."""
     from tierfs.csi.nodemount import SupervisedMount
@@ -97,11 +102,11 @@ sys.exit(1)
 
 def _mount_with_fake_daemon(tmp_path, ram_dir, monkeypatch, linger: float):
     monkeypatch.setenv("FAKE_DAEMON_LINGER", str(linger))
-    monkeypatch.setattr(tierfs_pkg, "command",
-                        lambda *args: [sys.executable, "-c", FAKE_DAEMON, *args])
+    monkeypatch.setattr(
+        tierfs_pkg, "command", lambda *args: [sys.executable, "-c", FAKE_DAEMON, *args]
+    )
     (tmp_path / "m").mkdir()
-    return CliRunner().invoke(cli.main, ["mount", str(tmp_path / "m"), "--ram-dir",
-                                         str(ram_dir)])
+    return CliRunner().invoke(cli.main, ["mount", str(tmp_path / "m"), "--ram-dir", str(ram_dir)])
 
 
 def test_a_daemon_dying_at_start_is_reported_as_its_exit(tmp_path, ram_dir, monkeypatch):
@@ -113,8 +118,7 @@ def test_a_daemon_dying_at_start_is_reported_as_its_exit(tmp_path, ram_dir, monk
     result = _mount_with_fake_daemon(tmp_path, ram_dir, monkeypatch, linger=1.0)
     assert result.exit_code == 1
     assert "did not become ready" not in result.output
-    assert "daemon exited with status 1 at start: ImportError: cannot import name" \
-        in result.output
+    assert "daemon exited with status 1 at start: ImportError: cannot import name" in result.output
     assert f"(log: {ram_dir}/store/daemon.log)" in result.output
     assert time.monotonic() - started < 60
 
@@ -129,13 +133,16 @@ def test_a_daemon_that_never_reports_is_a_timeout(tmp_path, ram_dir, monkeypatch
 
 # --------------------------------------------------------------------------- mount output, help
 
+
 def test_mount_says_what_it_mounted(mnt, ram_dir):
     """Regression: `tierfs mount` printed nothing on success."""
     proc = tierfs("mount", str(mnt), "--ram-dir", str(ram_dir), "-o", "no_passthrough")
     assert proc.stderr == ""
     line = proc.stdout.strip()
-    assert line.startswith(f"mounted {mnt} (ram-dir {ram_dir}): generic mode, job default "
-                           "rank 0/1; passthrough off; RAM "), line
+    assert line.startswith(
+        f"mounted {mnt} (ram-dir {ram_dir}): generic mode, job default "
+        "rank 0/1; passthrough off; RAM "
+    ), line
     assert line.endswith(f"; log {ram_dir}/store/daemon.log")
     tierfs("unmount", str(mnt))
     line = tierfs("mount", str(mnt), "--ram-dir", str(ram_dir), "--job", "llama").stdout
@@ -155,9 +162,13 @@ def test_mount_help_names_what_is_required_and_the_defaults():
 
 # --------------------------------------------------------------------------- status
 
+
 def _counted_after(path: Path, t: float) -> dict:
-    return wait_for(lambda: (lambda s: s if s["usage"]["counted_at"] > t else None)(
-        status_of(path)), 60, "a count of the ram-dir")
+    return wait_for(
+        lambda: (lambda s: s if s["usage"]["counted_at"] > t else None)(status_of(path)),
+        60,
+        "a count of the ram-dir",
+    )
 
 
 def test_status_ram_is_tierfs_own_bytes_not_the_filesystem(mnt, ram_dir):
@@ -175,8 +186,14 @@ def test_status_ram_is_tierfs_own_bytes_not_the_filesystem(mnt, ram_dir):
             tmp.mkdir()
             (tmp / "model.pt").write_bytes(os.urandom(MiB))
             os.rename(tmp, mnt / f"checkpoint-{step}")
-        wait_for(lambda: {s["step"] for s in status_of(mnt)["steps"]
-                          if s["state"] in ("sealed", "verified")} >= {9, 10}, 60, "the seals")
+        wait_for(
+            lambda: (
+                {s["step"] for s in status_of(mnt)["steps"] if s["state"] in ("sealed", "verified")}
+                >= {9, 10}
+            ),
+            60,
+            "the seals",
+        )
         before.unlink()
         after.write_bytes(b"\2" * (100 * MiB))  # another program fills the tmpfs
         status = _counted_after(mnt, time.time())
@@ -207,13 +224,21 @@ def test_status_piped_is_not_wrapped_at_80_columns(tmp_path, ram_dir):
     try:
         tierfs("mount", str(deep), "--ram-dir", str(ram_dir))
         _counted_after(deep, 0)
-        out = subprocess.run([*TIERFS, "status", str(deep)], capture_output=True, text=True,
-                             env={**os.environ, "COLUMNS": "80"}, check=True).stdout
+        out = subprocess.run(
+            [*TIERFS, "status", str(deep)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "COLUMNS": "80"},
+            check=True,
+        ).stdout
         lines = out.splitlines()
-        assert any(ln.startswith(f"mount      {deep}  (pid ") and ln.endswith(f"{ram_dir})")
-                   for ln in lines), out
-        assert any(ln.startswith("ram        tierfs holds") and ln.endswith("s ago)")
-                   for ln in lines), out
+        assert any(
+            ln.startswith(f"mount      {deep}  (pid ") and ln.endswith(f"{ram_dir})")
+            for ln in lines
+        ), out
+        assert any(
+            ln.startswith("ram        tierfs holds") and ln.endswith("s ago)") for ln in lines
+        ), out
         assert any(ln.startswith("budget     ") and "passthrough o" in ln for ln in lines), out
         data = json.loads(tierfs("status", str(deep), "--json").stdout)
         assert data["mountpoint"] == str(deep) and data["usage"]["total_bytes"] >= 0

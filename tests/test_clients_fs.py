@@ -60,8 +60,10 @@ def _torch_state():
             "mask": torch.rand(3000, generator=g) > 0.5,
             "nan": torch.tensor([float("nan"), float("inf"), -0.0]),
         },
-        "optim": {"step": torch.tensor(12345, dtype=torch.int64),
-                  "exp_avg": torch.randn(777, 3, generator=g, dtype=torch.float64)},
+        "optim": {
+            "step": torch.tensor(12345, dtype=torch.int64),
+            "exp_avg": torch.randn(777, 3, generator=g, dtype=torch.float64),
+        },
         "meta": {"epoch": 3, "name": "run-1", "lr": 3e-4},
     }
 
@@ -88,8 +90,10 @@ def test_torch_save_load(fs, ref):
     loaded = torch.load(fs.path / "ckpt.pt", weights_only=True)
     _assert_bitwise_equal(state, loaded)
     # shared storage survives the round trip
-    assert loaded["model"]["layer.weight_t"].untyped_storage().data_ptr() == \
-        loaded["model"]["layer.weight"].untyped_storage().data_ptr()
+    assert (
+        loaded["model"]["layer.weight_t"].untyped_storage().data_ptr()
+        == loaded["model"]["layer.weight"].untyped_storage().data_ptr()
+    )
     mapped = torch.load(fs.path / "ckpt.pt", weights_only=True, mmap=True)
     _assert_bitwise_equal(state, mapped)
     del mapped
@@ -102,8 +106,7 @@ def test_torch_save_load(fs, ref):
     # saving through a file object (the usual "open(path, 'wb')" pattern) and overwrite
     with open(fs.path / "ckpt.pt", "wb") as f:
         torch.save({"small": torch.arange(5)}, f)
-    assert torch.equal(torch.load(fs.path / "ckpt.pt", weights_only=True)["small"],
-                       torch.arange(5))
+    assert torch.equal(torch.load(fs.path / "ckpt.pt", weights_only=True)["small"], torch.arange(5))
 
 
 def test_torch_distributed_checkpoint_single_process(fs, ref):
@@ -131,8 +134,9 @@ def test_torch_distributed_checkpoint_single_process(fs, ref):
         for k, v in tensors[group].items():
             got = target[group][k]
             assert got.dtype == v.dtype and got.shape == v.shape
-            assert torch.equal(got.reshape(-1).view(torch.uint8),
-                               v.reshape(-1).view(torch.uint8)), k
+            assert torch.equal(
+                got.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)
+            ), k
 
 
 def test_safetensors_save_and_mmap_load(fs, ref):
@@ -140,8 +144,7 @@ def test_safetensors_save_and_mmap_load(fs, ref):
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    state = {k: v.contiguous() for k, v in _torch_state()["model"].items()
-             if k != "layer.weight_t"}
+    state = {k: v.contiguous() for k, v in _torch_state()["model"].items() if k != "layer.weight_t"}
     meta = {"format": "pt"}  # one key: safetensors writes several in random order
     save_file(state, str(fs.path / "model.safetensors"), metadata=meta)
     save_file(state, str(ref / "model.safetensors"), metadata=meta)

@@ -52,10 +52,12 @@ def P(rnd, rank, step, digest=None):
 
 
 def test_newest_step_complete_for_every_rank():
-    inv = {0: [H(0, 4), H(0, 5), H(1, 4), H(1, 5)],
-           1: [H(1, 4), H(1, 5), H(0, 4), H(0, 5)],
-           2: [H(2, 4), H(2, 5), H(3, 4), H(3, 5)],
-           3: []}  # node 3 lost its RAM: its shards live on node 2
+    inv = {
+        0: [H(0, 4), H(0, 5), H(1, 4), H(1, 5)],
+        1: [H(1, 4), H(1, 5), H(0, 4), H(0, 5)],
+        2: [H(2, 4), H(2, 5), H(3, 4), H(3, 5)],
+        3: [],
+    }  # node 3 lost its RAM: its shards live on node 2
     c = choose_restore(4, inv)
     assert c.step == 5
     assert c.holders == {0: (0, 1), 1: (0, 1), 2: (2,), 3: (2,)}
@@ -128,8 +130,16 @@ def coord(**kw) -> tuple[Coordinator, Clock]:
 
 
 def join(c, rank, inv=(), rid=None, job="job", nodes=2, inc=None, mode="protocol"):
-    return c.join(job, nodes, rank, f"10.0.0.{rank}:7000", inc or f"inc{rank}", inv,
-                  rid if rid is not None else f"r{rank}", mode)
+    return c.join(
+        job,
+        nodes,
+        rank,
+        f"10.0.0.{rank}:7000",
+        inc or f"inc{rank}",
+        inv,
+        rid if rid is not None else f"r{rank}",
+        mode,
+    )
 
 
 def test_strict_round_waits_for_every_rank_then_decides_the_same_step():
@@ -154,11 +164,14 @@ def test_duplicate_join_keeps_the_newest():
     assert c.decide("job", 0, "new").step == 6
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    ({"rank": 2}, "out of range"),
-    ({"rank": 1, "job": "other"}, "job-name mismatch"),
-    ({"rank": 1, "nodes": 3}, "node count mismatch"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"rank": 2}, "out of range"),
+        ({"rank": 1, "job": "other"}, "job-name mismatch"),
+        ({"rank": 1, "nodes": 3}, "node count mismatch"),
+    ],
+)
 def test_rejected_joins_say_why(args, message):
     c, _ = coord()
     join(c, 0)
@@ -306,8 +319,9 @@ ROUND = "2025-01-01_00-00"
 
 def forced_view(step, name=ROUND, problem=None, nodes=2):
     parts = tuple(P(name, r, step) for r in range(nodes)) if step is not None else ()
-    return BucketView(parts=parts, rounds=(name,), forced=name, forced_step=step,
-                      forced_problem=problem)
+    return BucketView(
+        parts=parts, rounds=(name,), forced=name, forced_step=step, forced_problem=problem
+    )
 
 
 def answer(c, view):
@@ -343,8 +357,17 @@ def test_restore_version_that_cannot_be_restored_means_nothing():
     answer(c, dataclasses.replace(forced_view(3), parts=(*forced_view(3).parts, older)))
     v = c.decide("job", 1, "r1")
     # node 1 could not download its part of the named round: no fallback at all
-    b = c.barrier("job", 1, "r1", v.round, v.version, "ready", ok=False,
-                  bad=[(ROUND, 1, 3)], detail="crc32c mismatch")
+    b = c.barrier(
+        "job",
+        1,
+        "r1",
+        v.round,
+        v.version,
+        "ready",
+        ok=False,
+        bad=[(ROUND, 1, 3)],
+        detail="crc32c mismatch",
+    )
     assert b.state == REPLAN
     v2 = c.decide("job", 0, "r0")
     assert v2.step is None and v2.forced == ROUND and v2.outcome == NOT_COMPLETE
@@ -357,8 +380,14 @@ def test_restore_version_naming_a_missing_round_means_nothing():
     join(c, 0, [H(0, 5), H(1, 5)])
     join(c, 1, [H(1, 5)])
     c.decide("job", 0, "r0")
-    answer(c, forced_view(None, "2031-01-01_00-00", problem="restore.version names round "
-                          "2031-01-01_00-00, which does not exist"))
+    answer(
+        c,
+        forced_view(
+            None,
+            "2031-01-01_00-00",
+            problem="restore.version names round 2031-01-01_00-00, which does not exist",
+        ),
+    )
     for r in (0, 1):
         v = c.decide("job", r, f"r{r}")
         assert v.state == DECIDED and v.step is None and v.forced == "2031-01-01_00-00"
@@ -381,8 +410,18 @@ def test_without_restore_version_the_cluster_decides():
 def book_coord(nodes=2, steps=1, minutes=None, seed=True, **kw):
     c, clock = coord(backups=RoundBook(**kw))
     for r in range(nodes):
-        c.join("job", nodes, r, f"a{r}", f"inc{r}", (), "", "protocol",
-               backup_interval_steps=steps, backup_interval_minutes=minutes)
+        c.join(
+            "job",
+            nodes,
+            r,
+            f"a{r}",
+            f"inc{r}",
+            (),
+            "",
+            "protocol",
+            backup_interval_steps=steps,
+            backup_interval_minutes=minutes,
+        )
     if seed:
         assert c.backups.seed("job", "2025-01-01_00-00", None)
     return c, clock
@@ -509,8 +548,7 @@ def test_a_restore_starts_a_new_timeline_for_the_rounds():
     rnd, _ = sync(c, 1, 2).backup_order
     # the job restarts (every node joins a restore round) and restores step 1
     for r, inv in ((0, [H(0, 1), H(1, 1)]), (1, [H(1, 1)])):
-        c.join("job", 2, r, f"a{r}", f"inc{r}", inv, f"x{r}", "protocol",
-               backup_interval_steps=1)
+        c.join("job", 2, r, f"a{r}", f"inc{r}", inv, f"x{r}", "protocol", backup_interval_steps=1)
     assert c.decide("job", 0, "x0").step == 1
     assert sync(c, 0, 1).backup_order is None  # the old round was dropped
     # no new round while the restore round is open, then the new step 2 is backed up
@@ -534,8 +572,7 @@ def test_after_a_restore_from_the_cluster_the_interval_counts_from_the_last_roun
     for r in (0, 1):
         sync(c, r, 10, backup=Outcome(rnd, 10, DONE))
     for r, inv in ((0, [H(0, 15), H(1, 15)]), (1, [H(1, 15)])):
-        c.join("job", 2, r, f"a{r}", f"inc{r}", inv, f"x{r}", "protocol",
-               backup_interval_steps=10)
+        c.join("job", 2, r, f"a{r}", f"inc{r}", inv, f"x{r}", "protocol", backup_interval_steps=10)
     v = c.decide("job", 0, "x0")
     assert v.step == 15
     for phase in ("ready", "done"):
@@ -610,8 +647,9 @@ def test_an_unreadable_bucket_is_never_a_fresh_start():
     answer(c, BucketView(error="bucket unreachable: timed out"))
     v = c.decide("job", 2, rids[2])
     assert v.step == 5 and v.local and v.outcome == RESTORED
-    assert v.problems == ("the bucket could not be read (bucket unreachable: timed out); "
-                          "deciding without it",)
+    assert v.problems == (
+        "the bucket could not be read (bucket unreachable: timed out); deciding without it",
+    )
 
 
 def test_fresh_only_when_nothing_exists_anywhere():
@@ -634,8 +672,12 @@ def test_fresh_only_when_nothing_exists_anywhere():
 def test_a_rank_from_the_bucket_the_others_from_ram():
     """Node 1 lost; node 0's replica of its step 74 is corrupt (discarded): rank 1's
     part of step 74 comes from the bucket, the other ranks from RAM."""
-    inv = {0: [H(0, 73), H(0, 74), H(1, 73)], 1: [],
-           2: [H(2, 73), H(2, 74), H(3, 73), H(3, 74)], 3: [H(3, 74), H(2, 74)]}
+    inv = {
+        0: [H(0, 73), H(0, 74), H(1, 73)],
+        1: [],
+        2: [H(2, 73), H(2, 74), H(3, 73), H(3, 74)],
+        3: [H(3, 74), H(2, 74)],
+    }
     bucket = BucketView(parts=round_of(R3, 74), rounds=(R3,))
     c = choose_restore(4, inv, bucket=bucket)
     assert c.step == 74 and c.holders[1] == () and c.rounds[1] == (R3,)
@@ -667,15 +709,13 @@ def test_other_bytes_of_a_step_in_the_bucket_are_not_mixed_in():
 def test_rounds_of_an_abandoned_history_are_not_used():
     """restore.version rolled the job back to step 1 after round R2 backed up step 4;
     the job then wrote a new step 2 (sealed after R2): R2's step 4 is abandoned."""
-    sealed_after = 1796000000.0 + 10 ** 7  # long after every round name below
+    sealed_after = 1796000000.0 + 10**7  # long after every round name below
     inv = {0: [H(0, 2, "new", created=sealed_after)], 1: [H(1, 2, "new", created=sealed_after)]}
-    bucket = BucketView(parts=(P(R1, 0, 1), P(R1, 1, 1), P(R2, 0, 4), P(R2, 1, 4)),
-                        rounds=(R2, R1))
+    bucket = BucketView(parts=(P(R1, 0, 1), P(R1, 1, 1), P(R2, 0, 4), P(R2, 1, 4)), rounds=(R2, R1))
     c = choose_restore(2, inv, bucket=bucket)
     assert c.step == 2 and c.holders == {0: (0,), 1: (1,)}
     # a later round holding a smaller step says the same without any seal time
-    bucket = BucketView(parts=(P(R2, 0, 4), P(R2, 1, 4), P(R3, 0, 2), P(R3, 1, 2)),
-                        rounds=(R3, R2))
+    bucket = BucketView(parts=(P(R2, 0, 4), P(R2, 1, 4), P(R3, 0, 2), P(R3, 1, 2)), rounds=(R3, R2))
     assert choose_restore(2, {0: [], 1: []}, bucket=bucket).step == 2
     c = choose_restore(2, {0: [], 1: []}, bad={(R3, 0, 2)}, bucket=bucket)
     assert c.step is None and any("rolled back" in p for p in c.problems)
@@ -692,17 +732,28 @@ def test_a_replan_is_a_new_decision_for_every_node():
     views = decide_all(c, rids)
     assert {v.step for v in views} == {30}
     for r in (0, 1, 2):
-        assert c.barrier("job", r, rids[r], views[r].round, views[r].version,
-                         "ready").state == WAITING
-    b = c.barrier("job", 3, rids[3], views[3].round, views[3].version, "ready", ok=False,
-                  bad=[(R3, 3, 30)], detail="got 1117718 bytes crc32c 24143f9a, manifest "
-                  "... crc32c 5a996919")
+        assert (
+            c.barrier("job", r, rids[r], views[r].round, views[r].version, "ready").state == WAITING
+        )
+    b = c.barrier(
+        "job",
+        3,
+        rids[3],
+        views[3].round,
+        views[3].version,
+        "ready",
+        ok=False,
+        bad=[(R3, 3, 30)],
+        detail="got 1117718 bytes crc32c 24143f9a, manifest ... crc32c 5a996919",
+    )
     assert b.state == REPLAN
     for r in (0, 1, 2):  # the nodes that were ready must fetch again
-        assert c.barrier("job", r, rids[r], views[r].round, views[r].version,
-                         "ready").state == REPLAN
-        assert c.barrier("job", r, rids[r], views[r].round, views[r].version,
-                         "done").state == REPLAN
+        assert (
+            c.barrier("job", r, rids[r], views[r].round, views[r].version, "ready").state == REPLAN
+        )
+        assert (
+            c.barrier("job", r, rids[r], views[r].round, views[r].version, "done").state == REPLAN
+        )
     again = decide_all(c, rids)
     assert [(v.step, v.backup) for v in again] == [(27, R2)] * 4
     assert again[0].version == views[0].version + 1
@@ -722,8 +773,10 @@ def test_a_replan_below_the_rounds_read_reads_older_rounds():
     v = c.decide("job", 0, rids[0])
     assert v.state == WAITING and v.waiting_for == "older backup rounds"
     assert c.bucket_wanted()[3] == 3
-    answer(c, BucketView(parts=round_of(R3, 30) + round_of(R2, 27), rounds=(R3, R2, R1),
-                         exhausted=False))
+    answer(
+        c,
+        BucketView(parts=round_of(R3, 30) + round_of(R2, 27), rounds=(R3, R2, R1), exhausted=False),
+    )
     assert [v.step for v in decide_all(c, rids)] == [27] * 4
 
 
@@ -753,8 +806,7 @@ def test_decisions_of_a_round_are_bounded():
     r = c.round
     r.version = MAX_DECISIONS - 1
     v = c.decide("job", 1, "r1")
-    c.barrier("job", 1, "r1", v.round, v.version, "ready", ok=False, bad=[(7, 1, 1)],
-              detail="boom")
+    c.barrier("job", 1, "r1", v.round, v.version, "ready", ok=False, bad=[(7, 1, 1)], detail="boom")
     v = c.decide("job", 1, "r1")
     assert v.step is None and "after 64 decisions" in v.reason
 
@@ -777,20 +829,32 @@ def test_the_sync_reply_says_a_restore_round_is_open():
 def test_property_the_choice_is_the_newest_step_with_a_good_copy_of_every_rank(data):
     nodes = data.draw(st.integers(1, 4))
     steps = st.integers(1, 5)
-    inventories = {h: data.draw(st.lists(st.builds(H, st.integers(0, nodes - 1), steps),
-                                         max_size=6)) for h in range(nodes)}
+    inventories = {
+        h: data.draw(st.lists(st.builds(H, st.integers(0, nodes - 1), steps), max_size=6))
+        for h in range(nodes)
+    }
     rounds = ["2026-12-01_10-0" + str(i) for i in range(3)]
-    parts = tuple(data.draw(st.lists(st.builds(P, st.sampled_from(rounds),
-                                               st.integers(0, nodes - 1), steps),
-                                     max_size=8, unique_by=lambda p: (p.round, p.rank))))
+    parts = tuple(
+        data.draw(
+            st.lists(
+                st.builds(P, st.sampled_from(rounds), st.integers(0, nodes - 1), steps),
+                max_size=8,
+                unique_by=lambda p: (p.round, p.rank),
+            )
+        )
+    )
     # a round backs up one step (per rank) and steps grow with round names
     parts = tuple(p for p in parts if all(q.step == p.step for q in parts if q.round == p.round))
-    parts = tuple(p for p in parts if all(
-        (q.round < p.round) == (q.step < p.step) or q.step == p.step for q in parts))
+    parts = tuple(
+        p
+        for p in parts
+        if all((q.round < p.round) == (q.step < p.step) or q.step == p.step for q in parts)
+    )
     copies = {(h, x.rank, x.step) for h, xs in inventories.items() for x in xs}
     copies |= {(p.round, p.rank, p.step) for p in parts}
-    bad = set(data.draw(st.lists(st.sampled_from(sorted(copies, key=str)), max_size=4))
-              if copies else [])
+    bad = set(
+        data.draw(st.lists(st.sampled_from(sorted(copies, key=str)), max_size=4)) if copies else []
+    )
     names = tuple(sorted({p.round for p in parts}, reverse=True))
     c = choose_restore(nodes, inventories, bad, BucketView(parts=parts, rounds=names))
     good = copies - bad
@@ -834,11 +898,13 @@ def test_parts_of_two_half_written_rounds_of_one_step_are_not_combined():
         [P("2026-12-01_17-41", r, 41) for r in range(4)]
         + [P("2026-12-01_17-42", 1, 42, digest="d1-42-older-save")]
         + [P("2026-12-01_17-43", r, 42) for r in (0, 2, 3)]
-        + [P("2026-12-01_17-44", r, 43) for r in range(4)])
+        + [P("2026-12-01_17-44", r, 43) for r in range(4)]
+    )
     names = ("2026-12-01_17-44", "2026-12-01_17-43", "2026-12-01_17-42", "2026-12-01_17-41")
     inventories = {0: [], 1: [H(1, 43)], 2: [H(2, 43)], 3: [H(3, 43)]}
-    c = choose_restore(4, inventories, {("2026-12-01_17-44", 0, 43)},
-                       BucketView(parts=tuple(parts), rounds=names))
+    c = choose_restore(
+        4, inventories, {("2026-12-01_17-44", 0, 43)}, BucketView(parts=tuple(parts), rounds=names)
+    )
     assert c.step == 41
     assert all(c.rounds[r] == ("2026-12-01_17-41",) for r in range(4))
     assert any("step 42 lacks rank(s)" in line for line in c.problems)
@@ -849,8 +915,10 @@ def test_a_rank_lost_from_ram_comes_from_a_round_that_shares_a_part_with_ram():
     also holds rank 0's RAM bytes is used (the same save); a round holding only a
     part of rank 3 is not (nothing ties it to the RAM copies' save)."""
     inventories = {r: [H(r, 5)] for r in range(3)}
-    linked = BucketView(parts=(P("2026-12-01_10-05", 0, 5), P("2026-12-01_10-05", 3, 5)),
-                        rounds=("2026-12-01_10-05",))
+    linked = BucketView(
+        parts=(P("2026-12-01_10-05", 0, 5), P("2026-12-01_10-05", 3, 5)),
+        rounds=("2026-12-01_10-05",),
+    )
     c = choose_restore(4, inventories, (), linked)
     assert c.step == 5 and c.rounds[3] == ("2026-12-01_10-05",)
     alone = BucketView(parts=(P("2026-12-01_10-05", 3, 5),), rounds=("2026-12-01_10-05",))

@@ -56,11 +56,27 @@ class Driver:
         self.logs.append(log)
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tierfs", "csi", "--endpoint", self.endpoint,
-                 "--node-id", "gke-node-1", "--mount-dir", str(self.mount_dir),
-                 "--state-dir", str(self.state_dir), "--ram-dir", str(ram_dir or self.ram_dir),
-                 *extra],
-                stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                [
+                    sys.executable,
+                    "-m",
+                    "tierfs",
+                    "csi",
+                    "--endpoint",
+                    self.endpoint,
+                    "--node-id",
+                    "gke-node-1",
+                    "--mount-dir",
+                    str(self.mount_dir),
+                    "--state-dir",
+                    str(self.state_dir),
+                    "--ram-dir",
+                    str(ram_dir or self.ram_dir),
+                    *extra,
+                ],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         self.channel = grpc.insecure_channel(self.endpoint)
         grpc.channel_ready_future(self.channel).result(timeout=30)
 
@@ -111,9 +127,17 @@ class Driver:
         vol_dir = self.kubelet / "pods" / pod_uid / "volumes" / "kubernetes.io~csi" / volume
         vol_dir.mkdir(parents=True, exist_ok=True)
         handle = "csi-" + hashlib.sha256((pod_uid + volume).encode()).hexdigest()
-        (vol_dir / "vol_data.json").write_text(json.dumps({
-            "specVolID": volume, "driverName": DRIVER, "volumeHandle": handle,
-            "volumeLifecycleMode": "Ephemeral", "nodeName": "gke-node-1"}))
+        (vol_dir / "vol_data.json").write_text(
+            json.dumps(
+                {
+                    "specVolID": volume,
+                    "driverName": DRIVER,
+                    "volumeHandle": handle,
+                    "volumeLifecycleMode": "Ephemeral",
+                    "nodeName": "gke-node-1",
+                }
+            )
+        )
         return handle, vol_dir / "mount"
 
     def publish(self, pod_uid: str, pod_name: str, attributes: dict[str, str]) -> Path:
@@ -129,16 +153,26 @@ class Driver:
         cap = pb2.VolumeCapability(
             mount=pb2.VolumeCapability.MountVolume(),
             access_mode=pb2.VolumeCapability.AccessMode(
-                mode=pb2.VolumeCapability.AccessMode.Mode.SINGLE_NODE_WRITER))
-        self.node.NodePublishVolume(pb2.NodePublishVolumeRequest(
-            volume_id=handle, target_path=str(target), volume_capability=cap, readonly=False,
-            volume_context=context), timeout=60)
+                mode=pb2.VolumeCapability.AccessMode.Mode.SINGLE_NODE_WRITER
+            ),
+        )
+        self.node.NodePublishVolume(
+            pb2.NodePublishVolumeRequest(
+                volume_id=handle,
+                target_path=str(target),
+                volume_capability=cap,
+                readonly=False,
+                volume_context=context,
+            ),
+            timeout=60,
+        )
         return target
 
     def unpublish(self, pod_uid: str) -> None:
         handle, target = self.pod_volume(pod_uid)
-        self.node.NodeUnpublishVolume(pb2.NodeUnpublishVolumeRequest(
-            volume_id=handle, target_path=str(target)), timeout=60)
+        self.node.NodeUnpublishVolume(
+            pb2.NodeUnpublishVolumeRequest(volume_id=handle, target_path=str(target)), timeout=60
+        )
         # kubelet then removes vol_data.json and the volume directory
         (target.parent / "vol_data.json").unlink()
         target.parent.rmdir()
@@ -184,8 +218,11 @@ def driver(tmp_path):
 
 POD_UID = "0b7e5a7e-3c1d-4c1e-9d55-6f1c0b52aa01"
 POD_NAME = "llama-slice-0-1-q8z2x"
-ATTRS = {"jaxProcessId": "auto", "jaxProcessesPerJob": "2",
-         "jaxCoordinatorAddress": "llama-slice-0-0.llama"}
+ATTRS = {
+    "jaxProcessId": "auto",
+    "jaxProcessesPerJob": "2",
+    "jaxCoordinatorAddress": "llama-slice-0-0.llama",
+}
 
 
 def test_registration_publish_restart_unpublish(driver):
@@ -193,14 +230,23 @@ def test_registration_publish_restart_unpublish(driver):
     info = driver.identity.GetPluginInfo(pb2.GetPluginInfoRequest(), timeout=10)
     assert info.name == DRIVER
     driver.wait_ready()
-    st = os.stat(server_socket := driver.endpoint[len("unix://"):])
+    st = os.stat(server_socket := driver.endpoint[len("unix://") :])
     assert oct(st.st_mode & 0o777) == "0o600", server_socket
     assert driver.node.NodeGetInfo(pb2.NodeGetInfoRequest(), timeout=10).node_id == "gke-node-1"
-    assert list(driver.identity.GetPluginCapabilities(
-        pb2.GetPluginCapabilitiesRequest(), timeout=10).capabilities) == []
+    assert (
+        list(
+            driver.identity.GetPluginCapabilities(
+                pb2.GetPluginCapabilitiesRequest(), timeout=10
+            ).capabilities
+        )
+        == []
+    )
 
-    target = driver.publish(POD_UID, POD_NAME, {
-        **ATTRS, "csi.storage.k8s.io/serviceAccount.tokens": '{"x":{"token":"SA-TOKEN-xyz"}}'})
+    target = driver.publish(
+        POD_UID,
+        POD_NAME,
+        {**ATTRS, "csi.storage.k8s.io/serviceAccount.tokens": '{"x":{"token":"SA-TOKEN-xyz"}}'},
+    )
     assert mounts.top_mount(str(target)).fstype == "fuse.tierfs"
     # the trainer's view: jax-init-info.txt, then plain file I/O
     assert (target / "jax-init-info.txt").read_text() == "1\nllama-slice-0-0.llama:8476\n"
@@ -218,8 +264,7 @@ def test_registration_publish_restart_unpublish(driver):
     driver.start()
     driver.wait_ready()
     assert driver.daemon_pid() == daemon  # adopted, not mounted twice
-    assert len([e for e in mounts.read_mountinfo()
-                if e.mountpoint == str(driver.mount_dir)]) == 1
+    assert len([e for e in mounts.read_mountinfo() if e.mountpoint == str(driver.mount_dir)]) == 1
     # kubelet retries a publish it is unsure of: idempotent across the restart
     assert driver.publish(POD_UID, POD_NAME, ATTRS) == target
 
@@ -293,8 +338,10 @@ def test_driver_remounts_a_daemon_that_died(driver):
     while True:
         assert time.monotonic() < deadline, driver.log()
         try:
-            if driver.daemon_pid() != daemon and driver.identity.Probe(
-                    pb2.ProbeRequest(), timeout=10).ready.value:
+            if (
+                driver.daemon_pid() != daemon
+                and driver.identity.Probe(pb2.ProbeRequest(), timeout=10).ready.value
+            ):
                 break
         except (OSError, ValueError, grpc.RpcError):
             pass
@@ -322,16 +369,27 @@ def test_node_mount_and_ram_dir_are_not_targets(driver):
     cap = pb2.VolumeCapability(
         mount=pb2.VolumeCapability.MountVolume(),
         access_mode=pb2.VolumeCapability.AccessMode(
-            mode=pb2.VolumeCapability.AccessMode.Mode.SINGLE_NODE_WRITER))
-    for path in (driver.mount_dir, driver.mount_dir / "sub", driver.ram_dir,
-                 driver.ram_dir / "view" / "x"):
+            mode=pb2.VolumeCapability.AccessMode.Mode.SINGLE_NODE_WRITER
+        ),
+    )
+    for path in (
+        driver.mount_dir,
+        driver.mount_dir / "sub",
+        driver.ram_dir,
+        driver.ram_dir / "view" / "x",
+    ):
         with pytest.raises(grpc.RpcError) as exc:
-            driver.node.NodeUnpublishVolume(pb2.NodeUnpublishVolumeRequest(
-                volume_id="csi-x", target_path=str(path)), timeout=60)
+            driver.node.NodeUnpublishVolume(
+                pb2.NodeUnpublishVolumeRequest(volume_id="csi-x", target_path=str(path)), timeout=60
+            )
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, path
         with pytest.raises(grpc.RpcError) as exc:
-            driver.node.NodePublishVolume(pb2.NodePublishVolumeRequest(
-                volume_id="csi-x", target_path=str(path), volume_capability=cap), timeout=60)
+            driver.node.NodePublishVolume(
+                pb2.NodePublishVolumeRequest(
+                    volume_id="csi-x", target_path=str(path), volume_capability=cap
+                ),
+                timeout=60,
+            )
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, path
     assert not (driver.mount_dir / "sub").exists() and not (driver.ram_dir / "view" / "x").exists()
     assert driver.daemon_pid() == daemon and not mounts.is_dead(str(target))
@@ -373,12 +431,17 @@ def test_adopted_daemon_with_other_options_is_warned_about(driver):
         cap = pb2.VolumeCapability(
             mount=pb2.VolumeCapability.MountVolume(),
             access_mode=pb2.VolumeCapability.AccessMode(
-                mode=pb2.VolumeCapability.AccessMode.Mode.SINGLE_NODE_WRITER))
+                mode=pb2.VolumeCapability.AccessMode.Mode.SINGLE_NODE_WRITER
+            ),
+        )
         for ram in (driver.ram_dir, other_ram):  # both ram-dirs stay out of reach
             with pytest.raises(grpc.RpcError) as exc:
-                driver.node.NodePublishVolume(pb2.NodePublishVolumeRequest(
-                    volume_id="v", target_path=str(ram / "x"), volume_capability=cap),
-                    timeout=60)
+                driver.node.NodePublishVolume(
+                    pb2.NodePublishVolumeRequest(
+                        volume_id="v", target_path=str(ram / "x"), volume_capability=cap
+                    ),
+                    timeout=60,
+                )
             assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert driver.stop(signal.SIGTERM) == 0
     finally:
@@ -410,23 +473,35 @@ def test_csi_command_is_registered_and_checks_its_arguments():
     assert "--node-id" in tierfs("csi", "--help").stdout
     for args, message in [
         (["--node-id", "n"], "--ram-dir is required"),
-        (["--node-id", "n", "--ram-dir", "/dev/shm/x", "--endpoint", "tcp://1.2.3.4:5"],
-         "only unix sockets"),
-        (["--node-id", "n", "--ram-dir", "/dev/shm/x", "--driver-name", "-bad-"],
-         "driver name"),
-        (["--node-id", "n", "--ram-dir", "/dev/shm/x", "--size", "8g"],
-         "--size '8g': unknown suffix 'g'"),
+        (
+            ["--node-id", "n", "--ram-dir", "/dev/shm/x", "--endpoint", "tcp://1.2.3.4:5"],
+            "only unix sockets",
+        ),
+        (["--node-id", "n", "--ram-dir", "/dev/shm/x", "--driver-name", "-bad-"], "driver name"),
+        (
+            ["--node-id", "n", "--ram-dir", "/dev/shm/x", "--size", "8g"],
+            "--size '8g': unknown suffix 'g'",
+        ),
     ]:
         proc = tierfs("csi", *args, check=False)
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr
-    proc = tierfs("csi", "--node-id", "n", "--ram-dir", "/dev/shm/x", check=False,
-                  env=dict(os.environ, TIERFS_GCS_TIMEOUT="2 minutes"))
+    proc = tierfs(
+        "csi",
+        "--node-id",
+        "n",
+        "--ram-dir",
+        "/dev/shm/x",
+        check=False,
+        env=dict(os.environ, TIERFS_GCS_TIMEOUT="2 minutes"),
+    )
     assert proc.returncode != 0 and "TIERFS_GCS_TIMEOUT='2 minutes'" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("first", ["tierfs.cli", "tierfs.csi.cli"])
 def test_either_import_order_registers_csi(first):
     """tierfs.cli imports tierfs.csi.cli while being imported; both orders must work."""
-    code = (f"import {first}; import tierfs.cli as m, tierfs.csi.cli as c; "
-            "assert m.main.commands['csi'] is c.csi")
+    code = (
+        f"import {first}; import tierfs.cli as m, tierfs.csi.cli as c; "
+        "assert m.main.commands['csi'] is c.csi"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

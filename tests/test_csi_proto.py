@@ -16,14 +16,20 @@ from tierfs.rpc import csi_pb2 as pb2
 # the gRPC method path kubelet and the sidecars call -> (request, response) message names
 METHODS = {
     "/csi.v1.Identity/GetPluginInfo": ("GetPluginInfoRequest", "GetPluginInfoResponse"),
-    "/csi.v1.Identity/GetPluginCapabilities": ("GetPluginCapabilitiesRequest",
-                                               "GetPluginCapabilitiesResponse"),
+    "/csi.v1.Identity/GetPluginCapabilities": (
+        "GetPluginCapabilitiesRequest",
+        "GetPluginCapabilitiesResponse",
+    ),
     "/csi.v1.Identity/Probe": ("ProbeRequest", "ProbeResponse"),
     "/csi.v1.Node/NodePublishVolume": ("NodePublishVolumeRequest", "NodePublishVolumeResponse"),
-    "/csi.v1.Node/NodeUnpublishVolume": ("NodeUnpublishVolumeRequest",
-                                         "NodeUnpublishVolumeResponse"),
-    "/csi.v1.Node/NodeGetCapabilities": ("NodeGetCapabilitiesRequest",
-                                         "NodeGetCapabilitiesResponse"),
+    "/csi.v1.Node/NodeUnpublishVolume": (
+        "NodeUnpublishVolumeRequest",
+        "NodeUnpublishVolumeResponse",
+    ),
+    "/csi.v1.Node/NodeGetCapabilities": (
+        "NodeGetCapabilitiesRequest",
+        "NodeGetCapabilitiesResponse",
+    ),
     "/csi.v1.Node/NodeGetInfo": ("NodeGetInfoRequest", "NodeGetInfoResponse"),
 }
 
@@ -34,47 +40,61 @@ MAP = "map<string,string>"
 # message -> {field: (number, type, repeated, message/enum type name or None)}
 FIELDS = {
     "GetPluginInfoRequest": {},
-    "GetPluginInfoResponse": {"name": (1, STR), "vendor_version": (2, STR),
-                              "manifest": (3, MAP)},
+    "GetPluginInfoResponse": {"name": (1, STR), "vendor_version": (2, STR), "manifest": (3, MAP)},
     "GetPluginCapabilitiesRequest": {},
     "GetPluginCapabilitiesResponse": {
-        "capabilities": (1, MSG, "repeated", "csi.v1.PluginCapability")},
-    "PluginCapability": {"service": (1, MSG, "", "csi.v1.PluginCapability.Service"),
-                         "volume_expansion": (2, MSG, "",
-                                              "csi.v1.PluginCapability.VolumeExpansion")},
+        "capabilities": (1, MSG, "repeated", "csi.v1.PluginCapability")
+    },
+    "PluginCapability": {
+        "service": (1, MSG, "", "csi.v1.PluginCapability.Service"),
+        "volume_expansion": (2, MSG, "", "csi.v1.PluginCapability.VolumeExpansion"),
+    },
     "PluginCapability.Service": {"type": (1, ENUM, "", "csi.v1.PluginCapability.Service.Type")},
     "PluginCapability.VolumeExpansion": {
-        "type": (1, ENUM, "", "csi.v1.PluginCapability.VolumeExpansion.Type")},
+        "type": (1, ENUM, "", "csi.v1.PluginCapability.VolumeExpansion.Type")
+    },
     "ProbeRequest": {},
     "ProbeResponse": {"ready": (1, MSG, "", "google.protobuf.BoolValue")},
     "NodePublishVolumeRequest": {
-        "volume_id": (1, STR), "publish_context": (2, MAP), "staging_target_path": (3, STR),
+        "volume_id": (1, STR),
+        "publish_context": (2, MAP),
+        "staging_target_path": (3, STR),
         "target_path": (4, STR),
         "volume_capability": (5, MSG, "", "csi.v1.VolumeCapability"),
-        "readonly": (6, BOOL), "secrets": (7, MAP), "volume_context": (8, MAP)},
+        "readonly": (6, BOOL),
+        "secrets": (7, MAP),
+        "volume_context": (8, MAP),
+    },
     "NodePublishVolumeResponse": {},
     "NodeUnpublishVolumeRequest": {"volume_id": (1, STR), "target_path": (2, STR)},
     "NodeUnpublishVolumeResponse": {},
     "NodeGetCapabilitiesRequest": {},
     "NodeGetCapabilitiesResponse": {
-        "capabilities": (1, MSG, "repeated", "csi.v1.NodeServiceCapability")},
+        "capabilities": (1, MSG, "repeated", "csi.v1.NodeServiceCapability")
+    },
     "NodeServiceCapability": {"rpc": (1, MSG, "", "csi.v1.NodeServiceCapability.RPC")},
-    "NodeServiceCapability.RPC": {
-        "type": (1, ENUM, "", "csi.v1.NodeServiceCapability.RPC.Type")},
+    "NodeServiceCapability.RPC": {"type": (1, ENUM, "", "csi.v1.NodeServiceCapability.RPC.Type")},
     "NodeGetInfoRequest": {},
-    "NodeGetInfoResponse": {"node_id": (1, STR), "max_volumes_per_node": (2, I64),
-                            "accessible_topology": (3, MSG, "", "csi.v1.Topology")},
+    "NodeGetInfoResponse": {
+        "node_id": (1, STR),
+        "max_volumes_per_node": (2, I64),
+        "accessible_topology": (3, MSG, "", "csi.v1.Topology"),
+    },
     "Topology": {"segments": (1, MAP)},
     "VolumeCapability": {
         "block": (1, MSG, "", "csi.v1.VolumeCapability.BlockVolume"),
         "mount": (2, MSG, "", "csi.v1.VolumeCapability.MountVolume"),
-        "access_mode": (3, MSG, "", "csi.v1.VolumeCapability.AccessMode")},
+        "access_mode": (3, MSG, "", "csi.v1.VolumeCapability.AccessMode"),
+    },
     "VolumeCapability.BlockVolume": {},
-    "VolumeCapability.MountVolume": {"fs_type": (1, STR),
-                                     "mount_flags": (2, STR, "repeated"),
-                                     "volume_mount_group": (3, STR)},
+    "VolumeCapability.MountVolume": {
+        "fs_type": (1, STR),
+        "mount_flags": (2, STR, "repeated"),
+        "volume_mount_group": (3, STR),
+    },
     "VolumeCapability.AccessMode": {
-        "mode": (1, ENUM, "", "csi.v1.VolumeCapability.AccessMode.Mode")},
+        "mode": (1, ENUM, "", "csi.v1.VolumeCapability.AccessMode.Mode")
+    },
 }
 
 ONEOFS = {
@@ -84,19 +104,33 @@ ONEOFS = {
 }
 
 ENUMS = {
-    "PluginCapability.Service.Type": {"UNKNOWN": 0, "CONTROLLER_SERVICE": 1,
-                                      "VOLUME_ACCESSIBILITY_CONSTRAINTS": 2,
-                                      "GROUP_CONTROLLER_SERVICE": 3,
-                                      "SNAPSHOT_METADATA_SERVICE": 4},
+    "PluginCapability.Service.Type": {
+        "UNKNOWN": 0,
+        "CONTROLLER_SERVICE": 1,
+        "VOLUME_ACCESSIBILITY_CONSTRAINTS": 2,
+        "GROUP_CONTROLLER_SERVICE": 3,
+        "SNAPSHOT_METADATA_SERVICE": 4,
+    },
     "PluginCapability.VolumeExpansion.Type": {"UNKNOWN": 0, "ONLINE": 1, "OFFLINE": 2},
     "VolumeCapability.AccessMode.Mode": {
-        "UNKNOWN": 0, "SINGLE_NODE_WRITER": 1, "SINGLE_NODE_READER_ONLY": 2,
-        "MULTI_NODE_READER_ONLY": 3, "MULTI_NODE_SINGLE_WRITER": 4,
-        "MULTI_NODE_MULTI_WRITER": 5, "SINGLE_NODE_SINGLE_WRITER": 6,
-        "SINGLE_NODE_MULTI_WRITER": 7},
+        "UNKNOWN": 0,
+        "SINGLE_NODE_WRITER": 1,
+        "SINGLE_NODE_READER_ONLY": 2,
+        "MULTI_NODE_READER_ONLY": 3,
+        "MULTI_NODE_SINGLE_WRITER": 4,
+        "MULTI_NODE_MULTI_WRITER": 5,
+        "SINGLE_NODE_SINGLE_WRITER": 6,
+        "SINGLE_NODE_MULTI_WRITER": 7,
+    },
     "NodeServiceCapability.RPC.Type": {
-        "UNKNOWN": 0, "STAGE_UNSTAGE_VOLUME": 1, "GET_VOLUME_STATS": 2, "EXPAND_VOLUME": 3,
-        "VOLUME_CONDITION": 4, "SINGLE_NODE_MULTI_WRITER": 5, "VOLUME_MOUNT_GROUP": 6},
+        "UNKNOWN": 0,
+        "STAGE_UNSTAGE_VOLUME": 1,
+        "GET_VOLUME_STATS": 2,
+        "EXPAND_VOLUME": 3,
+        "VOLUME_CONDITION": 4,
+        "SINGLE_NODE_MULTI_WRITER": 5,
+        "VOLUME_MOUNT_GROUP": 6,
+    },
 }
 
 
@@ -137,7 +171,9 @@ def test_field_numbers_and_types(name):
             entry = f.message_type
             assert entry.GetOptions().map_entry, f"{name}.{fname} is not a map"
             assert [(x.name, x.number, x.type) for x in entry.fields] == [
-                ("key", 1, STR), ("value", 2, STR)]
+                ("key", 1, STR),
+                ("value", 2, STR),
+            ]
             continue
         assert f.type == ftype, f"{name}.{fname}"
         repeated = len(spec) > 2 and spec[2] == "repeated"
@@ -166,7 +202,5 @@ def test_enum_values(name):
 
 def test_wire_bytes_of_a_publish_request():
     """Hand-computed tags: field 4 string (0x22), field 6 varint (0x30), field 8 map (0x42)."""
-    req = pb2.NodePublishVolumeRequest(target_path="/t", readonly=True,
-                                       volume_context={"k": "v"})
-    assert req.SerializeToString() == (b"\x22\x02/t" + b"\x30\x01"
-                                       + b"\x42\x06\x0a\x01k\x12\x01v")
+    req = pb2.NodePublishVolumeRequest(target_path="/t", readonly=True, volume_context={"k": "v"})
+    assert req.SerializeToString() == (b"\x22\x02/t" + b"\x30\x01" + b"\x42\x06\x0a\x01k\x12\x01v")

@@ -25,13 +25,11 @@ MINIMAL = {
 FULL = {
     "apiVersion": "checkpointing.tierfs.dev/v1",
     "kind": "CheckpointConfiguration",
-    "metadata": {"name": "gpu-a3", "uid": "5c1b7d1e-1111-4222-8333-444455556666",
-                 "generation": 3},
+    "metadata": {"name": "gpu-a3", "uid": "5c1b7d1e-1111-4222-8333-444455556666", "generation": 3},
     "spec": {
         "cloudStorageBucketName": "ckpt-bucket/team-a",
         "nodeSelector": {"cloud.google.com/gke-nodepool": "a3-pool"},
-        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
-                         "effect": "NoSchedule"}],
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         "inMemoryVolumeSize": "1.5Ti",
         "mountOptions": ["no_passthrough", "attr_timeout=2"],
         "keepLocal": 3,
@@ -51,10 +49,18 @@ def volumes(ds):
     return {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("50Gi", 50 * 2**30), ("512Mi", 512 * 2**20), ("8G", 8 * 10**9), ("1.5Gi", 3 * 2**29),
-    ("1024", 1024), ("2Ti", 2 * 2**40), ("100k", 100_000),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("50Gi", 50 * 2**30),
+        ("512Mi", 512 * 2**20),
+        ("8G", 8 * 10**9),
+        ("1.5Gi", 3 * 2**29),
+        ("1024", 1024),
+        ("2Ti", 2 * 2**40),
+        ("100k", 100_000),
+    ],
+)
 def test_quantity_bytes(text, expected):
     assert render.quantity_bytes(text) == expected
 
@@ -92,32 +98,50 @@ def test_minimal_render():
 
 
 def test_full_render():
-    ds = render.render_node_daemonset(FULL, image="reg.example/tierfs:9", namespace="ckpt",
-                                      driver_name="tierfs.example.com")
+    ds = render.render_node_daemonset(
+        FULL, image="reg.example/tierfs:9", namespace="ckpt", driver_name="tierfs.example.com"
+    )
     args = node_container(ds)["args"]
     assert node_container(ds)["image"] == "reg.example/tierfs:9"
     assert ds["metadata"]["namespace"] == "ckpt"
-    for expected in ["--bucket=ckpt-bucket/team-a", "--keep-local=3",
-                     "--backup-interval-minutes=12.5", "--listen=0.0.0.0:9000",
-                     "--advertise=$(NODE_IP):9000", "--log-level=DEBUG", "--join-timeout=120",
-                     "--driver-name=tierfs.example.com", f"--size={3 * 2**39}"]:
+    for expected in [
+        "--bucket=ckpt-bucket/team-a",
+        "--keep-local=3",
+        "--backup-interval-minutes=12.5",
+        "--listen=0.0.0.0:9000",
+        "--advertise=$(NODE_IP):9000",
+        "--log-level=DEBUG",
+        "--join-timeout=120",
+        "--driver-name=tierfs.example.com",
+        f"--size={3 * 2**39}",
+    ]:
         assert expected in args
     i = args.index("no_passthrough")
-    assert args[i - 1] == "-o" and args[i + 1:i + 3] == ["-o", "attr_timeout=2"]
+    assert args[i - 1] == "-o" and args[i + 1 : i + 3] == ["-o", "attr_timeout=2"]
     spec = ds["spec"]["template"]["spec"]
-    assert spec["nodeSelector"] == {"kubernetes.io/os": "linux",
-                                    "cloud.google.com/gke-nodepool": "a3-pool"}
+    assert spec["nodeSelector"] == {
+        "kubernetes.io/os": "linux",
+        "cloud.google.com/gke-nodepool": "a3-pool",
+    }
     assert spec["tolerations"] == FULL["spec"]["tolerations"]
-    assert volumes(ds)["plugin-dir"]["hostPath"]["path"] == \
-        "/var/lib/kubelet/plugins/tierfs.example.com"
+    assert (
+        volumes(ds)["plugin-dir"]["hostPath"]["path"]
+        == "/var/lib/kubelet/plugins/tierfs.example.com"
+    )
     registrar = spec["containers"][1]
-    assert ("--kubelet-registration-path=/var/lib/kubelet/plugins/tierfs.example.com/csi.sock"
-            in registrar["args"])
+    assert (
+        "--kubelet-registration-path=/var/lib/kubelet/plugins/tierfs.example.com/csi.sock"
+        in registrar["args"]
+    )
     [owner] = ds["metadata"]["ownerReferences"]
-    assert owner == {"apiVersion": "checkpointing.tierfs.dev/v1",
-                     "kind": "CheckpointConfiguration", "name": "gpu-a3",
-                     "uid": FULL["metadata"]["uid"], "controller": True,
-                     "blockOwnerDeletion": True}
+    assert owner == {
+        "apiVersion": "checkpointing.tierfs.dev/v1",
+        "kind": "CheckpointConfiguration",
+        "name": "gpu-a3",
+        "uid": FULL["metadata"]["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
 
 
 @pytest.mark.parametrize("name", ["a" * 51, "a" * 60 + "-b", "b" * 63, "c." * 100 + "d"])
@@ -146,15 +170,27 @@ def _broken(path: str, value):
     return cpc
 
 
-@pytest.mark.parametrize("path, value", [
-    ("kind", "ConfigMap"), ("apiVersion", "checkpointing.gke.io/v1"),
-    ("metadata.name", "Bad_Name"), ("spec", KeyError),
-    ("spec.inMemoryVolumeSize", KeyError), ("spec.inMemoryVolumeSize", "50 gigs"),
-    ("spec.cloudStorageBucketName", "gs://bucket"), ("spec.mountOptions", ["a b"]),
-    ("spec.keepLocal", 0), ("spec.keepLocal", True), ("spec.backupIntervalMinutes", -5),
-    ("spec.peerPort", 70000), ("spec.logLevel", "TRACE"), ("spec.extraArgs", [1]),
-    ("spec.nodeSelector", {"a": 1}), ("spec.tolerations", ["x"]),
-])
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        ("kind", "ConfigMap"),
+        ("apiVersion", "checkpointing.gke.io/v1"),
+        ("metadata.name", "Bad_Name"),
+        ("spec", KeyError),
+        ("spec.inMemoryVolumeSize", KeyError),
+        ("spec.inMemoryVolumeSize", "50 gigs"),
+        ("spec.cloudStorageBucketName", "gs://bucket"),
+        ("spec.mountOptions", ["a b"]),
+        ("spec.keepLocal", 0),
+        ("spec.keepLocal", True),
+        ("spec.backupIntervalMinutes", -5),
+        ("spec.peerPort", 70000),
+        ("spec.logLevel", "TRACE"),
+        ("spec.extraArgs", [1]),
+        ("spec.nodeSelector", {"a": 1}),
+        ("spec.tolerations", ["x"]),
+    ],
+)
 def test_invalid_configurations(path, value):
     with pytest.raises(render.RenderError):
         render.render_node_daemonset(_broken(path, value))
@@ -175,6 +211,7 @@ def test_render_command(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- operator
 
+
 class FakeApi:
     def __init__(self, fail: Exception | None = None) -> None:
         self.applied: list[dict] = []
@@ -191,19 +228,27 @@ def test_reconcile_applies_the_render():
     from tierfs.csi import operator
 
     fake = FakeApi()
-    status = operator.reconcile(FULL, fake, {"image": "img:1", "namespace": "tierfs-system",
-                                             "driver_name": "tierfs.csi.dev"})
+    status = operator.reconcile(
+        FULL,
+        fake,
+        {"image": "img:1", "namespace": "tierfs-system", "driver_name": "tierfs.csi.dev"},
+    )
     assert fake.applied == [render.render_node_daemonset(FULL, image="img:1")]
-    assert status == {"daemonSet": "tierfs-system/tierfs-node-gpu-a3",
-                      "observedGeneration": 3, "error": ""}
+    assert status == {
+        "daemonSet": "tierfs-system/tierfs-node-gpu-a3",
+        "observedGeneration": 3,
+        "error": "",
+    }
 
 
 def test_settings_from_env():
     from tierfs.csi import operator
 
-    assert operator.settings_from_env({}) == {"image": render.IMAGE,
-                                              "namespace": "tierfs-system",
-                                              "driver_name": "tierfs.csi.dev"}
+    assert operator.settings_from_env({}) == {
+        "image": render.IMAGE,
+        "namespace": "tierfs-system",
+        "driver_name": "tierfs.csi.dev",
+    }
     assert operator.settings_from_env({"TIERFS_IMAGE": "x:1"})["image"] == "x:1"
 
 
@@ -222,8 +267,9 @@ def test_kopf_handler_writes_status(monkeypatch):
 
     patch = kopf.Patch()
     with pytest.raises(kopf.PermanentError):
-        operator.apply_configuration(body=_broken("spec.inMemoryVolumeSize", "x"), patch=patch,
-                                     logger=log)
+        operator.apply_configuration(
+            body=_broken("spec.inMemoryVolumeSize", "x"), patch=patch, logger=log
+        )
     assert "inMemoryVolumeSize" in patch["status"]["error"]
 
     monkeypatch.setattr(operator, "_api", FakeApi(fail=operator.ApiError(403, "forbidden")))
@@ -239,10 +285,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_PATCH(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
-        type(self).requests.append({"path": self.path, "headers": dict(self.headers),
-                                    "body": json.loads(body)})
-        payload = json.dumps({"kind": "Status", "message": "nope"} if self.status >= 400
-                             else json.loads(body)).encode()
+        type(self).requests.append(
+            {"path": self.path, "headers": dict(self.headers), "body": json.loads(body)}
+        )
+        payload = json.dumps(
+            {"kind": "Status", "message": "nope"} if self.status >= 400 else json.loads(body)
+        ).encode()
         self.send_response(self.status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))
@@ -273,8 +321,10 @@ def test_server_side_apply_request(fake_apiserver):
     ds = render.render_node_daemonset(MINIMAL)
     assert client.apply(ds) == ds
     [req] = handler.requests
-    assert req["path"] == ("/apis/apps/v1/namespaces/tierfs-system/daemonsets/tierfs-node-small"
-                           "?fieldManager=tierfs-operator&force=true")
+    assert req["path"] == (
+        "/apis/apps/v1/namespaces/tierfs-system/daemonsets/tierfs-node-small"
+        "?fieldManager=tierfs-operator&force=true"
+    )
     assert req["headers"]["Content-Type"] == "application/apply-patch+yaml"
     assert req["headers"]["Authorization"] == "Bearer T0KEN"
     assert req["body"] == ds

@@ -41,8 +41,9 @@ class Csi:
     node_service: server.NodeService
 
 
-def _start(node_mount, state_dir: Path, fuse_device: str = "/dev/fuse",
-           node_id: str = "node-a") -> Csi:
+def _start(
+    node_mount, state_dir: Path, fuse_device: str = "/dev/fuse", node_id: str = "node-a"
+) -> Csi:
     sock_dir = tempfile.mkdtemp(prefix="csi-", dir="/tmp")
     endpoint = f"unix://{sock_dir}/csi.sock"
     identity = server.IdentityService(server.DEFAULT_DRIVER_NAME, node_mount, fuse_device)
@@ -50,8 +51,9 @@ def _start(node_mount, state_dir: Path, fuse_device: str = "/dev/fuse",
     srv = server.serve(endpoint, identity, node)
     channel = grpc.insecure_channel(endpoint)
     grpc.channel_ready_future(channel).result(timeout=10)
-    return Csi(endpoint, pb2_grpc.IdentityStub(channel), pb2_grpc.NodeStub(channel), channel, srv,
-               node)
+    return Csi(
+        endpoint, pb2_grpc.IdentityStub(channel), pb2_grpc.NodeStub(channel), channel, srv, node
+    )
 
 
 def _stop(csi: Csi) -> None:
@@ -87,8 +89,9 @@ def csi(node_mount, tmp_path):
     _unmount_under(tmp_path, keep={str(node_mount.path)})
 
 
-def kubelet_target(root: Path, uid: str = "6f1c0b52-0000-4000-8000-000000000001",
-                   volume: str = "checkpoint") -> Path:
+def kubelet_target(
+    root: Path, uid: str = "6f1c0b52-0000-4000-8000-000000000001", volume: str = "checkpoint"
+) -> Path:
     """A kubelet-shaped target path whose parent exists, as kubelet leaves it."""
     parent = root / "kubelet" / "pods" / uid / "volumes" / "kubernetes.io~csi" / volume
     parent.mkdir(parents=True, exist_ok=True)
@@ -96,17 +99,28 @@ def kubelet_target(root: Path, uid: str = "6f1c0b52-0000-4000-8000-000000000001"
 
 
 def mount_cap(mode=Mode.SINGLE_NODE_WRITER, fs_type: str = "", flags=()):
-    return pb2.VolumeCapability(mount=pb2.VolumeCapability.MountVolume(
-        fs_type=fs_type, mount_flags=list(flags)),
-        access_mode=pb2.VolumeCapability.AccessMode(mode=mode))
+    return pb2.VolumeCapability(
+        mount=pb2.VolumeCapability.MountVolume(fs_type=fs_type, mount_flags=list(flags)),
+        access_mode=pb2.VolumeCapability.AccessMode(mode=mode),
+    )
 
 
-def publish_req(target: Path | str, volume_id: str = "csi-vol-1", readonly: bool = False,
-                context: dict[str, str] | None = None, cap=None, **kw):
+def publish_req(
+    target: Path | str,
+    volume_id: str = "csi-vol-1",
+    readonly: bool = False,
+    context: dict[str, str] | None = None,
+    cap=None,
+    **kw,
+):
     return pb2.NodePublishVolumeRequest(
-        volume_id=volume_id, target_path=str(target), readonly=readonly,
+        volume_id=volume_id,
+        target_path=str(target),
+        readonly=readonly,
         volume_capability=cap if cap is not None else mount_cap(),
-        volume_context=context or {}, **kw)
+        volume_context=context or {},
+        **kw,
+    )
 
 
 def unpublish_req(target: Path | str, volume_id: str = "csi-vol-1"):
@@ -124,6 +138,7 @@ def stack_at(path: Path) -> list[mounts.MountEntry]:
 
 
 # --------------------------------------------------------------------------- identity
+
 
 def test_identity(csi):
     info = csi.identity.GetPluginInfo(pb2.GetPluginInfoRequest(), timeout=10)
@@ -160,8 +175,9 @@ def test_probe_states(tmp_path):
     mnt = str(tmp_path / "node-mount")
     starting = _start(FakeNode(mnt, ready=False), tmp_path / "s1")
     failed = _start(FakeNode(mnt, ready=False, error="EPERM"), tmp_path / "s2")
-    no_fuse = _start(FakeNode(mnt, ready=True), tmp_path / "s3",
-                     fuse_device=str(tmp_path / "no-such-fuse"))
+    no_fuse = _start(
+        FakeNode(mnt, ready=True), tmp_path / "s3", fuse_device=str(tmp_path / "no-such-fuse")
+    )
     try:
         probe = starting.identity.Probe(pb2.ProbeRequest(), timeout=10)
         assert probe.HasField("ready") and probe.ready.value is False
@@ -175,8 +191,10 @@ def test_probe_states(tmp_path):
         assert "no-such-fuse" in exc.value.details()
         # a node whose mount is not up refuses to publish, with a retryable code
         target = kubelet_target(tmp_path)
-        assert code_of(starting.node.NodePublishVolume,
-                       publish_req(target)) == grpc.StatusCode.UNAVAILABLE
+        assert (
+            code_of(starting.node.NodePublishVolume, publish_req(target))
+            == grpc.StatusCode.UNAVAILABLE
+        )
         assert not target.exists()
     finally:
         for c in (starting, failed, no_fuse):
@@ -198,6 +216,7 @@ def test_driver_name_rule():
 
 # --------------------------------------------------------------------------- node info
 
+
 def test_node_info_and_capabilities(csi):
     info = csi.node.NodeGetInfo(pb2.NodeGetInfoRequest(), timeout=10)
     assert info.node_id == "node-a"
@@ -207,14 +226,20 @@ def test_node_info_and_capabilities(csi):
     assert list(caps.capabilities) == []
 
 
-@pytest.mark.parametrize("path", [
-    "/csi.v1.Node/NodeStageVolume", "/csi.v1.Node/NodeUnstageVolume",
-    "/csi.v1.Node/NodeGetVolumeStats", "/csi.v1.Node/NodeExpandVolume",
-    "/csi.v1.Controller/CreateVolume", "/csi.v1.Controller/ControllerGetCapabilities",
-    "/csi.v1.Controller/ControllerPublishVolume",
-    "/csi.v1.GroupController/GroupControllerGetCapabilities",
-    "/csi.v1.SnapshotMetadata/GetMetadataAllocated",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/csi.v1.Node/NodeStageVolume",
+        "/csi.v1.Node/NodeUnstageVolume",
+        "/csi.v1.Node/NodeGetVolumeStats",
+        "/csi.v1.Node/NodeExpandVolume",
+        "/csi.v1.Controller/CreateVolume",
+        "/csi.v1.Controller/ControllerGetCapabilities",
+        "/csi.v1.Controller/ControllerPublishVolume",
+        "/csi.v1.GroupController/GroupControllerGetCapabilities",
+        "/csi.v1.SnapshotMetadata/GetMetadataAllocated",
+    ],
+)
 def test_everything_else_is_unimplemented(csi, path):
     call = csi.channel.unary_unary(path, request_serializer=None, response_deserializer=None)
     with pytest.raises(grpc.RpcError) as exc:
@@ -223,6 +248,7 @@ def test_everything_else_is_unimplemented(csi, path):
 
 
 # --------------------------------------------------------------------------- publish
+
 
 def test_publish_write_read_unpublish(csi, node_mount, tmp_path):
     target = kubelet_target(tmp_path)
@@ -256,8 +282,10 @@ def test_publish_is_idempotent(csi, tmp_path):
     target = kubelet_target(tmp_path)
     ctx = {"csi.storage.k8s.io/pod.name": "p", "csi.storage.k8s.io/ephemeral": "true"}
     for token in ("tok-1", "tok-2"):  # kubelet mints a new token per call: still the same
-        csi.node.NodePublishVolume(publish_req(target, context={
-            **ctx, "csi.storage.k8s.io/serviceAccount.tokens": token}), timeout=30)
+        csi.node.NodePublishVolume(
+            publish_req(target, context={**ctx, "csi.storage.k8s.io/serviceAccount.tokens": token}),
+            timeout=30,
+        )
     assert len(stack_at(target)) == 1
     csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
 
@@ -340,11 +368,13 @@ def test_unpublish_with_another_volume_id_unpublishes_the_target(csi, tmp_path, 
 
 
 def _invalid_requests(target: Path):
-    block = pb2.VolumeCapability(block=pb2.VolumeCapability.BlockVolume(),
-                                 access_mode=pb2.VolumeCapability.AccessMode(
-                                     mode=Mode.SINGLE_NODE_WRITER))
-    no_type = pb2.VolumeCapability(access_mode=pb2.VolumeCapability.AccessMode(
-        mode=Mode.SINGLE_NODE_WRITER))
+    block = pb2.VolumeCapability(
+        block=pb2.VolumeCapability.BlockVolume(),
+        access_mode=pb2.VolumeCapability.AccessMode(mode=Mode.SINGLE_NODE_WRITER),
+    )
+    no_type = pb2.VolumeCapability(
+        access_mode=pb2.VolumeCapability.AccessMode(mode=Mode.SINGLE_NODE_WRITER)
+    )
     group = mount_cap()
     group.mount.volume_mount_group = "1000"
     return {
@@ -354,8 +384,9 @@ def _invalid_requests(target: Path):
         "NUL in target_path": publish_req(f"{target}\0evil"),
         "too long a name in target_path": publish_req(target.parent / ("n" * 256)),
         "too long a target_path": publish_req("/" + "/".join(["d" * 200] * 21)),
-        "no volume_capability": pb2.NodePublishVolumeRequest(volume_id="v",
-                                                             target_path=str(target)),
+        "no volume_capability": pb2.NodePublishVolumeRequest(
+            volume_id="v", target_path=str(target)
+        ),
         "block access": publish_req(target, cap=block),
         "no access type": publish_req(target, cap=no_type),
         "foreign fs_type": publish_req(target, cap=mount_cap(fs_type="ext4")),
@@ -365,10 +396,12 @@ def _invalid_requests(target: Path):
         "dev mount flag": publish_req(target, cap=mount_cap(flags=["nosuid", "dev"])),
         "volume_mount_group": publish_req(target, cap=group),
         "process id without coordinator": publish_req(target, context={"jaxProcessId": "1"}),
-        "bad process id": publish_req(target, context={"jaxProcessId": "-1",
-                                                       "jaxCoordinatorAddress": "h"}),
-        "bad coordinator": publish_req(target, context={"jaxProcessId": "0",
-                                                        "jaxCoordinatorAddress": "h:99999"}),
+        "bad process id": publish_req(
+            target, context={"jaxProcessId": "-1", "jaxCoordinatorAddress": "h"}
+        ),
+        "bad coordinator": publish_req(
+            target, context={"jaxProcessId": "0", "jaxCoordinatorAddress": "h:99999"}
+        ),
     }
 
 
@@ -385,10 +418,15 @@ def test_invalid_unpublish_arguments(csi, tmp_path):
     relative to the driver's working directory."""
     target = kubelet_target(tmp_path)
     target.mkdir()
-    for req in (unpublish_req(target, volume_id=""), unpublish_req(""),
-                unpublish_req(f"{target}\0"), unpublish_req(f"{target}\0/x"),
-                unpublish_req(os.path.relpath(target)), unpublish_req("mount"),
-                unpublish_req(target.parent / ("n" * 256))):
+    for req in (
+        unpublish_req(target, volume_id=""),
+        unpublish_req(""),
+        unpublish_req(f"{target}\0"),
+        unpublish_req(f"{target}\0/x"),
+        unpublish_req(os.path.relpath(target)),
+        unpublish_req("mount"),
+        unpublish_req(target.parent / ("n" * 256)),
+    ):
         assert code_of(csi.node.NodeUnpublishVolume, req) == grpc.StatusCode.INVALID_ARGUMENT, req
     assert target.is_dir()
 
@@ -400,8 +438,9 @@ def test_conflicting_republish(csi, tmp_path):
         "other volume": publish_req(target, volume_id="csi-vol-2", context={"a": "1"}),
         "readonly": publish_req(target, readonly=True, context={"a": "1"}),
         "other context": publish_req(target, context={"a": "2"}),
-        "other access mode": publish_req(target, context={"a": "1"},
-                                         cap=mount_cap(Mode.MULTI_NODE_MULTI_WRITER)),
+        "other access mode": publish_req(
+            target, context={"a": "1"}, cap=mount_cap(Mode.MULTI_NODE_MULTI_WRITER)
+        ),
     }
     for name, req in conflicts.items():
         assert code_of(csi.node.NodePublishVolume, req) == grpc.StatusCode.ALREADY_EXISTS, name
@@ -415,10 +454,11 @@ def test_conflicting_republish(csi, tmp_path):
 def test_readonly_publish(csi, node_mount, tmp_path, how):
     target = kubelet_target(tmp_path)
     (node_mount.path / "ckpt.txt").write_text("step 7")
-    req = {"readonly flag": publish_req(target, readonly=True),
-           "reader-only access mode": publish_req(target,
-                                                  cap=mount_cap(Mode.SINGLE_NODE_READER_ONLY)),
-           "ro mount flag": publish_req(target, cap=mount_cap(flags=["ro,noexec"]))}[how]
+    req = {
+        "readonly flag": publish_req(target, readonly=True),
+        "reader-only access mode": publish_req(target, cap=mount_cap(Mode.SINGLE_NODE_READER_ONLY)),
+        "ro mount flag": publish_req(target, cap=mount_cap(flags=["ro,noexec"])),
+    }[how]
     csi.node.NodePublishVolume(req, timeout=30)
     top = stack_at(target)[-1]
     assert top.readonly and "nosuid" in top.options and "nodev" in top.options
@@ -438,13 +478,11 @@ def test_readonly_publish(csi, node_mount, tmp_path, how):
 def test_rw_and_bind_flags_are_accepted_without_effect(csi, tmp_path):
     """``rw`` and ``bind`` change nothing; a read-only request wins over ``rw``."""
     target = kubelet_target(tmp_path)
-    csi.node.NodePublishVolume(publish_req(target, cap=mount_cap(flags=["rw,bind"])),
-                               timeout=30)
+    csi.node.NodePublishVolume(publish_req(target, cap=mount_cap(flags=["rw,bind"])), timeout=30)
     assert not stack_at(target)[-1].readonly
     csi.node.NodePublishVolume(publish_req(target), timeout=30)  # the same publication
     csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
-    csi.node.NodePublishVolume(publish_req(target, cap=mount_cap(flags=["ro", "rw"])),
-                               timeout=30)
+    csi.node.NodePublishVolume(publish_req(target, cap=mount_cap(flags=["ro", "rw"])), timeout=30)
     assert stack_at(target)[-1].readonly
     csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
 
@@ -476,8 +514,9 @@ def test_concurrent_calls_on_one_target_are_aborted(csi, tmp_path, monkeypatch):
     try:
         assert entered.wait(10)
         assert code_of(csi.node.NodePublishVolume, publish_req(target)) == grpc.StatusCode.ABORTED
-        assert code_of(csi.node.NodeUnpublishVolume,
-                       unpublish_req(target)) == grpc.StatusCode.ABORTED
+        assert (
+            code_of(csi.node.NodeUnpublishVolume, unpublish_req(target)) == grpc.StatusCode.ABORTED
+        )
         # another target is not held up
         csi.node.NodePublishVolume(publish_req(other, volume_id="csi-vol-2"), timeout=30)
     finally:
@@ -515,8 +554,7 @@ def test_failed_jax_info_write_is_undone(make_mount, tmp_path):
     c = _start(server.StaticMount(str(ro_mount.path)), tmp_path / "state")
     try:
         target = kubelet_target(tmp_path)
-        req = publish_req(target, context={"jaxProcessId": "0",
-                                           "jaxCoordinatorAddress": "coord"})
+        req = publish_req(target, context={"jaxProcessId": "0", "jaxCoordinatorAddress": "coord"})
         assert code_of(c.node.NodePublishVolume, req) == grpc.StatusCode.INTERNAL
         assert stack_at(target) == [] and not target.exists()
         assert os.listdir(tmp_path / "state") == []
@@ -534,8 +572,9 @@ def test_restarted_driver_unpublishes_what_it_published(node_mount, tmp_path):
     first = _start(server.StaticMount(str(node_mount.path)), tmp_path / "state")
     try:
         first.node.NodePublishVolume(publish_req(target), timeout=30)
-        first.node.NodePublishVolume(publish_req(kept, volume_id="csi-vol-3", readonly=True),
-                                     timeout=30)
+        first.node.NodePublishVolume(
+            publish_req(kept, volume_id="csi-vol-3", readonly=True), timeout=30
+        )
     finally:
         _stop(first)
     # a new process: no memory of the first; one run keeps the records, one loses them
@@ -543,10 +582,14 @@ def test_restarted_driver_unpublishes_what_it_published(node_mount, tmp_path):
     third = _start(server.StaticMount(str(node_mount.path)), tmp_path / "lost-state")
     try:
         second.node.NodePublishVolume(publish_req(target), timeout=30)  # idempotent
-        assert code_of(second.node.NodePublishVolume,
-                       publish_req(target, volume_id="other")) == grpc.StatusCode.ALREADY_EXISTS
-        assert code_of(third.node.NodePublishVolume, publish_req(kept, volume_id="csi-vol-3"))\
-            == grpc.StatusCode.ALREADY_EXISTS  # readonly differs, seen in mountinfo
+        assert (
+            code_of(second.node.NodePublishVolume, publish_req(target, volume_id="other"))
+            == grpc.StatusCode.ALREADY_EXISTS
+        )
+        assert (
+            code_of(third.node.NodePublishVolume, publish_req(kept, volume_id="csi-vol-3"))
+            == grpc.StatusCode.ALREADY_EXISTS
+        )  # readonly differs, seen in mountinfo
         third.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
         third.node.NodeUnpublishVolume(unpublish_req(kept, volume_id="csi-vol-3"), timeout=30)
         assert stack_at(target) == [] and stack_at(kept) == []
@@ -588,10 +631,14 @@ def test_foreign_mount_at_target_is_left_alone(csi, tmp_path):
 
     syscalls.mount("tmpfs", str(target), "tmpfs", 0, "size=1m")
     try:
-        assert code_of(csi.node.NodePublishVolume,
-                       publish_req(target)) == grpc.StatusCode.FAILED_PRECONDITION
-        assert code_of(csi.node.NodeUnpublishVolume,
-                       unpublish_req(target)) == grpc.StatusCode.FAILED_PRECONDITION
+        assert (
+            code_of(csi.node.NodePublishVolume, publish_req(target))
+            == grpc.StatusCode.FAILED_PRECONDITION
+        )
+        assert (
+            code_of(csi.node.NodeUnpublishVolume, unpublish_req(target))
+            == grpc.StatusCode.FAILED_PRECONDITION
+        )
         assert stack_at(target)[-1].fstype == "tmpfs"
     finally:
         mounts.unmount(str(target))
@@ -612,19 +659,30 @@ def test_the_drivers_own_paths_are_never_targets(csi, node_mount, tmp_path):
     link.symlink_to(node_mount.path)
     ram = node_mount.ram_dir
     targets = [
-        node_mount.path, node_mount.path / "sub", node_mount.path / "a" / "b",
-        ram, ram / "view", ram / "store", ram / "new" / "dir",
-        tmp_path, tmp_path / "state", tmp_path / "state" / "x", Path("/"),
+        node_mount.path,
+        node_mount.path / "sub",
+        node_mount.path / "a" / "b",
+        ram,
+        ram / "view",
+        ram / "store",
+        ram / "new" / "dir",
+        tmp_path,
+        tmp_path / "state",
+        tmp_path / "state" / "x",
+        Path("/"),
         pub / "sub",  # inside a published target: also tierfs
-        link, link / "sub",  # a symlink does not lead around the rules
+        link,
+        link / "sub",  # a symlink does not lead around the rules
     ]
     pid = node_mount.pid()
     listing, ram_listing = sorted(os.listdir(node_mount.path)), sorted(os.listdir(ram))
     table = sorted((e.mountpoint, e.options) for e in mounts.read_mountinfo())
     records = sorted(os.listdir(tmp_path / "state"))
     for target in targets:
-        for call, req in ((csi.node.NodePublishVolume, publish_req(target)),
-                          (csi.node.NodeUnpublishVolume, unpublish_req(target))):
+        for call, req in (
+            (csi.node.NodePublishVolume, publish_req(target)),
+            (csi.node.NodeUnpublishVolume, unpublish_req(target)),
+        ):
             with pytest.raises(grpc.RpcError) as exc:
                 call(req, timeout=30)
             assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (target, call)
@@ -643,12 +701,15 @@ def test_the_drivers_own_paths_are_never_targets(csi, node_mount, tmp_path):
 def test_configured_ram_dir_is_refused_before_the_mount_answers(tmp_path):
     """A ram-dir known only from the driver's flags (the daemon is not up) is refused too."""
     ram = tmp_path / "ram"
-    c = _start(server.StaticMount(str(tmp_path / "node-mount"), ram_dir=str(ram)),
-               tmp_path / "state")
+    c = _start(
+        server.StaticMount(str(tmp_path / "node-mount"), ram_dir=str(ram)), tmp_path / "state"
+    )
     try:
         for target in (ram, ram / "view" / "x"):
-            for call, req in ((c.node.NodePublishVolume, publish_req(target)),
-                              (c.node.NodeUnpublishVolume, unpublish_req(target))):
+            for call, req in (
+                (c.node.NodePublishVolume, publish_req(target)),
+                (c.node.NodeUnpublishVolume, unpublish_req(target)),
+            ):
                 assert code_of(call, req) == grpc.StatusCode.INVALID_ARGUMENT, target
         assert not ram.exists()
     finally:
@@ -657,19 +718,26 @@ def test_configured_ram_dir_is_refused_before_the_mount_answers(tmp_path):
 
 # --------------------------------------------------------------------------- jax-init-info
 
+
 def test_jax_init_info_written_atomically(csi, node_mount, tmp_path):
     target = kubelet_target(tmp_path)
-    ctx = {"jaxProcessId": "3", "jaxCoordinatorAddress": "train-slice-0-0.train",
-           "csi.storage.k8s.io/pod.name": "train-slice-0-3-x7k2p"}
+    ctx = {
+        "jaxProcessId": "3",
+        "jaxCoordinatorAddress": "train-slice-0-0.train",
+        "csi.storage.k8s.io/pod.name": "train-slice-0-3-x7k2p",
+    }
     csi.node.NodePublishVolume(publish_req(target, context=ctx), timeout=30)
     assert (target / "jax-init-info.txt").read_bytes() == b"3\ntrain-slice-0-0.train:8476\n"
     assert [n for n in os.listdir(node_mount.path) if "tmp" in n] == []
     csi.node.NodeUnpublishVolume(unpublish_req(target), timeout=30)
 
     auto = kubelet_target(tmp_path, uid="6f1c0b52-0000-4000-8000-000000000005")
-    ctx = {"jaxProcessId": "auto", "jaxProcessesPerJob": "4",
-           "jaxCoordinatorAddress": "[fd00::1]:1234",
-           "csi.storage.k8s.io/pod.name": "train-slice-2-1-x7k2p"}
+    ctx = {
+        "jaxProcessId": "auto",
+        "jaxProcessesPerJob": "4",
+        "jaxCoordinatorAddress": "[fd00::1]:1234",
+        "csi.storage.k8s.io/pod.name": "train-slice-2-1-x7k2p",
+    }
     csi.node.NodePublishVolume(publish_req(auto, volume_id="v5", context=ctx), timeout=30)
     assert (auto / "jax-init-info.txt").read_bytes() == b"9\n[fd00::1]:1234\n"
     csi.node.NodeUnpublishVolume(unpublish_req(auto, volume_id="v5"), timeout=30)
@@ -684,21 +752,31 @@ def test_no_jax_init_info_without_attributes(csi, node_mount, tmp_path):
 
 # --------------------------------------------------------------------------- secrets
 
+
 def test_secrets_and_tokens_are_never_logged(csi, tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
     target = kubelet_target(tmp_path)
     token = "eyJTOKEN-VALUE-never-in-logs"
     secret = "S3CRET-VALUE-never-in-logs"
-    ctx = {"csi.storage.k8s.io/serviceAccount.tokens":
-           f'{{"gcp":{{"token":"{token}","expirationTimestamp":"2030-01-01T00:00:00Z"}}}}',
-           "csi.storage.k8s.io/pod.name": "p", "myApiToken": token}
-    csi.node.NodePublishVolume(publish_req(target, context=ctx, secrets={"key": secret}),
-                               timeout=30)
+    ctx = {
+        "csi.storage.k8s.io/serviceAccount.tokens": (
+            f'{{"gcp":{{"token":"{token}","expirationTimestamp":"2030-01-01T00:00:00Z"}}}}'
+        ),
+        "csi.storage.k8s.io/pod.name": "p",
+        "myApiToken": token,
+    }
+    csi.node.NodePublishVolume(
+        publish_req(target, context=ctx, secrets={"key": secret}), timeout=30
+    )
     details = []
-    for req in (publish_req(target, volume_id="other", context=ctx, secrets={"key": secret}),
-                publish_req(target, context={**ctx, "jaxProcessId": "x",
-                                             "jaxCoordinatorAddress": "h"},
-                            secrets={"key": secret})):
+    for req in (
+        publish_req(target, volume_id="other", context=ctx, secrets={"key": secret}),
+        publish_req(
+            target,
+            context={**ctx, "jaxProcessId": "x", "jaxCoordinatorAddress": "h"},
+            secrets={"key": secret},
+        ),
+    ):
         with pytest.raises(grpc.RpcError) as exc:
             csi.node.NodePublishVolume(req, timeout=30)
         details.append(exc.value.details())
@@ -711,8 +789,8 @@ def test_secrets_and_tokens_are_never_logged(csi, tmp_path, caplog):
         assert token not in data and secret not in data
 
 
-
 # --------------------------------------------------------------------------- node mount
+
 
 def test_supervised_node_mount(tmp_path):
     """`tierfs mount` through the supervisor: not ready, then ready; kept while published."""
@@ -752,8 +830,12 @@ def test_probe_is_ready_only_once_the_node_mount_record_exists(tmp_path):
 
     ram = Path("/dev/shm") / f"tierfs-test-csi-{os.getpid()}-{tmp_path.name[-20:]}"
     record = tmp_path / "state" / "node-mount.json"
-    node = SupervisedMount(str(tmp_path / "node"), ["--ram-dir", str(ram), "-o", "allow_other"],
-                           ram_dir=str(ram), record_path=str(record))
+    node = SupervisedMount(
+        str(tmp_path / "node"),
+        ["--ram-dir", str(ram), "-o", "allow_other"],
+        ram_dir=str(ram),
+        record_path=str(record),
+    )
     writing, release = threading.Event(), threading.Event()
     write_record = node._write_record
 
@@ -802,10 +884,13 @@ def test_adoption_compares_token_and_config_file(tmp_path, caplog):
     token = "PEER-TOKEN-not-in-the-record"
 
     def node(*extra: str, tok: str = token, rec: str | None = record, ram_dir: Path = ram):
-        return SupervisedMount(mnt, ["--ram-dir", str(ram_dir), "--config", str(conf),
-                                     "-o", "allow_other", *extra],
-                               env={"TIERFS_PEER_TOKEN": tok}, ram_dir=str(ram_dir),
-                               record_path=rec)
+        return SupervisedMount(
+            mnt,
+            ["--ram-dir", str(ram_dir), "--config", str(conf), "-o", "allow_other", *extra],
+            env={"TIERFS_PEER_TOKEN": tok},
+            ram_dir=str(ram_dir),
+            record_path=rec,
+        )
 
     first = node()
     try:
@@ -813,13 +898,14 @@ def test_adoption_compares_token_and_config_file(tmp_path, caplog):
         text = Path(record).read_text()
         assert token not in text and stat.S_IMODE(os.stat(record).st_mode) == 0o600
         assert node().check_adopted() == []
-        assert node(tok="another-token").check_adopted() == [
-            "peer token or --config file contents"]
+        assert node(tok="another-token").check_adopted() == ["peer token or --config file contents"]
         diffs = node("--keep-local", "3").check_adopted()
         assert len(diffs) == 1 and "--keep-local 3" in diffs[0]
         other = tmp_path / "other-ram"
-        assert node(ram_dir=other).check_adopted()[0] == \
-            f"ram-dir {os.path.realpath(ram)} (this driver's: {other})"
+        assert (
+            node(ram_dir=other).check_adopted()[0]
+            == f"ram-dir {os.path.realpath(ram)} (this driver's: {other})"
+        )
         caplog.clear()
         assert node(rec=None).check_adopted() == []
         assert "without a record of the options" in caplog.text
@@ -835,8 +921,11 @@ def test_adoption_compares_token_and_config_file(tmp_path, caplog):
 def test_supervised_node_mount_reports_failures(tmp_path):
     from tierfs.csi.nodemount import SupervisedMount
 
-    node = SupervisedMount(str(tmp_path / "node"), ["--ram-dir", str(tmp_path / "r"),
-                                                    "-o", "no_such_option"], max_backoff=1)
+    node = SupervisedMount(
+        str(tmp_path / "node"),
+        ["--ram-dir", str(tmp_path / "r"), "-o", "no_such_option"],
+        max_backoff=1,
+    )
     node.start()
     try:
         deadline = time.monotonic() + 60

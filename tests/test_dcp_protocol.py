@@ -14,8 +14,12 @@ CLIENT = Path(__file__).parent / "clients" / "dcp_mtc.py"
 
 
 def run(d: Path, steps: int, expected: Path) -> str:
-    proc = subprocess.run([sys.executable, str(CLIENT), str(d), str(steps), str(expected)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(CLIENT), str(d), str(steps), str(expected)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, f"client failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
     return proc.stdout
 

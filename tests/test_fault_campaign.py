@@ -83,29 +83,39 @@ def test_oracle_cluster_wins_over_a_newer_bucket_round_and_corruption_destroys()
     copies = full_copies([2, 3])
     rounds = {"2026-12-01_10-01": 1, "2026-12-01_10-02": 2}
     # the replica of rank 1's step 3 on node 0 is corrupt and node 1 is lost
-    exp = expected_restore(copies, rounds, t.versions, 4, lost_nodes=[1],
-                           bad_copies=[(0, 1, 3, 3)], all_copies=copies)
+    exp = expected_restore(
+        copies, rounds, t.versions, 4, lost_nodes=[1], bad_copies=[(0, 1, 3, 3)], all_copies=copies
+    )
     assert (exp.floor_step, exp.where) == (2, "cluster")
     # the whole cluster is lost and the newest round has a flipped bit: the older round
-    exp = expected_restore(copies, rounds, t.versions, 4, lost_nodes=range(4),
-                           bad_rounds=["2026-12-01_10-02"], all_copies=copies)
+    exp = expected_restore(
+        copies,
+        rounds,
+        t.versions,
+        4,
+        lost_nodes=range(4),
+        bad_rounds=["2026-12-01_10-02"],
+        all_copies=copies,
+    )
     assert (exp.floor_step, exp.where, exp.newest_step) == (1, "bucket", 2)
     silent = {i: NodeRestore(1, 1) for i in range(4)}  # the corrupt round 2 must be named
     assert judge(silent, exp, t.versions)[0].startswith("unexplained fallback to step 1")
     # the whole cluster is lost: a step only RAM held is gone without a trace
-    exp = expected_restore(copies, {"2026-12-01_10-01": 1}, t.versions, 4,
-                           lost_nodes=range(4), all_copies=copies)
+    exp = expected_restore(
+        copies, {"2026-12-01_10-01": 1}, t.versions, 4, lost_nodes=range(4), all_copies=copies
+    )
     assert (exp.floor_step, exp.newest_step) == (1, 1)
     # step 3 sealed on every node but not replicated, node 3 lost, the bucket stalled for
     # the whole restore: nothing is provable, but the survivors' step 3 needs a word
     own = {(r, r, 3, 3) for r in range(4)}
-    exp = expected_restore(own, rounds, t.versions, 4, lost_nodes=[3], bucket_usable=False,
-                           all_copies=own)
+    exp = expected_restore(
+        own, rounds, t.versions, 4, lost_nodes=[3], bucket_usable=False, all_copies=own
+    )
     assert exp.floor is None and exp.newest_step == 3
-    fresh = {i: NodeRestore(None, wait_rc=0, errors=["restore: bucket stalled"])
-             for i in range(4)}
+    fresh = {i: NodeRestore(None, wait_rc=0, errors=["restore: bucket stalled"]) for i in range(4)}
     assert judge(fresh, exp, t.versions) == [
-        "fresh start while step 3 existed, but every `tierfs wait` exited 0"]
+        "fresh start while step 3 existed, but every `tierfs wait` exited 0"
+    ]
     fresh[2].wait_rc = 1
     assert judge(fresh, exp, t.versions) == []
 
@@ -115,11 +125,13 @@ def test_oracle_split_and_wrong_bytes():
     exp = expected_restore(full_copies([30]), {}, t.versions, 4, all_copies=full_copies([30]))
     split = {i: NodeRestore(30, 30) for i in range(3)} | {3: NodeRestore(27, 27)}
     assert judge(split, exp, t.versions) == [
-        "split restore: node 0 step 30, node 1 step 30, node 2 step 30, node 3 step 27"]
+        "split restore: node 0 step 30, node 1 step 30, node 2 step 30, node 3 step 27"
+    ]
     wrong = {i: NodeRestore(30, 30) for i in range(4)}
     wrong[2] = NodeRestore(30, error="step 30's bytes (6 files) match no save of rank 2")
     assert judge(wrong, exp, t.versions) == [
-        "node 2: step 30's bytes (6 files) match no save of rank 2"]
+        "node 2: step 30's bytes (6 files) match no save of rank 2"
+    ]
     newer = {i: NodeRestore(30, 30) for i in range(4)}
     assert judge(newer, expected_restore(set(), {}, t.versions, 4), t.versions) == []
 
@@ -131,8 +143,9 @@ def test_fault_campaign(make_mount, fake_gcs, monkeypatch, tmp_path):
     the oracle of tests/fault_oracle.py (the per-injection lines are printed)."""
     for k, v in CAMPAIGN_ENV.items():
         monkeypatch.setenv(k, v)
-    camp = Campaign(make_mount, fake_gcs, seed=SEED, injections=INJECTIONS,
-                    out=tmp_path / "campaign")
+    camp = Campaign(
+        make_mount, fake_gcs, seed=SEED, injections=INJECTIONS, out=tmp_path / "campaign"
+    )
     records = camp.run()
     print(summarize(records))
     assert len(records) == INJECTIONS

@@ -34,8 +34,13 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
-_libc.renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                            ctypes.c_uint]
+_libc.renameat2.argtypes = [
+    ctypes.c_int,
+    ctypes.c_char_p,
+    ctypes.c_int,
+    ctypes.c_char_p,
+    ctypes.c_uint,
+]
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 
@@ -78,7 +83,7 @@ def write_file(path: Path, data: bytes, mode: int = 0o644) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
 
@@ -133,7 +138,7 @@ def test_o_append_two_processes(fs):
     assert len(data) == 2 * rec * count
     seen: dict[bytes, list[int]] = {b"A": [], b"B": []}
     for off in range(0, len(data), rec):
-        r = data[off:off + rec]
+        r = data[off : off + rec]
         who = r[:1]
         fill = b"-" if who == b"A" else b"."
         assert r == f"{who.decode()}{int(r[1:7]):06d}".encode().ljust(rec - 1, fill) + b"\n", r
@@ -292,10 +297,12 @@ def _direct_io(root: Path) -> list[object]:
         return [exc.errno]
     try:
         with memoryview(aligned) as whole:
-            for what, buf, off in (("aligned", whole[:MiB], 0),
-                                   ("aligned-big", whole, MiB),
-                                   ("unaligned", memoryview(b"u" * 1000), 7),
-                                   ("unaligned-buf", whole[3:4100], 4096 * 3)):
+            for what, buf, off in (
+                ("aligned", whole[:MiB], 0),
+                ("aligned-big", whole, MiB),
+                ("unaligned", memoryview(b"u" * 1000), 7),
+                ("unaligned-buf", whole[3:4100], 4096 * 3),
+            ):
                 try:
                     out.append((what, os.pwrite(fd, buf, off)))
                 except OSError as exc:
@@ -569,9 +576,15 @@ def test_permission_checks_for_other_users(fs):
     write_file(r / "closed" / "inner", b"x")
     res = as_user(_try_all, ["private", "readable", "open"], cwd=r)
     assert res == {
-        "private:r": errno.EACCES, "private:w": errno.EACCES, "private:access-w": 0,
-        "readable:r": 0, "readable:w": errno.EACCES, "readable:access-w": 0,
-        "open:r": 0, "open:w": 0, "open:access-w": 1,
+        "private:r": errno.EACCES,
+        "private:w": errno.EACCES,
+        "private:access-w": 0,
+        "readable:r": 0,
+        "readable:w": errno.EACCES,
+        "readable:access-w": 0,
+        "open:r": 0,
+        "open:w": 0,
+        "open:access-w": 1,
     }
     assert err(as_user, os.listdir, "closed", cwd=r) == errno.EACCES
     assert err(as_user, os.stat, "closed/inner", cwd=r) == errno.EACCES
@@ -631,8 +644,11 @@ def test_setgid_directory_passes_group_on(fs):
         return out
 
     res = as_user(create, cwd=d)
-    assert res == {"f": (1000, 4242, False), "sub": (1000, 4242, True),
-                   "sub/deeper": (1000, 4242, True)}
+    assert res == {
+        "f": (1000, 4242, False),
+        "sub": (1000, 4242, True),
+        "sub/deeper": (1000, 4242, True),
+    }
 
 
 # ---------------------------------------------------------------- locks
@@ -645,16 +661,26 @@ def _child_try_locks(path: str) -> dict[str, int]:
     ofd = struct.pack("hhxxxxqqixxxx", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
     ofd_unlock = struct.pack("hhxxxxqqixxxx", fcntl.F_UNLCK, os.SEEK_SET, 0, 0, 0)
     attempts = {
-        "lockf": (lambda: fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB),
-                  lambda: fcntl.lockf(fd, fcntl.LOCK_UN)),
-        "lockf-sh": (lambda: fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, 1, 100),
-                     lambda: fcntl.lockf(fd, fcntl.LOCK_UN, 1, 100)),
-        "flock": (lambda: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB),
-                  lambda: fcntl.flock(fd, fcntl.LOCK_UN)),
-        "ofd": (lambda: fcntl.fcntl(fd, fcntl.F_OFD_SETLK, ofd),
-                lambda: fcntl.fcntl(fd, fcntl.F_OFD_SETLK, ofd_unlock)),
-        "free-range": (lambda: fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 10, 5000),
-                       lambda: fcntl.lockf(fd, fcntl.LOCK_UN, 10, 5000)),
+        "lockf": (
+            lambda: fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB),
+            lambda: fcntl.lockf(fd, fcntl.LOCK_UN),
+        ),
+        "lockf-sh": (
+            lambda: fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, 1, 100),
+            lambda: fcntl.lockf(fd, fcntl.LOCK_UN, 1, 100),
+        ),
+        "flock": (
+            lambda: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB),
+            lambda: fcntl.flock(fd, fcntl.LOCK_UN),
+        ),
+        "ofd": (
+            lambda: fcntl.fcntl(fd, fcntl.F_OFD_SETLK, ofd),
+            lambda: fcntl.fcntl(fd, fcntl.F_OFD_SETLK, ofd_unlock),
+        ),
+        "free-range": (
+            lambda: fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 10, 5000),
+            lambda: fcntl.lockf(fd, fcntl.LOCK_UN, 10, 5000),
+        ),
     }
     try:
         for name, (take, release) in attempts.items():
@@ -677,17 +703,20 @@ def _write_and_fstat_mode(name: str, flags: int) -> tuple[int, int]:
     return through_fd, stat.S_IMODE(os.stat(name).st_mode)
 
 
-@pytest.mark.parametrize("mode, flags, after", [
-    # pjdfstest chmod/12.t: a non-owner's write clears SUID, SGID and both
-    (0o4777, os.O_WRONLY, 0o777),
-    (0o2777, os.O_RDWR, 0o777),
-    (0o6777, os.O_RDWR, 0o777),
-    (0o4777, os.O_RDWR, 0o777),
-    (0o6777, os.O_WRONLY, 0o777),
-    # set-group-ID without group execute is kept (mandatory-locking marker), as Linux does
-    (0o2767, os.O_WRONLY, 0o2767),
-    (0o6767, os.O_WRONLY, 0o2767),
-])
+@pytest.mark.parametrize(
+    "mode, flags, after",
+    [
+        # pjdfstest chmod/12.t: a non-owner's write clears SUID, SGID and both
+        (0o4777, os.O_WRONLY, 0o777),
+        (0o2777, os.O_RDWR, 0o777),
+        (0o6777, os.O_RDWR, 0o777),
+        (0o4777, os.O_RDWR, 0o777),
+        (0o6777, os.O_WRONLY, 0o777),
+        # set-group-ID without group execute is kept (mandatory-locking marker), as Linux does
+        (0o2767, os.O_WRONLY, 0o2767),
+        (0o6767, os.O_WRONLY, 0o2767),
+    ],
+)
 def test_write_by_unprivileged_user_clears_setuid_setgid(fs, mode, flags, after):
     """Regression (issue 13): with the daemon serving writes, a non-owner's O_WRONLY write
     left 04777 (the kernel asks the daemon to clear the bits: FUSE_WRITE_KILL_SUIDGID)."""
@@ -778,9 +807,11 @@ def test_writes_ask_for_security_capability_once_per_file(fs):
     """Regression (issue 13): every write(2) through passthrough cost a GETXATTR
     round trip ("security.capability"); with FUSE_HANDLE_KILLPRIV_V2 the kernel asks
     once per inode and remembers the answer (S_NOSEC)."""
+
     def getxattrs() -> int:
         return json.loads((fs.path / ".tierfs" / "fuse.json").read_text())["requests"].get(
-            "GETXATTR", 0)
+            "GETXATTR", 0
+        )
 
     before = getxattrs()
     fd = os.open(fs.path / "many", os.O_WRONLY | os.O_CREAT, 0o644)
@@ -802,8 +833,13 @@ def test_locks_between_processes(fs):
         fcntl.lockf(fd, fcntl.LOCK_EX, 1000, 0)  # POSIX lock on [0, 1000)
         fcntl.flock(fd, fcntl.LOCK_EX)
         res = in_child(_child_try_locks, str(p))
-        assert res == {"lockf": errno.EAGAIN, "lockf-sh": errno.EAGAIN,
-                       "flock": errno.EWOULDBLOCK, "ofd": errno.EAGAIN, "free-range": 0}
+        assert res == {
+            "lockf": errno.EAGAIN,
+            "lockf-sh": errno.EAGAIN,
+            "flock": errno.EWOULDBLOCK,
+            "ofd": errno.EAGAIN,
+            "free-range": 0,
+        }
         # an OFD lock conflicts even inside one process (another open file description)
         fcntl.lockf(fd, fcntl.LOCK_UN, 1000, 0)
         ofd = struct.pack("hhxxxxqqixxxx", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
@@ -880,8 +916,12 @@ def test_xattrs(fs):
 
 
 def _make_tree(root: Path) -> dict[str, bytes]:
-    files = {"a.bin": pattern(300_000, seed=1), "sub/b.txt": b"hello\n",
-             "sub/deep/c.bin": pattern(5 * MiB + 1, seed=2), "sub/empty": b""}
+    files = {
+        "a.bin": pattern(300_000, seed=1),
+        "sub/b.txt": b"hello\n",
+        "sub/deep/c.bin": pattern(5 * MiB + 1, seed=2),
+        "sub/empty": b"",
+    }
     for rel, data in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         write_file(root / rel, data)
@@ -900,8 +940,15 @@ def _check_tree(root: Path, files: dict[str, bytes]) -> None:
     assert stat.S_IMODE((root / "sub" / "b.txt").stat().st_mode) == 0o640
     assert (root / "a.bin").stat().st_mtime_ns == 1_600_000_000_123_456_789
     got = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
-    assert got == ["a.bin", "sub", "sub/b.txt", "sub/deep", "sub/deep/c.bin", "sub/empty",
-                   "sub/link"]
+    assert got == [
+        "a.bin",
+        "sub",
+        "sub/b.txt",
+        "sub/deep",
+        "sub/deep/c.bin",
+        "sub/empty",
+        "sub/link",
+    ]
 
 
 def test_copy2_and_copytree_into_and_out_of_the_mount(fs, ref):
@@ -934,8 +981,7 @@ def test_mmap_shared_read_and_write(fs):
     assert isinstance(loaded, np.memmap)
     assert np.array_equal(loaded, arr)
     del loaded
-    mm = np.memmap(fs.path / "w.npy", mode="r+", dtype=np.float32, offset=128,
-                   shape=(1000, 1000))
+    mm = np.memmap(fs.path / "w.npy", mode="r+", dtype=np.float32, offset=128, shape=(1000, 1000))
     mm[10, :] = -1.0
     mm[999, 999] = 42.0
     mm.flush()
@@ -965,8 +1011,9 @@ def test_mmap_shared_read_and_write(fs):
     om[:] = np.arange(512 * 64).reshape(512, 64)
     om.flush()
     del om
-    assert np.array_equal(np.load(fs.path / "om.npy", mmap_mode="r"),
-                          np.arange(512 * 64).reshape(512, 64))
+    assert np.array_equal(
+        np.load(fs.path / "om.npy", mmap_mode="r"), np.arange(512 * 64).reshape(512, 64)
+    )
 
 
 def test_mmap_write_through_an_o_append_handle_lands_in_place(fs):
@@ -1027,8 +1074,11 @@ def test_mmap_under_load(fs):
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
-    tensors = {f"layer{i}.weight": np.full((256, 1024), i, dtype=np.float32) + np.arange(
-        1024, dtype=np.float32) for i in range(64)}  # 64 MiB
+    tensors = {
+        f"layer{i}.weight": np.full((256, 1024), i, dtype=np.float32)
+        + np.arange(1024, dtype=np.float32)
+        for i in range(64)
+    }  # 64 MiB
     (fs.path / "ckpt").mkdir()
     save_file(tensors, str(fs.path / "ckpt" / "model.safetensors"))
     for i in range(200):
@@ -1040,8 +1090,7 @@ def test_mmap_under_load(fs):
         try:
             n = 0
             while time.monotonic() < stop or n == 0:
-                with safe_open(str(fs.path / "ckpt" / "model.safetensors"),
-                               framework="numpy") as f:
+                with safe_open(str(fs.path / "ckpt" / "model.safetensors"), framework="numpy") as f:
                     for name in list(f.keys())[k::16]:
                         if not np.array_equal(f.get_tensor(name), tensors[name]):
                             errors.append(f"{name} differs")
@@ -1056,9 +1105,11 @@ def test_mmap_under_load(fs):
         "    t=time.monotonic(); names=os.listdir(root+'/ckpt')\n"
         "    for x in names[:50]: os.stat(root+'/ckpt/'+x)\n"
         "    os.statvfs(root); worst=max(worst,time.monotonic()-t); n+=1\n"
-        "print(worst, n)\n")
-    lister = subprocess.Popen(["python3", "-c", stat_script, str(fs.path), "4"],
-                              stdout=subprocess.PIPE, text=True)
+        "print(worst, n)\n"
+    )
+    lister = subprocess.Popen(
+        ["python3", "-c", stat_script, str(fs.path), "4"], stdout=subprocess.PIPE, text=True
+    )
     threads = [threading.Thread(target=reader, args=(k,)) for k in range(16)]
     for t in threads:
         t.start()
@@ -1225,8 +1276,7 @@ def small_tmpfs(tmp_path):
     def factory(size: str) -> Path:
         d = tmp_path / f"tmpfs{len(made)}"
         d.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)],
-                       check=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], check=True)
         made.append(d)
         return d / "ram"
 
@@ -1325,8 +1375,7 @@ def _budget(m) -> dict:
 def _wait_for_count_after(m, t: float, timeout: float = 60) -> None:
     """Wait until the daemon counted its store (status ``usage.counted_at``) after ``t``."""
     deadline = time.monotonic() + timeout
-    while json.loads((m.path / ".tierfs" / "status.json").read_text())["usage"][
-            "counted_at"] <= t:
+    while json.loads((m.path / ".tierfs" / "status.json").read_text())["usage"]["counted_at"] <= t:
         assert time.monotonic() < deadline, "the daemon did not count its store"
         time.sleep(0.05)
 
@@ -1425,8 +1474,9 @@ def test_managed_budget_holds_keep_local_plus_one_sealed_steps(small_tmpfs, make
         # back well within the trash's 30 s grace, whichever of the client's delete and
         # retention's drop came first (regression: CI got ENOSPC when the drop did)
         deadline = time.monotonic() + 60
-        while not any(s["step"] == step and s["state"] in ("sealed", "verified")
-                      for s in _status(m)["steps"]):
+        while not any(
+            s["step"] == step and s["state"] in ("sealed", "verified") for s in _status(m)["steps"]
+        ):
             assert time.monotonic() < deadline, f"step {step} not sealed"
             time.sleep(0.05)
         deadline = time.monotonic() + 20
@@ -1470,9 +1520,20 @@ def overlay_dir(tmp_path):
     base = Path("/dev/shm") / f"tierfs-ovl-{uuid.uuid4().hex[:8]}"
     for d in ("l", "u", "w", "m"):
         (base / d).mkdir(parents=True)
-    proc = subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
-                           f"lowerdir={base}/l,upperdir={base}/u,workdir={base}/w",
-                           str(base / "m")], capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [
+            "mount",
+            "-t",
+            "overlay",
+            "overlay",
+            "-o",
+            f"lowerdir={base}/l,upperdir={base}/u,workdir={base}/w",
+            str(base / "m"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if proc.returncode != 0:
         shutil.rmtree(base, ignore_errors=True)
         pytest.skip(f"cannot mount overlayfs: {proc.stderr.strip()}")

@@ -52,8 +52,14 @@ def restore_into(g: GcsBackend, tmp: Path, job: str, rnd: str, rank: int, step: 
 
 def test_upload_then_restore_is_byte_exact(fake_gcs, tmp_path):
     g = backend(fake_gcs, "pre/fix")
-    shard = make_shard(tmp_path / "n0", "job", 0, 5, orbax_files(1),
-                       modes={"5/state/manifest.ocdbt": 0o600, "5/state": 0o750})
+    shard = make_shard(
+        tmp_path / "n0",
+        "job",
+        0,
+        5,
+        orbax_files(1),
+        modes={"5/state/manifest.ocdbt": 0o600, "5/state": 0o750},
+    )
     seen = []
     res = g.upload_shard(shard, R1, nodes=1, on_bytes=seen.append)
     assert res.data_uploaded and res.objects == 5 + 2 and res.skipped == 0
@@ -64,8 +70,12 @@ def test_upload_then_restore_is_byte_exact(fake_gcs, tmp_path):
     assert f"pre/fix/job/{R1}/job-s5-n0.tierfs.json" in names
     assert f"pre/fix/job/{R1}/{h}.data/state/d/big" in names
     assert f"pre/fix/job/{R1}/{h}.data/_CHECKPOINT_METADATA" in names
-    meta = fake_gcs.client().bucket(fake_gcs.bucket).blob(
-        f"pre/fix/job/{R1}/job-s5-n0-w0.meta").download_as_bytes()
+    meta = (
+        fake_gcs.client()
+        .bucket(fake_gcs.bucket)
+        .blob(f"pre/fix/job/{R1}/job-s5-n0-w0.meta")
+        .download_as_bytes()
+    )
     assert meta == h.encode()  # MTC: the hash, no newline
     info = g.inspect_round("job", R1)
     assert info.complete_step == 5 and info.nodes == 1
@@ -166,9 +176,17 @@ def test_data_parallelism_dedups_only_what_the_bucket_proves(fake_gcs, tmp_path)
     shards = {r: make_shard(tmp_path / f"n{r}", "job", r, 5, content[r % 2]) for r in range(4)}
     results = {}
     # rows 0/1 start first and wait for the uploaders' objects (threads, as on nodes)
-    waiting = {r: threading.Thread(target=lambda r=r: results.__setitem__(
-        r, g.upload_shard(shards[r], R1, nodes=4, data_parallelism=2, dedup=True,
-                          dedup_wait=60))) for r in (0, 1)}
+    waiting = {
+        r: threading.Thread(
+            target=lambda r=r: results.__setitem__(
+                r,
+                g.upload_shard(
+                    shards[r], R1, nodes=4, data_parallelism=2, dedup=True, dedup_wait=60
+                ),
+            )
+        )
+        for r in (0, 1)
+    }
     for t in waiting.values():
         t.start()
     info = g.inspect_round("job", R1, nodes=4)
@@ -193,8 +211,7 @@ def test_data_parallel_ranks_whose_bytes_differ_upload_their_own(fake_gcs, tmp_p
     step directories differ (an array sharded across them). Before: node 0 uploaded
     nothing and wrote a .meta naming D...data that never existed."""
     g = backend(fake_gcs)
-    shards = {r: make_shard(tmp_path / f"n{r}", "job", r, 3, orbax_files(30 + r))
-              for r in range(2)}
+    shards = {r: make_shard(tmp_path / f"n{r}", "job", r, 3, orbax_files(30 + r)) for r in range(2)}
     # the coordinator saw the digests differ: no dedup for node 0
     res0 = g.upload_shard(shards[0], R1, nodes=2, data_parallelism=2)
     assert res0.data_uploaded and res0.bytes == shards[0].bytes
@@ -236,21 +253,26 @@ def test_judging_reads_one_listing_and_the_manifests(fake_gcs, tmp_path, monkeyp
     crc32c of the hash the manifest names), not read one by one."""
     g = backend(fake_gcs)
     for r in range(3):
-        g.upload_shard(make_shard(tmp_path / f"n{r}", "job", r, 5, {"5/x": b"%d" % r}), R1,
-                       nodes=3)
+        g.upload_shard(make_shard(tmp_path / f"n{r}", "job", r, 5, {"5/x": b"%d" % r}), R1, nodes=3)
     calls = {"list": 0, "get": []}
     real_list, real_get = g._list, g._get_bytes
-    monkeypatch.setattr(g, "_list", lambda *a, **k: (calls.__setitem__(
-        "list", calls["list"] + 1), real_list(*a, **k))[1])
-    monkeypatch.setattr(g, "_get_bytes", lambda name: (calls["get"].append(name),
-                                                       real_get(name))[1])
+    monkeypatch.setattr(
+        g,
+        "_list",
+        lambda *a, **k: (calls.__setitem__("list", calls["list"] + 1), real_list(*a, **k))[1],
+    )
+    monkeypatch.setattr(
+        g, "_get_bytes", lambda name: (calls["get"].append(name), real_get(name))[1]
+    )
     assert g.inspect_round("job", R1).complete_step == 5
     assert calls["list"] == 1
     assert sorted(n.rsplit("/", 1)[1] for n in calls["get"]) == [
-        f"job-s5-n{r}.tierfs.json" for r in range(3)]
+        f"job-s5-n{r}.tierfs.json" for r in range(3)
+    ]
     # a pointer that does not hold the manifest's hash is read and reported
-    fake_gcs.client().bucket(fake_gcs.bucket).blob(f"job/{R1}/job-s5-n1-w0.meta") \
-        .upload_from_string("D" + "0" * 64)
+    fake_gcs.client().bucket(fake_gcs.bucket).blob(
+        f"job/{R1}/job-s5-n1-w0.meta"
+    ).upload_from_string("D" + "0" * 64)
     info = g.inspect_round("job", R1)
     assert info.complete_step is None
     assert any(".meta for worker 0 names D000" in p for p in info.problems())
@@ -258,10 +280,17 @@ def test_judging_reads_one_listing_and_the_manifests(fake_gcs, tmp_path, monkeyp
 
 def test_tidy_round_removes_a_failed_round_and_a_moved_rounds_older_parts(fake_gcs, tmp_path):
     g = backend(fake_gcs)
-    names = lambda rnd: sorted(b.name for b in fake_gcs.client().list_blobs(  # noqa: E731
-        fake_gcs.bucket, prefix=f"job/{rnd}/"))
-    s = {(r, st): make_shard(tmp_path / f"n{r}s{st}", "job", r, st, {f"{st}/x": b"%d%d" % (r, st)})
-         for r in range(2) for st in (1, 3)}
+
+    def names(rnd):
+        return sorted(
+            b.name for b in fake_gcs.client().list_blobs(fake_gcs.bucket, prefix=f"job/{rnd}/")
+        )
+
+    s = {
+        (r, st): make_shard(tmp_path / f"n{r}s{st}", "job", r, st, {f"{st}/x": b"%d%d" % (r, st)})
+        for r in range(2)
+        for st in (1, 3)
+    }
     # a failed round: only node 1's part of step 1
     g.upload_shard(s[(1, 1)], R1, nodes=2)
     # a moved round: node 1's part of step 1, then both nodes' parts of step 3
@@ -295,8 +324,7 @@ def test_cancel_stops_an_upload_before_the_pointer(fake_gcs, tmp_path):
     shard = make_shard(tmp_path / "n0", "job", 0, 5, orbax_files(4, big=6 * MiB))
     cancel = threading.Event()
     with pytest.raises(Cancelled):
-        g.upload_shard(shard, R1, nodes=1, cancel=cancel,
-                       on_bytes=lambda n: cancel.set())
+        g.upload_shard(shard, R1, nodes=1, cancel=cancel, on_bytes=lambda n: cancel.set())
     assert g.inspect_round("job", R1, nodes=1).ranks_present() == []
 
 
@@ -445,13 +473,18 @@ def test_bounded_calls_end_within_their_deadline_when_the_bucket_hangs(fake_gcs,
     fake_gcs.freeze()
     try:
         b = g.bounded(3)
-        for call in (lambda: b.read_restore_version("job"), lambda: b.bucket_exists(),
-                     lambda: b.choose_restore("job", 1), lambda: b.list_rounds("job")):
+        for call in (
+            lambda: b.read_restore_version("job"),
+            lambda: b.bucket_exists(),
+            lambda: b.choose_restore("job", 1),
+            lambda: b.list_rounds("job"),
+        ):
             took, exc = _timed(call)
             assert 2.5 < took < SLACK * 3, took
             if exc is not None:  # list_rounds reports per round; the listing itself raises
                 assert "unreachable" in describe_error(exc), describe_error(exc)
                 from tierfs.tiers.gcs import is_transient
+
                 assert is_transient(exc)
         # the plain backend: each request within its retry deadline, not 120 s
         short = backend(fake_gcs, retry_deadline=2)
@@ -488,8 +521,9 @@ def test_each_resumable_chunk_gets_the_whole_retry_deadline(fake_gcs, tmp_path):
     it is sent, through the progress callback)."""
     g = backend(fake_gcs, retry_deadline=1.5)
     shard = make_shard(tmp_path / "n0", "job", 0, 5, {"5/big": os.urandom(10 * MiB)})
-    took, exc = _timed(lambda: g.upload_shard(shard, R1, nodes=1,
-                                              on_bytes=lambda n: time.sleep(0.4)))
+    took, exc = _timed(
+        lambda: g.upload_shard(shard, R1, nodes=1, on_bytes=lambda n: time.sleep(0.4))
+    )
     assert exc is None, describe_error(exc)
     assert took > 3  # ten chunks at 0.4 s each: longer than the 1.5 s deadline
     assert g.inspect_round("job", R1).complete

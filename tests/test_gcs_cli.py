@@ -30,8 +30,10 @@ def rounds(fake_gcs, tmp_path):
     Returns (bucket, {round: complete}).
     """
     g = GcsBackend(fake_gcs.bucket, settings=GcsSettings.from_env(threads=4))
-    shards = [make_shard(tmp_path / f"n{r}", "job", r, 5, {"5/a": b"x" * (100 + r),
-                                                           "5/b/c": b"y"}) for r in (0, 1)]
+    shards = [
+        make_shard(tmp_path / f"n{r}", "job", r, 5, {"5/a": b"x" * (100 + r), "5/b/c": b"y"})
+        for r in (0, 1)
+    ]
     state = {}
     bucket = fake_gcs.client().bucket(fake_gcs.bucket)
     for i in range(11):
@@ -66,15 +68,17 @@ def test_list_and_show(rounds):
     table = run("backups", "list", "--bucket", bucket, "--job", "job")
     line = next(ln for ln in table.splitlines() if _name(90) in ln)
     assert "no" in line and "1/2" in line
-    shown = json.loads(run("backups", "show", _name(90), "--bucket", bucket, "--job", "job",
-                           "--json"))
+    shown = json.loads(
+        run("backups", "show", _name(90), "--bucket", bucket, "--job", "job", "--json")
+    )
     assert shown["complete"] is False
     assert "rank 1: no pointer for step 5" in shown["problems"]
     assert [p["rank"] for p in shown["parts"]] == [0, 1]
     text = run("backups", "show", _name(0), "--bucket", bucket, "--job", "job")
     assert "complete (step 5)" in text
-    res = CliRunner().invoke(main, ["backups", "show", "2020-01-01_00-00", "--bucket", bucket,
-                                    "--job", "job"])
+    res = CliRunner().invoke(
+        main, ["backups", "show", "2020-01-01_00-00", "--bucket", bucket, "--job", "job"]
+    )
     assert res.exit_code == 1 and "no round" in res.output
 
 
@@ -85,8 +89,9 @@ def test_prune_dry_run_then_delete_exactly_that(rounds, fake_gcs):
     assert res.exit_code == 1 and "opt-in" in res.output
     # restore.version names an old complete round: it must survive
     run("backups", "restore-version", _name(30), "--bucket", bucket, "--job", "job")
-    assert run("backups", "restore-version", "--bucket", bucket,
-               "--job", "job").strip() == _name(30)
+    assert run("backups", "restore-version", "--bucket", bucket, "--job", "job").strip() == _name(
+        30
+    )
     before = {b.name for b in fake_gcs.client().list_blobs(bucket)}
     plan = json.loads(run(*args, "--keep-last", "2", "--hourly", "3", "--json"))
     assert plan["dry_run"] is True
@@ -116,8 +121,9 @@ def test_prune_dry_run_then_delete_exactly_that(rounds, fake_gcs):
     assert {newest_complete, _name(30), _name(300)} <= left
     assert set(out["deleted"]) == {_name(240), _name(210), _name(150)}
     run("backups", "restore-version", "--clear", "--bucket", bucket, "--job", "job")
-    assert "no restore.version" in run("backups", "restore-version", "--bucket", bucket,
-                                       "--job", "job")
+    assert "no restore.version" in run(
+        "backups", "restore-version", "--bucket", bucket, "--job", "job"
+    )
 
 
 def test_cli_is_registered_and_reports_errors(fake_gcs):
@@ -127,8 +133,16 @@ def test_cli_is_registered_and_reports_errors(fake_gcs):
     assert bad.returncode == 1 and "invalid bucket name" in bad.stderr
     fake_gcs.stop()
     env_deadline = {"TIERFS_GCS_RETRY_DEADLINE": "1"}
-    down = tierfs("backups", "list", "--bucket", fake_gcs.bucket, "--job", "job",
-                  check=False, env={**os.environ, **env_deadline})
+    down = tierfs(
+        "backups",
+        "list",
+        "--bucket",
+        fake_gcs.bucket,
+        "--job",
+        "job",
+        check=False,
+        env={**os.environ, **env_deadline},
+    )
     assert down.returncode == 1 and "unreachable" in down.stderr
 
 
@@ -165,8 +179,7 @@ def test_mtc_round_missing_its_last_rank_is_partial(fake_gcs):
     _mtc_round(bucket, "mtc", good, (0, 1, 2))
     _mtc_round(bucket, "mtc", cut, (0, 1))  # rank 2 never wrote its part
     common = ["--bucket", fake_gcs.bucket, "--job", "mtc"]
-    rows = {r["round"]: r for r in json.loads(run("backups", "list", *common,
-                                                  "--json"))["rounds"]}
+    rows = {r["round"]: r for r in json.loads(run("backups", "list", *common, "--json"))["rounds"]}
     assert rows[cut]["complete"] is False and rows[cut]["nodes"] == 3
     assert rows[cut]["ranks_present"] == [0, 1]
     assert rows[good]["complete"] is True and rows[good]["nodes"] == 3
@@ -182,8 +195,10 @@ def test_mtc_round_missing_its_last_rank_is_partial(fake_gcs):
     res = CliRunner().invoke(main, ["backups", "restore-version", cut, *common])
     assert res.exit_code == 1 and "incomplete" in res.output
     # --nodes still wins
-    rows = {r["round"]: r for r in json.loads(run("backups", "list", *common, "--nodes", "2",
-                                                  "--json"))["rounds"]}
+    rows = {
+        r["round"]: r
+        for r in json.loads(run("backups", "list", *common, "--nodes", "2", "--json"))["rounds"]
+    }
     assert rows[cut]["complete"] is True and rows[cut]["nodes"] == 2
 
 

@@ -64,8 +64,12 @@ def save_all(c: Cluster, step: int, seed: str = "g", size: int = 100_000) -> Non
 
 def round_of(c: Cluster, step: int, timeout: float = 60) -> str:
     """Wait until every node uploaded ``step``; returns the (common) round name."""
-    names = [wait_for(lambda i=i: backed_up(c.root(i), step), timeout,
-                      f"node {i}: step {step} backed up") for i in range(N)]
+    names = [
+        wait_for(
+            lambda i=i: backed_up(c.root(i), step), timeout, f"node {i}: step {step} backed up"
+        )
+        for i in range(N)
+    ]
     assert len(set(names)) == 1, names  # the same round name on every node
     return names[0]
 
@@ -95,8 +99,11 @@ def test_four_nodes_survive_losing_every_ram_tier(make_mount, fake_gcs):
     # the rounds went through the coordinator's sync round, not through the bucket
     book = c.peer(0)["coordinator_state"]["backups"]
     assert [r["round"] for r in book["rounds"]] == [rounds[1], rounds[2]]
-    wait_for(lambda: all(gcs_status(c.root(i))["last_state"] == "complete" for i in range(N)),
-             30, "every node to learn that the round is complete")
+    wait_for(
+        lambda: all(gcs_status(c.root(i))["last_state"] == "complete" for i in range(N)),
+        30,
+        "every node to learn that the round is complete",
+    )
     assert not [b.name for b in g.client.list_blobs(g.bucket, prefix="job/.tierfs/rounds")]
     out = " ".join(tierfs("status", str(c.root(1))).stdout.split())  # rich wraps lines
     assert f"last round {rounds[2]} step 2: complete" in out
@@ -148,14 +155,20 @@ def test_round_cut_off_by_kill_9_is_never_chosen(make_mount, fake_gcs):
 
     with FaultyProxy(fake_gcs.url, slow_uploads) as proxy:
         # node 3 reaches the bucket through a proxy that delays every upload by 1 s
-        c = start(make_mount, fake_gcs.bucket,
-                  env_for=lambda i: {"STORAGE_EMULATOR_HOST": proxy.url} if i == 3 else {})
+        c = start(
+            make_mount,
+            fake_gcs.bucket,
+            env_for=lambda i: {"STORAGE_EMULATOR_HOST": proxy.url} if i == 3 else {},
+        )
         handshake_all(c)
         save_all(c, 1)
         first = round_of(c, 1, timeout=90)
         save_all(c, 2)
-        wait_for(lambda: any(u["step"] == 2 for u in gcs_status(c.root(3))["uploads"]), 60,
-                 "node 3 uploading step 2")
+        wait_for(
+            lambda: any(u["step"] == 2 for u in gcs_status(c.root(3))["uploads"]),
+            60,
+            "node 3 uploading step 2",
+        )
         c.mounts[3].kill9()
         second = wait_for(lambda: backed_up(c.root(0), 2), 60, "node 0 uploaded step 2")
     for i in (1, 2):
@@ -183,22 +196,28 @@ def test_bucket_lost_during_a_round(make_mount, fake_gcs, monkeypatch):
         return 0.7 if path.startswith("/upload/") else None
 
     with FaultyProxy(fake_gcs.url, slow_uploads) as proxy:
-        c = start(make_mount, fake_gcs.bucket,
-                  env_for=lambda i: {"STORAGE_EMULATOR_HOST": proxy.url})
+        c = start(
+            make_mount, fake_gcs.bucket, env_for=lambda i: {"STORAGE_EMULATOR_HOST": proxy.url}
+        )
         handshake_all(c)
         save_all(c, 1)
         round_of(c, 1, timeout=90)
         save_all(c, 2)
-        wait_for(lambda: any(gcs_status(c.root(i))["uploads"] for i in range(N)), 60,
-                 "a node uploading step 2")
+        wait_for(
+            lambda: any(gcs_status(c.root(i))["uploads"] for i in range(N)),
+            60,
+            "a node uploading step 2",
+        )
         fake_gcs.stop()
         # training goes on: saves land in RAM and are replicated while the bucket is gone
         save_all(c, 3)
         c.wait_synced(3)
         failed = [i for i in range(N) if "bucket unreachable" in errors(c.root(i))]
-        failed = wait_for(lambda: [i for i in range(N)
-                                   if "bucket unreachable" in errors(c.root(i))], 60,
-                          "a node reporting the unreachable bucket")
+        failed = wait_for(
+            lambda: [i for i in range(N) if "bucket unreachable" in errors(c.root(i))],
+            60,
+            "a node reporting the unreachable bucket",
+        )
         for i in failed:
             assert "backup of step 2" in errors(c.root(i))
             assert "bucket unreachable" in (gcs_status(c.root(i))["last_error"] or "")
@@ -249,8 +268,7 @@ def test_restore_version_goes_through_the_coordinator(make_mount, fake_gcs):
         assert res["restored"] is None, c.logs()
         assert res["markers"] == [f"job-s0-n{r}-w0.restore"]
         assert res["prerestore"].strip() == "{}"
-        assert "restore.version names round 2031-01-01_00-00, which does not exist" in \
-            res["errors"]
+        assert "restore.version names round 2031-01-01_00-00, which does not exist" in res["errors"]
     rnd = c.peer(0)["coordinator_state"]["round"]
     assert rnd["step"] is None and rnd["done"] == [0, 1, 2, 3]
     assert "2031-01-01_00-00, which does not exist" in rnd["reason"]
@@ -303,8 +321,11 @@ def test_hanging_bucket_costs_at_most_its_deadlines(make_mount, fake_gcs, monkey
     try:
         save_all(c, 2)
         c.wait_synced(2)
-        failed = wait_for(lambda: [i for i in range(N) if "backup of step 2" in
-                                   errors(c.root(i))], 30, "a failed upload of step 2")
+        failed = wait_for(
+            lambda: [i for i in range(N) if "backup of step 2" in errors(c.root(i))],
+            30,
+            "a failed upload of step 2",
+        )
         assert all("trying again" in errors(c.root(i)) for i in failed)
         assert any(gcs_status(c.root(i))["problem"] for i in range(N))
     finally:
@@ -313,8 +334,11 @@ def test_hanging_bucket_costs_at_most_its_deadlines(make_mount, fake_gcs, monkey
     second = round_of(c, 2, timeout=40)  # no new save: the failed parts are tried again
     print(f"round of step 2 complete {time.monotonic() - t0:.1f} s after the bucket came back")
     assert g.inspect_round("job", second, N).complete_step == 2
-    wait_for(lambda: all(gcs_status(c.root(i))["problem"] is None for i in range(N)), 20,
-             "every node's bucket problem to clear")
+    wait_for(
+        lambda: all(gcs_status(c.root(i))["problem"] is None for i in range(N)),
+        20,
+        "every node's bucket problem to clear",
+    )
 
     fake_gcs.freeze()
     try:
@@ -326,7 +350,10 @@ def test_hanging_bucket_costs_at_most_its_deadlines(make_mount, fake_gcs, monkey
             assert res["restored"] == 2 and res["files"] == step_files(r, 2), c.logs()
         assert took < 60  # 4 s of fallback deadline, not the 120 s read timeout (busy CI: slack)
         assert "cannot read restore.version" in (gcs_status(c.root(0))["last_error"] or "")
-        wait_for(lambda: "cannot read restore.version" in errors(c.root(0)), 60,
-                 "the line in replicator.errors")
+        wait_for(
+            lambda: "cannot read restore.version" in errors(c.root(0)),
+            60,
+            "the line in replicator.errors",
+        )
     finally:
         fake_gcs.thaw()

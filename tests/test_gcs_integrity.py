@@ -35,8 +35,7 @@ def rounds_of(g: GcsBackend) -> list:
     return g.list_rounds("job", N)
 
 
-def test_data_parallel_nodes_with_different_bytes_each_back_up_their_own(make_mount,
-                                                                          fake_gcs):
+def test_data_parallel_nodes_with_different_bytes_each_back_up_their_own(make_mount, fake_gcs):
     """Case 1: assume-data-parallelism 2 on 2 nodes whose step directories differ.
     Before: node 0 wrote a .meta naming node 1's column hash, uploaded nothing, and a
     restart after losing both RAM stores found no complete round (fresh start)."""
@@ -45,30 +44,41 @@ def test_data_parallel_nodes_with_different_bytes_each_back_up_their_own(make_mo
     yaml = ("assume-data-parallelism: 2", "backup-interval-steps: 1")
     assert [r["restored"] for r in handshake_all(c, *yaml)] == [None, None]
     all_nodes(lambda r: save(c.root(r), 1, step_files(r, 1)), N)  # differ per rank
-    names = [wait_for(lambda i=i: backed_up(c.root(i), 1), 60, f"node {i}: step 1 backed up")
-             for i in range(N)]
+    names = [
+        wait_for(lambda i=i: backed_up(c.root(i), 1), 60, f"node {i}: step 1 backed up")
+        for i in range(N)
+    ]
     assert names[0] == names[1]
     info = g.inspect_round("job", names[0], N)
     assert info.complete_step == 1
     assert {r: e.backup.uploader for (r, s), e in info.parts.items()} == {0: 0, 1: 1}
     assert info.bytes_of(1) == sum(len(b) for r in range(N) for b in step_files(r, 1).values())
-    said = wait_for(lambda: [line for line in errors(c.root(0)).splitlines()
-                             if "assume-data-parallelism 2 did not hold" in line], 30,
-                    "the coordinator's line about the broken assumption")
+    said = wait_for(
+        lambda: [
+            line
+            for line in errors(c.root(0)).splitlines()
+            if "assume-data-parallelism 2 did not hold" in line
+        ],
+        30,
+        "the coordinator's line about the broken assumption",
+    )
     assert len(said) == 1 and "node-ranks [0, 1] (uploader 1)" in said[0]
     # step 2: identical bytes on both nodes; node 0 points at node 1's data (proven)
     same = step_files(0, 2)
     all_nodes(lambda r: save(c.root(r), 2, same), N)
-    r2, _ = (wait_for(lambda i=i: backed_up(c.root(i), 2), 90, f"node {i}: step 2 backed up")
-             for i in range(N))
+    r2, _ = (
+        wait_for(lambda i=i: backed_up(c.root(i), 2), 90, f"node {i}: step 2 backed up")
+        for i in range(N)
+    )
     info = g.inspect_round("job", r2, N)
     assert info.complete_step == 2
     assert {r: e.backup.uploader for (r, s), e in info.parts.items()} == {0: 1, 1: 1}
     assert info.bytes_of(2) == sum(len(b) for b in same.values())  # uploaded once
-    assert "uploaded (" in c.mounts[0].log() and "data-parallel uploader's, proven" in \
-        c.mounts[0].log()
-    assert len([line for line in errors(c.root(0)).splitlines()
-                if "did not hold" in line]) == 1
+    assert (
+        "uploaded (" in c.mounts[0].log()
+        and "data-parallel uploader's, proven" in c.mounts[0].log()
+    )
+    assert len([line for line in errors(c.root(0)).splitlines() if "did not hold" in line]) == 1
     # both daemons die, both RAM stores are wiped: step 2 comes back from the bucket
     for i in range(N):
         c.lose(i)
@@ -107,18 +117,21 @@ def test_steps_sealed_back_to_back_never_leave_a_half_written_round(make_mount, 
         save(c.root(1), step, step_files(1, step))
     for i in range(N):
         wait_for(lambda i=i: backed_up(c.root(i), 3), 90, f"node {i}: step 3 backed up")
+
     # nothing half-written: every round in the bucket is complete, and holds the parts
     # of its step only (a round that moved to a newer step loses its older parts once
     # it completed)
     def tidy() -> bool:
-        return all(r.complete and sorted(r.parts) == [(0, r.complete_step),
-                                                      (1, r.complete_step)]
-                   for r in rounds_of(g))
+        return all(
+            r.complete and sorted(r.parts) == [(0, r.complete_step), (1, r.complete_step)]
+            for r in rounds_of(g)
+        )
 
     wait_for(tidy, 60, "every round in the bucket to be complete and tidy")
     assert rounds_of(g)[0].complete_step == 3
-    listed = json.loads(tierfs("backups", "list", "--bucket", fake_gcs.bucket, "--job", "job",
-                               "--json").stdout)["rounds"]
+    listed = json.loads(
+        tierfs("backups", "list", "--bucket", fake_gcs.bucket, "--job", "job", "--json").stdout
+    )["rounds"]
     assert listed and all(x["complete"] for x in listed), listed
     for i in range(N):
         assert "no longer held" not in errors(c.root(i)), errors(c.root(i))

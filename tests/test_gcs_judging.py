@@ -45,10 +45,19 @@ class Part:
 
 def sealed(rank: int, step: int, contents: dict[str, tuple[int, int]]) -> Manifest:
     files = [FileEntry(str(step), "dir", mode=0o755), FileEntry(f"{step}/sub", "dir")]
-    files += [FileEntry(f"{step}/{p}", "file", size=size, crc32c=crc)
-              for p, (size, crc) in sorted(contents.items())]
-    return Manifest(job="job", rank=rank, step=step, name=str(step), framework="orbax",
-                    files=tuple(sorted(files, key=lambda f: f.path)), created=1.0)
+    files += [
+        FileEntry(f"{step}/{p}", "file", size=size, crc32c=crc)
+        for p, (size, crc) in sorted(contents.items())
+    ]
+    return Manifest(
+        job="job",
+        rank=rank,
+        step=step,
+        name=str(step),
+        framework="orbax",
+        files=tuple(sorted(files, key=lambda f: f.path)),
+        created=1.0,
+    )
 
 
 @st.composite
@@ -61,18 +70,21 @@ def rounds(draw):
     objects: dict[str, ObjectInfo] = {}
     for step in steps:
         cols = {L.data_column(r, nodes, dp) for r in range(nodes)}
-        column_bytes = {c: draw(st.fixed_dictionaries({p: content for p in PATHS}))
-                        for c in cols}
+        column_bytes = {c: draw(st.fixed_dictionaries({p: content for p in PATHS})) for c in cols}
         for rank in range(nodes):
             col = L.data_column(rank, nodes, dp)
             # a data-parallel rank holds its column's bytes, or (assumption broken) its own
             same = draw(st.booleans()) if dp and dp > 1 else False
-            files = column_bytes[col] if same else draw(
-                st.fixed_dictionaries({p: content for p in PATHS}))
+            files = (
+                column_bytes[col]
+                if same
+                else draw(st.fixed_dictionaries({p: content for p in PATHS}))
+            )
             m = sealed(rank, step, files)
             lay = L.node_layout(m, column=col)
-            parts[(rank, step)] = Part(rank, step, m, dict(lay.hashes), dict(lay.objects),
-                                       lay.hashes[0])
+            parts[(rank, step)] = Part(
+                rank, step, m, dict(lay.hashes), dict(lay.objects), lay.hashes[0]
+            )
             for u in lay.uploads:  # every node uploads its own data (the fixed rule)
                 objects[u.name] = ObjectInfo(u.name, u.size, u.crc32c)
     # damage
@@ -106,23 +118,28 @@ def rounds(draw):
             objects[name] = dataclasses.replace(o, crc32c=(o.crc32c or 0) ^ 0x10)
         else:
             objects[name] = dataclasses.replace(o, crc32c=None)
-    for extra in draw(st.lists(st.sampled_from(
-            [f"{n.split('/', 1)[0]}/extra" for n in names] + ["stray.data", "x/y"]),
-            max_size=2)):
+    for extra in draw(
+        st.lists(
+            st.sampled_from([f"{n.split('/', 1)[0]}/extra" for n in names] + ["stray.data", "x/y"]),
+            max_size=2,
+        )
+    ):
         objects[extra] = ObjectInfo(extra, 1, 1)
     return nodes, dp, parts, objects
 
 
-def judged(nodes: int, dp: int | None, parts: dict[tuple[int, int], Part],
-           objects: dict[str, ObjectInfo]) -> RoundInfo:
+def judged(
+    nodes: int, dp: int | None, parts: dict[tuple[int, int], Part], objects: dict[str, ObjectInfo]
+) -> RoundInfo:
     entries = {}
     for key, p in parts.items():
         e = NodeEntry(p.rank, p.step)
         if p.pointer is not None:
             e.metas = {0: p.pointer}
         if p.has_manifest:
-            e.backup = L.NodeBackup(p.manifest, ROUND, nodes, p.rank, dp, dict(p.hashes),
-                                    dict(p.objects))
+            e.backup = L.NodeBackup(
+                p.manifest, ROUND, nodes, p.rank, dp, dict(p.hashes), dict(p.objects)
+            )
         if e.metas or e.backup is not None:
             entries[key] = e
     return judge_round(RoundInfo(ROUND, nodes, entries, dict(objects)))
@@ -140,8 +157,13 @@ def truly_complete(p: Part, objects: dict[str, ObjectInfo]) -> bool:
             continue
         name = p.objects[f.path]
         o = objects.get(name)
-        if (name.split("/", 1)[0] != head or o is None or o.size != f.size
-                or o.crc32c is None or o.crc32c != f.crc32c):
+        if (
+            name.split("/", 1)[0] != head
+            or o is None
+            or o.size != f.size
+            or o.crc32c is None
+            or o.crc32c != f.crc32c
+        ):
             return False
     return True
 
@@ -193,8 +215,12 @@ def test_the_failing_input_of_issue_19_case_1():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 4), st.lists(st.sampled_from(["none", "drop", "no-crc", "no-meta",
-                                                     "bad-meta"]), min_size=4, max_size=4))
+@given(
+    st.integers(1, 4),
+    st.lists(
+        st.sampled_from(["none", "drop", "no-crc", "no-meta", "bad-meta"]), min_size=4, max_size=4
+    ),
+)
 def test_mtc_rounds_need_a_readable_pointer_and_listed_data_with_crc32c(nodes, damage):
     entries, objects = {}, {}
     truth = {}

@@ -15,13 +15,16 @@ from tierfs.tiers.gcs_retention import RetentionPolicy, RoundState, select_round
 # ---------------------------------------------------------------------- bucket specs
 
 
-@pytest.mark.parametrize("text, bucket, prefix", [
-    ("my-bucket", "my-bucket", ""),
-    ("my-bucket/", "my-bucket", ""),
-    ("gs://my-bucket", "my-bucket", ""),
-    ("my-bucket/team/ckpt", "my-bucket", "team/ckpt"),
-    ("gs://my.bucket_1/a/", "my.bucket_1", "a"),
-])
+@pytest.mark.parametrize(
+    "text, bucket, prefix",
+    [
+        ("my-bucket", "my-bucket", ""),
+        ("my-bucket/", "my-bucket", ""),
+        ("gs://my-bucket", "my-bucket", ""),
+        ("my-bucket/team/ckpt", "my-bucket", "team/ckpt"),
+        ("gs://my.bucket_1/a/", "my.bucket_1", "a"),
+    ],
+)
 def test_parse_bucket(text, bucket, prefix):
     spec = L.parse_bucket(text)
     assert (spec.bucket, spec.prefix) == (bucket, prefix)
@@ -92,14 +95,24 @@ def test_data_parallel_rows():
 
 
 def _m(rank, files, framework="orbax", step=5, job="job"):
-    return Manifest(job=job, rank=rank, step=step, name=files[0].path.split("/")[0],
-                    framework=framework, files=tuple(files), created=1.0)
+    return Manifest(
+        job=job,
+        rank=rank,
+        step=step,
+        name=files[0].path.split("/")[0],
+        framework=framework,
+        files=tuple(files),
+        created=1.0,
+    )
 
 
-ORBAX = [FileEntry("5", "dir", mode=0o755), FileEntry("5/state", "dir", mode=0o755),
-         FileEntry("5/state/a", "file", size=3, crc32c=7),
-         FileEntry("5/_CHECKPOINT_METADATA", "file", size=2, crc32c=9),
-         FileEntry("5/link", "symlink", mode=0o777, target="state/a")]
+ORBAX = [
+    FileEntry("5", "dir", mode=0o755),
+    FileEntry("5/state", "dir", mode=0o755),
+    FileEntry("5/state/a", "file", size=3, crc32c=7),
+    FileEntry("5/_CHECKPOINT_METADATA", "file", size=2, crc32c=9),
+    FileEntry("5/link", "symlink", mode=0o777, target="state/a"),
+]
 
 
 def test_layout_directory_framework_strips_the_step_dir():
@@ -107,8 +120,10 @@ def test_layout_directory_framework_strips_the_step_dir():
     h = lay.hashes[0]
     assert list(lay.hashes) == [0]
     assert h.startswith("D") and L.DATA_RE.match(L.data_name(h))
-    assert lay.objects == {"5/state/a": f"{h}.data/state/a",
-                           "5/_CHECKPOINT_METADATA": f"{h}.data/_CHECKPOINT_METADATA"}
+    assert lay.objects == {
+        "5/state/a": f"{h}.data/state/a",
+        "5/_CHECKPOINT_METADATA": f"{h}.data/_CHECKPOINT_METADATA",
+    }
     assert [u.path for u in lay.uploads] == ["5/state/a", "5/_CHECKPOINT_METADATA"]
     assert lay.uploads[0].crc32c == 7 and lay.uploads[0].size == 3
 
@@ -136,13 +151,17 @@ def test_layout_pytorch_file_per_worker():
 
 
 def test_layout_generic_multiple_entries_keep_full_paths():
-    files = [FileEntry("checkpoint-500", "dir"), FileEntry("checkpoint-500/model", "file",
-                                                           size=1, crc32c=1),
-             FileEntry("latest", "file", size=3, crc32c=2)]
+    files = [
+        FileEntry("checkpoint-500", "dir"),
+        FileEntry("checkpoint-500/model", "file", size=1, crc32c=1),
+        FileEntry("latest", "file", size=3, crc32c=2),
+    ]
     lay = L.node_layout(_m(0, files, framework="generic"))
     h = lay.hashes[0]
-    assert lay.objects == {"checkpoint-500/model": f"{h}.data/checkpoint-500/model",
-                           "latest": f"{h}.data/latest"}
+    assert lay.objects == {
+        "checkpoint-500/model": f"{h}.data/checkpoint-500/model",
+        "latest": f"{h}.data/latest",
+    }
 
 
 def test_node_backup_roundtrip_and_validation():
@@ -176,8 +195,9 @@ def test_meta_content():
 
 
 def test_rendezvous_records():
-    rec = L.parse_rendezvous(L.rendezvous_record("10.0.0.1:7000", 0, incarnation="abc",
-                                                 written=12.5))
+    rec = L.parse_rendezvous(
+        L.rendezvous_record("10.0.0.1:7000", 0, incarnation="abc", written=12.5)
+    )
     assert rec == L.RendezvousRecord("10.0.0.1:7000", 0, "abc", 12.5)
     assert L.parse_rendezvous(b"host:1234\n").address == "host:1234"
     for bad in (b"", b"nonsense", b'{"format": "other", "address": "a:1"}'):
@@ -194,8 +214,11 @@ def _round(nodes, parts_spec, drop=(), corrupt=()):
     parts = {}
     objects = {}
     for rank, step, with_meta in parts_spec:
-        m = _m(rank, [FileEntry(str(step), "dir"),
-                      FileEntry(f"{step}/a", "file", size=3, crc32c=rank + 1)], step=step)
+        m = _m(
+            rank,
+            [FileEntry(str(step), "dir"), FileEntry(f"{step}/a", "file", size=3, crc32c=rank + 1)],
+            step=step,
+        )
         lay = L.node_layout(m)
         nb = L.NodeBackup(m, "2025-01-02_03-04", nodes, rank, None, lay.hashes, lay.objects)
         e = NodeEntry(rank, step, backup=nb)
@@ -233,8 +256,12 @@ def test_judge_round_complete_and_partial():
 
 def test_judge_round_foreign_mtc_parts():
     h = "D" + "b" * 64
-    info = RoundInfo("2025-01-02_03-04", 1, {(0, 5): NodeEntry(0, 5, metas={0: h})},
-                     {f"{h}.data/x": ObjectInfo(f"{h}.data/x", 4, 1)})
+    info = RoundInfo(
+        "2025-01-02_03-04",
+        1,
+        {(0, 5): NodeEntry(0, 5, metas={0: h})},
+        {f"{h}.data/x": ObjectInfo(f"{h}.data/x", 4, 1)},
+    )
     assert judge_round(info).complete_step == 5
     assert info.parts[(0, 5)].foreign
     empty = RoundInfo("2025-01-02_03-04", 1, {(0, 5): NodeEntry(0, 5, metas={0: h})}, {})
@@ -267,24 +294,34 @@ def test_retention_keep_last():
 
 def test_retention_never_deletes_newest_complete_or_restore_version():
     names = _names(T0, [0, 10, 20, 30])
-    rounds = [RoundState(names[0], True), RoundState(names[1], True),
-              RoundState(names[2], True), RoundState(names[3], False)]
-    sel = select_rounds(rounds, RetentionPolicy(keep_last=1),
-                        protected={names[0]: "named in restore.version"})
+    rounds = [
+        RoundState(names[0], True),
+        RoundState(names[1], True),
+        RoundState(names[2], True),
+        RoundState(names[3], False),
+    ]
+    sel = select_rounds(
+        rounds, RetentionPolicy(keep_last=1), protected={names[0]: "named in restore.version"}
+    )
     assert names[2] in sel.keep and "newest complete round" in sel.keep[names[2]]
     assert names[0] in sel.keep  # restore.version
     assert names[3] in sel.keep  # partial, newer than the newest complete: may be uploading
     assert sel.delete == [names[1]]
     # restore.version naming a partial or unknown round protects it / is ignored
-    sel = select_rounds(rounds, RetentionPolicy(keep_last=1),
-                        protected={"2024-01-01_00-00": "named in restore.version"})
+    sel = select_rounds(
+        rounds,
+        RetentionPolicy(keep_last=1),
+        protected={"2024-01-01_00-00": "named in restore.version"},
+    )
     assert "2024-01-01_00-00" not in sel.keep
 
 
 def test_retention_partial_rounds():
     names = _names(T0, [0, 10, 20])
-    sel = select_rounds([RoundState(names[0], False), RoundState(names[1], True),
-                         RoundState(names[2], False)], RetentionPolicy(keep_last=5))
+    sel = select_rounds(
+        [RoundState(names[0], False), RoundState(names[1], True), RoundState(names[2], False)],
+        RetentionPolicy(keep_last=5),
+    )
     assert sel.delete == [names[0]]  # older than the newest complete round: dead
     # no complete round at all: nothing partial is deleted
     sel = select_rounds([RoundState(n, False) for n in names], RetentionPolicy(keep_last=1))
@@ -300,8 +337,7 @@ def test_retention_hourly_daily_weekly():
     assert sorted(sel.keep) == ["2025-03-05_21-40", "2025-03-05_22-40", "2025-03-05_23-40"]
     sel = select_rounds(rounds, RetentionPolicy(daily=2))
     assert sorted(sel.keep) == ["2025-03-04_23-40", "2025-03-05_23-40"]
-    sel = select_rounds([*rounds, RoundState("2025-02-28_12-00", True)],
-                        RetentionPolicy(weekly=2))
+    sel = select_rounds([*rounds, RoundState("2025-02-28_12-00", True)], RetentionPolicy(weekly=2))
     assert sorted(sel.keep) == ["2025-02-28_12-00", "2025-03-05_23-40"]
     # rules combine as a union, reasons accumulate
     sel = select_rounds(rounds, RetentionPolicy(keep_last=1, hourly=1, daily=1))

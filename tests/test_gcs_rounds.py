@@ -25,8 +25,7 @@ from tierfs.tiers.gcs_schedule import (
 def book_coord(nodes: int = 2, **kw):
     c, clock = coord(backups=RoundBook(**kw))
     for r in range(nodes):
-        c.join("job", nodes, r, f"a{r}", f"inc{r}", (), "", "protocol",
-               backup_interval_steps=1)
+        c.join("job", nodes, r, f"a{r}", f"inc{r}", (), "", "protocol", backup_interval_steps=1)
     assert c.backups.seed("job", "2025-01-01_00-00", None)
     return c, clock
 
@@ -51,8 +50,9 @@ def test_the_round_moves_to_the_newest_step_when_a_node_lost_the_ordered_one():
     assert s.backup_order is None
     s = sync(c, 0, 3, [3])
     assert s.backup_order is None  # it cannot upload step 1; no newer step is synced
-    assert c.status()["backups"]["active"]["lacking"] == {0: "step 1 is no longer held on "
-                                                             "node-rank 0"}
+    assert c.status()["backups"]["active"]["lacking"] == {
+        0: "step 1 is no longer held on node-rank 0"
+    }
     # node 1 catches up: step 3 is synced and held everywhere, the round moves there
     s = sync(c, 1, 3, [1, 3])
     assert s.backup_order == (rnd, 3) and s.backup_last == RoundView(rnd, 3, RUNNING)

@@ -57,8 +57,9 @@ def test_schedule_steps_requested_and_names():
     # a second round within the same minute gets the next minute's name
     assert d.round == "1970-01-01_00-01"
     # names never go back behind what the bucket already holds
-    d = S.decide_round(S.ScheduleState(0.0), now=10, step=1, interval_steps=1,
-                       previous_name="2030-01-01_00-00")
+    d = S.decide_round(
+        S.ScheduleState(0.0), now=10, step=1, interval_steps=1, previous_name="2030-01-01_00-00"
+    )
     assert d.round == "2030-01-01_00-01"
     # after a restore: periods count from it, only newer steps
     st = S.ScheduleState(started_at=0.0)
@@ -69,8 +70,9 @@ def test_schedule_steps_requested_and_names():
 
 
 def test_restart_timeline_and_seed():
-    st = S.ScheduleState(started_at=0.0, last_round="1970-01-01_00-10", last_round_at=600.0,
-                         last_step=10)
+    st = S.ScheduleState(
+        started_at=0.0, last_round="1970-01-01_00-10", last_round_at=600.0, last_step=10
+    )
     # from the cluster, after the last round's step: the interval counts from that round
     t = S.restart_timeline(st, backup=None, step=15, now=1000.0)
     assert (t.last_step, t.last_round, t.started_at) == (10, "1970-01-01_00-10", 1000.0)
@@ -90,8 +92,7 @@ def test_restart_timeline_and_seed():
     assert t.last_step == 10
     fresh = S.ScheduleState(started_at=5000.0)  # a daemon restarted under a running job
     S.apply_seed(fresh, ("1970-01-01_00-20", 20), after_restore=False)
-    assert (fresh.last_step, fresh.last_round, fresh.started_at) == (20, "1970-01-01_00-20",
-                                                                     1200.0)
+    assert (fresh.last_step, fresh.last_round, fresh.started_at) == (20, "1970-01-01_00-20", 1200.0)
 
 
 def test_round_book_generic_restore_keeps_the_schedule():
@@ -127,16 +128,16 @@ def test_one_node_backs_up_and_restores_from_the_bucket(make_mount, fake_gcs):
     rounds = {}
     for step in (1, 2):
         save(m.path, step, step_files(0, step))
-        rounds[step] = wait_for(lambda step=step: backed_up(m.path, step), 30,
-                                f"step {step} backed up")
+        rounds[step] = wait_for(
+            lambda step=step: backed_up(m.path, step), 30, f"step {step} backed up"
+        )
     assert rounds[1] < rounds[2]
     g = GcsBackend(bucket, settings=GcsSettings.from_env())
     infos = {r.name: r for r in g.list_rounds("job")}
     assert infos[rounds[1]].complete_step == 1 and infos[rounds[2]].complete_step == 2
     st = gcs_status(m.path)
     assert st["role"] == "decides rounds" and st["last_error"] is None
-    assert "gcs:" + rounds[2] in next(s for s in status(m.path)["steps"]
-                                      if s["step"] == 2)["where"]
+    assert "gcs:" + rounds[2] in next(s for s in status(m.path)["steps"] if s["step"] == 2)["where"]
     # the whole RAM tier is lost: the newest complete round comes back byte-exactly
     remount_wiped(m)
     again = handshake(m.path, 0, 1, extra=("backup-interval-steps: 1",))
@@ -158,8 +159,11 @@ def test_one_node_backs_up_and_restores_from_the_bucket(make_mount, fake_gcs):
     # restore.version is deleted once a newer step is sealed (one node: no peers)
     save(m.path, 2, step_files(0, 2, seed="second timeline"))
     wait_for(lambda: g.read_restore_version("job") is None, 30, "restore.version deleted")
-    new2 = wait_for(lambda: (backed_up(m.path, 2) or "") > rounds[2] and backed_up(m.path, 2),
-                    30, "the new step 2 backed up")
+    new2 = wait_for(
+        lambda: (backed_up(m.path, 2) or "") > rounds[2] and backed_up(m.path, 2),
+        30,
+        "the new step 2 backed up",
+    )
     assert g.choose_restore("job", 1).round == new2
 
     # restore.version naming a round that does not exist: nothing, no fallback
@@ -168,13 +172,11 @@ def test_one_node_backs_up_and_restores_from_the_bucket(make_mount, fake_gcs):
     m.mount()
     none = handshake(m.path, 0, 1, extra=("backup-interval-steps: 1",))
     assert none["restored"] is None
-    assert "restore.version names round 2031-01-01_00-00, which does not exist" in \
-        none["errors"]
+    assert "restore.version names round 2031-01-01_00-00, which does not exist" in none["errors"]
     assert "{}" in none["prerestore"]
 
 
-def test_one_node_unreachable_bucket_never_blocks_training(make_mount, fake_gcs,
-                                                           monkeypatch):
+def test_one_node_unreachable_bucket_never_blocks_training(make_mount, fake_gcs, monkeypatch):
     monkeypatch.setenv("TIERFS_GCS_RETRY_DEADLINE", "2")
     m = make_mount("--bucket", fake_gcs.bucket)
     handshake(m.path, 0, 1, extra=("backup-interval-steps: 1",))
@@ -223,8 +225,16 @@ def test_a_bucket_that_does_not_exist_fails_the_mount(make_mount, fake_gcs):
     second to replicator.errors."""
     ram_dir = Path(f"/dev/shm/tierfs-test-nobucket-{os.getpid()}")
     with pytest.raises(AssertionError, match="bucket 'nosuchbucket' does not exist"):
-        make_mount("--bucket", "nosuchbucket", "--job", "solo", "--backup-interval-steps", "1",
-                   name="nobucket", ram_dir=ram_dir)
+        make_mount(
+            "--bucket",
+            "nosuchbucket",
+            "--job",
+            "solo",
+            "--backup-interval-steps",
+            "1",
+            name="nobucket",
+            ram_dir=ram_dir,
+        )
     # and the failed start leaves no (dead) mount and no ram-dir behind
     with open("/proc/self/mountinfo") as f:
         assert not any("/nobucket " in line for line in f)
@@ -234,8 +244,7 @@ def test_a_bucket_that_does_not_exist_fails_the_mount(make_mount, fake_gcs):
 # ---------------------------------------------------------------------- a hanging bucket
 
 
-def test_a_bucket_that_does_not_answer_does_not_stop_the_mount(make_mount, fake_gcs,
-                                                                monkeypatch):
+def test_a_bucket_that_does_not_answer_does_not_stop_the_mount(make_mount, fake_gcs, monkeypatch):
     """Regression: with the emulator SIGSTOPped, `tierfs mount --bucket B` failed
     after 2 min with "daemon did not become ready in 120s": the bucket check at
     start waited for the 120 s read timeout. It now gives up after
@@ -262,15 +271,21 @@ def test_a_bucket_that_does_not_answer_does_not_stop_the_mount(make_mount, fake_
         assert "bucket unreachable at start" in errors(m.path)
         assert "checking it again in the background" in errors(m.path)
         # a background check fails meanwhile: it adds its line, the start problem stays
-        st = wait_for(lambda: ", still: " in ((s := gcs_status(m.path))["problem"] or "")
-                      and s, 30, "a failed background check")
+        st = wait_for(
+            lambda: ", still: " in ((s := gcs_status(m.path))["problem"] or "") and s,
+            30,
+            "a failed background check",
+        )
         assert st["problem"].startswith("bucket unreachable at start")
         assert st["bucket_checked"] is False
     finally:
         fake_gcs.thaw()
     t0 = time.monotonic()
-    wait_for(lambda: gcs_status(m.path)["bucket_checked"] and not gcs_status(m.path)["problem"],
-             20, "the bucket problem to clear")
+    wait_for(
+        lambda: gcs_status(m.path)["bucket_checked"] and not gcs_status(m.path)["problem"],
+        20,
+        "the bucket problem to clear",
+    )
     print(f"problem cleared {time.monotonic() - t0:.1f} s after the bucket came back")
     handshake(m.path, 0, 1, extra=("backup-interval-steps: 1",))
     save(m.path, 1, step_files(0, 1))
@@ -278,7 +293,8 @@ def test_a_bucket_that_does_not_answer_does_not_stop_the_mount(make_mount, fake_
 
 
 def test_stalled_upload_is_reported_and_tried_again_when_the_bucket_answers(
-        make_mount, fake_gcs, monkeypatch):
+    make_mount, fake_gcs, monkeypatch
+):
     """Regressions: while the bucket hung, the status said "uploading step 2 ...
     (0%)" with no bucket problem until the read timeout; after the bucket came
     back, "bucket unreachable ... (retrying, at ...)" stayed in the status and
@@ -295,8 +311,9 @@ def test_stalled_upload_is_reported_and_tried_again_when_the_bucket_answers(
     try:
         t0 = time.monotonic()
         save(m.path, 2, step_files(0, 2))
-        st = wait_for(lambda: (s := gcs_status(m.path))["stalled_seconds"] and s, 45,
-                      "the stall reported")
+        st = wait_for(
+            lambda: (s := gcs_status(m.path))["stalled_seconds"] and s, 45, "the stall reported"
+        )
         print(f"stall reported {time.monotonic() - t0:.1f} s after the save")
         assert "bucket problem: bucket slow or stalled: no answer for" in st["summary"]
         out = " ".join(tierfs("status", str(m.path)).stdout.split())

@@ -60,32 +60,44 @@ def test_manifest_json_round_trip_and_digest(tmp_path):
     assert again == m
     other_rank = Manifest("job", 2, 5, "5", "orbax", m.files)
     assert other_rank.digest == m.digest
-    changed = Manifest("job", 1, 5, "5", "orbax",
-                       tuple(f if f.kind != "file" or f.size != 2 else
-                             FileEntry(f.path, "file", 2, f.mode, 0) for f in m.files))
+    changed = Manifest(
+        "job",
+        1,
+        5,
+        "5",
+        "orbax",
+        tuple(
+            f if f.kind != "file" or f.size != 2 else FileEntry(f.path, "file", 2, f.mode, 0)
+            for f in m.files
+        ),
+    )
     assert changed.digest != m.digest
     assert m.top_level == ["5"]
     assert m.total_bytes == 5002
 
 
-@pytest.mark.parametrize("entry", [
-    FileEntry("/etc/passwd", "file", 1, crc32c=0),
-    FileEntry("a/../../x", "file", 1, crc32c=0),
-    FileEntry("a//b", "file", 1, crc32c=0),
-    FileEntry("..", "dir"),
-    FileEntry("a/link", "symlink", target="/etc/passwd"),
-    FileEntry("a/link", "symlink", target="../../outside"),
-    FileEntry("a/file", "file", 1),
-    FileEntry("a/dev", "chardev"),
-])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        FileEntry("/etc/passwd", "file", 1, crc32c=0),
+        FileEntry("a/../../x", "file", 1, crc32c=0),
+        FileEntry("a//b", "file", 1, crc32c=0),
+        FileEntry("..", "dir"),
+        FileEntry("a/link", "symlink", target="/etc/passwd"),
+        FileEntry("a/link", "symlink", target="../../outside"),
+        FileEntry("a/file", "file", 1),
+        FileEntry("a/dev", "chardev"),
+    ],
+)
 def test_unsafe_entries_are_refused(entry):
     with pytest.raises(ManifestError):
         check_entries([entry])
 
 
 def test_safe_relative_symlink_inside_the_shard_is_fine():
-    check_entries([FileEntry("a/b/link", "symlink", target="../c"),
-                   FileEntry("a/c", "file", 0, crc32c=0)])
+    check_entries(
+        [FileEntry("a/b/link", "symlink", target="../c"), FileEntry("a/c", "file", 0, crc32c=0)]
+    )
 
 
 def test_snapshot_commit_materialize(tmp_path):
@@ -101,6 +113,7 @@ def test_snapshot_commit_materialize(tmp_path):
     assert store.verify(shard) == []
     # the client deleting its directory leaves the snapshot intact
     import shutil
+
     shutil.rmtree(os.path.join(ram.view, "5"))
     loaded = store.load()
     assert list(loaded) == [key]
@@ -115,18 +128,31 @@ def test_snapshot_refuses_a_file_open_for_writing(tmp_path):
     _tree(tmp_path / "ram" / "view")
     busy = os.stat(os.path.join(ram.view, "5/state/d/a")).st_ino
     with pytest.raises(SealBusy):
-        ShardStore(ram).snapshot(ram.view, ShardKey("job", 0, 5), "5", ["5"], "orbax",
-                                 writers=lambda ino: 1 if ino == busy else 0)
+        ShardStore(ram).snapshot(
+            ram.view,
+            ShardKey("job", 0, 5),
+            "5",
+            ["5"],
+            "orbax",
+            writers=lambda ino: 1 if ino == busy else 0,
+        )
     assert os.listdir(ram.incoming) == []
     assert os.listdir(ram.shards) == []
 
 
 def test_retention_keeps_newest_per_owner_and_pinned():
     keys = [ShardKey("j", r, s) for r in (0, 1) for s in (1, 2, 3, 4)]
-    assert retention(keys, 2, set()) == [ShardKey("j", 0, 1), ShardKey("j", 0, 2),
-                                         ShardKey("j", 1, 1), ShardKey("j", 1, 2)]
+    assert retention(keys, 2, set()) == [
+        ShardKey("j", 0, 1),
+        ShardKey("j", 0, 2),
+        ShardKey("j", 1, 1),
+        ShardKey("j", 1, 2),
+    ]
     assert retention(keys, 2, {ShardKey("j", 0, 1)}) == [
-        ShardKey("j", 0, 2), ShardKey("j", 1, 1), ShardKey("j", 1, 2)]
+        ShardKey("j", 0, 2),
+        ShardKey("j", 1, 1),
+        ShardKey("j", 1, 2),
+    ]
     assert retention(keys, 10, set()) == []
 
 
@@ -138,8 +164,11 @@ def test_retention_by_seal_time_keeps_the_steps_written_after_a_rollback():
     drop = retention(keys, 2, set(), age=lambda k: sealed_at[k])
     assert drop == [ShardKey("j", 0, 20), ShardKey("j", 0, 50), ShardKey("j", 0, 60)]
     # by step number (the old rule) the job's new steps would have been dropped
-    assert retention(keys, 2, set()) == [ShardKey("j", 0, 20), ShardKey("j", 0, 30),
-                                         ShardKey("j", 0, 40)]
+    assert retention(keys, 2, set()) == [
+        ShardKey("j", 0, 20),
+        ShardKey("j", 0, 30),
+        ShardKey("j", 0, 40),
+    ]
 
 
 def test_a_step_must_not_link_into_a_sibling_step():
@@ -149,8 +178,10 @@ def test_a_step_must_not_link_into_a_sibling_step():
     def link(path: str, target: str) -> FileEntry:
         return FileEntry(path=path, kind="symlink", mode=0o777, size=0, target=target)
 
-    step = [FileEntry(path="checkpoint-6", kind="dir", mode=0o755, size=0),
-            FileEntry(path="checkpoint-6/sub", kind="dir", mode=0o755, size=0)]
+    step = [
+        FileEntry(path="checkpoint-6", kind="dir", mode=0o755, size=0),
+        FileEntry(path="checkpoint-6/sub", kind="dir", mode=0o755, size=0),
+    ]
     check_self_contained([*step, link("checkpoint-6/sub/ok", "../data.bin")])
     for target in ("../../checkpoint-1/data.bin", "../..", "../../checkpoint-6x/a"):
         with pytest.raises(ManifestError, match="leaves the step"):

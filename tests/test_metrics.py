@@ -23,12 +23,15 @@ def test_families_from_a_status_snapshot():
         "budget": {"total_bytes": 100, "used_bytes": 40, "free_bytes": 60},
         "job": {"name": "j", "framework": "orbax", "node_rank": 1, "nodes": 4},
         "mode": "protocol",
-        "steps": [{"step": 10, "state": "replicated", "bytes": 7, "where": ["local", "peer:0"]},
-                  {"step": 5, "state": "sealed", "bytes": 3,
-                   "where": ["local", "gcs:2026-11-30_10-00"]},
-                  {"step": 15, "state": "writing", "bytes": 0, "where": []}],
+        "steps": [
+            {"step": 10, "state": "replicated", "bytes": 7, "where": ["local", "peer:0"]},
+            {"step": 5, "state": "sealed", "bytes": 3, "where": ["local", "gcs:2026-11-30_10-00"]},
+            {"step": 15, "state": "writing", "bytes": 0, "where": []},
+        ],
         "replicas": [{"job": "j", "rank": 0, "step": 10, "bytes": 9}],
-        "errors": ["e1"], "restore": {"state": "done", "step": 5}, "passthrough": True,
+        "errors": ["e1"],
+        "restore": {"state": "done", "step": 5},
+        "passthrough": True,
     }
     v = sample_values(families(status))
     assert v[("tierfs_ram_bytes", (("kind", "used"),))] == 40
@@ -42,7 +45,6 @@ def test_families_from_a_status_snapshot():
     assert v[("tierfs_passthrough", ())] == 1
 
 
-
 def test_scrape_a_running_mount(make_mount):
     port = free_port()
     m = make_mount("--metrics-port", str(port))
@@ -53,7 +55,10 @@ def test_scrape_a_running_mount(make_mount):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             return r.read().decode()
 
-    text = wait_for(lambda: 'tierfs_newest_step{tier="local"} 3.0' in scrape() and scrape(),
-                    20, "step 3 in the metrics")
+    text = wait_for(
+        lambda: 'tierfs_newest_step{tier="local"} 3.0' in scrape() and scrape(),
+        20,
+        "step 3 in the metrics",
+    )
     assert 'tierfs_job_info{framework="orbax"' in text
     assert 'tierfs_ram_bytes{kind="total"}' in text

@@ -93,8 +93,13 @@ def events():
 
 
 def make_ns(view: Path, events=None, budget=None, **kw) -> Namespace:
-    return Namespace(str(view), budget or Budget(str(view), None, 0), events=events,
-                     reserved=frozenset({b".tierfs"}), **kw)
+    return Namespace(
+        str(view),
+        budget or Budget(str(view), None, 0),
+        events=events,
+        reserved=frozenset({b".tierfs"}),
+        **kw,
+    )
 
 
 @pytest.fixture
@@ -199,7 +204,7 @@ def test_readdir_cookies_are_stable_under_concurrent_unlink(ns, view):
         got += [e.name for e in chunk]
         offset = chunk[-1].cookie
         # between two READDIRs another client unlinks entries, listed and not yet listed
-        for n in names[rounds * 23 % 500::97][:3]:
+        for n in names[rounds * 23 % 500 :: 97][:3]:
             if n not in removed:
                 ns.unlink(dnode.nodeid, n)
                 removed.add(n)
@@ -293,8 +298,11 @@ def test_events_carry_relative_paths(ns, view, events):
     ns.release(h.fh)
     assert events.take() == [("released", b"step_1/sub/w.bin", f.ino)]
     ns.rename(ROOT_ID, b"step_1", ROOT_ID, b"step_2", 0)
-    assert events.take() == [("renamed", b"step_1", b"step_2", stat.S_IFDIR),
-                             ("changed", b"step_1"), ("changed", b"step_2")]
+    assert events.take() == [
+        ("renamed", b"step_1", b"step_2", stat.S_IFDIR),
+        ("changed", b"step_1"),
+        ("changed", b"step_2"),
+    ]
     # inodes follow the rename: paths are computed from the object, not remembered
     h = ns.open(f.nodeid, os.O_WRONLY | os.O_TRUNC)
     assert events.take() == [("opening_for_write", f.ino)]
@@ -306,8 +314,11 @@ def test_events_carry_relative_paths(ns, view, events):
     ns.setattr(f.nodeid, None, size=10)
     assert events.take() == [("opening_for_write", f.ino), ("changed", b"step_2/sub/w.bin")]
     ns.rename(sub.nodeid, b"w.bin", d.nodeid, b"w2.bin", 0)
-    assert events.take() == [("renamed", b"step_2/sub/w.bin", b"step_2/w2.bin", stat.S_IFREG),
-                             ("changed", b"step_2/sub/w.bin"), ("changed", b"step_2/w2.bin")]
+    assert events.take() == [
+        ("renamed", b"step_2/sub/w.bin", b"step_2/w2.bin", stat.S_IFREG),
+        ("changed", b"step_2/sub/w.bin"),
+        ("changed", b"step_2/w2.bin"),
+    ]
 
 
 def test_released_after_unlink_has_no_path(ns, view, events):
@@ -503,8 +514,9 @@ def test_unallocated_counts_pages_in_holes(view):
         assert unallocated(fd, 0, 6 * PAGE) == 2 * PAGE
         os.pwrite(fd, b"y", 8 * PAGE)
         assert unallocated(fd, 0, 10 * PAGE) == 5 * PAGE  # pages 4..7 and 9
-        syscalls.fallocate(fd, syscalls.FALLOC_FL_PUNCH_HOLE | syscalls.FALLOC_FL_KEEP_SIZE,
-                           0, PAGE)
+        syscalls.fallocate(
+            fd, syscalls.FALLOC_FL_PUNCH_HOLE | syscalls.FALLOC_FL_KEEP_SIZE, 0, PAGE
+        )
         assert unallocated(fd, 0, PAGE) == PAGE
     finally:
         os.close(fd)

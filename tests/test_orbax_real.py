@@ -16,10 +16,13 @@ from tierfs.demo.emulator import free_port
 CLIENT = Path(__file__).parent / "clients" / "orbax_mtc.py"
 
 
-
 def run_client(directory: Path, phase: str, expected: Path, *steps: int) -> str:
-    proc = subprocess.run([sys.executable, str(CLIENT), str(directory), phase, str(expected),
-                           *map(str, steps)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(CLIENT), str(directory), phase, str(expected), *map(str, steps)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"orbax client failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
     return proc.stdout
 
@@ -36,8 +39,7 @@ def test_orbax_replicator_checkpoint_manager_saves_and_restores(make_mount, tmp_
     expected = tmp_path / "expected.npz"
     out = run_client(d, "save", expected, 1, 2, 3)
     assert "LATEST None" in out
-    wait_for(lambda: {1, 2, 3} <= sealed_steps(d) or sealed_steps(d) >= {2, 3}, 30,
-             "steps sealed")
+    wait_for(lambda: {1, 2, 3} <= sealed_steps(d) or sealed_steps(d) >= {2, 3}, 30, "steps sealed")
     # process exit + restart: Orbax restores step 3 through the marker
     out = run_client(d, "restore", expected, 4, 5, 6)
     assert "RESTORED_OK 3" in out
@@ -52,16 +54,40 @@ def test_orbax_replicator_checkpoint_manager_saves_and_restores(make_mount, tmp_
     assert os.path.isdir(d / "6")
 
 
-def run_clients(dirs: list[Path], phase: str, expected: list[Path], *steps: int,
-                dp: int = 2, backup_steps: int = 1) -> list[str]:
+def run_clients(
+    dirs: list[Path],
+    phase: str,
+    expected: list[Path],
+    *steps: int,
+    dp: int = 2,
+    backup_steps: int = 1,
+) -> list[str]:
     """One real Orbax process per node at once (a JAX job of len(dirs) processes)."""
-    procs = [subprocess.Popen([sys.executable, str(CLIENT), "--data-parallelism", str(dp),
-                               "--backup-steps", str(backup_steps), str(d), phase,
-                               str(expected[i]), *map(str, steps)],
-                              env={**os.environ, "OMPI_COMM_WORLD_SIZE": str(len(dirs)),
-                                   "OMPI_COMM_WORLD_RANK": str(i)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i, d in enumerate(dirs)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(CLIENT),
+                "--data-parallelism",
+                str(dp),
+                "--backup-steps",
+                str(backup_steps),
+                str(d),
+                phase,
+                str(expected[i]),
+                *map(str, steps),
+            ],
+            env={
+                **os.environ,
+                "OMPI_COMM_WORLD_SIZE": str(len(dirs)),
+                "OMPI_COMM_WORLD_RANK": str(i),
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, d in enumerate(dirs)
+    ]
     outs = []
     for i, p in enumerate(procs):
         try:
@@ -77,7 +103,8 @@ def run_clients(dirs: list[Path], phase: str, expected: list[Path], *steps: int,
 
 @pytest.mark.slow
 def test_orbax_two_processes_sharded_with_data_parallelism_restore_from_bucket(
-        make_mount, fake_gcs, tmp_path, monkeypatch):
+    make_mount, fake_gcs, tmp_path, monkeypatch
+):
     """issue 19 cases 1 and 2, the exact input: two nodes, the real Orbax MTC client in
     two JAX processes, ``assume-data-parallelism: 2`` and ``backup-interval-steps: 1``,
     arrays sharded across the processes (the two nodes' step directories differ),
@@ -92,9 +119,12 @@ def test_orbax_two_processes_sharded_with_data_parallelism_restore_from_bucket(
 
     monkeypatch.setenv("TIERFS_GCS_TICK", "0.5")
     jax_port = free_port()
-    c = Cluster(make_mount, 2, extra=("--bucket", fake_gcs.bucket, "--keep-local", "1"),
-                node_args=lambda i: ["--process-id", str(i), "--jax-coordinator",
-                                     f"127.0.0.1:{jax_port}"])
+    c = Cluster(
+        make_mount,
+        2,
+        extra=("--bucket", fake_gcs.bucket, "--keep-local", "1"),
+        node_args=lambda i: ["--process-id", str(i), "--jax-coordinator", f"127.0.0.1:{jax_port}"],
+    )
     dirs = [c.root(i) for i in range(2)]
     expected = [tmp_path / f"expected{i}.npz" for i in range(2)]
     outs = run_clients(dirs, "save", expected, 1, 2, 3)

@@ -68,16 +68,23 @@ class Context:
 
 
 def push_manifest_only(servicer: PeerServicer, manifest):
-    header = pb2.PushHeader(job=manifest.job, rank=manifest.rank, step=manifest.step,
-                            digest=manifest.digest, sender_rank=manifest.rank,
-                            total_bytes=manifest.total_bytes, dedup=True)
-    msgs = [pb2.PushMessage(header=header),
-            pb2.PushMessage(manifest=pb2.ShardManifest(json=manifest.to_json()))]
+    header = pb2.PushHeader(
+        job=manifest.job,
+        rank=manifest.rank,
+        step=manifest.step,
+        digest=manifest.digest,
+        sender_rank=manifest.rank,
+        total_bytes=manifest.total_bytes,
+        dedup=True,
+    )
+    msgs = [
+        pb2.PushMessage(header=header),
+        pb2.PushMessage(manifest=pb2.ShardManifest(json=manifest.to_json())),
+    ]
     return servicer.PushShard(iter(msgs), Context())
 
 
-def test_a_manifest_only_push_is_refused_unless_the_local_copy_lists_the_same_checksums(
-        tmp_path):
+def test_a_manifest_only_push_is_refused_unless_the_local_copy_lists_the_same_checksums(tmp_path):
     src = make_shard(tmp_path / "ram", "job", 1, 5, {"5/a": b"one", "5/b": os.urandom(100)})
     host = Host(src)
     servicer = PeerServicer(host)
@@ -93,6 +100,6 @@ def test_a_manifest_only_push_is_refused_unless_the_local_copy_lists_the_same_ch
     assert identical_content(same, src.manifest)
     reply = push_manifest_only(servicer, same)
     assert reply.committed and reply.deduped
-    (shard, linked_from), = host.adopted
+    ((shard, linked_from),) = host.adopted
     assert linked_from == src.key and shard.key.rank == 3
     assert tree_of(Path(shard.data)) == tree_of(Path(src.data))

@@ -18,13 +18,26 @@ TRAIN = str(Path(__file__).with_name("torch_train.py"))
 
 
 def generic(n: int):
-    return lambda i: ["--job", "hf", "--nodes", str(n), "--node-rank", str(i),
-                      "--peers-per-node", "1"]
+    return lambda i: [
+        "--job",
+        "hf",
+        "--nodes",
+        str(n),
+        "--node-rank",
+        str(i),
+        "--peers-per-node",
+        "1",
+    ]
 
 
 def train(root: Path, until: int, seed: int) -> dict:
-    proc = subprocess.run([sys.executable, TRAIN, str(root), "--until", str(until), "--seed",
-                           str(seed)], capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, TRAIN, str(root), "--until", str(until), "--seed", str(seed)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -35,9 +48,14 @@ def replicated(c: Cluster, i: int, step: int) -> bool:
 
 def test_torch_loop_resumes_after_a_node_loses_its_ram(make_mount):
     c = Cluster(make_mount, 2, node_args=generic(2))
-    procs = [subprocess.Popen([sys.executable, TRAIN, str(c.root(i)), "--until", "6",
-                               "--seed", str(i)], stdout=subprocess.PIPE, text=True)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, TRAIN, str(c.root(i)), "--until", "6", "--seed", str(i)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     for p in procs:
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0
@@ -101,9 +119,17 @@ def test_a_step_sealed_while_its_peer_was_down_reaches_it_later(make_mount, monk
         tmp.mkdir()
         (tmp / "model.bin").write_bytes(os.urandom(10_000))
         os.rename(tmp, c.root(0) / f"checkpoint-{step}")
-    wait_until(lambda: {s["step"]: s["state"] for s in c.status(0)["steps"]}.get(1)
-               == "replication failed", 60, "step 1's replication to fail")
+    wait_until(
+        lambda: (
+            {s["step"]: s["state"] for s in c.status(0)["steps"]}.get(1) == "replication failed"
+        ),
+        60,
+        "step 1's replication to fail",
+    )
     c.mounts[1].mount()
     for step in (1, 2):
-        wait_until(lambda step=step: replicated(c, 0, step), 60,
-                   f"step {step} to reach node 1 once it is back")
+        wait_until(
+            lambda step=step: replicated(c, 0, step),
+            60,
+            f"step {step} to reach node 1 once it is back",
+        )

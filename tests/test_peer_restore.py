@@ -19,13 +19,19 @@ def test_four_nodes_survive_the_loss_of_one(make_mount, lost):
         assert steps[5]["state"] == "replicated"
         assert steps[5]["where"] == ["local", f"peer:{i ^ 1}"]
         # regression: a step pinned while replicating outlived --keep-local 2 for good
-        wait_until(lambda i=i: sorted(s["step"] for s in c.status(i)["steps"]) == [4, 5],
-                   60, f"node {i} to keep only steps 4 and 5")
+        wait_until(
+            lambda i=i: sorted(s["step"] for s in c.status(i)["steps"]) == [4, 5],
+            60,
+            f"node {i} to keep only steps 4 and 5",
+        )
     c.lose(lost)
     if lost == 0:
         # regression: the survivors showed the dead coordinator as live for 40-75 s
-        wait_until(lambda: not next(p for p in c.peer(1)["peers"] if p["rank"] == 0)["live"],
-                   30, "node 1 to see the coordinator gone")
+        wait_until(
+            lambda: not next(p for p in c.peer(1)["peers"] if p["rank"] == 0)["live"],
+            30,
+            "node 1 to see the coordinator gone",
+        )
     c.remount(lost)
     again = c.clients(size=300_000)
     assert [r["restored"] for r in again] == [5, 5, 5, 5], c.logs()
@@ -34,9 +40,11 @@ def test_four_nodes_survive_the_loss_of_one(make_mount, lost):
     assert c.status(lost)["restore"]["source"] == f"peer:{lost ^ 1}"
     assert all(c.status(i)["restore"]["source"] == "local" for i in range(4) if i != lost)
     # the node's own steps are replicated again to the peer that lost them
-    wait_until(lambda: any(r["rank"] == lost ^ 1 and r["step"] == 5
-                           for r in c.status(lost)["replicas"]), 30,
-               "re-replication to the restarted peer")
+    wait_until(
+        lambda: any(r["rank"] == lost ^ 1 and r["step"] == 5 for r in c.status(lost)["replicas"]),
+        30,
+        "re-replication to the restarted peer",
+    )
 
 
 def test_data_parallel_replication_sends_manifests_only(make_mount):
@@ -66,8 +74,19 @@ def test_data_parallel_replication_sends_manifests_only(make_mount):
 
 
 def shard_file(c: Cluster, holder: int, rank: int, step: int) -> str:
-    return str(c.mounts[holder].ram_dir / "store" / "shards" / "job" / str(rank) / str(step)
-               / "data" / str(step) / "state" / "d" / "0a1b2c")
+    return str(
+        c.mounts[holder].ram_dir
+        / "store"
+        / "shards"
+        / "job"
+        / str(rank)
+        / str(step)
+        / "data"
+        / str(step)
+        / "state"
+        / "d"
+        / "0a1b2c"
+    )
 
 
 def test_corrupt_replica_falls_back_to_the_newest_complete_older_step(make_mount):

@@ -21,14 +21,24 @@ from tierfs.tiers.peer_transfer import BadCopy, Refused, ShardReceiver, iter_chu
 
 def test_method_paths_are_pinned():
     assert peer_wire.METHOD_PATHS == (
-        "/tierfs.peer.v1.Peer/Inventory", "/tierfs.peer.v1.Peer/PushShard",
-        "/tierfs.peer.v1.Peer/PullShard", "/tierfs.peer.v1.Coordinator/Join",
-        "/tierfs.peer.v1.Coordinator/Decide", "/tierfs.peer.v1.Coordinator/Barrier",
-        "/tierfs.peer.v1.Coordinator/Sync")
+        "/tierfs.peer.v1.Peer/Inventory",
+        "/tierfs.peer.v1.Peer/PushShard",
+        "/tierfs.peer.v1.Peer/PullShard",
+        "/tierfs.peer.v1.Coordinator/Join",
+        "/tierfs.peer.v1.Coordinator/Decide",
+        "/tierfs.peer.v1.Coordinator/Barrier",
+        "/tierfs.peer.v1.Coordinator/Sync",
+    )
     # ... and they are the generated module's (tierfs/rpc/peer.proto, package tierfs.peer.v1)
     assert pb2.DESCRIPTOR.package == "tierfs.peer.v1"
-    assert tuple(f"/{s.full_name}/{m.name}" for s in pb2.DESCRIPTOR.services_by_name.values()
-                 for m in s.methods) == peer_wire.METHOD_PATHS
+    assert (
+        tuple(
+            f"/{s.full_name}/{m.name}"
+            for s in pb2.DESCRIPTOR.services_by_name.values()
+            for m in s.methods
+        )
+        == peer_wire.METHOD_PATHS
+    )
     assert hasattr(pb2_grpc, "PeerStub") and hasattr(pb2_grpc, "CoordinatorStub")
 
 
@@ -50,8 +60,14 @@ def make_shard(tmp_path, files: dict[str, bytes], links: dict[str, str] | None =
     for path, target in (links or {}).items():
         os.symlink(target, root / path)
     entries = sorted({p.split("/")[0] for p in [*files, *(links or {})]})
-    m = Manifest(job="j", rank=1, step=5, name="5", framework="orbax",
-                 files=tuple(scan_tree(str(root), entries)))
+    m = Manifest(
+        job="j",
+        rank=1,
+        step=5,
+        name="5",
+        framework="orbax",
+        files=tuple(scan_tree(str(root), entries)),
+    )
     return str(root), m
 
 
@@ -66,8 +82,11 @@ def receive(tmp_path, root, m, manifest_first=False):
 
 @pytest.mark.parametrize("manifest_first", [False, True])
 def test_receiver_round_trip(tmp_path, manifest_first):
-    root, m = make_shard(tmp_path, {"5/a/b.bin": os.urandom(5000), "5/empty": b"",
-                                    "5/c": b"x" * 3}, {"5/a/link": "b.bin"})
+    root, m = make_shard(
+        tmp_path,
+        {"5/a/b.bin": os.urandom(5000), "5/empty": b"", "5/c": b"x" * 3},
+        {"5/a/link": "b.bin"},
+    )
     data = receive(tmp_path, root, m, manifest_first)
     assert (data / "5/a/b.bin").read_bytes() == (tmp_path / "src/5/a/b.bin").read_bytes()
     assert (data / "5/empty").read_bytes() == b""
@@ -118,9 +137,17 @@ def test_files_not_in_the_manifest_are_refused(tmp_path):
 
 @pytest.mark.parametrize("target", ["../../outside", "/etc", "a/../../../x"])
 def test_escaping_symlinks_are_refused(tmp_path, target):
-    m = Manifest(job="j", rank=1, step=5, name="5", framework="orbax",
-                 files=(FileEntry("5", "dir", mode=0o755),
-                        FileEntry("5/l", "symlink", mode=0o777, target=target)))
+    m = Manifest(
+        job="j",
+        rank=1,
+        step=5,
+        name="5",
+        framework="orbax",
+        files=(
+            FileEntry("5", "dir", mode=0o755),
+            FileEntry("5/l", "symlink", mode=0o777, target=target),
+        ),
+    )
     with pytest.raises(Refused, match="escapes"):
         ShardReceiver(str(tmp_path / "inc")).finish(m)
 
@@ -129,10 +156,18 @@ def test_symlink_over_a_received_directory_is_refused(tmp_path):
     """A chunk path through an entry the manifest declares as a symlink."""
     rx = ShardReceiver(str(tmp_path / "inc"))
     rx.chunk("5/l/x", 0, b"abc", google_crc32c.value(b"abc"))
-    m = Manifest(job="j", rank=1, step=5, name="5", framework="orbax",
-                 files=(FileEntry("5", "dir", mode=0o755),
-                        FileEntry("5/l", "symlink", mode=0o777, target="."),
-                        FileEntry("5/l/x", "file", size=3, crc32c=google_crc32c.value(b"abc"))))
+    m = Manifest(
+        job="j",
+        rank=1,
+        step=5,
+        name="5",
+        framework="orbax",
+        files=(
+            FileEntry("5", "dir", mode=0o755),
+            FileEntry("5/l", "symlink", mode=0o777, target="."),
+            FileEntry("5/l/x", "file", size=3, crc32c=google_crc32c.value(b"abc")),
+        ),
+    )
     with pytest.raises(Refused):
         rx.finish(m)
 
@@ -149,48 +184,72 @@ def test_out_of_order_chunks_are_refused(tmp_path):
 
 def test_token_is_required_on_every_call(make_mount):
     port = free_port()
-    make_mount("--listen", f"127.0.0.1:{port}", "--coordinator", f"127.0.0.1:{port}",
-               "--peer-token", "secret")
+    make_mount(
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--peer-token",
+        "secret",
+    )
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         peer, coord = pb2_grpc.PeerStub(ch), pb2_grpc.CoordinatorStub(ch)
         calls = [
             lambda md: peer.Inventory(pb2.InventoryRequest(job="j"), metadata=md, timeout=5),
-            lambda md: coord.Join(pb2.JoinRequest(job="j", nodes=2, rank=1), metadata=md,
-                                  timeout=5),
+            lambda md: coord.Join(
+                pb2.JoinRequest(job="j", nodes=2, rank=1), metadata=md, timeout=5
+            ),
             lambda md: coord.Sync(pb2.SyncRequest(job="j"), metadata=md, timeout=5),
-            lambda md: list(peer.PullShard(pb2.PullRequest(job="j", rank=1, step=1),
-                                           metadata=md, timeout=5)),
-            lambda md: peer.PushShard(iter([pb2.PushMessage(header=pb2.PushHeader(
-                job="j", rank=1, step=1))]), metadata=md, timeout=5),
+            lambda md: list(
+                peer.PullShard(pb2.PullRequest(job="j", rank=1, step=1), metadata=md, timeout=5)
+            ),
+            lambda md: peer.PushShard(
+                iter([pb2.PushMessage(header=pb2.PushHeader(job="j", rank=1, step=1))]),
+                metadata=md,
+                timeout=5,
+            ),
         ]
         for call in calls:
             for md in [(), (("x-tierfs-token", "wrong"),)]:
                 with pytest.raises(grpc.RpcError) as err:
                     call(md)
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        reply = peer.Inventory(pb2.InventoryRequest(job="j"),
-                               metadata=(("x-tierfs-token", "secret"),), timeout=5)
+        reply = peer.Inventory(
+            pb2.InventoryRequest(job="j"), metadata=(("x-tierfs-token", "secret"),), timeout=5
+        )
         assert list(reply.shards) == []
         # a push with an unsafe path is refused and leaves nothing behind
-        bad = [pb2.PushMessage(header=pb2.PushHeader(job="j", rank=1, step=1, total_bytes=1)),
-               pb2.PushMessage(chunk=pb2.FileChunk(path="../x", offset=0, data=b"x",
-                                                   crc32c=google_crc32c.value(b"x")))]
+        bad = [
+            pb2.PushMessage(header=pb2.PushHeader(job="j", rank=1, step=1, total_bytes=1)),
+            pb2.PushMessage(
+                chunk=pb2.FileChunk(
+                    path="../x", offset=0, data=b"x", crc32c=google_crc32c.value(b"x")
+                )
+            ),
+        ]
         with pytest.raises(grpc.RpcError) as err:
             peer.PushShard(iter(bad), metadata=(("x-tierfs-token", "secret"),), timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        rejected = coord.Join(pb2.JoinRequest(job="j", nodes=2, rank=0, address="a:1",
-                                              incarnation="i"),
-                              metadata=(("x-tierfs-token", "secret"),), timeout=5)
+        rejected = coord.Join(
+            pb2.JoinRequest(job="j", nodes=2, rank=0, address="a:1", incarnation="i"),
+            metadata=(("x-tierfs-token", "secret"),),
+            timeout=5,
+        )
         assert rejected.round == 0
         with pytest.raises(grpc.RpcError) as err:
-            coord.Join(pb2.JoinRequest(job="j", nodes=2, rank=2, address="a:2", incarnation="k"),
-                       metadata=(("x-tierfs-token", "secret"),), timeout=5)
+            coord.Join(
+                pb2.JoinRequest(job="j", nodes=2, rank=2, address="a:2", incarnation="k"),
+                metadata=(("x-tierfs-token", "secret"),),
+                timeout=5,
+            )
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "out of range" in err.value.details()
         with pytest.raises(grpc.RpcError) as err:
-            coord.Join(pb2.JoinRequest(job="other", nodes=2, rank=1, address="a:2",
-                                       incarnation="k"),
-                       metadata=(("x-tierfs-token", "secret"),), timeout=5)
+            coord.Join(
+                pb2.JoinRequest(job="other", nodes=2, rank=1, address="a:2", incarnation="k"),
+                metadata=(("x-tierfs-token", "secret"),),
+                timeout=5,
+            )
         assert "job-name mismatch" in err.value.details()
 
 
@@ -199,11 +258,15 @@ def test_a_node_that_never_joins_times_out_visibly(make_mount):
     c = Cluster(make_mount, 1, join_timeout=4)
     root = c.root(0)
     (root / "replicator.yaml.tmp").write_text(
-        "job-name: job\nframework: orbax\nnode-rank: 0\nnodes: 2\npeers-per-node: 1")
+        "job-name: job\nframework: orbax\nnode-rank: 0\nnodes: 2\npeers-per-node: 1"
+    )
     start = time.monotonic()
     os.replace(root / "replicator.yaml.tmp", root / "replicator.yaml")
-    state = wait_until(lambda: c.status(0)["restore"].get("missing") == [1]
-                       and c.status(0)["restore"], 10, "the waiting status")
+    state = wait_until(
+        lambda: c.status(0)["restore"].get("missing") == [1] and c.status(0)["restore"],
+        10,
+        "the waiting status",
+    )
     assert state["phase"] == "waiting for node-rank(s) [1] to join"
     wait_until(lambda: (root / "replicator.failed").exists(), 20, "replicator.failed")
     assert time.monotonic() - start >= 4
@@ -215,9 +278,24 @@ def test_a_node_that_never_joins_times_out_visibly(make_mount):
 
 def test_status_shows_the_peer_plane(make_mount):
     port = free_port()
-    m = make_mount("--listen", f"127.0.0.1:{port}", "--coordinator", f"127.0.0.1:{port}",
-                   "--peer-token", "t", "--job", "j", "--nodes", "2", "--node-rank", "0",
-                   "--peers-per-node", "1", "--join-timeout", "30")
+    m = make_mount(
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--peer-token",
+        "t",
+        "--job",
+        "j",
+        "--nodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--peers-per-node",
+        "1",
+        "--join-timeout",
+        "30",
+    )
     data = json.loads(tierfs("status", str(m.path), "--json").stdout)
     peer = data["tiers"]["peer"]
     assert peer["is_coordinator"] and peer["replicate_to"] == [1]
@@ -225,13 +303,24 @@ def test_status_shows_the_peer_plane(make_mount):
     out = " ".join(tierfs("status", str(m.path)).stdout.split())  # rich wraps lines
     assert "peer" in out and "replicates to [1]" in out
     # generic mode, 2 nodes, node 1 absent: the daemon's own restore waits visibly
-    wait_until(lambda: json.loads(tierfs("status", str(m.path), "--json").stdout)
-               ["restore"].get("missing") == [1], 10, "the waiting generic restore")
+    wait_until(
+        lambda: (
+            json.loads(tierfs("status", str(m.path), "--json").stdout)["restore"].get("missing")
+            == [1]
+        ),
+        10,
+        "the waiting generic restore",
+    )
 
 
-@pytest.mark.parametrize(("path", "offset", "data", "crc"), [
-    ("a/b", 0, b"", 0), ("x", 5, b"\x00" * 300, 123456789),
-    ("é/ü", 1 << 40, b"z" * 200_000, 0xFFFFFFFF)])
+@pytest.mark.parametrize(
+    ("path", "offset", "data", "crc"),
+    [
+        ("a/b", 0, b"", 0),
+        ("x", 5, b"\x00" * 300, 123456789),
+        ("é/ü", 1 << 40, b"z" * 200_000, 0xFFFFFFFF),
+    ],
+)
 def test_hand_encoded_chunks_are_the_proto_encoding(path, offset, data, crc):
     chunk = pb2.FileChunk(path=path, offset=offset, data=data, crc32c=crc)
     fast = peer_wire.encode_chunk(path, offset, data, crc)
@@ -297,12 +386,17 @@ def test_a_node_the_coordinator_refuses_fails_fast(make_mount, monkeypatch):
     """Regression: a wrong peer token (or another job-name or node count) made the
     restore wait the whole --join-timeout (10 min by default) before failing."""
     monkeypatch.setenv("TIERFS_REFUSAL_GRACE", "2")
-    c = Cluster(make_mount, 2, join_timeout=600,
-                node_args=lambda i: ["--peer-token", "wrong"] if i == 1 else [])
+    c = Cluster(
+        make_mount,
+        2,
+        join_timeout=600,
+        node_args=lambda i: ["--peer-token", "wrong"] if i == 1 else [],
+    )
     root = c.root(1)
     start = time.monotonic()
     (root / "replicator.yaml.tmp").write_text(
-        "job-name: job\nframework: orbax\nnode-rank: 1\nnodes: 2\npeers-per-node: 1")
+        "job-name: job\nframework: orbax\nnode-rank: 1\nnodes: 2\npeers-per-node: 1"
+    )
     os.replace(root / "replicator.yaml.tmp", root / "replicator.yaml")
     wait_until(lambda: (root / "replicator.failed").exists(), 30, "replicator.failed")
     assert time.monotonic() - start < 30

@@ -65,8 +65,7 @@ def test_formula_everywhere(nodes):
 
 
 def test_explicit_ranks_win_and_drop_self_and_duplicates():
-    assert peer_ranks(1, 4, peer_ranks=[3, 1, 3, 0], peers_per_node=1, data_parallelism=2) \
-        == [3, 0]
+    assert peer_ranks(1, 4, peer_ranks=[3, 1, 3, 0], peers_per_node=1, data_parallelism=2) == [3, 0]
     assert peer_ranks(0, 1, peer_ranks=[]) == []
 
 
@@ -74,12 +73,15 @@ def test_row_offsets():
     assert row_offsets(5) == [-1, 1, -2, 2, -3]
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"rank": 4, "nodes": 4}, "rank 4"),
-    ({"rank": 0, "nodes": 4, "peer_ranks": [4]}, "peer rank 4"),
-    ({"rank": 0, "nodes": 4, "peers_per_node": -1}, "peers-per-node"),
-    ({"rank": 0, "nodes": 4, "peers_per_node": 1, "data_parallelism": 3}, "divide"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rank": 4, "nodes": 4}, "rank 4"),
+        ({"rank": 0, "nodes": 4, "peer_ranks": [4]}, "peer rank 4"),
+        ({"rank": 0, "nodes": 4, "peers_per_node": -1}, "peers-per-node"),
+        ({"rank": 0, "nodes": 4, "peers_per_node": 1, "data_parallelism": 3}, "divide"),
+    ],
+)
 def test_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         peer_ranks(**kwargs)

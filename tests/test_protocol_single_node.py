@@ -35,8 +35,9 @@ def step_states(d: Path) -> dict[int, str]:
 
 
 def wait_sealed(d: Path, step: int, timeout: float = 60) -> None:
-    wait_for(lambda: step_states(d).get(step) in ("sealed", "verified"), timeout,
-             f"step {step} sealed")
+    wait_for(
+        lambda: step_states(d).get(step) in ("sealed", "verified"), timeout, f"step {step} sealed"
+    )
 
 
 def payload(step: int) -> dict[str, bytes]:
@@ -104,19 +105,26 @@ def test_nemo_sequence_sync_and_async_saves(mount):
     assert (d / "step=20" / "0" / "shard2").read_bytes() == async_payload["shard2"]
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("job-name: [unclosed", "is not valid YAML"),
-    ("framework: orbax\nnode-rank: 0\nnodes: 1", "missing required key 'job-name'"),
-    ("job-name: j\nframework: tensorflow\nnode-rank: 0\nnodes: 1", "unknown framework"),
-    ("job-name: j\nframework: orbax\nnode-rank: 2\nnodes: 2", "node-rank 2 must be < nodes 2"),
-    ("job-name: j\nframework: orbax\nnode-rank: -3\nnodes: 2", "node-rank must be >= 0"),
-    ("job-name: j\nframework: orbax\nnode-rank: one\nnodes: 2", "must be an integer"),
-    # regression (issue 13): scalars were split into a list and accepted
-    ("job-name: j\nframework: orbax\nnode-rank: 0\nnodes: 2\npeer-ranks: 0",
-     "peer-ranks must be a list"),
-    ("job-name: j\nframework: orbax\nnode-rank: 0\nnodes: 2\npeer-ranks: '[1]'",
-     "peer-ranks must be a list"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("job-name: [unclosed", "is not valid YAML"),
+        ("framework: orbax\nnode-rank: 0\nnodes: 1", "missing required key 'job-name'"),
+        ("job-name: j\nframework: tensorflow\nnode-rank: 0\nnodes: 1", "unknown framework"),
+        ("job-name: j\nframework: orbax\nnode-rank: 2\nnodes: 2", "node-rank 2 must be < nodes 2"),
+        ("job-name: j\nframework: orbax\nnode-rank: -3\nnodes: 2", "node-rank must be >= 0"),
+        ("job-name: j\nframework: orbax\nnode-rank: one\nnodes: 2", "must be an integer"),
+        # regression (issue 13): scalars were split into a list and accepted
+        (
+            "job-name: j\nframework: orbax\nnode-rank: 0\nnodes: 2\npeer-ranks: 0",
+            "peer-ranks must be a list",
+        ),
+        (
+            "job-name: j\nframework: orbax\nnode-rank: 0\nnodes: 2\npeer-ranks: '[1]'",
+            "peer-ranks must be a list",
+        ),
+    ],
+)
 def test_malformed_yaml_is_reported_through_replicator_failed(mount, text, expected):
     d = mount.path
     (d / "replicator.yaml.tmp").write_text(text)
@@ -130,10 +138,13 @@ def test_malformed_yaml_is_reported_through_replicator_failed(mount, text, expec
     assert orbax_initialize(d, orbax_yaml("job", 0, 1)) is None
 
 
-BILLION_LAUGHS = "\n".join(
-    ['a0: &a0 ["x"]'] + [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]"
-                          for i in range(1, 10)]
-) + "\njob-name: j\nframework: orbax\nnode-rank: 0\nnodes: 1"
+BILLION_LAUGHS = (
+    "\n".join(
+        ['a0: &a0 ["x"]']
+        + [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]
+    )
+    + "\njob-name: j\nframework: orbax\nnode-rank: 0\nnodes: 1"
+)
 
 
 def test_yaml_aliases_are_refused_without_stalling_the_mount(mount):
@@ -187,8 +198,9 @@ def test_yaml_made_in_place_as_a_non_regular_file_is_refused(mount, tmp_path, ki
     d = mount.path
     target = tmp_path / "t.yaml"
     target.write_text(orbax_yaml("job", 0, 1))
-    {"symlink": lambda p: os.symlink(target, p), "fifo": os.mkfifo,
-     "dir": os.mkdir}[kind](d / "replicator.yaml")
+    {"symlink": lambda p: os.symlink(target, p), "fifo": os.mkfifo, "dir": os.mkdir}[kind](
+        d / "replicator.yaml"
+    )
     wait_for(lambda: not os.path.lexists(d / "replicator.yaml"), 60, "refused and deleted")
     assert "write a regular file" in (d / "replicator.failed").read_text()
     assert orbax_initialize(d, orbax_yaml("job", 0, 1)) is None
@@ -199,8 +211,7 @@ def test_job_name_too_long_for_a_marker_is_refused(mount):
     (d / "replicator.yaml.tmp").write_text(orbax_yaml("j" * 215, 0, 1))
     os.replace(d / "replicator.yaml.tmp", d / "replicator.yaml")
     wait_for(lambda: not (d / "replicator.yaml").exists(), 60, "yaml deleted")
-    assert "job-name is 215 bytes long; the limit is 128" in (
-        d / "replicator.failed").read_text()
+    assert "job-name is 215 bytes long; the limit is 128" in (d / "replicator.failed").read_text()
 
 
 def test_yaml_left_by_a_killed_daemon_is_consumed_at_start(make_mount):
@@ -265,8 +276,14 @@ def test_step_with_an_escaping_symlink_is_not_sealed(mount):
     (d / "tmp-checkpoint-8" / "w").write_bytes(b"e")
     os.symlink("../../checkpoint-7/w", d / "tmp-checkpoint-8" / "sub" / "link")
     os.rename(d / "tmp-checkpoint-8", d / "checkpoint-8")
-    wait_for(lambda: any("step 8 (checkpoint-8) not sealed" in e and "leaves the step" in e
-                         for e in status(d)["errors"]), 60, "error line for step 8")
+    wait_for(
+        lambda: any(
+            "step 8 (checkpoint-8) not sealed" in e and "leaves the step" in e
+            for e in status(d)["errors"]
+        ),
+        60,
+        "error line for step 8",
+    )
     assert 8 not in step_states(d)
     # a link inside the step is fine
     os.makedirs(d / "tmp-checkpoint-9" / "sub")
@@ -286,15 +303,25 @@ def test_a_step_sealed_again_after_a_write_keeps_its_place_in_retention(make_mou
     for step in (10, 20):
         nemo_save(d, step, payload(step))
         wait_sealed(d, step)
+
     def step10_bytes() -> int | None:
-        return next((s["bytes"] for s in status(d)["steps"] if s["step"] == 10
-                     and s["state"] in ("sealed", "verified")), None)
+        return next(
+            (
+                s["bytes"]
+                for s in status(d)["steps"]
+                if s["step"] == 10 and s["state"] in ("sealed", "verified")
+            ),
+            None,
+        )
 
     before = step10_bytes()
     with open(d / "step=10" / "0" / "shard0", "r+b") as f:
         f.truncate(10)
-    wait_for(lambda: step10_bytes() == before - len(payload(10)["shard0"]) + 10, 60,
-             "step 10 withdrawn and sealed again")
+    wait_for(
+        lambda: step10_bytes() == before - len(payload(10)["shard0"]) + 10,
+        60,
+        "step 10 withdrawn and sealed again",
+    )
     nemo_save(d, 30, payload(30))
     wait_sealed(d, 30)
     wait_for(lambda: sorted(step_states(d)) == [20, 30], 60, "retention")
@@ -316,8 +343,9 @@ def test_restart_does_not_reseal_steps_retention_dropped(make_mount):
     wait_for(lambda: sorted(step_states(d)) == [4, 5], 60, "retention")
     m.unmount()  # within the grace period: 1, 2 and 3 are still visible
     m.mount()
-    wait_for(lambda: "found at start is older than the 2 kept steps" in m.log(), 60,
-             "the reconcile pass")
+    wait_for(
+        lambda: "found at start is older than the 2 kept steps" in m.log(), 60, "the reconcile pass"
+    )
     time.sleep(1)
     assert sorted(step_states(d)) == [4, 5]
     assert orbax_read(d, 5, list(saved[5])) == saved[5]
@@ -387,8 +415,13 @@ def test_unknown_keys_warn_and_empty_file_resets(mount):
         pass
     wait_for(lambda: not (d / "replicator.yaml").exists(), 60, "empty yaml consumed")
     assert status(d)["mode"] == "generic"
-    wait_for(lambda: not any(n.endswith(".restore") or n == "replicator.prerestore"
-                             for n in os.listdir(d)), 60, "markers and prerestore withdrawn")
+    wait_for(
+        lambda: (
+            not any(n.endswith(".restore") or n == "replicator.prerestore" for n in os.listdir(d))
+        ),
+        60,
+        "markers and prerestore withdrawn",
+    )
 
 
 def test_kill_during_save_never_seals_the_partial_step(mount):
@@ -429,8 +462,10 @@ def test_write_into_sealed_file_withdraws_then_reseals(mount):
 
 def test_pytorch_file_per_worker(mount):
     d = mount.path
-    text = ("job-name: pt\nframework: pytorch\nnode-rank: 0\nnodes: 1\nworkers-per-node: 2\n"
-            "peers-per-node: 0")
+    text = (
+        "job-name: pt\nframework: pytorch\nnode-rank: 0\nnodes: 1\nworkers-per-node: 2\n"
+        "peers-per-node: 0"
+    )
     assert orbax_initialize(d, text) is None
     data = {w: os.urandom(10000) for w in (0, 1)}
     (d / "pt-s7-n0-w0.save").write_bytes(data[0])
@@ -440,8 +475,9 @@ def test_pytorch_file_per_worker(mount):
     wait_sealed(d, 7)
     (d / "replicator.yaml.tmp").write_text(text)
     os.replace(d / "replicator.yaml.tmp", d / "replicator.yaml")
-    markers = wait_for(lambda: sorted(n for n in os.listdir(d) if n.endswith(".restore")) or
-                       None, 60, "markers")
+    markers = wait_for(
+        lambda: sorted(n for n in os.listdir(d) if n.endswith(".restore")) or None, 60, "markers"
+    )
     assert markers == ["pt-s7-n0-w0.restore", "pt-s7-n0-w1.restore"]
     for w in (0, 1):
         assert (d / f"pt-s7-n0-w{w}.restore").read_bytes() == data[w]
@@ -537,8 +573,14 @@ def test_seal_failing_for_lack_of_ram_is_reported(make_mount, tmp_path):
             except OSError as exc:
                 assert exc.errno == errno.ENOSPC
         os.rename(tmp, d / "checkpoint-3")
-        wait_for(lambda: any("step 3 (checkpoint-3) not sealed yet: the RAM tier is full" in e
-                             for e in status(d)["errors"]), 15, "the error line")
+        wait_for(
+            lambda: any(
+                "step 3 (checkpoint-3) not sealed yet: the RAM tier is full" in e
+                for e in status(d)["errors"]
+            ),
+            15,
+            "the error line",
+        )
         # room again (once a seal attempt in flight lets go of its link): the step seals
         (d / "checkpoint-3" / "model.bin").unlink()
 
@@ -552,9 +594,17 @@ def test_seal_failing_for_lack_of_ram_is_reported(make_mount, tmp_path):
 
         wait_for(write_small, 60, "room in the RAM tier")
         # small.bin with its bytes (an earlier seal may have caught the empty directory)
-        wait_for(lambda: [(s["step"], s.get("files"), s.get("bytes"), s["state"])
-                          for s in status(d)["steps"]] == [(3, 1, 1000, "sealed")], 60,
-                 "step 3 sealed with small.bin")
+        wait_for(
+            lambda: (
+                [
+                    (s["step"], s.get("files"), s.get("bytes"), s["state"])
+                    for s in status(d)["steps"]
+                ]
+                == [(3, 1, 1000, "sealed")]
+            ),
+            60,
+            "step 3 sealed with small.bin",
+        )
         m.unmount()
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)

@@ -30,26 +30,36 @@ GiB = 1 << 30
 
 
 def facts(**kw) -> RamDirFacts:
-    base = dict(mounted=None, capacity=12 * GiB, below=12 * GiB, used=0, fs_type="tmpfs",
-                empty=True, root=True)
+    base = dict(
+        mounted=None,
+        capacity=12 * GiB,
+        below=12 * GiB,
+        used=0,
+        fs_type="tmpfs",
+        empty=True,
+        root=True,
+    )
     return RamDirFacts(**(base | kw))
 
 
-@pytest.mark.parametrize("f, size, action", [
-    (facts(), None, "none"),                             # no --size: the filesystem as it is
-    (facts(), 64 * MiB, "mount"),                        # the case --size is for
-    (facts(), 12 * GiB, "none"),                         # not below the filesystem
-    (facts(), 20 * GiB, "none"),                         # more than it: capped (cli warns)
-    (facts(empty=False), 64 * MiB, "managed"),           # a store on a shared tmpfs
-    (facts(root=False), 64 * MiB, "managed"),            # cannot mount
-    (facts(fs_type="ext4"), 64 * MiB, "managed"),        # bytes were meant for a disk
-    (facts(mounted="other"), 64 * MiB, "managed"),       # never stacked on another mount
-    (facts(mounted="ours", capacity=64 * MiB), None, "reuse"),
-    (facts(mounted="ours", capacity=64 * MiB), 64 * MiB, "reuse"),
-    (facts(mounted="ours", capacity=64 * MiB), 128 * MiB, "resize"),
-    (facts(mounted="ours", capacity=64 * MiB, used=8 * MiB), 32 * MiB, "resize"),
-    (facts(mounted="ours", capacity=64 * MiB, used=40 * MiB), 32 * MiB, "managed"),
-])
+@pytest.mark.parametrize(
+    "f, size, action",
+    [
+        (facts(), None, "none"),  # no --size: the filesystem as it is
+        (facts(), 64 * MiB, "mount"),  # the case --size is for
+        (facts(), 12 * GiB, "none"),  # not below the filesystem
+        (facts(), 20 * GiB, "none"),  # more than it: capped (cli warns)
+        (facts(empty=False), 64 * MiB, "managed"),  # a store on a shared tmpfs
+        (facts(root=False), 64 * MiB, "managed"),  # cannot mount
+        (facts(fs_type="ext4"), 64 * MiB, "managed"),  # bytes were meant for a disk
+        (facts(mounted="other"), 64 * MiB, "managed"),  # never stacked on another mount
+        (facts(mounted="ours", capacity=64 * MiB), None, "reuse"),
+        (facts(mounted="ours", capacity=64 * MiB), 64 * MiB, "reuse"),
+        (facts(mounted="ours", capacity=64 * MiB), 128 * MiB, "resize"),
+        (facts(mounted="ours", capacity=64 * MiB, used=8 * MiB), 32 * MiB, "resize"),
+        (facts(mounted="ours", capacity=64 * MiB, used=40 * MiB), 32 * MiB, "managed"),
+    ],
+)
 def test_plan(f, size, action):
     p = plan(f, size)
     assert p.action == action, p
@@ -58,8 +68,9 @@ def test_plan(f, size, action):
 
 
 def test_plan_sizes_are_whole_pages_and_capped_by_the_filesystem_below():
-    assert plan(facts(), 100_000_000) == Plan("mount", 99_999_744, plan(facts(),
-                                                                         100_000_000).reason)
+    assert plan(facts(), 100_000_000) == Plan(
+        "mount", 99_999_744, plan(facts(), 100_000_000).reason
+    )
     grown = plan(facts(mounted="ours", capacity=64 * MiB, below=1 * GiB), 4 * GiB)
     assert (grown.action, grown.size) == ("resize", 1 * GiB)
 
@@ -72,8 +83,7 @@ def tmpfs_dir(tmp_path):
     def factory(size: str) -> Path:
         d = tmp_path / f"vol{len(made)}"
         d.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)],
-                       check=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], check=True)
         made.append(d)
         return d
 
@@ -159,8 +169,9 @@ def test_size_is_a_tmpfs_of_the_budget_with_passthrough_and_exact_enospc(make_mo
     assert total(m.path) == 64 * MiB
     # tierfs status names the budget (it said "no --size" for this mount)
     budget = [line for line in format_status(st) if line.startswith("budget")]
-    assert budget == ["budget     64.0 MiB (--size, a tmpfs of that size: the kernel "
-                      "enforces it); passthrough on"], budget
+    assert budget == [
+        "budget     64.0 MiB (--size, a tmpfs of that size: the kernel enforces it); passthrough on"
+    ], budget
     keep = os.urandom(MiB)
     (m.path / "keep").write_bytes(keep)
     written, e = fill(m.path / "big")
@@ -224,8 +235,9 @@ def test_rm_rf_of_the_ram_dir_frees_its_bytes_and_umount_the_tmpfs(make_mount):
     (m.path / "blob").write_bytes(b"b" * (30 * MiB))
     m.unmount()
     assert shutil.disk_usage(m.ram_dir).used >= 30 * MiB
-    proc = subprocess.run(["rm", "-rf", str(m.ram_dir)], capture_output=True, text=True,
-                          check=False)
+    proc = subprocess.run(
+        ["rm", "-rf", str(m.ram_dir)], capture_output=True, text=True, check=False
+    )
     assert "Device or resource busy" in proc.stderr  # the mount point itself stays
     assert os.listdir(m.ram_dir) == []
     assert shutil.disk_usage(m.ram_dir).used == 0  # every byte is gone
@@ -254,8 +266,15 @@ def test_a_ram_dir_that_holds_a_store_keeps_the_managed_budget(make_mount):
 def test_a_ram_dir_in_use_is_refused_before_its_tmpfs_is_touched(make_mount, tmp_path):
     m = make_mount("-o", "allow_other", "--size", "64MiB")
     (tmp_path / "other").mkdir()
-    proc = tierfs("mount", str(tmp_path / "other"), "--ram-dir", str(m.ram_dir),
-                  "--size", "32MiB", check=False)
+    proc = tierfs(
+        "mount",
+        str(tmp_path / "other"),
+        "--ram-dir",
+        str(m.ram_dir),
+        "--size",
+        "32MiB",
+        check=False,
+    )
     assert proc.returncode == 1 and "is in use by tierfs daemon" in proc.stderr
     assert total(m.ram_dir) == 64 * MiB
     assert not is_mounted(tmp_path / "other")

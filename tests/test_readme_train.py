@@ -21,8 +21,9 @@ def train_py(ckpt: Path) -> str:
 
 
 def run(script: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.slow
@@ -52,5 +53,8 @@ def test_readme_train_py_bounds_ram_and_survives_a_crashed_save(make_mount, tmp_
     # what tierfs keeps: the snapshots of the two newest steps, nothing older
     from tierfs.cli import read_status
 
-    wait_for(lambda: {s["step"] for s in read_status(str(m.path))["steps"]} == {190, 200}, 60,
-             "retention to drop the older snapshots")
+    wait_for(
+        lambda: {s["step"] for s in read_status(str(m.path))["steps"]} == {190, 200},
+        60,
+        "retention to drop the older snapshots",
+    )

@@ -28,9 +28,14 @@ from tierfs.tiers.gcs_tier import BucketRendezvous, GcsTier
 
 class FakeAgent:
     def __init__(self, rank: int, nodes: int = 3) -> None:
-        self.config = SimpleNamespace(listen=f"127.0.0.1:{7000 + rank}", advertise=None,
-                                      coordinator=None, peer_token="t", join_timeout=10,
-                                      keep_local=2)
+        self.config = SimpleNamespace(
+            listen=f"127.0.0.1:{7000 + rank}",
+            advertise=None,
+            coordinator=None,
+            peer_token="t",
+            join_timeout=10,
+            keep_local=2,
+        )
         self.store = self.shards = None
         self.job = JobSpec("j", "orbax", rank, nodes)
         self.errors: list[str] = []
@@ -74,8 +79,9 @@ class Refused(grpc.RpcError):
         return "connection refused"
 
 
-def make_tier(rank: int, rdv: FakeRendezvous, daemons: dict[str, tuple[str, int]]
-              ) -> tuple[peer_mod.PeerTier, FakeAgent]:
+def make_tier(
+    rank: int, rdv: FakeRendezvous, daemons: dict[str, tuple[str, int]]
+) -> tuple[peer_mod.PeerTier, FakeAgent]:
     """A PeerTier of node ``rank`` whose probes see ``daemons`` (address -> incarnation, rank)."""
     agent = FakeAgent(rank)
     tier = peer_mod.PeerTier(agent)  # type: ignore[arg-type]
@@ -119,8 +125,7 @@ def test_rank_zero_that_cannot_publish_reports_it_once(monkeypatch):
             assert not await tier.publish_once(agent.job)
             assert await tier.find_coordinator(agent.job) == "127.0.0.1:7000"
         assert len(agent.errors) == 1
-        assert "cannot publish this node's address to gs://b/j/.tierfs/nodes/0" in \
-            agent.errors[0]
+        assert "cannot publish this node's address to gs://b/j/.tierfs/nodes/0" in agent.errors[0]
         rdv.down = False
         assert await tier.publish_once(agent.job)
         assert ("j", 0) in rdv.records and tier.publish_note is None
@@ -137,15 +142,13 @@ def test_stale_records_are_never_used(monkeypatch):
         tier, agent = make_tier(1, rdv, daemons)
         job = agent.job
         assert await tier.find_coordinator(job) is None
-        assert tier.rendezvous_note == "waiting for node-rank 0 to publish " \
-                                       "gs://b/j/.tierfs/nodes/0"
+        assert tier.rendezvous_note == "waiting for node-rank 0 to publish gs://b/j/.tierfs/nodes/0"
         assert await tier.publish_once(job)  # every node publishes its own record
         assert rdv.records[("j", 1)] == ("127.0.0.1:7001", tier.incarnation)
         # a record of a daemon that is gone (killed, its port closed)
         rdv.records[("j", 0)] = ("127.0.0.1:6000", "dead")
         assert await tier.find_coordinator(job) is None
-        assert "is stale (127.0.0.1:6000: UNAVAILABLE: connection refused)" in \
-            tier.rendezvous_note
+        assert "is stale (127.0.0.1:6000: UNAVAILABLE: connection refused)" in tier.rendezvous_note
         # its port taken by a new daemon that has not published yet
         daemons["127.0.0.1:6000"] = ("restarted", -1)
         assert await tier.find_coordinator(job) is None
@@ -173,8 +176,7 @@ def test_stale_records_are_never_used(monkeypatch):
         rdv.down = True
         tier.coordinator_lost()
         assert await tier.find_coordinator(job) is None
-        assert "cannot read gs://b/j/.tierfs/nodes/0: bucket unreachable" in \
-            tier.rendezvous_note
+        assert "cannot read gs://b/j/.tierfs/nodes/0: bucket unreachable" in tier.rendezvous_note
         assert agent.errors == []
 
     trio.run(main)
@@ -251,16 +253,35 @@ def test_bucket_records(fake_gcs):
 
 def test_a_node_that_is_not_rank_zero_refuses_coordinator_calls(make_mount, fake_gcs):
     port = free_port()
-    m = make_mount("--listen", f"127.0.0.1:{port}", "--bucket", fake_gcs.bucket,
-                   "--peer-token", "t", "--job", "j", "--nodes", "2", "--node-rank", "1",
-                   "--peers-per-node", "1", "--join-timeout", "30")
+    m = make_mount(
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--bucket",
+        fake_gcs.bucket,
+        "--peer-token",
+        "t",
+        "--job",
+        "j",
+        "--nodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--peers-per-node",
+        "1",
+        "--join-timeout",
+        "30",
+    )
     md = (("x-tierfs-token", "t"),)
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        inc = pb2_grpc.PeerStub(ch).Inventory(pb2.InventoryRequest(job="j"), metadata=md,
-                                              timeout=5).incarnation
+        inc = (
+            pb2_grpc.PeerStub(ch)
+            .Inventory(pb2.InventoryRequest(job="j"), metadata=md, timeout=5)
+            .incarnation
+        )
         with pytest.raises(grpc.RpcError) as err:
-            pb2_grpc.CoordinatorStub(ch).Join(pb2.JoinRequest(job="j", nodes=2, rank=0),
-                                              metadata=md, timeout=5)
+            pb2_grpc.CoordinatorStub(ch).Join(
+                pb2.JoinRequest(job="j", nodes=2, rank=0), metadata=md, timeout=5
+            )
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert err.value.details() == "not the coordinator: this node is node-rank 1 of job j"
     # its own record is in the bucket; node-rank 0 has published nothing
@@ -275,8 +296,11 @@ def test_a_node_that_is_not_rank_zero_refuses_coordinator_calls(make_mount, fake
     assert "coordinator not found yet (waiting for node-rank 0 to publish" in out
     assert f"gcs gs://{fake_gcs.bucket}/; no round yet" in out
     # generic mode with node 0 absent: the restore waits visibly, looking for it
-    state = wait_for(lambda: json.loads(tierfs("status", str(m.path), "--json").stdout)
-                     ["restore"], 10, "the restore's phase")
+    state = wait_for(
+        lambda: json.loads(tierfs("status", str(m.path), "--json").stdout)["restore"],
+        10,
+        "the restore's phase",
+    )
     assert state["state"] == "planning"
 
 
@@ -285,7 +309,8 @@ def test_a_node_that_is_not_rank_zero_refuses_coordinator_calls(make_mount, fake
 
 @pytest.mark.slow
 def test_four_nodes_without_coordinator_flag_restore_from_peers_and_follow_rank_zero(
-        make_mount, fake_gcs):
+    make_mount, fake_gcs
+):
     c = Cluster(make_mount, 4, extra=("--bucket", fake_gcs.bucket), coordinator=False)
     first = c.clients(steps="1,2,3", size=200_000)
     assert [r["restored"] for r in first] == [None] * 4
@@ -306,8 +331,11 @@ def test_four_nodes_without_coordinator_flag_restore_from_peers_and_follow_rank_
     old = f"127.0.0.1:{c.ports[0]}"
     c.lose(0)
     for i in (1, 2, 3):  # the old record is not used: its daemon is gone
-        wait_for(lambda i=i: "is stale" in (c.peer(i)["rendezvous_note"] or ""), 30,
-                 f"node {i} to find the rendezvous record stale")
+        wait_for(
+            lambda i=i: "is stale" in (c.peer(i)["rendezvous_note"] or ""),
+            30,
+            f"node {i} to find the rendezvous record stale",
+        )
     c.move(0)
     c.remount(0)
     again = c.clients(size=200_000)

@@ -24,8 +24,17 @@ N = 4
 
 
 def generic(n: int, *more: str):
-    return lambda i: ["--job", "hf", "--nodes", str(n), "--node-rank", str(i),
-                      "--peers-per-node", "1", *more]
+    return lambda i: [
+        "--job",
+        "hf",
+        "--nodes",
+        str(n),
+        "--node-rank",
+        str(i),
+        "--peers-per-node",
+        "1",
+        *more,
+    ]
 
 
 def write_step(root: Path, step: int, rank: int, size: int = 50_000) -> dict[str, str]:
@@ -51,21 +60,29 @@ def backed_up(c: Cluster, i: int, step: int) -> str | None:
 
 
 def wait_restored(c: Cluster, i: int, timeout: float = 120) -> dict:
-    wait_for(lambda: c.status(i)["restore"].get("state") in ("done", "failed"), timeout,
-             f"node {i}'s restore to finish")
+    wait_for(
+        lambda: c.status(i)["restore"].get("state") in ("done", "failed"),
+        timeout,
+        f"node {i}'s restore to finish",
+    )
     return c.status(i)["restore"]
 
 
 def test_generic_restore_waits_for_a_slow_bucket_and_every_node_restores_the_same_step(
-        make_mount, fake_gcs, monkeypatch):
+    make_mount, fake_gcs, monkeypatch
+):
     """Case 3: 4 nodes with a bucket, every RAM store wiped, all remounted at about the
     same time. Node 0's bucket check answered late, the coordinator decided before its
     GCS tier was up (with node 0 counted through its heartbeat's empty inventory):
     nodes 1-3 started from nothing while node 0 restored the step from the bucket.
     The bucket's first answer to node 0 is delayed here, so it failed every time."""
     monkeypatch.setenv("TIERFS_GCS_TICK", "0.5")
-    c = Cluster(make_mount, N, extra=("--bucket", fake_gcs.bucket),
-                node_args=generic(N, "--backup-interval-steps", "1"))
+    c = Cluster(
+        make_mount,
+        N,
+        extra=("--bucket", fake_gcs.bucket),
+        node_args=generic(N, "--backup-interval-steps", "1"),
+    )
     saved = write_all(c, 1)
     rnd = backed_up(c, 0, 1)
     for i in range(N):
@@ -104,8 +121,7 @@ def gcs(fake_gcs) -> GcsBackend:
     return GcsBackend(fake_gcs.bucket, settings=GcsSettings.from_env())
 
 
-def data_objects(g: GcsBackend, job: str, rnd: str, rank: int, step: int, nodes: int
-                 ) -> list[str]:
+def data_objects(g: GcsBackend, job: str, rnd: str, rank: int, step: int, nodes: int) -> list[str]:
     """Object names (under the round dir) of node ``rank``'s data in round ``rnd``."""
     part = g.inspect_round(job, rnd, nodes).parts[(rank, step)]
     assert part.backup is not None
@@ -120,8 +136,7 @@ def flip_object(fake_gcs, g: GcsBackend, job: str, rnd: str, name: str) -> None:
 
 def wait_code(c: Cluster, i: int, timeout: float = 120) -> tuple[int, str, str]:
     """`tierfs wait` on node i: (exit code, stdout, stderr)."""
-    p = tierfs("wait", str(c.root(i)), "--timeout", str(timeout), check=False,
-               timeout=timeout + 30)
+    p = tierfs("wait", str(c.root(i)), "--timeout", str(timeout), check=False, timeout=timeout + 30)
     return p.returncode, p.stdout.strip(), p.stderr.strip()
 
 
@@ -141,8 +156,17 @@ def write_all(c: Cluster, step: int, ranks=None, backed=True) -> dict[int, dict[
 
 
 def shard_data(c: Cluster, holder: int, rank: int, step: int) -> Path:
-    return (c.mounts[holder].ram_dir / "store" / "shards" / "hf" / str(rank) / str(step)
-            / "data" / f"checkpoint-{step}" / "weights.bin")
+    return (
+        c.mounts[holder].ram_dir
+        / "store"
+        / "shards"
+        / "hf"
+        / str(rank)
+        / str(step)
+        / "data"
+        / f"checkpoint-{step}"
+        / "weights.bin"
+    )
 
 
 # ---------------------------------------------------------------------- cases 4 and 5
@@ -155,12 +179,17 @@ def test_wait_outcomes_fresh_restored_missing_refused(make_mount, monkeypatch):
     c = Cluster(make_mount, 3, node_args=generic(3))
     for i in range(3):  # nothing of the job exists anywhere: a true fresh start
         code, out, _err = wait_code(c, i)
-        assert code == 0 and out.startswith("nothing to restore: no step of the job exists"), \
-            (i, out)
+        assert code == 0 and out.startswith("nothing to restore: no step of the job exists"), (
+            i,
+            out,
+        )
         assert c.status(i)["restore"]["outcome"] == "fresh"
     saved = write_all(c, 1, backed=False)
-    wait_for(lambda: all(steps_of(c, i).get(1, {}).get("state") == "replicated"
-                         for i in range(3)), 60, "step 1 replicated")
+    wait_for(
+        lambda: all(steps_of(c, i).get(1, {}).get("state") == "replicated" for i in range(3)),
+        60,
+        "step 1 replicated",
+    )
     c.lose(1)
     c.remount(1)
     assert wait_code(c, 1) == (0, "restored step 1 from peer:0", "")
@@ -181,8 +210,15 @@ def test_wait_outcomes_fresh_restored_missing_refused(make_mount, monkeypatch):
     assert "restore failed [missing]" in status and "did not join" in status
 
     c.mounts[1].kill9()
-    c.mounts[1].args = [*c.args(1)[:-6], "--nodes", "4", "--node-rank", "1",
-                        "--peers-per-node", "1"]
+    c.mounts[1].args = [
+        *c.args(1)[:-6],
+        "--nodes",
+        "4",
+        "--node-rank",
+        "1",
+        "--peers-per-node",
+        "1",
+    ]
     c.remount(1)
     code, out, err = wait_code(c, 1)
     assert code == 5, (code, out, err)
@@ -195,8 +231,12 @@ def test_an_incomplete_bucket_says_why_and_wait_fails(make_mount, fake_gcs, monk
     from it (as the data-parallel dedup once left it): nothing is restored, and
     replicator.errors, `tierfs status` and `tierfs wait` say exactly why."""
     monkeypatch.setenv("TIERFS_GCS_TICK", "0.5")
-    c = Cluster(make_mount, 2, extra=("--bucket", fake_gcs.bucket),
-                node_args=generic(2, "--backup-interval-steps", "1"))
+    c = Cluster(
+        make_mount,
+        2,
+        extra=("--bucket", fake_gcs.bucket),
+        node_args=generic(2, "--backup-interval-steps", "1"),
+    )
     write_all(c, 1)
     rnd = backed_up(c, 0, 1)
     g = gcs(fake_gcs)
@@ -223,13 +263,18 @@ def test_an_incomplete_bucket_says_why_and_wait_fails(make_mount, fake_gcs, monk
 
 
 def test_a_corrupt_bucket_object_moves_every_node_to_the_same_older_step(
-        make_mount, fake_gcs, monkeypatch):
+    make_mount, fake_gcs, monkeypatch
+):
     """Case 6, split restore: cluster loss; a bit flipped in one data object of node 3's
     part of the newest round. Node 3 detected it and asked for another step; it
     restored an older step than nodes 0-2, and every `tierfs wait` said 0."""
     monkeypatch.setenv("TIERFS_GCS_TICK", "0.5")
-    c = Cluster(make_mount, N, extra=("--bucket", fake_gcs.bucket),
-                node_args=generic(N, "--backup-interval-steps", "1"))
+    c = Cluster(
+        make_mount,
+        N,
+        extra=("--bucket", fake_gcs.bucket),
+        node_args=generic(N, "--backup-interval-steps", "1"),
+    )
     saved = {step: write_all(c, step) for step in (1, 2)}
     rounds = {step: backed_up(c, 0, step) for step in (1, 2)}
     g = gcs(fake_gcs)
@@ -240,8 +285,13 @@ def test_a_corrupt_bucket_object_moves_every_node_to_the_same_older_step(
         c.remount(i)
     for i in range(N):
         code, out, err = wait_code(c, i)
-        assert (code, out) == (0, f"restored step 1 from GCS round {rounds[1]}"), \
-            (i, code, out, err, c.logs())
+        assert (code, out) == (0, f"restored step 1 from GCS round {rounds[1]}"), (
+            i,
+            code,
+            out,
+            err,
+            c.logs(),
+        )
         assert tree_hashes(c.root(i) / "checkpoint-1") == saved[1][i]
         assert not (c.root(i) / "checkpoint-2").exists()
         assert f"step 2 lacks rank(s) [3] (bad copies: backup round {rounds[2]})" in c.errors(i)
@@ -252,7 +302,8 @@ def test_a_corrupt_bucket_object_moves_every_node_to_the_same_older_step(
 
 
 def test_a_peer_replica_completes_a_step_whose_bucket_object_is_corrupt(
-        make_mount, fake_gcs, monkeypatch):
+    make_mount, fake_gcs, monkeypatch
+):
     """Case 6: nodes 0, 1 and 3 lose their RAM; node 3's part of step 2 in the bucket is
     corrupt, node 2 still holds a replica of it. Step 2 is complete counting every
     copy: ranks 0 and 1 from the bucket, rank 3 from node 2 (it used to fall back to
@@ -292,8 +343,12 @@ def test_retention_keeps_the_steps_a_restore_needs(make_mount, fake_gcs, monkeyp
     dropped its step 2, so node 1 restored step 1 from the bucket although step 2 had
     been complete and replicated. The last complete steps stay until a restore."""
     monkeypatch.setenv("TIERFS_GCS_TICK", "0.5")
-    c = Cluster(make_mount, 2, extra=("--bucket", fake_gcs.bucket),
-                node_args=generic(2, "--backup-interval-steps", "1"))
+    c = Cluster(
+        make_mount,
+        2,
+        extra=("--bucket", fake_gcs.bucket),
+        node_args=generic(2, "--backup-interval-steps", "1"),
+    )
     saved = {}
     for step in (1, 2, 3):
         saved[step] = write_all(c, step)
@@ -306,16 +361,21 @@ def test_retention_keeps_the_steps_a_restore_needs(make_mount, fake_gcs, monkeyp
     c.lose(1)
     write_step(c.root(0), 4, 0)
     # retention runs right after the seal (and every 2 s)
-    wait_for(lambda: steps_of(c, 0).get(4, {}).get("state") not in (None, "writing"), 30,
-             "node 0's step 4 sealed")
+    wait_for(
+        lambda: steps_of(c, 0).get(4, {}).get("state") not in (None, "writing"),
+        30,
+        "node 0's step 4 sealed",
+    )
     assert {2, 3, 4} <= set(steps_of(c, 0)), "retention dropped a step a restore needs"
     c.remount(1)
     # the restarted node first: once it restored, the survivor took part in the round
     # (before the coordinator summoned it, a survivor reports its previous restore)
     for i in (1, 0):
         code, out, err = wait_code(c, i)
-        assert (code, out) == (0, "restored step 2 from local" if i == 0 else
-                               "restored step 2 from peer:0"), (i, code, out, err, c.logs())
+        assert (code, out) == (
+            0,
+            "restored step 2 from local" if i == 0 else "restored step 2 from peer:0",
+        ), (i, code, out, err, c.logs())
     assert tree_hashes(c.root(1) / "checkpoint-2") == saved[2][1]
     assert "step 3 lacks rank(s) [1]" in c.errors(1)
 
@@ -326,8 +386,12 @@ def test_every_node_can_present_the_agreed_step(make_mount, fake_gcs, monkeypatc
     rotated old checkpoints away, retention dropped the snapshot): node 0 could not
     resume at the agreed step. The survivor takes part and brings step 3 back too."""
     monkeypatch.setenv("TIERFS_GCS_TICK", "0.5")
-    c = Cluster(make_mount, 2, extra=("--bucket", fake_gcs.bucket),
-                node_args=generic(2, "--backup-interval-steps", "1"))
+    c = Cluster(
+        make_mount,
+        2,
+        extra=("--bucket", fake_gcs.bucket),
+        node_args=generic(2, "--backup-interval-steps", "1"),
+    )
     saved = {step: write_all(c, step) for step in (1, 2, 3, 4, 5)}
     c.wait_synced(5)
     rounds = {step: backed_up(c, 0, step) for step in (3, 4, 5)}
@@ -342,8 +406,13 @@ def test_every_node_can_present_the_agreed_step(make_mount, fake_gcs, monkeypatc
     c.remount(1)
     for i in (1, 0):  # the restarted node first (see above)
         code, out, err = wait_code(c, i)
-        assert (code, out) == (0, f"restored step 3 from GCS round {rounds[3]}"), \
-            (i, code, out, err, c.logs())
+        assert (code, out) == (0, f"restored step 3 from GCS round {rounds[3]}"), (
+            i,
+            code,
+            out,
+            err,
+            c.logs(),
+        )
         assert tree_hashes(c.root(i) / "checkpoint-3") == saved[3][i]
     survivor = c.status(0)["restore"]
     assert survivor["summoned"] and survivor["created"] == ["checkpoint-3"]

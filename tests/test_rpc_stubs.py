@@ -39,9 +39,15 @@ def _compile(proto: str, out: Path) -> descriptor_pb2.FileDescriptorProto:
     from grpc_tools import protoc
 
     well_known = Path(grpc_tools.__file__).parent / "_proto"
-    rc = protoc.main(["grpc_tools.protoc", f"--proto_path={PACKAGE_ROOT}",
-                      f"--proto_path={well_known}", f"--descriptor_set_out={out}",
-                      str(RPC_DIR / proto)])
+    rc = protoc.main(
+        [
+            "grpc_tools.protoc",
+            f"--proto_path={PACKAGE_ROOT}",
+            f"--proto_path={well_known}",
+            f"--descriptor_set_out={out}",
+            str(RPC_DIR / proto),
+        ]
+    )
     assert rc == 0, f"protoc failed on {proto}"
     (fd,) = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file
     # the Python generator embeds descriptors without the json_name protoc fills in
@@ -62,7 +68,8 @@ def test_installed_modules_are_what_the_proto_files_compile_to(name, tmp_path):
     assert installed.name == fresh.name == f"tierfs/rpc/{name}.proto"
     assert installed == fresh, (
         f"tierfs/rpc/{name}_pb2.py is stale: {name}.proto changed since the install; "
-        "run `make install`")
+        "run `make install`"
+    )
     assert pb2_grpc.__name__ == f"tierfs.rpc.{name}_pb2_grpc"
     for suffix in GENERATED_SUFFIXES:
         assert (RPC_DIR / f"{name}{suffix}").is_file(), f"{name}{suffix} missing"
@@ -86,22 +93,28 @@ def test_nothing_compiles_protos_at_run_time():
         "from tierfs.coordinator import Coordinator, CoordinatorServicer\n"
         "CoordinatorServicer(Coordinator())\n"
         "assert not any(m.startswith('grpc_tools.') for m in sys.modules), sorted(sys.modules)\n"
-        "print('ok')\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, check=False)
+        "print('ok')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
     runtime = [r for r in importlib.metadata.requires("tierfs") or () if "extra ==" not in r]
     assert not [r for r in runtime if r.lower().startswith(("grpcio-tools", "mypy"))], runtime
     assert any(r.startswith("grpcio") for r in runtime) and any(
-        r.startswith("protobuf") for r in runtime), runtime
+        r.startswith("protobuf") for r in runtime
+    ), runtime
 
 
 def _copy_sources(dst: Path) -> None:
     """The files a build reads, without generated modules and caches."""
     for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
         shutil.copy2(REPO / name, dst / name)
-    shutil.copytree(REPO / "tierfs", dst / "tierfs", ignore=shutil.ignore_patterns(
-        "__pycache__", *(f"*{s}" for s in GENERATED_SUFFIXES)))
+    shutil.copytree(
+        REPO / "tierfs",
+        dst / "tierfs",
+        ignore=shutil.ignore_patterns("__pycache__", *(f"*{s}" for s in GENERATED_SUFFIXES)),
+    )
 
 
 def test_a_checkout_without_generated_modules_says_how_to_get_them(tmp_path):
@@ -113,15 +126,26 @@ def test_a_checkout_without_generated_modules_says_how_to_get_them(tmp_path):
     # editable install's finder only answers what the path does not)
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     proc = subprocess.run(
-        [sys.executable, "-c",
-         "import tierfs, sys; print(tierfs.__file__, file=sys.stderr)\n"
-         "from tierfs.tiers import peer_wire"],
-        capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env, check=False)
+        [
+            sys.executable,
+            "-c",
+            "import tierfs, sys; print(tierfs.__file__, file=sys.stderr)\n"
+            "from tierfs.tiers import peer_wire",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=env,
+        check=False,
+    )
     assert proc.returncode == 1
     assert str(tmp_path / "tierfs" / "__init__.py") in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: tierfs.rpc.csi_pb2, tierfs.rpc.csi_pb2_grpc, "
-                           "tierfs.rpc.peer_pb2, tierfs.rpc.peer_pb2_grpc missing: "), proc.stderr
+    assert last.startswith(
+        "ImportError: tierfs.rpc.csi_pb2, tierfs.rpc.csi_pb2_grpc, "
+        "tierfs.rpc.peer_pb2, tierfs.rpc.peer_pb2_grpc missing: "
+    ), proc.stderr
     assert "Run `make install` (or `pip install -e .`)" in last, last
 
 
@@ -134,9 +158,24 @@ def test_a_wheel_carries_the_generated_modules_and_stubs(tmp_path):
     _copy_sources(src)
     out = tmp_path / "wheels"
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "--no-index", "-q", "-w", str(out), str(src)],
-        capture_output=True, text=True, timeout=600, check=False)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(out),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (wheel,) = out.glob("tierfs-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
@@ -144,20 +183,29 @@ def test_a_wheel_carries_the_generated_modules_and_stubs(tmp_path):
         assert f"tierfs/rpc/{proto}.proto" in names
         for suffix in GENERATED_SUFFIXES:
             assert f"tierfs/rpc/{proto}{suffix}" in names, sorted(
-                n for n in names if n.startswith("tierfs/rpc/"))
+                n for n in names if n.startswith("tierfs/rpc/")
+            )
     # a wheel build generates into its build directory only
     assert not list((src / "tierfs" / "rpc").glob("*_pb2*"))
     # and what it carries imports and is the same wire
     unpacked = tmp_path / "unpacked"
     zipfile.ZipFile(wheel).extractall(unpacked)
-    code = ("import sys, tierfs.rpc as r\n"
-            "from tierfs.rpc import peer_pb2, csi_pb2\n"
-            "print(r.__file__)\n"
-            "sys.stdout.buffer.write(peer_pb2.DESCRIPTOR.serialized_pb.hex().encode() + b' ')\n"
-            "sys.stdout.buffer.write(csi_pb2.DESCRIPTOR.serialized_pb.hex().encode())\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, cwd=tmp_path,
-                          env=dict(os.environ, PYTHONPATH=str(unpacked)), check=False)
+    code = (
+        "import sys, tierfs.rpc as r\n"
+        "from tierfs.rpc import peer_pb2, csi_pb2\n"
+        "print(r.__file__)\n"
+        "sys.stdout.buffer.write(peer_pb2.DESCRIPTOR.serialized_pb.hex().encode() + b' ')\n"
+        "sys.stdout.buffer.write(csi_pb2.DESCRIPTOR.serialized_pb.hex().encode())\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(unpacked)),
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     where, descriptors = proc.stdout.split("\n", 1)
     assert where == str(unpacked / "tierfs" / "rpc" / "__init__.py")

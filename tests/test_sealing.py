@@ -25,33 +25,55 @@ class FakeView:
 
     def listdir(self, path: str) -> list[str]:
         prefix = f"{path}/" if path else ""
-        return sorted({p[len(prefix):].split("/")[0] for p in self.entries
-                       if p.startswith(prefix) and p != path})
+        return sorted(
+            {
+                p[len(prefix) :].split("/")[0]
+                for p in self.entries
+                if p.startswith(prefix) and p != path
+            }
+        )
 
 
 def test_orbax_rename_into_digits_seals():
     rules = SealRules("orbax")
     view = FakeView({"5": "dir"})
     assert rules.on_rename("5.orbax-checkpoint-tmp", "5", True, False, view) == SealCandidate(
-        5, "5", ("5",), "renamed into place")
+        5, "5", ("5",), "renamed into place"
+    )
 
 
 def test_orbax_temp_names_lock_files_and_inner_renames_never_seal():
     rules = SealRules("orbax")
     view = FakeView({"5.orbax-checkpoint-tmp": "dir"})
     assert rules.on_rename("x", "5.orbax-checkpoint-tmp", True, False, view) is None
-    assert rules.on_rename("5.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp",
-                           "5.orbax-checkpoint-tmp/state", True, False, view) is None
-    assert rules.on_rename("5/state/manifest.ocdbt.__lock", "5/state/manifest.ocdbt",
-                           False, False, view) is None
+    assert (
+        rules.on_rename(
+            "5.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp",
+            "5.orbax-checkpoint-tmp/state",
+            True,
+            False,
+            view,
+        )
+        is None
+    )
+    assert (
+        rules.on_rename(
+            "5/state/manifest.ocdbt.__lock", "5/state/manifest.ocdbt", False, False, view
+        )
+        is None
+    )
     assert rules.on_release("5.orbax-checkpoint-tmp/commit_success.txt", view) is None
 
 
 def test_renaming_a_marker_symlink_is_not_a_save():
     rules = SealRules("orbax")
     assert rules.on_rename("job-s5-n0-w0.restore", "5", False, True, FakeView()) is None
-    assert SealRules("pytorch.distributed").on_rename(
-        "job-s5-n0-w0.restore", "step=5", False, True, FakeView()) is None
+    assert (
+        SealRules("pytorch.distributed").on_rename(
+            "job-s5-n0-w0.restore", "step=5", False, True, FakeView()
+        )
+        is None
+    )
 
 
 def test_nemo_async_rename_and_sync_unfinished_removal():
@@ -84,8 +106,7 @@ def test_pytorch_files_seal_when_all_workers_exist():
 def test_generic_rename_into_pattern_and_temp_names():
     rules = SealRules("generic")
     view = FakeView({"checkpoint-500": "dir", "tmp-checkpoint-500": "dir"})
-    assert rules.on_rename("tmp-checkpoint-500", "checkpoint-500", True, False,
-                           view).step == 500
+    assert rules.on_rename("tmp-checkpoint-500", "checkpoint-500", True, False, view).step == 500
     assert rules.on_rename("a", "tmp-checkpoint-500", True, False, view) is None
     assert rules.on_rename("a", "checkpoint-500.tmp", True, False, view) is None
 
@@ -101,12 +122,21 @@ def test_generic_marker_files():
 
 def test_generic_trackers_megatron_and_deepspeed():
     rules = SealRules("generic")
-    view = FakeView({"iter_0000500": "dir", "latest_checkpointed_iteration.txt": "500\n",
-                     "global_step20": "dir", "latest": "global_step20"})
+    view = FakeView(
+        {
+            "iter_0000500": "dir",
+            "latest_checkpointed_iteration.txt": "500\n",
+            "global_step20": "dir",
+            "latest": "global_step20",
+        }
+    )
     cand = rules.on_release("latest_checkpointed_iteration.txt", view)
-    assert cand == SealCandidate(500, "iter_0000500",
-                                 ("iter_0000500", "latest_checkpointed_iteration.txt"),
-                                 "tracker latest_checkpointed_iteration.txt")
+    assert cand == SealCandidate(
+        500,
+        "iter_0000500",
+        ("iter_0000500", "latest_checkpointed_iteration.txt"),
+        "tracker latest_checkpointed_iteration.txt",
+    )
     cand = rules.on_release("latest", view)
     assert cand is not None and (cand.step, cand.entries) == (20, ("global_step20", "latest"))
     view.entries["latest_checkpointed_iteration.txt"] = "release"
@@ -121,10 +151,18 @@ def test_custom_patterns():
 
 
 def test_scan_after_restart():
-    view = FakeView({"3": "dir", "4": "dir", "5.orbax-checkpoint-tmp": "dir",
-                     "job-s2-n0-w0.restore": "link"})
+    view = FakeView(
+        {"3": "dir", "4": "dir", "5.orbax-checkpoint-tmp": "dir", "job-s2-n0-w0.restore": "link"}
+    )
     assert [c.step for c in SealRules("orbax").scan(view)] == [3, 4]
-    view = FakeView({"checkpoint-10": "dir", "checkpoint-10/.metadata": "file",
-                     "checkpoint-20": "dir", "step=5": "dir", "step=6": "dir",
-                     "step=6-unfinished": "file"})
+    view = FakeView(
+        {
+            "checkpoint-10": "dir",
+            "checkpoint-10/.metadata": "file",
+            "checkpoint-20": "dir",
+            "step=5": "dir",
+            "step=6": "dir",
+            "step=6-unfinished": "file",
+        }
+    )
     assert [c.name for c in SealRules("generic").scan(view)] == ["step=5", "checkpoint-10"]

@@ -20,14 +20,25 @@ REPO = Path(__file__).resolve().parent.parent
 
 #: every variable and its default before the table existed (behaviour kept)
 DEFAULTS = {
-    "TIERFS_GCS_CHUNK_MIB": 64.0, "TIERFS_GCS_RETRY_DEADLINE": 300.0,
-    "TIERFS_GCS_TIMEOUT": 120.0, "TIERFS_GCS_TICK": 1.0, "TIERFS_GCS_ROUND_TIMEOUT": 1800.0,
-    "TIERFS_GCS_FALLBACK_DEADLINE": 30.0, "TIERFS_GCS_LOOKUP_DEADLINE": 20.0,
-    "TIERFS_GCS_RENDEZVOUS_DEADLINE": 10.0, "TIERFS_GCS_START_DEADLINE": 5.0,
-    "TIERFS_GCS_STALL_SECONDS": 20.0, "TIERFS_GCS_UPLOAD_RETRY_FIRST": 2.0,
-    "TIERFS_GCS_UPLOAD_RETRY_MAX": 30.0, "TIERFS_GCS_DEDUP_WAIT": 60.0,
-    "TIERFS_PEER_TOKEN": "", "TIERFS_PEER_PUSH_PATIENCE": 120.0, "TIERFS_REFUSAL_GRACE": 30.0,
-    "TIERFS_BUCKET": "", "TIERFS_IMAGE": render.IMAGE, "TIERFS_NAMESPACE": "tierfs-system",
+    "TIERFS_GCS_CHUNK_MIB": 64.0,
+    "TIERFS_GCS_RETRY_DEADLINE": 300.0,
+    "TIERFS_GCS_TIMEOUT": 120.0,
+    "TIERFS_GCS_TICK": 1.0,
+    "TIERFS_GCS_ROUND_TIMEOUT": 1800.0,
+    "TIERFS_GCS_FALLBACK_DEADLINE": 30.0,
+    "TIERFS_GCS_LOOKUP_DEADLINE": 20.0,
+    "TIERFS_GCS_RENDEZVOUS_DEADLINE": 10.0,
+    "TIERFS_GCS_START_DEADLINE": 5.0,
+    "TIERFS_GCS_STALL_SECONDS": 20.0,
+    "TIERFS_GCS_UPLOAD_RETRY_FIRST": 2.0,
+    "TIERFS_GCS_UPLOAD_RETRY_MAX": 30.0,
+    "TIERFS_GCS_DEDUP_WAIT": 60.0,
+    "TIERFS_PEER_TOKEN": "",
+    "TIERFS_PEER_PUSH_PATIENCE": 120.0,
+    "TIERFS_REFUSAL_GRACE": 30.0,
+    "TIERFS_BUCKET": "",
+    "TIERFS_IMAGE": render.IMAGE,
+    "TIERFS_NAMESPACE": "tierfs-system",
     "TIERFS_DRIVER_NAME": "tierfs.csi.dev",
 }
 
@@ -73,44 +84,67 @@ def test_module_constants_are_gone():
     """Nothing keeps a copy of a variable's value from import time."""
     from tierfs.tiers import gcs, gcs_tier, peer, peer_restore
 
-    for module, names in [(gcs_tier, ["TICK", "ROUND_TIMEOUT", "FALLBACK_DEADLINE",
-                                      "RESTORE_LOOKUP_DEADLINE", "RENDEZVOUS_DEADLINE",
-                                      "START_DEADLINE", "STALL_SECONDS", "RETRY_FIRST",
-                                      "RETRY_MAX"]),
-                          (gcs, ["DEDUP_WAIT"]), (peer, ["PUSH_PATIENCE"]),
-                          (peer_restore, ["REFUSAL_GRACE"])]:
+    for module, names in [
+        (
+            gcs_tier,
+            [
+                "TICK",
+                "ROUND_TIMEOUT",
+                "FALLBACK_DEADLINE",
+                "RESTORE_LOOKUP_DEADLINE",
+                "RENDEZVOUS_DEADLINE",
+                "START_DEADLINE",
+                "STALL_SECONDS",
+                "RETRY_FIRST",
+                "RETRY_MAX",
+            ],
+        ),
+        (gcs, ["DEDUP_WAIT"]),
+        (peer, ["PUSH_PATIENCE"]),
+        (peer_restore, ["REFUSAL_GRACE"]),
+    ]:
         for name in names:
             assert not hasattr(module, name), f"{module.__name__}.{name}"
 
 
 def _env_literals(path: Path) -> list[str]:
     tree = ast.parse(path.read_text(), str(path))
-    return [node.value for node in ast.walk(tree)
-            if isinstance(node, ast.Constant) and isinstance(node.value, str)
-            and re.fullmatch(r"TIERFS_[A-Z0-9_]+", node.value)]
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and re.fullmatch(r"TIERFS_[A-Z0-9_]+", node.value)
+    ]
 
 
 def test_every_variable_is_in_the_table():
     """No module names a TIERFS_* variable of its own: it goes through settings.ALL."""
-    found = {str(p.relative_to(REPO)): _env_literals(p)
-             for p in (REPO / "tierfs").rglob("*.py") if p.name != "settings.py"}
+    found = {
+        str(p.relative_to(REPO)): _env_literals(p)
+        for p in (REPO / "tierfs").rglob("*.py")
+        if p.name != "settings.py"
+    }
     assert {k: v for k, v in found.items() if v} == {}
     in_table = set(_env_literals(REPO / "tierfs" / "settings.py"))
     assert in_table == set(BY_NAME)
 
 
-@pytest.mark.parametrize(("name", "raw", "words"), [
-    ("TIERFS_GCS_TICK", "fast", ["TIERFS_GCS_TICK='fast'", "a number of seconds > 0"]),
-    ("TIERFS_GCS_TICK", "0", ["out of range", "> 0"]),
-    ("TIERFS_GCS_TICK", "-1", ["out of range"]),
-    ("TIERFS_GCS_TICK", "nan", ["is not a number"]),
-    ("TIERFS_GCS_TICK", "inf", ["is not a number"]),
-    ("TIERFS_GCS_DEDUP_WAIT", "-0.5", ["out of range", ">= 0"]),
-    ("TIERFS_GCS_THREADS", "4.0", ["TIERFS_GCS_THREADS='4.0'", "an integer >= 1"]),
-    ("TIERFS_GCS_THREADS", "0", ["out of range", ">= 1"]),
-    ("TIERFS_GCS_CHUNK_MIB", "0", ["a number of MiB > 0"]),
-    ("TIERFS_REFUSAL_GRACE", "30s", ["TIERFS_REFUSAL_GRACE='30s'"]),
-])
+@pytest.mark.parametrize(
+    ("name", "raw", "words"),
+    [
+        ("TIERFS_GCS_TICK", "fast", ["TIERFS_GCS_TICK='fast'", "a number of seconds > 0"]),
+        ("TIERFS_GCS_TICK", "0", ["out of range", "> 0"]),
+        ("TIERFS_GCS_TICK", "-1", ["out of range"]),
+        ("TIERFS_GCS_TICK", "nan", ["is not a number"]),
+        ("TIERFS_GCS_TICK", "inf", ["is not a number"]),
+        ("TIERFS_GCS_DEDUP_WAIT", "-0.5", ["out of range", ">= 0"]),
+        ("TIERFS_GCS_THREADS", "4.0", ["TIERFS_GCS_THREADS='4.0'", "an integer >= 1"]),
+        ("TIERFS_GCS_THREADS", "0", ["out of range", ">= 1"]),
+        ("TIERFS_GCS_CHUNK_MIB", "0", ["a number of MiB > 0"]),
+        ("TIERFS_REFUSAL_GRACE", "30s", ["TIERFS_REFUSAL_GRACE='30s'"]),
+    ],
+)
 def test_bad_value_names_the_variable(clean_env, name, raw, words):
     clean_env.setenv(name, raw)
     with pytest.raises(SettingError) as info:
@@ -139,8 +173,9 @@ def test_check_environment_names_every_bad_variable():
 
 
 def test_a_secret_is_never_in_an_error():
-    secret = settings.Setting("TIERFS_TEST_SECRET", int, 0, "", "a secret number", "tests",
-                              secret=True)
+    secret = settings.Setting(
+        "TIERFS_TEST_SECRET", int, 0, "", "a secret number", "tests", secret=True
+    )
     with pytest.raises(SettingError) as info:
         secret.get({"TIERFS_TEST_SECRET": "hunter2"})
     assert "hunter2" not in str(info.value)
@@ -148,9 +183,11 @@ def test_a_secret_is_never_in_an_error():
 
 
 def test_operator_settings_come_from_the_table():
-    assert operator.settings_from_env({}) == {"image": render.IMAGE,
-                                              "namespace": render.NAMESPACE,
-                                              "driver_name": render.DRIVER_NAME}
+    assert operator.settings_from_env({}) == {
+        "image": render.IMAGE,
+        "namespace": render.NAMESPACE,
+        "driver_name": render.DRIVER_NAME,
+    }
     assert operator.settings_from_env({"TIERFS_NAMESPACE": "ns"})["namespace"] == "ns"
 
 

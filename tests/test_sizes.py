@@ -32,46 +32,76 @@ REPO = Path(__file__).resolve().parent.parent
 GiB, MiB, KiB = 2**30, 2**20, 2**10
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("8Gi", 8 * GiB), ("8G", 8 * 10**9), ("512Mi", 512 * MiB), ("512M", 512 * 10**6),
-    ("1.5Gi", 3 * 2**29), ("1.5G", 1_500_000_000), ("4096", 4096), (" 4096 ", 4096),
-    ("1k", 1000), ("1Ki", 1024), ("100k", 100_000), ("2Ti", 2 * 2**40), ("2T", 2 * 10**12),
-    ("1Pi", 2**50), ("1P", 10**15), ("1Ei", 2**60), ("1E", 10**18), ("0.5Ki", 512),
-    ("0.5k", 500), ("+3Mi", 3 * MiB), ("1.000Gi", GiB), ("007", 7),
-    # tierfs's own spellings (unchanged meaning): B-suffixed and with a space
-    ("8GiB", 8 * GiB), ("512MiB", 512 * MiB), ("1023KiB", 1023 * KiB), ("100TiB", 100 * 2**40),
-    ("10GB", 10 * 10**9), ("10KB", 10_000), ("10kB", 10_000), ("4096B", 4096),
-    ("8 GiB", 8 * GiB), ("8 Gi", 8 * GiB),
-    (4096, 4096),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("8Gi", 8 * GiB),
+        ("8G", 8 * 10**9),
+        ("512Mi", 512 * MiB),
+        ("512M", 512 * 10**6),
+        ("1.5Gi", 3 * 2**29),
+        ("1.5G", 1_500_000_000),
+        ("4096", 4096),
+        (" 4096 ", 4096),
+        ("1k", 1000),
+        ("1Ki", 1024),
+        ("100k", 100_000),
+        ("2Ti", 2 * 2**40),
+        ("2T", 2 * 10**12),
+        ("1Pi", 2**50),
+        ("1P", 10**15),
+        ("1Ei", 2**60),
+        ("1E", 10**18),
+        ("0.5Ki", 512),
+        ("0.5k", 500),
+        ("+3Mi", 3 * MiB),
+        ("1.000Gi", GiB),
+        ("007", 7),
+        # tierfs's own spellings (unchanged meaning): B-suffixed and with a space
+        ("8GiB", 8 * GiB),
+        ("512MiB", 512 * MiB),
+        ("1023KiB", 1023 * KiB),
+        ("100TiB", 100 * 2**40),
+        ("10GB", 10 * 10**9),
+        ("10KB", 10_000),
+        ("10kB", 10_000),
+        ("4096B", 4096),
+        ("8 GiB", 8 * GiB),
+        ("8 Gi", 8 * GiB),
+        (4096, 4096),
+    ],
+)
 def test_exact_inputs(text, expected):
     assert sizes.parse_size(text) == expected
 
 
-@pytest.mark.parametrize(("text", "words"), [
-    ("", ["is empty", "Ki Mi Gi"]),
-    ("   ", ["is empty"]),
-    ("-1Gi", ["'-1Gi'", "negative"]),
-    ("-5GiB", ["negative"]),
-    ("0", ["'0'", "positive"]),
-    ("0Gi", ["positive"]),
-    (0, ["positive"]),
-    (-4, ["positive"]),
-    ("1.5", ["'1.5'", "1.5 bytes", "whole number"]),
-    ("0.3Ki", ["307.2 bytes", "whole number"]),
-    ("8g", ["unknown suffix 'g'", "case-sensitive", "did you mean G?"]),
-    ("8gi", ["did you mean Gi?"]),
-    ("8gib", ["did you mean GiB?"]),
-    ("8K", ["unknown suffix 'K'", "Ki for 1024, k for 1000"]),
-    ("8m", ["unknown suffix 'm'", "milli"]),
-    ("12XB", ["unknown suffix 'XB'", "Ki Mi Gi Ti Pi Ei"]),
-    ("1e9", ["'1e9'", "not a size"]),
-    ("1.2.3G", ["not a size"]),
-    ("lots", ["not a size", "e.g. 8Gi"]),
-    ("8 G i", ["not a size"]),
-    (True, ["not a size"]),
-    (1.5, ["not a size"]),
-])
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("", ["is empty", "Ki Mi Gi"]),
+        ("   ", ["is empty"]),
+        ("-1Gi", ["'-1Gi'", "negative"]),
+        ("-5GiB", ["negative"]),
+        ("0", ["'0'", "positive"]),
+        ("0Gi", ["positive"]),
+        (0, ["positive"]),
+        (-4, ["positive"]),
+        ("1.5", ["'1.5'", "1.5 bytes", "whole number"]),
+        ("0.3Ki", ["307.2 bytes", "whole number"]),
+        ("8g", ["unknown suffix 'g'", "case-sensitive", "did you mean G?"]),
+        ("8gi", ["did you mean Gi?"]),
+        ("8gib", ["did you mean GiB?"]),
+        ("8K", ["unknown suffix 'K'", "Ki for 1024, k for 1000"]),
+        ("8m", ["unknown suffix 'm'", "milli"]),
+        ("12XB", ["unknown suffix 'XB'", "Ki Mi Gi Ti Pi Ei"]),
+        ("1e9", ["'1e9'", "not a size"]),
+        ("1.2.3G", ["not a size"]),
+        ("lots", ["not a size", "e.g. 8Gi"]),
+        ("8 G i", ["not a size"]),
+        (True, ["not a size"]),
+        (1.5, ["not a size"]),
+    ],
+)
 def test_errors_name_the_value_and_the_forms(text, words):
     with pytest.raises(SizeError) as info:
         sizes.parse_size(text, "--size")
@@ -97,8 +127,10 @@ def test_format_then_parse_round_trips(n):
     assert len(text) <= len(str(n))
 
 
-@given(st.integers(min_value=1, max_value=10**6),
-       st.sampled_from(sorted({**BINARY_SUFFIXES, **DECIMAL_SUFFIXES})))
+@given(
+    st.integers(min_value=1, max_value=10**6),
+    st.sampled_from(sorted({**BINARY_SUFFIXES, **DECIMAL_SUFFIXES})),
+)
 def test_number_and_suffix(k, suffix):
     factor = {**BINARY_SUFFIXES, **DECIMAL_SUFFIXES}[suffix]
     assert sizes.parse_size(f"{k}{suffix}") == k * factor
@@ -106,8 +138,11 @@ def test_number_and_suffix(k, suffix):
         assert sizes.parse_size(f"{k}{suffix}B") == k * factor
 
 
-@given(st.integers(min_value=1, max_value=10**6), st.integers(min_value=1, max_value=3),
-       st.sampled_from(sorted({**BINARY_SUFFIXES, **DECIMAL_SUFFIXES})))
+@given(
+    st.integers(min_value=1, max_value=10**6),
+    st.integers(min_value=1, max_value=3),
+    st.sampled_from(sorted({**BINARY_SUFFIXES, **DECIMAL_SUFFIXES})),
+)
 def test_fractions_are_exact(units, places, suffix):
     """``1.5Gi`` is exactly 1.5·2³⁰; a fraction that is not whole bytes is refused."""
     factor = {**BINARY_SUFFIXES, **DECIMAL_SUFFIXES}[suffix]
@@ -137,7 +172,8 @@ def test_decimal_note_says_what_8G_is():
     assert "older tierfs read 8G as 8 GiB" in note
     assert decimal_note("1.5k", "size in c.yaml") == (
         "size in c.yaml 1.5k is 1500 bytes = 1.46 KiB: k is 10^3 as in Kubernetes (older "
-        "tierfs read 1.5k as 1.5 KiB); write 1.5Ki for 1.5 KiB")
+        "tierfs read 1.5k as 1.5 KiB); write 1.5Ki for 1.5 KiB"
+    )
     for unchanged in ("8Gi", "8GiB", "10GB", "4096", 4096):
         assert decimal_note(unchanged) is None
 
@@ -183,6 +219,9 @@ def test_config_file_notes_a_decimal_size(tmp_path):
 def test_config_file_size_error_names_the_key_and_file(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("size: 8g\n")
-    with pytest.raises(ConfigError, match=rf"size in {re.escape(str(config))} '8g'.*did you "
-                                          r"mean G\?"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"size in {re.escape(str(config))} '8g'.*did you "
+        r"mean G\?",
+    ):
         load_config_file(str(config))

@@ -107,8 +107,11 @@ def _filesystem_status(path: str) -> dict[str, Any]:
         vfs = os.statvfs(path)
     except OSError:
         return {}
-    return {"total_bytes": vfs.f_blocks * vfs.f_frsize, "free_bytes": vfs.f_bavail * vfs.f_frsize,
-            "used_bytes": (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize}
+    return {
+        "total_bytes": vfs.f_blocks * vfs.f_frsize,
+        "free_bytes": vfs.f_bavail * vfs.f_frsize,
+        "used_bytes": (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize,
+    }
 
 
 def _top(path: str) -> str:
@@ -186,17 +189,33 @@ class LocalCluster:
                 reason = f"step {shard.key.step} is complete on this node"
                 if bad:
                     reason += f" (step(s) {bad} failed verification)"
-                return RestorePlan(shard.key.step, shard=shard, source="local",
-                                   detail={"reason": reason, "outcome": RESTORED,
-                                           "problems": [reason] if bad else []})
+                return RestorePlan(
+                    shard.key.step,
+                    shard=shard,
+                    source="local",
+                    detail={
+                        "reason": reason,
+                        "outcome": RESTORED,
+                        "problems": [reason] if bad else [],
+                    },
+                )
             bad.append(shard.key.step)
         if bad:
             reason = f"no step is complete: step(s) {bad} failed verification"
-            return RestorePlan(None, source="none", detail={
-                "reason": reason, "outcome": INCOMPLETE, "problems": [reason]})
-        return RestorePlan(None, source="none", detail={
-            "reason": "no step of the job exists on this node (no peers, no bucket): a fresh "
-                      "start", "outcome": FRESH})
+            return RestorePlan(
+                None,
+                source="none",
+                detail={"reason": reason, "outcome": INCOMPLETE, "problems": [reason]},
+            )
+        return RestorePlan(
+            None,
+            source="none",
+            detail={
+                "reason": "no step of the job exists on this node (no peers, no bucket): a fresh "
+                "start",
+                "outcome": FRESH,
+            },
+        )
 
     async def restore_done(self, agent: NodeAgent, job: JobSpec, plan: RestorePlan) -> None:
         return None
@@ -207,8 +226,9 @@ class Tier(Protocol):
 
     name: str
 
-    async def run(self, agent: NodeAgent,
-                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None: ...
+    async def run(
+        self, agent: NodeAgent, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None: ...
 
     def on_sealed(self, shard: Shard) -> None: ...
 
@@ -349,8 +369,9 @@ class NodeAgent:
         if repeats:
             message = f"{message} (and {repeats} more time(s) in the last minute)"
         job = self.job
-        line = control.error_line(message, job=job.name if job else None,
-                                  rank=job.node_rank if job else None)
+        line = control.error_line(
+            message, job=job.name if job else None, rank=job.node_rank if job else None
+        )
         log.warning("%s", message)
         self.errors.append(line.strip())
         try:
@@ -366,8 +387,9 @@ class NodeAgent:
         must not name the job that was running before it.
         """
         job = self.job if job_context else None
-        line = control.error_line(message, job=job.name if job else None,
-                                  rank=job.node_rank if job else None)
+        line = control.error_line(
+            message, job=job.name if job else None, rank=job.node_rank if job else None
+        )
         log.error("%s", message)
         self.errors.append(line.strip())
         for name in (control.REPLICATOR_FAILED, control.REPLICATOR_ERRORS):
@@ -381,9 +403,11 @@ class NodeAgent:
 
     def own_shards(self, job: JobSpec) -> list[Shard]:
         """This node's shards of ``job``, newest step first."""
-        return sorted((s for k, s in self.catalog.items()
-                       if k.job == job.name and k.rank == job.node_rank),
-                      key=lambda s: s.key.step, reverse=True)
+        return sorted(
+            (s for k, s in self.catalog.items() if k.job == job.name and k.rank == job.node_rank),
+            key=lambda s: s.key.step,
+            reverse=True,
+        )
 
     def shards_of(self, job: str) -> list[Shard]:
         """Every shard of ``job`` held here (own and replicas)."""
@@ -399,8 +423,9 @@ class NodeAgent:
         if key not in self.catalog:
             return False
         mine = self.age(key)
-        newer = sum(1 for k in self.catalog
-                    if (k.job, k.rank) == (key.job, key.rank) and self.age(k) > mine)
+        newer = sum(
+            1 for k in self.catalog if (k.job, k.rank) == (key.job, key.rank) and self.age(k) > mine
+        )
         return newer < self.config.keep_local
 
     def drop_abandoned(self, job: JobSpec, step: int) -> None:
@@ -458,9 +483,11 @@ class NodeAgent:
         async with self._io_limiter:
             problems = await trio.to_thread.run_sync(self.shards.verify, shard)
         if problems:
-            self.report_error(f"step {shard.key.step} of rank {shard.key.rank} failed "
-                              f"verification ({problems[0]}; {len(problems)} problem(s)); "
-                              "copy discarded")
+            self.report_error(
+                f"step {shard.key.step} of rank {shard.key.rank} failed "
+                f"verification ({problems[0]}; {len(problems)} problem(s)); "
+                "copy discarded"
+            )
             self.drop_shard(shard.key, "checksum mismatch")
             return False
         return True
@@ -473,18 +500,23 @@ class NodeAgent:
         if job is None:
             self.rules = None
             return
-        self.rules = SealRules(job.framework, job.name, job.node_rank, job.workers_per_node,
-                               self.config.seal_patterns)
+        self.rules = SealRules(
+            job.framework, job.name, job.node_rank, job.workers_per_node, self.config.seal_patterns
+        )
 
     def _generic_job(self) -> JobSpec:
         c = self.config
-        return JobSpec(name=c.job or DEFAULT_JOB, framework=control.GENERIC,
-                       node_rank=c.node_rank, nodes=c.nodes,
-                       peer_ranks=tuple(c.peer_ranks) if c.peer_ranks is not None else None,
-                       peers_per_node=c.peers_per_node,
-                       assume_data_parallelism=c.assume_data_parallelism,
-                       backup_interval_minutes=c.backup_interval_minutes,
-                       backup_interval_steps=c.backup_interval_steps)
+        return JobSpec(
+            name=c.job or DEFAULT_JOB,
+            framework=control.GENERIC,
+            node_rank=c.node_rank,
+            nodes=c.nodes,
+            peer_ranks=tuple(c.peer_ranks) if c.peer_ranks is not None else None,
+            peers_per_node=c.peers_per_node,
+            assume_data_parallelism=c.assume_data_parallelism,
+            backup_interval_minutes=c.backup_interval_minutes,
+            backup_interval_steps=c.backup_interval_steps,
+        )
 
     def _save_state(self) -> None:
         state = {
@@ -492,16 +524,22 @@ class NodeAgent:
             "mode": self.mode,
             "job": self.job.to_dict() if self.job else None,
             "view_steps": {n: [k.job, k.rank, k.step] for n, k in self.view_steps.items()},
-            "published": {m: [p.sibling, p.key.job, p.key.rank, p.key.step, p.entry]
-                          for m, p in self.view.published.items()},
+            "published": {
+                m: [p.sibling, p.key.job, p.key.rank, p.key.step, p.entry]
+                for m, p in self.view.published.items()
+            },
             "restore": self.restore_state,
             # seal events not yet acted on: a restart must not lose them (a rename
             # into a step name is the only sign a generic-mode step is complete)
             "pending": {n: [c.step, list(c.entries), c.reason] for n, c in self.pending.items()},
         }
         try:
-            control.atomic_write(self.store.store, "state.json",
-                                 json.dumps(state, indent=1, sort_keys=True).encode(), 0o600)
+            control.atomic_write(
+                self.store.store,
+                "state.json",
+                json.dumps(state, indent=1, sort_keys=True).encode(),
+                0o600,
+            )
         except OSError as exc:
             # a full tmpfs must not stop sealing or a restore; the next save catches up
             log.warning("could not save state.json: %s", exc.strerror or exc)
@@ -518,22 +556,25 @@ class NodeAgent:
                 self._set_job(JobSpec.from_dict(job), "protocol")
             except (KeyError, TypeError, ValueError):
                 self._set_job(None, "none")
-        self.view_steps = {n: ShardKey(j, int(r), int(s))
-                           for n, (j, r, s) in state.get("view_steps", {}).items()
-                           if os.path.lexists(os.path.join(self.store.view, n))}
+        self.view_steps = {
+            n: ShardKey(j, int(r), int(s))
+            for n, (j, r, s) in state.get("view_steps", {}).items()
+            if os.path.lexists(os.path.join(self.store.view, n))
+        }
         for m, (sib, j, r, s, entry) in state.get("published", {}).items():
             self.view.published[m] = Published(m, sib, ShardKey(j, int(r), int(s)), entry)
         self.restore_state = state.get("restore", {"state": "idle"})
         try:
-            self.pending_at_start = [SealCandidate(int(st), n, tuple(e), str(r))
-                                     for n, (st, e, r) in state.get("pending", {}).items()]
+            self.pending_at_start = [
+                SealCandidate(int(st), n, tuple(e), str(r))
+                for n, (st, e, r) in state.get("pending", {}).items()
+            ]
         except (TypeError, ValueError):
             self.pending_at_start = []
 
     # ------------------------------------------------------------------ main loop
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-                  ) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Load state, start tiers, then process events until cancelled."""
         self._token = trio.lowlevel.current_trio_token()
         catalog = await trio.to_thread.run_sync(self.shards.load)
@@ -556,8 +597,11 @@ class NodeAgent:
             if os.path.lexists(os.path.join(self.store.view, control.REPLICATOR_YAML)):
                 # renamed into place just before the previous daemon died: still unread
                 self._start_control()
-            elif (self.mode == "protocol" and self.job is not None
-                  and self.restore_state.get("state") in RESUMABLE_RESTORE_STATES):
+            elif (
+                self.mode == "protocol"
+                and self.job is not None
+                and self.restore_state.get("state") in RESUMABLE_RESTORE_STATES
+            ):
                 # the previous daemon died between consuming the yaml and publishing
                 # the marker: the client still waits for one
                 self._spawn(self._resume_restore, self.job)
@@ -581,8 +625,11 @@ class NodeAgent:
         c = self.config
         if c.process_id is None or not c.jax_coordinator:
             return
-        control.atomic_write(self.store.view, control.JAX_INIT_INFO,
-                             control.jax_init_info_text(c.process_id, c.jax_coordinator).encode())
+        control.atomic_write(
+            self.store.view,
+            control.JAX_INIT_INFO,
+            control.jax_init_info_text(c.process_id, c.jax_coordinator).encode(),
+        )
         self._notify(control.JAX_INIT_INFO)
 
     async def _count_budget(self) -> None:
@@ -619,8 +666,11 @@ class NodeAgent:
             return
         candidates = await trio.to_thread.run_sync(self.rules.scan, self.view)
         found = {c.name for c in candidates}
-        candidates += [c for c in self.pending_at_start if c.name not in found
-                       and all(self.view.exists(e) for e in c.entries)]
+        candidates += [
+            c
+            for c in self.pending_at_start
+            if c.name not in found and all(self.view.exists(e) for e in c.entries)
+        ]
         self.pending_at_start = []
         job = self.job
         now = time.time()
@@ -638,14 +688,19 @@ class NodeAgent:
         # A step still visible after retention dropped it (the client's copy, or one
         # whose hide timer died with the previous daemon) is not sealed again: it
         # would only push a newer step out of --keep-local.
-        ages = {k: self.age(k) for k in self.catalog
-                if (k.job, k.rank) == (job.name, job.node_rank)}
+        ages = {
+            k: self.age(k) for k in self.catalog if (k.job, k.rank) == (job.name, job.node_rank)
+        }
         ages.update({k: (c.created or now, k.step) for k, c in fresh.items()})
         too_old = set(retention(ages, self.config.keep_local, set(), age=ages.__getitem__))
         for key, cand in fresh.items():
             if key in too_old and key not in self.catalog:
-                log.info("step %d (%s) found at start is older than the %d kept steps; "
-                         "not sealed", cand.step, cand.name, self.config.keep_local)
+                log.info(
+                    "step %d (%s) found at start is older than the %d kept steps; not sealed",
+                    cand.step,
+                    cand.name,
+                    self.config.keep_local,
+                )
                 if self.mode == "protocol":
                     self.view_steps[cand.name] = key
                     self._spawn(self._hide_later, cand.name, key)
@@ -672,8 +727,9 @@ class NodeAgent:
         old_top, new_top = _top(ev.old), _top(ev.new)
         cand = None
         if self.rules is not None:
-            cand = self.rules.on_rename(ev.old, ev.new, stat.S_ISDIR(ev.mode),
-                                        stat.S_ISLNK(ev.mode), self.view)
+            cand = self.rules.on_rename(
+                ev.old, ev.new, stat.S_ISDIR(ev.mode), stat.S_ISLNK(ev.mode), self.view
+            )
         moved = ev.old == old_top and ev.new == new_top and old_top in self.view_steps
         if moved:
             old_key = self.view_steps.pop(old_top)
@@ -721,13 +777,13 @@ class NodeAgent:
                 cand = self.rules.on_remove(top, self.view)
                 if cand is not None:
                     self._schedule_seal(cand)
-        elif (top in self.view_steps and self.rules is not None
-              and self.view.exists(ev.path)):
+        elif top in self.view_steps and self.rules is not None and self.view.exists(ev.path):
             # a file added to or changed in a sealed step: seal it again (a
             # removal leaves the snapshot as it is: the client may delete freely)
             key = self.view_steps[top]
-            self.pending[top] = SealCandidate(key.step, top, self._entries_of(key, top),
-                                              "changed after seal")
+            self.pending[top] = SealCandidate(
+                key.step, top, self._entries_of(key, top), "changed after seal"
+            )
 
     def _entries_of(self, key: ShardKey, top: str) -> tuple[str, ...]:
         shard = self.catalog.get(key)
@@ -784,17 +840,26 @@ class NodeAgent:
 
             def work() -> Shard:
                 return self.shards.snapshot(
-                    self.store.view, key, cand.name, cand.entries, job.framework,
-                    cache=self.crc_cache, writers=writers,
+                    self.store.view,
+                    key,
+                    cand.name,
+                    cand.entries,
+                    job.framework,
+                    cache=self.crc_cache,
+                    writers=writers,
                     cancelled=lambda: any(self.generation[t] != gens[t] for t in tops),
                     on_inodes=lambda inos: self._mark_sealing(inos, token),
-                    created=self.withdrawn_created.get(key) or cand.created)
+                    created=self.withdrawn_created.get(key) or cand.created,
+                )
 
             try:
                 shard = await trio.to_thread.run_sync(work)
             except SealBusy:
-                log.info("step %d (%s): files still open for writing; sealing when closed",
-                         cand.step, cand.name)
+                log.info(
+                    "step %d (%s): files still open for writing; sealing when closed",
+                    cand.step,
+                    cand.name,
+                )
                 return
             except ManifestError as exc:
                 if self.pending.get(cand.name) is cand:
@@ -804,8 +869,10 @@ class NodeAgent:
             except (OSError, InterruptedError) as exc:
                 if getattr(exc, "errno", None) == errno.ENOSPC:
                     # visible to the client: the step stays unprotected until there is room
-                    self.report_error(f"step {cand.step} ({cand.name}) not sealed yet: the "
-                                      "RAM tier is full (retried every few seconds)")
+                    self.report_error(
+                        f"step {cand.step} ({cand.name}) not sealed yet: the "
+                        "RAM tier is full (retried every few seconds)"
+                    )
                 log.info("step %d (%s): seal retried later: %s", cand.step, cand.name, exc)
                 return
             finally:
@@ -816,9 +883,18 @@ class NodeAgent:
             self.dirty_inos -= shard.inodes
             if changed or dirty or busy or self.job is not job:
                 self.shards.remove(shard)
-                log.info("step %d (%s) changed while sealing (%s); will seal again", cand.step,
-                         cand.name, "written" if dirty else "open for writing" if busy
-                         else "changed" if changed else "job restarted")
+                log.info(
+                    "step %d (%s) changed while sealing (%s); will seal again",
+                    cand.step,
+                    cand.name,
+                    "written"
+                    if dirty
+                    else "open for writing"
+                    if busy
+                    else "changed"
+                    if changed
+                    else "job restarted",
+                )
                 return
             if self.pending.get(cand.name) is cand:
                 del self.pending[cand.name]
@@ -826,8 +902,14 @@ class NodeAgent:
             self.withdrawn_created.pop(key, None)
             self.add_shard(shard)
             self.view_steps[cand.name] = key
-            log.info("sealed step %d (%s, %d files, %d bytes): %s", key.step, cand.name,
-                     len(shard.manifest.files), shard.bytes, cand.reason)
+            log.info(
+                "sealed step %d (%s, %d files, %d bytes): %s",
+                key.step,
+                cand.name,
+                len(shard.manifest.files),
+                shard.bytes,
+                cand.reason,
+            )
             for tier in self.tiers:
                 tier.on_sealed(shard)
             await self._apply_retention()
@@ -897,8 +979,9 @@ class NodeAgent:
                 return
             except OSError as exc:
                 await trio.to_thread.run_sync(self.view.clear_error_files)
-                self.report_failure(f"replicator.yaml could not be read: "
-                                    f"{exc.strerror or exc}", job_context=False)
+                self.report_failure(
+                    f"replicator.yaml could not be read: {exc.strerror or exc}", job_context=False
+                )
                 await trio.to_thread.run_sync(self.view.delete_control)
                 return
             except ControlError as exc:
@@ -915,9 +998,14 @@ class NodeAgent:
                 self._save_state()
                 return
             restarted = self.mode == "protocol"
-            log.info("replicator.yaml: job %s rank %d/%d framework %s%s", job.name,
-                     job.node_rank, job.nodes, job.framework, " (job restarted)"
-                     if restarted else "")
+            log.info(
+                "replicator.yaml: job %s rank %d/%d framework %s%s",
+                job.name,
+                job.node_rank,
+                job.nodes,
+                job.framework,
+                " (job restarted)" if restarted else "",
+            )
             self._set_job(job, "protocol")
             self.timeline_since = time.time()
             self.pending.clear()
@@ -933,8 +1021,11 @@ class NodeAgent:
     # ------------------------------------------------------------------ restore
 
     async def _resume_restore(self, job: JobSpec) -> None:
-        log.info("resuming the restore of job %s (the previous daemon stopped in state %s)",
-                 job.name, self.restore_state.get("state"))
+        log.info(
+            "resuming the restore of job %s (the previous daemon stopped in state %s)",
+            job.name,
+            self.restore_state.get("state"),
+        )
         self.restore_state = {"state": "cleanup", "since": time.time()}
         await trio.to_thread.run_sync(self.view.cleanup, self.view_steps)
         self._save_state()
@@ -948,9 +1039,12 @@ class NodeAgent:
             except Exception as exc:
                 log.exception("restore failed")
                 self.report_failure(f"restore failed: {exc}")
-                self.restore_state = {"state": "failed", "error": str(exc),
-                                      "outcome": getattr(exc, "outcome", FAILED),
-                                      "at": time.time()}
+                self.restore_state = {
+                    "state": "failed",
+                    "error": str(exc),
+                    "outcome": getattr(exc, "outcome", FAILED),
+                    "at": time.time(),
+                }
             finally:
                 if self._restore_scope is scope:
                     self._restore_scope = None
@@ -963,22 +1057,37 @@ class NodeAgent:
         if step:
             self.drop_abandoned(job, step)
         await trio.to_thread.run_sync(
-            self.view.write_file, control.REPLICATOR_PRERESTORE,
-            control.prerestore_text(step, plan.backup).encode())
-        self.restore_state = {"state": "barrier", "step": step, "source": plan.source,
-                              "since": time.time()}
+            self.view.write_file,
+            control.REPLICATOR_PRERESTORE,
+            control.prerestore_text(step, plan.backup).encode(),
+        )
+        self.restore_state = {
+            "state": "barrier",
+            "step": step,
+            "source": plan.source,
+            "since": time.time(),
+        }
         await self.cluster.restore_done(self, job, plan)
         outcome = self._report_plan(plan)
         if step is None or plan.shard is None:
             await trio.to_thread.run_sync(
-                self.view.write_file, control.marker_name(job.name, 0, job.node_rank, 0), b"")
+                self.view.write_file, control.marker_name(job.name, 0, job.node_rank, 0), b""
+            )
             self.restore_state = {"state": "done", "step": None, "at": time.time(), **outcome}
-            log.info("nothing restored (%s): published the empty s0 marker",
-                     outcome.get("reason") or outcome["outcome"])
+            log.info(
+                "nothing restored (%s): published the empty s0 marker",
+                outcome.get("reason") or outcome["outcome"],
+            )
             return
         await trio.to_thread.run_sync(self.view.publish, job, plan.shard)
-        self.restore_state = {"state": "done", "step": step, "source": plan.source,
-                              "backup": plan.backup, "at": time.time(), **outcome}
+        self.restore_state = {
+            "state": "done",
+            "step": step,
+            "source": plan.source,
+            "backup": plan.backup,
+            "at": time.time(),
+            **outcome,
+        }
         log.info("restore of step %d published (%s)", step, plan.source)
 
     def _report_plan(self, plan: RestorePlan) -> dict[str, Any]:
@@ -1011,8 +1120,7 @@ class NodeAgent:
         as they left them. A survivor keeps its newer steps.
         """
         self._generic_running = True
-        self.restore_state = {"state": "planning", "since": time.time(),
-                              "summoned": summoned}
+        self.restore_state = {"state": "planning", "since": time.time(), "summoned": summoned}
         try:
             plan = await self.cluster.plan_restore(self, job)
             if plan.step and not summoned:
@@ -1021,8 +1129,12 @@ class NodeAgent:
         except Exception as exc:
             log.exception("generic restore failed")
             self.report_error(f"restore failed: {exc}")
-            self.restore_state = {"state": "failed", "error": str(exc), "at": time.time(),
-                                  "outcome": getattr(exc, "outcome", FAILED)}
+            self.restore_state = {
+                "state": "failed",
+                "error": str(exc),
+                "at": time.time(),
+                "outcome": getattr(exc, "outcome", FAILED),
+            }
             return
         finally:
             self._generic_running = False
@@ -1033,19 +1145,29 @@ class NodeAgent:
         shard = plan.shard
         created = await trio.to_thread.run_sync(self.view.link_missing, shard)
         self.view_steps[shard.manifest.name] = shard.key
-        self.restore_state = {"state": "done", "step": shard.key.step, "source": plan.source,
-                              "backup": plan.backup, "at": time.time(), "created": created,
-                              "summoned": summoned, **outcome}
+        self.restore_state = {
+            "state": "done",
+            "step": shard.key.step,
+            "source": plan.source,
+            "backup": plan.backup,
+            "at": time.time(),
+            "created": created,
+            "summoned": summoned,
+            **outcome,
+        }
         if created:
-            log.info("generic restore: step %d back in the view as %s (%s)", shard.key.step,
-                     ", ".join(created), plan.source)
+            log.info(
+                "generic restore: step %d back in the view as %s (%s)",
+                shard.key.step,
+                ", ".join(created),
+                plan.source,
+            )
         self._save_state()
 
     def summoned(self, job: JobSpec) -> None:
         """The coordinator asks this node to join a restore round (generic mode; trio
         thread): join it unless a restore already runs here."""
-        if self.mode == "generic" and self.job is job and self._start_generic_restore(job,
-                                                                                      True):
+        if self.mode == "generic" and self.job is job and self._start_generic_restore(job, True):
             log.info("the coordinator asks this node to join a restore round")
 
     def _start_generic_restore(self, job: JobSpec, summoned: bool = False) -> bool:
@@ -1078,13 +1200,26 @@ class NodeAgent:
         names = {k: n for n, k in self.view_steps.items()}
         if job is not None:
             for cand in self.pending.values():
-                steps[cand.step] = {"step": cand.step, "name": cand.name, "state": "writing",
-                                    "bytes": 0, "where": []}
+                steps[cand.step] = {
+                    "step": cand.step,
+                    "name": cand.name,
+                    "state": "writing",
+                    "bytes": 0,
+                    "where": [],
+                }
             for name, key in self.withdrawn_names.items():
                 # a write withdrew the seal; the step seals again when the writer closes
                 if key.job == job.name and key.rank == job.node_rank:
-                    steps.setdefault(key.step, {"step": key.step, "name": name,
-                                                "state": "writing", "bytes": 0, "where": []})
+                    steps.setdefault(
+                        key.step,
+                        {
+                            "step": key.step,
+                            "name": name,
+                            "state": "writing",
+                            "bytes": 0,
+                            "where": [],
+                        },
+                    )
             for shard in self.own_shards(job):
                 steps[shard.key.step] = {
                     "step": shard.key.step,
@@ -1103,24 +1238,38 @@ class NodeAgent:
                     entry["where"] = sorted(set(entry["where"]) | set(s.get("where", [])))
                     if s.get("state"):
                         entry["state"] = s["state"]
-        replicas = [{"job": k.job, "rank": k.rank, "step": k.step, "bytes": s.bytes}
-                    for k, s in sorted(self.catalog.items())
-                    if job is None or k.rank != job.node_rank or k.job != job.name]
+        replicas = [
+            {"job": k.job, "rank": k.rank, "step": k.step, "bytes": s.bytes}
+            for k, s in sorted(self.catalog.items())
+            if job is None or k.rank != job.node_rank or k.job != job.name
+        ]
         return {
             "mountpoint": os.path.abspath(self.config.mountpoint),
             "ram_dir": self.store.root,
             "pid": os.getpid(),
             "uptime_seconds": round(time.time() - self.started, 1),
-            "budget": {"mode": self.budget.mode, "total_bytes": self.budget.size,
-                       "used_bytes": self.budget.used(), "free_bytes": self.budget.free(),
-                       "size_bytes": self.config.size},
+            "budget": {
+                "mode": self.budget.mode,
+                "total_bytes": self.budget.size,
+                "used_bytes": self.budget.used(),
+                "free_bytes": self.budget.free(),
+                "size_bytes": self.config.size,
+            },
             "usage": self._usage_status(job),
             "filesystem": _filesystem_status(self.store.root),
             "passthrough": bool(self.ns and self.ns.passthrough),
             "mode": self.mode,
-            "job": ({"name": job.name, "framework": job.framework, "node_rank": job.node_rank,
-                     "nodes": job.nodes, "state": self.restore_state.get("state")}
-                    if job else None),
+            "job": (
+                {
+                    "name": job.name,
+                    "framework": job.framework,
+                    "node_rank": job.node_rank,
+                    "nodes": job.nodes,
+                    "state": self.restore_state.get("state"),
+                }
+                if job
+                else None
+            ),
             "restore": self.restore_state,
             "steps": [steps[s] for s in sorted(steps, reverse=True)],
             "replicas": replicas,
@@ -1137,13 +1286,20 @@ class NodeAgent:
         u = self.store.last_usage
         if u is None:
             return None
-        own = sum(n for (j, rank), n in u.shards.items()
-                  if job is None or (j == job.name and rank == str(job.node_rank)))
-        return {"total_bytes": u.total, "view_bytes": u.view, "snapshot_bytes": own,
-                "replica_bytes": sum(u.shards.values()) - own, "other_bytes": u.other,
-                "counted_at": round(u.counted_at, 3),
-                "age_seconds": round(max(0.0, time.time() - u.counted_at), 1)}
+        own = sum(
+            n
+            for (j, rank), n in u.shards.items()
+            if job is None or (j == job.name and rank == str(job.node_rank))
+        )
+        return {
+            "total_bytes": u.total,
+            "view_bytes": u.view,
+            "snapshot_bytes": own,
+            "replica_bytes": sum(u.shards.values()) - own,
+            "other_bytes": u.other,
+            "counted_at": round(u.counted_at, 3),
+            "age_seconds": round(max(0.0, time.time() - u.counted_at), 1),
+        }
 
     def status_json(self) -> bytes:
         return (json.dumps(self.status(), indent=2, sort_keys=True, default=str) + "\n").encode()
-

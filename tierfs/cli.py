@@ -86,8 +86,7 @@ def is_tierfs_daemon(pid: int, ram_dir: str) -> bool:
         return False
     except OSError:
         return True
-    runs_tierfs = any(os.path.basename(a) == b"tierfs" or a.startswith(b"tierfs.")
-                      for a in args)
+    runs_tierfs = any(os.path.basename(a) == b"tierfs" or a.startswith(b"tierfs.") for a in args)
     if runs_tierfs and any(a in (b"_daemon", b"mount") for a in args):
         return True
     root = os.fsencode(os.path.realpath(ram_dir)).rstrip(b"/") + b"/"
@@ -145,8 +144,7 @@ def check_overlap(mountpoint: str, ram_dir: str) -> None:
         _fail(f"mountpoint {mountpoint} must not be inside --ram-dir {ram_dir}")
     other = _enclosing_ram_dir(ram_dir)
     if other is not None:
-        _fail(f"--ram-dir {ram_dir} must not be inside the ram-dir {other} of another "
-              "tierfs mount")
+        _fail(f"--ram-dir {ram_dir} must not be inside the ram-dir {other} of another tierfs mount")
 
 
 def _enclosing_ram_dir(ram_dir: str) -> str | None:
@@ -155,8 +153,9 @@ def _enclosing_ram_dir(ram_dir: str) -> str | None:
     parent = os.path.dirname(path)
     while parent != path:
         path, parent = parent, os.path.dirname(parent)
-        if (os.path.isfile(os.path.join(path, "store", "daemon.pid"))
-                and os.path.isdir(os.path.join(path, "view"))):
+        if os.path.isfile(os.path.join(path, "store", "daemon.pid")) and os.path.isdir(
+            os.path.join(path, "view")
+        ):
             return path
     return None
 
@@ -178,15 +177,19 @@ def check_size(ram_dir: str, size: int | None) -> None:
         below = os.statvfs(os.path.dirname(ram_dir))
         capacity = max(capacity, below.f_blocks * below.f_frsize)
     if size > capacity:
-        _warn(f"--size {format_size(size)} is more than the ram-dir's filesystem holds "
-              f"({format_size(capacity)}); that limit applies")
+        _warn(
+            f"--size {format_size(size)} is more than the ram-dir's filesystem holds "
+            f"({format_size(capacity)}); that limit applies"
+        )
         return
     from tierfs.fs.ramstore import RamStore
 
     held = RamStore(ram_dir).usage()
     if held >= size:
-        _warn(f"--size {format_size(size)} is not more than the {format_size(held)} the "
-              f"ram-dir already holds: writes fail with ENOSPC until steps are deleted")
+        _warn(
+            f"--size {format_size(size)} is not more than the {format_size(held)} the "
+            f"ram-dir already holds: writes fail with ENOSPC until steps are deleted"
+        )
 
 
 def check_bucket(bucket: str | None) -> None:
@@ -220,8 +223,9 @@ def check_ram_dir(path: str, size: int | None = None) -> None:
     try:
         plan = ramtmpfs.prepare(root, size)
     except OSError as exc:
-        _fail(f"ram-dir {path}: mounting a tmpfs of the --size budget failed: "
-              f"{exc.strerror or exc}")
+        _fail(
+            f"ram-dir {path}: mounting a tmpfs of the --size budget failed: {exc.strerror or exc}"
+        )
         return
     if plan.managed:
         _warn(f"--size: {plan.reason}")
@@ -261,12 +265,23 @@ def _build_config(opts: dict[str, Any], notes: list[str] | None = None) -> NodeC
     if opts.get("config"):
         data.update(load_config_file(opts["config"], file_notes))
     mapping = {
-        "ram_dir": "ram_dir", "log_file": "log_file", "log_level": "log_level", "job": "job",
-        "node_rank": "node_rank", "nodes": "nodes", "peers_per_node": "peers_per_node",
-        "process_id": "process_id", "jax_coordinator": "jax_coordinator",
-        "keep_local": "keep_local", "listen": "listen", "advertise": "advertise",
-        "coordinator": "coordinator", "peer_token": "peer_token", "bucket": "bucket",
-        "metrics_port": "metrics_port", "join_timeout": "join_timeout",
+        "ram_dir": "ram_dir",
+        "log_file": "log_file",
+        "log_level": "log_level",
+        "job": "job",
+        "node_rank": "node_rank",
+        "nodes": "nodes",
+        "peers_per_node": "peers_per_node",
+        "process_id": "process_id",
+        "jax_coordinator": "jax_coordinator",
+        "keep_local": "keep_local",
+        "listen": "listen",
+        "advertise": "advertise",
+        "coordinator": "coordinator",
+        "peer_token": "peer_token",
+        "bucket": "bucket",
+        "metrics_port": "metrics_port",
+        "join_timeout": "join_timeout",
         "backup_interval_minutes": "backup_interval_minutes",
         "backup_interval_steps": "backup_interval_steps",
         "assume_data_parallelism": "assume_data_parallelism",
@@ -313,51 +328,92 @@ _DEFAULTS = NodeConfig()
 def mount_options(f: Any) -> Any:
     """The options shared by ``tierfs mount`` and ``tierfs csi``."""
     decorators = [
-        click.option("--ram-dir", metavar="DIR",
-                     help="[required unless --config sets ramDir] Directory on tmpfs that "
-                          "holds the bytes (created with mode 0700)."),
-        click.option("--size", help="RAM budget, a Kubernetes quantity: 8Gi, 512Mi, bytes; "
-                                    "8G is 8·10⁹ bytes (default: free space of the "
-                                    "ram-dir's filesystem)."),
-        click.option("-o", "option", multiple=True, metavar="OPT[,OPT...]",
-                     help="Mount options: allow_other, ro, noatime, attr_timeout=S, "
-                          "entry_timeout=S, no_passthrough, fsname=NAME, ..."),
-        click.option("--config", type=click.Path(dir_okay=False),
-                     help="YAML config file (flags win)."),
-        click.option("--log-file", metavar="FILE",
-                     help="Daemon log (default: <ram-dir>/store/daemon.log)."),
-        click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"],
-                                                      case_sensitive=False),
-                     help=f"Daemon log level (default: {_DEFAULTS.log_level.lower()})."),
+        click.option(
+            "--ram-dir",
+            metavar="DIR",
+            help="[required unless --config sets ramDir] Directory on tmpfs that "
+            "holds the bytes (created with mode 0700).",
+        ),
+        click.option(
+            "--size",
+            help="RAM budget, a Kubernetes quantity: 8Gi, 512Mi, bytes; "
+            "8G is 8·10⁹ bytes (default: free space of the "
+            "ram-dir's filesystem).",
+        ),
+        click.option(
+            "-o",
+            "option",
+            multiple=True,
+            metavar="OPT[,OPT...]",
+            help="Mount options: allow_other, ro, noatime, attr_timeout=S, "
+            "entry_timeout=S, no_passthrough, fsname=NAME, ...",
+        ),
+        click.option(
+            "--config", type=click.Path(dir_okay=False), help="YAML config file (flags win)."
+        ),
+        click.option(
+            "--log-file", metavar="FILE", help="Daemon log (default: <ram-dir>/store/daemon.log)."
+        ),
+        click.option(
+            "--log-level",
+            type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+            help=f"Daemon log level (default: {_DEFAULTS.log_level.lower()}).",
+        ),
         click.option("--job", help="Job name for generic mode (no replicator.yaml)."),
         click.option("--node-rank", type=int, help="This node's rank (generic mode)."),
         click.option("--nodes", type=int, help="Number of nodes (generic mode)."),
         click.option("--peers-per-node", type=int, help="Peers receiving each node's steps."),
         click.option("--peer-ranks", help="Explicit comma-separated peer ranks."),
-        click.option("--assume-data-parallelism", type=int,
-                     help="D: ranks form a D x (nodes/D) grid with identical columns."),
+        click.option(
+            "--assume-data-parallelism",
+            type=int,
+            help="D: ranks form a D x (nodes/D) grid with identical columns.",
+        ),
         click.option("--process-id", type=int, help="Process id for jax-init-info.txt."),
-        click.option("--jax-coordinator", metavar="HOST:PORT",
-                     help="JAX coordinator for jax-init-info.txt (MTC uses port 8476)."),
-        click.option("--seal-pattern", multiple=True, metavar="REGEX",
-                     help="Top-level step names that seal (needs a (?P<step>\\d+) group); "
-                          "repeatable; replaces the default set."),
-        click.option("--keep-local", type=int,
-                     help=f"Sealed steps kept in RAM (default: {_DEFAULTS.keep_local})."),
+        click.option(
+            "--jax-coordinator",
+            metavar="HOST:PORT",
+            help="JAX coordinator for jax-init-info.txt (MTC uses port 8476).",
+        ),
+        click.option(
+            "--seal-pattern",
+            multiple=True,
+            metavar="REGEX",
+            help="Top-level step names that seal (needs a (?P<step>\\d+) group); "
+            "repeatable; replaces the default set.",
+        ),
+        click.option(
+            "--keep-local",
+            type=int,
+            help=f"Sealed steps kept in RAM (default: {_DEFAULTS.keep_local}).",
+        ),
         click.option("--listen", metavar="HOST:PORT", help="Peer gRPC listen address."),
-        click.option("--advertise", metavar="HOST:PORT",
-                     help="Address peers use to reach this node (default: --listen)."),
-        click.option("--coordinator", metavar="HOST:PORT",
-                     help="Rank 0's peer address (static rendezvous); without it, nodes "
-                          "with --listen and --bucket find rank 0 through the bucket."),
-        click.option("--peer-token", help="Shared secret on every peer call "
-                                          "(or $TIERFS_PEER_TOKEN)."),
-        click.option("--join-timeout", type=float,
-                     help="Seconds a restore waits for every node to join (default: "
-                          f"{_DEFAULTS.join_timeout:.0f})."),
+        click.option(
+            "--advertise",
+            metavar="HOST:PORT",
+            help="Address peers use to reach this node (default: --listen).",
+        ),
+        click.option(
+            "--coordinator",
+            metavar="HOST:PORT",
+            help="Rank 0's peer address (static rendezvous); without it, nodes "
+            "with --listen and --bucket find rank 0 through the bucket.",
+        ),
+        click.option(
+            "--peer-token", help="Shared secret on every peer call (or $TIERFS_PEER_TOKEN)."
+        ),
+        click.option(
+            "--join-timeout",
+            type=float,
+            help="Seconds a restore waits for every node to join (default: "
+            f"{_DEFAULTS.join_timeout:.0f}).",
+        ),
         click.option("--bucket", metavar="NAME[/PREFIX]", help="GCS bucket for backups."),
-        click.option("--backup-interval-minutes", type=float,
-                     help="Backup period (generic mode; replicator.yaml overrides)."),
+        click.option(
+            "--backup-interval-minutes",
+            type=float,
+            help="Backup period (generic mode; replicator.yaml overrides).",
+        ),
         click.option("--backup-interval-steps", type=int, help="Back up every N steps."),
         click.option("--metrics-port", type=int, help="Serve Prometheus /metrics on this port."),
     ]
@@ -468,9 +524,17 @@ def _spawn_daemon(config: NodeConfig) -> None:
     log_path = config.log_file or store.log_file
     with open(log_path, "ab") as logf:
         log_start = logf.tell()
-        proc = subprocess.Popen(command("_daemon", "--ready-fd", str(w)), stdin=subprocess.PIPE,
-                                stdout=logf, stderr=logf, pass_fds=(w,), start_new_session=True,
-                                close_fds=True, cwd="/", env=_daemon_env())
+        proc = subprocess.Popen(
+            command("_daemon", "--ready-fd", str(w)),
+            stdin=subprocess.PIPE,
+            stdout=logf,
+            stderr=logf,
+            pass_fds=(w,),
+            start_new_session=True,
+            close_fds=True,
+            cwd="/",
+            env=_daemon_env(),
+        )
     os.close(w)
     assert proc.stdin is not None
     try:
@@ -492,14 +556,18 @@ def _spawn_daemon(config: NodeConfig) -> None:
         try:
             code = proc.wait(timeout=EXIT_GRACE)
         except subprocess.TimeoutExpired:
-            _fail(f"daemon pid {proc.pid} closed its ready pipe without reporting and is "
-                  f"still running (log: {log_path})")
+            _fail(
+                f"daemon pid {proc.pid} closed its ready pipe without reporting and is "
+                f"still running (log: {log_path})"
+            )
             return
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
         last = _last_log_line(log_path, log_start)
         _fail(f"daemon {how} at start" + (f": {last}" if last else "") + f" (log: {log_path})")
-    _fail(f"daemon did not become ready in {READY_TIMEOUT:.0f}s (pid {proc.pid} still "
-          f"running; log: {log_path})")
+    _fail(
+        f"daemon did not become ready in {READY_TIMEOUT:.0f}s (pid {proc.pid} still "
+        f"running; log: {log_path})"
+    )
 
 
 def _daemon_env() -> dict[str, str]:
@@ -512,8 +580,7 @@ def _daemon_env() -> dict[str, str]:
     return env
 
 
-def _read_ready_line(fd: int, proc: subprocess.Popen[bytes], timeout: float
-                     ) -> tuple[str, bool]:
+def _read_ready_line(fd: int, proc: subprocess.Popen[bytes], timeout: float) -> tuple[str, bool]:
     """Read the daemon's one-line report (``READY`` or ``ERROR <why>``) from ``fd``.
 
     Returns:
@@ -573,16 +640,21 @@ def mounted_summary(config: NodeConfig, status: dict[str, Any], log_path: str) -
     """
     job = status.get("job") or {}
     mode = {"protocol": "MTC protocol mode", "generic": "generic mode"}.get(
-        str(status.get("mode")), "no job yet (waiting for replicator.yaml)")
+        str(status.get("mode")), "no job yet (waiting for replicator.yaml)"
+    )
     if job:
         mode += f", job {job.get('name')} rank {job.get('node_rank')}/{job.get('nodes')}"
     passthrough = "on" if status.get("passthrough") else "off"
     budget = status.get("budget") or {}
-    ram = (f"RAM budget {format_size(budget.get('total_bytes', 0))} (managed)"
-           if budget.get("mode") == "managed"
-           else f"RAM {format_size(budget.get('free_bytes', 0))} free")
-    return (f"mounted {config.mountpoint} (ram-dir {config.ram_dir}): {mode}; passthrough "
-            f"{passthrough}; {ram}; log {log_path}")
+    ram = (
+        f"RAM budget {format_size(budget.get('total_bytes', 0))} (managed)"
+        if budget.get("mode") == "managed"
+        else f"RAM {format_size(budget.get('free_bytes', 0))} free"
+    )
+    return (
+        f"mounted {config.mountpoint} (ram-dir {config.ram_dir}): {mode}; passthrough "
+        f"{passthrough}; {ram}; log {log_path}"
+    )
 
 
 def _read_config_stdin() -> NodeConfig:
@@ -625,8 +697,10 @@ def read_status(mountpoint: str) -> dict[str, Any]:
             return json.load(f)
     except OSError as exc:
         if exc.errno in (errno.ENOTCONN, errno.ECONNABORTED):
-            _fail(f"{mountpoint}: the tierfs daemon is not running (transport endpoint "
-                  "not connected); mount again to recover")
+            _fail(
+                f"{mountpoint}: the tierfs daemon is not running (transport endpoint "
+                "not connected); mount again to recover"
+            )
         _fail(f"{mountpoint} is not a tierfs mount ({exc.strerror})")
     except json.JSONDecodeError:
         _fail(f"{mountpoint}: unreadable status file")
@@ -636,8 +710,9 @@ def read_status(mountpoint: str) -> dict[str, Any]:
 @main.command()
 @click.argument("mountpoint", type=click.Path())
 @click.option("--lazy", "-z", is_flag=True, help="Detach even if files are still open.")
-@click.option("--timeout", default=30.0, show_default=True,
-              help="Seconds to wait for the daemon to exit.")
+@click.option(
+    "--timeout", default=30.0, show_default=True, help="Seconds to wait for the daemon to exit."
+)
 def unmount(mountpoint: str, lazy: bool, timeout: float) -> None:
     """Unmount MOUNTPOINT and stop its daemon (the RAM store is kept)."""
     from tierfs.fs.session import mount_entry, unmount_path
@@ -649,8 +724,11 @@ def unmount(mountpoint: str, lazy: bool, timeout: float) -> None:
         return
     if not entry["fstype"].startswith("fuse"):
         _fail(f"{mountpoint} is not a tierfs mount ({entry['fstype']})")
-    if entry["fstype"] != "fuse.tierfs" and not _dead_mount(mountpoint) and not os.path.exists(
-            os.path.join(mountpoint, STATUS_PATH)):
+    if (
+        entry["fstype"] != "fuse.tierfs"
+        and not _dead_mount(mountpoint)
+        and not os.path.exists(os.path.join(mountpoint, STATUS_PATH))
+    ):
         _fail(f"{mountpoint} is not a tierfs mount ({entry['fstype']})")
     pid = None
     if not _dead_mount(mountpoint):
@@ -692,8 +770,15 @@ def status(mountpoint: str, as_json: bool) -> None:
 RESTORE_SETTLED = ("done", "failed", "idle")
 
 #: ``tierfs wait`` exit codes by restore outcome (README "tierfs wait")
-WAIT_EXIT = {"restored": 0, "fresh": 0, "failed": 1, "incomplete": 3, "missing": 4,
-             "refused": 5, "timeout": 6}
+WAIT_EXIT = {
+    "restored": 0,
+    "fresh": 0,
+    "failed": 1,
+    "incomplete": 3,
+    "missing": 4,
+    "refused": 5,
+    "timeout": 6,
+}
 #: ``tierfs wait``: the restore was still running when --timeout passed
 WAIT_STILL_RUNNING = 7
 
@@ -708,18 +793,25 @@ def wait_outcome(restore: dict[str, Any]) -> tuple[int, str]:
     """
     state = restore.get("state")
     step = restore.get("step")
-    outcome = restore.get("outcome") or ("failed" if state == "failed" else
-                                         "restored" if step else "fresh")
+    outcome = restore.get("outcome") or (
+        "failed" if state == "failed" else "restored" if step else "fresh"
+    )
     reason = restore.get("reason") or restore.get("error") or ""
     if state == "idle":
         return 0, "no restore needed"
     if state == "failed":
-        what = {"missing": "a node did not join", "refused": "the coordinator refused this "
-                "node", "timeout": "timed out"}.get(outcome, "failed")
+        what = {
+            "missing": "a node did not join",
+            "refused": "the coordinator refused this node",
+            "timeout": "timed out",
+        }.get(outcome, "failed")
         return WAIT_EXIT.get(outcome, 1), f"restore {what}: {reason or 'see replicator.errors'}"
     if step:
-        source = (f"GCS round {restore['backup']}" if restore.get("backup")
-                  else restore.get("source", "?"))
+        source = (
+            f"GCS round {restore['backup']}"
+            if restore.get("backup")
+            else restore.get("source", "?")
+        )
         return 0, f"restored step {step} from {source}"
     if outcome == "fresh":
         return 0, f"nothing to restore{': ' + reason if reason else ''}"
@@ -748,8 +840,11 @@ def wait_cmd(mountpoint: str, timeout: float) -> None:
         if state in RESTORE_SETTLED:
             break
         if time.monotonic() > deadline:
-            click.echo(f"tierfs: error: restore still {state} after {timeout:.0f}s "
-                       f"({restore.get('phase') or 'tierfs status ' + mountpoint})", err=True)
+            click.echo(
+                f"tierfs: error: restore still {state} after {timeout:.0f}s "
+                f"({restore.get('phase') or 'tierfs status ' + mountpoint})",
+                err=True,
+            )
             sys.exit(WAIT_STILL_RUNNING)
         time.sleep(0.2)
     code, line = wait_outcome(restore)
@@ -768,8 +863,11 @@ def _register_plugins() -> None:
     import importlib
     import importlib.util
 
-    for module, name in (("tierfs.tiers.gcs_cli", "backups"), ("tierfs.csi.cli", "csi"),
-                         ("tierfs.demo.cli", "demo")):
+    for module, name in (
+        ("tierfs.tiers.gcs_cli", "backups"),
+        ("tierfs.csi.cli", "csi"),
+        ("tierfs.demo.cli", "demo"),
+    ):
         try:
             if importlib.util.find_spec(module) is None:
                 continue

@@ -119,8 +119,10 @@ class NodeConfig:
             ConfigError: naming the first bad setting.
         """
         if self.size is not None and self.size < MIN_SIZE:
-            raise ConfigError(f"--size {format_size(self.size)} is too small: the RAM budget "
-                              f"must be at least {format_size(MIN_SIZE)}")
+            raise ConfigError(
+                f"--size {format_size(self.size)} is too small: the RAM budget "
+                f"must be at least {format_size(MIN_SIZE)}"
+            )
         if self.nodes < 1:
             raise ConfigError(f"nodes must be >= 1, got {self.nodes}")
         if not 0 <= self.node_rank < self.nodes:
@@ -210,8 +212,9 @@ def load_config_file(path: str, notes: list[str] | None = None) -> dict[str, Any
     for key, value in raw.items():
         attr = FILE_KEYS.get(str(key))
         if attr is None:
-            raise ConfigError(f"config file {path}: unknown key {key!r} "
-                              f"(known: {', '.join(sorted(FILE_KEYS))})")
+            raise ConfigError(
+                f"config file {path}: unknown key {key!r} (known: {', '.join(sorted(FILE_KEYS))})"
+            )
         if attr == "size" and value is not None:
             what = f"{key} in {path}"
             parsed = parse_size(value, what)

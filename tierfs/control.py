@@ -33,11 +33,21 @@ FRAMEWORKS = ("orbax", "pytorch.distributed", "pytorch")
 #: framework name of generic mode (no control file; seal rules from the config)
 GENERIC = "generic"
 
-KNOWN_KEYS = frozenset({
-    "job-name", "framework", "node-rank", "nodes", "peer-ranks", "peers-per-node",
-    "assume-data-parallelism", "backup-interval-minutes", "backup-interval-steps",
-    "workers-per-node", "master-port",
-})
+KNOWN_KEYS = frozenset(
+    {
+        "job-name",
+        "framework",
+        "node-rank",
+        "nodes",
+        "peer-ranks",
+        "peers-per-node",
+        "assume-data-parallelism",
+        "backup-interval-minutes",
+        "backup-interval-steps",
+        "workers-per-node",
+        "master-port",
+    }
+)
 
 MARKER_RE = re.compile(r"^(?P<job>.+)-s(?P<step>\d+)-n(?P<node>\d+)-w(?P<worker>\d+)\.restore$")
 SAVE_FILE_RE = re.compile(r"^(?P<job>.+)-s(?P<step>\d+)-n(?P<node>\d+)-w(?P<worker>\d+)\.save$")
@@ -66,7 +76,8 @@ class _ControlLoader(yaml.SafeLoader):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise yaml.composer.ComposerError(
-                None, None, "aliases (*name) are not allowed", event.start_mark)
+                None, None, "aliases (*name) are not allowed", event.start_mark
+            )
         return super().compose_node(parent, index)
 
 
@@ -90,18 +101,23 @@ def read_control(path: str) -> str:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise ControlError("replicator.yaml is a symbolic link; write a regular "
-                               "file") from None
+            raise ControlError("replicator.yaml is a symbolic link; write a regular file") from None
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO"
-                    if stat.S_ISFIFO(st.st_mode) else "not a regular file")
+            kind = (
+                "a directory"
+                if stat.S_ISDIR(st.st_mode)
+                else "a FIFO"
+                if stat.S_ISFIFO(st.st_mode)
+                else "not a regular file"
+            )
             raise ControlError(f"replicator.yaml is {kind}; write a regular file")
         if st.st_size > MAX_CONTROL_BYTES:
-            raise ControlError(f"replicator.yaml is {st.st_size} bytes; the limit is "
-                               f"{MAX_CONTROL_BYTES}")
+            raise ControlError(
+                f"replicator.yaml is {st.st_size} bytes; the limit is {MAX_CONTROL_BYTES}"
+            )
         chunks, total = [], 0
         while total <= MAX_CONTROL_BYTES:
             data = os.read(fd, MAX_CONTROL_BYTES + 1 - total)
@@ -155,22 +171,28 @@ class JobSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name, "framework": self.framework, "node_rank": self.node_rank,
+            "name": self.name,
+            "framework": self.framework,
+            "node_rank": self.node_rank,
             "nodes": self.nodes,
             "peer_ranks": list(self.peer_ranks) if self.peer_ranks is not None else None,
             "peers_per_node": self.peers_per_node,
             "assume_data_parallelism": self.assume_data_parallelism,
             "backup_interval_minutes": self.backup_interval_minutes,
             "backup_interval_steps": self.backup_interval_steps,
-            "workers_per_node": self.workers_per_node, "master_port": self.master_port,
+            "workers_per_node": self.workers_per_node,
+            "master_port": self.master_port,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobSpec:
         pr = d.get("peer_ranks")
         return cls(
-            name=d["name"], framework=d["framework"], node_rank=int(d["node_rank"]),
-            nodes=int(d["nodes"]), peer_ranks=tuple(pr) if pr is not None else None,
+            name=d["name"],
+            framework=d["framework"],
+            node_rank=int(d["node_rank"]),
+            nodes=int(d["nodes"]),
+            peer_ranks=tuple(pr) if pr is not None else None,
             peers_per_node=int(d.get("peers_per_node") or 0),
             assume_data_parallelism=d.get("assume_data_parallelism"),
             backup_interval_minutes=d.get("backup_interval_minutes"),
@@ -183,9 +205,11 @@ class JobSpec:
 def _var_names(value: Any) -> list[str]:
     """The ``$VAR``/``${VAR}`` names a value refers to (recursively in lists)."""
     if isinstance(value, str):
-        return [m.group("named") or m.group("braced")
-                for m in string.Template.pattern.finditer(value)
-                if m.group("named") or m.group("braced")]
+        return [
+            m.group("named") or m.group("braced")
+            for m in string.Template.pattern.finditer(value)
+            if m.group("named") or m.group("braced")
+        ]
     if isinstance(value, list):
         return [n for v in value for n in _var_names(v)]
     return []
@@ -263,16 +287,23 @@ def parse_replicator_yaml(text: str, env: dict[str, str] | None = None) -> JobSp
         if key not in data or data[key] is None or data[key] == "":
             raise ControlError(f"replicator.yaml is missing required key {key!r}")
     name = str(data["job-name"]).strip()
-    if (not name or "/" in name or name in (".", "..")
-            or any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in name)):
+    if (
+        not name
+        or "/" in name
+        or name in (".", "..")
+        or any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in name)
+    ):
         raise ControlError(f"job-name {data['job-name']!r} is not a valid name")
     if len(name.encode()) > MAX_JOB_NAME:
-        raise ControlError(f"job-name is {len(name.encode())} bytes long; the limit is "
-                           f"{MAX_JOB_NAME} (restore markers must fit in a file name)")
+        raise ControlError(
+            f"job-name is {len(name.encode())} bytes long; the limit is "
+            f"{MAX_JOB_NAME} (restore markers must fit in a file name)"
+        )
     framework = str(data["framework"]).strip()
     if framework not in FRAMEWORKS:
-        raise ControlError(f"unknown framework {framework!r} (expected one of "
-                           f"{', '.join(FRAMEWORKS)})")
+        raise ControlError(
+            f"unknown framework {framework!r} (expected one of {', '.join(FRAMEWORKS)})"
+        )
     nodes = _as_int("nodes", data["nodes"], minimum=1)
     rank = _as_int("node-rank", data["node-rank"])
     if rank >= nodes:
@@ -283,16 +314,18 @@ def parse_replicator_yaml(text: str, env: dict[str, str] | None = None) -> JobSp
         if not isinstance(pr, list):
             # PROTOCOL.md: a list (flow `[1, 2]` or block style). A scalar (`0`, `'[0]'`,
             # `1,2`) is not one, whatever it spells: refused like any malformed value.
-            raise ControlError(f"peer-ranks must be a list of ranks such as [1, 2], got "
-                               f"{pr!r}")
+            raise ControlError(f"peer-ranks must be a list of ranks such as [1, 2], got {pr!r}")
         ranks = [_as_int("peer-ranks", p) for p in pr]
         for p in ranks:
             if p >= nodes:
                 raise ControlError(f"peer rank {p} must be < nodes {nodes}")
         peer_ranks = tuple(dict.fromkeys(p for p in ranks if p != rank))
     ppn = data.get("peers-per-node")
-    peers_per_node = _as_int("peers-per-node", ppn) if ppn is not None else (
-        len(peer_ranks) if peer_ranks is not None else 0)
+    peers_per_node = (
+        _as_int("peers-per-node", ppn)
+        if ppn is not None
+        else (len(peer_ranks) if peer_ranks is not None else 0)
+    )
     dp = data.get("assume-data-parallelism")
     assume_dp = None
     if dp is not None:
@@ -309,19 +342,33 @@ def parse_replicator_yaml(text: str, env: dict[str, str] | None = None) -> JobSp
     warnings = tuple(f"replicator.yaml: unknown key {k!r} ignored" for k in unknown[:10])
     if len(unknown) > 10:
         warnings += (f"replicator.yaml: {len(unknown) - 10} more unknown keys ignored",)
-    warnings += tuple(f"replicator.yaml: ${name} is not set in the node daemon's "
-                      f"environment; used literally" for name in unset)
+    warnings += tuple(
+        f"replicator.yaml: ${name} is not set in the node daemon's environment; used literally"
+        for name in unset
+    )
     if peer_ranks is not None and len(peer_ranks) < len(data.get("peer-ranks") or []):
-        warnings += (f"replicator.yaml: peer-ranks lists this node's own rank {rank} or a "
-                     "rank twice; ignored",)
+        warnings += (
+            f"replicator.yaml: peer-ranks lists this node's own rank {rank} or a "
+            "rank twice; ignored",
+        )
     return JobSpec(
-        name=name, framework=framework, node_rank=rank, nodes=nodes, peer_ranks=peer_ranks,
-        peers_per_node=peers_per_node, assume_data_parallelism=assume_dp,
+        name=name,
+        framework=framework,
+        node_rank=rank,
+        nodes=nodes,
+        peer_ranks=peer_ranks,
+        peers_per_node=peers_per_node,
+        assume_data_parallelism=assume_dp,
         backup_interval_minutes=_as_number("backup-interval-minutes", minutes)
-        if minutes is not None else None,
+        if minutes is not None
+        else None,
         backup_interval_steps=_as_int("backup-interval-steps", steps, minimum=1)
-        if steps is not None else None,
-        workers_per_node=workers, master_port=port, warnings=warnings)
+        if steps is not None
+        else None,
+        workers_per_node=workers,
+        master_port=port,
+        warnings=warnings,
+    )
 
 
 def marker_name(job: str, step: int, node: int, worker: int = 0) -> str:
@@ -387,8 +434,9 @@ def error_line(message: str, *, job: str | None = None, rank: int | None = None)
 
 def append_line(directory: str, name: str, line: str) -> None:
     """Append one line to ``directory/name`` (created if missing)."""
-    fd = os.open(os.path.join(directory, name),
-                 os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(
+        os.path.join(directory, name), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
+    )
     try:
         os.write(fd, line.encode())
     finally:

@@ -283,10 +283,16 @@ class Coordinator:
         backups: the backup rounds' book (see :meth:`set_backups`).
     """
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, live_seconds: float = 5.0,
-                 own_rank: int = COORDINATOR_RANK, bucket: bool = False,
-                 backups: RoundBook | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        live_seconds: float = 5.0,
+        own_rank: int = COORDINATOR_RANK,
+        bucket: bool = False,
+        backups: RoundBook | None = None,
+    ) -> None:
         self.clock = clock
         self.wall = wall
         self.live_seconds = live_seconds
@@ -318,8 +324,13 @@ class Coordinator:
 
     def _reset(self, job: str, nodes: int) -> None:
         if self.job is not None:
-            log.info("coordinator: switching from job %s (%d nodes) to %s (%d nodes)",
-                     self.job, self.nodes, job, nodes)
+            log.info(
+                "coordinator: switching from job %s (%d nodes) to %s (%d nodes)",
+                self.job,
+                self.nodes,
+                job,
+                nodes,
+            )
         self.job, self.nodes = job, nodes
         self.members.clear()
         self.round = self.previous = None
@@ -338,8 +349,7 @@ class Coordinator:
         if nodes < 1:
             raise Rejected(f"node-rank {rank} joined with nodes {nodes}; nodes must be >= 1")
         if not 0 <= rank < nodes:
-            raise Rejected(f"node-rank {rank} is out of range for {nodes} nodes "
-                           f"(must be < nodes)")
+            raise Rejected(f"node-rank {rank} is out of range for {nodes} nodes (must be < nodes)")
         if self.job is None or (job, nodes) == (self.job, self.nodes):
             if self.job is None:
                 self._reset(job, nodes)
@@ -350,16 +360,31 @@ class Coordinator:
             self._reset(job, nodes)
             return
         if job != self.job:
-            raise Rejected(f"job-name mismatch: the coordinator (node-rank {self.own_rank}) runs "
-                           f"job {self.job!r} with {self.nodes} nodes; node-rank {rank} joined "
-                           f"as job {job!r}")
-        raise Rejected(f"node count mismatch: job {job!r} has {self.nodes} nodes at the "
-                       f"coordinator; node-rank {rank} joined with nodes {nodes}")
+            raise Rejected(
+                f"job-name mismatch: the coordinator (node-rank {self.own_rank}) runs "
+                f"job {self.job!r} with {self.nodes} nodes; node-rank {rank} joined "
+                f"as job {job!r}"
+            )
+        raise Rejected(
+            f"node count mismatch: job {job!r} has {self.nodes} nodes at the "
+            f"coordinator; node-rank {rank} joined with nodes {nodes}"
+        )
 
-    def join(self, job: str, nodes: int, rank: int, address: str, incarnation: str,
-             inventory: Iterable[Holding], restore_id: str = "", mode: str = PROTOCOL,
-             *, backup_interval_minutes: float | None = None,
-             backup_interval_steps: int | None = None, notes: Iterable[str] = ()) -> int:
+    def join(
+        self,
+        job: str,
+        nodes: int,
+        rank: int,
+        address: str,
+        incarnation: str,
+        inventory: Iterable[Holding],
+        restore_id: str = "",
+        mode: str = PROTOCOL,
+        *,
+        backup_interval_minutes: float | None = None,
+        backup_interval_steps: int | None = None,
+        notes: Iterable[str] = (),
+    ) -> int:
         """Register (or refresh) a node; with ``restore_id``, enter the restore round.
 
         The backup intervals are the node's job settings; node-rank 0's are
@@ -379,19 +404,33 @@ class Coordinator:
         now = self.clock()
         inv = tuple(inventory)
         m = self.members.get(rank)
-        if (m is not None and m.incarnation != incarnation and m.address != address
-                and now - m.last_seen <= self.live_seconds):
+        if (
+            m is not None
+            and m.incarnation != incarnation
+            and m.address != address
+            and now - m.last_seen <= self.live_seconds
+        ):
             # another daemon at another address still answers for this rank
-            log.warning("coordinator: node-rank %d joined from %s while %s still serves it",
-                        rank, address, m.address)
-            raise Rejected(f"node-rank {rank} is taken: {m.address} still serves it (heard "
-                           f"{now - m.last_seen:.1f} s ago); two nodes with one rank? A node "
-                           f"that restarted elsewhere is accepted once the old one has been "
-                           f"silent for {self.live_seconds:.0f} s")
+            log.warning(
+                "coordinator: node-rank %d joined from %s while %s still serves it",
+                rank,
+                address,
+                m.address,
+            )
+            raise Rejected(
+                f"node-rank {rank} is taken: {m.address} still serves it (heard "
+                f"{now - m.last_seen:.1f} s ago); two nodes with one rank? A node "
+                f"that restarted elsewhere is accepted once the old one has been "
+                f"silent for {self.live_seconds:.0f} s"
+            )
         if m is None or m.incarnation != incarnation:
             if m is not None:
-                log.info("coordinator: node-rank %d restarted (incarnation %s -> %s)", rank,
-                         m.incarnation[:8], incarnation[:8])
+                log.info(
+                    "coordinator: node-rank %d restarted (incarnation %s -> %s)",
+                    rank,
+                    m.incarnation[:8],
+                    incarnation[:8],
+                )
                 if self.backups is not None:
                     self.backups.member_restarted(rank)
             m = self.members[rank] = Member(rank, address, incarnation)
@@ -452,8 +491,14 @@ class Coordinator:
         first (:data:`BUCKET_DEPTH`, more once bad copies ruled those out).
         """
         r = self.round
-        if (not self.bucket or r is None or r.choice is not None or r.missing
-                or self.job is None or not r.joined):
+        if (
+            not self.bucket
+            or r is None
+            or r.choice is not None
+            or r.missing
+            or self.job is None
+            or not r.joined
+        ):
             return None
         if r.bucket is not None and r.bucket.depth >= r.bucket_depth:
             return None
@@ -465,8 +510,9 @@ class Coordinator:
         if r is None or r.number != round_no or r.choice is not None:
             return
         if view.error:
-            log.warning("coordinator: round %d: the bucket could not be read: %s", round_no,
-                        view.error)
+            log.warning(
+                "coordinator: round %d: the bucket could not be read: %s", round_no, view.error
+            )
         r.bucket = view
         self._try_decide(r)
 
@@ -478,8 +524,10 @@ class Coordinator:
             return
         notes = [n for p in r.joined.values() for n in p.notes] + r.notes
         if r.version >= MAX_DECISIONS:
-            why = (f"no step could be restored after {r.version} decisions of round "
-                   f"{r.number}: " + "; ".join(notes[-3:] or ["every copy failed"]))
+            why = (
+                f"no step could be restored after {r.version} decisions of round "
+                f"{r.number}: " + "; ".join(notes[-3:] or ["every copy failed"])
+            )
             choice = Choice(None, reason=why, outcome=INCOMPLETE, problems=(why,))
         else:
             choice = choose_restore(self.nodes, r.inventories, r.bad, r.bucket, notes)
@@ -496,13 +544,26 @@ class Coordinator:
         self.sync_steps.clear()
         self.synced_step = NO_STEP
         if self.backups is not None:
-            self.backups.restored(r.choice.backup, r.choice.step, self.wall(),
-                                  new_timeline=r.strict)
-        log.info("coordinator: round %d decision %d: step %s (%s)", r.number, r.version,
-                 r.choice.step, r.choice.reason)
-        self.history.append({"round": r.number, "version": r.version, "step": r.choice.step,
-                             "reason": r.choice.reason, "outcome": r.choice.outcome,
-                             "at": self.wall()})
+            self.backups.restored(
+                r.choice.backup, r.choice.step, self.wall(), new_timeline=r.strict
+            )
+        log.info(
+            "coordinator: round %d decision %d: step %s (%s)",
+            r.number,
+            r.version,
+            r.choice.step,
+            r.choice.reason,
+        )
+        self.history.append(
+            {
+                "round": r.number,
+                "version": r.version,
+                "step": r.choice.step,
+                "reason": r.choice.reason,
+                "outcome": r.choice.outcome,
+                "at": self.wall(),
+            }
+        )
         del self.history[:-20]
 
     def decide(self, job: str, rank: int, restore_id: str) -> DecideView:
@@ -518,8 +579,9 @@ class Coordinator:
             return DecideView(REJOIN)
         self._try_decide(r)
         if r.choice is None:
-            return DecideView(WAITING, r.number, r.version, missing=r.missing,
-                              waiting_for=r.waiting_for)
+            return DecideView(
+                WAITING, r.number, r.version, missing=r.missing, waiting_for=r.waiting_for
+            )
         c = r.choice
         common = dict(reason=c.reason, forced=c.forced, outcome=c.outcome, problems=c.problems)
         if c.step is None:
@@ -529,13 +591,31 @@ class Coordinator:
         backups = c.rounds.get(rank, ())
         # a forced round is restored from the bucket even when a peer holds the same bytes
         backup = c.forced or (backups[0] if backups and not local and not sources else None)
-        return DecideView(DECIDED, r.number, r.version, c.step, local=local,
-                          digest=c.digests.get(rank, ""), sources=sources, backup=backup,
-                          backups=backups, **common)
+        return DecideView(
+            DECIDED,
+            r.number,
+            r.version,
+            c.step,
+            local=local,
+            digest=c.digests.get(rank, ""),
+            sources=sources,
+            backup=backup,
+            backups=backups,
+            **common,
+        )
 
-    def barrier(self, job: str, rank: int, restore_id: str, round_no: int, version: int,
-                phase: str, ok: bool = True, bad: Iterable[CopyId] = (),
-                detail: str = "") -> BarrierView:
+    def barrier(
+        self,
+        job: str,
+        rank: int,
+        restore_id: str,
+        round_no: int,
+        version: int,
+        phase: str,
+        ok: bool = True,
+        bad: Iterable[CopyId] = (),
+        detail: str = "",
+    ) -> BarrierView:
         """Phase ``ready`` (data in place, or the bad copies) or ``done`` (markers next).
 
         A failure (``ok`` False) excludes the copies named in ``bad`` -- or, if
@@ -549,8 +629,13 @@ class Coordinator:
             (call :meth:`decide` again); ``rejoin`` for an unknown restore.
         """
         prev = self.previous
-        if (prev is not None and prev.number == round_no and job == self.job
-                and rank in prev.joined and prev.joined[rank].restore_id == restore_id):
+        if (
+            prev is not None
+            and prev.number == round_no
+            and job == self.job
+            and rank in prev.joined
+            and prev.joined[rank].restore_id == restore_id
+        ):
             if (phase == "done" and prev.finished) or (phase == "ready" and prev.ready_passed):
                 return BarrierView(PASSED)
             return BarrierView(REJOIN)
@@ -586,12 +671,19 @@ class Coordinator:
             new |= {(n, rank, c.step) for n in c.rounds.get(rank, ())}
         r.bad |= new
         r.failures += 1
-        what = detail or (f"could not get its data for step {c.step}" if c.step is not None
-                          else "failed")
+        what = detail or (
+            f"could not get its data for step {c.step}" if c.step is not None else "failed"
+        )
         r.notes.append(f"node-rank {rank}: {what}")
         del r.notes[:-10]
-        log.info("coordinator: node-rank %d could not restore step %s (%s); bad copies %s; "
-                 "deciding again", rank, c.step, what, sorted(map(str, new)))
+        log.info(
+            "coordinator: node-rank %d could not restore step %s (%s); bad copies %s; "
+            "deciding again",
+            rank,
+            c.step,
+            what,
+            sorted(map(str, new)),
+        )
         self._decide(r)
 
     def restore_open(self) -> int:
@@ -603,9 +695,16 @@ class Coordinator:
 
     # ------------------------------------------------------------------ sync
 
-    def sync(self, job: str, rank: int, incarnation: str, step: int,
-             inventory: Iterable[Holding], backup: Outcome | None = None,
-             data_parallelism: int | None = None) -> SyncView:
+    def sync(
+        self,
+        job: str,
+        rank: int,
+        incarnation: str,
+        step: int,
+        inventory: Iterable[Holding],
+        backup: Outcome | None = None,
+        data_parallelism: int | None = None,
+    ) -> SyncView:
         """Heartbeat plus sync report: ``step`` = newest own step replicated to all peers.
 
         With a backup book (:meth:`set_backups`) this is also where backup
@@ -630,29 +729,50 @@ class Coordinator:
         if step >= 0:
             self.sync_steps[rank] = step
         if len(self.sync_steps) == self.nodes and all(
-                r in self.sync_steps for r in range(self.nodes)):
+            r in self.sync_steps for r in range(self.nodes)
+        ):
             synced = min(self.sync_steps.values())
             if synced > self.synced_step:
                 self.synced_step = synced
                 self.synced_at = self.wall()
-                log.info("coordinator: sync round complete: step %d on all %d nodes", synced,
-                         self.nodes)
+                log.info(
+                    "coordinator: sync round complete: step %d on all %d nodes", synced, self.nodes
+                )
         steps = tuple(self.sync_steps.get(r, NO_STEP) for r in range(self.nodes))
         number = self.restore_open()
         rnd = self.round
-        summoned = bool(number and rnd is not None and rnd.choice is None and not rnd.strict
-                        and rank not in rnd.joined)
+        summoned = bool(
+            number
+            and rnd is not None
+            and rnd.choice is None
+            and not rnd.strict
+            and rank not in rnd.joined
+        )
         book = self.backups
         if book is None:
-            return SyncView(True, self.synced_step, self.synced_at, steps,
-                            restore_round=number, summoned=summoned)
+            return SyncView(
+                True,
+                self.synced_step,
+                self.synced_at,
+                steps,
+                restore_round=number,
+                summoned=summoned,
+            )
         if backup is not None:
             book.report(rank, backup)
         self._backup_tick(book)
         order = book.order_for(rank)
-        return SyncView(True, self.synced_step, self.synced_at, steps, order, book.last(),
-                        order is not None and book.dedup_for(rank),
-                        restore_round=number, summoned=summoned)
+        return SyncView(
+            True,
+            self.synced_step,
+            self.synced_at,
+            steps,
+            order,
+            book.last(),
+            order is not None and book.dedup_for(rank),
+            restore_round=number,
+            summoned=summoned,
+        )
 
     def holders(self, step: int) -> dict[int, str | None]:
         """Rank -> the digest of its own shard of ``step``, for every member whose
@@ -663,8 +783,10 @@ class Coordinator:
         for m in self.members.values():
             hit = cache.get(m.rank)
             if hit is None or hit[0] is not m.inventory:
-                hit = cache[m.rank] = (m.inventory, {h.step: h.digest for h in m.inventory
-                                                     if h.rank == m.rank})
+                hit = cache[m.rank] = (
+                    m.inventory,
+                    {h.step: h.digest for h in m.inventory if h.rank == m.rank},
+                )
             if step in hit[1]:
                 out[m.rank] = hit[1][step] or None
         return out
@@ -672,21 +794,30 @@ class Coordinator:
     def _backup_tick(self, book: RoundBook) -> None:
         step = self.synced_step if self.synced_step >= 0 else None
         requested = step is not None and any(
-            h.backup_requested for m in self.members.values() for h in m.inventory
-            if h.step == step and h.rank == m.rank)
+            h.backup_requested
+            for m in self.members.values()
+            for h in m.inventory
+            if h.step == step and h.rank == m.rank
+        )
         own = self.members.get(self.own_rank)
         r = self.round
-        book.tick(self.wall(), step=step, backup_requested=requested,
-                  interval_minutes=own.backup_interval_minutes if own else None,
-                  interval_steps=own.backup_interval_steps if own else None,
-                  may_start=r is None or r.finished or not r.strict,
-                  holders=self.holders,
-                  data_parallelism=own.data_parallelism if own else None)
+        book.tick(
+            self.wall(),
+            step=step,
+            backup_requested=requested,
+            interval_minutes=own.backup_interval_minutes if own else None,
+            interval_steps=own.backup_interval_steps if own else None,
+            may_start=r is None or r.finished or not r.strict,
+            holders=self.holders,
+            data_parallelism=own.data_parallelism if own else None,
+        )
 
     def peers(self) -> list[PeerView]:
         """Every known member with its address and liveness."""
-        return [PeerView(m.rank, m.address, m.incarnation, self.live(m.rank))
-                for m in sorted(self.members.values(), key=lambda m: m.rank)]
+        return [
+            PeerView(m.rank, m.address, m.incarnation, self.live(m.rank))
+            for m in sorted(self.members.values(), key=lambda m: m.rank)
+        ]
 
     def status(self) -> dict[str, Any]:
         """Plain-data status (``tierfs status`` of the coordinator's node)."""
@@ -694,27 +825,48 @@ class Coordinator:
         r = self.round
         rnd = None
         if r is not None:
-            rnd = {"number": r.number, "state": r.state, "strict": r.strict,
-                   "joined": sorted(r.joined), "missing": list(r.missing),
-                   "version": r.version, "waiting_for": r.waiting_for or None,
-                   "step": r.choice.step if r.choice else None,
-                   "reason": r.choice.reason if r.choice else None,
-                   "outcome": r.choice.outcome if r.choice else None,
-                   "problems": list(r.choice.problems) if r.choice else [],
-                   "ready": sorted(r.ready), "done": sorted(r.done),
-                   "bad": [list(b) for b in sorted(r.bad, key=str)],
-                   "bucket": (None if r.bucket is None else r.bucket.error or
-                              f"{len(r.bucket.rounds)} round(s) read"),
-                   "age_seconds": round(now - r.opened_at, 1)}
+            rnd = {
+                "number": r.number,
+                "state": r.state,
+                "strict": r.strict,
+                "joined": sorted(r.joined),
+                "missing": list(r.missing),
+                "version": r.version,
+                "waiting_for": r.waiting_for or None,
+                "step": r.choice.step if r.choice else None,
+                "reason": r.choice.reason if r.choice else None,
+                "outcome": r.choice.outcome if r.choice else None,
+                "problems": list(r.choice.problems) if r.choice else [],
+                "ready": sorted(r.ready),
+                "done": sorted(r.done),
+                "bad": [list(b) for b in sorted(r.bad, key=str)],
+                "bucket": (
+                    None
+                    if r.bucket is None
+                    else r.bucket.error or f"{len(r.bucket.rounds)} round(s) read"
+                ),
+                "age_seconds": round(now - r.opened_at, 1),
+            }
         return {
-            "job": self.job, "nodes": self.nodes, "round": rnd,
-            "members": [{"rank": m.rank, "address": m.address, "live": self.live(m.rank),
-                         "seen_seconds_ago": round(now - m.last_seen, 1),
-                         "replicated_step": m.replicated_step, "shards": len(m.inventory)}
-                        for m in sorted(self.members.values(), key=lambda m: m.rank)],
-            "sync": {"step": self.synced_step if self.synced_step >= 0 else None,
-                     "at": self.synced_at or None,
-                     "steps": {str(r): s for r, s in sorted(self.sync_steps.items())}},
+            "job": self.job,
+            "nodes": self.nodes,
+            "round": rnd,
+            "members": [
+                {
+                    "rank": m.rank,
+                    "address": m.address,
+                    "live": self.live(m.rank),
+                    "seen_seconds_ago": round(now - m.last_seen, 1),
+                    "replicated_step": m.replicated_step,
+                    "shards": len(m.inventory),
+                }
+                for m in sorted(self.members.values(), key=lambda m: m.rank)
+            ],
+            "sync": {
+                "step": self.synced_step if self.synced_step >= 0 else None,
+                "at": self.synced_at or None,
+                "steps": {str(r): s for r, s in sorted(self.sync_steps.items())},
+            },
             "decisions": list(self.history[-5:]),
             "backups": self.backups.status() if self.backups is not None else None,
         }
@@ -749,8 +901,12 @@ class CoordinatorServicer:
             None: always serve.
     """
 
-    def __init__(self, coordinator: Coordinator, recheck: float = 0.5,
-                 gate: Callable[[], str | None] | None = None) -> None:
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        recheck: float = 0.5,
+        gate: Callable[[], str | None] | None = None,
+    ) -> None:
         from tierfs.rpc import peer_pb2  # like grpc below: not needed by Coordinator itself
 
         self.coordinator = coordinator
@@ -777,11 +933,16 @@ class CoordinatorServicer:
         if want is None or self._reader is None or self._reading == want:
             return
         self._reading = want
-        threading.Thread(target=self._read, args=(want, self._reader), daemon=True,
-                         name=f"tierfs-bucket-read-{want[0]}").start()
+        threading.Thread(
+            target=self._read,
+            args=(want, self._reader),
+            daemon=True,
+            name=f"tierfs-bucket-read-{want[0]}",
+        ).start()
 
-    def _read(self, want: tuple[int, str, int, int],
-              reader: Callable[[str, int, int], BucketView]) -> None:
+    def _read(
+        self, want: tuple[int, str, int, int], reader: Callable[[str, int, int], BucketView]
+    ) -> None:
         number, job, nodes, depth = want
         try:
             view = reader(job, nodes, depth)
@@ -819,12 +980,20 @@ class CoordinatorServicer:
             return fn(self.coordinator)
 
     def _holdings(self, items: Iterable[Any]) -> tuple[Holding, ...]:
-        return tuple(Holding(h.rank, h.step, h.verified, h.digest, h.bytes, h.name,
-                             h.backup_requested, h.created) for h in items)
+        return tuple(
+            Holding(
+                h.rank, h.step, h.verified, h.digest, h.bytes, h.name, h.backup_requested, h.created
+            )
+            for h in items
+        )
 
     def _peers(self) -> list[Any]:
-        return [self.pb2.PeerAddress(rank=p.rank, address=p.address, incarnation=p.incarnation,
-                                     live=p.live) for p in self.coordinator.peers()]
+        return [
+            self.pb2.PeerAddress(
+                rank=p.rank, address=p.address, incarnation=p.incarnation, live=p.live
+            )
+            for p in self.coordinator.peers()
+        ]
 
     def status(self) -> dict[str, Any]:
         """The coordinator's status (any thread; never waits: while a call holds the
@@ -843,12 +1012,18 @@ class CoordinatorServicer:
         with self.cond:
             try:
                 number = self.coordinator.join(
-                    request.job, request.nodes, request.rank, request.address,
-                    request.incarnation, self._holdings(request.inventory),
-                    request.restore_id, request.mode or PROTOCOL,
+                    request.job,
+                    request.nodes,
+                    request.rank,
+                    request.address,
+                    request.incarnation,
+                    self._holdings(request.inventory),
+                    request.restore_id,
+                    request.mode or PROTOCOL,
                     backup_interval_minutes=request.backup_interval_minutes or None,
                     backup_interval_steps=request.backup_interval_steps or None,
-                    notes=tuple(request.notes))
+                    notes=tuple(request.notes),
+                )
             except Rejected as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             self._kick()
@@ -869,18 +1044,30 @@ class CoordinatorServicer:
 
     def Decide(self, request: Any, context: Any) -> Any:
         self._admit(context)
-        view: DecideView = self._wait(request, context, lambda: self.coordinator.decide(
-            request.job, request.rank, request.restore_id))
+        view: DecideView = self._wait(
+            request,
+            context,
+            lambda: self.coordinator.decide(request.job, request.rank, request.restore_id),
+        )
         pb = self.pb2.DecideReply
         state = {WAITING: pb.WAITING, DECIDED: pb.DECIDED, REJOIN: pb.REJOIN}[view.state]
-        return pb(state=state, round=view.round, version=view.version,
-                  step=NO_STEP if view.step is None else view.step, missing=list(view.missing),
-                  local=view.local, digest=view.digest,
-                  sources=[self.pb2.Source(holder=h, address=a) for h, a in view.sources],
-                  reason=view.reason, backup=view.backup or "",
-                  restore_version=view.forced or "", backups=list(view.backups),
-                  outcome=view.outcome, problems=list(view.problems),
-                  waiting_for=view.waiting_for)
+        return pb(
+            state=state,
+            round=view.round,
+            version=view.version,
+            step=NO_STEP if view.step is None else view.step,
+            missing=list(view.missing),
+            local=view.local,
+            digest=view.digest,
+            sources=[self.pb2.Source(holder=h, address=a) for h, a in view.sources],
+            reason=view.reason,
+            backup=view.backup or "",
+            restore_version=view.forced or "",
+            backups=list(view.backups),
+            outcome=view.outcome,
+            problems=list(view.problems),
+            waiting_for=view.waiting_for,
+        )
 
     def Barrier(self, request: Any, context: Any) -> Any:
         self._admit(context)
@@ -889,14 +1076,23 @@ class CoordinatorServicer:
         def call() -> BarrierView:
             # a failure report replans at once (not "waiting"); a retried
             # report carries the old version and only gets "replan" again
-            return self.coordinator.barrier(request.job, request.rank, request.restore_id,
-                                            request.round, request.version, request.phase,
-                                            request.ok, bad, request.detail)
+            return self.coordinator.barrier(
+                request.job,
+                request.rank,
+                request.restore_id,
+                request.round,
+                request.version,
+                request.phase,
+                request.ok,
+                bad,
+                request.detail,
+            )
 
         view: BarrierView = self._wait(request, context, call)
         pb = self.pb2.BarrierReply
-        state = {WAITING: pb.WAITING, PASSED: pb.PASSED, REPLAN: pb.REPLAN,
-                 REJOIN: pb.REJOIN}[view.state]
+        state = {WAITING: pb.WAITING, PASSED: pb.PASSED, REPLAN: pb.REPLAN, REJOIN: pb.REJOIN}[
+            view.state
+        ]
         return pb(state=state, waiting_for=list(view.waiting_for))
 
     def Sync(self, request: Any, context: Any) -> Any:
@@ -906,21 +1102,38 @@ class CoordinatorServicer:
             b = request.backup
             backup = Outcome(b.round, b.step, b.state, b.error, b.bytes, b.seconds)
         with self.cond:
-            view = self.coordinator.sync(request.job, request.rank, request.incarnation,
-                                         request.step, self._holdings(request.inventory),
-                                         backup, request.data_parallelism)
+            view = self.coordinator.sync(
+                request.job,
+                request.rank,
+                request.incarnation,
+                request.step,
+                self._holdings(request.inventory),
+                backup,
+                request.data_parallelism,
+            )
             self.cond.notify_all()
             pb2 = self.pb2
-            reply = pb2.SyncReply(known=view.known, synced_step=view.synced_step,
-                                  synced_at=view.synced_at, peers=self._peers(),
-                                  steps=list(view.steps), restore_round=view.restore_round,
-                                  summoned=view.summoned)
+            reply = pb2.SyncReply(
+                known=view.known,
+                synced_step=view.synced_step,
+                synced_at=view.synced_at,
+                peers=self._peers(),
+                steps=list(view.steps),
+                restore_round=view.restore_round,
+                summoned=view.summoned,
+            )
             if view.backup_order is not None:
-                reply.backup_order.CopyFrom(pb2.BackupRound(
-                    round=view.backup_order[0], step=view.backup_order[1], state="running",
-                    dedup=view.backup_dedup))
+                reply.backup_order.CopyFrom(
+                    pb2.BackupRound(
+                        round=view.backup_order[0],
+                        step=view.backup_order[1],
+                        state="running",
+                        dedup=view.backup_dedup,
+                    )
+                )
             if view.backup_last is not None:
                 last = view.backup_last
-                reply.backup_last.CopyFrom(pb2.BackupRound(round=last.round, step=last.step,
-                                                           state=last.state))
+                reply.backup_last.CopyFrom(
+                    pb2.BackupRound(round=last.round, step=last.step, state=last.state)
+                )
             return reply

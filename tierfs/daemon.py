@@ -45,8 +45,7 @@ def setup_logging(config: NodeConfig, foreground: bool) -> None:
     else:
         path = config.log_file or RamStore(config.ram_dir).log_file
         handler = logging.handlers.RotatingFileHandler(path, maxBytes=16 << 20, backupCount=2)
-    handler.setFormatter(logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(handler)
     logging.getLogger("google").setLevel(logging.WARNING)
     logging.getLogger("urllib3").setLevel(logging.WARNING)
@@ -107,8 +106,12 @@ class NodeDaemon:
         virtual = dict(self.agent.virtual_files())
         virtual[FUSE_COUNTERS_FILE] = self._fuse_counters
         self.ns = Namespace(
-            self.store.view, self.budget, events=self.agent.fs_events(),
-            reserved=frozenset({CONTROL_DIR.encode()}), virtual=virtual)
+            self.store.view,
+            self.budget,
+            events=self.agent.fs_events(),
+            reserved=frozenset({CONTROL_DIR.encode()}),
+            virtual=virtual,
+        )
         self.agent.attach(self.ns)
         counters = os.path.join(self.store.view, os.fsdecode(FUSE_COUNTERS_FILE))
         if not os.path.exists(counters):
@@ -120,8 +123,7 @@ class NodeDaemon:
     def _fuse_counters(self) -> bytes:
         return self.session.counters_json() if self.session is not None else b"{}\n"
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-                  ) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Mount, serve and run the agent until unmounted or signalled.
 
         ``task_status.started()`` fires once the kernel finished INIT, i.e.
@@ -136,9 +138,13 @@ class NodeDaemon:
         assert self.session is not None and self.agent is not None
         self.session.mount()
         self._write_pid()
-        log.info("mounted %s (ram-dir %s, budget %d bytes, %s accounting)",
-                 self.config.mountpoint, self.store.root, self.budget.size if self.budget else 0,
-                 self.budget.mode if self.budget else "?")
+        log.info(
+            "mounted %s (ram-dir %s, budget %d bytes, %s accounting)",
+            self.config.mountpoint,
+            self.store.root,
+            self.budget.size if self.budget else 0,
+            self.budget.mode if self.budget else "?",
+        )
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._serve_then_stop, nursery.cancel_scope)

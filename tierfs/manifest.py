@@ -103,8 +103,13 @@ class Manifest:
     def to_json(self) -> bytes:
         """Serialize (stable key order)."""
         d: dict[str, Any] = {
-            "format": FORMAT, "job": self.job, "rank": self.rank, "step": self.step,
-            "name": self.name, "framework": self.framework, "created": self.created,
+            "format": FORMAT,
+            "job": self.job,
+            "rank": self.rank,
+            "step": self.step,
+            "name": self.name,
+            "framework": self.framework,
+            "created": self.created,
             "backup_requested": self.backup_requested,
             "files": [{k: v for k, v in asdict(f).items() if v is not None} for f in self.files],
         }
@@ -125,10 +130,16 @@ class Manifest:
             raise ManifestError("not a tierfs manifest")
         try:
             files = tuple(FileEntry(**f) for f in d["files"])
-            m = cls(job=str(d["job"]), rank=int(d["rank"]), step=int(d["step"]),
-                    name=str(d["name"]), framework=str(d["framework"]), files=files,
-                    created=float(d.get("created", 0)),
-                    backup_requested=bool(d.get("backup_requested", False)))
+            m = cls(
+                job=str(d["job"]),
+                rank=int(d["rank"]),
+                step=int(d["step"]),
+                name=str(d["name"]),
+                framework=str(d["framework"]),
+                files=files,
+                created=float(d.get("created", 0)),
+                backup_requested=bool(d.get("backup_requested", False)),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"malformed manifest: {exc}") from None
         check_entries(m.files)
@@ -195,8 +206,9 @@ def check_self_contained(files: Iterable[FileEntry]) -> None:
             raise ManifestError(f"symlink {f.path!r} leaves the step ({target!r})")
 
 
-def crc32c_file(path: str | int, buf: bytearray | None = None,
-                cancelled: Callable[[], bool] | None = None) -> tuple[int, int]:
+def crc32c_file(
+    path: str | int, buf: bytearray | None = None, cancelled: Callable[[], bool] | None = None
+) -> tuple[int, int]:
     """crc32c and size of a file (path or open descriptor), streaming 4 MiB at a time.
 
     ``buf`` is accepted for API symmetry and ignored: google-crc32c needs
@@ -227,8 +239,13 @@ def crc32c_file(path: str | int, buf: bytearray | None = None,
 CrcCache = dict[tuple[int, int, int], int]  # (ino, size, mtime_ns) -> crc32c
 
 
-def scan_tree(root: str, entries: Iterable[str], *, cache: CrcCache | None = None,
-              cancelled: Callable[[], bool] | None = None) -> list[FileEntry]:
+def scan_tree(
+    root: str,
+    entries: Iterable[str],
+    *,
+    cache: CrcCache | None = None,
+    cancelled: Callable[[], bool] | None = None,
+) -> list[FileEntry]:
     """Describe ``root/<entry>`` for each top-level entry, computing crc32c of files.
 
     ``cache`` maps (inode, size, mtime_ns) to a known crc32c so re-seals of
@@ -267,8 +284,9 @@ def scan_tree(root: str, entries: Iterable[str], *, cache: CrcCache | None = Non
     return out
 
 
-def verify_tree(root: str, files: Iterable[FileEntry],
-                cancelled: Callable[[], bool] | None = None) -> list[str]:
+def verify_tree(
+    root: str, files: Iterable[FileEntry], cancelled: Callable[[], bool] | None = None
+) -> list[str]:
     """Check a copy against its manifest entries; returns problems (empty: verified).
 
     Every file's size and crc32c, every directory and symlink must match.

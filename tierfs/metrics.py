@@ -17,8 +17,7 @@ from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
 
-STEP_STATES = ("writing", "sealed", "verified", "replicating", "replicated",
-               "replication failed")
+STEP_STATES = ("writing", "sealed", "verified", "replicating", "replicated", "replication failed")
 
 
 def families(status: dict[str, Any]) -> list[Any]:
@@ -29,33 +28,39 @@ def families(status: dict[str, Any]) -> list[Any]:
         ram.add_metric([kind], float(budget.get(f"{kind}_bytes", 0)))
     job = status.get("job") or {}
     info = InfoMetricFamily("tierfs_job", "The job this node serves")
-    info.add_metric([], {"name": str(job.get("name", "")),
-                         "framework": str(job.get("framework", "")),
-                         "node_rank": str(job.get("node_rank", "")),
-                         "nodes": str(job.get("nodes", "")),
-                         "mode": str(status.get("mode", ""))})
+    info.add_metric(
+        [],
+        {
+            "name": str(job.get("name", "")),
+            "framework": str(job.get("framework", "")),
+            "node_rank": str(job.get("node_rank", "")),
+            "nodes": str(job.get("nodes", "")),
+            "mode": str(status.get("mode", "")),
+        },
+    )
     steps = status.get("steps", [])
-    by_state = GaugeMetricFamily("tierfs_steps", "Steps of this node by state",
-                                 labels=["state"])
+    by_state = GaugeMetricFamily("tierfs_steps", "Steps of this node by state", labels=["state"])
     counts = {s: 0 for s in STEP_STATES}
     for s in steps:
         counts[s.get("state", "sealed")] = counts.get(s.get("state", "sealed"), 0) + 1
     for state, n in sorted(counts.items()):
         by_state.add_metric([state], float(n))
-    newest = GaugeMetricFamily("tierfs_newest_step", "Newest step per tier on this node",
-                               labels=["tier"])
+    newest = GaugeMetricFamily(
+        "tierfs_newest_step", "Newest step per tier on this node", labels=["tier"]
+    )
     sealed = [s["step"] for s in steps if s.get("state") != "writing"]
     newest.add_metric(["local"], float(max(sealed, default=0)))
-    replicated = [s["step"] for s in steps
-                  if any(w.startswith("peer:") for w in s.get("where", []))]
+    replicated = [
+        s["step"] for s in steps if any(w.startswith("peer:") for w in s.get("where", []))
+    ]
     newest.add_metric(["peer"], float(max(replicated, default=0)))
     backed = [s["step"] for s in steps if any(w.startswith("gcs:") for w in s.get("where", []))]
     newest.add_metric(["gcs"], float(max(backed, default=0)))
-    held = GaugeMetricFamily("tierfs_sealed_bytes", "Bytes of sealed steps held in RAM",
-                             labels=["owner"])
+    held = GaugeMetricFamily(
+        "tierfs_sealed_bytes", "Bytes of sealed steps held in RAM", labels=["owner"]
+    )
     held.add_metric(["own"], float(sum(s.get("bytes", 0) for s in steps)))
-    held.add_metric(["replicas"], float(sum(r.get("bytes", 0)
-                                            for r in status.get("replicas", []))))
+    held.add_metric(["replicas"], float(sum(r.get("bytes", 0) for r in status.get("replicas", []))))
     errors = GaugeMetricFamily("tierfs_recent_errors", "Recent problems reported by the node")
     errors.add_metric([], float(len(status.get("errors", []))))
     restore = status.get("restore") or {}

@@ -36,8 +36,14 @@ def row_offsets(k: int) -> list[int]:
     return out
 
 
-def peer_ranks(rank: int, nodes: int, *, peer_ranks: Iterable[int] | None = None,
-               peers_per_node: int = 0, data_parallelism: int | None = None) -> list[int]:
+def peer_ranks(
+    rank: int,
+    nodes: int,
+    *,
+    peer_ranks: Iterable[int] | None = None,
+    peers_per_node: int = 0,
+    data_parallelism: int | None = None,
+) -> list[int]:
     """The ranks that receive node ``rank``'s sealed steps, in preference order.
 
     Args:
@@ -69,8 +75,9 @@ def peer_ranks(rank: int, nodes: int, *, peer_ranks: Iterable[int] | None = None
             return []
         if data_parallelism:
             if data_parallelism < 1 or nodes % data_parallelism:
-                raise ValueError(f"assume-data-parallelism {data_parallelism} must divide "
-                                 f"nodes {nodes}")
+                raise ValueError(
+                    f"assume-data-parallelism {data_parallelism} must divide nodes {nodes}"
+                )
             cols = nodes // data_parallelism
             chosen = [(rank + off * cols) % nodes for off in row_offsets(k)]
         else:

@@ -135,9 +135,11 @@ class BucketView:
 
     def problems_above(self, step: int | None) -> list[str]:
         """Why the rounds read holding a newer step than ``step`` (None: any) are unusable."""
-        return [f"backup round {name}{f' (step {s})' if s is not None else ''} is incomplete: "
-                f"{why}" for name, s, why in self.incomplete
-                if step is None or s is None or s > step]
+        return [
+            f"backup round {name}{f' (step {s})' if s is not None else ''} is incomplete: {why}"
+            for name, s, why in self.incomplete
+            if step is None or s is None or s > step
+        ]
 
 
 @dataclass(frozen=True)
@@ -187,21 +189,21 @@ def _holder_name(holder: Holder) -> str:
     return f"node-rank {holder}" if isinstance(holder, int) else f"backup round {holder}"
 
 
-def superseded(parts: Iterable[BucketPart], inventories: Mapping[int, Iterable[Holding]]
-               ) -> set[str]:
+def superseded(
+    parts: Iterable[BucketPart], inventories: Mapping[int, Iterable[Holding]]
+) -> set[str]:
     """Rounds of an abandoned history: a later round holds a complete part of a
     smaller step, or some node holds a smaller step sealed after the round
     (plus :data:`ROUND_NAME_SLACK`). Pure."""
     steps: dict[str, set[int]] = {}
     for p in parts:
         steps.setdefault(p.round, set()).add(p.step)
-    sealed = [(h.created, h.step) for held in inventories.values() for h in held
-              if h.created > 0]
+    sealed = [(h.created, h.step) for held in inventories.values() for h in held if h.created > 0]
     out = set()
     names = sorted(steps)
     for i, name in enumerate(names):
         top = max(steps[name])
-        if any(min(steps[later]) < top for later in names[i + 1:]):
+        if any(min(steps[later]) < top for later in names[i + 1 :]):
             out.add(name)
             continue
         at = round_time(name)
@@ -219,9 +221,13 @@ class _StepPlan:
     notes: list[str]
 
 
-def _plan_step(nodes: int, step: int, cluster: Mapping[int, Mapping[str, set[int]]],
-               parts: list[BucketPart], whole: AbstractSet[tuple[str, int]] = frozenset()
-               ) -> _StepPlan:
+def _plan_step(
+    nodes: int,
+    step: int,
+    cluster: Mapping[int, Mapping[str, set[int]]],
+    parts: list[BucketPart],
+    whole: AbstractSet[tuple[str, int]] = frozenset(),
+) -> _StepPlan:
     """Per rank: the digest to restore and every good copy of it (see the module doc).
 
     ``whole``: the (round, step) pairs with a part of every node rank in the
@@ -243,17 +249,21 @@ def _plan_step(nodes: int, step: int, cluster: Mapping[int, Mapping[str, set[int
     notes = []
     consistent = []
     for name in sorted(by_round, reverse=True):
-        clash = [r for r, d in by_round[name].items()
-                 if r in digests and d and digests[r] and d != digests[r]]
+        clash = [
+            r
+            for r, d in by_round[name].items()
+            if r in digests and d and digests[r] and d != digests[r]
+        ]
         if clash:
-            notes.append(f"backup round {name} holds other bytes of step {step} for rank(s) "
-                         f"{_ranks(clash)} than the nodes' RAM (another generation); not used")
+            notes.append(
+                f"backup round {name} holds other bytes of step {step} for rank(s) "
+                f"{_ranks(clash)} than the nodes' RAM (another generation); not used"
+            )
         else:
             consistent.append(name)
     rounds: dict[int, tuple[str, ...]] = {}
     for r in digests:
-        rounds[r] = tuple(n for n in consistent
-                          if digests[r] and by_round[n].get(r) == digests[r])
+        rounds[r] = tuple(n for n in consistent if digests[r] and by_round[n].get(r) == digests[r])
 
     def linked(name: str) -> bool:
         # one of the round's parts has the bytes chosen from RAM: the same generation
@@ -268,21 +278,28 @@ def _plan_step(nodes: int, step: int, cluster: Mapping[int, Mapping[str, set[int
     usable = [n for n in consistent if (n, step) in whole or linked(n)]
     anchor = next((n for n in usable if all(r in by_round[n] for r in needed)), None)
     for r in needed:
-        first = anchor if anchor is not None else next(
-            (n for n in usable if r in by_round[n] and linked(n)), None)
+        first = (
+            anchor
+            if anchor is not None
+            else next((n for n in usable if r in by_round[n] and linked(n)), None)
+        )
         if first is None:
             continue
         digests[r] = by_round[first][r]
-        rounds[r] = (first, *(n for n in usable if n != first and digests[r]
-                              and by_round[n].get(r) == digests[r]))
+        rounds[r] = (
+            first,
+            *(n for n in usable if n != first and digests[r] and by_round[n].get(r) == digests[r]),
+        )
     missing = [r for r in range(nodes) if r not in digests]
     # name the ranks no usable round holds at all; when each has a part somewhere
     # but no round holds them together, say that the parts were not combined
     absent = [r for r in missing if not any(r in by_round[n] for n in usable)]
     if missing and not absent:
-        notes.append(f"step {step}: no backup round holds rank(s) {_ranks(missing)} together "
-                     "and parts of different rounds are not combined (they may be different "
-                     "saves of the step)")
+        notes.append(
+            f"step {step}: no backup round holds rank(s) {_ranks(missing)} together "
+            "and parts of different rounds are not combined (they may be different "
+            "saves of the step)"
+        )
     return _StepPlan(holders, rounds, digests, absent or missing, notes)
 
 
@@ -302,8 +319,9 @@ def _describe(step: int, plan: _StepPlan, bad: set[CopyId]) -> str:
     return line
 
 
-def _table(nodes: int, inventories: Mapping[int, Iterable[Holding]], bad: set[CopyId]
-           ) -> dict[int, dict[int, dict[str, set[int]]]]:
+def _table(
+    nodes: int, inventories: Mapping[int, Iterable[Holding]], bad: set[CopyId]
+) -> dict[int, dict[int, dict[str, set[int]]]]:
     """step -> rank -> digest -> holders, of the verified copies not found bad."""
     table: dict[int, dict[int, dict[str, set[int]]]] = {}
     for holder, held in inventories.items():
@@ -312,8 +330,9 @@ def _table(nodes: int, inventories: Mapping[int, Iterable[Holding]], bad: set[Co
                 continue
             if (holder, h.rank, h.step) in bad:
                 continue
-            table.setdefault(h.step, {}).setdefault(h.rank, {}).setdefault(
-                h.digest, set()).add(holder)
+            table.setdefault(h.step, {}).setdefault(h.rank, {}).setdefault(h.digest, set()).add(
+                holder
+            )
     return table
 
 
@@ -321,19 +340,29 @@ def _rolled_back(tops: Mapping[str, int], step: int | None) -> list[str]:
     names = sorted(n for n, top in tops.items() if step is None or top > step)
     if not names:
         return []
-    return [f"backup round(s) {', '.join(names)} not used: a later round or a later seal "
-            "holds an older step (the job was rolled back after them)"]
+    return [
+        f"backup round(s) {', '.join(names)} not used: a later round or a later seal "
+        "holds an older step (the job was rolled back after them)"
+    ]
 
 
-def _anything(nodes: int, inventories: Mapping[int, Iterable[Holding]],
-              bucket: BucketView | None, bad: set[CopyId]) -> bool:
+def _anything(
+    nodes: int,
+    inventories: Mapping[int, Iterable[Holding]],
+    bucket: BucketView | None,
+    bad: set[CopyId],
+) -> bool:
     held = any(0 <= h.rank < nodes for hs in inventories.values() for h in hs)
     return held or bool(bad) or (bucket is not None and bucket.holds_anything())
 
 
-def choose_restore(nodes: int, inventories: Mapping[int, Iterable[Holding]],
-                   bad: Iterable[CopyId] = (), bucket: BucketView | None = None,
-                   notes: Iterable[str] = ()) -> Choice:
+def choose_restore(
+    nodes: int,
+    inventories: Mapping[int, Iterable[Holding]],
+    bad: Iterable[CopyId] = (),
+    bucket: BucketView | None = None,
+    notes: Iterable[str] = (),
+) -> Choice:
     """Pick the newest step with a good copy of every rank's shard (see the module doc).
 
     Args:
@@ -352,11 +381,15 @@ def choose_restore(nodes: int, inventories: Mapping[int, Iterable[Holding]],
         return _choose_forced(nodes, inventories, excluded, bucket)
     table = _table(nodes, inventories, excluded)
     whole = _whole(nodes, bucket.parts if bucket else ())
-    parts = [p for p in (bucket.parts if bucket else ())
-             if 0 <= p.rank < nodes and (p.round, p.rank, p.step) not in excluded]
+    parts = [
+        p
+        for p in (bucket.parts if bucket else ())
+        if 0 <= p.rank < nodes and (p.round, p.rank, p.step) not in excluded
+    ]
     old = superseded(parts, inventories)
-    old_tops = {p.round: max(q.step for q in parts if q.round == p.round)
-                for p in parts if p.round in old}
+    old_tops = {
+        p.round: max(q.step for q in parts if q.round == p.round) for p in parts if p.round in old
+    }
     parts = [p for p in parts if p.round not in old]
     skipped: list[str] = []
     notes = list(notes)
@@ -365,8 +398,9 @@ def choose_restore(nodes: int, inventories: Mapping[int, Iterable[Holding]],
         warnings.append(f"the bucket could not be read ({bucket.error}); deciding without it")
     steps = sorted(set(table) | {p.step for p in parts}, reverse=True)
     for step in steps:
-        plan = _plan_step(nodes, step, table.get(step, {}), [p for p in parts if p.step == step],
-                          whole)
+        plan = _plan_step(
+            nodes, step, table.get(step, {}), [p for p in parts if p.step == step], whole
+        )
         if plan.missing:
             skipped.append(_describe(step, plan, excluded))
             warnings.extend(plan.notes)
@@ -380,46 +414,65 @@ def choose_restore(nodes: int, inventories: Mapping[int, Iterable[Holding]],
             if len(from_bucket) == nodes:
                 reason = f"step {step} from backup round {backup}"
             else:
-                reason = (f"step {step}: rank(s) {_ranks(from_bucket)} from backup round "
-                          f"{backup}, the others from the nodes' RAM")
+                reason = (
+                    f"step {step}: rank(s) {_ranks(from_bucket)} from backup round "
+                    f"{backup}, the others from the nodes' RAM"
+                )
         if skipped:
             reason += " (" + "; ".join(skipped) + ")"
         lines = skipped + plan.notes + warnings + _rolled_back(old_tops, step)
         if skipped:
             lines += notes + (bucket.problems_above(step) if bucket is not None else [])
         holders = {r: plan.holders.get(r, ()) for r in range(nodes)}
-        return Choice(step, holders, plan.digests, reason, backup,
-                      rounds=plan.rounds, problems=tuple(lines))
+        return Choice(
+            step, holders, plan.digests, reason, backup, rounds=plan.rounds, problems=tuple(lines)
+        )
     anything = _anything(nodes, inventories, bucket, excluded) or bool(notes)
     if not anything and (bucket is None or not bucket.error):
-        where = "in RAM, on a peer or in the bucket" if bucket is not None else \
-            "in RAM or on a peer (no bucket)"
-        return Choice(None, reason=f"no step of the job exists {where}: a fresh start",
-                      outcome=FRESH)
+        where = (
+            "in RAM, on a peer or in the bucket"
+            if bucket is not None
+            else "in RAM or on a peer (no bucket)"
+        )
+        return Choice(
+            None, reason=f"no step of the job exists {where}: a fresh start", outcome=FRESH
+        )
     reason = "no step is complete for every rank"
     why = skipped + (bucket.problems_above(None)[:2] if bucket is not None else [])
     if why:
         reason += " (" + "; ".join(why) + ")"
     if bucket is not None and bucket.error:
         reason += f" and the bucket could not be read ({bucket.error})"
-    lines = (skipped + notes + warnings + _rolled_back(old_tops, None)
-             + (bucket.problems_above(None) if bucket else []))
+    lines = (
+        skipped
+        + notes
+        + warnings
+        + _rolled_back(old_tops, None)
+        + (bucket.problems_above(None) if bucket else [])
+    )
     return Choice(None, reason=reason, outcome=INCOMPLETE, problems=tuple(lines))
 
 
-def _choose_forced(nodes: int, inventories: Mapping[int, Iterable[Holding]],
-                   bad: set[CopyId], bucket: BucketView) -> Choice:
+def _choose_forced(
+    nodes: int, inventories: Mapping[int, Iterable[Holding]], bad: set[CopyId], bucket: BucketView
+) -> Choice:
     """``restore.version``: the named round's step, each rank from it or the same bytes."""
     name = bucket.forced
     if name is None:
         raise ValueError("_choose_forced needs a BucketView with restore.version's round")
     step = bucket.forced_step
     if bucket.forced_problem or step is None:
-        why = bucket.forced_problem or f"restore.version names round {name}, which cannot be " \
-                                       "restored; nothing restored (no fallback)"
+        why = (
+            bucket.forced_problem
+            or f"restore.version names round {name}, which cannot be "
+            "restored; nothing restored (no fallback)"
+        )
         return Choice(None, reason=why, forced=name, outcome=INCOMPLETE, problems=(why,))
-    parts = {p.rank: p.digest for p in bucket.parts
-             if p.round == name and p.step == step and (name, p.rank, step) not in bad}
+    parts = {
+        p.rank: p.digest
+        for p in bucket.parts
+        if p.round == name and p.step == step and (name, p.rank, step) not in bad
+    }
     table = _table(nodes, inventories, bad).get(step, {})
     holders: dict[int, tuple[int, ...]] = {}
     rounds: dict[int, tuple[str, ...]] = {}
@@ -435,11 +488,20 @@ def _choose_forced(nodes: int, inventories: Mapping[int, Iterable[Holding]],
         holders[r] = tuple(sorted(same))
         rounds[r] = (name,) if r in parts else ()
     if lacking:
-        why = (f"restore.version names round {name}, which could not be restored on every "
-               f"node (rank(s) {_ranks(lacking)}: no good copy); nothing restored (no fallback)")
+        why = (
+            f"restore.version names round {name}, which could not be restored on every "
+            f"node (rank(s) {_ranks(lacking)}: no good copy); nothing restored (no fallback)"
+        )
         return Choice(None, reason=why, forced=name, outcome=INCOMPLETE, problems=(why,))
-    return Choice(step, holders, digests, f"restore.version: round {name} step {step}",
-                  backup=name, forced=name, rounds=rounds)
+    return Choice(
+        step,
+        holders,
+        digests,
+        f"restore.version: round {name} step {step}",
+        backup=name,
+        forced=name,
+        rounds=rounds,
+    )
 
 
 def sources_for(choice: Choice, rank: int, nodes: int) -> tuple[bool, list[int]]:

@@ -94,23 +94,31 @@ class SealRules:
         patterns: generic-mode step name patterns, each with a ``(?P<step>\\d+)`` group.
     """
 
-    def __init__(self, framework: str, job: str = "", rank: int = 0, workers_per_node: int = 1,
-                 patterns: Sequence[str] = DEFAULT_SEAL_PATTERNS) -> None:
+    def __init__(
+        self,
+        framework: str,
+        job: str = "",
+        rank: int = 0,
+        workers_per_node: int = 1,
+        patterns: Sequence[str] = DEFAULT_SEAL_PATTERNS,
+    ) -> None:
         self.framework = framework
         self.job = job
         self.rank = rank
         self.workers = workers_per_node
         self.patterns = [re.compile(p) for p in patterns]
         self._save_re = re.compile(
-            rf"^{re.escape(job)}-s(?P<step>\d+)-n{rank}-w(?P<worker>\d+)\.save$")
+            rf"^{re.escape(job)}-s(?P<step>\d+)-n{rank}-w(?P<worker>\d+)\.save$"
+        )
 
     # ------------------------------------------------------------------ names
 
     def step_of(self, name: str) -> int | None:
         """The step a top-level directory name denotes under these rules, else None."""
         if self.framework in ("orbax", "pytorch.distributed"):
-            m = DIGITS.match(name) or (NEMO_STEP.match(name)
-                                       if self.framework == "pytorch.distributed" else None)
+            m = DIGITS.match(name) or (
+                NEMO_STEP.match(name) if self.framework == "pytorch.distributed" else None
+            )
             return int(m["step"]) if m else None
         if self.framework == "generic":
             for p in self.patterns:
@@ -121,8 +129,9 @@ class SealRules:
 
     # ------------------------------------------------------------------ events
 
-    def on_rename(self, old: str, new: str, is_dir: bool, is_symlink: bool,
-                  view: ViewProbe) -> SealCandidate | None:
+    def on_rename(
+        self, old: str, new: str, is_dir: bool, is_symlink: bool, view: ViewProbe
+    ) -> SealCandidate | None:
         """A rename inside the view finished (``old`` -> ``new``)."""
         if is_symlink:
             return None
@@ -188,8 +197,12 @@ class SealRules:
             elif self.framework in ("orbax", "pytorch.distributed"):
                 if view.is_dir(name) and DIGITS.match(name):
                     cand = SealCandidate(int(name), name, (name,), "found at start")
-                elif (self.framework == "pytorch.distributed" and NEMO_STEP.match(name)
-                      and view.is_dir(name) and f"{name}-unfinished" not in names):
+                elif (
+                    self.framework == "pytorch.distributed"
+                    and NEMO_STEP.match(name)
+                    and view.is_dir(name)
+                    and f"{name}-unfinished" not in names
+                ):
                     cand = SealCandidate(int(name[5:]), name, (name,), "found at start")
             elif self.framework == "generic" and view.is_dir(name):
                 step = self.step_of(name)
@@ -212,8 +225,9 @@ class SealRules:
         step = int(m["step"])
         files = [f"{self.job}-s{step}-n{self.rank}-w{w}.save" for w in range(self.workers)]
         if all(view.exists(f) and not view.is_dir(f) for f in files):
-            return SealCandidate(step, files[0], tuple(files),
-                                 f"{self.workers} worker file(s) closed")
+            return SealCandidate(
+                step, files[0], tuple(files), f"{self.workers} worker file(s) closed"
+            )
         return None
 
     def _tracker(self, tracker: str, view: ViewProbe) -> SealCandidate | None:

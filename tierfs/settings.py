@@ -102,13 +102,18 @@ class Setting(Generic[V]):
         except ValueError:
             value = None
         if value is None or (isinstance(value, float) and not math.isfinite(value)):
-            raise SettingError(f"environment variable {self.name}={self._shown(raw)} is not "
-                               f"{self.expected()} ({self.doc})")
+            raise SettingError(
+                f"environment variable {self.name}={self._shown(raw)} is not "
+                f"{self.expected()} ({self.doc})"
+            )
         number = float(value)
-        if self.minimum is not None and (number < self.minimum or
-                                         (self.exclusive and number == self.minimum)):
-            raise SettingError(f"environment variable {self.name}={self._shown(raw)} is out of "
-                               f"range: it must be {self.expected()} ({self.doc})")
+        if self.minimum is not None and (
+            number < self.minimum or (self.exclusive and number == self.minimum)
+        ):
+            raise SettingError(
+                f"environment variable {self.name}={self._shown(raw)} is out of "
+                f"range: it must be {self.expected()} ({self.doc})"
+            )
         return value
 
     def expected(self) -> str:
@@ -134,8 +139,9 @@ class Setting(Generic[V]):
         return "<redacted>" if self.secret else repr(raw)
 
 
-def _seconds(name: str, default: float, doc: str, used_by: str, *,
-             zero_ok: bool = False) -> Setting[float]:
+def _seconds(
+    name: str, default: float, doc: str, used_by: str, *, zero_ok: bool = False
+) -> Setting[float]:
     return Setting(name, float, default, "s", doc, used_by, minimum=0.0, exclusive=not zero_ok)
 
 
@@ -143,83 +149,180 @@ _GCS = "backups (GCS tier)"
 _PEER = "peer plane"
 
 GCS_THREADS = Setting(
-    "TIERFS_GCS_THREADS", int, 2, "", "objects transferred in parallel per node", _GCS,
-    minimum=1, factory=default_threads, default_doc="CPU count, 2..8")
+    "TIERFS_GCS_THREADS",
+    int,
+    2,
+    "",
+    "objects transferred in parallel per node",
+    _GCS,
+    minimum=1,
+    factory=default_threads,
+    default_doc="CPU count, 2..8",
+)
 GCS_CHUNK_MIB = Setting(
-    "TIERFS_GCS_CHUNK_MIB", float, 64.0, "MiB",
+    "TIERFS_GCS_CHUNK_MIB",
+    float,
+    64.0,
+    "MiB",
     "bytes per request of a resumable upload, in 1/4 MiB steps; one chunk is buffered "
-    "per large upload in flight", _GCS, minimum=0.0, exclusive=True)
+    "per large upload in flight",
+    _GCS,
+    minimum=0.0,
+    exclusive=True,
+)
 GCS_RETRY_DEADLINE = _seconds(
-    "TIERFS_GCS_RETRY_DEADLINE", 300.0,
-    "deadline of each bucket request, retries and waiting for the answer included", _GCS)
+    "TIERFS_GCS_RETRY_DEADLINE",
+    300.0,
+    "deadline of each bucket request, retries and waiting for the answer included",
+    _GCS,
+)
 GCS_TIMEOUT = _seconds(
-    "TIERFS_GCS_TIMEOUT", 120.0,
-    "read timeout of one HTTP attempt, at most (capped by the request's deadline)", _GCS)
+    "TIERFS_GCS_TIMEOUT",
+    120.0,
+    "read timeout of one HTTP attempt, at most (capped by the request's deadline)",
+    _GCS,
+)
 GCS_TICK = _seconds(
-    "TIERFS_GCS_TICK", 1.0, "pause between the backup decider's ticks (seals wake it too)",
-    _GCS)
+    "TIERFS_GCS_TICK", 1.0, "pause between the backup decider's ticks (seals wake it too)", _GCS
+)
 GCS_ROUND_TIMEOUT = _seconds(
-    "TIERFS_GCS_ROUND_TIMEOUT", 1800.0,
-    "a backup round not finished by every node after this long is given up", _GCS)
+    "TIERFS_GCS_ROUND_TIMEOUT",
+    1800.0,
+    "a backup round not finished by every node after this long is given up",
+    _GCS,
+)
 GCS_FALLBACK_DEADLINE = _seconds(
-    "TIERFS_GCS_FALLBACK_DEADLINE", 30.0,
+    "TIERFS_GCS_FALLBACK_DEADLINE",
+    30.0,
     "deadline of each request of the coordinator's restore.version read and bucket "
-    "fallback (they hold the coordinator's lock)", _GCS)
+    "fallback (they hold the coordinator's lock)",
+    _GCS,
+)
 GCS_LOOKUP_DEADLINE = _seconds(
-    "TIERFS_GCS_LOOKUP_DEADLINE", 20.0,
-    "deadline of each request of the restore-time lookups (restore.version, choosing a "
-    "round)", _GCS)
+    "TIERFS_GCS_LOOKUP_DEADLINE",
+    20.0,
+    "deadline of each request of the restore-time lookups (restore.version, choosing a round)",
+    _GCS,
+)
 GCS_RENDEZVOUS_DEADLINE = _seconds(
-    "TIERFS_GCS_RENDEZVOUS_DEADLINE", 10.0,
-    "deadline of one rendezvous read or write in the bucket (the caller polls again)", _GCS)
+    "TIERFS_GCS_RENDEZVOUS_DEADLINE",
+    10.0,
+    "deadline of one rendezvous read or write in the bucket (the caller polls again)",
+    _GCS,
+)
 GCS_START_DEADLINE = _seconds(
-    "TIERFS_GCS_START_DEADLINE", 5.0,
-    "deadline of the bucket check at mount (only \"does not exist\" fails the mount)", _GCS)
+    "TIERFS_GCS_START_DEADLINE",
+    5.0,
+    'deadline of the bucket check at mount (only "does not exist" fails the mount)',
+    _GCS,
+)
 GCS_STALL_SECONDS = _seconds(
-    "TIERFS_GCS_STALL_SECONDS", 20.0,
-    "requests waiting this long without any answer show as \"slow or stalled\"", _GCS)
+    "TIERFS_GCS_STALL_SECONDS",
+    20.0,
+    'requests waiting this long without any answer show as "slow or stalled"',
+    _GCS,
+)
 GCS_UPLOAD_RETRY_FIRST = _seconds(
-    "TIERFS_GCS_UPLOAD_RETRY_FIRST", 2.0,
+    "TIERFS_GCS_UPLOAD_RETRY_FIRST",
+    2.0,
     "first pause before a failed upload is tried again (and between checks of a bucket "
-    "with a problem)", _GCS)
+    "with a problem)",
+    _GCS,
+)
 GCS_UPLOAD_RETRY_MAX = _seconds(
-    "TIERFS_GCS_UPLOAD_RETRY_MAX", 30.0,
-    "longest such pause (it doubles from the first); an answer from the bucket ends it", _GCS)
+    "TIERFS_GCS_UPLOAD_RETRY_MAX",
+    30.0,
+    "longest such pause (it doubles from the first); an answer from the bucket ends it",
+    _GCS,
+)
 GCS_DEDUP_WAIT = _seconds(
-    "TIERFS_GCS_DEDUP_WAIT", 60.0,
+    "TIERFS_GCS_DEDUP_WAIT",
+    60.0,
     "a data-parallel rank waits this long after the last progress for its column's "
-    "uploader's objects, then uploads its own", _GCS, zero_ok=True)
+    "uploader's objects, then uploads its own",
+    _GCS,
+    zero_ok=True,
+)
 PEER_TOKEN = Setting(
-    "TIERFS_PEER_TOKEN", str, "", "",
-    "shared secret on every peer call when --peer-token / peerToken is not given", _PEER,
-    secret=True)
+    "TIERFS_PEER_TOKEN",
+    str,
+    "",
+    "",
+    "shared secret on every peer call when --peer-token / peerToken is not given",
+    _PEER,
+    secret=True,
+)
 PEER_PUSH_PATIENCE = _seconds(
-    "TIERFS_PEER_PUSH_PATIENCE", 120.0,
-    "how long a push of a step to a peer is retried while the peer is unreachable", _PEER,
-    zero_ok=True)
+    "TIERFS_PEER_PUSH_PATIENCE",
+    120.0,
+    "how long a push of a step to a peer is retried while the peer is unreachable",
+    _PEER,
+    zero_ok=True,
+)
 REFUSAL_GRACE = _seconds(
-    "TIERFS_REFUSAL_GRACE", 30.0,
+    "TIERFS_REFUSAL_GRACE",
+    30.0,
     "how long the coordinator may refuse this node's join for good (wrong token, another "
-    "job or node count) before the restore fails", _PEER, zero_ok=True)
+    "job or node count) before the restore fails",
+    _PEER,
+    zero_ok=True,
+)
 BUCKET = Setting(
-    "TIERFS_BUCKET", str, "", "", "default --bucket of the `tierfs backups` commands",
-    "tierfs backups")
+    "TIERFS_BUCKET",
+    str,
+    "",
+    "",
+    "default --bucket of the `tierfs backups` commands",
+    "tierfs backups",
+)
 IMAGE = Setting(
-    "TIERFS_IMAGE", str, f"tierfs:{__version__}", "", "the node image of rendered DaemonSets",
-    "operator")
+    "TIERFS_IMAGE",
+    str,
+    f"tierfs:{__version__}",
+    "",
+    "the node image of rendered DaemonSets",
+    "operator",
+)
 NAMESPACE = Setting(
-    "TIERFS_NAMESPACE", str, "tierfs-system", "",
-    "namespace of rendered DaemonSets (the node ServiceAccount's)", "operator")
+    "TIERFS_NAMESPACE",
+    str,
+    "tierfs-system",
+    "",
+    "namespace of rendered DaemonSets (the node ServiceAccount's)",
+    "operator",
+)
 DRIVER_NAME = Setting(
-    "TIERFS_DRIVER_NAME", str, "tierfs.csi.dev", "",
-    "CSI driver name of rendered DaemonSets (the CSIDriver object's name)", "operator")
+    "TIERFS_DRIVER_NAME",
+    str,
+    "tierfs.csi.dev",
+    "",
+    "CSI driver name of rendered DaemonSets (the CSIDriver object's name)",
+    "operator",
+)
 
 #: every variable, in the README's order
 ALL: tuple[Setting[int] | Setting[float] | Setting[str], ...] = (
-    GCS_THREADS, GCS_CHUNK_MIB, GCS_RETRY_DEADLINE, GCS_TIMEOUT, GCS_TICK, GCS_ROUND_TIMEOUT,
-    GCS_FALLBACK_DEADLINE, GCS_LOOKUP_DEADLINE, GCS_RENDEZVOUS_DEADLINE, GCS_START_DEADLINE,
-    GCS_STALL_SECONDS, GCS_UPLOAD_RETRY_FIRST, GCS_UPLOAD_RETRY_MAX, GCS_DEDUP_WAIT,
-    PEER_TOKEN, PEER_PUSH_PATIENCE, REFUSAL_GRACE, BUCKET, IMAGE, NAMESPACE, DRIVER_NAME,
+    GCS_THREADS,
+    GCS_CHUNK_MIB,
+    GCS_RETRY_DEADLINE,
+    GCS_TIMEOUT,
+    GCS_TICK,
+    GCS_ROUND_TIMEOUT,
+    GCS_FALLBACK_DEADLINE,
+    GCS_LOOKUP_DEADLINE,
+    GCS_RENDEZVOUS_DEADLINE,
+    GCS_START_DEADLINE,
+    GCS_STALL_SECONDS,
+    GCS_UPLOAD_RETRY_FIRST,
+    GCS_UPLOAD_RETRY_MAX,
+    GCS_DEDUP_WAIT,
+    PEER_TOKEN,
+    PEER_PUSH_PATIENCE,
+    REFUSAL_GRACE,
+    BUCKET,
+    IMAGE,
+    NAMESPACE,
+    DRIVER_NAME,
 )
 BY_NAME: dict[str, Setting[int] | Setting[float] | Setting[str]] = {s.name: s for s in ALL}
 
@@ -247,11 +350,12 @@ def check_environment(env: Mapping[str, str] | None = None) -> None:
 
 def markdown_table() -> str:
     """The README's table of :data:`ALL` (variable, default, unit, used by, what it does)."""
-    lines = ["| variable | default | unit | read by | what it changes |",
-             "|---|---|---|---|---|"]
+    lines = ["| variable | default | unit | read by | what it changes |", "|---|---|---|---|---|"]
     for s in ALL:
-        lines.append(f"| `{s.name}` | {s.shown_default()} | {s.unit or '-'} | {s.used_by} | "
-                     f"{s.doc}{' (a secret: never logged)' if s.secret else ''} |")
+        lines.append(
+            f"| `{s.name}` | {s.shown_default()} | {s.unit or '-'} | {s.used_by} | "
+            f"{s.doc}{' (a secret: never logged)' if s.secret else ''} |"
+        )
     return "\n".join(lines) + "\n"
 
 

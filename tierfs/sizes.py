@@ -51,10 +51,22 @@ __all__ = [
 
 #: Kubernetes binary suffixes -> factor
 BINARY_SUFFIXES: Final[dict[str, int]] = {
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+}
 #: Kubernetes decimal suffixes -> factor
 DECIMAL_SUFFIXES: Final[dict[str, int]] = {
-    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+}
 #: tierfs's own spellings (config files and flags only, never in a Kubernetes object)
 _TIERFS_SUFFIXES: Final[dict[str, int]] = {
     "": 1,
@@ -63,18 +75,20 @@ _TIERFS_SUFFIXES: Final[dict[str, int]] = {
     **{f"{s}B": f for s, f in DECIMAL_SUFFIXES.items()},
     "KB": 10**3,
 }
-_ALL_SUFFIXES: Final[dict[str, int]] = {**BINARY_SUFFIXES, **DECIMAL_SUFFIXES,
-                                        **_TIERFS_SUFFIXES}
+_ALL_SUFFIXES: Final[dict[str, int]] = {**BINARY_SUFFIXES, **DECIMAL_SUFFIXES, **_TIERFS_SUFFIXES}
 
 #: the strict form, as the CRD's ``spec.inMemoryVolumeSize`` pattern spells it
 KUBERNETES_PATTERN: Final = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 _KUBERNETES_RE: Final = re.compile(KUBERNETES_PATTERN)
 _LOOSE_RE: Final = re.compile(
-    r"^\s*(?P<sign>[+-]?)\s*(?P<num>[0-9]+(?:\.[0-9]+)?)\s*(?P<suffix>[A-Za-z]*)\s*$")
+    r"^\s*(?P<sign>[+-]?)\s*(?P<num>[0-9]+(?:\.[0-9]+)?)\s*(?P<suffix>[A-Za-z]*)\s*$"
+)
 
-_FORMS: Final = ("a whole number of bytes, or a number with a Kubernetes suffix: "
-                 "Ki Mi Gi Ti Pi Ei (powers of 1024) or k M G T P E (powers of 1000), "
-                 "e.g. 8Gi, 512Mi, 1.5Gi, 8G (= 8·10⁹ bytes)")
+_FORMS: Final = (
+    "a whole number of bytes, or a number with a Kubernetes suffix: "
+    "Ki Mi Gi Ti Pi Ei (powers of 1024) or k M G T P E (powers of 1000), "
+    "e.g. 8Gi, 512Mi, 1.5Gi, 8G (= 8·10⁹ bytes)"
+)
 
 
 class SizeError(ValueError):
@@ -120,14 +134,16 @@ def parse_size(value: str | int, what: str = "size", *, kubernetes: bool = False
     suffix = m.group("suffix")
     factor = _ALL_SUFFIXES.get(suffix)
     if factor is None:
-        raise SizeError(f"{what} {value!r}: unknown suffix {suffix!r}{_suffix_hint(suffix)}; "
-                        f"use {_FORMS}")
+        raise SizeError(
+            f"{what} {value!r}: unknown suffix {suffix!r}{_suffix_hint(suffix)}; use {_FORMS}"
+        )
     if kubernetes and not _KUBERNETES_RE.match(value):
         raise SizeError(f"{what} {value!r} is not a Kubernetes quantity: use {_FORMS}")
     exact = Fraction(m.group("num")) * factor
     if exact.denominator != 1:
-        raise SizeError(f"{what} {value!r} is {float(exact):.6g} bytes, not a whole number "
-                        f"of bytes")
+        raise SizeError(
+            f"{what} {value!r} is {float(exact):.6g} bytes, not a whole number of bytes"
+        )
     if exact <= 0:
         raise SizeError(f"{what} {value!r} must be positive")
     return int(exact)
@@ -158,8 +174,11 @@ def format_quantity(n: int) -> str:
     """
     if n <= 0:
         raise SizeError(f"size {n!r} must be positive")
-    candidates = [f"{n // f}{s}" for s, f in (*BINARY_SUFFIXES.items(),
-                                              *DECIMAL_SUFFIXES.items()) if n % f == 0]
+    candidates = [
+        f"{n // f}{s}"
+        for s, f in (*BINARY_SUFFIXES.items(), *DECIMAL_SUFFIXES.items())
+        if n % f == 0
+    ]
     return min([*candidates, str(n)], key=len)
 
 
@@ -178,10 +197,15 @@ def decimal_note(value: str | int, what: str = "--size") -> str | None:
     suffix, num = m.group("suffix"), m.group("num")
     n = parse_size(value, what)
     binary = suffix.upper() + "i"
-    unit, factor = max(((s, f) for s, f in BINARY_SUFFIXES.items() if f <= n),
-                       key=lambda sf: sf[1], default=("", 1))
+    unit, factor = max(
+        ((s, f) for s, f in BINARY_SUFFIXES.items() if f <= n),
+        key=lambda sf: sf[1],
+        default=("", 1),
+    )
     shown = f"{n / factor:.2f} {unit}B" if unit else f"{n} B"
     power = len(str(DECIMAL_SUFFIXES[suffix])) - 1
     older = "" if suffix == "E" else f" (older tierfs read {num}{suffix} as {num} {binary}B)"
-    return (f"{what} {value.strip()} is {n} bytes = {shown}: {suffix} is 10^{power} as in "
-            f"Kubernetes{older}; write {num}{binary} for {num} {binary}B")
+    return (
+        f"{what} {value.strip()} is {n} bytes = {shown}: {suffix} is 10^{power} as in "
+        f"Kubernetes{older}; write {num}{binary} for {num} {binary}B"
+    )

@@ -144,8 +144,11 @@ class ClientView:
         siblings = {p.sibling for p in self.published.values()}
         self.published.clear()
         for name in os.listdir(self.store.view):
-            if (name.endswith(".restore") or name in siblings
-                    or name == control.REPLICATOR_PRERESTORE):
+            if (
+                name.endswith(".restore")
+                or name in siblings
+                or name == control.REPLICATOR_PRERESTORE
+            ):
                 self.hide(name)
 
     # ------------------------------------------------------------------ control files
@@ -186,8 +189,11 @@ class ClientView:
             self.hide(clash)
         entries = shard.manifest.top_level
         if job.framework == "pytorch":
-            workers = [(int(control.SAVE_FILE_RE.match(e)["worker"]), e)  # type: ignore[index]
-                       for e in entries if control.SAVE_FILE_RE.match(e)]
+            workers = [
+                (int(control.SAVE_FILE_RE.match(e)["worker"]), e)  # type: ignore[index]
+                for e in entries
+                if control.SAVE_FILE_RE.match(e)
+            ]
         else:
             workers = [(0, shard.manifest.name)]
         for worker, entry in workers:
@@ -199,8 +205,7 @@ class ClientView:
             self.published[marker] = Published(marker, sibling, shard.key, entry)
             tmp = f".{marker}.tierfs-tmp"
             os.symlink(sibling, os.path.join(self.store.view, tmp))
-            os.rename(os.path.join(self.store.view, tmp),
-                      os.path.join(self.store.view, marker))
+            os.rename(os.path.join(self.store.view, tmp), os.path.join(self.store.view, marker))
             self.notify(sibling)
             self.notify(marker)
 
@@ -223,8 +228,7 @@ class ClientView:
         except OSError:
             return False
         tmp = f".tierfs-mat-{uuid.uuid4().hex[:8]}"
-        source = os.path.join(shard.data, pub.entry) if shard else os.path.join(
-            view, pub.sibling)
+        source = os.path.join(shard.data, pub.entry) if shard else os.path.join(view, pub.sibling)
         link_tree(source, os.path.join(view, tmp))
         fd = os.open(view, os.O_PATH | os.O_DIRECTORY)
         try:

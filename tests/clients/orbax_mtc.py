@@ -67,9 +67,11 @@ OPTS, ARGS = _options(sys.argv[1:])
 def host_values(step: int) -> dict[str, np.ndarray]:
     """The arrays of ``step`` as numpy (the same on every process)."""
     rng = np.random.default_rng(step)
-    return {"w": rng.standard_normal((64, 32), dtype=np.float32),
-            "b": np.arange(16, dtype=np.int32) * step,
-            "step": np.asarray(step, dtype=np.int32)}
+    return {
+        "w": rng.standard_normal((64, 32), dtype=np.float32),
+        "b": np.arange(16, dtype=np.int32) * step,
+        "step": np.asarray(step, dtype=np.int32),
+    }
 
 
 def make_state(step: int, mesh: jax.sharding.Mesh) -> dict:
@@ -79,8 +81,7 @@ def make_state(step: int, mesh: jax.sharding.Mesh) -> dict:
     for name, value in values.items():
         spec = jax.sharding.PartitionSpec("x") if value.ndim else jax.sharding.PartitionSpec()
         sharding = jax.sharding.NamedSharding(mesh, spec)
-        out[name] = jax.make_array_from_callback(value.shape, sharding,
-                                                 lambda idx, v=value: v[idx])
+        out[name] = jax.make_array_from_callback(value.shape, sharding, lambda idx, v=value: v[idx])
     return out
 
 
@@ -89,29 +90,39 @@ def check_restored(restored: dict, expected: dict[str, np.ndarray]) -> None:
     for name in ("w", "b", "step"):
         arr = restored[name]
         for shard in arr.addressable_shards:
-            np.testing.assert_array_equal(np.asarray(shard.data), expected[name][shard.index],
-                                          err_msg=f"{name}{shard.index}")
+            np.testing.assert_array_equal(
+                np.asarray(shard.data), expected[name][shard.index], err_msg=f"{name}{shard.index}"
+            )
 
 
 def main() -> None:
     directory = epath.Path(os.path.abspath(ARGS[0]))
     phase, expected_path = ARGS[1], ARGS[2]
     steps = [int(s) for s in ARGS[3:]]
-    interval = ({"backup_interval_steps": OPTS["backup-steps"]} if OPTS["backup-steps"]
-                else {"backup_interval_minutes": 5})
+    interval = (
+        {"backup_interval_steps": OPTS["backup-steps"]}
+        if OPTS["backup-steps"]
+        else {"backup_interval_minutes": 5}
+    )
     initialization.initialize_multi_tier_checkpointing(
-        directory, run_name="orbaxjob", num_slices=1,
-        data_parallelism=OPTS["data-parallelism"] or None, **interval)
+        directory,
+        run_name="orbaxjob",
+        num_slices=1,
+        data_parallelism=OPTS["data-parallelism"] or None,
+        **interval,
+    )
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(-1), ("x",))
     policy = preservation_policy.LatestN(n=2) if phase == "restore" else None
-    options = rcm.ReplicatorCheckpointManagerOptions(save_interval_steps=1,
-                                                     preservation_policy=policy)
+    options = rcm.ReplicatorCheckpointManagerOptions(
+        save_interval_steps=1, preservation_policy=policy
+    )
     manager = rcm.ReplicatorCheckpointManager(directory, options, global_mesh=mesh)
     latest = manager.latest_step()
     print("LATEST", latest, flush=True)
     if phase == "restore":
-        restored = manager.restore(latest, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore()))["state"]
+        restored = manager.restore(latest, args=ocp.args.Composite(state=ocp.args.PyTreeRestore()))[
+            "state"
+        ]
         expected = dict(np.load(expected_path))
         check_restored(restored, expected)
         print("RESTORED_OK", latest, flush=True)

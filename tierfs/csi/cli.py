@@ -58,7 +58,7 @@ def mount_argv(opts: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
             env[settings.PEER_TOKEN.name] = str(value)
             continue
         flag = param.opts[0]
-        for v in (value if isinstance(value, (list, tuple)) else [value]):
+        for v in value if isinstance(value, (list, tuple)) else [value]:
             argv += [flag, str(v)]
     if not any("allow_other" in o.split(",") for o in opts.get("option") or ()):
         argv += ["-o", "allow_other"]
@@ -123,21 +123,45 @@ def _make_command(mount_options: Any) -> click.Command:
     """Build the ``csi`` click command around the shared ``mount_options``."""
 
     @click.command("csi")
-    @click.option("--endpoint", envvar="CSI_ENDPOINT", default="unix:///csi/csi.sock",
-                  show_default=True, help="CSI endpoint, unix:///path.sock (or $CSI_ENDPOINT).")
-    @click.option("--node-id", envvar="NODE_ID", required=True,
-                  help="This node's id, normally the Kubernetes node name (or $NODE_ID).")
-    @click.option("--driver-name", default="tierfs.csi.dev", show_default=True,
-                  help="CSI driver name (the CSIDriver object's name; at most 63 characters).")
-    @click.option("--mount-dir", default=DEFAULT_MOUNT_DIR, show_default=True,
-                  help="Where the node's tierfs mount lives; volumes are bind mounts of it.")
-    @click.option("--state-dir", default=DEFAULT_STATE_DIR, show_default=True,
-                  help="Small per-target publish records (no secrets).")
-    @click.option("--resize-ram-volume", is_flag=True,
-                  help="--ram-dir is a memory-backed volume of this driver alone (the "
-                       "DaemonSet's emptyDir): size its tmpfs to --size when it is larger, "
-                       "so the kernel enforces the budget and file data keeps FUSE "
-                       "passthrough. Never for a shared tmpfs such as /dev/shm.")
+    @click.option(
+        "--endpoint",
+        envvar="CSI_ENDPOINT",
+        default="unix:///csi/csi.sock",
+        show_default=True,
+        help="CSI endpoint, unix:///path.sock (or $CSI_ENDPOINT).",
+    )
+    @click.option(
+        "--node-id",
+        envvar="NODE_ID",
+        required=True,
+        help="This node's id, normally the Kubernetes node name (or $NODE_ID).",
+    )
+    @click.option(
+        "--driver-name",
+        default="tierfs.csi.dev",
+        show_default=True,
+        help="CSI driver name (the CSIDriver object's name; at most 63 characters).",
+    )
+    @click.option(
+        "--mount-dir",
+        default=DEFAULT_MOUNT_DIR,
+        show_default=True,
+        help="Where the node's tierfs mount lives; volumes are bind mounts of it.",
+    )
+    @click.option(
+        "--state-dir",
+        default=DEFAULT_STATE_DIR,
+        show_default=True,
+        help="Small per-target publish records (no secrets).",
+    )
+    @click.option(
+        "--resize-ram-volume",
+        is_flag=True,
+        help="--ram-dir is a memory-backed volume of this driver alone (the "
+        "DaemonSet's emptyDir): size its tmpfs to --size when it is larger, "
+        "so the kernel enforces the budget and file data keeps FUSE "
+        "passthrough. Never for a shared tmpfs such as /dev/shm.",
+    )
     @mount_options
     def csi(**opts: Any) -> None:
         """Run the CSI node driver: keep the node's tierfs mount up and serve CSI on a socket."""
@@ -145,8 +169,9 @@ def _make_command(mount_options: Any) -> click.Command:
         from tierfs.csi.nodemount import SupervisedMount, become_subreaper
 
         level = (opts.get("log_level") or "INFO").upper()
-        logging.basicConfig(level=level, stream=sys.stderr,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
         if not opts.get("ram_dir") and not opts.get("config"):
             raise click.ClickException("--ram-dir is required (or ramDir in --config)")
         try:
@@ -158,9 +183,13 @@ def _make_command(mount_options: Any) -> click.Command:
         except ValueError as exc:  # SettingError and SizeError included
             raise click.ClickException(str(exc)) from None
         argv, env = mount_argv(opts)
-        node = SupervisedMount(opts["mount_dir"], argv, env=env,
-                               ram_dir=configured_ram_dir(opts),
-                               record_path=os.path.join(opts["state_dir"], NODE_MOUNT_RECORD))
+        node = SupervisedMount(
+            opts["mount_dir"],
+            argv,
+            env=env,
+            ram_dir=configured_ram_dir(opts),
+            record_path=os.path.join(opts["state_dir"], NODE_MOUNT_RECORD),
+        )
         identity = server.IdentityService(opts["driver_name"], node)
         service = server.NodeService(opts["node_id"], node, opts["state_dir"])
 
@@ -180,8 +209,14 @@ def _make_command(mount_options: Any) -> click.Command:
             fit_ram_volume(opts)
         become_subreaper()  # the daemon `tierfs mount` starts becomes our child
         node.start()
-        log.info("tierfs %s CSI node driver %s on node %s (mount %s, pid %d)",
-                 _version(), opts["driver_name"], opts["node_id"], node.mountpoint, os.getpid())
+        log.info(
+            "tierfs %s CSI node driver %s on node %s (mount %s, pid %d)",
+            _version(),
+            opts["driver_name"],
+            opts["node_id"],
+            node.mountpoint,
+            os.getpid(),
+        )
         try:
             while not stop.wait(1.0):
                 pass

@@ -56,8 +56,8 @@ def _unescape(field: str) -> str:
         return field
     out, i = [], 0
     while i < len(field):
-        if field[i] == "\\" and i + 4 <= len(field) and field[i + 1:i + 4].isdigit():
-            out.append(chr(int(field[i + 1:i + 4], 8)))
+        if field[i] == "\\" and i + 4 <= len(field) and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
             i += 4
         else:
             out.append(field[i])
@@ -108,11 +108,18 @@ def read_mountinfo(path: str = MOUNTINFO) -> list[MountEntry]:
             fields, rfields = left.split(" "), right.split(" ")
             if not sep or len(fields) < 6 or len(rfields) < 2:
                 continue
-            entries.append(MountEntry(
-                mount_id=int(fields[0]), parent_id=int(fields[1]), device=fields[2],
-                root=_unescape(fields[3]), mountpoint=_unescape(fields[4]),
-                options=frozenset(fields[5].split(",")), fstype=rfields[0],
-                source=_unescape(rfields[1])))
+            entries.append(
+                MountEntry(
+                    mount_id=int(fields[0]),
+                    parent_id=int(fields[1]),
+                    device=fields[2],
+                    root=_unescape(fields[3]),
+                    mountpoint=_unescape(fields[4]),
+                    options=frozenset(fields[5].split(",")),
+                    fstype=rfields[0],
+                    source=_unescape(rfields[1]),
+                )
+            )
     return entries
 
 
@@ -144,15 +151,15 @@ def containing_mount(path: str, entries: list[MountEntry] | None = None) -> Moun
     best: MountEntry | None = None
     for entry in read_mountinfo() if entries is None else entries:
         if is_within(path, entry.mountpoint) and (
-                best is None or len(entry.mountpoint) >= len(best.mountpoint)):
+            best is None or len(entry.mountpoint) >= len(best.mountpoint)
+        ):
             best = entry
     return best
 
 
 def bind_mounts_of(node: MountEntry) -> list[MountEntry]:
     """Every other mount of the same filesystem as ``node`` (its bind mounts and their copies)."""
-    return [e for e in read_mountinfo()
-            if e.device == node.device and e.mount_id != node.mount_id]
+    return [e for e in read_mountinfo() if e.device == node.device and e.mount_id != node.mount_id]
 
 
 def is_dead(path: str) -> bool:
@@ -177,12 +184,16 @@ def parse_flags(flags: list[str] | tuple[str, ...]) -> int:
             if not flag or flag in NOOP_FLAGS:
                 continue
             if flag in LIFTING_FLAGS:
-                raise ValueError(f"mount flag {flag!r} is not supported: a volume keeps the "
-                                 "node mount's flags (nosuid,nodev by default) and can only add "
-                                 f"{', '.join(sorted(BIND_FLAGS))}")
+                raise ValueError(
+                    f"mount flag {flag!r} is not supported: a volume keeps the "
+                    "node mount's flags (nosuid,nodev by default) and can only add "
+                    f"{', '.join(sorted(BIND_FLAGS))}"
+                )
             if flag not in BIND_FLAGS:
-                raise ValueError(f"mount flag {flag!r} is not supported for a bind mount "
-                                 f"(supported: {', '.join(sorted(BIND_FLAGS))})")
+                raise ValueError(
+                    f"mount flag {flag!r} is not supported for a bind mount "
+                    f"(supported: {', '.join(sorted(BIND_FLAGS))})"
+                )
             result |= BIND_FLAGS[flag]
     return result
 

@@ -86,9 +86,16 @@ class SupervisedMount:
             :meth:`check_adopted`. None: no record, only the ram-dir is compared.
     """
 
-    def __init__(self, mountpoint: str, mount_args: list[str], check_interval: float = 5.0,
-                 max_backoff: float = 60.0, env: dict[str, str] | None = None,
-                 ram_dir: str | None = None, record_path: str | None = None) -> None:
+    def __init__(
+        self,
+        mountpoint: str,
+        mount_args: list[str],
+        check_interval: float = 5.0,
+        max_backoff: float = 60.0,
+        env: dict[str, str] | None = None,
+        ram_dir: str | None = None,
+        record_path: str | None = None,
+    ) -> None:
         self.mountpoint = os.path.abspath(mountpoint)
         self.record_path = record_path
         #: pid of the daemon this driver mounted (record written) or adopted (compared)
@@ -163,8 +170,11 @@ class SupervisedMount:
             self._daemon_pid = None
             return
         if done:
-            log.warning("the tierfs daemon (pid %d) exited with status %d", pid,
-                        os.waitstatus_to_exitcode(status))
+            log.warning(
+                "the tierfs daemon (pid %d) exited with status %d",
+                pid,
+                os.waitstatus_to_exitcode(status),
+            )
             self._daemon_pid = None
 
     def error(self) -> str | None:
@@ -202,8 +212,12 @@ class SupervisedMount:
                 backoff = 1.0
                 continue
             self._error = err
-            log.error("mounting tierfs at %s failed (retrying in %.0fs): %s", self.mountpoint,
-                      backoff, err)
+            log.error(
+                "mounting tierfs at %s failed (retrying in %.0fs): %s",
+                self.mountpoint,
+                backoff,
+                err,
+            )
             self._stop.wait(backoff)
             backoff = min(backoff * 2, self.max_backoff)
 
@@ -216,12 +230,21 @@ class SupervisedMount:
         except OSError as exc:
             return f"cannot create {self.mountpoint}: {exc.strerror}"
         argv = command("mount", self.mountpoint, *self.mount_args)
-        log.info("starting the node's tierfs mount: tierfs mount %s %s", self.mountpoint,
-                 " ".join(_redact_argv(self.mount_args)))
+        log.info(
+            "starting the node's tierfs mount: tierfs mount %s %s",
+            self.mountpoint,
+            " ".join(_redact_argv(self.mount_args)),
+        )
         try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=MOUNT_TIMEOUT,
-                                  stdin=subprocess.DEVNULL, check=False,
-                                  env={**os.environ, **self.env})
+            proc = subprocess.run(
+                argv,
+                capture_output=True,
+                text=True,
+                timeout=MOUNT_TIMEOUT,
+                stdin=subprocess.DEVNULL,
+                check=False,
+                env={**os.environ, **self.env},
+            )
         except subprocess.TimeoutExpired:
             return f"tierfs mount did not return within {MOUNT_TIMEOUT:.0f}s"
         if proc.returncode == 0:
@@ -268,9 +291,13 @@ class SupervisedMount:
         if self.record_path is None:
             return pid
         salt = secrets.token_hex(16)
-        record = {"pid": status.get("pid"), "ram_dir": status.get("ram_dir"),
-                  "argv": _redact_argv(self.mount_args), "salt": salt,
-                  "digest": self._fingerprint(salt)}
+        record = {
+            "pid": status.get("pid"),
+            "ram_dir": status.get("ram_dir"),
+            "argv": _redact_argv(self.mount_args),
+            "salt": salt,
+            "digest": self._fingerprint(salt),
+        }
         tmp = f"{self.record_path}.{os.getpid()}.tmp"
         try:
             os.makedirs(os.path.dirname(self.record_path), mode=0o700, exist_ok=True)
@@ -279,8 +306,11 @@ class SupervisedMount:
                 json.dump(record, f)
             os.replace(tmp, self.record_path)
         except OSError as exc:
-            log.warning("cannot record the node mount's options in %s: %s", self.record_path,
-                        exc.strerror or exc)
+            log.warning(
+                "cannot record the node mount's options in %s: %s",
+                self.record_path,
+                exc.strerror or exc,
+            )
         return pid
 
     def _read_record(self) -> dict[str, Any] | None:
@@ -318,20 +348,29 @@ class SupervisedMount:
             diffs.append(f"ram-dir {theirs} (this driver's: {self.ram_dir})")
         record = self._read_record()
         if record is None or record.get("pid") != pid:
-            log.warning("adopting the running tierfs daemon (pid %s) at %s without a record of "
-                        "the options it was started with (lost state directory, or mounted by "
-                        "hand): only its ram-dir is compared with this driver's flags", pid,
-                        self.mountpoint)
+            log.warning(
+                "adopting the running tierfs daemon (pid %s) at %s without a record of "
+                "the options it was started with (lost state directory, or mounted by "
+                "hand): only its ram-dir is compared with this driver's flags",
+                pid,
+                self.mountpoint,
+            )
         elif record.get("argv") != _redact_argv(self.mount_args):
-            diffs.append(f"options {' '.join(map(str, record.get('argv') or []))!r} "
-                         f"(this driver's: {' '.join(_redact_argv(self.mount_args))!r})")
+            diffs.append(
+                f"options {' '.join(map(str, record.get('argv') or []))!r} "
+                f"(this driver's: {' '.join(_redact_argv(self.mount_args))!r})"
+            )
         elif record.get("digest") != self._fingerprint(str(record.get("salt"))):
             diffs.append("peer token or --config file contents")
         if diffs:
-            log.warning("the adopted tierfs daemon (pid %s) at %s was started with a configuration "
-                        "that differs from this driver's flags: %s. It keeps running with its own "
-                        "until the node mount is mounted again (delete the node pod between jobs)",
-                        pid, self.mountpoint, "; ".join(diffs))
+            log.warning(
+                "the adopted tierfs daemon (pid %s) at %s was started with a configuration "
+                "that differs from this driver's flags: %s. It keeps running with its own "
+                "until the node mount is mounted again (delete the node pod between jobs)",
+                pid,
+                self.mountpoint,
+                "; ".join(diffs),
+            )
         else:
             log.info("adopted the running tierfs daemon (pid %s) at %s", pid, self.mountpoint)
         return diffs
@@ -356,12 +395,19 @@ class SupervisedMount:
             return True
         busy = self.published()
         if busy:
-            log.info("leaving the node mount up: %d volume(s) published (%s)", len(busy),
-                     ", ".join(busy[:5]))
+            log.info(
+                "leaving the node mount up: %d volume(s) published (%s)",
+                len(busy),
+                ", ".join(busy[:5]),
+            )
             return False
-        proc = subprocess.run(command("unmount", self.mountpoint, "--lazy", "--timeout",
-                                      str(timeout)),
-                              capture_output=True, text=True, check=False, timeout=timeout + 10)
+        proc = subprocess.run(
+            command("unmount", self.mountpoint, "--lazy", "--timeout", str(timeout)),
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=timeout + 10,
+        )
         if proc.returncode != 0:
             log.error("unmounting %s: %s", self.mountpoint, proc.stderr.strip())
             return False

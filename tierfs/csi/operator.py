@@ -63,9 +63,13 @@ class InClusterApi:
         timeout: seconds per request.
     """
 
-    def __init__(self, server: str | None = None, token: str | None = None,
-                 ca_file: str | None = os.path.join(SA_DIR, "ca.crt"),
-                 timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        server: str | None = None,
+        token: str | None = None,
+        ca_file: str | None = os.path.join(SA_DIR, "ca.crt"),
+        timeout: float = 30.0,
+    ) -> None:
         if server is None:
             host = os.environ.get("KUBERNETES_SERVICE_HOST", "kubernetes.default.svc")
             port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
@@ -100,7 +104,7 @@ class InClusterApi:
             ApiError: the API server answered with an error status.
             OSError: it could not be reached.
         """
-        url = (f"{self.server}{self.path_of(obj)}?fieldManager={FIELD_MANAGER}&force=true")
+        url = f"{self.server}{self.path_of(obj)}?fieldManager={FIELD_MANAGER}&force=true"
         req = urllib.request.Request(url, data=json.dumps(obj).encode(), method="PATCH")
         req.add_header("Content-Type", "application/apply-patch+yaml")
         req.add_header("Accept", "application/json")
@@ -122,13 +126,16 @@ class InClusterApi:
 
 def settings_from_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """Render options from the operator's environment (image, namespace, driver name)."""
-    return {"image": tierfs_settings.IMAGE.get(env),
-            "namespace": tierfs_settings.NAMESPACE.get(env),
-            "driver_name": tierfs_settings.DRIVER_NAME.get(env)}
+    return {
+        "image": tierfs_settings.IMAGE.get(env),
+        "namespace": tierfs_settings.NAMESPACE.get(env),
+        "driver_name": tierfs_settings.DRIVER_NAME.get(env),
+    }
 
 
-def reconcile(body: Mapping[str, Any], api: Applier,
-              settings: Mapping[str, str] | None = None) -> dict[str, Any]:
+def reconcile(
+    body: Mapping[str, Any], api: Applier, settings: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """Render and apply the DaemonSet of one configuration; returns the new ``status``.
 
     Raises:
@@ -139,9 +146,11 @@ def reconcile(body: Mapping[str, Any], api: Applier,
     ds = render.render_node_daemonset(body, **opts)
     api.apply(ds)
     meta = ds["metadata"]
-    return {"daemonSet": f"{meta['namespace']}/{meta['name']}",
-            "observedGeneration": (body.get("metadata") or {}).get("generation", 0),
-            "error": ""}
+    return {
+        "daemonSet": f"{meta['namespace']}/{meta['name']}",
+        "observedGeneration": (body.get("metadata") or {}).get("generation", 0),
+        "error": "",
+    }
 
 
 _api: Applier | None = None

@@ -74,7 +74,7 @@ def short_name(name: str, limit: int) -> str:
     if len(name) <= limit:
         return name
     digest = hashlib.sha256(name.encode()).hexdigest()[:8]
-    return f"{name[:limit - 9].rstrip('-.')}-{digest}"
+    return f"{name[: limit - 9].rstrip('-.')}-{digest}"
 
 
 def daemonset_name(config_name: str) -> str:
@@ -84,8 +84,9 @@ def daemonset_name(config_name: str) -> str:
 
 def _spec(cpc: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     if cpc.get("apiVersion") != API_VERSION or cpc.get("kind") != KIND:
-        raise RenderError(f"expected {API_VERSION} {KIND}, got "
-                          f"{cpc.get('apiVersion')} {cpc.get('kind')}")
+        raise RenderError(
+            f"expected {API_VERSION} {KIND}, got {cpc.get('apiVersion')} {cpc.get('kind')}"
+        )
     name = (cpc.get("metadata") or {}).get("name") or ""
     if not _NAME.match(name) or len(name) > 253:
         raise RenderError(f"metadata.name {name!r} is not a DNS subdomain name")
@@ -104,15 +105,24 @@ def node_args(spec: Mapping[str, Any], driver_name: str = DRIVER_NAME) -> list[s
         RenderError: a field of the wrong type or out of range.
     """
     size = quantity_bytes(spec["inMemoryVolumeSize"])
-    args = ["csi", "--endpoint=$(CSI_ENDPOINT)", "--node-id=$(NODE_NAME)",
-            f"--driver-name={driver_name}", f"--mount-dir={MOUNT_DIR}",
-            f"--state-dir={STATE_DIR}", f"--ram-dir={RAM_DIR}", f"--size={size}",
-            "--resize-ram-volume"]
+    args = [
+        "csi",
+        "--endpoint=$(CSI_ENDPOINT)",
+        "--node-id=$(NODE_NAME)",
+        f"--driver-name={driver_name}",
+        f"--mount-dir={MOUNT_DIR}",
+        f"--state-dir={STATE_DIR}",
+        f"--ram-dir={RAM_DIR}",
+        f"--size={size}",
+        "--resize-ram-volume",
+    ]
     bucket = spec.get("cloudStorageBucketName")
     if bucket:
         if not isinstance(bucket, str) or bucket.startswith("gs://"):
-            raise RenderError("spec.cloudStorageBucketName must be a bucket name "
-                              "(NAME or NAME/PREFIX, without gs://)")
+            raise RenderError(
+                "spec.cloudStorageBucketName must be a bucket name "
+                "(NAME or NAME/PREFIX, without gs://)"
+            )
         args.append(f"--bucket={bucket}")
     for opt in spec.get("mountOptions") or []:
         if not isinstance(opt, str) or not opt or " " in opt:
@@ -145,10 +155,15 @@ def node_args(spec: Mapping[str, Any], driver_name: str = DRIVER_NAME) -> list[s
     return args
 
 
-def render_node_daemonset(cpc: Mapping[str, Any], *, image: str = IMAGE,
-                          namespace: str = NAMESPACE, driver_name: str = DRIVER_NAME,
-                          registrar_image: str = REGISTRAR_IMAGE,
-                          livenessprobe_image: str = LIVENESSPROBE_IMAGE) -> dict[str, Any]:
+def render_node_daemonset(
+    cpc: Mapping[str, Any],
+    *,
+    image: str = IMAGE,
+    namespace: str = NAMESPACE,
+    driver_name: str = DRIVER_NAME,
+    registrar_image: str = REGISTRAR_IMAGE,
+    livenessprobe_image: str = LIVENESSPROBE_IMAGE,
+) -> dict[str, Any]:
     """The node DaemonSet (apps/v1) that serves ``cpc``'s nodes.
 
     Pure: the same configuration always gives the same object; nothing is
@@ -173,25 +188,39 @@ def render_node_daemonset(cpc: Mapping[str, Any], *, image: str = IMAGE,
     name, spec = _spec(cpc)
     size = spec["inMemoryVolumeSize"]
     quantity_bytes(size)
-    labels = {"app.kubernetes.io/name": "tierfs", "app.kubernetes.io/component": "node",
-              CONFIG_LABEL: short_name(name, 63)}
+    labels = {
+        "app.kubernetes.io/name": "tierfs",
+        "app.kubernetes.io/component": "node",
+        CONFIG_LABEL: short_name(name, 63),
+    }
     node_selector = {"kubernetes.io/os": "linux"}
     selector = spec.get("nodeSelector") or {}
     if not isinstance(selector, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in selector.items()):
+        isinstance(k, str) and isinstance(v, str) for k, v in selector.items()
+    ):
         raise RenderError("spec.nodeSelector must map strings to strings")
     node_selector.update(selector)
     tolerations = spec.get("tolerations") or []
     if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
         raise RenderError("spec.tolerations must be a list of tolerations")
     plugin_dir = f"{KUBELET_DIR}/plugins/{driver_name}"
-    metadata: dict[str, Any] = {"name": daemonset_name(name), "namespace": namespace,
-                                "labels": dict(labels)}
+    metadata: dict[str, Any] = {
+        "name": daemonset_name(name),
+        "namespace": namespace,
+        "labels": dict(labels),
+    }
     uid = (cpc.get("metadata") or {}).get("uid")
     if uid:
-        metadata["ownerReferences"] = [{
-            "apiVersion": API_VERSION, "kind": KIND, "name": name, "uid": uid,
-            "controller": True, "blockOwnerDeletion": True}]
+        metadata["ownerReferences"] = [
+            {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "name": name,
+                "uid": uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
     node_container = {
         "name": "tierfs",
         "image": image,
@@ -203,17 +232,27 @@ def render_node_daemonset(cpc: Mapping[str, Any], *, image: str = IMAGE,
         ],
         "securityContext": {"privileged": True},
         "ports": [{"name": "healthz", "containerPort": HEALTH_PORT, "protocol": "TCP"}],
-        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "healthz"},
-                          "initialDelaySeconds": 10, "periodSeconds": 10, "timeoutSeconds": 3,
-                          "failureThreshold": 5},
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "healthz"},
+            "initialDelaySeconds": 10,
+            "periodSeconds": 10,
+            "timeoutSeconds": 3,
+            "failureThreshold": 5,
+        },
         # Ready = Probe says ready = the node's tierfs mount answers
-        "readinessProbe": {"httpGet": {"path": "/healthz", "port": "healthz"},
-                           "periodSeconds": 5, "timeoutSeconds": 3},
+        "readinessProbe": {
+            "httpGet": {"path": "/healthz", "port": "healthz"},
+            "periodSeconds": 5,
+            "timeoutSeconds": 3,
+        },
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
         "volumeMounts": [
             {"name": "plugin-dir", "mountPath": "/csi"},
-            {"name": "kubelet-pods", "mountPath": f"{KUBELET_DIR}/pods",
-             "mountPropagation": "Bidirectional"},
+            {
+                "name": "kubelet-pods",
+                "mountPath": f"{KUBELET_DIR}/pods",
+                "mountPropagation": "Bidirectional",
+            },
             {"name": "ram", "mountPath": RAM_DIR},
             {"name": "state", "mountPath": STATE_DIR},
         ],
@@ -221,22 +260,35 @@ def render_node_daemonset(cpc: Mapping[str, Any], *, image: str = IMAGE,
     registrar = {
         "name": "node-driver-registrar",
         "image": registrar_image,
-        "args": ["--v=2", "--csi-address=/csi/csi.sock",
-                 f"--kubelet-registration-path={plugin_dir}/csi.sock",
-                 f"--http-endpoint=:{REGISTRAR_HEALTH_PORT}"],
-        "ports": [{"name": "registrar-hz", "containerPort": REGISTRAR_HEALTH_PORT,
-                   "protocol": "TCP"}],
-        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "registrar-hz"},
-                          "initialDelaySeconds": 5, "periodSeconds": 10, "timeoutSeconds": 15},
+        "args": [
+            "--v=2",
+            "--csi-address=/csi/csi.sock",
+            f"--kubelet-registration-path={plugin_dir}/csi.sock",
+            f"--http-endpoint=:{REGISTRAR_HEALTH_PORT}",
+        ],
+        "ports": [
+            {"name": "registrar-hz", "containerPort": REGISTRAR_HEALTH_PORT, "protocol": "TCP"}
+        ],
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "registrar-hz"},
+            "initialDelaySeconds": 5,
+            "periodSeconds": 10,
+            "timeoutSeconds": 15,
+        },
         "resources": {"requests": {"cpu": "10m", "memory": "20Mi"}},
-        "volumeMounts": [{"name": "plugin-dir", "mountPath": "/csi"},
-                         {"name": "registration-dir", "mountPath": "/registration"}],
+        "volumeMounts": [
+            {"name": "plugin-dir", "mountPath": "/csi"},
+            {"name": "registration-dir", "mountPath": "/registration"},
+        ],
     }
     liveness = {
         "name": "liveness-probe",
         "image": livenessprobe_image,
-        "args": ["--csi-address=/csi/csi.sock", f"--health-port={HEALTH_PORT}",
-                 "--probe-timeout=3s"],
+        "args": [
+            "--csi-address=/csi/csi.sock",
+            f"--health-port={HEALTH_PORT}",
+            "--probe-timeout=3s",
+        ],
         "resources": {"requests": {"cpu": "10m", "memory": "20Mi"}},
         "volumeMounts": [{"name": "plugin-dir", "mountPath": "/csi"}],
     }
@@ -259,13 +311,21 @@ def render_node_daemonset(cpc: Mapping[str, Any], *, image: str = IMAGE,
                     "tolerations": copy.deepcopy(tolerations),
                     "containers": [node_container, registrar, liveness],
                     "volumes": [
-                        {"name": "plugin-dir",
-                         "hostPath": {"path": plugin_dir, "type": "DirectoryOrCreate"}},
-                        {"name": "registration-dir",
-                         "hostPath": {"path": f"{KUBELET_DIR}/plugins_registry",
-                                      "type": "Directory"}},
-                        {"name": "kubelet-pods",
-                         "hostPath": {"path": f"{KUBELET_DIR}/pods", "type": "Directory"}},
+                        {
+                            "name": "plugin-dir",
+                            "hostPath": {"path": plugin_dir, "type": "DirectoryOrCreate"},
+                        },
+                        {
+                            "name": "registration-dir",
+                            "hostPath": {
+                                "path": f"{KUBELET_DIR}/plugins_registry",
+                                "type": "Directory",
+                            },
+                        },
+                        {
+                            "name": "kubelet-pods",
+                            "hostPath": {"path": f"{KUBELET_DIR}/pods", "type": "Directory"},
+                        },
                         {"name": "ram", "emptyDir": {"medium": "Memory", "sizeLimit": size}},
                         {"name": "state", "emptyDir": {"sizeLimit": "16Mi"}},
                     ],
@@ -275,9 +335,11 @@ def render_node_daemonset(cpc: Mapping[str, Any], *, image: str = IMAGE,
     }
 
 
-HEADER = ("# Generated by `python -m tierfs.csi.render {source}`; do not edit.\n"
-          "# It is the node DaemonSet of that CheckpointConfiguration (the operator\n"
-          "# renders the same object for every configuration in the cluster).\n")
+HEADER = (
+    "# Generated by `python -m tierfs.csi.render {source}`; do not edit.\n"
+    "# It is the node DaemonSet of that CheckpointConfiguration (the operator\n"
+    "# renders the same object for every configuration in the cluster).\n"
+)
 
 
 def render_file(path: str) -> str:

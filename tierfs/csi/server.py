@@ -50,10 +50,11 @@ log = logging.getLogger("tierfs.csi")
 #: the gRPC methods this server registers (CSI spec "RPC Interface"); gRPC answers
 #: every other CSI method UNIMPLEMENTED
 IDENTITY_METHODS = ("GetPluginInfo", "GetPluginCapabilities", "Probe")
-NODE_METHODS = ("NodePublishVolume", "NodeUnpublishVolume", "NodeGetCapabilities",
-                "NodeGetInfo")
-METHOD_PATHS = tuple([f"/csi.v1.Identity/{m}" for m in IDENTITY_METHODS]
-                     + [f"/csi.v1.Node/{m}" for m in NODE_METHODS])
+NODE_METHODS = ("NodePublishVolume", "NodeUnpublishVolume", "NodeGetCapabilities", "NodeGetInfo")
+METHOD_PATHS = tuple(
+    [f"/csi.v1.Identity/{m}" for m in IDENTITY_METHODS]
+    + [f"/csi.v1.Node/{m}" for m in NODE_METHODS]
+)
 
 #: the driver name: domain-name notation, at most 63 characters (spec "GetPluginInfo")
 DEFAULT_DRIVER_NAME = "tierfs.csi.dev"
@@ -98,8 +99,11 @@ class StaticMount:
     def ready(self) -> bool:
         """True if a FUSE filesystem is mounted at the mountpoint and answers stat."""
         entry = mounts.top_mount(self.mountpoint)
-        return (entry is not None and entry.fstype.startswith("fuse")
-                and not mounts.is_dead(self.mountpoint))
+        return (
+            entry is not None
+            and entry.fstype.startswith("fuse")
+            and not mounts.is_dead(self.mountpoint)
+        )
 
     def error(self) -> str | None:
         """Always None: nothing is started here."""
@@ -120,12 +124,15 @@ def validate_driver_name(name: str) -> str:
         ValueError: naming the rule broken.
     """
     if not re.match(_NAME_RE, name):
-        raise ValueError(f"driver name {name!r} must be at most 63 characters of [A-Za-z0-9.-], "
-                         "beginning and ending with an alphanumeric character")
+        raise ValueError(
+            f"driver name {name!r} must be at most 63 characters of [A-Za-z0-9.-], "
+            "beginning and ending with an alphanumeric character"
+        )
     return name
 
 
 # ---------------------------------------------------------------------------- records
+
 
 @dataclass(frozen=True)
 class PublishRecord:
@@ -188,6 +195,7 @@ class PublishRecords:
 
 
 # ---------------------------------------------------------------------------- helpers
+
 
 class TargetBusy(Exception):
     """Another call on the same target is in flight."""
@@ -269,9 +277,11 @@ def write_atomically(directory: str, name: str, data: bytes, mode: int = 0o644) 
 
 def _request_summary(request: Any) -> str:
     """A log line for a publish request: never ``secrets``, never a token value."""
-    return (f"volume_id={request.volume_id!r} target_path={request.target_path!r} "
-            f"readonly={request.readonly} secrets={sorted(request.secrets)} "
-            f"volume_context={vc.redacted(dict(request.volume_context))}")
+    return (
+        f"volume_id={request.volume_id!r} target_path={request.target_path!r} "
+        f"readonly={request.readonly} secrets={sorted(request.secrets)} "
+        f"volume_context={vc.redacted(dict(request.volume_context))}"
+    )
 
 
 @dataclass
@@ -288,6 +298,7 @@ class _Publish:
 
 
 # ---------------------------------------------------------------------------- services
+
 
 class IdentityService(csi_pb2_grpc.IdentityServicer):
     """CSI Identity service (spec "Identity Service RPC").
@@ -320,14 +331,18 @@ class IdentityService(csi_pb2_grpc.IdentityServicer):
         mount is still starting; ``ready=true`` once it answers.
         """
         if not os.path.exists(self.fuse_device):
-            raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
-                        f"{self.fuse_device} is missing: tierfs needs FUSE (privileged container)")
+            raise Abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{self.fuse_device} is missing: tierfs needs FUSE (privileged container)",
+            )
         ready = self.node.ready()
         if not ready:
             err = self.node.error()
             if err:
-                raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"the node's tierfs mount at {self.node.mountpoint} failed: {err}")
+                raise Abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"the node's tierfs mount at {self.node.mountpoint} failed: {err}",
+                )
         return csi_pb2.ProbeResponse(ready=wrappers_pb2.BoolValue(value=ready))
 
 
@@ -397,17 +412,22 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         except vc.ContextError as exc:
             raise Abort(bad, str(exc)) from None
         target = self._check_target(request.target_path)
-        readonly = (request.readonly or cap.access_mode.mode in _READ_ONLY_MODES
-                    or bool(flags & mounts.MS_RDONLY))
+        readonly = (
+            request.readonly
+            or cap.access_mode.mode in _READ_ONLY_MODES
+            or bool(flags & mounts.MS_RDONLY)
+        )
         params = {
-            "volume_id": request.volume_id, "readonly": readonly,
-            "fs_type": cap.mount.fs_type, "flags": flags, "mode": int(cap.access_mode.mode),
+            "volume_id": request.volume_id,
+            "readonly": readonly,
+            "fs_type": cap.mount.fs_type,
+            "flags": flags,
+            "mode": int(cap.access_mode.mode),
             "context": vc.comparable(request.volume_context),
             "publish_context": dict(sorted(request.publish_context.items())),
         }
         digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()
-        return _Publish(request.volume_id, target, readonly, flags & ~mounts.MS_RDONLY, digest,
-                        jax)
+        return _Publish(request.volume_id, target, readonly, flags & ~mounts.MS_RDONLY, digest, jax)
 
     def _check_target(self, target_path: str) -> str:
         """Check a ``target_path`` of publish or unpublish; return it resolved (realpath).
@@ -442,9 +462,13 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         if not os.path.isabs(target_path):
             raise Abort(bad, "target_path must be an absolute path")
         if len(os.fsencode(target_path)) >= PATH_MAX or any(
-                len(os.fsencode(part)) > NAME_MAX for part in target_path.split("/")):
-            raise Abort(bad, f"target_path is longer than Linux allows ({PATH_MAX - 1} bytes, "
-                             f"{NAME_MAX} per name)")
+            len(os.fsencode(part)) > NAME_MAX for part in target_path.split("/")
+        ):
+            raise Abort(
+                bad,
+                f"target_path is longer than Linux allows ({PATH_MAX - 1} bytes, "
+                f"{NAME_MAX} per name)",
+            )
         target = os.path.realpath(target_path)
         named = os.path.normpath(target_path)
         own = [("the node's tierfs mount", self.node.mountpoint)]
@@ -455,15 +479,24 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                 for t in dict.fromkeys((named, target)):
                     if mounts.is_within(t, p):
                         where = "is" if t == p else "lies inside"
-                        raise Abort(bad, f"target_path {target_path} {where} {what} ({p}): "
-                                         "volumes cannot be published there")
+                        raise Abort(
+                            bad,
+                            f"target_path {target_path} {where} {what} ({p}): "
+                            "volumes cannot be published there",
+                        )
                     if mounts.is_within(p, t):
-                        raise Abort(bad, f"target_path {target_path} contains {what} ({p}): "
-                                         "a mount there would hide it")
+                        raise Abort(
+                            bad,
+                            f"target_path {target_path} contains {what} ({p}): "
+                            "a mount there would hide it",
+                        )
         outer = mounts.containing_mount(os.path.dirname(target))
         if outer is not None and self._is_ours(outer):
-            raise Abort(bad, f"target_path {target_path} lies inside the tierfs mount at "
-                             f"{outer.mountpoint}: volumes cannot be published inside tierfs")
+            raise Abort(
+                bad,
+                f"target_path {target_path} lies inside the tierfs mount at "
+                f"{outer.mountpoint}: volumes cannot be published inside tierfs",
+            )
         return target
 
     @_rpc
@@ -483,19 +516,24 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             with self.locks.hold(pub.target):
                 self._publish(pub)
         except TargetBusy:
-            raise Abort(grpc.StatusCode.ABORTED,
-                        f"an operation on {pub.target} is already in progress") from None
+            raise Abort(
+                grpc.StatusCode.ABORTED, f"an operation on {pub.target} is already in progress"
+            ) from None
         return csi_pb2.NodePublishVolumeResponse()
 
     def _publish(self, pub: _Publish) -> None:
         if not self.node.ready():
-            raise Abort(grpc.StatusCode.UNAVAILABLE,
-                        f"the node's tierfs mount at {self.node.mountpoint} is not ready yet")
+            raise Abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the node's tierfs mount at {self.node.mountpoint} is not ready yet",
+            )
         top = mounts.top_mount(pub.target)
         if top is not None:
             if not self._is_ours(top):
-                raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"{pub.target} holds a {top.fstype} mount that is not tierfs")
+                raise Abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{pub.target} holds a {top.fstype} mount that is not tierfs",
+                )
             if mounts.is_dead(pub.target):
                 log.warning("%s: replacing a bind mount of a tierfs daemon that died", pub.target)
                 old = self.records.get(pub.target)
@@ -505,20 +543,26 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             else:
                 rec = self.records.get(pub.target)
                 if top.readonly != pub.readonly or (rec is not None and rec.digest != pub.digest):
-                    raise Abort(grpc.StatusCode.ALREADY_EXISTS,
-                                f"{pub.target} is already published with different arguments"
-                                + (f" (volume {rec.volume_id!r})" if rec else ""))
+                    raise Abort(
+                        grpc.StatusCode.ALREADY_EXISTS,
+                        f"{pub.target} is already published with different arguments"
+                        + (f" (volume {rec.volume_id!r})" if rec else ""),
+                    )
                 if rec is None:  # published by a run whose record is gone: adopt it
-                    self.records.put(PublishRecord(pub.target, pub.volume_id, pub.readonly,
-                                                   pub.digest, created=None))
+                    self.records.put(
+                        PublishRecord(
+                            pub.target, pub.volume_id, pub.readonly, pub.digest, created=None
+                        )
+                    )
                 log.info("%s already published: OK", pub.target)
                 return
         else:
             created = False
         try:
             created = self._make_target(pub) or created
-            self.records.put(PublishRecord(pub.target, pub.volume_id, pub.readonly, pub.digest,
-                                           created))
+            self.records.put(
+                PublishRecord(pub.target, pub.volume_id, pub.readonly, pub.digest, created)
+            )
             pub.undo.append(lambda: self.records.remove(pub.target))
             mounts.bind_mount(self.node.mountpoint, pub.target)
             pub.undo.append(lambda: mounts.unmount(pub.target))
@@ -536,12 +580,18 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             if isinstance(exc, Abort):
                 raise
             if isinstance(exc, OSError):
-                raise Abort(grpc.StatusCode.INTERNAL,
-                            f"publishing at {pub.target} failed, nothing left behind: "
-                            f"{exc.strerror or exc}") from exc
+                raise Abort(
+                    grpc.StatusCode.INTERNAL,
+                    f"publishing at {pub.target} failed, nothing left behind: "
+                    f"{exc.strerror or exc}",
+                ) from exc
             raise
-        log.info("published %s at %s%s", self.node.mountpoint, pub.target,
-                 " (read-only)" if pub.readonly else "")
+        log.info(
+            "published %s at %s%s",
+            self.node.mountpoint,
+            pub.target,
+            " (read-only)" if pub.readonly else "",
+        )
 
     def _make_target(self, pub: _Publish) -> bool:
         """Create ``target_path`` and any missing parents, queueing their removal on undo.
@@ -559,8 +609,10 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                 path = os.path.dirname(path)
                 continue
             if path == pub.target and not stat.S_ISDIR(st.st_mode):
-                raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"{pub.target} exists and is not a directory")
+                raise Abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{pub.target} exists and is not a directory",
+                )
             break
         for d in reversed(missing):
             os.mkdir(d, 0o750)
@@ -571,8 +623,13 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         """Write ``jax-init-info.txt`` into the node mount root (PROTOCOL.md §1)."""
         with self._jax_lock:
             write_atomically(self.node.mountpoint, JAX_INIT_INFO, info.render())
-        log.info("wrote %s: process %d, coordinator %s:%d", JAX_INIT_INFO, info.process_id,
-                 info.host, info.port)
+        log.info(
+            "wrote %s: process %d, coordinator %s:%d",
+            JAX_INIT_INFO,
+            info.process_id,
+            info.host,
+            info.port,
+        )
 
     # ------------------------------------------------------------------ unpublish
 
@@ -601,9 +658,10 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             if top is None:
                 return count
             if not self._is_ours(top):
-                raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"{target} holds a {top.fstype} mount that is not tierfs; "
-                            "not unmounting it")
+                raise Abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{target} holds a {top.fstype} mount that is not tierfs; not unmounting it",
+                )
             mounts.unmount(target)
             count += 1
 
@@ -641,8 +699,12 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         except OSError as exc:
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
                 raise
-            log.warning("%s: %s, but %s once unmounted; left in place", target, why,
-                        "not a directory" if exc.errno == errno.ENOTDIR else "not empty")
+            log.warning(
+                "%s: %s, but %s once unmounted; left in place",
+                target,
+                why,
+                "not a directory" if exc.errno == errno.ENOTDIR else "not empty",
+            )
 
     @_rpc
     def NodeUnpublishVolume(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -667,8 +729,11 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         ``volume_id`` is still required (INVALID_ARGUMENT without it).
         """
         bad = grpc.StatusCode.INVALID_ARGUMENT
-        log.info("NodeUnpublishVolume volume_id=%r target_path=%r", request.volume_id,
-                 request.target_path)
+        log.info(
+            "NodeUnpublishVolume volume_id=%r target_path=%r",
+            request.volume_id,
+            request.target_path,
+        )
         if not request.volume_id:
             raise Abort(bad, "volume_id is required")
         target = self._check_target(request.target_path)
@@ -676,20 +741,26 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             with self.locks.hold(target):
                 rec = self.records.get(target)
                 if rec is not None and rec.volume_id != request.volume_id:
-                    log.warning("%s was published for volume %r; unpublishing it for %r, "
-                                "as the target path names the publication", target,
-                                rec.volume_id, request.volume_id)
+                    log.warning(
+                        "%s was published for volume %r; unpublishing it for %r, "
+                        "as the target path names the publication",
+                        target,
+                        rec.volume_id,
+                        request.volume_id,
+                    )
                 unmounted = self._unmount_all(target)
                 self._remove_target(target, rec, unmounted)
                 self.records.remove(target)
         except TargetBusy:
-            raise Abort(grpc.StatusCode.ABORTED,
-                        f"an operation on {target} is already in progress") from None
+            raise Abort(
+                grpc.StatusCode.ABORTED, f"an operation on {target} is already in progress"
+            ) from None
         log.info("unpublished %s", target)
         return csi_pb2.NodeUnpublishVolumeResponse()
 
 
 # ---------------------------------------------------------------------------- server
+
 
 def socket_path(endpoint: str) -> str:
     """The socket path of a CSI endpoint (spec "CSI_ENDPOINT": ``unix:///path.sock``).
@@ -700,9 +771,9 @@ def socket_path(endpoint: str) -> str:
         ValueError: any other scheme, or a relative path.
     """
     if endpoint.startswith("unix://"):
-        path = endpoint[len("unix://"):]
+        path = endpoint[len("unix://") :]
     elif endpoint.startswith("unix:"):
-        path = endpoint[len("unix:"):]
+        path = endpoint[len("unix:") :]
     elif "://" in endpoint:
         raise ValueError(f"CSI endpoint {endpoint!r}: only unix sockets are allowed")
     else:
@@ -712,8 +783,9 @@ def socket_path(endpoint: str) -> str:
     return path
 
 
-def serve(endpoint: str, identity: IdentityService, node: NodeService,
-          max_workers: int = 8) -> grpc.Server:
+def serve(
+    endpoint: str, identity: IdentityService, node: NodeService, max_workers: int = 8
+) -> grpc.Server:
     """Start a gRPC server for both services on a unix socket of mode 0600.
 
     A stale socket file left by a killed driver is removed first.
@@ -732,8 +804,9 @@ def serve(endpoint: str, identity: IdentityService, node: NodeService,
             os.unlink(path)
         else:
             raise ValueError(f"{path} exists and is not a socket")
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
-                                                    thread_name_prefix="csi"))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="csi")
+    )
     csi_pb2_grpc.add_IdentityServicer_to_server(identity, server)
     csi_pb2_grpc.add_NodeServicer_to_server(node, server)
     old = os.umask(0o177)

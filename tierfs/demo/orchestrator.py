@@ -166,9 +166,11 @@ class StatusWatcher(threading.Thread):
         n = self.demo.config.nodes
         for step in status.get("steps", []):
             where = step.get("where", [])
-            facts = {"sealed": True,
-                     "replicated": any(w.startswith("peer:") for w in where),
-                     "backed up": any(w.startswith("gcs:") for w in where)}
+            facts = {
+                "sealed": True,
+                "replicated": any(w.startswith("peer:") for w in where),
+                "backed up": any(w.startswith("gcs:") for w in where),
+            }
             for fact, true in facts.items():
                 key = (fact, step["step"])
                 if true and rank not in self.seen[key]:
@@ -179,9 +181,12 @@ class StatusWatcher(threading.Thread):
                             rounds = sorted({w[4:] for w in where if w.startswith("gcs:")})
                             extra = f" (round {rounds[-1]})" if rounds else ""
                         self.demo.timeline.add(
-                            fact, f"step {step['step']:>3} {fact} on {n}/{n} nodes "
-                                  f"({format_size(step.get('bytes', 0))} per node){extra}",
-                            step=step["step"], bytes=step.get("bytes", 0))
+                            fact,
+                            f"step {step['step']:>3} {fact} on {n}/{n} nodes "
+                            f"({format_size(step.get('bytes', 0))} per node){extra}",
+                            step=step["step"],
+                            bytes=step.get("bytes", 0),
+                        )
         restore = status.get("restore") or {}
         at = restore.get("at")
         if restore.get("state") == "done" and at and self.restores.get(rank) != at:
@@ -191,9 +196,12 @@ class StatusWatcher(threading.Thread):
                 if restore.get("backup"):
                     src = f"GCS round {restore['backup']}"
                 self.demo.timeline.add(
-                    "restored", f"node {rank}: restore of step {restore['step']} ready "
-                                f"(data from {src})", step=restore["step"], node=rank,
-                    source=src)
+                    "restored",
+                    f"node {rank}: restore of step {restore['step']} ready (data from {src})",
+                    step=restore["step"],
+                    node=rank,
+                    source=src,
+                )
 
     def forget_node(self, rank: int) -> None:
         """A node lost its RAM: its facts must be seen again."""
@@ -241,17 +249,32 @@ class Demo:
 
     def mount(self, node: Node) -> None:
         coordinator = f"127.0.0.1:{self.nodes[0].port}"
-        args = command("mount", str(node.mount), "--ram-dir", str(node.ram), "-o",
-                       "allow_other", "--listen", f"127.0.0.1:{node.port}", "--coordinator",
-                       coordinator, "--bucket", BUCKET, "--keep-local", "3",
-                       "--join-timeout", str(self.config.timeout))
+        args = command(
+            "mount",
+            str(node.mount),
+            "--ram-dir",
+            str(node.ram),
+            "-o",
+            "allow_other",
+            "--listen",
+            f"127.0.0.1:{node.port}",
+            "--coordinator",
+            coordinator,
+            "--bucket",
+            BUCKET,
+            "--keep-local",
+            "3",
+            "--join-timeout",
+            str(self.config.timeout),
+        )
         proc = subprocess.run(args, env=self._env(), capture_output=True, text=True)
         if proc.returncode != 0:
             raise DemoError(f"mounting node {node.rank} failed: {proc.stderr.strip()}")
 
     def unmount(self, node: Node) -> None:
-        subprocess.run(command("unmount", str(node.mount), "--lazy"), capture_output=True,
-                       check=False)
+        subprocess.run(
+            command("unmount", str(node.mount), "--lazy"), capture_output=True, check=False
+        )
 
     def daemon_pid(self, node: Node) -> int | None:
         try:
@@ -286,14 +309,40 @@ class Demo:
         for node in self.nodes:
             with open(self.out / "logs" / f"trainer{node.rank}.log", "ab") as log:
                 node.trainer = subprocess.Popen(
-                    [sys.executable, "-P", "-m", "tierfs.demo.trainer", "--mount", str(node.mount),
-                     "--rank", str(node.rank), "--world", str(c.nodes), "--master-port",
-                     str(self.master_port), "--job", JOB, "--until", str(until),
-                     "--save-every", str(c.save_every), "--backup-every",
-                     str(c.backup_every), "--model-size", c.model_size, "--events",
-                     str(self.events), "--step-delay", str(c.step_delay), "--timeout",
-                     str(c.timeout)],
-                    stdout=log, stderr=subprocess.STDOUT, env=env)
+                    [
+                        sys.executable,
+                        "-P",
+                        "-m",
+                        "tierfs.demo.trainer",
+                        "--mount",
+                        str(node.mount),
+                        "--rank",
+                        str(node.rank),
+                        "--world",
+                        str(c.nodes),
+                        "--master-port",
+                        str(self.master_port),
+                        "--job",
+                        JOB,
+                        "--until",
+                        str(until),
+                        "--save-every",
+                        str(c.save_every),
+                        "--backup-every",
+                        str(c.backup_every),
+                        "--model-size",
+                        c.model_size,
+                        "--events",
+                        str(self.events),
+                        "--step-delay",
+                        str(c.step_delay),
+                        "--timeout",
+                        str(c.timeout),
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                )
 
     def wait_trainers(self) -> None:
         deadline = time.monotonic() + self.config.timeout * 3
@@ -307,8 +356,10 @@ class Demo:
                 raise DemoError(f"trainer {node.rank} did not finish") from None
             if code != 0:
                 self.kill_trainers()
-                raise DemoError(f"trainer {node.rank} exited with {code}; see "
-                                f"{self.out / 'logs' / f'trainer{node.rank}.log'}")
+                raise DemoError(
+                    f"trainer {node.rank} exited with {code}; see "
+                    f"{self.out / 'logs' / f'trainer{node.rank}.log'}"
+                )
 
     def kill_trainer(self, node: Node) -> None:
         if node.trainer is not None and node.trainer.poll() is None:
@@ -348,8 +399,11 @@ class Demo:
 
     def newest_fact(self, fact: str) -> int:
         assert self.watcher is not None
-        done = [s for (f, s), ranks in list(self.watcher.seen.items())
-                if f == fact and len(ranks) == self.config.nodes]
+        done = [
+            s
+            for (f, s), ranks in list(self.watcher.seen.items())
+            if f == fact and len(ranks) == self.config.nodes
+        ]
         return max(done, default=0)
 
     # ------------------------------------------------------------------ the story
@@ -374,8 +428,11 @@ class Demo:
             self.nodes.append(Node(rank, mnt, self.shm / f"node{rank}", ports[rank]))
         for node in self.nodes:
             self.mount(node)
-        self.timeline.add("setup", f"{c.nodes} tierfs nodes mounted under {self.work} "
-                                   f"(RAM under {self.shm}, coordinator node 0)")
+        self.timeline.add(
+            "setup",
+            f"{c.nodes} tierfs nodes mounted under {self.work} "
+            f"(RAM under {self.shm}, coordinator node 0)",
+        )
         self.watcher = StatusWatcher(self)
         self.watcher.start()
 
@@ -386,22 +443,30 @@ class Demo:
         try:
             self.setup()  # inside: a node that fails to mount stops the emulator too
             # phase 1: train and checkpoint
-            self.timeline.add("train", f"training job starts: {c.nodes} ranks, steps 1-{p1}, "
-                                       f"checkpoint every {c.save_every}, backup every "
-                                       f"{c.backup_every}")
+            self.timeline.add(
+                "train",
+                f"training job starts: {c.nodes} ranks, steps 1-{p1}, "
+                f"checkpoint every {c.save_every}, backup every "
+                f"{c.backup_every}",
+            )
             self.launch_trainers(p1)
             self.wait_trainers()
-            self.wait_until(lambda: self.step_fact("replicated", p1),
-                            f"step {p1} replicated everywhere")
-            self.wait_until(lambda: self.newest_fact("backed up") >= p1 - c.backup_every,
-                            "a backup round")
+            self.wait_until(
+                lambda: self.step_fact("replicated", p1), f"step {p1} replicated everywhere"
+            )
+            self.wait_until(
+                lambda: self.newest_fact("backed up") >= p1 - c.backup_every, "a backup round"
+            )
             # phase 2: a node failure in the middle of training
             victim = self.nodes[min(2, c.nodes - 1)]
             self.timeline.add("train", f"training resumes: steps {p1 + 1}-{p2}")
             self.launch_trainers(p2)
-            self.wait_until(lambda: self.step_fact("replicated", kill_after)
-                            and self.last_loss_step() > kill_after,
-                            f"step {kill_after} replicated")
+            self.wait_until(
+                lambda: (
+                    self.step_fact("replicated", kill_after) and self.last_loss_step() > kill_after
+                ),
+                f"step {kill_after} replicated",
+            )
             # the victim's trainer dies first: once its mount is gone, a trainer
             # still saving would write into the bare mountpoint directory
             self.kill_trainer(victim)
@@ -409,27 +474,38 @@ class Demo:
             self.kill_trainers()
             self.wipe(victim)
             self.watcher.forget_node(victim.rank)
-            self.timeline.add("failure", f"NODE FAILURE: node {victim.rank}'s daemon and "
-                                         f"trainer killed at step {self.last_loss_step()}, "
-                                         "its RAM wiped; the job restarts",
-                              step=self.last_loss_step(), node=victim.rank)
+            self.timeline.add(
+                "failure",
+                f"NODE FAILURE: node {victim.rank}'s daemon and "
+                f"trainer killed at step {self.last_loss_step()}, "
+                "its RAM wiped; the job restarts",
+                step=self.last_loss_step(),
+                node=victim.rank,
+            )
             self.mount(victim)
             self.launch_trainers(p2)
             self.wait_trainers()
-            self.wait_until(lambda: self.step_fact("replicated", p2),
-                            f"step {p2} replicated everywhere")
+            self.wait_until(
+                lambda: self.step_fact("replicated", p2), f"step {p2} replicated everywhere"
+            )
             # rounds follow the newest step every node has replicated, every
             # --backup-every steps; wait for one taken after the node failure
-            self.wait_until(lambda: self.newest_fact("backed up") > kill_after,
-                            f"a backup round after step {kill_after}", timeout=c.timeout * 2)
+            self.wait_until(
+                lambda: self.newest_fact("backed up") > kill_after,
+                f"a backup round after step {kill_after}",
+                timeout=c.timeout * 2,
+            )
             # phase 3: the whole cluster loses its RAM
             for node in self.nodes:
                 self.kill_daemon(node)
                 self.wipe(node)
             self.watcher.forget_all()
-            self.timeline.add("failure", f"CLUSTER LOSS: every node's daemon killed and RAM "
-                                         f"wiped after step {p2}; the job restarts",
-                              step=p2)
+            self.timeline.add(
+                "failure",
+                f"CLUSTER LOSS: every node's daemon killed and RAM "
+                f"wiped after step {p2}; the job restarts",
+                step=p2,
+            )
             for node in self.nodes:
                 self.mount(node)
             self.launch_trainers(p3)
@@ -448,22 +524,31 @@ class Demo:
         for e in restores:
             want = saved.get((e["rank"], e["step"]))
             if want != e["digest"]:
-                problems.append(f"rank {e['rank']} step {e['step']}: restored {e['digest']}, "
-                                f"saved {want}")
+                problems.append(
+                    f"rank {e['rank']} step {e['step']}: restored {e['digest']}, saved {want}"
+                )
         by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
         for e in restores:
             by_step[e["step"]].append(e)
         for step, group in sorted(by_step.items()):
             src = "GCS round " + group[0]["backup"] if group[0].get("backup") else "RAM/peers"
-            self.timeline.add("check", f"step {step}: {len(group)} ranks restored "
-                                       f"{format_size(sum(g['bytes'] for g in group))} from "
-                                       f"{src}; state identical to the saved state: "
-                                       f"{'yes' if not problems else 'NO'}", step=step)
+            self.timeline.add(
+                "check",
+                f"step {step}: {len(group)} ranks restored "
+                f"{format_size(sum(g['bytes'] for g in group))} from "
+                f"{src}; state identical to the saved state: "
+                f"{'yes' if not problems else 'NO'}",
+                step=step,
+            )
         if len(by_step) < 2:
             problems.append(f"expected a restore after each failure, saw {sorted(by_step)}")
-        summary = {"ok": not problems, "problems": problems,
-                   "restores": {str(k): len(v) for k, v in by_step.items()},
-                   "phases": self.config.phases(), "out": str(self.out)}
+        summary = {
+            "ok": not problems,
+            "problems": problems,
+            "restores": {str(k): len(v) for k, v in by_step.items()},
+            "phases": self.config.phases(),
+            "out": str(self.out),
+        }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         from tierfs.demo.plot import plot_run
 

@@ -15,8 +15,9 @@ def loss_segments(events: list[dict[str, Any]]) -> list[list[tuple[int, float]]]
     """
     segments: list[list[tuple[int, float]]] = []
     last: int | None = None
-    for e in sorted((e for e in events if e.get("event") in ("loss", "start")),
-                    key=lambda e: e["t"]):
+    for e in sorted(
+        (e for e in events if e.get("event") in ("loss", "start")), key=lambda e: e["t"]
+    ):
         if e["event"] == "start":
             segments.append([])
             last = e["step"]
@@ -48,14 +49,26 @@ def plot_run(events: list[dict[str, Any]], timeline: list[dict[str, Any]], path:
     for n, (step, src) in enumerate(sorted(restores.items())):
         color = "tab:purple" if src == "GCS backup" else "tab:green"
         ax.axvline(step, color=color, linestyle="--", linewidth=1)
-        ax.annotate(f"restored step {step}\nfrom {src}", (step, 1), xycoords=("data",
-                    "axes fraction"), xytext=(3, -28 - 24 * (n % 2)),
-                    textcoords="offset points", fontsize=8, color=color)
+        ax.annotate(
+            f"restored step {step}\nfrom {src}",
+            (step, 1),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -28 - 24 * (n % 2)),
+            textcoords="offset points",
+            fontsize=8,
+            color=color,
+        )
     for t in failures:
         ax.axvline(t["step"], color="tab:red", linewidth=1.5, alpha=0.6)
-        ax.annotate("node failure" if "NODE" in t["text"] else "cluster loss",
-                    (t["step"], 0), xycoords=("data", "axes fraction"), xytext=(3, 6),
-                    textcoords="offset points", fontsize=8, color="tab:red")
+        ax.annotate(
+            "node failure" if "NODE" in t["text"] else "cluster loss",
+            (t["step"], 0),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, 6),
+            textcoords="offset points",
+            fontsize=8,
+            color="tab:red",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (rank 0)")
     ax.set_yscale("log")

@@ -75,18 +75,30 @@ def check_errors(d: Path) -> None:
             print(f"[trainer] replicator.errors: {text.strip()}", flush=True)
 
 
-def handshake(d: Path, job: str, rank: int, world: int, backup_steps: int,
-              timeout: float) -> tuple[int | None, dict[str, Any]]:
+def handshake(
+    d: Path, job: str, rank: int, world: int, backup_steps: int, timeout: float
+) -> tuple[int | None, dict[str, Any]]:
     """The NeMo helper's sequence; returns (step to restore or None, prerestore)."""
     wait(lambda: not (d / "replicator.yaml").exists(), timeout, "no replicator.yaml")
-    config = {"job-name": job, "framework": "pytorch.distributed", "node-rank": rank,
-              "nodes": world, "peers-per-node": 1, "backup-interval-steps": backup_steps}
+    config = {
+        "job-name": job,
+        "framework": "pytorch.distributed",
+        "node-rank": rank,
+        "nodes": world,
+        "peers-per-node": 1,
+        "backup-interval-steps": backup_steps,
+    }
     with open(d / "replicator.yaml", "w") as f:
         yaml.dump(config, f, default_flow_style=False, sort_keys=False)
     wait(lambda: not (d / "replicator.yaml").exists(), timeout, "replicator.yaml consumed")
     check_errors(d)
-    pre = wait(lambda: (d / "replicator.prerestore").exists()
-               and (d / "replicator.prerestore").read_text(), timeout, "prerestore")
+    pre = wait(
+        lambda: (
+            (d / "replicator.prerestore").exists() and (d / "replicator.prerestore").read_text()
+        ),
+        timeout,
+        "prerestore",
+    )
     info = yaml.safe_load(pre) or {}
     marker = wait(lambda: sorted(glob.glob(str(d / "*.restore"))), timeout, "marker")[0]
     m = re.search(r"-s(\d+)-n\d+-w\d+", marker)
@@ -120,9 +132,13 @@ def main() -> None:
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
     torch.manual_seed(0)
     hidden = MODEL_SIZES[args.model_size]
-    model = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.GELU(),
-                                torch.nn.Linear(hidden, hidden), torch.nn.GELU(),
-                                torch.nn.Linear(hidden, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, hidden),
+        torch.nn.GELU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.GELU(),
+        torch.nn.Linear(hidden, 1),
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     step, info = handshake(d, args.job, args.rank, args.world, args.backup_every, args.timeout)
@@ -133,13 +149,19 @@ def main() -> None:
         state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0)}
         t0 = time.time()
         dcp.load(state, checkpoint_id=str(d / f"step={step}" / str(args.rank)), no_dist=True)
-        set_state_dict(model, opt, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         start = int(state["step"])
         nbytes = sum(p.stat().st_size for p in (d / f"step={step}").rglob("*") if p.is_file())
-        log_event(events, event="restore", rank=args.rank, step=start,
-                  digest=state_digest(model, opt), bytes=nbytes, seconds=time.time() - t0,
-                  backup=info.get("restore-backup"))
+        log_event(
+            events,
+            event="restore",
+            rank=args.rank,
+            step=start,
+            digest=state_digest(model, opt),
+            bytes=nbytes,
+            seconds=time.time() - t0,
+            backup=info.get("restore-backup"),
+        )
     steps_seen = [0] * args.world
     dist.all_gather_object(steps_seen, start)
     if len(set(steps_seen)) != 1:
@@ -151,8 +173,9 @@ def main() -> None:
     w_true = torch.randn(64, 1, generator=gen) / 4
     y_all = x_all @ w_true + 0.2 * torch.tanh(x_all[:, :1] * x_all[:, 1:2])
     for i in range(start + 1, args.until + 1):
-        idx = torch.randint(0, 4096, (256,), generator=torch.Generator().manual_seed(
-            i * 1000 + args.rank))
+        idx = torch.randint(
+            0, 4096, (256,), generator=torch.Generator().manual_seed(i * 1000 + args.rank)
+        )
         loss = torch.nn.functional.mse_loss(ddp(x_all[idx]), y_all[idx])
         opt.zero_grad()
         loss.backward()
@@ -167,11 +190,16 @@ def main() -> None:
             state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(i)}
             dcp.save(state, checkpoint_id=str(d / f"step={i}" / str(args.rank)), no_dist=True)
             unfinished.unlink()
-            nbytes = sum(p.stat().st_size for p in (d / f"step={i}").rglob("*")
-                         if p.is_file())
-            log_event(events, event="save", rank=args.rank, step=i,
-                      digest=state_digest(model, opt), bytes=nbytes,
-                      seconds=time.time() - t0)
+            nbytes = sum(p.stat().st_size for p in (d / f"step={i}").rglob("*") if p.is_file())
+            log_event(
+                events,
+                event="save",
+                rank=args.rank,
+                step=i,
+                digest=state_digest(model, opt),
+                bytes=nbytes,
+                seconds=time.time() - t0,
+            )
             check_errors(d)
         if args.step_delay:
             time.sleep(args.step_delay)

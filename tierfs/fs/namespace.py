@@ -278,10 +278,15 @@ class Namespace:
         OSError: ``view_dir`` cannot be opened.
     """
 
-    def __init__(self, view_dir: str, budget: Budget, events: FsEvents | None = None,
-                 reserved: frozenset[bytes] = frozenset(),
-                 virtual: dict[bytes, Callable[[], bytes]] | None = None,
-                 max_fds: int | None = None) -> None:
+    def __init__(
+        self,
+        view_dir: str,
+        budget: Budget,
+        events: FsEvents | None = None,
+        reserved: frozenset[bytes] = frozenset(),
+        virtual: dict[bytes, Callable[[], bytes]] | None = None,
+        max_fds: int | None = None,
+    ) -> None:
         self.view_dir = os.path.abspath(view_dir)
         self._view_prefix = os.fsencode(self.view_dir) + b"/"
         self.budget = budget
@@ -319,8 +324,11 @@ class Namespace:
             handle = syscalls.name_to_handle(fd)
             os.close(syscalls.open_by_handle(self._mount_fd, handle, os.O_PATH | os.O_CLOEXEC))
         except OSError as exc:
-            log.warning("file handles unavailable (%s): every inode the kernel holds keeps a "
-                        "descriptor open", exc.strerror)
+            log.warning(
+                "file handles unavailable (%s): every inode the kernel holds keeps a "
+                "descriptor open",
+                exc.strerror,
+            )
             return False
         return True
 
@@ -464,8 +472,15 @@ class Namespace:
         virtual = None
         if reserved and self.virtual:
             virtual = self.virtual.get(self._child_relpath(parent, name) or b"")
-        inode = Inode(next(self._next_node), st.st_ino, fd, stat.S_IFMT(st.st_mode),
-                      lookups=1, reserved=reserved, virtual=virtual)
+        inode = Inode(
+            next(self._next_node),
+            st.st_ino,
+            fd,
+            stat.S_IFMT(st.st_mode),
+            lookups=1,
+            reserved=reserved,
+            virtual=virtual,
+        )
         self._by_node[inode.nodeid] = inode
         self._by_ino[inode.ino] = inode
         self._fd_lru[inode.nodeid] = inode
@@ -556,7 +571,7 @@ class Namespace:
             return None
         if target.endswith(b" (deleted)") and os.fstat(fd).st_nlink == 0:
             return None
-        return target[len(self._view_prefix):]
+        return target[len(self._view_prefix) :]
 
     def _child_relpath(self, parent: Inode, name: bytes) -> bytes | None:
         if parent is self.root:
@@ -607,11 +622,21 @@ class Namespace:
                 return inode, os.fstat(handle.fd)
         return inode, os.fstat(self.fd_of(inode))
 
-    def setattr(self, nodeid: int, fh: int | None, *, mode: int | None = None,
-                uid: int | None = None, gid: int | None = None, size: int | None = None,
-                atime_ns: int | None = None, mtime_ns: int | None = None,
-                atime_now: bool = False, mtime_now: bool = False,
-                kill_suidgid: bool = False) -> os.stat_result:
+    def setattr(
+        self,
+        nodeid: int,
+        fh: int | None,
+        *,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        size: int | None = None,
+        atime_ns: int | None = None,
+        mtime_ns: int | None = None,
+        atime_now: bool = False,
+        mtime_now: bool = False,
+        kill_suidgid: bool = False,
+    ) -> os.stat_result:
         """chmod/chown/truncate/utimens in one call, as FUSE SETATTR delivers them.
 
         ``kill_suidgid`` (a truncate or chown by a caller without CAP_FSETID):
@@ -645,8 +670,9 @@ class Namespace:
                 raise OSError(errno.EOPNOTSUPP, "symlink mode")
             os.chmod(_proc(self.fd_of(inode)), stat.S_IMODE(mode))
         if uid is not None or gid is not None:
-            syscalls.fchown_empty(self.fd_of(inode), -1 if uid is None else uid,
-                                  -1 if gid is None else gid)
+            syscalls.fchown_empty(
+                self.fd_of(inode), -1 if uid is None else uid, -1 if gid is None else gid
+            )
         if atime_ns is not None or mtime_ns is not None or atime_now or mtime_now:
             syscalls.utimens_empty(self.fd_of(inode), atime_ns, mtime_ns, atime_now, mtime_now)
         if kill_suidgid:
@@ -675,9 +701,15 @@ class Namespace:
         pst = os.fstat(self.fd_of(parent))
         return uid, (pst.st_gid if pst.st_mode & stat.S_ISGID else gid)
 
-    def _finish_create(self, parent: Inode, name: bytes, uid: int, gid: int,
-                       fd: int | None = None, chown: bool = True
-                       ) -> tuple[Inode, os.stat_result]:
+    def _finish_create(
+        self,
+        parent: Inode,
+        name: bytes,
+        uid: int,
+        gid: int,
+        fd: int | None = None,
+        chown: bool = True,
+    ) -> tuple[Inode, os.stat_result]:
         owner = self._owner(parent, uid, gid)
         if fd is None:
             opath, st = self._open_child(parent, name)
@@ -703,8 +735,9 @@ class Namespace:
         """
         want = os.fstat(fd).st_ino
         try:
-            opath = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC,
-                            dir_fd=self.fd_of(parent))
+            opath = os.open(
+                name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd_of(parent)
+            )
         except OSError:
             opath = -1
         if opath >= 0:
@@ -715,16 +748,18 @@ class Namespace:
         opath = os.open(_proc(fd), os.O_PATH | os.O_CLOEXEC)
         return opath, os.fstat(opath)
 
-    def mkdir(self, parent_id: int, name: bytes, mode: int, uid: int,
-              gid: int) -> tuple[Inode, os.stat_result]:
+    def mkdir(
+        self, parent_id: int, name: bytes, mode: int, uid: int, gid: int
+    ) -> tuple[Inode, os.stat_result]:
         """mkdir(2) of ``name`` owned by the caller (setgid directories pass their group on)."""
         parent = self._dir(parent_id)
         self._check_mutable(parent, name)
         os.mkdir(name, stat.S_IMODE(mode), dir_fd=self.fd_of(parent))
         return self._finish_create(parent, name, uid, gid)
 
-    def mknod(self, parent_id: int, name: bytes, mode: int, rdev: int, uid: int,
-              gid: int) -> tuple[Inode, os.stat_result]:
+    def mknod(
+        self, parent_id: int, name: bytes, mode: int, rdev: int, uid: int, gid: int
+    ) -> tuple[Inode, os.stat_result]:
         """mknod(2): regular files, FIFOs, sockets (devices need CAP_MKNOD)."""
         parent = self._dir(parent_id)
         self._check_mutable(parent, name)
@@ -733,8 +768,9 @@ class Namespace:
         os.mknod(name, mode, rdev, dir_fd=self.fd_of(parent))
         return self._finish_create(parent, name, uid, gid)
 
-    def symlink(self, parent_id: int, name: bytes, target: bytes, uid: int,
-                gid: int) -> tuple[Inode, os.stat_result]:
+    def symlink(
+        self, parent_id: int, name: bytes, target: bytes, uid: int, gid: int
+    ) -> tuple[Inode, os.stat_result]:
         """symlink(2): ``name`` in ``parent_id`` pointing at ``target`` (stored verbatim)."""
         parent = self._dir(parent_id)
         self._check_mutable(parent, name)
@@ -817,8 +853,12 @@ class Namespace:
             self.budget.shared_removed()  # the last of them may be in the trash
             return
         inode = self._by_ino.get(st.st_ino)
-        if (stat.S_ISREG(st.st_mode) and inode is not None and inode.handles > 0
-                and not inode.orphan):
+        if (
+            stat.S_ISREG(st.st_mode)
+            and inode is not None
+            and inode.handles > 0
+            and not inode.orphan
+        ):
             inode.orphan = True
             self.budget.hold_orphan(st.st_ino, fd)  # takes the descriptor
             return
@@ -839,8 +879,9 @@ class Namespace:
             return
         self.budget.release(before - after)
 
-    def rename(self, parent_id: int, name: bytes, newparent_id: int, newname: bytes,
-               flags: int = 0) -> None:
+    def rename(
+        self, parent_id: int, name: bytes, newparent_id: int, newname: bytes, flags: int = 0
+    ) -> None:
         """rename(2)/renameat2(2): atomic and O(1); errno values are the kernel's.
 
         ``flags`` may be RENAME_NOREPLACE (EEXIST if ``newname`` exists) or
@@ -854,8 +895,11 @@ class Namespace:
         old_rel = self._child_relpath(parent, name)
         new_rel = self._child_relpath(newparent, newname)
         # a replaced target loses its name: its bytes may be free afterwards
-        replaced = (-1 if flags & syscalls.RENAME_EXCHANGE
-                    else self._before_remove(self.fd_of(newparent), newname))
+        replaced = (
+            -1
+            if flags & syscalls.RENAME_EXCHANGE
+            else self._before_remove(self.fd_of(newparent), newname)
+        )
         try:
             syscalls.renameat2(self.fd_of(parent), name, self.fd_of(newparent), newname, flags)
         finally:
@@ -874,8 +918,9 @@ class Namespace:
         handle = Handle(next(self._next_fh), inode, fd, flags, writable, passthrough=False)
         if inode.virtual is not None:
             handle.direct_io = True
-        elif inode.backing_id or (self._passthrough_allowed(inode, fd)
-                                  and self._register_backing(inode, fd)):
+        elif inode.backing_id or (
+            self._passthrough_allowed(inode, fd) and self._register_backing(inode, fd)
+        ):
             # every passthrough open of one inode shares its backing id, also
             # after passthrough was turned off for new inodes
             handle.passthrough = True
@@ -977,8 +1022,16 @@ class Namespace:
         finally:
             os.close(fd)
 
-    def create(self, parent_id: int, name: bytes, flags: int, mode: int, uid: int,
-               gid: int, kill_suidgid: bool = False) -> tuple[Inode, os.stat_result, Handle]:
+    def create(
+        self,
+        parent_id: int,
+        name: bytes,
+        flags: int,
+        mode: int,
+        uid: int,
+        gid: int,
+        kill_suidgid: bool = False,
+    ) -> tuple[Inode, os.stat_result, Handle]:
         """open(2) with O_CREAT: returns the new (or existing) inode and a handle.
 
         The kernel sends CREATE after a lookup found no entry; if another
@@ -1008,8 +1061,12 @@ class Namespace:
             fd = os.open(name, bflags, dir_fd=dirfd)
             created = False
         try:
-            if (not created and bflags & os.O_TRUNC and not self.budget.native
-                    and os.fstat(fd).st_ino == st.st_ino):  # the file stat saw: truncated
+            if (
+                not created
+                and bflags & os.O_TRUNC
+                and not self.budget.native
+                and os.fstat(fd).st_ino == st.st_ino
+            ):  # the file stat saw: truncated
                 self._shrunk(fd, st.st_blocks * 512)
             inode, st = self._finish_create(parent, name, uid, gid, fd=fd, chown=created)
             if inode.reserved:
@@ -1143,8 +1200,9 @@ class Namespace:
         """lseek(2) with SEEK_DATA/SEEK_HOLE (the kernel handles the others)."""
         return os.lseek(self.handle(fh).fd, offset, whence)
 
-    def copy_file_range(self, fh_in: int, off_in: int, fh_out: int, off_out: int,
-                        length: int) -> int:
+    def copy_file_range(
+        self, fh_in: int, off_in: int, fh_out: int, off_out: int, length: int
+    ) -> int:
         """copy_file_range(2) between two open files of the mount; returns bytes copied."""
         src, dst = self.handle(fh_in), self.handle(fh_out)
         if not self.budget.native:
@@ -1204,8 +1262,9 @@ class Namespace:
             raise OSError(errno.EBADF, "bad directory handle")
         return h
 
-    def readdir(self, fh: int, offset: int, plus: bool,
-                fits: Callable[[bytes], bool]) -> Iterator[DirEntry]:
+    def readdir(
+        self, fh: int, offset: int, plus: bool, fits: Callable[[bytes], bool]
+    ) -> Iterator[DirEntry]:
         """Yield entries after cookie ``offset``.
 
         Cookies are positions in a listing taken once per directory handle

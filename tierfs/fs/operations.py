@@ -127,8 +127,24 @@ class Operations:
         return P.pack_attr_out(inode.nodeid, st, self.ns.attr_timeout)
 
     def setattr(self, h: P.RequestHeader, body: memoryview) -> Payload:
-        (valid, _, fh, size, _lock, atime, mtime, _ctime, atimens, mtimens, _ctimens, mode,
-         _u4, uid, gid, _u5) = P.SETATTR_IN.unpack_from(body)
+        (
+            valid,
+            _,
+            fh,
+            size,
+            _lock,
+            atime,
+            mtime,
+            _ctime,
+            atimens,
+            mtimens,
+            _ctimens,
+            mode,
+            _u4,
+            uid,
+            gid,
+            _u5,
+        ) = P.SETATTR_IN.unpack_from(body)
         st = self.ns.setattr(
             h.nodeid,
             fh if valid & P.FATTR_FH else None,
@@ -174,13 +190,13 @@ class Operations:
 
     def rename(self, h: P.RequestHeader, body: memoryview) -> Payload:
         (newdir,) = P.RENAME_IN.unpack_from(body)
-        old, new = P.split_names(body[P.RENAME_IN.size:], 2)
+        old, new = P.split_names(body[P.RENAME_IN.size :], 2)
         self.ns.rename(h.nodeid, old, newdir, new, 0)
         return b""
 
     def rename2(self, h: P.RequestHeader, body: memoryview) -> Payload:
         newdir, flags, _ = P.RENAME2_IN.unpack_from(body)
-        old, new = P.split_names(body[P.RENAME2_IN.size:], 2)
+        old, new = P.split_names(body[P.RENAME2_IN.size :], 2)
         if flags & ~(P.RENAME_NOREPLACE | P.RENAME_EXCHANGE):
             raise OSError(errno.EINVAL, "unsupported rename flags")
         self.ns.rename(h.nodeid, old, newdir, new, flags)
@@ -193,27 +209,35 @@ class Operations:
 
     def open(self, h: P.RequestHeader, body: memoryview) -> Payload:
         flags, open_flags = P.OPEN_IN.unpack_from(body)
-        return self._open_out(self.ns.open(
-            h.nodeid, flags, kill_suidgid=bool(open_flags & P.FUSE_OPEN_KILL_SUIDGID)))
+        return self._open_out(
+            self.ns.open(h.nodeid, flags, kill_suidgid=bool(open_flags & P.FUSE_OPEN_KILL_SUIDGID))
+        )
 
     def create(self, h: P.RequestHeader, body: memoryview) -> Payload:
         flags, mode, _umask, open_flags = P.CREATE_IN.unpack_from(body)
         name = self._name(body, P.CREATE_IN.size)
         inode, st, handle = self.ns.create(
-            h.nodeid, name, flags, mode, h.uid, h.gid,
-            kill_suidgid=bool(open_flags & P.FUSE_OPEN_KILL_SUIDGID))
+            h.nodeid,
+            name,
+            flags,
+            mode,
+            h.uid,
+            h.gid,
+            kill_suidgid=bool(open_flags & P.FUSE_OPEN_KILL_SUIDGID),
+        )
         return self._entry(inode.nodeid, st) + self._open_out(handle)
 
     def read(self, h: P.RequestHeader, body: memoryview) -> Payload:
         fh, offset, size, *_ = P.READ_IN.unpack_from(body)
-        view = self._read_view[:size] if size <= len(self._read_buf) else memoryview(
-            bytearray(size))
+        view = (
+            self._read_view[:size] if size <= len(self._read_buf) else memoryview(bytearray(size))
+        )
         n = self.ns.read_into(fh, offset, view)
         return [view[:n]]
 
     def write(self, h: P.RequestHeader, body: memoryview) -> Payload:
         fh, offset, size, write_flags, *_ = P.WRITE_IN.unpack_from(body)
-        data = body[P.WRITE_IN.size:P.WRITE_IN.size + size]
+        data = body[P.WRITE_IN.size : P.WRITE_IN.size + size]
         if write_flags & P.FUSE_WRITE_KILL_SUIDGID:
             self.ns.kill_suidgid(fh)
         written = self.ns.write(fh, offset, data, cached=bool(write_flags & P.FUSE_WRITE_CACHE))
@@ -221,8 +245,9 @@ class Operations:
 
     def statfs(self, h: P.RequestHeader, body: memoryview) -> Payload:
         s = self.ns.statfs()
-        return P.STATFS_OUT.pack(s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize,
-                                 s.namelen, s.bsize, 0)
+        return P.STATFS_OUT.pack(
+            s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.bsize, 0
+        )
 
     def release(self, h: P.RequestHeader, body: memoryview) -> Payload:
         fh, *_ = P.RELEASE_IN.unpack_from(body)
@@ -248,7 +273,7 @@ class Operations:
 
     def setxattr(self, h: P.RequestHeader, body: memoryview) -> Payload:
         size, flags = P.SETXATTR_IN.unpack_from(body)
-        rest = bytes(body[P.SETXATTR_IN.size:])
+        rest = bytes(body[P.SETXATTR_IN.size :])
         name, _, value = rest.partition(b"\0")
         self.ns.setxattr(h.nodeid, name, value[:size], flags)
         return b""
@@ -298,8 +323,9 @@ class Operations:
                 ino = entry.nodeid or h.nodeid
                 raw = prefix + P.pack_dirent(ino, entry.cookie, entry.name, entry.mode)
             else:
-                raw = P.pack_dirent(self.ns.nodeid_hint(entry.st) or h.nodeid, entry.cookie,
-                                    entry.name, entry.mode)
+                raw = P.pack_dirent(
+                    self.ns.nodeid_hint(entry.st) or h.nodeid, entry.cookie, entry.name, entry.mode
+                )
             chunks.append(raw)
             used += len(raw)
         return b"".join(chunks)
@@ -335,8 +361,9 @@ class Operations:
         return P.LSEEK_OUT.pack(self.ns.lseek(fh, offset, whence))
 
     def copy_file_range(self, h: P.RequestHeader, body: memoryview) -> Payload:
-        fh_in, off_in, _nodeid_out, fh_out, off_out, length, _flags = \
+        fh_in, off_in, _nodeid_out, fh_out, off_out, length, _flags = (
             P.COPY_FILE_RANGE_IN.unpack_from(body)
+        )
         if h.uid != 0:
             self.ns.kill_suidgid(fh_out)  # a write to fh_out (see fallocate)
         n = self.ns.copy_file_range(fh_in, off_in, fh_out, off_out, length)

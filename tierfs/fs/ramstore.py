@@ -110,8 +110,13 @@ class Budget:
     and from gRPC threads, counts run in a worker thread.
     """
 
-    def __init__(self, root: str, size: int | None, used_at_start: int,
-                 recount: Callable[[set[int]], int] | None = None) -> None:
+    def __init__(
+        self,
+        root: str,
+        size: int | None,
+        used_at_start: int,
+        recount: Callable[[set[int]], int] | None = None,
+    ) -> None:
         self.root = root
         self._recount = recount
         self._lock = threading.Lock()
@@ -217,8 +222,7 @@ class Budget:
             if self.native:
                 # re-anchor the estimate: others' usage is the filesystem's minus ours
                 vfs = os.statvfs(self.root)
-                self.foreign = max(0, (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize
-                                   - self._base)
+                self.foreign = max(0, (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize - self._base)
 
     @property
     def grown(self) -> int:
@@ -437,8 +441,7 @@ class RamStore:
         shards: dict[tuple[str, str], int] = {}
         for job in _listdir(self.shards):
             for rank in _listdir(os.path.join(self.shards, job)):
-                shards[(job, rank)] = self._count_tree(os.path.join(self.shards, job, rank),
-                                                       seen)
+                shards[(job, rank)] = self._count_tree(os.path.join(self.shards, job, rank), seen)
         # the rest (incoming, trash, state, log), without walking the two trees again
         other = self._count_tree(self.root, seen, prune=(self.view, self.shards))
         self.last_usage = StoreUsage(view, shards, other, time.time())
@@ -478,8 +481,9 @@ class RamStore:
         The trash name starts with the Unix time, so :meth:`empty_trash` can
         leave recent entries alone for a while.
         """
-        dest = os.path.join(self.trash, f"{int(time.time())}-{uuid.uuid4().hex[:8]}-"
-                                        f"{os.path.basename(path)}")
+        dest = os.path.join(
+            self.trash, f"{int(time.time())}-{uuid.uuid4().hex[:8]}-{os.path.basename(path)}"
+        )
         os.rename(path, dest)
         self._trash_held = True
         self._trashed.set()

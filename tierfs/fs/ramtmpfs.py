@@ -111,32 +111,49 @@ def plan(f: RamDirFacts, size: int | None) -> Plan:
         if want == f.capacity:
             return Plan("reuse", want, "the ram-dir's own tmpfs has the size asked for")
         if f.used > want:
-            return Plan("managed", None,
-                        f"the ram-dir's tmpfs already holds {format_size(f.used)}, more than "
-                        f"{format_size(want)}: it keeps its size of {format_size(f.capacity)} "
-                        "and tierfs counts the budget itself (file data through the daemon); "
-                        "delete steps and mount again to get passthrough back")
+            return Plan(
+                "managed",
+                None,
+                f"the ram-dir's tmpfs already holds {format_size(f.used)}, more than "
+                f"{format_size(want)}: it keeps its size of {format_size(f.capacity)} "
+                "and tierfs counts the budget itself (file data through the daemon); "
+                "delete steps and mount again to get passthrough back",
+            )
         return Plan("resize", want, f"resizing the ram-dir's tmpfs to {format_size(want)}")
     if size is None or size >= f.capacity:
         return Plan("none")
     hint = "; file data then goes through the daemon (no passthrough)"
     if not f.root:
-        return Plan("managed", None, "only root can mount a tmpfs of the budget's size on "
-                    "the ram-dir: tierfs counts the budget itself" + hint)
+        return Plan(
+            "managed",
+            None,
+            "only root can mount a tmpfs of the budget's size on "
+            "the ram-dir: tierfs counts the budget itself" + hint,
+        )
     if f.fs_type not in RAM_FS_TYPES:
-        return Plan("managed", None, f"the ram-dir is on {f.fs_type}, not tmpfs: tierfs "
-                    "counts the budget itself" + hint)
+        return Plan(
+            "managed",
+            None,
+            f"the ram-dir is on {f.fs_type}, not tmpfs: tierfs counts the budget itself" + hint,
+        )
     if f.mounted == "other":
-        return Plan("managed", None,
-                    f"the ram-dir is a {f.fs_type} mount point of its own, larger than the "
-                    "budget: tierfs does not mount over it and counts the budget itself"
-                    + hint + f"; give that mount the budget's size (mount -o remount,size="
-                    f"{size}) or point --ram-dir at an empty directory")
+        return Plan(
+            "managed",
+            None,
+            f"the ram-dir is a {f.fs_type} mount point of its own, larger than the "
+            "budget: tierfs does not mount over it and counts the budget itself"
+            + hint
+            + f"; give that mount the budget's size (mount -o remount,size="
+            f"{size}) or point --ram-dir at an empty directory",
+        )
     if not f.empty:
-        return Plan("managed", None,
-                    f"the ram-dir is not empty (a RAM store on a shared {f.fs_type}): "
-                    "tierfs counts the budget itself" + hint + "; start from an empty or new "
-                    "ram-dir to have the kernel enforce it")
+        return Plan(
+            "managed",
+            None,
+            f"the ram-dir is not empty (a RAM store on a shared {f.fs_type}): "
+            "tierfs counts the budget itself" + hint + "; start from an empty or new "
+            "ram-dir to have the kernel enforce it",
+        )
     return Plan("mount", size, f"mounting a tmpfs of {format_size(size)} on the ram-dir")
 
 
@@ -178,8 +195,7 @@ def facts(ram_dir: str) -> RamDirFacts:
             empty = os.path.isdir(ram_dir) and not os.listdir(ram_dir)
         except OSError:
             empty = False
-    return RamDirFacts(mounted, capacity, below, used, fs_type(here), empty,
-                       os.geteuid() == 0)
+    return RamDirFacts(mounted, capacity, below, used, fs_type(here), empty, os.geteuid() == 0)
 
 
 def prepare(ram_dir: str, size: int | None) -> Plan:
@@ -199,18 +215,26 @@ def prepare(ram_dir: str, size: int | None) -> Plan:
     if p.action == "mount":
         assert p.size is not None
         os.makedirs(ram_dir, mode=0o700, exist_ok=True)
-        syscalls.mount(SOURCE, ram_dir, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV,
-                       f"size={p.size},mode=0700")
+        syscalls.mount(
+            SOURCE,
+            ram_dir,
+            "tmpfs",
+            syscalls.MS_NOSUID | syscalls.MS_NODEV,
+            f"size={p.size},mode=0700",
+        )
         log.info("mounted a tmpfs of %s on the ram-dir %s", format_size(p.size), ram_dir)
     elif p.action == "resize":
         assert p.size is not None
         try:
             syscalls.reconfigure(ram_dir, {"size": str(p.size)})
         except OSError as exc:
-            return Plan("managed", None,
-                        f"resizing the ram-dir's tmpfs to {format_size(p.size)} failed "
-                        f"({errno.errorcode.get(exc.errno or 0, exc)}): it keeps its size and "
-                        "tierfs counts the budget itself (file data through the daemon)")
+            return Plan(
+                "managed",
+                None,
+                f"resizing the ram-dir's tmpfs to {format_size(p.size)} failed "
+                f"({errno.errorcode.get(exc.errno or 0, exc)}): it keeps its size and "
+                "tierfs counts the budget itself (file data through the daemon)",
+            )
         log.info("resized the ram-dir's tmpfs %s to %s", ram_dir, format_size(p.size))
     return p
 
@@ -238,17 +262,23 @@ def fit_volume(path: str, size: int) -> str:
     if capacity <= size:
         return ""
     if used > size:
-        return (f"the RAM volume {path} holds {format_size(used)}, more than the budget "
-                f"{format_size(size)}: it keeps its size of {format_size(capacity)} and "
-                "tierfs counts the budget itself")
+        return (
+            f"the RAM volume {path} holds {format_size(used)}, more than the budget "
+            f"{format_size(size)}: it keeps its size of {format_size(capacity)} and "
+            "tierfs counts the budget itself"
+        )
     try:
         syscalls.reconfigure(path, {"size": str(size)})
     except OSError as exc:
-        return (f"resizing the RAM volume {path} from {format_size(capacity)} to "
-                f"{format_size(size)} failed ({errno.errorcode.get(exc.errno or 0, exc)}); "
-                "tierfs counts the budget itself")
-    return (f"resized the RAM volume {path} from {format_size(capacity)} to "
-            f"{format_size(size)} (the budget)")
+        return (
+            f"resizing the RAM volume {path} from {format_size(capacity)} to "
+            f"{format_size(size)} failed ({errno.errorcode.get(exc.errno or 0, exc)}); "
+            "tierfs counts the budget itself"
+        )
+    return (
+        f"resized the RAM volume {path} from {format_size(capacity)} to "
+        f"{format_size(size)} (the budget)"
+    )
 
 
 def discard(ram_dir: str) -> bool:

@@ -61,8 +61,14 @@ _FLAG_OPTS = {
     "nodiratime": 2048,
     "relatime": 1 << 21,
 }
-_NEGATED = {"rw": "ro", "suid": "nosuid", "dev": "nodev", "exec": "noexec", "atime": "noatime",
-            "async": "sync"}
+_NEGATED = {
+    "rw": "ro",
+    "suid": "nosuid",
+    "dev": "nodev",
+    "exec": "noexec",
+    "atime": "noatime",
+    "async": "sync",
+}
 
 
 class MountOptionError(ValueError):
@@ -122,7 +128,8 @@ class MountOptions:
             raise MountOptionError(
                 "no_default_permissions cannot be combined with allow_other or allow_root: tierfs "
                 "leaves permission checks to the kernel (default_permissions), so every "
-                "user let in could read and change every file")
+                "user let in could read and change every file"
+            )
         return result
 
     def _apply(self, key: str, value: str | None) -> None:
@@ -143,8 +150,9 @@ class MountOptions:
         elif key in ("entry_timeout", "attr_timeout", "negative_timeout") and value is not None:
             seconds = float(value)
             if not math.isfinite(seconds) or not 0 <= seconds <= MAX_TIMEOUT:
-                raise ValueError(f"a timeout must be a number of seconds from 0 to "
-                                 f"{MAX_TIMEOUT:.0f}")
+                raise ValueError(
+                    f"a timeout must be a number of seconds from 0 to {MAX_TIMEOUT:.0f}"
+                )
             if key == "entry_timeout":
                 self.entry_timeout = seconds
             elif key == "attr_timeout":
@@ -159,16 +167,30 @@ class MountOptions:
             self.passthrough = value in (None, "on", "1", "true", "yes")
         elif key == "no_passthrough":
             self.passthrough = False
-        elif key in ("nonempty", "big_writes", "atomic_o_trunc", "splice_read", "splice_write",
-                     "splice_move", "hard_remove", "use_ino", "kernel_cache", "auto_cache"):
+        elif key in (
+            "nonempty",
+            "big_writes",
+            "atomic_o_trunc",
+            "splice_read",
+            "splice_write",
+            "splice_move",
+            "hard_remove",
+            "use_ino",
+            "kernel_cache",
+            "auto_cache",
+        ):
             self.extra.append(key)  # libfuse-era options: accepted, tierfs behaves so already
         else:
             raise ValueError("unknown option")
 
 
 def _mount_data(fd: int, opts: MountOptions, rootmode: int) -> str:
-    parts = [f"fd={fd}", f"rootmode={rootmode:o}", f"user_id={os.getuid()}",
-             f"group_id={os.getgid()}"]
+    parts = [
+        f"fd={fd}",
+        f"rootmode={rootmode:o}",
+        f"user_id={os.getuid()}",
+        f"group_id={os.getgid()}",
+    ]
     if opts.allow_other:
         parts.append("allow_other")
     if opts.default_permissions:
@@ -218,7 +240,8 @@ class FuseSession:
         self._buf = bytearray(BUFFER_SIZE)
         self._view = memoryview(self._buf)
         self._notify_q: queue.SimpleQueue[tuple[bytes, threading.Event | None] | None] = (
-            queue.SimpleQueue())
+            queue.SimpleQueue()
+        )
         self._notify_thread: threading.Thread | None = None
         ns.entry_timeout = options.entry_timeout
         ns.attr_timeout = options.attr_timeout
@@ -239,9 +262,13 @@ class FuseSession:
         if os.geteuid() == 0:
             fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
             try:
-                syscalls.mount(self.options.fsname, self.mountpoint,
-                               f"fuse.{self.options.subtype}", self.options.flags,
-                               _mount_data(fd, self.options, rootmode))
+                syscalls.mount(
+                    self.options.fsname,
+                    self.mountpoint,
+                    f"fuse.{self.options.subtype}",
+                    self.options.flags,
+                    _mount_data(fd, self.options, rootmode),
+                )
             except OSError:
                 os.close(fd)
                 raise
@@ -253,8 +280,9 @@ class FuseSession:
         # channel can never leave it writing to a reused descriptor number.
         # (A dup shares O_NONBLOCK; notify writes never return EAGAIN anyway.)
         notify_fd = os.dup(fd)
-        self._notify_thread = threading.Thread(target=self._notifier, args=(notify_fd,),
-                                               name="fuse-notify", daemon=True)
+        self._notify_thread = threading.Thread(
+            target=self._notifier, args=(notify_fd,), name="fuse-notify", daemon=True
+        )
         self._notify_thread.start()
 
     def _fusermount(self) -> int:
@@ -263,7 +291,12 @@ class FuseSession:
             env = dict(os.environ, _FUSE_COMMFD=str(child.fileno()))
             proc = subprocess.run(
                 ["fusermount3", "-o", _fusermount_options(self.options), "--", self.mountpoint],
-                env=env, pass_fds=[child.fileno()], capture_output=True, text=True, check=False)
+                env=env,
+                pass_fds=[child.fileno()],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             if proc.returncode != 0:
                 raise OSError(errno.EPERM, f"fusermount3: {proc.stderr.strip()}")
             _msg, fds, _flags, _addr = socket.recv_fds(parent, 1, 1)
@@ -300,9 +333,19 @@ class FuseSession:
         per file). Generated on the FUSE thread when the file is opened.
         """
         counts = {P.Op.name(op): n for op, n in sorted(self.op_counts.items())}
-        return (json.dumps({"requests": counts, "total": self.requests,
-                            "protocol": f"7.{self.minor}", "passthrough": self.passthrough},
-                           indent=2, sort_keys=True) + "\n").encode()
+        return (
+            json.dumps(
+                {
+                    "requests": counts,
+                    "total": self.requests,
+                    "protocol": f"7.{self.minor}",
+                    "passthrough": self.passthrough,
+                },
+                indent=2,
+                sort_keys=True,
+            )
+            + "\n"
+        ).encode()
 
     # ------------------------------------------------------------------ passthrough
 
@@ -318,11 +361,14 @@ class FuseSession:
             OSError: from the FUSE_DEV_IOC_BACKING_OPEN ioctl.
         """
         try:
-            return syscalls.ioctl_buf(self.fd, P.FUSE_DEV_IOC_BACKING_OPEN,
-                                      P.BACKING_MAP.pack(fd, 0, 0))
+            return syscalls.ioctl_buf(
+                self.fd, P.FUSE_DEV_IOC_BACKING_OPEN, P.BACKING_MAP.pack(fd, 0, 0)
+            )
         except OSError as exc:
-            log.warning("FUSE passthrough unavailable (ioctl: %s); serving data through "
-                        "the daemon", errno.errorcode.get(exc.errno or 0, exc.strerror))
+            log.warning(
+                "FUSE passthrough unavailable (ioctl: %s); serving data through the daemon",
+                errno.errorcode.get(exc.errno or 0, exc.strerror),
+            )
             self.passthrough = False
             self.ns.passthrough = False
             self._raise_readahead()
@@ -330,8 +376,7 @@ class FuseSession:
 
     def close_backing(self, backing_id: int) -> None:
         """Drop a backing id (open files keep their own reference)."""
-        syscalls.ioctl_buf(self.fd, P.FUSE_DEV_IOC_BACKING_CLOSE,
-                           backing_id.to_bytes(4, "little"))
+        syscalls.ioctl_buf(self.fd, P.FUSE_DEV_IOC_BACKING_CLOSE, backing_id.to_bytes(4, "little"))
 
     # ------------------------------------------------------------------ notifications
 
@@ -388,8 +433,10 @@ class FuseSession:
                 os.writev(self.fd, [P.OUT_HEADER.pack(size, 0, unique), *payload])
             else:
                 assert isinstance(payload, bytes | bytearray)
-                os.write(self.fd, P.OUT_HEADER.pack(P.OUT_HEADER.size + len(payload), 0, unique)
-                         + payload)
+                os.write(
+                    self.fd,
+                    P.OUT_HEADER.pack(P.OUT_HEADER.size + len(payload), 0, unique) + payload,
+                )
         except OSError as exc:
             if exc.errno != errno.ENOENT:  # ENOENT: the request was interrupted
                 raise
@@ -405,31 +452,64 @@ class FuseSession:
         major, minor, max_readahead, flags, flags2 = P.INIT_IN.unpack_from(body)
         kernel_flags = flags | (flags2 << 32 if flags & P.FUSE_INIT_EXT else 0)
         if major != P.KERNEL_VERSION or minor < P.MIN_MINOR_VERSION:
-            log.error("kernel FUSE protocol %d.%d is too old (need 7.%d)", major, minor,
-                      P.MIN_MINOR_VERSION)
+            log.error(
+                "kernel FUSE protocol %d.%d is too old (need 7.%d)",
+                major,
+                minor,
+                P.MIN_MINOR_VERSION,
+            )
             self._error(hdr.unique, errno.EPROTO)
             raise OSError(errno.EPROTO, f"kernel FUSE protocol {major}.{minor} too old")
         self.minor = min(minor, P.KERNEL_MINOR_VERSION)
-        want = (P.FUSE_ASYNC_READ | P.FUSE_ATOMIC_O_TRUNC | P.FUSE_BIG_WRITES
-                | P.FUSE_AUTO_INVAL_DATA | P.FUSE_DO_READDIRPLUS | P.FUSE_PARALLEL_DIROPS
-                | P.FUSE_MAX_PAGES | P.FUSE_CACHE_SYMLINKS | P.FUSE_INIT_EXT
-                | P.FUSE_ASYNC_DIO | P.FUSE_DIRECT_IO_ALLOW_MMAP | P.FUSE_HANDLE_KILLPRIV_V2)
-        use_passthrough = (self.options.passthrough and self.ns.budget.native
-                           and os.geteuid() == 0 and bool(kernel_flags & P.FUSE_PASSTHROUGH))
+        want = (
+            P.FUSE_ASYNC_READ
+            | P.FUSE_ATOMIC_O_TRUNC
+            | P.FUSE_BIG_WRITES
+            | P.FUSE_AUTO_INVAL_DATA
+            | P.FUSE_DO_READDIRPLUS
+            | P.FUSE_PARALLEL_DIROPS
+            | P.FUSE_MAX_PAGES
+            | P.FUSE_CACHE_SYMLINKS
+            | P.FUSE_INIT_EXT
+            | P.FUSE_ASYNC_DIO
+            | P.FUSE_DIRECT_IO_ALLOW_MMAP
+            | P.FUSE_HANDLE_KILLPRIV_V2
+        )
+        use_passthrough = (
+            self.options.passthrough
+            and self.ns.budget.native
+            and os.geteuid() == 0
+            and bool(kernel_flags & P.FUSE_PASSTHROUGH)
+        )
         if use_passthrough:
             want |= P.FUSE_PASSTHROUGH
         granted = want & kernel_flags
         self.passthrough = bool(granted & P.FUSE_PASSTHROUGH)
         out = P.INIT_OUT.pack(
-            P.KERNEL_VERSION, self.minor, max_readahead, granted & 0xFFFFFFFF,
-            64, 48, MAX_WRITE, 1, MAX_PAGES, 0, granted >> 32,
-            1 if self.passthrough else 0, 0)
+            P.KERNEL_VERSION,
+            self.minor,
+            max_readahead,
+            granted & 0xFFFFFFFF,
+            64,
+            48,
+            MAX_WRITE,
+            1,
+            MAX_PAGES,
+            0,
+            granted >> 32,
+            1 if self.passthrough else 0,
+            0,
+        )
         self._reply(hdr.unique, out)
         self.ns.passthrough = self.passthrough
         self.ns.register_backing = self.register_backing
         self.ns.close_backing = self.close_backing
-        log.info("FUSE 7.%d session up on %s (passthrough %s)", self.minor, self.mountpoint,
-                 "on" if self.passthrough else "off")
+        log.info(
+            "FUSE 7.%d session up on %s (passthrough %s)",
+            self.minor,
+            self.mountpoint,
+            "on" if self.passthrough else "off",
+        )
         if not self.passthrough:
             self._raise_readahead()
         self.initialized.set()
@@ -454,7 +534,7 @@ class FuseSession:
     def dispatch(self, n: int) -> None:
         """Handle the request in the first ``n`` bytes of the buffer and answer it."""
         hdr = P.RequestHeader.decode(self._buf)
-        body = self._view[P.IN_HEADER.size:n]
+        body = self._view[P.IN_HEADER.size : n]
         self.requests += 1
         self.op_counts[hdr.opcode] += 1
         if hdr.opcode == P.Op.INIT:
@@ -554,10 +634,13 @@ def mount_entry(path: str) -> dict[str, str] | None:
                     continue
                 mnt = fields[4].replace("\\040", " ").replace("\\134", "\\")
                 if mnt == real:
-                    found = {"mountpoint": mnt, "fstype": rfields[0], "source": rfields[1],
-                             "options": fields[5] + "," + (rfields[2] if len(rfields) > 2
-                                                           else ""),
-                             "device": fields[2]}
+                    found = {
+                        "mountpoint": mnt,
+                        "fstype": rfields[0],
+                        "source": rfields[1],
+                        "options": fields[5] + "," + (rfields[2] if len(rfields) > 2 else ""),
+                        "device": fields[2],
+                    }
     except OSError:
         return None
     return found

@@ -30,18 +30,37 @@ FALLOC_FL_PUNCH_HOLE = 0x02
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 
-_libc.renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                            ctypes.c_uint]
-_libc.fchownat.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint,
-                           ctypes.c_int]
+_libc.renameat2.argtypes = [
+    ctypes.c_int,
+    ctypes.c_char_p,
+    ctypes.c_int,
+    ctypes.c_char_p,
+    ctypes.c_uint,
+]
+_libc.fchownat.argtypes = [
+    ctypes.c_int,
+    ctypes.c_char_p,
+    ctypes.c_uint,
+    ctypes.c_uint,
+    ctypes.c_int,
+]
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
-                        ctypes.c_char_p]
+_libc.mount.argtypes = [
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_char_p,
+]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-_libc.linkat.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                         ctypes.c_int]
-_libc.name_to_handle_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p,
-                                    ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+_libc.linkat.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+_libc.name_to_handle_at.argtypes = [
+    ctypes.c_int,
+    ctypes.c_char_p,
+    ctypes.c_void_p,
+    ctypes.POINTER(ctypes.c_int),
+    ctypes.c_int,
+]
 _libc.open_by_handle_at.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
 
 MAX_HANDLE_SZ = 128
@@ -52,8 +71,7 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-_libc.utimensat.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.POINTER(_Timespec),
-                            ctypes.c_int]
+_libc.utimensat.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.POINTER(_Timespec), ctypes.c_int]
 
 
 def _check(result: int, what: str) -> int:
@@ -73,12 +91,16 @@ def fchown_empty(fd: int, uid: int, gid: int) -> None:
 
     ``-1`` leaves a field unchanged, as chown(2) says.
     """
-    _check(_libc.fchownat(fd, b"", uid & 0xFFFFFFFF, gid & 0xFFFFFFFF, AT_EMPTY_PATH),
-           "fchownat")
+    _check(_libc.fchownat(fd, b"", uid & 0xFFFFFFFF, gid & 0xFFFFFFFF, AT_EMPTY_PATH), "fchownat")
 
 
-def utimens_empty(fd: int, atime_ns: int | None, mtime_ns: int | None,
-                  atime_now: bool = False, mtime_now: bool = False) -> None:
+def utimens_empty(
+    fd: int,
+    atime_ns: int | None,
+    mtime_ns: int | None,
+    atime_now: bool = False,
+    mtime_now: bool = False,
+) -> None:
     """Set access/modification times (nanoseconds) of the object ``fd`` refers to.
 
     ``None`` leaves a time unchanged; ``*_now`` sets it to the current time.
@@ -115,8 +137,10 @@ def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
 
 def mount(source: str, target: str, fstype: str, flags: int, data: str) -> None:
     """mount(2)."""
-    _check(_libc.mount(source.encode(), target.encode(), fstype.encode(), flags, data.encode()),
-           f"mount {target}")
+    _check(
+        _libc.mount(source.encode(), target.encode(), fstype.encode(), flags, data.encode()),
+        f"mount {target}",
+    )
 
 
 # new mount API (Linux 5.2; the same numbers on every architecture)
@@ -140,8 +164,9 @@ def reconfigure(target: str, params: dict[str, str]) -> None:
         OSError: EINVAL if ``target`` is not a mount root or a value is refused
             (tmpfs: a size below what it holds), EPERM without CAP_SYS_ADMIN.
     """
-    fd = _libc.syscall(_SYS_FSPICK, AT_FDCWD, target.encode(),
-                       _FSPICK_CLOEXEC | _FSPICK_NO_AUTOMOUNT)
+    fd = _libc.syscall(
+        _SYS_FSPICK, AT_FDCWD, target.encode(), _FSPICK_CLOEXEC | _FSPICK_NO_AUTOMOUNT
+    )
     if fd < 0:
         err = ctypes.get_errno()
         if err != 38:  # ENOSYS
@@ -150,16 +175,29 @@ def reconfigure(target: str, params: dict[str, str]) -> None:
         return
     try:
         for key, value in params.items():
-            _check(_libc.syscall(_SYS_FSCONFIG, fd, _FSCONFIG_SET_STRING, key.encode(),
-                                 value.encode(), 0), f"fsconfig {key}")
-        _check(_libc.syscall(_SYS_FSCONFIG, fd, _FSCONFIG_CMD_RECONFIGURE, None, None, 0),
-               f"reconfigure {target}")
+            _check(
+                _libc.syscall(
+                    _SYS_FSCONFIG, fd, _FSCONFIG_SET_STRING, key.encode(), value.encode(), 0
+                ),
+                f"fsconfig {key}",
+            )
+        _check(
+            _libc.syscall(_SYS_FSCONFIG, fd, _FSCONFIG_CMD_RECONFIGURE, None, None, 0),
+            f"reconfigure {target}",
+        )
     finally:
         os.close(fd)
 
 
-_MOUNT_FLAGS = {"ro": 1, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": 8,
-                "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
+_MOUNT_FLAGS = {
+    "ro": 1,
+    "nosuid": MS_NOSUID,
+    "nodev": MS_NODEV,
+    "noexec": 8,
+    "noatime": 1024,
+    "nodiratime": 2048,
+    "relatime": 1 << 21,
+}
 MS_REMOUNT = 32
 
 
@@ -198,10 +236,12 @@ def name_to_handle(fd: int) -> bytes:
     buf = ctypes.create_string_buffer(_FILE_HANDLE_HEAD.size + MAX_HANDLE_SZ)
     _FILE_HANDLE_HEAD.pack_into(buf, 0, MAX_HANDLE_SZ, 0)
     mount_id = ctypes.c_int()
-    _check(_libc.name_to_handle_at(fd, b"", buf, ctypes.byref(mount_id), AT_EMPTY_PATH),
-           "name_to_handle_at")
+    _check(
+        _libc.name_to_handle_at(fd, b"", buf, ctypes.byref(mount_id), AT_EMPTY_PATH),
+        "name_to_handle_at",
+    )
     size, _type = _FILE_HANDLE_HEAD.unpack_from(buf, 0)
-    return buf.raw[:_FILE_HANDLE_HEAD.size + size]
+    return buf.raw[: _FILE_HANDLE_HEAD.size + size]
 
 
 def open_by_handle(mount_fd: int, handle: bytes, flags: int) -> int:

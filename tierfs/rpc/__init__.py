@@ -30,7 +30,9 @@ if _missing:
         f"{', '.join(f'{__name__}.{m}' for m in _missing)} missing: the protobuf/gRPC "
         "modules of tierfs/rpc are generated from its .proto files when tierfs is "
         "installed, and this tierfs was not (a source checkout?). Run `make install` "
-        "(or `pip install -e .`) in the checkout", name=f"{__name__}.{_missing[0]}")
+        "(or `pip install -e .`) in the checkout",
+        name=f"{__name__}.{_missing[0]}",
+    )
 
 from tierfs.rpc import csi_pb2, csi_pb2_grpc, peer_pb2, peer_pb2_grpc  # noqa: E402
 

@@ -195,10 +195,17 @@ def _make_retry(s: GcsSettings, on_error: Callable[[Exception], None]) -> Any:
 
     predicate = getattr(DEFAULT_RETRY, "_predicate", None)
     if predicate is None:  # a future library without the attribute: its default object
-        return (DEFAULT_RETRY.with_timeout(s.retry_deadline)
-                .with_delay(initial=s.retry_initial, maximum=s.retry_max, multiplier=2.0))
-    return gretry.Retry(predicate=predicate, initial=s.retry_initial, maximum=s.retry_max,
-                        multiplier=2.0, timeout=s.retry_deadline, on_error=on_error)
+        return DEFAULT_RETRY.with_timeout(s.retry_deadline).with_delay(
+            initial=s.retry_initial, maximum=s.retry_max, multiplier=2.0
+        )
+    return gretry.Retry(
+        predicate=predicate,
+        initial=s.retry_initial,
+        maximum=s.retry_max,
+        multiplier=2.0,
+        timeout=s.retry_deadline,
+        on_error=on_error,
+    )
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -395,10 +402,10 @@ def describe_error(exc: BaseException) -> str:
     text = str(exc).splitlines()[0] if str(exc) else ""
     if isinstance(exc, gexc.RetryError):
         cause = exc.cause
-        return (f"bucket unreachable: gave up retrying "
-                f"({describe_error(cause) if cause else text})")
-    if (isinstance(exc, ConnectionError | TimeoutError) or "Connection" in name
-            or "Timeout" in name) and not isinstance(exc, GcsError):
+        return f"bucket unreachable: gave up retrying ({describe_error(cause) if cause else text})"
+    if (
+        isinstance(exc, ConnectionError | TimeoutError) or "Connection" in name or "Timeout" in name
+    ) and not isinstance(exc, GcsError):
         return f"bucket unreachable ({name}: {text[:160]})"
     if isinstance(exc, gexc.NotFound):
         return f"not found: {text[:200]}"
@@ -438,9 +445,14 @@ class _Reader:
             deadline and no more.
     """
 
-    def __init__(self, f: Any, cancel: _Abort | None,
-                 on_bytes: Callable[[int], None] | None,
-                 monitor: BucketMonitor | None = None, window: float | None = None) -> None:
+    def __init__(
+        self,
+        f: Any,
+        cancel: _Abort | None,
+        on_bytes: Callable[[int], None] | None,
+        monitor: BucketMonitor | None = None,
+        window: float | None = None,
+    ) -> None:
         self._f = f
         self._cancel = cancel
         self._on_bytes = on_bytes
@@ -473,9 +485,13 @@ class _Reader:
 class _Writer:
     """A file proxy for downloads: crc32c and size of what was written, stops on cancel."""
 
-    def __init__(self, f: Any, cancel: _Abort | None,
-                 on_bytes: Callable[[int], None] | None,
-                 monitor: BucketMonitor | None = None) -> None:
+    def __init__(
+        self,
+        f: Any,
+        cancel: _Abort | None,
+        on_bytes: Callable[[int], None] | None,
+        monitor: BucketMonitor | None = None,
+    ) -> None:
         import google_crc32c
 
         self._f = f
@@ -563,10 +579,14 @@ class GcsBackend:
     be used by several threads at once.
     """
 
-    def __init__(self, spec: BucketSpec | str, client: Any = None,
-                 settings: GcsSettings | None = None,
-                 on_retry: Callable[[Exception], None] | None = None,
-                 widen_pool: bool = True) -> None:
+    def __init__(
+        self,
+        spec: BucketSpec | str,
+        client: Any = None,
+        settings: GcsSettings | None = None,
+        on_retry: Callable[[Exception], None] | None = None,
+        widen_pool: bool = True,
+    ) -> None:
         self.spec = L.parse_bucket(spec) if isinstance(spec, str) else spec
         self.settings = settings or GcsSettings.from_env()
         self.client = client if client is not None else make_client()
@@ -577,8 +597,10 @@ class GcsBackend:
         self.on_retry = on_retry
         self.retry = _make_retry(self.settings, self._retrying)
         s = self.settings
-        self.timeout = (min(s.connect_timeout, s.retry_deadline),
-                        min(s.read_timeout, s.retry_deadline))
+        self.timeout = (
+            min(s.connect_timeout, s.retry_deadline),
+            min(s.read_timeout, s.retry_deadline),
+        )
 
     def _retrying(self, exc: Exception) -> None:
         log.info("GCS request failed, retrying: %s", describe_error(exc))
@@ -600,11 +622,15 @@ class GcsBackend:
         import dataclasses
 
         d = max(0.1, min(deadline, self.settings.retry_deadline))
-        s = dataclasses.replace(self.settings, retry_deadline=d,
-                                retry_initial=min(self.settings.retry_initial, 0.25),
-                                retry_max=min(self.settings.retry_max, max(0.5, d / 4)))
-        return GcsBackend(self.spec, client=self.client, settings=s, on_retry=self.on_retry,
-                          widen_pool=False)
+        s = dataclasses.replace(
+            self.settings,
+            retry_deadline=d,
+            retry_initial=min(self.settings.retry_initial, 0.25),
+            retry_max=min(self.settings.retry_max, max(0.5, d / 4)),
+        )
+        return GcsBackend(
+            self.spec, client=self.client, settings=s, on_retry=self.on_retry, widen_pool=False
+        )
 
     @contextlib.contextmanager
     def _request(self) -> Iterator[dict[str, Any]]:
@@ -670,8 +696,9 @@ class GcsBackend:
         if not names:
             return {}
         with cf.ThreadPoolExecutor(min(self.settings.threads, len(names))) as pool:
-            return dict(zip(names, pool.map(lambda n: self._get_bytes(prefix + n), names),
-                            strict=True))
+            return dict(
+                zip(names, pool.map(lambda n: self._get_bytes(prefix + n), names), strict=True)
+            )
 
     # ------------------------------------------------------------------ restore.version
 
@@ -703,9 +730,11 @@ class GcsBackend:
 
     def publish_address(self, job: str, rank: int, address: str, *, incarnation: str) -> None:
         """Write ``.tierfs/nodes/<rank>`` = this node's peer address (JSON record)."""
-        self._put_bytes(self.spec.rendezvous(job, rank),
-                        L.rendezvous_record(address, rank, incarnation=incarnation,
-                                            written=time.time()), "application/json")
+        self._put_bytes(
+            self.spec.rendezvous(job, rank),
+            L.rendezvous_record(address, rank, incarnation=incarnation, written=time.time()),
+            "application/json",
+        )
 
     def read_address(self, job: str, rank: int = 0) -> L.RendezvousRecord | None:
         """Read node ``rank``'s rendezvous record (None if absent or malformed)."""
@@ -718,9 +747,16 @@ class GcsBackend:
             log.warning("rendezvous record of rank %d: %s", rank, exc)
             return None
 
-    def wait_for_address(self, job: str, rank: int = 0, *, timeout: float,
-                         newer_than: float = 0.0, poll: float = 1.0,
-                         cancel: threading.Event | None = None) -> L.RendezvousRecord:
+    def wait_for_address(
+        self,
+        job: str,
+        rank: int = 0,
+        *,
+        timeout: float,
+        newer_than: float = 0.0,
+        poll: float = 1.0,
+        cancel: threading.Event | None = None,
+    ) -> L.RendezvousRecord:
         """Poll until rank ``rank`` has published an address written after ``newer_than``.
 
         Args:
@@ -743,8 +779,10 @@ class GcsBackend:
             if rec is not None and rec.written >= newer_than:
                 return rec
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"no address of rank {rank} under "
-                                   f"{self.spec}{job}/.tierfs/nodes/ after {timeout:.0f}s")
+                raise TimeoutError(
+                    f"no address of rank {rank} under "
+                    f"{self.spec}{job}/.tierfs/nodes/ after {timeout:.0f}s"
+                )
             time.sleep(poll)
 
     # ------------------------------------------------------------------ listing
@@ -753,7 +791,7 @@ class GcsBackend:
         """Round directory names of ``job``, newest first."""
         _blobs, prefixes = self._list(self.spec.job_dir(job), delimiter="/")
         base = self.spec.job_dir(job)
-        names = [p[len(base):].rstrip("/") for p in prefixes]
+        names = [p[len(base) :].rstrip("/") for p in prefixes]
         return sorted((n for n in names if L.is_round_name(n)), reverse=True)
 
     def inspect_round(self, job: str, round_name: str, nodes: int | None = None) -> RoundInfo:
@@ -772,7 +810,7 @@ class GcsBackend:
         blobs, _ = self._list(prefix)
         objects: dict[str, ObjectInfo] = {}
         for b in blobs:
-            rel = b.name[len(prefix):]
+            rel = b.name[len(prefix) :]
             updated = b.updated.timestamp() if getattr(b, "updated", None) else 0.0
             objects[rel] = ObjectInfo(rel, int(b.size or 0), crc_from_b64(b.crc32c), updated)
         metas: dict[tuple[int, int, int], str] = {}
@@ -822,18 +860,31 @@ class GcsBackend:
             try:
                 parts[(rank, step)].metas[worker] = (
                     L.check_meta_content(data.decode("ascii", "replace"))
-                    if data is not None else None)
+                    if data is not None
+                    else None
+                )
             except LayoutError:
                 parts[(rank, step)].metas[worker] = None
         if nodes is None:
             nodes = seen_nodes or (max((r for r, _ in parts), default=-1) + 1)
-        info = RoundInfo(round_name, nodes, parts, objects,
-                         sum(o.size for o in objects.values()), recorded_nodes=seen_nodes)
+        info = RoundInfo(
+            round_name,
+            nodes,
+            parts,
+            objects,
+            sum(o.size for o in objects.values()),
+            recorded_nodes=seen_nodes,
+        )
         return judge_round(info)
 
-    def list_rounds(self, job: str, nodes: int | None = None, *,
-                    on_round: Callable[[RoundInfo], None] | None = None,
-                    on_names: Callable[[list[str]], None] | None = None) -> list[RoundInfo]:
+    def list_rounds(
+        self,
+        job: str,
+        nodes: int | None = None,
+        *,
+        on_round: Callable[[RoundInfo], None] | None = None,
+        on_names: Callable[[list[str]], None] | None = None,
+    ) -> list[RoundInfo]:
         """Inspect every round of ``job``, newest first (see :meth:`inspect_round`).
 
         Args:
@@ -877,7 +928,7 @@ class GcsBackend:
             prefix = self.spec.round_dir(job, name)
             blobs, _ = self._list(prefix, delimiter="/")
             for b in blobs:
-                rel = b.name[len(prefix):]
+                rel = b.name[len(prefix) :]
                 t = L.parse_tierfs_manifest_name(rel)
                 if t is not None and t[0] == job:
                     data = self._get_bytes(b.name)
@@ -894,8 +945,9 @@ class GcsBackend:
                     most = max(most, t[2] + 1)
         return most or None
 
-    def inspect_round_of_job(self, job: str, round_name: str,
-                             nodes: int | None = None) -> RoundInfo:
+    def inspect_round_of_job(
+        self, job: str, round_name: str, nodes: int | None = None
+    ) -> RoundInfo:
         """:meth:`inspect_round` for one round, judged like :meth:`list_rounds` judges
         it: a round without a tierfs manifest (written by MTC) against the job's
         node count (:meth:`job_nodes`) unless ``nodes`` is given."""
@@ -920,28 +972,45 @@ class GcsBackend:
         forced = self.read_restore_version(job)
         if forced is not None:
             if not L.is_round_name(forced):
-                return RestoreChoice(None, None, True,
-                                     f"restore.version names {forced[:40]!r}, not a round")
+                return RestoreChoice(
+                    None, None, True, f"restore.version names {forced[:40]!r}, not a round"
+                )
             info = self.inspect_round(job, forced, nodes)
             if not info.objects:
-                return RestoreChoice(None, None, True,
-                                     f"restore.version names round {forced}, which does "
-                                     "not exist; nothing restored (no fallback)")
+                return RestoreChoice(
+                    None,
+                    None,
+                    True,
+                    f"restore.version names round {forced}, which does "
+                    "not exist; nothing restored (no fallback)",
+                )
             if info.complete_step is None:
                 why = "; ".join(info.problems()[:3])
-                return RestoreChoice(None, None, True,
-                                     f"restore.version names round {forced}, which is "
-                                     f"incomplete ({why}); nothing restored (no fallback)",
-                                     info)
-            return RestoreChoice(forced, info.complete_step, True,
-                                 f"restore.version: round {forced} step {info.complete_step}",
-                                 info)
+                return RestoreChoice(
+                    None,
+                    None,
+                    True,
+                    f"restore.version names round {forced}, which is "
+                    f"incomplete ({why}); nothing restored (no fallback)",
+                    info,
+                )
+            return RestoreChoice(
+                forced,
+                info.complete_step,
+                True,
+                f"restore.version: round {forced} step {info.complete_step}",
+                info,
+            )
         for name in self.list_round_names(job):
             info = self.inspect_round(job, name, nodes)
             if info.complete_step is not None:
-                return RestoreChoice(name, info.complete_step, False,
-                                     f"newest complete round {name} step "
-                                     f"{info.complete_step}", info)
+                return RestoreChoice(
+                    name,
+                    info.complete_step,
+                    False,
+                    f"newest complete round {name} step {info.complete_step}",
+                    info,
+                )
             log.info("backup round %s skipped: %s", name, "; ".join(info.problems()[:2]))
         return RestoreChoice(None, None, False, "no complete backup round")
 
@@ -954,13 +1023,19 @@ class GcsBackend:
             sub = prefix + head
             blobs, _ = self._list(sub)
             for b in blobs:
-                rel = b.name[len(prefix):]
+                rel = b.name[len(prefix) :]
                 found[rel] = ObjectInfo(rel, int(b.size or 0), crc_from_b64(b.crc32c))
         return found
 
-    def _upload_file(self, name: str, path: str, size: int, crc: int,
-                     cancel: _Abort | None,
-                     on_bytes: Callable[[int], None] | None) -> None:
+    def _upload_file(
+        self,
+        name: str,
+        path: str,
+        size: int,
+        crc: int,
+        cancel: _Abort | None,
+        on_bytes: Callable[[int], None] | None,
+    ) -> None:
         resumable = size > MULTIPART_MAX
         blob = self.bucket.blob(name, chunk_size=self.settings.chunk_size if resumable else None)
         want = crc_b64(crc)
@@ -968,22 +1043,30 @@ class GcsBackend:
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
             if st.st_size != size:
-                raise ChecksumMismatch(f"{path}: {st.st_size} bytes, manifest {size} "
-                                       "(changed since it was sealed)")
+                raise ChecksumMismatch(
+                    f"{path}: {st.st_size} bytes, manifest {size} (changed since it was sealed)"
+                )
             kwargs: dict[str, Any] = {}
             if resumable:
                 kwargs["crc32c_checksum_value"] = want
             window = self.settings.retry_deadline if resumable else None
             with self._request() as kw:
-                blob.upload_from_file(_Reader(f, cancel, on_bytes, self.monitor, window),
-                                      size=size, checksum=None,
-                                      content_type="application/octet-stream", **kw, **kwargs)
+                blob.upload_from_file(
+                    _Reader(f, cancel, on_bytes, self.monitor, window),
+                    size=size,
+                    checksum=None,
+                    content_type="application/octet-stream",
+                    **kw,
+                    **kwargs,
+                )
         got = crc_from_b64(blob.crc32c)
         if (got is not None and got != crc) or (blob.size is not None and blob.size != size):
             # an emulator may not enforce the crc32c we sent: check what it stored
             self._delete(name)
-            raise ChecksumMismatch(f"{name}: GCS stored crc32c {got and f'{got:08x}'} for "
-                                   f"{blob.size} bytes, manifest {crc:08x} for {size}")
+            raise ChecksumMismatch(
+                f"{name}: GCS stored crc32c {got and f'{got:08x}'} for "
+                f"{blob.size} bytes, manifest {crc:08x} for {size}"
+            )
 
     def unproven(self, prefix: str, uploads: Iterable[L.Upload]) -> list[str]:
         """Which of ``uploads`` the bucket does not hold under ``prefix`` with their size
@@ -995,11 +1078,21 @@ class GcsBackend:
         """
         todo = list(uploads)
         have = self._existing(prefix, (u.name for u in todo))
-        return [p for p in (check_object(u.name, have.get(u.name), u.size, u.crc32c)
-                            for u in todo) if p is not None]
+        return [
+            p
+            for p in (check_object(u.name, have.get(u.name), u.size, u.crc32c) for u in todo)
+            if p is not None
+        ]
 
-    def await_objects(self, prefix: str, uploads: Iterable[L.Upload], *, wait: float,
-                      cancel: threading.Event | None = None, poll: float = 0.5) -> list[str]:
+    def await_objects(
+        self,
+        prefix: str,
+        uploads: Iterable[L.Upload],
+        *,
+        wait: float,
+        cancel: threading.Event | None = None,
+        poll: float = 0.5,
+    ) -> list[str]:
         """Poll the listing until every one of ``uploads`` is there with its size and
         crc32c (another node uploads them), for at most ``wait`` seconds after the
         last progress (an object appearing). Polls back off from ``poll`` to 5 s.
@@ -1034,12 +1127,19 @@ class GcsBackend:
                 time.sleep(pause)
             delay = min(delay * 2, 5.0)
 
-    def upload_shard(self, shard: Shard, round_name: str, *, nodes: int,
-                     data_parallelism: int | None = None, dedup: bool = False,
-                     dedup_wait: float | None = None,
-                     cancel: threading.Event | None = None,
-                     on_bytes: Callable[[int], None] | None = None,
-                     resume: bool = True) -> UploadResult:
+    def upload_shard(
+        self,
+        shard: Shard,
+        round_name: str,
+        *,
+        nodes: int,
+        data_parallelism: int | None = None,
+        dedup: bool = False,
+        dedup_wait: float | None = None,
+        cancel: threading.Event | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+        resume: bool = True,
+    ) -> UploadResult:
         """Upload one sealed shard as its node's part of backup round ``round_name``.
 
         Data objects first (in parallel; skipped if ``resume`` and an object of
@@ -1095,9 +1195,11 @@ class GcsBackend:
             missing = self.await_objects(prefix, layout.uploads, wait=wait, cancel=cancel)
             if missing:
                 own = True
-                result.note = (f"node-rank {uploader}'s data for step {m.step} was not in "
-                               f"round {round_name} within {wait:.0f} s ({missing[0]}); "
-                               "uploaded this node's own")
+                result.note = (
+                    f"node-rank {uploader}'s data for step {m.step} was not in "
+                    f"round {round_name} within {wait:.0f} s ({missing[0]}); "
+                    "uploaded this node's own"
+                )
         result.data_uploaded = own
         if own and layout.uploads:
             todo = list(layout.uploads)
@@ -1114,30 +1216,49 @@ class GcsBackend:
             todo.sort(key=lambda u: u.size, reverse=True)
             abort = _Abort(cancel)
             self._run_parallel(
-                [lambda u=u: self._upload_file(prefix + u.name, os.path.join(shard.data, u.path),
-                                               u.size, u.crc32c, abort, on_bytes)
-                 for u in todo], abort)
+                [
+                    lambda u=u: self._upload_file(
+                        prefix + u.name,
+                        os.path.join(shard.data, u.path),
+                        u.size,
+                        u.crc32c,
+                        abort,
+                        on_bytes,
+                    )
+                    for u in todo
+                ],
+                abort,
+            )
             result.objects += len(todo)
             result.bytes += sum(u.size for u in todo)
         if cancel is not None and cancel.is_set():
             raise Cancelled("upload cancelled")
-        nb = NodeBackup(manifest=m, round=round_name, nodes=nodes,
-                        uploader=rank if own else uploader,
-                        data_parallelism=data_parallelism, hashes=dict(layout.hashes),
-                        objects=dict(layout.objects), created=time.time())
-        self._put_bytes(prefix + L.tierfs_manifest_name(m.job, m.step, rank), nb.to_json(),
-                        "application/json")
+        nb = NodeBackup(
+            manifest=m,
+            round=round_name,
+            nodes=nodes,
+            uploader=rank if own else uploader,
+            data_parallelism=data_parallelism,
+            hashes=dict(layout.hashes),
+            objects=dict(layout.objects),
+            created=time.time(),
+        )
+        self._put_bytes(
+            prefix + L.tierfs_manifest_name(m.job, m.step, rank), nb.to_json(), "application/json"
+        )
         for worker, digest in sorted(layout.hashes.items()):
             if cancel is not None and cancel.is_set():
                 raise Cancelled("upload cancelled")
-            self._put_bytes(prefix + L.meta_name(m.job, m.step, rank, worker),
-                            digest.encode("ascii"), "text/plain")
+            self._put_bytes(
+                prefix + L.meta_name(m.job, m.step, rank, worker),
+                digest.encode("ascii"),
+                "text/plain",
+            )
         result.objects += 1 + len(layout.hashes)
         result.seconds = time.monotonic() - t0
         return result
 
-    def _run_parallel(self, tasks: list[Callable[[], Any]],
-                      abort: _Abort | None) -> list[Any]:
+    def _run_parallel(self, tasks: list[Callable[[], Any]], abort: _Abort | None) -> list[Any]:
         """Run ``tasks`` on the pool; the first failure sets ``abort`` (which the
         tasks' streams watch), cancels what has not started, and is raised."""
         if not tasks:
@@ -1164,10 +1285,19 @@ class GcsBackend:
 
     # ------------------------------------------------------------------ download
 
-    def download_part(self, job: str, round_name: str, rank: int, step: int, dest: str, *,
-                      info: RoundInfo | None = None, framework: str | None = None,
-                      cancel: threading.Event | None = None,
-                      on_bytes: Callable[[int], None] | None = None) -> Manifest:
+    def download_part(
+        self,
+        job: str,
+        round_name: str,
+        rank: int,
+        step: int,
+        dest: str,
+        *,
+        info: RoundInfo | None = None,
+        framework: str | None = None,
+        cancel: threading.Event | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> Manifest:
         """Download node ``rank``'s part of ``step`` in a round into ``dest/data``.
 
         Every file is checked against the manifest (size and crc32c computed
@@ -1192,14 +1322,16 @@ class GcsBackend:
         part = info.parts.get((rank, step))
         if part is None or not part.complete:
             why = "; ".join(part.missing[:3]) if part else "no pointer"
-            raise IncompleteRound(f"round {round_name} has no complete part for rank {rank} "
-                                  f"step {step} ({why})")
+            raise IncompleteRound(
+                f"round {round_name} has no complete part for rank {rank} step {step} ({why})"
+            )
         if part.backup is not None:
             manifest = part.backup.manifest
             objects = part.backup.objects
         else:
-            manifest, objects = synthesize_manifest(job, rank, step, framework or "orbax",
-                                                    part, info)
+            manifest, objects = synthesize_manifest(
+                job, rank, step, framework or "orbax", part, info
+            )
         prefix = self.spec.round_dir(job, round_name)
         data = os.path.join(dest, "data")
         os.mkdir(data, 0o700)
@@ -1208,8 +1340,9 @@ class GcsBackend:
                 os.makedirs(os.path.join(data, f.path), 0o700, exist_ok=True)
             elif f.kind == "file":
                 os.makedirs(os.path.dirname(os.path.join(data, f.path)), 0o700, exist_ok=True)
-        files = sorted((f for f in manifest.files if f.kind == "file"),
-                       key=lambda f: f.size, reverse=True)
+        files = sorted(
+            (f for f in manifest.files if f.kind == "file"), key=lambda f: f.size, reverse=True
+        )
         abort = _Abort(cancel)
 
         def fetch(f: FileEntry) -> None:
@@ -1223,7 +1356,8 @@ class GcsBackend:
             if w.size != f.size or w.crc != f.crc32c:
                 raise ChecksumMismatch(
                     f"{objects[f.path]} in round {round_name}: got {w.size} bytes crc32c "
-                    f"{w.crc:08x}, manifest {f.size} bytes crc32c {(f.crc32c or 0):08x}")
+                    f"{w.crc:08x}, manifest {f.size} bytes crc32c {(f.crc32c or 0):08x}"
+                )
 
         self._run_parallel([lambda f=f: fetch(f) for f in files], abort)
         for f in manifest.files:
@@ -1234,12 +1368,20 @@ class GcsBackend:
                 os.chmod(os.path.join(data, f.path), stat.S_IMODE(f.mode))
         return manifest
 
-    def restore_shard(self, shards: ShardStore, job: str, round_name: str, rank: int,
-                      step: int, *, info: RoundInfo | None = None,
-                      framework: str | None = None,
-                      cancel: threading.Event | None = None,
-                      on_bytes: Callable[[int], None] | None = None,
-                      free_bytes: int | None = None) -> Shard:
+    def restore_shard(
+        self,
+        shards: ShardStore,
+        job: str,
+        round_name: str,
+        rank: int,
+        step: int,
+        *,
+        info: RoundInfo | None = None,
+        framework: str | None = None,
+        cancel: threading.Event | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+        free_bytes: int | None = None,
+    ) -> Shard:
         """Download a node's part into ``store/incoming/`` and commit it as a verified shard.
 
         Args:
@@ -1253,16 +1395,25 @@ class GcsBackend:
             info = self.inspect_round(job, round_name)
         part = info.parts.get((rank, step))
         if free_bytes is not None and part is not None:
-            need = (part.backup.manifest.total_bytes if part.backup is not None
-                    else part.bytes)
+            need = part.backup.manifest.total_bytes if part.backup is not None else part.bytes
             if need > free_bytes:
-                raise GcsError(f"round {round_name} rank {rank}: {need} bytes do not fit in "
-                               f"the {free_bytes} bytes left in the RAM budget")
+                raise GcsError(
+                    f"round {round_name} rank {rank}: {need} bytes do not fit in "
+                    f"the {free_bytes} bytes left in the RAM budget"
+                )
         inc = shards.ram.new_incoming(f"gcs-{rank}-{step}")
         try:
-            manifest = self.download_part(job, round_name, rank, step, inc, info=info,
-                                          framework=framework, cancel=cancel,
-                                          on_bytes=on_bytes)
+            manifest = self.download_part(
+                job,
+                round_name,
+                rank,
+                step,
+                inc,
+                info=info,
+                framework=framework,
+                cancel=cancel,
+                on_bytes=on_bytes,
+            )
             return shards.commit(inc, manifest, verified=True)
         except BaseException:
             _discard(shards.ram, inc)
@@ -1270,9 +1421,14 @@ class GcsBackend:
 
     # ------------------------------------------------------------------ delete
 
-    def delete_round(self, job: str, round_name: str, *,
-                     on_object: Callable[[str], None] | None = None,
-                     on_listed: Callable[[int], None] | None = None) -> int:
+    def delete_round(
+        self,
+        job: str,
+        round_name: str,
+        *,
+        on_object: Callable[[str], None] | None = None,
+        on_listed: Callable[[int], None] | None = None,
+    ) -> int:
         """Delete every object of a round (and the nodes' outcome records of it);
         pointers first, so readers see it partial at once.
 
@@ -1285,7 +1441,7 @@ class GcsBackend:
         names += [b.name for b in outcomes]
         if on_listed is not None:
             on_listed(len(names))
-        metas = [n for n in names if n.endswith(".meta") and "/" not in n[len(prefix):]]
+        metas = [n for n in names if n.endswith(".meta") and "/" not in n[len(prefix) :]]
         rest = [n for n in names if n not in set(metas)]
 
         def rm(name: str) -> int:
@@ -1297,7 +1453,6 @@ class GcsBackend:
         count = sum(self._run_parallel([lambda n=n: rm(n) for n in metas], None))
         count += sum(self._run_parallel([lambda n=n: rm(n) for n in rest], None))
         return count
-
 
     def tidy_round(self, job: str, round_name: str, nodes: int) -> int:
         """Remove what a failed or moved backup round left behind; returns the number
@@ -1322,9 +1477,11 @@ class GcsBackend:
         if not info.recorded_nodes:
             info.nodes = max(nodes, info.ranks_seen)
             judge_round(info)
-        keep = {s for s in info.steps
-                if all((r, s) in info.parts and info.parts[(r, s)].complete
-                       for r in range(info.nodes))}
+        keep = {
+            s
+            for s in info.steps
+            if all((r, s) in info.parts and info.parts[(r, s)].complete for r in range(info.nodes))
+        }
         if not keep:
             return self.delete_round(job, round_name)
         prefix = self.spec.round_dir(job, round_name)
@@ -1345,13 +1502,13 @@ class GcsBackend:
         for (_r, step), e in info.parts.items():
             if step not in keep:
                 heads |= data_names(e)
-        kept = set().union(*(data_names(e) for (_r, step), e in info.parts.items()
-                             if step in keep))
+        kept = set().union(*(data_names(e) for (_r, step), e in info.parts.items() if step in keep))
         data = [n for n in info.objects if n.split("/", 1)[0] in heads - kept]
         count = 0
         for batch in (pointers, manifests, data):
-            count += sum(self._run_parallel(
-                [lambda n=n: int(self._delete(prefix + n)) for n in batch], None))
+            count += sum(
+                self._run_parallel([lambda n=n: int(self._delete(prefix + n)) for n in batch], None)
+            )
         return count
 
 
@@ -1362,8 +1519,9 @@ def _discard(ram: RamStore, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def synthesize_manifest(job: str, rank: int, step: int, framework: str, part: NodeEntry,
-                        info: RoundInfo) -> tuple[Manifest, dict[str, str]]:
+def synthesize_manifest(
+    job: str, rank: int, step: int, framework: str, part: NodeEntry, info: RoundInfo
+) -> tuple[Manifest, dict[str, str]]:
     """A shard manifest for a part written by MTC (no tierfs manifest), from the listing.
 
     The crc32c GCS reports for each object stands in for the seal-time
@@ -1394,7 +1552,7 @@ def synthesize_manifest(job: str, rank: int, step: int, framework: str, part: No
         for name, o in sorted(info.objects.items()):
             if not name.startswith(dname + "/"):
                 continue
-            rel = name[len(dname) + 1:]
+            rel = name[len(dname) + 1 :]
             if not rel or rel.endswith("/"):
                 continue
             if o.crc32c is None:
@@ -1411,6 +1569,7 @@ def synthesize_manifest(job: str, rank: int, step: int, framework: str, part: No
     entries.sort(key=lambda e: e.path)
     check_entries(entries)
     name = str(step) if dirs else (entries[0].path if entries else str(step))
-    manifest = Manifest(job=job, rank=rank, step=step, name=name, framework=framework,
-                        files=tuple(entries))
+    manifest = Manifest(
+        job=job, rank=rank, step=step, name=name, framework=framework, files=tuple(entries)
+    )
     return manifest, objects

@@ -110,8 +110,9 @@ class RoundInfo:
 
     def ranks_present(self, step: int | None = None) -> list[int]:
         """Ranks with a pointer (of ``step``, or of any step)."""
-        return sorted({r for (r, s), e in self.parts.items()
-                       if e.metas and (step is None or s == step)})
+        return sorted(
+            {r for (r, s), e in self.parts.items() if e.metas and (step is None or s == step)}
+        )
 
     def ranks_complete(self, step: int) -> list[int]:
         """Ranks whose part of ``step`` is complete."""
@@ -170,8 +171,7 @@ def check_object(name: str, obj: ObjectInfo | None, size: int, crc: int | None) 
     return None
 
 
-def _judge_foreign(part: NodeEntry, objects: dict[str, ObjectInfo],
-                   dir_prefixes: set[str]) -> None:
+def _judge_foreign(part: NodeEntry, objects: dict[str, ObjectInfo], dir_prefixes: set[str]) -> None:
     """A part without a tierfs manifest (MTC): each pointer's data is listed (one
     ``<hash>.data`` object, or objects under ``D<hash>.data/``), each with a crc32c."""
     for _w, h in part.metas.items():
@@ -258,16 +258,16 @@ def judge_round(info: RoundInfo) -> RoundInfo:
                 part.missing.append(f"unreadable .meta for worker {w}")
         if part.backup is None and tierfs_round:
             if not part.notes:
-                part.missing.append("no .tierfs.json manifest (the round's other parts "
-                                    "have one)")
+                part.missing.append("no .tierfs.json manifest (the round's other parts have one)")
         elif part.backup is None:
             _judge_foreign(part, objects, dir_prefixes)
         else:
             _judge_tierfs(part, part.backup, objects)
     info.complete_step = None
     for step in info.steps:
-        if all((r, step) in info.parts and info.parts[(r, step)].complete
-               for r in range(info.nodes)):
+        if all(
+            (r, step) in info.parts and info.parts[(r, step)].complete for r in range(info.nodes)
+        ):
             info.complete_step = step
             break
     return info

@@ -121,8 +121,10 @@ def parse_bucket(text: str) -> BucketSpec:
     s = s.strip("/")
     bucket, _, prefix = s.partition("/")
     if not _BUCKET_RE.match(bucket) or ".." in bucket:
-        raise LayoutError(f"invalid bucket name in {text!r} (want NAME[/PREFIX], "
-                          "lowercase letters, digits, '-', '_', '.')")
+        raise LayoutError(
+            f"invalid bucket name in {text!r} (want NAME[/PREFIX], "
+            "lowercase letters, digits, '-', '_', '.')"
+        )
     prefix = prefix.strip("/")
     if prefix:
         for part in prefix.split("/"):
@@ -300,15 +302,19 @@ class DedupPlan:
         """One line for ``replicator.errors`` (empty when nothing differs)."""
         if not self.differing:
             return ""
-        groups = "; ".join(f"node-ranks {list(ranks)} (uploader {u})"
-                           for u, ranks in self.differing)
-        return (f"assume-data-parallelism {data_parallelism} did not hold for step {step}: "
-                f"the shards of {groups} differ (their manifests' checksums), so each of "
-                "these nodes uploads its own data")
+        groups = "; ".join(
+            f"node-ranks {list(ranks)} (uploader {u})" for u, ranks in self.differing
+        )
+        return (
+            f"assume-data-parallelism {data_parallelism} did not hold for step {step}: "
+            f"the shards of {groups} differ (their manifests' checksums), so each of "
+            "these nodes uploads its own data"
+        )
 
 
-def dedup_plan(digests: dict[int, str | None], nodes: int,
-               data_parallelism: int | None) -> DedupPlan:
+def dedup_plan(
+    digests: dict[int, str | None], nodes: int, data_parallelism: int | None
+) -> DedupPlan:
     """Who may skip uploading data for one step (pure): checksums, not the claim.
 
     Args:
@@ -385,7 +391,7 @@ def _digest(parts: Iterable[str]) -> str:
 def _describe(files: Iterable[FileEntry], strip: str) -> list[str]:
     out = []
     for f in sorted(files, key=lambda e: e.path):
-        rel = f.path[len(strip):] if strip else f.path
+        rel = f.path[len(strip) :] if strip else f.path
         out.append(f"{rel}\0{f.kind}\0{f.size}\0{f.crc32c}\0{f.target}\0{f.mode:o}")
     return out
 
@@ -440,10 +446,11 @@ def node_layout(manifest: Manifest, *, column: int | None = None) -> NodeLayout:
         for f in rest:
             if f.kind != "file":
                 continue
-            rel = f.path[len(strip):] if strip else f.path
+            rel = f.path[len(strip) :] if strip else f.path
             objects[f.path] = f"{base}/{rel}"
-    uploads = tuple(Upload(f.path, objects[f.path], f.size, f.crc32c or 0)
-                    for f in files if f.kind == "file")
+    uploads = tuple(
+        Upload(f.path, objects[f.path], f.size, f.crc32c or 0) for f in files if f.kind == "file"
+    )
     return NodeLayout(hashes, objects, uploads)
 
 
@@ -477,11 +484,17 @@ class NodeBackup:
     def to_json(self) -> bytes:
         """Serialize (stable key order, UTF-8)."""
         d: dict[str, Any] = {
-            "format": BACKUP_FORMAT, "round": self.round, "nodes": self.nodes,
-            "job": self.manifest.job, "rank": self.manifest.rank, "step": self.manifest.step,
-            "uploader": self.uploader, "data_parallelism": self.data_parallelism,
+            "format": BACKUP_FORMAT,
+            "round": self.round,
+            "nodes": self.nodes,
+            "job": self.manifest.job,
+            "rank": self.manifest.rank,
+            "step": self.manifest.step,
+            "uploader": self.uploader,
+            "data_parallelism": self.data_parallelism,
             "hashes": {str(k): v for k, v in sorted(self.hashes.items())},
-            "objects": self.objects, "created": self.created,
+            "objects": self.objects,
+            "created": self.created,
             "manifest": json.loads(self.manifest.to_json()),
         }
         return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
@@ -504,11 +517,18 @@ class NodeBackup:
             manifest = Manifest.from_json(json.dumps(d["manifest"]))
             hashes = {int(k): check_meta_content(str(v)) for k, v in d["hashes"].items()}
             objects = {str(k): str(v) for k, v in d["objects"].items()}
-            nb = cls(manifest=manifest, round=str(d["round"]), nodes=int(d["nodes"]),
-                     uploader=int(d["uploader"]),
-                     data_parallelism=(int(d["data_parallelism"])
-                                       if d.get("data_parallelism") else None),
-                     hashes=hashes, objects=objects, created=float(d.get("created", 0)))
+            nb = cls(
+                manifest=manifest,
+                round=str(d["round"]),
+                nodes=int(d["nodes"]),
+                uploader=int(d["uploader"]),
+                data_parallelism=(
+                    int(d["data_parallelism"]) if d.get("data_parallelism") else None
+                ),
+                hashes=hashes,
+                objects=objects,
+                created=float(d.get("created", 0)),
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, LayoutError):
                 raise
@@ -538,9 +558,16 @@ def rendezvous_record(address: str, rank: int, *, incarnation: str, written: flo
         incarnation: a random id of this daemon start (readers can tell restarts apart).
         written: Unix time in seconds.
     """
-    return json.dumps({"format": RENDEZVOUS_FORMAT, "address": address, "rank": rank,
-                       "incarnation": incarnation, "written": written},
-                      sort_keys=True).encode()
+    return json.dumps(
+        {
+            "format": RENDEZVOUS_FORMAT,
+            "address": address,
+            "rank": rank,
+            "incarnation": incarnation,
+            "written": written,
+        },
+        sort_keys=True,
+    ).encode()
 
 
 @dataclass(frozen=True)
@@ -569,8 +596,12 @@ def parse_rendezvous(data: bytes | str) -> RendezvousRecord:
         if d.get("format") != RENDEZVOUS_FORMAT or not isinstance(d.get("address"), str):
             raise LayoutError("not a tierfs rendezvous record")
         try:
-            return RendezvousRecord(d["address"], int(d.get("rank", -1)),
-                                    str(d.get("incarnation", "")), float(d.get("written", 0)))
+            return RendezvousRecord(
+                d["address"],
+                int(d.get("rank", -1)),
+                str(d.get("incarnation", "")),
+                float(d.get("written", 0)),
+            )
         except (TypeError, ValueError) as exc:
             raise LayoutError(f"malformed rendezvous record: {exc}") from None
     host, sep, port = text.rpartition(":")

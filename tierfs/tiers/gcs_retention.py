@@ -51,9 +51,16 @@ class RetentionPolicy:
 
     def describe(self) -> str:
         """The policy as the CLI flags that set it."""
-        parts = [f"--{flag} {n}" for flag, n in (
-            ("keep-last", self.keep_last), ("hourly", self.hourly), ("daily", self.daily),
-            ("weekly", self.weekly)) if n]
+        parts = [
+            f"--{flag} {n}"
+            for flag, n in (
+                ("keep-last", self.keep_last),
+                ("hourly", self.hourly),
+                ("daily", self.daily),
+                ("weekly", self.weekly),
+            )
+            if n
+        ]
         return " ".join(parts) or "(no rule)"
 
 
@@ -79,8 +86,7 @@ class PruneSelection:
     delete: list[str] = field(default_factory=list)
 
 
-def _bucketed(rounds: list[RoundState], count: int,
-              key: Callable[[str], object]) -> list[str]:
+def _bucketed(rounds: list[RoundState], count: int, key: Callable[[str], object]) -> list[str]:
     kept: list[str] = []
     seen: set[object] = set()
     for r in rounds:
@@ -94,8 +100,9 @@ def _bucketed(rounds: list[RoundState], count: int,
     return kept
 
 
-def select_rounds(rounds: Iterable[RoundState], policy: RetentionPolicy,
-                  protected: dict[str, str] | None = None) -> PruneSelection:
+def select_rounds(
+    rounds: Iterable[RoundState], policy: RetentionPolicy, protected: dict[str, str] | None = None
+) -> PruneSelection:
     """Choose which backup rounds a prune keeps and deletes (pure; see the module docstring).
 
     Args:
@@ -109,8 +116,7 @@ def select_rounds(rounds: Iterable[RoundState], policy: RetentionPolicy,
     """
     if policy.empty:
         raise ValueError("no retention rule given (use keep_last, hourly, daily or weekly)")
-    everything = sorted({r.name: r for r in rounds}.values(), key=lambda r: r.name,
-                        reverse=True)
+    everything = sorted({r.name: r for r in rounds}.values(), key=lambda r: r.name, reverse=True)
     times = {r.name: round_time(r.name) for r in everything}
     complete = [r for r in everything if r.complete]
     sel = PruneSelection()
@@ -127,7 +133,7 @@ def select_rounds(rounds: Iterable[RoundState], policy: RetentionPolicy,
     for r in everything:
         if not r.complete and (newest is None or r.name > newest):
             keep(r.name, "partial, newer than the newest complete round (may be uploading)")
-    for name in [r.name for r in complete[:policy.keep_last]]:
+    for name in [r.name for r in complete[: policy.keep_last]]:
         keep(name, f"last {policy.keep_last}")
     rules: list[tuple[int, str, Callable[[str], object]]] = [
         (policy.hourly, "hourly", lambda n: times[n].strftime("%Y-%m-%d %H")),

@@ -99,10 +99,16 @@ def intervals(minutes: float | None, steps: int | None) -> tuple[float | None, i
     return (minutes or None), (steps or None)
 
 
-def decide_round(state: ScheduleState, *, now: float, step: int | None,
-                 backup_requested: bool = False, interval_minutes: float | None = None,
-                 interval_steps: int | None = None, previous_name: str | None = None
-                 ) -> Decision:
+def decide_round(
+    state: ScheduleState,
+    *,
+    now: float,
+    step: int | None,
+    backup_requested: bool = False,
+    interval_minutes: float | None = None,
+    interval_steps: int | None = None,
+    previous_name: str | None = None,
+) -> Decision:
     """Decide whether a backup round starts now (pure; see the module docstring).
 
     Args:
@@ -123,19 +129,27 @@ def decide_round(state: ScheduleState, *, now: float, step: int | None,
     if backup_requested:
         due = f"step {step} carries _BACKUP_REQUESTED"
     elif interval_steps and step - (state.last_step or 0) >= interval_steps:
-        due = f"{step - (state.last_step or 0)} step(s) since the last round " \
-              f"(backup-interval-steps {interval_steps})"
+        due = (
+            f"{step - (state.last_step or 0)} step(s) since the last round "
+            f"(backup-interval-steps {interval_steps})"
+        )
     elif interval_minutes:
         since = state.last_round_at if state.last_round_at is not None else state.started_at
         if now - since >= interval_minutes * 60:
-            due = f"{(now - since) / 60:.1f} min since the last round " \
-                  f"(backup-interval-minutes {interval_minutes:g})"
+            due = (
+                f"{(now - since) / 60:.1f} min since the last round "
+                f"(backup-interval-minutes {interval_minutes:g})"
+            )
     if not due:
         return Decision(WAIT, step, reason="not due")
     if state.active is not None:
-        return Decision(SKIP, step, reason=f"backup of step {step} waits: round "
-                        f"{state.active} is still running ({due})",
-                        report=state.skipped_step != step, due=due)
+        return Decision(
+            SKIP,
+            step,
+            reason=f"backup of step {step} waits: round {state.active} is still running ({due})",
+            report=state.skipped_step != step,
+            due=due,
+        )
     prev = max((n for n in (previous_name, state.last_round) if n), default=None)
     return Decision(START, step, next_round_name(now, prev), reason=due, due=due)
 
@@ -150,8 +164,10 @@ def superseded(state: ScheduleState, step: int | None) -> list[str]:
     state.waiting = None
     if w[0] == step:
         return []
-    return [f"backup of step {w[0]} skipped: round {w[1]} was still running ({w[2]}) "
-            f"when the newer step {step} became due"]
+    return [
+        f"backup of step {w[0]} skipped: round {w[1]} was still running ({w[2]}) "
+        f"when the newer step {step} became due"
+    ]
 
 
 def started(state: ScheduleState, decision: Decision, now: float) -> list[str]:
@@ -182,8 +198,7 @@ def finished(state: ScheduleState, round_name: str) -> None:
         state.active = None
 
 
-def restored(state: ScheduleState, round_name: str | None, step: int | None,
-             now: float) -> None:
+def restored(state: ScheduleState, round_name: str | None, step: int | None, now: float) -> None:
     """Step ``step`` of round ``round_name`` is known to be backed up (a restore from
     it, or the bucket's newest complete round): periods count from ``now``; only
     newer steps are backed up."""
@@ -195,8 +210,9 @@ def restored(state: ScheduleState, round_name: str | None, step: int | None,
         state.last_step = max(step, state.last_step or 0)
 
 
-def restart_timeline(state: ScheduleState, *, backup: str | None, step: int | None,
-                     now: float) -> ScheduleState:
+def restart_timeline(
+    state: ScheduleState, *, backup: str | None, step: int | None, now: float
+) -> ScheduleState:
     """The schedule after a restore that restarts the job from ``step`` (every node).
 
     Round names keep growing (``last_round`` stays) and the period counts from
@@ -208,8 +224,9 @@ def restart_timeline(state: ScheduleState, *, backup: str | None, step: int | No
       (the last round belongs to the discarded steps after it);
     * nothing restored (``step`` None): the job starts over, none.
     """
-    fresh = ScheduleState(started_at=now, last_round=state.last_round,
-                          last_round_at=state.last_round_at)
+    fresh = ScheduleState(
+        started_at=now, last_round=state.last_round, last_round_at=state.last_round_at
+    )
     if backup is not None:
         fresh.last_round = max(backup, state.last_round or "")
         fresh.last_round_at = now
@@ -223,8 +240,9 @@ def restart_timeline(state: ScheduleState, *, backup: str | None, step: int | No
     return fresh
 
 
-def apply_seed(state: ScheduleState, complete: tuple[str, int] | None, *,
-               after_restore: bool) -> None:
+def apply_seed(
+    state: ScheduleState, complete: tuple[str, int] | None, *, after_restore: bool
+) -> None:
     """Take the bucket's newest complete (round, step) into a schedule.
 
     Without a restore since the schedule began (a daemon restarted under a
@@ -392,8 +410,9 @@ class RoundBook:
         self.seeded = True
         return True
 
-    def restored(self, backup: str | None, step: int | None, now: float, *,
-                 new_timeline: bool = True) -> None:
+    def restored(
+        self, backup: str | None, step: int | None, now: float, *, new_timeline: bool = True
+    ) -> None:
         """A restore was decided (``step`` from ``backup``, or from the cluster; None: nothing).
 
         Args:
@@ -416,28 +435,42 @@ class RoundBook:
         ignored (stale, or from before the round moved). :data:`MISSING` does not
         end the node's part: the round moves to a newer step (:meth:`tick`)."""
         a = self.active
-        if (a is None or outcome.round != a.round or outcome.step != a.step
-                or not 0 <= rank < self.nodes):
+        if (
+            a is None
+            or outcome.round != a.round
+            or outcome.step != a.step
+            or not 0 <= rank < self.nodes
+        ):
             return
         if outcome.state == MISSING:
             a.lacking.setdefault(rank, outcome.error or f"step {a.step} is not held")
             return
         if outcome.state not in (DONE, FAILED):
-            outcome = Outcome(outcome.round, outcome.step, FAILED,
-                              f"unknown outcome {outcome.state!r}")
+            outcome = Outcome(
+                outcome.round, outcome.step, FAILED, f"unknown outcome {outcome.state!r}"
+            )
         a.outcomes.setdefault(rank, outcome)
 
     def member_restarted(self, rank: int) -> None:
         """Node ``rank`` came back as a new daemon: its part of the active round is lost."""
         a = self.active
         if a is not None and 0 <= rank < self.nodes and rank not in a.outcomes:
-            a.outcomes[rank] = Outcome(a.round, a.step, FAILED,
-                                       f"node-rank {rank} restarted during the round")
+            a.outcomes[rank] = Outcome(
+                a.round, a.step, FAILED, f"node-rank {rank} restarted during the round"
+            )
 
-    def tick(self, now: float, *, step: int | None, backup_requested: bool = False,
-             interval_minutes: float | None = None, interval_steps: int | None = None,
-             may_start: bool = True, holders: Holders | None = None,
-             data_parallelism: int | None = None) -> Decision:
+    def tick(
+        self,
+        now: float,
+        *,
+        step: int | None,
+        backup_requested: bool = False,
+        interval_minutes: float | None = None,
+        interval_steps: int | None = None,
+        may_start: bool = True,
+        holders: Holders | None = None,
+        data_parallelism: int | None = None,
+    ) -> Decision:
         """Close the active round if it is over (or move it), then decide about ``step``.
 
         Args:
@@ -471,10 +504,15 @@ class RoundBook:
         if not self.seeded:
             return Decision(WAIT, step, reason="the bucket has not been listed yet")
         minutes, steps = intervals(interval_minutes, interval_steps)
-        decision = decide_round(self.state, now=now, step=step,
-                                backup_requested=backup_requested,
-                                interval_minutes=minutes, interval_steps=steps,
-                                previous_name=self.previous_name)
+        decision = decide_round(
+            self.state,
+            now=now,
+            step=step,
+            backup_requested=backup_requested,
+            interval_minutes=minutes,
+            interval_steps=steps,
+            previous_name=self.previous_name,
+        )
         if decision.action == SKIP:
             self.events.extend(skipped(self.state, decision))
         elif decision.action == START:
@@ -482,17 +520,28 @@ class RoundBook:
             held = holders(decision.step) if holders is not None else None
             lacking = [r for r in range(self.nodes) if held is not None and r not in held]
             if lacking:
-                decision = Decision(WAIT, decision.step, reason=(
-                    f"step {decision.step} is no longer held by node-rank(s) {lacking}; "
-                    "waiting for a step every node holds"))
+                decision = Decision(
+                    WAIT,
+                    decision.step,
+                    reason=(
+                        f"step {decision.step} is no longer held by node-rank(s) {lacking}; "
+                        "waiting for a step every node holds"
+                    ),
+                )
             else:
                 self.events.extend(started(self.state, decision, now))
                 self.active = ActiveRound(decision.round, decision.step, now, decision.reason)
                 self._plan(self.active, held, data_parallelism)
                 self.last_view = RoundView(decision.round, decision.step, RUNNING)
-                self.history.append({"round": decision.round, "step": decision.step,
-                                     "state": RUNNING, "started": now,
-                                     "reason": decision.reason})
+                self.history.append(
+                    {
+                        "round": decision.round,
+                        "step": decision.step,
+                        "state": RUNNING,
+                        "started": now,
+                        "reason": decision.reason,
+                    }
+                )
         self.last_reason = decision.reason
         return decision
 
@@ -507,8 +556,14 @@ class RoundBook:
                     a.lacking.setdefault(r, f"step {a.step} is no longer held on node-rank {r}")
         return bool(a.lacking)
 
-    def _follow(self, a: ActiveRound, now: float, step: int | None, holders: Holders | None,
-                data_parallelism: int | None) -> None:
+    def _follow(
+        self,
+        a: ActiveRound,
+        now: float,
+        step: int | None,
+        holders: Holders | None,
+        data_parallelism: int | None,
+    ) -> None:
         """Move a stuck round to ``step``, or close it when every rank reported or it
         timed out."""
         if self._stuck(a, holders) and step is not None and step > a.step:
@@ -533,25 +588,38 @@ class RoundBook:
             failed = sorted(r for r, o in a.outcomes.items() if o.state != DONE)
             if failed:
                 first = a.outcomes[failed[0]]
-                self._close(a, INCOMPLETE, report=(
-                    f"backup round {a.round} (step {a.step}) is incomplete: node-rank(s) "
-                    f"{failed} failed (node-rank {failed[0]}: {first.error or '?'})"))
+                self._close(
+                    a,
+                    INCOMPLETE,
+                    report=(
+                        f"backup round {a.round} (step {a.step}) is incomplete: node-rank(s) "
+                        f"{failed} failed (node-rank {failed[0]}: {first.error or '?'})"
+                    ),
+                )
             else:
                 self._close(a, COMPLETE, report=None)
         elif now - a.started >= self.timeout:
             why = ""
             if a.lacking:
                 r0 = min(a.lacking)
-                why = (f"; node-rank(s) {sorted(a.lacking)} no longer held step {a.step} "
-                       f"and no newer step was held by every node (node-rank {r0}: "
-                       f"{a.lacking[r0]})")
-            self._close(a, INCOMPLETE, report=(
-                f"backup round {a.round} (step {a.step}) given up after "
-                f"{self.timeout:.0f} s: node-rank(s) {missing} never finished{why}; the "
-                "round is incomplete"))
+                why = (
+                    f"; node-rank(s) {sorted(a.lacking)} no longer held step {a.step} "
+                    f"and no newer step was held by every node (node-rank {r0}: "
+                    f"{a.lacking[r0]})"
+                )
+            self._close(
+                a,
+                INCOMPLETE,
+                report=(
+                    f"backup round {a.round} (step {a.step}) given up after "
+                    f"{self.timeout:.0f} s: node-rank(s) {missing} never finished{why}; the "
+                    "round is incomplete"
+                ),
+            )
 
-    def _plan(self, a: ActiveRound, held: dict[int, str | None] | None,
-              data_parallelism: int | None) -> None:
+    def _plan(
+        self, a: ActiveRound, held: dict[int, str | None] | None, data_parallelism: int | None
+    ) -> None:
         """Which ranks of ``a`` may dedup (checksums equal to their uploader's); a
         column whose checksums differ is reported once per job and set of ranks."""
         if held is None or not data_parallelism or data_parallelism <= 1:
@@ -563,8 +631,9 @@ class RoundBook:
             key = (data_parallelism, plan.differing)
             if key not in self._dp_reported:
                 self._dp_reported.add(key)
-                self.events.append(f"backup round {a.round}: "
-                                   + plan.describe(a.step, data_parallelism))
+                self.events.append(
+                    f"backup round {a.round}: " + plan.describe(a.step, data_parallelism)
+                )
 
     def _close(self, a: ActiveRound, state: str, report: str | None) -> None:
         finished(self.state, a.round)
@@ -620,9 +689,20 @@ class RoundBook:
         a = self.active
         return {
             "seeded": self.seeded,
-            "active": ({"round": a.round, "step": a.step, "reported": sorted(a.outcomes),
-                        "moved_from": list(a.moved_from), "lacking": dict(a.lacking),
-                        "dedup": sorted(a.dedup)} if a else None),
-            "last_round": self.state.last_round, "last_step": self.state.last_step,
-            "last_decision": self.last_reason, "rounds": list(self.history),
+            "active": (
+                {
+                    "round": a.round,
+                    "step": a.step,
+                    "reported": sorted(a.outcomes),
+                    "moved_from": list(a.moved_from),
+                    "lacking": dict(a.lacking),
+                    "dedup": sorted(a.dedup),
+                }
+                if a
+                else None
+            ),
+            "last_round": self.state.last_round,
+            "last_step": self.state.last_step,
+            "last_decision": self.last_reason,
+            "rounds": list(self.history),
         }

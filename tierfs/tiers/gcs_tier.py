@@ -109,9 +109,13 @@ class BackupCopyError(Exception):
 
 def _complete_parts(info: RoundInfo) -> list[BucketPart]:
     """Every complete node part of an inspected round (pure)."""
-    return [BucketPart(info.name, rank, step,
-                       part.backup.manifest.digest if part.backup is not None else "")
-            for (rank, step), part in sorted(info.parts.items()) if part.complete]
+    return [
+        BucketPart(
+            info.name, rank, step, part.backup.manifest.digest if part.backup is not None else ""
+        )
+        for (rank, step), part in sorted(info.parts.items())
+        if part.complete
+    ]
 
 
 @dataclass
@@ -156,8 +160,9 @@ class GcsTier:
 
     name = "gcs"
 
-    def __init__(self, agent: NodeAgent, spec: L.BucketSpec | None,
-                 settings: GcsSettings | None = None) -> None:
+    def __init__(
+        self, agent: NodeAgent, spec: L.BucketSpec | None, settings: GcsSettings | None = None
+    ) -> None:
         self.agent = agent
         self.spec = spec
         self.settings = settings or GcsSettings.from_env()
@@ -255,8 +260,7 @@ class GcsTier:
         if waited:
             mon = self._monitor()
             n = mon.in_flight() if mon is not None else 0
-            line = (f"bucket slow or stalled: no answer for {waited:.0f} s "
-                    f"({n} request(s) waiting)")
+            line = f"bucket slow or stalled: no answer for {waited:.0f} s ({n} request(s) waiting)"
             return line if self.bucket_checked else f"{START_PROBLEM}, still: {line}"
         return self.retrying
 
@@ -265,8 +269,9 @@ class GcsTier:
         with self._backend_lock:
             if self.backend is None:
                 assert self.spec is not None
-                self.backend = GcsBackend(self.spec, settings=self.settings,
-                                          on_retry=self._on_retry)
+                self.backend = GcsBackend(
+                    self.spec, settings=self.settings, on_retry=self._on_retry
+                )
             return self.backend
 
     def bounded(self, deadline: float) -> GcsBackend:
@@ -286,8 +291,9 @@ class GcsTier:
     async def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a blocking backend call in a worker thread (control limiter)."""
         async with self._control:
-            return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs),
-                                                 abandon_on_cancel=True)
+            return await trio.to_thread.run_sync(
+                functools.partial(fn, *args, **kwargs), abandon_on_cancel=True
+            )
 
     def _ok(self) -> None:
         self.retrying = None
@@ -330,8 +336,9 @@ class GcsTier:
 
     # ------------------------------------------------------------------ Tier
 
-    async def run(self, agent: NodeAgent,
-                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self, agent: NodeAgent, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Install the coordinator's hooks, then decide and follow rounds until cancelled."""
         if not self.enabled:
             task_status.started()
@@ -366,14 +373,16 @@ class GcsTier:
         with trio.move_on_after(deadline + 1.0):
             try:
                 exists = await trio.to_thread.run_sync(
-                    lambda: self.bounded(deadline).bucket_exists(), abandon_on_cancel=True)
+                    lambda: self.bounded(deadline).bucket_exists(), abandon_on_cancel=True
+                )
             except Exception as exc:  # unreachable now: training must not wait for it
                 problem = describe_error(exc)
         if exists is None:
             self.bucket_checked = False
             self._problem(f"{START_PROBLEM} ({problem})")
-            self._fail(f"{START_PROBLEM} ({problem}); mounted anyway, "
-                       "checking it again in the background")
+            self._fail(
+                f"{START_PROBLEM} ({problem}); mounted anyway, checking it again in the background"
+            )
             return
         if not exists:
             raise GcsError(f"bucket {self.spec.bucket!r} does not exist")
@@ -404,8 +413,10 @@ class GcsTier:
             if not exists:
                 if not self._missing_reported:
                     self._missing_reported = True
-                    self._fail(f"bucket {self.spec.bucket!r} does not exist; backups "
-                               "fail until it is created")
+                    self._fail(
+                        f"bucket {self.spec.bucket!r} does not exist; backups "
+                        "fail until it is created"
+                    )
                 self._problem(f"bucket {self.spec.bucket!r} does not exist")
                 delay = settings.GCS_UPLOAD_RETRY_MAX.get()
                 continue
@@ -429,11 +440,15 @@ class GcsTier:
             return
         timeout = settings.GCS_ROUND_TIMEOUT.get()
         await self._locked(lambda coord: coord.set_backups(S.RoundBook(timeout=timeout)))
-        await trio.to_thread.run_sync(servicer.set_bucket_reader, functools.partial(
-            self.read_bucket, deadline=settings.GCS_FALLBACK_DEADLINE.get(),
-            report=self._fail_later))
-        log.info("GCS tier: the coordinator decides backup rounds and restores from %s",
-                 self.spec)
+        await trio.to_thread.run_sync(
+            servicer.set_bucket_reader,
+            functools.partial(
+                self.read_bucket,
+                deadline=settings.GCS_FALLBACK_DEADLINE.get(),
+                report=self._fail_later,
+            ),
+        )
+        log.info("GCS tier: the coordinator decides backup rounds and restores from %s", self.spec)
 
     def on_sealed(self, shard: Shard) -> None:
         """A step of this node was sealed: decide soon (trio thread)."""
@@ -465,8 +480,7 @@ class GcsTier:
         candidates = [self.synced_step(job)]
         peer = self._peer()
         candidates += list(getattr(peer, "reported", ()) or ())
-        steps |= {c for c in candidates if c is not None and c > done
-                  and c not in self.backed_up}
+        steps |= {c for c in candidates if c is not None and c > done and c not in self.backed_up}
         for step in steps:
             key = ShardKey(job.name, job.node_rank, step)
             if key in self.agent.catalog:
@@ -479,10 +493,18 @@ class GcsTier:
             return {"summary": "off (no --bucket)", "enabled": False, "steps": []}
         job = self.agent.job
         multi = job is not None and self.multi(job)
-        uploads = [{"round": u.round, "step": u.step, "bytes_done": u.done,
-                    "bytes_total": u.total, "seconds": round(time.time() - u.started, 1),
-                    "attempt": u.attempt, "waiting_until": u.waiting_until}
-                   for u in self._uploads.values()]
+        uploads = [
+            {
+                "round": u.round,
+                "step": u.step,
+                "bytes_done": u.done,
+                "bytes_total": u.total,
+                "seconds": round(time.time() - u.started, 1),
+                "attempt": u.attempt,
+                "waiting_until": u.waiting_until,
+            }
+            for u in self._uploads.values()
+        ]
         if multi and self.cluster_last is not None:
             c = self.cluster_last
             last: dict[str, Any] | None = {"round": c.round, "step": c.step, "state": c.state}
@@ -494,8 +516,10 @@ class GcsTier:
             pct = 100 * u["bytes_done"] / u["bytes_total"] if u["bytes_total"] else 100
             if u["waiting_until"] is not None:
                 at = time.strftime("%H:%M:%S", time.localtime(u["waiting_until"]))
-                parts.append(f"step {u['step']} of {u['round']} waits for the bucket "
-                             f"(attempt {u['attempt'] + 1} at {at} or when it answers)")
+                parts.append(
+                    f"step {u['step']} of {u['round']} waits for the bucket "
+                    f"(attempt {u['attempt'] + 1} at {at} or when it answers)"
+                )
             else:
                 again = f", attempt {u['attempt']}" if u["attempt"] > 1 else ""
                 parts.append(f"uploading step {u['step']} to {u['round']} ({pct:.0f}%{again})")
@@ -512,10 +536,12 @@ class GcsTier:
             parts.append(self.note)
         role = None
         if job is not None:
-            role = ("decides rounds" if self.decider(job)
-                    else "follows node-rank 0's rounds")
-        minutes, steps = (S.intervals(job.backup_interval_minutes, job.backup_interval_steps)
-                          if job else (None, None))
+            role = "decides rounds" if self.decider(job) else "follows node-rank 0's rounds"
+        minutes, steps = (
+            S.intervals(job.backup_interval_minutes, job.backup_interval_steps)
+            if job
+            else (None, None)
+        )
         active = None
         if multi:
             if self.cluster_last is not None and self.cluster_last.state == S.RUNNING:
@@ -523,19 +549,29 @@ class GcsTier:
         else:
             active = self.state.active
         return {
-            "summary": "; ".join(parts), "enabled": True, "bucket": str(self.spec),
-            "role": role, "interval_minutes": minutes, "interval_steps": steps,
+            "summary": "; ".join(parts),
+            "enabled": True,
+            "bucket": str(self.spec),
+            "role": role,
+            "interval_minutes": minutes,
+            "interval_steps": steps,
             "active_round": active,
             "last_round": last["round"] if last else None,
             "last_step": last["step"] if last else None,
-            "last_state": last["state"] if last else None, "uploads": uploads,
-            "rounds": list(self.history), "last_error": self.last_error,
-            "retrying": self.retrying, "problem": problem,
+            "last_state": last["state"] if last else None,
+            "uploads": uploads,
+            "rounds": list(self.history),
+            "last_error": self.last_error,
+            "retrying": self.retrying,
+            "problem": problem,
             "stalled_seconds": round(self.stalled(), 1),
-            "bucket_checked": self.bucket_checked, "note": self.note,
+            "bucket_checked": self.bucket_checked,
+            "note": self.note,
             "restore_version_pending": list(self.forced) if self.forced else None,
-            "steps": [{"step": s, "where": [f"gcs:{r}"]} for s, r in
-                      sorted(self.backed_up.items(), reverse=True)],
+            "steps": [
+                {"step": s, "where": [f"gcs:{r}"]}
+                for s, r in sorted(self.backed_up.items(), reverse=True)
+            ],
         }
 
     # ------------------------------------------------------------------ loop
@@ -584,9 +620,11 @@ class GcsTier:
                 await self._coordinate(job)
             return
         if job.nodes > 1:
-            self.note = ("no backup rounds: a multi-node job needs the peer plane "
-                         "(--listen with --coordinator or the bucket rendezvous) to agree "
-                         "on them")
+            self.note = (
+                "no backup rounds: a multi-node job needs the peer plane "
+                "(--listen with --coordinator or the bucket rendezvous) to agree "
+                "on them"
+            )
             return
         self.note = None
         if self._restoring():
@@ -602,24 +640,30 @@ class GcsTier:
         if self._servicer() is None:
             return
         book_job, nodes, seeded = await self._locked(
-            lambda c: (c.backups.job, c.backups.nodes, c.backups.seeded)
-            if c.backups is not None else (None, 0, True))
+            lambda c: (
+                (c.backups.job, c.backups.nodes, c.backups.seeded)
+                if c.backups is not None
+                else (None, 0, True)
+            )
+        )
         if book_job is not None and not seeded:
             try:
                 newest, complete = await self._read_seed(book_job, nodes)
             except Exception as exc:
                 if not self._seed_failed:
                     self._seed_failed = True
-                    self._fail(f"backup rounds wait: the bucket cannot be listed "
-                               f"({describe_error(exc)})")
+                    self._fail(
+                        f"backup rounds wait: the bucket cannot be listed ({describe_error(exc)})"
+                    )
             else:
                 self._seed_failed = False
                 self._ok()
                 await self._locked(lambda c: c.backups.seed(book_job, newest, complete))
         for line in await self._locked(lambda c: c.backups.drain() if c.backups else []):
             self._fail(line)
-        self._spawn_tidy(job, await self._locked(
-            lambda c: c.backups.take_cleanup() if c.backups else []))
+        self._spawn_tidy(
+            job, await self._locked(lambda c: c.backups.take_cleanup() if c.backups else [])
+        )
         await self._maybe_delete_restore_version(job)
 
     async def _read_seed(self, job: str, nodes: int) -> tuple[str | None, tuple[str, int] | None]:
@@ -638,15 +682,24 @@ class GcsTier:
 
     async def _decide(self, job: JobSpec) -> None:
         step = self.synced_step(job)
-        shard = self.agent.catalog.get(ShardKey(job.name, job.node_rank, step)) \
-            if step is not None else None
+        shard = (
+            self.agent.catalog.get(ShardKey(job.name, job.node_rank, step))
+            if step is not None
+            else None
+        )
         if shard is None or shard.manifest.created < self._epoch:
             step = None  # not held here, or sealed before this job's restore
         minutes, steps = S.intervals(job.backup_interval_minutes, job.backup_interval_steps)
         now = time.time()
         requested = bool(shard and shard.manifest.backup_requested)
-        decision = S.decide_round(self.state, now=now, step=step, backup_requested=requested,
-                                  interval_minutes=minutes, interval_steps=steps)
+        decision = S.decide_round(
+            self.state,
+            now=now,
+            step=step,
+            backup_requested=requested,
+            interval_minutes=minutes,
+            interval_steps=steps,
+        )
         if decision.action == S.SKIP:
             for line in S.skipped(self.state, decision):
                 self._fail(line)
@@ -659,25 +712,35 @@ class GcsTier:
             try:
                 newest, complete = await self._read_seed(job.name, job.nodes)
             except Exception as exc:
-                self._fail(f"backup of step {decision.step} not started: "
-                           f"{describe_error(exc)}")
+                self._fail(f"backup of step {decision.step} not started: {describe_error(exc)}")
                 return
             if newest is not None:
                 self.state.last_round = max(newest, self.state.last_round or "")
             S.apply_seed(self.state, complete, after_restore=self._restored_here)
             self._seeded = True
-            decision = S.decide_round(self.state, now=now, step=step,
-                                      backup_requested=requested,
-                                      interval_minutes=minutes, interval_steps=steps)
+            decision = S.decide_round(
+                self.state,
+                now=now,
+                step=step,
+                backup_requested=requested,
+                interval_minutes=minutes,
+                interval_steps=steps,
+            )
             if decision.action != S.START:
                 return
         assert decision.round is not None and decision.step is not None
         for line in S.started(self.state, decision, now):
             self._fail(line)
-        log.info("backup round %s: step %d (%s)", decision.round, decision.step,
-                 decision.reason)
-        self.history.append({"round": decision.round, "step": decision.step,
-                             "state": "running", "started": now, "reason": decision.reason})
+        log.info("backup round %s: step %d (%s)", decision.round, decision.step, decision.reason)
+        self.history.append(
+            {
+                "round": decision.round,
+                "step": decision.step,
+                "state": "running",
+                "started": now,
+                "reason": decision.reason,
+            }
+        )
         self._spawn_upload(job, decision.round, decision.step)
 
     def _history(self, rnd: str) -> dict[str, Any] | None:
@@ -689,8 +752,13 @@ class GcsTier:
         """This node's outcome of the last round it was ordered into (trio thread)."""
         return self._outcome
 
-    def on_backup_round(self, job: JobSpec, order: tuple[str, int] | None,
-                        last: S.RoundView | None, dedup: bool = False) -> None:
+    def on_backup_round(
+        self,
+        job: JobSpec,
+        order: tuple[str, int] | None,
+        last: S.RoundView | None,
+        dedup: bool = False,
+    ) -> None:
         """The coordinator's reply (trio thread): start uploading ``order`` once per
         (round, step) -- a round that moved to a newer step is ordered again --
         and pin its step at once; note the newest round's state for the status.
@@ -713,22 +781,33 @@ class GcsTier:
             if u.round == rnd and u.step != step:  # the round moved on
                 u.superseded = True
                 u.cancel.set()
-        if order in self._ordered or any(u.round == rnd and u.step == step
-                                         for u in self._uploads.values()):
+        if order in self._ordered or any(
+            u.round == rnd and u.step == step for u in self._uploads.values()
+        ):
             return
         self._ordered.append(order)
         self.state.last_round = rnd
         moved = any(o[0] == rnd and o[1] != step for o in self._ordered)
-        log.info("backup round %s: the coordinator orders step %d%s%s", rnd, step,
-                 " (the round moved to a newer step)" if moved else "",
-                 "; this node's shard matches its data-parallel uploader's" if dedup else "")
+        log.info(
+            "backup round %s: the coordinator orders step %d%s%s",
+            rnd,
+            step,
+            " (the round moved to a newer step)" if moved else "",
+            "; this node's shard matches its data-parallel uploader's" if dedup else "",
+        )
         entry = self._history(rnd)
         if entry is not None:
             entry.update(step=step, state="running")
         else:
-            self.history.append({"round": rnd, "step": step, "state": "running",
-                                 "started": time.time(),
-                                 "reason": "ordered by the coordinator"})
+            self.history.append(
+                {
+                    "round": rnd,
+                    "step": step,
+                    "state": "running",
+                    "started": time.time(),
+                    "reason": "ordered by the coordinator",
+                }
+            )
         self._spawn_upload(job, rnd, step, dedup)
 
     # ------------------------------------------------------------------ uploading
@@ -743,8 +822,11 @@ class GcsTier:
         if up.cancel.is_set():
             return "the step was written to after it was sealed"
         cur = self.agent.job
-        if cur is None or (cur.name, cur.nodes, cur.node_rank) != \
-                (job.name, job.nodes, job.node_rank):
+        if cur is None or (cur.name, cur.nodes, cur.node_rank) != (
+            job.name,
+            job.nodes,
+            job.node_rank,
+        ):
             return "the job changed"
         if job.nodes > 1:
             if self.multi(job) and self._order != (rnd, step):
@@ -785,12 +867,14 @@ class GcsTier:
                     msg = f"backup round {rnd}: step {step} is no longer held on this node"
                     if job.nodes > 1:
                         log.info("%s; the coordinator moves the round to a newer step", msg)
-                        self._finish(job, rnd, step, S.MISSING, msg, up.done,
-                                     time.time() - up.started, None)
+                        self._finish(
+                            job, rnd, step, S.MISSING, msg, up.done, time.time() - up.started, None
+                        )
                         return
                     self._fail(msg)
-                    self._finish(job, rnd, step, S.FAILED, msg, up.done,
-                                 time.time() - up.started, entry)
+                    self._finish(
+                        job, rnd, step, S.FAILED, msg, up.done, time.time() - up.started, entry
+                    )
                     return
                 up.total, up.done, up.waiting_until = shard.bytes, 0, None
                 self._uploads[key] = up
@@ -799,35 +883,59 @@ class GcsTier:
                         if up.cancel.is_set():
                             raise Cancelled("upload cancelled")
                         backend = await self.call(self.get_backend)
-                        result = await trio.to_thread.run_sync(functools.partial(
-                            backend.upload_shard, shard, rnd, nodes=job.nodes,
-                            data_parallelism=job.assume_data_parallelism, dedup=dedup,
-                            cancel=up.cancel, on_bytes=up.add), abandon_on_cancel=True)
+                        result = await trio.to_thread.run_sync(
+                            functools.partial(
+                                backend.upload_shard,
+                                shard,
+                                rnd,
+                                nodes=job.nodes,
+                                data_parallelism=job.assume_data_parallelism,
+                                dedup=dedup,
+                                cancel=up.cancel,
+                                on_bytes=up.add,
+                            ),
+                            abandon_on_cancel=True,
+                        )
                 except Cancelled:
                     if up.superseded:
-                        log.info("backup of step %d to round %s stopped: the round moved to "
-                                 "a newer step", step, rnd)
+                        log.info(
+                            "backup of step %d to round %s stopped: the round moved to "
+                            "a newer step",
+                            step,
+                            rnd,
+                        )
                         return
-                    msg = (f"backup of step {step} to round {rnd} stopped: the step was "
-                           "written to after it was sealed")
+                    msg = (
+                        f"backup of step {step} to round {rnd} stopped: the step was "
+                        "written to after it was sealed"
+                    )
                     self._fail(msg)
-                    self._finish(job, rnd, step, S.FAILED, msg, up.done,
-                                 time.time() - up.started, entry)
+                    self._finish(
+                        job, rnd, step, S.FAILED, msg, up.done, time.time() - up.started, entry
+                    )
                     return
                 except Exception as exc:
                     if up.superseded:
-                        log.info("backup of step %d to round %s stopped: the round moved to "
-                                 "a newer step", step, rnd)
+                        log.info(
+                            "backup of step %d to round %s stopped: the round moved to "
+                            "a newer step",
+                            step,
+                            rnd,
+                        )
                         return
                     msg = f"backup of step {step} to round {rnd} failed: {describe_error(exc)}"
-                    why = self._still_wanted(job, rnd, step, up) if is_transient(exc) else \
-                        "not a bucket outage"
+                    why = (
+                        self._still_wanted(job, rnd, step, up)
+                        if is_transient(exc)
+                        else "not a bucket outage"
+                    )
                     if why is not None:
                         if up.attempt > 1:
                             msg += f" (attempt {up.attempt}; not tried again: {why})"
                         self._fail(msg)
-                        self._finish(job, rnd, step, S.FAILED, msg, up.done,
-                                     time.time() - up.started, entry)
+                        self._finish(
+                            job, rnd, step, S.FAILED, msg, up.done, time.time() - up.started, entry
+                        )
                         return
                     msg += f"; trying again within {delay:.0f} s or when the bucket answers"
                     if up.attempt == 1:
@@ -839,15 +947,22 @@ class GcsTier:
                         self._problem(describe_error(exc))
                     if not await self._pause(job, rnd, step, up, delay):
                         if up.superseded:
-                            log.info("backup of step %d to round %s not tried again: the "
-                                     "round moved to a newer step", step, rnd)
+                            log.info(
+                                "backup of step %d to round %s not tried again: the "
+                                "round moved to a newer step",
+                                step,
+                                rnd,
+                            )
                             return
                         why = self._still_wanted(job, rnd, step, up) or "stopped"
-                        msg = (f"backup of step {step} to round {rnd} given up after "
-                               f"{up.attempt} attempt(s): {why}")
+                        msg = (
+                            f"backup of step {step} to round {rnd} given up after "
+                            f"{up.attempt} attempt(s): {why}"
+                        )
                         self._fail(msg)
-                        self._finish(job, rnd, step, S.FAILED, msg, up.done,
-                                     time.time() - up.started, entry)
+                        self._finish(
+                            job, rnd, step, S.FAILED, msg, up.done, time.time() - up.started, entry
+                        )
                         return
                     up.attempt += 1
                     delay = min(delay * 2, settings.GCS_UPLOAD_RETRY_MAX.get())
@@ -856,15 +971,25 @@ class GcsTier:
                 self.backed_up[step] = rnd
                 for old in sorted(self.backed_up)[:-8]:
                     del self.backed_up[old]
-                log.info("backup round %s: step %d uploaded (%d objects, %d bytes, %d skipped, "
-                         "%.1f s, attempt %d%s)", rnd, step, result.objects, result.bytes,
-                         result.skipped, result.seconds, up.attempt,
-                         "" if result.data_uploaded else "; data: the data-parallel "
-                         "uploader's, proven in the bucket")
+                log.info(
+                    "backup round %s: step %d uploaded (%d objects, %d bytes, %d skipped, "
+                    "%.1f s, attempt %d%s)",
+                    rnd,
+                    step,
+                    result.objects,
+                    result.bytes,
+                    result.skipped,
+                    result.seconds,
+                    up.attempt,
+                    ""
+                    if result.data_uploaded
+                    else "; data: the data-parallel uploader's, proven in the bucket",
+                )
                 if result.note:
                     log.warning("backup round %s: %s", rnd, result.note)
-                self._finish(job, rnd, step, S.DONE, "", result.bytes,
-                             time.time() - up.started, entry)
+                self._finish(
+                    job, rnd, step, S.DONE, "", result.bytes, time.time() - up.started, entry
+                )
                 return
         finally:
             up.cancel.set()
@@ -872,8 +997,7 @@ class GcsTier:
                 del self._uploads[key]
             self._poke.set()
 
-    async def _pause(self, job: JobSpec, rnd: str, step: int, up: _Upload,
-                     delay: float) -> bool:
+    async def _pause(self, job: JobSpec, rnd: str, step: int, up: _Upload, delay: float) -> bool:
         """Wait up to ``delay`` seconds before the next attempt, unpinned; end early
         when the bucket answers or the shard leaves the catalog (the caller then
         reports it). False if the upload is no longer wanted."""
@@ -887,8 +1011,17 @@ class GcsTier:
                 await trio.sleep(min(settings.GCS_TICK.get(), 0.5))
         return self._still_wanted(job, rnd, step, up) is None
 
-    def _finish(self, job: JobSpec, rnd: str, step: int, state: str, error: str,
-                nbytes: int, seconds: float, entry: dict[str, Any] | None) -> None:
+    def _finish(
+        self,
+        job: JobSpec,
+        rnd: str,
+        step: int,
+        state: str,
+        error: str,
+        nbytes: int,
+        seconds: float,
+        entry: dict[str, Any] | None,
+    ) -> None:
         if entry is not None:
             entry.update(node=state, seconds=round(seconds, 1), bytes=nbytes)
             if job.nodes <= 1 or state == S.FAILED:
@@ -909,14 +1042,18 @@ class GcsTier:
         if peer is not None:
             peer.poke()
 
-    def _move_round(self, job: JobSpec, rnd: str, step: int,
-                    entry: dict[str, Any] | None) -> Shard | None:
+    def _move_round(
+        self, job: JobSpec, rnd: str, step: int, entry: dict[str, Any] | None
+    ) -> Shard | None:
         """One node: the round's step is gone (the cadence outran the backups); back up
         the newest step sealed since, into the same round (None: there is none)."""
         if self.state.active != rnd:
             return None
-        newer = [s for s in self.agent.own_shards(job)
-                 if s.key.step > step and s.manifest.created >= self._epoch]
+        newer = [
+            s
+            for s in self.agent.own_shards(job)
+            if s.key.step > step and s.manifest.created >= self._epoch
+        ]
         if not newer:
             return None
         shard = newer[0]
@@ -926,8 +1063,12 @@ class GcsTier:
         if entry is not None:
             entry["step"] = shard.key.step
             entry.setdefault("moved_from", []).append(step)
-        log.info("backup round %s: step %d is no longer held here; the round moves to step %d",
-                 rnd, step, shard.key.step)
+        log.info(
+            "backup round %s: step %d is no longer held here; the round moves to step %d",
+            rnd,
+            step,
+            shard.key.step,
+        )
         return shard
 
     def _spawn_tidy(self, job: JobSpec, names: list[str]) -> None:
@@ -941,12 +1082,14 @@ class GcsTier:
             try:
                 n = await self.call(lambda n=name: self.get_backend().tidy_round(job, n, nodes))
             except Exception as exc:
-                log.info("backup round %s: leftovers not removed: %s", name,
-                         describe_error(exc))
+                log.info("backup round %s: leftovers not removed: %s", name, describe_error(exc))
                 continue
             if n:
-                log.info("backup round %s: removed %d object(s) a failed or moved round "
-                         "left behind", name, n)
+                log.info(
+                    "backup round %s: removed %d object(s) a failed or moved round left behind",
+                    name,
+                    n,
+                )
 
     # ------------------------------------------------------------------ restore
 
@@ -963,13 +1106,15 @@ class GcsTier:
         self._restored_here = True
         # steps sealed before the restore belong to the old timeline (see _decide)
         self._epoch = time.time()
-        self.state = S.restart_timeline(self.state, backup=plan.backup, step=plan.step,
-                                        now=self._epoch)
+        self.state = S.restart_timeline(
+            self.state, backup=plan.backup, step=plan.step, now=self._epoch
+        )
         if forced is not None:
             self.forced = (job.name, forced, plan.step or 0, time.time())
 
-    async def fetch_backup(self, agent: NodeAgent, job: JobSpec, step: int, backup: str,
-                           digest: str = "") -> Shard:
+    async def fetch_backup(
+        self, agent: NodeAgent, job: JobSpec, step: int, backup: str, digest: str = ""
+    ) -> Shard:
         """Bring this node's shard of ``step`` from round ``backup`` (the peer cluster's
         ``fetch_backup`` hook): the node's own copy when it holds the same bytes,
         else a verified download. ``digest``: the bytes the decision chose
@@ -985,46 +1130,86 @@ class GcsTier:
         key = ShardKey(job.name, job.node_rank, step)
         try:
             backend = await self.call(self.get_backend)
-            info = await self.call(self.bounded(settings.GCS_LOOKUP_DEADLINE.get()).inspect_round,
-                                   job.name, backup, job.nodes)
+            info = await self.call(
+                self.bounded(settings.GCS_LOOKUP_DEADLINE.get()).inspect_round,
+                job.name,
+                backup,
+                job.nodes,
+            )
         except Exception as exc:
-            raise BackupCopyError(f"backup round {backup} cannot be read: "
-                                  f"{describe_error(exc)}") from None
+            raise BackupCopyError(
+                f"backup round {backup} cannot be read: {describe_error(exc)}"
+            ) from None
         part = info.parts.get((job.node_rank, step))
-        if (digest and part is not None and part.backup is not None
-                and part.backup.manifest.digest != digest):
-            raise BackupCopyError(f"backup round {backup} holds other bytes of step {step} "
-                                  f"for rank {job.node_rank}")
+        if (
+            digest
+            and part is not None
+            and part.backup is not None
+            and part.backup.manifest.digest != digest
+        ):
+            raise BackupCopyError(
+                f"backup round {backup} holds other bytes of step {step} for rank {job.node_rank}"
+            )
         local = agent.catalog.get(key)
-        if (local is not None and part is not None and part.backup is not None
-                and part.backup.manifest.digest == local.manifest.digest
-                and await agent.verify_shard(local)):
+        if (
+            local is not None
+            and part is not None
+            and part.backup is not None
+            and part.backup.manifest.digest == local.manifest.digest
+            and await agent.verify_shard(local)
+        ):
             log.info("restore: step %d of round %s is already here", step, backup)
             return local
         cancel = threading.Event()
         up = _Upload(backup, step, part.bytes if part else 0, cancel, time.time())
-        agent.restore_state.update({"phase": f"downloading step {step} from backup round "
-                                             f"{backup}", "source": "gcs"})
+        agent.restore_state.update(
+            {"phase": f"downloading step {step} from backup round {backup}", "source": "gcs"}
+        )
         try:
             async with self._upload_limiter:
-                shard = await trio.to_thread.run_sync(functools.partial(
-                    backend.restore_shard, agent.shards, job.name, backup, job.node_rank, step,
-                    info=info, framework=job.framework, cancel=cancel, on_bytes=up.add,
-                    free_bytes=agent.budget.free()), abandon_on_cancel=True)
+                shard = await trio.to_thread.run_sync(
+                    functools.partial(
+                        backend.restore_shard,
+                        agent.shards,
+                        job.name,
+                        backup,
+                        job.node_rank,
+                        step,
+                        info=info,
+                        framework=job.framework,
+                        cancel=cancel,
+                        on_bytes=up.add,
+                        free_bytes=agent.budget.free(),
+                    ),
+                    abandon_on_cancel=True,
+                )
         except Exception as exc:
-            raise BackupCopyError(f"step {step} of node-rank {job.node_rank} from backup "
-                                  f"round {backup} failed: {describe_error(exc)}") from None
+            raise BackupCopyError(
+                f"step {step} of node-rank {job.node_rank} from backup "
+                f"round {backup} failed: {describe_error(exc)}"
+            ) from None
         finally:
             cancel.set()
         agent.add_shard(shard)
         self._ok()
-        log.info("restored step %d of rank %d from backup round %s (%d bytes, verified)",
-                 step, job.node_rank, backup, shard.bytes)
+        log.info(
+            "restored step %d of rank %d from backup round %s (%d bytes, verified)",
+            step,
+            job.node_rank,
+            backup,
+            shard.bytes,
+        )
         return shard
 
-    def read_bucket(self, job: str, nodes: int, depth: int = 1, *,
-                    deadline: float | None = None,
-                    report: Callable[[str], None] | None = None) -> BucketView:
+    def read_bucket(
+        self,
+        job: str,
+        nodes: int,
+        depth: int = 1,
+        *,
+        deadline: float | None = None,
+        report: Callable[[str], None] | None = None,
+    ) -> BucketView:
         """What the bucket holds for a restore of ``job`` with ``nodes`` nodes (blocking;
         the coordinator's reader, or the node's own on one node).
 
@@ -1040,16 +1225,21 @@ class GcsTier:
             (and ``report(line)`` is called with a line for replicator.errors).
         """
         try:
-            backend = self.bounded(settings.GCS_LOOKUP_DEADLINE.get() if deadline is None
-                                   else deadline)
+            backend = self.bounded(
+                settings.GCS_LOOKUP_DEADLINE.get() if deadline is None else deadline
+            )
         except Exception as exc:
-            return self._unreadable(f"cannot create the GCS client: {describe_error(exc)}",
-                                    depth, report)
+            return self._unreadable(
+                f"cannot create the GCS client: {describe_error(exc)}", depth, report
+            )
         try:
             forced = backend.read_restore_version(job)
         except Exception as exc:
-            return self._unreadable(f"cannot read restore.version from {self.spec} "
-                                    f"({describe_error(exc)})", depth, report)
+            return self._unreadable(
+                f"cannot read restore.version from {self.spec} ({describe_error(exc)})",
+                depth,
+                report,
+            )
         try:
             if forced is not None:
                 choice = backend.choose_restore(job, nodes)
@@ -1057,10 +1247,14 @@ class GcsTier:
                     log.info("restore: %s", choice.reason)
                     info = choice.info
                     parts = _complete_parts(info) if info is not None else []
-                    return BucketView(tuple(p for p in parts if p.step == choice.step),
-                                      rounds=(forced,), forced=forced, forced_step=choice.step,
-                                      forced_problem=None if choice.step is not None
-                                      else choice.reason, depth=depth)
+                    return BucketView(
+                        tuple(p for p in parts if p.step == choice.step),
+                        rounds=(forced,),
+                        forced=forced,
+                        forced_step=choice.step,
+                        forced_problem=None if choice.step is not None else choice.reason,
+                        depth=depth,
+                    )
             names = backend.list_round_names(job)
             parts = []
             incomplete = []
@@ -1075,17 +1269,28 @@ class GcsTier:
                 if info.complete_step is not None:
                     complete += 1
                 elif info.parts:
-                    incomplete.append((name, info.step_for_display(),
-                                       "; ".join(info.problems()[:3])))
+                    incomplete.append(
+                        (name, info.step_for_display(), "; ".join(info.problems()[:3]))
+                    )
         except Exception as exc:
-            return self._unreadable(f"the backup rounds of {self.spec}{job} could not be "
-                                    f"listed ({describe_error(exc)})", depth, report)
+            return self._unreadable(
+                f"the backup rounds of {self.spec}{job} could not be "
+                f"listed ({describe_error(exc)})",
+                depth,
+                report,
+            )
         self._ok()
-        return BucketView(tuple(parts), tuple(incomplete), tuple(read),
-                          exhausted=len(read) == len(names), depth=depth)
+        return BucketView(
+            tuple(parts),
+            tuple(incomplete),
+            tuple(read),
+            exhausted=len(read) == len(names),
+            depth=depth,
+        )
 
-    def _unreadable(self, line: str, depth: int,
-                    report: Callable[[str], None] | None) -> BucketView:
+    def _unreadable(
+        self, line: str, depth: int, report: Callable[[str], None] | None
+    ) -> BucketView:
         log.warning("restore: %s", line)
         if report is not None:
             report(f"restore: {line}; deciding without the bucket")
@@ -1110,8 +1315,13 @@ class GcsTier:
             return
         self.forced = None
         if existed:
-            log.info("restore.version (%s) deleted: every node sealed and replicated step %d "
-                     "after restoring step %d", rnd, synced, step)
+            log.info(
+                "restore.version (%s) deleted: every node sealed and replicated step %d "
+                "after restoring step %d",
+                rnd,
+                synced,
+                step,
+            )
 
 
 # ---------------------------------------------------------------------- cluster
@@ -1157,8 +1367,18 @@ class GcsCluster:
 
         tier = self.tier
         own = {s.key.step: s for s in agent.own_shards(job)}
-        holdings = [Holding(0, step, True, s.manifest.digest, s.bytes, s.manifest.name,
-                            created=s.manifest.created) for step, s in own.items()]
+        holdings = [
+            Holding(
+                0,
+                step,
+                True,
+                s.manifest.digest,
+                s.bytes,
+                s.manifest.name,
+                created=s.manifest.created,
+            )
+            for step, s in own.items()
+        ]
         bad: set[CopyId] = set()
         notes: list[str] = []
         depth = 1
@@ -1169,23 +1389,30 @@ class GcsCluster:
                 depth = view.depth + 2
                 view = await self._read(job, depth)
                 continue
-            detail = {"reason": choice.reason, "outcome": choice.outcome,
-                      "problems": list(choice.problems), "forced": choice.forced}
+            detail = {
+                "reason": choice.reason,
+                "outcome": choice.outcome,
+                "problems": list(choice.problems),
+                "forced": choice.forced,
+            }
             if choice.step is None:
                 return RestorePlan(None, source="none", detail=detail)
             step = choice.step
             shard = own.get(step)
             if choice.holders.get(0) and shard is not None:
                 if await agent.verify_shard(shard):
-                    return RestorePlan(step, backup=choice.forced, shard=shard,
-                                       source="gcs" if choice.forced else "local",
-                                       detail=detail)
+                    return RestorePlan(
+                        step,
+                        backup=choice.forced,
+                        shard=shard,
+                        source="gcs" if choice.forced else "local",
+                        detail=detail,
+                    )
                 bad.add((0, 0, step))
                 notes.append(f"the local copy of step {step} failed verification")
             for rnd in choice.rounds.get(0, ()):
                 try:
-                    got = await tier.fetch_backup(agent, job, step, rnd,
-                                                  choice.digests.get(0, ""))
+                    got = await tier.fetch_backup(agent, job, step, rnd, choice.digests.get(0, ""))
                 except BackupCopyError as exc:
                     tier._fail(f"restore: {exc}")
                     notes.append(str(exc))
@@ -1194,18 +1421,27 @@ class GcsCluster:
                 return RestorePlan(step, backup=rnd, shard=got, source="gcs", detail=detail)
             bad |= {(h, 0, step) for h in choice.holders.get(0, ())}
         reason = "no step could be restored: " + "; ".join(notes[-3:])
-        return RestorePlan(None, source="none", detail={"reason": reason,
-                                                        "outcome": "incomplete",
-                                                        "problems": [reason]})
+        return RestorePlan(
+            None,
+            source="none",
+            detail={"reason": reason, "outcome": "incomplete", "problems": [reason]},
+        )
 
     async def _read(self, job: JobSpec, depth: int) -> BucketView:
         """The bucket's parts of this node's rank, as rank 0, from rounds complete for
         every node of the job (worker thread)."""
         tier = self.tier
-        view = await trio.to_thread.run_sync(functools.partial(
-            tier.read_bucket, job.name, job.nodes, depth,
-            deadline=settings.GCS_LOOKUP_DEADLINE.get(),
-            report=tier._fail_later), abandon_on_cancel=True)
+        view = await trio.to_thread.run_sync(
+            functools.partial(
+                tier.read_bucket,
+                job.name,
+                job.nodes,
+                depth,
+                deadline=settings.GCS_LOOKUP_DEADLINE.get(),
+                report=tier._fail_later,
+            ),
+            abandon_on_cancel=True,
+        )
         while tier._pending_errors:
             tier.agent.report_error(tier._pending_errors.popleft())
         if job.nodes <= 1:
@@ -1215,8 +1451,11 @@ class GcsCluster:
         ranks: dict[tuple[str, int], set[int]] = {}
         for p in view.parts:
             ranks.setdefault((p.round, p.step), set()).add(p.rank)
-        mine = tuple(dataclasses.replace(p, rank=0) for p in view.parts
-                     if p.rank == job.node_rank and ranks[(p.round, p.step)] >= everyone)
+        mine = tuple(
+            dataclasses.replace(p, rank=0)
+            for p in view.parts
+            if p.rank == job.node_rank and ranks[(p.round, p.step)] >= everyone
+        )
         return dataclasses.replace(view, parts=mine)
 
     async def restore_done(self, agent: NodeAgent, job: JobSpec, plan: RestorePlan) -> None:
@@ -1258,9 +1497,11 @@ class BucketRendezvous:
         Raises:
             RuntimeError: one line (bucket unreachable, access denied...).
         """
+
         def work() -> None:
-            self.tier.bounded(self.deadline).publish_address(job, rank, address,
-                                                             incarnation=incarnation)
+            self.tier.bounded(self.deadline).publish_address(
+                job, rank, address, incarnation=incarnation
+            )
 
         try:
             await self.tier.call(work)
@@ -1275,7 +1516,8 @@ class BucketRendezvous:
         """
         try:
             rec = await self.tier.call(
-                lambda: self.tier.bounded(self.deadline).read_address(job, rank))
+                lambda: self.tier.bounded(self.deadline).read_address(job, rank)
+            )
         except Exception as exc:
             raise RuntimeError(describe_error(exc)) from None
         return (rec.address, rec.incarnation) if rec is not None else None
@@ -1306,13 +1548,13 @@ def preflight_bucket(bucket: str, deadline: float | None = None) -> str | None:
         return f"--bucket: {exc}"
     try:
         backend = GcsBackend(spec, widen_pool=False).bounded(
-            settings.GCS_START_DEADLINE.get() if deadline is None else deadline)
+            settings.GCS_START_DEADLINE.get() if deadline is None else deadline
+        )
         exists = backend.bucket_exists()
     except Exception as exc:  # unreachable, credentials: the daemon reports it
         log.info("bucket check before mounting: %s", describe_error(exc))
         return None
     return None if exists else f"bucket {spec.bucket!r} does not exist"
-
 
 
 def attach_gcs(agent: NodeAgent) -> GcsTier:

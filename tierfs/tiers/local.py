@@ -153,16 +153,25 @@ class ShardStore:
                         log.warning("dropping unreadable shard %s: %s", path, exc)
                         self.ram.to_trash(path)
                         continue
-                    found[key] = Shard(key, path, manifest, inodes=file_inodes(
-                        os.path.join(path, "data")))
+                    found[key] = Shard(
+                        key, path, manifest, inodes=file_inodes(os.path.join(path, "data"))
+                    )
         return found
 
-    def snapshot(self, view: str, key: ShardKey, name: str, entries: Iterable[str],
-                 framework: str, *, cache: CrcCache | None = None,
-                 writers: Callable[[int], int] | None = None,
-                 cancelled: Callable[[], bool] | None = None,
-                 on_inodes: Callable[[set[int]], None] | None = None,
-                 created: float | None = None) -> Shard:
+    def snapshot(
+        self,
+        view: str,
+        key: ShardKey,
+        name: str,
+        entries: Iterable[str],
+        framework: str,
+        *,
+        cache: CrcCache | None = None,
+        writers: Callable[[int], int] | None = None,
+        cancelled: Callable[[], bool] | None = None,
+        on_inodes: Callable[[set[int]], None] | None = None,
+        created: float | None = None,
+    ) -> Shard:
         """Seal: hard-link ``view/<entry>`` for each entry into a new shard and checksum it.
 
         Args:
@@ -205,9 +214,15 @@ class ShardStore:
             check_entries(files)  # what a peer or a restart would refuse is never sealed
             check_self_contained(files)
             backup = any(f.path.rsplit("/", 1)[-1] == "_BACKUP_REQUESTED" for f in files)
-            manifest = Manifest(job=key.job, rank=key.rank, step=key.step, name=name,
-                                framework=framework, files=tuple(files),
-                                backup_requested=backup)
+            manifest = Manifest(
+                job=key.job,
+                rank=key.rank,
+                step=key.step,
+                name=name,
+                framework=framework,
+                files=tuple(files),
+                backup_requested=backup,
+            )
             if created is not None:
                 manifest = dataclasses.replace(manifest, created=created)
             return self._install(inc, manifest, inodes, verified=False)
@@ -220,11 +235,11 @@ class ShardStore:
 
         The caller has verified the bytes (or says so with ``verified``).
         """
-        return self._install(incoming, manifest, file_inodes(os.path.join(incoming, "data")),
-                             verified=verified)
+        return self._install(
+            incoming, manifest, file_inodes(os.path.join(incoming, "data")), verified=verified
+        )
 
-    def _install(self, inc: str, manifest: Manifest, inodes: set[int],
-                 verified: bool) -> Shard:
+    def _install(self, inc: str, manifest: Manifest, inodes: set[int], verified: bool) -> Shard:
         with open(os.path.join(inc, MANIFEST), "wb") as f:
             f.write(manifest.to_json())
         key = ShardKey(manifest.job, manifest.rank, manifest.step)
@@ -266,8 +281,12 @@ class ShardStore:
         return created
 
 
-def retention(keys: Iterable[ShardKey], keep: int, pinned: set[ShardKey],
-              age: Callable[[ShardKey], Any] | None = None) -> list[ShardKey]:
+def retention(
+    keys: Iterable[ShardKey],
+    keep: int,
+    pinned: set[ShardKey],
+    age: Callable[[ShardKey], Any] | None = None,
+) -> list[ShardKey]:
     """Shards to drop: per (job, rank), all but the newest ``keep``, never a pinned one.
 
     "Newest" is by ``age(key)`` (larger = newer; default: the step number).

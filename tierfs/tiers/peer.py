@@ -147,8 +147,13 @@ class BackupAgent(Protocol):
         """The outcome of the last round this node was ordered into (None: none yet)."""
         ...
 
-    def on_backup_round(self, job: JobSpec, order: tuple[str, int] | None,
-                        last: RoundView | None, dedup: bool = False) -> None:
+    def on_backup_round(
+        self,
+        job: JobSpec,
+        order: tuple[str, int] | None,
+        last: RoundView | None,
+        dedup: bool = False,
+    ) -> None:
         """The coordinator's answer: the (round, step) to upload now, if any, the
         newest round with its state, and whether this node's shard has its
         data-parallel uploader's checksums (``dedup``). Must not block (start
@@ -210,7 +215,8 @@ class PeerTier(PeerHost):
         self.join_timeout = float(c.join_timeout)
         self._static_is_me = bool(c.coordinator) and (
             peer_wire.same_endpoint(c.coordinator, c.listen)
-            or peer_wire.same_endpoint(c.coordinator, c.advertise))
+            or peer_wire.same_endpoint(c.coordinator, c.advertise)
+        )
         self.rendezvous: Rendezvous | None = None
         self.backup_agent: BackupAgent | None = None
         self.rendezvous_note: str | None = None
@@ -253,8 +259,7 @@ class PeerTier(PeerHost):
     def has_plane(self) -> bool:
         """A coordinator can be found: ``--coordinator``, or ``--listen`` with the bucket
         rendezvous."""
-        return bool(self.static_coordinator) or (self.rendezvous is not None
-                                                 and bool(self.listen))
+        return bool(self.static_coordinator) or (self.rendezvous is not None and bool(self.listen))
 
     def active_job(self) -> JobSpec | None:
         """The agent's job if it spans several nodes and a coordinator can be found."""
@@ -276,8 +281,9 @@ class PeerTier(PeerHost):
         node-rank 0 of a multi-node job (known once the job started).
         """
         if self.static_coordinator:
-            return None if self._static_is_me else (
-                f"the coordinator is at {self.static_coordinator}")
+            return (
+                None if self._static_is_me else (f"the coordinator is at {self.static_coordinator}")
+            )
         if self.rendezvous is None:
             return "no --coordinator and no bucket rendezvous on this node"
         job = self.agent.job  # one read of a frozen JobSpec: safe from any thread
@@ -334,12 +340,13 @@ class PeerTier(PeerHost):
             address, incarnation = rec
             problem = await self._probe(job, address, incarnation)
             if problem is not None:
-                self.rendezvous_note = f"{where} is stale ({address}: {problem}); waiting " \
-                                       "for node-rank 0 to publish again"
+                self.rendezvous_note = (
+                    f"{where} is stale ({address}: {problem}); waiting "
+                    "for node-rank 0 to publish again"
+                )
                 return None
             if self.coordinator_address != address:
-                log.info("bucket rendezvous: the coordinator of job %s is at %s", job.name,
-                         address)
+                log.info("bucket rendezvous: the coordinator of job %s is at %s", job.name, address)
             self._found = (ident, address, incarnation)
             self.coordinator_address = address
             self.rendezvous_note = None
@@ -365,15 +372,21 @@ class PeerTier(PeerHost):
             self.publish_note = f"cannot publish this node's address to {where}: {exc}"
             if job.node_rank == COORDINATOR_RANK and self._publish_failed != ident:
                 self._publish_failed = ident
-                self.agent.report_error(f"bucket rendezvous: {self.publish_note}; the "
-                                        "other nodes cannot find the coordinator until it "
-                                        "is written")
+                self.agent.report_error(
+                    f"bucket rendezvous: {self.publish_note}; the "
+                    "other nodes cannot find the coordinator until it "
+                    "is written"
+                )
             return False
         self._published = (ident, self.address)
         self._publish_failed = None
         self.publish_note = None
-        log.info("bucket rendezvous: published %s as node-rank %d of job %s", self.address,
-                 job.node_rank, job.name)
+        log.info(
+            "bucket rendezvous: published %s as node-rank %d of job %s",
+            self.address,
+            job.node_rank,
+            job.name,
+        )
         return True
 
     async def _publisher(self) -> None:
@@ -383,8 +396,7 @@ class PeerTier(PeerHost):
         delay = LOOKUP_INTERVAL
         while True:
             job = self.active_job()
-            if job is not None and self.rendezvous is not None and not await self.publish_once(
-                    job):
+            if job is not None and self.rendezvous is not None and not await self.publish_once(job):
                 await trio.sleep(delay)  # back off; pokes do not hurry a failing bucket
                 delay = min(delay * 2, PUBLISH_BACKOFF)
                 continue
@@ -396,15 +408,17 @@ class PeerTier(PeerHost):
     async def _probe(self, job: JobSpec, address: str, incarnation: str) -> str | None:
         """None if ``address`` is node-rank 0 of ``job`` with ``incarnation``, else why not."""
         try:
-            reply = await self.call(functools.partial(
-                self.client.inventory, address, job.name, timeout=PROBE_TIMEOUT))
+            reply = await self.call(
+                functools.partial(self.client.inventory, address, job.name, timeout=PROBE_TIMEOUT)
+            )
         except grpc.RpcError as exc:
             return rpc_reason(exc)
         if reply.incarnation != incarnation:
             return "another daemon answers there (the record is from an earlier start)"
         if reply.node_rank != COORDINATOR_RANK:
-            return (f"that daemon is not node-rank 0 of job {job.name}"
-                    + (f" (it is node-rank {reply.node_rank})" if reply.node_rank >= 0 else ""))
+            return f"that daemon is not node-rank 0 of job {job.name}" + (
+                f" (it is node-rank {reply.node_rank})" if reply.node_rank >= 0 else ""
+            )
         return None
 
     def coordinator_lost(self) -> None:
@@ -422,9 +436,13 @@ class PeerTier(PeerHost):
     def replica_peers(self, job: JobSpec) -> list[int]:
         """The ranks receiving this node's steps (:func:`tierfs.placement.peer_ranks`)."""
         try:
-            return placement.peer_ranks(job.node_rank, job.nodes, peer_ranks=job.peer_ranks,
-                                        peers_per_node=job.peers_per_node,
-                                        data_parallelism=job.assume_data_parallelism)
+            return placement.peer_ranks(
+                job.node_rank,
+                job.nodes,
+                peer_ranks=job.peer_ranks,
+                peers_per_node=job.peers_per_node,
+                data_parallelism=job.assume_data_parallelism,
+            )
         except ValueError as exc:
             log.warning("no peers: %s", exc)
             return []
@@ -440,10 +458,19 @@ class PeerTier(PeerHost):
 
     def holdings(self, job: str) -> list[Holding]:
         """This node's inventory of ``job`` (trio thread)."""
-        return [Holding(s.key.rank, s.key.step, s.verified or s.key in self._trusted,
-                        self.digest(s), s.bytes, s.manifest.name, s.manifest.backup_requested,
-                        s.manifest.created)
-                for s in self.agent.shards_of(job)]
+        return [
+            Holding(
+                s.key.rank,
+                s.key.step,
+                s.verified or s.key in self._trusted,
+                self.digest(s),
+                s.bytes,
+                s.manifest.name,
+                s.manifest.backup_requested,
+                s.manifest.created,
+            )
+            for s in self.agent.shards_of(job)
+        ]
 
     def _on_trio(self, fn: Callable[..., Any], *args: Any) -> Any:
         token = self.agent.trio_token
@@ -475,6 +502,7 @@ class PeerTier(PeerHost):
             if not found:
                 return None
             return found[0], found[0].key in self._trusted
+
         return self._on_trio(look)
 
     def adopt(self, shard: Shard, linked_from: ShardKey | None = None) -> None:
@@ -503,8 +531,9 @@ class PeerTier(PeerHost):
 
     # ------------------------------------------------------------------ Tier
 
-    async def run(self, agent: NodeAgent,
-                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self, agent: NodeAgent, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Start the gRPC server (if ``--listen``), then heartbeat until cancelled.
 
         Raises:
@@ -527,17 +556,19 @@ class PeerTier(PeerHost):
             self.client.close()
 
     def _start_server(self) -> None:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32,
-                                                        thread_name_prefix="tierfs-peer"),
-                             interceptors=[peer_wire.TokenInterceptor(self.token)],
-                             options=list(peer_wire.SERVER_OPTIONS))
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="tierfs-peer"),
+            interceptors=[peer_wire.TokenInterceptor(self.token)],
+            options=list(peer_wire.SERVER_OPTIONS),
+        )
         server.add_generic_rpc_handlers((peer_handlers(PeerServicer(self)),))
         # every node registers the coordinator service: which node serves it
         # may be known only once a job starts (the gate answers the others)
         # with a bucket, no restore is decided before the bucket answered (the GCS
         # tier installs the reader once it is up; until then decisions wait)
-        self.coordinator = CoordinatorServicer(Coordinator(bucket=bool(self.agent.config.bucket)),
-                                               gate=self.coordinator_gate)
+        self.coordinator = CoordinatorServicer(
+            Coordinator(bucket=bool(self.agent.config.bucket)), gate=self.coordinator_gate
+        )
         peer_pb2_grpc.add_CoordinatorServicer_to_server(self.coordinator, server)
         assert self.listen is not None
         try:
@@ -552,18 +583,27 @@ class PeerTier(PeerHost):
         self._server = server
         if not self.token:
             log.warning("peer plane without --peer-token: any client can call this node")
-        log.info("peer server on %s (advertised as %s)%s", self.listen, self.address,
-                 "; coordinator of the job" if self.is_coordinator else
-                 "" if self.static_coordinator else
-                 "; the coordinator is found through the bucket (node-rank 0 serves it)")
+        log.info(
+            "peer server on %s (advertised as %s)%s",
+            self.listen,
+            self.address,
+            "; coordinator of the job"
+            if self.is_coordinator
+            else ""
+            if self.static_coordinator
+            else "; the coordinator is found through the bucket (node-rank 0 serves it)",
+        )
 
     def _relink_loaded(self) -> None:
         """After a daemon restart: replicas that are hard links of own shards (dedup)."""
         job = self.agent.job
         if job is None:
             return
-        own = {k: s for k, s in self.agent.catalog.items()
-               if k.job == job.name and k.rank == job.node_rank}
+        own = {
+            k: s
+            for k, s in self.agent.catalog.items()
+            if k.job == job.name and k.rank == job.node_rank
+        }
         by_ino = {ino: k for k, s in own.items() for ino in s.inodes}
         for k, s in list(self.agent.catalog.items()):
             if k in own or k.job != job.name:
@@ -617,9 +657,11 @@ class PeerTier(PeerHost):
                 del self._linked[k]
 
     def _retention_victim(self, key: ShardKey) -> bool:
-        steps = sorted((k.step for k in self.agent.catalog
-                        if k.job == key.job and k.rank == key.rank), reverse=True)
-        keep = steps[:self.agent.config.keep_local]
+        steps = sorted(
+            (k.step for k in self.agent.catalog if k.job == key.job and k.rank == key.rank),
+            reverse=True,
+        )
+        keep = steps[: self.agent.config.keep_local]
         return len(keep) >= self.agent.config.keep_local and key.step < min(keep)
 
     def pinned(self) -> set[ShardKey]:
@@ -652,8 +694,11 @@ class PeerTier(PeerHost):
     async def _replicate(self, shard: Shard, peer: int, send: _Send) -> None:
         key = shard.key
         job = self.agent.job
-        dp = bool(job and job.assume_data_parallelism and peer in placement.column_of(
-            key.rank, job.nodes, job.assume_data_parallelism))
+        dp = bool(
+            job
+            and job.assume_data_parallelism
+            and peer in placement.column_of(key.rank, job.nodes, job.assume_data_parallelism)
+        )
         # how long a push is retried while its peer is unreachable (seconds)
         deadline = trio.current_time() + settings.PEER_PUSH_PATIENCE.get()
         delay = 0.25
@@ -670,7 +715,8 @@ class PeerTier(PeerHost):
                             send.states[peer] = "failed"
                             self.agent.report_error(
                                 f"replication of step {key.step} to node-rank {peer} failed: "
-                                "its address is unknown (it never joined the coordinator)")
+                                "its address is unknown (it never joined the coordinator)"
+                            )
                             return
                         self._poke.set()
                         await trio.sleep(0.2)
@@ -679,8 +725,14 @@ class PeerTier(PeerHost):
                     started = time.monotonic()
                     try:
                         outcome = await trio.to_thread.run_sync(
-                            self._push_blocking, info.address, shard, key, dp, send.cancel,
-                            abandon_on_cancel=True)
+                            self._push_blocking,
+                            info.address,
+                            shard,
+                            key,
+                            dp,
+                            send.cancel,
+                            abandon_on_cancel=True,
+                        )
                     except Cancelled:
                         break
                     except OSError as exc:
@@ -691,12 +743,15 @@ class PeerTier(PeerHost):
                         code = rpc_code(exc)
                         if code == grpc.StatusCode.DATA_LOSS and data_loss == 0:
                             data_loss += 1
-                            log.warning("node-rank %d found %s corrupt in transit; sending "
-                                        "again", peer, key)
+                            log.warning(
+                                "node-rank %d found %s corrupt in transit; sending again", peer, key
+                            )
                             continue
-                        retry = code in (grpc.StatusCode.UNAVAILABLE,
-                                         grpc.StatusCode.DEADLINE_EXCEEDED,
-                                         grpc.StatusCode.CANCELLED)
+                        retry = code in (
+                            grpc.StatusCode.UNAVAILABLE,
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            grpc.StatusCode.CANCELLED,
+                        )
                         if retry and trio.current_time() < deadline:
                             send.states[peer] = "retrying"
                             await trio.sleep(delay)
@@ -705,14 +760,21 @@ class PeerTier(PeerHost):
                         send.states[peer] = "failed"
                         self.agent.report_error(
                             f"replication of step {key.step} to node-rank {peer} "
-                            f"({info.address}) failed: {rpc_reason(exc)}")
+                            f"({info.address}) failed: {rpc_reason(exc)}"
+                        )
                         return
                     send.states[peer] = outcome
                     seconds = time.monotonic() - started
                     sent = shard.bytes if outcome == "replicated" else 0
                     send.timings[peer] = {"seconds": round(seconds, 4), "bytes": sent}
-                    log.info("step %d %s to node-rank %d (%.2f s, %.0f MB/s)", key.step,
-                             outcome, peer, seconds, sent / max(seconds, 1e-9) / 1e6)
+                    log.info(
+                        "step %d %s to node-rank %d (%.2f s, %.0f MB/s)",
+                        key.step,
+                        outcome,
+                        peer,
+                        seconds,
+                        sent / max(seconds, 1e-9) / 1e6,
+                    )
                     self._poke.set()
                     return
                 send.states[peer] = "cancelled"
@@ -723,26 +785,37 @@ class PeerTier(PeerHost):
         """False once ``key`` left the catalog or is older than the shards retention keeps."""
         return self.agent.retained(key)
 
-    def _push_blocking(self, address: str, shard: Shard, key: ShardKey, dp: bool,
-                       cancel: threading.Event) -> str:
+    def _push_blocking(
+        self, address: str, shard: Shard, key: ShardKey, dp: bool, cancel: threading.Event
+    ) -> str:
         digest = shard.manifest.digest
-        inv = self.client.inventory(address, key.job, want_digest=digest,
-                                    wait_step=key.step if dp else -1,
-                                    wait_s=min(DP_WAIT, 5.0) if dp else 0.0)
+        inv = self.client.inventory(
+            address,
+            key.job,
+            want_digest=digest,
+            wait_step=key.step if dp else -1,
+            wait_s=min(DP_WAIT, 5.0) if dp else 0.0,
+        )
         waited = 5.0
-        while dp and not any(h.digest == digest for h in inv.shards) and not any(
-                h.rank == inv.node_rank and h.step == key.step for h in inv.shards):
+        while (
+            dp
+            and not any(h.digest == digest for h in inv.shards)
+            and not any(h.rank == inv.node_rank and h.step == key.step for h in inv.shards)
+        ):
             if waited >= DP_WAIT or cancel.is_set():
                 break
-            inv = self.client.inventory(address, key.job, want_digest=digest,
-                                        wait_step=key.step, wait_s=5.0)
+            inv = self.client.inventory(
+                address, key.job, want_digest=digest, wait_step=key.step, wait_s=5.0
+            )
             waited += 5.0
-        if any(h.rank == key.rank and h.step == key.step and h.digest == digest
-               for h in inv.shards):
+        if any(
+            h.rank == key.rank and h.step == key.step and h.digest == digest for h in inv.shards
+        ):
             return "present"
         dedup = any(h.digest == digest for h in inv.shards)
-        reply = self.client.push(address, shard, self.agent.job.node_rank
-                                 if self.agent.job else -1, dedup, cancel)
+        reply = self.client.push(
+            address, shard, self.agent.job.node_rank if self.agent.job else -1, dedup, cancel
+        )
         if dedup and not reply.committed:
             reply = self.client.push(address, shard, key.rank, False, cancel)
         if not reply.committed:
@@ -798,8 +871,9 @@ class PeerTier(PeerHost):
                     continue
                 if send.states.get(peer) in (None, "failed"):
                     send.states[peer] = "queued"
-                    log.info("sending step %d to node-rank %d again (it lacks it)",
-                             shard.key.step, peer)
+                    log.info(
+                        "sending step %d to node-rank %d again (it lacks it)", shard.key.step, peer
+                    )
                     self._start_send(shard, peer, send)
 
     # ------------------------------------------------------------------ heartbeat
@@ -840,11 +914,16 @@ class PeerTier(PeerHost):
 
     def join_fields(self, job: JobSpec) -> dict[str, Any]:
         """The JoinRequest fields describing this node in ``job`` (trio thread)."""
-        return dict(job=job.name, nodes=job.nodes, rank=job.node_rank, address=self.address,
-                    incarnation=self.incarnation,
-                    backup_interval_minutes=job.backup_interval_minutes or 0.0,
-                    backup_interval_steps=job.backup_interval_steps or 0,
-                    inventory=self.holdings(job.name))
+        return dict(
+            job=job.name,
+            nodes=job.nodes,
+            rank=job.node_rank,
+            address=self.address,
+            incarnation=self.incarnation,
+            backup_interval_minutes=job.backup_interval_minutes or 0.0,
+            backup_interval_steps=job.backup_interval_steps or 0,
+            inventory=self.holdings(job.name),
+        )
 
     def _backup_outcome(self) -> Outcome | None:
         agent = self.backup_agent
@@ -853,20 +932,32 @@ class PeerTier(PeerHost):
     async def _sync_once(self, job: JobSpec, coord: str) -> None:
         inventory = self.holdings(job.name)
         step = self._replicated_step(job)
-        self.reported = tuple(sorted({s for s in (self._reported_ok, step)
-                                      if s is not None and s >= 0}))
+        self.reported = tuple(
+            sorted({s for s in (self._reported_ok, step) if s is not None and s >= 0})
+        )
         async with self._control_limiter:
             reply = await trio.to_thread.run_sync(
-                self.client.sync, coord, job.name, job.node_rank, self.incarnation, step,
-                inventory, self._backup_outcome(), job.assume_data_parallelism)
+                self.client.sync,
+                coord,
+                job.name,
+                job.node_rank,
+                self.incarnation,
+                step,
+                inventory,
+                self._backup_outcome(),
+                job.assume_data_parallelism,
+            )
             self._reported_ok = step
             self.reported = (step,) if step >= 0 else ()
             if not reply.known:
                 self.restore_round = 0
                 fields = self.join_fields(job)
                 try:
-                    joined = await trio.to_thread.run_sync(lambda: self.client.join(
-                        coord, restore_id="", mode=self.agent.mode, **fields))
+                    joined = await trio.to_thread.run_sync(
+                        lambda: self.client.join(
+                            coord, restore_id="", mode=self.agent.mode, **fields
+                        )
+                    )
                 except grpc.RpcError as exc:
                     if rpc_code(exc) == grpc.StatusCode.FAILED_PRECONDITION:
                         self.last_error = f"coordinator refused this node: {rpc_reason(exc)}"
@@ -876,14 +967,15 @@ class PeerTier(PeerHost):
                 return
         self.update_peers(reply.peers)
         self.last_error = None
-        self.sync = {"step": reply.synced_step if reply.synced_step >= 0 else None,
-                     "at": reply.synced_at or None, "steps": list(reply.steps)}
+        self.sync = {
+            "step": reply.synced_step if reply.synced_step >= 0 else None,
+            "at": reply.synced_at or None,
+            "steps": list(reply.steps),
+        }
         self.restore_round = int(reply.restore_round)
         if reply.summoned:
             self.agent.summoned(job)
         self._backup_round(job, reply)
-
-
 
     def _backup_round(self, job: JobSpec, reply: Any) -> None:
         """Hand the coordinator's backup round order to the node's GCS tier."""
@@ -898,28 +990,41 @@ class PeerTier(PeerHost):
         if self.backup_agent is not None:
             self.backup_agent.on_backup_round(job, order, last, dedup)
         elif order is not None:
-            self._no_bucket = Outcome(order[0], order[1], FAILED,
-                                      f"node-rank {job.node_rank} has no --bucket")
+            self._no_bucket = Outcome(
+                order[0], order[1], FAILED, f"node-rank {job.node_rank} has no --bucket"
+            )
 
     def update_peers(self, peers: Iterable[Any]) -> None:
         """Take the coordinator's address book (trio thread)."""
         for p in peers:
             old = self.peers.get(p.rank)
             self.peers[p.rank] = PeerInfo(p.rank, p.address, p.incarnation, p.live)
-            if (old is not None and old.incarnation != p.incarnation
-                    and p.incarnation != self.incarnation):
+            if (
+                old is not None
+                and old.incarnation != p.incarnation
+                and p.incarnation != self.incarnation
+            ):
                 self._rereplicate(p.rank)
 
     # ------------------------------------------------------------------ restore support
 
-    async def pull(self, address: str, key: ShardKey, digest: str, cancel: threading.Event
-                   ) -> Shard:
+    async def pull(
+        self, address: str, key: ShardKey, digest: str, cancel: threading.Event
+    ) -> Shard:
         """Pull, verify and commit ``key`` from a holder (worker thread); not yet cataloged."""
         job = self.agent.job
         async with self.transfer_limiter:
             return await trio.to_thread.run_sync(
-                self.client.pull, address, key, digest, job.node_rank if job else -1, self.ram,
-                self.shards, cancel, abandon_on_cancel=True)
+                self.client.pull,
+                address,
+                key,
+                digest,
+                job.node_rank if job else -1,
+                self.ram,
+                self.shards,
+                cancel,
+                abandon_on_cancel=True,
+            )
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a blocking control call in a worker thread."""
@@ -946,12 +1051,19 @@ class PeerTier(PeerHost):
                     state = "replication failed"
                 else:
                     state = "replicating"
-                steps.append({"step": shard.key.step, "where": where, "state": state,
-                              "peers": {str(p): send.states.get(p) for p in targets},
-                              "transfers": {str(p): t for p, t in send.timings.items()}})
-        peers = [{"rank": p.rank, "address": p.address, "live": p.live,
-                  "target": p.rank in targets}
-                 for p in sorted(self.peers.values(), key=lambda p: p.rank)]
+                steps.append(
+                    {
+                        "step": shard.key.step,
+                        "where": where,
+                        "state": state,
+                        "peers": {str(p): send.states.get(p) for p in targets},
+                        "transfers": {str(p): t for p, t in send.timings.items()},
+                    }
+                )
+        peers = [
+            {"rank": p.rank, "address": p.address, "live": p.live, "target": p.rank in targets}
+            for p in sorted(self.peers.values(), key=lambda p: p.rank)
+        ]
         live = sum(1 for p in peers if p["live"])
         sync_step = self.sync.get("step")
         serving = self.is_coordinator
@@ -962,29 +1074,44 @@ class PeerTier(PeerHost):
         else:
             rendezvous = "none (no --coordinator, no --bucket)"
         if self.coordinator_address:
-            how = " (this node)" if serving else (
-                " (found through the bucket)" if rendezvous == "bucket" else "")
+            how = (
+                " (this node)"
+                if serving
+                else (" (found through the bucket)" if rendezvous == "bucket" else "")
+            )
             where = f"coordinator {self.coordinator_address}{how}"
         elif active is not None:
             where = f"coordinator not found yet ({self.rendezvous_note or 'looking'})"
         else:
             where = f"coordinator: {rendezvous}"
-        summary = (f"{self.address or 'no server'}; {where}; "
-                   f"replicates to {targets or 'nobody'}; {live} node(s) live; "
-                   f"last sync round: {'step ' + str(sync_step) if sync_step is not None else '-'}")
+        summary = (
+            f"{self.address or 'no server'}; {where}; "
+            f"replicates to {targets or 'nobody'}; {live} node(s) live; "
+            f"last sync round: {'step ' + str(sync_step) if sync_step is not None else '-'}"
+        )
         if self.last_error:
             summary += f"; problem: {self.last_error}"
         if self.publish_note:
             summary += f"; {self.publish_note}"
         out: dict[str, Any] = {
-            "summary": summary, "address": self.address, "listen": self.listen,
-            "port": self.port, "coordinator": self.coordinator_address,
-            "rendezvous": rendezvous, "rendezvous_note": self.rendezvous_note,
+            "summary": summary,
+            "address": self.address,
+            "listen": self.listen,
+            "port": self.port,
+            "coordinator": self.coordinator_address,
+            "rendezvous": rendezvous,
+            "rendezvous_note": self.rendezvous_note,
             "publish_note": self.publish_note,
-            "is_coordinator": serving, "incarnation": self.incarnation,
-            "active": active is not None, "replicate_to": targets, "peers": peers,
-            "steps": steps, "sync": dict(self.sync), "wire": self.stats.snapshot(),
-            "pinned": sorted(str(k) for k in self._pins), "last_error": self.last_error,
+            "is_coordinator": serving,
+            "incarnation": self.incarnation,
+            "active": active is not None,
+            "replicate_to": targets,
+            "peers": peers,
+            "steps": steps,
+            "sync": dict(self.sync),
+            "wire": self.stats.snapshot(),
+            "pinned": sorted(str(k) for k in self._pins),
+            "last_error": self.last_error,
         }
         if self.coordinator is not None and serving:
             out["coordinator_state"] = self.coordinator.status()

@@ -57,7 +57,8 @@ class PeerClient:
             ch = self._channels.get(address)
             if ch is None:
                 ch = self._channels[address] = grpc.insecure_channel(
-                    address, options=list(peer_wire.CHANNEL_OPTIONS))
+                    address, options=list(peer_wire.CHANNEL_OPTIONS)
+                )
             return ch
 
     def peer(self, address: str) -> Any:
@@ -74,19 +75,28 @@ class PeerClient:
 
     # ------------------------------------------------------------------ data
 
-    def inventory(self, address: str, job: str, want_digest: str = "", wait_step: int = -1,
-                  wait_s: float = 0.0, timeout: float = 10.0) -> Any:
+    def inventory(
+        self,
+        address: str,
+        job: str,
+        want_digest: str = "",
+        wait_step: int = -1,
+        wait_s: float = 0.0,
+        timeout: float = 10.0,
+    ) -> Any:
         """The peer's :class:`InventoryReply` (waiting up to ``wait_s`` for the digest).
 
         Raises:
             grpc.RpcError: unreachable (after ``wait_s + timeout`` seconds at most).
         """
-        req = peer_pb2.InventoryRequest(job=job, want_digest=want_digest, wait_step=wait_step,
-                                        wait_ms=int(wait_s * 1000))
+        req = peer_pb2.InventoryRequest(
+            job=job, want_digest=want_digest, wait_step=wait_step, wait_ms=int(wait_s * 1000)
+        )
         return self.peer(address).Inventory(req, metadata=self.md, timeout=wait_s + timeout)
 
-    def push(self, address: str, shard: Shard, sender_rank: int, dedup: bool,
-             cancel: threading.Event) -> Any:
+    def push(
+        self, address: str, shard: Shard, sender_rank: int, dedup: bool, cancel: threading.Event
+    ) -> Any:
         """Push ``shard`` (or only its manifest with ``dedup``); returns the PushReply.
 
         Raises:
@@ -99,14 +109,23 @@ class PeerClient:
         problem: list[BaseException] = []
 
         def messages() -> Any:
-            yield peer_pb2.PushMessage(header=peer_pb2.PushHeader(
-                job=m.job, rank=m.rank, step=m.step, digest=m.digest, sender_rank=sender_rank,
-                total_bytes=0 if dedup else m.total_bytes, dedup=dedup))
+            yield peer_pb2.PushMessage(
+                header=peer_pb2.PushHeader(
+                    job=m.job,
+                    rank=m.rank,
+                    step=m.step,
+                    digest=m.digest,
+                    sender_rank=sender_rank,
+                    total_bytes=0 if dedup else m.total_bytes,
+                    dedup=dedup,
+                )
+            )
             if not dedup:
                 set_thread_nice(REPLICATION_NICE)  # grpc's per-call request thread
                 try:
-                    for path, off, data, crc in iter_chunks(shard.data, m.files,
-                                                            cancelled=cancel.is_set):
+                    for path, off, data, crc in iter_chunks(
+                        shard.data, m.files, cancelled=cancel.is_set
+                    ):
                         yield peer_wire.encode_chunk(path, off, data, crc)  # a PushMessage
                         self.stats.add("sent_bytes", len(data))
                 except (OSError, Cancelled) as exc:
@@ -117,8 +136,10 @@ class PeerClient:
             yield peer_pb2.PushMessage(manifest=peer_pb2.ShardManifest(json=data))
 
         push = self.channel(address).stream_unary(
-            "/tierfs.peer.v1.Peer/PushShard", request_serializer=peer_wire.serialize,
-            response_deserializer=peer_pb2.PushReply.FromString)
+            "/tierfs.peer.v1.Peer/PushShard",
+            request_serializer=peer_wire.serialize,
+            response_deserializer=peer_pb2.PushReply.FromString,
+        )
         fut = push.future(messages(), metadata=self.md)
         while True:
             try:
@@ -135,8 +156,16 @@ class PeerClient:
             self.stats.add("manifest_only_sent")
         return reply
 
-    def pull(self, address: str, key: ShardKey, digest: str, puller_rank: int, ram: Any,
-             shards: Any, cancel: threading.Event) -> Shard:
+    def pull(
+        self,
+        address: str,
+        key: ShardKey,
+        digest: str,
+        puller_rank: int,
+        ram: Any,
+        shards: Any,
+        cancel: threading.Event,
+    ) -> Shard:
         """Pull ``key`` from a holder, verify it and commit it to ``shards``.
 
         Returns:
@@ -149,11 +178,14 @@ class PeerClient:
             Cancelled: ``cancel`` was set.
             grpc.RpcError: the holder is unreachable or has no such copy.
         """
-        req = peer_pb2.PullRequest(job=key.job, rank=key.rank, step=key.step, digest=digest,
-                                   puller_rank=puller_rank)
+        req = peer_pb2.PullRequest(
+            job=key.job, rank=key.rank, step=key.step, digest=digest, puller_rank=puller_rank
+        )
         pull = self.channel(address).unary_stream(
-            "/tierfs.peer.v1.Peer/PullShard", request_serializer=peer_wire.serialize,
-            response_deserializer=peer_wire.chunk_deserializer(peer_pb2.PullMessage))
+            "/tierfs.peer.v1.Peer/PullShard",
+            request_serializer=peer_wire.serialize,
+            response_deserializer=peer_wire.chunk_deserializer(peer_pb2.PullMessage),
+        )
         call = pull(req, metadata=self.md)
         inc = ram.new_incoming(f"pull-{key.rank}-{key.step}")
         rx: ShardReceiver | None = None
@@ -189,35 +221,58 @@ class PeerClient:
     def join(self, coord: str, **fields: Any) -> Any:
         """Join (or register with) the coordinator at ``coord``; fields of JoinRequest."""
         inventory = fields.pop("inventory", ())
-        req = peer_pb2.JoinRequest(inventory=[peer_wire.held_shard(h) for h in inventory],
-                                   **fields)
+        req = peer_pb2.JoinRequest(inventory=[peer_wire.held_shard(h) for h in inventory], **fields)
         return self.coordinator(coord).Join(req, metadata=self.md, timeout=10)
 
     def decide(self, address: str, job: str, rank: int, restore_id: str) -> Any:
         req = peer_pb2.DecideRequest(job=job, rank=rank, restore_id=restore_id, wait_ms=POLL_MS)
-        return self.coordinator(address).Decide(req, metadata=self.md,
-                                                timeout=POLL_MS / 1000 + 10)
+        return self.coordinator(address).Decide(req, metadata=self.md, timeout=POLL_MS / 1000 + 10)
 
     def barrier(self, address: str, bad: Iterable[CopyId] = (), **fields: Any) -> Any:
         req = peer_pb2.BarrierRequest(
-            bad=[peer_pb2.BadCopy(holder=h, rank=r, step=s) if isinstance(h, int)
-                 else peer_pb2.BadCopy(holder=-1, rank=r, step=s, round=h) for h, r, s in bad],
-            wait_ms=POLL_MS, **fields)
-        return self.coordinator(address).Barrier(req, metadata=self.md,
-                                                 timeout=POLL_MS / 1000 + 10)
+            bad=[
+                peer_pb2.BadCopy(holder=h, rank=r, step=s)
+                if isinstance(h, int)
+                else peer_pb2.BadCopy(holder=-1, rank=r, step=s, round=h)
+                for h, r, s in bad
+            ],
+            wait_ms=POLL_MS,
+            **fields,
+        )
+        return self.coordinator(address).Barrier(req, metadata=self.md, timeout=POLL_MS / 1000 + 10)
 
-    def sync(self, address: str, job: str, rank: int, incarnation: str, step: int,
-             inventory: Iterable[Holding], backup: Outcome | None = None,
-             data_parallelism: int | None = None) -> Any:
+    def sync(
+        self,
+        address: str,
+        job: str,
+        rank: int,
+        incarnation: str,
+        step: int,
+        inventory: Iterable[Holding],
+        backup: Outcome | None = None,
+        data_parallelism: int | None = None,
+    ) -> Any:
         """Heartbeat and sync report (with the last backup outcome and the job's
         ``assume-data-parallelism``); returns the SyncReply."""
-        req = peer_pb2.SyncRequest(job=job, rank=rank, incarnation=incarnation, step=step,
-                                   inventory=[peer_wire.held_shard(h) for h in inventory],
-                                   data_parallelism=data_parallelism or 0)
+        req = peer_pb2.SyncRequest(
+            job=job,
+            rank=rank,
+            incarnation=incarnation,
+            step=step,
+            inventory=[peer_wire.held_shard(h) for h in inventory],
+            data_parallelism=data_parallelism or 0,
+        )
         if backup is not None:
-            req.backup.CopyFrom(peer_pb2.BackupOutcome(
-                round=backup.round, step=backup.step, state=backup.state, error=backup.error,
-                bytes=backup.bytes, seconds=backup.seconds))
+            req.backup.CopyFrom(
+                peer_pb2.BackupOutcome(
+                    round=backup.round,
+                    step=backup.step,
+                    state=backup.state,
+                    error=backup.error,
+                    bytes=backup.bytes,
+                    seconds=backup.seconds,
+                )
+            )
         return self.coordinator(address).Sync(req, metadata=self.md, timeout=10)
 
 

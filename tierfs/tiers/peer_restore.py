@@ -55,7 +55,8 @@ def _refused_for_good(exc: grpc.RpcError) -> bool:
         return True
     detail = rpc_reason(exc)
     return code == grpc.StatusCode.FAILED_PRECONDITION and (
-        "mismatch" in detail or "out of range" in detail)
+        "mismatch" in detail or "out of range" in detail
+    )
 
 
 class RestoreFailed(Exception):
@@ -135,8 +136,10 @@ class PeerCluster:
         notes = []
         for shard in sorted(agent.shards_of(job.name), key=lambda s: s.key, reverse=True):
             if shard.key in agent.catalog and not await agent.verify_shard(shard):
-                notes.append(f"node-rank {job.node_rank} discarded its copy of step "
-                             f"{shard.key.step} of rank {shard.key.rank} (checksum mismatch)")
+                notes.append(
+                    f"node-rank {job.node_rank} discarded its copy of step "
+                    f"{shard.key.step} of rank {shard.key.rank} (checksum mismatch)"
+                )
         while True:
             number = await self._join(agent, job, restore_id, strict, notes)
             while True:
@@ -150,10 +153,23 @@ class PeerCluster:
                 if held is not None:
                     tier._pin(held, +1)
                 try:
-                    self._phase(agent, "waiting for the other nodes' data", round=number,
-                                step=plan.step if plan else None)
-                    state = await self._barrier(agent, job, restore_id, number, view.version,
-                                                "ready", plan is not None, bad, detail=detail)
+                    self._phase(
+                        agent,
+                        "waiting for the other nodes' data",
+                        round=number,
+                        step=plan.step if plan else None,
+                    )
+                    state = await self._barrier(
+                        agent,
+                        job,
+                        restore_id,
+                        number,
+                        view.version,
+                        "ready",
+                        plan is not None,
+                        bad,
+                        detail=detail,
+                    )
                 except BaseException:
                     if held is not None:
                         tier._pin(held, -1)
@@ -162,10 +178,13 @@ class PeerCluster:
                     self._current = _Round(restore_id, number, view.version)
                     if held is not None:
                         plan.detail["pinned"] = True
-                    plan.detail.update(round=number, reason=view.reason,
-                                       forced=view.restore_version or None,
-                                       outcome=view.outcome or None,
-                                       problems=list(view.problems))
+                    plan.detail.update(
+                        round=number,
+                        reason=view.reason,
+                        forced=view.restore_version or None,
+                        outcome=view.outcome or None,
+                        problems=list(view.problems),
+                    )
                     return plan
                 if held is not None:
                     tier._pin(held, -1)
@@ -173,8 +192,9 @@ class PeerCluster:
                     break
                 # replan (a copy was bad somewhere): ask again
 
-    async def _join(self, agent: NodeAgent, job: JobSpec, restore_id: str, strict: bool,
-                    notes: list[str]) -> int:
+    async def _join(
+        self, agent: NodeAgent, job: JobSpec, restore_id: str, strict: bool, notes: list[str]
+    ) -> int:
         tier = self.tier
         start = trio.current_time()
         delay = 0.2
@@ -189,9 +209,16 @@ class PeerCluster:
             else:
                 fields = tier.join_fields(job)
                 try:
-                    reply = await tier.call(functools.partial(
-                        tier.client.join, coord, restore_id=restore_id,
-                        mode="protocol" if strict else "generic", notes=notes, **fields))
+                    reply = await tier.call(
+                        functools.partial(
+                            tier.client.join,
+                            coord,
+                            restore_id=restore_id,
+                            mode="protocol" if strict else "generic",
+                            notes=notes,
+                            **fields,
+                        )
+                    )
                     tier.update_peers(reply.peers)
                     self._phase(agent, "joined", round=reply.round, coordinator=coord)
                     return int(reply.round)
@@ -206,27 +233,37 @@ class PeerCluster:
                         now = trio.current_time()
                         if refused_since is None:
                             refused_since = now
-                            agent.report_error(f"restore: the coordinator refuses this node "
-                                               f"{last}")
+                            agent.report_error(f"restore: the coordinator refuses this node {last}")
                         elif now - refused_since > (grace := settings.REFUSAL_GRACE.get()):
                             # a configuration error: the job fails now, not after the
                             # join timeout (minutes), unless it is fixed meanwhile
-                            raise RestoreRefused(f"the coordinator refused this node for "
-                                                 f"{grace:.0f} s {last}") from None
+                            raise RestoreRefused(
+                                f"the coordinator refused this node for {grace:.0f} s {last}"
+                            ) from None
                     else:
                         refused_since = None
             if trio.current_time() - start > tier.join_timeout:
-                agent.report_error(f"restore: could not join the coordinator within "
-                                   f"{tier.join_timeout:.0f} s: {last}")
+                agent.report_error(
+                    f"restore: could not join the coordinator within "
+                    f"{tier.join_timeout:.0f} s: {last}"
+                )
                 if refused_since is not None:
                     raise RestoreRefused(last)
-                raise RestoreTimeout(f"could not join the coordinator within "
-                                     f"{tier.join_timeout:.0f} s: {last}")
+                raise RestoreTimeout(
+                    f"could not join the coordinator within {tier.join_timeout:.0f} s: {last}"
+                )
             await trio.sleep(delay)
             delay = min(delay * 2, 2.0)
 
-    async def _unreachable(self, agent: NodeAgent, job: JobSpec, coord: str,
-                           exc: grpc.RpcError, start: float, limit: float) -> bool:
+    async def _unreachable(
+        self,
+        agent: NodeAgent,
+        job: JobSpec,
+        coord: str,
+        exc: grpc.RpcError,
+        start: float,
+        limit: float,
+    ) -> bool:
         """After a failed Decide/Barrier call to ``coord``: True if the coordinator
         moved (the caller joins it again); else wait 0.5 s for the next try.
 
@@ -240,8 +277,9 @@ class PeerCluster:
             return True
         if trio.current_time() - start > limit:
             agent.report_error(f"restore: coordinator {coord} unreachable for {limit:.0f} s")
-            raise RestoreTimeout(f"coordinator {coord} unreachable for {limit:.0f} s: "
-                                 f"{rpc_reason(exc)}") from None
+            raise RestoreTimeout(
+                f"coordinator {coord} unreachable for {limit:.0f} s: {rpc_reason(exc)}"
+            ) from None
         await trio.sleep(0.5)
         return False
 
@@ -252,16 +290,16 @@ class PeerCluster:
         found = await tier.find_coordinator(job)
         return found is not None and found != address
 
-    async def _decide(self, agent: NodeAgent, job: JobSpec, restore_id: str, number: int
-                      ) -> Any:
+    async def _decide(self, agent: NodeAgent, job: JobSpec, restore_id: str, number: int) -> Any:
         tier = self.tier
         start = trio.current_time()
         pb = peer_pb2.DecideReply
         while True:
             coord = tier.coordinator_address or ""
             try:
-                view = await tier.call(tier.client.decide, coord, job.name, job.node_rank,
-                                       restore_id)
+                view = await tier.call(
+                    tier.client.decide, coord, job.name, job.node_rank, restore_id
+                )
             except grpc.RpcError as exc:
                 if await self._unreachable(agent, job, coord, exc, start, tier.join_timeout):
                     return None  # the coordinator restarted elsewhere: join it
@@ -270,26 +308,33 @@ class PeerCluster:
                 return None
             if view.state == pb.DECIDED:
                 step = None if view.step < 0 else int(view.step)
-                self._phase(agent, "decided", round=view.round, step=step, reason=view.reason,
-                            missing=[])
+                self._phase(
+                    agent, "decided", round=view.round, step=step, reason=view.reason, missing=[]
+                )
                 return view
             missing = list(view.missing)
-            what = (f"node-rank(s) {missing} to join" if missing
-                    else view.waiting_for or "the coordinator")
+            what = (
+                f"node-rank(s) {missing} to join"
+                if missing
+                else view.waiting_for or "the coordinator"
+            )
             self._phase(agent, f"waiting for {what}", round=view.round, missing=missing)
             if trio.current_time() - start > tier.join_timeout:
                 if missing:
-                    msg = (f"node-rank(s) {missing} did not join within "
-                           f"{tier.join_timeout:.0f} s (job {job.name}, round {view.round}); "
-                           "no step can be agreed")
+                    msg = (
+                        f"node-rank(s) {missing} did not join within "
+                        f"{tier.join_timeout:.0f} s (job {job.name}, round {view.round}); "
+                        "no step can be agreed"
+                    )
                     agent.report_error(f"restore: {msg}")
                     raise NodesMissing(msg)
                 msg = f"no decision within {tier.join_timeout:.0f} s (waiting for {what})"
                 agent.report_error(f"restore: {msg}")
                 raise RestoreTimeout(msg)
 
-    async def _fetch(self, agent: NodeAgent, job: JobSpec, view: Any
-                     ) -> tuple[RestorePlan | None, list[CopyId], str]:
+    async def _fetch(
+        self, agent: NodeAgent, job: JobSpec, view: Any
+    ) -> tuple[RestorePlan | None, list[CopyId], str]:
         """This node's shard of the decided step: its own copy, else the peers holding the
         same bytes, else the backup rounds holding them.
 
@@ -301,10 +346,20 @@ class PeerCluster:
 
         tier = self.tier
         if view.step < 0:
-            return RestorePlan(None, source="none", detail={
-                "reason": view.reason, "outcome": view.outcome or None,
-                "problems": list(view.problems),
-                "forced": view.restore_version or None}), [], ""
+            return (
+                RestorePlan(
+                    None,
+                    source="none",
+                    detail={
+                        "reason": view.reason,
+                        "outcome": view.outcome or None,
+                        "problems": list(view.problems),
+                        "forced": view.restore_version or None,
+                    },
+                ),
+                [],
+                "",
+            )
         step = int(view.step)
         key = ShardKey(job.name, job.node_rank, step)
         bad: list[CopyId] = []
@@ -317,32 +372,46 @@ class PeerCluster:
             bad.append((job.node_rank, job.node_rank, step))
             why.append("its own copy is gone or holds other bytes")
         for src in view.sources:
-            self._phase(agent, f"pulling step {step} from node-rank {src.holder}",
-                        source=f"peer:{src.holder}")
+            self._phase(
+                agent,
+                f"pulling step {step} from node-rank {src.holder}",
+                source=f"peer:{src.holder}",
+            )
             cancel = threading.Event()
             try:
                 shard = await tier.pull(src.address, key, view.digest, cancel)
             except (BadCopy, Refused) as exc:
                 tier.stats.add("corrupt_copies")
-                agent.report_error(f"restore: the copy of step {step} of rank {job.node_rank} "
-                                   f"on node-rank {src.holder} is bad ({exc}); trying another "
-                                   "copy")
+                agent.report_error(
+                    f"restore: the copy of step {step} of rank {job.node_rank} "
+                    f"on node-rank {src.holder} is bad ({exc}); trying another "
+                    "copy"
+                )
                 bad.append((src.holder, job.node_rank, step))
                 why.append(f"node-rank {src.holder}'s copy is bad ({exc})")
                 continue
             except (TransferError, grpc.RpcError, OSError) as exc:
-                log.warning("pulling %s from node-rank %d failed: %s", key, src.holder,
-                            rpc_reason(exc))
+                log.warning(
+                    "pulling %s from node-rank %d failed: %s", key, src.holder, rpc_reason(exc)
+                )
                 bad.append((src.holder, job.node_rank, step))
                 why.append(f"pulling from node-rank {src.holder} failed ({rpc_reason(exc)})")
                 continue
             finally:
                 cancel.set()
             agent.add_shard(shard)
-            log.info("restored step %d of rank %d from node-rank %d (%d bytes, verified)",
-                     step, job.node_rank, src.holder, shard.bytes)
-            return RestorePlan(step, shard=shard, source=f"peer:{src.holder}",
-                               backup=forced), [], ""
+            log.info(
+                "restored step %d of rank %d from node-rank %d (%d bytes, verified)",
+                step,
+                job.node_rank,
+                src.holder,
+                shard.bytes,
+            )
+            return (
+                RestorePlan(step, shard=shard, source=f"peer:{src.holder}", backup=forced),
+                [],
+                "",
+            )
         rounds = list(view.backups) or ([view.backup] if view.backup else [])
         for rnd in rounds:
             if self.fetch_backup is None:
@@ -356,14 +425,25 @@ class PeerCluster:
                 why.append(str(exc))
                 continue
             return RestorePlan(step, backup=rnd, shard=shard, source="gcs"), [], ""
-        detail = (f"no usable copy of step {step} of rank {job.node_rank}: "
-                  + "; ".join(why or ["no copy was offered"]))
+        detail = f"no usable copy of step {step} of rank {job.node_rank}: " + "; ".join(
+            why or ["no copy was offered"]
+        )
         agent.report_error(f"restore: {detail}; asking the coordinator to decide again")
         return None, bad, detail
 
-    async def _barrier(self, agent: NodeAgent, job: JobSpec, restore_id: str, number: int,
-                       version: int, phase: str, ok: bool, bad: list[CopyId],
-                       timeout: float | None = None, detail: str = "") -> str:
+    async def _barrier(
+        self,
+        agent: NodeAgent,
+        job: JobSpec,
+        restore_id: str,
+        number: int,
+        version: int,
+        phase: str,
+        ok: bool,
+        bad: list[CopyId],
+        timeout: float | None = None,
+        detail: str = "",
+    ) -> str:
         tier = self.tier
         pb = peer_pb2.BarrierReply
         start = trio.current_time()
@@ -371,10 +451,21 @@ class PeerCluster:
         while True:
             coord = tier.coordinator_address or ""
             try:
-                reply = await tier.call(functools.partial(
-                    tier.client.barrier, coord, bad, job=job.name, rank=job.node_rank,
-                    restore_id=restore_id, round=number, version=version, phase=phase, ok=ok,
-                    detail=detail[:2000]))
+                reply = await tier.call(
+                    functools.partial(
+                        tier.client.barrier,
+                        coord,
+                        bad,
+                        job=job.name,
+                        rank=job.node_rank,
+                        restore_id=restore_id,
+                        round=number,
+                        version=version,
+                        phase=phase,
+                        ok=ok,
+                        detail=detail[:2000],
+                    )
+                )
             except grpc.RpcError as exc:
                 if await self._unreachable(agent, job, coord, exc, start, limit):
                     return "rejoin"  # the coordinator restarted elsewhere
@@ -386,13 +477,16 @@ class PeerCluster:
             if reply.state == pb.REJOIN:
                 return "rejoin"
             waiting = list(reply.waiting_for)
-            self._phase(agent, f"barrier {phase}: waiting for node-rank(s) {waiting}",
-                        waiting_for=waiting)
+            self._phase(
+                agent, f"barrier {phase}: waiting for node-rank(s) {waiting}", waiting_for=waiting
+            )
             if not ok:
                 return "replan"
             if trio.current_time() - start > limit:
-                agent.report_error(f"restore: node-rank(s) {waiting} did not reach the "
-                                   f"'{phase}' barrier within {limit:.0f} s")
+                agent.report_error(
+                    f"restore: node-rank(s) {waiting} did not reach the "
+                    f"'{phase}' barrier within {limit:.0f} s"
+                )
                 raise RestoreTimeout(f"node-rank(s) {waiting} did not reach '{phase}'")
 
     async def restore_done(self, agent: NodeAgent, job: JobSpec, plan: RestorePlan) -> None:
@@ -407,9 +501,17 @@ class PeerCluster:
             if cur is None:
                 return
             try:
-                state = await self._barrier(agent, job, cur.restore_id, cur.round, cur.version,
-                                            "done", True, [], timeout=min(
-                                                self.tier.join_timeout, 60.0))
+                state = await self._barrier(
+                    agent,
+                    job,
+                    cur.restore_id,
+                    cur.round,
+                    cur.version,
+                    "done",
+                    True,
+                    [],
+                    timeout=min(self.tier.join_timeout, 60.0),
+                )
             except RestoreFailed as exc:
                 log.warning("restore-done barrier: %s; publishing anyway", exc)
                 return

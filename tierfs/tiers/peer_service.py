@@ -125,15 +125,20 @@ class PeerServicer:
                 break
             if any(h.digest == request.want_digest for h in held):
                 break
-            if (own is not None and request.wait_step >= 0
-                    and any(h.rank == own and h.step == request.wait_step for h in held)):
+            if (
+                own is not None
+                and request.wait_step >= 0
+                and any(h.rank == own and h.step == request.wait_step for h in held)
+            ):
                 break
             if time.monotonic() >= deadline or not context.is_active():
                 break
             time.sleep(0.1)
-        return peer_pb2.InventoryReply(node_rank=-1 if own is None else own,
-                                       incarnation=self.host.incarnation,
-                                       shards=[peer_wire.held_shard(h) for h in held])
+        return peer_pb2.InventoryReply(
+            node_rank=-1 if own is None else own,
+            incarnation=self.host.incarnation,
+            shards=[peer_wire.held_shard(h) for h in held],
+        )
 
     def PushShard(self, request_iterator: Any, context: Any) -> Any:
         """Receive a replica: header, chunks, manifest last; commit only if all checks pass."""
@@ -143,12 +148,16 @@ class PeerServicer:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PushShard must start with a header")
         h = first.header
         if not _valid_job(h.job) or h.rank < 0 or h.step < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"bad shard identity job={h.job!r} rank={h.rank} step={h.step}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"bad shard identity job={h.job!r} rank={h.rank} step={h.step}",
+            )
         key = ShardKey(h.job, h.rank, h.step)
         if self.host.own_rank(h.job) == h.rank:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"node-rank {h.rank} does not take replicas of its own rank")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node-rank {h.rank} does not take replicas of its own rank",
+            )
         code, detail = None, ""
         inc = None
         old_nice = set_thread_nice(REPLICATION_NICE)
@@ -174,16 +183,24 @@ class PeerServicer:
             if manifest is None:
                 rx.abort()
                 inc = None
-                return peer_pb2.PushReply(committed=False, bytes_received=rx.bytes_received,
-                                          detail="stream ended without a manifest")
+                return peer_pb2.PushReply(
+                    committed=False,
+                    bytes_received=rx.bytes_received,
+                    detail="stream ended without a manifest",
+                )
             check_identity(manifest, key, h.digest)
             rx.finish(manifest)
             shard = self.host.shards.commit(inc, manifest, verified=True)
             inc = None
             self.host.adopt(shard)
             self.host.stats.add("pushes_received")
-            log.info("received step %d of rank %d from node-rank %d (%d bytes)", h.step,
-                     h.rank, h.sender_rank, rx.bytes_received)
+            log.info(
+                "received step %d of rank %d from node-rank %d (%d bytes)",
+                h.step,
+                h.rank,
+                h.sender_rank,
+                rx.bytes_received,
+            )
             return peer_pb2.PushReply(committed=True, bytes_received=rx.bytes_received)
         except BadCopy as exc:
             self.host.stats.add("corrupt_copies")
@@ -192,8 +209,11 @@ class PeerServicer:
             self.host.stats.add("refused")
             code, detail = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
         except OSError as exc:
-            code = (grpc.StatusCode.RESOURCE_EXHAUSTED if exc.errno == errno.ENOSPC
-                    else grpc.StatusCode.INTERNAL)
+            code = (
+                grpc.StatusCode.RESOURCE_EXHAUSTED
+                if exc.errno == errno.ENOSPC
+                else grpc.StatusCode.INTERNAL
+            )
             detail = f"step {h.step} of rank {h.rank}: {exc.strerror or exc}"
         except grpc.RpcError:
             code, detail = grpc.StatusCode.CANCELLED, "sender went away"
@@ -220,12 +240,20 @@ class PeerServicer:
         src, trusted = found
         if not identical_content(src.manifest, manifest):
             # equal digests, other files: only what the checksums prove is linked
-            log.warning("manifest-only push of step %d of rank %d from node-rank %d: the "
-                        "local copy with digest %s (%s) lists other files; asking for the "
-                        "data", h.step, h.rank, h.sender_rank, h.digest, src.key)
+            log.warning(
+                "manifest-only push of step %d of rank %d from node-rank %d: the "
+                "local copy with digest %s (%s) lists other files; asking for the "
+                "data",
+                h.step,
+                h.rank,
+                h.sender_rank,
+                h.digest,
+                src.key,
+            )
             shutil.rmtree(inc, ignore_errors=True)
-            return peer_pb2.PushReply(committed=False,
-                                      detail="no local copy with identical checksums")
+            return peer_pb2.PushReply(
+                committed=False, detail="no local copy with identical checksums"
+            )
         try:
             link_copy(src.data, inc)
         except OSError:
@@ -235,8 +263,13 @@ class PeerServicer:
         self.host.adopt(shard, linked_from=src.key)
         self.host.stats.add("manifest_only_received")
         self.host.stats.add("pushes_received")
-        log.info("received step %d of rank %d from node-rank %d as a manifest (identical to %s)",
-                 h.step, h.rank, h.sender_rank, src.key)
+        log.info(
+            "received step %d of rank %d from node-rank %d as a manifest (identical to %s)",
+            h.step,
+            h.rank,
+            h.sender_rank,
+            src.key,
+        )
         return peer_pb2.PushReply(committed=True, deduped=True)
 
     def PullShard(self, request: Any, context: Any) -> Any:
@@ -249,17 +282,20 @@ class PeerServicer:
         if shard is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no copy of {key} here")
         if request.digest and shard.manifest.digest != request.digest:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"the copy of {key} here has digest {shard.manifest.digest}, "
-                          f"not {request.digest}")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the copy of {key} here has digest {shard.manifest.digest}, not {request.digest}",
+            )
         self.host.pin(key, +1)
         sent = 0
         failed = None
         try:
-            yield peer_pb2.PullMessage(manifest=peer_pb2.ShardManifest(
-                json=shard.manifest.to_json())).SerializeToString()
-            for path, off, data, crc in iter_chunks(shard.data, shard.manifest.files,
-                                                    cancelled=lambda: not context.is_active()):
+            yield peer_pb2.PullMessage(
+                manifest=peer_pb2.ShardManifest(json=shard.manifest.to_json())
+            ).SerializeToString()
+            for path, off, data, crc in iter_chunks(
+                shard.data, shard.manifest.files, cancelled=lambda: not context.is_active()
+            ):
                 yield peer_wire.encode_chunk(path, off, data, crc)  # a PullMessage
                 sent += len(data)
             self.host.stats.add("pulls_served")
@@ -277,15 +313,23 @@ class PeerServicer:
 
 def peer_handlers(servicer: PeerServicer) -> grpc.GenericRpcHandler:
     """The Peer service's handlers; PullShard answers with pre-encoded ``bytes`` messages."""
-    return grpc.method_handlers_generic_handler("tierfs.peer.v1.Peer", {
-        "Inventory": grpc.unary_unary_rpc_method_handler(
-            servicer.Inventory, request_deserializer=peer_pb2.InventoryRequest.FromString,
-            response_serializer=peer_wire.serialize),
-        "PushShard": grpc.stream_unary_rpc_method_handler(
-            servicer.PushShard,
-            request_deserializer=peer_wire.chunk_deserializer(peer_pb2.PushMessage),
-            response_serializer=peer_wire.serialize),
-        "PullShard": grpc.unary_stream_rpc_method_handler(
-            servicer.PullShard, request_deserializer=peer_pb2.PullRequest.FromString,
-            response_serializer=peer_wire.serialize),
-    })
+    return grpc.method_handlers_generic_handler(
+        "tierfs.peer.v1.Peer",
+        {
+            "Inventory": grpc.unary_unary_rpc_method_handler(
+                servicer.Inventory,
+                request_deserializer=peer_pb2.InventoryRequest.FromString,
+                response_serializer=peer_wire.serialize,
+            ),
+            "PushShard": grpc.stream_unary_rpc_method_handler(
+                servicer.PushShard,
+                request_deserializer=peer_wire.chunk_deserializer(peer_pb2.PushMessage),
+                response_serializer=peer_wire.serialize,
+            ),
+            "PullShard": grpc.unary_stream_rpc_method_handler(
+                servicer.PullShard,
+                request_deserializer=peer_pb2.PullRequest.FromString,
+                response_serializer=peer_wire.serialize,
+            ),
+        },
+    )

@@ -70,9 +70,12 @@ class Cancelled(TransferError):
     """The transfer was cancelled (the shard was withdrawn, the daemon stops)."""
 
 
-def iter_chunks(root: str, files: tuple[FileEntry, ...] | list[FileEntry], chunk: int = CHUNK,
-                cancelled: Callable[[], bool] | None = None
-                ) -> Iterator[tuple[str, int, bytes, int]]:
+def iter_chunks(
+    root: str,
+    files: tuple[FileEntry, ...] | list[FileEntry],
+    chunk: int = CHUNK,
+    cancelled: Callable[[], bool] | None = None,
+) -> Iterator[tuple[str, int, bytes, int]]:
     """Read the files of a shard as ``(path, offset, data, crc32c)`` chunks, in manifest order.
 
     Args:
@@ -126,8 +129,11 @@ class ShardReceiver:
         self.data = os.path.join(incoming, "data")
         os.makedirs(self.data, exist_ok=True)
         self.manifest = manifest
-        self._expect = ({f.path: f for f in manifest.files if f.kind == "file"}
-                        if manifest is not None else None)
+        self._expect = (
+            {f.path: f for f in manifest.files if f.kind == "file"}
+            if manifest is not None
+            else None
+        )
         self._files: dict[str, _Open] = {}
         self._current: str | None = None
         self.bytes_received = 0
@@ -164,8 +170,9 @@ class ShardReceiver:
             parent = os.path.dirname(full)
             if parent != self.data:
                 os.makedirs(parent, exist_ok=True)
-            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o600)
+            fd = os.open(
+                full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+            )
             st = self._files[path] = _Open(fd)
             self._current = path
         elif self._current != path:
@@ -228,8 +235,13 @@ class ShardReceiver:
                     if f.size != 0:
                         raise BadCopy(f"{f.path}: missing ({f.size} bytes expected)")
                     os.makedirs(os.path.dirname(full), exist_ok=True)
-                    os.close(os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                                     | os.O_CLOEXEC, 0o600))
+                    os.close(
+                        os.open(
+                            full,
+                            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                            0o600,
+                        )
+                    )
                     st = _Open(-1)
                 if st.size != f.size:
                     raise BadCopy(f"{f.path}: size {st.size} != {f.size}")
@@ -276,6 +288,7 @@ def identical_content(a: Manifest, b: Manifest) -> bool:
     and link target: all the checksums can prove about two shards being
     identical. (Equal :attr:`tierfs.manifest.Manifest.digest` values are a
     32-bit summary of the same list; they guide, this decides.)"""
+
     def key(m: Manifest) -> list[tuple[str, str, int, int | None, str | None]]:
         return sorted((f.path, f.kind, f.size, f.crc32c, f.target) for f in m.files)
 

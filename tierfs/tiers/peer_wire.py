@@ -40,8 +40,10 @@ CHUNK = 4 << 20
 
 PEER_METHODS = ("Inventory", "PushShard", "PullShard")
 COORDINATOR_METHODS = ("Join", "Decide", "Barrier", "Sync")
-METHOD_PATHS = tuple([f"/tierfs.peer.v1.Peer/{m}" for m in PEER_METHODS]
-                     + [f"/tierfs.peer.v1.Coordinator/{m}" for m in COORDINATOR_METHODS])
+METHOD_PATHS = tuple(
+    [f"/tierfs.peer.v1.Peer/{m}" for m in PEER_METHODS]
+    + [f"/tierfs.peer.v1.Coordinator/{m}" for m in COORDINATOR_METHODS]
+)
 
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE),
@@ -89,8 +91,9 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails],
-                               grpc.RpcMethodHandler[_Request, _Response] | None],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], grpc.RpcMethodHandler[_Request, _Response] | None
+        ],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[_Request, _Response] | None:
         sent = b""
@@ -122,9 +125,16 @@ def same_endpoint(a: str | None, b: str | None) -> bool:
 
 def held_shard(h: Holding) -> peer_pb2.HeldShard:
     """The ``HeldShard`` message describing ``h`` (inventories, Join and Sync requests)."""
-    return peer_pb2.HeldShard(rank=h.rank, step=h.step, verified=h.verified, digest=h.digest,
-                              bytes=h.bytes, name=h.name, backup_requested=h.backup_requested,
-                              created=h.created)
+    return peer_pb2.HeldShard(
+        rank=h.rank,
+        step=h.step,
+        verified=h.verified,
+        digest=h.digest,
+        bytes=h.bytes,
+        name=h.name,
+        backup_requested=h.backup_requested,
+        created=h.created,
+    )
 
 
 # ---------------------------------------------------------------------- stats
@@ -133,10 +143,21 @@ def held_shard(h: Holding) -> peer_pb2.HeldShard:
 class WireStats:
     """Byte and call counters of the peer plane (thread-safe; shown in the status)."""
 
-    FIELDS = ("sent_bytes", "received_bytes", "pushes_sent", "pushes_received",
-              "manifest_only_sent", "manifest_only_received", "manifest_bytes_sent",
-              "pulls_served", "served_bytes",
-              "pulls", "pulled_bytes", "corrupt_copies", "refused")
+    FIELDS = (
+        "sent_bytes",
+        "received_bytes",
+        "pushes_sent",
+        "pushes_received",
+        "manifest_only_sent",
+        "manifest_only_received",
+        "manifest_bytes_sent",
+        "pulls_served",
+        "served_bytes",
+        "pulls",
+        "pulled_bytes",
+        "corrupt_copies",
+        "refused",
+    )
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -261,12 +282,15 @@ def decode_chunk(raw: bytes) -> Chunk | None:
 
 
 def chunk_deserializer(
-        message_class: type[StreamMessage]) -> Callable[[bytes], StreamMessage | Chunk]:
+    message_class: type[StreamMessage],
+) -> Callable[[bytes], StreamMessage | Chunk]:
     """A gRPC deserializer for ``PushMessage``/``PullMessage``: a :class:`Chunk` when
     :func:`decode_chunk` reads the bytes, else ``message_class.FromString(raw)``
     (``google.protobuf.message.DecodeError`` on malformed bytes)."""
+
     def deserialize(raw: bytes) -> StreamMessage | Chunk:
         return decode_chunk(raw) or message_class.FromString(raw)
+
     return deserialize
 
 
@@ -287,4 +311,3 @@ def as_chunk(message: peer_pb2.PushMessage | peer_pb2.PullMessage | Chunk) -> Ch
 def serialize(message: Message | bytes) -> bytes:
     """gRPC request/response serializer: pre-encoded ``bytes`` pass through."""
     return message if isinstance(message, bytes) else message.SerializeToString()
-
