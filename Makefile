@@ -19,14 +19,15 @@ install: $(STAMP)
 test: install
 	$(BIN)/pytest -q
 
-# Everything but the tests marked slow.
+# The quick layer: unit and model tests (no mount, no daemon, no bucket), < 2 minutes.
 test-fast: install
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q tests/unit tests/model -m "not slow"
 
 lint: install
 	$(BIN)/ruff check tierfs tests bench
 	$(BIN)/ruff format --check tierfs tests bench setup.py
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 demo: install
 	$(BIN)/tierfs demo
@@ -36,13 +37,13 @@ bench: install
 	$(BIN)/python bench/peer_bench.py
 	$(BIN)/python bench/gcs_bench.py
 
-# The randomized fault campaign of tests/fault_campaign.py, longer than the suite's
+# The randomized fault campaign of tests/support/fault_campaign.py, longer than the suite's
 # 20 injections; prints per kind: count, failures, recovery median/max. Needs root.
 SEED ?= 1
 INJECTIONS ?= 200
 SOAK_MODE ?= both
 soak: install
-	$(BIN)/python tests/fault_campaign.py --seed $(SEED) --injections $(INJECTIONS) \
+	$(BIN)/python tests/support/fault_campaign.py --seed $(SEED) --injections $(INJECTIONS) \
 		--mode $(SOAK_MODE) $(if $(SOAK_OUT),--out $(SOAK_OUT))
 
 # the install also generates tierfs/rpc's modules (setup.py build_rpc): again when a

@@ -38,14 +38,14 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
 MiB = 1 << 20
 
 
 def make_shard(root: Path, size: int, nfiles: int):
-    from tierfs.fs.ramstore import RamStore
-    from tierfs.tiers.local import ShardKey, ShardStore
+    from tierfs.store.ramstore import RamStore
+    from tierfs.store.shards import ShardKey, ShardStore
 
     ram = RamStore(str(root))
     step = Path(ram.view) / "100"
@@ -86,7 +86,7 @@ def main() -> int:
     from gcs_fixtures import FakeGcs
     from google.cloud.storage import transfer_manager
 
-    from tierfs.tiers.gcs import GcsBackend, GcsSettings, make_client
+    from tierfs.backup.bucket import GcsBackend, GcsSettings, make_client
 
     work = Path(tempfile.mkdtemp(prefix="tierfs-gcs-bench-", dir="/dev/shm"))
     server = FakeGcs(work / "gcs", backend=args.backend)
@@ -244,8 +244,8 @@ class RamStoreFresh:
     """A throw-away RAM store to restore into."""
 
     def __init__(self, root: Path) -> None:
-        from tierfs.fs.ramstore import RamStore
-        from tierfs.tiers.local import ShardStore
+        from tierfs.store.ramstore import RamStore
+        from tierfs.store.shards import ShardStore
 
         self.root = root
         self.shards = ShardStore(RamStore(str(root)))

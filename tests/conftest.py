@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))  # the shared helpers
+
 from gcs_fixtures import fake_gcs  # noqa: F401  (GCS emulator fixture)
 
 SHM = Path("/dev/shm")

@@ -1,6 +1,6 @@
 """``python -m tierfs`` runs the command line."""
 
-from tierfs.cli import main
+from tierfs.cli.main import main
 
 if __name__ == "__main__":
     main()

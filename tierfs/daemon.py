@@ -17,13 +17,17 @@ import resource
 import signal
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
 
-from tierfs.config import NodeConfig
-from tierfs.fs.namespace import Namespace
-from tierfs.fs.ramstore import Budget, RamStore
-from tierfs.fs.session import FuseSession, MountOptions
+from tierfs.core.config import NodeConfig
+from tierfs.fuse.namespace import Namespace
+from tierfs.fuse.session import FuseSession, MountOptions
+from tierfs.store.ramstore import Budget, RamStore
+
+if TYPE_CHECKING:
+    from tierfs.node.agent import NodeAgent
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +98,7 @@ class NodeDaemon:
         os.replace(tmp, self.store.pid_file)
 
     def _build(self) -> None:
-        from tierfs.agent import NodeAgent  # the agent imports the tiers; keep startup lazy
-        from tierfs.tiers import attach_tiers
+        from tierfs.node.agent import NodeAgent  # the agent imports the tiers; keep startup lazy
 
         self.store.clear_incoming()
         used = self.store.usage()
@@ -169,7 +172,7 @@ class NodeDaemon:
             log.info("daemon stopped")
 
     def _serve_metrics(self, port: int) -> None:
-        from tierfs import metrics
+        from tierfs.node import metrics
 
         agent = self.agent
         assert agent is not None
@@ -206,6 +209,30 @@ class NodeDaemon:
         # After a lazy unmount the kernel keeps the connection while files are
         # open; closing the channel ends it so the serve loop returns.
         self.session.close()
+
+
+def attach_tiers(agent: NodeAgent) -> None:
+    """Give ``agent`` its cluster and the tiers its configuration asks for.
+
+    Without a peer plane (no ``--listen``/``--coordinator``) the node is a
+    one-node cluster (:class:`tierfs.node.agent.LocalCluster`) and no tier follows
+    its sealed steps. With one, the node gets a :class:`tierfs.replication.peer.PeerTier`
+    (replication, gRPC server) and a :class:`tierfs.node.peer_restore.PeerCluster`
+    (restore rounds through the coordinator). The GCS tier comes last: it
+    wraps the cluster, takes the peer tier's backup orders and, without
+    ``--coordinator``, gives it the bucket rendezvous.
+    """
+    from tierfs.backup.tier import attach_gcs
+    from tierfs.node.peer_restore import PeerCluster
+    from tierfs.replication.peer import PeerTier
+
+    config = agent.config
+    if config.listen or config.coordinator:
+        tier = PeerTier(agent)
+        agent.tiers.append(tier)
+        agent.cluster = PeerCluster(tier)
+    # the durable tier (off without --bucket); it wraps the cluster set above
+    attach_gcs(agent)
 
 
 def run_foreground(config: NodeConfig, on_ready: Callable[[], None] | None = None) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from tierfs import settings, sizes
+from tierfs.core import settings, sizes
 
 DEFAULT_MOUNT_DIR = "/run/tierfs/mount"
 DEFAULT_STATE_DIR = "/run/tierfs/csi"
@@ -31,7 +31,7 @@ log = logging.getLogger("tierfs.csi")
 def _mount_params() -> list[click.Parameter]:
     """The click parameters ``mount_options`` adds (shared with ``tierfs mount``)."""
 
-    from tierfs.cli import mount_options
+    from tierfs.cli.main import mount_options
 
     def probe() -> None:
         """Placeholder carrying the decorators."""
@@ -74,7 +74,7 @@ def configured_ram_dir(opts: dict[str, Any]) -> str | None:
     if opts.get("ram_dir"):
         return str(opts["ram_dir"])
     if opts.get("config"):
-        from tierfs.config import ConfigError, load_config_file
+        from tierfs.core.config import ConfigError, load_config_file
 
         try:
             value = load_config_file(opts["config"]).get("ram_dir")
@@ -87,7 +87,7 @@ def configured_ram_dir(opts: dict[str, Any]) -> str | None:
 def configured_size(opts: dict[str, Any]) -> int | None:
     """The RAM budget ``tierfs mount`` will be given (bytes): ``--size``, else the
     ``inMemoryVolumeSize``/``size`` of ``--config``; None if neither (or unreadable)."""
-    from tierfs.config import ConfigError, load_config_file, parse_size
+    from tierfs.core.config import ConfigError, load_config_file, parse_size
 
     try:
         if opts.get("size"):
@@ -102,9 +102,9 @@ def configured_size(opts: dict[str, Any]) -> int | None:
 
 def fit_ram_volume(opts: dict[str, Any]) -> None:
     """Size the RAM volume's tmpfs to the budget (``--resize-ram-volume``; see
-    :func:`tierfs.fs.ramtmpfs.fit_volume`), so the kernel enforces ``--size`` and file
+    :func:`tierfs.store.ramtmpfs.fit_volume`), so the kernel enforces ``--size`` and file
     data keeps passthrough. Logs what it did; never fails the driver."""
-    from tierfs.fs import ramtmpfs
+    from tierfs.store import ramtmpfs
 
     ram_dir, size = configured_ram_dir(opts), configured_size(opts)
     if not ram_dir or not size:
@@ -236,16 +236,16 @@ _command: click.Command | None = None
 def __getattr__(name: str) -> Any:
     """Build ``csi`` on first access (PEP 562).
 
-    ``tierfs.cli`` imports this module from ``_register_plugins`` while it is
-    itself being imported, so this module must not import ``tierfs.cli`` at
+    ``tierfs.cli.main`` imports this module from ``_register_plugins`` while it is
+    itself being imported, so this module must not import ``tierfs.cli.main`` at
     its top: the command is made when first asked for, and the re-entrant
-    import (``tierfs.cli`` registering plugins again) finds it made.
+    import (``tierfs.cli.main`` registering plugins again) finds it made.
     """
     global _command
     if name != "csi":
         raise AttributeError(name)
     if _command is None:
-        from tierfs.cli import mount_options  # may re-enter this function
+        from tierfs.cli.main import mount_options  # may re-enter this function
 
         if _command is None:
             _command = _make_command(mount_options)

@@ -16,8 +16,8 @@ import errno
 import os
 from dataclasses import dataclass
 
-from tierfs.fs import syscalls
-from tierfs.fs.session import is_dead_mount
+from tierfs.core import syscalls
+from tierfs.fuse.session import is_dead_mount
 
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2

@@ -29,7 +29,7 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from tierfs import settings as tierfs_settings
+from tierfs.core import settings as tierfs_settings
 from tierfs.csi import render
 
 FIELD_MANAGER = "tierfs-operator"

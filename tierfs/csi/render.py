@@ -23,7 +23,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from tierfs import settings, sizes
+from tierfs.core import settings, sizes
 
 API_GROUP = "checkpointing.tierfs.dev"
 API_VERSION = f"{API_GROUP}/v1"
@@ -54,7 +54,7 @@ class RenderError(ValueError):
 
 def quantity_bytes(text: str) -> int:
     """Bytes in ``spec.inMemoryVolumeSize``, a Kubernetes quantity (``50Gi``, ``512Mi``,
-    ``8G`` = 8·10⁹, ``1024``): :func:`tierfs.sizes.parse_size` in its strict
+    ``8G`` = 8·10⁹, ``1024``): :func:`tierfs.core.sizes.parse_size` in its strict
     Kubernetes form, the same bytes ``tierfs mount --size`` gives the same text.
 
     Raises:

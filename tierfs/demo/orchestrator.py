@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierfs import command, settings
-from tierfs.config import format_size
+from tierfs import command
+from tierfs.core import settings
+from tierfs.core.config import format_size
 from tierfs.demo.emulator import GcsEmulator, free_port
 
 BUCKET = "tierfs-demo"

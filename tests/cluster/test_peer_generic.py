@@ -1,0 +1,135 @@
+"""Generic mode (no control file): job parameters from flags, restore under original names."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import tierfs
+from peer_cluster import Cluster, flip_byte, tree_hashes, wait_until
+
+pytestmark = pytest.mark.slow
+
+TRAIN = str(Path(__file__).resolve().parents[1] / "support" / "torch_train.py")
+
+
+def generic(n: int):
+    return lambda i: [
+        "--job",
+        "hf",
+        "--nodes",
+        str(n),
+        "--node-rank",
+        str(i),
+        "--peers-per-node",
+        "1",
+    ]
+
+
+def train(root: Path, until: int, seed: int) -> dict:
+    proc = subprocess.run(
+        [sys.executable, TRAIN, str(root), "--until", str(until), "--seed", str(seed)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def replicated(c: Cluster, i: int, step: int) -> bool:
+    return any(s["step"] == step and s["state"] == "replicated" for s in c.status(i)["steps"])
+
+
+def test_torch_loop_resumes_after_a_node_loses_its_ram(make_mount):
+    c = Cluster(make_mount, 2, node_args=generic(2))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, TRAIN, str(c.root(i)), "--until", "6", "--seed", str(i)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0
+        assert json.loads(out.strip().splitlines()[-1])["resumed_from"] is None
+    for i in range(2):
+        wait_until(lambda i=i: replicated(c, i, 6), 60, f"node {i}'s step 6 to be replicated")
+    before = tree_hashes(c.root(1) / "checkpoint-6")
+    assert set(before) == {"model.pt", "optimizer.pt", "trainer_state.json"}
+    c.lose(1)
+    c.remount(1)
+    # the mount returns before the cluster agreed on a step; `tierfs wait` waits for it
+    # (a trainer started right after the mount once began from scratch)
+    waited = tierfs("wait", str(c.root(1)), "--timeout", "60")
+    assert waited.stdout.strip() == "restored step 6 from peer:0"
+    assert tree_hashes(c.root(1) / "checkpoint-6") == before
+    restore = c.status(1)["restore"]
+    assert restore["step"] == 6 and restore["source"] == "peer:0"
+    assert "checkpoint-6" in restore["created"]
+    again = train(c.root(1), 8, seed=1)
+    assert again["resumed_from"] == 6 and again["step"] == 8
+
+
+def test_corrupt_copy_caught_by_the_holder_falls_back_a_step(make_mount):
+    """The live holder takes part in the restore round (summoned) and verifies its
+    copies first: it discards the bad one, and every node agrees on the older step."""
+    c = Cluster(make_mount, 2, node_args=generic(2))
+    for step in (2, 4):
+        for i in range(2):
+            tmp = c.root(i) / f"tmp-checkpoint-{step}"
+            tmp.mkdir()
+            (tmp / "weights.bin").write_bytes(os.urandom(300_000))
+            (tmp / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+            os.rename(tmp, c.root(i) / f"checkpoint-{step}")
+    for i in range(2):
+        wait_until(lambda i=i: replicated(c, i, 4), 60, f"node {i}'s step 4 to be replicated")
+    before = tree_hashes(c.root(1) / "checkpoint-2")
+    flip_byte(c.mounts[0].ram_dir / "store/shards/hf/1/4/data/checkpoint-4/weights.bin")
+    c.lose(1)
+    c.remount(1)
+    wait_until(lambda: c.status(1)["restore"].get("state") == "done", 60, "the restore")
+    assert c.status(1)["restore"]["step"] == 2, c.logs()
+    assert tree_hashes(c.root(1) / "checkpoint-2") == before
+    assert not (c.root(1) / "checkpoint-4").exists()
+    held = c.errors(0)
+    assert "step 4 of rank 1 failed verification" in held and "crc32c" in held
+    errors = c.errors(1)
+    assert "step 4 lacks rank(s) [1]" in errors
+    assert "node-rank 0 discarded its copy of step 4 of rank 1" in errors
+    survivor = c.status(0)["restore"]
+    assert (survivor["state"], survivor["step"], survivor["summoned"]) == ("done", 2, True)
+
+
+def test_a_step_sealed_while_its_peer_was_down_reaches_it_later(make_mount, monkeypatch):
+    """Found by a user: a step whose replication failed while the peer was down
+    stayed 'replicating' forever once a newer step had been sent."""
+    monkeypatch.setenv("TIERFS_PEER_PUSH_PATIENCE", "2")
+    c = Cluster(make_mount, 2, node_args=generic(2))
+    c.mounts[1].unmount()
+    for step in (1, 2):
+        tmp = c.root(0) / f"tmp-checkpoint-{step}"
+        tmp.mkdir()
+        (tmp / "model.bin").write_bytes(os.urandom(10_000))
+        os.rename(tmp, c.root(0) / f"checkpoint-{step}")
+    wait_until(
+        lambda: (
+            {s["step"]: s["state"] for s in c.status(0)["steps"]}.get(1) == "replication failed"
+        ),
+        60,
+        "step 1's replication to fail",
+    )
+    c.mounts[1].mount()
+    for step in (1, 2):
+        wait_until(
+            lambda step=step: replicated(c, 0, step),
+            60,
+            f"step {step} to reach node 1 once it is back",
+        )

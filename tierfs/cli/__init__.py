@@ -1,0 +1,1 @@
+"""The ``tierfs`` command line."""

@@ -1,0 +1,1 @@
+"""Cluster agreement: the coordinator, restore decisions, backup schedule and peer placement."""

@@ -1,0 +1,529 @@
+"""Which step a job restores, and from which copies (PROTOCOL.md section 4): pure policy.
+
+One rule for every tier: the chosen step is the newest one for which **every**
+node rank has a good copy somewhere -- in a node's RAM (its own shard or a
+peer's replica) or in a backup round in the bucket -- counting only copies
+not found bad so far. Each rank then gets an ordered list of sources: its
+own copy, the peers holding the same bytes (nearest on the ring first), the
+backup rounds holding the same bytes (newest first). A node whose sources
+all fail reports the copies it found bad, and the step is chosen again
+without them (:class:`tierfs.cluster.coordinator.Coordinator` runs that loop).
+
+Which bytes a rank restores (its *digest*, :attr:`tierfs.store.manifest.Manifest.digest`):
+the owner's own copy if it holds one, else the digest most nodes hold, else
+the newest backup round's. Copies with another digest are other bytes and
+are never mixed in. A backup round is used for a step only if it agrees with
+every digest chosen from RAM for that step (else it belongs to another
+generation of the step, e.g. from before a rollback), and a round is
+*superseded* -- never used -- when a later round, or a shard sealed after
+it, holds a smaller step (the job was rolled back after that round). A rank
+with no copy in RAM takes its part from a round written as one save of the
+step: one that holds a part of every node rank, or one sharing a part with
+the RAM copies; ranks without RAM copies take the same such round where one
+covers them all. Parts of half-written rounds are never combined with each
+other: two failed rounds of one step may hold different saves of it.
+
+``restore.version`` (:attr:`BucketView.forced`) replaces the rule: exactly
+the named round's step, each rank from that round or from a copy with the
+same bytes; if that is impossible, nothing (no fallback).
+
+The answer also classifies a "nothing": *fresh* (no node and no bucket holds
+anything of the job) or *incomplete* (something exists but no step is
+complete, or the bucket could not be read), with one line per reason, so a
+fresh start is never silent (issue #19).
+"""
+
+from __future__ import annotations
+
+import calendar
+import time
+from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+
+#: outcomes of a restore decision
+RESTORED, FRESH, INCOMPLETE = "restored", "fresh", "incomplete"
+
+#: a copy's holder: a node rank (RAM) or a backup round name (the bucket)
+Holder = int | str
+#: (holder, shard rank, step): one copy of one shard
+CopyId = tuple[Holder, int, int]
+
+#: seconds a round's name (its UTC minute) may lag behind the seals it follows
+ROUND_NAME_SLACK = 120.0
+
+
+@dataclass(frozen=True, order=True)
+class Holding:
+    """One shard in a node's inventory.
+
+    Attributes:
+        rank: the node rank whose data it is.
+        step: the step.
+        verified: its checksums were verified by the holding daemon.
+        digest: :attr:`tierfs.store.manifest.Manifest.digest` (equal: identical bytes).
+        bytes: its size in bytes.
+        name: its primary top-level entry.
+        backup_requested: the step carries ``_BACKUP_REQUESTED`` (back it up at once).
+        created: Unix time (seconds) of its seal (0.0: unknown).
+    """
+
+    rank: int
+    step: int
+    verified: bool
+    digest: str
+    bytes: int = 0
+    name: str = ""
+    backup_requested: bool = False
+    created: float = 0.0
+
+
+@dataclass(frozen=True)
+class BucketPart:
+    """One node's complete part of one step in one backup round.
+
+    Attributes:
+        round: the round name (``YYYY-MM-DD_HH-MM``).
+        digest: the part's manifest digest; "" when unknown (a round written by MTC).
+    """
+
+    round: str
+    rank: int
+    step: int
+    digest: str = ""
+
+
+@dataclass(frozen=True)
+class BucketView:
+    """What the bucket holds for a job, as read for one restore round.
+
+    Attributes:
+        parts: every complete node part of the rounds read.
+        incomplete: (round, its newest step or None, why) for each round read that
+            holds something but no step complete for every node.
+        rounds: the round names read, newest first.
+        exhausted: every round of the job was read.
+        error: the bucket could not be read (one line); nothing else is set then.
+        forced: the round ``restore.version`` names, or None.
+        forced_step: that round's step complete for every node, or None.
+        forced_problem: why that round cannot be restored (missing, incomplete).
+        depth: how many complete rounds the reader looked for.
+    """
+
+    parts: tuple[BucketPart, ...] = ()
+    incomplete: tuple[tuple[str, int | None, str], ...] = ()
+    rounds: tuple[str, ...] = ()
+    exhausted: bool = True
+    error: str | None = None
+    forced: str | None = None
+    forced_step: int | None = None
+    forced_problem: str | None = None
+    depth: int = 1
+
+    def floor(self, nodes: int) -> int | None:
+        """The oldest step complete for all ``nodes`` among the rounds read (the rounds
+        not read are older, so they cannot hold a newer complete step); None if none."""
+        by_round: dict[tuple[str, int], set[int]] = {}
+        for p in self.parts:
+            by_round.setdefault((p.round, p.step), set()).add(p.rank)
+        steps = [s for (_r, s), ranks in by_round.items() if ranks >= set(range(nodes))]
+        return min(steps) if steps else None
+
+    def holds_anything(self) -> bool:
+        """The bucket holds something of the job (a round, a part, restore.version)."""
+        return bool(self.parts or self.incomplete or self.rounds or self.forced)
+
+    def problems_above(self, step: int | None) -> list[str]:
+        """Why the rounds read holding a newer step than ``step`` (None: any) are unusable."""
+        return [
+            f"backup round {name}{f' (step {s})' if s is not None else ''} is incomplete: {why}"
+            for name, s, why in self.incomplete
+            if step is None or s is None or s > step
+        ]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A restore decision.
+
+    Attributes:
+        step: the step every node restores, or None for "nothing".
+        holders: shard rank -> node ranks holding the chosen copy in RAM, verified.
+        rounds: shard rank -> backup rounds holding the chosen copy (newest first).
+        digests: shard rank -> the chosen copy's digest ("" unknown).
+        reason: one human line (what was chosen and why).
+        backup: the newest backup round some rank restores from (a forced
+            choice: the named round), else None.
+        forced: the round ``restore.version`` named when it made this choice
+            (then ``step`` None means "nothing, no fallback").
+        outcome: :data:`RESTORED`, :data:`FRESH` (nothing exists anywhere) or
+            :data:`INCOMPLETE` (something exists, no step is complete).
+        problems: lines for ``replicator.errors``: why newer steps could not be
+            restored, an unreadable bucket (empty for the newest step of all).
+    """
+
+    step: int | None
+    holders: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    digests: dict[int, str] = field(default_factory=dict)
+    reason: str = ""
+    backup: str | None = None
+    forced: str | None = None
+    rounds: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    outcome: str = RESTORED
+    problems: tuple[str, ...] = ()
+
+
+def round_time(name: str) -> float | None:
+    """Unix time of a round name ``YYYY-MM-DD_HH-MM`` (UTC), None if it is not one."""
+    try:
+        return float(calendar.timegm(time.strptime(name, "%Y-%m-%d_%H-%M")))
+    except ValueError:
+        return None
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    return "[" + ", ".join(str(r) for r in sorted(ranks)) + "]"
+
+
+def _holder_name(holder: Holder) -> str:
+    return f"node-rank {holder}" if isinstance(holder, int) else f"backup round {holder}"
+
+
+def superseded(
+    parts: Iterable[BucketPart], inventories: Mapping[int, Iterable[Holding]]
+) -> set[str]:
+    """Rounds of an abandoned history: a later round holds a complete part of a
+    smaller step, or some node holds a smaller step sealed after the round
+    (plus :data:`ROUND_NAME_SLACK`). Pure."""
+    steps: dict[str, set[int]] = {}
+    for p in parts:
+        steps.setdefault(p.round, set()).add(p.step)
+    sealed = [(h.created, h.step) for held in inventories.values() for h in held if h.created > 0]
+    out = set()
+    names = sorted(steps)
+    for i, name in enumerate(names):
+        top = max(steps[name])
+        if any(min(steps[later]) < top for later in names[i + 1 :]):
+            out.add(name)
+            continue
+        at = round_time(name)
+        if at is not None and any(s < top and t > at + ROUND_NAME_SLACK for t, s in sealed):
+            out.add(name)
+    return out
+
+
+@dataclass
+class _StepPlan:
+    holders: dict[int, tuple[int, ...]]
+    rounds: dict[int, tuple[str, ...]]
+    digests: dict[int, str]
+    missing: list[int]
+    notes: list[str]
+
+
+def _plan_step(
+    nodes: int,
+    step: int,
+    cluster: Mapping[int, Mapping[str, set[int]]],
+    parts: list[BucketPart],
+    whole: AbstractSet[tuple[str, int]] = frozenset(),
+) -> _StepPlan:
+    """Per rank: the digest to restore and every good copy of it (see the module doc).
+
+    ``whole``: the (round, step) pairs with a part of every node rank in the
+    bucket, bad copies included (the round was written as one save of the step).
+    """
+    digests: dict[int, str] = {}
+    holders: dict[int, tuple[int, ...]] = {}
+    for r in range(nodes):
+        copies = cluster.get(r)
+        if not copies:
+            continue
+        own = sorted(d for d, hs in copies.items() if r in hs)
+        digest = own[0] if own else sorted(copies, key=lambda d: (-len(copies[d]), d))[0]
+        digests[r] = digest
+        holders[r] = tuple(sorted(copies[digest]))
+    by_round: dict[str, dict[int, str]] = {}
+    for p in parts:
+        by_round.setdefault(p.round, {})[p.rank] = p.digest
+    notes = []
+    consistent = []
+    for name in sorted(by_round, reverse=True):
+        clash = [
+            r
+            for r, d in by_round[name].items()
+            if r in digests and d and digests[r] and d != digests[r]
+        ]
+        if clash:
+            notes.append(
+                f"backup round {name} holds other bytes of step {step} for rank(s) "
+                f"{_ranks(clash)} than the nodes' RAM (another generation); not used"
+            )
+        else:
+            consistent.append(name)
+    rounds: dict[int, tuple[str, ...]] = {}
+    for r in digests:
+        rounds[r] = tuple(n for n in consistent if digests[r] and by_round[n].get(r) == digests[r])
+
+    def linked(name: str) -> bool:
+        # one of the round's parts has the bytes chosen from RAM: the same generation
+        return any(digests.get(r) and d == digests[r] for r, d in by_round[name].items())
+
+    # a rank without a copy in RAM comes from a round that was complete for every
+    # node (its parts were uploaded together, from one generation of the step) or
+    # that shares a part with the RAM copies; never from a half-written round of
+    # another save of the step (seed 7 #39: rank 1's part of an old failed round
+    # combined with the other ranks' parts of a newer one)
+    needed = [r for r in range(nodes) if r not in digests]
+    usable = [n for n in consistent if (n, step) in whole or linked(n)]
+    anchor = next((n for n in usable if all(r in by_round[n] for r in needed)), None)
+    for r in needed:
+        first = (
+            anchor
+            if anchor is not None
+            else next((n for n in usable if r in by_round[n] and linked(n)), None)
+        )
+        if first is None:
+            continue
+        digests[r] = by_round[first][r]
+        rounds[r] = (
+            first,
+            *(n for n in usable if n != first and digests[r] and by_round[n].get(r) == digests[r]),
+        )
+    missing = [r for r in range(nodes) if r not in digests]
+    # name the ranks no usable round holds at all; when each has a part somewhere
+    # but no round holds them together, say that the parts were not combined
+    absent = [r for r in missing if not any(r in by_round[n] for n in usable)]
+    if missing and not absent:
+        notes.append(
+            f"step {step}: no backup round holds rank(s) {_ranks(missing)} together "
+            "and parts of different rounds are not combined (they may be different "
+            "saves of the step)"
+        )
+    return _StepPlan(holders, rounds, digests, absent or missing, notes)
+
+
+def _whole(nodes: int, parts: Iterable[BucketPart]) -> set[tuple[str, int]]:
+    """(round, step) pairs holding a part of every node rank in [0, nodes)."""
+    ranks: dict[tuple[str, int], set[int]] = {}
+    for p in parts:
+        ranks.setdefault((p.round, p.step), set()).add(p.rank)
+    return {k for k, rs in ranks.items() if rs >= set(range(nodes))}
+
+
+def _describe(step: int, plan: _StepPlan, bad: set[CopyId]) -> str:
+    line = f"step {step} lacks rank(s) {_ranks(plan.missing)}"
+    found = sorted({_holder_name(h) for h, r, s in bad if s == step and r in plan.missing})
+    if found:
+        line += f" (bad copies: {', '.join(found)})"
+    return line
+
+
+def _table(
+    nodes: int, inventories: Mapping[int, Iterable[Holding]], bad: set[CopyId]
+) -> dict[int, dict[int, dict[str, set[int]]]]:
+    """step -> rank -> digest -> holders, of the verified copies not found bad."""
+    table: dict[int, dict[int, dict[str, set[int]]]] = {}
+    for holder, held in inventories.items():
+        for h in held:
+            if not h.verified or not 0 <= h.rank < nodes or h.step < 0:
+                continue
+            if (holder, h.rank, h.step) in bad:
+                continue
+            table.setdefault(h.step, {}).setdefault(h.rank, {}).setdefault(h.digest, set()).add(
+                holder
+            )
+    return table
+
+
+def _rolled_back(tops: Mapping[str, int], step: int | None) -> list[str]:
+    names = sorted(n for n, top in tops.items() if step is None or top > step)
+    if not names:
+        return []
+    return [
+        f"backup round(s) {', '.join(names)} not used: a later round or a later seal "
+        "holds an older step (the job was rolled back after them)"
+    ]
+
+
+def _anything(
+    nodes: int,
+    inventories: Mapping[int, Iterable[Holding]],
+    bucket: BucketView | None,
+    bad: set[CopyId],
+) -> bool:
+    held = any(0 <= h.rank < nodes for hs in inventories.values() for h in hs)
+    return held or bool(bad) or (bucket is not None and bucket.holds_anything())
+
+
+def choose_restore(
+    nodes: int,
+    inventories: Mapping[int, Iterable[Holding]],
+    bad: Iterable[CopyId] = (),
+    bucket: BucketView | None = None,
+    notes: Iterable[str] = (),
+) -> Choice:
+    """Pick the newest step with a good copy of every rank's shard (see the module doc).
+
+    Args:
+        nodes: number of node ranks N; shards of ranks outside [0, N) are ignored.
+        inventories: holder node rank -> what it holds in RAM.
+        bad: copies found corrupt or unusable (excluded).
+        bucket: what the bucket holds (None: no bucket, or not read).
+        notes: lines from the nodes (copies they discarded, failures) for the
+            problems of a choice that is not the newest.
+
+    Returns:
+        The choice, with the outcome and the problems to report.
+    """
+    excluded = set(bad)
+    if bucket is not None and bucket.forced is not None:
+        return _choose_forced(nodes, inventories, excluded, bucket)
+    table = _table(nodes, inventories, excluded)
+    whole = _whole(nodes, bucket.parts if bucket else ())
+    parts = [
+        p
+        for p in (bucket.parts if bucket else ())
+        if 0 <= p.rank < nodes and (p.round, p.rank, p.step) not in excluded
+    ]
+    old = superseded(parts, inventories)
+    old_tops = {
+        p.round: max(q.step for q in parts if q.round == p.round) for p in parts if p.round in old
+    }
+    parts = [p for p in parts if p.round not in old]
+    skipped: list[str] = []
+    notes = list(notes)
+    warnings: list[str] = []
+    if bucket is not None and bucket.error:
+        warnings.append(f"the bucket could not be read ({bucket.error}); deciding without it")
+    steps = sorted(set(table) | {p.step for p in parts}, reverse=True)
+    for step in steps:
+        plan = _plan_step(
+            nodes, step, table.get(step, {}), [p for p in parts if p.step == step], whole
+        )
+        if plan.missing:
+            skipped.append(_describe(step, plan, excluded))
+            warnings.extend(plan.notes)
+            continue
+        from_bucket = sorted(r for r in range(nodes) if not plan.holders.get(r))
+        backup = None
+        if not from_bucket:
+            reason = f"step {step} is complete in the cluster"
+        else:
+            backup = plan.rounds[from_bucket[0]][0]
+            if len(from_bucket) == nodes:
+                reason = f"step {step} from backup round {backup}"
+            else:
+                reason = (
+                    f"step {step}: rank(s) {_ranks(from_bucket)} from backup round "
+                    f"{backup}, the others from the nodes' RAM"
+                )
+        if skipped:
+            reason += " (" + "; ".join(skipped) + ")"
+        lines = skipped + plan.notes + warnings + _rolled_back(old_tops, step)
+        if skipped:
+            lines += notes + (bucket.problems_above(step) if bucket is not None else [])
+        holders = {r: plan.holders.get(r, ()) for r in range(nodes)}
+        return Choice(
+            step, holders, plan.digests, reason, backup, rounds=plan.rounds, problems=tuple(lines)
+        )
+    anything = _anything(nodes, inventories, bucket, excluded) or bool(notes)
+    if not anything and (bucket is None or not bucket.error):
+        where = (
+            "in RAM, on a peer or in the bucket"
+            if bucket is not None
+            else "in RAM or on a peer (no bucket)"
+        )
+        return Choice(
+            None, reason=f"no step of the job exists {where}: a fresh start", outcome=FRESH
+        )
+    reason = "no step is complete for every rank"
+    why = skipped + (bucket.problems_above(None)[:2] if bucket is not None else [])
+    if why:
+        reason += " (" + "; ".join(why) + ")"
+    if bucket is not None and bucket.error:
+        reason += f" and the bucket could not be read ({bucket.error})"
+    lines = (
+        skipped
+        + notes
+        + warnings
+        + _rolled_back(old_tops, None)
+        + (bucket.problems_above(None) if bucket else [])
+    )
+    return Choice(None, reason=reason, outcome=INCOMPLETE, problems=tuple(lines))
+
+
+def _choose_forced(
+    nodes: int, inventories: Mapping[int, Iterable[Holding]], bad: set[CopyId], bucket: BucketView
+) -> Choice:
+    """``restore.version``: the named round's step, each rank from it or the same bytes."""
+    name = bucket.forced
+    if name is None:
+        raise ValueError("_choose_forced needs a BucketView with restore.version's round")
+    step = bucket.forced_step
+    if bucket.forced_problem or step is None:
+        why = (
+            bucket.forced_problem
+            or f"restore.version names round {name}, which cannot be "
+            "restored; nothing restored (no fallback)"
+        )
+        return Choice(None, reason=why, forced=name, outcome=INCOMPLETE, problems=(why,))
+    parts = {
+        p.rank: p.digest
+        for p in bucket.parts
+        if p.round == name and p.step == step and (name, p.rank, step) not in bad
+    }
+    table = _table(nodes, inventories, bad).get(step, {})
+    holders: dict[int, tuple[int, ...]] = {}
+    rounds: dict[int, tuple[str, ...]] = {}
+    digests: dict[int, str] = {}
+    lacking = []
+    for r in range(nodes):
+        digest = parts.get(r)
+        same = table.get(r, {}).get(digest, set()) if digest else set()
+        if digest is None and not same:
+            lacking.append(r)
+            continue
+        digests[r] = digest or ""
+        holders[r] = tuple(sorted(same))
+        rounds[r] = (name,) if r in parts else ()
+    if lacking:
+        why = (
+            f"restore.version names round {name}, which could not be restored on every "
+            f"node (rank(s) {_ranks(lacking)}: no good copy); nothing restored (no fallback)"
+        )
+        return Choice(None, reason=why, forced=name, outcome=INCOMPLETE, problems=(why,))
+    return Choice(
+        step,
+        holders,
+        digests,
+        f"restore.version: round {name} step {step}",
+        backup=name,
+        forced=name,
+        rounds=rounds,
+    )
+
+
+def sources_for(choice: Choice, rank: int, nodes: int) -> tuple[bool, list[int]]:
+    """Where node ``rank`` gets its shard of ``choice.step`` from RAM.
+
+    Returns:
+        (local, holders): ``local`` when the node holds the chosen copy
+        itself; ``holders`` the other nodes holding it, nearest first on the
+        ring after ``rank`` (so several restoring nodes pull from different
+        peers). The backup rounds holding it are ``choice.rounds[rank]``.
+    """
+    holders = choice.holders.get(rank, ())
+    others = sorted((h for h in holders if h != rank), key=lambda h: (h - rank) % max(nodes, 1))
+    return rank in holders, others
+
+
+def needs_deeper_read(choice: Choice, bucket: BucketView | None, nodes: int) -> bool:
+    """True when the bucket rounds not read yet might hold a newer complete step than
+    ``choice`` (it fell below every complete round read, e.g. after bad copies)."""
+    if bucket is None or bucket.exhausted or bucket.error or bucket.forced is not None:
+        return False
+    floor = bucket.floor(nodes)
+    if floor is None:
+        return bool(bucket.rounds)
+    return choice.step is None or choice.step < floor

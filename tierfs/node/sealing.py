@@ -1,0 +1,246 @@
+"""Which names and events seal a step (PROTOCOL.md section 3, plus generic mode).
+
+Pure policy: the node agent feeds namespace events (rename, release of a
+writable handle, removal) and answers questions about the view through a
+:class:`ViewProbe`; the rules answer with a :class:`SealCandidate` or None.
+
+Framework rules:
+
+* ``orbax``: a top-level directory renamed to an all-digit name
+  (``<step>.orbax-checkpoint-tmp`` -> ``<step>``). Renaming a symlink (a client
+  consuming a restore marker) is not a save.
+* ``pytorch.distributed``: the same, plus the NeMo finalize of a synchronous
+  save: ``step=<N>-unfinished`` removed while ``step=<N>/`` exists.
+* ``pytorch``: ``<job>-s<step>-n<rank>-w<w>.save`` files; the step is complete
+  once ``workers-per-node`` of them are closed.
+* ``generic`` (no control file): a top-level directory renamed into a name
+  matching a seal pattern; or a marker file appearing inside such a
+  directory (``commit_success.txt``, DCP's ``.metadata``); or a tracker file
+  naming the directory (Megatron ``latest_checkpointed_iteration.txt``,
+  DeepSpeed ``latest``); or NeMo's ``-unfinished`` removal.
+
+Temp names (``*.orbax-checkpoint-tmp*``, ``tmp-checkpoint-*``, ``*.__lock``)
+never match, because every rule is anchored on a final name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from tierfs.core.config import DEFAULT_SEAL_PATTERNS
+
+DIGITS = re.compile(r"^(?P<step>\d+)$")
+NEMO_STEP = re.compile(r"^step=(?P<step>\d+)$")
+NEMO_UNFINISHED = re.compile(r"^(?P<name>step=\d+)-unfinished$")
+MARKER_FILES = frozenset({"commit_success.txt", ".metadata"})
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+DEEPSPEED_TRACKER = "latest"
+TRACKERS = frozenset({MEGATRON_TRACKER, DEEPSPEED_TRACKER})
+
+
+@dataclass(frozen=True)
+class SealCandidate:
+    """A step that should be sealed now.
+
+    Attributes:
+        step: the step number.
+        name: the primary top-level entry (the step directory, or the first file).
+        entries: every top-level entry that belongs to the shard.
+        reason: why (for logs and status).
+        created: the seal time to record (Unix seconds), None for "now". A step
+            found at a daemon start gets its directory's mtime, so retention
+            (newest by seal time) does not rank it above steps sealed earlier.
+    """
+
+    step: int
+    name: str
+    entries: tuple[str, ...]
+    reason: str
+    created: float | None = None
+
+
+class ViewProbe(Protocol):
+    """What the rules may ask about the client's view (paths relative to the root)."""
+
+    def is_dir(self, path: str) -> bool:
+        """True for a real directory (not a symlink to one)."""
+
+    def exists(self, path: str) -> bool:
+        """True if the entry exists (symlinks count, even dangling)."""
+
+    def read_text(self, path: str, limit: int = 256) -> str | None:
+        """The first ``limit`` bytes of a small file as text, or None."""
+
+    def listdir(self, path: str) -> list[str]:
+        """Names in a directory ('' is the root)."""
+
+
+def _top(path: str) -> tuple[str, str]:
+    top, _, rest = path.partition("/")
+    return top, rest
+
+
+class SealRules:
+    """Seal rules of one job on one node.
+
+    Args:
+        framework: ``orbax``, ``pytorch.distributed``, ``pytorch`` or ``generic``.
+        job: job name (``pytorch`` file names carry it).
+        rank: this node's rank (``pytorch`` file names carry it).
+        workers_per_node: ``pytorch`` files needed per step.
+        patterns: generic-mode step name patterns, each with a ``(?P<step>\\d+)`` group.
+    """
+
+    def __init__(
+        self,
+        framework: str,
+        job: str = "",
+        rank: int = 0,
+        workers_per_node: int = 1,
+        patterns: Sequence[str] = DEFAULT_SEAL_PATTERNS,
+    ) -> None:
+        self.framework = framework
+        self.job = job
+        self.rank = rank
+        self.workers = workers_per_node
+        self.patterns = [re.compile(p) for p in patterns]
+        self._save_re = re.compile(
+            rf"^{re.escape(job)}-s(?P<step>\d+)-n{rank}-w(?P<worker>\d+)\.save$"
+        )
+
+    # ------------------------------------------------------------------ names
+
+    def step_of(self, name: str) -> int | None:
+        """The step a top-level directory name denotes under these rules, else None."""
+        if self.framework in ("orbax", "pytorch.distributed"):
+            m = DIGITS.match(name) or (
+                NEMO_STEP.match(name) if self.framework == "pytorch.distributed" else None
+            )
+            return int(m["step"]) if m else None
+        if self.framework == "generic":
+            for p in self.patterns:
+                m = p.match(name)
+                if m:
+                    return int(m["step"])
+        return None
+
+    # ------------------------------------------------------------------ events
+
+    def on_rename(
+        self, old: str, new: str, is_dir: bool, is_symlink: bool, view: ViewProbe
+    ) -> SealCandidate | None:
+        """A rename inside the view finished (``old`` -> ``new``)."""
+        if is_symlink:
+            return None
+        _, rest = _top(new)
+        if not rest:
+            if self.framework == "pytorch":
+                return self._pytorch_files(new, view)
+            if not is_dir:
+                return self.on_release(new, view)
+            if self.framework in ("orbax", "pytorch.distributed"):
+                m = DIGITS.match(new)
+                if m:
+                    return SealCandidate(int(m["step"]), new, (new,), "renamed into place")
+                return None
+            if self.framework == "generic":
+                step = self.step_of(new)
+                if step is not None:
+                    return SealCandidate(step, new, (new,), "renamed into place")
+            return None
+        # a marker file renamed into a step directory (e.g. commit_success.txt)
+        return self.on_release(new, view)
+
+    def on_release(self, path: str, view: ViewProbe) -> SealCandidate | None:
+        """A handle that wrote ``path`` was closed."""
+        top, rest = _top(path)
+        if self.framework == "pytorch":
+            return self._pytorch_files(top, view) if not rest else None
+        if self.framework != "generic":
+            return None
+        if rest and rest in MARKER_FILES:
+            step = self.step_of(top)
+            if step is not None and view.is_dir(top):
+                return SealCandidate(step, top, (top,), f"marker {rest}")
+            return None
+        if not rest and top in TRACKERS:
+            return self._tracker(top, view)
+        return None
+
+    def on_remove(self, path: str, view: ViewProbe) -> SealCandidate | None:
+        """``path`` was unlinked or removed (NeMo's ``step=N-unfinished`` finalize)."""
+        top, rest = _top(path)
+        if rest or self.framework not in ("pytorch.distributed", "generic"):
+            return None
+        m = NEMO_UNFINISHED.match(top)
+        if not m or view.exists(top):
+            return None
+        name = m["name"]
+        step = int(NEMO_STEP.match(name)["step"])  # type: ignore[index]
+        if self.framework == "generic" and self.step_of(name) is None:
+            return None
+        if view.is_dir(name):
+            return SealCandidate(step, name, (name,), "-unfinished marker removed")
+        return None
+
+    def scan(self, view: ViewProbe) -> list[SealCandidate]:
+        """Every complete step visible now (used after a daemon restart)."""
+        found: dict[int, SealCandidate] = {}
+        names = view.listdir("")
+        for name in names:
+            cand: SealCandidate | None = None
+            if self.framework == "pytorch":
+                cand = self._pytorch_files(name, view)
+            elif self.framework in ("orbax", "pytorch.distributed"):
+                if view.is_dir(name) and DIGITS.match(name):
+                    cand = SealCandidate(int(name), name, (name,), "found at start")
+                elif (
+                    self.framework == "pytorch.distributed"
+                    and NEMO_STEP.match(name)
+                    and view.is_dir(name)
+                    and f"{name}-unfinished" not in names
+                ):
+                    cand = SealCandidate(int(name[5:]), name, (name,), "found at start")
+            elif self.framework == "generic" and view.is_dir(name):
+                step = self.step_of(name)
+                if step is None:
+                    continue
+                inside = set(view.listdir(name))
+                finished_nemo = NEMO_STEP.match(name) and f"{name}-unfinished" not in names
+                if inside & MARKER_FILES or finished_nemo:
+                    cand = SealCandidate(step, name, (name,), "found at start")
+            if cand is not None and cand.step not in found:
+                found[cand.step] = cand
+        return [found[s] for s in sorted(found)]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _pytorch_files(self, name: str, view: ViewProbe) -> SealCandidate | None:
+        m = self._save_re.match(name)
+        if not m:
+            return None
+        step = int(m["step"])
+        files = [f"{self.job}-s{step}-n{self.rank}-w{w}.save" for w in range(self.workers)]
+        if all(view.exists(f) and not view.is_dir(f) for f in files):
+            return SealCandidate(
+                step, files[0], tuple(files), f"{self.workers} worker file(s) closed"
+            )
+        return None
+
+    def _tracker(self, tracker: str, view: ViewProbe) -> SealCandidate | None:
+        text = (view.read_text(tracker) or "").strip()
+        if tracker == MEGATRON_TRACKER:
+            if not text.isdigit():
+                return None
+            name = f"iter_{int(text):07d}"
+        else:
+            name = text
+        if not name or "/" in name or not view.is_dir(name):
+            return None
+        step = self.step_of(name)
+        if step is None:
+            return None
+        return SealCandidate(step, name, (name, tracker), f"tracker {tracker}")

@@ -1,0 +1,253 @@
+"""The client's tree on tmpfs (``<ram-dir>/view``) as the daemon reads and changes it.
+
+The mount shows this directory; clients change it through FUSE, the daemon
+directly. :class:`ClientView` is both sides the node agent needs:
+
+* reading, for the seal rules (:class:`tierfs.node.sealing.ViewProbe`);
+* the daemon's own changes (PROTOCOL.md sections 2 and 4): hiding entries
+  (moved to the store's trash, so readers mid-walk keep their files), writing
+  and deleting control files, publishing a restored step as sibling entries
+  with restore markers pointing at them, and presenting a marker the client
+  renamed as a real directory (Orbax's rmtree-based GC cannot delete a
+  symlink).
+
+Every change is followed by a kernel invalidation of the name
+(:meth:`tierfs.fuse.namespace.Namespace.notify_changed`). The blocking methods
+run in worker threads (``trio.to_thread.run_sync``); the agent decides when.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import uuid
+from dataclasses import dataclass
+
+import trio
+
+from tierfs.core import control, syscalls
+from tierfs.core.control import JobSpec
+from tierfs.fuse.namespace import Namespace
+from tierfs.store.ramstore import RamStore
+from tierfs.store.shards import Shard, ShardKey, link_tree
+
+log = logging.getLogger(__name__)
+
+#: seconds the entry a renamed restore marker pointed at stays (readers mid-walk)
+SIBLING_GRACE = 60.0
+
+
+@dataclass
+class Published:
+    """A restore marker the agent published and the sibling entry it points at."""
+
+    marker: str
+    sibling: str
+    key: ShardKey
+    entry: str
+
+
+class ClientView:
+    """The view directory of one node: probes for the seal rules, the daemon's changes.
+
+    Args:
+        store: the RAM store whose ``view`` directory this is.
+
+    Attributes:
+        ns: the namespace once the mount is up (:meth:`attach`), for kernel
+            invalidations; None before.
+        published: restore markers published and not yet renamed by the
+            client (marker name -> :class:`Published`).
+    """
+
+    def __init__(self, store: RamStore) -> None:
+        self.store = store
+        self.root = store.view
+        self.ns: Namespace | None = None
+        self.published: dict[str, Published] = {}
+
+    def attach(self, ns: Namespace) -> None:
+        """Bind the namespace whose kernel entries are invalidated after each change."""
+        self.ns = ns
+
+    def notify(self, name: str) -> None:
+        """Tell the kernel that ``name`` changed (no-op before :meth:`attach`)."""
+        if self.ns is not None:
+            self.ns.notify_changed(name)
+
+    # ------------------------------------------------------------------ ViewProbe
+
+    def _p(self, path: str) -> str:
+        return os.path.join(self.root, path) if path else self.root
+
+    def is_dir(self, path: str) -> bool:
+        try:
+            return stat.S_ISDIR(os.lstat(self._p(path)).st_mode)
+        except OSError:
+            return False
+
+    def exists(self, path: str) -> bool:
+        return os.path.lexists(self._p(path))
+
+    def read_text(self, path: str, limit: int = 256) -> str | None:
+        try:
+            with open(self._p(path), "rb") as f:
+                return f.read(limit).decode(errors="replace")
+        except OSError:
+            return None
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return os.listdir(self._p(path))
+        except OSError:
+            return []
+
+    # ------------------------------------------------------------------ hiding
+
+    def hide(self, name: str) -> None:
+        """Take the top-level entry ``name`` out of the client's view (into the trash)."""
+        path = os.path.join(self.store.view, name)
+        if os.path.lexists(path):
+            try:
+                self.store.to_trash(path)
+            except OSError as exc:
+                log.warning("hiding %s: %s", name, exc)
+            self.notify(name)
+
+    async def hide_after(self, name: str, delay: float) -> None:
+        """Hide the sibling entry ``name`` after ``delay`` seconds unless a marker
+        published meanwhile points at it again."""
+        await trio.sleep(delay)
+        if name not in {p.sibling for p in self.published.values()}:
+            await trio.to_thread.run_sync(self.hide, name)
+
+    def cleanup(self, view_steps: dict[str, ShardKey]) -> None:
+        """Hide every client-visible entry but the control files (PROTOCOL.md section 2).
+
+        Sealed data stays in the store; the entries only leave the client's view
+        (and ``view_steps``, the agent's step names in the view).
+        """
+        for name in os.listdir(self.store.view):
+            if name in control.KEPT_ON_CLEANUP:
+                continue
+            view_steps.pop(name, None)
+            self.hide(name)
+
+    def withdraw_restore(self) -> None:
+        """Take back what a restore published: markers, their siblings, the prerestore.
+
+        For a reset (an empty ``replicator.yaml``): nothing of the old job's
+        restore may mislead the next client.
+        """
+        siblings = {p.sibling for p in self.published.values()}
+        self.published.clear()
+        for name in os.listdir(self.store.view):
+            if (
+                name.endswith(".restore")
+                or name in siblings
+                or name == control.REPLICATOR_PRERESTORE
+            ):
+                self.hide(name)
+
+    # ------------------------------------------------------------------ control files
+
+    def clear_error_files(self) -> None:
+        """Hide ``replicator.failed`` and ``replicator.errors``."""
+        for name in (control.REPLICATOR_FAILED, control.REPLICATOR_ERRORS):
+            self.hide(name)
+
+    def delete_control(self) -> None:
+        """Delete the consumed ``replicator.yaml`` (an empty directory of that name too;
+        a non-empty one is left to the client and logged)."""
+        path = os.path.join(self.store.view, control.REPLICATOR_YAML)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:
+            try:
+                os.rmdir(path)
+            except OSError as exc:
+                log.warning("left the directory replicator.yaml in place: %s", exc)
+        except OSError as exc:
+            log.warning("could not delete replicator.yaml: %s", exc)
+        self.notify(control.REPLICATOR_YAML)
+
+    def write_file(self, name: str, data: bytes) -> None:
+        """Write the top-level file ``name`` atomically (prerestore file, empty markers)."""
+        control.atomic_write(self.store.view, name, data)
+        self.notify(name)
+
+    # ------------------------------------------------------------------ restored steps
+
+    def publish(self, job: JobSpec, shard: Shard) -> None:
+        """Link the shard into the view under sibling names and publish the markers."""
+        step = shard.key.step
+        for clash in (str(step), f"step={step}"):
+            self.hide(clash)
+        entries = shard.manifest.top_level
+        if job.framework == "pytorch":
+            workers = [
+                (int(control.SAVE_FILE_RE.match(e)["worker"]), e)  # type: ignore[index]
+                for e in entries
+                if control.SAVE_FILE_RE.match(e)
+            ]
+        else:
+            workers = [(0, shard.manifest.name)]
+        for worker, entry in workers:
+            marker = control.marker_name(job.name, step, job.node_rank, worker)
+            sibling = f".{job.name}-s{step}-n{job.node_rank}-w{worker}.data"
+            for name in (sibling, marker):
+                self.hide(name)
+            link_tree(os.path.join(shard.data, entry), os.path.join(self.store.view, sibling))
+            self.published[marker] = Published(marker, sibling, shard.key, entry)
+            tmp = f".{marker}.tierfs-tmp"
+            os.symlink(sibling, os.path.join(self.store.view, tmp))
+            os.rename(os.path.join(self.store.view, tmp), os.path.join(self.store.view, marker))
+            self.notify(sibling)
+            self.notify(marker)
+
+    def materialize(self, name: str, pub: Published, shard: Shard | None) -> bool:
+        """After the client renamed a marker to ``name``: make ``name`` a real entry.
+
+        The symlink and the real entry are swapped with RENAME_EXCHANGE while
+        the sibling stays valid, the kernel's cached entry is invalidated
+        (waiting for it), and only then is the sibling removed; a client that
+        resolves ``name`` at any moment reaches the same bytes. The entry is
+        linked from ``shard`` (the marker's step, if still in the catalog),
+        else from the sibling. Returns False if ``name`` is no longer the
+        marker's symlink.
+        """
+        view = self.store.view
+        path = os.path.join(view, name)
+        try:
+            if os.readlink(path) != pub.sibling:
+                return False
+        except OSError:
+            return False
+        tmp = f".tierfs-mat-{uuid.uuid4().hex[:8]}"
+        source = os.path.join(shard.data, pub.entry) if shard else os.path.join(view, pub.sibling)
+        link_tree(source, os.path.join(view, tmp))
+        fd = os.open(view, os.O_PATH | os.O_DIRECTORY)
+        try:
+            syscalls.renameat2(fd, name.encode(), fd, tmp.encode(), 2)  # RENAME_EXCHANGE
+        finally:
+            os.close(fd)
+        if self.ns is not None:
+            self.ns.notify_changed(name, wait=True)
+        os.unlink(os.path.join(view, tmp))
+        return True
+
+    def link_missing(self, shard: Shard) -> list[str]:
+        """Link the shard's top-level entries that are missing from the view back in
+        (generic restore); returns their names."""
+        missing = [e for e in shard.manifest.top_level if not self.exists(e)]
+        if not missing:
+            return []
+        created = []
+        for entry in missing:
+            link_tree(os.path.join(shard.data, entry), os.path.join(self.store.view, entry))
+            created.append(entry)
+            self.notify(entry)
+        return created

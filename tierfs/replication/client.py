@@ -1,0 +1,293 @@
+"""The client side of the peer plane: blocking calls to peers and the coordinator.
+
+:class:`PeerClient` asks peers for their inventory, pushes replicas to them,
+pulls a shard from a holder (verifying every crc32c) and makes the
+coordinator's calls (Join, Decide, Barrier, Sync). Every call blocks: run it
+in a ``trio.to_thread`` worker with a capacity limiter, as
+:class:`tierfs.replication.peer.PeerTier` does. :func:`rpc_reason` and
+:func:`rpc_code` describe a failed call.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import grpc
+
+from tierfs.cluster.backup_schedule import Outcome
+from tierfs.cluster.coordinator import CopyId, Holding
+from tierfs.replication.transfer import (
+    REPLICATION_NICE,
+    Cancelled,
+    Refused,
+    ShardReceiver,
+    check_identity,
+    iter_chunks,
+    parse_manifest,
+    set_thread_nice,
+)
+from tierfs.rpc import peer_pb2, peer_pb2_grpc
+from tierfs.rpc import wire as peer_wire
+from tierfs.rpc.wire import WireStats
+from tierfs.store.shards import Shard, ShardKey
+
+#: long-poll length of Decide/Barrier calls (milliseconds)
+POLL_MS = 2000
+
+
+class PeerClient:
+    """Blocking calls to peers and the coordinator (run them in worker threads).
+
+    Args:
+        token: the shared peer token or None.
+        stats: counters to update.
+    """
+
+    def __init__(self, token: str | None, stats: WireStats) -> None:
+        self.md = peer_wire.metadata(token)
+        self.stats = stats
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = grpc.insecure_channel(
+                    address, options=list(peer_wire.CHANNEL_OPTIONS)
+                )
+            return ch
+
+    def peer(self, address: str) -> Any:
+        return peer_pb2_grpc.PeerStub(self.channel(address))
+
+    def coordinator(self, address: str) -> Any:
+        return peer_pb2_grpc.CoordinatorStub(self.channel(address))
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            ch.close()
+
+    # ------------------------------------------------------------------ data
+
+    def inventory(
+        self,
+        address: str,
+        job: str,
+        want_digest: str = "",
+        wait_step: int = -1,
+        wait_s: float = 0.0,
+        timeout: float = 10.0,
+    ) -> Any:
+        """The peer's :class:`InventoryReply` (waiting up to ``wait_s`` for the digest).
+
+        Raises:
+            grpc.RpcError: unreachable (after ``wait_s + timeout`` seconds at most).
+        """
+        req = peer_pb2.InventoryRequest(
+            job=job, want_digest=want_digest, wait_step=wait_step, wait_ms=int(wait_s * 1000)
+        )
+        return self.peer(address).Inventory(req, metadata=self.md, timeout=wait_s + timeout)
+
+    def push(
+        self, address: str, shard: Shard, sender_rank: int, dedup: bool, cancel: threading.Event
+    ) -> Any:
+        """Push ``shard`` (or only its manifest with ``dedup``); returns the PushReply.
+
+        Raises:
+            Cancelled: ``cancel`` was set.
+            grpc.RpcError: the peer refused (DATA_LOSS for a checksum mismatch,
+                RESOURCE_EXHAUSTED for a full RAM budget...) or is unreachable.
+            OSError: the snapshot vanished while it was read.
+        """
+        m = shard.manifest
+        problem: list[BaseException] = []
+
+        def messages() -> Any:
+            yield peer_pb2.PushMessage(
+                header=peer_pb2.PushHeader(
+                    job=m.job,
+                    rank=m.rank,
+                    step=m.step,
+                    digest=m.digest,
+                    sender_rank=sender_rank,
+                    total_bytes=0 if dedup else m.total_bytes,
+                    dedup=dedup,
+                )
+            )
+            if not dedup:
+                set_thread_nice(REPLICATION_NICE)  # grpc's per-call request thread
+                try:
+                    for path, off, data, crc in iter_chunks(
+                        shard.data, m.files, cancelled=cancel.is_set
+                    ):
+                        yield peer_wire.encode_chunk(path, off, data, crc)  # a PushMessage
+                        self.stats.add("sent_bytes", len(data))
+                except (OSError, Cancelled) as exc:
+                    problem.append(exc)
+                    return  # ends the stream without a manifest: the receiver discards it
+            data = m.to_json()
+            self.stats.add("manifest_bytes_sent", len(data))
+            yield peer_pb2.PushMessage(manifest=peer_pb2.ShardManifest(json=data))
+
+        push = self.channel(address).stream_unary(
+            "/tierfs.peer.v1.Peer/PushShard",
+            request_serializer=peer_wire.serialize,
+            response_deserializer=peer_pb2.PushReply.FromString,
+        )
+        fut = push.future(messages(), metadata=self.md)
+        while True:
+            try:
+                reply = fut.result(timeout=0.25)
+                break
+            except grpc.FutureTimeoutError:
+                if cancel.is_set():
+                    fut.cancel()
+                    raise Cancelled("transfer cancelled") from None
+        if problem:
+            raise problem[0]
+        self.stats.add("pushes_sent")
+        if dedup and reply.committed:
+            self.stats.add("manifest_only_sent")
+        return reply
+
+    def pull(
+        self,
+        address: str,
+        key: ShardKey,
+        digest: str,
+        puller_rank: int,
+        ram: Any,
+        shards: Any,
+        cancel: threading.Event,
+    ) -> Shard:
+        """Pull ``key`` from a holder, verify it and commit it to ``shards``.
+
+        Returns:
+            The committed shard (not yet in the agent's catalog).
+
+        Raises:
+            BadCopy: a chunk or file failed its crc32c, or the manifest is not
+                the expected one (the copy is corrupt).
+            Refused: the holder broke the protocol (unsafe paths...).
+            Cancelled: ``cancel`` was set.
+            grpc.RpcError: the holder is unreachable or has no such copy.
+        """
+        req = peer_pb2.PullRequest(
+            job=key.job, rank=key.rank, step=key.step, digest=digest, puller_rank=puller_rank
+        )
+        pull = self.channel(address).unary_stream(
+            "/tierfs.peer.v1.Peer/PullShard",
+            request_serializer=peer_wire.serialize,
+            response_deserializer=peer_wire.chunk_deserializer(peer_pb2.PullMessage),
+        )
+        call = pull(req, metadata=self.md)
+        inc = ram.new_incoming(f"pull-{key.rank}-{key.step}")
+        rx: ShardReceiver | None = None
+        try:
+            first = next(call)
+            if peer_wire.kind_of(first) != "manifest":
+                raise Refused("PullShard must start with the manifest")
+            manifest = parse_manifest(first.manifest.json)
+            check_identity(manifest, key, digest)
+            rx = ShardReceiver(inc, manifest)
+            for msg in call:
+                if cancel.is_set():
+                    raise Cancelled("transfer cancelled")
+                if peer_wire.kind_of(msg) != "chunk":
+                    raise Refused("PullShard sent a second manifest")
+                c = peer_wire.as_chunk(msg)
+                rx.chunk(c.path, c.offset, c.data, c.crc32c)
+                self.stats.add("pulled_bytes", len(c.data))
+            rx.finish()
+            shard = shards.commit(inc, manifest, verified=True)
+            self.stats.add("pulls")
+            return shard
+        except BaseException:
+            call.cancel()
+            if rx is not None:
+                rx.abort()
+            else:
+                shutil.rmtree(inc, ignore_errors=True)
+            raise
+
+    # ------------------------------------------------------------------ coordinator
+
+    def join(self, coord: str, **fields: Any) -> Any:
+        """Join (or register with) the coordinator at ``coord``; fields of JoinRequest."""
+        inventory = fields.pop("inventory", ())
+        req = peer_pb2.JoinRequest(inventory=[peer_wire.held_shard(h) for h in inventory], **fields)
+        return self.coordinator(coord).Join(req, metadata=self.md, timeout=10)
+
+    def decide(self, address: str, job: str, rank: int, restore_id: str) -> Any:
+        req = peer_pb2.DecideRequest(job=job, rank=rank, restore_id=restore_id, wait_ms=POLL_MS)
+        return self.coordinator(address).Decide(req, metadata=self.md, timeout=POLL_MS / 1000 + 10)
+
+    def barrier(self, address: str, bad: Iterable[CopyId] = (), **fields: Any) -> Any:
+        req = peer_pb2.BarrierRequest(
+            bad=[
+                peer_pb2.BadCopy(holder=h, rank=r, step=s)
+                if isinstance(h, int)
+                else peer_pb2.BadCopy(holder=-1, rank=r, step=s, round=h)
+                for h, r, s in bad
+            ],
+            wait_ms=POLL_MS,
+            **fields,
+        )
+        return self.coordinator(address).Barrier(req, metadata=self.md, timeout=POLL_MS / 1000 + 10)
+
+    def sync(
+        self,
+        address: str,
+        job: str,
+        rank: int,
+        incarnation: str,
+        step: int,
+        inventory: Iterable[Holding],
+        backup: Outcome | None = None,
+        data_parallelism: int | None = None,
+    ) -> Any:
+        """Heartbeat and sync report (with the last backup outcome and the job's
+        ``assume-data-parallelism``); returns the SyncReply."""
+        req = peer_pb2.SyncRequest(
+            job=job,
+            rank=rank,
+            incarnation=incarnation,
+            step=step,
+            inventory=[peer_wire.held_shard(h) for h in inventory],
+            data_parallelism=data_parallelism or 0,
+        )
+        if backup is not None:
+            req.backup.CopyFrom(
+                peer_pb2.BackupOutcome(
+                    round=backup.round,
+                    step=backup.step,
+                    state=backup.state,
+                    error=backup.error,
+                    bytes=backup.bytes,
+                    seconds=backup.seconds,
+                )
+            )
+        return self.coordinator(address).Sync(req, metadata=self.md, timeout=10)
+
+
+def rpc_reason(exc: BaseException) -> str:
+    """A short one-line reason for a failed call."""
+    if isinstance(exc, grpc.RpcError):
+        code = exc.code() if hasattr(exc, "code") else None
+        details = exc.details() if hasattr(exc, "details") else ""
+        name = code.name if code is not None else "ERROR"
+        return f"{name}: {details}" if details else name
+    return str(exc) or type(exc).__name__
+
+
+def rpc_code(exc: BaseException) -> grpc.StatusCode | None:
+    """The status code of a failed gRPC call, or None for any other exception."""
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return exc.code()
+    return None

@@ -1,0 +1,335 @@
+"""The server side of the peer plane: the ``tierfs.peer.v1.Peer`` service (gRPC threads).
+
+DESIGN.md "Peer plane". :class:`PeerServicer` answers inventories, receives
+pushed replicas into ``store/incoming``
+(:class:`tierfs.replication.transfer.ShardReceiver`) and streams sealed
+snapshots to pullers. It reaches the agent only through a :class:`PeerHost`
+(:class:`tierfs.replication.peer.PeerTier`), whose calls hop onto the trio thread
+with ``trio.from_thread.run_sync`` (cheap dictionary work only). The
+``tierfs.peer.v1.Coordinator`` service beside it is
+:class:`tierfs.cluster.coordinator.CoordinatorServicer`; both are registered by
+:meth:`tierfs.replication.peer.PeerTier.run`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import re
+import shutil
+import time
+from typing import Any
+
+import grpc
+
+from tierfs.cluster.coordinator import Holding
+from tierfs.replication.transfer import (
+    REPLICATION_NICE,
+    BadCopy,
+    Cancelled,
+    Refused,
+    ShardReceiver,
+    check_identity,
+    identical_content,
+    iter_chunks,
+    link_copy,
+    parse_manifest,
+    set_thread_nice,
+)
+from tierfs.rpc import peer_pb2
+from tierfs.rpc import wire as peer_wire
+from tierfs.rpc.wire import WireStats
+from tierfs.store.shards import Shard, ShardKey
+
+log = logging.getLogger(__name__)
+
+_JOB_RE = re.compile(r"^[^/\0]+$")
+
+
+# ---------------------------------------------------------------------- host
+
+
+class PeerHost:
+    """What the servicer may ask of its node; every method is safe from any thread.
+
+    Implemented by :class:`tierfs.replication.peer.PeerTier` (hops onto the trio
+    thread); tests may provide their own.
+    """
+
+    ram: Any
+    shards: Any
+    stats: WireStats
+    incarnation: str
+
+    def own_rank(self, job: str) -> int | None:
+        """This node's rank in ``job``, or None if it runs another job."""
+        raise NotImplementedError
+
+    def inventory(self, job: str) -> list[Holding]:
+        """Every shard of ``job`` held here."""
+        raise NotImplementedError
+
+    def find(self, key: ShardKey) -> Shard | None:
+        """The committed shard ``key`` or None."""
+        raise NotImplementedError
+
+    def find_digest(self, job: str, digest: str) -> tuple[Shard, bool] | None:
+        """A shard of ``job`` with this manifest digest and whether it is trusted."""
+        raise NotImplementedError
+
+    def adopt(self, shard: Shard, linked_from: ShardKey | None = None) -> None:
+        """Register a committed replica (``linked_from``: its files are hard links of that)."""
+        raise NotImplementedError
+
+    def pin(self, key: ShardKey, delta: int) -> None:
+        """Pin (+1) or unpin (-1) a shard against retention."""
+        raise NotImplementedError
+
+    def check_space(self, nbytes: int) -> None:
+        """Raise ``OSError(ENOSPC)`` if ``nbytes`` more do not fit the RAM budget."""
+        raise NotImplementedError
+
+
+class HostGone(Exception):
+    """The agent's trio loop is not running (starting or stopping).
+
+    Raised by a :class:`PeerHost` called while its node cannot answer; the
+    servicer then answers UNAVAILABLE.
+    """
+
+
+def _valid_job(job: str) -> bool:
+    return bool(_JOB_RE.match(job)) and job not in (".", "..")
+
+
+# ---------------------------------------------------------------------- servicer
+
+
+class PeerServicer:
+    """The ``tierfs.peer.v1.Peer`` service (gRPC threads).
+
+    Args:
+        host: the node (see :class:`PeerHost`).
+    """
+
+    def __init__(self, host: PeerHost) -> None:
+        self.host = host
+
+    def Inventory(self, request: Any, context: Any) -> Any:
+        """What this node holds of ``request.job``; optionally wait (dedup decision)."""
+        deadline = time.monotonic() + min(max(request.wait_ms, 0), 5000) / 1000.0
+        own = self.host.own_rank(request.job)
+        while True:
+            held = self.host.inventory(request.job)
+            if not request.want_digest or request.wait_ms <= 0:
+                break
+            if any(h.digest == request.want_digest for h in held):
+                break
+            if (
+                own is not None
+                and request.wait_step >= 0
+                and any(h.rank == own and h.step == request.wait_step for h in held)
+            ):
+                break
+            if time.monotonic() >= deadline or not context.is_active():
+                break
+            time.sleep(0.1)
+        return peer_pb2.InventoryReply(
+            node_rank=-1 if own is None else own,
+            incarnation=self.host.incarnation,
+            shards=[peer_wire.held_shard(h) for h in held],
+        )
+
+    def PushShard(self, request_iterator: Any, context: Any) -> Any:
+        """Receive a replica: header, chunks, manifest last; commit only if all checks pass."""
+        it = iter(request_iterator)
+        first = next(it, None)
+        if first is None or peer_wire.kind_of(first) != "header":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PushShard must start with a header")
+        h = first.header
+        if not _valid_job(h.job) or h.rank < 0 or h.step < 0:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"bad shard identity job={h.job!r} rank={h.rank} step={h.step}",
+            )
+        key = ShardKey(h.job, h.rank, h.step)
+        if self.host.own_rank(h.job) == h.rank:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node-rank {h.rank} does not take replicas of its own rank",
+            )
+        code, detail = None, ""
+        inc = None
+        old_nice = set_thread_nice(REPLICATION_NICE)
+        try:
+            if not h.dedup:
+                self.host.check_space(h.total_bytes)
+            inc = self.host.ram.new_incoming(f"peer-{h.rank}-{h.step}")
+            if h.dedup:
+                return self._dedup(h, key, it, inc)
+            rx = ShardReceiver(inc)
+            manifest = None
+            for msg in it:
+                kind = peer_wire.kind_of(msg)
+                if kind == "chunk":
+                    c = peer_wire.as_chunk(msg)
+                    rx.chunk(c.path, c.offset, c.data, c.crc32c)
+                    self.host.stats.add("received_bytes", len(c.data))
+                elif kind == "manifest":
+                    manifest = parse_manifest(msg.manifest.json)
+                    break
+                else:
+                    raise Refused(f"unexpected {kind} message")
+            if manifest is None:
+                rx.abort()
+                inc = None
+                return peer_pb2.PushReply(
+                    committed=False,
+                    bytes_received=rx.bytes_received,
+                    detail="stream ended without a manifest",
+                )
+            check_identity(manifest, key, h.digest)
+            rx.finish(manifest)
+            shard = self.host.shards.commit(inc, manifest, verified=True)
+            inc = None
+            self.host.adopt(shard)
+            self.host.stats.add("pushes_received")
+            log.info(
+                "received step %d of rank %d from node-rank %d (%d bytes)",
+                h.step,
+                h.rank,
+                h.sender_rank,
+                rx.bytes_received,
+            )
+            return peer_pb2.PushReply(committed=True, bytes_received=rx.bytes_received)
+        except BadCopy as exc:
+            self.host.stats.add("corrupt_copies")
+            code, detail = grpc.StatusCode.DATA_LOSS, f"step {h.step} of rank {h.rank}: {exc}"
+        except Refused as exc:
+            self.host.stats.add("refused")
+            code, detail = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        except OSError as exc:
+            code = (
+                grpc.StatusCode.RESOURCE_EXHAUSTED
+                if exc.errno == errno.ENOSPC
+                else grpc.StatusCode.INTERNAL
+            )
+            detail = f"step {h.step} of rank {h.rank}: {exc.strerror or exc}"
+        except grpc.RpcError:
+            code, detail = grpc.StatusCode.CANCELLED, "sender went away"
+        except HostGone:
+            code, detail = grpc.StatusCode.UNAVAILABLE, "daemon is stopping"
+        finally:
+            if inc is not None:
+                shutil.rmtree(inc, ignore_errors=True)
+            if old_nice is not None:
+                set_thread_nice(old_nice)
+        log.warning("refused a replica from node-rank %d: %s", h.sender_rank, detail)
+        context.abort(code, detail)
+
+    def _dedup(self, h: Any, key: ShardKey, it: Any, inc: str) -> Any:
+        msg = next(it, None)
+        if msg is None or peer_wire.kind_of(msg) != "manifest":
+            raise Refused("a manifest-only push must carry the manifest")
+        manifest = parse_manifest(msg.manifest.json)
+        check_identity(manifest, key, h.digest)
+        found = self.host.find_digest(h.job, h.digest)
+        if found is None:
+            shutil.rmtree(inc, ignore_errors=True)
+            return peer_pb2.PushReply(committed=False, detail="no local copy with that digest")
+        src, trusted = found
+        if not identical_content(src.manifest, manifest):
+            # equal digests, other files: only what the checksums prove is linked
+            log.warning(
+                "manifest-only push of step %d of rank %d from node-rank %d: the "
+                "local copy with digest %s (%s) lists other files; asking for the "
+                "data",
+                h.step,
+                h.rank,
+                h.sender_rank,
+                h.digest,
+                src.key,
+            )
+            shutil.rmtree(inc, ignore_errors=True)
+            return peer_pb2.PushReply(
+                committed=False, detail="no local copy with identical checksums"
+            )
+        try:
+            link_copy(src.data, inc)
+        except OSError:
+            shutil.rmtree(inc, ignore_errors=True)
+            return peer_pb2.PushReply(committed=False, detail="no local copy with that digest")
+        shard = self.host.shards.commit(inc, manifest, verified=src.verified or trusted)
+        self.host.adopt(shard, linked_from=src.key)
+        self.host.stats.add("manifest_only_received")
+        self.host.stats.add("pushes_received")
+        log.info(
+            "received step %d of rank %d from node-rank %d as a manifest (identical to %s)",
+            h.step,
+            h.rank,
+            h.sender_rank,
+            src.key,
+        )
+        return peer_pb2.PushReply(committed=True, deduped=True)
+
+    def PullShard(self, request: Any, context: Any) -> Any:
+        """Stream a sealed shard: its manifest, then every file's chunks."""
+        key = ShardKey(request.job, request.rank, request.step)
+        try:
+            shard = self.host.find(key)
+        except HostGone:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "daemon is stopping")
+        if shard is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no copy of {key} here")
+        if request.digest and shard.manifest.digest != request.digest:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the copy of {key} here has digest {shard.manifest.digest}, not {request.digest}",
+            )
+        self.host.pin(key, +1)
+        sent = 0
+        failed = None
+        try:
+            yield peer_pb2.PullMessage(
+                manifest=peer_pb2.ShardManifest(json=shard.manifest.to_json())
+            ).SerializeToString()
+            for path, off, data, crc in iter_chunks(
+                shard.data, shard.manifest.files, cancelled=lambda: not context.is_active()
+            ):
+                yield peer_wire.encode_chunk(path, off, data, crc)  # a PullMessage
+                sent += len(data)
+            self.host.stats.add("pulls_served")
+        except (OSError, Cancelled) as exc:
+            failed = f"the copy of {key} vanished while being sent: {exc}"
+        finally:
+            self.host.stats.add("served_bytes", sent)
+            try:
+                self.host.pin(key, -1)
+            except HostGone:
+                pass
+        if failed:
+            context.abort(grpc.StatusCode.NOT_FOUND, failed)
+
+
+def peer_handlers(servicer: PeerServicer) -> grpc.GenericRpcHandler:
+    """The Peer service's handlers; PullShard answers with pre-encoded ``bytes`` messages."""
+    return grpc.method_handlers_generic_handler(
+        "tierfs.peer.v1.Peer",
+        {
+            "Inventory": grpc.unary_unary_rpc_method_handler(
+                servicer.Inventory,
+                request_deserializer=peer_pb2.InventoryRequest.FromString,
+                response_serializer=peer_wire.serialize,
+            ),
+            "PushShard": grpc.stream_unary_rpc_method_handler(
+                servicer.PushShard,
+                request_deserializer=peer_wire.chunk_deserializer(peer_pb2.PushMessage),
+                response_serializer=peer_wire.serialize,
+            ),
+            "PullShard": grpc.unary_stream_rpc_method_handler(
+                servicer.PullShard,
+                request_deserializer=peer_pb2.PullRequest.FromString,
+                response_serializer=peer_wire.serialize,
+            ),
+        },
+    )
