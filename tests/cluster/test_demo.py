@@ -155,29 +155,48 @@ def test_sigterm_stops_everything_the_demo_started(tmp_path):
 
 @pytest.mark.slow
 @needs_demo_parts
-def test_sigkill_of_the_demo_still_stops_the_emulator(tmp_path):
-    """A demo killed with SIGKILL runs no cleanup at all; the emulator goes anyway
-    (its parent-death signal). The node daemons outlive it, as they would any
-    `tierfs mount` caller, and are unmounted here."""
+def test_sigkill_of_the_demo_stops_everything_it_started(tmp_path):
+    """Regression (#11): a demo killed with SIGKILL runs no cleanup at all; the
+    emulator went (its parent-death signal) but the node daemons and their mounts
+    stayed. The demo's reaper now stops them and removes the demo's RAM."""
     out = tmp_path / "demo"
     proc = _start_demo(out, tmp_path)
+    shm = Path("/dev/shm", f"tierfs-demo-{proc.pid}")
     try:
-        wait_for(lambda: emulators_of(out) or proc.poll() is not None, 120, "the emulator started")
+        wait_for(
+            lambda: "tierfs nodes mounted" in timeline_text(out) or proc.poll() is not None,
+            120,
+            "the nodes mounted",
+        )
         assert proc.poll() is None, proc.communicate()
+        daemons = [
+            int((p / "store" / "daemon.pid").read_text().split()[0]) for p in shm.glob("node*")
+        ]
+        assert len(daemons) == 2
         proc.kill()
         proc.wait()
-        wait_for(lambda: emulators_of(out) == [], 30, "the emulator to stop")
+        wait_for(lambda: emulators_of(out) == [], 60, "the emulator to stop")
+        wait_for(
+            lambda: not any(is_mounted(m) for m in (out / "nodes").glob("node*/mnt")),
+            120,
+            "the reaper to unmount the demo's nodes",
+        )
+        wait_for(lambda: not any(_alive(pid) for pid in daemons), 60, "the daemons to stop")
+        wait_for(lambda: not shm.exists(), 60, "the reaper to remove the demo's RAM")
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         _clear_demo_mounts(out)
-        wait_for(
-            lambda: not any(is_mounted(m) for m in (out / "nodes").glob("node*/mnt")),
-            60,
-            "the demo's mounts to go",
-        )
-        subprocess.run(["rm", "-rf", f"/dev/shm/tierfs-demo-{proc.pid}"], check=False)
+        subprocess.run(["rm", "-rf", str(shm)], check=False)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
 
 
 @pytest.mark.slow

@@ -39,6 +39,7 @@ from tierfs import command
 from tierfs.core import settings
 from tierfs.core.config import format_size
 from tierfs.demo.emulator import GcsEmulator, free_port
+from tierfs.demo.reaper import Reaper
 
 BUCKET = "tierfs-demo"
 JOB = "demo"
@@ -232,6 +233,7 @@ class Demo:
         self.nodes: list[Node] = []
         self.watcher: StatusWatcher | None = None
         self.master_port = 0
+        self.reaper = Reaper()
 
     # ------------------------------------------------------------------ plumbing
 
@@ -268,6 +270,7 @@ class Demo:
             "--join-timeout",
             str(self.config.timeout),
         )
+        self.reaper.mount(str(node.mount))
         proc = subprocess.run(args, env=self._env(), capture_output=True, text=True)
         if proc.returncode != 0:
             raise DemoError(f"mounting node {node.rank} failed: {proc.stderr.strip()}")
@@ -344,6 +347,7 @@ class Demo:
                     stderr=subprocess.STDOUT,
                     env=env,
                 )
+                self.reaper.pid(node.trainer.pid, "tierfs.demo.trainer")
 
     def wait_trainers(self) -> None:
         deadline = time.monotonic() + self.config.timeout * 3
@@ -418,6 +422,10 @@ class Demo:
         if self.out.exists():
             shutil.rmtree(self.out)
         (self.out / "logs").mkdir(parents=True)
+        # first: from here on even a SIGKILL of the demo stops what it started
+        self.reaper.start()
+        if not c.keep:
+            self.reaper.rmtree(str(self.shm))
         self.emulator = GcsEmulator(self.out / "gcs", die_with_parent=True)
         self.emulator.start()
         self.emulator.create_bucket(BUCKET)
@@ -565,7 +573,9 @@ class Demo:
 
         Runs on every way out of :meth:`run` (a failed phase, a failed setup,
         Ctrl-C, SIGTERM/SIGHUP through :func:`interrupt_on_signals`); each
-        part is stopped even if stopping an earlier one failed.
+        part is stopped even if stopping an earlier one failed. A demo that
+        dies without running this (SIGKILL) is cleaned up by its reaper
+        (:mod:`tierfs.demo.reaper`), released here only once all of it ran.
         """
         try:
             if self.watcher is not None:
@@ -588,6 +598,8 @@ class Demo:
             finally:
                 if not self.config.keep:
                     shutil.rmtree(self.shm, ignore_errors=True)
+        # only a cleanup that got here releases the reaper; else it redoes the rest
+        self.reaper.release()
 
 
 def _wait_gone(pid: int, timeout: float = 10.0) -> None:
