@@ -41,7 +41,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peer_bench import cpu_seconds, free_port, status, tierfs, wait
+from benchlib import cpu_seconds, drop_caches, free_port, status, two_nodes, write_json
 
 MiB = 1 << 20
 TENSOR = 16 * MiB
@@ -295,12 +295,6 @@ def run_worker(
     return result | seen
 
 
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
 def step_state(mnt: Path, step: int) -> str | None:
     for s in status(mnt)["steps"]:
         if s["step"] == step:
@@ -402,69 +396,26 @@ def main() -> None:
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("run as root (mounts and drop_caches)")
-    work = Path(tempfile.mkdtemp(prefix="tierfs-cbench-"))
     plain = Path("/dev/shm") / f"tierfs-cbench-plain-{uuid.uuid4().hex[:6]}"
     plain.mkdir()
-    ports = [free_port(), free_port()]
-    mounts, rams = [], []
     rows = []
     try:
-        for i in range(2):
-            mnt, ram = work / f"node{i}", Path(f"/dev/shm/tierfs-cbench-{uuid.uuid4().hex[:8]}")
-            mnt.mkdir()
-            rams.append(ram)
-            tierfs(
-                "mount",
-                str(mnt),
-                "--ram-dir",
-                str(ram),
-                "--listen",
-                f"127.0.0.1:{ports[i]}",
-                "--coordinator",
-                f"127.0.0.1:{ports[0]}",
-                "--peer-token",
-                "bench",
-                "--job",
-                "bench",
-                "--nodes",
-                "2",
-                "--node-rank",
-                str(i),
-                "--peers-per-node",
-                "1",
-                "--keep-local",
-                "1",
-                *a.mount_option,
+        with two_nodes("tierfs-cbench", *a.mount_option) as nodes:
+            mounts, pids = nodes.mounts, nodes.pids
+            print(
+                f"client_bench: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, "
+                f"passthrough {status(mounts[0])['passthrough']}; tmpfs / tierfs",
+                flush=True,
             )
-            mounts.append(mnt)
-        for m in mounts:
-            wait(lambda m=m: status(m)["restore"].get("state") == "done", 60, "startup restore")
-        pids = [int((ram / "store" / "daemon.pid").read_text().split()[0]) for ram in rams]
-        print(
-            f"client_bench: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, "
-            f"passthrough {status(mounts[0])['passthrough']}; tmpfs / tierfs",
-            flush=True,
-        )
-        steps = [0]
-        for size in [int(s) for s in a.sizes.split(",")]:
-            for client in a.clients.split(","):
-                rows.append(measure(client, size * MiB, a.repeat, mounts[0], plain, pids, steps))
+            steps = [0]
+            for size in [int(s) for s in a.sizes.split(",")]:
+                for client in a.clients.split(","):
+                    rows.append(
+                        measure(client, size * MiB, a.repeat, mounts[0], plain, pids, steps)
+                    )
     finally:
-        for m in mounts:
-            subprocess.run(
-                [sys.executable, "-m", "tierfs", "unmount", str(m), "--lazy"],
-                check=False,
-                capture_output=True,
-            )
-        for ram in rams:
-            shutil.rmtree(ram, ignore_errors=True)
-            subprocess.run(["umount", str(ram)], check=False, capture_output=True)
         shutil.rmtree(plain, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump({"kernel": os.uname().release, "cpus": os.cpu_count(), "rows": rows}, f, indent=2)
-    print(f"results written to {a.json}")
+    write_json(a.json, {"kernel": os.uname().release, "cpus": os.cpu_count(), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ small files created, stat'ed, their directory renamed, all removed.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -36,6 +35,9 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import drop_caches, write_json
 
 MIB = 1 << 20
 BLOCK = MIB
@@ -63,15 +65,6 @@ def _read_file(path: str) -> int:
             total += n
     finally:
         os.close(fd)
-
-
-def drop_caches() -> None:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        pass
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -271,10 +264,7 @@ def main() -> None:
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"\nresults written to {args.json}")
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

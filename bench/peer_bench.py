@@ -21,51 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import cpu_seconds, status, two_nodes, wait
+
 MiB = 1 << 20
 GiB = 1 << 30
 CHUNK = 4 * MiB
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tierfs(*args: str) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "tierfs", *args],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-def status(mnt: Path) -> dict:
-    return json.loads((mnt / ".tierfs" / "status.json").read_text())
-
-
-def wait(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            v = cond()
-        except (OSError, ValueError, KeyError):
-            v = None
-        if v:
-            return v
-        time.sleep(0.02)
-    raise SystemExit(f"timed out waiting for {what}")
 
 
 def write_step(root: Path, name: str, total: int, block: bytes) -> Path:
@@ -186,12 +153,6 @@ def trainer(root: Path, total: int, block: bytes) -> float:
     return dt
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system, all threads) a process has used so far, in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def busy_jiffies() -> tuple[int, int]:
     """(busy, total) CPU time of the whole machine so far, from /proc/stat, in ticks."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -243,40 +204,8 @@ def main() -> None:
     a = p.parse_args()
     total = int(a.gib * GiB)
     block = os.urandom(CHUNK)
-    work = Path(tempfile.mkdtemp(prefix="tierfs-bench-"))
-    ports = [free_port(), free_port()]
-    mounts, rams = [], []
-    try:
-        for i in range(2):
-            mnt, ram = work / f"node{i}", Path(f"/dev/shm/tierfs-bench-{uuid.uuid4().hex[:8]}")
-            mnt.mkdir()
-            rams.append(ram)
-            tierfs(
-                "mount",
-                str(mnt),
-                "--ram-dir",
-                str(ram),
-                "--listen",
-                f"127.0.0.1:{ports[i]}",
-                "--coordinator",
-                f"127.0.0.1:{ports[0]}",
-                "--peer-token",
-                "bench",
-                "--job",
-                "bench",
-                "--nodes",
-                "2",
-                "--node-rank",
-                str(i),
-                "--peers-per-node",
-                "1",
-                "--keep-local",
-                "1",
-            )
-            mounts.append(mnt)
-        for m in mounts:
-            wait(lambda m=m: status(m)["restore"].get("state") == "done", 60, "startup restore")
-        pids = [int((ram / "store" / "daemon.pid").read_text().split()[0]) for ram in rams]
+    with two_nodes("tierfs-bench") as nodes:
+        mounts, rams, pids = nodes.mounts, nodes.rams, nodes.pids
         if a.pin:
             cpus = sorted(os.sched_getaffinity(0))
             for pid in pids:
@@ -388,16 +317,6 @@ def main() -> None:
                     }
                 )
             )
-    finally:
-        for m in mounts:
-            subprocess.run(
-                [sys.executable, "-m", "tierfs", "unmount", str(m), "--lazy"],
-                capture_output=True,
-                check=False,
-            )
-        for ram in rams:
-            shutil.rmtree(ram, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

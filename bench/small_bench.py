@@ -29,6 +29,9 @@ import time
 import uuid
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import write_json
+
 PHASES = ("create", "stat", "unlink")
 LABELS = {"create": "create+write+close", "stat": "stat", "unlink": "unlink"}
 
@@ -233,10 +236,7 @@ def main() -> None:
         subprocess.run(["umount", str(ram)], check=False, capture_output=True)
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"results written to {a.json}")
+    write_json(a.json, report)
 
 
 if __name__ == "__main__":
