@@ -91,7 +91,7 @@ def check_zip(files: StepFiles, path: str) -> list[str]:
     """
     raw = _RangeFile(files, path)
     try:
-        with zipfile.ZipFile(raw) as zf:  # type: ignore[arg-type]
+        with zipfile.ZipFile(raw) as zf:
             infos = zf.infolist()
             directory_start = getattr(zf, "start_dir", files.sizes[path])
     except zipfile.BadZipFile as exc:

@@ -202,14 +202,12 @@ def parse_metadata(data: bytes) -> DcpMetadata:
         path = getattr(info, "relative_path", None)
         offset = getattr(info, "offset", None)
         length = getattr(info, "length", None)
-        if not isinstance(path, str) or not _is_int(offset) or not _is_int(length):
+        if not (isinstance(path, str) and isinstance(offset, int) and isinstance(length, int)):
             raise BadMetadata(f"storage entry for {fqn!r} lacks relative_path/offset/length")
+        if isinstance(offset, bool) or isinstance(length, bool):
+            raise BadMetadata(f"storage entry for {fqn!r} has a boolean offset/length")
         refs.append(StorageRef(str(fqn), path, offset, length))
     sdm = getattr(obj, "state_dict_metadata", None)
     fqns = frozenset(k for k in sdm if isinstance(k, str)) if isinstance(sdm, dict) else frozenset()
     version = getattr(obj, "version", None)
     return DcpMetadata(tuple(refs), fqns, version if isinstance(version, str) else None)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
