@@ -575,3 +575,9 @@ def test_step_files_from_two_ranks_manifests():
     assert judge_step(files).complete
     only0 = step_files_from_manifests([m0], local_ranks=[0], read=files.read)
     assert kinds(judge_step(only0)) == {(Kind.MISSING, "step_10/__1_0.distcp")}
+
+
+def test_metadata_pickle_cannot_allocate_through_bytearray():
+    bomb = b"\x80\x02cbuiltins\nbytearray\nq\x00J\x00\x00\x00@\x85q\x01Rq\x02."  # bytearray(2**30)
+    with pytest.raises(BadMetadata, match="refused"):
+        parse_metadata(bomb)

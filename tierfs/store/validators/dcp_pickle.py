@@ -32,8 +32,6 @@ _SAFE_BUILTINS: dict[str, Callable[..., Any]] = {
     "complex": complex,
     "bool": bool,
     "str": str,
-    "bytes": bytes,
-    "bytearray": bytearray,
     "slice": slice,
 }
 
@@ -98,6 +96,15 @@ def _reconstructor(cls: Any, base: Any, state: Any) -> Any:
     return cls()
 
 
+def _bytes_of(value: Any = b"", *rest: Any) -> bytes:
+    """``bytes``/``bytearray`` of existing bytes only (``bytearray(10**12)`` would allocate)."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, str) and rest and rest[0] in ("latin1", "latin-1"):
+        return value.encode("latin-1")
+    raise UnsafeMetadata("bytes() of something other than bytes")
+
+
 def _encode(text: Any, encoding: Any = "utf-8") -> bytes:
     """``_codecs.encode`` as protocol 2 uses it for bytes (latin-1 only)."""
     if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
@@ -128,6 +135,8 @@ class MetadataUnpickler(pickle.Unpickler):
             return _reconstructor
         if (module, name) in (("_codecs", "encode"), ("codecs", "encode")):
             return _encode
+        if module == "builtins" and name in ("bytes", "bytearray"):
+            return _bytes_of
         if module == "collections" and name == "OrderedDict":
             return dict
         top = module.split(".", 1)[0]
