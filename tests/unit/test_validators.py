@@ -581,3 +581,20 @@ def test_metadata_pickle_cannot_allocate_through_bytearray():
     bomb = b"\x80\x02cbuiltins\nbytearray\nq\x00J\x00\x00\x00@\x85q\x01Rq\x02."  # bytearray(2**30)
     with pytest.raises(BadMetadata, match="refused"):
         parse_metadata(bomb)
+
+
+def test_dir_reader_reads_ranges_and_refuses_links(tmp_path):
+    from tierfs.store.validators import dir_reader
+
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "m.safetensors").write_bytes(st_file())
+    (tmp_path / "s" / "link.pt").symlink_to(tmp_path / "s" / "m.safetensors")
+    read = dir_reader(str(tmp_path))
+    assert read("s/m.safetensors", 8, 4) == st_file()[8:12]
+    with pytest.raises(OSError):
+        read("s/link.pt", 0, 4)
+    with pytest.raises(OSError):
+        read("../etc/passwd", 0, 4)
+    sizes = {"s/m.safetensors": len(st_file()), "s/link.pt": 10}
+    v = judge_step(StepFiles("s", sizes, read))
+    assert kinds(v) == {(Kind.UNREADABLE, "s/link.pt")}

@@ -11,6 +11,7 @@ reads local bytes. One module per format: :mod:`.dcp` (with the safe
 
 from tierfs.store.validators.judge import judge_step, step_files_from_manifests
 from tierfs.store.validators.model import Kind, Problem, Reader, StepFiles, Verdict
+from tierfs.store.validators.snapshot import dir_reader
 
 __all__ = [
     "Kind",
@@ -18,6 +19,7 @@ __all__ = [
     "Reader",
     "StepFiles",
     "Verdict",
+    "dir_reader",
     "judge_step",
     "step_files_from_manifests",
 ]
