@@ -598,3 +598,39 @@ def test_dir_reader_reads_ranges_and_refuses_links(tmp_path):
     sizes = {"s/m.safetensors": len(st_file()), "s/link.pt": 10}
     v = judge_step(StepFiles("s", sizes, read))
     assert kinds(v) == {(Kind.UNREADABLE, "s/link.pt")}
+
+
+def test_step_files_with_a_reader_per_local_part():
+    md, _ = dcp_two_ranks()
+    m0 = Manifest(
+        "j",
+        0,
+        10,
+        "step_10",
+        "generic",
+        (FileEntry("step_10/.metadata", "file", len(md), crc32c=0),),
+    )
+    m1 = Manifest(
+        "j", 1, 10, "step_10", "generic", (FileEntry("step_10/__1_0.distcp", "file", 80, crc32c=0),)
+    )
+    m2 = Manifest(
+        "j",
+        2,
+        10,
+        "step_10",
+        "generic",
+        (FileEntry("step_10/__0_0.distcp", "file", 100, crc32c=0),),
+    )
+    calls = []
+
+    def reader(rank, blob):
+        def read(path, offset, length):
+            calls.append((rank, path))
+            return blob[offset : offset + length]
+
+        return read
+
+    files = step_files_from_manifests([m0, m1, m2], readers={1: reader(1, md)})
+    assert kinds(judge_step(files)) == {(Kind.UNREADABLE, "step_10/.metadata")}
+    files = step_files_from_manifests([m0, m1, m2], readers={0: reader(0, md)})
+    assert judge_step(files).complete and calls == [(0, "step_10/.metadata")]

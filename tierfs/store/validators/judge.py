@@ -8,7 +8,7 @@ makes a step complete".
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from tierfs.store.manifest import Manifest
 from tierfs.store.validators import archive, dcp, hf_index, markers, orbax, trackers
@@ -110,6 +110,7 @@ def step_files_from_manifests(
     read: Reader | None = None,
     siblings: Iterable[str] = (),
     name: str | None = None,
+    readers: Mapping[int, Reader] | None = None,
 ) -> StepFiles:
     """Build :class:`StepFiles` from the manifests of a step's parts.
 
@@ -121,6 +122,10 @@ def step_files_from_manifests(
         read: reads a path relative to the mount root (the snapshot's data dir).
         siblings: top-level names in the view now (for NeMo's marker).
         name: the step's primary entry; default: the first manifest's ``name``.
+        readers: instead of ``read``/``local_ranks``: rank -> a reader of that
+            rank's part held here (this node's snapshot, received replicas, e.g.
+            :func:`~tierfs.store.validators.snapshot.dir_reader` of each data dir);
+            each path is read from the part that holds it.
 
     A path in several parts keeps the size of a local part, else the lowest
     rank's.
@@ -129,7 +134,7 @@ def step_files_from_manifests(
         ValueError: no manifest and no name.
     """
     parts = sorted(manifests, key=lambda m: m.rank)
-    local = set(local_ranks)
+    local = set(readers) if readers is not None else set(local_ranks)
     parts.sort(key=lambda m: (m.rank not in local, m.rank))
     if name is None:
         if not parts:
@@ -148,6 +153,13 @@ def step_files_from_manifests(
                 holders[f.path] = m.rank
                 if m.rank in local:
                     local_paths.add(f.path)
+    if readers is not None:
+        by_rank = dict(readers)
+
+        def read_part(path: str, offset: int, length: int) -> bytes:
+            return by_rank[holders[path]](path, offset, length)
+
+        read = read_part
     return StepFiles(
         name=name,
         sizes=sizes,
