@@ -12,7 +12,10 @@ What Orbax writes (google/orbax, ``checkpoint/orbax/checkpoint/_src``):
   checkpoints"); 0.11.x, 0.12.0 and 0.12.1 renaming steps never write it. So
   the commit record is ``commit_success.txt`` *or* a set
   ``commit_timestamp_nsecs``; a step whose ``_CHECKPOINT_METADATA`` has neither
-  was not finalized.
+  was not finalized. (In commit-file mode, which writes in place, ``finalize``
+  sets the timestamp just before it writes ``commit_success.txt``; a judgement
+  in that instant would take the timestamp. tierfs seals such a step only when
+  ``commit_success.txt`` appears, so the seal path never sees that instant.)
 * per item (a subdirectory named in ``item_handlers``, or the step itself
   when it is one unnamed item): ``_METADATA`` (pytree metadata JSON with
   ``use_ocdbt``), and with OCDBT (tensorstore ``kvstore/ocdbt``) a merged
