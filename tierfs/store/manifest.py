@@ -20,9 +20,10 @@ import stat
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import google_crc32c
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
 FORMAT = "tierfs.store.manifest/1"
 CHUNK = 4 << 20
@@ -117,33 +118,76 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes | str) -> Manifest:
-        """Parse and validate a manifest (paths are checked, see :func:`check_entries`).
+        """Parse and validate a manifest (:class:`ManifestDoc`; paths are checked, see
+        :func:`check_entries`). Reads every manifest :meth:`to_json` ever wrote
+        (``created`` and ``backup_requested`` may be missing: 0 and False).
 
         Raises:
-            ManifestError: bad JSON, wrong format, unsafe paths.
+            ManifestError: bad JSON, wrong format, a missing or mistyped field, unsafe paths.
         """
         try:
-            d = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ManifestError(f"manifest is not JSON: {exc}") from None
-        if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise ManifestError("not a tierfs manifest")
-        try:
-            files = tuple(FileEntry(**f) for f in d["files"])
-            m = cls(
-                job=str(d["job"]),
-                rank=int(d["rank"]),
-                step=int(d["step"]),
-                name=str(d["name"]),
-                framework=str(d["framework"]),
-                files=files,
-                created=float(d.get("created", 0)),
-                backup_requested=bool(d.get("backup_requested", False)),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ManifestError(f"malformed manifest: {exc}") from None
+            doc = ManifestDoc.model_validate_json(data)
+        except ValidationError as exc:
+            raise ManifestError(_manifest_problem(exc)) from None
+        m = doc.manifest()
         check_entries(m.files)
         return m
+
+
+class FileEntryDoc(BaseModel):
+    """One element of a manifest's ``files`` (the JSON form of :class:`FileEntry`:
+    ``crc32c`` and ``target`` are left out when None)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: StrictStr
+    kind: StrictStr
+    size: StrictInt = 0
+    mode: StrictInt = 0o644
+    crc32c: StrictInt | None = None
+    target: StrictStr | None = None
+
+
+class ManifestDoc(BaseModel):
+    """The JSON of a sealed shard's manifest, format :data:`FORMAT` (what
+    :meth:`Manifest.to_json` writes: keys sorted, no spaces); unknown keys are ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    format: Literal["tierfs.store.manifest/1"]
+    job: StrictStr
+    rank: int
+    step: int
+    name: StrictStr
+    framework: StrictStr
+    files: list[FileEntryDoc]
+    created: float = 0.0
+    backup_requested: bool = False
+
+    def manifest(self) -> Manifest:
+        """The :class:`Manifest` (not yet path-checked)."""
+        return Manifest(
+            job=self.job,
+            rank=self.rank,
+            step=self.step,
+            name=self.name,
+            framework=self.framework,
+            files=tuple(
+                FileEntry(f.path, f.kind, f.size, f.mode, f.crc32c, f.target) for f in self.files
+            ),
+            created=self.created,
+            backup_requested=self.backup_requested,
+        )
+
+
+def _manifest_problem(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    if err["type"] == "json_invalid":
+        return f"manifest is not JSON: {err['msg']}"
+    if err["type"] == "model_type" or err["loc"] in (("format",),):
+        return "not a tierfs manifest"
+    where = ".".join(str(p) for p in err["loc"])
+    return f"malformed manifest: {where}: {err['msg']}"
 
 
 def check_path(path: str) -> None:
