@@ -6,6 +6,8 @@ how it was given."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -14,7 +16,7 @@ import yaml
 from click.testing import CliRunner
 
 from tierfs.cli import main as cli_main
-from tierfs.cli.options import mount_options
+from tierfs.cli.options import SchemaCommand, mount_options
 from tierfs.core import config, settings
 from tierfs.core.config import FIELDS, FILE_KEYS, ConfigError, NodeConfig, build_config
 from tierfs.csi import cli as csi_cli
@@ -210,7 +212,7 @@ def test_the_daemons_json_round_trips():
 
 
 def test_the_mount_options_are_the_schemas_flags():
-    @click.command()
+    @click.command(cls=SchemaCommand)
     @mount_options
     def probe(**opts: object) -> None:
         pass
@@ -327,6 +329,19 @@ def test_volume_attributes_are_the_schemas():
         vc.jax_init_info({"jaxProcessId": "-1", "jaxCoordinatorAddress": "h"})
     with pytest.raises(vc.ContextError, match="jaxProcessId must be an integer, got 'one'"):
         vc.jax_init_info({"jaxProcessId": "one", "jaxCoordinatorAddress": "h"})
+
+
+def test_commands_that_need_no_settings_start_without_pydantic():
+    """Start time (#12): pydantic doubled the CPU time of `tierfs --help`; only the
+    commands that read settings load the schema."""
+    code = (
+        "import sys, tierfs.cli.main as m; "
+        "assert not [n for n in sys.modules if n.startswith(('pydantic', 'yaml'))], "
+        "sorted(n for n in sys.modules if n.startswith('pydantic'))[:5]; "
+        "m.main.commands['mount'].params; "
+        "assert 'pydantic' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-P", "-c", code], check=True, cwd="/")
 
 
 def test_readme_table_matches_the_schema():

@@ -15,14 +15,18 @@ import select
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from tierfs import __version__
-from tierfs.cli.options import mount_options
+from tierfs.cli.options import SchemaCommand, mount_options
+from tierfs.core import config as node_settings
 from tierfs.core import settings
-from tierfs.core.config import ConfigError, NodeConfig, build_config, format_size
+from tierfs.core.config import ConfigError, format_size
+
+if TYPE_CHECKING:
+    from tierfs.core.node_config import NodeConfig
 
 STATUS_PATH = os.path.join(".tierfs", "status.json")
 READY_TIMEOUT = 120.0
@@ -257,7 +261,7 @@ def _build_config(opts: dict[str, Any], notes: list[str] | None = None) -> NodeC
     Raises:
         ConfigError: naming the first bad setting.
     """
-    config = build_config(opts, opts.get("config"), notes=notes)
+    config = node_settings.build_config(opts, opts.get("config"), notes=notes)
     # symlinks resolved: /proc/self/mountinfo, `tierfs unmount` and status all
     # name the real path
     config.mountpoint = os.path.realpath(opts["mountpoint"])
@@ -275,7 +279,7 @@ def main() -> None:
     """tierfs: a tiered checkpoint store (RAM, peers, Google Cloud Storage) behind a FUSE mount."""
 
 
-@main.command()
+@main.command(cls=SchemaCommand)
 @click.argument("mountpoint", type=click.Path())
 @mount_options
 @click.option("-f", "--foreground", is_flag=True, help="Stay in the foreground.")
@@ -529,7 +533,7 @@ def _read_config_stdin() -> NodeConfig:
     if not isinstance(data, dict):
         _fail("the daemon expects its configuration as a JSON object on stdin")
     try:
-        return NodeConfig.from_dict(data)
+        return node_settings.NodeConfig.from_dict(data)
     except ConfigError as exc:
         _fail(f"the configuration on stdin is invalid: {exc}")
         raise

@@ -29,6 +29,8 @@ from pydantic import BaseModel, BeforeValidator, TypeAdapter, ValidationError, V
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails, PydanticUndefined
 
+from tierfs.core.config import ConfigError
+
 __all__ = [
     "ConfigError",
     "NoBool",
@@ -42,11 +44,6 @@ __all__ = [
 ]
 
 M = TypeVar("M", bound=BaseModel)
-
-
-class ConfigError(ValueError):
-    """A setting is missing, malformed or out of range; the message names it (by its
-    flag, key and file, CRD field or variable). Also :mod:`tierfs.core.config`'s."""
 
 
 #: how a secret's value appears in an error

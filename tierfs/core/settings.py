@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from tierfs import __version__
-from tierfs.core.schema import ConfigError
+from tierfs.core.config import ConfigError
 
 V = TypeVar("V", int, float, str)
 

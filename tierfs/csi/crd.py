@@ -23,7 +23,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tierfs.core import config, schema
+from tierfs.core import node_config as config
+from tierfs.core import schema
 from tierfs.core.schema import NoBool, SettingField
 
 __all__ = ["SETTINGS", "CrdError", "PodFields", "Spec", "parse_spec"]

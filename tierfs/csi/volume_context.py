@@ -33,7 +33,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tierfs.core import config, schema
+from tierfs.core import node_config as config
+from tierfs.core import schema
 
 
 def _attribute(setting: str) -> str:
