@@ -169,7 +169,7 @@ def test_a_bad_config_file_value_names_the_key_and_the_file(tmp_path, key, value
     assert "12345" not in str(info.value)
 
 
-def test_a_bad_variable_names_it():
+def test_the_peer_token_never_shows_in_the_repr():
     env = {settings.PEER_TOKEN.name: "t"}
     config = build_config(_flags(), env=env)
     assert config.peer_token == "t"

@@ -69,7 +69,7 @@ class _ControlLoader(yaml.SafeLoader):
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
+            event = self.peek_event()  # type: ignore[no-untyped-call]
             raise yaml.composer.ComposerError(
                 None, None, "aliases (*name) are not allowed", event.start_mark
             )
@@ -298,7 +298,8 @@ class ReplicatorYaml(BaseModel):
     :class:`JobSpec` (explicit ``peer-ranks`` win over ``peers-per-node``).
     """
 
-    model_config = ConfigDict(extra="allow", frozen=True)
+    # built on first use: a daemon starts without paying for a model it may not need yet
+    model_config = ConfigDict(extra="allow", frozen=True, defer_build=True)
 
     job_name: Annotated[str, BeforeValidator(_job_name), Field(alias="job-name")]
     framework: Annotated[str, BeforeValidator(_framework)]

@@ -58,7 +58,7 @@ SETTINGS: dict[str, SettingField] = {
 class PodFields(BaseModel):
     """The spec fields of the DaemonSet itself (no node setting)."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, defer_build=True)
 
     peer_port: Annotated[int | None, NoBool, Field(alias="peerPort", ge=1, le=65535)] = None
     node_selector: Annotated[dict[str, str], Field(alias="nodeSelector")] = {}

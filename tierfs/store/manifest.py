@@ -20,10 +20,11 @@ import stat
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Required
 
 import google_crc32c
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError, with_config
+from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
 FORMAT = "tierfs.store.manifest/1"
 CHUNK = 4 << 20
@@ -96,10 +97,12 @@ class Manifest:
         relative paths (the data-parallel dedup test), regardless of rank,
         step number or entry names' owner.
         """
-        h = google_crc32c.Checksum()
+        h = google_crc32c.Checksum()  # type: ignore[no-untyped-call]
         for f in sorted(self.files, key=lambda e: e.path):
-            h.update(f"{f.path}\0{f.kind}\0{f.size}\0{f.crc32c}\0{f.target}\n".encode())
-        return f"{int.from_bytes(h.digest(), 'big'):08x}-{self.total_bytes:x}"
+            line = f"{f.path}\0{f.kind}\0{f.size}\0{f.crc32c}\0{f.target}\n".encode()
+            h.update(line)  # type: ignore[no-untyped-call]
+        digest: bytes = h.digest()  # type: ignore[no-untyped-call]
+        return f"{int.from_bytes(digest, 'big'):08x}-{self.total_bytes:x}"
 
     def to_json(self) -> bytes:
         """Serialize (stable key order)."""
@@ -134,25 +137,25 @@ class Manifest:
         return m
 
 
-class FileEntryDoc(BaseModel):
+@with_config(ConfigDict(extra="forbid"))
+class FileEntryDoc(TypedDict, total=False):
     """One element of a manifest's ``files`` (the JSON form of :class:`FileEntry`:
-    ``crc32c`` and ``target`` are left out when None)."""
+    ``crc32c`` and ``target`` are left out when None). A TypedDict, not a model:
+    a manifest may list 10⁵ files, and dicts are validated in pydantic's core."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    path: StrictStr
-    kind: StrictStr
-    size: StrictInt = 0
-    mode: StrictInt = 0o644
-    crc32c: StrictInt | None = None
-    target: StrictStr | None = None
+    path: Required[StrictStr]
+    kind: Required[StrictStr]
+    size: StrictInt
+    mode: StrictInt
+    crc32c: StrictInt | None
+    target: StrictStr | None
 
 
 class ManifestDoc(BaseModel):
     """The JSON of a sealed shard's manifest, format :data:`FORMAT` (what
     :meth:`Manifest.to_json` writes: keys sorted, no spaces); unknown keys are ignored."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, defer_build=True)
 
     format: Literal["tierfs.store.manifest/1"]
     job: StrictStr
@@ -172,9 +175,7 @@ class ManifestDoc(BaseModel):
             step=self.step,
             name=self.name,
             framework=self.framework,
-            files=tuple(
-                FileEntry(f.path, f.kind, f.size, f.mode, f.crc32c, f.target) for f in self.files
-            ),
+            files=tuple(FileEntry(**f) for f in self.files),
             created=self.created,
             backup_requested=self.backup_requested,
         )
@@ -262,7 +263,7 @@ def crc32c_file(
         OSError: unreadable file. InterruptedError if ``cancelled()`` turns true.
     """
     own = isinstance(path, str)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if own else int(path)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if isinstance(path, str) else int(path)
     crc = 0
     size = 0
     try:
