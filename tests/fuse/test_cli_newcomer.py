@@ -19,7 +19,7 @@ from conftest import SHM, TIERFS, is_mounted, tierfs
 from mtc_clients import wait_for
 
 import tierfs as tierfs_pkg
-from tierfs.cli.main import main as cli
+import tierfs.cli.main as cli
 
 MiB = 1 << 20
 

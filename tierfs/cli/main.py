@@ -15,13 +15,18 @@ import select
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from tierfs import __version__
-from tierfs.core import settings, sizes
-from tierfs.core.config import ConfigError, NodeConfig, format_size, load_config_file, parse_size
+from tierfs.cli.options import SchemaCommand, mount_options
+from tierfs.core import config as node_settings
+from tierfs.core import settings
+from tierfs.core.config import ConfigError, format_size
+
+if TYPE_CHECKING:
+    from tierfs.core.node_config import NodeConfig
 
 STATUS_PATH = os.path.join(".tierfs", "status.json")
 READY_TIMEOUT = 120.0
@@ -249,55 +254,14 @@ def check_log_file(path: str | None) -> None:
 
 
 def _build_config(opts: dict[str, Any], notes: list[str] | None = None) -> NodeConfig:
-    """The NodeConfig of ``tierfs mount``'s options (flags over ``--config``); a size
-    with a bare decimal suffix adds a line to ``notes`` (:func:`tierfs.core.sizes.decimal_note`).
+    """The NodeConfig of ``tierfs mount``'s options (flags over ``--config`` over
+    ``TIERFS_PEER_TOKEN``; :func:`tierfs.core.config.build_config`); a size with a bare
+    decimal suffix adds a line to ``notes`` (:func:`tierfs.core.sizes.decimal_note`).
 
     Raises:
         ConfigError: naming the first bad setting.
     """
-    data: dict[str, Any] = {}
-    file_notes: list[str] = []
-    if opts.get("config"):
-        data.update(load_config_file(opts["config"], file_notes))
-    mapping = {
-        "ram_dir": "ram_dir",
-        "log_file": "log_file",
-        "log_level": "log_level",
-        "job": "job",
-        "node_rank": "node_rank",
-        "nodes": "nodes",
-        "peers_per_node": "peers_per_node",
-        "process_id": "process_id",
-        "jax_coordinator": "jax_coordinator",
-        "keep_local": "keep_local",
-        "listen": "listen",
-        "advertise": "advertise",
-        "coordinator": "coordinator",
-        "peer_token": "peer_token",
-        "bucket": "bucket",
-        "metrics_port": "metrics_port",
-        "join_timeout": "join_timeout",
-        "backup_interval_minutes": "backup_interval_minutes",
-        "backup_interval_steps": "backup_interval_steps",
-        "assume_data_parallelism": "assume_data_parallelism",
-    }
-    for opt, attr in mapping.items():
-        if opts.get(opt) is not None:
-            data[attr] = opts[opt]
-    if opts.get("size") is not None:
-        data["size"] = parse_size(opts["size"], "--size")
-        file_notes = [n for n in [sizes.decimal_note(opts["size"], "--size")] if n]
-    if notes is not None:
-        notes.extend(file_notes)
-    if opts.get("option"):
-        data["mount_options"] = list(data.get("mount_options", [])) + list(opts["option"])
-    if opts.get("seal_pattern"):
-        data["seal_patterns"] = list(opts["seal_pattern"])
-    if opts.get("peer_ranks"):
-        data["peer_ranks"] = [int(x) for x in opts["peer_ranks"].split(",") if x.strip()]
-    if data.get("peer_token") is None and settings.PEER_TOKEN.get():
-        data["peer_token"] = settings.PEER_TOKEN.get()
-    config = NodeConfig.from_dict(data)
+    config = node_settings.build_config(opts, opts.get("config"), notes=notes)
     # symlinks resolved: /proc/self/mountinfo, `tierfs unmount` and status all
     # name the real path
     config.mountpoint = os.path.realpath(opts["mountpoint"])
@@ -306,7 +270,6 @@ def _build_config(opts: dict[str, Any], notes: list[str] | None = None) -> NodeC
     config.ram_dir = os.path.realpath(config.ram_dir)
     if config.log_file:
         config.log_file = os.path.abspath(config.log_file)
-    config.validate()
     return config
 
 
@@ -316,108 +279,7 @@ def main() -> None:
     """tierfs: a tiered checkpoint store (RAM, peers, Google Cloud Storage) behind a FUSE mount."""
 
 
-#: the defaults named in ``--help`` (click defaults would override --config)
-_DEFAULTS = NodeConfig()
-
-
-def mount_options(f: Any) -> Any:
-    """The options shared by ``tierfs mount`` and ``tierfs csi``."""
-    decorators = [
-        click.option(
-            "--ram-dir",
-            metavar="DIR",
-            help="[required unless --config sets ramDir] Directory on tmpfs that "
-            "holds the bytes (created with mode 0700).",
-        ),
-        click.option(
-            "--size",
-            help="RAM budget, a Kubernetes quantity: 8Gi, 512Mi, bytes; "
-            "8G is 8·10⁹ bytes (default: free space of the "
-            "ram-dir's filesystem).",
-        ),
-        click.option(
-            "-o",
-            "option",
-            multiple=True,
-            metavar="OPT[,OPT...]",
-            help="Mount options: allow_other, ro, noatime, attr_timeout=S, "
-            "entry_timeout=S, no_passthrough, fsname=NAME, ...",
-        ),
-        click.option(
-            "--config", type=click.Path(dir_okay=False), help="YAML config file (flags win)."
-        ),
-        click.option(
-            "--log-file", metavar="FILE", help="Daemon log (default: <ram-dir>/store/daemon.log)."
-        ),
-        click.option(
-            "--log-level",
-            type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-            help=f"Daemon log level (default: {_DEFAULTS.log_level.lower()}).",
-        ),
-        click.option("--job", help="Job name for generic mode (no replicator.yaml)."),
-        click.option("--node-rank", type=int, help="This node's rank (generic mode)."),
-        click.option("--nodes", type=int, help="Number of nodes (generic mode)."),
-        click.option("--peers-per-node", type=int, help="Peers receiving each node's steps."),
-        click.option("--peer-ranks", help="Explicit comma-separated peer ranks."),
-        click.option(
-            "--assume-data-parallelism",
-            type=int,
-            help="D: ranks form a D x (nodes/D) grid with identical columns.",
-        ),
-        click.option("--process-id", type=int, help="Process id for jax-init-info.txt."),
-        click.option(
-            "--jax-coordinator",
-            metavar="HOST:PORT",
-            help="JAX coordinator for jax-init-info.txt (MTC uses port 8476).",
-        ),
-        click.option(
-            "--seal-pattern",
-            multiple=True,
-            metavar="REGEX",
-            help="Top-level step names that seal (needs a (?P<step>\\d+) group); "
-            "repeatable; replaces the default set.",
-        ),
-        click.option(
-            "--keep-local",
-            type=int,
-            help=f"Sealed steps kept in RAM (default: {_DEFAULTS.keep_local}).",
-        ),
-        click.option("--listen", metavar="HOST:PORT", help="Peer gRPC listen address."),
-        click.option(
-            "--advertise",
-            metavar="HOST:PORT",
-            help="Address peers use to reach this node (default: --listen).",
-        ),
-        click.option(
-            "--coordinator",
-            metavar="HOST:PORT",
-            help="Rank 0's peer address (static rendezvous); without it, nodes "
-            "with --listen and --bucket find rank 0 through the bucket.",
-        ),
-        click.option(
-            "--peer-token", help="Shared secret on every peer call (or $TIERFS_PEER_TOKEN)."
-        ),
-        click.option(
-            "--join-timeout",
-            type=float,
-            help="Seconds a restore waits for every node to join (default: "
-            f"{_DEFAULTS.join_timeout:.0f}).",
-        ),
-        click.option("--bucket", metavar="NAME[/PREFIX]", help="GCS bucket for backups."),
-        click.option(
-            "--backup-interval-minutes",
-            type=float,
-            help="Backup period (generic mode; replicator.yaml overrides).",
-        ),
-        click.option("--backup-interval-steps", type=int, help="Back up every N steps."),
-        click.option("--metrics-port", type=int, help="Serve Prometheus /metrics on this port."),
-    ]
-    for d in reversed(decorators):
-        f = d(f)
-    return f
-
-
-@main.command()
+@main.command(cls=SchemaCommand)
 @click.argument("mountpoint", type=click.Path())
 @mount_options
 @click.option("-f", "--foreground", is_flag=True, help="Stay in the foreground.")
@@ -670,7 +532,11 @@ def _read_config_stdin() -> NodeConfig:
         data = None
     if not isinstance(data, dict):
         _fail("the daemon expects its configuration as a JSON object on stdin")
-    return NodeConfig.from_dict(data)
+    try:
+        return node_settings.NodeConfig.from_dict(data)
+    except ConfigError as exc:
+        _fail(f"the configuration on stdin is invalid: {exc}")
+        raise
 
 
 @main.command("_daemon", hidden=True)
@@ -873,4 +739,4 @@ def _register_plugins() -> None:
 
 _register_plugins()
 
-__all__ = ["format_size", "main"]
+__all__ = ["format_size", "main", "mount_options"]

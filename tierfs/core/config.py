@@ -1,26 +1,64 @@
-"""Node configuration: CLI flags and the YAML config file.
+"""Node configuration: errors, sizes and addresses; the settings schema, lazily.
 
-A config file (``tierfs mount --config FILE``) holds the same settings as
-the flags; flags win. Keys are camelCase and, where they overlap with GKE's
-``CheckpointConfiguration`` (``cloudStorageBucketName``,
-``inMemoryVolumeSize``), named the same. Job parameters here are for generic
-mode (no ``replicator.yaml``); a control file overrides them.
+The schema of a node's settings (:class:`NodeConfig`, :data:`FIELDS`,
+:data:`FILE_KEYS`, :func:`build_config`, :func:`load_config_file`,
+:func:`markdown_table`) lives in :mod:`tierfs.core.node_config`, which imports
+pydantic; the names are re-exported here on first use (PEP 562), so importing
+this module (every command does) stays cheap. ``python -m tierfs.core.config``
+prints the README's table of the settings.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import re
-from dataclasses import dataclass, field
-from typing import Any
-
-import yaml
+from typing import TYPE_CHECKING, Any
 
 from tierfs.core import sizes
 
+if TYPE_CHECKING:
+    from tierfs.core.node_config import (
+        FIELDS,
+        FILE_KEYS,
+        NodeConfig,
+        build_config,
+        load_config_file,
+        markdown_table,
+        read_config_file,
+    )
+
+__all__ = [
+    "DEFAULT_SEAL_PATTERNS",
+    "FIELDS",
+    "FILE_KEYS",
+    "LOG_LEVELS",
+    "MIN_SIZE",
+    "ConfigError",
+    "NodeConfig",
+    "build_config",
+    "format_size",
+    "load_config_file",
+    "markdown_table",
+    "parse_hostport",
+    "parse_size",
+    "read_config_file",
+]
+
+#: the names :mod:`tierfs.core.node_config` defines
+_SCHEMA_NAMES = frozenset(
+    {
+        "FIELDS",
+        "FILE_KEYS",
+        "NodeConfig",
+        "build_config",
+        "load_config_file",
+        "markdown_table",
+        "read_config_file",
+    }
+)
+
 
 class ConfigError(ValueError):
-    """A setting is missing, malformed or out of range; the message names it."""
+    """A setting is missing, malformed or out of range; the message names it (by its
+    flag, its key and file, its CRD field or its variable)."""
 
 
 def parse_size(text: str | int, what: str = "size") -> int:
@@ -71,158 +109,20 @@ DEFAULT_SEAL_PATTERNS = (
     r"^iter_(?P<step>\d+)$",
     r"^global_step(?P<step>\d+)$",
 )
+#: the daemon's log levels
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
-@dataclass
-class NodeConfig:
-    """Everything one node daemon needs to know.
+def __getattr__(name: str) -> Any:
+    """The schema's names, from :mod:`tierfs.core.node_config` on first use."""
+    if name in _SCHEMA_NAMES:
+        import importlib
 
-    Sizes are bytes, intervals seconds unless the name says otherwise.
-    """
-
-    mountpoint: str = ""
-    ram_dir: str = ""
-    size: int | None = None
-    mount_options: list[str] = field(default_factory=list)
-    log_file: str | None = None
-    log_level: str = "INFO"
-    # generic-mode job parameters (replicator.yaml overrides them)
-    job: str | None = None
-    node_rank: int = 0
-    nodes: int = 1
-    peers_per_node: int = 0
-    peer_ranks: list[int] | None = None
-    assume_data_parallelism: int | None = None
-    # jax-init-info.txt
-    process_id: int | None = None
-    jax_coordinator: str | None = None
-    # sealing and retention
-    seal_patterns: list[str] = field(default_factory=lambda: list(DEFAULT_SEAL_PATTERNS))
-    keep_local: int = 2
-    # peer plane
-    listen: str | None = None
-    advertise: str | None = None
-    coordinator: str | None = None
-    peer_token: str | None = field(default=None, repr=False)  # a secret: never in logs
-    join_timeout: float = 600.0
-    # durable plane
-    bucket: str | None = None
-    backup_interval_minutes: float | None = None
-    backup_interval_steps: int | None = None
-    # observability
-    metrics_port: int | None = None
-
-    def validate(self) -> None:
-        """Check ranges and formats.
-
-        Raises:
-            ConfigError: naming the first bad setting.
-        """
-        if self.size is not None and self.size < MIN_SIZE:
-            raise ConfigError(
-                f"--size {format_size(self.size)} is too small: the RAM budget "
-                f"must be at least {format_size(MIN_SIZE)}"
-            )
-        if self.nodes < 1:
-            raise ConfigError(f"nodes must be >= 1, got {self.nodes}")
-        if not 0 <= self.node_rank < self.nodes:
-            raise ConfigError(f"node-rank must be in [0, {self.nodes}), got {self.node_rank}")
-        if self.keep_local < 1:
-            raise ConfigError(f"keep-local must be >= 1, got {self.keep_local}")
-        if self.peers_per_node < 0:
-            raise ConfigError("peers-per-node must be >= 0")
-        for name in ("listen", "coordinator", "advertise"):
-            value = getattr(self, name)
-            if value:
-                parse_hostport(value, f"--{name}")
-        if self.jax_coordinator:
-            parse_hostport(self.jax_coordinator, "--jax-coordinator")
-        if self.process_id is not None and self.process_id < 0:
-            raise ConfigError("process-id must be >= 0")
-        for pattern in self.seal_patterns:
-            try:
-                compiled = re.compile(pattern)
-            except re.error as exc:
-                raise ConfigError(f"bad --seal-pattern {pattern!r}: {exc}") from None
-            if "step" not in compiled.groupindex:
-                raise ConfigError(f"--seal-pattern {pattern!r} needs a (?P<step>\\d+) group")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> NodeConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return getattr(importlib.import_module("tierfs.core.node_config"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# config-file key -> NodeConfig attribute
-FILE_KEYS = {
-    "mountPoint": "mountpoint",
-    "ramDir": "ram_dir",
-    "inMemoryVolumeSize": "size",
-    "size": "size",
-    "mountOptions": "mount_options",
-    "logFile": "log_file",
-    "logLevel": "log_level",
-    "job": "job",
-    "jobName": "job",
-    "nodeRank": "node_rank",
-    "nodes": "nodes",
-    "peersPerNode": "peers_per_node",
-    "peerRanks": "peer_ranks",
-    "assumeDataParallelism": "assume_data_parallelism",
-    "processId": "process_id",
-    "jaxCoordinator": "jax_coordinator",
-    "sealPatterns": "seal_patterns",
-    "keepLocal": "keep_local",
-    "listen": "listen",
-    "advertise": "advertise",
-    "coordinator": "coordinator",
-    "peerToken": "peer_token",
-    "joinTimeoutSeconds": "join_timeout",
-    "cloudStorageBucketName": "bucket",
-    "bucket": "bucket",
-    "backupIntervalMinutes": "backup_interval_minutes",
-    "backupIntervalSteps": "backup_interval_steps",
-    "metricsPort": "metrics_port",
-}
+if __name__ == "__main__":
+    import importlib
 
-
-def load_config_file(path: str, notes: list[str] | None = None) -> dict[str, Any]:
-    """Read a YAML config file into NodeConfig attribute names.
-
-    Sizes are parsed by :func:`parse_size`; a size with a bare decimal suffix
-    (``8G`` = 8·10⁹ bytes) adds a line of :func:`tierfs.core.sizes.decimal_note` to
-    ``notes`` if given.
-
-    Raises:
-        ConfigError: unreadable file, bad YAML, unknown keys, bad values.
-    """
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f) or {}
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config file {path} must hold a mapping")
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        attr = FILE_KEYS.get(str(key))
-        if attr is None:
-            raise ConfigError(
-                f"config file {path}: unknown key {key!r} (known: {', '.join(sorted(FILE_KEYS))})"
-            )
-        if attr == "size" and value is not None:
-            what = f"{key} in {path}"
-            parsed = parse_size(value, what)
-            note = sizes.decimal_note(value, what)
-            if note and notes is not None:
-                notes.append(note)
-            value = parsed
-        if attr in ("mount_options", "seal_patterns") and isinstance(value, str):
-            value = [value]
-        out[attr] = value
-    return out
+    print(importlib.import_module("tierfs.core.node_config").markdown_table(), end="")

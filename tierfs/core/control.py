@@ -16,10 +16,21 @@ import stat
 import string
 import time
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 REPLICATOR_YAML = "replicator.yaml"
 REPLICATOR_ERRORS = "replicator.errors"
@@ -32,22 +43,6 @@ KEPT_ON_CLEANUP = frozenset({REPLICATOR_YAML, JAX_INIT_INFO, ".tierfs"})
 FRAMEWORKS = ("orbax", "pytorch.distributed", "pytorch")
 #: framework name of generic mode (no control file; seal rules from the config)
 GENERIC = "generic"
-
-KNOWN_KEYS = frozenset(
-    {
-        "job-name",
-        "framework",
-        "node-rank",
-        "nodes",
-        "peer-ranks",
-        "peers-per-node",
-        "assume-data-parallelism",
-        "backup-interval-minutes",
-        "backup-interval-steps",
-        "workers-per-node",
-        "master-port",
-    }
-)
 
 MARKER_RE = re.compile(r"^(?P<job>.+)-s(?P<step>\d+)-n(?P<node>\d+)-w(?P<worker>\d+)\.restore$")
 SAVE_FILE_RE = re.compile(r"^(?P<job>.+)-s(?P<step>\d+)-n(?P<node>\d+)-w(?P<worker>\d+)\.save$")
@@ -74,7 +69,7 @@ class _ControlLoader(yaml.SafeLoader):
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
+            event = self.peek_event()  # type: ignore[no-untyped-call]
             raise yaml.composer.ComposerError(
                 None, None, "aliases (*name) are not allowed", event.start_mark
             )
@@ -250,8 +245,187 @@ def _as_number(key: str, value: Any) -> float:
     return result
 
 
+def _required(data: Any) -> Any:
+    if isinstance(data, dict):
+        for key in ("job-name", "framework", "node-rank", "nodes"):
+            if key not in data or data[key] is None or data[key] == "":
+                raise ControlError(f"replicator.yaml is missing required key {key!r}")
+    return data
+
+
+def _job_name(value: Any) -> str:
+    name = str(value).strip()
+    if (
+        not name
+        or "/" in name
+        or name in (".", "..")
+        or any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in name)
+    ):
+        raise ControlError(f"job-name {value!r} is not a valid name")
+    if len(name.encode()) > MAX_JOB_NAME:
+        raise ControlError(
+            f"job-name is {len(name.encode())} bytes long; the limit is "
+            f"{MAX_JOB_NAME} (restore markers must fit in a file name)"
+        )
+    return name
+
+
+def _framework(value: Any) -> str:
+    framework = str(value).strip()
+    if framework not in FRAMEWORKS:
+        raise ControlError(
+            f"unknown framework {framework!r} (expected one of {', '.join(FRAMEWORKS)})"
+        )
+    return framework
+
+
+def _int_of(key: str, minimum: int = 0) -> BeforeValidator:
+    return BeforeValidator(lambda v: _as_int(key, v, minimum))
+
+
+def _nodes_of(info: ValidationInfo) -> int | None:
+    nodes = info.data.get("nodes")
+    return nodes if isinstance(nodes, int) else None
+
+
+class ReplicatorYaml(BaseModel):
+    """The model of ``replicator.yaml`` (PROTOCOL.md section 2; GKE MTC's keys).
+
+    Keys are the file's (``job-name``, ``node-rank``...); values arrive after
+    ``$VAR`` expansion; integers may be strings. Every validator raises
+    :class:`ControlError` with the one line ``replicator.failed`` gets; unknown keys
+    are kept (``model_extra``) for the warnings. :meth:`job_spec` makes the
+    :class:`JobSpec` (explicit ``peer-ranks`` win over ``peers-per-node``).
+    """
+
+    # built on first use: a daemon starts without paying for a model it may not need yet
+    model_config = ConfigDict(extra="allow", frozen=True, defer_build=True)
+
+    job_name: Annotated[str, BeforeValidator(_job_name), Field(alias="job-name")]
+    framework: Annotated[str, BeforeValidator(_framework)]
+    nodes: Annotated[int, _int_of("nodes", 1)]
+    node_rank: Annotated[int, Field(alias="node-rank")]
+    peer_ranks: Annotated[list[int] | None, Field(alias="peer-ranks")] = None
+    peers_per_node: Annotated[int | None, Field(alias="peers-per-node")] = None
+    assume_data_parallelism: Annotated[int | None, Field(alias="assume-data-parallelism")] = None
+    workers_per_node: Annotated[
+        int, _int_of("workers-per-node", 1), Field(alias="workers-per-node")
+    ] = 1
+    master_port: Annotated[int, Field(alias="master-port")] = 4242
+    backup_interval_minutes: Annotated[float | None, Field(alias="backup-interval-minutes")] = None
+    backup_interval_steps: Annotated[int | None, Field(alias="backup-interval-steps")] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def check_required(cls, data: Any) -> Any:
+        """The four keys MTC always writes are there and not empty."""
+        return _required(data)
+
+    @field_validator("node_rank", mode="before")
+    @classmethod
+    def check_rank(cls, value: Any, info: ValidationInfo) -> int:
+        rank = _as_int("node-rank", value)
+        nodes = _nodes_of(info)
+        if nodes is not None and rank >= nodes:
+            raise ControlError(f"node-rank {rank} must be < nodes {nodes}")
+        return rank
+
+    @field_validator("peer_ranks", mode="before")
+    @classmethod
+    def check_peer_ranks(cls, value: Any, info: ValidationInfo) -> list[int] | None:
+        if value is None:
+            return None
+        if not isinstance(value, list):
+            # PROTOCOL.md: a list (flow `[1, 2]` or block style). A scalar (`0`, `'[0]'`,
+            # `1,2`) is not one, whatever it spells: refused like any malformed value.
+            raise ControlError(f"peer-ranks must be a list of ranks such as [1, 2], got {value!r}")
+        ranks = [_as_int("peer-ranks", p) for p in value]
+        nodes = _nodes_of(info)
+        for p in ranks:
+            if nodes is not None and p >= nodes:
+                raise ControlError(f"peer rank {p} must be < nodes {nodes}")
+        return ranks
+
+    @field_validator("peers_per_node", mode="before")
+    @classmethod
+    def check_peers_per_node(cls, value: Any) -> int | None:
+        return None if value is None else _as_int("peers-per-node", value)
+
+    @field_validator("assume_data_parallelism", mode="before")
+    @classmethod
+    def check_data_parallelism(cls, value: Any, info: ValidationInfo) -> int | None:
+        if value is None:
+            return None
+        dp = _as_int("assume-data-parallelism", value, minimum=1)
+        nodes = _nodes_of(info)
+        if nodes is not None and nodes % dp:
+            raise ControlError(f"assume-data-parallelism {dp} must divide nodes {nodes}")
+        return dp
+
+    @field_validator("master_port", mode="before")
+    @classmethod
+    def check_master_port(cls, value: Any) -> int:
+        port = _as_int("master-port", value, minimum=1)
+        if port > 65535:
+            raise ControlError(f"master-port {port} is out of range")
+        return port
+
+    @field_validator("backup_interval_minutes", mode="before")
+    @classmethod
+    def check_minutes(cls, value: Any) -> float | None:
+        return None if value is None else _as_number("backup-interval-minutes", value)
+
+    @field_validator("backup_interval_steps", mode="before")
+    @classmethod
+    def check_steps(cls, value: Any) -> int | None:
+        return None if value is None else _as_int("backup-interval-steps", value, minimum=1)
+
+    def job_spec(self, unset: Sequence[str] = ()) -> JobSpec:
+        """The :class:`JobSpec`, with one warning per unknown key (ten at most, then a
+        count), per ``$VAR`` in ``unset`` and for own or repeated peer ranks."""
+        rank = self.node_rank
+        peer_ranks = (
+            tuple(dict.fromkeys(p for p in self.peer_ranks if p != rank))
+            if self.peer_ranks is not None
+            else None
+        )
+        unknown = list(self.model_extra or {})
+        warnings = tuple(f"replicator.yaml: unknown key {k!r} ignored" for k in unknown[:10])
+        if len(unknown) > 10:
+            warnings += (f"replicator.yaml: {len(unknown) - 10} more unknown keys ignored",)
+        warnings += tuple(
+            f"replicator.yaml: ${name} is not set in the node daemon's environment; used literally"
+            for name in unset
+        )
+        if peer_ranks is not None and len(peer_ranks) < len(self.peer_ranks or []):
+            warnings += (
+                f"replicator.yaml: peer-ranks lists this node's own rank {rank} or a "
+                "rank twice; ignored",
+            )
+        return JobSpec(
+            name=self.job_name,
+            framework=self.framework,
+            node_rank=rank,
+            nodes=self.nodes,
+            peer_ranks=peer_ranks,
+            peers_per_node=self.peers_per_node
+            if self.peers_per_node is not None
+            else (len(peer_ranks) if peer_ranks is not None else 0),
+            assume_data_parallelism=self.assume_data_parallelism,
+            backup_interval_minutes=self.backup_interval_minutes,
+            backup_interval_steps=self.backup_interval_steps,
+            workers_per_node=self.workers_per_node,
+            master_port=self.master_port,
+            warnings=warnings,
+        )
+
+
+#: the keys of ``replicator.yaml`` tierfs reads (others produce a warning)
+KNOWN_KEYS = frozenset(str(f.alias or name) for name, f in ReplicatorYaml.model_fields.items())
+
+
 def parse_replicator_yaml(text: str, env: dict[str, str] | None = None) -> JobSpec | None:
-    """Parse the content of ``replicator.yaml``.
+    """Parse the content of ``replicator.yaml`` (through :class:`ReplicatorYaml`).
 
     Accepts what Orbax writes (flow lists, no trailing newline) and what the
     NeMo helper writes (block style); ``$VAR`` references are expanded from
@@ -283,92 +457,21 @@ def parse_replicator_yaml(text: str, env: dict[str, str] | None = None) -> JobSp
     env = dict(os.environ if env is None else env)
     unset = sorted({name for v in raw.values() for name in _var_names(v) if name not in env})
     data = {str(k): expand_vars(v, env) for k, v in raw.items()}
-    for key in ("job-name", "framework", "node-rank", "nodes"):
-        if key not in data or data[key] is None or data[key] == "":
-            raise ControlError(f"replicator.yaml is missing required key {key!r}")
-    name = str(data["job-name"]).strip()
-    if (
-        not name
-        or "/" in name
-        or name in (".", "..")
-        or any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in name)
-    ):
-        raise ControlError(f"job-name {data['job-name']!r} is not a valid name")
-    if len(name.encode()) > MAX_JOB_NAME:
-        raise ControlError(
-            f"job-name is {len(name.encode())} bytes long; the limit is "
-            f"{MAX_JOB_NAME} (restore markers must fit in a file name)"
-        )
-    framework = str(data["framework"]).strip()
-    if framework not in FRAMEWORKS:
-        raise ControlError(
-            f"unknown framework {framework!r} (expected one of {', '.join(FRAMEWORKS)})"
-        )
-    nodes = _as_int("nodes", data["nodes"], minimum=1)
-    rank = _as_int("node-rank", data["node-rank"])
-    if rank >= nodes:
-        raise ControlError(f"node-rank {rank} must be < nodes {nodes}")
-    peer_ranks: tuple[int, ...] | None = None
-    if data.get("peer-ranks") is not None:
-        pr = data["peer-ranks"]
-        if not isinstance(pr, list):
-            # PROTOCOL.md: a list (flow `[1, 2]` or block style). A scalar (`0`, `'[0]'`,
-            # `1,2`) is not one, whatever it spells: refused like any malformed value.
-            raise ControlError(f"peer-ranks must be a list of ranks such as [1, 2], got {pr!r}")
-        ranks = [_as_int("peer-ranks", p) for p in pr]
-        for p in ranks:
-            if p >= nodes:
-                raise ControlError(f"peer rank {p} must be < nodes {nodes}")
-        peer_ranks = tuple(dict.fromkeys(p for p in ranks if p != rank))
-    ppn = data.get("peers-per-node")
-    peers_per_node = (
-        _as_int("peers-per-node", ppn)
-        if ppn is not None
-        else (len(peer_ranks) if peer_ranks is not None else 0)
-    )
-    dp = data.get("assume-data-parallelism")
-    assume_dp = None
-    if dp is not None:
-        assume_dp = _as_int("assume-data-parallelism", dp, minimum=1)
-        if nodes % assume_dp:
-            raise ControlError(f"assume-data-parallelism {assume_dp} must divide nodes {nodes}")
-    minutes = data.get("backup-interval-minutes")
-    steps = data.get("backup-interval-steps")
-    workers = _as_int("workers-per-node", data.get("workers-per-node", 1), minimum=1)
-    port = _as_int("master-port", data.get("master-port", 4242), minimum=1)
-    if port > 65535:
-        raise ControlError(f"master-port {port} is out of range")
-    unknown = [k for k in data if k not in KNOWN_KEYS]
-    warnings = tuple(f"replicator.yaml: unknown key {k!r} ignored" for k in unknown[:10])
-    if len(unknown) > 10:
-        warnings += (f"replicator.yaml: {len(unknown) - 10} more unknown keys ignored",)
-    warnings += tuple(
-        f"replicator.yaml: ${name} is not set in the node daemon's environment; used literally"
-        for name in unset
-    )
-    if peer_ranks is not None and len(peer_ranks) < len(data.get("peer-ranks") or []):
-        warnings += (
-            f"replicator.yaml: peer-ranks lists this node's own rank {rank} or a "
-            "rank twice; ignored",
-        )
-    return JobSpec(
-        name=name,
-        framework=framework,
-        node_rank=rank,
-        nodes=nodes,
-        peer_ranks=peer_ranks,
-        peers_per_node=peers_per_node,
-        assume_data_parallelism=assume_dp,
-        backup_interval_minutes=_as_number("backup-interval-minutes", minutes)
-        if minutes is not None
-        else None,
-        backup_interval_steps=_as_int("backup-interval-steps", steps, minimum=1)
-        if steps is not None
-        else None,
-        workers_per_node=workers,
-        master_port=port,
-        warnings=warnings,
-    )
+    try:
+        model = ReplicatorYaml.model_validate(data)
+    except ValidationError as exc:
+        raise _control_error(exc) from None
+    return model.job_spec(unset)
+
+
+def _control_error(exc: ValidationError) -> ControlError:
+    """The first error of a :class:`ReplicatorYaml` validation as one ControlError."""
+    err = exc.errors()[0]
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, ControlError):
+        return cause
+    key = ".".join(str(p) for p in err["loc"]) or "replicator.yaml"
+    return ControlError(f"replicator.yaml: {key}: {err['msg']}")
 
 
 def marker_name(job: str, step: int, node: int, worker: int = 0) -> str:

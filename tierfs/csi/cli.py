@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from tierfs.cli import options
 from tierfs.core import settings, sizes
 
 DEFAULT_MOUNT_DIR = "/run/tierfs/mount"
@@ -30,13 +31,7 @@ log = logging.getLogger("tierfs.csi")
 
 def _mount_params() -> list[click.Parameter]:
     """The click parameters ``mount_options`` adds (shared with ``tierfs mount``)."""
-
-    from tierfs.cli.main import mount_options
-
-    def probe() -> None:
-        """Placeholder carrying the decorators."""
-
-    return list(getattr(mount_options(probe), "__click_params__", []))
+    return options.schema_params()
 
 
 def mount_argv(opts: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
@@ -122,7 +117,7 @@ def fit_ram_volume(opts: dict[str, Any]) -> None:
 def _make_command(mount_options: Any) -> click.Command:
     """Build the ``csi`` click command around the shared ``mount_options``."""
 
-    @click.command("csi")
+    @click.command("csi", cls=options.SchemaCommand)
     @click.option(
         "--endpoint",
         envvar="CSI_ENDPOINT",

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tierfs.core import settings, sizes
+from tierfs.csi import crd
 
 API_GROUP = "checkpointing.tierfs.dev"
 API_VERSION = f"{API_GROUP}/v1"
@@ -45,11 +46,10 @@ REGISTRAR_HEALTH_PORT = 19810
 CONFIG_LABEL = f"{API_GROUP}/configuration"
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
-class RenderError(ValueError):
-    """The CheckpointConfiguration cannot be rendered; the message names the field."""
+#: the CheckpointConfiguration cannot be rendered; the message names the field
+RenderError = crd.CrdError
 
 
 def quantity_bytes(text: str) -> int:
@@ -82,7 +82,7 @@ def daemonset_name(config_name: str) -> str:
     return "tierfs-node-" + short_name(config_name, 63 - len("tierfs-node-"))
 
 
-def _spec(cpc: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+def _spec(cpc: Mapping[str, Any]) -> crd.Spec:
     if cpc.get("apiVersion") != API_VERSION or cpc.get("kind") != KIND:
         raise RenderError(
             f"expected {API_VERSION} {KIND}, got {cpc.get('apiVersion')} {cpc.get('kind')}"
@@ -93,18 +93,19 @@ def _spec(cpc: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     spec = cpc.get("spec")
     if not isinstance(spec, Mapping):
         raise RenderError("spec is required")
-    if not spec.get("inMemoryVolumeSize"):
-        raise RenderError("spec.inMemoryVolumeSize is required")
-    return name, dict(spec)
+    return crd.parse_spec(name, spec)
 
 
-def node_args(spec: Mapping[str, Any], driver_name: str = DRIVER_NAME) -> list[str]:
-    """The ``tierfs csi`` arguments for a configuration's spec.
+def node_args(spec: Mapping[str, Any] | crd.Spec, driver_name: str = DRIVER_NAME) -> list[str]:
+    """The ``tierfs csi`` arguments for a configuration's spec (a mapping or a
+    :class:`tierfs.csi.crd.Spec`): the fixed ones, then the node settings' flags
+    (:meth:`tierfs.csi.crd.Spec.node_flags`), ``peerPort``'s addresses, ``extraArgs``.
 
     Raises:
         RenderError: a field of the wrong type or out of range.
     """
-    size = quantity_bytes(spec["inMemoryVolumeSize"])
+    parsed = spec if isinstance(spec, crd.Spec) else crd.parse_spec("", spec)
+    flags = parsed.node_flags()
     args = [
         "csi",
         "--endpoint=$(CSI_ENDPOINT)",
@@ -113,45 +114,16 @@ def node_args(spec: Mapping[str, Any], driver_name: str = DRIVER_NAME) -> list[s
         f"--mount-dir={MOUNT_DIR}",
         f"--state-dir={STATE_DIR}",
         f"--ram-dir={RAM_DIR}",
-        f"--size={size}",
+        flags[0],
         "--resize-ram-volume",
     ]
-    bucket = spec.get("cloudStorageBucketName")
-    if bucket:
-        if not isinstance(bucket, str) or bucket.startswith("gs://"):
-            raise RenderError(
-                "spec.cloudStorageBucketName must be a bucket name "
-                "(NAME or NAME/PREFIX, without gs://)"
-            )
-        args.append(f"--bucket={bucket}")
-    for opt in spec.get("mountOptions") or []:
-        if not isinstance(opt, str) or not opt or " " in opt:
-            raise RenderError(f"spec.mountOptions: bad option {opt!r}")
-        args += ["-o", opt]
-    keep = spec.get("keepLocal")
-    if keep is not None:
-        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
-            raise RenderError("spec.keepLocal must be an integer >= 1")
-        args.append(f"--keep-local={keep}")
-    minutes = spec.get("backupIntervalMinutes")
-    if minutes is not None:
-        if not isinstance(minutes, (int, float)) or isinstance(minutes, bool) or minutes <= 0:
-            raise RenderError("spec.backupIntervalMinutes must be a positive number")
-        args.append(f"--backup-interval-minutes={minutes}")
-    port = spec.get("peerPort")
+    level = [a for a in flags[1:] if a.startswith("--log-level=")]
+    args += [a for a in flags[1:] if a not in level]
+    port = parsed.pod.peer_port
     if port is not None:
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-            raise RenderError("spec.peerPort must be a port number")
         args += [f"--listen=0.0.0.0:{port}", f"--advertise=$(NODE_IP):{port}"]
-    level = spec.get("logLevel")
-    if level is not None:
-        if level not in _LOG_LEVELS:
-            raise RenderError(f"spec.logLevel must be one of {', '.join(_LOG_LEVELS)}")
-        args.append(f"--log-level={level}")
-    for extra in spec.get("extraArgs") or []:
-        if not isinstance(extra, str):
-            raise RenderError("spec.extraArgs must be strings")
-        args.append(extra)
+    args += level
+    args += parsed.pod.extra_args
     return args
 
 
@@ -185,24 +157,15 @@ def render_node_daemonset(
     Raises:
         RenderError: naming the first invalid field.
     """
-    name, spec = _spec(cpc)
-    size = spec["inMemoryVolumeSize"]
-    quantity_bytes(size)
+    spec = _spec(cpc)
+    name, size = spec.name, spec.size_text
     labels = {
         "app.kubernetes.io/name": "tierfs",
         "app.kubernetes.io/component": "node",
         CONFIG_LABEL: short_name(name, 63),
     }
-    node_selector = {"kubernetes.io/os": "linux"}
-    selector = spec.get("nodeSelector") or {}
-    if not isinstance(selector, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in selector.items()
-    ):
-        raise RenderError("spec.nodeSelector must map strings to strings")
-    node_selector.update(selector)
-    tolerations = spec.get("tolerations") or []
-    if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
-        raise RenderError("spec.tolerations must be a list of tolerations")
+    node_selector = {"kubernetes.io/os": "linux", **spec.pod.node_selector}
+    tolerations = spec.pod.tolerations
     plugin_dir = f"{KUBELET_DIR}/plugins/{driver_name}"
     metadata: dict[str, Any] = {
         "name": daemonset_name(name),

@@ -33,9 +33,22 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-ATTR_PROCESS_ID = "jaxProcessId"
+from tierfs.core import node_config as config
+from tierfs.core import schema
+
+
+def _attribute(setting: str) -> str:
+    """The CSI volume attribute of a node setting, as the schema declares it."""
+    name = next(f.where.csi for f in config.FIELDS if f.name == setting)
+    assert name is not None, setting
+    return name
+
+
+#: the settings the schema lets a volume give (``--process-id``, ``--jax-coordinator``)
+ATTR_PROCESS_ID = _attribute("process_id")
+ATTR_COORDINATOR = _attribute("jax_coordinator")
+#: a volume's own attribute (no node setting): pods per child Job for ``auto``
 ATTR_PROCESSES_PER_JOB = "jaxProcessesPerJob"
-ATTR_COORDINATOR = "jaxCoordinatorAddress"
 TIERFS_ATTRIBUTES = (ATTR_PROCESS_ID, ATTR_PROCESSES_PER_JOB, ATTR_COORDINATOR)
 
 #: keys kubelet adds (podInfoOnMount, ephemeral volumes, tokenRequests)
@@ -103,6 +116,22 @@ def _parse_int(key: str, value: str, minimum: int) -> int:
         raise ContextError(f"volume attribute {key} must be an integer, got {value!r}") from None
     if n < minimum:
         raise ContextError(f"volume attribute {key} must be >= {minimum}, got {n}")
+    return n
+
+
+def parse_process_id(value: str) -> int:
+    """``jaxProcessId`` as a number: the schema's ``process_id`` (an integer >= 0).
+
+    Raises:
+        ContextError: ``volume attribute jaxProcessId must be ..., got ...``.
+    """
+    n: int = schema.parse_value(
+        config.NodeConfig,
+        "process_id",
+        value.strip(),
+        f"volume attribute {ATTR_PROCESS_ID}",
+        ContextError,
+    )
     return n
 
 
@@ -179,5 +208,5 @@ def jax_init_info(context: Mapping[str, str]) -> JaxInitInfo | None:
             per_job = 0
         process_id = job_index * per_job + pod_index
     else:
-        process_id = _parse_int(ATTR_PROCESS_ID, raw_id, 0)
+        process_id = parse_process_id(raw_id)
     return JaxInitInfo(process_id, host, port)

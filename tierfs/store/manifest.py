@@ -20,9 +20,11 @@ import stat
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, Required
 
 import google_crc32c
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError, with_config
+from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
 FORMAT = "tierfs.store.manifest/1"
 CHUNK = 4 << 20
@@ -95,10 +97,12 @@ class Manifest:
         relative paths (the data-parallel dedup test), regardless of rank,
         step number or entry names' owner.
         """
-        h = google_crc32c.Checksum()
+        h = google_crc32c.Checksum()  # type: ignore[no-untyped-call]
         for f in sorted(self.files, key=lambda e: e.path):
-            h.update(f"{f.path}\0{f.kind}\0{f.size}\0{f.crc32c}\0{f.target}\n".encode())
-        return f"{int.from_bytes(h.digest(), 'big'):08x}-{self.total_bytes:x}"
+            line = f"{f.path}\0{f.kind}\0{f.size}\0{f.crc32c}\0{f.target}\n".encode()
+            h.update(line)  # type: ignore[no-untyped-call]
+        digest: bytes = h.digest()  # type: ignore[no-untyped-call]
+        return f"{int.from_bytes(digest, 'big'):08x}-{self.total_bytes:x}"
 
     def to_json(self) -> bytes:
         """Serialize (stable key order)."""
@@ -117,33 +121,74 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes | str) -> Manifest:
-        """Parse and validate a manifest (paths are checked, see :func:`check_entries`).
+        """Parse and validate a manifest (:class:`ManifestDoc`; paths are checked, see
+        :func:`check_entries`). Reads every manifest :meth:`to_json` ever wrote
+        (``created`` and ``backup_requested`` may be missing: 0 and False).
 
         Raises:
-            ManifestError: bad JSON, wrong format, unsafe paths.
+            ManifestError: bad JSON, wrong format, a missing or mistyped field, unsafe paths.
         """
         try:
-            d = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ManifestError(f"manifest is not JSON: {exc}") from None
-        if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise ManifestError("not a tierfs manifest")
-        try:
-            files = tuple(FileEntry(**f) for f in d["files"])
-            m = cls(
-                job=str(d["job"]),
-                rank=int(d["rank"]),
-                step=int(d["step"]),
-                name=str(d["name"]),
-                framework=str(d["framework"]),
-                files=files,
-                created=float(d.get("created", 0)),
-                backup_requested=bool(d.get("backup_requested", False)),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ManifestError(f"malformed manifest: {exc}") from None
+            doc = ManifestDoc.model_validate_json(data)
+        except ValidationError as exc:
+            raise ManifestError(_manifest_problem(exc)) from None
+        m = doc.manifest()
         check_entries(m.files)
         return m
+
+
+@with_config(ConfigDict(extra="forbid"))
+class FileEntryDoc(TypedDict, total=False):
+    """One element of a manifest's ``files`` (the JSON form of :class:`FileEntry`:
+    ``crc32c`` and ``target`` are left out when None). A TypedDict, not a model:
+    a manifest may list 10⁵ files, and dicts are validated in pydantic's core."""
+
+    path: Required[StrictStr]
+    kind: Required[StrictStr]
+    size: StrictInt
+    mode: StrictInt
+    crc32c: StrictInt | None
+    target: StrictStr | None
+
+
+class ManifestDoc(BaseModel):
+    """The JSON of a sealed shard's manifest, format :data:`FORMAT` (what
+    :meth:`Manifest.to_json` writes: keys sorted, no spaces); unknown keys are ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, defer_build=True)
+
+    format: Literal["tierfs.store.manifest/1"]
+    job: StrictStr
+    rank: int
+    step: int
+    name: StrictStr
+    framework: StrictStr
+    files: list[FileEntryDoc]
+    created: float = 0.0
+    backup_requested: bool = False
+
+    def manifest(self) -> Manifest:
+        """The :class:`Manifest` (not yet path-checked)."""
+        return Manifest(
+            job=self.job,
+            rank=self.rank,
+            step=self.step,
+            name=self.name,
+            framework=self.framework,
+            files=tuple(FileEntry(**f) for f in self.files),
+            created=self.created,
+            backup_requested=self.backup_requested,
+        )
+
+
+def _manifest_problem(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    if err["type"] == "json_invalid":
+        return f"manifest is not JSON: {err['msg']}"
+    if err["type"] == "model_type" or err["loc"] in (("format",),):
+        return "not a tierfs manifest"
+    where = ".".join(str(p) for p in err["loc"])
+    return f"malformed manifest: {where}: {err['msg']}"
 
 
 def check_path(path: str) -> None:
@@ -218,7 +263,7 @@ def crc32c_file(
         OSError: unreadable file. InterruptedError if ``cancelled()`` turns true.
     """
     own = isinstance(path, str)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if own else int(path)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if isinstance(path, str) else int(path)
     crc = 0
     size = 0
     try:
