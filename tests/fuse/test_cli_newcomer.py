@@ -106,7 +106,7 @@ def _mount_with_fake_daemon(tmp_path, ram_dir, monkeypatch, linger: float):
         tierfs_pkg, "command", lambda *args: [sys.executable, "-c", FAKE_DAEMON, *args]
     )
     (tmp_path / "m").mkdir()
-    return CliRunner().invoke(cli.main, ["mount", str(tmp_path / "m"), "--ram-dir", str(ram_dir)])
+    return CliRunner().invoke(cli, ["mount", str(tmp_path / "m"), "--ram-dir", str(ram_dir)])
 
 
 def test_a_daemon_dying_at_start_is_reported_as_its_exit(tmp_path, ram_dir, monkeypatch):
