@@ -19,7 +19,7 @@ from conftest import SHM, TIERFS, is_mounted, tierfs
 from mtc_clients import wait_for
 
 import tierfs as tierfs_pkg
-from tierfs.cli.main import main as cli
+from tierfs.cli import main as cli
 
 MiB = 1 << 20
 
@@ -106,7 +106,7 @@ def _mount_with_fake_daemon(tmp_path, ram_dir, monkeypatch, linger: float):
         tierfs_pkg, "command", lambda *args: [sys.executable, "-c", FAKE_DAEMON, *args]
     )
     (tmp_path / "m").mkdir()
-    return CliRunner().invoke(cli, ["mount", str(tmp_path / "m"), "--ram-dir", str(ram_dir)])
+    return CliRunner().invoke(cli.main, ["mount", str(tmp_path / "m"), "--ram-dir", str(ram_dir)])
 
 
 def test_a_daemon_dying_at_start_is_reported_as_its_exit(tmp_path, ram_dir, monkeypatch):
