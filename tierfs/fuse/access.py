@@ -85,13 +85,20 @@ def kill_bits(mode: int) -> int:
     return kill
 
 
+#: the names a directory lists that are no entries of their own
+DOTS = (b".", b"..")
+
+
 def check_name(name: bytes) -> None:
     """A name must be one path component, not ``.`` or ``..``.
+
+    On the request path, call it only when ``b"/" in name or name in DOTS``
+    (the test inline, the error here).
 
     Raises:
         OSError: EINVAL otherwise.
     """
-    if b"/" in name or name in (b".", b".."):
+    if b"/" in name or name in DOTS:
         raise OSError(errno.EINVAL, "invalid name")
 
 
@@ -114,15 +121,14 @@ def check_mutable(
     Raises:
         OSError: EPERM ("managed by tierfs").
     """
-    if is_reserved_child(parent_reserved, parent_is_root, name, reserved):
-        raise OSError(errno.EPERM, "managed by tierfs")
+    if parent_reserved or (parent_is_root and name in reserved):  # is_reserved_child, inline
+        raise managed_error()
 
 
-def check_not_reserved(reserved: bool) -> None:
-    """An object under a daemon-managed name may not be changed by clients.
+def managed_error() -> OSError:
+    """The error for a client changing an object under a daemon-managed name (EPERM).
 
-    Raises:
-        OSError: EPERM ("managed by tierfs") if ``reserved``.
+    Use as ``if inode.reserved: raise managed_error()`` (the test stays inline
+    on the request path).
     """
-    if reserved:
-        raise OSError(errno.EPERM, "managed by tierfs")
+    return OSError(errno.EPERM, "managed by tierfs")

@@ -104,7 +104,8 @@ class AttrOps:
         """
         inodes = self._inodes
         inode = inodes.get(nodeid)
-        access.check_not_reserved(inode.reserved)
+        if inode.reserved:
+            raise access.managed_error()
         handle = self._handles.get(fh) if fh is not None else None
         if size is not None:
             if stat.S_ISDIR(inode.mode):
@@ -166,7 +167,8 @@ class AttrOps:
     def setxattr(self, nodeid: int, name: bytes, value: bytes, flags: int) -> None:
         """setxattr(2) with XATTR_CREATE/XATTR_REPLACE flags; EPERM under reserved names."""
         inode = self._inodes.get(nodeid)
-        access.check_not_reserved(inode.reserved)
+        if inode.reserved:
+            raise access.managed_error()
         os.setxattr(self._xattr_path(inode), name, value, flags)
 
     def listxattr(self, nodeid: int) -> list[bytes]:
@@ -179,5 +181,6 @@ class AttrOps:
     def removexattr(self, nodeid: int, name: bytes) -> None:
         """removexattr(2); EPERM under reserved names, ENODATA if absent."""
         inode = self._inodes.get(nodeid)
-        access.check_not_reserved(inode.reserved)
+        if inode.reserved:
+            raise access.managed_error()
         os.removexattr(self._xattr_path(inode), name)

@@ -14,10 +14,9 @@ import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from tierfs.fuse import access
 from tierfs.fuse.handles import DirHandle, HandleTable
 from tierfs.fuse.inodes import InodeTable, proc
-
-_DOTS = (b".", b"..")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +69,7 @@ class DirOps:
         """
         handle = self._handles.directory(fh)
         if not handle.listed or offset == 0:
-            handle.names = [*_DOTS, *(os.fsencode(n) for n in os.listdir(handle.fd))]
+            handle.names = [*access.DOTS, *(os.fsencode(n) for n in os.listdir(handle.fd))]
             handle.listed = True
         inodes = self._inodes
         parent = handle.inode
@@ -79,7 +78,7 @@ class DirOps:
             cookie = index + 1
             if not fits(name):
                 return
-            if name in _DOTS:
+            if name in access.DOTS:
                 yield DirEntry(name, cookie, 0, None, stat.S_IFDIR)
                 continue
             try:

@@ -86,7 +86,8 @@ class FileOps:
         if stat.S_ISDIR(inode.mode):
             raise OSError(errno.EISDIR, "is a directory")
         if access.opens_for_write(flags):
-            access.check_not_reserved(inode.reserved)
+            if inode.reserved:
+                raise access.managed_error()
             self._events.opening_for_write(inode.ino)
         elif inode.virtual is not None:
             self._regenerate(inode)
@@ -194,7 +195,7 @@ class FileOps:
         if handle is None:
             return
         inode = handle.inode
-        if inode.handles == 0:
+        if inode.handles == 0 and inode.orphan:
             self._space.closed(inode)  # unlinked while open: freed now
         if handle.writable:
             try:

@@ -69,7 +69,9 @@ class HandleTable:
 
     def __init__(self, kernel: KernelLink) -> None:
         self.kernel = kernel
-        self._handles: dict[int, Handle | DirHandle] = {}
+        #: every open handle by fh (read it, never change it: the session counts it per request)
+        self.open: dict[int, Handle | DirHandle] = {}
+        self._handles = self.open
         self._next_fh = itertools.count(1)
 
     # ------------------------------------------------------------------ finding handles

@@ -199,7 +199,8 @@ class Namespace:
         """
         inodes = self.inodes
         parent = inodes.directory(parent_id)
-        access.check_name(name)
+        if b"/" in name or name in access.DOTS:
+            access.check_name(name)
         st = os.stat(name, dir_fd=inodes.fd_of(parent), follow_symlinks=False)
         if st.st_dev != inodes.dev:
             raise OSError(errno.EXDEV, "foreign filesystem in the RAM store")
@@ -212,9 +213,6 @@ class Namespace:
             os.close(fd)
             raise OSError(errno.EXDEV, "foreign filesystem in the RAM store")
         return inodes.learn(parent, name, fd, st), st
-
-    def _check_mutable(self, parent: Inode, name: bytes | None = None) -> None:
-        access.check_mutable(parent.reserved, parent is self.root, name, self.reserved)
 
     def _changed(self, parent: Inode, name: bytes) -> None:
         rel = self.inodes.child_relpath(parent, name)
@@ -269,8 +267,9 @@ class Namespace:
                 not open, EPERM under reserved names, ENOSPC past the budget.
         """
         parent = self.inodes.directory(parent_id)
-        self._check_mutable(parent, name)
-        access.check_name(name)
+        access.check_mutable(parent.reserved, parent is self.root, name, self.reserved)
+        if b"/" in name or name in access.DOTS:
+            access.check_name(name)
         self.space.check_new_file()
         bflags = (flags & (BACKING_FLAGS | os.O_TRUNC)) | os.O_CLOEXEC | os.O_NOFOLLOW
         dirfd = self.inodes.fd_of(parent)
@@ -293,7 +292,8 @@ class Namespace:
             ):  # the file stat saw: truncated
                 self.space.shrunk(fd, st.st_blocks * 512)
             inode, st = self._finish_create(parent, name, uid, gid, fd=fd, chown=created)
-            access.check_not_reserved(inode.reserved)
+            if inode.reserved:
+                raise access.managed_error()
             if (flags & os.O_ACCMODE) != os.O_RDONLY:
                 self.events.opening_for_write(inode.ino)
             if kill_suidgid and not created and bflags & os.O_TRUNC:
@@ -359,7 +359,7 @@ class Namespace:
     ) -> tuple[Inode, os.stat_result]:
         """mkdir(2) of ``name`` owned by the caller (setgid directories pass their group on)."""
         parent = self.inodes.directory(parent_id)
-        self._check_mutable(parent, name)
+        access.check_mutable(parent.reserved, parent is self.root, name, self.reserved)
         os.mkdir(name, stat.S_IMODE(mode), dir_fd=self.inodes.fd_of(parent))
         return self._finish_create(parent, name, uid, gid)
 
@@ -368,7 +368,7 @@ class Namespace:
     ) -> tuple[Inode, os.stat_result]:
         """mknod(2): regular files, FIFOs, sockets (devices need CAP_MKNOD)."""
         parent = self.inodes.directory(parent_id)
-        self._check_mutable(parent, name)
+        access.check_mutable(parent.reserved, parent is self.root, name, self.reserved)
         if stat.S_ISREG(mode):
             self.space.check_new_file()
         os.mknod(name, mode, rdev, dir_fd=self.inodes.fd_of(parent))
@@ -379,7 +379,7 @@ class Namespace:
     ) -> tuple[Inode, os.stat_result]:
         """symlink(2): ``name`` in ``parent_id`` pointing at ``target`` (stored verbatim)."""
         parent = self.inodes.directory(parent_id)
-        self._check_mutable(parent, name)
+        access.check_mutable(parent.reserved, parent is self.root, name, self.reserved)
         os.symlink(target, name, dir_fd=self.inodes.fd_of(parent))
         return self._finish_create(parent, name, uid, gid)
 
@@ -388,10 +388,11 @@ class Namespace:
         inodes = self.inodes
         inode = inodes.get(nodeid)
         parent = inodes.directory(parent_id)
-        self._check_mutable(parent, name)
+        access.check_mutable(parent.reserved, parent is self.root, name, self.reserved)
         if stat.S_ISDIR(inode.mode):
             raise OSError(errno.EPERM, "hard link to directory")
-        access.check_not_reserved(inode.reserved)
+        if inode.reserved:
+            raise access.managed_error()
         syscalls.link_empty(inodes.fd_of(inode), inodes.fd_of(parent), name)
         st = os.fstat(inodes.fd_of(inode))
         inode.lookups += 1
@@ -417,7 +418,7 @@ class Namespace:
     def _remove(self, parent_id: int, name: bytes, remove: Callable[..., None]) -> None:
         """``remove(name, dir_fd=...)`` (os.unlink or os.rmdir) with the budget told."""
         parent = self.inodes.directory(parent_id)
-        self._check_mutable(parent, name)
+        access.check_mutable(parent.reserved, parent is self.root, name, self.reserved)
         dirfd = self.inodes.fd_of(parent)
         removed = self.space.before_remove(dirfd, name)
         try:
@@ -437,8 +438,8 @@ class Namespace:
         inodes = self.inodes
         parent = inodes.directory(parent_id)
         newparent = inodes.directory(newparent_id)
-        self._check_mutable(parent, name)
-        self._check_mutable(newparent, newname)
+        access.check_mutable(parent.reserved, parent is self.root, name, self.reserved)
+        access.check_mutable(newparent.reserved, newparent is self.root, newname, self.reserved)
         st = os.stat(name, dir_fd=inodes.fd_of(parent), follow_symlinks=False)
         old_rel = inodes.child_relpath(parent, name)
         new_rel = inodes.child_relpath(newparent, newname)

@@ -427,7 +427,8 @@ class FuseSession:
         still run at least every 32 requests and whenever the device is idle.
         """
         since_yield = 0
-        trim_fds = self.ns.trim_fds
+        # the namespace's trim_fds in one call per request: at once below the budget
+        trim_fds, handles_open = self.ns.inodes.trim, self.ns.handles.open
         poller = select.epoll()
         poller.register(self.fd, select.EPOLLIN)
         try:
@@ -453,7 +454,7 @@ class FuseSession:
                         return
                     raise
                 self.dispatch(n)
-                trim_fds()  # between requests (no descriptor in use); at once below the budget
+                trim_fds(len(handles_open))  # between requests: no descriptor is in use
                 since_yield += 1
                 if since_yield >= 32:
                     since_yield = 0
