@@ -56,6 +56,10 @@ class AttrOps:
     ) -> None:
         self._inodes = inodes
         self._handles = handles
+        # bound once: the request path makes these calls many times
+        self._inode = inodes.get
+        self._fd_of = inodes.fd_of
+        self._file = handles.file
         self._space = space
         self._events = events
         self._kernel = kernel
@@ -66,12 +70,12 @@ class AttrOps:
         Raises:
             OSError: ESTALE for an unknown node id.
         """
-        inode = self._inodes.get(nodeid)
+        inode = self._inode(nodeid)
         if fh is not None:
             handle = self._handles.get(fh)
             if isinstance(handle, Handle):
                 return inode, os.fstat(handle.fd)
-        return inode, os.fstat(self._inodes.fd_of(inode))
+        return inode, os.fstat(self._fd_of(inode))
 
     def setattr(
         self,
@@ -113,29 +117,29 @@ class AttrOps:
             if not stat.S_ISREG(inode.mode):
                 raise OSError(errno.EINVAL, "not a regular file")
             self._events.opening_for_write(inode.ino)
-            before = self._space.allocated(inodes.fd_of(inode))
+            before = self._space.allocated(self._fd_of(inode))
             if isinstance(handle, Handle) and handle.writable:
                 os.ftruncate(handle.fd, size)
             else:
-                os.truncate(proc(inodes.fd_of(inode)), size)
-            self._space.shrunk(inodes.fd_of(inode), before)
+                os.truncate(proc(self._fd_of(inode)), size)
+            self._space.shrunk(self._fd_of(inode), before)
         if mode is not None:
             if stat.S_ISLNK(inode.mode):
                 raise OSError(errno.EOPNOTSUPP, "symlink mode")
-            os.chmod(proc(inodes.fd_of(inode)), stat.S_IMODE(mode))
+            os.chmod(proc(self._fd_of(inode)), stat.S_IMODE(mode))
         if uid is not None or gid is not None:
             syscalls.fchown_empty(
-                inodes.fd_of(inode), -1 if uid is None else uid, -1 if gid is None else gid
+                self._fd_of(inode), -1 if uid is None else uid, -1 if gid is None else gid
             )
         if atime_ns is not None or mtime_ns is not None or atime_now or mtime_now:
-            syscalls.utimens_empty(inodes.fd_of(inode), atime_ns, mtime_ns, atime_now, mtime_now)
+            syscalls.utimens_empty(self._fd_of(inode), atime_ns, mtime_ns, atime_now, mtime_now)
         if kill_suidgid:
-            clear_suidgid(self._kernel, inode, inodes.fd_of(inode))
+            clear_suidgid(self._kernel, inode, self._fd_of(inode))
         if size is not None or mode is not None or uid is not None or gid is not None:
             rel = inodes.relpath(inode)
             if rel:
                 self._events.changed(rel)
-        return os.fstat(inodes.fd_of(inode))
+        return os.fstat(self._fd_of(inode))
 
     def readlink(self, nodeid: int) -> bytes:
         """Target of a symlink.
@@ -143,11 +147,11 @@ class AttrOps:
         Raises:
             OSError: EINVAL if not a symlink, ESTALE for an unknown node id.
         """
-        inode = self._inodes.get(nodeid)
+        inode = self._inode(nodeid)
         if not stat.S_ISLNK(inode.mode):
             raise OSError(errno.EINVAL, "not a symlink")
         # readlinkat(fd, "") reads the symlink an O_PATH|O_NOFOLLOW fd refers to.
-        return os.readlink(b"", dir_fd=self._inodes.fd_of(inode))
+        return os.readlink(b"", dir_fd=self._fd_of(inode))
 
     def statfs(self) -> StatFs:
         """The RAM budget as statfs numbers."""
@@ -158,29 +162,29 @@ class AttrOps:
     def _xattr_path(self, inode: Inode) -> bytes:
         if stat.S_ISLNK(inode.mode):
             raise OSError(errno.ENOTSUP, "no xattrs on symlinks")
-        return proc(self._inodes.fd_of(inode))
+        return proc(self._fd_of(inode))
 
     def getxattr(self, nodeid: int, name: bytes) -> bytes:
         """getxattr(2): ENODATA if absent, ENOTSUP where unsupported (symlinks)."""
-        return os.getxattr(self._xattr_path(self._inodes.get(nodeid)), name)
+        return os.getxattr(self._xattr_path(self._inode(nodeid)), name)
 
     def setxattr(self, nodeid: int, name: bytes, value: bytes, flags: int) -> None:
         """setxattr(2) with XATTR_CREATE/XATTR_REPLACE flags; EPERM under reserved names."""
-        inode = self._inodes.get(nodeid)
+        inode = self._inode(nodeid)
         if inode.reserved:
             raise access.managed_error()
         os.setxattr(self._xattr_path(inode), name, value, flags)
 
     def listxattr(self, nodeid: int) -> list[bytes]:
         """listxattr(2) as a list of names (none for symlinks)."""
-        inode = self._inodes.get(nodeid)
+        inode = self._inode(nodeid)
         if stat.S_ISLNK(inode.mode):
             return []
-        return [os.fsencode(n) for n in os.listxattr(proc(self._inodes.fd_of(inode)))]
+        return [os.fsencode(n) for n in os.listxattr(proc(self._fd_of(inode)))]
 
     def removexattr(self, nodeid: int, name: bytes) -> None:
         """removexattr(2); EPERM under reserved names, ENODATA if absent."""
-        inode = self._inodes.get(nodeid)
+        inode = self._inode(nodeid)
         if inode.reserved:
             raise access.managed_error()
         os.removexattr(self._xattr_path(inode), name)

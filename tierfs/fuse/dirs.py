@@ -40,6 +40,10 @@ class DirOps:
     def __init__(self, inodes: InodeTable, handles: HandleTable) -> None:
         self._inodes = inodes
         self._handles = handles
+        # bound once: the request path makes these calls many times
+        self._inode = inodes.get
+        self._fd_of = inodes.fd_of
+        self._file = handles.file
 
     def opendir(self, nodeid: int) -> DirHandle:
         """opendir(3): the listing is taken on the first readdir.
@@ -48,7 +52,7 @@ class DirOps:
             OSError: ENOTDIR, ESTALE for an unknown node id.
         """
         inode = self._inodes.directory(nodeid)
-        fd = os.open(proc(self._inodes.fd_of(inode)), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(proc(self._fd_of(inode)), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         return self._handles.new_dir(inode, fd)
 
     def readdir(

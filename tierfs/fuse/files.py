@@ -67,6 +67,10 @@ class FileOps:
     ) -> None:
         self._inodes = inodes
         self._handles = handles
+        # bound once: the request path makes these calls many times
+        self._inode = inodes.get
+        self._fd_of = inodes.fd_of
+        self._file = handles.file
         self._space = space
         self._events = events
         self._kernel = kernel
@@ -82,7 +86,7 @@ class FileOps:
             OSError: EISDIR for directories, EPERM writing reserved files,
                 ELOOP for symlinks, ESTALE for an unknown node id.
         """
-        inode = self._inodes.get(nodeid)
+        inode = self._inode(nodeid)
         if stat.S_ISDIR(inode.mode):
             raise OSError(errno.EISDIR, "is a directory")
         if access.opens_for_write(flags):
@@ -93,13 +97,13 @@ class FileOps:
             self._regenerate(inode)
         # No O_NOFOLLOW: /proc/self/fd/N is a magic link (the kernel resolves
         # client symlinks itself and never opens one through FUSE).
-        fd = os.open(proc(self._inodes.fd_of(inode)), (flags & BACKING_FLAGS) | os.O_CLOEXEC)
+        fd = os.open(proc(self._fd_of(inode)), (flags & BACKING_FLAGS) | os.O_CLOEXEC)
         try:
             if flags & os.O_TRUNC and stat.S_ISREG(inode.mode):
                 before = self._space.allocated(fd)
                 if (flags & os.O_ACCMODE) == os.O_RDONLY:
                     # Linux truncates on O_RDONLY|O_TRUNC too; the fd cannot.
-                    os.truncate(proc(self._inodes.fd_of(inode)), 0)
+                    os.truncate(proc(self._fd_of(inode)), 0)
                 else:
                     os.ftruncate(fd, 0)
                 self._space.shrunk(fd, before)
@@ -117,7 +121,7 @@ class FileOps:
         except Exception:  # a status generator must never break open()
             log.exception("generating virtual file failed")
             return
-        fd = os.open(proc(self._inodes.fd_of(inode)), os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+        fd = os.open(proc(self._fd_of(inode)), os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
         try:
             os.write(fd, content)
         finally:
@@ -129,7 +133,7 @@ class FileOps:
         Raises:
             OSError: EBADF for an unknown handle.
         """
-        return os.preadv(self._handles.file(fh).fd, [buf], offset)
+        return os.preadv(self._file(fh).fd, [buf], offset)
 
     def write(self, fh: int, offset: int, data: memoryview, cached: bool = False) -> int:
         """Write ``data`` at ``offset``; returns bytes written.
@@ -142,7 +146,7 @@ class FileOps:
         Raises:
             OSError: ENOSPC past the budget (nothing written), EBADF.
         """
-        handle = self._handles.file(fh)
+        handle = self._file(fh)
         self._space.check_write(handle.fd, offset, len(data))
         if cached and handle.flags & os.O_APPEND:
             return pwrite_noappend(handle.fd, data, offset)
@@ -166,12 +170,12 @@ class FileOps:
         Raises:
             OSError: EBADF for an unknown handle.
         """
-        handle = self._handles.file(fh)
+        handle = self._file(fh)
         clear_suidgid(self._kernel, handle.inode, handle.fd)
 
     def flush(self, fh: int) -> None:
         """close(2) of a descriptor of the handle: nothing to flush on tmpfs (EBADF if unknown)."""
-        self._handles.file(fh)
+        self._file(fh)
 
     def fsync(self, fh: int, datasync: bool) -> None:
         """fsync/fdatasync: bytes are in RAM (tmpfs) once write returned; see SEMANTICS.
@@ -211,7 +215,7 @@ class FileOps:
             OSError: ENOSPC if the range's unallocated pages pass the budget,
                 EOPNOTSUPP for modes tmpfs lacks, EBADF.
         """
-        handle = self._handles.file(fh)
+        handle = self._file(fh)
         punch = mode & syscalls.FALLOC_FL_PUNCH_HOLE
         if not punch:
             self._space.check_write(handle.fd, offset, length)
@@ -223,7 +227,7 @@ class FileOps:
 
     def lseek(self, fh: int, offset: int, whence: int) -> int:
         """lseek(2) with SEEK_DATA/SEEK_HOLE (the kernel handles the others); ENXIO past data."""
-        return os.lseek(self._handles.file(fh).fd, offset, whence)
+        return os.lseek(self._file(fh).fd, offset, whence)
 
     def copy_file_range(
         self, fh_in: int, off_in: int, fh_out: int, off_out: int, length: int
@@ -233,6 +237,6 @@ class FileOps:
         Raises:
             OSError: ENOSPC past the budget, EBADF for an unknown handle.
         """
-        src, dst = self._handles.file(fh_in), self._handles.file(fh_out)
+        src, dst = self._file(fh_in), self._file(fh_out)
         self._space.check_write(dst.fd, off_out, length)
         return os.copy_file_range(src.fd, dst.fd, length, off_in, off_out)

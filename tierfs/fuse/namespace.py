@@ -116,6 +116,7 @@ class Namespace:
         # The parts' operations under the namespace's names, bound once: a FUSE
         # handler's ``ns.write(...)`` costs what a method of this class would.
         self.inode = inodes.get
+        self._directory = inodes.directory
         self.fd_of = inodes.fd_of
         self.forget = inodes.forget
         self.relpath = inodes.relpath
@@ -266,13 +267,13 @@ class Namespace:
             OSError: EEXIST with O_EXCL, EACCES for a racing file the caller may
                 not open, EPERM under reserved names, ENOSPC past the budget.
         """
-        parent = self.inodes.directory(parent_id)
+        parent = self._directory(parent_id)
         access.check_mutable(parent.reserved, parent is self.root, name, self.reserved)
         if b"/" in name or name in access.DOTS:
             access.check_name(name)
         self.space.check_new_file()
         bflags = (flags & (BACKING_FLAGS | os.O_TRUNC)) | os.O_CLOEXEC | os.O_NOFOLLOW
-        dirfd = self.inodes.fd_of(parent)
+        dirfd = self.fd_of(parent)
         created = True
         try:
             fd = os.open(name, bflags | os.O_CREAT | os.O_EXCL, stat.S_IMODE(mode), dir_fd=dirfd)
@@ -315,7 +316,7 @@ class Namespace:
         chown: bool = True,
     ) -> tuple[Inode, os.stat_result]:
         """Give the new ``name`` the caller's owner (setgid parents their group) and learn it."""
-        pst = os.fstat(self.inodes.fd_of(parent))
+        pst = os.fstat(self.fd_of(parent))
         owner = (uid, pst.st_gid if pst.st_mode & stat.S_ISGID else gid)
         if fd is None:
             opath, st = self.inodes.open_child(parent, name)
@@ -342,7 +343,7 @@ class Namespace:
         want = os.fstat(fd).st_ino
         try:
             opath = os.open(
-                name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.inodes.fd_of(parent)
+                name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd_of(parent)
             )
         except OSError:
             opath = -1
@@ -358,29 +359,29 @@ class Namespace:
         self, parent_id: int, name: bytes, mode: int, uid: int, gid: int
     ) -> tuple[Inode, os.stat_result]:
         """mkdir(2) of ``name`` owned by the caller (setgid directories pass their group on)."""
-        parent = self.inodes.directory(parent_id)
+        parent = self._directory(parent_id)
         access.check_mutable(parent.reserved, parent is self.root, name, self.reserved)
-        os.mkdir(name, stat.S_IMODE(mode), dir_fd=self.inodes.fd_of(parent))
+        os.mkdir(name, stat.S_IMODE(mode), dir_fd=self.fd_of(parent))
         return self._finish_create(parent, name, uid, gid)
 
     def mknod(
         self, parent_id: int, name: bytes, mode: int, rdev: int, uid: int, gid: int
     ) -> tuple[Inode, os.stat_result]:
         """mknod(2): regular files, FIFOs, sockets (devices need CAP_MKNOD)."""
-        parent = self.inodes.directory(parent_id)
+        parent = self._directory(parent_id)
         access.check_mutable(parent.reserved, parent is self.root, name, self.reserved)
         if stat.S_ISREG(mode):
             self.space.check_new_file()
-        os.mknod(name, mode, rdev, dir_fd=self.inodes.fd_of(parent))
+        os.mknod(name, mode, rdev, dir_fd=self.fd_of(parent))
         return self._finish_create(parent, name, uid, gid)
 
     def symlink(
         self, parent_id: int, name: bytes, target: bytes, uid: int, gid: int
     ) -> tuple[Inode, os.stat_result]:
         """symlink(2): ``name`` in ``parent_id`` pointing at ``target`` (stored verbatim)."""
-        parent = self.inodes.directory(parent_id)
+        parent = self._directory(parent_id)
         access.check_mutable(parent.reserved, parent is self.root, name, self.reserved)
-        os.symlink(target, name, dir_fd=self.inodes.fd_of(parent))
+        os.symlink(target, name, dir_fd=self.fd_of(parent))
         return self._finish_create(parent, name, uid, gid)
 
     def link(self, nodeid: int, parent_id: int, name: bytes) -> tuple[Inode, os.stat_result]:
@@ -417,9 +418,9 @@ class Namespace:
 
     def _remove(self, parent_id: int, name: bytes, remove: Callable[..., None]) -> None:
         """``remove(name, dir_fd=...)`` (os.unlink or os.rmdir) with the budget told."""
-        parent = self.inodes.directory(parent_id)
+        parent = self._directory(parent_id)
         access.check_mutable(parent.reserved, parent is self.root, name, self.reserved)
-        dirfd = self.inodes.fd_of(parent)
+        dirfd = self.fd_of(parent)
         removed = self.space.before_remove(dirfd, name)
         try:
             remove(name, dir_fd=dirfd)
