@@ -208,7 +208,7 @@ def test_size_beyond_the_filesystem_is_a_warning(make_mount):
 
 
 def test_ram_dir_not_on_tmpfs_is_a_warning(tmp_path, cleanup):
-    from tierfs.store.ramstore import fs_type
+    from tierfs.core.mounts import fs_type
 
     disk_dir = Path("/var/tmp") / f"tierfs-disk-{uuid.uuid4().hex[:8]}"
     if fs_type(str(disk_dir.parent)) in ("tmpfs", "ramfs"):

@@ -132,7 +132,7 @@ def test_fit_volume_ignores_what_is_not_a_tmpfs_mount_root(tmpfs_dir, tmp_path):
 
 
 def ram_mount(ram: Path) -> dict[str, str] | None:
-    from tierfs.fuse.session import mount_entry
+    from tierfs.core.mounts import mount_entry
 
     return mount_entry(str(ram))
 

@@ -154,7 +154,8 @@ def test_a_snapshot_dropped_before_the_client_deletes_its_copy_frees_at_once(shm
     copy still linked its files, so the reclaimer found nothing freeable; the
     client's rmtree a moment later woke nobody, and the bytes sat out the 30 s
     grace while the next step's writes were refused."""
-    from tierfs.fuse.namespace import ROOT_ID, Namespace
+    from tierfs.fuse.inodes import ROOT_ID
+    from tierfs.fuse.namespace import Namespace
 
     store = RamStore(shm_ram)
     budget = Budget(store.root, 8 * MiB, store.usage(), recount=store.usage)

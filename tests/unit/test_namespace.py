@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from tierfs.core import syscalls
-from tierfs.fuse.namespace import ROOT_ID, Namespace, unallocated
+from tierfs.fuse.inodes import ROOT_ID
+from tierfs.fuse.namespace import Namespace
+from tierfs.fuse.space import unallocated
 from tierfs.store.ramstore import Budget
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -437,7 +439,7 @@ def test_an_evicted_inode_number_that_names_another_object_is_a_new_inode(view):
 def test_default_descriptor_budget_leaves_a_reserve():
     import resource
 
-    from tierfs.fuse.namespace import default_max_fds
+    from tierfs.fuse.inodes import default_max_fds
 
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert 64 <= default_max_fds() <= soft - 256

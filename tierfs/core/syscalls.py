@@ -11,6 +11,8 @@ import fcntl
 import os
 import struct
 
+from tierfs.core.mounts import mount_entry
+
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 AT_FDCWD = -100
@@ -202,8 +204,6 @@ MS_REMOUNT = 32
 
 
 def _remount(target: str, params: dict[str, str]) -> None:
-    from tierfs.fuse.session import mount_entry
-
     entry = mount_entry(target)
     if entry is None:
         raise OSError(22, f"{target} is not a mount point")

@@ -14,7 +14,8 @@ import os
 from collections.abc import Callable
 
 from tierfs.fuse import protocol as P
-from tierfs.fuse.namespace import Handle, Namespace
+from tierfs.fuse.handles import Handle
+from tierfs.fuse.namespace import Namespace
 
 NO_REPLY = object()
 Payload = bytes | list[bytes | memoryview]

@@ -20,7 +20,6 @@ import collections
 import errno
 import json
 import logging
-import math
 import os
 import queue
 import select
@@ -28,14 +27,29 @@ import socket
 import stat
 import subprocess
 import threading
-from dataclasses import dataclass, field
 
 import trio
 
 from tierfs.core import syscalls
+from tierfs.core.mounts import mount_entry
 from tierfs.fuse import protocol as P
 from tierfs.fuse.namespace import Namespace
 from tierfs.fuse.operations import NO_REPLY, Operations
+from tierfs.fuse.options import (
+    MountOptionError,
+    MountOptions,
+    fusermount_options,
+    mount_data,
+)
+
+__all__ = [
+    "FuseSession",
+    "MountOptionError",
+    "MountOptions",
+    "is_dead_mount",
+    "mount_entry",
+    "unmount_path",
+]
 
 log = logging.getLogger(__name__)
 
@@ -46,171 +60,6 @@ BUFFER_SIZE = MAX_WRITE + 64 * 1024
 READAHEAD_KIB = 4096
 #: seconds the request loop waits for the next request of a burst before parking in trio
 POLL_BEFORE_PARK = 0.0005
-#: longest accepted entry/attr cache timeout (seconds, about 31 years): "forever"
-#: in practice, and it fits the protocol's u64 seconds with room to spare
-MAX_TIMEOUT = 1e9
-
-_FLAG_OPTS = {
-    "ro": 1,  # MS_RDONLY
-    "nosuid": syscalls.MS_NOSUID,
-    "nodev": syscalls.MS_NODEV,
-    "noexec": 8,
-    "sync": 16,
-    "dirsync": 128,
-    "noatime": 1024,
-    "nodiratime": 2048,
-    "relatime": 1 << 21,
-}
-_NEGATED = {
-    "rw": "ro",
-    "suid": "nosuid",
-    "dev": "nodev",
-    "exec": "noexec",
-    "atime": "noatime",
-    "async": "sync",
-}
-
-
-class MountOptionError(ValueError):
-    """An ``-o`` option tierfs does not understand or a value it cannot parse."""
-
-
-@dataclass
-class MountOptions:
-    """Options of one FUSE mount (the ``-o`` list plus tierfs's own).
-
-    Attributes:
-        allow_other: let users other than the mounter in (FUSE ``allow_other``).
-        default_permissions: the kernel checks mode bits (always on unless
-            ``-o no_default_permissions``, which only the mounting user may use:
-            it is refused together with ``allow_other``).
-        flags: mount(2) flags (MS_RDONLY, MS_NOSUID, ...).
-        fsname: the source shown in /proc/mounts.
-        passthrough: use FUSE passthrough when the kernel and budget allow.
-        entry_timeout, attr_timeout: kernel cache lifetimes in seconds.
-        max_read: optional FUSE ``max_read`` (bytes).
-        auto_unmount: unmount when the daemon dies.
-    """
-
-    allow_other: bool = False
-    default_permissions: bool = True
-    flags: int = syscalls.MS_NOSUID | syscalls.MS_NODEV
-    fsname: str = "tierfs"
-    subtype: str = "tierfs"
-    passthrough: bool = True
-    entry_timeout: float = 10.0
-    attr_timeout: float = 10.0
-    max_read: int | None = None
-    auto_unmount: bool = False
-    extra: list[str] = field(default_factory=list)
-
-    @classmethod
-    def parse(cls, opts: list[str]) -> MountOptions:
-        """Parse ``-o`` values (each may hold a comma-separated list).
-
-        Raises:
-            MountOptionError: unknown option or bad value, naming it.
-        """
-        result = cls()
-        for group in opts:
-            for raw in group.split(","):
-                opt = raw.strip()
-                if not opt:
-                    continue
-                key, eq, value = opt.partition("=")
-                try:
-                    result._apply(key, value if eq else None)
-                except ValueError as exc:
-                    raise MountOptionError(f"bad mount option {opt!r}: {exc}") from None
-        if result.allow_other and not result.default_permissions:
-            # The daemon runs as root and checks no mode bits itself: with other users let
-            # in, each could read, write, chmod and delete every file of every other user.
-            raise MountOptionError(
-                "no_default_permissions cannot be combined with allow_other or allow_root: tierfs "
-                "leaves permission checks to the kernel (default_permissions), so every "
-                "user let in could read and change every file"
-            )
-        return result
-
-    def _apply(self, key: str, value: str | None) -> None:
-        if key in _FLAG_OPTS:
-            self.flags |= _FLAG_OPTS[key]
-        elif key in _NEGATED:
-            self.flags &= ~_FLAG_OPTS[_NEGATED[key]]
-        elif key in ("allow_other", "allow_root"):
-            self.allow_other = True
-        elif key == "default_permissions":
-            self.default_permissions = True
-        elif key == "no_default_permissions":
-            self.default_permissions = False
-        elif key == "fsname" and value:
-            self.fsname = value
-        elif key == "subtype" and value:
-            self.subtype = value
-        elif key in ("entry_timeout", "attr_timeout", "negative_timeout") and value is not None:
-            seconds = float(value)
-            if not math.isfinite(seconds) or not 0 <= seconds <= MAX_TIMEOUT:
-                raise ValueError(
-                    f"a timeout must be a number of seconds from 0 to {MAX_TIMEOUT:.0f}"
-                )
-            if key == "entry_timeout":
-                self.entry_timeout = seconds
-            elif key == "attr_timeout":
-                self.attr_timeout = seconds
-        elif key == "max_read" and value is not None:
-            self.max_read = int(value)
-            if not 0 < self.max_read < 1 << 32:
-                raise ValueError("max_read must be a positive number of bytes below 4 GiB")
-        elif key == "auto_unmount":
-            self.auto_unmount = True
-        elif key == "passthrough":
-            self.passthrough = value in (None, "on", "1", "true", "yes")
-        elif key == "no_passthrough":
-            self.passthrough = False
-        elif key in (
-            "nonempty",
-            "big_writes",
-            "atomic_o_trunc",
-            "splice_read",
-            "splice_write",
-            "splice_move",
-            "hard_remove",
-            "use_ino",
-            "kernel_cache",
-            "auto_cache",
-        ):
-            self.extra.append(key)  # libfuse-era options: accepted, tierfs behaves so already
-        else:
-            raise ValueError("unknown option")
-
-
-def _mount_data(fd: int, opts: MountOptions, rootmode: int) -> str:
-    parts = [
-        f"fd={fd}",
-        f"rootmode={rootmode:o}",
-        f"user_id={os.getuid()}",
-        f"group_id={os.getgid()}",
-    ]
-    if opts.allow_other:
-        parts.append("allow_other")
-    if opts.default_permissions:
-        parts.append("default_permissions")
-    if opts.max_read:
-        parts.append(f"max_read={opts.max_read}")
-    return ",".join(parts)
-
-
-def _fusermount_options(opts: MountOptions) -> str:
-    parts = [f"fsname={opts.fsname}", f"subtype={opts.subtype}"]
-    if opts.allow_other:
-        parts.append("allow_other")
-    if opts.default_permissions:
-        parts.append("default_permissions")
-    names = {v: k for k, v in _FLAG_OPTS.items()}
-    for bit, name in names.items():
-        if opts.flags & bit and name not in ("nosuid", "nodev"):
-            parts.append(name)
-    return ",".join(parts)
 
 
 class FuseSession:
@@ -245,8 +94,8 @@ class FuseSession:
         self._notify_thread: threading.Thread | None = None
         ns.entry_timeout = options.entry_timeout
         ns.attr_timeout = options.attr_timeout
-        ns.notify_inval_entry = self.notify_inval_entry
-        ns.notify_inval_inode = self.notify_inval_inode
+        ns.kernel.inval_entry = self.notify_inval_entry
+        ns.kernel.inval_inode = self.notify_inval_inode
 
     # ------------------------------------------------------------------ mount / unmount
 
@@ -267,7 +116,7 @@ class FuseSession:
                     self.mountpoint,
                     f"fuse.{self.options.subtype}",
                     self.options.flags,
-                    _mount_data(fd, self.options, rootmode),
+                    mount_data(fd, self.options, rootmode),
                 )
             except OSError:
                 os.close(fd)
@@ -290,7 +139,7 @@ class FuseSession:
         with parent, child:
             env = dict(os.environ, _FUSE_COMMFD=str(child.fileno()))
             proc = subprocess.run(
-                ["fusermount3", "-o", _fusermount_options(self.options), "--", self.mountpoint],
+                ["fusermount3", "-o", fusermount_options(self.options), "--", self.mountpoint],
                 env=env,
                 pass_fds=[child.fileno()],
                 capture_output=True,
@@ -370,7 +219,7 @@ class FuseSession:
                 errno.errorcode.get(exc.errno or 0, exc.strerror),
             )
             self.passthrough = False
-            self.ns.passthrough = False
+            self.ns.kernel.passthrough = False
             self._raise_readahead()
             raise
 
@@ -501,9 +350,10 @@ class FuseSession:
             0,
         )
         self._reply(hdr.unique, out)
-        self.ns.passthrough = self.passthrough
-        self.ns.register_backing = self.register_backing
-        self.ns.close_backing = self.close_backing
+        kernel = self.ns.kernel
+        kernel.passthrough = self.passthrough
+        kernel.register_backing = self.register_backing
+        kernel.close_backing = self.close_backing
         log.info(
             "FUSE 7.%d session up on %s (passthrough %s)",
             self.minor,
@@ -577,6 +427,8 @@ class FuseSession:
         still run at least every 32 requests and whenever the device is idle.
         """
         since_yield = 0
+        # the namespace's trim_fds in one call per request: at once below the budget
+        trim_fds, handles_open = self.ns.inodes.trim, self.ns.handles.open
         poller = select.epoll()
         poller.register(self.fd, select.EPOLLIN)
         try:
@@ -602,8 +454,7 @@ class FuseSession:
                         return
                     raise
                 self.dispatch(n)
-                if self.ns.fds_held() > self.ns.max_fds:
-                    self.ns.trim_fds()  # between requests: no descriptor is in use
+                trim_fds(len(handles_open))  # between requests: no descriptor is in use
                 since_yield += 1
                 if since_yield >= 32:
                     since_yield = 0
@@ -611,39 +462,6 @@ class FuseSession:
         finally:
             poller.close()
             self.close()
-
-
-def is_mountpoint(path: str) -> bool:
-    """True if ``path`` is listed as a mount point in /proc/self/mountinfo."""
-    return mount_entry(path) is not None
-
-
-def mount_entry(path: str) -> dict[str, str] | None:
-    """The /proc/self/mountinfo entry mounted exactly at ``path`` (the top one), or None.
-
-    Keys: ``mountpoint``, ``fstype``, ``source``, ``options``, ``device`` (major:minor).
-    """
-    real = os.path.abspath(path)
-    found = None
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                fields, rfields = left.split(), right.split()
-                if len(fields) < 6 or len(rfields) < 2:
-                    continue
-                mnt = fields[4].replace("\\040", " ").replace("\\134", "\\")
-                if mnt == real:
-                    found = {
-                        "mountpoint": mnt,
-                        "fstype": rfields[0],
-                        "source": rfields[1],
-                        "options": fields[5] + "," + (rfields[2] if len(rfields) > 2 else ""),
-                        "device": fields[2],
-                    }
-    except OSError:
-        return None
-    return found
 
 
 def is_dead_mount(path: str) -> bool:

@@ -42,31 +42,13 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tierfs.core.mounts import fs_type
+
 log = logging.getLogger(__name__)
 
 TMPFS_MAGIC = 0x01021994
 #: seconds a trashed entry is kept before its bytes are freed (unless RAM is short)
 TRASH_GRACE = 30.0
-
-
-def fs_type(path: str) -> str:
-    """The filesystem type of ``path`` as /proc/self/mountinfo names it ("tmpfs", "ext4", ...)."""
-    best, best_type = "", "unknown"
-    real = os.path.realpath(path)
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                fields = left.split()
-                if len(fields) < 5:
-                    continue
-                mnt = fields[4].replace("\\040", " ")
-                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= len(best):
-                    best, best_type = mnt, right.split()[0]
-    except OSError:
-        pass
-    return best_type
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from tierfs.core import syscalls
 from tierfs.core.config import format_size
-from tierfs.store.ramstore import fs_type
+from tierfs.core.mounts import fs_type, mount_entry
 
 log = logging.getLogger(__name__)
 
@@ -173,8 +173,6 @@ def _total_used(path: str) -> tuple[int, int]:
 
 def mounted_kind(ram_dir: str) -> str | None:
     """``"ours"``, ``"other"`` or None: what is mounted exactly at ``ram_dir``."""
-    from tierfs.fuse.session import mount_entry
-
     entry = mount_entry(ram_dir)
     if entry is None:
         return None
@@ -252,8 +250,6 @@ def fit_volume(path: str, size: int) -> str:
     Returns:
         What happened, one sentence for the log ("" when nothing was to do).
     """
-    from tierfs.fuse.session import mount_entry
-
     entry = mount_entry(path)
     if entry is None or entry["fstype"] != "tmpfs":
         return ""
