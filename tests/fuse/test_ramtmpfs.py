@@ -301,7 +301,7 @@ def test_the_csi_driver_fits_its_ram_volume_to_the_budget(tmp_path, tmpfs_dir):
     enforces the budget, passthrough stays on, and the volume stays the kubelet's."""
     if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
         pytest.skip("needs /dev/fuse and root")
-    from test_csi_kubelet import Driver
+    from csi_driver import Driver
 
     vol = tmpfs_dir("256m")
     (tmp_path / "csi").mkdir()
