@@ -1,5 +1,19 @@
 """The node daemon: one trio process owning the mount, the node agent and its servers.
 
+This module is the composition root (issue #12): :func:`build_node` builds
+every object of a node in dependency order and hands each the narrow ports
+(:mod:`tierfs.core.ports`) it needs through its constructor; nothing is
+attached afterwards. What it builds depends on the configuration:
+
+* always: the shard store, the catalog, the job state, the client view, the
+  reporter, the GCS tier (off without ``--bucket``) and the agent;
+* ``--listen`` or ``--coordinator``: the peer plane's state, the peer tier
+  and the peer cluster (restore rounds through the coordinator); with
+  ``--listen`` also this node's coordinator service;
+* ``--bucket``: the bucket cluster around the cluster, the GCS tier takes
+  the peer tier's backup orders, and without ``--coordinator`` the bucket
+  rendezvous.
+
 Startup is ordered (s3ql style): open the RAM store, count its bytes, build
 the namespace, mount, serve FUSE requests, then start the node agent.
 Shutdown (SIGTERM, SIGINT or an external ``umount``) unmounts and lets every
@@ -17,17 +31,28 @@ import resource
 import signal
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import trio
 
-from tierfs.core.config import NodeConfig
+from tierfs.backup import layout
+from tierfs.backup.tier import BucketRendezvous, GcsTier
+from tierfs.cluster.coordinator import Coordinator, CoordinatorServicer
+from tierfs.core.config import ConfigError, NodeConfig
 from tierfs.fuse.namespace import Namespace
 from tierfs.fuse.session import FuseSession, MountOptions
+from tierfs.node import metrics
+from tierfs.node.agent import Cluster, LocalCluster, NodeAgent, Tier
+from tierfs.node.bucket_restore import GcsCluster
+from tierfs.node.catalog import ShardCatalog
+from tierfs.node.jobstate import JobState
+from tierfs.node.peer_restore import PeerCluster
+from tierfs.node.reporter import NodeReporter
+from tierfs.node.view import ClientView
+from tierfs.replication.peer import PeerTier
+from tierfs.replication.plane import PlaneState
 from tierfs.store.ramstore import Budget, RamStore
-
-if TYPE_CHECKING:
-    from tierfs.node.agent import NodeAgent
+from tierfs.store.shards import ShardStore
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +99,142 @@ def raise_fd_limit() -> int:
     return soft
 
 
+def bucket_spec(bucket: str | None) -> layout.BucketSpec | None:
+    """``--bucket NAME[/PREFIX]`` parsed, or None without one.
+
+    Raises:
+        ConfigError: an invalid bucket name or prefix.
+    """
+    if not bucket:
+        return None
+    try:
+        return layout.parse_bucket(bucket)
+    except layout.LayoutError as exc:
+        raise ConfigError(f"--bucket: {exc}") from None
+
+
+@dataclass
+class NodeParts:
+    """Every object of one node, as :func:`build_node` wired them.
+
+    Attributes:
+        plane, coordinator, peer: None without a peer plane (no ``--listen``
+            and no ``--coordinator``); ``coordinator`` also without ``--listen``.
+        rendezvous: the bucket rendezvous (``--bucket`` and ``--listen``
+            without ``--coordinator``), else None.
+        gcs: always built; off (``enabled`` False) without ``--bucket``.
+        cluster: what the agent restores through: :class:`LocalCluster`, a
+            :class:`PeerCluster`, either wrapped in a :class:`GcsCluster`.
+    """
+
+    shards: ShardStore
+    catalog: ShardCatalog
+    state: JobState
+    view: ClientView
+    reporter: NodeReporter
+    plane: PlaneState | None
+    coordinator: CoordinatorServicer | None
+    gcs: GcsTier
+    rendezvous: BucketRendezvous | None
+    peer: PeerTier | None
+    cluster: Cluster
+    tiers: list[Tier]
+    agent: NodeAgent
+
+
+def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts:
+    """Build the node's objects in dependency order (no I/O, no threads, no trio).
+
+    Raises:
+        ConfigError: an invalid ``--bucket``.
+    """
+    spec = bucket_spec(config.bucket)
+    shards = ShardStore(store)
+    catalog = ShardCatalog(shards, config.keep_local)
+    state = JobState()
+    view = ClientView(store)
+    reporter = NodeReporter(store.view, state, view.notify)
+    plane = coordinator = None
+    if config.listen or config.coordinator:
+        plane = PlaneState(
+            state,
+            coordinator=config.coordinator,
+            listen=config.listen,
+            advertise=config.advertise,
+            bucket_rendezvous=spec is not None,
+        )
+        if config.listen:
+            # every node with a server offers the coordinator service: which node
+            # serves it may be known only once a job starts (the gate answers the
+            # others); with a bucket no restore is decided before the GCS tier
+            # installed the bucket reader
+            coordinator = CoordinatorServicer(
+                Coordinator(bucket=spec is not None), gate=plane.coordinator_gate
+            )
+    gcs = GcsTier(
+        spec,
+        catalog=catalog,
+        job=state,
+        reporter=reporter,
+        shards=shards,
+        budget=budget,
+        plane=plane,
+        coordinator=coordinator,
+    )
+    rendezvous = None
+    if plane is not None and plane.bucket_rendezvous:
+        rendezvous = BucketRendezvous(gcs)
+    backup = gcs if spec is not None else None
+    peer = None
+    cluster: Cluster = LocalCluster()
+    if plane is not None:
+        peer = PeerTier(
+            config,
+            store=store,
+            shards=shards,
+            catalog=catalog,
+            job=state,
+            reporter=reporter,
+            budget=budget,
+            summons=state,
+            plane=plane,
+            coordinator=coordinator,
+            rendezvous=rendezvous,
+            backup=backup,
+        )
+        cluster = PeerCluster(peer, backup=backup)
+    if spec is not None:
+        cluster = GcsCluster(cluster, gcs)
+    tiers: list[Tier] = [peer, gcs] if peer is not None else [gcs]
+    agent = NodeAgent(
+        config,
+        store,
+        budget,
+        shards=shards,
+        catalog=catalog,
+        state=state,
+        reporter=reporter,
+        view=view,
+        cluster=cluster,
+        tiers=tiers,
+    )
+    return NodeParts(
+        shards,
+        catalog,
+        state,
+        view,
+        reporter,
+        plane,
+        coordinator,
+        gcs,
+        rendezvous,
+        peer,
+        cluster,
+        tiers,
+        agent,
+    )
+
+
 class NodeDaemon:
     """One node: RAM store, namespace, FUSE session and node agent.
 
@@ -88,7 +249,8 @@ class NodeDaemon:
         self.budget: Budget | None = None
         self.ns: Namespace | None = None
         self.session: FuseSession | None = None
-        self.agent = None  # the NodeAgent, created in run()
+        self.parts: NodeParts | None = None
+        self.agent: NodeAgent | None = None  # created in run()
         self._stop = trio.Event()
 
     def _write_pid(self) -> None:
@@ -98,14 +260,12 @@ class NodeDaemon:
         os.replace(tmp, self.store.pid_file)
 
     def _build(self) -> None:
-        from tierfs.node.agent import NodeAgent  # the agent imports the tiers; keep startup lazy
-
         self.store.clear_incoming()
         used = self.store.usage()
         self.budget = Budget(self.store.root, self.config.size, used, recount=self.store.usage)
         self.store.attach_budget(self.budget)  # emptied trash frees budget at once
-        self.agent = NodeAgent(self.config, self.store, self.budget)
-        attach_tiers(self.agent)
+        self.parts = build_node(self.config, self.store, self.budget)
+        self.agent = self.parts.agent
         virtual = dict(self.agent.virtual_files())
         virtual[FUSE_COUNTERS_FILE] = self._fuse_counters
         self.ns = Namespace(
@@ -172,8 +332,6 @@ class NodeDaemon:
             log.info("daemon stopped")
 
     def _serve_metrics(self, port: int) -> None:
-        from tierfs.node import metrics
-
         agent = self.agent
         assert agent is not None
         token = trio.lowlevel.current_trio_token()
@@ -209,30 +367,6 @@ class NodeDaemon:
         # After a lazy unmount the kernel keeps the connection while files are
         # open; closing the channel ends it so the serve loop returns.
         self.session.close()
-
-
-def attach_tiers(agent: NodeAgent) -> None:
-    """Give ``agent`` its cluster and the tiers its configuration asks for.
-
-    Without a peer plane (no ``--listen``/``--coordinator``) the node is a
-    one-node cluster (:class:`tierfs.node.agent.LocalCluster`) and no tier follows
-    its sealed steps. With one, the node gets a :class:`tierfs.replication.peer.PeerTier`
-    (replication, gRPC server) and a :class:`tierfs.node.peer_restore.PeerCluster`
-    (restore rounds through the coordinator). The GCS tier comes last: it
-    wraps the cluster, takes the peer tier's backup orders and, without
-    ``--coordinator``, gives it the bucket rendezvous.
-    """
-    from tierfs.backup.tier import attach_gcs
-    from tierfs.node.peer_restore import PeerCluster
-    from tierfs.replication.peer import PeerTier
-
-    config = agent.config
-    if config.listen or config.coordinator:
-        tier = PeerTier(agent)
-        agent.tiers.append(tier)
-        agent.cluster = PeerCluster(tier)
-    # the durable tier (off without --bucket); it wraps the cluster set above
-    attach_gcs(agent)
 
 
 def run_foreground(config: NodeConfig, on_ready: Callable[[], None] | None = None) -> int:

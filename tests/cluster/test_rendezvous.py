@@ -8,43 +8,41 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import fake_ports
 import grpc
 import pytest
 import trio
 from conftest import tierfs
+from fake_ports import FakeJob
 from gcs_cluster import wait_for
 from peer_cluster import Cluster, free_port
 
 from tierfs.backup.bucket import GcsBackend, GcsSettings
 from tierfs.backup.layout import parse_bucket
 from tierfs.backup.tier import BucketRendezvous, GcsTier
+from tierfs.core.config import NodeConfig
 from tierfs.core.control import JobSpec
 from tierfs.replication import peer as peer_mod
+from tierfs.replication.plane import PlaneState
 from tierfs.rpc import peer_pb2 as pb2
 from tierfs.rpc import peer_pb2_grpc as pb2_grpc
 
 # ---------------------------------------------------------------------- lookup logic
 
 
-class FakeAgent:
+class FakeAgent(FakeJob):
+    """The node as the peer tier sees it: job, reporter, summons (fake_ports.FakeJob)."""
+
     def __init__(self, rank: int, nodes: int = 3) -> None:
-        self.config = SimpleNamespace(
+        super().__init__(JobSpec("j", "orbax", rank, nodes))
+        self.config = NodeConfig(
+            mountpoint="/m",
+            ram_dir="/r",
             listen=f"127.0.0.1:{7000 + rank}",
-            advertise=None,
-            coordinator=None,
             peer_token="t",
             join_timeout=10,
             keep_local=2,
         )
-        self.store = self.shards = None
-        self.job = JobSpec("j", "orbax", rank, nodes)
-        self.errors: list[str] = []
-
-    def report_error(self, message: str) -> None:
-        self.errors.append(message)
-
-    def shards_of(self, job: str) -> list:
-        return []
 
 
 class FakeRendezvous:
@@ -80,12 +78,34 @@ class Refused(grpc.RpcError):
 
 
 def make_tier(
-    rank: int, rdv: FakeRendezvous, daemons: dict[str, tuple[str, int]]
+    rank: int,
+    rdv: FakeRendezvous,
+    daemons: dict[str, tuple[str, int]],
+    coordinator: str | None = None,
 ) -> tuple[peer_mod.PeerTier, FakeAgent]:
-    """A PeerTier of node ``rank`` whose probes see ``daemons`` (address -> incarnation, rank)."""
+    """A PeerTier of node ``rank`` whose probes see ``daemons`` (address -> incarnation, rank),
+    wired as the daemon wires it with the bucket rendezvous (or a static ``coordinator``)."""
     agent = FakeAgent(rank)
-    tier = peer_mod.PeerTier(agent)  # type: ignore[arg-type]
-    tier.rendezvous = rdv
+    if coordinator is not None:
+        agent.config.coordinator = coordinator
+    plane = PlaneState(
+        agent,
+        coordinator=agent.config.coordinator,
+        listen=agent.config.listen,
+        bucket_rendezvous=True,
+    )
+    tier = peer_mod.PeerTier(
+        agent.config,
+        store=None,  # type: ignore[arg-type]
+        shards=None,  # type: ignore[arg-type]
+        catalog=fake_ports.catalog(),
+        job=agent,
+        reporter=agent,
+        budget=fake_ports.FakeBudget(),
+        summons=agent,
+        plane=plane,
+        rendezvous=rdv if coordinator is None else None,
+    )
 
     def inventory(address, job, timeout=10.0, **kw):
         if address not in daemons:
@@ -214,8 +234,7 @@ def test_lookups_are_rate_limited(monkeypatch):
 
 def test_static_coordinator_wins(monkeypatch):
     async def main() -> None:
-        tier, agent = make_tier(1, FakeRendezvous(), {})
-        tier.static_coordinator = "10.0.0.1:1"
+        tier, agent = make_tier(1, FakeRendezvous(), {}, coordinator="10.0.0.1:1")
         assert await tier.find_coordinator(agent.job) == "10.0.0.1:1"
         assert tier.coordinator_gate() == "the coordinator is at 10.0.0.1:1"
 
@@ -226,9 +245,16 @@ def test_static_coordinator_wins(monkeypatch):
 
 
 def test_bucket_records(fake_gcs):
-    agent = SimpleNamespace(config=SimpleNamespace(), tiers=[], report_error=lambda m: None)
     spec = parse_bucket(f"{fake_gcs.bucket}/pre")
-    tier = GcsTier(agent, spec)  # type: ignore[arg-type]
+    node = FakeJob()
+    tier = GcsTier(
+        spec,
+        catalog=fake_ports.catalog(),
+        job=node,
+        reporter=node,
+        shards=None,  # type: ignore[arg-type]
+        budget=fake_ports.FakeBudget(),
+    )
     rdv = BucketRendezvous(tier, deadline=5)
     assert rdv.where("job", 0) == f"gs://{fake_gcs.bucket}/pre/job/.tierfs/nodes/0"
 

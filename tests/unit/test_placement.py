@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierfs.cluster.placement import column_of, peer_ranks, row_offsets
+from tierfs.replication.placement import column_of, peer_ranks, row_offsets
 
 
 def mtc_formula(rank: int, nodes: int, k: int, dp: int | None) -> set[int]:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import fake_ports
 import pytest
 
 from tierfs.cli.main import WAIT_EXIT, wait_outcome
 from tierfs.core.config import NodeConfig
 from tierfs.core.control import JobSpec
 from tierfs.replication.peer import PeerTier
+from tierfs.replication.plane import PlaneState
 from tierfs.store.shards import ShardKey
 
 
@@ -76,18 +78,27 @@ def test_wait_outcomes(restore, code, text):
     assert len(set(WAIT_EXIT.values()) - {0}) == len(WAIT_EXIT) - 2  # distinct failures
 
 
-def _peer_tier(catalog, keep_local=2):
-    job = JobSpec(name="job", framework="generic", node_rank=0, nodes=2)
-    agent = SimpleNamespace(
-        config=NodeConfig(
-            mountpoint="/m", ram_dir="/r", keep_local=keep_local, coordinator="127.0.0.1:1"
-        ),
+def _peer_tier(keys, keep_local=2):
+    """A peer tier with a static coordinator whose catalog holds ``keys``."""
+    node = fake_ports.FakeJob(JobSpec(name="job", framework="generic", node_rank=0, nodes=2))
+    config = NodeConfig(
+        mountpoint="/m", ram_dir="/r", keep_local=keep_local, coordinator="127.0.0.1:1"
+    )
+    held = fake_ports.catalog(keep_local)
+    for key in keys:
+        held.add(SimpleNamespace(key=key, inodes=set()))
+    plane = PlaneState(node, coordinator=config.coordinator, listen=None)
+    return PeerTier(
+        config,
         store=None,
         shards=None,
-        job=job,
-        catalog=catalog,
+        catalog=held,
+        job=node,
+        reporter=node,
+        budget=fake_ports.FakeBudget(),
+        summons=node,
+        plane=plane,
     )
-    return PeerTier(agent)
 
 
 def test_retention_keeps_the_synced_steps_and_everything_during_a_restore_round():

@@ -4,7 +4,10 @@
 
 Pieces:
 
-* :class:`GcsTier` (the agent's :class:`tierfs.node.agent.Tier`, trio thread).
+* :class:`GcsTier` (the agent's :class:`tierfs.node.agent.Tier`, trio thread). It
+  sees the node through the ports of :mod:`tierfs.core.ports` (catalog, current
+  job, reporter, the peer plane, this node's coordinator), handed to it by
+  :func:`tierfs.daemon.build_node`.
 
   - Multi-node job with a peer plane: the coordinator decides the rounds.
     Node-rank 0's tier installs a :class:`tierfs.cluster.backup_schedule.RoundBook`
@@ -40,8 +43,9 @@ Pieces:
   reader: the coordinator decides over every node's RAM and the bucket at
   once (no decision before the reader answered), and each node brings the
   parts it needs with :meth:`GcsTier.fetch_backup` (the peer cluster's
-  hook). Without one (one node, or no peer plane), :class:`GcsCluster`
-  decides with the same rule on the node alone.
+  :class:`tierfs.core.ports.BackupFetch`). Without one (one node, or no peer
+  plane), :class:`tierfs.node.bucket_restore.GcsCluster` decides with the
+  same rule on the node alone.
 * ``restore.version`` is deleted by the deciding node once every node has
   sealed and replicated a newer step than the one restored through it.
 * :class:`BucketRendezvous`: ``gs://<bucket>/<job>/.tierfs/nodes/<rank>``
@@ -57,7 +61,6 @@ hooks run in its gRPC thread with a bounded deadline, and hand lines for
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import logging
 import threading
@@ -80,21 +83,13 @@ from tierfs.backup.bucket import (
     is_transient,
 )
 from tierfs.cluster import backup_schedule as S
-from tierfs.cluster.restore_choice import (
-    BucketPart,
-    BucketView,
-    CopyId,
-    Holding,
-    choose_restore,
-    needs_deeper_read,
-)
 from tierfs.core import settings
-from tierfs.core.config import ConfigError
-from tierfs.store.shards import Shard, ShardKey
+from tierfs.core.ports import Catalog, CoordinatorHooks, CurrentJob, PeerPlane, RamBudget, Reporter
+from tierfs.core.types import BucketPart, BucketView, RestorePlan
+from tierfs.store.shards import Shard, ShardKey, ShardStore
 
 if TYPE_CHECKING:
     from tierfs.core.control import JobSpec
-    from tierfs.node.agent import NodeAgent, RestorePlan
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +142,16 @@ class GcsTier:
     """The GCS tier of one node (see the module docstring).
 
     Args:
-        agent: the node agent.
         spec: the bucket, or None (the tier is off and says so).
+        catalog: the held shards; the tier registers its sealed and withdrawn
+            listeners there.
+        job: the current job (read only).
+        reporter: ``replicator.errors``.
+        shards: the store of committed shards (downloads are committed there).
+        budget: the RAM budget (a download must fit).
+        plane: the node's peer plane (multi-node rounds), or None without one.
+        coordinator: this node's coordinator service (node-rank 0 installs its
+            round book and bucket reader there), or None without ``--listen``.
         settings: transfer tuning (default :meth:`GcsSettings.from_env`).
 
     Attributes:
@@ -161,10 +164,26 @@ class GcsTier:
     name = "gcs"
 
     def __init__(
-        self, agent: NodeAgent, spec: L.BucketSpec | None, settings: GcsSettings | None = None
+        self,
+        spec: L.BucketSpec | None,
+        *,
+        catalog: Catalog,
+        job: CurrentJob,
+        reporter: Reporter,
+        shards: ShardStore,
+        budget: RamBudget,
+        plane: PeerPlane | None = None,
+        coordinator: CoordinatorHooks | None = None,
+        settings: GcsSettings | None = None,
     ) -> None:
-        self.agent = agent
         self.spec = spec
+        self.catalog = catalog
+        self.current = job
+        self.reporter = reporter
+        self.shards = shards
+        self.budget = budget
+        self.plane = plane
+        self.coordinator = coordinator
         self.settings = settings or GcsSettings.from_env()
         self.backend: GcsBackend | None = None
         self.incarnation = uuid.uuid4().hex
@@ -204,20 +223,14 @@ class GcsTier:
         self._nursery: trio.Nursery | None = None
         self._backend_lock = threading.Lock()
         self._bounded: dict[float, GcsBackend] = {}
+        catalog.on_sealed(self.on_sealed)
+        catalog.on_withdrawn(self.on_withdrawn)
 
     # ------------------------------------------------------------------ helpers
 
     @property
     def enabled(self) -> bool:
         return self.spec is not None
-
-    def _peer(self) -> Any:
-        return next((t for t in self.agent.tiers if getattr(t, "name", "") == "peer"), None)
-
-    def _servicer(self) -> Any:
-        """The coordinator service of this node's peer tier (None without a server)."""
-        peer = self._peer()
-        return getattr(peer, "coordinator", None) if peer is not None else None
 
     def _on_retry(self, exc: Exception) -> None:
         self._problem(describe_error(exc))
@@ -302,7 +315,7 @@ class GcsTier:
     def _fail(self, message: str) -> None:
         """A line in ``replicator.errors`` and the status (trio thread)."""
         self.last_error = f"{time.strftime('%H:%M:%S')} {message}"
-        self.agent.report_error(message)
+        self.reporter.error(message)
 
     def _fail_later(self, message: str) -> None:
         """:meth:`_fail` from another thread: written by the next tick."""
@@ -311,24 +324,19 @@ class GcsTier:
 
     def multi(self, job: JobSpec) -> bool:
         """A multi-node job coordinated by the peer plane."""
-        peer = self._peer()
-        return job.nodes > 1 and peer is not None and peer.active_job() is not None
+        plane = self.plane
+        return job.nodes > 1 and plane is not None and plane.active_job() is not None
 
     def coordinating(self, job: JobSpec) -> bool:
         """This node's coordinator serves ``job`` (it decides the rounds)."""
-        peer = self._peer()
-        return self.multi(job) and bool(peer.is_coordinator)
+        return self.multi(job) and self.plane is not None and self.plane.serving
 
     def synced_step(self, job: JobSpec) -> int | None:
         """The newest step every node sealed and replicated (one node: sealed)."""
         if job.nodes <= 1:
-            own = self.agent.own_shards(job)
+            own = self.catalog.own_shards(job)
             return own[0].key.step if own else None
-        peer = self._peer()
-        if peer is None:
-            return None
-        step = peer.sync.get("step")
-        return int(step) if step is not None and step >= 0 else None
+        return self.plane.synced_step() if self.plane is not None else None
 
     def decider(self, job: JobSpec) -> bool:
         """This node decides the rounds: one node, or the coordinator's node."""
@@ -336,9 +344,7 @@ class GcsTier:
 
     # ------------------------------------------------------------------ Tier
 
-    async def run(
-        self, agent: NodeAgent, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Install the coordinator's hooks, then decide and follow rounds until cancelled."""
         if not self.enabled:
             task_status.started()
@@ -429,13 +435,14 @@ class GcsTier:
     async def _locked(self, fn: Any) -> Any:
         """``fn(coordinator)`` under the coordinator's lock, waited for in a worker thread
         (a gRPC thread may hold it through a bucket lookup)."""
-        servicer = self._servicer()
+        servicer = self.coordinator
+        assert servicer is not None
         return await trio.to_thread.run_sync(servicer.locked, fn)
 
     async def _install_coordinator_hooks(self) -> None:
         """The round book and the bucket reader in this node's coordinator (used only
         while this node serves it). Restore decisions wait for the reader."""
-        servicer = self._servicer()
+        servicer = self.coordinator
         if servicer is None:
             return
         timeout = settings.GCS_ROUND_TIMEOUT.get()
@@ -467,7 +474,7 @@ class GcsTier:
         done), the synced step, and the steps this node reported replicated in
         its last two ``Sync`` calls -- the coordinator orders one of those."""
         keep = {k for k, u in self._uploads.items() if u.waiting_until is None}
-        job = self.agent.job
+        job = self.current.job
         if not self.enabled or job is None or job.nodes <= 1:
             return keep
         steps: set[int] = set()
@@ -478,12 +485,12 @@ class GcsTier:
         if self._order is not None:
             steps.add(self._order[1])
         candidates = [self.synced_step(job)]
-        peer = self._peer()
-        candidates += list(getattr(peer, "reported", ()) or ())
+        if self.plane is not None:
+            candidates += list(self.plane.reported_steps())
         steps |= {c for c in candidates if c is not None and c > done and c not in self.backed_up}
         for step in steps:
             key = ShardKey(job.name, job.node_rank, step)
-            if key in self.agent.catalog:
+            if key in self.catalog:
                 keep.add(key)
         return keep
 
@@ -491,7 +498,7 @@ class GcsTier:
         """Bucket, role, uploads in flight, the last rounds and errors."""
         if not self.enabled:
             return {"summary": "off (no --bucket)", "enabled": False, "steps": []}
-        job = self.agent.job
+        job = self.current.job
         multi = job is not None and self.multi(job)
         uploads = [
             {
@@ -587,11 +594,11 @@ class GcsTier:
             self._poke = trio.Event()
 
     def _restoring(self) -> bool:
-        return self.agent.restore_state.get("state") in ("cleanup", "planning", "barrier")
+        return self.current.restoring()
 
     async def _tick(self) -> None:
         while self._pending_errors:
-            self.agent.report_error(self._pending_errors.popleft())
+            self.reporter.error(self._pending_errors.popleft())
         waited = self.stalled()
         if waited and not self._stall_logged:
             self._stall_logged = True
@@ -599,8 +606,8 @@ class GcsTier:
         elif not waited and self._stall_logged:
             self._stall_logged = False
             log.info("GCS tier: the bucket answers again")
-        job = self.agent.job
-        if job is None or self.agent.mode == "none":
+        job = self.current.job
+        if job is None or self.current.mode == "none":
             return
         ident = (job.name, job.nodes, job.node_rank)
         if ident != self._job_id:
@@ -637,7 +644,7 @@ class GcsTier:
     async def _coordinate(self, job: JobSpec) -> None:
         """Node-rank 0 of a multi-node job: seed the coordinator's round book from the
         bucket, write its lines to replicator.errors, delete restore.version when due."""
-        if self._servicer() is None:
+        if self.coordinator is None:
             return
         book_job, nodes, seeded = await self._locked(
             lambda c: (
@@ -683,9 +690,7 @@ class GcsTier:
     async def _decide(self, job: JobSpec) -> None:
         step = self.synced_step(job)
         shard = (
-            self.agent.catalog.get(ShardKey(job.name, job.node_rank, step))
-            if step is not None
-            else None
+            self.catalog.get(ShardKey(job.name, job.node_rank, step)) if step is not None else None
         )
         if shard is None or shard.manifest.created < self._epoch:
             step = None  # not held here, or sealed before this job's restore
@@ -746,7 +751,7 @@ class GcsTier:
     def _history(self, rnd: str) -> dict[str, Any] | None:
         return next((h for h in reversed(self.history) if h["round"] == rnd), None)
 
-    # ------------------------------------------------------------------ following (BackupAgent)
+    # ------------------------------------------------------------------ following (BackupOrders)
 
     def backup_outcome(self) -> S.Outcome | None:
         """This node's outcome of the last round it was ordered into (trio thread)."""
@@ -821,7 +826,7 @@ class GcsTier:
         try again): cancelled, another job, the round is over, too old."""
         if up.cancel.is_set():
             return "the step was written to after it was sealed"
-        cur = self.agent.job
+        cur = self.current.job
         if cur is None or (cur.name, cur.nodes, cur.node_rank) != (
             job.name,
             job.nodes,
@@ -856,7 +861,7 @@ class GcsTier:
         delay = settings.GCS_UPLOAD_RETRY_FIRST.get()
         try:
             while True:
-                shard = self.agent.catalog.get(key)
+                shard = self.catalog.get(key)
                 if shard is None and job.nodes <= 1:
                     shard = self._move_round(job, rnd, step, entry)
                     if shard is not None:
@@ -1005,7 +1010,7 @@ class GcsTier:
         up.waiting_until = time.time() + delay
         key = ShardKey(job.name, job.node_rank, step)
         with trio.move_on_after(delay):
-            while not self._answered_since(since) and key in self.agent.catalog:
+            while not self._answered_since(since) and key in self.catalog:
                 if self._still_wanted(job, rnd, step, up) is not None:
                     return False
                 await trio.sleep(min(settings.GCS_TICK.get(), 0.5))
@@ -1038,9 +1043,8 @@ class GcsTier:
             return
         # reported to the coordinator in the next Sync (repeated until a newer round)
         self._outcome = S.Outcome(rnd, step, state, error, nbytes, round(seconds, 3))
-        peer = self._peer()
-        if peer is not None:
-            peer.poke()
+        if self.plane is not None:
+            self.plane.heartbeat_now()
 
     def _move_round(
         self, job: JobSpec, rnd: str, step: int, entry: dict[str, Any] | None
@@ -1051,7 +1055,7 @@ class GcsTier:
             return None
         newer = [
             s
-            for s in self.agent.own_shards(job)
+            for s in self.catalog.own_shards(job)
             if s.key.step > step and s.manifest.created >= self._epoch
         ]
         if not newer:
@@ -1113,12 +1117,13 @@ class GcsTier:
             self.forced = (job.name, forced, plan.step or 0, time.time())
 
     async def fetch_backup(
-        self, agent: NodeAgent, job: JobSpec, step: int, backup: str, digest: str = ""
+        self, agent: Any, job: JobSpec, step: int, backup: str, digest: str = ""
     ) -> Shard:
-        """Bring this node's shard of ``step`` from round ``backup`` (the peer cluster's
-        ``fetch_backup`` hook): the node's own copy when it holds the same bytes,
-        else a verified download. ``digest``: the bytes the decision chose
-        ("": any).
+        """Bring this node's shard of ``step`` from round ``backup``
+        (:class:`tierfs.core.ports.BackupFetch`): the node's own copy when it holds the
+        same bytes, else a verified download. ``digest``: the bytes the decision
+        chose ("": any). ``agent``: the restoring node (``verify_shard``,
+        ``restore_state``).
 
         Returns:
             the committed shard (in the catalog).
@@ -1150,7 +1155,7 @@ class GcsTier:
             raise BackupCopyError(
                 f"backup round {backup} holds other bytes of step {step} for rank {job.node_rank}"
             )
-        local = agent.catalog.get(key)
+        local = self.catalog.get(key)
         if (
             local is not None
             and part is not None
@@ -1170,7 +1175,7 @@ class GcsTier:
                 shard = await trio.to_thread.run_sync(
                     functools.partial(
                         backend.restore_shard,
-                        agent.shards,
+                        self.shards,
                         job.name,
                         backup,
                         job.node_rank,
@@ -1179,7 +1184,7 @@ class GcsTier:
                         framework=job.framework,
                         cancel=cancel,
                         on_bytes=up.add,
-                        free_bytes=agent.budget.free(),
+                        free_bytes=self.budget.free(),
                     ),
                     abandon_on_cancel=True,
                 )
@@ -1190,7 +1195,7 @@ class GcsTier:
             ) from None
         finally:
             cancel.set()
-        agent.add_shard(shard)
+        self.catalog.add(shard)
         self._ok()
         log.info(
             "restored step %d of rank %d from backup round %s (%d bytes, verified)",
@@ -1305,7 +1310,7 @@ class GcsTier:
         synced = self.synced_step(job)
         if synced is None or synced <= step:
             return
-        own = self.agent.catalog.get(ShardKey(job.name, job.node_rank, synced))
+        own = self.catalog.get(ShardKey(job.name, job.node_rank, synced))
         if own is None or own.manifest.created < since:
             return  # a sync round from before that restore
         try:
@@ -1322,146 +1327,6 @@ class GcsTier:
                 synced,
                 step,
             )
-
-
-# ---------------------------------------------------------------------- cluster
-
-
-class GcsCluster:
-    """Wraps the agent's cluster with the bucket (see the module docstring).
-
-    With a coordinator (multi-node job, peer plane) the inner cluster does
-    everything -- the coordinator reads the bucket and ``restore.version``
-    itself, so every node restores the same step behind the same barrier --
-    and this wrapper only records the restore. Without one (one node, or a
-    multi-node job without a peer plane) the node decides alone with the same
-    rule (:func:`tierfs.cluster.restore_choice.choose_restore` over its own shards and
-    the bucket's parts of its rank).
-
-    Args:
-        inner: the cluster it wraps (:class:`tierfs.node.agent.LocalCluster` or the
-            peer cluster).
-        tier: the node's GCS tier.
-    """
-
-    def __init__(self, inner: Any, tier: GcsTier) -> None:
-        self.inner = inner
-        self.tier = tier
-        self._used_inner = False
-
-    async def plan_restore(self, agent: NodeAgent, job: JobSpec) -> RestorePlan:
-        """The coordinator's decision (multi-node), else this node's own (see the class)."""
-        tier = self.tier
-        self._used_inner = tier.multi(job)
-        if self._used_inner:
-            plan = await self.inner.plan_restore(agent, job)
-        else:
-            plan = await self._plan_alone(agent, job)
-        tier.note_restored(job, plan, plan.detail.get("forced"))
-        return plan
-
-    async def _plan_alone(self, agent: NodeAgent, job: JobSpec) -> RestorePlan:
-        """Newest step of this node's rank among its own shards and the bucket's rounds
-        complete for every node; a bad copy is excluded and the choice made again."""
-        from tierfs.node.agent import RestorePlan
-
-        tier = self.tier
-        own = {s.key.step: s for s in agent.own_shards(job)}
-        holdings = [
-            Holding(
-                0,
-                step,
-                True,
-                s.manifest.digest,
-                s.bytes,
-                s.manifest.name,
-                created=s.manifest.created,
-            )
-            for step, s in own.items()
-        ]
-        bad: set[CopyId] = set()
-        notes: list[str] = []
-        depth = 1
-        view = await self._read(job, depth)
-        for _ in range(64):
-            choice = choose_restore(1, {0: holdings}, bad, view, notes)
-            if needs_deeper_read(choice, view, 1):
-                depth = view.depth + 2
-                view = await self._read(job, depth)
-                continue
-            detail = {
-                "reason": choice.reason,
-                "outcome": choice.outcome,
-                "problems": list(choice.problems),
-                "forced": choice.forced,
-            }
-            if choice.step is None:
-                return RestorePlan(None, source="none", detail=detail)
-            step = choice.step
-            shard = own.get(step)
-            if choice.holders.get(0) and shard is not None:
-                if await agent.verify_shard(shard):
-                    return RestorePlan(
-                        step,
-                        backup=choice.forced,
-                        shard=shard,
-                        source="gcs" if choice.forced else "local",
-                        detail=detail,
-                    )
-                bad.add((0, 0, step))
-                notes.append(f"the local copy of step {step} failed verification")
-            for rnd in choice.rounds.get(0, ()):
-                try:
-                    got = await tier.fetch_backup(agent, job, step, rnd, choice.digests.get(0, ""))
-                except BackupCopyError as exc:
-                    tier._fail(f"restore: {exc}")
-                    notes.append(str(exc))
-                    bad.add((rnd, 0, step))
-                    continue
-                return RestorePlan(step, backup=rnd, shard=got, source="gcs", detail=detail)
-            bad |= {(h, 0, step) for h in choice.holders.get(0, ())}
-        reason = "no step could be restored: " + "; ".join(notes[-3:])
-        return RestorePlan(
-            None,
-            source="none",
-            detail={"reason": reason, "outcome": "incomplete", "problems": [reason]},
-        )
-
-    async def _read(self, job: JobSpec, depth: int) -> BucketView:
-        """The bucket's parts of this node's rank, as rank 0, from rounds complete for
-        every node of the job (worker thread)."""
-        tier = self.tier
-        view = await trio.to_thread.run_sync(
-            functools.partial(
-                tier.read_bucket,
-                job.name,
-                job.nodes,
-                depth,
-                deadline=settings.GCS_LOOKUP_DEADLINE.get(),
-                report=tier._fail_later,
-            ),
-            abandon_on_cancel=True,
-        )
-        while tier._pending_errors:
-            tier.agent.report_error(tier._pending_errors.popleft())
-        if job.nodes <= 1:
-            return view
-        # another rank's parts only tell whether the round is complete for every node
-        everyone = set(range(job.nodes))
-        ranks: dict[tuple[str, int], set[int]] = {}
-        for p in view.parts:
-            ranks.setdefault((p.round, p.step), set()).add(p.rank)
-        mine = tuple(
-            dataclasses.replace(p, rank=0)
-            for p in view.parts
-            if p.rank == job.node_rank and ranks[(p.round, p.step)] >= everyone
-        )
-        return dataclasses.replace(view, parts=mine)
-
-    async def restore_done(self, agent: NodeAgent, job: JobSpec, plan: RestorePlan) -> None:
-        """The inner cluster's barrier when it planned; nothing when this node decided."""
-        if self._used_inner:
-            await self.inner.restore_done(agent, job, plan)
 
 
 # ---------------------------------------------------------------------- rendezvous
@@ -1555,34 +1420,3 @@ def preflight_bucket(bucket: str, deadline: float | None = None) -> str | None:
         log.info("bucket check before mounting: %s", describe_error(exc))
         return None
     return None if exists else f"bucket {spec.bucket!r} does not exist"
-
-
-def attach_gcs(agent: NodeAgent) -> GcsTier:
-    """Give ``agent`` its GCS tier (off without ``--bucket``) and wrap its cluster.
-
-    Call after the peer tier is attached: the wrapper sits around its
-    cluster, the tier takes the peer tier's backup orders, and without
-    ``--coordinator`` the peer tier finds the coordinator through the bucket.
-
-    Raises:
-        ConfigError: an invalid ``--bucket`` value.
-    """
-    spec = None
-    if agent.config.bucket:
-        try:
-            spec = L.parse_bucket(agent.config.bucket)
-        except L.LayoutError as exc:
-            raise ConfigError(f"--bucket: {exc}") from None
-    tier = GcsTier(agent, spec)
-    peer = tier._peer()
-    agent.tiers.append(tier)
-    if spec is not None:
-        if peer is not None:
-            peer.backup_agent = tier
-            if not agent.config.coordinator:
-                peer.rendezvous = BucketRendezvous(tier)
-        inner = agent.cluster
-        if hasattr(inner, "fetch_backup"):
-            inner.fetch_backup = tier.fetch_backup
-        agent.cluster = GcsCluster(inner, tier)
-    return tier

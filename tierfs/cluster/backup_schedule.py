@@ -35,6 +35,14 @@ from typing import Any
 
 from tierfs.backup.layout import dedup_plan, next_round_name, round_time
 from tierfs.core import settings
+from tierfs.core.types import COMPLETE as COMPLETE
+from tierfs.core.types import DONE as DONE
+from tierfs.core.types import FAILED as FAILED
+from tierfs.core.types import INCOMPLETE as INCOMPLETE
+from tierfs.core.types import MISSING as MISSING
+from tierfs.core.types import RUNNING as RUNNING
+from tierfs.core.types import Outcome as Outcome
+from tierfs.core.types import RoundView as RoundView
 
 #: Orbax's default when a job names no interval (minutes)
 DEFAULT_INTERVAL_MINUTES = 30.0
@@ -262,50 +270,8 @@ def apply_seed(
 
 # ---------------------------------------------------------------------- the coordinator's book
 
-DONE, FAILED = "done", "failed"
-#: an outcome meaning "this node no longer holds the ordered step" (the round
-#: moves to a newer step instead of failing)
-MISSING = "missing"
-RUNNING, COMPLETE, INCOMPLETE = "running", "complete", "incomplete"
 #: a round not finished by every node after this many seconds is given up (default)
 ROUND_TIMEOUT = settings.GCS_ROUND_TIMEOUT.default
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """One node's report of its part of a round (``SyncRequest.backup`` on the wire).
-
-    Attributes:
-        round: the round name.
-        step: the step the node uploaded (or tried to).
-        state: :data:`DONE`, :data:`FAILED` or :data:`MISSING` (the node no
-            longer holds ``step``).
-        error: one human line for a failure.
-        bytes: data bytes uploaded.
-        seconds: how long the upload took.
-    """
-
-    round: str
-    step: int
-    state: str
-    error: str = ""
-    bytes: int = 0
-    seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class RoundView:
-    """A round as the coordinator tells the nodes about it.
-
-    Attributes:
-        round: the round name.
-        step: the step it backs up.
-        state: :data:`RUNNING`, :data:`COMPLETE` or :data:`INCOMPLETE`.
-    """
-
-    round: str
-    step: int
-    state: str
 
 
 #: rank -> the manifest digest of that rank's own shard of a step, for the ranks

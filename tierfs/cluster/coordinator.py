@@ -76,13 +76,11 @@ from tierfs.cluster.restore_choice import (
     needs_deeper_read,
     sources_for,
 )
+from tierfs.core.types import COORDINATOR_RANK as COORDINATOR_RANK
+from tierfs.core.types import NO_STEP as NO_STEP
 
 log = logging.getLogger(__name__)
 
-#: node-rank that runs the coordinator
-COORDINATOR_RANK = 0
-#: ``step`` on the wire for "nothing to restore" / "no step yet"
-NO_STEP = -1
 
 WAITING, DECIDED, REJOIN, PASSED, REPLAN = "waiting", "decided", "rejoin", "passed", "replan"
 PROTOCOL, GENERIC = "protocol", "generic"

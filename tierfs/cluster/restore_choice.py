@@ -41,105 +41,17 @@ from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-#: outcomes of a restore decision
-RESTORED, FRESH, INCOMPLETE = "restored", "fresh", "incomplete"
-
-#: a copy's holder: a node rank (RAM) or a backup round name (the bucket)
-Holder = int | str
-#: (holder, shard rank, step): one copy of one shard
-CopyId = tuple[Holder, int, int]
+from tierfs.core.types import FRESH as FRESH
+from tierfs.core.types import INCOMPLETE as INCOMPLETE
+from tierfs.core.types import RESTORED as RESTORED
+from tierfs.core.types import BucketPart as BucketPart
+from tierfs.core.types import BucketView as BucketView
+from tierfs.core.types import CopyId as CopyId
+from tierfs.core.types import Holder as Holder
+from tierfs.core.types import Holding as Holding
 
 #: seconds a round's name (its UTC minute) may lag behind the seals it follows
 ROUND_NAME_SLACK = 120.0
-
-
-@dataclass(frozen=True, order=True)
-class Holding:
-    """One shard in a node's inventory.
-
-    Attributes:
-        rank: the node rank whose data it is.
-        step: the step.
-        verified: its checksums were verified by the holding daemon.
-        digest: :attr:`tierfs.store.manifest.Manifest.digest` (equal: identical bytes).
-        bytes: its size in bytes.
-        name: its primary top-level entry.
-        backup_requested: the step carries ``_BACKUP_REQUESTED`` (back it up at once).
-        created: Unix time (seconds) of its seal (0.0: unknown).
-    """
-
-    rank: int
-    step: int
-    verified: bool
-    digest: str
-    bytes: int = 0
-    name: str = ""
-    backup_requested: bool = False
-    created: float = 0.0
-
-
-@dataclass(frozen=True)
-class BucketPart:
-    """One node's complete part of one step in one backup round.
-
-    Attributes:
-        round: the round name (``YYYY-MM-DD_HH-MM``).
-        digest: the part's manifest digest; "" when unknown (a round written by MTC).
-    """
-
-    round: str
-    rank: int
-    step: int
-    digest: str = ""
-
-
-@dataclass(frozen=True)
-class BucketView:
-    """What the bucket holds for a job, as read for one restore round.
-
-    Attributes:
-        parts: every complete node part of the rounds read.
-        incomplete: (round, its newest step or None, why) for each round read that
-            holds something but no step complete for every node.
-        rounds: the round names read, newest first.
-        exhausted: every round of the job was read.
-        error: the bucket could not be read (one line); nothing else is set then.
-        forced: the round ``restore.version`` names, or None.
-        forced_step: that round's step complete for every node, or None.
-        forced_problem: why that round cannot be restored (missing, incomplete).
-        depth: how many complete rounds the reader looked for.
-    """
-
-    parts: tuple[BucketPart, ...] = ()
-    incomplete: tuple[tuple[str, int | None, str], ...] = ()
-    rounds: tuple[str, ...] = ()
-    exhausted: bool = True
-    error: str | None = None
-    forced: str | None = None
-    forced_step: int | None = None
-    forced_problem: str | None = None
-    depth: int = 1
-
-    def floor(self, nodes: int) -> int | None:
-        """The oldest step complete for all ``nodes`` among the rounds read (the rounds
-        not read are older, so they cannot hold a newer complete step); None if none."""
-        by_round: dict[tuple[str, int], set[int]] = {}
-        for p in self.parts:
-            by_round.setdefault((p.round, p.step), set()).add(p.rank)
-        steps = [s for (_r, s), ranks in by_round.items() if ranks >= set(range(nodes))]
-        return min(steps) if steps else None
-
-    def holds_anything(self) -> bool:
-        """The bucket holds something of the job (a round, a part, restore.version)."""
-        return bool(self.parts or self.incomplete or self.rounds or self.forced)
-
-    def problems_above(self, step: int | None) -> list[str]:
-        """Why the rounds read holding a newer step than ``step`` (None: any) are unusable."""
-        return [
-            f"backup round {name}{f' (step {s})' if s is not None else ''} is incomplete: {why}"
-            for name, s, why in self.incomplete
-            if step is None or s is None or s > step
-        ]
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import stat
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import trio
@@ -45,17 +45,21 @@ import trio
 from tierfs.core import control
 from tierfs.core.config import NodeConfig
 from tierfs.core.control import ControlError, JobSpec
+from tierfs.core.types import RestorePlan
 from tierfs.fuse.namespace import Namespace
+from tierfs.node.catalog import ShardCatalog
+from tierfs.node.jobstate import RESUMABLE_RESTORE_STATES, JobState
+from tierfs.node.reporter import NodeReporter
 from tierfs.node.sealing import SealCandidate, SealRules
 from tierfs.node.view import SIBLING_GRACE, ClientView, Published
 from tierfs.store.manifest import CrcCache, ManifestError
 from tierfs.store.ramstore import TRASH_GRACE, Budget, RamStore
 from tierfs.store.shards import SealBusy, Shard, ShardKey, ShardStore, retention
 
+__all__ = ["Cluster", "LocalCluster", "NodeAgent", "RestorePlan", "Tier"]
+
 log = logging.getLogger(__name__)
 
-#: restore states a daemon restart resumes (the yaml is consumed, no marker yet)
-RESUMABLE_RESTORE_STATES = frozenset({"cleanup", "planning", "barrier"})
 #: restore states during which retention drops nothing (a copy may still be needed)
 RESTORING_STATES = RESUMABLE_RESTORE_STATES | {"pending"}
 
@@ -72,8 +76,6 @@ STATE_VERSION = 1
 DEFAULT_JOB = "default"
 #: seconds an expired step stays visible before retention hides it (protocol mode)
 VIEW_RETENTION_GRACE = 10.0
-#: an identical replicator.errors line is written at most once per this many seconds
-ERROR_REPEAT_SECONDS = 60.0
 
 
 # ---------------------------------------------------------------------- events
@@ -151,24 +153,6 @@ class AgentEvents:
 # ---------------------------------------------------------------------- cluster
 
 
-@dataclass
-class RestorePlan:
-    """What the cluster decided for this node.
-
-    Attributes:
-        step: the step every node restores, or None for "nothing".
-        backup: the GCS round name when the data comes from the bucket.
-        shard: this node's local shard for ``step`` once fetched.
-        source: where this node's data came from (``local``, ``peer:<rank>``, ``gcs``).
-    """
-
-    step: int | None
-    backup: str | None = None
-    shard: Shard | None = None
-    source: str = "local"
-    detail: dict[str, Any] = field(default_factory=dict)
-
-
 class Cluster(Protocol):
     """How a node agrees with the others on what to restore (PROTOCOL.md section 6)."""
 
@@ -222,17 +206,16 @@ class LocalCluster:
 
 
 class Tier(Protocol):
-    """A tier that follows sealed steps (peer replication, GCS backups)."""
+    """A tier that follows sealed steps (peer replication, GCS backups).
+
+    It hears of sealed and withdrawn shards through the catalog's listeners
+    (registered in its ``__init__``); the agent starts it, asks it which shards
+    it still needs and shows its status.
+    """
 
     name: str
 
-    async def run(
-        self, agent: NodeAgent, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None: ...
-
-    def on_sealed(self, shard: Shard) -> None: ...
-
-    def on_withdrawn(self, key: ShardKey) -> None: ...
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None: ...
 
     def pinned(self) -> set[ShardKey]: ...
 
@@ -249,18 +232,41 @@ class NodeAgent:
         config: the node configuration.
         store: the RAM store.
         budget: the RAM budget.
+        shards: the store of committed shards (snapshots, manifests).
+        catalog: the held shards (shared with the tiers).
+        state: the current job, written only by the agent (the tiers read it).
+        reporter: ``replicator.errors``/``failed``.
+        view: the client's view of the mount.
+        cluster: how the node agrees on a restore (:class:`LocalCluster` for one node).
+        tiers: the tiers following sealed steps, started in this order.
     """
 
-    def __init__(self, config: NodeConfig, store: RamStore, budget: Budget) -> None:
+    def __init__(
+        self,
+        config: NodeConfig,
+        store: RamStore,
+        budget: Budget,
+        *,
+        shards: ShardStore,
+        catalog: ShardCatalog,
+        state: JobState,
+        reporter: NodeReporter,
+        view: ClientView,
+        cluster: Cluster,
+        tiers: list[Tier],
+    ) -> None:
         self.config = config
         self.store = store
         self.budget = budget
-        self.shards = ShardStore(store)
-        self.view = ClientView(store)
+        self.shards = shards
+        self.view = view
         self.ns: Namespace | None = None
         self.started = time.time()
-        self.catalog: dict[ShardKey, Shard] = {}
-        self.sealed_inos: dict[int, ShardKey] = {}
+        self.catalog = catalog
+        self.state = state
+        self.reporter = reporter
+        #: inode -> sealed shard (the catalog's map; the FUSE thread reads it)
+        self.sealed_inos: dict[int, ShardKey] = catalog.sealed_inos
         self.sealing_inos: dict[int, str] = {}
         self.dirty_inos: set[int] = set()
         self.generation: collections.Counter[str] = collections.Counter()
@@ -272,17 +278,11 @@ class NodeAgent:
         #: first seal time of a withdrawn step, kept when it is sealed again
         self.withdrawn_created: dict[ShardKey, float] = {}
         self.crc_cache: CrcCache = {}
-        self.job: JobSpec | None = None
-        self.mode = "none"
         self.rules: SealRules | None = None
-        self.restore_state: dict[str, Any] = {"state": "idle"}
-        #: Unix time the current timeline began (a replicator.yaml was consumed): steps
-        #: sealed before it belong to the job's previous run (see PeerTier's sync reports)
-        self.timeline_since = 0.0
-        self.errors: collections.deque[str] = collections.deque(maxlen=50)
-        self._reported: dict[str, tuple[float, int]] = {}
-        self.cluster: Cluster = LocalCluster()
-        self.tiers: list[Tier] = []
+        #: the last problem lines (the reporter's, plus internal errors), for the status
+        self.errors: collections.deque[str] = reporter.errors
+        self.cluster = cluster
+        self.tiers = list(tiers)
         self._send, self._recv = trio.open_memory_channel[Event](math.inf)
         self._control_lock = trio.Lock()
         self._seal_limiter = trio.CapacityLimiter(1)
@@ -291,6 +291,47 @@ class NodeAgent:
         self._restore_scope: trio.CancelScope | None = None
         self._generic_running = False
         self._token: trio.lowlevel.TrioToken | None = None
+        catalog.on_retention_wanted(lambda: self._spawn(self._apply_retention))
+        state.on_summoned(self.summoned)
+
+    # ------------------------------------------------------------------ job state
+
+    @property
+    def job(self) -> JobSpec | None:
+        """The running job (the :class:`~tierfs.node.jobstate.JobState`'s)."""
+        return self.state.job
+
+    @job.setter
+    def job(self, job: JobSpec | None) -> None:
+        self.state.job = job
+
+    @property
+    def mode(self) -> str:
+        """``protocol``, ``generic`` or ``none``."""
+        return self.state.mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        self.state.mode = mode
+
+    @property
+    def restore_state(self) -> dict[str, Any]:
+        """The restore's state as plain data (``state`` and details)."""
+        return self.state.restore_state
+
+    @restore_state.setter
+    def restore_state(self, value: dict[str, Any]) -> None:
+        self.state.restore_state = value
+
+    @property
+    def timeline_since(self) -> float:
+        """Unix time the current timeline began (a replicator.yaml was consumed): steps
+        sealed before it belong to the job's previous run (see PeerTier's sync reports)."""
+        return self.state.timeline_since
+
+    @timeline_since.setter
+    def timeline_since(self, value: float) -> None:
+        self.state.timeline_since = value
 
     # ------------------------------------------------------------------ wiring
 
@@ -351,82 +392,34 @@ class NodeAgent:
     # ------------------------------------------------------------------ reporting
 
     def _notify(self, name: str) -> None:
-        if self.ns is not None:
-            self.ns.notify_changed(name)
+        self.view.notify(name)
 
     def report_error(self, message: str) -> None:
-        """Append one line to ``replicator.errors`` (recoverable problem) and log it.
-
-        The same message is written at most once a minute (a failing retry loop
-        must not flood the file); repeats are counted in the next line.
-        """
-        now = time.monotonic()
-        last, repeats = self._reported.get(message, (-1e9, 0))
-        if now - last < ERROR_REPEAT_SECONDS:
-            self._reported[message] = (last, repeats + 1)
-            return
-        self._reported[message] = (now, 0)
-        if repeats:
-            message = f"{message} (and {repeats} more time(s) in the last minute)"
-        job = self.job
-        line = control.error_line(
-            message, job=job.name if job else None, rank=job.node_rank if job else None
-        )
-        log.warning("%s", message)
-        self.errors.append(line.strip())
-        try:
-            control.append_line(self.store.view, control.REPLICATOR_ERRORS, line)
-            self._notify(control.REPLICATOR_ERRORS)
-        except OSError as exc:
-            log.error("cannot write replicator.errors: %s", exc)
+        """Append one line to ``replicator.errors`` (:meth:`NodeReporter.error`)."""
+        self.reporter.error(message)
 
     def report_failure(self, message: str, *, job_context: bool = True) -> None:
-        """Append one line to ``replicator.failed`` (and ``.errors``, as MTC does).
-
-        ``job_context=False`` for a ``replicator.yaml`` that was refused: the line
-        must not name the job that was running before it.
-        """
-        job = self.job if job_context else None
-        line = control.error_line(
-            message, job=job.name if job else None, rank=job.node_rank if job else None
-        )
-        log.error("%s", message)
-        self.errors.append(line.strip())
-        for name in (control.REPLICATOR_FAILED, control.REPLICATOR_ERRORS):
-            try:
-                control.append_line(self.store.view, name, line)
-                self._notify(name)
-            except OSError as exc:
-                log.error("cannot write %s: %s", name, exc)
+        """Append one line to ``replicator.failed`` and ``.errors``
+        (:meth:`NodeReporter.failure`)."""
+        self.reporter.failure(message, job_context=job_context)
 
     # ------------------------------------------------------------------ catalog
 
     def own_shards(self, job: JobSpec) -> list[Shard]:
         """This node's shards of ``job``, newest step first."""
-        return sorted(
-            (s for k, s in self.catalog.items() if k.job == job.name and k.rank == job.node_rank),
-            key=lambda s: s.key.step,
-            reverse=True,
-        )
+        return self.catalog.own_shards(job)
 
     def shards_of(self, job: str) -> list[Shard]:
         """Every shard of ``job`` held here (own and replicas)."""
-        return [s for k, s in self.catalog.items() if k.job == job]
+        return self.catalog.shards_of(job)
 
     def age(self, key: ShardKey) -> tuple[float, int]:
         """Recency of a shard for retention: (seal time, step); larger is newer."""
-        shard = self.catalog.get(key)
-        return (shard.manifest.created if shard is not None else 0.0, key.step)
+        return self.catalog.age(key)
 
     def retained(self, key: ShardKey) -> bool:
         """True if ``key`` is among the ``--keep-local`` newest shards of its (job, rank)."""
-        if key not in self.catalog:
-            return False
-        mine = self.age(key)
-        newer = sum(
-            1 for k in self.catalog if (k.job, k.rank) == (key.job, key.rank) and self.age(k) > mine
-        )
-        return newer < self.config.keep_local
+        return self.catalog.retained(key)
 
     def drop_abandoned(self, job: JobSpec, step: int) -> None:
         """The cluster restored ``step``: this node's shards of later steps are abandoned.
@@ -442,31 +435,11 @@ class NodeAgent:
 
     def add_shard(self, shard: Shard) -> None:
         """Register a committed shard (trio thread)."""
-        old = self.catalog.get(shard.key)
-        if old is not None:
-            self._forget_inodes(old)
-        self.catalog[shard.key] = shard
-        for ino in shard.inodes:
-            self.sealed_inos[ino] = shard.key
-
-    def _forget_inodes(self, shard: Shard) -> None:
-        for ino in shard.inodes:
-            if self.sealed_inos.get(ino) == shard.key:
-                del self.sealed_inos[ino]
+        self.catalog.add(shard)
 
     def drop_shard(self, key: ShardKey, reason: str) -> None:
         """Remove a shard from the catalog and the store (trio thread; one rename)."""
-        shard = self.catalog.pop(key, None)
-        if shard is None:
-            return
-        log.info("dropping shard %s: %s", key, reason)
-        self._forget_inodes(shard)
-        try:
-            self.shards.remove(shard)
-        except OSError as exc:
-            log.warning("removing %s: %s", shard.path, exc)
-        for tier in self.tiers:
-            tier.on_withdrawn(key)
+        self.catalog.drop(key, reason)
 
     def withdraw(self, key: ShardKey, reason: str) -> None:
         """Withdraw a seal: the snapshot no longer matches the client's bytes."""
@@ -590,7 +563,7 @@ class NodeAgent:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             for tier in self.tiers:
-                await nursery.start(tier.run, self)
+                await nursery.start(tier.run)
             nursery.start_soon(self._housekeeping)
             nursery.start_soon(self._count_budget)
             nursery.start_soon(self._reconcile)
@@ -910,8 +883,7 @@ class NodeAgent:
                 shard.bytes,
                 cand.reason,
             )
-            for tier in self.tiers:
-                tier.on_sealed(shard)
+            self.catalog.sealed(shard)
             await self._apply_retention()
             self._save_state()
 
@@ -970,7 +942,7 @@ class NodeAgent:
 
     async def _consume_control(self) -> None:
         async with self._control_lock:
-            self._reported.clear()  # a (re)started job hears about every problem again
+            self.reporter.forget_repeats()  # a (re)started job hears about every problem again
             path = os.path.join(self.store.view, control.REPLICATOR_YAML)
             try:
                 # read and parse off the FUSE loop: a large file takes seconds

@@ -24,15 +24,16 @@ import functools
 import logging
 import threading
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 import trio
 
-from tierfs.cluster.coordinator import CopyId
 from tierfs.core import control, settings
+from tierfs.core.ports import BackupFetch
+from tierfs.core.types import CopyId, RestorePlan
+from tierfs.node.agent import LocalCluster
 from tierfs.replication.client import rpc_code, rpc_reason
 from tierfs.replication.transfer import BadCopy, Refused, TransferError
 from tierfs.rpc import peer_pb2
@@ -40,7 +41,7 @@ from tierfs.store.shards import ShardKey
 
 if TYPE_CHECKING:
     from tierfs.core.control import JobSpec
-    from tierfs.node.agent import NodeAgent, RestorePlan
+    from tierfs.node.agent import NodeAgent
     from tierfs.replication.peer import PeerTier
 
 log = logging.getLogger(__name__)
@@ -95,16 +96,14 @@ class PeerCluster:
 
     Args:
         tier: the node's peer tier (client, address book, transfers).
-
-    Attributes:
-        fetch_backup: the durable tier's download, ``async (agent, job, step,
-            backup, digest) -> Shard`` (raises with the reason), used for the
-            backup rounds of a plan; None without a bucket.
+        backup: the backup plane's download (:meth:`BackupFetch.fetch_backup`, raises
+            with the reason), used for the backup rounds of a plan; None without
+            a bucket.
     """
 
-    def __init__(self, tier: PeerTier) -> None:
+    def __init__(self, tier: PeerTier, backup: BackupFetch | None = None) -> None:
         self.tier = tier
-        self.fetch_backup: Callable[..., Any] | None = None
+        self.backup = backup
         self._current: _Round | None = None
 
     def _phase(self, agent: NodeAgent, text: str, **extra: Any) -> None:
@@ -121,8 +120,6 @@ class PeerCluster:
                 seconds, or the coordinator refuses this node; the reason is in
                 replicator.errors.
         """
-        from tierfs.node.agent import LocalCluster
-
         self._current = None
         if job.nodes <= 1 or not self.tier.has_plane():
             return await LocalCluster().plan_restore(agent, job)
@@ -342,8 +339,6 @@ class PeerCluster:
             (plan, [], "") on success (a "nothing" decision included); else
             (None, the copies found bad or unusable, one line why).
         """
-        from tierfs.node.agent import RestorePlan
-
         tier = self.tier
         if view.step < 0:
             return (
@@ -414,11 +409,11 @@ class PeerCluster:
             )
         rounds = list(view.backups) or ([view.backup] if view.backup else [])
         for rnd in rounds:
-            if self.fetch_backup is None:
+            if self.backup is None:
                 why.append(f"backup round {rnd} holds it but this node has no --bucket")
                 break
             try:
-                shard = await self.fetch_backup(agent, job, step, rnd, view.digest)
+                shard = await self.backup.fetch_backup(agent, job, step, rnd, view.digest)
             except Exception as exc:
                 agent.report_error(f"restore: {exc}; trying another copy")
                 bad.append((rnd, job.node_rank, step))

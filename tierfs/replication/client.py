@@ -17,8 +17,7 @@ from typing import Any
 
 import grpc
 
-from tierfs.cluster.backup_schedule import Outcome
-from tierfs.cluster.coordinator import CopyId, Holding
+from tierfs.core.types import CopyId, Holding, Outcome
 from tierfs.replication.transfer import (
     REPLICATION_NICE,
     Cancelled,

@@ -11,11 +11,11 @@ Rendezvous (how a node finds the coordinator), resolved when the job starts
 and again whenever the coordinator stops answering:
 
 * static: ``--coordinator HOST:PORT`` (VMs, tests);
-* bucket: without ``--coordinator`` but with ``--bucket``, the GCS tier
-  installs a :class:`Rendezvous`. Every node publishes its own address to
-  ``gs://<bucket>/<job>/.tierfs/nodes/<rank>`` with its incarnation (a random
-  id per daemon start); node-rank 0 is the coordinator itself, the others
-  read rank 0's record and *probe* it (an ``Inventory`` call must answer
+* bucket: without ``--coordinator`` but with ``--bucket``, the daemon hands
+  the tier the bucket's :class:`tierfs.core.ports.Rendezvous`. Every node
+  publishes its own address to ``gs://<bucket>/<job>/.tierfs/nodes/<rank>``
+  with its incarnation (a random id per daemon start); node-rank 0 is the
+  coordinator itself, the others read rank 0's record and *probe* it (an ``Inventory`` call must answer
   node-rank 0 of the job with the record's incarnation) before using it, so
   a record left by a previous daemon -- dead, restarted, or now another
   rank -- is never used.
@@ -34,7 +34,7 @@ Pieces, one module each:
 * this module: :class:`PeerTier` (the agent's tier and the servicer's
   host, trio thread): finds the coordinator
   (:meth:`PeerTier.find_coordinator`); after each seal, pushes
-  the snapshot to the peers from :func:`tierfs.cluster.placement.peer_ranks` with
+  the snapshot to the peers from :func:`tierfs.replication.placement.peer_ranks` with
   bounded concurrency; a shard being sent is pinned against retention, a
   withdrawn shard's transfers are cancelled; if the peer already holds a
   shard with the same manifest digest (data parallelism: identical bytes)
@@ -42,8 +42,8 @@ Pieces, one module each:
   (``Sync``) keeps the coordinator's view of this node (address, inventory,
   newest replicated step) fresh and brings back the peers' addresses; it
   also carries backup rounds between the coordinator and the node's GCS
-  tier (a :class:`BackupAgent`): the node's outcome of its last round up,
-  the round it is ordered into down.
+  tier (a :class:`tierfs.core.ports.BackupOrders`): the node's outcome of its
+  last round up, the round it is ordered into down.
 * :mod:`tierfs.node.peer_restore`: :class:`~tierfs.node.peer_restore.PeerCluster`
   (the agent's :class:`tierfs.node.agent.Cluster`): the restore rounds: verify
   what this node holds, join, get the decision, pull the own shard from a
@@ -73,32 +73,36 @@ import uuid
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import trio
 
-from tierfs.cluster import placement
-from tierfs.cluster.backup_schedule import FAILED, Outcome, RoundView
-from tierfs.cluster.coordinator import (
-    COORDINATOR_RANK,
-    NO_STEP,
-    Coordinator,
-    CoordinatorServicer,
-    Holding,
-)
 from tierfs.core import settings
+from tierfs.core.config import NodeConfig
+from tierfs.core.ports import (
+    BackupOrders,
+    Catalog,
+    CurrentJob,
+    RamBudget,
+    Rendezvous,
+    Reporter,
+    Summons,
+)
+from tierfs.core.types import COORDINATOR_RANK, FAILED, NO_STEP, Holding, Outcome, RoundView
+from tierfs.replication import placement
 from tierfs.replication.client import PeerClient, rpc_code, rpc_reason
+from tierfs.replication.plane import PlaneState
 from tierfs.replication.service import HostGone, PeerHost, PeerServicer, peer_handlers
 from tierfs.replication.transfer import Cancelled
 from tierfs.rpc import peer_pb2_grpc
 from tierfs.rpc import wire as peer_wire
 from tierfs.rpc.wire import WireStats
-from tierfs.store.shards import Shard, ShardKey
+from tierfs.store.ramstore import RamStore
+from tierfs.store.shards import Shard, ShardKey, ShardStore
 
 if TYPE_CHECKING:
     from tierfs.core.control import JobSpec
-    from tierfs.node.agent import NodeAgent
 
 log = logging.getLogger(__name__)
 
@@ -116,50 +120,6 @@ LOOKUP_INTERVAL = 1.0
 PUBLISH_BACKOFF = 30.0
 #: seconds a probe of a rendezvous address may take
 PROBE_TIMEOUT = 5.0
-
-
-class Rendezvous(Protocol):
-    """Where nodes of a job publish their peer addresses (the bucket; trio thread).
-
-    Implemented by :class:`tierfs.backup.tier.BucketRendezvous`. Both calls
-    do their I/O in worker threads and give up within a bounded time.
-    """
-
-    def where(self, job: str, rank: int) -> str:
-        """Where node ``rank``'s record of ``job`` lives, for messages (``gs://...``)."""
-        ...
-
-    async def publish(self, job: str, rank: int, address: str, incarnation: str) -> None:
-        """Write this node's record. Raises ``Exception`` (one line) when it cannot."""
-        ...
-
-    async def lookup(self, job: str, rank: int) -> tuple[str, str] | None:
-        """Node ``rank``'s record: (address, incarnation), or None if there is none.
-
-        Raises ``Exception`` (one line) when the bucket cannot be read.
-        """
-        ...
-
-
-class BackupAgent(Protocol):
-    """The node's side of coordinator-driven backup rounds (the GCS tier; trio thread)."""
-
-    def backup_outcome(self) -> Outcome | None:
-        """The outcome of the last round this node was ordered into (None: none yet)."""
-        ...
-
-    def on_backup_round(
-        self,
-        job: JobSpec,
-        order: tuple[str, int] | None,
-        last: RoundView | None,
-        dedup: bool = False,
-    ) -> None:
-        """The coordinator's answer: the (round, step) to upload now, if any, the
-        newest round with its state, and whether this node's shard has its
-        data-parallel uploader's checksums (``dedup``). Must not block (start
-        uploads as tasks)."""
-        ...
 
 
 # ---------------------------------------------------------------------- tier
@@ -187,25 +147,57 @@ class PeerTier(PeerHost):
     """The peer tier of one node (see the module docstring).
 
     Args:
-        agent: the node agent; its config gives ``listen``, ``advertise``,
-            ``coordinator``, ``peer_token`` and ``join_timeout``.
+        config: the node configuration: ``listen``, ``advertise``,
+            ``coordinator``, ``peer_token``, ``join_timeout`` and ``keep_local``.
+        store: the RAM store (pulled shards arrive in its ``incoming``).
+        shards: the store of committed shards.
+        catalog: the held shards; the tier registers its sealed and withdrawn
+            listeners there.
+        job: the current job (read only).
+        reporter: ``replicator.errors``.
+        budget: the RAM budget (a pushed replica must fit).
+        summons: where the coordinator's summons into a restore round go.
+        plane: the peer plane's shared state (sync round, coordinator gate).
+        coordinator: this node's coordinator service, registered on the gRPC
+            server (None: no ``--listen``).
+        rendezvous: the bucket rendezvous (a bucket and no ``--coordinator``),
+            else None.
+        backup: the node's backup plane when it takes part in backup rounds,
+            else None (an order is then answered "failed").
 
     Attributes:
-        rendezvous: the bucket rendezvous (set by the GCS tier when there is a
-            bucket and no ``--coordinator``), else None.
-        backup_agent: the node's GCS tier when it takes part in backup
-            rounds, else None (an order is then answered "failed").
         coordinator_address: where this node last found the coordinator
             (the static address, its own, or the bucket's), or None.
     """
 
     name = "peer"
 
-    def __init__(self, agent: NodeAgent) -> None:
-        c = agent.config
-        self.agent = agent
-        self.ram = agent.store
-        self.shards = agent.shards
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        store: RamStore,
+        shards: ShardStore,
+        catalog: Catalog,
+        job: CurrentJob,
+        reporter: Reporter,
+        budget: RamBudget,
+        summons: Summons,
+        plane: PlaneState,
+        coordinator: Any = None,
+        rendezvous: Rendezvous | None = None,
+        backup: BackupOrders | None = None,
+    ) -> None:
+        c = config
+        self.ram = store
+        self.shards = shards
+        self.catalog = catalog
+        self.current = job
+        self.reporter = reporter
+        self.budget = budget
+        self.summons = summons
+        self.plane = plane
+        self.keep_local = c.keep_local
         self.stats = WireStats()
         self.incarnation = uuid.uuid4().hex
         self.listen = c.listen
@@ -214,12 +206,8 @@ class PeerTier(PeerHost):
         self.coordinator_address = c.coordinator
         self.token = c.peer_token
         self.join_timeout = float(c.join_timeout)
-        self._static_is_me = bool(c.coordinator) and (
-            peer_wire.same_endpoint(c.coordinator, c.listen)
-            or peer_wire.same_endpoint(c.coordinator, c.advertise)
-        )
-        self.rendezvous: Rendezvous | None = None
-        self.backup_agent: BackupAgent | None = None
+        self.rendezvous = rendezvous
+        self.backup = backup
         self.rendezvous_note: str | None = None
         self._found: tuple[tuple[str, int, int], str, str] | None = None
         self._published: tuple[tuple[str, int, int], str] | None = None
@@ -230,7 +218,8 @@ class PeerTier(PeerHost):
         self._publish_poke = trio.Event()
         self._no_bucket: Outcome | None = None
         self.client = PeerClient(self.token, self.stats)
-        self.coordinator: CoordinatorServicer | None = None
+        self.coordinator = coordinator
+        self._token: trio.lowlevel.TrioToken | None = None
         self.port: int | None = None
         self.transfer_limiter = trio.CapacityLimiter(TRANSFERS)
         self._control_limiter = trio.CapacityLimiter(8)
@@ -243,31 +232,46 @@ class PeerTier(PeerHost):
         self._linked: dict[ShardKey, ShardKey] = {}
         self._digests: dict[ShardKey, tuple[int, str]] = {}
         self.peers: dict[int, PeerInfo] = {}
-        self.sync: dict[str, Any] = {"step": None, "at": None, "steps": []}
-        #: own steps reported as replicated in the Sync in flight and in the last one
-        #: answered: the coordinator may order a backup round of either (the GCS tier
-        #: pins them against retention)
-        self.reported: tuple[int, ...] = ()
         self._reported_ok: int | None = None
         #: the restore round the coordinator has open (0: none), from the last Sync
         self.restore_round = 0
         self.last_error: str | None = None
         self._coord_ok: bool | None = None
         self._registered: tuple[str, int] | None = None
+        catalog.on_sealed(self.on_sealed)
+        catalog.on_withdrawn(self.on_withdrawn)
+        plane.on_heartbeat_wanted(self.poke)
+
+    @property
+    def sync(self) -> dict[str, Any]:
+        """The last sync round (the plane's): ``step``, ``at``, ``steps``."""
+        return self.plane.sync
+
+    @sync.setter
+    def sync(self, value: dict[str, Any]) -> None:
+        self.plane.sync = value
+
+    @property
+    def reported(self) -> tuple[int, ...]:
+        """Own steps reported as replicated in the Sync in flight and in the last one
+        answered: the coordinator may order a backup round of either (the GCS tier
+        pins them against retention)."""
+        return self.plane.reported
+
+    @reported.setter
+    def reported(self, value: tuple[int, ...]) -> None:
+        self.plane.reported = value
 
     # ------------------------------------------------------------------ helpers
 
     def has_plane(self) -> bool:
         """A coordinator can be found: ``--coordinator``, or ``--listen`` with the bucket
         rendezvous."""
-        return bool(self.static_coordinator) or (self.rendezvous is not None and bool(self.listen))
+        return self.plane.has_plane()
 
     def active_job(self) -> JobSpec | None:
-        """The agent's job if it spans several nodes and a coordinator can be found."""
-        job = self.agent.job
-        if job is None or job.nodes <= 1 or not self.has_plane():
-            return None
-        return job
+        """The current job if it spans several nodes and a coordinator can be found."""
+        return self.plane.active_job()
 
     @property
     def is_coordinator(self) -> bool:
@@ -275,24 +279,9 @@ class PeerTier(PeerHost):
         return self._server is not None and self.coordinator_gate() is None
 
     def coordinator_gate(self) -> str | None:
-        """None while this node is the coordinator, else one line why not (any thread).
-
-        Static rendezvous: the node whose ``--listen``/``--advertise`` is the
-        ``--coordinator`` address, whatever its job. Bucket rendezvous:
-        node-rank 0 of a multi-node job (known once the job started).
-        """
-        if self.static_coordinator:
-            return (
-                None if self._static_is_me else (f"the coordinator is at {self.static_coordinator}")
-            )
-        if self.rendezvous is None:
-            return "no --coordinator and no bucket rendezvous on this node"
-        job = self.agent.job  # one read of a frozen JobSpec: safe from any thread
-        if job is None or job.nodes <= 1:
-            return "no multi-node job runs on this node"
-        if job.node_rank != COORDINATOR_RANK:
-            return f"this node is node-rank {job.node_rank} of job {job.name}"
-        return None
+        """None while this node is the coordinator, else one line why not (any thread);
+        see :meth:`tierfs.replication.plane.PlaneState.coordinator_gate`."""
+        return self.plane.coordinator_gate()
 
     # ------------------------------------------------------------------ rendezvous
 
@@ -373,7 +362,7 @@ class PeerTier(PeerHost):
             self.publish_note = f"cannot publish this node's address to {where}: {exc}"
             if job.node_rank == COORDINATOR_RANK and self._publish_failed != ident:
                 self._publish_failed = ident
-                self.agent.report_error(
+                self.reporter.error(
                     f"bucket rendezvous: {self.publish_note}; the "
                     "other nodes cannot find the coordinator until it "
                     "is written"
@@ -435,7 +424,7 @@ class PeerTier(PeerHost):
             info.live = False
 
     def replica_peers(self, job: JobSpec) -> list[int]:
-        """The ranks receiving this node's steps (:func:`tierfs.cluster.placement.peer_ranks`)."""
+        """The ranks receiving this node's steps (:func:`.placement.peer_ranks`)."""
         try:
             return placement.peer_ranks(
                 job.node_rank,
@@ -470,11 +459,11 @@ class PeerTier(PeerHost):
                 s.manifest.backup_requested,
                 s.manifest.created,
             )
-            for s in self.agent.shards_of(job)
+            for s in self.catalog.shards_of(job)
         ]
 
     def _on_trio(self, fn: Callable[..., Any], *args: Any) -> Any:
-        token = self.agent.trio_token
+        token = self._token
         if token is None:
             raise HostGone()
         try:
@@ -485,19 +474,20 @@ class PeerTier(PeerHost):
     # ------------------------------------------------------------------ PeerHost (any thread)
 
     def own_rank(self, job: str) -> int | None:
-        j = self.agent.job  # one attribute read of a frozen JobSpec: safe from any thread
+        j = self.current.job  # one attribute read of a frozen JobSpec: safe from any thread
         return j.node_rank if j is not None and j.name == job else None
 
     def inventory(self, job: str) -> list[Holding]:
         return self._on_trio(self.holdings, job)
 
     def find(self, key: ShardKey) -> Shard | None:
-        return self._on_trio(self.agent.catalog.get, key)
+        return self._on_trio(self.catalog.get, key)
 
     def find_digest(self, job: str, digest: str) -> tuple[Shard, bool] | None:
         def look() -> tuple[Shard, bool] | None:
-            own = self.agent.job.node_rank if self.agent.job else None
-            found = [s for s in self.agent.shards_of(job) if self.digest(s) == digest]
+            cur = self.current.job
+            own = cur.node_rank if cur else None
+            found = [s for s in self.catalog.shards_of(job) if self.digest(s) == digest]
             # prefer a copy that is not the client's view (no hard links to live files)
             found.sort(key=lambda s: (s.key.rank == own, -s.key.step))
             if not found:
@@ -515,9 +505,8 @@ class PeerTier(PeerHost):
             # whose withdrawal then drops this replica too (see on_withdrawn)
             shard.inodes = set()
             self._linked[shard.key] = linked_from
-        self.agent.add_shard(shard)
-        if self._nursery is not None:
-            self._nursery.start_soon(self.agent.apply_retention)
+        self.catalog.add(shard)
+        self.catalog.request_retention()
 
     def pin(self, key: ShardKey, delta: int) -> None:
         self._on_trio(self._pin, key, delta)
@@ -528,18 +517,17 @@ class PeerTier(PeerHost):
             del self._pins[key]
 
     def check_space(self, nbytes: int) -> None:
-        self.agent.budget.check_growth(nbytes)
+        self.budget.check_growth(nbytes)
 
     # ------------------------------------------------------------------ Tier
 
-    async def run(
-        self, agent: NodeAgent, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the gRPC server (if ``--listen``), then heartbeat until cancelled.
 
         Raises:
             RuntimeError: the listen address cannot be bound.
         """
+        self._token = trio.lowlevel.current_trio_token()
         self._relink_loaded()
         if self.listen:
             self._start_server()
@@ -554,6 +542,7 @@ class PeerTier(PeerHost):
                 send.cancel.set()
             if self._server is not None:
                 self._server.stop(0)
+                self.plane.server_up = False
             self.client.close()
 
     def _start_server(self) -> None:
@@ -565,12 +554,8 @@ class PeerTier(PeerHost):
         server.add_generic_rpc_handlers((peer_handlers(PeerServicer(self)),))
         # every node registers the coordinator service: which node serves it
         # may be known only once a job starts (the gate answers the others)
-        # with a bucket, no restore is decided before the bucket answered (the GCS
-        # tier installs the reader once it is up; until then decisions wait)
-        self.coordinator = CoordinatorServicer(
-            Coordinator(bucket=bool(self.agent.config.bucket)), gate=self.coordinator_gate
-        )
-        peer_pb2_grpc.add_CoordinatorServicer_to_server(self.coordinator, server)
+        if self.coordinator is not None:
+            peer_pb2_grpc.add_CoordinatorServicer_to_server(self.coordinator, server)
         assert self.listen is not None
         try:
             self.port = server.add_insecure_port(self.listen)
@@ -582,6 +567,7 @@ class PeerTier(PeerHost):
             self.address = f"{self.address[:-2]}:{self.port}"  # --listen HOST:0
         server.start()
         self._server = server
+        self.plane.server_up = True
         if not self.token:
             log.warning("peer plane without --peer-token: any client can call this node")
         log.info(
@@ -597,16 +583,14 @@ class PeerTier(PeerHost):
 
     def _relink_loaded(self) -> None:
         """After a daemon restart: replicas that are hard links of own shards (dedup)."""
-        job = self.agent.job
+        job = self.current.job
         if job is None:
             return
         own = {
-            k: s
-            for k, s in self.agent.catalog.items()
-            if k.job == job.name and k.rank == job.node_rank
+            k: s for k, s in self.catalog.items() if k.job == job.name and k.rank == job.node_rank
         }
         by_ino = {ino: k for k, s in own.items() for ino in s.inodes}
-        for k, s in list(self.agent.catalog.items()):
+        for k, s in list(self.catalog.items()):
             if k in own or k.job != job.name:
                 continue
             shared = s.inodes & by_ino.keys()
@@ -614,7 +598,7 @@ class PeerTier(PeerHost):
                 src = by_ino[next(iter(shared))]
                 s.inodes = set()
                 self._linked[k] = src
-                self.agent.add_shard(own[src])
+                self.catalog.add(own[src])
 
     def on_sealed(self, shard: Shard) -> None:
         """A step of this node was sealed: replicate it to the peers (trio thread)."""
@@ -652,18 +636,18 @@ class PeerTier(PeerHost):
         if linked and not self._retention_victim(key):
             for k in linked:
                 del self._linked[k]
-                self.agent.drop_shard(k, f"its files are hard links of {key}, which was withdrawn")
+                self.catalog.drop(k, f"its files are hard links of {key}, which was withdrawn")
         elif linked:
             for k in linked:
                 del self._linked[k]
 
     def _retention_victim(self, key: ShardKey) -> bool:
         steps = sorted(
-            (k.step for k in self.agent.catalog if k.job == key.job and k.rank == key.rank),
+            (k.step for k in self.catalog if k.job == key.job and k.rank == key.rank),
             reverse=True,
         )
-        keep = steps[: self.agent.config.keep_local]
-        return len(keep) >= self.agent.config.keep_local and key.step < min(keep)
+        keep = steps[: self.keep_local]
+        return len(keep) >= self.keep_local and key.step < min(keep)
 
     def pinned(self) -> set[ShardKey]:
         """Shards being sent or served, a restore's chosen shard until it is published,
@@ -672,10 +656,10 @@ class PeerTier(PeerHost):
         newer than the cluster's synced step (steps sealed while a peer is down
         can never be complete, so they must not push out the ones that are)."""
         keep = set(self._pins)
-        job = self.agent.job
+        job = self.current.job
         if job is None or self.active_job() is None:
             return keep
-        mine = [k for k in self.agent.catalog if k.job == job.name]
+        mine = [k for k in self.catalog if k.job == job.name]
         if self.restore_round:
             return keep | set(mine)
         synced = self.sync.get("step")
@@ -685,7 +669,7 @@ class PeerTier(PeerHost):
         for k in mine:
             if k.step <= synced:
                 by_rank.setdefault(k.rank, []).append(k.step)
-        n = self.agent.config.keep_local
+        n = self.keep_local
         for rank, steps in by_rank.items():
             keep |= {ShardKey(job.name, rank, s) for s in sorted(steps, reverse=True)[:n]}
         return keep
@@ -694,7 +678,7 @@ class PeerTier(PeerHost):
 
     async def _replicate(self, shard: Shard, peer: int, send: _Send) -> None:
         key = shard.key
-        job = self.agent.job
+        job = self.current.job
         dp = bool(
             job
             and job.assume_data_parallelism
@@ -714,7 +698,7 @@ class PeerTier(PeerHost):
                     if info is None or not info.address:
                         if trio.current_time() > deadline:
                             send.states[peer] = "failed"
-                            self.agent.report_error(
+                            self.reporter.error(
                                 f"replication of step {key.step} to node-rank {peer} failed: "
                                 "its address is unknown (it never joined the coordinator)"
                             )
@@ -759,7 +743,7 @@ class PeerTier(PeerHost):
                             delay = min(delay * 2, 5.0)
                             continue
                         send.states[peer] = "failed"
-                        self.agent.report_error(
+                        self.reporter.error(
                             f"replication of step {key.step} to node-rank {peer} "
                             f"({info.address}) failed: {rpc_reason(exc)}"
                         )
@@ -784,7 +768,7 @@ class PeerTier(PeerHost):
 
     def _worth_sending(self, key: ShardKey) -> bool:
         """False once ``key`` left the catalog or is older than the shards retention keeps."""
-        return self.agent.retained(key)
+        return self.catalog.retained(key)
 
     def _push_blocking(
         self, address: str, shard: Shard, key: ShardKey, dp: bool, cancel: threading.Event
@@ -814,9 +798,8 @@ class PeerTier(PeerHost):
         ):
             return "present"
         dedup = any(h.digest == digest for h in inv.shards)
-        reply = self.client.push(
-            address, shard, self.agent.job.node_rank if self.agent.job else -1, dedup, cancel
-        )
+        cur = self.current.job
+        reply = self.client.push(address, shard, cur.node_rank if cur else -1, dedup, cancel)
         if dedup and not reply.committed:
             reply = self.client.push(address, shard, key.rank, False, cancel)
         if not reply.committed:
@@ -829,8 +812,8 @@ class PeerTier(PeerHost):
         """The newest own step replicated to every peer, sealed since the job (re)started
         (steps of the timeline before a restore are never reported)."""
         peers = self.replica_peers(job)
-        since = self.agent.timeline_since
-        for shard in self.agent.own_shards(job):
+        since = self.current.timeline_since
+        for shard in self.catalog.own_shards(job):
             if shard.manifest.created < since:
                 break
             if not peers:
@@ -845,7 +828,7 @@ class PeerTier(PeerHost):
         job = self.active_job()
         if job is None or peer not in self.replica_peers(job):
             return
-        own = self.agent.own_shards(job)
+        own = self.catalog.own_shards(job)
         if not own:
             return
         shard = own[0]
@@ -862,8 +845,8 @@ class PeerTier(PeerHost):
         job = self.active_job()
         if job is None:
             return
-        for shard in self.agent.own_shards(job):
-            if not self.agent.retained(shard.key):
+        for shard in self.catalog.own_shards(job):
+            if not self.catalog.retained(shard.key):
                 continue
             send = self._sends.setdefault(shard.key, _Send())
             for peer in self.replica_peers(job):
@@ -927,8 +910,8 @@ class PeerTier(PeerHost):
         )
 
     def _backup_outcome(self) -> Outcome | None:
-        agent = self.backup_agent
-        return agent.backup_outcome() if agent is not None else self._no_bucket
+        backup = self.backup
+        return backup.backup_outcome() if backup is not None else self._no_bucket
 
     async def _sync_once(self, job: JobSpec, coord: str) -> None:
         inventory = self.holdings(job.name)
@@ -956,7 +939,7 @@ class PeerTier(PeerHost):
                 try:
                     joined = await trio.to_thread.run_sync(
                         lambda: self.client.join(
-                            coord, restore_id="", mode=self.agent.mode, **fields
+                            coord, restore_id="", mode=self.current.mode, **fields
                         )
                     )
                 except grpc.RpcError as exc:
@@ -975,7 +958,7 @@ class PeerTier(PeerHost):
         }
         self.restore_round = int(reply.restore_round)
         if reply.summoned:
-            self.agent.summoned(job)
+            self.summons.summoned(job)
         self._backup_round(job, reply)
 
     def _backup_round(self, job: JobSpec, reply: Any) -> None:
@@ -988,8 +971,8 @@ class PeerTier(PeerHost):
         if reply.HasField("backup_last") and reply.backup_last.round:
             b = reply.backup_last
             last = RoundView(b.round, int(b.step), b.state)
-        if self.backup_agent is not None:
-            self.backup_agent.on_backup_round(job, order, last, dedup)
+        if self.backup is not None:
+            self.backup.on_backup_round(job, order, last, dedup)
         elif order is not None:
             self._no_bucket = Outcome(
                 order[0], order[1], FAILED, f"node-rank {job.node_rank} has no --bucket"
@@ -1013,7 +996,7 @@ class PeerTier(PeerHost):
         self, address: str, key: ShardKey, digest: str, cancel: threading.Event
     ) -> Shard:
         """Pull, verify and commit ``key`` from a holder (worker thread); not yet cataloged."""
-        job = self.agent.job
+        job = self.current.job
         async with self.transfer_limiter:
             return await trio.to_thread.run_sync(
                 self.client.pull,
@@ -1036,12 +1019,12 @@ class PeerTier(PeerHost):
 
     def status(self) -> dict[str, Any]:
         """Peers, addresses, replication per step, the last sync round, wire counters."""
-        job = self.agent.job
+        job = self.current.job
         active = self.active_job()
         targets = self.replica_peers(active) if active else []
         steps = []
         if job is not None:
-            for shard in self.agent.own_shards(job):
+            for shard in self.catalog.own_shards(job):
                 send = self._sends.get(shard.key)
                 if send is None or not targets:
                     continue

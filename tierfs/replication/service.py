@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from tierfs.cluster.coordinator import Holding
+from tierfs.core.types import Holding
 from tierfs.replication.transfer import (
     REPLICATION_NICE,
     BadCopy,

@@ -1,0 +1,272 @@
+"""The narrow interfaces (ports) the planes get from the node, wired by ``tierfs.daemon``.
+
+Every object receives its ports in ``__init__`` from the one composition root
+(:class:`tierfs.daemon.NodeDaemon`); nothing is attached after construction.
+The planes (:mod:`tierfs.replication`, :mod:`tierfs.backup`, the clusters of
+:mod:`tierfs.node`) see the node only through these Protocols, so a unit test
+hands them small fakes (tests/unit/test_wiring.py) and no plane imports the
+agent or another plane.
+
+Threads: unless a method says otherwise it is called on the trio thread and
+must not block (file work belongs in ``trio.to_thread``).
+
+Implementations today:
+
+* :class:`Catalog`: :class:`tierfs.node.catalog.ShardCatalog`;
+* :class:`Reporter`: :class:`tierfs.node.reporter.NodeReporter`;
+* :class:`CurrentJob`, :class:`Summons`: :class:`tierfs.node.jobstate.JobState`;
+* :class:`RamBudget`: :class:`tierfs.store.ramstore.Budget`;
+* :class:`PeerPlane`: :class:`tierfs.replication.plane.PlaneState`;
+* :class:`BackupOrders`, :class:`BackupFetch`: :class:`tierfs.backup.tier.GcsTier`;
+* :class:`Rendezvous`: :class:`tierfs.backup.tier.BucketRendezvous` (tests: fakes);
+* :class:`CoordinatorHooks`: :class:`tierfs.cluster.coordinator.CoordinatorServicer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from tierfs.core.control import JobSpec
+    from tierfs.core.types import BucketView, Outcome, RoundView
+    from tierfs.store.shards import Shard, ShardKey
+
+#: a listener of a shard leaving the catalog (withdrawn, dropped by retention, replaced)
+WithdrawnListener = Callable[["ShardKey"], None]
+#: a listener of one of this node's steps being sealed (its shard is in the catalog)
+SealedListener = Callable[["Shard"], None]
+
+
+class Catalog(Protocol):
+    """The shards this node holds: its own sealed steps and its peers' replicas.
+
+    A read-only mapping ``ShardKey -> Shard`` plus the few changes the planes
+    make. Trio thread only (the gRPC threads hop onto it first).
+    """
+
+    def get(self, key: ShardKey) -> Shard | None:
+        """The held shard ``key``, or None."""
+        ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+    def __iter__(self) -> Iterator[ShardKey]: ...
+
+    def __len__(self) -> int: ...
+
+    def items(self) -> Any:
+        """(key, shard) pairs of every held shard (a view: copy before changing the catalog)."""
+        ...
+
+    def own_shards(self, job: JobSpec) -> list[Shard]:
+        """This node's own shards of ``job`` (rank ``job.node_rank``), newest step first."""
+        ...
+
+    def shards_of(self, job: str) -> list[Shard]:
+        """Every shard of job ``job`` held here (own and replicas), in no order."""
+        ...
+
+    def retained(self, key: ShardKey) -> bool:
+        """``key`` is held and among the ``--keep-local`` newest (by seal time) of its
+        (job, rank): worth sending or keeping."""
+        ...
+
+    def add(self, shard: Shard) -> None:
+        """Register a committed shard (replacing one with the same key)."""
+        ...
+
+    def drop(self, key: ShardKey, reason: str) -> None:
+        """Forget ``key`` and remove its files (one rename into the trash); the
+        withdrawn listeners hear of it. A key not held is ignored. ``reason``: one
+        line for the log."""
+        ...
+
+    def request_retention(self) -> None:
+        """Ask the node to apply ``--keep-local`` retention soon (e.g. a replica arrived)."""
+        ...
+
+    def on_withdrawn(self, listener: WithdrawnListener) -> None:
+        """Call ``listener(key)`` whenever a shard leaves the catalog (registration
+        order; a plane registers in its ``__init__``)."""
+        ...
+
+    def on_sealed(self, listener: SealedListener) -> None:
+        """Call ``listener(shard)`` whenever one of this node's steps is sealed."""
+        ...
+
+
+class Reporter(Protocol):
+    """The job-visible problem report: ``replicator.errors`` / ``replicator.failed``."""
+
+    def error(self, message: str) -> None:
+        """A recoverable problem: one line in ``replicator.errors`` and the status.
+
+        An identical message is written at most once a minute (repeats are
+        counted in the next line). Never raises (a full tmpfs is logged).
+        """
+        ...
+
+    def failure(self, message: str, *, job_context: bool = True) -> None:
+        """A failed job-level action: one line in ``replicator.failed`` and ``.errors``.
+
+        ``job_context=False``: the line names no job (a refused replicator.yaml
+        must not name the job that ran before it). Never raises.
+        """
+        ...
+
+
+class CurrentJob(Protocol):
+    """The job this node runs right now, read-only (the agent changes it).
+
+    ``job`` is a frozen :class:`tierfs.core.control.JobSpec`; one attribute read
+    is safe from any thread.
+    """
+
+    @property
+    def job(self) -> JobSpec | None:
+        """The running job (None before the first one)."""
+        ...
+
+    @property
+    def mode(self) -> str:
+        """``protocol`` (replicator.yaml), ``generic`` (no control files) or ``none``."""
+        ...
+
+    @property
+    def timeline_since(self) -> float:
+        """Unix time (seconds) the current timeline began: steps sealed before it
+        belong to the job's previous run."""
+        ...
+
+    @property
+    def restore_state(self) -> Mapping[str, Any]:
+        """The restore's state (``state``: idle, pending, cleanup, planning, barrier,
+        done, failed; plus ``step``, ``source``, ``outcome``, ``phase``...)."""
+        ...
+
+    def restoring(self) -> bool:
+        """A restore runs on this node (``cleanup``, ``planning`` or ``barrier``)."""
+        ...
+
+
+class Summons(Protocol):
+    """How the peer plane asks the node to join another node's restore round."""
+
+    def summoned(self, job: JobSpec) -> None:
+        """The coordinator summons this node into a restore round of ``job`` (generic
+        mode; the node joins unless a restore already runs). Must not block."""
+        ...
+
+
+class RamBudget(Protocol):
+    """The RAM budget of the store (bytes)."""
+
+    def check_growth(self, nbytes: int) -> None:
+        """Raise ``OSError(ENOSPC)`` if ``nbytes`` more bytes do not fit. Any thread."""
+        ...
+
+    def free(self) -> int:
+        """Bytes still free in the budget."""
+        ...
+
+
+class PeerPlane(Protocol):
+    """What the backup plane needs to know of the node's peer plane (multi-node jobs)."""
+
+    def active_job(self) -> JobSpec | None:
+        """The running job if it spans several nodes and a coordinator can be found."""
+        ...
+
+    @property
+    def serving(self) -> bool:
+        """This node serves the coordinator of its job right now (any thread)."""
+        ...
+
+    def synced_step(self) -> int | None:
+        """The newest step every node sealed and replicated (the last sync round)."""
+        ...
+
+    def reported_steps(self) -> tuple[int, ...]:
+        """Own steps reported replicated in the ``Sync`` in flight and the last one
+        answered: the coordinator may order a backup round of either."""
+        ...
+
+    def heartbeat_now(self) -> None:
+        """Send a heartbeat (``Sync``) now, e.g. to report a backup outcome."""
+        ...
+
+
+class BackupOrders(Protocol):
+    """The node's side of coordinator-driven backup rounds (the backup plane)."""
+
+    def backup_outcome(self) -> Outcome | None:
+        """The outcome of the last round this node was ordered into (None: none yet)."""
+        ...
+
+    def on_backup_round(
+        self,
+        job: JobSpec,
+        order: tuple[str, int] | None,
+        last: RoundView | None,
+        dedup: bool = False,
+    ) -> None:
+        """The coordinator's answer: the (round, step) to upload now, if any, the
+        newest round with its state, and whether this node's shard has its
+        data-parallel uploader's checksums (``dedup``). Must not block (start
+        uploads as tasks)."""
+        ...
+
+
+class BackupFetch(Protocol):
+    """The restore side of the backup plane: bring this node's shard from a round."""
+
+    async def fetch_backup(
+        self, agent: Any, job: JobSpec, step: int, backup: str, digest: str = ""
+    ) -> Shard:
+        """This node's shard of ``step`` from backup round ``backup``, verified and in
+        the catalog. ``digest``: the bytes the decision chose ("": any).
+        ``agent``: the restoring node (verification, restore state).
+
+        Raises:
+            tierfs.backup.tier.BackupCopyError: one line why this round's copy
+                cannot be used (corrupt, incomplete, other bytes, no room).
+        """
+        ...
+
+
+class Rendezvous(Protocol):
+    """Where nodes of a job publish their peer addresses (the bucket).
+
+    Both calls do their I/O in worker threads and give up within a bounded time.
+    """
+
+    def where(self, job: str, rank: int) -> str:
+        """Where node ``rank``'s record of ``job`` lives, for messages (``gs://...``)."""
+        ...
+
+    async def publish(self, job: str, rank: int, address: str, incarnation: str) -> None:
+        """Write this node's record. Raises ``Exception`` (one line) when it cannot."""
+        ...
+
+    async def lookup(self, job: str, rank: int) -> tuple[str, str] | None:
+        """Node ``rank``'s record: (address, incarnation), or None if there is none.
+
+        Raises ``Exception`` (one line) when the bucket cannot be read.
+        """
+        ...
+
+
+class CoordinatorHooks(Protocol):
+    """This node's coordinator as the backup plane drives it (used only while it serves).
+
+    Both calls may block on the coordinator's lock: run them in a worker thread.
+    """
+
+    def locked(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(coordinator)`` under the coordinator's lock; returns its result."""
+        ...
+
+    def set_bucket_reader(self, reader: Callable[[str, int, int], BucketView]) -> None:
+        """Install ``reader(job, nodes, depth)``: restore decisions wait for it."""
+        ...

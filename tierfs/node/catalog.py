@@ -1,0 +1,140 @@
+"""The catalog of the shards this node holds (:class:`tierfs.core.ports.Catalog`).
+
+Own sealed steps and the peers' replicas, by :class:`~tierfs.store.shards.ShardKey`,
+plus the inode map a write into a sealed file is checked against, and the
+listeners the planes register in their ``__init__`` (sealed, withdrawn) and
+the node's retention hook. Trio thread only, except :attr:`ShardCatalog.sealed_inos`
+(read by the FUSE thread: one dict lookup).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, ItemsView, Iterator, Mapping
+
+from tierfs.core.control import JobSpec
+from tierfs.core.ports import SealedListener, WithdrawnListener
+from tierfs.store.shards import Shard, ShardKey, ShardStore
+
+log = logging.getLogger(__name__)
+
+
+class ShardCatalog(Mapping[ShardKey, Shard]):
+    """Held shards, read as a mapping ``ShardKey -> Shard``.
+
+    Args:
+        shards: the store of committed shards (files removed on :meth:`drop`).
+        keep_local: ``--keep-local``: newest shards kept per (job, rank), >= 1.
+    """
+
+    def __init__(self, shards: ShardStore, keep_local: int) -> None:
+        self.shards = shards
+        self.keep_local = keep_local
+        self._held: dict[ShardKey, Shard] = {}
+        #: inode -> the sealed shard whose snapshot shares it (the FUSE thread reads it)
+        self.sealed_inos: dict[int, ShardKey] = {}
+        self._withdrawn: list[WithdrawnListener] = []
+        self._sealed: list[SealedListener] = []
+        self._retention: list[Callable[[], None]] = []
+
+    # ------------------------------------------------------------------ Mapping
+
+    def __getitem__(self, key: ShardKey) -> Shard:
+        return self._held[key]
+
+    def __iter__(self) -> Iterator[ShardKey]:
+        return iter(self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._held
+
+    def items(self) -> ItemsView[ShardKey, Shard]:
+        return self._held.items()
+
+    # ------------------------------------------------------------------ queries
+
+    def own_shards(self, job: JobSpec) -> list[Shard]:
+        """This node's shards of ``job``, newest step first."""
+        return sorted(
+            (s for k, s in self._held.items() if k.job == job.name and k.rank == job.node_rank),
+            key=lambda s: s.key.step,
+            reverse=True,
+        )
+
+    def shards_of(self, job: str) -> list[Shard]:
+        """Every shard of ``job`` held here (own and replicas)."""
+        return [s for k, s in self._held.items() if k.job == job]
+
+    def age(self, key: ShardKey) -> tuple[float, int]:
+        """Recency of a shard for retention: (seal time, step); larger is newer."""
+        shard = self._held.get(key)
+        return (shard.manifest.created if shard is not None else 0.0, key.step)
+
+    def retained(self, key: ShardKey) -> bool:
+        """True if ``key`` is among the ``--keep-local`` newest shards of its (job, rank)."""
+        if key not in self._held:
+            return False
+        mine = self.age(key)
+        newer = sum(
+            1 for k in self._held if (k.job, k.rank) == (key.job, key.rank) and self.age(k) > mine
+        )
+        return newer < self.keep_local
+
+    # ------------------------------------------------------------------ changes
+
+    def add(self, shard: Shard) -> None:
+        """Register a committed shard (trio thread)."""
+        old = self._held.get(shard.key)
+        if old is not None:
+            self._forget_inodes(old)
+        self._held[shard.key] = shard
+        for ino in shard.inodes:
+            self.sealed_inos[ino] = shard.key
+
+    def _forget_inodes(self, shard: Shard) -> None:
+        for ino in shard.inodes:
+            if self.sealed_inos.get(ino) == shard.key:
+                del self.sealed_inos[ino]
+
+    def drop(self, key: ShardKey, reason: str) -> None:
+        """Remove a shard from the catalog and the store (trio thread; one rename),
+        then tell the withdrawn listeners."""
+        shard = self._held.pop(key, None)
+        if shard is None:
+            return
+        log.info("dropping shard %s: %s", key, reason)
+        self._forget_inodes(shard)
+        try:
+            self.shards.remove(shard)
+        except OSError as exc:
+            log.warning("removing %s: %s", shard.path, exc)
+        for listener in self._withdrawn:
+            listener(key)
+
+    def sealed(self, shard: Shard) -> None:
+        """One of this node's steps was sealed (already added): tell the sealed listeners."""
+        for listener in self._sealed:
+            listener(shard)
+
+    def request_retention(self) -> None:
+        """Ask the node to apply retention soon (the registered retention hooks)."""
+        for hook in self._retention:
+            hook()
+
+    # ------------------------------------------------------------------ listeners
+
+    def on_withdrawn(self, listener: WithdrawnListener) -> None:
+        """Call ``listener(key)`` whenever a shard leaves the catalog."""
+        self._withdrawn.append(listener)
+
+    def on_sealed(self, listener: SealedListener) -> None:
+        """Call ``listener(shard)`` whenever one of this node's steps is sealed."""
+        self._sealed.append(listener)
+
+    def on_retention_wanted(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` on :meth:`request_retention` (the node's retention; must not
+        block)."""
+        self._retention.append(hook)
