@@ -219,7 +219,7 @@ class PeerCluster:
                             **fields,
                         )
                     )
-                    tier.update_peers(reply.peers)
+                    tier.update_peers(reply.peers, reply)
                     self._phase(agent, "joined", round=reply.round, coordinator=coord)
                     return int(reply.round)
                 except grpc.RpcError as exc:
@@ -313,8 +313,10 @@ class PeerCluster:
                 )
                 return view
             missing = list(view.missing)
+            more = view.missing_count - len(missing)
+            shown = f"{missing} and {more} more" if more > 0 else f"{missing}"
             what = (
-                f"node-rank(s) {missing} to join"
+                f"node-rank(s) {shown} to join"
                 if missing
                 else view.waiting_for or "the coordinator"
             )
@@ -322,7 +324,7 @@ class PeerCluster:
             if trio.current_time() - start > tier.join_timeout:
                 if missing:
                     msg = (
-                        f"node-rank(s) {missing} did not join within "
+                        f"node-rank(s) {shown} did not join within "
                         f"{tier.join_timeout:.0f} s (job {job.name}, round {view.round}); "
                         "no step can be agreed"
                     )
@@ -477,17 +479,19 @@ class PeerCluster:
             if reply.state == pb.REJOIN:
                 return "rejoin"
             waiting = list(reply.waiting_for)
+            more = reply.waiting_count - len(waiting)
+            shown = f"{waiting} and {more} more" if more > 0 else f"{waiting}"
             self._phase(
-                agent, f"barrier {phase}: waiting for node-rank(s) {waiting}", waiting_for=waiting
+                agent, f"barrier {phase}: waiting for node-rank(s) {shown}", waiting_for=waiting
             )
             if not ok:
                 return "replan"
             if trio.current_time() - start > limit:
                 agent.report_error(
-                    f"restore: node-rank(s) {waiting} did not reach the "
+                    f"restore: node-rank(s) {shown} did not reach the "
                     f"'{phase}' barrier within {limit:.0f} s"
                 )
-                raise RestoreTimeout(f"node-rank(s) {waiting} did not reach '{phase}'")
+                raise RestoreTimeout(f"node-rank(s) {shown} did not reach '{phase}'")
 
     async def restore_done(self, agent: NodeAgent, job: JobSpec, plan: RestorePlan) -> None:
         """Barrier phase "done": returns once every node wrote its prerestore.

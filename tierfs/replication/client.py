@@ -251,9 +251,11 @@ class PeerClient:
         inventory: Iterable[Holding],
         backup: Outcome | None = None,
         data_parallelism: int | None = None,
+        want_peers: Iterable[int] | None = None,
     ) -> Any:
         """Heartbeat and sync report (with the last backup outcome and the job's
-        ``assume-data-parallelism``); returns the SyncReply."""
+        ``assume-data-parallelism``); returns the SyncReply. ``want_peers``: the
+        ranks whose addresses the reply lists (a compact reply); None: every member."""
         req = peer_pb2.SyncRequest(
             job=job,
             rank=rank,
@@ -261,6 +263,8 @@ class PeerClient:
             step=step,
             inventory=[peer_wire.held_shard(h) for h in inventory],
             data_parallelism=data_parallelism or 0,
+            want_peers=list(want_peers or ()),
+            compact=want_peers is not None,
         )
         if backup is not None:
             req.backup.CopyFrom(

@@ -71,7 +71,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from concurrent import futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -84,15 +83,15 @@ from tierfs.cluster.coordinator import (
     COORDINATOR_RANK,
     NO_STEP,
     Coordinator,
-    CoordinatorServicer,
     Holding,
 )
+from tierfs.cluster.servicer import CoordinatorServicer
 from tierfs.core import settings
 from tierfs.replication.client import PeerClient, rpc_code, rpc_reason
 from tierfs.replication.service import HostGone, PeerHost, PeerServicer, peer_handlers
 from tierfs.replication.transfer import Cancelled
-from tierfs.rpc import peer_pb2_grpc
 from tierfs.rpc import wire as peer_wire
+from tierfs.rpc.aio_server import AioServer, with_sync_context
 from tierfs.rpc.wire import WireStats
 from tierfs.store.shards import Shard, ShardKey
 
@@ -234,7 +233,7 @@ class PeerTier(PeerHost):
         self.port: int | None = None
         self.transfer_limiter = trio.CapacityLimiter(TRANSFERS)
         self._control_limiter = trio.CapacityLimiter(8)
-        self._server: grpc.Server | None = None
+        self._server: AioServer | None = None
         self._nursery: trio.Nursery | None = None
         self._poke = trio.Event()
         self._sends: dict[ShardKey, _Send] = {}
@@ -243,6 +242,8 @@ class PeerTier(PeerHost):
         self._linked: dict[ShardKey, ShardKey] = {}
         self._digests: dict[ShardKey, tuple[int, str]] = {}
         self.peers: dict[int, PeerInfo] = {}
+        #: (live, known) nodes as the coordinator last counted them (None: not told)
+        self.node_counts: tuple[int, int] | None = None
         self.sync: dict[str, Any] = {"step": None, "at": None, "steps": []}
         #: own steps reported as replicated in the Sync in flight and in the last one
         #: answered: the coordinator may order a backup round of either (the GCS tier
@@ -557,30 +558,32 @@ class PeerTier(PeerHost):
             self.client.close()
 
     def _start_server(self) -> None:
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="tierfs-peer"),
-            interceptors=[peer_wire.TokenInterceptor(self.token)],
-            options=list(peer_wire.SERVER_OPTIONS),
-        )
-        server.add_generic_rpc_handlers((peer_handlers(PeerServicer(self)),))
         # every node registers the coordinator service: which node serves it
         # may be known only once a job starts (the gate answers the others)
         # with a bucket, no restore is decided before the bucket answered (the GCS
         # tier installs the reader once it is up; until then decisions wait)
-        self.coordinator = CoordinatorServicer(
+        coordinator = CoordinatorServicer(
             Coordinator(bucket=bool(self.agent.config.bucket)), gate=self.coordinator_gate
         )
-        peer_pb2_grpc.add_CoordinatorServicer_to_server(self.coordinator, server)
+        peer = with_sync_context(peer_handlers(PeerServicer(self)))
+
+        def setup(server: Any, loop: Any) -> None:
+            # one asyncio loop thread: the coordinator's waiting calls hold no thread;
+            # the data plane's blocking handlers run in the server's 32 threads
+            server.add_generic_rpc_handlers((peer,))
+            coordinator.attach(server, loop)
+
+        server = AioServer(
+            setup,
+            interceptors=[peer_wire.AioTokenInterceptor(self.token)],
+            options=peer_wire.SERVER_OPTIONS,
+            name="tierfs-peer",
+        )
         assert self.listen is not None
-        try:
-            self.port = server.add_insecure_port(self.listen)
-        except RuntimeError as exc:
-            raise RuntimeError(f"cannot listen on {self.listen}: {exc}") from None
-        if not self.port:
-            raise RuntimeError(f"cannot listen on {self.listen}")
+        self.coordinator = coordinator
+        self.port = server.start(self.listen)
         if self.address.endswith(":0"):
             self.address = f"{self.address[:-2]}:{self.port}"  # --listen HOST:0
-        server.start()
         self._server = server
         if not self.token:
             log.warning("peer plane without --peer-token: any client can call this node")
@@ -924,7 +927,14 @@ class PeerTier(PeerHost):
             backup_interval_minutes=job.backup_interval_minutes or 0.0,
             backup_interval_steps=job.backup_interval_steps or 0,
             inventory=self.holdings(job.name),
+            want_peers=self.wanted_peers(job),
+            compact=True,
         )
+
+    def wanted_peers(self, job: JobSpec) -> list[int]:
+        """The ranks whose addresses this node asks the coordinator for: its replica
+        targets and the coordinator (O(peers) replies, not the whole membership)."""
+        return sorted({COORDINATOR_RANK, *self.replica_peers(job)} - {job.node_rank})
 
     def _backup_outcome(self) -> Outcome | None:
         agent = self.backup_agent
@@ -947,6 +957,7 @@ class PeerTier(PeerHost):
                 inventory,
                 self._backup_outcome(),
                 job.assume_data_parallelism,
+                self.wanted_peers(job),
             )
             self._reported_ok = step
             self.reported = (step,) if step >= 0 else ()
@@ -964,9 +975,9 @@ class PeerTier(PeerHost):
                         self.last_error = f"coordinator refused this node: {rpc_reason(exc)}"
                         return
                     raise
-                self.update_peers(joined.peers)
+                self.update_peers(joined.peers, joined)
                 return
-        self.update_peers(reply.peers)
+        self.update_peers(reply.peers, reply)
         self.last_error = None
         self.sync = {
             "step": reply.synced_step if reply.synced_step >= 0 else None,
@@ -995,8 +1006,11 @@ class PeerTier(PeerHost):
                 order[0], order[1], FAILED, f"node-rank {job.node_rank} has no --bucket"
             )
 
-    def update_peers(self, peers: Iterable[Any]) -> None:
-        """Take the coordinator's address book (trio thread)."""
+    def update_peers(self, peers: Iterable[Any], reply: Any = None) -> None:
+        """Take the coordinator's addresses of the peers this node asked for, and from
+        ``reply`` (a JoinReply/SyncReply) its counts of live and known nodes (trio thread)."""
+        if reply is not None and reply.known_nodes:
+            self.node_counts = (int(reply.live_nodes), int(reply.known_nodes))
         for p in peers:
             old = self.peers.get(p.rank)
             self.peers[p.rank] = PeerInfo(p.rank, p.address, p.incarnation, p.live)
@@ -1065,7 +1079,7 @@ class PeerTier(PeerHost):
             {"rank": p.rank, "address": p.address, "live": p.live, "target": p.rank in targets}
             for p in sorted(self.peers.values(), key=lambda p: p.rank)
         ]
-        live = sum(1 for p in peers if p["live"])
+        live = self.node_counts[0] if self.node_counts else sum(1 for p in peers if p["live"])
         sync_step = self.sync.get("step")
         serving = self.is_coordinator
         if self.static_coordinator:
