@@ -66,13 +66,14 @@ over gRPC, serializing every call with one lock, and wakes long-polling
 
 from __future__ import annotations
 
-import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from tierfs.cluster.backup_schedule import Outcome, RoundBook
+from tierfs.cluster.membership import Membership
 from tierfs.cluster.restore_choice import (
     FRESH,
     INCOMPLETE,
@@ -121,8 +122,6 @@ ROUND_IDLE = 60.0
 #: the backup book is ticked at least once per this many Sync calls per node
 #: (with 64 nodes or fewer on every call); a new synced step ticks it at once
 BOOK_TICKS_PER_ROUND = 64
-#: seconds a count of live members is reused (counting walks every member)
-LIVE_COUNT_TTL = 1.0
 
 __all__ = [
     "BUCKET_DEPTH",
@@ -189,25 +188,27 @@ class Coordinator:
         self.backups: RoundBook | None = None
         self.job: str | None = None
         self.nodes = 0
-        self.members: dict[int, Member] = {}
+        self.roster = Membership(clock, live_seconds)
         self.round: Round | None = None
         self.previous: Round | None = None
         self.rounds = 0
-        self.sync_steps: dict[int, int] = {}
-        #: reported step -> how many ranks reported it (the synced step is the least)
-        self._step_counts: collections.Counter[int] = collections.Counter()
         self.synced_step = NO_STEP
         self.synced_at = 0.0
         self.history: list[dict[str, Any]] = []
-        #: own step -> members whose inventory marks it _BACKUP_REQUESTED
-        self._requested: collections.Counter[int] = collections.Counter()
         self._book_calls = 0
         self._book_synced = NO_STEP
-        self._live_count: tuple[float, int] | None = None
-        #: rank -> (the inventory it was built from, own step -> digest), see holders()
-        self._own_steps: dict[int, tuple[tuple[Holding, ...], dict[int, str]]] = {}
         if backups is not None:
             self.set_backups(backups)
+
+    @property
+    def members(self) -> dict[int, Member]:
+        """Rank -> member (:attr:`roster`'s)."""
+        return self.roster.members
+
+    @property
+    def sync_steps(self) -> dict[int, int]:
+        """Rank -> its newest replicated step since the last restore decision."""
+        return self.roster.sync_steps
 
     def set_backups(self, book: RoundBook | None) -> None:
         """Let the sync round drive ``book`` (reset to the current job, if any)."""
@@ -227,9 +228,7 @@ class Coordinator:
                 nodes,
             )
         self.job, self.nodes = job, nodes
-        self.members.clear()
-        self._requested.clear()
-        self._live_count = None
+        self.roster.clear()
         self.round = self.previous = None
         self._clear_sync()
         self.synced_at = 0.0
@@ -237,37 +236,16 @@ class Coordinator:
             self.backups.reset(job, nodes, self.wall())
 
     def _clear_sync(self) -> None:
-        self.sync_steps.clear()
-        self._step_counts.clear()
+        self.roster.clear_steps()
         self.synced_step = NO_STEP
 
-    def _set_inventory(self, m: Member, inventory: tuple[Holding, ...]) -> None:
-        """``m``'s inventory is ``inventory`` (keeps the backup request counts; O(inventory))."""
-        m.inventory = inventory
-        requested = frozenset(h.step for h in inventory if h.backup_requested and h.rank == m.rank)
-        if requested != m.requested:
-            self._requested.subtract(m.requested)
-            self._requested.update(requested)
-            self._requested += collections.Counter()  # drops counts of zero
-            m.requested = requested
-
-    def _forget(self, m: Member) -> None:
-        self._set_inventory(m, ())
-
     def live_count(self) -> int:
-        """Members heard from within ``live_seconds`` (counted at most every
-        :data:`LIVE_COUNT_TTL` seconds: a count walks every member)."""
-        now = self.clock()
-        hit = self._live_count
-        if hit is None or now - hit[0] >= LIVE_COUNT_TTL:
-            n = sum(1 for m in self.members.values() if now - m.last_seen <= self.live_seconds)
-            hit = self._live_count = (now, n)
-        return hit[1]
+        """Members heard from recently (:meth:`Membership.live_count`)."""
+        return self.roster.live_count()
 
     def live(self, rank: int) -> bool:
         """True if ``rank`` was heard from within ``live_seconds``."""
-        m = self.members.get(rank)
-        return m is not None and self.clock() - m.last_seen <= self.live_seconds
+        return self.roster.live(rank)
 
     def _check_job(self, job: str, nodes: int, rank: int) -> None:
         if nodes < 1:
@@ -357,10 +335,8 @@ class Coordinator:
                 )
                 if self.backups is not None:
                     self.backups.member_restarted(rank)
-                self._forget(m)
-            m = self.members[rank] = Member(rank, address, incarnation)
-            self._live_count = None
-        self._set_inventory(m, inv)
+            m = self.roster.add(rank, address, incarnation)
+        self.roster.set_inventory(m, inv)
         m.address, m.last_seen, m.mode = address, now, mode
         m.backup_interval_minutes = backup_interval_minutes or None
         m.backup_interval_steps = backup_interval_steps or None
@@ -523,25 +499,31 @@ class Coordinator:
                 missing_count=r.missing_count,
             )
         c = r.choice
-        common = dict(reason=c.reason, forced=c.forced, outcome=c.outcome, problems=c.problems)
+        plain = DecideView(
+            DECIDED,
+            r.number,
+            r.version,
+            None,
+            reason=c.reason,
+            forced=c.forced,
+            outcome=c.outcome,
+            problems=c.problems,
+        )
         if c.step is None:
-            return DecideView(DECIDED, r.number, r.version, None, **common)
+            return plain
         local, holders = sources_for(c, rank, self.nodes)
         sources = tuple((h, self.members[h].address) for h in holders if h in self.members)
         backups = c.rounds.get(rank, ())
         # a forced round is restored from the bucket even when a peer holds the same bytes
         backup = c.forced or (backups[0] if backups and not local and not sources else None)
-        return DecideView(
-            DECIDED,
-            r.number,
-            r.version,
-            c.step,
+        return dataclasses.replace(
+            plain,
+            step=c.step,
             local=local,
             digest=c.digests.get(rank, ""),
             sources=sources,
             backup=backup,
             backups=backups,
-            **common,
         )
 
     def barrier(
@@ -672,27 +654,17 @@ class Coordinator:
         if job != self.job or m is None or m.incarnation != incarnation:
             return SyncView(False)
         m.last_seen = self.clock()
-        self._set_inventory(m, tuple(inventory))
+        self.roster.set_inventory(m, tuple(inventory))
         m.replicated_step = step
         m.data_parallelism = data_parallelism or None
-        old = self.sync_steps.get(rank)
-        if step >= 0 and old != step:
-            self.sync_steps[rank] = step
-            counts = self._step_counts
-            counts[step] += 1
-            if old is not None:
-                counts[old] -= 1
-                if not counts[old]:
-                    del counts[old]
-        # ranks are < nodes (checked at join): every rank reported once the counts say so
-        if len(self.sync_steps) == self.nodes:
-            synced = min(self._step_counts)
-            if synced > self.synced_step:
-                self.synced_step = synced
-                self.synced_at = self.wall()
-                log.info(
-                    "coordinator: sync round complete: step %d on all %d nodes", synced, self.nodes
-                )
+        self.roster.report_step(rank, step)
+        synced = self.roster.least_step(self.nodes)
+        if synced is not None and synced > self.synced_step:
+            self.synced_step = synced
+            self.synced_at = self.wall()
+            log.info(
+                "coordinator: sync round complete: step %d on all %d nodes", synced, self.nodes
+            )
         steps = () if compact else tuple(self.sync_steps.get(r, NO_STEP) for r in range(self.nodes))
         number = self.restore_open()
         rnd = self.round
@@ -739,25 +711,12 @@ class Coordinator:
         )
 
     def holders(self, step: int) -> dict[int, str | None]:
-        """Rank -> the digest of its own shard of ``step``, for every member whose
-        latest inventory holds it (the backup book's view of who can upload).
-        O(members): each member's index is rebuilt only when its inventory changed."""
-        cache = self._own_steps
-        out: dict[int, str | None] = {}
-        for m in self.members.values():
-            hit = cache.get(m.rank)
-            if hit is None or hit[0] is not m.inventory:
-                hit = cache[m.rank] = (
-                    m.inventory,
-                    {h.step: h.digest for h in m.inventory if h.rank == m.rank},
-                )
-            if step in hit[1]:
-                out[m.rank] = hit[1][step] or None
-        return out
+        """Rank -> the digest of its own shard of ``step`` (:meth:`Membership.holders`)."""
+        return self.roster.holders(step)
 
     def _backup_tick(self, book: RoundBook) -> None:
         step = self.synced_step if self.synced_step >= 0 else None
-        requested = step is not None and self._requested[step] > 0
+        requested = step is not None and self.roster.requested[step] > 0
         own = self.members.get(self.own_rank)
         r = self.round
         book.tick(
@@ -772,13 +731,8 @@ class Coordinator:
         )
 
     def peers(self, ranks: Iterable[int] | None = None) -> list[PeerView]:
-        """The members ``ranks`` (None: every member; O(nodes)) with their address and
-        liveness, by rank; ranks the coordinator does not know are left out."""
-        if ranks is None:
-            chosen = sorted(self.members.values(), key=lambda m: m.rank)
-        else:
-            chosen = [m for r in sorted(set(ranks)) if (m := self.members.get(r)) is not None]
-        return [PeerView(m.rank, m.address, m.incarnation, self.live(m.rank)) for m in chosen]
+        """The members ``ranks`` (None: all), with address and liveness."""
+        return self.roster.peers(ranks)
 
     def status(self) -> dict[str, Any]:
         """Plain-data status (``tierfs status`` of the coordinator's node)."""

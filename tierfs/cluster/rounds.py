@@ -88,7 +88,7 @@ class RankSet:
 
     def lacking(self, limit: int = SHOWN_RANKS) -> tuple[int, ...]:
         """The smallest ``limit`` ranks not in the set, ascending."""
-        flags, out = self._flags, []
+        flags, out = self._flags, list[int]()
         i = flags.find(0)
         while i >= 0 and len(out) < limit:
             out.append(i)

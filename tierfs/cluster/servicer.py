@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 #: ``step`` on the wire for "nothing to restore"
 _NO_STEP = -1
 #: longest a Decide/Barrier long-poll waits before it answers "waiting" (seconds)
-MAX_WAIT = 5.0
+MAX_WAIT = 30.0
 
 
 class CoordinatorServicer:
@@ -94,6 +94,8 @@ class CoordinatorServicer:
         self._progress = coordinator.progress()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
+        #: longest a long poll waits (seconds; the request's wait_ms is capped by it)
+        self.max_wait = MAX_WAIT
         self.waiting = 0
         self.wakeups = 0
         self.evaluations = 0
@@ -211,7 +213,7 @@ class CoordinatorServicer:
         """``fn()`` (under the lock) until it is not ``waiting`` or the long poll ends;
         between evaluations the call sleeps until progress (see the module docstring)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(max(request.wait_ms, 0) / 1000.0, MAX_WAIT)
+        deadline = loop.time() + min(max(request.wait_ms, 0) / 1000.0, self.max_wait)
         while True:
             with self.lock:
                 view = fn()

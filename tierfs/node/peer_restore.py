@@ -297,8 +297,10 @@ class PeerCluster:
         while True:
             coord = tier.coordinator_address or ""
             try:
+                # a long poll, but never past the join timeout (checked between polls)
+                wait = tier.join_timeout - (trio.current_time() - start)
                 view = await tier.call(
-                    tier.client.decide, coord, job.name, job.node_rank, restore_id
+                    tier.client.decide, coord, job.name, job.node_rank, restore_id, max(wait, 0.1)
                 )
             except grpc.RpcError as exc:
                 if await self._unreachable(agent, job, coord, exc, start, tier.join_timeout):
@@ -458,6 +460,7 @@ class PeerCluster:
                         tier.client.barrier,
                         coord,
                         bad,
+                        max(limit - (trio.current_time() - start), 0.1),
                         job=job.name,
                         rank=job.node_rank,
                         restore_id=restore_id,
