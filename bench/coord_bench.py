@@ -49,6 +49,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no GOAWAY lines when a server stops
 
 import grpc  # noqa: E402
 import grpc.aio  # noqa: E402
@@ -56,8 +57,11 @@ import grpc.aio  # noqa: E402
 from tierfs.rpc import peer_pb2, peer_pb2_grpc  # noqa: E402
 
 JOB = "bench"
-POLL_MS = 2000
+#: long polls as each side's node sends them: 2 s before #17, 25 s after (client.POLL_MS)
+POLL_MS = {"old": 2000, "new": 25_000}
 CHANNELS = 8
+#: Sync calls of the old in-process heartbeat round that are timed (then scaled)
+OLD_HEARTBEAT_CALLS = 1000
 
 
 # ---------------------------------------------------------------------- servers
@@ -201,15 +205,17 @@ async def retry(call: Any, stop_at: float) -> Any:
             await asyncio.sleep(0.5)
 
 
-async def restore_node(stub: Any, rank: int, nodes: int, compact: bool, stop_at: float) -> float:
+async def restore_node(
+    stub: Any, rank: int, nodes: int, compact: bool, stop_at: float, poll_ms: int
+) -> float:
     """One node's restore round; returns the time it passed the ready barrier."""
     rid = uuid.uuid4().hex
     await retry(lambda: stub.Join(join_request(rank, nodes, compact, rid), timeout=30), stop_at)
     while True:
         d = await retry(
             lambda: stub.Decide(
-                peer_pb2.DecideRequest(job=JOB, rank=rank, restore_id=rid, wait_ms=POLL_MS),
-                timeout=POLL_MS / 1000 + 10,
+                peer_pb2.DecideRequest(job=JOB, rank=rank, restore_id=rid, wait_ms=poll_ms),
+                timeout=poll_ms / 1000 + 10,
             ),
             stop_at,
         )
@@ -230,9 +236,9 @@ async def restore_node(stub: Any, rank: int, nodes: int, compact: bool, stop_at:
                         version=d.version,
                         phase=phase,
                         ok=True,
-                        wait_ms=POLL_MS,
+                        wait_ms=poll_ms,
                     ),
-                    timeout=POLL_MS / 1000 + 10,
+                    timeout=poll_ms / 1000 + 10,
                 ),
                 stop_at,
             )
@@ -250,7 +256,8 @@ async def restore_node(stub: Any, rank: int, nodes: int, compact: bool, stop_at:
 class Nodes:
     """N simulated nodes over a few channels to one coordinator."""
 
-    def __init__(self, address: str, nodes: int, compact: bool) -> None:
+    def __init__(self, address: str, nodes: int, compact: bool, poll_ms: int) -> None:
+        self.poll_ms = poll_ms
         self.channels = [
             grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
             for _ in range(CHANNELS)
@@ -271,7 +278,9 @@ class Nodes:
         start = time.monotonic()
         stop_at = start + limit
         tasks = [
-            asyncio.ensure_future(restore_node(self.stub(r), r, self.nodes, self.compact, stop_at))
+            asyncio.ensure_future(
+                restore_node(self.stub(r), r, self.nodes, self.compact, stop_at, self.poll_ms)
+            )
             for r in range(self.nodes)
         ]
         try:
@@ -328,9 +337,9 @@ class Nodes:
                 try:
                     await self.stub(r).Decide(
                         peer_pb2.DecideRequest(
-                            job=JOB, rank=r, restore_id=rids[r], wait_ms=POLL_MS
+                            job=JOB, rank=r, restore_id=rids[r], wait_ms=self.poll_ms
                         ),
-                        timeout=POLL_MS / 1000 + 10,
+                        timeout=self.poll_ms / 1000 + 10,
                     )
                 except grpc.aio.AioRpcError:
                     await asyncio.sleep(0.5)
@@ -348,27 +357,28 @@ class Nodes:
         return cpu, threads
 
 
-async def measure(kind: str, nodes: int, ref: str, limit: float, idle: float) -> dict[str, Any]:
-    out: dict[str, Any] = {"kind": kind, "nodes": nodes}
+async def measure(
+    kind: str, nodes: int, ref: str, limit: float, idle: float, poll_ms: int | None = None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": kind, "nodes": nodes, "poll_ms": poll_ms or POLL_MS[kind]}
     compact = kind == "new"
     server = Server(kind, ref)
     try:
-        sim = Nodes(server.address, nodes, compact)
+        sim = Nodes(server.address, nodes, compact, poll_ms or POLL_MS[kind])
         cpu0 = server.cpu()
         out["ready_s"], out["round_s"] = await sim.restore(limit)
         out["round_cpu_s"] = server.cpu() - cpu0
-        if out["ready_s"] is not None:
-            cpu0 = server.cpu()
-            t0 = time.monotonic()
-            await sim.heartbeat()
-            out["heartbeat_s"] = time.monotonic() - t0
-            out["heartbeat_cpu_s"] = server.cpu() - cpu0
         await sim.close()
     finally:
         server.close()
     server = Server(kind, ref)
     try:
-        sim = Nodes(server.address, nodes, compact)
+        sim = Nodes(server.address, nodes, compact, poll_ms or POLL_MS[kind])
+        await sim.register()
+        cpu0, t0 = server.cpu(), time.monotonic()
+        await sim.heartbeat()
+        out["heartbeat_s"] = time.monotonic() - t0
+        out["heartbeat_cpu_s"] = server.cpu() - cpu0
         out["idle_cpu_per_s"], out["idle_threads"] = await sim.idle(idle, server)
         await sim.close()
     finally:
@@ -401,33 +411,26 @@ def inproc(mod: Any, nodes: int) -> dict[str, float]:
             c.barrier(JOB, r, f"r{r}", views[r].round, views[r].version, phase)
     t3 = time.process_time()
     assert c.round.finished
-    for r in range(nodes):
-        c.sync(JOB, r, f"i{r}", 5, inv[r])
-        c.peers()  # what the old reply carried (the new one asks for two peers)
+    old = hasattr(mod, "CoordinatorServicer")
+    # the old round costs O(nodes) per call: time its first calls, scale to the round
+    calls = min(nodes, OLD_HEARTBEAT_CALLS) if old else nodes
+    for r in range(calls):
+        if old:
+            c.sync(JOB, r, f"i{r}", 5, inv[r])
+            c.peers()  # every member: what each of its replies carried
+        else:
+            c.sync(JOB, r, f"i{r}", 5, inv[r], compact=True)
+            c.peers([0, (r + 1) % nodes])  # the node's peers: what a compact reply carries
+            c.live_count()
     t4 = time.process_time()
     return {
         "join_s": t1 - t0,
         "decide_s": t2 - t1,
         "barrier_s": t3 - t2,
         "round_s": t3 - t0,
-        "heartbeat_s_full_peers": t4 - t3,
+        "heartbeat_s": (t4 - t3) * nodes / calls,
+        "heartbeat_calls_timed": calls,
     }
-
-
-def inproc_new_heartbeat(nodes: int) -> float:
-    from tierfs.cluster.coordinator import Coordinator
-    from tierfs.cluster.restore_choice import Holding
-
-    c = Coordinator(live_seconds=600.0)
-    for r in range(nodes):
-        c.join(JOB, nodes, r, f"a{r}", f"i{r}", (), "", "protocol")
-    t0 = time.process_time()
-    for r in range(nodes):
-        inv = (Holding(r, 5, True, f"d{r}"), Holding((r - 1) % nodes, 5, True, "x"))
-        c.sync(JOB, r, f"i{r}", 5, inv, compact=True)
-        c.peers([0, (r + 1) % nodes])
-        c.live_count()
-    return time.process_time() - t0
 
 
 # ---------------------------------------------------------------------- main
@@ -446,11 +449,14 @@ def main() -> None:
     ap.add_argument("--nodes", default="100,1000")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--limit", type=float, default=60.0, help="seconds a restore round may take")
-    ap.add_argument("--idle", type=float, default=4.0, help="seconds of idle waiting measured")
+    ap.add_argument(
+        "--idle", type=float, default=30.0, help="seconds of idle waiting measured (>= a poll)"
+    )
     ap.add_argument(
         "--inproc", type=int, default=10_000, help="nodes of the in-process run (0: skip)"
     )
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--poll-ms", type=int, help="long poll of both sides (default: each its own)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.serve:
@@ -466,7 +472,9 @@ def main() -> None:
             for kind in kinds if i % 2 == 0 else kinds[::-1]:  # ABBA...
                 if kind == "old" and runs["old"] and runs["old"][-1]["ready_s"] is None:
                     continue  # the baseline did not pass in time: once is enough
-                r = asyncio.run(measure(kind, n, args.baseline_ref, args.limit, args.idle))
+                r = asyncio.run(
+                    measure(kind, n, args.baseline_ref, args.limit, args.idle, args.poll_ms)
+                )
                 runs[kind].append(r)
                 print(json.dumps(r), flush=True)
         for kind, rs in runs.items():
@@ -493,15 +501,18 @@ def main() -> None:
             mods["old"] = sys.modules["coord_baseline"]
         for kind, mod in mods.items():
             r = inproc(mod, n)
-            if kind == "new":
-                r["heartbeat_s"] = inproc_new_heartbeat(n)
             r |= {"kind": kind, "nodes": n, "inproc": True}
             results.append(r)
             print(
                 f"{kind:>3} N={n:>6} in-process: restore round CPU {r['round_s']:.3f} s "
                 f"(join {r['join_s']:.3f}, decide {r['decide_s']:.3f}, barrier "
                 f"{r['barrier_s']:.3f}); heartbeat round CPU "
-                f"{r.get('heartbeat_s', r['heartbeat_s_full_peers']):.3f} s",
+                f"{r['heartbeat_s']:.3f} s"
+                + (
+                    f" (scaled from {r['heartbeat_calls_timed']} calls)"
+                    if r["heartbeat_calls_timed"] < n
+                    else ""
+                ),
                 flush=True,
             )
     if args.json:

@@ -37,7 +37,7 @@ from tierfs.store.shards import Shard, ShardKey
 #: longest long poll of a Decide/Barrier call (milliseconds): a waiting call costs the
 #: coordinator no thread and no CPU (#17), so it may wait long; the coordinator caps it
 #: (tierfs.cluster.servicer.MAX_WAIT) and answers at once on progress
-POLL_MS = 10_000
+POLL_MS = 25_000
 
 
 class PeerClient:

@@ -982,7 +982,8 @@ class PeerTier(PeerHost):
         self.sync = {
             "step": reply.synced_step if reply.synced_step >= 0 else None,
             "at": reply.synced_at or None,
-            "steps": list(reply.steps),
+            "steps": list(reply.steps),  # empty from a coordinator answering compact
+            "reported": int(reply.reported),
         }
         self.restore_round = int(reply.restore_round)
         if reply.summoned:

@@ -134,6 +134,12 @@ class AioServer:
             else:
                 log.exception("gRPC server loop failed")
         finally:
+            # calls the stop cut off (long polls) end here, not as "destroyed" tasks
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.close()
 
     async def _serve(self, address: str, ready: futures.Future[int]) -> None:
