@@ -294,13 +294,16 @@ class PeerCluster:
         tier = self.tier
         start = trio.current_time()
         pb = peer_pb2.DecideReply
+        first = True
         while True:
             coord = tier.coordinator_address or ""
             try:
-                # a long poll, but never past the join timeout (checked between polls)
-                wait = tier.join_timeout - (trio.current_time() - start)
+                # the first call answers at once (the status says what the node waits
+                # for), then long polls, never past the join timeout (checked between)
+                wait = 0.0 if first else tier.join_timeout - (trio.current_time() - start)
+                first = False
                 view = await tier.call(
-                    tier.client.decide, coord, job.name, job.node_rank, restore_id, max(wait, 0.1)
+                    tier.client.decide, coord, job.name, job.node_rank, restore_id, max(wait, 0.0)
                 )
             except grpc.RpcError as exc:
                 if await self._unreachable(agent, job, coord, exc, start, tier.join_timeout):
@@ -452,15 +455,19 @@ class PeerCluster:
         pb = peer_pb2.BarrierReply
         start = trio.current_time()
         limit = tier.join_timeout if timeout is None else timeout
+        first = True
         while True:
             coord = tier.coordinator_address or ""
+            # as in _decide: the first call answers at once, then long polls
+            wait = 0.0 if first else max(limit - (trio.current_time() - start), 0.0)
+            first = False
             try:
                 reply = await tier.call(
                     functools.partial(
                         tier.client.barrier,
                         coord,
                         bad,
-                        max(limit - (trio.current_time() - start), 0.1),
+                        wait,
                         job=job.name,
                         rank=job.node_rank,
                         restore_id=restore_id,

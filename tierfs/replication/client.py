@@ -299,7 +299,7 @@ class PeerClient:
 def _poll_ms(wait_s: float | None) -> int:
     if wait_s is None:
         return POLL_MS
-    return max(100, min(POLL_MS, int(wait_s * 1000)))
+    return max(0, min(POLL_MS, int(wait_s * 1000)))
 
 
 def rpc_reason(exc: BaseException) -> str:
