@@ -37,7 +37,8 @@ import trio
 
 from tierfs.backup import layout
 from tierfs.backup.tier import BucketRendezvous, GcsTier
-from tierfs.cluster.coordinator import Coordinator, CoordinatorServicer
+from tierfs.cluster.coordinator import Coordinator
+from tierfs.cluster.servicer import CoordinatorServicer
 from tierfs.core.config import ConfigError, NodeConfig
 from tierfs.fuse.namespace import Namespace
 from tierfs.fuse.session import FuseSession, MountOptions

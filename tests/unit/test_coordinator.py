@@ -803,8 +803,8 @@ def test_decisions_of_a_round_are_bounded():
     c, _ = coord()
     join(c, 0, [H(0, 1), H(1, 1)])
     join(c, 1, [])
-    r = c.round
-    r.version = MAX_DECISIONS - 1
+    r = c.round  # decided at the last join: pretend it was the round's 64th decision
+    r.version = MAX_DECISIONS
     v = c.decide("job", 1, "r1")
     c.barrier("job", 1, "r1", v.round, v.version, "ready", ok=False, bad=[(7, 1, 1)], detail="boom")
     v = c.decide("job", 1, "r1")

@@ -40,28 +40,40 @@ newer join of a rank replaces its older one while the round is open; a join
 with a new restore id after the decision opens the next round, and the
 participants of the old one are told to join again (``REJOIN``).
 
+Scale. Every call costs O(1) or O(the calling node's inventory and peers),
+never a walk over every rank (a job may have 10,000 nodes): the joined,
+ready and done ranks are :class:`tierfs.cluster.rounds.RankSet` counts, the
+synced step comes from a count of ranks per reported step, the backup
+requests from a count per step, and replies list at most
+:data:`tierfs.cluster.rounds.SHOWN_RANKS` ranks plus the exact count. The
+backup book (whose tick does walk the ranks) is ticked on every call for
+up to :data:`BOOK_TICKS_PER_ROUND` nodes, else that many times per
+heartbeat round, and at once when the synced step moves. A round is
+decided as soon as its last rank joined (or the bucket answered), not at
+the next ``Decide``.
+
 The bucket is read outside the coordinator's lock: :meth:`Coordinator.bucket_wanted`
 says which read a round waits for, the servicer runs the reader the GCS tier
-installed (:meth:`CoordinatorServicer.set_bucket_reader`) in a thread of its
-own and hands the answer in with :meth:`Coordinator.bucket_answered`.
+installed (:meth:`tierfs.cluster.servicer.CoordinatorServicer.set_bucket_reader`)
+in a thread of its own and hands the answer in with :meth:`Coordinator.bucket_answered`.
 
-This module is pure policy plus one thin gRPC servicer
-(:class:`CoordinatorServicer`); :class:`Coordinator` is plain data and is
+:class:`Coordinator` is pure policy over plain data (:mod:`tierfs.cluster.rounds`),
 unit-tested without gRPC (tests/unit/test_coordinator.py). It is not
-thread-safe: the servicer serializes every call with one condition
-variable, which also wakes long-polling ``Decide``/``Barrier`` calls.
+thread-safe: :class:`tierfs.cluster.servicer.CoordinatorServicer` serves it
+over gRPC, serializing every call with one lock, and wakes long-polling
+``Decide``/``Barrier`` calls only when :meth:`Coordinator.progress` changes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
-from tierfs.cluster.backup_schedule import Outcome, RoundBook, RoundView
+from tierfs.cluster.backup_schedule import Outcome, RoundBook
+from tierfs.cluster.membership import Membership
 from tierfs.cluster.restore_choice import (
     FRESH,
     INCOMPLETE,
@@ -76,195 +88,70 @@ from tierfs.cluster.restore_choice import (
     needs_deeper_read,
     sources_for,
 )
+from tierfs.cluster.rounds import (
+    BUCKET_DEPTH,
+    DECIDED,
+    GENERIC,
+    PASSED,
+    PROTOCOL,
+    REJOIN,
+    REPLAN,
+    SHOWN_RANKS,
+    WAITING,
+    BarrierView,
+    DecideView,
+    Member,
+    Participant,
+    PeerView,
+    RankSet,
+    Rejected,
+    Round,
+    SyncView,
+)
 from tierfs.core.types import COORDINATOR_RANK as COORDINATOR_RANK
 from tierfs.core.types import NO_STEP as NO_STEP
 
 log = logging.getLogger(__name__)
 
-
-WAITING, DECIDED, REJOIN, PASSED, REPLAN = "waiting", "decided", "rejoin", "passed", "replan"
-PROTOCOL, GENERIC = "protocol", "generic"
-
-
 #: decisions of one round after which it gives up ("nothing", with the reasons)
 MAX_DECISIONS = 64
 #: a restore round not heard from for this many seconds no longer pauses retention
 ROUND_IDLE = 60.0
-#: complete backup rounds a first bucket read looks for (a replan may read deeper)
-BUCKET_DEPTH = 1
+#: the backup book is ticked at least once per this many Sync calls per node
+#: (with 64 nodes or fewer on every call); a new synced step ticks it at once
+BOOK_TICKS_PER_ROUND = 64
 
 __all__ = [
+    "BUCKET_DEPTH",
+    "COORDINATOR_RANK",
+    "DECIDED",
     "FRESH",
+    "GENERIC",
     "INCOMPLETE",
+    "MAX_DECISIONS",
+    "NO_STEP",
+    "PASSED",
+    "PROTOCOL",
+    "REJOIN",
+    "REPLAN",
     "RESTORED",
+    "SHOWN_RANKS",
+    "WAITING",
+    "BarrierView",
     "BucketPart",
     "BucketView",
     "Choice",
     "Coordinator",
-    "CoordinatorServicer",
     "CopyId",
+    "DecideView",
     "Holder",
     "Holding",
+    "PeerView",
     "Rejected",
+    "SyncView",
     "choose_restore",
     "sources_for",
 ]
-
-
-class Rejected(Exception):
-    """A join the coordinator refuses; the message is one line for ``replicator.errors``."""
-
-
-# ---------------------------------------------------------------------- state
-
-
-@dataclass
-class Member:
-    """A node the coordinator knows (from a join or a heartbeat)."""
-
-    rank: int
-    address: str
-    incarnation: str
-    inventory: tuple[Holding, ...] = ()
-    last_seen: float = 0.0
-    replicated_step: int = NO_STEP
-    mode: str = PROTOCOL
-    backup_interval_minutes: float | None = None
-    backup_interval_steps: int | None = None
-    #: the job's assume-data-parallelism as the node's Sync reports it (None: off)
-    data_parallelism: int | None = None
-
-
-@dataclass
-class Participant:
-    """A node taking part in a restore round.
-
-    Attributes:
-        notes: what the node found while checking its copies (discarded ones).
-    """
-
-    rank: int
-    restore_id: str
-    inventory: tuple[Holding, ...]
-    joined_at: float
-    notes: tuple[str, ...] = ()
-
-
-@dataclass
-class Round:
-    """One restore round (see the module docstring).
-
-    Attributes:
-        bucket: the bucket's answer for this round (None: not read yet).
-        bucket_depth: the complete rounds the decision needs the read to look for.
-        bad: copies found bad or unusable during this round.
-        notes: lines from the nodes (discarded copies, failed fetches).
-        waiting_for: what the decision waits for ("" or e.g. "the bucket").
-        touched: clock time of the last call of a participant.
-    """
-
-    number: int
-    strict: bool
-    opened_at: float
-    joined: dict[int, Participant] = field(default_factory=dict)
-    choice: Choice | None = None
-    version: int = 0
-    inventories: dict[int, tuple[Holding, ...]] = field(default_factory=dict)
-    bad: set[CopyId] = field(default_factory=set)
-    ready: set[int] = field(default_factory=set)
-    done: set[int] = field(default_factory=set)
-    decided_at: float | None = None
-    missing: tuple[int, ...] = ()
-    bucket: BucketView | None = None
-    bucket_depth: int = BUCKET_DEPTH
-    notes: list[str] = field(default_factory=list)
-    waiting_for: str = ""
-    touched: float = 0.0
-    #: "ready" reports of nodes that could not get their data
-    failures: int = 0
-
-    @property
-    def ready_passed(self) -> bool:
-        return self.choice is not None and self.ready >= set(self.joined)
-
-    @property
-    def finished(self) -> bool:
-        return self.ready_passed and self.done >= set(self.joined)
-
-    @property
-    def state(self) -> str:
-        if self.choice is None:
-            return "waiting"
-        if self.finished:
-            return "done"
-        if self.ready_passed:
-            return "ready"
-        return "decided"
-
-
-@dataclass(frozen=True)
-class DecideView:
-    """What :meth:`Coordinator.decide` tells one node."""
-
-    state: str
-    round: int = 0
-    version: int = 0
-    step: int | None = None
-    missing: tuple[int, ...] = ()
-    local: bool = False
-    digest: str = ""
-    sources: tuple[tuple[int, str], ...] = ()
-    reason: str = ""
-    backup: str | None = None
-    forced: str | None = None
-    #: backup rounds holding this node's chosen copy, newest first
-    backups: tuple[str, ...] = ()
-    outcome: str = ""
-    problems: tuple[str, ...] = ()
-    #: while waiting: what for, besides the missing ranks
-    waiting_for: str = ""
-
-
-@dataclass(frozen=True)
-class BarrierView:
-    """What :meth:`Coordinator.barrier` tells one node."""
-
-    state: str
-    waiting_for: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class SyncView:
-    """What :meth:`Coordinator.sync` tells one node.
-
-    Attributes:
-        backup_order: (round, step) this node still has to upload, or None.
-        backup_last: the newest backup round ordered, with its state.
-        backup_dedup: with the order: this node's shard has the same checksums as
-            its data-parallel column's uploader's, so it may point at that data
-            once the bucket holds it.
-        restore_round: the restore round in progress (0: none): nodes keep
-            every copy of the job meanwhile.
-        summoned: (generic mode) join that round: it waits for this node.
-    """
-
-    known: bool
-    synced_step: int = NO_STEP
-    synced_at: float = 0.0
-    steps: tuple[int, ...] = ()
-    backup_order: tuple[str, int] | None = None
-    backup_last: RoundView | None = None
-    backup_dedup: bool = False
-    restore_round: int = 0
-    summoned: bool = False
-
-
-@dataclass(frozen=True)
-class PeerView:
-    rank: int
-    address: str
-    incarnation: str
-    live: bool
 
 
 class Coordinator:
@@ -299,18 +186,27 @@ class Coordinator:
         self.backups: RoundBook | None = None
         self.job: str | None = None
         self.nodes = 0
-        self.members: dict[int, Member] = {}
+        self.roster = Membership(clock, live_seconds)
         self.round: Round | None = None
         self.previous: Round | None = None
         self.rounds = 0
-        self.sync_steps: dict[int, int] = {}
         self.synced_step = NO_STEP
         self.synced_at = 0.0
         self.history: list[dict[str, Any]] = []
-        #: rank -> (the inventory it was built from, own step -> digest), see holders()
-        self._own_steps: dict[int, tuple[tuple[Holding, ...], dict[int, str]]] = {}
+        self._book_calls = 0
+        self._book_synced = NO_STEP
         if backups is not None:
             self.set_backups(backups)
+
+    @property
+    def members(self) -> dict[int, Member]:
+        """Rank -> member (:attr:`roster`'s)."""
+        return self.roster.members
+
+    @property
+    def sync_steps(self) -> dict[int, int]:
+        """Rank -> its newest replicated step since the last restore decision."""
+        return self.roster.sync_steps
 
     def set_backups(self, book: RoundBook | None) -> None:
         """Let the sync round drive ``book`` (reset to the current job, if any)."""
@@ -330,18 +226,24 @@ class Coordinator:
                 nodes,
             )
         self.job, self.nodes = job, nodes
-        self.members.clear()
+        self.roster.clear()
         self.round = self.previous = None
-        self.sync_steps.clear()
-        self.synced_step = NO_STEP
+        self._clear_sync()
         self.synced_at = 0.0
         if self.backups is not None:
             self.backups.reset(job, nodes, self.wall())
 
+    def _clear_sync(self) -> None:
+        self.roster.clear_steps()
+        self.synced_step = NO_STEP
+
+    def live_count(self) -> int:
+        """Members heard from recently (:meth:`Membership.live_count`)."""
+        return self.roster.live_count()
+
     def live(self, rank: int) -> bool:
         """True if ``rank`` was heard from within ``live_seconds``."""
-        m = self.members.get(rank)
-        return m is not None and self.clock() - m.last_seen <= self.live_seconds
+        return self.roster.live(rank)
 
     def _check_job(self, job: str, nodes: int, rank: int) -> None:
         if nodes < 1:
@@ -431,8 +333,9 @@ class Coordinator:
                 )
                 if self.backups is not None:
                     self.backups.member_restarted(rank)
-            m = self.members[rank] = Member(rank, address, incarnation)
-        m.address, m.inventory, m.last_seen, m.mode = address, inv, now, mode
+            m = self.roster.add(rank, address, incarnation)
+        self.roster.set_inventory(m, inv)
+        m.address, m.last_seen, m.mode = address, now, mode
         m.backup_interval_minutes = backup_interval_minutes or None
         m.backup_interval_steps = backup_interval_steps or None
         if not restore_id:
@@ -440,9 +343,10 @@ class Coordinator:
         joining = Participant(rank, restore_id, inv, now, tuple(notes))
         r = self.round
         if r is not None and r.choice is None and not r.finished:
-            r.joined[rank] = joining
+            r.enter(joining)
             r.strict = r.strict or mode == PROTOCOL
             r.touched = now
+            self._try_decide(r)
             return r.number
         if r is not None and r.choice is not None and not r.finished:
             p = r.joined.get(rank)
@@ -450,9 +354,10 @@ class Coordinator:
                 return r.number  # a retried join of the same restore
         self.previous = r
         self.rounds += 1
-        self.round = Round(self.rounds, mode == PROTOCOL, now, touched=now)
-        self.round.joined[rank] = joining
+        self.round = Round(self.rounds, mode == PROTOCOL, now, self.nodes, touched=now)
+        self.round.enter(joining)
         log.info("coordinator: restore round %d opened by node-rank %d", self.rounds, rank)
+        self._try_decide(self.round)
         return self.rounds
 
     # ------------------------------------------------------------------ restore
@@ -475,12 +380,21 @@ class Coordinator:
         """Decide once every rank joined (and, with a bucket, the bucket answered)."""
         if r.choice is not None:
             return
-        r.missing = tuple(rank for rank in range(self.nodes) if rank not in r.joined)
-        if r.missing:
+        if r.missing_count:
             r.waiting_for = ""
             return
+        if self._bucket_pending(r):
+            return  # cheap while it waits: the inventories are gathered once it answered
         r.inventories = {rank: p.inventory for rank, p in r.joined.items()}
         self._decide(r)
+
+    def _bucket_pending(self, r: Round) -> bool:
+        """With a bucket: the decision waits for (a deeper) read of it (sets ``waiting_for``)."""
+        if self.bucket and (r.bucket is None or r.bucket.depth < r.bucket_depth):
+            r.choice = None
+            r.waiting_for = "the bucket" if r.bucket is None else "older backup rounds"
+            return True
+        return False
 
     def bucket_wanted(self) -> tuple[int, str, int, int] | None:
         """The bucket read the open round waits for: (round, job, nodes, depth), else None.
@@ -493,7 +407,7 @@ class Coordinator:
             not self.bucket
             or r is None
             or r.choice is not None
-            or r.missing
+            or r.missing_count
             or self.job is None
             or not r.joined
         ):
@@ -516,9 +430,7 @@ class Coordinator:
 
     def _decide(self, r: Round) -> None:
         """Choose (again) for every participant; waits for the bucket if it must."""
-        if self.bucket and (r.bucket is None or r.bucket.depth < r.bucket_depth):
-            r.choice = None
-            r.waiting_for = "the bucket" if r.bucket is None else "older backup rounds"
+        if self._bucket_pending(r):
             return
         notes = [n for p in r.joined.values() for n in p.notes] + r.notes
         if r.version >= MAX_DECISIONS:
@@ -539,8 +451,7 @@ class Coordinator:
         r.version += 1
         r.ready.clear()
         r.decided_at = self.clock()
-        self.sync_steps.clear()
-        self.synced_step = NO_STEP
+        self._clear_sync()
         if self.backups is not None:
             self.backups.restored(
                 r.choice.backup, r.choice.step, self.wall(), new_timeline=r.strict
@@ -578,28 +489,39 @@ class Coordinator:
         self._try_decide(r)
         if r.choice is None:
             return DecideView(
-                WAITING, r.number, r.version, missing=r.missing, waiting_for=r.waiting_for
+                WAITING,
+                r.number,
+                r.version,
+                missing=r.missing,
+                waiting_for=r.waiting_for,
+                missing_count=r.missing_count,
             )
         c = r.choice
-        common = dict(reason=c.reason, forced=c.forced, outcome=c.outcome, problems=c.problems)
+        plain = DecideView(
+            DECIDED,
+            r.number,
+            r.version,
+            None,
+            reason=c.reason,
+            forced=c.forced,
+            outcome=c.outcome,
+            problems=c.problems,
+        )
         if c.step is None:
-            return DecideView(DECIDED, r.number, r.version, None, **common)
+            return plain
         local, holders = sources_for(c, rank, self.nodes)
         sources = tuple((h, self.members[h].address) for h in holders if h in self.members)
         backups = c.rounds.get(rank, ())
         # a forced round is restored from the bucket even when a peer holds the same bytes
         backup = c.forced or (backups[0] if backups and not local and not sources else None)
-        return DecideView(
-            DECIDED,
-            r.number,
-            r.version,
-            c.step,
+        return dataclasses.replace(
+            plain,
+            step=c.step,
             local=local,
             digest=c.digests.get(rank, ""),
             sources=sources,
             backup=backup,
             backups=backups,
-            **common,
         )
 
     def barrier(
@@ -648,14 +570,12 @@ class Coordinator:
                 self._failed(r, rank, set(bad), detail)
                 return BarrierView(REPLAN)
             r.ready.add(rank)
-            waiting = tuple(sorted(set(r.joined) - r.ready))
-            return BarrierView(WAITING, waiting) if waiting else BarrierView(PASSED)
+            return _waiting(r.ready)
         if phase == "done":
             if not r.ready_passed:
-                return BarrierView(WAITING, tuple(sorted(set(r.joined) - r.ready)))
+                return _waiting(r.ready)
             r.done.add(rank)
-            waiting = tuple(sorted(set(r.joined) - r.done))
-            return BarrierView(WAITING, waiting) if waiting else BarrierView(PASSED)
+            return _waiting(r.done)
         raise ValueError(f"unknown barrier phase {phase!r}")
 
     def _failed(self, r: Round, rank: int, bad: set[CopyId], detail: str) -> None:
@@ -684,6 +604,12 @@ class Coordinator:
         )
         self._decide(r)
 
+    def progress(self) -> tuple[int, int, bool, bool, bool] | None:
+        """What waiting ``Decide``/``Barrier`` calls wait for (None: no round):
+        a waiting call is re-evaluated only when this changes."""
+        r = self.round
+        return None if r is None else r.progress()
+
     def restore_open(self) -> int:
         """The restore round in progress (0: none, or idle for :data:`ROUND_IDLE` s)."""
         r = self.round
@@ -702,8 +628,13 @@ class Coordinator:
         inventory: Iterable[Holding],
         backup: Outcome | None = None,
         data_parallelism: int | None = None,
+        *,
+        compact: bool = False,
     ) -> SyncView:
         """Heartbeat plus sync report: ``step`` = newest own step replicated to all peers.
+
+        O(the node's inventory): no walk over the ranks (see the module docstring);
+        ``compact`` leaves out :attr:`SyncView.steps`, the one O(nodes) field.
 
         With a backup book (:meth:`set_backups`) this is also where backup
         rounds are decided: ``backup`` is the node's outcome of the last
@@ -721,22 +652,18 @@ class Coordinator:
         if job != self.job or m is None or m.incarnation != incarnation:
             return SyncView(False)
         m.last_seen = self.clock()
-        m.inventory = tuple(inventory)
+        self.roster.set_inventory(m, tuple(inventory))
         m.replicated_step = step
         m.data_parallelism = data_parallelism or None
-        if step >= 0:
-            self.sync_steps[rank] = step
-        if len(self.sync_steps) == self.nodes and all(
-            r in self.sync_steps for r in range(self.nodes)
-        ):
-            synced = min(self.sync_steps.values())
-            if synced > self.synced_step:
-                self.synced_step = synced
-                self.synced_at = self.wall()
-                log.info(
-                    "coordinator: sync round complete: step %d on all %d nodes", synced, self.nodes
-                )
-        steps = tuple(self.sync_steps.get(r, NO_STEP) for r in range(self.nodes))
+        self.roster.report_step(rank, step)
+        synced = self.roster.least_step(self.nodes)
+        if synced is not None and synced > self.synced_step:
+            self.synced_step = synced
+            self.synced_at = self.wall()
+            log.info(
+                "coordinator: sync round complete: step %d on all %d nodes", synced, self.nodes
+            )
+        steps = () if compact else tuple(self.sync_steps.get(r, NO_STEP) for r in range(self.nodes))
         number = self.restore_open()
         rnd = self.round
         summoned = bool(
@@ -755,10 +682,18 @@ class Coordinator:
                 steps,
                 restore_round=number,
                 summoned=summoned,
+                reported=len(self.sync_steps),
             )
         if backup is not None:
             book.report(rank, backup)
-        self._backup_tick(book)
+        self._book_calls += 1
+        if (
+            self._book_calls >= max(1, self.nodes // BOOK_TICKS_PER_ROUND)
+            or self.synced_step != self._book_synced
+        ):
+            self._book_calls = 0
+            self._book_synced = self.synced_step
+            self._backup_tick(book)
         order = book.order_for(rank)
         return SyncView(
             True,
@@ -770,33 +705,16 @@ class Coordinator:
             order is not None and book.dedup_for(rank),
             restore_round=number,
             summoned=summoned,
+            reported=len(self.sync_steps),
         )
 
     def holders(self, step: int) -> dict[int, str | None]:
-        """Rank -> the digest of its own shard of ``step``, for every member whose
-        latest inventory holds it (the backup book's view of who can upload).
-        O(members): each member's index is rebuilt only when its inventory changed."""
-        cache = self._own_steps
-        out: dict[int, str | None] = {}
-        for m in self.members.values():
-            hit = cache.get(m.rank)
-            if hit is None or hit[0] is not m.inventory:
-                hit = cache[m.rank] = (
-                    m.inventory,
-                    {h.step: h.digest for h in m.inventory if h.rank == m.rank},
-                )
-            if step in hit[1]:
-                out[m.rank] = hit[1][step] or None
-        return out
+        """Rank -> the digest of its own shard of ``step`` (:meth:`Membership.holders`)."""
+        return self.roster.holders(step)
 
     def _backup_tick(self, book: RoundBook) -> None:
         step = self.synced_step if self.synced_step >= 0 else None
-        requested = step is not None and any(
-            h.backup_requested
-            for m in self.members.values()
-            for h in m.inventory
-            if h.step == step and h.rank == m.rank
-        )
+        requested = step is not None and self.roster.requested[step] > 0
         own = self.members.get(self.own_rank)
         r = self.round
         book.tick(
@@ -810,12 +728,9 @@ class Coordinator:
             data_parallelism=own.data_parallelism if own else None,
         )
 
-    def peers(self) -> list[PeerView]:
-        """Every known member with its address and liveness."""
-        return [
-            PeerView(m.rank, m.address, m.incarnation, self.live(m.rank))
-            for m in sorted(self.members.values(), key=lambda m: m.rank)
-        ]
+    def peers(self, ranks: Iterable[int] | None = None) -> list[PeerView]:
+        """The members ``ranks`` (None: all), with address and liveness."""
+        return self.roster.peers(ranks)
 
     def status(self) -> dict[str, Any]:
         """Plain-data status (``tierfs status`` of the coordinator's node)."""
@@ -870,268 +785,8 @@ class Coordinator:
         }
 
 
-# ---------------------------------------------------------------------- gRPC
-
-
-#: longest a Decide/Barrier long-poll holds a server thread (seconds)
-MAX_WAIT = 5.0
-
-
-class CoordinatorServicer:
-    """The ``tierfs.peer.v1.Coordinator`` service over a :class:`Coordinator`.
-
-    Every node with a gRPC server registers it, because with the bucket
-    rendezvous any node may turn out to be node-rank 0 only when its job
-    starts; ``gate`` says whether this node serves the coordinator right now.
-
-    The bucket reads a round waits for (:meth:`Coordinator.bucket_wanted`)
-    run in a thread of their own with the reader from
-    :meth:`set_bucket_reader`, never under the lock: heartbeats and other
-    calls go on while the bucket is slow.
-
-    Args:
-        coordinator: the state.
-        recheck: seconds between re-evaluations of a waiting long-poll (a
-            live member may expire or appear without a call).
-        gate: any thread; returns None while this node is the coordinator,
-            else one line why not -- every call is then answered UNAVAILABLE
-            with that line (a caller holding a stale address looks again).
-            None: always serve.
-    """
-
-    def __init__(
-        self,
-        coordinator: Coordinator,
-        recheck: float = 0.5,
-        gate: Callable[[], str | None] | None = None,
-    ) -> None:
-        from tierfs.rpc import peer_pb2  # like grpc below: not needed by Coordinator itself
-
-        self.coordinator = coordinator
-        self.pb2 = peer_pb2
-        self.recheck = recheck
-        self.gate = gate
-        self.cond = threading.Condition()
-        self._snapshot: dict[str, Any] = coordinator.status()
-        self._reader: Callable[[str, int, int], BucketView] | None = None
-        self._reading: tuple[int, str, int, int] | None = None
-
-    def set_bucket_reader(self, reader: Callable[[str, int, int], BucketView]) -> None:
-        """Install the bucket reader: ``reader(job, nodes, depth)`` -> :class:`BucketView`
-        (blocking, bounded by its own deadlines; an exception counts as an
-        unreadable bucket). Any thread."""
-        with self.cond:
-            self._reader = reader
-            self._kick()
-            self.cond.notify_all()
-
-    def _kick(self) -> None:
-        """Start the bucket read the coordinator waits for, if any (under the lock)."""
-        want = self.coordinator.bucket_wanted()
-        if want is None or self._reader is None or self._reading == want:
-            return
-        self._reading = want
-        threading.Thread(
-            target=self._read,
-            args=(want, self._reader),
-            daemon=True,
-            name=f"tierfs-bucket-read-{want[0]}",
-        ).start()
-
-    def _read(
-        self, want: tuple[int, str, int, int], reader: Callable[[str, int, int], BucketView]
-    ) -> None:
-        number, job, nodes, depth = want
-        try:
-            view = reader(job, nodes, depth)
-        except Exception as exc:  # the reader's own errors: an unreadable bucket
-            log.exception("coordinator: bucket read failed")
-            view = BucketView(error=f"{type(exc).__name__}: {exc}", depth=depth)
-        with self.cond:
-            if self._reading == want:
-                self._reading = None
-            self.coordinator.bucket_answered(number, view)
-            self._kick()
-            self.cond.notify_all()
-
-    def serving(self) -> bool:
-        """True while this node answers coordinator calls (any thread)."""
-        return self.gate is None or self.gate() is None
-
-    def _admit(self, context: Any) -> None:
-        if self.gate is None:
-            return
-        why = self.gate()
-        if why is not None:
-            import grpc
-
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"not the coordinator: {why}")
-
-    def locked(self, fn: Callable[[Coordinator], Any]) -> Any:
-        """Run ``fn(coordinator)`` under the servicer's lock and return its result.
-
-        Blocks while a call holds the lock, which a durable-tier hook may do
-        for its bucket deadline: call it from a worker thread, never from
-        the trio thread.
-        """
-        with self.cond:
-            return fn(self.coordinator)
-
-    def _holdings(self, items: Iterable[Any]) -> tuple[Holding, ...]:
-        return tuple(
-            Holding(
-                h.rank, h.step, h.verified, h.digest, h.bytes, h.name, h.backup_requested, h.created
-            )
-            for h in items
-        )
-
-    def _peers(self) -> list[Any]:
-        return [
-            self.pb2.PeerAddress(
-                rank=p.rank, address=p.address, incarnation=p.incarnation, live=p.live
-            )
-            for p in self.coordinator.peers()
-        ]
-
-    def status(self) -> dict[str, Any]:
-        """The coordinator's status (any thread; never waits: while a call holds the
-        lock, e.g. a bucket lookup, the status taken last time)."""
-        if self.cond.acquire(blocking=False):
-            try:
-                self._snapshot = self.coordinator.status()
-            finally:
-                self.cond.release()
-        return self._snapshot
-
-    def Join(self, request: Any, context: Any) -> Any:
-        import grpc
-
-        self._admit(context)
-        with self.cond:
-            try:
-                number = self.coordinator.join(
-                    request.job,
-                    request.nodes,
-                    request.rank,
-                    request.address,
-                    request.incarnation,
-                    self._holdings(request.inventory),
-                    request.restore_id,
-                    request.mode or PROTOCOL,
-                    backup_interval_minutes=request.backup_interval_minutes or None,
-                    backup_interval_steps=request.backup_interval_steps or None,
-                    notes=tuple(request.notes),
-                )
-            except Rejected as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            self._kick()
-            self.cond.notify_all()
-            return self.pb2.JoinReply(round=number, peers=self._peers())
-
-    def _wait(self, request: Any, context: Any, fn: Callable[[], Any]) -> Any:
-        deadline = time.monotonic() + min(max(request.wait_ms, 0) / 1000.0, MAX_WAIT)
-        with self.cond:
-            while True:
-                view = fn()
-                self._kick()
-                self.cond.notify_all()
-                remaining = deadline - time.monotonic()
-                if view.state != WAITING or remaining <= 0 or not context.is_active():
-                    return view
-                self.cond.wait(min(remaining, self.recheck))
-
-    def Decide(self, request: Any, context: Any) -> Any:
-        self._admit(context)
-        view: DecideView = self._wait(
-            request,
-            context,
-            lambda: self.coordinator.decide(request.job, request.rank, request.restore_id),
-        )
-        pb = self.pb2.DecideReply
-        state = {WAITING: pb.WAITING, DECIDED: pb.DECIDED, REJOIN: pb.REJOIN}[view.state]
-        return pb(
-            state=state,
-            round=view.round,
-            version=view.version,
-            step=NO_STEP if view.step is None else view.step,
-            missing=list(view.missing),
-            local=view.local,
-            digest=view.digest,
-            sources=[self.pb2.Source(holder=h, address=a) for h, a in view.sources],
-            reason=view.reason,
-            backup=view.backup or "",
-            restore_version=view.forced or "",
-            backups=list(view.backups),
-            outcome=view.outcome,
-            problems=list(view.problems),
-            waiting_for=view.waiting_for,
-        )
-
-    def Barrier(self, request: Any, context: Any) -> Any:
-        self._admit(context)
-        bad: list[CopyId] = [(b.round or b.holder, b.rank, b.step) for b in request.bad]
-
-        def call() -> BarrierView:
-            # a failure report replans at once (not "waiting"); a retried
-            # report carries the old version and only gets "replan" again
-            return self.coordinator.barrier(
-                request.job,
-                request.rank,
-                request.restore_id,
-                request.round,
-                request.version,
-                request.phase,
-                request.ok,
-                bad,
-                request.detail,
-            )
-
-        view: BarrierView = self._wait(request, context, call)
-        pb = self.pb2.BarrierReply
-        state = {WAITING: pb.WAITING, PASSED: pb.PASSED, REPLAN: pb.REPLAN, REJOIN: pb.REJOIN}[
-            view.state
-        ]
-        return pb(state=state, waiting_for=list(view.waiting_for))
-
-    def Sync(self, request: Any, context: Any) -> Any:
-        self._admit(context)
-        backup = None
-        if request.HasField("backup") and request.backup.round:
-            b = request.backup
-            backup = Outcome(b.round, b.step, b.state, b.error, b.bytes, b.seconds)
-        with self.cond:
-            view = self.coordinator.sync(
-                request.job,
-                request.rank,
-                request.incarnation,
-                request.step,
-                self._holdings(request.inventory),
-                backup,
-                request.data_parallelism,
-            )
-            self.cond.notify_all()
-            pb2 = self.pb2
-            reply = pb2.SyncReply(
-                known=view.known,
-                synced_step=view.synced_step,
-                synced_at=view.synced_at,
-                peers=self._peers(),
-                steps=list(view.steps),
-                restore_round=view.restore_round,
-                summoned=view.summoned,
-            )
-            if view.backup_order is not None:
-                reply.backup_order.CopyFrom(
-                    pb2.BackupRound(
-                        round=view.backup_order[0],
-                        step=view.backup_order[1],
-                        state="running",
-                        dedup=view.backup_dedup,
-                    )
-                )
-            if view.backup_last is not None:
-                last = view.backup_last
-                reply.backup_last.CopyFrom(
-                    pb2.BackupRound(round=last.round, step=last.step, state=last.state)
-                )
-            return reply
+def _waiting(reached: RankSet) -> BarrierView:
+    """``passed`` once every rank (a decided round has all of them) reached the phase."""
+    if not reached.lacking_count:
+        return BarrierView(PASSED)
+    return BarrierView(WAITING, reached.lacking(), reached.lacking_count)

@@ -216,7 +216,7 @@ class PeerCluster:
                             **fields,
                         )
                     )
-                    tier.update_peers(reply.peers)
+                    tier.update_peers(reply.peers, reply)
                     self._phase(agent, "joined", round=reply.round, coordinator=coord)
                     return int(reply.round)
                 except grpc.RpcError as exc:
@@ -291,11 +291,16 @@ class PeerCluster:
         tier = self.tier
         start = trio.current_time()
         pb = peer_pb2.DecideReply
+        first = True
         while True:
             coord = tier.coordinator_address or ""
             try:
+                # the first call answers at once (the status says what the node waits
+                # for), then long polls, never past the join timeout (checked between)
+                wait = 0.0 if first else tier.join_timeout - (trio.current_time() - start)
+                first = False
                 view = await tier.call(
-                    tier.client.decide, coord, job.name, job.node_rank, restore_id
+                    tier.client.decide, coord, job.name, job.node_rank, restore_id, max(wait, 0.0)
                 )
             except grpc.RpcError as exc:
                 if await self._unreachable(agent, job, coord, exc, start, tier.join_timeout):
@@ -310,8 +315,10 @@ class PeerCluster:
                 )
                 return view
             missing = list(view.missing)
+            more = view.missing_count - len(missing)
+            shown = f"{missing} and {more} more" if more > 0 else f"{missing}"
             what = (
-                f"node-rank(s) {missing} to join"
+                f"node-rank(s) {shown} to join"
                 if missing
                 else view.waiting_for or "the coordinator"
             )
@@ -319,7 +326,7 @@ class PeerCluster:
             if trio.current_time() - start > tier.join_timeout:
                 if missing:
                     msg = (
-                        f"node-rank(s) {missing} did not join within "
+                        f"node-rank(s) {shown} did not join within "
                         f"{tier.join_timeout:.0f} s (job {job.name}, round {view.round}); "
                         "no step can be agreed"
                     )
@@ -443,14 +450,19 @@ class PeerCluster:
         pb = peer_pb2.BarrierReply
         start = trio.current_time()
         limit = tier.join_timeout if timeout is None else timeout
+        first = True
         while True:
             coord = tier.coordinator_address or ""
+            # as in _decide: the first call answers at once, then long polls
+            wait = 0.0 if first else max(limit - (trio.current_time() - start), 0.0)
+            first = False
             try:
                 reply = await tier.call(
                     functools.partial(
                         tier.client.barrier,
                         coord,
                         bad,
+                        wait,
                         job=job.name,
                         rank=job.node_rank,
                         restore_id=restore_id,
@@ -472,17 +484,19 @@ class PeerCluster:
             if reply.state == pb.REJOIN:
                 return "rejoin"
             waiting = list(reply.waiting_for)
+            more = reply.waiting_count - len(waiting)
+            shown = f"{waiting} and {more} more" if more > 0 else f"{waiting}"
             self._phase(
-                agent, f"barrier {phase}: waiting for node-rank(s) {waiting}", waiting_for=waiting
+                agent, f"barrier {phase}: waiting for node-rank(s) {shown}", waiting_for=waiting
             )
             if not ok:
                 return "replan"
             if trio.current_time() - start > limit:
                 agent.report_error(
-                    f"restore: node-rank(s) {waiting} did not reach the "
+                    f"restore: node-rank(s) {shown} did not reach the "
                     f"'{phase}' barrier within {limit:.0f} s"
                 )
-                raise RestoreTimeout(f"node-rank(s) {waiting} did not reach '{phase}'")
+                raise RestoreTimeout(f"node-rank(s) {shown} did not reach '{phase}'")
 
     async def restore_done(self, agent: NodeAgent, job: JobSpec, plan: RestorePlan) -> None:
         """Barrier phase "done": returns once every node wrote its prerestore.

@@ -33,8 +33,10 @@ from tierfs.rpc import wire as peer_wire
 from tierfs.rpc.wire import WireStats
 from tierfs.store.shards import Shard, ShardKey
 
-#: long-poll length of Decide/Barrier calls (milliseconds)
-POLL_MS = 2000
+#: longest long poll of a Decide/Barrier call (milliseconds): a waiting call costs the
+#: coordinator no thread and no CPU (#17), so it may wait long; the coordinator caps it
+#: (tierfs.cluster.servicer.MAX_WAIT) and answers at once on progress
+POLL_MS = 25_000
 
 
 class PeerClient:
@@ -223,11 +225,25 @@ class PeerClient:
         req = peer_pb2.JoinRequest(inventory=[peer_wire.held_shard(h) for h in inventory], **fields)
         return self.coordinator(coord).Join(req, metadata=self.md, timeout=10)
 
-    def decide(self, address: str, job: str, rank: int, restore_id: str) -> Any:
-        req = peer_pb2.DecideRequest(job=job, rank=rank, restore_id=restore_id, wait_ms=POLL_MS)
-        return self.coordinator(address).Decide(req, metadata=self.md, timeout=POLL_MS / 1000 + 10)
+    def decide(
+        self, address: str, job: str, rank: int, restore_id: str, wait_s: float | None = None
+    ) -> Any:
+        """The DecideReply, after a long poll of ``wait_s`` seconds at most (None:
+        :data:`POLL_MS`) while the decision waits."""
+        ms = _poll_ms(wait_s)
+        req = peer_pb2.DecideRequest(job=job, rank=rank, restore_id=restore_id, wait_ms=ms)
+        return self.coordinator(address).Decide(req, metadata=self.md, timeout=ms / 1000 + 10)
 
-    def barrier(self, address: str, bad: Iterable[CopyId] = (), **fields: Any) -> Any:
+    def barrier(
+        self,
+        address: str,
+        bad: Iterable[CopyId] = (),
+        wait_s: float | None = None,
+        **fields: Any,
+    ) -> Any:
+        """The BarrierReply (fields of BarrierRequest), after a long poll of ``wait_s``
+        seconds at most (None: :data:`POLL_MS`) while the phase waits."""
+        ms = _poll_ms(wait_s)
         req = peer_pb2.BarrierRequest(
             bad=[
                 peer_pb2.BadCopy(holder=h, rank=r, step=s)
@@ -235,10 +251,10 @@ class PeerClient:
                 else peer_pb2.BadCopy(holder=-1, rank=r, step=s, round=h)
                 for h, r, s in bad
             ],
-            wait_ms=POLL_MS,
+            wait_ms=ms,
             **fields,
         )
-        return self.coordinator(address).Barrier(req, metadata=self.md, timeout=POLL_MS / 1000 + 10)
+        return self.coordinator(address).Barrier(req, metadata=self.md, timeout=ms / 1000 + 10)
 
     def sync(
         self,
@@ -250,9 +266,11 @@ class PeerClient:
         inventory: Iterable[Holding],
         backup: Outcome | None = None,
         data_parallelism: int | None = None,
+        want_peers: Iterable[int] | None = None,
     ) -> Any:
         """Heartbeat and sync report (with the last backup outcome and the job's
-        ``assume-data-parallelism``); returns the SyncReply."""
+        ``assume-data-parallelism``); returns the SyncReply. ``want_peers``: the
+        ranks whose addresses the reply lists (a compact reply); None: every member."""
         req = peer_pb2.SyncRequest(
             job=job,
             rank=rank,
@@ -260,6 +278,8 @@ class PeerClient:
             step=step,
             inventory=[peer_wire.held_shard(h) for h in inventory],
             data_parallelism=data_parallelism or 0,
+            want_peers=list(want_peers or ()),
+            compact=want_peers is not None,
         )
         if backup is not None:
             req.backup.CopyFrom(
@@ -273,6 +293,12 @@ class PeerClient:
                 )
             )
         return self.coordinator(address).Sync(req, metadata=self.md, timeout=10)
+
+
+def _poll_ms(wait_s: float | None) -> int:
+    if wait_s is None:
+        return POLL_MS
+    return max(0, min(POLL_MS, int(wait_s * 1000)))
 
 
 def rpc_reason(exc: BaseException) -> str:

@@ -15,8 +15,9 @@ and again whenever the coordinator stops answering:
   the tier the bucket's :class:`tierfs.core.ports.Rendezvous`. Every node
   publishes its own address to ``gs://<bucket>/<job>/.tierfs/nodes/<rank>``
   with its incarnation (a random id per daemon start); node-rank 0 is the
-  coordinator itself, the others read rank 0's record and *probe* it (an ``Inventory`` call must answer
-  node-rank 0 of the job with the record's incarnation) before using it, so
+  coordinator itself, the others read rank 0's record and *probe* it (an
+  ``Inventory`` call must answer node-rank 0 of the job with the record's
+  incarnation) before using it, so
   a record left by a previous daemon -- dead, restarted, or now another
   rank -- is never used.
 
@@ -71,7 +72,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from concurrent import futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -95,8 +95,8 @@ from tierfs.replication.client import PeerClient, rpc_code, rpc_reason
 from tierfs.replication.plane import PlaneState
 from tierfs.replication.service import HostGone, PeerHost, PeerServicer, peer_handlers
 from tierfs.replication.transfer import Cancelled
-from tierfs.rpc import peer_pb2_grpc
 from tierfs.rpc import wire as peer_wire
+from tierfs.rpc.aio_server import AioServer, with_sync_context
 from tierfs.rpc.wire import WireStats
 from tierfs.store.ramstore import RamStore
 from tierfs.store.shards import Shard, ShardKey, ShardStore
@@ -223,7 +223,7 @@ class PeerTier(PeerHost):
         self.port: int | None = None
         self.transfer_limiter = trio.CapacityLimiter(TRANSFERS)
         self._control_limiter = trio.CapacityLimiter(8)
-        self._server: grpc.Server | None = None
+        self._server: AioServer | None = None
         self._nursery: trio.Nursery | None = None
         self._poke = trio.Event()
         self._sends: dict[ShardKey, _Send] = {}
@@ -232,6 +232,8 @@ class PeerTier(PeerHost):
         self._linked: dict[ShardKey, ShardKey] = {}
         self._digests: dict[ShardKey, tuple[int, str]] = {}
         self.peers: dict[int, PeerInfo] = {}
+        #: (live, known) nodes as the coordinator last counted them (None: not told)
+        self.node_counts: tuple[int, int] | None = None
         self._reported_ok: int | None = None
         #: the restore round the coordinator has open (0: none), from the last Sync
         self.restore_round = 0
@@ -546,26 +548,28 @@ class PeerTier(PeerHost):
             self.client.close()
 
     def _start_server(self) -> None:
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="tierfs-peer"),
-            interceptors=[peer_wire.TokenInterceptor(self.token)],
-            options=list(peer_wire.SERVER_OPTIONS),
-        )
-        server.add_generic_rpc_handlers((peer_handlers(PeerServicer(self)),))
         # every node registers the coordinator service: which node serves it
         # may be known only once a job starts (the gate answers the others)
-        if self.coordinator is not None:
-            peer_pb2_grpc.add_CoordinatorServicer_to_server(self.coordinator, server)
+        peer = with_sync_context(peer_handlers(PeerServicer(self)))
+        coordinator = self.coordinator
+
+        def setup(server: Any, loop: Any) -> None:
+            # one asyncio loop thread: the coordinator's waiting calls hold no thread;
+            # the data plane's blocking handlers run in the server's 32 threads
+            server.add_generic_rpc_handlers((peer,))
+            if coordinator is not None:
+                coordinator.attach(server, loop)
+
+        server = AioServer(
+            setup,
+            interceptors=[peer_wire.AioTokenInterceptor(self.token)],
+            options=peer_wire.SERVER_OPTIONS,
+            name="tierfs-peer",
+        )
         assert self.listen is not None
-        try:
-            self.port = server.add_insecure_port(self.listen)
-        except RuntimeError as exc:
-            raise RuntimeError(f"cannot listen on {self.listen}: {exc}") from None
-        if not self.port:
-            raise RuntimeError(f"cannot listen on {self.listen}")
+        self.port = server.start(self.listen)
         if self.address.endswith(":0"):
             self.address = f"{self.address[:-2]}:{self.port}"  # --listen HOST:0
-        server.start()
         self._server = server
         self.plane.server_up = True
         if not self.token:
@@ -907,7 +911,14 @@ class PeerTier(PeerHost):
             backup_interval_minutes=job.backup_interval_minutes or 0.0,
             backup_interval_steps=job.backup_interval_steps or 0,
             inventory=self.holdings(job.name),
+            want_peers=self.wanted_peers(job),
+            compact=True,
         )
+
+    def wanted_peers(self, job: JobSpec) -> list[int]:
+        """The ranks whose addresses this node asks the coordinator for: its replica
+        targets and the coordinator (O(peers) replies, not the whole membership)."""
+        return sorted({COORDINATOR_RANK, *self.replica_peers(job)} - {job.node_rank})
 
     def _backup_outcome(self) -> Outcome | None:
         backup = self.backup
@@ -930,6 +941,7 @@ class PeerTier(PeerHost):
                 inventory,
                 self._backup_outcome(),
                 job.assume_data_parallelism,
+                self.wanted_peers(job),
             )
             self._reported_ok = step
             self.reported = (step,) if step >= 0 else ()
@@ -947,14 +959,15 @@ class PeerTier(PeerHost):
                         self.last_error = f"coordinator refused this node: {rpc_reason(exc)}"
                         return
                     raise
-                self.update_peers(joined.peers)
+                self.update_peers(joined.peers, joined)
                 return
-        self.update_peers(reply.peers)
+        self.update_peers(reply.peers, reply)
         self.last_error = None
         self.sync = {
             "step": reply.synced_step if reply.synced_step >= 0 else None,
             "at": reply.synced_at or None,
-            "steps": list(reply.steps),
+            "steps": list(reply.steps),  # empty from a coordinator answering compact
+            "reported": int(reply.reported),
         }
         self.restore_round = int(reply.restore_round)
         if reply.summoned:
@@ -978,8 +991,11 @@ class PeerTier(PeerHost):
                 order[0], order[1], FAILED, f"node-rank {job.node_rank} has no --bucket"
             )
 
-    def update_peers(self, peers: Iterable[Any]) -> None:
-        """Take the coordinator's address book (trio thread)."""
+    def update_peers(self, peers: Iterable[Any], reply: Any = None) -> None:
+        """Take the coordinator's addresses of the peers this node asked for, and from
+        ``reply`` (a JoinReply/SyncReply) its counts of live and known nodes (trio thread)."""
+        if reply is not None and reply.known_nodes:
+            self.node_counts = (int(reply.live_nodes), int(reply.known_nodes))
         for p in peers:
             old = self.peers.get(p.rank)
             self.peers[p.rank] = PeerInfo(p.rank, p.address, p.incarnation, p.live)
@@ -1048,7 +1064,7 @@ class PeerTier(PeerHost):
             {"rank": p.rank, "address": p.address, "live": p.live, "target": p.rank in targets}
             for p in sorted(self.peers.values(), key=lambda p: p.rank)
         ]
-        live = sum(1 for p in peers if p["live"])
+        live = self.node_counts[0] if self.node_counts else sum(1 for p in peers if p["live"])
         sync_step = self.sync.get("step")
         serving = self.is_coordinator
         if self.static_coordinator:

@@ -20,11 +20,12 @@ from __future__ import annotations
 import collections
 import hmac
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
+import grpc.aio
 from google.protobuf.message import Message
 
 from tierfs.rpc import peer_pb2
@@ -105,6 +106,41 @@ class TokenInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
+        return self._deny[(handler.request_streaming, handler.response_streaming)]
+
+
+class AioTokenInterceptor(grpc.aio.ServerInterceptor):
+    """:class:`TokenInterceptor` for a ``grpc.aio`` server (the same rule and answer)."""
+
+    def __init__(self, token: str | None) -> None:
+        self.token = (token or "").encode()
+
+        async def deny(request: object, context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "wrong or missing tierfs peer token"
+            )
+
+        self._deny: dict[tuple[bool, bool], grpc.RpcMethodHandler[Any, Any]] = {
+            (False, False): grpc.unary_unary_rpc_method_handler(deny),
+            (True, False): grpc.stream_unary_rpc_method_handler(deny),
+            (False, True): grpc.unary_stream_rpc_method_handler(deny),
+            (True, True): grpc.stream_stream_rpc_method_handler(deny),
+        }
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        sent = b""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == TOKEN_HEADER:
+                sent = value.encode() if isinstance(value, str) else bytes(value)
+        handler = await continuation(handler_call_details)
+        if handler is None or hmac.compare_digest(sent, self.token):
+            return handler
         return self._deny[(handler.request_streaming, handler.response_streaming)]
 
 

@@ -1,0 +1,148 @@
+"""The members of the coordinator's job and the counts kept about them (pure).
+
+:class:`Membership` holds one :class:`tierfs.cluster.rounds.Member` per node
+rank (address, incarnation, last heartbeat, inventory) and keeps, as the
+inventories and sync reports come in, the figures the coordinator needs per
+call without walking every member (a job may have 10,000 nodes, #17):
+
+* the steps some member marks ``_BACKUP_REQUESTED`` (a count per step);
+* the sync round: each rank's newest replicated step and a count of ranks
+  per step, so the synced step (the least one, once every rank reported)
+  costs O(distinct steps), a handful;
+* the number of live members, counted at most every :data:`LIVE_COUNT_TTL`
+  seconds.
+
+Only :meth:`Membership.holders` (for the backup book) and the full
+:meth:`Membership.peers` list (status, older nodes) walk every member.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable
+
+from tierfs.cluster.restore_choice import Holding
+from tierfs.cluster.rounds import Member, PeerView
+
+#: seconds a count of live members is reused (counting walks every member)
+LIVE_COUNT_TTL = 1.0
+
+
+class Membership:
+    """The members of one job (see the module docstring).
+
+    Args:
+        clock: monotonic seconds.
+        live_seconds: a member heard from within this many seconds is live.
+    """
+
+    def __init__(self, clock: Callable[[], float], live_seconds: float) -> None:
+        self.clock = clock
+        self.live_seconds = live_seconds
+        self.members: dict[int, Member] = {}
+        #: own step -> members whose inventory marks it _BACKUP_REQUESTED
+        self.requested: collections.Counter[int] = collections.Counter()
+        #: rank -> its newest replicated step (since the last restore decision)
+        self.sync_steps: dict[int, int] = {}
+        #: reported step -> how many ranks reported it
+        self.step_counts: collections.Counter[int] = collections.Counter()
+        self._live_count: tuple[float, int] | None = None
+        #: rank -> (the inventory it was built from, own step -> digest), see holders()
+        self._own_steps: dict[int, tuple[tuple[Holding, ...], dict[int, str]]] = {}
+
+    def clear(self) -> None:
+        """Forget every member (another job)."""
+        self.members.clear()
+        self.requested.clear()
+        self._live_count = None
+        self._own_steps.clear()
+        self.clear_steps()
+
+    def add(self, rank: int, address: str, incarnation: str) -> Member:
+        """A new member for ``rank`` (replacing an earlier daemon's entry)."""
+        old = self.members.get(rank)
+        if old is not None:
+            self.set_inventory(old, ())
+        m = self.members[rank] = Member(rank, address, incarnation)
+        self._live_count = None
+        return m
+
+    def set_inventory(self, m: Member, inventory: tuple[Holding, ...]) -> None:
+        """``m``'s inventory is ``inventory`` (O(inventory): keeps the request counts)."""
+        m.inventory = inventory
+        requested = frozenset(h.step for h in inventory if h.backup_requested and h.rank == m.rank)
+        if requested != m.requested:
+            self.requested.subtract(m.requested)
+            self.requested.update(requested)
+            self.requested += collections.Counter()  # drops counts of zero
+            m.requested = requested
+
+    # ------------------------------------------------------------------ sync round
+
+    def clear_steps(self) -> None:
+        """Forget the sync reports (a restore decision starts a new timeline)."""
+        self.sync_steps.clear()
+        self.step_counts.clear()
+
+    def report_step(self, rank: int, step: int) -> None:
+        """``rank``'s newest replicated step is ``step`` (-1: none; ignored)."""
+        old = self.sync_steps.get(rank)
+        if step < 0 or old == step:
+            return
+        self.sync_steps[rank] = step
+        counts = self.step_counts
+        counts[step] += 1
+        if old is not None:
+            counts[old] -= 1
+            if not counts[old]:
+                del counts[old]
+
+    def least_step(self, nodes: int) -> int | None:
+        """The least step reported, once all ``nodes`` ranks reported one (ranks are
+        ``< nodes``: checked at join), else None."""
+        if len(self.sync_steps) < nodes or not self.step_counts:
+            return None
+        return min(self.step_counts)
+
+    # ------------------------------------------------------------------ liveness, peers
+
+    def live(self, rank: int) -> bool:
+        """True if ``rank`` was heard from within ``live_seconds``."""
+        m = self.members.get(rank)
+        return m is not None and self.clock() - m.last_seen <= self.live_seconds
+
+    def live_count(self) -> int:
+        """Members heard from within ``live_seconds`` (counted at most every
+        :data:`LIVE_COUNT_TTL` seconds: a count walks every member)."""
+        now = self.clock()
+        hit = self._live_count
+        if hit is None or now - hit[0] >= LIVE_COUNT_TTL:
+            n = sum(1 for m in self.members.values() if now - m.last_seen <= self.live_seconds)
+            hit = self._live_count = (now, n)
+        return hit[1]
+
+    def peers(self, ranks: Iterable[int] | None = None) -> list[PeerView]:
+        """The members ``ranks`` (None: every member; O(nodes)) with their address and
+        liveness, by rank; ranks not known are left out."""
+        if ranks is None:
+            chosen = sorted(self.members.values(), key=lambda m: m.rank)
+        else:
+            chosen = [m for r in sorted(set(ranks)) if (m := self.members.get(r)) is not None]
+        return [PeerView(m.rank, m.address, m.incarnation, self.live(m.rank)) for m in chosen]
+
+    def holders(self, step: int) -> dict[int, str | None]:
+        """Rank -> the digest of its own shard of ``step``, for every member whose
+        latest inventory holds it (the backup book's view of who can upload).
+        O(members): each member's index is rebuilt only when its inventory changed."""
+        cache = self._own_steps
+        out: dict[int, str | None] = {}
+        for m in self.members.values():
+            hit = cache.get(m.rank)
+            if hit is None or hit[0] is not m.inventory:
+                hit = cache[m.rank] = (
+                    m.inventory,
+                    {h.step: h.digest for h in m.inventory if h.rank == m.rank},
+                )
+            if step in hit[1]:
+                out[m.rank] = hit[1][step] or None
+        return out

@@ -1,0 +1,393 @@
+"""The ``tierfs.peer.v1.Coordinator`` gRPC service over a coordinator's state.
+
+Event-driven, for jobs of thousands of nodes (#17):
+
+* the handlers are ``async def`` and run on the asyncio loop of the node's
+  ``grpc.aio`` server (:class:`tierfs.rpc.aio_server.AioServer`): a
+  long-polling ``Decide``/``Barrier`` call is a suspended coroutine and holds
+  no thread;
+* a waiting call is evaluated once, then sleeps on an :class:`asyncio.Event`
+  that is set only when :meth:`Coordinator.progress` changes (the round was
+  decided or decided again, a barrier phase passed, a new round opened) or
+  its own long poll ends: no call wakes the others, so an idle waiting
+  round costs no CPU. :attr:`CoordinatorServicer.wakeups` counts the
+  wake-ups (tests assert it);
+* replies are O(1) or O(peers): a node that asks ``compact`` gets only the
+  addresses it names (``want_peers``: its replica targets and the
+  coordinator) plus counts, never the whole membership; lists of ranks are
+  capped (:data:`tierfs.cluster.rounds.SHOWN_RANKS`) with exact counts.
+
+The coordinator's state is guarded by one :class:`threading.Lock`, held only
+for pure, short work: by the loop thread for each call, by the bucket
+reader's thread to hand in its answer, and by :meth:`CoordinatorServicer.locked`
+callers (the GCS tier's hooks in a trio worker thread). Progress made on
+another thread wakes the loop's waiters through ``call_soon_threadsafe``.
+The bucket reads a round waits for (:meth:`Coordinator.bucket_wanted`) run
+in a thread of their own with the reader from
+:meth:`CoordinatorServicer.set_bucket_reader`, never under the lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from tierfs.cluster.backup_schedule import Outcome
+from tierfs.cluster.coordinator import Coordinator
+from tierfs.cluster.restore_choice import BucketView, CopyId, Holding
+from tierfs.cluster.rounds import (
+    PASSED,
+    PROTOCOL,
+    REJOIN,
+    REPLAN,
+    WAITING,
+    BarrierView,
+    DecideView,
+    Rejected,
+)
+from tierfs.rpc import peer_pb2
+
+log = logging.getLogger(__name__)
+
+#: ``step`` on the wire for "nothing to restore"
+_NO_STEP = -1
+#: longest a Decide/Barrier long-poll waits before it answers "waiting" (seconds)
+MAX_WAIT = 30.0
+
+
+class CoordinatorServicer:
+    """The ``tierfs.peer.v1.Coordinator`` service (async handlers; see the module docstring).
+
+    Every node with a gRPC server registers it, because with the bucket
+    rendezvous any node may turn out to be node-rank 0 only when its job
+    starts; ``gate`` says whether this node serves the coordinator right now.
+
+    Args:
+        coordinator: the state.
+        gate: any thread; returns None while this node is the coordinator,
+            else one line why not -- every call is then answered UNAVAILABLE
+            with that line (a caller holding a stale address looks again).
+            None: always serve.
+
+    Attributes:
+        waiting: long-polling calls asleep right now.
+        wakeups: times a sleeping call was woken by progress (not by its own
+            deadline); an idle round adds none.
+        evaluations: times a Decide/Barrier call evaluated the state.
+    """
+
+    def __init__(
+        self, coordinator: Coordinator, gate: Callable[[], str | None] | None = None
+    ) -> None:
+        self.coordinator = coordinator
+        self.gate = gate
+        self.lock = threading.Lock()
+        self._snapshot: dict[str, Any] = coordinator.status()
+        self._reader: Callable[[str, int, int], BucketView] | None = None
+        self._reading: tuple[int, str, int, int] | None = None
+        self._progress = coordinator.progress()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Event | None = None
+        #: longest a long poll waits (seconds; the request's wait_ms is capped by it)
+        self.max_wait = MAX_WAIT
+        self.waiting = 0
+        self.wakeups = 0
+        self.evaluations = 0
+
+    # ------------------------------------------------------------------ any thread
+
+    def attach(self, server: grpc.aio.Server, loop: asyncio.AbstractEventLoop) -> None:
+        """Register the service on ``server``, whose handlers run on ``loop`` (loop thread)."""
+        from tierfs.rpc import peer_pb2_grpc
+
+        self._loop = loop
+        peer_pb2_grpc.add_CoordinatorServicer_to_server(self, server)  # type: ignore[arg-type]
+
+    def set_bucket_reader(self, reader: Callable[[str, int, int], BucketView]) -> None:
+        """Install the bucket reader: ``reader(job, nodes, depth)`` -> :class:`BucketView`
+        (blocking, bounded by its own deadlines; an exception counts as an
+        unreadable bucket). Any thread."""
+        with self.lock:
+            self._reader = reader
+            self._after()
+
+    def serving(self) -> bool:
+        """True while this node answers coordinator calls (any thread)."""
+        return self.gate is None or self.gate() is None
+
+    def locked(self, fn: Callable[[Coordinator], Any]) -> Any:
+        """Run ``fn(coordinator)`` under the lock and return its result (any thread but
+        the loop's; the lock is held only for short, pure work, so this waits
+        at most that long). Progress ``fn`` makes wakes the waiting calls."""
+        with self.lock:
+            try:
+                return fn(self.coordinator)
+            finally:
+                self._after()
+
+    def status(self) -> dict[str, Any]:
+        """The coordinator's status (any thread; never waits: while a call holds the
+        lock, the status taken last time)."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self._snapshot = self.coordinator.status()
+            finally:
+                self.lock.release()
+        return self._snapshot
+
+    # ------------------------------------------------------------------ under the lock
+
+    def _after(self) -> None:
+        """After a change: start the bucket read the state waits for and, on progress,
+        wake the waiting calls (under the lock, any thread)."""
+        self._kick()
+        progress = self.coordinator.progress()
+        if progress == self._progress:
+            return
+        self._progress = progress
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        if _on_loop(loop):
+            self._wake()
+        else:
+            try:
+                loop.call_soon_threadsafe(self._wake)
+            except RuntimeError:  # the loop closed meanwhile: nobody waits
+                pass
+
+    def _kick(self) -> None:
+        """Start the bucket read the coordinator waits for, if any."""
+        want = self.coordinator.bucket_wanted()
+        if want is None or self._reader is None or self._reading == want:
+            return
+        self._reading = want
+        threading.Thread(
+            target=self._read,
+            args=(want, self._reader),
+            daemon=True,
+            name=f"tierfs-bucket-read-{want[0]}",
+        ).start()
+
+    def _read(
+        self, want: tuple[int, str, int, int], reader: Callable[[str, int, int], BucketView]
+    ) -> None:
+        number, job, nodes, depth = want
+        try:
+            view = reader(job, nodes, depth)
+        except Exception as exc:  # the reader's own errors: an unreadable bucket
+            log.exception("coordinator: bucket read failed")
+            view = BucketView(error=f"{type(exc).__name__}: {exc}", depth=depth)
+        with self.lock:
+            if self._reading == want:
+                self._reading = None
+            self.coordinator.bucket_answered(number, view)
+            self._after()
+
+    # ------------------------------------------------------------------ loop thread
+
+    def _wake(self) -> None:
+        ev, self._changed = self._changed, None
+        if ev is not None:
+            ev.set()
+
+    def _event(self) -> asyncio.Event:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
+    async def _admit(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        if self.gate is None:
+            return
+        why = self.gate()
+        if why is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"not the coordinator: {why}")
+
+    async def _wait(self, request: Any, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (under the lock) until it is not ``waiting`` or the long poll ends;
+        between evaluations the call sleeps until progress (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(max(request.wait_ms, 0) / 1000.0, self.max_wait)
+        while True:
+            with self.lock:
+                view = fn()
+                self.evaluations += 1
+                self._after()
+                changed = self._event()
+            remaining = deadline - loop.time()
+            if view.state != WAITING or remaining <= 0:
+                return view
+            self.waiting += 1
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+                self.wakeups += 1
+            except TimeoutError:
+                pass
+            finally:
+                self.waiting -= 1
+
+    def _peer_list(self, ranks: Iterable[int] | None) -> list[peer_pb2.PeerAddress]:
+        return [
+            peer_pb2.PeerAddress(
+                rank=p.rank, address=p.address, incarnation=p.incarnation, live=p.live
+            )
+            for p in self.coordinator.peers(ranks)
+        ]
+
+    async def Join(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await self._admit(context)
+        c = self.coordinator
+        refused = None
+        with self.lock:
+            try:
+                number = c.join(
+                    request.job,
+                    request.nodes,
+                    request.rank,
+                    request.address,
+                    request.incarnation,
+                    _holdings(request.inventory),
+                    request.restore_id,
+                    request.mode or PROTOCOL,
+                    backup_interval_minutes=request.backup_interval_minutes or None,
+                    backup_interval_steps=request.backup_interval_steps or None,
+                    notes=tuple(request.notes),
+                )
+            except Rejected as exc:
+                refused = str(exc)
+            else:
+                reply = peer_pb2.JoinReply(
+                    round=number,
+                    peers=self._peer_list(request.want_peers if request.compact else None),
+                    live_nodes=c.live_count(),
+                    known_nodes=len(c.members),
+                )
+            finally:
+                self._after()
+        if refused is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused)
+        return reply
+
+    async def Decide(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await self._admit(context)
+        view: DecideView = await self._wait(
+            request,
+            lambda: self.coordinator.decide(request.job, request.rank, request.restore_id),
+        )
+        pb = peer_pb2.DecideReply
+        state = {WAITING: pb.WAITING, "decided": pb.DECIDED, REJOIN: pb.REJOIN}[view.state]
+        return pb(
+            state=state,
+            round=view.round,
+            version=view.version,
+            step=_NO_STEP if view.step is None else view.step,
+            missing=list(view.missing),
+            missing_count=view.missing_count,
+            local=view.local,
+            digest=view.digest,
+            sources=[peer_pb2.Source(holder=h, address=a) for h, a in view.sources],
+            reason=view.reason,
+            backup=view.backup or "",
+            restore_version=view.forced or "",
+            backups=list(view.backups),
+            outcome=view.outcome,
+            problems=list(view.problems),
+            waiting_for=view.waiting_for,
+        )
+
+    async def Barrier(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await self._admit(context)
+        bad: list[CopyId] = [(b.round or b.holder, b.rank, b.step) for b in request.bad]
+
+        def call() -> BarrierView:
+            # a failure report replans at once (not "waiting"); a retried
+            # report carries the old version and only gets "replan" again
+            return self.coordinator.barrier(
+                request.job,
+                request.rank,
+                request.restore_id,
+                request.round,
+                request.version,
+                request.phase,
+                request.ok,
+                bad,
+                request.detail,
+            )
+
+        view: BarrierView = await self._wait(request, call)
+        pb = peer_pb2.BarrierReply
+        state = {WAITING: pb.WAITING, PASSED: pb.PASSED, REPLAN: pb.REPLAN, REJOIN: pb.REJOIN}[
+            view.state
+        ]
+        return pb(state=state, waiting_for=list(view.waiting_for), waiting_count=view.waiting_count)
+
+    async def Sync(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await self._admit(context)
+        backup = None
+        if request.HasField("backup") and request.backup.round:
+            b = request.backup
+            backup = Outcome(b.round, b.step, b.state, b.error, b.bytes, b.seconds)
+        c = self.coordinator
+        with self.lock:
+            try:
+                view = c.sync(
+                    request.job,
+                    request.rank,
+                    request.incarnation,
+                    request.step,
+                    _holdings(request.inventory),
+                    backup,
+                    request.data_parallelism,
+                    compact=request.compact,
+                )
+                reply = peer_pb2.SyncReply(
+                    known=view.known,
+                    synced_step=view.synced_step,
+                    synced_at=view.synced_at,
+                    peers=self._peer_list(request.want_peers if request.compact else None),
+                    steps=list(view.steps),
+                    restore_round=view.restore_round,
+                    summoned=view.summoned,
+                    live_nodes=c.live_count(),
+                    known_nodes=len(c.members),
+                    reported=view.reported,
+                )
+            finally:
+                self._after()
+        if view.backup_order is not None:
+            reply.backup_order.CopyFrom(
+                peer_pb2.BackupRound(
+                    round=view.backup_order[0],
+                    step=view.backup_order[1],
+                    state="running",
+                    dedup=view.backup_dedup,
+                )
+            )
+        if view.backup_last is not None:
+            last = view.backup_last
+            reply.backup_last.CopyFrom(
+                peer_pb2.BackupRound(round=last.round, step=last.step, state=last.state)
+            )
+        return reply
+
+
+def _holdings(items: Iterable[Any]) -> tuple[Holding, ...]:
+    return tuple(
+        Holding(
+            h.rank, h.step, h.verified, h.digest, h.bytes, h.name, h.backup_requested, h.created
+        )
+        for h in items
+    )
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

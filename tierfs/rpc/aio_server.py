@@ -1,0 +1,182 @@
+"""A gRPC server on an asyncio loop of its own, for a daemon whose main loop is trio.
+
+The node daemon's gRPC port serves two kinds of calls: the data plane
+(``tierfs.peer.v1.Peer``: blocking file reads and writes, written as plain
+handlers) and the coordinator (``tierfs.peer.v1.Coordinator``: long polls
+that wait for other nodes). A thread-pool server holds a thread for every
+waiting call, so a coordinator of thousands of nodes runs out of threads
+(#17). :class:`AioServer` serves both from one ``grpc.aio`` server on one
+asyncio loop in one thread:
+
+* ``async def`` handlers (the coordinator) run on the loop: a waiting call
+  is a suspended coroutine, no thread;
+* plain handlers (the data plane) run in a thread pool of ``workers``
+  threads (grpc's ``migration_thread_pool``) as before; their context gets
+  :meth:`is_active` back (``grpc.aio`` hands plain handlers a context
+  without it), see :func:`with_sync_context`.
+
+The trio side never waits on the loop except in :meth:`AioServer.start` and
+:meth:`AioServer.stop` (call those from a worker thread or at start/stop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from typing import Any
+
+import grpc
+import grpc.aio
+from grpc.experimental import wrap_server_method_handler
+
+log = logging.getLogger(__name__)
+
+#: seconds :meth:`AioServer.start` waits for the loop thread to bind the port
+START_TIMEOUT = 30.0
+
+
+class _SyncContext:
+    """A plain handler's ``grpc.aio`` context plus ``is_active()`` (the thread-pool
+    server's context has it; the aio server's sync wrapper does not)."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+        self._done = threading.Event()
+        context.add_callback(lambda *_: self._done.set())
+
+    def is_active(self) -> bool:
+        """False once the call ended (cancelled by the client, deadline, or finished)."""
+        return not self._done.is_set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
+def with_sync_context(handler: grpc.GenericRpcHandler) -> grpc.GenericRpcHandler:
+    """``handler`` (of plain, blocking behaviours) with :class:`_SyncContext` contexts."""
+
+    def wrap(behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        def call(request: Any, context: Any) -> Any:
+            return behavior(request, _SyncContext(context))
+
+        return call
+
+    class _Wrapped(grpc.GenericRpcHandler):
+        def service(
+            self, handler_call_details: grpc.HandlerCallDetails
+        ) -> grpc.RpcMethodHandler[Any, Any] | None:
+            h = handler.service(handler_call_details)
+            if h is None:
+                return None
+            return wrap_server_method_handler(wrap, h)  # type: ignore[no-untyped-call,no-any-return]
+
+    return _Wrapped()
+
+
+class AioServer:
+    """One ``grpc.aio`` server on an asyncio loop in a daemon thread.
+
+    Args:
+        setup: called on the loop thread with the new server (before it starts)
+            and the loop: adds the handlers (``add_generic_rpc_handlers``, the
+            generated ``add_*Servicer_to_server``).
+        interceptors: ``grpc.aio.ServerInterceptor`` objects.
+        options: channel arguments of the server.
+        workers: threads for plain (blocking) handlers.
+        name: the thread's name.
+    """
+
+    def __init__(
+        self,
+        setup: Callable[[grpc.aio.Server, asyncio.AbstractEventLoop], None],
+        *,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        options: Sequence[tuple[str, Any]] = (),
+        workers: int = 32,
+        name: str = "tierfs-rpc",
+    ) -> None:
+        self._setup = setup
+        self._interceptors = list(interceptors)
+        self._options = list(options)
+        self._pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        self._name = name
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._server: grpc.aio.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped: asyncio.Event | None = None
+
+    def start(self, address: str) -> int:
+        """Bind ``address`` (``HOST:PORT``, port 0: any) and serve; returns the port.
+
+        Blocks until the server runs (at most :data:`START_TIMEOUT` seconds).
+
+        Raises:
+            RuntimeError: the address cannot be bound (the message says which).
+        """
+        ready: futures.Future[int] = futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(address, ready), daemon=True, name=f"{self._name}-loop"
+        )
+        self._thread.start()
+        return ready.result(timeout=START_TIMEOUT)
+
+    def _run(self, address: str, ready: futures.Future[int]) -> None:
+        loop = asyncio.new_event_loop()
+        self.loop = loop
+        try:
+            loop.run_until_complete(self._serve(address, ready))
+        except BaseException as exc:  # a failed bind: the starter raises it
+            if not ready.done():
+                ready.set_exception(exc)
+            else:
+                log.exception("gRPC server loop failed")
+        finally:
+            # calls the stop cut off (long polls) end here, not as "destroyed" tasks
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.close()
+
+    async def _serve(self, address: str, ready: futures.Future[int]) -> None:
+        server = grpc.aio.server(
+            migration_thread_pool=self._pool,
+            interceptors=self._interceptors,
+            options=self._options,
+        )
+        loop = asyncio.get_running_loop()
+        self._setup(server, loop)
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise RuntimeError(f"cannot listen on {address}: {exc}") from None
+        if not port:
+            raise RuntimeError(f"cannot listen on {address}")
+        await server.start()
+        self._server = server
+        self._stopped = asyncio.Event()
+        ready.set_result(port)
+        await self._stopped.wait()
+
+    def stop(self, grace: float | None = 0) -> None:
+        """Stop serving (calls in flight are cancelled after ``grace`` seconds) and end
+        the loop thread. Any thread but the loop's; idempotent."""
+        loop, server, thread = self.loop, self._server, self._thread
+        if loop is None or server is None or thread is None or loop.is_closed():
+            return
+
+        async def down() -> None:
+            await server.stop(grace)
+            if self._stopped is not None:
+                self._stopped.set()
+
+        try:
+            asyncio.run_coroutine_threadsafe(down(), loop).result(timeout=(grace or 0) + 10)
+        except (RuntimeError, futures.TimeoutError):
+            log.warning("gRPC server did not stop in time")
+        thread.join(timeout=10)
+        self._pool.shutdown(wait=False, cancel_futures=True)
