@@ -90,6 +90,7 @@ from tierfs.cluster.restore_choice import (
 )
 from tierfs.core import settings
 from tierfs.core.config import ConfigError
+from tierfs.core.errors import BackupError
 from tierfs.store.shards import Shard, ShardKey
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ log = logging.getLogger(__name__)
 START_PROBLEM = "bucket unreachable at start"
 
 
-class BackupCopyError(Exception):
+class BackupCopyError(BackupError):
     """A backup round's copy of a shard cannot be used (one line: why)."""
 
 

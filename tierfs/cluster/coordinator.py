@@ -76,6 +76,7 @@ from tierfs.cluster.restore_choice import (
     needs_deeper_read,
     sources_for,
 )
+from tierfs.core.errors import ClusterError
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ __all__ = [
 ]
 
 
-class Rejected(Exception):
+class Rejected(ClusterError):
     """A join the coordinator refuses; the message is one line for ``replicator.errors``."""
 
 

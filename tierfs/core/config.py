@@ -17,9 +17,10 @@ from typing import Any
 import yaml
 
 from tierfs.core import sizes
+from tierfs.core.errors import ConfigurationError
 
 
-class ConfigError(ValueError):
+class ConfigError(ConfigurationError, ValueError):
     """A setting is missing, malformed or out of range; the message names it."""
 
 

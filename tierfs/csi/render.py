@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tierfs.core import settings, sizes
+from tierfs.core.errors import ConfigurationError
 
 API_GROUP = "checkpointing.tierfs.dev"
 API_VERSION = f"{API_GROUP}/v1"
@@ -48,7 +49,7 @@ _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
-class RenderError(ValueError):
+class RenderError(ConfigurationError, ValueError):
     """The CheckpointConfiguration cannot be rendered; the message names the field."""
 
 

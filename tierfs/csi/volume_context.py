@@ -33,6 +33,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from tierfs.core.errors import ConfigurationError
+
 ATTR_PROCESS_ID = "jaxProcessId"
 ATTR_PROCESSES_PER_JOB = "jaxProcessesPerJob"
 ATTR_COORDINATOR = "jaxCoordinatorAddress"
@@ -60,7 +62,7 @@ _JOBSET_POD = re.compile(r"^.+-(?P<job>\d+)-(?P<pod>\d+)-[a-z0-9]{5}$")
 _HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.\-]*[A-Za-z0-9])?$")
 
 
-class ContextError(ValueError):
+class ContextError(ConfigurationError, ValueError):
     """A tierfs volume attribute is malformed; the message names the key (never a secret)."""
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import trio
 
 from tierfs.core import syscalls
+from tierfs.core.errors import ConfigurationError
 from tierfs.fuse import protocol as P
 from tierfs.fuse.namespace import Namespace
 from tierfs.fuse.operations import NO_REPLY, Operations
@@ -71,7 +72,7 @@ _NEGATED = {
 }
 
 
-class MountOptionError(ValueError):
+class MountOptionError(ConfigurationError, ValueError):
     """An ``-o`` option tierfs does not understand or a value it cannot parse."""
 
 

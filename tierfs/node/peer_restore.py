@@ -33,6 +33,7 @@ import trio
 
 from tierfs.cluster.coordinator import CopyId
 from tierfs.core import control, settings
+from tierfs.core.errors import RestoreError
 from tierfs.replication.client import rpc_code, rpc_reason
 from tierfs.replication.transfer import BadCopy, Refused, TransferError
 from tierfs.rpc import peer_pb2
@@ -59,7 +60,7 @@ def _refused_for_good(exc: grpc.RpcError) -> bool:
     )
 
 
-class RestoreFailed(Exception):
+class RestoreFailed(RestoreError):
     """A restore that cannot finish; ``outcome`` says how (``tierfs wait``'s exit code)."""
 
     outcome = "failed"

@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 
 from tierfs.cluster.coordinator import Holding
+from tierfs.core.errors import ClusterError
 from tierfs.replication.transfer import (
     REPLICATION_NICE,
     BadCopy,
@@ -90,7 +91,7 @@ class PeerHost:
         raise NotImplementedError
 
 
-class HostGone(Exception):
+class HostGone(ClusterError):
     """The agent's trio loop is not running (starting or stopping).
 
     Raised by a :class:`PeerHost` called while its node cannot answer; the

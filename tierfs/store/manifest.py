@@ -24,11 +24,13 @@ from typing import Any
 
 import google_crc32c
 
+from tierfs.core.errors import StorageError
+
 FORMAT = "tierfs.store.manifest/1"
 CHUNK = 4 << 20
 
 
-class ManifestError(ValueError):
+class ManifestError(StorageError, ValueError):
     """A manifest is malformed or names an unsafe path."""
 
 
