@@ -34,6 +34,7 @@ formula; ``exp_base`` 1.0 makes it a fixed poll).
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -41,8 +42,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import stamina
+import stamina.instrumentation
 
 from tierfs.core import settings
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Backoff",
@@ -59,6 +63,7 @@ __all__ = [
     "operator_apply",
     "peer_push",
     "rendezvous_publish",
+    "restore_call",
     "restore_join",
     "short_deadline_waits",
 ]
@@ -380,6 +385,23 @@ def restore_join(join_timeout: float) -> Policy:
     )
 
 
+def restore_call(limit: float) -> Policy:
+    """A Decide or Barrier call to a coordinator that does not answer."""
+    return Policy(
+        name="restore-call",
+        retries="the restore round's Decide/Barrier call while the coordinator is "
+        "unreachable (after a bucket rendezvous check that it did not move)",
+        not_retried="a coordinator that moved (the node joins it again)",
+        first=0.5,
+        max_wait=0.5,
+        deadline=limit,
+        exp_base=1.0,
+        layer=BACKOFF,
+        where="node/peer_restore.py:PeerCluster._unreachable",
+        knobs="--join-timeout",
+    )
+
+
 def csi_mount(max_backoff: float = 60.0) -> Policy:
     """The CSI node driver keeping its tierfs mount up."""
     return Policy(
@@ -422,6 +444,7 @@ def all_policies() -> list[Policy]:
         rendezvous_publish(),
         peer_push(),
         restore_join(join_timeout=600.0),
+        restore_call(limit=600.0),
         csi_mount(),
         operator_apply(),
     ]
@@ -458,6 +481,24 @@ def markdown_table(policies: list[Policy] | None = None) -> str:
         ]
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows) + "\n"
+
+
+def _log_retry(details: stamina.instrumentation.RetryDetails) -> None:
+    """stamina's retry hook: one INFO line per scheduled retry (the loops report
+    failures to status and ``replicator.errors`` themselves)."""
+    log.info(
+        "retry %d of %s in %.1f s: %s",
+        details.retry_num,
+        details.name,
+        details.wait_for,
+        details.caused_by,
+    )
+
+
+# tierfs's own line instead of stamina's defaults (a WARNING "stamina.retry_scheduled"
+# per retry and a counter in prometheus-client's default registry, which tierfs's
+# /metrics does not export)
+stamina.instrumentation.set_on_retry_hooks([_log_retry])
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -32,7 +32,7 @@ import grpc
 import trio
 
 from tierfs.cluster.coordinator import CopyId
-from tierfs.core import control, settings
+from tierfs.core import control, retry, settings
 from tierfs.core.errors import RestoreError
 from tierfs.replication.client import rpc_code, rpc_reason
 from tierfs.replication.transfer import BadCopy, Refused, TransferError
@@ -198,7 +198,7 @@ class PeerCluster:
     ) -> int:
         tier = self.tier
         start = trio.current_time()
-        delay = 0.2
+        backoff = retry.restore_join(tier.join_timeout).backoff(trio.current_time)
         last = ""
         refused_since: float | None = None
         while True:
@@ -253,8 +253,7 @@ class PeerCluster:
                 raise RestoreTimeout(
                     f"could not join the coordinator within {tier.join_timeout:.0f} s: {last}"
                 )
-            await trio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            await trio.sleep(backoff.next())
 
     async def _unreachable(
         self,
@@ -281,7 +280,7 @@ class PeerCluster:
             raise RestoreTimeout(
                 f"coordinator {coord} unreachable for {limit:.0f} s: {rpc_reason(exc)}"
             ) from None
-        await trio.sleep(0.5)
+        await trio.sleep(retry.restore_call(limit).wait(1))
         return False
 
     async def _moved(self, job: JobSpec, address: str) -> bool:
