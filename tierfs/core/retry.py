@@ -365,7 +365,7 @@ def peer_push() -> Policy:
         deadline=settings.PEER_PUSH_PATIENCE.get(),
         layer=BACKOFF,
         where="replication/peer.py:PeerTier._replicate",
-        knobs="TIERFS_PEER_PUSH_PATIENCE",
+        knobs=settings.PEER_PUSH_PATIENCE.name,
     )
 
 
