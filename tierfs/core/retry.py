@@ -87,7 +87,8 @@ class Policy:
         retries: what is tried again, in words.
         not_retried: what ends it at once, in words.
         first: seconds before the first retry (> 0).
-        max_wait: the longest wait between two attempts, seconds (>= ``first``).
+        max_wait: the longest wait between two attempts, seconds (> 0; it caps
+            ``first`` too).
         deadline: seconds after the first attempt past which no attempt starts
             (stamina's ``timeout``); None: no time limit (the loop's own end).
         attempts: most attempts in all, the first included; None: no limit.
@@ -274,7 +275,7 @@ def gcs_upload() -> Policy:
         not_retried="a definite answer (404, 403, crc32c mismatch), a step written "
         "after its seal, a round that moved or is older than the round timeout",
         first=settings.GCS_UPLOAD_RETRY_FIRST.get(),
-        max_wait=max(settings.GCS_UPLOAD_RETRY_MAX.get(), settings.GCS_UPLOAD_RETRY_FIRST.get()),
+        max_wait=settings.GCS_UPLOAD_RETRY_MAX.get(),
         deadline=settings.GCS_ROUND_TIMEOUT.get(),
         layer=BACKOFF,
         where="backup/tier.py:GcsTier._upload",
@@ -290,7 +291,7 @@ def gcs_bucket_check() -> Policy:
         retries="bucket.exists() while the bucket has a problem, until it answers",
         not_retried='nothing ends it; "does not exist" waits the longest pause',
         first=settings.GCS_UPLOAD_RETRY_FIRST.get(),
-        max_wait=max(settings.GCS_UPLOAD_RETRY_MAX.get(), settings.GCS_UPLOAD_RETRY_FIRST.get()),
+        max_wait=settings.GCS_UPLOAD_RETRY_MAX.get(),
         deadline=None,
         layer=BACKOFF,
         where="backup/tier.py:GcsTier._watch_bucket",
@@ -408,8 +409,8 @@ def csi_mount(max_backoff: float = 60.0) -> Policy:
         name="csi-mount",
         retries="`tierfs mount` of the node mount, any failure, for as long as the driver runs",
         not_retried="nothing; a mount that answers resets it",
-        first=1.0,
-        max_wait=max(1.0, max_backoff),
+        first=min(1.0, max_backoff),
+        max_wait=max_backoff,
         deadline=None,
         layer=BACKOFF,
         where="csi/nodemount.py:SupervisedMount._run",
@@ -487,9 +488,8 @@ def _log_retry(details: stamina.instrumentation.RetryDetails) -> None:
     """stamina's retry hook: one INFO line per scheduled retry (the loops report
     failures to status and ``replicator.errors`` themselves)."""
     log.info(
-        "retry %d of %s in %.1f s: %s",
+        "retry %d in %.1f s after %r",
         details.retry_num,
-        details.name,
         details.wait_for,
         details.caused_by,
     )
