@@ -181,15 +181,6 @@ class Backoff:
             return 0.0
         return self.policy.wait(self.retries)
 
-    def peek(self) -> float:
-        """The wait :meth:`next` would give without the jitter, not counting a retry."""
-        if stamina.is_testing():
-            return 0.0
-        return min(
-            self.policy.max_wait,
-            self.policy.first * self.policy.exp_base**self.retries,
-        )
-
     def progress(self) -> None:
         """Progress without success: the deadline counts from now again; the waits
         go on growing."""
