@@ -68,7 +68,8 @@ from tierfs.backup.judge import (
     meta_crc,
 )
 from tierfs.backup.layout import BucketSpec, LayoutError, NodeBackup
-from tierfs.core import settings
+from tierfs.core import retry, settings
+from tierfs.core.errors import BackupError
 from tierfs.store.manifest import FileEntry, Manifest, check_entries
 from tierfs.store.ramstore import RamStore
 from tierfs.store.shards import Shard, ShardStore
@@ -80,7 +81,7 @@ MiB = 1 << 20
 MULTIPART_MAX = 8 * MiB
 
 
-class GcsError(Exception):
+class GcsError(BackupError):
     """A backup or restore could not be done; the message is one line for humans."""
 
 
@@ -98,6 +99,10 @@ class Cancelled(GcsError):
 
 class BucketTimeout(GcsError):
     """The caller's deadline passed before the bucket answered (a hanging bucket)."""
+
+
+class _NotYet(GcsError):
+    """A polled object is not there yet (retried by a poll policy, never raised out)."""
 
 
 # ---------------------------------------------------------------------- settings
@@ -149,12 +154,16 @@ class GcsSettings:
             "read_timeout": settings.GCS_TIMEOUT.get(),
         }
         values.update(overrides)
-        deadline = values["retry_deadline"]
-        if deadline < 60 and "retry_initial" not in overrides:
-            values["retry_initial"] = min(d.retry_initial, 0.25)
-        if deadline < 60 and "retry_max" not in overrides:
-            values["retry_max"] = min(d.retry_max, max(0.5, deadline / 4))
+        first, most = retry.short_deadline_waits(
+            d.retry_initial, d.retry_max, values["retry_deadline"]
+        )
+        values.setdefault("retry_initial", first)
+        values.setdefault("retry_max", most)
         return cls(**values)
+
+    def policy(self) -> retry.Policy:
+        """The ``gcs-request`` policy of these settings (:func:`tierfs.core.retry.gcs_request`)."""
+        return retry.gcs_request(self.retry_deadline, self.retry_initial, self.retry_max)
 
 
 def make_client(project: str | None = None) -> Any:
@@ -187,23 +196,29 @@ def _widen_pool(client: Any, size: int) -> None:
         log.debug("could not widen the HTTP connection pool", exc_info=True)
 
 
-def _make_retry(s: GcsSettings, on_error: Callable[[Exception], None]) -> Any:
-    """google-cloud-storage's retry policy (its predicate: 408/429/5xx, timeouts,
-    connection errors) with our backoff, deadline and an ``on_error`` hook."""
+def _make_retry(policy: retry.Policy, on_error: Callable[[Exception], None]) -> Any:
+    """google-cloud-storage's retry object for one call (its predicate: 408/429/5xx,
+    timeouts, connection errors) with the waits and deadline of ``policy`` (the
+    ``gcs-request`` row of docs/RETRIES.md) and an ``on_error`` hook.
+
+    The library's ``Retry`` is the right layer for a single call: it retries inside
+    the call, so a resumable upload resumes the failed chunk from the bytes the
+    server holds instead of starting the object again.
+    """
     from google.api_core import retry as gretry
     from google.cloud.storage.retry import DEFAULT_RETRY
 
     predicate = getattr(DEFAULT_RETRY, "_predicate", None)
     if predicate is None:  # a future library without the attribute: its default object
-        return DEFAULT_RETRY.with_timeout(s.retry_deadline).with_delay(
-            initial=s.retry_initial, maximum=s.retry_max, multiplier=2.0
+        return DEFAULT_RETRY.with_timeout(policy.deadline).with_delay(
+            initial=policy.first, maximum=policy.max_wait, multiplier=policy.exp_base
         )
     return gretry.Retry(
         predicate=predicate,
-        initial=s.retry_initial,
-        maximum=s.retry_max,
-        multiplier=2.0,
-        timeout=s.retry_deadline,
+        initial=policy.first,
+        maximum=policy.max_wait,
+        multiplier=policy.exp_base,
+        timeout=policy.deadline,
         on_error=on_error,
     )
 
@@ -595,7 +610,7 @@ class GcsBackend:
         self.monitor = monitor_of(self.client)
         self.bucket = self.client.bucket(self.spec.bucket)
         self.on_retry = on_retry
-        self.retry = _make_retry(self.settings, self._retrying)
+        self.retry = _make_retry(self.settings.policy(), self._retrying)
         s = self.settings
         self.timeout = (
             min(s.connect_timeout, s.retry_deadline),
@@ -622,11 +637,9 @@ class GcsBackend:
         import dataclasses
 
         d = max(0.1, min(deadline, self.settings.retry_deadline))
+        first, most = retry.bounded_waits(self.settings.retry_initial, self.settings.retry_max, d)
         s = dataclasses.replace(
-            self.settings,
-            retry_deadline=d,
-            retry_initial=min(self.settings.retry_initial, 0.25),
-            retry_max=min(self.settings.retry_max, max(0.5, d / 4)),
+            self.settings, retry_deadline=d, retry_initial=first, retry_max=most
         )
         return GcsBackend(
             self.spec, client=self.client, settings=s, on_retry=self.on_retry, widen_pool=False
@@ -764,26 +777,37 @@ class GcsBackend:
             newer_than: Unix time; older records (a previous run) are ignored.
             poll: seconds between reads.
 
+        Retried by the ``gcs-rendezvous-wait`` policy (:mod:`tierfs.core.retry`):
+        every ``poll`` seconds through outages (each read retried by
+        ``gcs-request`` first) until ``timeout``.
+
         Raises:
             TimeoutError: nothing new appeared in time. Cancelled: ``cancel`` was set.
         """
-        deadline = time.monotonic() + timeout
-        while True:
-            if cancel is not None and cancel.is_set():
-                raise Cancelled("rendezvous cancelled")
-            try:
-                rec = self.read_address(job, rank)
-            except Exception as exc:  # keep polling through outages until the deadline
+
+        def again(exc: Exception) -> bool:
+            if isinstance(exc, Cancelled):
+                return False
+            if not isinstance(exc, _NotYet):  # keep polling through outages
                 log.info("rendezvous read failed: %s", describe_error(exc))
-                rec = None
-            if rec is not None and rec.written >= newer_than:
-                return rec
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"no address of rank {rank} under "
-                    f"{self.spec}{job}/.tierfs/nodes/ after {timeout:.0f}s"
-                )
-            time.sleep(poll)
+            return True
+
+        try:
+            for attempt in retry.gcs_rendezvous_wait(timeout, poll).retry_context(on=again):
+                with attempt:
+                    if cancel is not None and cancel.is_set():
+                        raise Cancelled("rendezvous cancelled")
+                    rec = self.read_address(job, rank)
+                    if rec is None or rec.written < newer_than:
+                        raise _NotYet(f"no record of rank {rank} written after {newer_than}")
+                    return rec
+        except Cancelled:
+            raise
+        except Exception:  # the last attempt's: not there yet, or the bucket failed
+            pass
+        raise TimeoutError(
+            f"no address of rank {rank} under {self.spec}{job}/.tierfs/nodes/ after {timeout:.0f}s"
+        )
 
     # ------------------------------------------------------------------ listing
 
@@ -1095,7 +1119,10 @@ class GcsBackend:
     ) -> list[str]:
         """Poll the listing until every one of ``uploads`` is there with its size and
         crc32c (another node uploads them), for at most ``wait`` seconds after the
-        last progress (an object appearing). Polls back off from ``poll`` to 5 s.
+        last progress (an object appearing). Polls back off from ``poll`` to 5 s
+        (the ``gcs-dedup-wait`` policy of :mod:`tierfs.core.retry`; a
+        :class:`~tierfs.core.retry.Backoff`, as the deadline moves with progress
+        and ``cancel`` ends a wait early).
 
         Returns:
             what is still missing (empty: all there).
@@ -1104,28 +1131,27 @@ class GcsBackend:
             Cancelled: ``cancel`` was set. google.api_core exceptions after retries.
         """
         todo = list(uploads)
-        deadline = time.monotonic() + wait
+        backoff = retry.gcs_dedup_wait(wait, poll).backoff()
         best = -1
-        delay = poll
         while True:
             if cancel is not None and cancel.is_set():
                 raise Cancelled("upload cancelled")
             missing = self.unproven(prefix, todo)
             if not missing:
                 return []
-            now = time.monotonic()
             if len(todo) - len(missing) > best:
                 best = len(todo) - len(missing)
-                deadline = max(deadline, now + wait) if best > 0 else deadline
-            if now >= deadline:
+                if best > 0:
+                    backoff.progress()
+            left = backoff.left() or 0.0
+            if left <= 0:
                 return missing
-            pause = min(delay, max(0.0, deadline - now))
+            pause = min(backoff.next(), left)
             if cancel is not None:
                 if cancel.wait(pause):
                     raise Cancelled("upload cancelled")
             else:
                 time.sleep(pause)
-            delay = min(delay * 2, 5.0)
 
     def upload_shard(
         self,

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierfs.core.errors import BackupError
 from tierfs.store.manifest import FileEntry, Manifest, ManifestError, check_path
 
 #: ``YYYY-MM-DD_HH-MM`` in UTC: the name of one backup round directory
@@ -52,7 +53,7 @@ RENDEZVOUS_FORMAT = "tierfs.rendezvous/1"
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 
 
-class LayoutError(ValueError):
+class LayoutError(BackupError, ValueError):
     """A bucket spec, object name or backup manifest is malformed."""
 
 

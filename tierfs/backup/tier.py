@@ -83,7 +83,8 @@ from tierfs.backup.bucket import (
     is_transient,
 )
 from tierfs.cluster import backup_schedule as S
-from tierfs.core import settings
+from tierfs.core import retry, settings
+from tierfs.core.errors import BackupError
 from tierfs.core.ports import Catalog, CoordinatorHooks, CurrentJob, PeerPlane, RamBudget, Reporter
 from tierfs.core.types import BucketPart, BucketView, RestorePlan
 from tierfs.store.shards import Shard, ShardKey, ShardStore
@@ -98,7 +99,7 @@ log = logging.getLogger(__name__)
 START_PROBLEM = "bucket unreachable at start"
 
 
-class BackupCopyError(Exception):
+class BackupCopyError(BackupError):
     """A backup round's copy of a shard cannot be used (one line: why)."""
 
 
@@ -398,11 +399,13 @@ class GcsTier:
         check it again, every ``$TIERFS_GCS_UPLOAD_RETRY_FIRST`` s doubling up to
         ``$TIERFS_GCS_UPLOAD_RETRY_MAX`` s, so the problem clears as soon as it answers even
         when nothing else calls it. A bucket that turns out not to exist is
-        reported once."""
-        delay = settings.GCS_UPLOAD_RETRY_FIRST.get()
+        reported once. Policy ``gcs-bucket-check`` (:mod:`tierfs.core.retry`)."""
+        backoff = retry.gcs_bucket_check().backoff()
+        delay = backoff.next()
         while True:
             if self.bucket_checked and self.bucket_problem() is None:
-                delay = settings.GCS_UPLOAD_RETRY_FIRST.get()
+                backoff = retry.gcs_bucket_check().backoff()
+                delay = backoff.next()
                 await trio.sleep(settings.GCS_TICK.get())
                 continue
             since = time.monotonic()
@@ -414,7 +417,7 @@ class GcsTier:
             except Exception as exc:
                 if not self._answered_since(since):
                     self._problem(describe_error(exc))
-                delay = min(delay * 2, settings.GCS_UPLOAD_RETRY_MAX.get())
+                delay = backoff.next()
                 continue
             if not exists:
                 if not self._missing_reported:
@@ -424,13 +427,14 @@ class GcsTier:
                         "fail until it is created"
                     )
                 self._problem(f"bucket {self.spec.bucket!r} does not exist")
-                delay = settings.GCS_UPLOAD_RETRY_MAX.get()
+                delay = backoff.policy.max_wait
                 continue
             if not self.bucket_checked or self.retrying is not None:
                 log.info("GCS tier: bucket %s answers again", self.spec)
             self._missing_reported = False
             self._ok()
-            delay = settings.GCS_UPLOAD_RETRY_FIRST.get()
+            backoff = retry.gcs_bucket_check().backoff()
+            delay = backoff.next()
 
     async def _locked(self, fn: Any) -> Any:
         """``fn(coordinator)`` under the coordinator's lock, waited for in a worker thread
@@ -854,11 +858,12 @@ class GcsTier:
         A step no longer held (retention dropped it before the order came)
         is not a failure: multi-node, the node reports :data:`S.MISSING` and
         the coordinator moves the round to a newer step every node holds; one
-        node moves its round to its newest sealed step itself."""
+        node moves its round to its newest sealed step itself.
+        Policy ``gcs-upload`` (:mod:`tierfs.core.retry`)."""
         key = ShardKey(job.name, job.node_rank, step)
         entry = self._history(rnd)
         up = _Upload(rnd, step, 0, threading.Event(), time.time())
-        delay = settings.GCS_UPLOAD_RETRY_FIRST.get()
+        backoff = retry.gcs_upload().backoff()
         try:
             while True:
                 shard = self.catalog.get(key)
@@ -942,6 +947,7 @@ class GcsTier:
                             job, rnd, step, S.FAILED, msg, up.done, time.time() - up.started, entry
                         )
                         return
+                    delay = backoff.next()
                     msg += f"; trying again within {delay:.0f} s or when the bucket answers"
                     if up.attempt == 1:
                         self._fail(msg)  # one line in replicator.errors per round
@@ -970,7 +976,6 @@ class GcsTier:
                         )
                         return
                     up.attempt += 1
-                    delay = min(delay * 2, settings.GCS_UPLOAD_RETRY_MAX.get())
                     continue
                 self._ok()
                 self.backed_up[step] = rnd

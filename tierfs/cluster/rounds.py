@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tierfs.cluster.restore_choice import Choice
+from tierfs.core.errors import ClusterError
 from tierfs.core.types import NO_STEP as NO_STEP
 from tierfs.core.types import BucketView, CopyId, Holding, RoundView
 
@@ -28,7 +29,7 @@ BUCKET_DEPTH = 1
 SHOWN_RANKS = 32
 
 
-class Rejected(Exception):
+class Rejected(ClusterError):
     """A join the coordinator refuses; the message is one line for ``replicator.errors``."""
 
 

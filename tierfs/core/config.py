@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tierfs.core import sizes
+from tierfs.core.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from tierfs.core.node_config import (
@@ -56,7 +57,7 @@ _SCHEMA_NAMES = frozenset(
 )
 
 
-class ConfigError(ValueError):
+class ConfigError(ConfigurationError, ValueError):
     """A setting is missing, malformed or out of range; the message names it (by its
     flag, its key and file, its CRD field or its variable)."""
 

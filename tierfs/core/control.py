@@ -32,6 +32,8 @@ from pydantic import (
     model_validator,
 )
 
+from tierfs.core.errors import ProtocolError
+
 REPLICATOR_YAML = "replicator.yaml"
 REPLICATOR_ERRORS = "replicator.errors"
 REPLICATOR_FAILED = "replicator.failed"
@@ -48,7 +50,7 @@ MARKER_RE = re.compile(r"^(?P<job>.+)-s(?P<step>\d+)-n(?P<node>\d+)-w(?P<worker>
 SAVE_FILE_RE = re.compile(r"^(?P<job>.+)-s(?P<step>\d+)-n(?P<node>\d+)-w(?P<worker>\d+)\.save$")
 
 
-class ControlError(ValueError):
+class ControlError(ProtocolError, ValueError):
     """A ``replicator.yaml`` the node cannot act on; the message is one line for
     ``replicator.failed``."""
 

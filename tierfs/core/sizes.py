@@ -39,6 +39,8 @@ import re
 from fractions import Fraction
 from typing import Final
 
+from tierfs.core.errors import ConfigurationError
+
 __all__ = [
     "BINARY_SUFFIXES",
     "DECIMAL_SUFFIXES",
@@ -91,7 +93,7 @@ _FORMS: Final = (
 )
 
 
-class SizeError(ValueError):
+class SizeError(ConfigurationError, ValueError):
     """A size cannot be parsed or is not a positive whole number of bytes.
 
     The message names the value (and ``what`` it was given as) and the accepted forms.

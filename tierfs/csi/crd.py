@@ -25,12 +25,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tierfs.core import node_config as config
 from tierfs.core import schema
+from tierfs.core.errors import ConfigurationError
 from tierfs.core.schema import NoBool, SettingField
 
 __all__ = ["SETTINGS", "CrdError", "PodFields", "Spec", "parse_spec"]
 
 
-class CrdError(ValueError):
+class CrdError(ConfigurationError, ValueError):
     """A spec field is missing, of the wrong type or out of range; the message names it
     (``spec.keepLocal must be >= 1, got 0``)."""
 

@@ -25,6 +25,7 @@ import threading
 from typing import Any
 
 from tierfs import command
+from tierfs.core import retry
 from tierfs.csi import mounts
 
 log = logging.getLogger("tierfs.csi")
@@ -195,7 +196,7 @@ class SupervisedMount:
             self._thread.join(timeout=2)
 
     def _run(self) -> None:
-        backoff = 1.0
+        backoff = retry.csi_mount(self.max_backoff).backoff()  # policy csi-mount
         while not self._stop.is_set():
             status = self._answering()
             if status is not None:
@@ -203,23 +204,23 @@ class SupervisedMount:
                     self.check_adopted()
                     self._settled_pid = status["pid"]
                 self._error = None
-                backoff = 1.0
+                backoff.reset()
                 self._stop.wait(self.check_interval)
                 continue
             self.reap()
             err = self.mount_once()
             if err is None:
-                backoff = 1.0
+                backoff.reset()
                 continue
             self._error = err
+            delay = backoff.next()
             log.error(
                 "mounting tierfs at %s failed (retrying in %.0fs): %s",
                 self.mountpoint,
-                backoff,
+                delay,
                 err,
             )
-            self._stop.wait(backoff)
-            backoff = min(backoff * 2, self.max_backoff)
+            self._stop.wait(delay)
 
     def mount_once(self) -> str | None:
         """Run ``tierfs mount`` once; returns None on success, else its error line."""

@@ -30,13 +30,14 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from tierfs.core import settings as tierfs_settings
+from tierfs.core.errors import TierfsError
 from tierfs.csi import render
 
 FIELD_MANAGER = "tierfs-operator"
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
-class ApiError(RuntimeError):
+class ApiError(TierfsError, RuntimeError):
     """The API server refused a request (status code and its message)."""
 
     def __init__(self, status: int, message: str) -> None:

@@ -40,6 +40,7 @@ import grpc
 from google.protobuf import wrappers_pb2
 
 from tierfs import __version__
+from tierfs.core.errors import ProtocolError
 from tierfs.csi import mounts
 from tierfs.csi import volume_context as vc
 from tierfs.csi.nodemount import read_status
@@ -197,7 +198,7 @@ class PublishRecords:
 # ---------------------------------------------------------------------------- helpers
 
 
-class TargetBusy(Exception):
+class TargetBusy(ProtocolError):
     """Another call on the same target is in flight."""
 
 
@@ -226,7 +227,7 @@ class TargetLocks:
                 self._busy.discard(target)
 
 
-class Abort(Exception):
+class Abort(ProtocolError):
     """End the RPC with this gRPC status code and message."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from tierfs.core import node_config as config
 from tierfs.core import schema
+from tierfs.core.errors import ConfigurationError
 
 
 def _attribute(setting: str) -> str:
@@ -73,7 +74,7 @@ _JOBSET_POD = re.compile(r"^.+-(?P<job>\d+)-(?P<pod>\d+)-[a-z0-9]{5}$")
 _HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.\-]*[A-Za-z0-9])?$")
 
 
-class ContextError(ValueError):
+class ContextError(ConfigurationError, ValueError):
     """A tierfs volume attribute is malformed; the message names the key (never a secret)."""
 
 

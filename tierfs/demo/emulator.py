@@ -21,10 +21,12 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from tierfs.core.errors import TierfsError
+
 PR_SET_PDEATHSIG = 1
 
 
-class EmulatorError(RuntimeError):
+class EmulatorError(TierfsError, RuntimeError):
     """The emulator binary is missing or did not start."""
 
 

@@ -38,6 +38,7 @@ from typing import Any
 from tierfs import command
 from tierfs.core import settings
 from tierfs.core.config import format_size
+from tierfs.core.errors import TierfsError
 from tierfs.demo.emulator import GcsEmulator, free_port
 from tierfs.demo.reaper import Reaper
 
@@ -45,7 +46,7 @@ BUCKET = "tierfs-demo"
 JOB = "demo"
 
 
-class DemoError(RuntimeError):
+class DemoError(TierfsError, RuntimeError):
     """A phase of the demo did not reach its goal (the message says which)."""
 
 

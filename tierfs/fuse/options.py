@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 
 from tierfs.core import syscalls
+from tierfs.core.errors import ConfigurationError
 
 #: longest accepted entry/attr cache timeout (seconds, about 31 years): "forever"
 #: in practice, and it fits the protocol's u64 seconds with room to spare
@@ -39,7 +40,7 @@ _NEGATED = {
 }
 
 
-class MountOptionError(ValueError):
+class MountOptionError(ConfigurationError, ValueError):
     """An ``-o`` option tierfs does not understand or a value it cannot parse."""
 
 

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import trio
 
-from tierfs.core import control, settings
+from tierfs.core import control, retry, settings
+from tierfs.core.errors import RestoreError
 from tierfs.core.ports import BackupFetch
 from tierfs.core.types import CopyId, RestorePlan
 from tierfs.node.agent import LocalCluster
@@ -60,7 +61,7 @@ def _refused_for_good(exc: grpc.RpcError) -> bool:
     )
 
 
-class RestoreFailed(Exception):
+class RestoreFailed(RestoreError):
     """A restore that cannot finish; ``outcome`` says how (``tierfs wait``'s exit code)."""
 
     outcome = "failed"
@@ -194,7 +195,7 @@ class PeerCluster:
     ) -> int:
         tier = self.tier
         start = trio.current_time()
-        delay = 0.2
+        backoff = retry.restore_join(tier.join_timeout).backoff(trio.current_time)
         last = ""
         refused_since: float | None = None
         while True:
@@ -249,8 +250,7 @@ class PeerCluster:
                 raise RestoreTimeout(
                     f"could not join the coordinator within {tier.join_timeout:.0f} s: {last}"
                 )
-            await trio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            await trio.sleep(backoff.next())
 
     async def _unreachable(
         self,
@@ -277,7 +277,7 @@ class PeerCluster:
             raise RestoreTimeout(
                 f"coordinator {coord} unreachable for {limit:.0f} s: {rpc_reason(exc)}"
             ) from None
-        await trio.sleep(0.5)
+        await trio.sleep(retry.restore_call(limit).wait(1))
         return False
 
     async def _moved(self, job: JobSpec, address: str) -> bool:

@@ -78,8 +78,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import trio
 
-from tierfs.core import settings
+from tierfs.core import retry
 from tierfs.core.config import NodeConfig
+from tierfs.core.errors import ClusterError
 from tierfs.core.ports import (
     BackupOrders,
     Catalog,
@@ -116,10 +117,12 @@ DP_WAIT = 30.0
 TRANSFERS = 2
 #: least seconds between two bucket lookups of the rendezvous (and the publisher's tick)
 LOOKUP_INTERVAL = 1.0
-#: longest pause between two attempts to publish this node's rendezvous record (seconds)
-PUBLISH_BACKOFF = 30.0
 #: seconds a probe of a rendezvous address may take
 PROBE_TIMEOUT = 5.0
+
+
+class _NotPublished(ClusterError):
+    """This node's rendezvous record could not be written (retried by its publisher)."""
 
 
 # ---------------------------------------------------------------------- tier
@@ -383,16 +386,17 @@ class PeerTier(PeerHost):
 
     async def _publisher(self) -> None:
         """Keep this node's rendezvous record current (a task of its own, so a slow or
-        unreachable bucket never delays the heartbeat); failures back off up to
-        :data:`PUBLISH_BACKOFF` seconds."""
-        delay = LOOKUP_INTERVAL
+        unreachable bucket never delays the heartbeat); failures are retried by the
+        ``rendezvous-publish`` policy (:mod:`tierfs.core.retry`; pokes do not hurry
+        a failing bucket)."""
         while True:
-            job = self.active_job()
-            if job is not None and self.rendezvous is not None and not await self.publish_once(job):
-                await trio.sleep(delay)  # back off; pokes do not hurry a failing bucket
-                delay = min(delay * 2, PUBLISH_BACKOFF)
-                continue
-            delay = LOOKUP_INTERVAL
+            # back off; pokes do not hurry a failing bucket
+            async for attempt in retry.rendezvous_publish().retry_context(on=_NotPublished):
+                with attempt:
+                    job = self.active_job()
+                    rdv = self.rendezvous
+                    if job is not None and rdv is not None and not await self.publish_once(job):
+                        raise _NotPublished(self.publish_note or "not published")
             with trio.move_on_after(LOOKUP_INTERVAL):  # a new job is seen within this
                 await self._publish_poke.wait()
             self._publish_poke = trio.Event()
@@ -688,9 +692,8 @@ class PeerTier(PeerHost):
             and job.assume_data_parallelism
             and peer in placement.column_of(key.rank, job.nodes, job.assume_data_parallelism)
         )
-        # how long a push is retried while its peer is unreachable (seconds)
-        deadline = trio.current_time() + settings.PEER_PUSH_PATIENCE.get()
-        delay = 0.25
+        # how long a push is retried while its peer is unreachable: policy peer-push
+        backoff = retry.peer_push().backoff(trio.current_time)
         data_loss = 0
         try:
             async with self.transfer_limiter:
@@ -700,7 +703,7 @@ class PeerTier(PeerHost):
                         return
                     info = self.peers.get(peer)
                     if info is None or not info.address:
-                        if trio.current_time() > deadline:
+                        if backoff.expired():
                             send.states[peer] = "failed"
                             self.reporter.error(
                                 f"replication of step {key.step} to node-rank {peer} failed: "
@@ -736,15 +739,14 @@ class PeerTier(PeerHost):
                                 "node-rank %d found %s corrupt in transit; sending again", peer, key
                             )
                             continue
-                        retry = code in (
+                        again = code in (
                             grpc.StatusCode.UNAVAILABLE,
                             grpc.StatusCode.DEADLINE_EXCEEDED,
                             grpc.StatusCode.CANCELLED,
                         )
-                        if retry and trio.current_time() < deadline:
+                        if again and not backoff.expired():
                             send.states[peer] = "retrying"
-                            await trio.sleep(delay)
-                            delay = min(delay * 2, 5.0)
+                            await trio.sleep(backoff.next())
                             continue
                         send.states[peer] = "failed"
                         self.reporter.error(

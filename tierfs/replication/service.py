@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from tierfs.core.errors import ClusterError
 from tierfs.core.types import Holding
 from tierfs.replication.transfer import (
     REPLICATION_NICE,
@@ -90,7 +91,7 @@ class PeerHost:
         raise NotImplementedError
 
 
-class HostGone(Exception):
+class HostGone(ClusterError):
     """The agent's trio loop is not running (starting or stopping).
 
     Raised by a :class:`PeerHost` called while its node cannot answer; the

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import google_crc32c
 
+from tierfs.core.errors import ClusterError
 from tierfs.store.manifest import FileEntry, Manifest, ManifestError, check_entries, check_path
 from tierfs.store.shards import ShardKey, link_tree
 
@@ -54,7 +55,7 @@ def set_thread_nice(value: int) -> int | None:
         return None
 
 
-class TransferError(Exception):
+class TransferError(ClusterError):
     """A transfer could not complete; the message is one line for logs and errors."""
 
 

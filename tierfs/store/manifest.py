@@ -26,11 +26,13 @@ import google_crc32c
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError, with_config
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
+from tierfs.core.errors import StorageError
+
 FORMAT = "tierfs.store.manifest/1"
 CHUNK = 4 << 20
 
 
-class ManifestError(ValueError):
+class ManifestError(StorageError, ValueError):
     """A manifest is malformed or names an unsafe path."""
 
 

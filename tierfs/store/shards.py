@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierfs.core.errors import StorageError
 from tierfs.store.manifest import (
     CrcCache,
     Manifest,
@@ -79,7 +80,7 @@ class Shard:
         return self.manifest.total_bytes
 
 
-class SealBusy(Exception):
+class SealBusy(StorageError):
     """A file of the step is still open for writing; seal again after it is closed."""
 
 
