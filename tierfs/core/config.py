@@ -10,6 +10,7 @@ prints the README's table of the settings.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from tierfs.core import sizes
@@ -117,8 +118,6 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 def __getattr__(name: str) -> Any:
     """The schema's names, from :mod:`tierfs.core.node_config` on first use."""
     if name in _SCHEMA_NAMES:
-        import importlib
-
         return getattr(importlib.import_module("tierfs.core.node_config"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
