@@ -20,6 +20,7 @@ import io
 import zipfile
 from typing import Any
 
+from tierfs.core.errors import StorageError
 from tierfs.store.validators.model import Findings, ReadFailed, StepFiles, read_bytes
 
 #: suffixes of files torch.save writes by convention (tierfs's pytorch mode: .save)
@@ -75,7 +76,7 @@ class _RangeFile(io.RawIOBase):
         return len(data)
 
 
-class BadArchive(ValueError):
+class BadArchive(StorageError, ValueError):
     """The zip cannot be opened by a reader (the message says why)."""
 
 

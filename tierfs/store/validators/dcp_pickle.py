@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tierfs.core.errors import StorageError
+
 #: value constructors that are safe to call with any arguments
 _SAFE_BUILTINS: dict[str, Callable[..., Any]] = {
     "set": set,
@@ -39,7 +41,7 @@ _SAFE_BUILTINS: dict[str, Callable[..., Any]] = {
 _PLACEHOLDER_MODULES = ("torch", "pathlib", "enum", "collections")
 
 
-class UnsafeMetadata(pickle.UnpicklingError):
+class UnsafeMetadata(StorageError, pickle.UnpicklingError):
     """The pickle names a global that DCP metadata never contains."""
 
 
@@ -181,7 +183,7 @@ class DcpMetadata:
     version: str | None
 
 
-class BadMetadata(ValueError):
+class BadMetadata(StorageError, ValueError):
     """``.metadata`` is not a DCP ``Metadata`` pickle (the message says why)."""
 
 

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from tierfs.core.errors import StorageError
+
 #: ``read(relpath, offset, length) -> bytes``: up to ``length`` bytes of a local
 #: file from byte ``offset`` (fewer at end of file); raises OSError.
 Reader = Callable[[str, int, int], bytes]
@@ -113,7 +115,7 @@ class StepFiles:
         return "" if rank is None else f" (rank {rank})"
 
 
-class ReadFailed(Exception):
+class ReadFailed(StorageError):
     """A read through :attr:`StepFiles.read` failed or the file is not local."""
 
 

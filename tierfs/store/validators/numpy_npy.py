@@ -16,6 +16,7 @@ import ast
 import math
 import re
 
+from tierfs.core.errors import StorageError
 from tierfs.store.validators.model import Findings, ReadFailed, StepFiles, read_bytes
 
 MAGIC = b"\x93NUMPY"
@@ -24,7 +25,7 @@ MAX_HEADER = 1 << 20
 _DESCR = re.compile(r"^[<>|=]?(?P<kind>[biufcmMSUVaO?])(?P<size>\d*)(\[\w+\])?$")
 
 
-class BadNpy(ValueError):
+class BadNpy(StorageError, ValueError):
     """The bytes are not a complete ``.npy`` array (the message says why)."""
 
 

@@ -16,6 +16,7 @@ import json
 import math
 from typing import Any
 
+from tierfs.core.errors import StorageError
 from tierfs.store.validators.model import Findings, ReadFailed, StepFiles, read_bytes
 
 MAX_HEADER = 100_000_000
@@ -47,7 +48,7 @@ DTYPE_BITS = {
 }
 
 
-class BadSafetensors(ValueError):
+class BadSafetensors(StorageError, ValueError):
     """The bytes are not a complete safetensors file (the message says why)."""
 
 
