@@ -38,7 +38,7 @@ bench: install
 	$(BIN)/python bench/gcs_bench.py
 
 # The randomized fault campaign of tests/support/fault_campaign.py, longer than the suite's
-# 20 injections; prints per kind: count, failures, recovery median/max. Needs root.
+# 18 injections; prints per kind: count, failures, recovery median/max. Needs root.
 SEED ?= 1
 INJECTIONS ?= 200
 SOAK_MODE ?= both

@@ -1,5 +1,5 @@
 """The seeded randomized fault campaign of issue 19 (tests/support/fault_campaign.py): its
-schedule and oracle as pure functions, and 20 injections against 4 real daemons with
+schedule and oracle as pure functions, and 18 injections against 4 real daemons with
 the real fake-gcs-server (``make soak`` runs the same engine longer)."""
 
 from __future__ import annotations

@@ -37,8 +37,9 @@ SAMPLES: dict[str, tuple[object, object, object]] = {
     "node_rank": (2, 2, 2),
     "nodes": (4, 4, 4),
     "peers_per_node": (1, 1, 1),
-    "peer_ranks": ("1,3", [1, 3], [1, 3]),
-    "assume_data_parallelism": (2, 2, 2),
+    # alone, with the default --nodes 1 (other values are checked against --nodes below)
+    "peer_ranks": ("0", [0], [0]),
+    "assume_data_parallelism": (1, 1, 1),
     "process_id": (3, 3, 3),
     "jax_coordinator": ("10.0.0.1:8476", "10.0.0.1:8476", "10.0.0.1:8476"),
     "seal_patterns": ((r"^s(?P<step>\d+)$",), r"^s(?P<step>\d+)$", [r"^s(?P<step>\d+)$"]),
@@ -141,6 +142,24 @@ def test_a_bad_flag_is_named(dest, value, message):
     with pytest.raises(ConfigError) as info:
         build_config({**_flags(), dest: value})
     assert str(info.value).startswith(message), str(info.value)
+
+
+def test_peer_ranks_and_data_parallelism_the_cluster_cannot_use_are_refused(tmp_path):
+    """Regression (a new-user trial): `--nodes 2 --peer-ranks 5 --assume-data-parallelism 3`
+    mounted, then the peer tier logged "no peers: peer rank 5 must be in [0, 2)" forever
+    and the status said "replicates to nobody"; replicator.yaml refuses the same values."""
+    with pytest.raises(ConfigError) as info:
+        build_config({**_flags(), "nodes": 2, "peer_ranks": "5"})
+    assert str(info.value) == "--peer-ranks: peer rank 5 must be < nodes 2"
+    with pytest.raises(ConfigError) as info:
+        build_config({**_flags(), "nodes": 2, "assume_data_parallelism": 3})
+    assert str(info.value) == "--assume-data-parallelism 3 must divide nodes 2"
+    path = _write(tmp_path, {"nodes": 4, "peerRanks": [1, 4]})
+    with pytest.raises(ConfigError) as info:
+        build_config(_flags(), path)
+    assert "peer rank 4 must be < nodes 4" in str(info.value)
+    ok = build_config({**_flags(), "nodes": 4, "peer_ranks": "1,3", "assume_data_parallelism": 2})
+    assert (ok.peer_ranks, ok.assume_data_parallelism) == ([1, 3], 2)
 
 
 @pytest.mark.parametrize(

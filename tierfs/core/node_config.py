@@ -320,8 +320,8 @@ class NodeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _across(self, info: ValidationInfo) -> NodeConfig:
-        """Checks of the whole config: rank below the node count, the RAM budget at
-        least :data:`MIN_SIZE`."""
+        """Checks of the whole config: rank and peer ranks below the node count, the
+        data-parallel degree dividing it, the RAM budget at least :data:`MIN_SIZE`."""
         ctx = info.context if isinstance(info.context, Mapping) else {}
         origins = ctx.get("origins") or {}
         if self.size is not None and self.size < MIN_SIZE:
@@ -333,6 +333,20 @@ class NodeConfig(BaseModel):
             raise ConfigError(
                 f"{origins.get('node_rank', 'node-rank')} must be in [0, {self.nodes}), "
                 f"got {self.node_rank}"
+            )
+        # the same rules as replicator.yaml's (core/control.py): a value the cluster
+        # cannot use is refused at mount, not logged by the peer tier forever
+        for p in self.peer_ranks or ():
+            if p >= self.nodes:
+                raise ConfigError(
+                    f"{origins.get('peer_ranks', '--peer-ranks')}: peer rank {p} must be "
+                    f"< nodes {self.nodes}"
+                )
+        dp = self.assume_data_parallelism
+        if dp is not None and self.nodes % dp:
+            raise ConfigError(
+                f"{origins.get('assume_data_parallelism', '--assume-data-parallelism')} "
+                f"{dp} must divide nodes {self.nodes}"
             )
         return self
 
