@@ -265,3 +265,43 @@ def test_tier_modules_import_nothing_inside_functions():
                     if isinstance(node, ast.Import | ast.ImportFrom)
                 ]
     assert found == []
+
+
+def test_a_gcs_client_that_cannot_be_created_is_tried_again_with_backoff(monkeypatch):
+    """Regression (a new-user trial): with --bucket and no credentials, the GCS tier
+    tried to create its client on every 1 s tick, and google-auth logged a warning each
+    time, forever. A failed creation now waits the gcs-bucket-check policy's pause."""
+    from tierfs.backup import layout
+
+    node = fake_ports.FakeJob(JobSpec("j", "generic", 0, 1))
+    tier = GcsTier(
+        layout.parse_bucket("nosuch"),
+        catalog=fake_ports.catalog(),
+        job=node,
+        reporter=node,
+        shards=None,  # type: ignore[arg-type]
+        budget=fake_ports.FakeBudget(),
+    )
+    tries = []
+
+    def no_credentials():
+        tries.append(1)
+        raise RuntimeError("Your default credentials were not found")
+
+    monkeypatch.setattr(tier, "get_backend", no_credentials)
+    clock = [1000.0]
+    monkeypatch.setattr("tierfs.backup.tier.time.monotonic", lambda: clock[0])
+
+    async def ticks(n: int) -> None:
+        for _ in range(n):
+            await tier._tick()
+
+    trio.run(ticks, 5)
+    assert len(tries) == 1
+    assert "cannot create the GCS client" in (tier.note or "")
+    clock[0] += 2.5  # past the first pause (2 s)
+    trio.run(ticks, 3)
+    assert len(tries) == 2
+    clock[0] += 3.0  # the second pause is 4 s: not yet
+    trio.run(ticks, 3)
+    assert len(tries) == 2

@@ -211,6 +211,9 @@ class GcsTier:
         self._untidy: list[str] = []
         self._uploads: dict[ShardKey, _Upload] = {}
         self._job_id: tuple[str, int, int] | None = None
+        #: after a failed GCS client creation: the next try waits (monotonic s)
+        self._client_backoff: retry.Backoff | None = None
+        self._client_retry_at = 0.0
         self._seeded = False
         self._seed_failed = False
         self._restored_here = False
@@ -620,11 +623,18 @@ class GcsTier:
             self._seeded = False
             self.backed_up.clear()
             self.cluster_last = None
+        if time.monotonic() < self._client_retry_at:
+            return
         try:
             await self.call(self.get_backend)
         except Exception as exc:
+            # credential discovery failing logs a warning per try: not every tick
             self.note = f"cannot create the GCS client: {describe_error(exc)}"
+            if self._client_backoff is None:
+                self._client_backoff = retry.gcs_bucket_check().backoff()
+            self._client_retry_at = time.monotonic() + self._client_backoff.next()
             return
+        self._client_backoff = None
         if self.multi(job):
             self.note = None
             if self.coordinating(job):

@@ -279,7 +279,8 @@ def gcs_bucket_check() -> Policy:
     """The background check of a bucket with a problem (or unanswered at mount)."""
     return Policy(
         name="gcs-bucket-check",
-        retries="bucket.exists() while the bucket has a problem, until it answers",
+        retries="bucket.exists() while the bucket has a problem, until it answers; "
+        "creating the GCS client (credential discovery, GcsTier._tick) after it failed",
         not_retried='nothing ends it; "does not exist" waits the longest pause',
         first=settings.GCS_UPLOAD_RETRY_FIRST.get(),
         max_wait=settings.GCS_UPLOAD_RETRY_MAX.get(),
