@@ -49,10 +49,11 @@ from typing import Any
 
 import fake_bucket as fb
 import fake_ports
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
+    initialize,
     invariant,
     precondition,
     rule,
@@ -67,7 +68,7 @@ from tierfs.store.ramstore import RamStore
 from tierfs.store.shards import Shard, ShardKey, ShardStore
 
 JOB = "job"
-STEPS = (1, 2, 3, 4)
+STEPS = (1, 2, 3)
 #: round names far after every seal time, so no round counts as superseded by a seal
 ROUND_BASE = "2099-01-01_00-"
 
@@ -92,11 +93,10 @@ def read_shard(shard: Shard) -> dict[str, bytes]:
     return out
 
 
-def flip_file(path: str) -> None:
+def damage_file(path: str, sealed_first_byte: int) -> None:
+    """Make the file's first byte differ from the sealed one (twice stays damaged)."""
     with open(path, "r+b") as f:
-        first = f.read(1)
-        f.seek(0)
-        f.write(bytes([first[0] ^ 0xFF]))
+        f.write(bytes([sealed_first_byte ^ 0xFF]))
 
 
 @dataclass
@@ -121,7 +121,9 @@ class LkgMachine(RuleBasedStateMachine):
         self.nodes_n = 0
         self.nodes: list[Node] = []
         self.server = fb.FakeGcs()
-        self.backend = fb.backend(self.server, deadline=0.05)
+        #: uploads give up quickly under a persistent fault; reads have time (a busy machine)
+        self.backend = fb.backend(self.server, deadline=0.2)
+        self.reader = fb.backend(self.server, deadline=30.0)
         self.tier = GcsTier(
             self.backend.spec,
             catalog=fake_ports.catalog(),
@@ -129,9 +131,9 @@ class LkgMachine(RuleBasedStateMachine):
             reporter=fake_ports.FakeJob(),
             shards=None,  # type: ignore[arg-type]
             budget=fake_ports.FakeBudget(),
-            settings=fb.fast_settings(0.05),
+            settings=fb.fast_settings(30.0),
         )
-        self.tier.backend = self.backend  # the seam: get_backend() returns the fake's backend
+        self.tier.backend = self.reader  # the seam: get_backend() returns the fake's backend
         # ---- the model
         self.gen: dict[tuple[int, int], int] = {}  # (rank, step) -> current generation
         self.sealed: dict[tuple[int, int], set[int]] = {}  # generations ever sealed
@@ -148,8 +150,7 @@ class LkgMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ setup
 
-    @precondition(lambda self: self.nodes_n == 0)
-    @rule(n=st.integers(2, 3))
+    @initialize(n=st.integers(2, 3))
     def start(self, n: int) -> None:
         self.nodes_n = n
         for i in range(n):
@@ -166,7 +167,10 @@ class LkgMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ rules
 
     @precondition(started)
-    @rule(step=st.sampled_from(STEPS), ranks=st.sets(st.integers(0, 2), min_size=1))
+    @rule(
+        step=st.sampled_from(STEPS),
+        ranks=st.one_of(st.just({0, 1, 2}), st.sets(st.integers(0, 2), min_size=1)),
+    )
     def seal(self, step: int, ranks: set[int]) -> None:
         """Ranks save ``step`` and it seals (ranks not in ``ranks`` have not yet)."""
         for r in sorted(ranks):
@@ -279,13 +283,18 @@ class LkgMachine(RuleBasedStateMachine):
                 assert intact, "a damaged RAM copy was backed up"
                 self.copies[rnd][(r, step)] = (g, True)
 
-    @precondition(lambda self: any(isinstance(h, str) and c for h, c in self.copies.items()))
-    @rule(data=st.data())
+    @precondition(started)
+    @rule(where=st.sampled_from(["ram", "bucket"]), node=st.integers(0, 2), data=st.data())
+    def damage(self, where: str, node: int, data: st.DataObject) -> None:
+        """A bit flips in a shard in a node's RAM, or rots in a backup round's part."""
+        if where == "ram":
+            self.corrupt_ram(node, data)
+        elif any(isinstance(h, str) and c for h, c in self.copies.items()):
+            self.rot_in_bucket(data)
+
     def rot_in_bucket(self, data: st.DataObject) -> None:
         """Bit rot at rest in one object of a backup round's part."""
-        parts = sorted(
-            (h, k) for h, c in self.copies.items() if isinstance(h, str) for k in c
-        )
+        parts = sorted((h, k) for h, c in self.copies.items() if isinstance(h, str) for k in c)
         rnd, (rank, step) = data.draw(st.sampled_from(parts))
         prefix = f"{JOB}/{rnd}/"
         names = [
@@ -293,7 +302,7 @@ class LkgMachine(RuleBasedStateMachine):
             for n in self.server.objects()
             if n.startswith(prefix) and not n.endswith((".meta", ".json"))
         ]
-        info = self.backend.inspect_round(JOB, rnd)
+        info = self.reader.inspect_round(JOB, rnd)
         part = info.parts[(rank, step)]
         assert part.backup is not None
         own = sorted(prefix + o for o in part.backup.objects.values())
@@ -302,8 +311,6 @@ class LkgMachine(RuleBasedStateMachine):
         g, _ = self.copies[rnd][(rank, step)]
         self.copies[rnd][(rank, step)] = (g, False)
 
-    @precondition(started)
-    @rule(node=st.integers(0, 2), data=st.data())
     def corrupt_ram(self, node: int, data: st.DataObject) -> None:
         """A bit flips in one file of a shard held in a node's RAM."""
         if node >= self.nodes_n or not self.copies[node]:
@@ -311,12 +318,18 @@ class LkgMachine(RuleBasedStateMachine):
         rank, step = data.draw(st.sampled_from(sorted(self.copies[node])))
         shard = self.nodes[node].catalog[ShardKey(JOB, rank, step)]
         files = sorted(f.path for f in shard.manifest.files if f.kind == "file" and f.size)
-        flip_file(os.path.join(shard.data, data.draw(st.sampled_from(files))))
+        path = data.draw(st.sampled_from(files))
         g, _ = self.copies[node][(rank, step)]
+        sealed = content(rank, step, g)[path.split("/", 1)[1]]
+        damage_file(os.path.join(shard.data, path), sealed[0])
         self.copies[node][(rank, step)] = (g, False)
 
     @precondition(started)
-    @rule(node=st.integers(0, 2))
+    @rule(how=st.sampled_from(["ram", "node", "daemon"]), node=st.integers(0, 2))
+    def lose(self, how: str, node: int) -> None:
+        """A node loses its RAM, is replaced, or its daemon restarts (RAM kept)."""
+        {"ram": self.lose_ram, "node": self.lose_node, "daemon": self.restart_daemon}[how](node)
+
     def lose_ram(self, node: int) -> None:
         """The node reboots with its tmpfs gone: the daemon finds an empty store."""
         if node >= self.nodes_n:
@@ -328,8 +341,6 @@ class LkgMachine(RuleBasedStateMachine):
         self.nodes[node] = fresh
         self.copies[node] = {}
 
-    @precondition(started)
-    @rule(node=st.integers(0, 2))
     def lose_node(self, node: int) -> None:
         """The machine is replaced: a new node with an empty RAM store takes its rank."""
         if node >= self.nodes_n:
@@ -338,8 +349,6 @@ class LkgMachine(RuleBasedStateMachine):
         self.nodes[node] = self._new_node()
         self.copies[node] = {}
 
-    @precondition(started)
-    @rule(node=st.integers(0, 2))
     def restart_daemon(self, node: int) -> None:
         """The daemon restarts with its RAM kept: the catalog is loaded from the store
         and every shard verified again (a damaged one is dropped)."""
@@ -402,7 +411,7 @@ class LkgMachine(RuleBasedStateMachine):
                 raise
             shard = node.shards.commit(inc, manifest, verified=True)
         else:
-            shard = self.backend.restore_shard(node.shards, JOB, holder, rank, step)
+            shard = self.reader.restore_shard(node.shards, JOB, holder, rank, step)
         node.catalog.add(shard)
         return shard
 
@@ -431,6 +440,14 @@ class LkgMachine(RuleBasedStateMachine):
                         fetched.append(got[r])
                         break
                     except Exception as exc:
+                        # 3. a copy found bad is really damaged; a node drops it
+                        where = self.copies[holder][(r, choice.step)]
+                        assert not where[1], f"good copy {(holder, r, choice.step)} found bad"
+                        if isinstance(holder, int):
+                            self.nodes[holder].catalog.drop(
+                                ShardKey(JOB, r, choice.step), "checksum mismatch"
+                            )
+                            del self.copies[holder][(r, choice.step)]
                         bad.add((holder, r, choice.step))
                         notes.append(f"node-rank {r}: bad copy at {holder}: {exc}")
                 if r not in got:
@@ -483,12 +500,8 @@ class LkgMachine(RuleBasedStateMachine):
         fetched: list[Shard],
     ) -> None:
         good = self.good()
-        # 3. a copy found bad is really damaged
-        for holder, r, s in bad:
-            assert (holder, r, s) not in good, f"good copy {(holder, r, s)} was found bad"
-            if isinstance(holder, int):
-                self.nodes[holder].catalog.drop(ShardKey(JOB, r, s), "checksum mismatch")
-                self.copies[holder].pop((r, s), None)
+        event(f"restore: step {choice.step}, {len(bad)} bad, {len(fetched)} fetched")
+        event(f"restore with {sum(len(c) for c in self.copies.values())} copies")
         steps = sorted({s for _h, _r, s in good}, reverse=True)
         newest = next((s for s in steps if self.complete(s, good)), None)
         anything = any(self.copies.values()) or bool(self.server.objects())
@@ -498,9 +511,7 @@ class LkgMachine(RuleBasedStateMachine):
         else:
             # 1. the newest step with a complete good copy
             assert choice.step == newest, (choice.step, newest, choice.reason, choice.problems)
-        existing = max(
-            (s for held in self.copies.values() for (_r, s) in held), default=None
-        )
+        existing = max((s for held in self.copies.values() for (_r, s) in held), default=None)
         if choice.step is None:
             # 4. nothing: fresh only when nothing exists anywhere; else a reason
             assert (choice.outcome == FRESH) == (not anything), (choice.outcome, anything)
@@ -516,7 +527,9 @@ class LkgMachine(RuleBasedStateMachine):
             assert shard.key == ShardKey(JOB, r, choice.step)
             body = read_shard(shard)
             gens = [
-                g for g in self.sealed.get((r, choice.step), ()) if content(r, choice.step, g) == body
+                g
+                for g in self.sealed.get((r, choice.step), ())
+                if content(r, choice.step, g) == body
             ]
             assert gens, f"rank {r} restored bytes never sealed for step {choice.step}"
             assert self.nodes[r].shards.verify(shard) == []
@@ -530,9 +543,7 @@ class LkgMachine(RuleBasedStateMachine):
 
     def complete_any_gen(self, step: int) -> bool:
         return all(
-            any(
-                (r, step) in held and held[(r, step)][1] for held in self.copies.values()
-            )
+            any((r, step) in held and held[(r, step)][1] for held in self.copies.values())
             for r in range(self.nodes_n)
         )
 
@@ -543,10 +554,12 @@ class LkgMachine(RuleBasedStateMachine):
 
 
 LkgMachine.TestCase.settings = settings(
-    max_examples=40,
+    max_examples=100,
     stateful_step_count=30,
     deadline=None,
     derandomize=True,
+    # no "explain" phase: its line tracing makes a failing run take minutes
+    phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink),
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_last_known_good = LkgMachine.TestCase

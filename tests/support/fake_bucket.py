@@ -159,7 +159,9 @@ class FakeGcs:
 
     # ------------------------------------------------------------------ faults
 
-    def inject(self, kind: str, op: str | None = None, match: str | None = None, **kw: Any) -> Fault:
+    def inject(
+        self, kind: str, op: str | None = None, match: str | None = None, **kw: Any
+    ) -> Fault:
         """Add a fault (see :class:`Fault`); returns it (a stall: call ``release``)."""
         assert op is None or op in OPS, op
         fault = Fault(kind, op, match, **kw)
@@ -167,7 +169,9 @@ class FakeGcs:
             self.faults.append(fault)
         return fault
 
-    def stall(self, op: str | None = None, match: str | None = None, times: int | None = None) -> Fault:
+    def stall(
+        self, op: str | None = None, match: str | None = None, times: int | None = None
+    ) -> Fault:
         """Requests matching block until the returned fault is released (or their
         timeout passes: ``ReadTimeout``)."""
         return self.inject("stall", op, match, times=times)
@@ -214,7 +218,7 @@ class FakeGcs:
 
     def _store(self, bucket: str, name: str, data: bytes, crc: int, ctype: str) -> Stored:
         self._generation += 1
-        obj = Stored(bytes(data), crc, self._generation, dt.datetime.now(dt.timezone.utc), ctype)
+        obj = Stored(bytes(data), crc, self._generation, dt.datetime.now(dt.UTC), ctype)
         self.buckets[bucket][name] = obj
         return obj
 
@@ -285,7 +289,10 @@ class FakeClient:
     ) -> Any:
         def attempt() -> Any:
             response = self._http.request(
-                op.upper(), f"fake://{bucket}/{name}", timeout=timeout, fake=(op, bucket, name, work)
+                op.upper(),
+                f"fake://{bucket}/{name}",
+                timeout=timeout,
+                fake=(op, bucket, name, work),
             )
             _raise_for(response)
             return response.result  # type: ignore[attr-defined]
@@ -471,7 +478,12 @@ class FakeBlob:
         return data
 
     def download_to_file(
-        self, file_obj: Any, checksum: str | None = "auto", retry: Any = None, timeout: Any = None, **_: Any
+        self,
+        file_obj: Any,
+        checksum: str | None = "auto",
+        retry: Any = None,
+        timeout: Any = None,
+        **_: Any,
     ) -> None:
         data, crc = self._read(retry, timeout)
         if checksum is not None and crc32c(data) != crc:
@@ -500,7 +512,9 @@ def backend(server: FakeGcs | None = None, spec: str = "bkt", deadline: float = 
     """A real :class:`~tierfs.backup.bucket.GcsBackend` on the fake (``server``: a new one)."""
     from tierfs.backup.bucket import GcsBackend
 
-    return GcsBackend(spec, client=FakeClient(server), settings=fast_settings(deadline), widen_pool=False)
+    return GcsBackend(
+        spec, client=FakeClient(server), settings=fast_settings(deadline), widen_pool=False
+    )
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> None:

@@ -10,6 +10,7 @@ import os
 import fake_bucket as fb
 import fake_ports
 import pytest
+from google.api_core import exceptions as gexc
 
 from tierfs.backup.bucket import ChecksumMismatch, IncompleteRound
 from tierfs.backup.tier import GcsTier
@@ -61,9 +62,9 @@ def test_a_node_whose_pointer_never_arrived_leaves_the_round_incomplete(nodes):
     server = fb.FakeGcs()
     b = fb.backend(server, deadline=0.2)
     upload_round(b, nodes, R1, 4)
-    server.inject("status", "put", ".meta", status=503, times=None)  # rank 1's last write
+    server.inject("status", "put", ".meta", status=503, times=None)  # rank 0's pointer
     shard = fb.seal(nodes[0], JOB, 0, 5, content(0, 5))
-    with pytest.raises(Exception):
+    with pytest.raises(gexc.RetryError):
         b.upload_shard(shard, R2, nodes=2)
     server.clear_faults()
     b.upload_shard(fb.seal(nodes[1], JOB, 1, 5, content(1, 5)), R2, nodes=2)
@@ -158,7 +159,7 @@ def test_an_unreachable_bucket_is_reported_and_never_a_fresh_start():
     server.inject("status", None, status=503, times=None)
     lines: list[str] = []
     view = tier(server, deadline=0.2).read_bucket(JOB, 2, report=lines.append)
-    assert view.error and "could not be listed" in view.error or "restore.version" in view.error
+    assert (view.error and "could not be listed" in view.error) or "restore.version" in view.error
     assert lines and "deciding without the bucket" in lines[0]
     choice = choose_restore(2, {0: [], 1: []}, (), view)
     assert choice.step is None and choice.outcome == INCOMPLETE
