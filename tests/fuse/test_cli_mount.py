@@ -615,3 +615,36 @@ def test_size_below_what_the_ram_dir_holds_is_a_warning(make_mount):
     m.args = ["--size", "1MiB"]  # the smallest budget mounts without other complaint
     m.mount()
     assert "too small" not in m.mount_stderr
+
+
+def test_a_stopped_daemon_does_not_hang_status_wait_or_unmount(make_mount):
+    """Regression (a new-user trial): with the daemon stopped (SIGSTOP), `tierfs status`,
+    `tierfs wait --timeout 3` and `tierfs unmount` hung without limit (each opened
+    .tierfs/status.json through the mount with no deadline), so wait never gave its
+    documented exit 7 and unmount failed exactly when it is the cure."""
+    m = make_mount()
+    assert _wait(lambda: tierfs("status", str(m.path), "--json").returncode == 0)
+    pid = m.pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        proc = tierfs("wait", str(m.path), "--timeout", "3", check=False, timeout=120)
+        assert proc.returncode == 7, proc.stderr
+        assert "the tierfs daemon does not answer" in proc.stderr
+        assert time.monotonic() - t0 < 60
+        proc = tierfs("status", str(m.path), check=False, timeout=120)
+        assert proc.returncode == 1, proc.stderr
+        assert "does not answer" in proc.stderr and "tierfs unmount" in proc.stderr
+        proc = tierfs("unmount", str(m.path), "--timeout", "5", check=False, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "does not answer: aborting its connection" in proc.stderr
+        assert not is_mounted(m.path)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert _wait(
+        lambda: (
+            not os.path.exists(f"/proc/{pid}/cmdline")
+            or not open(f"/proc/{pid}/cmdline", "rb").read()
+        ),
+        60,
+    ), "the daemon did not exit once it ran again"

@@ -14,6 +14,7 @@ import os
 import select
 import subprocess
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +23,9 @@ import click
 from tierfs import __version__
 from tierfs.cli.options import SchemaCommand, mount_options
 from tierfs.core import config as node_settings
-from tierfs.core import settings
+from tierfs.core import settings, syscalls
 from tierfs.core.config import ConfigError, format_size
+from tierfs.core.errors import ProtocolError
 
 if TYPE_CHECKING:
     from tierfs.core.node_config import NodeConfig
@@ -546,16 +548,65 @@ def _daemon(ready_fd: int) -> None:
     _run_daemon(_read_config_stdin(), False, ready_fd)
 
 
-def read_status(mountpoint: str) -> dict[str, Any]:
+#: how long `tierfs status` waits for a daemon to answer (seconds)
+STATUS_TIMEOUT = 10.0
+
+
+class DaemonNotAnswering(ProtocolError):
+    """The status file did not open within the time given: the daemon is stopped or stuck."""
+
+
+def _read_json(path: str, timeout: float | None) -> Any:
+    """``json.load`` of ``path``, given up after ``timeout`` seconds (None: no limit).
+
+    A read through the mount of a stopped daemon blocks until the daemon answers;
+    it runs in a daemon thread that is left behind (the kernel ends the request
+    when this process exits).
+
+    Raises:
+        DaemonNotAnswering: no answer within ``timeout``.
+        OSError, ValueError: as ``open``/``json.load`` raise them.
+    """
+
+    def read() -> Any:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+
+    if timeout is None:
+        return read()
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(read())
+        except BaseException as exc:
+            error.append(exc)
+
+    t = threading.Thread(target=run, name="tierfs-status", daemon=True)
+    t.start()
+    t.join(max(0.0, timeout))
+    if t.is_alive():
+        raise DaemonNotAnswering(path)
+    if error:
+        raise error[0]
+    return result[0]
+
+
+def read_status(mountpoint: str, timeout: float | None = None) -> dict[str, Any]:
     """Read ``.tierfs/status.json`` through the mount.
+
+    Args:
+        timeout: seconds to wait for the daemon to answer (None: no limit).
 
     Raises:
         click.ClickException: not a tierfs mount, or its daemon is gone.
+        DaemonNotAnswering: no answer within ``timeout`` (a stopped or stuck daemon).
     """
     path = os.path.join(mountpoint, STATUS_PATH)
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        data = _read_json(path, timeout)
+        return data if isinstance(data, dict) else {}
     except OSError as exc:
         if exc.errno in (errno.ENOTCONN, errno.ECONNABORTED):
             _fail(
@@ -568,8 +619,15 @@ def read_status(mountpoint: str) -> dict[str, Any]:
     return {}
 
 
+def _not_answering(mountpoint: str, waited: float) -> str:
+    return (
+        f"{mountpoint}: the tierfs daemon does not answer (no status within {waited:.0f}s): "
+        "it is stopped or stuck; `tierfs unmount` still unmounts it"
+    )
+
+
 @main.command()
-@click.argument("mountpoint", type=click.Path())
+@click.argument("mountpoint", type=str)  # not click.Path: its stat waits on a stuck daemon
 @click.option("--lazy", "-z", is_flag=True, help="Detach even if files are still open.")
 @click.option(
     "--timeout", default=30.0, show_default=True, help="Seconds to wait for the daemon to exit."
@@ -578,7 +636,12 @@ def unmount(mountpoint: str, lazy: bool, timeout: float) -> None:
     """Unmount MOUNTPOINT and stop its daemon (the RAM store is kept)."""
     from tierfs.fuse.session import mount_entry, unmount_path
 
-    mountpoint = os.path.realpath(mountpoint)  # as `tierfs mount` recorded it
+    # as `tierfs mount` recorded it; the mountpoint itself is not resolved (a stat of
+    # it waits for the daemon, which may be stopped or stuck)
+    absolute = os.path.abspath(mountpoint)
+    mountpoint = os.path.join(
+        os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute)
+    )
     entry = mount_entry(mountpoint)
     if entry is None:
         _fail(f"{mountpoint} is not mounted")
@@ -591,13 +654,32 @@ def unmount(mountpoint: str, lazy: bool, timeout: float) -> None:
         and not os.path.exists(os.path.join(mountpoint, STATUS_PATH))
     ):
         _fail(f"{mountpoint} is not a tierfs mount ({entry['fstype']})")
-    pid = None
-    if not _dead_mount(mountpoint):
-        try:
-            with open(os.path.join(mountpoint, STATUS_PATH), encoding="utf-8") as f:
-                pid = json.load(f).get("pid")
-        except (OSError, ValueError):
-            pid = None
+    try:
+        # bounded: the daemon may be stopped or stuck, and unmounting is the cure (a
+        # dead mount answers ENOTCONN at once)
+        pid = _read_json(os.path.join(mountpoint, STATUS_PATH), min(5.0, timeout)).get("pid")
+    except DaemonNotAnswering:
+        pid = None
+        if os.geteuid() == 0:
+            # umount2(MNT_FORCE) aborts a FUSE connection: every waiting request (our
+            # own status read included) fails with ENOTCONN, the mount can go
+            click.echo(
+                f"tierfs: the daemon of {mountpoint} does not answer: aborting its connection",
+                err=True,
+            )
+            flags = syscalls.MNT_FORCE
+            for _ in range(40):  # our aborted read lets go of the mount within moments
+                try:
+                    syscalls.umount2(mountpoint, flags)
+                    return  # unmounted (the daemon exits once it runs again)
+                except OSError as exc:
+                    if exc.errno != errno.EBUSY:
+                        break
+                flags = 0
+                time.sleep(0.05)
+            # still busy (files open): the unmount below says so, or detaches (--lazy)
+    except (OSError, ValueError, AttributeError):
+        pid = None
     try:
         unmount_path(mountpoint, lazy=lazy)
     except OSError as exc:
@@ -614,11 +696,15 @@ def unmount(mountpoint: str, lazy: bool, timeout: float) -> None:
 
 
 @main.command()
-@click.argument("mountpoint", type=click.Path())
+@click.argument("mountpoint", type=str)  # not click.Path: its stat waits on a stuck daemon
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
 def status(mountpoint: str, as_json: bool) -> None:
     """Show the job, its steps, the RAM budget and recent errors of a mount."""
-    data = read_status(mountpoint)
+    try:
+        data = read_status(mountpoint, STATUS_TIMEOUT)
+    except DaemonNotAnswering:
+        _fail(_not_answering(mountpoint, STATUS_TIMEOUT))
+        return
     if as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=True))
         return
@@ -680,7 +766,7 @@ def wait_outcome(restore: dict[str, Any]) -> tuple[int, str]:
 
 
 @main.command("wait")
-@click.argument("mountpoint", type=click.Path())
+@click.argument("mountpoint", type=str)  # not click.Path: its stat waits on a stuck daemon
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait.")
 def wait_cmd(mountpoint: str, timeout: float) -> None:
     """Wait until the node's restore has finished; print what it restored.
@@ -692,11 +778,17 @@ def wait_cmd(mountpoint: str, timeout: float) -> None:
     start); 1: the restore failed; 3: something exists but no step is
     complete (nothing restored); 4: a node did not join in time; 5: the
     coordinator refuses this node; 6: a restore phase timed out; 7: still
-    running after --timeout.
+    running after --timeout (or the daemon did not answer within it).
     """
     deadline = time.monotonic() + timeout
     while True:
-        restore = read_status(mountpoint).get("restore") or {}
+        try:
+            # never past --timeout, even when the daemon does not answer at all
+            left = max(1.0, deadline - time.monotonic())
+            restore = read_status(mountpoint, left).get("restore") or {}
+        except DaemonNotAnswering:
+            click.echo(f"tierfs: error: {_not_answering(mountpoint, timeout)}", err=True)
+            sys.exit(WAIT_STILL_RUNNING)
         state = restore.get("state")
         if state in RESTORE_SETTLED:
             break
