@@ -639,10 +639,14 @@ def unmount(mountpoint: str, lazy: bool, timeout: float) -> None:
     # as `tierfs mount` recorded it; the mountpoint itself is not resolved (a stat of
     # it waits for the daemon, which may be stopped or stuck)
     absolute = os.path.abspath(mountpoint)
+    given = mountpoint
     mountpoint = os.path.join(
         os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute)
     )
     entry = mount_entry(mountpoint)
+    if entry is None:  # MOUNTPOINT is a symlink to the mount (resolving it stats it)
+        mountpoint = os.path.realpath(given)
+        entry = mount_entry(mountpoint)
     if entry is None:
         _fail(f"{mountpoint} is not mounted")
         return
