@@ -630,7 +630,11 @@ def _not_answering(mountpoint: str, waited: float) -> str:
 @click.argument("mountpoint", type=str)  # not click.Path: its stat waits on a stuck daemon
 @click.option("--lazy", "-z", is_flag=True, help="Detach even if files are still open.")
 @click.option(
-    "--timeout", default=30.0, show_default=True, help="Seconds to wait for the daemon to exit."
+    "--timeout",
+    default=30.0,
+    show_default=True,
+    help="Seconds to wait for the daemon to answer, then to exit (a daemon that does "
+    "not answer has its FUSE connection aborted).",
 )
 def unmount(mountpoint: str, lazy: bool, timeout: float) -> None:
     """Unmount MOUNTPOINT and stop its daemon (the RAM store is kept)."""
@@ -661,7 +665,7 @@ def unmount(mountpoint: str, lazy: bool, timeout: float) -> None:
     try:
         # bounded: the daemon may be stopped or stuck, and unmounting is the cure (a
         # dead mount answers ENOTCONN at once)
-        pid = _read_json(os.path.join(mountpoint, STATUS_PATH), min(5.0, timeout)).get("pid")
+        pid = _read_json(os.path.join(mountpoint, STATUS_PATH), timeout).get("pid")
     except DaemonNotAnswering:
         pid = None
         if os.geteuid() == 0:
