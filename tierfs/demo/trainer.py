@@ -189,8 +189,10 @@ def main() -> None:
             model_sd, optim_sd = get_state_dict(model, opt)
             state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(i)}
             dcp.save(state, checkpoint_id=str(d / f"step={i}" / str(args.rank)), no_dist=True)
-            unfinished.unlink()
+            seconds = time.time() - t0
             nbytes = sum(p.stat().st_size for p in (d / f"step={i}").rglob("*") if p.is_file())
+            # the event before the commit: a trainer killed in between leaves an
+            # unfinished step (never restored), not a restorable step without its digest
             log_event(
                 events,
                 event="save",
@@ -198,8 +200,9 @@ def main() -> None:
                 step=i,
                 digest=state_digest(model, opt),
                 bytes=nbytes,
-                seconds=time.time() - t0,
+                seconds=seconds,
             )
+            unfinished.unlink()
             check_errors(d)
         if args.step_delay:
             time.sleep(args.step_delay)
