@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 
 from tierfs.core import syscalls
+from tierfs.core.mounts import unescape
 from tierfs.fuse.session import is_dead_mount
 
 MS_RDONLY = 0x1
@@ -48,21 +49,6 @@ NOOP_FLAGS = frozenset({"rw", "bind"})
 LIFTING_FLAGS = frozenset({"suid", "dev", "exec", "atime", "diratime", "strictatime"})
 
 MOUNTINFO = "/proc/self/mountinfo"
-
-
-def _unescape(field: str) -> str:
-    r"""Undo mountinfo's octal escapes (``\040`` space, ``\011`` tab, ``\012``, ``\134``)."""
-    if "\\" not in field:
-        return field
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and i + 4 <= len(field) and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
 
 
 @dataclass(frozen=True)
@@ -113,11 +99,11 @@ def read_mountinfo(path: str = MOUNTINFO) -> list[MountEntry]:
                     mount_id=int(fields[0]),
                     parent_id=int(fields[1]),
                     device=fields[2],
-                    root=_unescape(fields[3]),
-                    mountpoint=_unescape(fields[4]),
+                    root=unescape(fields[3]),
+                    mountpoint=unescape(fields[4]),
                     options=frozenset(fields[5].split(",")),
                     fstype=rfields[0],
-                    source=_unescape(rfields[1]),
+                    source=unescape(rfields[1]),
                 )
             )
     return entries
