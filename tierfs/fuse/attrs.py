@@ -14,11 +14,10 @@ import stat
 
 from tierfs.core import syscalls
 from tierfs.fuse import access
-from tierfs.fuse.events import FsEvents
-from tierfs.fuse.handles import Handle, HandleTable
-from tierfs.fuse.inodes import Inode, InodeTable, proc
+from tierfs.fuse.handles import Handle
+from tierfs.fuse.inodes import Inode, proc
 from tierfs.fuse.kernel import KernelLink
-from tierfs.fuse.space import Space
+from tierfs.fuse.parts import DataOps
 from tierfs.store.ramstore import StatFs
 
 
@@ -37,7 +36,7 @@ def clear_suidgid(kernel: KernelLink, inode: Inode, fd: int) -> None:
         kernel.inval_inode(inode.nodeid)
 
 
-class AttrOps:
+class AttrOps(DataOps):
     """The attribute operations of the namespace.
 
     Args:
@@ -45,24 +44,6 @@ class AttrOps:
         events: told when a truncate, chmod or chown changed an entry.
         kernel: the link to the FUSE session (attribute invalidation).
     """
-
-    def __init__(
-        self,
-        inodes: InodeTable,
-        handles: HandleTable,
-        space: Space,
-        events: FsEvents,
-        kernel: KernelLink,
-    ) -> None:
-        self._inodes = inodes
-        self._handles = handles
-        # bound once: the request path makes these calls many times
-        self._inode = inodes.get
-        self._fd_of = inodes.fd_of
-        self._file = handles.file
-        self._space = space
-        self._events = events
-        self._kernel = kernel
 
     def getattr(self, nodeid: int, fh: int | None = None) -> tuple[Inode, os.stat_result]:
         """``stat`` of an inode (via the open file ``fh`` if given and known).

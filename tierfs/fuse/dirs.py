@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from tierfs.fuse import access
-from tierfs.fuse.handles import DirHandle, HandleTable
-from tierfs.fuse.inodes import InodeTable, proc
+from tierfs.fuse.handles import DirHandle
+from tierfs.fuse.inodes import proc
+from tierfs.fuse.parts import TableOps
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,20 +31,12 @@ class DirEntry:
     mode: int
 
 
-class DirOps:
+class DirOps(TableOps):
     """The directory-handle operations of the namespace.
 
     Args:
         inodes, handles: the namespace's tables.
     """
-
-    def __init__(self, inodes: InodeTable, handles: HandleTable) -> None:
-        self._inodes = inodes
-        self._handles = handles
-        # bound once: the request path makes these calls many times
-        self._inode = inodes.get
-        self._fd_of = inodes.fd_of
-        self._file = handles.file
 
     def opendir(self, nodeid: int) -> DirHandle:
         """opendir(3): the listing is taken on the first readdir.

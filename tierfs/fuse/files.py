@@ -17,11 +17,9 @@ import stat
 from tierfs.core import syscalls
 from tierfs.fuse import access
 from tierfs.fuse.attrs import clear_suidgid
-from tierfs.fuse.events import FsEvents
-from tierfs.fuse.handles import Handle, HandleTable
-from tierfs.fuse.inodes import Inode, InodeTable, proc
-from tierfs.fuse.kernel import KernelLink
-from tierfs.fuse.space import Space
+from tierfs.fuse.handles import Handle
+from tierfs.fuse.inodes import Inode, proc
+from tierfs.fuse.parts import DataOps
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +46,7 @@ def pwrite_noappend(fd: int, data: memoryview, offset: int) -> int:
         os.close(plain)
 
 
-class FileOps:
+class FileOps(DataOps):
     """The file operations of the namespace.
 
     Args:
@@ -56,24 +54,6 @@ class FileOps:
         events: told of opens for writing and of closed writable handles.
         kernel: the link to the FUSE session (attribute invalidation).
     """
-
-    def __init__(
-        self,
-        inodes: InodeTable,
-        handles: HandleTable,
-        space: Space,
-        events: FsEvents,
-        kernel: KernelLink,
-    ) -> None:
-        self._inodes = inodes
-        self._handles = handles
-        # bound once: the request path makes these calls many times
-        self._inode = inodes.get
-        self._fd_of = inodes.fd_of
-        self._file = handles.file
-        self._space = space
-        self._events = events
-        self._kernel = kernel
 
     def open(self, nodeid: int, flags: int, kill_suidgid: bool = False) -> Handle:
         """open(2) of an existing file. O_TRUNC truncates here (atomic O_TRUNC).
