@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierfs.core.errors import ProtocolError
+
 __all__ = [
     "BackupRoundStatus",
     "BackupStatus",
@@ -51,8 +53,9 @@ __all__ = [
 JsonObject = dict[str, Any]
 
 
-class StatusFormatError(ValueError):
-    """A status (or a part of it) that is not a JSON object."""
+class StatusFormatError(ProtocolError, ValueError):
+    """A status (or a part of it) that is not a JSON object (a ``ValueError``, as a
+    JSON decoding error is: readers catch both in one ``except ValueError``)."""
 
 
 def _obj(data: object, what: str) -> Mapping[str, Any]:
