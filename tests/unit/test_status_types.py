@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -185,3 +186,20 @@ def test_the_csi_driver_reads_a_typed_status(tmp_path):
     (ctl / "status.json").write_text(json.dumps({"pid": 42, "ram_dir": "/dev/shm/x"}))
     st = read_status(str(tmp_path))
     assert st is not None and st.pid == 42 and st.ram_dir == "/dev/shm/x"
+
+
+def test_the_demo_watcher_reads_the_typed_status(tmp_path):
+    from tierfs.demo.orchestrator import StatusWatcher, Timeline
+
+    timeline = Timeline(tmp_path / "timeline.jsonl")
+    demo = SimpleNamespace(config=SimpleNamespace(nodes=1), timeline=timeline, nodes=[])
+    watcher = StatusWatcher(demo)  # type: ignore[arg-type]
+    st = NodeStatus.from_json(load(DATA / "daemon-restored-from-gcs-forced.json"))
+    watcher._observe(0, st)
+    watcher._observe(0, st)  # nothing new: no event twice
+    kinds = [(e["kind"], e.get("step")) for e in timeline.events]
+    restore = st.restore
+    assert ("restored", restore.step) in kinds and len(kinds) == len(set(kinds))
+    restored = next(e for e in timeline.events if e["kind"] == "restored")
+    assert restored["source"] == f"GCS round {restore.backup}"
+    assert {k for k, _ in kinds} >= {"sealed", "restored"}
