@@ -337,7 +337,9 @@ class NodeDaemon:
         assert agent is not None
         token = trio.lowlevel.current_trio_token()
         # the exporter thread reads the agent's status on the trio thread
-        metrics.serve(port, lambda: trio.from_thread.run_sync(agent.status, trio_token=token))
+        metrics.serve(
+            port, lambda: trio.from_thread.run_sync(agent.status, trio_token=token).to_json()
+        )
 
     async def _serve_then_stop(self, scope: trio.CancelScope) -> None:
         assert self.session is not None

@@ -60,7 +60,7 @@ def test_a_node_without_a_peer_plane_is_a_one_node_cluster(tmp_path):
     assert parts.rendezvous is None
     assert type(parts.cluster) is LocalCluster
     assert parts.tiers == [parts.gcs] and not parts.gcs.enabled
-    assert parts.gcs.status()["summary"] == "off (no --bucket)"
+    assert parts.gcs.status().summary == "off (no --bucket)"
     assert_shared(parts)
 
 

@@ -86,6 +86,12 @@ from tierfs.cluster import backup_schedule as S
 from tierfs.core import retry, settings
 from tierfs.core.errors import BackupError
 from tierfs.core.ports import Catalog, CoordinatorHooks, CurrentJob, PeerPlane, RamBudget, Reporter
+from tierfs.core.status import (
+    BackupRoundStatus,
+    BackupStatus,
+    BackupStepStatus,
+    UploadStatus,
+)
 from tierfs.core.types import BucketPart, BucketView, RestorePlan
 from tierfs.store.shards import Shard, ShardKey, ShardStore
 
@@ -501,22 +507,22 @@ class GcsTier:
                 keep.add(key)
         return keep
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> BackupStatus:
         """Bucket, role, uploads in flight, the last rounds and errors."""
         if not self.enabled:
-            return {"summary": "off (no --bucket)", "enabled": False, "steps": []}
+            return BackupStatus.off()
         job = self.current.job
         multi = job is not None and self.multi(job)
         uploads = [
-            {
-                "round": u.round,
-                "step": u.step,
-                "bytes_done": u.done,
-                "bytes_total": u.total,
-                "seconds": round(time.time() - u.started, 1),
-                "attempt": u.attempt,
-                "waiting_until": u.waiting_until,
-            }
+            UploadStatus(
+                round=u.round,
+                step=u.step,
+                bytes_done=u.done,
+                bytes_total=u.total,
+                seconds=round(time.time() - u.started, 1),
+                attempt=u.attempt,
+                waiting_until=u.waiting_until,
+            )
             for u in self._uploads.values()
         ]
         if multi and self.cluster_last is not None:
@@ -527,16 +533,16 @@ class GcsTier:
         parts = [str(self.spec)]
         if uploads:
             u = uploads[0]
-            pct = 100 * u["bytes_done"] / u["bytes_total"] if u["bytes_total"] else 100
-            if u["waiting_until"] is not None:
-                at = time.strftime("%H:%M:%S", time.localtime(u["waiting_until"]))
+            pct = 100 * u.bytes_done / u.bytes_total if u.bytes_total else 100
+            if u.waiting_until is not None:
+                at = time.strftime("%H:%M:%S", time.localtime(u.waiting_until))
                 parts.append(
-                    f"step {u['step']} of {u['round']} waits for the bucket "
-                    f"(attempt {u['attempt'] + 1} at {at} or when it answers)"
+                    f"step {u.step} of {u.round} waits for the bucket "
+                    f"(attempt {u.attempt + 1} at {at} or when it answers)"
                 )
             else:
-                again = f", attempt {u['attempt']}" if u["attempt"] > 1 else ""
-                parts.append(f"uploading step {u['step']} to {u['round']} ({pct:.0f}%{again})")
+                again = f", attempt {u.attempt}" if u.attempt > 1 else ""
+                parts.append(f"uploading step {u.step} to {u.round} ({pct:.0f}%{again})")
         if last is not None:
             parts.append(f"last round {last['round']} step {last['step']}: {last['state']}")
         else:
@@ -562,31 +568,30 @@ class GcsTier:
                 active = self.cluster_last.round
         else:
             active = self.state.active
-        return {
-            "summary": "; ".join(parts),
-            "enabled": True,
-            "bucket": str(self.spec),
-            "role": role,
-            "interval_minutes": minutes,
-            "interval_steps": steps,
-            "active_round": active,
-            "last_round": last["round"] if last else None,
-            "last_step": last["step"] if last else None,
-            "last_state": last["state"] if last else None,
-            "uploads": uploads,
-            "rounds": list(self.history),
-            "last_error": self.last_error,
-            "retrying": self.retrying,
-            "problem": problem,
-            "stalled_seconds": round(self.stalled(), 1),
-            "bucket_checked": self.bucket_checked,
-            "note": self.note,
-            "restore_version_pending": list(self.forced) if self.forced else None,
-            "steps": [
-                {"step": s, "where": [f"gcs:{r}"]}
-                for s, r in sorted(self.backed_up.items(), reverse=True)
-            ],
-        }
+        return BackupStatus(
+            summary="; ".join(parts),
+            enabled=True,
+            bucket=str(self.spec),
+            role=role,
+            interval_minutes=minutes,
+            interval_steps=steps,
+            active_round=active,
+            last_round=last["round"] if last else None,
+            last_step=last["step"] if last else None,
+            last_state=last["state"] if last else None,
+            uploads=tuple(uploads),
+            rounds=tuple(BackupRoundStatus(dict(h)) for h in self.history),
+            last_error=self.last_error,
+            retrying=self.retrying,
+            problem=problem,
+            stalled_seconds=round(self.stalled(), 1),
+            bucket_checked=self.bucket_checked,
+            note=self.note,
+            restore_version_pending=list(self.forced) if self.forced else None,
+            steps=tuple(
+                BackupStepStatus(s, r) for s, r in sorted(self.backed_up.items(), reverse=True)
+            ),
+        )
 
     # ------------------------------------------------------------------ loop
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -26,6 +27,7 @@ from tierfs.core import config as node_settings
 from tierfs.core import settings, syscalls
 from tierfs.core.config import ConfigError, format_size
 from tierfs.core.errors import ProtocolError
+from tierfs.core.status import NodeStatus, RestoreStatus
 
 if TYPE_CHECKING:
     from tierfs.core.node_config import NodeConfig
@@ -738,20 +740,23 @@ WAIT_EXIT = {
 WAIT_STILL_RUNNING = 7
 
 
-def wait_outcome(restore: dict[str, Any]) -> tuple[int, str]:
-    """What ``tierfs wait`` prints and returns for a settled restore state (pure).
+def wait_outcome(restore: RestoreStatus | Mapping[str, Any]) -> tuple[int, str]:
+    """What ``tierfs wait`` prints and returns for a settled restore state (pure;
+    typed, or the status's ``restore`` object).
 
     Returns:
         (exit code, one line): 0 for a restored step or a true fresh start
         (nothing of the job exists anywhere), else the code of
         :data:`WAIT_EXIT` with the reason.
     """
-    state = restore.get("state")
-    step = restore.get("step")
-    outcome = restore.get("outcome") or (
+    if not isinstance(restore, RestoreStatus):
+        restore = RestoreStatus.from_json(restore)
+    state = restore.state
+    step = restore.step
+    outcome = restore.outcome or (
         "failed" if state == "failed" else "restored" if step else "fresh"
     )
-    reason = restore.get("reason") or restore.get("error") or ""
+    reason = restore.reason or restore.error or ""
     if state == "idle":
         return 0, "no restore needed"
     if state == "failed":
@@ -762,11 +767,7 @@ def wait_outcome(restore: dict[str, Any]) -> tuple[int, str]:
         }.get(outcome, "failed")
         return WAIT_EXIT.get(outcome, 1), f"restore {what}: {reason or 'see replicator.errors'}"
     if step:
-        source = (
-            f"GCS round {restore['backup']}"
-            if restore.get("backup")
-            else restore.get("source", "?")
-        )
+        source = f"GCS round {restore.backup}" if restore.backup else restore.source or "?"
         return 0, f"restored step {step} from {source}"
     if outcome == "fresh":
         return 0, f"nothing to restore{': ' + reason if reason else ''}"
@@ -793,17 +794,17 @@ def wait_cmd(mountpoint: str, timeout: float) -> None:
         try:
             # never past --timeout, even when the daemon does not answer at all
             left = max(1.0, deadline - time.monotonic())
-            restore = read_status(mountpoint, left).get("restore") or {}
+            restore = NodeStatus.from_json(read_status(mountpoint, left)).restore
         except DaemonNotAnswering:
             click.echo(f"tierfs: error: {_not_answering(mountpoint, timeout)}", err=True)
             sys.exit(WAIT_STILL_RUNNING)
-        state = restore.get("state")
+        state = restore.state
         if state in RESTORE_SETTLED:
             break
         if time.monotonic() > deadline:
             click.echo(
                 f"tierfs: error: restore still {state} after {timeout:.0f}s "
-                f"({restore.get('phase') or 'tierfs status ' + mountpoint})",
+                f"({restore.phase or 'tierfs status ' + mountpoint})",
                 err=True,
             )
             sys.exit(WAIT_STILL_RUNNING)
@@ -811,7 +812,7 @@ def wait_cmd(mountpoint: str, timeout: float) -> None:
     code, line = wait_outcome(restore)
     if not code:
         click.echo(line)
-    for problem in restore.get("problems") or []:
+    for problem in restore.problems:
         if problem not in line:
             click.echo(f"tierfs: note: {problem}", err=True)
     if code:

@@ -9,7 +9,8 @@
     │       MountOptionError (ValueError); ContextError (ValueError); RenderError (ValueError)
     ├── ProtocolError        a control file or a call that breaks its protocol
     │       ControlError (ValueError: replicator.yaml, jax-init-info.txt ...);
-    │       CSI: Abort (ends the RPC with a status code), TargetBusy
+    │       CSI: Abort (ends the RPC with a status code), TargetBusy;
+    │       StatusFormatError (ValueError: a .tierfs/status.json that is no status)
     ├── StorageError         the RAM store: manifests, seals
     │       ManifestError (ValueError); SealBusy
     ├── BackupError          the bucket: layout, rounds, transfers, copies

@@ -26,6 +26,7 @@ from typing import Any
 
 from tierfs import command
 from tierfs.core import retry
+from tierfs.core.status import NodeStatus
 from tierfs.csi import mounts
 
 log = logging.getLogger("tierfs.csi")
@@ -35,18 +36,17 @@ MOUNT_TIMEOUT = 150.0
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def read_status(mountpoint: str) -> dict[str, Any] | None:
+def read_status(mountpoint: str) -> NodeStatus | None:
     """The daemon's ``.tierfs/status.json`` read through the mount, or None.
 
     None when nothing answers at ``mountpoint`` (not mounted, a dead mount,
-    not tierfs) or the file does not hold a JSON object.
+    not tierfs) or the file does not hold a status (a JSON object).
     """
     try:
         with open(os.path.join(mountpoint, STATUS_FILE), "rb") as f:
-            data = json.loads(f.read())
-    except (OSError, ValueError):
+            return NodeStatus.from_json(json.loads(f.read()))
+    except (OSError, ValueError):  # StatusFormatError is a ValueError
         return None
-    return data if isinstance(data, dict) else None
 
 
 def become_subreaper() -> bool:
@@ -114,7 +114,7 @@ class SupervisedMount:
 
     # ------------------------------------------------------------------ NodeMount
 
-    def _answering(self) -> dict[str, Any] | None:
+    def _answering(self) -> NodeStatus | None:
         """The status of the tierfs daemon answering at the mountpoint, or None.
 
         None unless a FUSE filesystem is mounted there and its
@@ -124,11 +124,11 @@ class SupervisedMount:
         if entry is None or not entry.fstype.startswith("fuse"):
             return None
         status = read_status(self.mountpoint)
-        if status is None or not isinstance(status.get("pid"), int):
+        if status is None or not isinstance(status.pid, int):
             return None
-        self._daemon_pid = status["pid"]
-        if isinstance(status.get("ram_dir"), str):
-            self._status_ram_dir = status["ram_dir"]
+        self._daemon_pid = status.pid
+        if isinstance(status.ram_dir, str):
+            self._status_ram_dir = status.ram_dir
         return status
 
     def ready(self) -> bool:
@@ -143,7 +143,7 @@ class SupervisedMount:
         else mounted again) is not ready until it is settled in turn.
         """
         status = self._answering()
-        return status is not None and status["pid"] == self._settled_pid
+        return status is not None and status.pid == self._settled_pid
 
     def ram_dirs(self) -> list[str]:
         """The ram-dirs behind the mount: the configured one and the one the daemon reports.
@@ -152,8 +152,8 @@ class SupervisedMount:
         ``--ram-dir``; no volume may be published in either.
         """
         status = read_status(self.mountpoint)
-        if status is not None and isinstance(status.get("ram_dir"), str):
-            self._status_ram_dir = status["ram_dir"]
+        if status is not None and isinstance(status.ram_dir, str):
+            self._status_ram_dir = status.ram_dir
         return [d for d in dict.fromkeys((self.ram_dir, self._status_ram_dir)) if d]
 
     def reap(self) -> None:
@@ -200,9 +200,9 @@ class SupervisedMount:
         while not self._stop.is_set():
             status = self._answering()
             if status is not None:
-                if status["pid"] != self._settled_pid:  # up, but not mounted by this driver
+                if status.pid != self._settled_pid:  # up, but not mounted by this driver
                     self.check_adopted()
-                    self._settled_pid = status["pid"]
+                    self._settled_pid = status.pid
                 self._error = None
                 backoff.reset()
                 self._stop.wait(self.check_interval)
@@ -287,14 +287,14 @@ class SupervisedMount:
         Returns:
             the pid of the daemon described (None if its status could not be read).
         """
-        status = read_status(self.mountpoint) or {}
-        pid = status.get("pid") if isinstance(status.get("pid"), int) else None
+        status = read_status(self.mountpoint) or NodeStatus()
+        pid = status.pid if isinstance(status.pid, int) else None
         if self.record_path is None:
             return pid
         salt = secrets.token_hex(16)
         record = {
-            "pid": status.get("pid"),
-            "ram_dir": status.get("ram_dir"),
+            "pid": status.pid,
+            "ram_dir": status.ram_dir,
             "argv": _redact_argv(self.mount_args),
             "salt": salt,
             "digest": self._fingerprint(salt),
@@ -342,9 +342,9 @@ class SupervisedMount:
         status = read_status(self.mountpoint)
         if status is None:
             return []
-        pid = status.get("pid")
+        pid = status.pid
         diffs = []
-        theirs = status.get("ram_dir")
+        theirs = status.ram_dir
         if self.ram_dir and isinstance(theirs, str) and os.path.realpath(theirs) != self.ram_dir:
             diffs.append(f"ram-dir {theirs} (this driver's: {self.ram_dir})")
         record = self._read_record()

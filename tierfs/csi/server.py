@@ -112,8 +112,8 @@ class StaticMount:
 
     def ram_dirs(self) -> list[str]:
         """``ram_dir`` if given, and the ram-dir the mount's ``.tierfs/status.json`` names."""
-        status = read_status(self.mountpoint) or {}
-        found = status.get("ram_dir") if isinstance(status.get("ram_dir"), str) else None
+        status = read_status(self.mountpoint)
+        found = status.ram_dir if status is not None and isinstance(status.ram_dir, str) else None
         return [d for d in dict.fromkeys((self.ram_dir, found)) if d]
 
 

@@ -39,6 +39,7 @@ from tierfs import command
 from tierfs.core import settings
 from tierfs.core.config import format_size
 from tierfs.core.errors import TierfsError
+from tierfs.core.status import NodeStatus
 from tierfs.demo.emulator import GcsEmulator, free_port
 from tierfs.demo.reaper import Reaper
 
@@ -165,17 +166,17 @@ class StatusWatcher(threading.Thread):
                 if status:
                     self._observe(node.rank, status)
 
-    def _observe(self, rank: int, status: dict[str, Any]) -> None:
+    def _observe(self, rank: int, status: NodeStatus) -> None:
         n = self.demo.config.nodes
-        for step in status.get("steps", []):
-            where = step.get("where", [])
+        for step in status.steps:
+            where = step.where
             facts = {
                 "sealed": True,
                 "replicated": any(w.startswith("peer:") for w in where),
                 "backed up": any(w.startswith("gcs:") for w in where),
             }
             for fact, true in facts.items():
-                key = (fact, step["step"])
+                key = (fact, step.step)
                 if true and rank not in self.seen[key]:
                     self.seen[key].add(rank)
                     if len(self.seen[key]) == n:
@@ -185,23 +186,23 @@ class StatusWatcher(threading.Thread):
                             extra = f" (round {rounds[-1]})" if rounds else ""
                         self.demo.timeline.add(
                             fact,
-                            f"step {step['step']:>3} {fact} on {n}/{n} nodes "
-                            f"({format_size(step.get('bytes', 0))} per node){extra}",
-                            step=step["step"],
-                            bytes=step.get("bytes", 0),
+                            f"step {step.step:>3} {fact} on {n}/{n} nodes "
+                            f"({format_size(step.bytes)} per node){extra}",
+                            step=step.step,
+                            bytes=step.bytes,
                         )
-        restore = status.get("restore") or {}
-        at = restore.get("at")
-        if restore.get("state") == "done" and at and self.restores.get(rank) != at:
+        restore = status.restore
+        at = restore.at
+        if restore.state == "done" and at and self.restores.get(rank) != at:
             self.restores[rank] = at
-            if restore.get("step"):
-                src = restore.get("source", "?")
-                if restore.get("backup"):
-                    src = f"GCS round {restore['backup']}"
+            if restore.step:
+                src = restore.source or "?"
+                if restore.backup:
+                    src = f"GCS round {restore.backup}"
                 self.demo.timeline.add(
                     "restored",
-                    f"node {rank}: restore of step {restore['step']} ready (data from {src})",
-                    step=restore["step"],
+                    f"node {rank}: restore of step {restore.step} ready (data from {src})",
+                    step=restore.step,
                     node=rank,
                     source=src,
                 )
@@ -244,11 +245,12 @@ class Demo:
         env[settings.PEER_TOKEN.name] = self.token
         return env
 
-    def status(self, rank: int) -> dict[str, Any] | None:
+    def status(self, rank: int) -> NodeStatus | None:
+        """Node ``rank``'s status, None while it cannot be read."""
         try:
             with open(self.nodes[rank].mount / ".tierfs" / "status.json") as f:
-                return json.load(f)
-        except (OSError, ValueError):
+                return NodeStatus.from_json(json.load(f))
+        except (OSError, ValueError):  # StatusFormatError is a ValueError
             return None
 
     def mount(self, node: Node) -> None:

@@ -45,6 +45,17 @@ import trio
 from tierfs.core import control
 from tierfs.core.config import NodeConfig
 from tierfs.core.control import ControlError, JobSpec
+from tierfs.core.status import (
+    BudgetStatus,
+    FilesystemStatus,
+    JobStatus,
+    NodeStatus,
+    ReplicaStatus,
+    RestoreStatus,
+    StepStatus,
+    TierStatus,
+    UsageStatus,
+)
 from tierfs.core.types import RestorePlan
 from tierfs.fuse.namespace import Namespace
 from tierfs.node.catalog import ShardCatalog
@@ -102,18 +113,18 @@ class Changed:
 Event = Renamed | Released | Changed
 
 
-def _filesystem_status(path: str) -> dict[str, Any]:
+def _filesystem_status(path: str) -> FilesystemStatus | None:
     """Size and free space (bytes) of the filesystem holding ``path`` (statvfs), which
     other programs may share: not tierfs's usage (that is the status's ``usage``)."""
     try:
         vfs = os.statvfs(path)
     except OSError:
-        return {}
-    return {
-        "total_bytes": vfs.f_blocks * vfs.f_frsize,
-        "free_bytes": vfs.f_bavail * vfs.f_frsize,
-        "used_bytes": (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize,
-    }
+        return None
+    return FilesystemStatus(
+        total_bytes=vfs.f_blocks * vfs.f_frsize,
+        free_bytes=vfs.f_bavail * vfs.f_frsize,
+        used_bytes=(vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize,
+    )
 
 
 def _top(path: str) -> str:
@@ -219,7 +230,7 @@ class Tier(Protocol):
 
     def pinned(self) -> set[ShardKey]: ...
 
-    def status(self) -> dict[str, Any]: ...
+    def status(self) -> TierStatus: ...
 
 
 # ---------------------------------------------------------------------- agent
@@ -1165,91 +1176,74 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ status
 
-    def status(self) -> dict[str, Any]:
-        """The node's status as plain data (``tierfs status``, ``.tierfs/status.json``)."""
+    def status(self) -> NodeStatus:
+        """The node's status (``tierfs status``, ``.tierfs/status.json``, metrics)."""
         job = self.job
-        steps: dict[int, dict[str, Any]] = {}
+        steps: dict[int, StepStatus] = {}
         names = {k: n for n, k in self.view_steps.items()}
         if job is not None:
             for cand in self.pending.values():
-                steps[cand.step] = {
-                    "step": cand.step,
-                    "name": cand.name,
-                    "state": "writing",
-                    "bytes": 0,
-                    "where": [],
-                }
+                steps[cand.step] = StepStatus(cand.step, cand.name, "writing")
             for name, key in self.withdrawn_names.items():
                 # a write withdrew the seal; the step seals again when the writer closes
                 if key.job == job.name and key.rank == job.node_rank:
-                    steps.setdefault(
-                        key.step,
-                        {
-                            "step": key.step,
-                            "name": name,
-                            "state": "writing",
-                            "bytes": 0,
-                            "where": [],
-                        },
-                    )
+                    steps.setdefault(key.step, StepStatus(key.step, name, "writing"))
             for shard in self.own_shards(job):
-                steps[shard.key.step] = {
-                    "step": shard.key.step,
-                    "name": names.get(shard.key, shard.manifest.name),
-                    "state": "verified" if shard.verified else "sealed",
-                    "bytes": shard.bytes,
-                    "files": sum(1 for f in shard.manifest.files if f.kind == "file"),
-                    "backup_requested": shard.manifest.backup_requested,
-                    "where": ["local"],
-                    "visible": shard.key in names,
-                }
-        for tier in self.tiers:
-            for s in tier.status().get("steps", []):
-                entry = steps.get(s["step"])
+                steps[shard.key.step] = StepStatus(
+                    step=shard.key.step,
+                    name=names.get(shard.key, shard.manifest.name),
+                    state="verified" if shard.verified else "sealed",
+                    bytes=shard.bytes,
+                    where=("local",),
+                    files=sum(1 for f in shard.manifest.files if f.kind == "file"),
+                    backup_requested=shard.manifest.backup_requested,
+                    visible=shard.key in names,
+                )
+        tiers = {t.name: t.status() for t in self.tiers}
+        for tier in tiers.values():
+            for s in tier.steps:
+                entry = steps.get(s.step)
                 if entry is not None:
-                    entry["where"] = sorted(set(entry["where"]) | set(s.get("where", [])))
-                    if s.get("state"):
-                        entry["state"] = s["state"]
-        replicas = [
-            {"job": k.job, "rank": k.rank, "step": k.step, "bytes": s.bytes}
+                    steps[s.step] = dataclasses.replace(
+                        entry,
+                        where=tuple(sorted(set(entry.where) | set(s.where))),
+                        state=s.state or entry.state,
+                    )
+        replicas = tuple(
+            ReplicaStatus(k.job, k.rank, k.step, s.bytes)
             for k, s in sorted(self.catalog.items())
             if job is None or k.rank != job.node_rank or k.job != job.name
-        ]
-        return {
-            "mountpoint": os.path.abspath(self.config.mountpoint),
-            "ram_dir": self.store.root,
-            "pid": os.getpid(),
-            "uptime_seconds": round(time.time() - self.started, 1),
-            "budget": {
-                "mode": self.budget.mode,
-                "total_bytes": self.budget.size,
-                "used_bytes": self.budget.used(),
-                "free_bytes": self.budget.free(),
-                "size_bytes": self.config.size,
-            },
-            "usage": self._usage_status(job),
-            "filesystem": _filesystem_status(self.store.root),
-            "passthrough": bool(self.ns and self.ns.passthrough),
-            "mode": self.mode,
-            "job": (
-                {
-                    "name": job.name,
-                    "framework": job.framework,
-                    "node_rank": job.node_rank,
-                    "nodes": job.nodes,
-                    "state": self.restore_state.get("state"),
-                }
+        )
+        restore = RestoreStatus(dict(self.restore_state))
+        return NodeStatus(
+            mountpoint=os.path.abspath(self.config.mountpoint),
+            ram_dir=self.store.root,
+            pid=os.getpid(),
+            uptime_seconds=round(time.time() - self.started, 1),
+            budget=BudgetStatus(
+                mode=self.budget.mode,
+                total_bytes=self.budget.size,
+                used_bytes=self.budget.used(),
+                free_bytes=self.budget.free(),
+                size_bytes=self.config.size,
+            ),
+            usage=self._usage_status(job),
+            filesystem=_filesystem_status(self.store.root),
+            passthrough=bool(self.ns and self.ns.passthrough),
+            mode=self.mode,
+            job=(
+                JobStatus(job.name, job.framework, job.node_rank, job.nodes, restore.state)
                 if job
                 else None
             ),
-            "restore": self.restore_state,
-            "steps": [steps[s] for s in sorted(steps, reverse=True)],
-            "replicas": replicas,
-            "tiers": {t.name: t.status() for t in self.tiers},
-            "errors": list(self.errors),
-        }
+            restore=restore,
+            steps=tuple(steps[s] for s in sorted(steps, reverse=True)),
+            replicas=replicas,
+            tiers=tiers,
+            errors=tuple(self.errors),
+        )
 
-    def _usage_status(self, job: JobSpec | None) -> dict[str, Any] | None:
+    def _usage_status(self, job: JobSpec | None) -> UsageStatus | None:
         """The last count of the ram-dir by area (bytes), or None before the first.
 
         ``snapshot_bytes``: this node's sealed steps beyond what the view
@@ -1263,15 +1257,17 @@ class NodeAgent:
             for (j, rank), n in u.shards.items()
             if job is None or (j == job.name and rank == str(job.node_rank))
         )
-        return {
-            "total_bytes": u.total,
-            "view_bytes": u.view,
-            "snapshot_bytes": own,
-            "replica_bytes": sum(u.shards.values()) - own,
-            "other_bytes": u.other,
-            "counted_at": round(u.counted_at, 3),
-            "age_seconds": round(max(0.0, time.time() - u.counted_at), 1),
-        }
+        return UsageStatus(
+            total_bytes=u.total,
+            view_bytes=u.view,
+            snapshot_bytes=own,
+            replica_bytes=sum(u.shards.values()) - own,
+            other_bytes=u.other,
+            counted_at=round(u.counted_at, 3),
+            age_seconds=round(max(0.0, time.time() - u.counted_at), 1),
+        )
 
     def status_json(self) -> bytes:
-        return (json.dumps(self.status(), indent=2, sort_keys=True, default=str) + "\n").encode()
+        """``.tierfs/status.json``: the status as JSON (the contract readers rely on)."""
+        status = self.status().to_json()
+        return (json.dumps(status, indent=2, sort_keys=True, default=str) + "\n").encode()

@@ -90,6 +90,7 @@ from tierfs.core.ports import (
     Reporter,
     Summons,
 )
+from tierfs.core.status import PeerMemberStatus, PeerStatus, PeerStepStatus, SyncStatus
 from tierfs.core.types import COORDINATOR_RANK, FAILED, NO_STEP, Holding, Outcome, RoundView
 from tierfs.replication import placement
 from tierfs.replication.client import PeerClient, rpc_code, rpc_reason
@@ -1035,7 +1036,7 @@ class PeerTier(PeerHost):
 
     # ------------------------------------------------------------------ status
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> PeerStatus:
         """Peers, addresses, replication per step, the last sync round, wire counters."""
         job = self.current.job
         active = self.active_job()
@@ -1054,19 +1055,19 @@ class PeerTier(PeerHost):
                 else:
                     state = "replicating"
                 steps.append(
-                    {
-                        "step": shard.key.step,
-                        "where": where,
-                        "state": state,
-                        "peers": {str(p): send.states.get(p) for p in targets},
-                        "transfers": {str(p): t for p, t in send.timings.items()},
-                    }
+                    PeerStepStatus(
+                        step=shard.key.step,
+                        where=tuple(where),
+                        state=state,
+                        peers={str(p): send.states.get(p) for p in targets},
+                        transfers={str(p): dict(t) for p, t in send.timings.items()},
+                    )
                 )
-        peers = [
-            {"rank": p.rank, "address": p.address, "live": p.live, "target": p.rank in targets}
+        peers = tuple(
+            PeerMemberStatus(p.rank, p.address, p.live, p.rank in targets)
             for p in sorted(self.peers.values(), key=lambda p: p.rank)
-        ]
-        live = self.node_counts[0] if self.node_counts else sum(1 for p in peers if p["live"])
+        )
+        live = self.node_counts[0] if self.node_counts else sum(1 for p in peers if p.live)
         sync_step = self.sync.get("step")
         serving = self.is_coordinator
         if self.static_coordinator:
@@ -1095,29 +1096,29 @@ class PeerTier(PeerHost):
             summary += f"; problem: {self.last_error}"
         if self.publish_note:
             summary += f"; {self.publish_note}"
-        out: dict[str, Any] = {
-            "summary": summary,
-            "address": self.address,
-            "listen": self.listen,
-            "port": self.port,
-            "coordinator": self.coordinator_address,
-            "rendezvous": rendezvous,
-            "rendezvous_note": self.rendezvous_note,
-            "publish_note": self.publish_note,
-            "is_coordinator": serving,
-            "incarnation": self.incarnation,
-            "active": active is not None,
-            "replicate_to": targets,
-            "peers": peers,
-            "steps": steps,
-            "sync": dict(self.sync),
-            "wire": self.stats.snapshot(),
-            "pinned": sorted(str(k) for k in self._pins),
-            "last_error": self.last_error,
-        }
-        if self.coordinator is not None and serving:
-            out["coordinator_state"] = self.coordinator.status()
-        return out
+        return PeerStatus(
+            summary=summary,
+            address=self.address,
+            listen=self.listen,
+            port=self.port,
+            coordinator=self.coordinator_address,
+            rendezvous=rendezvous,
+            rendezvous_note=self.rendezvous_note,
+            publish_note=self.publish_note,
+            is_coordinator=serving,
+            incarnation=self.incarnation,
+            active=active is not None,
+            replicate_to=tuple(targets),
+            peers=peers,
+            steps=tuple(steps),
+            sync=SyncStatus.from_json(self.sync),
+            wire=self.stats.snapshot(),
+            pinned=tuple(sorted(str(k) for k in self._pins)),
+            last_error=self.last_error,
+            coordinator_state=(
+                self.coordinator.status() if self.coordinator is not None and serving else None
+            ),
+        )
 
 
 def _done(state: str | None) -> bool:
