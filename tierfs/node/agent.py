@@ -7,7 +7,7 @@ policy modules (:mod:`tierfs.core.control`, :mod:`tierfs.node.sealing`,
 * ``replicator.yaml`` arrives (renamed into place or closed after writing):
   parse it, hide the old client-visible entries, report problems through
   ``replicator.failed``/``replicator.errors``, delete it, then restore
-  (PROTOCOL.md sections 2 and 4) through a :class:`Cluster`.
+  (PROTOCOL.md sections 2 and 4) through the :class:`tierfs.node.restorer.Restorer`.
 * A seal event (rename into a step name, a closed marker or worker file):
   hard-link snapshot, manifest with crc32c, retention; tiers are told.
 * A write into a sealed file (reported *before* the handle opens) withdraws
@@ -50,13 +50,14 @@ from tierfs.fuse.namespace import Namespace
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.jobstate import RESUMABLE_RESTORE_STATES, JobState
 from tierfs.node.reporter import NodeReporter
+from tierfs.node.restorer import Restorer
 from tierfs.node.sealing import SealCandidate, SealRules
 from tierfs.node.view import SIBLING_GRACE, ClientView, Published
 from tierfs.store.manifest import CrcCache, ManifestError
 from tierfs.store.ramstore import TRASH_GRACE, Budget, RamStore
 from tierfs.store.shards import SealBusy, Shard, ShardKey, ShardStore, retention
 
-__all__ = ["Cluster", "LocalCluster", "NodeAgent", "RestorePlan", "Tier"]
+__all__ = ["NodeAgent", "RestorePlan", "Tier"]
 
 log = logging.getLogger(__name__)
 
@@ -150,59 +151,7 @@ class AgentEvents:
         self.agent.post(Released(path, ino))
 
 
-# ---------------------------------------------------------------------- cluster
-
-
-class Cluster(Protocol):
-    """How a node agrees with the others on what to restore (PROTOCOL.md section 6)."""
-
-    async def plan_restore(self, agent: NodeAgent, job: JobSpec) -> RestorePlan:
-        """Choose the step, fetch what this node lacks, return its plan."""
-
-    async def restore_done(self, agent: NodeAgent, job: JobSpec, plan: RestorePlan) -> None:
-        """Barrier: returns once every node has its data for ``plan.step``."""
-
-
-class LocalCluster:
-    """A one-node cluster: the newest local step whose checksums verify."""
-
-    async def plan_restore(self, agent: NodeAgent, job: JobSpec) -> RestorePlan:
-        bad = []
-        for shard in agent.own_shards(job):
-            if await agent.verify_shard(shard):
-                reason = f"step {shard.key.step} is complete on this node"
-                if bad:
-                    reason += f" (step(s) {bad} failed verification)"
-                return RestorePlan(
-                    shard.key.step,
-                    shard=shard,
-                    source="local",
-                    detail={
-                        "reason": reason,
-                        "outcome": RESTORED,
-                        "problems": [reason] if bad else [],
-                    },
-                )
-            bad.append(shard.key.step)
-        if bad:
-            reason = f"no step is complete: step(s) {bad} failed verification"
-            return RestorePlan(
-                None,
-                source="none",
-                detail={"reason": reason, "outcome": INCOMPLETE, "problems": [reason]},
-            )
-        return RestorePlan(
-            None,
-            source="none",
-            detail={
-                "reason": "no step of the job exists on this node (no peers, no bucket): a fresh "
-                "start",
-                "outcome": FRESH,
-            },
-        )
-
-    async def restore_done(self, agent: NodeAgent, job: JobSpec, plan: RestorePlan) -> None:
-        return None
+# ---------------------------------------------------------------------- tiers
 
 
 class Tier(Protocol):
@@ -237,8 +186,10 @@ class NodeAgent:
         state: the current job, written only by the agent (the tiers read it).
         reporter: ``replicator.errors``/``failed``.
         view: the client's view of the mount.
-        cluster: how the node agrees on a restore (:class:`LocalCluster` for one node).
+        restorer: decides and fetches what a restore brings back.
         tiers: the tiers following sealed steps, started in this order.
+        io_limiter: the node's limiter of file work in worker threads (the budget
+            count; shared with the verifier).
     """
 
     def __init__(
@@ -252,8 +203,9 @@ class NodeAgent:
         state: JobState,
         reporter: NodeReporter,
         view: ClientView,
-        cluster: Cluster,
+        restorer: Restorer,
         tiers: list[Tier],
+        io_limiter: trio.CapacityLimiter,
     ) -> None:
         self.config = config
         self.store = store
@@ -281,12 +233,12 @@ class NodeAgent:
         self.rules: SealRules | None = None
         #: the last problem lines (the reporter's, plus internal errors), for the status
         self.errors: collections.deque[str] = reporter.errors
-        self.cluster = cluster
+        self.restorer = restorer
         self.tiers = list(tiers)
         self._send, self._recv = trio.open_memory_channel[Event](math.inf)
         self._control_lock = trio.Lock()
         self._seal_limiter = trio.CapacityLimiter(1)
-        self._io_limiter = trio.CapacityLimiter(2)
+        self._io_limiter = io_limiter
         self._nursery: trio.Nursery | None = None
         self._restore_scope: trio.CancelScope | None = None
         self._generic_running = False
@@ -450,20 +402,6 @@ class NodeAgent:
         self.drop_shard(key, reason)
         for name in names:
             self.withdrawn_names[name] = key
-
-    async def verify_shard(self, shard: Shard) -> bool:
-        """Re-check a shard's checksums in a worker thread; a bad copy is dropped."""
-        async with self._io_limiter:
-            problems = await trio.to_thread.run_sync(self.shards.verify, shard)
-        if problems:
-            self.report_error(
-                f"step {shard.key.step} of rank {shard.key.rank} failed "
-                f"verification ({problems[0]}; {len(problems)} problem(s)); "
-                "copy discarded"
-            )
-            self.drop_shard(shard.key, "checksum mismatch")
-            return False
-        return True
 
     # ------------------------------------------------------------------ job
 
@@ -1024,7 +962,7 @@ class NodeAgent:
 
     async def _restore_inner(self, job: JobSpec) -> None:
         self.restore_state = {"state": "planning", "since": time.time()}
-        plan = await self.cluster.plan_restore(self, job)
+        plan = await self.restorer.plan(job)
         step = plan.step or None
         if step:
             self.drop_abandoned(job, step)
@@ -1039,7 +977,7 @@ class NodeAgent:
             "source": plan.source,
             "since": time.time(),
         }
-        await self.cluster.restore_done(self, job, plan)
+        await self.restorer.finish(job, plan)
         outcome = self._report_plan(plan)
         if step is None or plan.shard is None:
             await trio.to_thread.run_sync(
@@ -1094,10 +1032,10 @@ class NodeAgent:
         self._generic_running = True
         self.restore_state = {"state": "planning", "since": time.time(), "summoned": summoned}
         try:
-            plan = await self.cluster.plan_restore(self, job)
+            plan = await self.restorer.plan(job)
             if plan.step and not summoned:
                 self.drop_abandoned(job, plan.step)
-            await self.cluster.restore_done(self, job, plan)
+            await self.restorer.finish(job, plan)
         except Exception as exc:
             log.exception("generic restore failed")
             self.report_error(f"restore failed: {exc}")
