@@ -267,6 +267,7 @@ def test_tier_modules_import_nothing_inside_functions():
         "node/agreement.py",
         "node/restorer.py",
         "node/sources.py",
+        "node/statefile.py",
         "replication/peer.py",
         "replication/plane.py",
         "backup/tier.py",

@@ -47,6 +47,7 @@ from tierfs.core.config import NodeConfig
 from tierfs.core.control import ControlError, JobSpec
 from tierfs.core.types import RestorePlan
 from tierfs.fuse.namespace import Namespace
+from tierfs.node import statefile
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.jobstate import RESUMABLE_RESTORE_STATES, JobState
 from tierfs.node.reporter import NodeReporter
@@ -73,7 +74,6 @@ MISSING, TIMEOUT, REFUSED, FAILED = "missing", "timeout", "refused", "failed"
 
 STATUS_FILE = b".tierfs/status.json"
 CONTROL_DIR = ".tierfs"
-STATE_VERSION = 1
 DEFAULT_JOB = "default"
 #: seconds an expired step stays visible before retention hides it (protocol mode)
 VIEW_RETENTION_GRACE = 10.0
@@ -361,10 +361,6 @@ class NodeAgent:
         """This node's shards of ``job``, newest step first."""
         return self.catalog.own_shards(job)
 
-    def shards_of(self, job: str) -> list[Shard]:
-        """Every shard of ``job`` held here (own and replicas)."""
-        return self.catalog.shards_of(job)
-
     def age(self, key: ShardKey) -> tuple[float, int]:
         """Recency of a shard for retention: (seal time, step); larger is newer."""
         return self.catalog.age(key)
@@ -430,58 +426,30 @@ class NodeAgent:
         )
 
     def _save_state(self) -> None:
-        state = {
-            "version": STATE_VERSION,
-            "mode": self.mode,
-            "job": self.job.to_dict() if self.job else None,
-            "view_steps": {n: [k.job, k.rank, k.step] for n, k in self.view_steps.items()},
-            "published": {
-                m: [p.sibling, p.key.job, p.key.rank, p.key.step, p.entry]
-                for m, p in self.view.published.items()
-            },
-            "restore": self.restore_state,
-            # seal events not yet acted on: a restart must not lose them (a rename
-            # into a step name is the only sign a generic-mode step is complete)
-            "pending": {n: [c.step, list(c.entries), c.reason] for n, c in self.pending.items()},
-        }
-        try:
-            control.atomic_write(
-                self.store.store,
-                "state.json",
-                json.dumps(state, indent=1, sort_keys=True).encode(),
-                0o600,
-            )
-        except OSError as exc:
-            # a full tmpfs must not stop sealing or a restore; the next save catches up
-            log.warning("could not save state.json: %s", exc.strerror or exc)
+        statefile.save(
+            self.store.store,
+            statefile.SavedState(
+                mode=self.mode,
+                job=self.job,
+                view_steps=self.view_steps,
+                published=self.view.published,
+                restore=self.restore_state,
+                pending=list(self.pending.values()),
+            ),
+        )
 
     def _load_state(self) -> None:
-        try:
-            with open(self.store.state_file, encoding="utf-8") as f:
-                state = json.load(f)
-        except (OSError, ValueError):
-            state = {}
-        job = state.get("job")
-        if job and state.get("mode") == "protocol":
-            try:
-                self._set_job(JobSpec.from_dict(job), "protocol")
-            except (KeyError, TypeError, ValueError):
-                self._set_job(None, "none")
+        saved = statefile.load(self.store.state_file)
+        if saved.job is not None:
+            self._set_job(saved.job, "protocol")
         self.view_steps = {
-            n: ShardKey(j, int(r), int(s))
-            for n, (j, r, s) in state.get("view_steps", {}).items()
+            n: k
+            for n, k in saved.view_steps.items()
             if os.path.lexists(os.path.join(self.store.view, n))
         }
-        for m, (sib, j, r, s, entry) in state.get("published", {}).items():
-            self.view.published[m] = Published(m, sib, ShardKey(j, int(r), int(s)), entry)
-        self.restore_state = state.get("restore", {"state": "idle"})
-        try:
-            self.pending_at_start = [
-                SealCandidate(int(st), n, tuple(e), str(r))
-                for n, (st, e, r) in state.get("pending", {}).items()
-            ]
-        except (TypeError, ValueError):
-            self.pending_at_start = []
+        self.view.published.update(saved.published)
+        self.restore_state = saved.restore
+        self.pending_at_start = saved.pending
 
     # ------------------------------------------------------------------ main loop
 
