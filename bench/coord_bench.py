@@ -12,7 +12,7 @@ Two coordinators in the same run:
 
 Each server runs in a process of its own (its CPU time, from /proc, is the
 coordinator's); the nodes are grpc.aio clients in this process (one task
-per node, a few channels), calling as tierfs.node.peer_restore does (Join,
+per node, a few channels), calling as tierfs.node.agreement does (Join,
 Decide long polls of 2 s, Barrier ready, Barrier done; a failed call is
 retried after 0.5 s). Measured per N:
 

@@ -5,14 +5,17 @@ every object of a node in dependency order and hands each the narrow ports
 (:mod:`tierfs.core.ports`) it needs through its constructor; nothing is
 attached afterwards. What it builds depends on the configuration:
 
-* always: the shard store, the catalog, the job state, the client view, the
-  reporter, the GCS tier (off without ``--bucket``) and the agent;
+* always: the shard store, the catalog, the verifier, the job state, the
+  client view, the reporter, the GCS tier (off without ``--bucket``), the
+  restorer (its local source) and the agent;
 * ``--listen`` or ``--coordinator``: the peer plane's state, the peer tier
-  and the peer cluster (restore rounds through the coordinator); with
-  ``--listen`` also this node's coordinator service;
-* ``--bucket``: the bucket cluster around the cluster, the GCS tier takes
-  the peer tier's backup orders, and without ``--coordinator`` the bucket
-  rendezvous.
+  and the restorer's peer sources; with ``--listen`` also this node's
+  coordinator service; when a coordinator can be found (``--coordinator``,
+  or the bucket rendezvous) the restorer's agreement (restore rounds through
+  the coordinator);
+* ``--bucket``: the restorer's bucket (its view and round sources), the GCS
+  tier takes the peer tier's backup orders, and without ``--coordinator``
+  the bucket rendezvous.
 
 Startup is ordered (s3ql style): open the RAM store, count its bytes, build
 the namespace, mount, serve FUSE requests, then start the node agent.
@@ -43,12 +46,13 @@ from tierfs.core.config import ConfigError, NodeConfig
 from tierfs.fuse.namespace import Namespace
 from tierfs.fuse.session import FuseSession, MountOptions
 from tierfs.node import metrics
-from tierfs.node.agent import Cluster, LocalCluster, NodeAgent, Tier
-from tierfs.node.bucket_restore import GcsCluster
-from tierfs.node.catalog import ShardCatalog
+from tierfs.node.agent import NodeAgent, Tier
+from tierfs.node.agreement import CoordinatorAgreement
+from tierfs.node.catalog import ShardCatalog, ShardVerifier
 from tierfs.node.jobstate import JobState
-from tierfs.node.peer_restore import PeerCluster
 from tierfs.node.reporter import NodeReporter
+from tierfs.node.restorer import Restorer
+from tierfs.node.sources import BucketRestoreSide, LocalSource, PeerSources
 from tierfs.node.view import ClientView
 from tierfs.replication.peer import PeerTier
 from tierfs.replication.plane import PlaneState
@@ -124,8 +128,10 @@ class NodeParts:
         rendezvous: the bucket rendezvous (``--bucket`` and ``--listen``
             without ``--coordinator``), else None.
         gcs: always built; off (``enabled`` False) without ``--bucket``.
-        cluster: what the agent restores through: :class:`LocalCluster`, a
-            :class:`PeerCluster`, either wrapped in a :class:`GcsCluster`.
+        agreement: the coordinator's restore rounds (a peer plane that can
+            find a coordinator), else None.
+        restorer: what the agent restores through (its sources, the bucket,
+            the agreement).
     """
 
     shards: ShardStore
@@ -138,7 +144,9 @@ class NodeParts:
     gcs: GcsTier
     rendezvous: BucketRendezvous | None
     peer: PeerTier | None
-    cluster: Cluster
+    verifier: ShardVerifier
+    agreement: CoordinatorAgreement | None
+    restorer: Restorer
     tiers: list[Tier]
     agent: NodeAgent
 
@@ -155,6 +163,9 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
     state = JobState()
     view = ClientView(store)
     reporter = NodeReporter(store.view, state, view.notify)
+    # file work in worker threads: verification and the budget count share it
+    io_limiter = trio.CapacityLimiter(2)
+    verifier = ShardVerifier(shards, catalog, reporter, io_limiter)
     plane = coordinator = None
     if config.listen or config.coordinator:
         plane = PlaneState(
@@ -186,8 +197,7 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
     if plane is not None and plane.bucket_rendezvous:
         rendezvous = BucketRendezvous(gcs)
     backup = gcs if spec is not None else None
-    peer = None
-    cluster: Cluster = LocalCluster()
+    peer = peers = agreement = None
     if plane is not None:
         peer = PeerTier(
             config,
@@ -203,9 +213,19 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
             rendezvous=rendezvous,
             backup=backup,
         )
-        cluster = PeerCluster(peer, backup=backup)
-    if spec is not None:
-        cluster = GcsCluster(cluster, gcs)
+        peers = PeerSources(peer, catalog, state)
+        if plane.has_plane():
+            agreement = CoordinatorAgreement(peer, state, reporter)
+    restorer = Restorer(
+        catalog=catalog,
+        verifier=verifier,
+        reporter=reporter,
+        progress=state,
+        local=LocalSource(catalog),
+        peers=peers,
+        bucket=BucketRestoreSide(gcs, verifier, state) if backup is not None else None,
+        agreement=agreement,
+    )
     tiers: list[Tier] = [peer, gcs] if peer is not None else [gcs]
     agent = NodeAgent(
         config,
@@ -216,8 +236,9 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         state=state,
         reporter=reporter,
         view=view,
-        cluster=cluster,
+        restorer=restorer,
         tiers=tiers,
+        io_limiter=io_limiter,
     )
     return NodeParts(
         shards,
@@ -230,7 +251,9 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         gcs,
         rendezvous,
         peer,
-        cluster,
+        verifier,
+        agreement,
+        restorer,
         tiers,
         agent,
     )

@@ -78,9 +78,10 @@ FAMILIES = {
     "tierfs.replication.transfer.BadCopy": (errors.ClusterError,),
     "tierfs.replication.service.HostGone": (errors.ClusterError,),
     "tierfs.cluster.rounds.Rejected": (errors.ClusterError,),
-    "tierfs.node.peer_restore.RestoreFailed": (errors.RestoreError,),
-    "tierfs.node.peer_restore.NodesMissing": (errors.RestoreError,),
-    "tierfs.node.peer_restore.RestoreRefused": (errors.RestoreError,),
+    "tierfs.node.agreement.RestoreFailed": (errors.RestoreError,),
+    "tierfs.node.agreement.NodesMissing": (errors.RestoreError,),
+    "tierfs.node.agreement.RestoreRefused": (errors.RestoreError,),
+    "tierfs.node.sources.CopyFailed": (errors.RestoreError,),
     "tierfs.csi.operator.ApiError": (errors.TierfsError, RuntimeError),
     "tierfs.demo.orchestrator.DemoError": (errors.TierfsError, RuntimeError),
     "tierfs.demo.emulator.EmulatorError": (errors.TierfsError, RuntimeError),
@@ -109,7 +110,7 @@ def test_families_do_not_overlap():
 
 def test_messages_and_catching_are_unchanged():
     from tierfs.core.config import ConfigError
-    from tierfs.node.peer_restore import RestoreTimeout
+    from tierfs.node.agreement import RestoreTimeout
 
     with pytest.raises(ValueError, match=r"^bad size$"):
         raise ConfigError("bad size")

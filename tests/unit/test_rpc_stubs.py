@@ -90,7 +90,7 @@ def test_nothing_compiles_protos_at_run_time():
         "sys.modules['grpc_tools'] = None  # any import of it raises ImportError\n"
         "import tierfs.cli.main, tierfs.cluster.coordinator, tierfs.csi.server\n"
         "import tierfs.replication.peer\n"
-        "import tierfs.node.peer_restore\n"
+        "import tierfs.node.agreement, tierfs.node.restorer\n"
         "from tierfs.cluster.coordinator import Coordinator\n"
         "from tierfs.cluster.servicer import CoordinatorServicer\n"
         "CoordinatorServicer(Coordinator())\n"

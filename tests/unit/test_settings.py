@@ -84,7 +84,7 @@ def test_module_constants_are_gone():
     """Nothing keeps a copy of a variable's value from import time."""
     from tierfs.backup import bucket as gcs
     from tierfs.backup import tier as gcs_tier
-    from tierfs.node import peer_restore
+    from tierfs.node import agreement
     from tierfs.replication import peer
 
     for module, names in [
@@ -104,7 +104,7 @@ def test_module_constants_are_gone():
         ),
         (gcs, ["DEDUP_WAIT"]),
         (peer, ["PUSH_PATIENCE"]),
-        (peer_restore, ["REFUSAL_GRACE"]),
+        (agreement, ["REFUSAL_GRACE"]),
     ]:
         for name in names:
             assert not hasattr(module, name), f"{module.__name__}.{name}"

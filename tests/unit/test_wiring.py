@@ -19,9 +19,8 @@ from tierfs.backup.tier import BucketRendezvous, GcsTier, _Upload
 from tierfs.core.config import ConfigError, NodeConfig
 from tierfs.core.control import JobSpec
 from tierfs.daemon import NodeParts, build_node
-from tierfs.node.agent import LocalCluster
-from tierfs.node.bucket_restore import GcsCluster
-from tierfs.node.peer_restore import PeerCluster
+from tierfs.node.agreement import CoordinatorAgreement
+from tierfs.node.sources import BucketRestoreSide, LocalSource, PeerSources
 from tierfs.replication.peer import PeerTier, _Send
 from tierfs.replication.plane import PlaneState
 from tierfs.store.ramstore import Budget, RamStore
@@ -40,7 +39,18 @@ def assert_shared(parts: NodeParts) -> None:
     assert agent.catalog is parts.catalog and agent.state is parts.state
     assert agent.reporter is parts.reporter and agent.view is parts.view
     assert agent.shards is parts.shards and parts.catalog.shards is parts.shards
-    assert agent.cluster is parts.cluster and agent.tiers == parts.tiers
+    assert agent.restorer is parts.restorer and agent.tiers == parts.tiers
+    restorer = parts.restorer
+    assert restorer.catalog is parts.catalog and restorer.reporter is parts.reporter
+    assert restorer.progress is parts.state and restorer.verifier is parts.verifier
+    assert parts.verifier.catalog is parts.catalog and parts.verifier.shards is parts.shards
+    assert parts.verifier.limiter is agent._io_limiter  # verification and recounts share it
+    assert isinstance(restorer.local, LocalSource) and restorer.local.catalog is parts.catalog
+    assert restorer.agreement is parts.agreement
+    if parts.gcs.enabled:
+        assert isinstance(restorer.bucket, BucketRestoreSide) and restorer.bucket.tier is parts.gcs
+    else:
+        assert restorer.bucket is None
     gcs = parts.gcs
     assert gcs.catalog is parts.catalog and gcs.current is parts.state
     assert gcs.reporter is parts.reporter and gcs.shards is parts.shards
@@ -58,7 +68,7 @@ def test_a_node_without_a_peer_plane_is_a_one_node_cluster(tmp_path):
     parts = build(tmp_path)
     assert parts.plane is None and parts.peer is None and parts.coordinator is None
     assert parts.rendezvous is None
-    assert type(parts.cluster) is LocalCluster
+    assert parts.restorer.agreement is None and parts.restorer.peers is None
     assert parts.tiers == [parts.gcs] and not parts.gcs.enabled
     assert parts.gcs.status().summary == "off (no --bucket)"
     assert_shared(parts)
@@ -71,8 +81,12 @@ def test_listen_and_coordinator_build_the_peer_plane(tmp_path):
     assert coord is not None and coord.gate == plane.coordinator_gate
     assert coord.coordinator.bucket is False  # no bucket: decisions never wait for one
     assert parts.tiers == [peer, parts.gcs]
-    assert isinstance(parts.cluster, PeerCluster)
-    assert parts.cluster.tier is peer and parts.cluster.backup is None
+    agreement = parts.restorer.agreement
+    assert isinstance(agreement, CoordinatorAgreement) and agreement.tier is peer
+    assert parts.restorer.bucket is None
+    peers = parts.restorer.peers
+    assert isinstance(peers, PeerSources) and peers.tier is peer
+    assert peers(3, "10.0.0.3:7000").name == "peer:3"
     assert peer.backup is None and parts.rendezvous is None
     # the static coordinator's own node serves it, whatever its job
     assert plane.coordinator_gate() is None and peer.has_plane()
@@ -84,7 +98,7 @@ def test_a_node_that_only_knows_the_coordinator_has_no_server(tmp_path):
     assert parts.peer is not None and parts.coordinator is None
     assert parts.plane is not None
     assert parts.plane.coordinator_gate() == "the coordinator is at 10.0.0.1:7000"
-    assert isinstance(parts.cluster, PeerCluster)
+    assert isinstance(parts.restorer.agreement, CoordinatorAgreement)
     assert_shared(parts)
 
 
@@ -93,8 +107,9 @@ def test_a_bucket_without_a_peer_plane_decides_alone(tmp_path):
     gcs = parts.gcs
     assert gcs.enabled and str(gcs.spec).startswith("gs://ckpt-bucket/pre")
     assert gcs.plane is None and gcs.coordinator is None
-    assert isinstance(parts.cluster, GcsCluster)
-    assert type(parts.cluster.inner) is LocalCluster and parts.cluster.tier is gcs
+    assert parts.restorer.agreement is None and parts.restorer.peers is None
+    assert isinstance(parts.restorer.bucket, BucketRestoreSide)
+    assert parts.restorer.bucket.source("2026-12-01_21-00").name == "gcs:2026-12-01_21-00"
     assert parts.peer is None and parts.rendezvous is None
     assert_shared(parts)
 
@@ -107,9 +122,9 @@ def test_a_bucket_without_coordinator_finds_it_through_the_bucket(tmp_path):
     assert plane.bucket_rendezvous and peer.has_plane()
     assert peer.backup is gcs  # the peer tier hands the coordinator's orders to it
     assert parts.coordinator.coordinator.bucket is True  # decisions wait for the bucket
-    cluster = parts.cluster
-    assert isinstance(cluster, GcsCluster) and isinstance(cluster.inner, PeerCluster)
-    assert cluster.inner.backup is gcs and cluster.inner.tier is peer
+    restorer = parts.restorer
+    assert isinstance(restorer.agreement, CoordinatorAgreement) and restorer.agreement.tier is peer
+    assert isinstance(restorer.bucket, BucketRestoreSide) and restorer.bucket.tier is gcs
     # node-rank 0 of a multi-node job serves the coordinator, the others do not
     assert plane.coordinator_gate() == "no multi-node job runs on this node"
     parts.state.job = JobSpec("j", "orbax", 0, 2)
@@ -126,7 +141,8 @@ def test_a_bucket_with_a_static_coordinator_needs_no_rendezvous(tmp_path):
     assert parts.rendezvous is None and parts.peer is not None
     assert parts.plane is not None and not parts.plane.bucket_rendezvous
     assert parts.peer.backup is parts.gcs
-    assert isinstance(parts.cluster, GcsCluster) and isinstance(parts.cluster.inner, PeerCluster)
+    assert isinstance(parts.restorer.agreement, CoordinatorAgreement)
+    assert isinstance(parts.restorer.bucket, BucketRestoreSide)
     assert_shared(parts)
 
 
@@ -248,8 +264,10 @@ def test_tier_modules_import_nothing_inside_functions():
         "node/catalog.py",
         "node/jobstate.py",
         "node/reporter.py",
-        "node/peer_restore.py",
-        "node/bucket_restore.py",
+        "node/agreement.py",
+        "node/restorer.py",
+        "node/sources.py",
+        "node/statefile.py",
         "replication/peer.py",
         "replication/plane.py",
         "backup/tier.py",

@@ -19,7 +19,8 @@
     ├── ClusterError         the peer plane and the cluster agreement
     │       TransferError > BadCopy, Refused, Cancelled; Rejected; HostGone
     ├── RestoreError         a restore that cannot finish
-    │       RestoreFailed > RestoreTimeout > NodesMissing; RestoreFailed > RestoreRefused
+    │       RestoreFailed > RestoreTimeout > NodesMissing; RestoreFailed > RestoreRefused;
+    │       CopyFailed (one source's copy: the restorer tries the next)
     └── (tools, no family)   ApiError (RuntimeError, the operator's Kubernetes API),
                              DemoError (RuntimeError) > DemoInterrupted, EmulatorError
                              (RuntimeError)

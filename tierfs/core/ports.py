@@ -2,10 +2,10 @@
 
 Every object receives its ports in ``__init__`` from the one composition root
 (:class:`tierfs.daemon.NodeDaemon`); nothing is attached after construction.
-The planes (:mod:`tierfs.replication`, :mod:`tierfs.backup`, the clusters of
-:mod:`tierfs.node`) see the node only through these Protocols, so a unit test
-hands them small fakes (tests/unit/test_wiring.py) and no plane imports the
-agent or another plane.
+The planes (:mod:`tierfs.replication`, :mod:`tierfs.backup`) and the node's
+restorer (:class:`tierfs.node.restorer.Restorer`) see the node only through these
+Protocols, so a unit test hands them small fakes (tests/unit/test_wiring.py,
+tests/unit/test_restorer.py) and no plane imports the agent or another plane.
 
 Threads: unless a method says otherwise it is called on the trio thread and
 must not block (file work belongs in ``trio.to_thread``).
@@ -19,17 +19,24 @@ Implementations today:
 * :class:`PeerPlane`: :class:`tierfs.replication.plane.PlaneState`;
 * :class:`BackupOrders`, :class:`BackupFetch`: :class:`tierfs.backup.tier.GcsTier`;
 * :class:`Rendezvous`: :class:`tierfs.backup.tier.BucketRendezvous` (tests: fakes);
-* :class:`CoordinatorHooks`: :class:`tierfs.cluster.coordinator.CoordinatorServicer`.
+* :class:`CoordinatorHooks`: :class:`tierfs.cluster.coordinator.CoordinatorServicer`;
+* :class:`Verifier`: :class:`tierfs.node.catalog.ShardVerifier`;
+* :class:`RestoreProgress`: :class:`tierfs.node.jobstate.JobState`;
+* :class:`RestoreSource`: :class:`tierfs.node.sources.LocalSource`,
+  :class:`~tierfs.node.sources.PeerSource`, :class:`~tierfs.node.sources.BucketSource`;
+* :class:`BucketRestore`: :class:`tierfs.node.sources.BucketRestoreSide`;
+* :class:`Agreement`: :class:`tierfs.node.agreement.CoordinatorAgreement`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from tierfs.core.control import JobSpec
-    from tierfs.core.types import BucketView, Outcome, RoundView
+    from tierfs.core.types import BucketView, CopyId, Outcome, RestorePlan, RoundView
     from tierfs.store.shards import Shard, ShardKey
 
 #: a listener of a shard leaving the catalog (withdrawn, dropped by retention, replaced)
@@ -269,4 +276,151 @@ class CoordinatorHooks(Protocol):
 
     def set_bucket_reader(self, reader: Callable[[str, int, int], BucketView]) -> None:
         """Install ``reader(job, nodes, depth)``: restore decisions wait for it."""
+        ...
+
+
+# ---------------------------------------------------------------------- restore
+
+
+class Verifier(Protocol):
+    """Re-checks a held shard's bytes against its manifest (crc32c of every file)."""
+
+    async def verify(self, shard: Shard) -> bool:
+        """True if every file matches. A bad copy is reported (one line in
+        ``replicator.errors``) and dropped from the catalog. File work runs in a
+        worker thread."""
+        ...
+
+
+class RestoreProgress(Protocol):
+    """Where a restore says what it does now (the restore state's ``phase`` and details)."""
+
+    def progress(self, fields: Mapping[str, Any]) -> None:
+        """Merge ``fields`` (``phase``: one line; ``source``, ``round``, ``step``...) into
+        the running restore's state (``tierfs status``). Must not block."""
+        ...
+
+
+class RestoreSource(Protocol):
+    """One place this node's shard of a decided step can come from.
+
+    Attributes:
+        name: ``local``, ``peer:<node rank>`` or ``gcs:<backup round>``.
+        round: the backup round (bucket sources), else None.
+    """
+
+    name: str
+    round: str | None
+
+    async def fetch(self, job: JobSpec, step: int, digest: str) -> Shard:
+        """This node's shard (rank ``job.node_rank``) of ``step`` with manifest digest
+        ``digest`` ("": any), verified and in the catalog.
+
+        Raises:
+            tierfs.node.sources.CopyFailed: this source's copy cannot be used
+                (``reason``: one line; ``line``: what ``replicator.errors``
+                says, if anything).
+        """
+        ...
+
+
+#: the peer source of node rank ``holder`` reachable at ``address``
+PeerSources = Callable[[int, str], RestoreSource]
+
+
+class BucketRestore(Protocol):
+    """The bucket as the restorer sees it (``--bucket``)."""
+
+    async def view(self, job: JobSpec, depth: int) -> BucketView:
+        """What the bucket holds of ``job``: the ``depth`` newest complete rounds
+        (worker thread, bounded time; a read failure is ``BucketView.error``)."""
+        ...
+
+    def source(self, round: str) -> RestoreSource:
+        """The source of backup round ``round``."""
+        ...
+
+    def note_restored(self, job: JobSpec, plan: RestorePlan, forced: str | None) -> None:
+        """Record a finished restore plan (the backup schedule restarts from it; a
+        restore through ``restore.version`` round ``forced`` is remembered)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The coordinator's restore decision as this node sees it (PROTOCOL.md section 4).
+
+    Attributes:
+        round: the restore round number.
+        version: the decision's version (a replan after a bad copy raises it).
+        step: the step every node restores, or None for "nothing".
+        reason: one line why.
+        outcome: ``restored``, ``fresh``, ``incomplete`` (None: not said).
+        problems: lines for ``replicator.errors``.
+        forced: the ``restore.version`` round that made the decision, or None.
+        digest: the manifest digest of this node's shard to restore ("": any).
+        local: this node holds that copy itself.
+        peers: (node rank, address) of the peers holding it, in the order to try.
+        rounds: the backup rounds holding it, in the order to try.
+    """
+
+    round: int
+    version: int
+    step: int | None
+    reason: str = ""
+    outcome: str | None = None
+    problems: tuple[str, ...] = ()
+    forced: str | None = None
+    digest: str = ""
+    local: bool = False
+    peers: tuple[tuple[int, str], ...] = ()
+    rounds: tuple[str, ...] = ()
+
+
+class Agreement(Protocol):
+    """The coordinator's restore round as this node takes part in it (PROTOCOL.md
+    section 4): join, decide, the "ready" and "done" barriers.
+
+    Every call waits (without a thread) for the coordinator within the node's
+    ``--join-timeout`` and says what it waits for through the restore progress.
+
+    Raises (every call but :meth:`pin`):
+        tierfs.node.agreement.RestoreTimeout: no answer or no progress in time
+            (``NodesMissing``: node ranks never joined);
+        tierfs.node.agreement.RestoreRefused: the coordinator refuses this node;
+        each with its line in ``replicator.errors``.
+    """
+
+    async def join(self, job: JobSpec, restore_id: str, strict: bool, notes: Sequence[str]) -> int:
+        """Join the restore round (``strict``: protocol mode, else generic) with
+        ``notes`` (copies this node discarded); returns the round number."""
+        ...
+
+    async def decide(self, job: JobSpec, restore_id: str, round: int) -> Decision | None:
+        """The round's decision, once every node joined; None: join again (the
+        coordinator restarted or moved)."""
+        ...
+
+    async def ready(
+        self,
+        job: JobSpec,
+        restore_id: str,
+        round: int,
+        version: int,
+        ok: bool,
+        bad: Sequence[CopyId],
+        detail: str = "",
+    ) -> str:
+        """Barrier "ready" of ``round`` (decision ``version``): this node has its data
+        (``ok``) or found ``bad`` copies (``detail``: one line why). Returns
+        ``passed``, ``replan`` (decide again) or ``rejoin``."""
+        ...
+
+    async def done(self, job: JobSpec, restore_id: str, round: int, version: int) -> str:
+        """Barrier "done" (every node wrote its prerestore), bounded to at most 60 s.
+        Returns ``passed``, ``replan`` or ``rejoin``."""
+        ...
+
+    def pin(self, key: ShardKey, delta: int) -> None:
+        """Hold (+1) or release (-1) ``key`` against retention (trio thread)."""
         ...

@@ -373,7 +373,7 @@ def restore_join(join_timeout: float) -> Policy:
         max_wait=2.0,
         deadline=join_timeout,
         layer=BACKOFF,
-        where="node/peer_restore.py:PeerCluster._join",
+        where="node/agreement.py:CoordinatorAgreement.join",
         knobs="--join-timeout, TIERFS_REFUSAL_GRACE",
     )
 
@@ -390,7 +390,7 @@ def restore_call(limit: float) -> Policy:
         deadline=limit,
         exp_base=1.0,
         layer=BACKOFF,
-        where="node/peer_restore.py:PeerCluster._unreachable",
+        where="node/agreement.py:CoordinatorAgreement._unreachable",
         knobs="--join-timeout",
     )
 

@@ -7,7 +7,7 @@ policy modules (:mod:`tierfs.core.control`, :mod:`tierfs.node.sealing`,
 * ``replicator.yaml`` arrives (renamed into place or closed after writing):
   parse it, hide the old client-visible entries, report problems through
   ``replicator.failed``/``replicator.errors``, delete it, then restore
-  (PROTOCOL.md sections 2 and 4) through a :class:`Cluster`.
+  (PROTOCOL.md sections 2 and 4) through the :class:`tierfs.node.restorer.Restorer`.
 * A seal event (rename into a step name, a closed marker or worker file):
   hard-link snapshot, manifest with crc32c, retention; tiers are told.
 * A write into a sealed file (reported *before* the handle opens) withdraws
@@ -58,16 +58,18 @@ from tierfs.core.status import (
 )
 from tierfs.core.types import RestorePlan
 from tierfs.fuse.namespace import Namespace
+from tierfs.node import statefile
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.jobstate import RESUMABLE_RESTORE_STATES, JobState
 from tierfs.node.reporter import NodeReporter
+from tierfs.node.restorer import Restorer
 from tierfs.node.sealing import SealCandidate, SealRules
 from tierfs.node.view import SIBLING_GRACE, ClientView, Published
 from tierfs.store.manifest import CrcCache, ManifestError
 from tierfs.store.ramstore import TRASH_GRACE, Budget, RamStore
 from tierfs.store.shards import SealBusy, Shard, ShardKey, ShardStore, retention
 
-__all__ = ["Cluster", "LocalCluster", "NodeAgent", "RestorePlan", "Tier"]
+__all__ = ["NodeAgent", "RestorePlan", "Tier"]
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +85,6 @@ MISSING, TIMEOUT, REFUSED, FAILED = "missing", "timeout", "refused", "failed"
 
 STATUS_FILE = b".tierfs/status.json"
 CONTROL_DIR = ".tierfs"
-STATE_VERSION = 1
 DEFAULT_JOB = "default"
 #: seconds an expired step stays visible before retention hides it (protocol mode)
 VIEW_RETENTION_GRACE = 10.0
@@ -161,59 +162,7 @@ class AgentEvents:
         self.agent.post(Released(path, ino))
 
 
-# ---------------------------------------------------------------------- cluster
-
-
-class Cluster(Protocol):
-    """How a node agrees with the others on what to restore (PROTOCOL.md section 6)."""
-
-    async def plan_restore(self, agent: NodeAgent, job: JobSpec) -> RestorePlan:
-        """Choose the step, fetch what this node lacks, return its plan."""
-
-    async def restore_done(self, agent: NodeAgent, job: JobSpec, plan: RestorePlan) -> None:
-        """Barrier: returns once every node has its data for ``plan.step``."""
-
-
-class LocalCluster:
-    """A one-node cluster: the newest local step whose checksums verify."""
-
-    async def plan_restore(self, agent: NodeAgent, job: JobSpec) -> RestorePlan:
-        bad = []
-        for shard in agent.own_shards(job):
-            if await agent.verify_shard(shard):
-                reason = f"step {shard.key.step} is complete on this node"
-                if bad:
-                    reason += f" (step(s) {bad} failed verification)"
-                return RestorePlan(
-                    shard.key.step,
-                    shard=shard,
-                    source="local",
-                    detail={
-                        "reason": reason,
-                        "outcome": RESTORED,
-                        "problems": [reason] if bad else [],
-                    },
-                )
-            bad.append(shard.key.step)
-        if bad:
-            reason = f"no step is complete: step(s) {bad} failed verification"
-            return RestorePlan(
-                None,
-                source="none",
-                detail={"reason": reason, "outcome": INCOMPLETE, "problems": [reason]},
-            )
-        return RestorePlan(
-            None,
-            source="none",
-            detail={
-                "reason": "no step of the job exists on this node (no peers, no bucket): a fresh "
-                "start",
-                "outcome": FRESH,
-            },
-        )
-
-    async def restore_done(self, agent: NodeAgent, job: JobSpec, plan: RestorePlan) -> None:
-        return None
+# ---------------------------------------------------------------------- tiers
 
 
 class Tier(Protocol):
@@ -248,8 +197,10 @@ class NodeAgent:
         state: the current job, written only by the agent (the tiers read it).
         reporter: ``replicator.errors``/``failed``.
         view: the client's view of the mount.
-        cluster: how the node agrees on a restore (:class:`LocalCluster` for one node).
+        restorer: decides and fetches what a restore brings back.
         tiers: the tiers following sealed steps, started in this order.
+        io_limiter: the node's limiter of file work in worker threads (the budget
+            count; shared with the verifier).
     """
 
     def __init__(
@@ -263,8 +214,9 @@ class NodeAgent:
         state: JobState,
         reporter: NodeReporter,
         view: ClientView,
-        cluster: Cluster,
+        restorer: Restorer,
         tiers: list[Tier],
+        io_limiter: trio.CapacityLimiter,
     ) -> None:
         self.config = config
         self.store = store
@@ -292,12 +244,12 @@ class NodeAgent:
         self.rules: SealRules | None = None
         #: the last problem lines (the reporter's, plus internal errors), for the status
         self.errors: collections.deque[str] = reporter.errors
-        self.cluster = cluster
+        self.restorer = restorer
         self.tiers = list(tiers)
         self._send, self._recv = trio.open_memory_channel[Event](math.inf)
         self._control_lock = trio.Lock()
         self._seal_limiter = trio.CapacityLimiter(1)
-        self._io_limiter = trio.CapacityLimiter(2)
+        self._io_limiter = io_limiter
         self._nursery: trio.Nursery | None = None
         self._restore_scope: trio.CancelScope | None = None
         self._generic_running = False
@@ -420,10 +372,6 @@ class NodeAgent:
         """This node's shards of ``job``, newest step first."""
         return self.catalog.own_shards(job)
 
-    def shards_of(self, job: str) -> list[Shard]:
-        """Every shard of ``job`` held here (own and replicas)."""
-        return self.catalog.shards_of(job)
-
     def age(self, key: ShardKey) -> tuple[float, int]:
         """Recency of a shard for retention: (seal time, step); larger is newer."""
         return self.catalog.age(key)
@@ -462,20 +410,6 @@ class NodeAgent:
         for name in names:
             self.withdrawn_names[name] = key
 
-    async def verify_shard(self, shard: Shard) -> bool:
-        """Re-check a shard's checksums in a worker thread; a bad copy is dropped."""
-        async with self._io_limiter:
-            problems = await trio.to_thread.run_sync(self.shards.verify, shard)
-        if problems:
-            self.report_error(
-                f"step {shard.key.step} of rank {shard.key.rank} failed "
-                f"verification ({problems[0]}; {len(problems)} problem(s)); "
-                "copy discarded"
-            )
-            self.drop_shard(shard.key, "checksum mismatch")
-            return False
-        return True
-
     # ------------------------------------------------------------------ job
 
     def _set_job(self, job: JobSpec | None, mode: str) -> None:
@@ -503,58 +437,30 @@ class NodeAgent:
         )
 
     def _save_state(self) -> None:
-        state = {
-            "version": STATE_VERSION,
-            "mode": self.mode,
-            "job": self.job.to_dict() if self.job else None,
-            "view_steps": {n: [k.job, k.rank, k.step] for n, k in self.view_steps.items()},
-            "published": {
-                m: [p.sibling, p.key.job, p.key.rank, p.key.step, p.entry]
-                for m, p in self.view.published.items()
-            },
-            "restore": self.restore_state,
-            # seal events not yet acted on: a restart must not lose them (a rename
-            # into a step name is the only sign a generic-mode step is complete)
-            "pending": {n: [c.step, list(c.entries), c.reason] for n, c in self.pending.items()},
-        }
-        try:
-            control.atomic_write(
-                self.store.store,
-                "state.json",
-                json.dumps(state, indent=1, sort_keys=True).encode(),
-                0o600,
-            )
-        except OSError as exc:
-            # a full tmpfs must not stop sealing or a restore; the next save catches up
-            log.warning("could not save state.json: %s", exc.strerror or exc)
+        statefile.save(
+            self.store.store,
+            statefile.SavedState(
+                mode=self.mode,
+                job=self.job,
+                view_steps=self.view_steps,
+                published=self.view.published,
+                restore=self.restore_state,
+                pending=list(self.pending.values()),
+            ),
+        )
 
     def _load_state(self) -> None:
-        try:
-            with open(self.store.state_file, encoding="utf-8") as f:
-                state = json.load(f)
-        except (OSError, ValueError):
-            state = {}
-        job = state.get("job")
-        if job and state.get("mode") == "protocol":
-            try:
-                self._set_job(JobSpec.from_dict(job), "protocol")
-            except (KeyError, TypeError, ValueError):
-                self._set_job(None, "none")
+        saved = statefile.load(self.store.state_file)
+        if saved.job is not None:
+            self._set_job(saved.job, "protocol")
         self.view_steps = {
-            n: ShardKey(j, int(r), int(s))
-            for n, (j, r, s) in state.get("view_steps", {}).items()
+            n: k
+            for n, k in saved.view_steps.items()
             if os.path.lexists(os.path.join(self.store.view, n))
         }
-        for m, (sib, j, r, s, entry) in state.get("published", {}).items():
-            self.view.published[m] = Published(m, sib, ShardKey(j, int(r), int(s)), entry)
-        self.restore_state = state.get("restore", {"state": "idle"})
-        try:
-            self.pending_at_start = [
-                SealCandidate(int(st), n, tuple(e), str(r))
-                for n, (st, e, r) in state.get("pending", {}).items()
-            ]
-        except (TypeError, ValueError):
-            self.pending_at_start = []
+        self.view.published.update(saved.published)
+        self.restore_state = saved.restore
+        self.pending_at_start = saved.pending
 
     # ------------------------------------------------------------------ main loop
 
@@ -1035,7 +941,7 @@ class NodeAgent:
 
     async def _restore_inner(self, job: JobSpec) -> None:
         self.restore_state = {"state": "planning", "since": time.time()}
-        plan = await self.cluster.plan_restore(self, job)
+        plan = await self.restorer.plan(job)
         step = plan.step or None
         if step:
             self.drop_abandoned(job, step)
@@ -1050,7 +956,7 @@ class NodeAgent:
             "source": plan.source,
             "since": time.time(),
         }
-        await self.cluster.restore_done(self, job, plan)
+        await self.restorer.finish(job, plan)
         outcome = self._report_plan(plan)
         if step is None or plan.shard is None:
             await trio.to_thread.run_sync(
@@ -1105,10 +1011,10 @@ class NodeAgent:
         self._generic_running = True
         self.restore_state = {"state": "planning", "since": time.time(), "summoned": summoned}
         try:
-            plan = await self.cluster.plan_restore(self, job)
+            plan = await self.restorer.plan(job)
             if plan.step and not summoned:
                 self.drop_abandoned(job, plan.step)
-            await self.cluster.restore_done(self, job, plan)
+            await self.restorer.finish(job, plan)
         except Exception as exc:
             log.exception("generic restore failed")
             self.report_error(f"restore failed: {exc}")

@@ -5,6 +5,9 @@ plus the inode map a write into a sealed file is checked against, and the
 listeners the planes register in their ``__init__`` (sealed, withdrawn) and
 the node's retention hook. Trio thread only, except :attr:`ShardCatalog.sealed_inos`
 (read by the FUSE thread: one dict lookup).
+
+:class:`ShardVerifier` re-checks a held shard's bytes (:class:`tierfs.core.ports.Verifier`)
+and drops a bad copy from the catalog.
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, ItemsView, Iterator, Mapping
 
+import trio
+
 from tierfs.core.control import JobSpec
-from tierfs.core.ports import SealedListener, WithdrawnListener
+from tierfs.core.ports import Reporter, SealedListener, WithdrawnListener
 from tierfs.store.shards import Shard, ShardKey, ShardStore
 
 log = logging.getLogger(__name__)
@@ -138,3 +143,41 @@ class ShardCatalog(Mapping[ShardKey, Shard]):
         """Call ``hook()`` on :meth:`request_retention` (the node's retention; must not
         block)."""
         self._retention.append(hook)
+
+
+class ShardVerifier:
+    """Re-checks held shards against their manifests (:class:`tierfs.core.ports.Verifier`).
+
+    Args:
+        shards: the store of committed shards (``verify`` reads every file).
+        catalog: where a bad copy is dropped.
+        reporter: ``replicator.errors``.
+        limiter: the node's file-work limiter (shared with the budget count).
+    """
+
+    def __init__(
+        self,
+        shards: ShardStore,
+        catalog: ShardCatalog,
+        reporter: Reporter,
+        limiter: trio.CapacityLimiter,
+    ) -> None:
+        self.shards = shards
+        self.catalog = catalog
+        self.reporter = reporter
+        self.limiter = limiter
+
+    async def verify(self, shard: Shard) -> bool:
+        """True if every file of ``shard`` matches its crc32c (worker thread); a bad
+        copy gets one line in ``replicator.errors`` and is dropped."""
+        async with self.limiter:
+            problems = await trio.to_thread.run_sync(self.shards.verify, shard)
+        if problems:
+            self.reporter.error(
+                f"step {shard.key.step} of rank {shard.key.rank} failed "
+                f"verification ({problems[0]}; {len(problems)} problem(s)); "
+                "copy discarded"
+            )
+            self.catalog.drop(shard.key, "checksum mismatch")
+            return False
+        return True

@@ -1,4 +1,5 @@
-"""The job this node runs now (the ports CurrentJob and Summons of :mod:`tierfs.core.ports`).
+"""The job this node runs now (the ports CurrentJob, Summons and RestoreProgress of
+:mod:`tierfs.core.ports`).
 
 The node agent is the only writer (it consumes ``replicator.yaml``, runs the
 restore); the planes read it through the port. The coordinator's summons
@@ -9,7 +10,7 @@ its ``__init__``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tierfs.core.control import JobSpec
@@ -40,6 +41,11 @@ class JobState:
     def restoring(self) -> bool:
         """A restore runs on this node (``cleanup``, ``planning`` or ``barrier``)."""
         return self.restore_state.get("state") in RESUMABLE_RESTORE_STATES
+
+    def progress(self, fields: Mapping[str, Any]) -> None:
+        """Merge ``fields`` (``phase`` and details) into the running restore's state
+        (:class:`tierfs.core.ports.RestoreProgress`; trio thread)."""
+        self.restore_state.update(fields)
 
     def summoned(self, job: JobSpec) -> None:
         """The coordinator asks this node to join a restore round of ``job`` (trio thread)."""

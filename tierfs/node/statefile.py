@@ -1,0 +1,118 @@
+"""The node's ``state.json``: what a restarted daemon must know of the previous one.
+
+The job (protocol mode), the view's step names, the published restore
+markers, the restore state and the seal events not yet acted on, written
+atomically into the store directory (mode 0600) and read back at start.
+:func:`encode`/:func:`decode` are pure; :func:`save`/:func:`load` do the
+file work (blocking: small files, called on the trio thread as before).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierfs.core import control
+from tierfs.core.control import JobSpec
+from tierfs.node.sealing import SealCandidate
+from tierfs.node.view import Published
+from tierfs.store.shards import ShardKey
+
+log = logging.getLogger(__name__)
+
+#: the format's version (``version`` in the file)
+STATE_VERSION = 1
+#: the file's name in the store directory
+STATE_FILE = "state.json"
+
+
+@dataclass
+class SavedState:
+    """The persisted part of a node's state.
+
+    Attributes:
+        mode: ``protocol``, ``generic`` or ``none``.
+        job: the running job (kept across a restart in protocol mode only).
+        view_steps: view entry name -> the sealed step it shows.
+        published: marker name -> the published restore marker.
+        restore: the restore state (``state`` and details).
+        pending: seal events not yet acted on (a rename into a step name is the
+            only sign a generic-mode step is complete: a restart must not lose it).
+    """
+
+    mode: str = "none"
+    job: JobSpec | None = None
+    view_steps: dict[str, ShardKey] = field(default_factory=dict)
+    published: dict[str, Published] = field(default_factory=dict)
+    restore: dict[str, Any] = field(default_factory=lambda: {"state": "idle"})
+    pending: list[SealCandidate] = field(default_factory=list)
+
+
+def encode(saved: SavedState) -> bytes:
+    """The file's bytes (JSON, sorted keys). Pure."""
+    state = {
+        "version": STATE_VERSION,
+        "mode": saved.mode,
+        "job": saved.job.to_dict() if saved.job else None,
+        "view_steps": {n: [k.job, k.rank, k.step] for n, k in saved.view_steps.items()},
+        "published": {
+            m: [p.sibling, p.key.job, p.key.rank, p.key.step, p.entry]
+            for m, p in saved.published.items()
+        },
+        "restore": saved.restore,
+        "pending": {c.name: [c.step, list(c.entries), c.reason] for c in saved.pending},
+    }
+    return json.dumps(state, indent=1, sort_keys=True).encode()
+
+
+def decode(state: dict[str, Any]) -> SavedState:
+    """The state a parsed file describes; a part that does not parse is left out (a
+    job only in protocol mode; bad pending entries drop all of them). Pure."""
+    saved = SavedState()
+    job = state.get("job")
+    if job and state.get("mode") == "protocol":
+        try:
+            saved.job = JobSpec.from_dict(job)
+            saved.mode = "protocol"
+        except (KeyError, TypeError, ValueError):
+            pass
+    saved.view_steps = {
+        n: ShardKey(j, int(r), int(s)) for n, (j, r, s) in state.get("view_steps", {}).items()
+    }
+    saved.published = {
+        m: Published(m, sib, ShardKey(j, int(r), int(s)), entry)
+        for m, (sib, j, r, s, entry) in state.get("published", {}).items()
+    }
+    saved.restore = state.get("restore", {"state": "idle"})
+    try:
+        saved.pending = [
+            SealCandidate(int(st), n, tuple(e), str(r))
+            for n, (st, e, r) in state.get("pending", {}).items()
+        ]
+    except (TypeError, ValueError):
+        saved.pending = []
+    return saved
+
+
+def save(store_dir: str, saved: SavedState) -> None:
+    """Write ``state.json`` atomically into ``store_dir`` (0600). A failure (a full
+    tmpfs) is logged, never raised: it must not stop sealing or a restore; the
+    next save catches up."""
+    try:
+        control.atomic_write(store_dir, STATE_FILE, encode(saved), 0o600)
+    except OSError as exc:
+        log.warning("could not save state.json: %s", exc.strerror or exc)
+
+
+def load(path: str) -> SavedState:
+    """The state in ``path``; a missing or unreadable file is the empty state."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        state = {}
+    if not isinstance(state, dict):
+        state = {}
+    return decode(state)
