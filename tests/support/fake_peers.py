@@ -141,21 +141,6 @@ class _ServerContext:
             self._callbacks.append(callback)
         return True
 
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._metadata
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        pass
-
-    def set_details(self, details: str) -> None:
-        pass
-
-    def time_remaining(self) -> float | None:
-        return None
-
-    def peer(self) -> str:
-        return "fake"
-
     def end(self) -> None:
         with self._lock:
             if self._done.is_set():
