@@ -54,8 +54,10 @@ from tierfs.node.reporter import NodeReporter
 from tierfs.node.restorer import Restorer
 from tierfs.node.sources import BucketRestoreSide, LocalSource, PeerSources
 from tierfs.node.view import ClientView
+from tierfs.replication.client import PeerClient
 from tierfs.replication.peer import PeerTier
 from tierfs.replication.plane import PlaneState
+from tierfs.rpc.wire import WireStats
 from tierfs.store.ramstore import Budget, RamStore
 from tierfs.store.shards import ShardStore
 
@@ -209,6 +211,7 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
             budget=budget,
             summons=state,
             plane=plane,
+            client=PeerClient(config.peer_token, WireStats()),
             coordinator=coordinator,
             rendezvous=rendezvous,
             backup=backup,

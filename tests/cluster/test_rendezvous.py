@@ -23,9 +23,12 @@ from tierfs.backup.tier import BucketRendezvous, GcsTier
 from tierfs.core.config import NodeConfig
 from tierfs.core.control import JobSpec
 from tierfs.replication import peer as peer_mod
+from tierfs.replication import rendezvous as rendezvous_mod
+from tierfs.replication.client import PeerClient
 from tierfs.replication.plane import PlaneState
 from tierfs.rpc import peer_pb2 as pb2
 from tierfs.rpc import peer_pb2_grpc as pb2_grpc
+from tierfs.rpc.wire import WireStats
 
 # ---------------------------------------------------------------------- lookup logic
 
@@ -86,6 +89,15 @@ def make_tier(
     """A PeerTier of node ``rank`` whose probes see ``daemons`` (address -> incarnation, rank),
     wired as the daemon wires it with the bucket rendezvous (or a static ``coordinator``)."""
     agent = FakeAgent(rank)
+
+    def inventory(address, job, timeout=10.0, **kw):
+        if address not in daemons:
+            raise Refused()
+        inc, r = daemons[address]
+        return SimpleNamespace(incarnation=inc, node_rank=r, shards=[])
+
+    client = PeerClient("t", WireStats())
+    client.inventory = inventory  # type: ignore[method-assign]
     if coordinator is not None:
         agent.config.coordinator = coordinator
     plane = PlaneState(
@@ -104,27 +116,21 @@ def make_tier(
         budget=fake_ports.FakeBudget(),
         summons=agent,
         plane=plane,
+        client=client,
         rendezvous=rdv if coordinator is None else None,
     )
 
-    def inventory(address, job, timeout=10.0, **kw):
-        if address not in daemons:
-            raise Refused()
-        inc, r = daemons[address]
-        return SimpleNamespace(incarnation=inc, node_rank=r, shards=[])
-
-    tier.client.inventory = inventory  # type: ignore[method-assign]
     return tier, agent
 
 
 def test_rank_zero_publishes_itself_and_is_the_coordinator(monkeypatch):
-    monkeypatch.setattr(peer_mod, "LOOKUP_INTERVAL", 0.0)
+    monkeypatch.setattr(rendezvous_mod, "LOOKUP_INTERVAL", 0.0)
     rdv = FakeRendezvous()
 
     async def main() -> None:
         tier, agent = make_tier(0, rdv, {})
         assert await tier.find_coordinator(agent.job) == "127.0.0.1:7000"
-        assert await tier.publish_once(agent.job)  # what its publisher task does
+        assert await tier.finder.publish_once(agent.job)  # what its publisher task does
         assert rdv.records[("j", 0)] == ("127.0.0.1:7000", tier.incarnation)
         assert rdv.lookups == 0  # rank 0 never reads its own record
         assert tier.coordinator_gate() is None  # and serves the coordinator calls
@@ -135,26 +141,26 @@ def test_rank_zero_publishes_itself_and_is_the_coordinator(monkeypatch):
 
 
 def test_rank_zero_that_cannot_publish_reports_it_once(monkeypatch):
-    monkeypatch.setattr(peer_mod, "LOOKUP_INTERVAL", 0.0)
+    monkeypatch.setattr(rendezvous_mod, "LOOKUP_INTERVAL", 0.0)
     rdv = FakeRendezvous()
     rdv.down = True
 
     async def main() -> None:
         tier, agent = make_tier(0, rdv, {})
         for _ in range(3):  # it still coordinates itself; the others cannot find it yet
-            assert not await tier.publish_once(agent.job)
+            assert not await tier.finder.publish_once(agent.job)
             assert await tier.find_coordinator(agent.job) == "127.0.0.1:7000"
         assert len(agent.errors) == 1
         assert "cannot publish this node's address to gs://b/j/.tierfs/nodes/0" in agent.errors[0]
         rdv.down = False
-        assert await tier.publish_once(agent.job)
+        assert await tier.finder.publish_once(agent.job)
         assert ("j", 0) in rdv.records and tier.publish_note is None
 
     trio.run(main)
 
 
 def test_stale_records_are_never_used(monkeypatch):
-    monkeypatch.setattr(peer_mod, "LOOKUP_INTERVAL", 0.0)
+    monkeypatch.setattr(rendezvous_mod, "LOOKUP_INTERVAL", 0.0)
     rdv = FakeRendezvous()
     daemons: dict[str, tuple[str, int]] = {}
 
@@ -163,7 +169,7 @@ def test_stale_records_are_never_used(monkeypatch):
         job = agent.job
         assert await tier.find_coordinator(job) is None
         assert tier.rendezvous_note == "waiting for node-rank 0 to publish gs://b/j/.tierfs/nodes/0"
-        assert await tier.publish_once(job)  # every node publishes its own record
+        assert await tier.finder.publish_once(job)  # every node publishes its own record
         assert rdv.records[("j", 1)] == ("127.0.0.1:7001", tier.incarnation)
         # a record of a daemon that is gone (killed, its port closed)
         rdv.records[("j", 0)] = ("127.0.0.1:6000", "dead")
@@ -203,7 +209,7 @@ def test_stale_records_are_never_used(monkeypatch):
 
 
 def test_a_hanging_bucket_write_never_delays_finding_the_coordinator(monkeypatch):
-    monkeypatch.setattr(peer_mod, "LOOKUP_INTERVAL", 0.0)
+    monkeypatch.setattr(rendezvous_mod, "LOOKUP_INTERVAL", 0.0)
     rdv = FakeRendezvous()
     rdv.records[("j", 0)] = ("127.0.0.1:7000", "zero")
     rdv.hang = True
@@ -211,7 +217,7 @@ def test_a_hanging_bucket_write_never_delays_finding_the_coordinator(monkeypatch
     async def main() -> None:
         tier, agent = make_tier(1, rdv, {"127.0.0.1:7000": ("zero", 0)})
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(tier._publisher)  # stuck in its first write
+            nursery.start_soon(tier.finder.publisher)  # stuck in its first write
             with trio.fail_after(5):
                 assert await tier.find_coordinator(agent.job) == "127.0.0.1:7000"
             nursery.cancel_scope.cancel()
@@ -220,7 +226,7 @@ def test_a_hanging_bucket_write_never_delays_finding_the_coordinator(monkeypatch
 
 
 def test_lookups_are_rate_limited(monkeypatch):
-    monkeypatch.setattr(peer_mod, "LOOKUP_INTERVAL", 60.0)
+    monkeypatch.setattr(rendezvous_mod, "LOOKUP_INTERVAL", 60.0)
     rdv = FakeRendezvous()
 
     async def main() -> None:

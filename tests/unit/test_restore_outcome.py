@@ -11,8 +11,10 @@ import pytest
 from tierfs.cli.main import WAIT_EXIT, wait_outcome
 from tierfs.core.config import NodeConfig
 from tierfs.core.control import JobSpec
+from tierfs.replication.client import PeerClient
 from tierfs.replication.peer import PeerTier
 from tierfs.replication.plane import PlaneState
+from tierfs.rpc.wire import WireStats
 from tierfs.store.shards import ShardKey
 
 
@@ -98,6 +100,7 @@ def _peer_tier(keys, keep_local=2):
         budget=fake_ports.FakeBudget(),
         summons=node,
         plane=plane,
+        client=PeerClient(None, WireStats()),
     )
 
 

@@ -21,8 +21,9 @@ from tierfs.core.control import JobSpec
 from tierfs.daemon import NodeParts, build_node
 from tierfs.node.agreement import CoordinatorAgreement
 from tierfs.node.sources import BucketRestoreSide, LocalSource, PeerSources
-from tierfs.replication.peer import PeerTier, _Send
+from tierfs.replication.peer import PeerTier
 from tierfs.replication.plane import PlaneState
+from tierfs.replication.replicator import Send
 from tierfs.store.ramstore import Budget, RamStore
 from tierfs.store.shards import ShardKey
 
@@ -161,7 +162,7 @@ def test_a_withdrawn_shard_stops_its_transfer_and_its_upload(tmp_path):
     shard = SimpleNamespace(key=key, inodes={11, 12}, path=str(tmp_path / "gone"))
     parts.catalog.add(shard)  # type: ignore[arg-type]
     assert parts.agent.sealed_inos == {11: key, 12: key}
-    send = parts.peer._sends[key] = _Send()
+    send = parts.peer._sends[key] = Send()
     up = parts.gcs._uploads[key] = _Upload("r", 5, 10, threading.Event(), time.time())
     removed: list[object] = []
     parts.shards.remove = removed.append  # type: ignore[method-assign]
@@ -174,11 +175,11 @@ def test_a_withdrawn_shard_stops_its_transfer_and_its_upload(tmp_path):
 def test_a_backup_outcome_asks_the_peer_tier_for_a_heartbeat(tmp_path):
     parts = build(tmp_path, bucket="ckpt-bucket", listen="127.0.0.1:7001")
     assert parts.peer is not None
-    assert not parts.peer._poke.is_set()
+    assert not parts.peer.heartbeat.wake.is_set()
     job = JobSpec("j", "orbax", 1, 2)
     parts.gcs._finish(job, "2026-12-01_21-00", 5, "done", "", 10, 1.0, None)
-    assert parts.peer._poke.is_set()
-    assert parts.peer._backup_outcome() == parts.gcs.backup_outcome()
+    assert parts.peer.heartbeat.wake.is_set()
+    assert parts.peer.heartbeat.backup_outcome() == parts.gcs.backup_outcome()
     assert parts.gcs.backup_outcome() is not None and parts.gcs.backup_outcome().step == 5
 
 
@@ -206,7 +207,7 @@ def test_an_adopted_replica_is_cataloged_and_asks_for_retention(tmp_path):
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             parts.agent._nursery = nursery
-            parts.peer._adopt(replica, None)  # type: ignore[arg-type]
+            parts.peer.holdings.register(replica)  # type: ignore[arg-type]
         parts.agent._nursery = None
 
     trio.run(main)

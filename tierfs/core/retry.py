@@ -342,7 +342,7 @@ def rendezvous_publish() -> Policy:
         attempts=None,
         jitter=1.0,
         layer=STAMINA,
-        where="replication/peer.py:PeerTier._publisher",
+        where="replication/rendezvous.py:CoordinatorFinder.publisher",
     )
 
 
@@ -357,7 +357,7 @@ def peer_push() -> Policy:
         max_wait=5.0,
         deadline=settings.PEER_PUSH_PATIENCE.get(),
         layer=BACKOFF,
-        where="replication/peer.py:PeerTier._replicate",
+        where="replication/replicator.py:Replicator._replicate",
         knobs=settings.PEER_PUSH_PATIENCE.name,
     )
 

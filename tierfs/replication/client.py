@@ -4,15 +4,20 @@
 pulls a shard from a holder (verifying every crc32c) and makes the
 coordinator's calls (Join, Decide, Barrier, Sync). Every call blocks: run it
 in a ``trio.to_thread`` worker with a capacity limiter, as
-:class:`tierfs.replication.peer.PeerTier` does. :func:`rpc_reason` and
-:func:`rpc_code` describe a failed call.
+:class:`tierfs.replication.peer.PeerTier` does (:mod:`tierfs.replication.lanes`).
+:func:`rpc_reason` and :func:`rpc_code` describe a failed call.
+
+The channels come from ``connect`` (default: ``grpc.insecure_channel`` with
+:data:`tierfs.rpc.wire.CHANNEL_OPTIONS`); the in-process network of
+``tests/support/fake_peers.py`` passes channels that call the other nodes'
+handlers directly, so the same client code runs without sockets.
 """
 
 from __future__ import annotations
 
 import shutil
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
@@ -44,22 +49,29 @@ class PeerClient:
 
     Args:
         token: the shared peer token or None.
-        stats: counters to update.
+        stats: counters to update (the peer tier's wire counters).
+        connect: ``connect(address)`` -> a ``grpc.Channel`` to ``HOST:PORT`` (called
+            once per address; None: :func:`insecure_channel`).
     """
 
-    def __init__(self, token: str | None, stats: WireStats) -> None:
+    def __init__(
+        self,
+        token: str | None,
+        stats: WireStats,
+        connect: Callable[[str], grpc.Channel] | None = None,
+    ) -> None:
         self.md = peer_wire.metadata(token)
         self.stats = stats
+        self._connect = connect or insecure_channel
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
 
     def channel(self, address: str) -> grpc.Channel:
+        """The channel to ``address`` (one per address, made on first use)."""
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = grpc.insecure_channel(
-                    address, options=list(peer_wire.CHANNEL_OPTIONS)
-                )
+                ch = self._channels[address] = self._connect(address)
             return ch
 
     def peer(self, address: str) -> Any:
@@ -293,6 +305,12 @@ class PeerClient:
                 )
             )
         return self.coordinator(address).Sync(req, metadata=self.md, timeout=10)
+
+
+def insecure_channel(address: str) -> grpc.Channel:
+    """A plain gRPC channel to ``address`` with the peer plane's channel options (the
+    peer token travels in the call metadata)."""
+    return grpc.insecure_channel(address, options=list(peer_wire.CHANNEL_OPTIONS))
 
 
 def _poll_ms(wait_s: float | None) -> int:

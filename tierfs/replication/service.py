@@ -4,7 +4,7 @@ DESIGN.md "Peer plane". :class:`PeerServicer` answers inventories, receives
 pushed replicas into ``store/incoming``
 (:class:`tierfs.replication.transfer.ShardReceiver`) and streams sealed
 snapshots to pullers. It reaches the agent only through a :class:`PeerHost`
-(:class:`tierfs.replication.peer.PeerTier`), whose calls hop onto the trio thread
+(:class:`tierfs.replication.holdings.Holdings`), whose calls hop onto the trio thread
 with ``trio.from_thread.run_sync`` (cheap dictionary work only). The
 ``tierfs.peer.v1.Coordinator`` service beside it is
 :class:`tierfs.cluster.coordinator.CoordinatorServicer`; both are registered by
@@ -53,7 +53,7 @@ _JOB_RE = re.compile(r"^[^/\0]+$")
 class PeerHost:
     """What the servicer may ask of its node; every method is safe from any thread.
 
-    Implemented by :class:`tierfs.replication.peer.PeerTier` (hops onto the trio
+    Implemented by :class:`tierfs.replication.holdings.Holdings` (hops onto the trio
     thread); tests may provide their own.
     """
 
