@@ -14,10 +14,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))  # the shared helpers
 
 from gcs_fixtures import fake_gcs  # noqa: F401  (GCS emulator fixture)
+
+# Property and model tests draw the same examples on every run (a suite that passed
+# passes again: no flaky CI); TIERFS_HYPOTHESIS_EXPLORE=1 draws new ones to hunt for bugs.
+hypothesis_settings.register_profile("tierfs-ci", derandomize=True)
+hypothesis_settings.register_profile("tierfs-explore", derandomize=False)
+hypothesis_settings.load_profile(
+    "tierfs-explore" if os.environ.get("TIERFS_HYPOTHESIS_EXPLORE") else "tierfs-ci"
+)
 
 SHM = Path("/dev/shm")
 TIERFS = [sys.executable, "-m", "tierfs"]

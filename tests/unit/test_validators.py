@@ -214,6 +214,18 @@ def test_safetensors_unknown_dtype_judged_by_contiguity_only():
     assert judge_step(mem_step("1", {"1/m.safetensors": ok})).complete
 
 
+@pytest.mark.parametrize("dtype", [b'" F3"', b'"F3 "', b'"f32"', b'"F-2"'])
+def test_safetensors_malformed_dtype_is_damage(dtype):
+    # a byte flipped in a dtype name (Hypothesis found ' F16', which safetensors
+    # refuses) is damage, not a dtype newer than the table
+    good = st_file()
+    bad = good.replace(b'"F32"', dtype, 1)
+    assert len(bad) == len(good)
+    v = judge_step(mem_step("1", {"1/m.safetensors": bad}))
+    assert kinds(v) == {(Kind.DAMAGED, "1/m.safetensors")}
+    assert "no valid dtype" in v.reasons[0]
+
+
 def test_safetensors_remote_shard_judged_by_size_only():
     v = judge_step(mem_step("1", {}, sizes={"1/m.safetensors": 1000}))
     assert v.complete and v.format == "safetensors"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from tierfs.core.errors import StorageError
@@ -22,6 +23,10 @@ from tierfs.store.validators.model import Findings, ReadFailed, StepFiles, read_
 MAX_HEADER = 100_000_000
 
 #: bits per element (safetensors ``Dtype::bitsize``)
+#: a dtype name as safetensors writes them (``F32``, ``F8_E4M3``); a well-formed name
+#: missing from DTYPE_BITS is a newer dtype (its contiguity is still checked)
+_DTYPE_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
+
 DTYPE_BITS = {
     "BOOL": 8,
     "U8": 8,
@@ -114,7 +119,9 @@ def _span(name: str, info: Any) -> tuple[int, int]:
         isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape
     ):
         raise BadSafetensors(f"tensor {name!r} has no shape")
-    bits = DTYPE_BITS.get(dtype) if isinstance(dtype, str) else None
+    if not isinstance(dtype, str) or not _DTYPE_NAME.fullmatch(dtype):
+        raise BadSafetensors(f"tensor {name!r} has no valid dtype ({dtype!r})")
+    bits = DTYPE_BITS.get(dtype)
     if bits is not None:  # a dtype newer than this table: contiguity is still checked
         nbits = math.prod(shape) * bits
         if nbits % 8 or end - begin != nbits // 8:
