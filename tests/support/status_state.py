@@ -25,7 +25,8 @@ from tierfs.core.control import JobSpec
 from tierfs.core.types import RoundView
 from tierfs.daemon import NodeParts, build_node
 from tierfs.node.sealing import SealCandidate
-from tierfs.replication.peer import PeerInfo, _Send
+from tierfs.replication.addresses import PeerInfo
+from tierfs.replication.replicator import Send
 from tierfs.store.ramstore import Budget, RamStore, StoreUsage
 from tierfs.store.shards import ShardKey
 
@@ -89,10 +90,12 @@ def build_state(tmp_path: pathlib.Path, *, cluster: bool = True) -> NodeParts:
     if peer is None:
         return parts
     # the peer plane: two peers, one send replicated, one failed
-    peer.peers = {
-        1: PeerInfo(1, "127.0.0.1:7002", "inc-1", True),
-        2: PeerInfo(2, "127.0.0.1:7003", "inc-2", False),
-    }
+    peer.peers.update(
+        {
+            1: PeerInfo(1, "127.0.0.1:7002", "inc-1", True),
+            2: PeerInfo(2, "127.0.0.1:7003", "inc-2", False),
+        }
+    )
     peer.node_counts = (2, 3)
     peer.sync = {"step": 10, "at": NOW - 30, "steps": [10], "reported": 3}
     peer.last_error = "node-rank 2 did not answer"
@@ -100,11 +103,11 @@ def build_state(tmp_path: pathlib.Path, *, cluster: bool = True) -> NodeParts:
     assert parts.plane is not None
     parts.plane.server_up = True
     peer._pins[ShardKey(job.name, 0, 20)] += 1
-    peer._sends[ShardKey(job.name, 0, 10)] = _Send(
+    peer._sends[ShardKey(job.name, 0, 10)] = Send(
         states={1: "replicated", 2: "replicated (manifest only)"},
         timings={1: {"seconds": 0.25, "bytes": 1010.0}},
     )
-    peer._sends[ShardKey(job.name, 0, 20)] = _Send(states={1: "replicated", 2: "failed"})
+    peer._sends[ShardKey(job.name, 0, 20)] = Send(states={1: "replicated", 2: "failed"})
     # the backup plane: a finished round, an upload waiting for the bucket
     gcs.backed_up[10] = "2026-12-01_10-00"
     gcs.history.append(

@@ -69,11 +69,11 @@ def test_safetensors_corrupted_never_crashes_and_agrees_with_safetensors(spec, d
         pos = data.draw(st.integers(0, len(blob) - 1))
         blob[pos] = data.draw(st.integers(0, 255))
     v = judge_step(mem_step("1", {"1/m.safetensors": bytes(blob)}))
-    if v.complete and not loads(bytes(blob)):
+    if v.complete:
         # never call a file complete that the real reader refuses, except for a
         # well-formed dtype name newer than both tables (the validator's documented
         # forward compatibility)
-        assert unknown_dtypes(bytes(blob)), v
+        assert loads(bytes(blob)) or unknown_dtypes(bytes(blob)), v
     else:
         assert v.problems[0].path == "1/m.safetensors"
 

@@ -537,4 +537,3 @@ class PeerTier:
                 self.coordinator.status() if self.coordinator is not None and serving else None
             ),
         )
-
