@@ -340,7 +340,7 @@ class Coordinator:
         m.backup_interval_steps = backup_interval_steps or None
         if not restore_id:
             return 0
-        joining = Participant(rank, restore_id, inv, now, tuple(notes))
+        joining = Participant(rank, restore_id, inv, now, tuple(notes), incarnation)
         r = self.round
         if r is not None and r.choice is None and not r.finished:
             r.enter(joining)
@@ -351,6 +351,7 @@ class Coordinator:
         if r is not None and r.choice is not None and not r.finished:
             p = r.joined.get(rank)
             if p is not None and p.restore_id == restore_id:
+                p.heard = now
                 return r.number  # a retried join of the same restore
         self.previous = r
         self.rounds += 1
@@ -370,7 +371,7 @@ class Coordinator:
         if p is None or p.restore_id != restore_id:
             return None
         now = self.clock()
-        r.touched = now
+        r.touched = p.heard = now
         m = self.members.get(rank)
         if m is not None:
             m.last_seen = now
@@ -666,13 +667,7 @@ class Coordinator:
         steps = () if compact else tuple(self.sync_steps.get(r, NO_STEP) for r in range(self.nodes))
         number = self.restore_open()
         rnd = self.round
-        summoned = bool(
-            number
-            and rnd is not None
-            and rnd.choice is None
-            and not rnd.strict
-            and rank not in rnd.joined
-        )
+        summoned = bool(number and rnd is not None and rnd.summons(rank, incarnation))
         book = self.backups
         if book is None:
             return SyncView(
