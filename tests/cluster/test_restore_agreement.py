@@ -226,6 +226,61 @@ def test_wait_outcomes_fresh_restored_missing_refused(make_mount, monkeypatch):
     assert "node count mismatch" in c.errors(1)
 
 
+def test_nodes_that_gave_up_on_a_missing_node_restore_once_it_joins(make_mount):
+    """#11 trial: nodes 0 and 1 restarted while node 2 was away; after their join
+    timeout both exited 4 ("missing"). When node 2 came back, its join completed the
+    round, but the two that had given up were never asked into it again (the
+    coordinator summoned only nodes outside an undecided round): node 2 waited out its
+    barrier and nodes 0 and 1 stayed failed until someone remounted them. Now the
+    coordinator summons them: every node restores the same step, `tierfs wait` exits
+    0, and the earlier failure stays in replicator.errors."""
+    c = Cluster(make_mount, 3, node_args=generic(3))
+    saved = write_all(c, 1, backed=False)
+    wait_for(
+        lambda: all(steps_of(c, i).get(1, {}).get("state") == "replicated" for i in range(3)),
+        60,
+        "step 1 replicated",
+    )
+    c.mounts[2].unmount()  # node 2 goes away (its RAM stays)
+    for i in (0, 1):  # a step node 2 never wrote: it can never be complete
+        write_step(c.root(i), 2, i)
+    wait_for(
+        lambda: all(
+            steps_of(c, i).get(2, {}).get("state") not in (None, "writing") for i in (0, 1)
+        ),
+        60,
+        "step 2 sealed on nodes 0 and 1",
+    )
+    for i in (0, 1):
+        c.mounts[i].kill9()
+    for i in (0, 1):
+        args = c.mounts[i].args
+        args[args.index("--join-timeout") + 1] = "12"
+        c.remount(i)
+    for i in (0, 1):
+        code, out, err = wait_code(c, i)
+        assert code == 4 and out == "", (i, code, out, err, c.logs())
+        assert "node-rank(s) [2] did not join within 12 s" in err
+        assert c.status(i)["restore"]["outcome"] == "missing"
+
+    c.remount(2)
+    for i in (2, 0, 1):
+        restore = wait_for(
+            lambda i=i: c.status(i)["restore"].get("state") == "done" and c.status(i)["restore"],
+            120,
+            f"node {i} to restore once node 2 joined",
+        )
+        assert restore["step"] == 1, (i, restore, c.logs())
+        code, out, err = wait_code(c, i, 30)
+        assert (code, out) == (0, "restored step 1 from local"), (i, code, out, err)
+        assert tree_hashes(c.root(i) / "checkpoint-1") == saved[i]
+        assert "restore done: step 1 from local" in status_text(c, i)
+    for i in (0, 1):
+        # restarted nodes: the step the cluster could not complete is abandoned
+        assert 2 not in steps_of(c, i), (i, steps_of(c, i))
+        assert "node-rank(s) [2] did not join within 12 s" in c.errors(i)
+
+
 def test_an_incomplete_bucket_says_why_and_wait_fails(make_mount, fake_gcs, monkeypatch):
     """Case 4: the bucket holds a round of the job, but node 0's data object is missing
     from it (as the data-parallel dedup once left it): nothing is restored, and

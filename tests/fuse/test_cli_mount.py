@@ -648,3 +648,85 @@ def test_a_stopped_daemon_does_not_hang_status_wait_or_unmount(make_mount):
         ),
         60,
     ), "the daemon did not exit once it ran again"
+
+
+# --------------------------------------------------------------------------- #11 trial leftovers
+
+
+def test_a_bad_mount_option_in_the_config_file_names_the_key_and_the_file(tmp_path, ram_dir):
+    """Regression (#11 trial): `mountOptions: [bogus]` in a --config file failed with
+    "bad mount option 'bogus'" and no word of where it came from."""
+    (tmp_path / "mnt").mkdir()
+    config = tmp_path / "node.yaml"
+    config.write_text(f"ramDir: {ram_dir}\nmountOptions: [noatime, bogus]\n")
+    proc = tierfs("mount", str(tmp_path / "mnt"), "--config", str(config), check=False)
+    one_line_error(proc, f"mountOptions in {config}: bad mount option 'bogus'")
+    assert not is_mounted(tmp_path / "mnt")
+    # a bad option of -o is the command line's, as before
+    config.write_text(f"ramDir: {ram_dir}\nmountOptions: [noatime]\n")
+    proc = tierfs(
+        "mount", str(tmp_path / "mnt"), "--config", str(config), "-o", "ro,bogus2", check=False
+    )
+    line = one_line_error(proc, "bad mount option 'bogus2'")
+    assert "mountOptions in" not in line
+    assert not is_mounted(tmp_path / "mnt")
+
+
+def test_a_failed_mount_leaves_no_empty_log_file(tmp_path, ram_dir):
+    """Regression (#11 trial): `tierfs mount --log-file L` that failed its checks (here: a
+    mountpoint that is not empty) left an empty L behind; a log it did not create, and
+    one the daemon wrote to, stay."""
+    (tmp_path / "mnt").mkdir()
+    (tmp_path / "mnt" / "x").write_text("x")
+    log = tmp_path / "daemon.log"
+    proc = tierfs(
+        "mount",
+        str(tmp_path / "mnt"),
+        "--ram-dir",
+        str(ram_dir),
+        "--log-file",
+        str(log),
+        check=False,
+    )
+    one_line_error(proc, "not empty")
+    assert not log.exists()
+    log.write_text("")  # the user's own (empty) file is not ours to remove
+    proc = tierfs(
+        "mount",
+        str(tmp_path / "mnt"),
+        "--ram-dir",
+        str(ram_dir),
+        "--log-file",
+        str(log),
+        check=False,
+    )
+    one_line_error(proc, "not empty")
+    assert log.exists()
+
+
+def test_a_busy_metrics_port_is_named(tmp_path, ram_dir, cleanup):
+    """Regression (#11 trial): a --metrics-port another process listens on failed the
+    mount with "mount failed: Address already in use", naming neither flag nor port."""
+    import socket
+
+    (tmp_path / "mnt").mkdir()
+    cleanup.append(tmp_path / "mnt")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = tierfs(
+            "mount",
+            str(tmp_path / "mnt"),
+            "--ram-dir",
+            str(ram_dir),
+            "--metrics-port",
+            str(port),
+            check=False,
+        )
+    assert proc.returncode == 1, proc.stderr
+    # (a warning may come first, e.g. a ram-dir that is not on tmpfs)
+    error = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(error) == 1, proc.stderr
+    assert f"mount failed: --metrics-port {port}: Address already in use" in error[0]
+    assert not is_mounted(tmp_path / "mnt")

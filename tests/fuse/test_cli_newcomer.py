@@ -20,6 +20,7 @@ from mtc_clients import wait_for
 
 import tierfs as tierfs_pkg
 import tierfs.cli.main as cli
+import tierfs.cli.spawn as spawn
 
 MiB = 1 << 20
 
@@ -124,8 +125,8 @@ def test_a_daemon_dying_at_start_is_reported_as_its_exit(tmp_path, ram_dir, monk
 
 
 def test_a_daemon_that_never_reports_is_a_timeout(tmp_path, ram_dir, monkeypatch):
-    monkeypatch.setattr(cli, "READY_TIMEOUT", 1.0)
-    monkeypatch.setattr(cli, "EXIT_GRACE", 1.0)
+    monkeypatch.setattr(spawn, "READY_TIMEOUT", 1.0)
+    monkeypatch.setattr(spawn, "EXIT_GRACE", 1.0)
     result = _mount_with_fake_daemon(tmp_path, ram_dir, monkeypatch, linger=30.0)
     assert result.exit_code == 1
     assert "closed its ready pipe without reporting and is still running" in result.output

@@ -272,6 +272,68 @@ def test_generic_round_summons_the_live_nodes():
     assert c.sync("job", 0, "inc0", 5, []).restore_round == 0  # finished
 
 
+def test_nodes_that_gave_up_are_summoned_once_the_round_is_decided():
+    """#11 trial: nodes 0 and 1 gave up waiting for node 2 ("missing"); node 2's late join
+    decided the round, but 0 and 1 were never summoned again (only nodes outside an
+    undecided round were), so node 2 waited at the barrier for nodes that had left."""
+    c, clock = coord(live_seconds=5)
+    inv = {r: [H(r, 1)] for r in range(3)}
+    for r in (0, 1):
+        join(c, r, inv[r], rid=f"first{r}", nodes=3, mode="generic")
+    for r in (0, 1):
+        assert c.decide("job", r, f"first{r}").missing == (2,)
+    clock.t += 8  # both gave up ("missing"); their daemons keep heartbeating
+    for r in (0, 1):
+        # undecided: a node that already joined is not asked again (it would only
+        # time out once more)
+        assert not c.sync("job", r, f"inc{r}", 1, inv[r]).summoned
+    clock.t += 30
+    late = join(c, 2, inv[2], rid="late", nodes=3, mode="generic")
+    v = c.decide("job", 2, "late")
+    assert (v.state, v.round, v.step) == (DECIDED, late, 1)
+    assert not c.sync("job", 2, "inc2", 1, inv[2]).summoned  # it took part
+    clock.t += 1
+    for r in (0, 1):
+        s = c.sync("job", r, f"inc{r}", 1, inv[r])
+        assert s.summoned and s.restore_round == late, r
+    # a restarted daemon of rank 1 (another incarnation) starts a restore of its own
+    assert not c.sync("job", 1, "other", 1, inv[1]).summoned
+    # node 0 answers the summons: its new join opens the next round, node 2 is told to
+    # join again, node 1 is summoned into it
+    again = join(c, 0, inv[0], rid="again0", nodes=3, mode="generic")
+    assert again == late + 1
+    assert c.barrier("job", 2, "late", late, v.version, "ready").state == REJOIN
+    assert join(c, 2, inv[2], rid="late", nodes=3, mode="generic") == again
+    assert c.sync("job", 1, "inc1", 1, inv[1]).summoned
+    join(c, 1, inv[1], rid="again1", nodes=3, mode="generic")
+    rids = {0: "again0", 1: "again1", 2: "late"}
+    views = {r: c.decide("job", r, rid) for r, rid in rids.items()}
+    assert {(w.state, w.round, w.step, w.local) for w in views.values()} == {
+        (DECIDED, again, 1, True)
+    }
+    # everyone is in: no more summons while they restore, nor after
+    assert not any(c.sync("job", r, f"inc{r}", 1, inv[r]).summoned for r in range(3))
+    for phase in ("ready", "done"):
+        for r, rid in rids.items():
+            c.barrier("job", r, rid, again, views[r].version, phase)
+    assert [
+        c.barrier("job", r, rid, again, views[r].version, "done").state for r, rid in rids.items()
+    ] == [PASSED] * 3
+    assert c.sync("job", 0, "inc0", 1, inv[0]).restore_round == 0
+    assert [d["round"] for d in c.history] == [late, again]
+
+
+def test_a_protocol_round_summons_nobody_that_gave_up():
+    """Protocol mode: every rank joins when its job restarts (the client saw
+    replicator.failed and restarts the job): no summons, as before."""
+    c, clock = coord(live_seconds=5)
+    join(c, 0, [H(0, 1)], rid="a", nodes=2)
+    clock.t += 8
+    join(c, 1, [H(1, 1)], rid="b", nodes=2)
+    assert c.decide("job", 1, "b").state == DECIDED
+    assert not c.sync("job", 0, "inc0", 1, [H(0, 1)]).summoned
+
+
 def test_generic_round_waits_for_a_dead_node():
     c, clock = coord(live_seconds=5)
     join(c, 0, rid="", mode="generic")

@@ -143,7 +143,7 @@ def test_waiting_calls_hold_no_thread_and_wake_only_on_progress(service):
 def test_a_bucket_answer_from_its_thread_wakes_the_waiting_calls(service):
     """Progress made off the loop (the bucket reader's thread) wakes the waiters once."""
     servicer, address = service
-    servicer.coordinator.bucket = True
+    servicer.coordinator.restores.bucket = True
     release = threading.Event()
 
     def reader(job: str, nodes: int, depth: int):

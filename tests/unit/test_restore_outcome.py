@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import fake_ports
 import pytest
 
-from tierfs.cli.main import WAIT_EXIT, wait_outcome
+from tierfs.cli.wait import WAIT_EXIT, wait_outcome
 from tierfs.core.config import NodeConfig
 from tierfs.core.control import JobSpec
 from tierfs.replication.client import PeerClient

@@ -31,14 +31,11 @@ holds, verified or not, with their manifest digests). The coordinator
   reply the round the node still has to upload (PROTOCOL.md section 6: the
   sync round "also decides when a backup round starts").
 
-Rounds. A restore round collects one join per rank. In ``protocol`` mode
-(``replicator.yaml``) every rank joins when its job restarts, as MTC's nodes
-do. In ``generic`` mode a restarted daemon starts a round and the nodes that
-kept running join it when summoned: every node must be able to present the
-agreed step, so every node takes part in the decision and the barrier. A
-newer join of a rank replaces its older one while the round is open; a join
-with a new restore id after the decision opens the next round, and the
-participants of the old one are told to join again (``REJOIN``).
+Rounds. The restore rounds (joins, decisions, replans, the barrier, who is
+summoned) are :class:`tierfs.cluster.restore_rounds.RestoreRounds`, which the
+coordinator owns: the coordinator checks the job and the membership (the
+rank, its address and incarnation) and runs the sync round and the backup
+book; the rounds decide the restore.
 
 Scale. Every call costs O(1) or O(the calling node's inventory and peers),
 never a walk over every rank (a job may have 10,000 nodes): the joined,
@@ -66,7 +63,6 @@ over gRPC, serializing every call with one lock, and wakes long-polling
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -85,9 +81,9 @@ from tierfs.cluster.restore_choice import (
     Holder,
     Holding,
     choose_restore,
-    needs_deeper_read,
     sources_for,
 )
+from tierfs.cluster.restore_rounds import MAX_DECISIONS, ROUND_IDLE, RestoreRounds
 from tierfs.cluster.rounds import (
     BUCKET_DEPTH,
     DECIDED,
@@ -103,7 +99,6 @@ from tierfs.cluster.rounds import (
     Member,
     Participant,
     PeerView,
-    RankSet,
     Rejected,
     Round,
     SyncView,
@@ -113,10 +108,6 @@ from tierfs.core.types import NO_STEP as NO_STEP
 
 log = logging.getLogger(__name__)
 
-#: decisions of one round after which it gives up ("nothing", with the reasons)
-MAX_DECISIONS = 64
-#: a restore round not heard from for this many seconds no longer pauses retention
-ROUND_IDLE = 60.0
 #: the backup book is ticked at least once per this many Sync calls per node
 #: (with 64 nodes or fewer on every call); a new synced step ticks it at once
 BOOK_TICKS_PER_ROUND = 64
@@ -135,6 +126,7 @@ __all__ = [
     "REJOIN",
     "REPLAN",
     "RESTORED",
+    "ROUND_IDLE",
     "SHOWN_RANKS",
     "WAITING",
     "BarrierView",
@@ -182,17 +174,15 @@ class Coordinator:
         self.wall = wall
         self.live_seconds = live_seconds
         self.own_rank = own_rank
-        self.bucket = bucket
         self.backups: RoundBook | None = None
         self.job: str | None = None
         self.nodes = 0
         self.roster = Membership(clock, live_seconds)
-        self.round: Round | None = None
-        self.previous: Round | None = None
-        self.rounds = 0
+        self.restores = RestoreRounds(
+            clock=clock, wall=wall, bucket=bucket, on_decision=self._clear_sync
+        )
         self.synced_step = NO_STEP
         self.synced_at = 0.0
-        self.history: list[dict[str, Any]] = []
         self._book_calls = 0
         self._book_synced = NO_STEP
         if backups is not None:
@@ -207,6 +197,21 @@ class Coordinator:
     def sync_steps(self) -> dict[int, int]:
         """Rank -> its newest replicated step since the last restore decision."""
         return self.roster.sync_steps
+
+    @property
+    def bucket(self) -> bool:
+        """Node-rank 0 has a bucket: decisions wait for its answer (set at construction)."""
+        return self.restores.bucket
+
+    @property
+    def round(self) -> Round | None:
+        """The open (or last) restore round (:attr:`RestoreRounds.round`)."""
+        return self.restores.round
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """The last decisions (:attr:`RestoreRounds.history`)."""
+        return self.restores.history
 
     def set_backups(self, book: RoundBook | None) -> None:
         """Let the sync round drive ``book`` (reset to the current job, if any)."""
@@ -227,15 +232,22 @@ class Coordinator:
             )
         self.job, self.nodes = job, nodes
         self.roster.clear()
-        self.round = self.previous = None
+        self.restores.clear()
         self._clear_sync()
         self.synced_at = 0.0
         if self.backups is not None:
             self.backups.reset(job, nodes, self.wall())
 
-    def _clear_sync(self) -> None:
+    def _clear_sync(self, r: Round | None = None) -> None:
+        """The sync round starts over: another job, or a decision of round ``r``
+        (:class:`RestoreRounds`' ``on_decision``), after which the backup book learns
+        which step the job restored."""
         self.roster.clear_steps()
         self.synced_step = NO_STEP
+        if r is not None and r.choice is not None and self.backups is not None:
+            self.backups.restored(
+                r.choice.backup, r.choice.step, self.wall(), new_timeline=r.strict
+            )
 
     def live_count(self) -> int:
         """Members heard from recently (:meth:`Membership.live_count`)."""
@@ -303,177 +315,43 @@ class Coordinator:
         self._check_job(job, nodes, rank)
         now = self.clock()
         inv = tuple(inventory)
-        m = self.members.get(rank)
-        if (
-            m is not None
-            and m.incarnation != incarnation
-            and m.address != address
-            and now - m.last_seen <= self.live_seconds
-        ):
-            # another daemon at another address still answers for this rank
-            log.warning(
-                "coordinator: node-rank %d joined from %s while %s still serves it",
-                rank,
-                address,
-                m.address,
-            )
-            raise Rejected(
-                f"node-rank {rank} is taken: {m.address} still serves it (heard "
-                f"{now - m.last_seen:.1f} s ago); two nodes with one rank? A node "
-                f"that restarted elsewhere is accepted once the old one has been "
-                f"silent for {self.live_seconds:.0f} s"
-            )
-        if m is None or m.incarnation != incarnation:
-            if m is not None:
-                log.info(
-                    "coordinator: node-rank %d restarted (incarnation %s -> %s)",
-                    rank,
-                    m.incarnation[:8],
-                    incarnation[:8],
-                )
-                if self.backups is not None:
-                    self.backups.member_restarted(rank)
-            m = self.roster.add(rank, address, incarnation)
+        m, restarted = self.roster.admit(rank, address, incarnation)
+        if restarted and self.backups is not None:
+            self.backups.member_restarted(rank)
         self.roster.set_inventory(m, inv)
         m.address, m.last_seen, m.mode = address, now, mode
         m.backup_interval_minutes = backup_interval_minutes or None
         m.backup_interval_steps = backup_interval_steps or None
         if not restore_id:
             return 0
-        joining = Participant(rank, restore_id, inv, now, tuple(notes))
-        r = self.round
-        if r is not None and r.choice is None and not r.finished:
-            r.enter(joining)
-            r.strict = r.strict or mode == PROTOCOL
-            r.touched = now
-            self._try_decide(r)
-            return r.number
-        if r is not None and r.choice is not None and not r.finished:
-            p = r.joined.get(rank)
-            if p is not None and p.restore_id == restore_id:
-                return r.number  # a retried join of the same restore
-        self.previous = r
-        self.rounds += 1
-        self.round = Round(self.rounds, mode == PROTOCOL, now, self.nodes, touched=now)
-        self.round.enter(joining)
-        log.info("coordinator: restore round %d opened by node-rank %d", self.rounds, rank)
-        self._try_decide(self.round)
-        return self.rounds
+        joining = Participant(rank, restore_id, inv, now, tuple(notes), incarnation)
+        return self.restores.enter(joining, mode, self.nodes)
 
     # ------------------------------------------------------------------ restore
 
     def _participant(self, job: str, rank: int, restore_id: str) -> Round | None:
-        r = self.round
-        if job != self.job or r is None:
+        """The open round if node ``rank`` of ``job`` takes part in it with ``restore_id``
+        (it was heard from), else None."""
+        if job != self.job:
             return None
-        p = r.joined.get(rank)
-        if p is None or p.restore_id != restore_id:
-            return None
-        now = self.clock()
-        r.touched = now
+        r = self.restores.participant(rank, restore_id)
         m = self.members.get(rank)
-        if m is not None:
-            m.last_seen = now
+        if r is not None and m is not None:
+            m.last_seen = self.clock()
         return r
 
-    def _try_decide(self, r: Round) -> None:
-        """Decide once every rank joined (and, with a bucket, the bucket answered)."""
-        if r.choice is not None:
-            return
-        if r.missing_count:
-            r.waiting_for = ""
-            return
-        if self._bucket_pending(r):
-            return  # cheap while it waits: the inventories are gathered once it answered
-        r.inventories = {rank: p.inventory for rank, p in r.joined.items()}
-        self._decide(r)
-
-    def _bucket_pending(self, r: Round) -> bool:
-        """With a bucket: the decision waits for (a deeper) read of it (sets ``waiting_for``)."""
-        if self.bucket and (r.bucket is None or r.bucket.depth < r.bucket_depth):
-            r.choice = None
-            r.waiting_for = "the bucket" if r.bucket is None else "older backup rounds"
-            return True
-        return False
-
     def bucket_wanted(self) -> tuple[int, str, int, int] | None:
-        """The bucket read the open round waits for: (round, job, nodes, depth), else None.
-
-        Depth: how many complete backup rounds the read looks for, newest
-        first (:data:`BUCKET_DEPTH`, more once bad copies ruled those out).
-        """
-        r = self.round
-        if (
-            not self.bucket
-            or r is None
-            or r.choice is not None
-            or r.missing_count
-            or self.job is None
-            or not r.joined
-        ):
+        """``(round, job, nodes, depth)``: the bucket read the open round waits for
+        (None: none), to be run outside the lock; ``depth`` is how many complete
+        backup rounds it must look for."""
+        want = self.restores.bucket_wanted()
+        if want is None or self.job is None:
             return None
-        if r.bucket is not None and r.bucket.depth >= r.bucket_depth:
-            return None
-        return r.number, self.job, self.nodes, r.bucket_depth
+        return want[0], self.job, self.nodes, want[1]
 
     def bucket_answered(self, round_no: int, view: BucketView) -> None:
         """The bucket's answer for round ``round_no`` (a stale one is ignored)."""
-        r = self.round
-        if r is None or r.number != round_no or r.choice is not None:
-            return
-        if view.error:
-            log.warning(
-                "coordinator: round %d: the bucket could not be read: %s", round_no, view.error
-            )
-        r.bucket = view
-        self._try_decide(r)
-
-    def _decide(self, r: Round) -> None:
-        """Choose (again) for every participant; waits for the bucket if it must."""
-        if self._bucket_pending(r):
-            return
-        notes = [n for p in r.joined.values() for n in p.notes] + r.notes
-        if r.version >= MAX_DECISIONS:
-            why = (
-                f"no step could be restored after {r.version} decisions of round "
-                f"{r.number}: " + "; ".join(notes[-3:] or ["every copy failed"])
-            )
-            choice = Choice(None, reason=why, outcome=INCOMPLETE, problems=(why,))
-        else:
-            choice = choose_restore(self.nodes, r.inventories, r.bad, r.bucket, notes)
-            if needs_deeper_read(choice, r.bucket, self.nodes):
-                r.bucket_depth = (r.bucket.depth if r.bucket else BUCKET_DEPTH) + 2
-                r.choice = None
-                r.waiting_for = "older backup rounds"
-                return
-        r.choice = choice
-        r.waiting_for = ""
-        r.version += 1
-        r.ready.clear()
-        r.decided_at = self.clock()
-        self._clear_sync()
-        if self.backups is not None:
-            self.backups.restored(
-                r.choice.backup, r.choice.step, self.wall(), new_timeline=r.strict
-            )
-        log.info(
-            "coordinator: round %d decision %d: step %s (%s)",
-            r.number,
-            r.version,
-            r.choice.step,
-            r.choice.reason,
-        )
-        self.history.append(
-            {
-                "round": r.number,
-                "version": r.version,
-                "step": r.choice.step,
-                "reason": r.choice.reason,
-                "outcome": r.choice.outcome,
-                "at": self.wall(),
-            }
-        )
-        del self.history[:-20]
+        self.restores.bucket_answered(round_no, view)
 
     def decide(self, job: str, rank: int, restore_id: str) -> DecideView:
         """The decision for node ``rank`` once every rank is accounted for.
@@ -486,43 +364,7 @@ class Coordinator:
         r = self._participant(job, rank, restore_id)
         if r is None:
             return DecideView(REJOIN)
-        self._try_decide(r)
-        if r.choice is None:
-            return DecideView(
-                WAITING,
-                r.number,
-                r.version,
-                missing=r.missing,
-                waiting_for=r.waiting_for,
-                missing_count=r.missing_count,
-            )
-        c = r.choice
-        plain = DecideView(
-            DECIDED,
-            r.number,
-            r.version,
-            None,
-            reason=c.reason,
-            forced=c.forced,
-            outcome=c.outcome,
-            problems=c.problems,
-        )
-        if c.step is None:
-            return plain
-        local, holders = sources_for(c, rank, self.nodes)
-        sources = tuple((h, self.members[h].address) for h in holders if h in self.members)
-        backups = c.rounds.get(rank, ())
-        # a forced round is restored from the bucket even when a peer holds the same bytes
-        backup = c.forced or (backups[0] if backups and not local and not sources else None)
-        return dataclasses.replace(
-            plain,
-            step=c.step,
-            local=local,
-            digest=c.digests.get(rank, ""),
-            sources=sources,
-            backup=backup,
-            backups=backups,
-        )
+        return self.restores.decide(r, rank, self.members)
 
     def barrier(
         self,
@@ -547,75 +389,27 @@ class Coordinator:
             ``passed`` once every participant reached the phase; ``waiting``
             with the ranks still missing; ``replan`` when the decision changed
             (call :meth:`decide` again); ``rejoin`` for an unknown restore.
+
+        Raises:
+            ValueError: an unknown phase.
         """
-        prev = self.previous
-        if (
-            prev is not None
-            and prev.number == round_no
-            and job == self.job
-            and rank in prev.joined
-            and prev.joined[rank].restore_id == restore_id
-        ):
-            if (phase == "done" and prev.finished) or (phase == "ready" and prev.ready_passed):
-                return BarrierView(PASSED)
-            return BarrierView(REJOIN)
+        if job == self.job:
+            old = self.restores.superseded(rank, restore_id, round_no, phase)
+            if old is not None:
+                return old
         r = self._participant(job, rank, restore_id)
         if r is None or r.number != round_no:
             return BarrierView(REJOIN)
-        if r.choice is None or version != r.version:
-            return BarrierView(REPLAN)  # decided again (or deciding): call decide
-        r.touched = self.clock()
-        if phase == "ready":
-            if not ok:
-                self._failed(r, rank, set(bad), detail)
-                return BarrierView(REPLAN)
-            r.ready.add(rank)
-            return _waiting(r.ready)
-        if phase == "done":
-            if not r.ready_passed:
-                return _waiting(r.ready)
-            r.done.add(rank)
-            return _waiting(r.done)
-        raise ValueError(f"unknown barrier phase {phase!r}")
-
-    def _failed(self, r: Round, rank: int, bad: set[CopyId], detail: str) -> None:
-        c = r.choice
-        assert c is not None
-        new = bad - r.bad
-        if not new and c.step is not None:
-            # nothing named (e.g. no space, every source unreachable): none of this
-            # node's copies counts any more, so the next decision differs
-            new = {(h, rank, c.step) for h in c.holders.get(rank, ())}
-            new |= {(n, rank, c.step) for n in c.rounds.get(rank, ())}
-        r.bad |= new
-        r.failures += 1
-        what = detail or (
-            f"could not get its data for step {c.step}" if c.step is not None else "failed"
-        )
-        r.notes.append(f"node-rank {rank}: {what}")
-        del r.notes[:-10]
-        log.info(
-            "coordinator: node-rank %d could not restore step %s (%s); bad copies %s; "
-            "deciding again",
-            rank,
-            c.step,
-            what,
-            sorted(map(str, new)),
-        )
-        self._decide(r)
+        return self.restores.barrier(r, rank, version, phase, ok, bad, detail)
 
     def progress(self) -> tuple[int, int, bool, bool, bool] | None:
         """What waiting ``Decide``/``Barrier`` calls wait for (None: no round):
         a waiting call is re-evaluated only when this changes."""
-        r = self.round
-        return None if r is None else r.progress()
+        return self.restores.progress()
 
     def restore_open(self) -> int:
         """The restore round in progress (0: none, or idle for :data:`ROUND_IDLE` s)."""
-        r = self.round
-        if r is None or r.finished or self.clock() - r.touched > ROUND_IDLE:
-            return 0
-        return r.number
+        return self.restores.open_round()
 
     # ------------------------------------------------------------------ sync
 
@@ -665,14 +459,7 @@ class Coordinator:
             )
         steps = () if compact else tuple(self.sync_steps.get(r, NO_STEP) for r in range(self.nodes))
         number = self.restore_open()
-        rnd = self.round
-        summoned = bool(
-            number
-            and rnd is not None
-            and rnd.choice is None
-            and not rnd.strict
-            and rank not in rnd.joined
-        )
+        summoned = bool(self.restores.summons(rank, incarnation))
         book = self.backups
         if book is None:
             return SyncView(
@@ -783,10 +570,3 @@ class Coordinator:
             "decisions": list(self.history[-5:]),
             "backups": self.backups.status() if self.backups is not None else None,
         }
-
-
-def _waiting(reached: RankSet) -> BarrierView:
-    """``passed`` once every rank (a decided round has all of them) reached the phase."""
-    if not reached.lacking_count:
-        return BarrierView(PASSED)
-    return BarrierView(WAITING, reached.lacking(), reached.lacking_count)

@@ -19,10 +19,13 @@ Only :meth:`Membership.holders` (for the backup book) and the full
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable, Iterable
 
 from tierfs.cluster.restore_choice import Holding
-from tierfs.cluster.rounds import Member, PeerView
+from tierfs.cluster.rounds import Member, PeerView, Rejected
+
+log = logging.getLogger("tierfs.cluster.coordinator")
 
 #: seconds a count of live members is reused (counting walks every member)
 LIVE_COUNT_TTL = 1.0
@@ -66,6 +69,49 @@ class Membership:
         m = self.members[rank] = Member(rank, address, incarnation)
         self._live_count = None
         return m
+
+    def admit(self, rank: int, address: str, incarnation: str) -> tuple[Member, bool]:
+        """The member for a join of ``rank`` by daemon ``incarnation`` at ``address``: the
+        known one, or a new one when the rank is new or its daemon restarted.
+
+        Returns:
+            (member, True if it replaces an earlier incarnation of the rank).
+
+        Raises:
+            Rejected: another daemon at another address still serves the rank (heard
+                within ``live_seconds``): two nodes with one rank.
+        """
+        now = self.clock()
+        m = self.members.get(rank)
+        if (
+            m is not None
+            and m.incarnation != incarnation
+            and m.address != address
+            and now - m.last_seen <= self.live_seconds
+        ):
+            # another daemon at another address still answers for this rank
+            log.warning(
+                "coordinator: node-rank %d joined from %s while %s still serves it",
+                rank,
+                address,
+                m.address,
+            )
+            raise Rejected(
+                f"node-rank {rank} is taken: {m.address} still serves it (heard "
+                f"{now - m.last_seen:.1f} s ago); two nodes with one rank? A node "
+                f"that restarted elsewhere is accepted once the old one has been "
+                f"silent for {self.live_seconds:.0f} s"
+            )
+        if m is not None and m.incarnation == incarnation:
+            return m, False
+        if m is not None:
+            log.info(
+                "coordinator: node-rank %d restarted (incarnation %s -> %s)",
+                rank,
+                m.incarnation[:8],
+                incarnation[:8],
+            )
+        return self.add(rank, address, incarnation), m is not None
 
     def set_inventory(self, m: Member, inventory: tuple[Holding, ...]) -> None:
         """``m``'s inventory is ``inventory`` (O(inventory): keeps the request counts)."""

@@ -123,6 +123,8 @@ class Participant:
 
     Attributes:
         notes: what the node found while checking its copies (discarded ones).
+        incarnation: the daemon that joined (a restarted one joins anew).
+        heard: clock time of its last call in the round (join, decide, barrier).
     """
 
     rank: int
@@ -130,6 +132,11 @@ class Participant:
     inventory: tuple[Holding, ...]
     joined_at: float
     notes: tuple[str, ...] = ()
+    incarnation: str = ""
+    heard: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.heard = self.heard or self.joined_at
 
 
 @dataclass
@@ -207,6 +214,31 @@ class Round:
             return "ready"
         return "decided"
 
+    def summons(self, rank: int, incarnation: str) -> bool:
+        """Whether the live node ``rank`` (daemon ``incarnation``) is asked to join this
+        round (generic mode: every node must be able to present the agreed step).
+
+        Undecided: every rank that has not joined. Decided: a participant that has
+        not been heard from since the decision while the daemon that joined still
+        runs: it gave up waiting (e.g. ``missing`` after its ``--join-timeout``)
+        before the last node joined; its new join opens the next round, which the
+        others join again. A participant still restoring ignores a summons (a node
+        runs one restore at a time); a restarted daemon starts a restore of its own.
+        A strict (protocol) round summons nobody: every rank joins when its job
+        restarts.
+        """
+        if self.strict or self.finished:
+            return False
+        p = self.joined.get(rank)
+        if self.choice is None:
+            return p is None
+        return (
+            p is not None
+            and p.incarnation == incarnation
+            and self.decided_at is not None
+            and p.heard < self.decided_at
+        )
+
     def progress(self) -> tuple[int, int, bool, bool, bool]:
         """What a waiting Decide/Barrier call waits for to change: (round, version,
         decided, ready passed, done passed)."""
@@ -277,7 +309,8 @@ class SyncView:
             once the bucket holds it.
         restore_round: the restore round in progress (0: none): nodes keep
             every copy of the job meanwhile.
-        summoned: (generic mode) join that round: it waits for this node.
+        summoned: (generic mode) join that round: it waits for this node, or this
+            node gave up on it before it was decided.
     """
 
     known: bool

@@ -25,26 +25,27 @@ import threading
 from typing import Any
 
 from tierfs import command
+from tierfs.cli.status_file import read_status_file
 from tierfs.core import retry
 from tierfs.core.status import NodeStatus
 from tierfs.csi import mounts
 
 log = logging.getLogger("tierfs.csi")
 
-STATUS_FILE = os.path.join(".tierfs", "status.json")
 MOUNT_TIMEOUT = 150.0
 PR_SET_CHILD_SUBREAPER = 36
 
 
 def read_status(mountpoint: str) -> NodeStatus | None:
-    """The daemon's ``.tierfs/status.json`` read through the mount, or None.
+    """The daemon's ``.tierfs/status.json`` read through the mount, or None
+    (:func:`tierfs.cli.status_file.read_status_file`, with no time limit).
 
     None when nothing answers at ``mountpoint`` (not mounted, a dead mount,
     not tierfs) or the file does not hold a status (a JSON object).
     """
     try:
-        with open(os.path.join(mountpoint, STATUS_FILE), "rb") as f:
-            return NodeStatus.from_json(json.loads(f.read()))
+        data = read_status_file(mountpoint)
+        return None if data is None else NodeStatus.from_json(data)
     except (OSError, ValueError):  # StatusFormatError is a ValueError
         return None
 

@@ -1023,6 +1023,7 @@ class NodeAgent:
                 "error": str(exc),
                 "at": time.time(),
                 "outcome": getattr(exc, "outcome", FAILED),
+                "summoned": summoned,
             }
             return
         finally:
@@ -1055,8 +1056,17 @@ class NodeAgent:
 
     def summoned(self, job: JobSpec) -> None:
         """The coordinator asks this node to join a restore round (generic mode; trio
-        thread): join it unless a restore already runs here."""
-        if self.mode == "generic" and self.job is job and self._start_generic_restore(job, True):
+        thread): join it unless a restore already runs here.
+
+        A node whose own restore (after its daemon started) gave up, e.g. a node
+        missing past ``--join-timeout``, takes the summons as that restore again:
+        like a restarted node it drops its steps newer than the agreed one.
+        """
+        if self.mode != "generic" or self.job is not job:
+            return
+        last = self.restore_state
+        own = last.get("state") == "failed" and last.get("summoned") is False
+        if self._start_generic_restore(job, not own):
             log.info("the coordinator asks this node to join a restore round")
 
     def _start_generic_restore(self, job: JobSpec, summoned: bool = False) -> bool:

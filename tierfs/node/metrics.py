@@ -90,12 +90,15 @@ def serve(port: int, snapshot: Callable[[], dict[str, Any]], addr: str = "0.0.0.
     """Serve ``/metrics`` on ``addr:port`` from a background thread.
 
     Raises:
-        OSError: the port is taken.
+        OSError: the port is taken (the message names ``--metrics-port``).
     """
     from prometheus_client import start_http_server
     from prometheus_client.registry import CollectorRegistry
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatusCollector(snapshot))
-    start_http_server(port, addr=addr, registry=registry)
+    try:
+        start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:  # name the flag: "Address already in use" alone says nothing
+        raise OSError(exc.errno, f"--metrics-port {port}: {exc.strerror or exc}") from exc
     log.info("Prometheus metrics on %s:%d/metrics", addr, port)

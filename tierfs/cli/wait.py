@@ -1,0 +1,117 @@
+"""``tierfs wait``: wait until the node's restore has settled; its outcome as the exit code.
+
+:func:`wait_outcome` maps a settled restore state (``.tierfs/status.json``'s
+``restore``) to the line printed and the exit code of :data:`WAIT_EXIT` (README
+"tierfs wait"), as pure data.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import click
+
+from tierfs.cli.status_file import DaemonNotAnswering, not_answering, read_status
+from tierfs.core.status import NodeStatus, RestoreStatus
+
+__all__ = ["RESTORE_SETTLED", "WAIT_EXIT", "WAIT_STILL_RUNNING", "wait_cmd", "wait_outcome"]
+
+
+#: restore states after which a node's view holds what it will resume from
+RESTORE_SETTLED = ("done", "failed", "idle")
+
+#: ``tierfs wait`` exit codes by restore outcome (README "tierfs wait")
+WAIT_EXIT = {
+    "restored": 0,
+    "fresh": 0,
+    "failed": 1,
+    "incomplete": 3,
+    "missing": 4,
+    "refused": 5,
+    "timeout": 6,
+}
+#: ``tierfs wait``: the restore was still running when --timeout passed
+WAIT_STILL_RUNNING = 7
+
+
+def wait_outcome(restore: RestoreStatus | Mapping[str, Any]) -> tuple[int, str]:
+    """What ``tierfs wait`` prints and returns for a settled restore state (pure;
+    typed, or the status's ``restore`` object).
+
+    Returns:
+        (exit code, one line): 0 for a restored step or a true fresh start
+        (nothing of the job exists anywhere), else the code of
+        :data:`WAIT_EXIT` with the reason.
+    """
+    if not isinstance(restore, RestoreStatus):
+        restore = RestoreStatus.from_json(restore)
+    state = restore.state
+    step = restore.step
+    outcome = restore.outcome or (
+        "failed" if state == "failed" else "restored" if step else "fresh"
+    )
+    reason = restore.reason or restore.error or ""
+    if state == "idle":
+        return 0, "no restore needed"
+    if state == "failed":
+        what = {
+            "missing": "a node did not join",
+            "refused": "the coordinator refused this node",
+            "timeout": "timed out",
+        }.get(outcome, "failed")
+        return WAIT_EXIT.get(outcome, 1), f"restore {what}: {reason or 'see replicator.errors'}"
+    if step:
+        source = f"GCS round {restore.backup}" if restore.backup else restore.source or "?"
+        return 0, f"restored step {step} from {source}"
+    if outcome == "fresh":
+        return 0, f"nothing to restore{': ' + reason if reason else ''}"
+    return WAIT_EXIT.get(outcome, 1), f"nothing restored ({outcome}): {reason}"
+
+
+@click.command("wait")
+@click.argument("mountpoint", type=str)  # not click.Path: its stat waits on a stuck daemon
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait.")
+def wait_cmd(mountpoint: str, timeout: float) -> None:
+    """Wait until the node's restore has finished; print what it restored.
+
+    Use it between `tierfs mount` and starting a trainer that lists its own
+    checkpoint directory (generic mode): after a node loss the restored step
+    appears in the mount only when the cluster has agreed on it. Exit status
+    0: a step was restored, or nothing of the job exists anywhere (a fresh
+    start); 1: the restore failed; 3: something exists but no step is
+    complete (nothing restored); 4: a node did not join in time; 5: the
+    coordinator refuses this node; 6: a restore phase timed out; 7: still
+    running after --timeout (or the daemon did not answer within it).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            # never past --timeout, even when the daemon does not answer at all
+            left = max(1.0, deadline - time.monotonic())
+            restore = NodeStatus.from_json(read_status(mountpoint, left)).restore
+        except DaemonNotAnswering:
+            click.echo(f"tierfs: error: {not_answering(mountpoint, timeout)}", err=True)
+            sys.exit(WAIT_STILL_RUNNING)
+        state = restore.state
+        if state in RESTORE_SETTLED:
+            break
+        if time.monotonic() > deadline:
+            click.echo(
+                f"tierfs: error: restore still {state} after {timeout:.0f}s "
+                f"({restore.phase or 'tierfs status ' + mountpoint})",
+                err=True,
+            )
+            sys.exit(WAIT_STILL_RUNNING)
+        time.sleep(0.2)
+    code, line = wait_outcome(restore)
+    if not code:
+        click.echo(line)
+    for problem in restore.problems:
+        if problem not in line:
+            click.echo(f"tierfs: note: {problem}", err=True)
+    if code:
+        click.echo(f"tierfs: error: {line}", err=True)
+        sys.exit(code)
