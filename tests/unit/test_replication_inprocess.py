@@ -179,8 +179,8 @@ def test_a_sealed_step_reaches_its_peers_with_every_crc32c_verified(net, tmp_pat
         assert sorted(c[1] for c in pushes) == [address(1), address(2)]
         assert {c[3] for c in pushes} == {"ok"}
         assert nodes[1].tier.stats.snapshot()["pushes_received"] == 1
-        step = next(s for s in nodes[0].tier.status()["steps"] if s["step"] == 5)
-        assert step["state"] == "replicated" and step["where"] == ["peer:1", "peer:2"]
+        step = next(s for s in nodes[0].tier.status().steps if s.step == 5)
+        assert step.state == "replicated" and step.where == ("peer:1", "peer:2")
         # the receivers' inventories now name the copy (what the coordinator is told)
         held = {(h.rank, h.step, h.digest) for h in nodes[1].tier.holdings.holdings(JOB)}
         assert (0, 5, shard.manifest.digest) in held
@@ -309,8 +309,8 @@ def test_a_peer_that_is_down_is_skipped_then_caught_up_after_it_comes_back(
             "replication of step 10 to node-rank 2" in e and "UNAVAILABLE" in e
             for e in nodes[0].job.errors
         )
-        step = next(s for s in nodes[0].tier.status()["steps"] if s["step"] == 10)
-        assert step["state"] == "replication failed" and step["where"] == ["peer:1"]
+        step = next(s for s in nodes[0].tier.status().steps if s.step == 10)
+        assert step.state == "replication failed" and step.where == ("peer:1",)
         # node 2 answers again: the catch-up round sends what it lacks
         net.heal(down)
         nodes[0].tier.replicator.catch_up()
