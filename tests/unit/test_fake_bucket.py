@@ -62,11 +62,14 @@ def test_a_persistent_status_gives_up_at_the_retry_deadline():
     b = fb.backend(server, deadline=0.3)
     server.inject("status", "get", status=503, times=None)
     t0 = time.monotonic()
-    with pytest.raises(gexc.RetryError) as err:
+    # the retry's deadline and the request deadline (BucketMonitor) are the same 0.3 s:
+    # whichever passes first ends the call (on a busy machine either may), both as
+    # "bucket unreachable"
+    with pytest.raises((gexc.RetryError, BucketTimeout)) as err:
         b.objects.get_bytes("anything")
     assert time.monotonic() - t0 < 10
     assert is_transient(err.value)
-    assert describe_error(err.value).startswith("bucket unreachable: gave up retrying")
+    assert describe_error(err.value).startswith("bucket unreachable")
 
 
 def test_a_definite_answer_is_not_retried():
@@ -88,9 +91,12 @@ def test_a_connection_reset_is_retried_and_a_persistent_one_gives_up():
     assert b.objects.get_bytes("obj") == b"xyz"
     assert [o for _op, _n, o in server.log] == ["reset", "200"]
     server.inject("reset", "get", "obj", times=None)
-    with pytest.raises(gexc.RetryError) as err:
+    # the retry's deadline or the request deadline, whichever passes first (both 0.3 s)
+    with pytest.raises((gexc.RetryError, BucketTimeout)) as err:
         b.objects.get_bytes("obj")
-    assert isinstance(err.value.cause, requests.exceptions.ConnectionError)
+    if isinstance(err.value, gexc.RetryError):
+        assert isinstance(err.value.cause, requests.exceptions.ConnectionError)
+    assert is_transient(err.value)
     assert describe_error(err.value).startswith("bucket unreachable")
 
 

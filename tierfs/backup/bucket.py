@@ -236,6 +236,7 @@ class GcsBackend:
 
     Attributes:
         objects: the :class:`ObjectStore` every operation goes through.
+        bucket: the library's bucket object (``objects.bucket``).
         monitor: the client's :class:`BucketMonitor` (shared by every backend on
             the same client), or None if the client's session could not be wrapped.
         rounds, uploads, downloads, cleaner: the collaborators (module docstring).
@@ -258,6 +259,7 @@ class GcsBackend:
         if widen_pool:
             _widen_pool(self.client, self.settings.threads)
         self.objects = ObjectStore(self.spec, self.client, self.settings, on_retry)
+        self.bucket = self.objects.bucket
         self.monitor = self.objects.monitor
         self.rounds = RoundListing(self.objects)
         self.uploads = Uploader(self.objects)
