@@ -40,8 +40,10 @@ import trio
 
 from tierfs.backup import layout
 from tierfs.backup.tier import BucketRendezvous, GcsTier
+from tierfs.cluster.backup_schedule import RoundBook
 from tierfs.cluster.coordinator import Coordinator
 from tierfs.cluster.servicer import CoordinatorServicer
+from tierfs.core import settings
 from tierfs.core.config import ConfigError, NodeConfig
 from tierfs.fuse.namespace import Namespace
 from tierfs.fuse.session import FuseSession, MountOptions
@@ -182,8 +184,13 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
             # serves it may be known only once a job starts (the gate answers the
             # others); with a bucket no restore is decided before the GCS tier
             # installed the bucket reader
+            book = None
+            if spec is not None:
+                # the coordinator decides the backup rounds; node-rank 0's GCS tier
+                # seeds the book from the bucket before the first round starts
+                book = RoundBook(timeout=settings.GCS_ROUND_TIMEOUT.get())
             coordinator = CoordinatorServicer(
-                Coordinator(bucket=spec is not None), gate=plane.coordinator_gate
+                Coordinator(bucket=spec is not None, backups=book), gate=plane.coordinator_gate
             )
     gcs = GcsTier(
         spec,

@@ -255,14 +255,14 @@ def test_judging_reads_one_listing_and_the_manifests(fake_gcs, tmp_path, monkeyp
     for r in range(3):
         g.upload_shard(make_shard(tmp_path / f"n{r}", "job", r, 5, {"5/x": b"%d" % r}), R1, nodes=3)
     calls = {"list": 0, "get": []}
-    real_list, real_get = g._list, g._get_bytes
+    real_list, real_get = g.objects.listing, g.objects.get_bytes
     monkeypatch.setattr(
-        g,
-        "_list",
+        g.objects,
+        "listing",
         lambda *a, **k: (calls.__setitem__("list", calls["list"] + 1), real_list(*a, **k))[1],
     )
     monkeypatch.setattr(
-        g, "_get_bytes", lambda name: (calls["get"].append(name), real_get(name))[1]
+        g.objects, "get_bytes", lambda name: (calls["get"].append(name), real_get(name))[1]
     )
     assert g.inspect_round("job", R1).complete_step == 5
     assert calls["list"] == 1

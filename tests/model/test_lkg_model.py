@@ -133,7 +133,7 @@ class LkgMachine(RuleBasedStateMachine):
             budget=fake_ports.FakeBudget(),
             settings=fb.fast_settings(30.0),
         )
-        self.tier.backend = self.reader  # the seam: get_backend() returns the fake's backend
+        self.tier.access.backend = self.reader  # the seam: get_backend() returns the fake's
         # ---- the model
         self.gen: dict[tuple[int, int], int] = {}  # (rank, step) -> current generation
         self.sealed: dict[tuple[int, int], set[int]] = {}  # generations ever sealed

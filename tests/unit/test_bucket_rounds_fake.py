@@ -123,7 +123,7 @@ def tier(server, deadline=2.0):
         budget=fake_ports.FakeBudget(),
         settings=fb.fast_settings(deadline),
     )
-    t.backend = fb.backend(server, deadline=deadline)  # the seam: get_backend() returns it
+    t.access.backend = fb.backend(server, deadline=deadline)  # the seam: get_backend() returns it
     return t
 
 

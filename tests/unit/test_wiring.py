@@ -15,7 +15,8 @@ import pytest
 import trio
 
 import tierfs
-from tierfs.backup.tier import BucketRendezvous, GcsTier, _Upload
+from tierfs.backup.tier import BucketRendezvous, GcsTier
+from tierfs.backup.uploads import Upload
 from tierfs.core.config import ConfigError, NodeConfig
 from tierfs.core.control import JobSpec
 from tierfs.daemon import NodeParts, build_node
@@ -163,7 +164,7 @@ def test_a_withdrawn_shard_stops_its_transfer_and_its_upload(tmp_path):
     parts.catalog.add(shard)  # type: ignore[arg-type]
     assert parts.agent.sealed_inos == {11: key, 12: key}
     send = parts.peer._sends[key] = Send()
-    up = parts.gcs._uploads[key] = _Upload("r", 5, 10, threading.Event(), time.time())
+    up = parts.gcs.uploads.active[key] = Upload("r", 5, 10, threading.Event(), time.time())
     removed: list[object] = []
     parts.shards.remove = removed.append  # type: ignore[method-assign]
     parts.catalog.drop(key, "a sealed file was opened for writing")
@@ -177,7 +178,7 @@ def test_a_backup_outcome_asks_the_peer_tier_for_a_heartbeat(tmp_path):
     assert parts.peer is not None
     assert not parts.peer.heartbeat.wake.is_set()
     job = JobSpec("j", "orbax", 1, 2)
-    parts.gcs._finish(job, "2026-12-01_21-00", 5, "done", "", 10, 1.0, None)
+    parts.gcs.uploads.finish(job, "2026-12-01_21-00", 5, "done", "", 10, 1.0, None)
     assert parts.peer.heartbeat.wake.is_set()
     assert parts.peer.heartbeat.backup_outcome() == parts.gcs.backup_outcome()
     assert parts.gcs.backup_outcome() is not None and parts.gcs.backup_outcome().step == 5
@@ -307,13 +308,13 @@ def test_a_gcs_client_that_cannot_be_created_is_tried_again_with_backoff(monkeyp
         tries.append(1)
         raise RuntimeError("Your default credentials were not found")
 
-    monkeypatch.setattr(tier, "get_backend", no_credentials)
+    monkeypatch.setattr(tier.access, "get_backend", no_credentials)
     clock = [1000.0]
     monkeypatch.setattr("tierfs.backup.tier.time.monotonic", lambda: clock[0])
 
     async def ticks(n: int) -> None:
         for _ in range(n):
-            await tier._tick()
+            await tier.follower.tick()
 
     trio.run(ticks, 5)
     assert len(tries) == 1

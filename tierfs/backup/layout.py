@@ -24,7 +24,6 @@ from manifest paths to object names. MTC ignores it.
 
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 import json
 import re
@@ -32,12 +31,21 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierfs.core.errors import BackupError
+from tierfs.core.rounds import ROUND_FORMAT as ROUND_FORMAT
+from tierfs.core.rounds import ROUND_RE as ROUND_RE
+from tierfs.core.rounds import DedupPlan as DedupPlan
+from tierfs.core.rounds import LayoutError as LayoutError
+from tierfs.core.rounds import check_round_name as check_round_name
+from tierfs.core.rounds import data_column as data_column
+from tierfs.core.rounds import dedup_plan as dedup_plan
+from tierfs.core.rounds import is_round_name as is_round_name
+from tierfs.core.rounds import next_round_name as next_round_name
+from tierfs.core.rounds import round_name as round_name
+from tierfs.core.rounds import round_time as round_time
+from tierfs.core.rounds import uploader_of as uploader_of
+from tierfs.core.rounds import uploads_data as uploads_data
 from tierfs.store.manifest import FileEntry, Manifest, ManifestError, check_path
 
-#: ``YYYY-MM-DD_HH-MM`` in UTC: the name of one backup round directory
-ROUND_FORMAT = "%Y-%m-%d_%H-%M"
-ROUND_RE = re.compile(r"^\d{4}-\d{2}-\d{2}_\d{2}-\d{2}$")
 META_RE = re.compile(r"^(?P<job>.+)-s(?P<step>\d+)-n(?P<rank>\d+)-w(?P<worker>\d+)\.meta$")
 TIERFS_MANIFEST_RE = re.compile(r"^(?P<job>.+)-s(?P<step>\d+)-n(?P<rank>\d+)\.tierfs\.json$")
 #: data object names MTC's restore accepts (the top-level part of the name)
@@ -51,10 +59,6 @@ BACKUP_FORMAT = "tierfs.gcs-backup/1"
 RENDEZVOUS_FORMAT = "tierfs.rendezvous/1"
 
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
-
-
-class LayoutError(BackupError, ValueError):
-    """A bucket spec, object name or backup manifest is malformed."""
 
 
 # ---------------------------------------------------------------------- bucket
@@ -144,62 +148,6 @@ def check_job(job: str) -> None:
         raise LayoutError(f"job name {job!r} cannot name a bucket directory")
 
 
-# ---------------------------------------------------------------------- rounds
-
-
-def round_name(when: float | dt.datetime) -> str:
-    """The round directory name for a time: UTC, minute resolution.
-
-    Args:
-        when: Unix time in seconds, or an aware datetime (naive ones are taken as UTC).
-    """
-    if isinstance(when, dt.datetime):
-        t = when if when.tzinfo else when.replace(tzinfo=dt.UTC)
-    else:
-        t = dt.datetime.fromtimestamp(when, dt.UTC)
-    return t.astimezone(dt.UTC).strftime(ROUND_FORMAT)
-
-
-def round_time(name: str) -> dt.datetime:
-    """The UTC start minute a round name stands for.
-
-    Raises:
-        LayoutError: not ``YYYY-MM-DD_HH-MM``.
-    """
-    check_round_name(name)
-    try:
-        return dt.datetime.strptime(name, ROUND_FORMAT).replace(tzinfo=dt.UTC)
-    except ValueError as exc:
-        raise LayoutError(f"bad round name {name!r}: {exc}") from None
-
-
-def check_round_name(name: str) -> None:
-    """Raises LayoutError unless ``name`` is ``YYYY-MM-DD_HH-MM``."""
-    if not ROUND_RE.match(name or ""):
-        raise LayoutError(f"bad round name {name!r} (want UTC YYYY-MM-DD_HH-MM)")
-
-
-def is_round_name(name: str) -> bool:
-    """True for a valid ``YYYY-MM-DD_HH-MM`` name."""
-    try:
-        round_time(name)
-    except LayoutError:
-        return False
-    return True
-
-
-def next_round_name(when: float, previous: str | None) -> str:
-    """A round name for ``when`` that sorts after ``previous`` (the same minute is bumped).
-
-    Two rounds started in the same minute would share a directory; the
-    coordinator uses this to give the second one the next minute's name.
-    """
-    name = round_name(when)
-    if previous is not None and name <= previous:
-        name = round_name(round_time(previous) + dt.timedelta(minutes=1))
-    return name
-
-
 # ---------------------------------------------------------------------- MTC names
 
 
@@ -250,100 +198,6 @@ def check_meta_content(text: str) -> str:
     if not HASH_RE.match(h):
         raise LayoutError(f".meta does not hold a data hash: {text[:80]!r}")
     return h
-
-
-# ---------------------------------------------------------------------- data parallelism
-
-
-def uploads_data(rank: int, nodes: int, data_parallelism: int | None) -> bool:
-    """Does ``rank`` upload data objects (else only its ``.meta`` and manifest)?
-
-    With ``assume-data-parallelism`` D the ranks form a D x (nodes/D) grid
-    whose columns hold identical data; as in MTC only the last row
-    (``rank >= nodes - nodes // D``) uploads data. Without it every rank does.
-    """
-    if not data_parallelism or data_parallelism <= 1 or nodes % data_parallelism:
-        return True
-    return rank >= nodes - nodes // data_parallelism
-
-
-def data_column(rank: int, nodes: int, data_parallelism: int | None) -> int:
-    """The data-parallel column of ``rank`` (= ``rank`` without data parallelism)."""
-    if not data_parallelism or data_parallelism <= 1 or nodes % data_parallelism:
-        return rank
-    return rank % (nodes // data_parallelism)
-
-
-def uploader_of(rank: int, nodes: int, data_parallelism: int | None) -> int:
-    """The rank whose data objects ``rank``'s ``.meta`` points at."""
-    if uploads_data(rank, nodes, data_parallelism):
-        return rank
-    cols = nodes // data_parallelism  # type: ignore[operator]
-    return nodes - cols + rank % cols
-
-
-@dataclass(frozen=True)
-class DedupPlan:
-    """Which ranks of a data-parallel job may point at their uploader's data for one step.
-
-    Attributes:
-        dedup: ranks (never an uploader) whose shard digest equals their
-            column's uploader's: they upload no data once the bucket proves
-            the objects are there (:meth:`tierfs.backup.bucket.GcsBackend.upload_shard`).
-        differing: ``(uploader, ranks)`` for every column where some rank's
-            digest differs from the uploader's (``ranks`` sorted, the uploader
-            included): ``assume-data-parallelism`` did not hold there, every
-            rank of it uploads its own data.
-    """
-
-    dedup: frozenset[int] = frozenset()
-    differing: tuple[tuple[int, tuple[int, ...]], ...] = ()
-
-    def describe(self, step: int, data_parallelism: int | None) -> str:
-        """One line for ``replicator.errors`` (empty when nothing differs)."""
-        if not self.differing:
-            return ""
-        groups = "; ".join(
-            f"node-ranks {list(ranks)} (uploader {u})" for u, ranks in self.differing
-        )
-        return (
-            f"assume-data-parallelism {data_parallelism} did not hold for step {step}: "
-            f"the shards of {groups} differ (their manifests' checksums), so each of "
-            "these nodes uploads its own data"
-        )
-
-
-def dedup_plan(
-    digests: dict[int, str | None], nodes: int, data_parallelism: int | None
-) -> DedupPlan:
-    """Who may skip uploading data for one step (pure): checksums, not the claim.
-
-    Args:
-        digests: rank -> the manifest digest of its own shard of the step
-            (:attr:`tierfs.store.manifest.Manifest.digest`), None or absent when the
-            rank does not hold it.
-        nodes: the job's node count.
-        data_parallelism: the job's ``assume-data-parallelism`` (None/1: no dedup).
-
-    A rank dedups only when its digest and its uploader's are both known and
-    equal. A rank or uploader without the step is no sign of differing data
-    (it cannot upload anyway) and is not reported.
-    """
-    dedup: set[int] = set()
-    groups: dict[int, set[int]] = {}
-    for r in range(nodes):
-        u = uploader_of(r, nodes, data_parallelism)
-        if u == r:
-            continue
-        mine, theirs = digests.get(r), digests.get(u)
-        if mine is None or theirs is None:
-            continue
-        if mine == theirs:
-            dedup.add(r)
-        else:
-            groups.setdefault(u, {u}).add(r)
-    differing = tuple((u, tuple(sorted(rs))) for u, rs in sorted(groups.items()))
-    return DedupPlan(frozenset(dedup), differing)
 
 
 # ---------------------------------------------------------------------- object layout

@@ -1,29 +1,20 @@
-"""When a backup round starts, and how the coordinator follows it: pure policy.
+"""How the coordinator follows a multi-node job's backup rounds: pure policy.
 
-PROTOCOL.md section 5 and docs/CLIENTS.md section 5 "Backups": a round is
-taken every ``backup-interval-minutes`` (MTC: counted from the last round, or
-from the coordinator's start), or every ``backup-interval-steps`` steps, or
-at once for a step carrying ``_BACKUP_REQUESTED``; never while the previous
-round is still running (a step due meanwhile waits for it; it is skipped,
-with a line in ``replicator.errors``, only when a newer step is backed up
-instead). The step backed up is the newest step every node has sealed and
-replicated (the cluster's sync round; on one node: the newest sealed step).
+:class:`RoundBook` is the coordinator's bookkeeping of a multi-node job's
+rounds (PROTOCOL.md section 6: the sync round "also decides when a backup
+round starts"). :class:`tierfs.cluster.coordinator.Coordinator` calls it on every
+``Sync``: it closes the active round once every rank reported its
+:class:`Outcome` (or after a timeout), runs :func:`tierfs.core.rounds.decide_round`
+for the cluster's synced step, and tells each rank the round it still has to
+upload (:meth:`RoundBook.order_for`). Lines for ``replicator.errors`` (a
+skipped step, an incomplete round) queue in :attr:`RoundBook.events`.
 
-Two users:
-
-* :func:`decide_round` over a :class:`ScheduleState`: the decision itself.
-  A one-node job (no peer plane) calls it from its GCS tier.
-* :class:`RoundBook`: the coordinator's bookkeeping of a multi-node job's
-  rounds (PROTOCOL.md section 6: the sync round "also decides when a backup
-  round starts"). :class:`tierfs.cluster.coordinator.Coordinator` calls it on every
-  ``Sync``: it closes the active round once every rank reported its
-  :class:`Outcome` (or after a timeout), runs :func:`decide_round` for the
-  cluster's synced step, and tells each rank the round it still has to
-  upload (:meth:`RoundBook.order_for`). Lines for ``replicator.errors``
-  (a skipped step, an incomplete round) queue in :attr:`RoundBook.events`.
+When a round starts (the interval rules, :class:`ScheduleState`,
+:func:`decide_round` and its updates) is :mod:`tierfs.core.rounds`, shared with
+the durable plane's one-node schedule; its names are re-exported here.
 
 No I/O and no clock reads here: every time is an argument (Unix seconds),
-everything is unit-tested (tests/bucket/test_gcs_tier.py, tests/unit/test_coordinator.py).
+everything is unit-tested (tests/unit/test_gcs_rounds.py, tests/unit/test_coordinator.py).
 """
 
 from __future__ import annotations
@@ -33,8 +24,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierfs.backup.layout import dedup_plan, next_round_name, round_time
 from tierfs.core import settings
+from tierfs.core.rounds import DEFAULT_INTERVAL_MINUTES as DEFAULT_INTERVAL_MINUTES
+from tierfs.core.rounds import SKIP as SKIP
+from tierfs.core.rounds import START as START
+from tierfs.core.rounds import WAIT as WAIT
+from tierfs.core.rounds import Decision as Decision
+from tierfs.core.rounds import ScheduleState as ScheduleState
+from tierfs.core.rounds import apply_seed as apply_seed
+from tierfs.core.rounds import decide_round as decide_round
+from tierfs.core.rounds import dedup_plan
+from tierfs.core.rounds import finished as finished
+from tierfs.core.rounds import intervals as intervals
+from tierfs.core.rounds import restart_timeline as restart_timeline
+from tierfs.core.rounds import restored as restored
+from tierfs.core.rounds import skipped as skipped
+from tierfs.core.rounds import started as started
+from tierfs.core.rounds import superseded as superseded
 from tierfs.core.types import COMPLETE as COMPLETE
 from tierfs.core.types import DONE as DONE
 from tierfs.core.types import FAILED as FAILED
@@ -43,230 +49,6 @@ from tierfs.core.types import MISSING as MISSING
 from tierfs.core.types import RUNNING as RUNNING
 from tierfs.core.types import Outcome as Outcome
 from tierfs.core.types import RoundView as RoundView
-
-#: Orbax's default when a job names no interval (minutes)
-DEFAULT_INTERVAL_MINUTES = 30.0
-
-START, SKIP, WAIT = "start", "skip", "wait"
-
-
-@dataclass
-class ScheduleState:
-    """What the decider remembers between decisions (times are Unix seconds).
-
-    Attributes:
-        started_at: when scheduling began (job start, or the end of a restore).
-        last_round: name of the newest round started (or restored from), if any.
-        last_round_at: when it started.
-        last_step: the newest step of the job's current timeline known to be
-            in a round (None: none); only newer steps are backed up, and
-            ``backup-interval-steps`` counts from it.
-        active: the round still running, or None.
-        skipped_step: the last step found due while a round ran.
-        waiting: (step, running round, why due) of the newest step due while a
-            round ran: backed up next, or reported skipped when a newer step
-            is backed up instead (:func:`superseded`).
-    """
-
-    started_at: float
-    last_round: str | None = None
-    last_round_at: float | None = None
-    last_step: int | None = None
-    active: str | None = None
-    skipped_step: int | None = None
-    waiting: tuple[int, str, str] | None = None
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What to do now.
-
-    Attributes:
-        action: ``start`` (a round ``round`` for ``step``), ``skip`` (due, but
-            ``active`` still runs: report once), or ``wait``.
-        step: the step concerned.
-        round: the new round's name (``start`` only).
-        reason: one human line.
-        report: for ``skip``, True the first time this step is found due while
-            a round runs.
-        due: why the step is due (``start`` and ``skip``).
-    """
-
-    action: str
-    step: int | None = None
-    round: str | None = None
-    reason: str = ""
-    report: bool = False
-    due: str = ""
-
-
-def intervals(minutes: float | None, steps: int | None) -> tuple[float | None, int | None]:
-    """The effective (minutes, steps) of a job: Orbax's 30 minutes if it names neither."""
-    if not minutes and not steps:
-        return DEFAULT_INTERVAL_MINUTES, None
-    return (minutes or None), (steps or None)
-
-
-def decide_round(
-    state: ScheduleState,
-    *,
-    now: float,
-    step: int | None,
-    backup_requested: bool = False,
-    interval_minutes: float | None = None,
-    interval_steps: int | None = None,
-    previous_name: str | None = None,
-) -> Decision:
-    """Decide whether a backup round starts now (pure; see the module docstring).
-
-    Args:
-        state: the decider's memory (not modified).
-        now: Unix time in seconds.
-        step: the newest step every node sealed and replicated, or None.
-        backup_requested: that step carries ``_BACKUP_REQUESTED``.
-        interval_minutes, interval_steps: the job's period (see :func:`intervals`).
-        previous_name: the newest round name known in the bucket (names never repeat).
-
-    Returns:
-        a :class:`Decision`; the caller updates ``state`` with :func:`started`
-        or :func:`skipped`.
-    """
-    if step is None or step <= 0 or (state.last_step is not None and step <= state.last_step):
-        return Decision(WAIT, step, reason="no new step to back up")
-    due = ""
-    if backup_requested:
-        due = f"step {step} carries _BACKUP_REQUESTED"
-    elif interval_steps and step - (state.last_step or 0) >= interval_steps:
-        due = (
-            f"{step - (state.last_step or 0)} step(s) since the last round "
-            f"(backup-interval-steps {interval_steps})"
-        )
-    elif interval_minutes:
-        since = state.last_round_at if state.last_round_at is not None else state.started_at
-        if now - since >= interval_minutes * 60:
-            due = (
-                f"{(now - since) / 60:.1f} min since the last round "
-                f"(backup-interval-minutes {interval_minutes:g})"
-            )
-    if not due:
-        return Decision(WAIT, step, reason="not due")
-    if state.active is not None:
-        return Decision(
-            SKIP,
-            step,
-            reason=f"backup of step {step} waits: round {state.active} is still running ({due})",
-            report=state.skipped_step != step,
-            due=due,
-        )
-    prev = max((n for n in (previous_name, state.last_round) if n), default=None)
-    return Decision(START, step, next_round_name(now, prev), reason=due, due=due)
-
-
-def superseded(state: ScheduleState, step: int | None) -> list[str]:
-    """Step ``step`` is backed up now or waits to be: a step that waited for the
-    running round and is older is skipped for good. Returns its line for
-    ``replicator.errors`` (one per skipped step; none when nothing waited)."""
-    w = state.waiting
-    if w is None or step is None or w[0] > step:
-        return []
-    state.waiting = None
-    if w[0] == step:
-        return []
-    return [
-        f"backup of step {w[0]} skipped: round {w[1]} was still running ({w[2]}) "
-        f"when the newer step {step} became due"
-    ]
-
-
-def started(state: ScheduleState, decision: Decision, now: float) -> list[str]:
-    """Record that ``decision``'s round started; returns the line of an older waiting
-    step it supersedes (see :func:`superseded`)."""
-    lines = superseded(state, decision.step)
-    state.last_round = decision.round
-    state.last_round_at = now
-    state.last_step = decision.step
-    state.active = decision.round
-    return lines
-
-
-def skipped(state: ScheduleState, decision: Decision) -> list[str]:
-    """``decision``'s step is due while a round runs: it waits for that round (the
-    newest such step is backed up next). Returns the line of an older waiting
-    step it supersedes (see :func:`superseded`)."""
-    lines = superseded(state, decision.step)
-    state.skipped_step = decision.step
-    if state.waiting is None and decision.step is not None:
-        state.waiting = (decision.step, state.active or "?", decision.due)
-    return lines
-
-
-def finished(state: ScheduleState, round_name: str) -> None:
-    """The round ``round_name`` is over (complete or not)."""
-    if state.active == round_name:
-        state.active = None
-
-
-def restored(state: ScheduleState, round_name: str | None, step: int | None, now: float) -> None:
-    """Step ``step`` of round ``round_name`` is known to be backed up (a restore from
-    it, or the bucket's newest complete round): periods count from ``now``; only
-    newer steps are backed up."""
-    state.started_at = now
-    if round_name is not None:
-        state.last_round = max(round_name, state.last_round or "")
-        state.last_round_at = now
-    if step is not None:
-        state.last_step = max(step, state.last_step or 0)
-
-
-def restart_timeline(
-    state: ScheduleState, *, backup: str | None, step: int | None, now: float
-) -> ScheduleState:
-    """The schedule after a restore that restarts the job from ``step`` (every node).
-
-    Round names keep growing (``last_round`` stays) and the period counts from
-    the restore. Which step the step interval counts from:
-
-    * restored from round ``backup``: ``step`` (that round holds it);
-    * restored from the cluster: the last round's step if it is not newer
-      than ``step`` (it is still part of the job's history), else ``step``
-      (the last round belongs to the discarded steps after it);
-    * nothing restored (``step`` None): the job starts over, none.
-    """
-    fresh = ScheduleState(
-        started_at=now, last_round=state.last_round, last_round_at=state.last_round_at
-    )
-    if backup is not None:
-        fresh.last_round = max(backup, state.last_round or "")
-        fresh.last_round_at = now
-        fresh.last_step = step
-    elif step is None:
-        fresh.last_step = None
-    elif state.last_step is not None and state.last_step <= step:
-        fresh.last_step = state.last_step
-    else:
-        fresh.last_step = step
-    return fresh
-
-
-def apply_seed(
-    state: ScheduleState, complete: tuple[str, int] | None, *, after_restore: bool
-) -> None:
-    """Take the bucket's newest complete (round, step) into a schedule.
-
-    Without a restore since the schedule began (a daemon restarted under a
-    running job) that round's step counts as backed up and the period runs
-    from its time. After a restore (:func:`restart_timeline`) it only lowers
-    the step the interval counts from, when that round's step is part of the
-    restored history.
-    """
-    if complete is None:
-        return
-    name, step = complete
-    if not after_restore:
-        restored(state, name, step, min(round_time(name).timestamp(), state.started_at))
-    elif state.last_step is not None and step <= state.last_step:
-        state.last_step = step
-
 
 # ---------------------------------------------------------------------- the coordinator's book
 

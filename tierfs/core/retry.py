@@ -269,7 +269,7 @@ def gcs_upload() -> Policy:
         max_wait=settings.GCS_UPLOAD_RETRY_MAX.get(),
         deadline=settings.GCS_ROUND_TIMEOUT.get(),
         layer=BACKOFF,
-        where="backup/tier.py:GcsTier._upload",
+        where="backup/uploads.py:Uploads._upload",
         knobs="TIERFS_GCS_UPLOAD_RETRY_FIRST, TIERFS_GCS_UPLOAD_RETRY_MAX, "
         "TIERFS_GCS_ROUND_TIMEOUT (the round's age)",
     )
@@ -280,13 +280,13 @@ def gcs_bucket_check() -> Policy:
     return Policy(
         name="gcs-bucket-check",
         retries="bucket.exists() while the bucket has a problem, until it answers; "
-        "creating the GCS client (credential discovery, GcsTier._tick) after it failed",
+        "creating the GCS client (credential discovery, ScheduleFollower.tick) after it failed",
         not_retried='nothing ends it; "does not exist" waits the longest pause',
         first=settings.GCS_UPLOAD_RETRY_FIRST.get(),
         max_wait=settings.GCS_UPLOAD_RETRY_MAX.get(),
         deadline=None,
         layer=BACKOFF,
-        where="backup/tier.py:GcsTier._watch_bucket",
+        where="backup/health.py:BucketAccess.watch",
         knobs="TIERFS_GCS_UPLOAD_RETRY_FIRST, TIERFS_GCS_UPLOAD_RETRY_MAX "
         "(each call: TIERFS_GCS_START_DEADLINE)",
     )
@@ -302,7 +302,7 @@ def gcs_dedup_wait(wait: float | None = None, poll: float = 0.5) -> Policy:
         max_wait=max(poll, 5.0),
         deadline=settings.GCS_DEDUP_WAIT.get() if wait is None else wait,
         layer=BACKOFF,
-        where="backup/bucket.py:GcsBackend.await_objects",
+        where="backup/upload.py:await_objects",
         knobs="TIERFS_GCS_DEDUP_WAIT (counted from the last object that appeared)",
     )
 
@@ -319,7 +319,7 @@ def gcs_rendezvous_wait(timeout: float, poll: float = 1.0) -> Policy:
         deadline=timeout,
         exp_base=1.0,
         layer=STAMINA,
-        where="backup/bucket.py:GcsBackend.wait_for_address",
+        where="backup/rendezvous.py:wait_for_address",
         knobs="its timeout= and poll= arguments",
     )
 

@@ -1,0 +1,320 @@
+"""Restores from the bucket, as the GCS tier serves them (trio thread and workers).
+
+* :meth:`BucketRestore.read_bucket` reads what the bucket holds for a restore
+  (``restore.version``'s round, else the newest rounds with every complete
+  node part and why incomplete rounds are incomplete). With a coordinator,
+  node-rank 0 installs it as the coordinator's bucket reader: the coordinator
+  decides over every node's RAM and the bucket at once (no decision before
+  the reader answered). Without one (one node, or no peer plane),
+  :class:`tierfs.node.bucket_restore.GcsCluster` decides with the same rule on
+  the node alone.
+* :meth:`BucketRestore.fetch_backup` brings the parts a node needs (the
+  :class:`tierfs.core.ports.BackupFetch` port): its own copy when it holds the
+  same bytes, else a verified download.
+* :meth:`BucketRestore.note_restored` restarts the one-node schedule from a
+  finished restore; ``restore.version`` is deleted by the deciding node once
+  every node has sealed and replicated a newer step than the one restored
+  through it (:meth:`BucketRestore.maybe_delete_restore_version`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from tierfs.backup.client import describe_error
+from tierfs.backup.errors import BackupCopyError
+from tierfs.backup.health import BucketAccess
+from tierfs.backup.judge import RoundInfo
+from tierfs.backup.progress import Roles, RoundMemory
+from tierfs.backup.uploads import Upload
+from tierfs.core import rounds as S
+from tierfs.core import settings
+from tierfs.core.ports import Catalog, RamBudget
+from tierfs.core.types import BucketPart, BucketView, RestorePlan
+from tierfs.store.shards import Shard, ShardKey, ShardStore
+
+if TYPE_CHECKING:
+    from tierfs.core.control import JobSpec
+
+log = logging.getLogger(__name__)
+
+
+def _complete_parts(info: RoundInfo) -> list[BucketPart]:
+    """Every complete node part of an inspected round (pure)."""
+    return [
+        BucketPart(
+            info.name, rank, step, part.backup.manifest.digest if part.backup is not None else ""
+        )
+        for (rank, step), part in sorted(info.parts.items())
+        if part.complete
+    ]
+
+
+class BucketRestore:
+    """The restore side of the GCS tier (see the module docstring).
+
+    Args:
+        catalog: the held shards (a fetched shard is added there).
+        shards: the store of committed shards (downloads are committed there).
+        budget: the RAM budget (a download must fit).
+        access: the bucket.
+        memory: the rounds' state (the schedule a restore restarts, ``forced``).
+        roles: the synced step (``restore.version``'s deletion).
+        limiter: one transfer at a time (shared with uploads).
+    """
+
+    def __init__(
+        self,
+        *,
+        catalog: Catalog,
+        shards: ShardStore,
+        budget: RamBudget,
+        access: BucketAccess,
+        memory: RoundMemory,
+        roles: Roles,
+        limiter: trio.CapacityLimiter,
+    ) -> None:
+        self.catalog = catalog
+        self.shards = shards
+        self.budget = budget
+        self.access = access
+        self.spec = access.spec
+        self.memory = memory
+        self.roles = roles
+        self.limiter = limiter
+
+    def note_restored(self, job: JobSpec, plan: RestorePlan, forced: str | None) -> None:
+        """Record a finished restore plan (trio thread): the one-node schedule restarts
+        from it (:func:`tierfs.core.rounds.restart_timeline`); a restore
+        through ``restore.version`` is remembered for its deletion."""
+        self.memory.take_job(job)
+        self.memory.seeded = False
+        self.memory.restored_here = True
+        # steps sealed before the restore belong to the old timeline (see the follower)
+        self.memory.epoch = time.time()
+        self.memory.state = S.restart_timeline(
+            self.memory.state, backup=plan.backup, step=plan.step, now=self.memory.epoch
+        )
+        if forced is not None:
+            self.memory.forced = (job.name, forced, plan.step or 0, time.time())
+
+    async def fetch_backup(
+        self, agent: Any, job: JobSpec, step: int, backup: str, digest: str = ""
+    ) -> Shard:
+        """Bring this node's shard of ``step`` from round ``backup``
+        (:class:`tierfs.core.ports.BackupFetch`): the node's own copy when it holds the
+        same bytes, else a verified download. ``digest``: the bytes the decision
+        chose ("": any). ``agent``: the restoring node (``verify_shard``,
+        ``restore_state``).
+
+        Returns:
+            the committed shard (in the catalog).
+
+        Raises:
+            BackupCopyError: one line why this round's copy cannot be used (corrupt,
+                incomplete, other bytes, unreadable, no room).
+        """
+        key = ShardKey(job.name, job.node_rank, step)
+        try:
+            backend = await self.access.call(self.access.get_backend)
+            info = await self.access.call(
+                self.access.bounded(settings.GCS_LOOKUP_DEADLINE.get()).inspect_round,
+                job.name,
+                backup,
+                job.nodes,
+            )
+        except Exception as exc:
+            raise BackupCopyError(
+                f"backup round {backup} cannot be read: {describe_error(exc)}"
+            ) from None
+        part = info.parts.get((job.node_rank, step))
+        if (
+            digest
+            and part is not None
+            and part.backup is not None
+            and part.backup.manifest.digest != digest
+        ):
+            raise BackupCopyError(
+                f"backup round {backup} holds other bytes of step {step} for rank {job.node_rank}"
+            )
+        local = self.catalog.get(key)
+        if (
+            local is not None
+            and part is not None
+            and part.backup is not None
+            and part.backup.manifest.digest == local.manifest.digest
+            and await agent.verify_shard(local)
+        ):
+            log.info("restore: step %d of round %s is already here", step, backup)
+            return local
+        cancel = threading.Event()
+        up = Upload(backup, step, part.bytes if part else 0, cancel, time.time())
+        agent.restore_state.update(
+            {"phase": f"downloading step {step} from backup round {backup}", "source": "gcs"}
+        )
+        try:
+            async with self.limiter:
+                shard: Shard = await trio.to_thread.run_sync(
+                    functools.partial(
+                        backend.restore_shard,
+                        self.shards,
+                        job.name,
+                        backup,
+                        job.node_rank,
+                        step,
+                        info=info,
+                        framework=job.framework,
+                        cancel=cancel,
+                        on_bytes=up.add,
+                        free_bytes=self.budget.free(),
+                    ),
+                    abandon_on_cancel=True,
+                )
+        except Exception as exc:
+            raise BackupCopyError(
+                f"step {step} of node-rank {job.node_rank} from backup "
+                f"round {backup} failed: {describe_error(exc)}"
+            ) from None
+        finally:
+            cancel.set()
+        self.catalog.add(shard)
+        self.access.ok()
+        log.info(
+            "restored step %d of rank %d from backup round %s (%d bytes, verified)",
+            step,
+            job.node_rank,
+            backup,
+            shard.bytes,
+        )
+        return shard
+
+    def read_bucket(
+        self,
+        job: str,
+        nodes: int,
+        depth: int = 1,
+        *,
+        deadline: float | None = None,
+        report: Callable[[str], None] | None = None,
+    ) -> BucketView:
+        """What the bucket holds for a restore of ``job`` with ``nodes`` nodes (blocking;
+        the coordinator's reader, or the node's own on one node).
+
+        ``restore.version`` first: if it names a round, only that round (its
+        step complete for every node, or why it cannot be restored). Else the
+        rounds newest first until ``depth`` complete ones were read, with
+        every complete node part found and, for each round without a complete
+        step, why. Each request gives up after ``deadline`` seconds (default
+        ``$TIERFS_GCS_LOOKUP_DEADLINE``).
+
+        Returns:
+            the view; a bucket that cannot be read gives a view with ``error``
+            (and ``report(line)`` is called with a line for replicator.errors).
+        """
+        try:
+            backend = self.access.bounded(
+                settings.GCS_LOOKUP_DEADLINE.get() if deadline is None else deadline
+            )
+        except Exception as exc:
+            return self._unreadable(
+                f"cannot create the GCS client: {describe_error(exc)}", depth, report
+            )
+        try:
+            forced = backend.read_restore_version(job)
+        except Exception as exc:
+            return self._unreadable(
+                f"cannot read restore.version from {self.spec} ({describe_error(exc)})",
+                depth,
+                report,
+            )
+        try:
+            if forced is not None:
+                choice = backend.choose_restore(job, nodes)
+                if choice.forced:
+                    log.info("restore: %s", choice.reason)
+                    info = choice.info
+                    parts = _complete_parts(info) if info is not None else []
+                    return BucketView(
+                        tuple(p for p in parts if p.step == choice.step),
+                        rounds=(forced,),
+                        forced=forced,
+                        forced_step=choice.step,
+                        forced_problem=None if choice.step is not None else choice.reason,
+                        depth=depth,
+                    )
+            names = backend.list_round_names(job)
+            parts = []
+            incomplete = []
+            read = []
+            complete = 0
+            for name in names:
+                if complete >= depth:
+                    break
+                info = backend.inspect_round(job, name, nodes)
+                read.append(name)
+                parts.extend(_complete_parts(info))
+                if info.complete_step is not None:
+                    complete += 1
+                elif info.parts:
+                    incomplete.append(
+                        (name, info.step_for_display(), "; ".join(info.problems()[:3]))
+                    )
+        except Exception as exc:
+            return self._unreadable(
+                f"the backup rounds of {self.spec}{job} could not be "
+                f"listed ({describe_error(exc)})",
+                depth,
+                report,
+            )
+        self.access.ok()
+        return BucketView(
+            tuple(parts),
+            tuple(incomplete),
+            tuple(read),
+            exhausted=len(read) == len(names),
+            depth=depth,
+        )
+
+    def _unreadable(
+        self, line: str, depth: int, report: Callable[[str], None] | None
+    ) -> BucketView:
+        log.warning("restore: %s", line)
+        if report is not None:
+            report(f"restore: {line}; deciding without the bucket")
+        return BucketView(error=line, depth=depth)
+
+    # ------------------------------------------------------------------ restore.version
+
+    async def maybe_delete_restore_version(self, job: JobSpec) -> None:
+        if self.memory.forced is None or self.memory.forced[0] != job.name:
+            return
+        _job, rnd, step, since = self.memory.forced
+        synced = self.roles.synced_step(job)
+        if synced is None or synced <= step:
+            return
+        own = self.catalog.get(ShardKey(job.name, job.node_rank, synced))
+        if own is None or own.manifest.created < since:
+            return  # a sync round from before that restore
+        try:
+            existed = await self.access.call(
+                self.access.get_backend().delete_restore_version, job.name
+            )
+        except Exception as exc:
+            log.info("deleting restore.version: %s", describe_error(exc))
+            return
+        self.memory.forced = None
+        if existed:
+            log.info(
+                "restore.version (%s) deleted: every node sealed and replicated step %d "
+                "after restoring step %d",
+                rnd,
+                synced,
+                step,
+            )
