@@ -19,7 +19,7 @@ import re
 import time
 from typing import Any
 
-from tierfs.backup.tier import _Upload
+from tierfs.backup.uploads import Upload
 from tierfs.core.config import NodeConfig
 from tierfs.core.control import JobSpec
 from tierfs.core.types import RoundView
@@ -131,12 +131,12 @@ def build_state(tmp_path: pathlib.Path, *, cluster: bool = True) -> NodeParts:
             "reason": "ordered by the coordinator",
         }
     )
-    gcs.cluster_last = RoundView("2026-12-01_11-00", 20, "running")
-    upload = _Upload("2026-12-01_11-00", 20, 2000, None, NOW - 20)  # type: ignore[arg-type]
+    gcs.memory.cluster_last = RoundView("2026-12-01_11-00", 20, "running")
+    upload = Upload("2026-12-01_11-00", 20, 2000, None, NOW - 20)  # type: ignore[arg-type]
     upload.done, upload.attempt, upload.waiting_until = 500, 2, NOW + 30
     gcs._uploads[ShardKey(job.name, 0, 20)] = upload
-    gcs.forced = (job.name, "2026-12-01_09-00", 5, NOW - 100)
-    gcs.last_error = "backup of step 20 failed: 503"
+    gcs.memory.forced = (job.name, "2026-12-01_09-00", 5, NOW - 100)
+    gcs.lines.last_error = "backup of step 20 failed: 503"
     return parts
 
 
