@@ -6,7 +6,7 @@
   node-rank 0 installs it as the coordinator's bucket reader: the coordinator
   decides over every node's RAM and the bucket at once (no decision before
   the reader answered). Without one (one node, or no peer plane),
-  :class:`tierfs.node.bucket_restore.GcsCluster` decides with the same rule on
+  :class:`tierfs.node.restorer.Restorer` decides with the same rule on
   the node alone.
 * :meth:`BucketRestore.fetch_backup` brings the parts a node needs (the
   :class:`tierfs.core.ports.BackupFetch` port): its own copy when it holds the

@@ -233,7 +233,9 @@ class BackupFetch(Protocol):
     ) -> Shard:
         """This node's shard of ``step`` from backup round ``backup``, verified and in
         the catalog. ``digest``: the bytes the decision chose ("": any).
-        ``agent``: the restoring node (verification, restore state).
+        ``agent``: what the download needs of the restoring node: ``verify_shard``
+        (its own copy's checksums) and ``restore_state.update`` (progress); the
+        restorer passes a small adapter (:mod:`tierfs.node.sources`).
 
         Raises:
             tierfs.backup.tier.BackupCopyError: one line why this round's copy

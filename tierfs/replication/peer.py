@@ -8,7 +8,7 @@ coordinator: the node at ``--coordinator``, or without it node-rank 0 of the
 running job (:meth:`tierfs.replication.plane.PlaneState.coordinator_gate`).
 
 :class:`PeerTier` is the agent's tier and the facade the restore rounds
-(:mod:`tierfs.node.peer_restore`) use; it builds the plane's parts, one
+(:mod:`tierfs.node.agreement`, :mod:`tierfs.node.sources`) use; it builds the plane's parts, one
 module each, and wires them with narrow constructor arguments:
 
 * :mod:`tierfs.replication.addresses`: this node's :class:`~.addresses.Endpoint`
@@ -500,13 +500,13 @@ class PeerTier:
                 if serving
                 else (" (found through the bucket)" if rendezvous == "bucket" else "")
             )
-            where = f"coordinator {self.coordinator_address}{how}"
+            found = f"coordinator {self.coordinator_address}{how}"
         elif active is not None:
-            where = f"coordinator not found yet ({self.rendezvous_note or 'looking'})"
+            found = f"coordinator not found yet ({self.rendezvous_note or 'looking'})"
         else:
-            where = f"coordinator: {rendezvous}"
+            found = f"coordinator: {rendezvous}"
         summary = (
-            f"{self.address or 'no server'}; {where}; "
+            f"{self.address or 'no server'}; {found}; "
             f"replicates to {targets or 'nobody'}; {live} node(s) live; "
             f"last sync round: {'step ' + str(sync_step) if sync_step is not None else '-'}"
         )
