@@ -1,4 +1,4 @@
-"""The typed status (tierfs/core/status.py, issue #12 item 4): ``to_json`` writes exactly
+"""The typed status (tierfs/core/status/, issue #12 item 4): ``to_json`` writes exactly
 the JSON the dict-building code wrote (the contract the CLI, CSI, demo and scripts
 read), ``from_json`` reads it back, and the readers use it (no mount, no process).
 
