@@ -21,8 +21,9 @@ is and give the ones readers use as typed properties.
 
 The types live by plane: :mod:`~tierfs.core.status.node` (:class:`NodeStatus`),
 :mod:`~tierfs.core.status.parts` (the node's own parts), :mod:`~tierfs.core.status.peer`
-(the peer tier), :mod:`~tierfs.core.status.backup` (the GCS tier) and
-:mod:`~tierfs.core.status.coding` (the JSON coding they share). Import them from here.
+(the peer tier), :mod:`~tierfs.core.status.cluster` (the coordinator's own status),
+:mod:`~tierfs.core.status.backup` (the GCS tier) and :mod:`~tierfs.core.status.coding`
+(the JSON coding they share). Import them from here.
 """
 
 from tierfs.core.status.backup import (
@@ -30,6 +31,14 @@ from tierfs.core.status.backup import (
     BackupStatus,
     BackupStepStatus,
     UploadStatus,
+)
+from tierfs.core.status.cluster import (
+    ActiveBackupStatus,
+    BackupBookStatus,
+    CoordinatorMemberStatus,
+    CoordinatorRoundStatus,
+    CoordinatorStatus,
+    CoordinatorSyncStatus,
 )
 from tierfs.core.status.coding import JsonObject, StatusFormatError
 from tierfs.core.status.node import NodeStatus, TierStatus
@@ -45,10 +54,16 @@ from tierfs.core.status.parts import (
 from tierfs.core.status.peer import PeerMemberStatus, PeerStatus, PeerStepStatus, SyncStatus
 
 __all__ = [
+    "ActiveBackupStatus",
+    "BackupBookStatus",
     "BackupRoundStatus",
     "BackupStatus",
     "BackupStepStatus",
     "BudgetStatus",
+    "CoordinatorMemberStatus",
+    "CoordinatorRoundStatus",
+    "CoordinatorStatus",
+    "CoordinatorSyncStatus",
     "FilesystemStatus",
     "JobStatus",
     "JsonObject",

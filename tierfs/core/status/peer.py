@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierfs.core.status.cluster import CoordinatorStatus
 from tierfs.core.status.coding import JsonObject, obj, objs, strs, with_optional
 
 __all__ = ["PeerMemberStatus", "PeerStatus", "PeerStepStatus", "SyncStatus"]
@@ -138,8 +139,8 @@ class PeerStatus:
     #: the shard keys pinned for transfers, as text
     pinned: tuple[str, ...] = ()
     last_error: str | None = None
-    #: the coordinator's own status (plain data), on the node that serves it
-    coordinator_state: Mapping[str, Any] | None = None
+    #: the coordinator's own status, on the node that serves it
+    coordinator_state: CoordinatorStatus | None = None
 
     def to_json(self) -> JsonObject:
         out: JsonObject = {
@@ -163,7 +164,7 @@ class PeerStatus:
             "last_error": self.last_error,
         }
         if self.coordinator_state is not None:
-            out["coordinator_state"] = self.coordinator_state
+            out["coordinator_state"] = self.coordinator_state.to_json()
         return out
 
     @classmethod
@@ -188,5 +189,7 @@ class PeerStatus:
             wire=dict(data.get("wire") or {}),
             pinned=strs(data.get("pinned")),
             last_error=data.get("last_error"),
-            coordinator_state=dict(coord) if isinstance(coord, Mapping) else None,
+            coordinator_state=(
+                CoordinatorStatus.from_json(coord) if isinstance(coord, Mapping) else None
+            ),
         )
