@@ -201,7 +201,7 @@ def test_the_csi_driver_reads_a_typed_status(tmp_path):
 
 
 def test_the_demo_watcher_reads_the_typed_status(tmp_path):
-    from tierfs.demo.orchestrator import StatusWatcher, Timeline
+    from tierfs.demo.report import StatusWatcher, Timeline
 
     timeline = Timeline(tmp_path / "timeline.jsonl")
     demo = SimpleNamespace(config=SimpleNamespace(nodes=1), timeline=timeline, nodes=[])
