@@ -355,7 +355,7 @@ def test_sync_round():
     assert s.synced_step == 3
     assert not c.sync("job", 1, "restarted", 4, []).known
     assert not c.sync("other", 1, "inc1", 4, []).known
-    assert c.status()["sync"]["step"] == 3
+    assert c.status().sync.step == 3
 
 
 def test_restarted_node_replaces_its_member_entry():
@@ -511,7 +511,8 @@ def test_a_completed_sync_round_orders_a_backup_round_to_every_node():
     s = sync(c, 1, 1, backup=Outcome(rnd, 1, DONE))
     assert s.backup_last == RoundView(rnd, 1, COMPLETE) and s.backup_order is None
     assert c.backups.drain() == []  # a complete round writes no error line
-    assert c.status()["backups"]["rounds"][-1]["state"] == COMPLETE
+    book = c.status().backups
+    assert book is not None and book.rounds[-1]["state"] == COMPLETE
 
 
 def test_never_two_rounds_at_once_and_a_skip_is_reported_once():
@@ -686,7 +687,8 @@ def test_no_decision_before_the_bucket_answered():
     rids = join_all(c, {})
     views = decide_all(c, rids)
     assert {(v.state, v.waiting_for) for v in views} == {(WAITING, "the bucket")}
-    assert c.status()["round"]["waiting_for"] == "the bucket"
+    rnd = c.status().round
+    assert rnd is not None and rnd.waiting_for == "the bucket"
     answer(c, BucketView(parts=round_of(R3, 30), rounds=(R3,)))
     views = decide_all(c, rids)
     assert [(v.step, v.backup, v.outcome) for v in views] == [(30, R3, RESTORED)] * 4

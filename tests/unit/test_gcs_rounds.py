@@ -50,9 +50,9 @@ def test_the_round_moves_to_the_newest_step_when_a_node_lost_the_ordered_one():
     assert s.backup_order is None
     s = sync(c, 0, 3, [3])
     assert s.backup_order is None  # it cannot upload step 1; no newer step is synced
-    assert c.status()["backups"]["active"]["lacking"] == {
-        0: "step 1 is no longer held on node-rank 0"
-    }
+    book = c.status().backups
+    assert book is not None and book.active is not None
+    assert book.active.lacking == {0: "step 1 is no longer held on node-rank 0"}
     # node 1 catches up: step 3 is synced and held everywhere, the round moves there
     s = sync(c, 1, 3, [1, 3])
     assert s.backup_order == (rnd, 3) and s.backup_last == RoundView(rnd, 3, RUNNING)
@@ -62,8 +62,9 @@ def test_the_round_moves_to_the_newest_step_when_a_node_lost_the_ordered_one():
     sync(c, 0, 3, [3], backup=Outcome(rnd, 3, DONE))
     s = sync(c, 1, 3, [3], backup=Outcome(rnd, 3, DONE))
     assert s.backup_last == RoundView(rnd, 3, COMPLETE)
-    book = c.status()["backups"]
-    assert book["rounds"][-1]["moved_from"] == [1] and book["rounds"][-1]["step"] == 3
+    book = c.status().backups
+    assert book is not None
+    assert book.rounds[-1]["moved_from"] == [1] and book.rounds[-1]["step"] == 3
     assert c.backups.drain() == []  # moving is not an error
     # the round's step-1 part of node 1 is left over: removed now that it completed
     assert c.backups.take_cleanup() == [rnd] and c.backups.take_cleanup() == []
@@ -100,7 +101,8 @@ def test_no_round_starts_for_a_step_some_node_no_longer_holds():
     c, _ = book_coord()
     sync(c, 0, 1, [2])  # reported step 1 replicated, but holds only step 2 now
     assert sync(c, 1, 1, [1]).backup_order is None
-    assert "no longer held by node-rank(s) [0]" in c.status()["backups"]["last_decision"]
+    book = c.status().backups
+    assert book is not None and "no longer held by node-rank(s) [0]" in book.last_decision
     sync(c, 0, 2, [2])
     assert sync(c, 1, 2, [2]).backup_order[1] == 2
 

@@ -1,4 +1,4 @@
-"""The typed status (tierfs/core/status.py, issue #12 item 4): ``to_json`` writes exactly
+"""The typed status (tierfs/core/status/, issue #12 item 4): ``to_json`` writes exactly
 the JSON the dict-building code wrote (the contract the CLI, CSI, demo and scripts
 read), ``from_json`` reads it back, and the readers use it (no mount, no process).
 
@@ -23,7 +23,13 @@ import status_state
 from tierfs.cli.main import wait_outcome
 from tierfs.cli.status import format_status
 from tierfs.core.status import (
+    ActiveBackupStatus,
+    BackupBookStatus,
     BackupStatus,
+    CoordinatorMemberStatus,
+    CoordinatorRoundStatus,
+    CoordinatorStatus,
+    CoordinatorSyncStatus,
     NodeStatus,
     PeerStatus,
     RestoreStatus,
@@ -117,7 +123,10 @@ def test_the_off_gcs_tier_has_three_keys():
 def test_typed_reads_of_a_real_status():
     st = NodeStatus.from_json(load(DATA / "daemon-coordinator-uploading.json"))
     assert st.peer is not None and st.peer.is_coordinator
-    assert st.peer.coordinator_state is not None and "backups" in st.peer.coordinator_state
+    coord = st.peer.coordinator_state
+    assert coord is not None and coord.backups is not None and coord.backups.rounds
+    assert coord.round is not None and coord.round.joined == (0, 1, 2, 3)
+    assert coord.sync.steps == {0: 3, 1: 3, 2: 3, 3: 3} and coord.members[3].shards == 5
     assert st.gcs is not None and st.gcs.uploads and st.gcs.role == "decides rounds"
     assert st.budget.mode == "native" and st.filesystem is not None
     forced = NodeStatus.from_json(load(DATA / "daemon-restored-from-gcs-forced.json"))
@@ -192,7 +201,7 @@ def test_the_csi_driver_reads_a_typed_status(tmp_path):
 
 
 def test_the_demo_watcher_reads_the_typed_status(tmp_path):
-    from tierfs.demo.orchestrator import StatusWatcher, Timeline
+    from tierfs.demo.report import StatusWatcher, Timeline
 
     timeline = Timeline(tmp_path / "timeline.jsonl")
     demo = SimpleNamespace(config=SimpleNamespace(nodes=1), timeline=timeline, nodes=[])
@@ -206,3 +215,84 @@ def test_the_demo_watcher_reads_the_typed_status(tmp_path):
     restored = next(e for e in timeline.events if e["kind"] == "restored")
     assert restored["source"] == f"GCS round {restore.backup}"
     assert {k for k, _ in kinds} >= {"sealed", "restored"}
+
+
+# ---------------------------------------------------------------------- the coordinator
+
+
+def written_bytes(data: object) -> bytes:
+    """JSON as the agent writes the status (sorted keys, ``default=str``)."""
+    return json.dumps(data, sort_keys=True, default=str).encode()
+
+
+COORDINATED = [p for p in sorted(DATA.glob("*.json")) if "coordinator_state" in p.read_text()]
+
+
+def test_some_goldens_have_a_coordinator():
+    assert {p.name for p in COORDINATED} >= {"built-node.json", "daemon-coordinator-uploading.json"}
+
+
+@pytest.mark.parametrize("path", COORDINATED, ids=lambda p: p.stem)
+def test_the_coordinator_status_reads_back_and_writes_the_same_bytes(path):
+    golden = load(path)["tiers"]["peer"]["coordinator_state"]
+    typed = CoordinatorStatus.from_json(golden)
+    assert written_bytes(typed.to_json()) == written_bytes(golden)
+    assert CoordinatorStatus.from_json(json.loads(written_bytes(typed.to_json()))) == typed
+
+
+def test_a_coordinator_status_round_trips_through_its_json():
+    status = CoordinatorStatus(
+        job="job",
+        nodes=12,
+        round=CoordinatorRoundStatus(
+            number=2,
+            state="ready",
+            strict=True,
+            joined=tuple(range(12)),
+            version=3,
+            step=40,
+            reason="newest step every node holds",
+            outcome="restored",
+            problems=("node-rank 3: one copy bad",),
+            ready=(0, 1, 10),
+            bad=((3, 3, 40), ("gcs", 3, 40)),
+            bucket="2 round(s) read",
+            age_seconds=1.5,
+        ),
+        members=(CoordinatorMemberStatus(0, "10.0.0.1:7000", True, 0.2, 40, 6),),
+        sync=CoordinatorSyncStatus(step=40, at=1796172298.5, steps={2: 40, 10: 40, 0: 30}),
+        decisions=({"round": 1, "version": 1, "step": None, "outcome": "fresh", "at": 1.0},),
+        backups=BackupBookStatus(
+            seeded=True,
+            active=ActiveBackupStatus(
+                round="2026-12-02_00-46",
+                step=40,
+                reported=(0, 1),
+                moved_from=(30,),
+                lacking={10: "step 40 is not held", 2: "gone"},
+                dedup=(1,),
+            ),
+            last_round="2026-12-02_00-46",
+            last_step=40,
+            last_decision="1 step(s) since the last round",
+            rounds=({"round": "2026-12-02_00-46", "step": 40, "state": "running"},),
+        ),
+    )
+    text = written_bytes(status.to_json())
+    back = CoordinatorStatus.from_json(json.loads(text))
+    assert back == status
+    assert written_bytes(back.to_json()) == text
+    # rank-keyed objects: the book's int keys in numeric order, the sync's text keys
+    assert b'"lacking": {"2": "gone", "10": "step 40 is not held"}' in text
+    assert b'"steps": {"0": 30, "10": 40, "2": 40}' in text
+    # inside the peer tier and the node status, the same JSON
+    peer = PeerStatus(summary="p", coordinator_state=status)
+    assert peer.to_json()["coordinator_state"] == status.to_json()
+    assert PeerStatus.from_json(json.loads(written_bytes(peer.to_json()))) == peer
+
+
+def test_no_coordinator_state_off_the_coordinator():
+    peer = PeerStatus(summary="p")
+    assert "coordinator_state" not in peer.to_json()
+    assert PeerStatus.from_json(peer.to_json()).coordinator_state is None
+    assert CoordinatorStatus.from_json({}) == CoordinatorStatus()

@@ -210,24 +210,6 @@ class GcsTier:
         """``HH:MM:SS message`` of the last line written to ``replicator.errors``."""
         return self.lines.last_error
 
-    @property
-    def retrying(self) -> str | None:
-        """The current bucket problem (a failed request not followed by an answer)."""
-        return self.access.retrying
-
-    @property
-    def bucket_checked(self) -> bool:
-        """False while the bucket check at mount could not get an answer."""
-        return self.access.bucket_checked
-
-    def bucket_problem(self) -> str | None:
-        """See :meth:`tierfs.backup.health.BucketAccess.bucket_problem`."""
-        return self.access.bucket_problem()
-
-    def stalled(self) -> float:
-        """See :meth:`tierfs.backup.health.BucketAccess.stalled`."""
-        return self.access.stalled()
-
     # ------------------------------------------------------------------ reports, roles
 
     def _fail(self, message: str) -> None:
@@ -350,7 +332,7 @@ class GcsTier:
             parts.append(f"last round {last['round']} step {last['step']}: {last['state']}")
         else:
             parts.append("no round yet")
-        problem = self.bucket_problem()
+        problem = self.access.bucket_problem()
         if problem:
             parts.append(f"bucket problem: {problem}")
         elif self.last_error:
@@ -385,10 +367,10 @@ class GcsTier:
             uploads=tuple(uploads),
             rounds=tuple(BackupRoundStatus(dict(h)) for h in self.history),
             last_error=self.last_error,
-            retrying=self.retrying,
+            retrying=self.access.retrying,
             problem=problem,
-            stalled_seconds=round(self.stalled(), 1),
-            bucket_checked=self.bucket_checked,
+            stalled_seconds=round(self.access.stalled(), 1),
+            bucket_checked=self.access.bucket_checked,
             note=self.note,
             restore_version_pending=list(self.forced) if self.forced else None,
             steps=tuple(

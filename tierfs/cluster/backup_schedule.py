@@ -41,6 +41,7 @@ from tierfs.core.rounds import restored as restored
 from tierfs.core.rounds import skipped as skipped
 from tierfs.core.rounds import started as started
 from tierfs.core.rounds import superseded as superseded
+from tierfs.core.status import ActiveBackupStatus, BackupBookStatus
 from tierfs.core.types import COMPLETE as COMPLETE
 from tierfs.core.types import DONE as DONE
 from tierfs.core.types import FAILED as FAILED
@@ -432,25 +433,25 @@ class RoundBook:
         out, self.events = self.events, []
         return out
 
-    def status(self) -> dict[str, Any]:
-        """Plain data for the coordinator's status."""
+    def status(self) -> BackupBookStatus:
+        """The book's part of the coordinator's status."""
         a = self.active
-        return {
-            "seeded": self.seeded,
-            "active": (
-                {
-                    "round": a.round,
-                    "step": a.step,
-                    "reported": sorted(a.outcomes),
-                    "moved_from": list(a.moved_from),
-                    "lacking": dict(a.lacking),
-                    "dedup": sorted(a.dedup),
-                }
+        return BackupBookStatus(
+            seeded=self.seeded,
+            active=(
+                ActiveBackupStatus(
+                    round=a.round,
+                    step=a.step,
+                    reported=tuple(sorted(a.outcomes)),
+                    moved_from=tuple(a.moved_from),
+                    lacking=dict(a.lacking),
+                    dedup=tuple(sorted(a.dedup)),
+                )
                 if a
                 else None
             ),
-            "last_round": self.state.last_round,
-            "last_step": self.state.last_step,
-            "last_decision": self.last_reason,
-            "rounds": list(self.history),
-        }
+            last_round=self.state.last_round,
+            last_step=self.state.last_step,
+            last_decision=self.last_reason,
+            rounds=tuple(dict(h) for h in self.history),
+        )

@@ -103,6 +103,12 @@ from tierfs.cluster.rounds import (
     Round,
     SyncView,
 )
+from tierfs.core.status import (
+    CoordinatorMemberStatus,
+    CoordinatorRoundStatus,
+    CoordinatorStatus,
+    CoordinatorSyncStatus,
+)
 from tierfs.core.types import COORDINATOR_RANK as COORDINATOR_RANK
 from tierfs.core.types import NO_STEP as NO_STEP
 
@@ -519,54 +525,54 @@ class Coordinator:
         """The members ``ranks`` (None: all), with address and liveness."""
         return self.roster.peers(ranks)
 
-    def status(self) -> dict[str, Any]:
-        """Plain-data status (``tierfs status`` of the coordinator's node)."""
+    def status(self) -> CoordinatorStatus:
+        """The coordinator's status (``tierfs status`` of the coordinator's node)."""
         now = self.clock()
         r = self.round
         rnd = None
         if r is not None:
-            rnd = {
-                "number": r.number,
-                "state": r.state,
-                "strict": r.strict,
-                "joined": sorted(r.joined),
-                "missing": list(r.missing),
-                "version": r.version,
-                "waiting_for": r.waiting_for or None,
-                "step": r.choice.step if r.choice else None,
-                "reason": r.choice.reason if r.choice else None,
-                "outcome": r.choice.outcome if r.choice else None,
-                "problems": list(r.choice.problems) if r.choice else [],
-                "ready": sorted(r.ready),
-                "done": sorted(r.done),
-                "bad": [list(b) for b in sorted(r.bad, key=str)],
-                "bucket": (
+            rnd = CoordinatorRoundStatus(
+                number=r.number,
+                state=r.state,
+                strict=r.strict,
+                joined=tuple(sorted(r.joined)),
+                missing=tuple(r.missing),
+                version=r.version,
+                waiting_for=r.waiting_for or None,
+                step=r.choice.step if r.choice else None,
+                reason=r.choice.reason if r.choice else None,
+                outcome=r.choice.outcome if r.choice else None,
+                problems=tuple(r.choice.problems) if r.choice else (),
+                ready=tuple(sorted(r.ready)),
+                done=tuple(sorted(r.done)),
+                bad=tuple(sorted(r.bad, key=str)),
+                bucket=(
                     None
                     if r.bucket is None
                     else r.bucket.error or f"{len(r.bucket.rounds)} round(s) read"
                 ),
-                "age_seconds": round(now - r.opened_at, 1),
-            }
-        return {
-            "job": self.job,
-            "nodes": self.nodes,
-            "round": rnd,
-            "members": [
-                {
-                    "rank": m.rank,
-                    "address": m.address,
-                    "live": self.live(m.rank),
-                    "seen_seconds_ago": round(now - m.last_seen, 1),
-                    "replicated_step": m.replicated_step,
-                    "shards": len(m.inventory),
-                }
+                age_seconds=round(now - r.opened_at, 1),
+            )
+        return CoordinatorStatus(
+            job=self.job,
+            nodes=self.nodes,
+            round=rnd,
+            members=tuple(
+                CoordinatorMemberStatus(
+                    rank=m.rank,
+                    address=m.address,
+                    live=self.live(m.rank),
+                    seen_seconds_ago=round(now - m.last_seen, 1),
+                    replicated_step=m.replicated_step,
+                    shards=len(m.inventory),
+                )
                 for m in sorted(self.members.values(), key=lambda m: m.rank)
-            ],
-            "sync": {
-                "step": self.synced_step if self.synced_step >= 0 else None,
-                "at": self.synced_at or None,
-                "steps": {str(r): s for r, s in sorted(self.sync_steps.items())},
-            },
-            "decisions": list(self.history[-5:]),
-            "backups": self.backups.status() if self.backups is not None else None,
-        }
+            ),
+            sync=CoordinatorSyncStatus(
+                step=self.synced_step if self.synced_step >= 0 else None,
+                at=self.synced_at or None,
+                steps=dict(self.sync_steps),
+            ),
+            decisions=tuple(dict(d) for d in self.history[-5:]),
+            backups=self.backups.status() if self.backups is not None else None,
+        )

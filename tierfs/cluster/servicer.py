@@ -51,6 +51,7 @@ from tierfs.cluster.rounds import (
     DecideView,
     Rejected,
 )
+from tierfs.core.status import CoordinatorStatus
 from tierfs.rpc import peer_pb2
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class CoordinatorServicer:
         self.coordinator = coordinator
         self.gate = gate
         self.lock = threading.Lock()
-        self._snapshot: dict[str, Any] = coordinator.status()
+        self._snapshot: CoordinatorStatus = coordinator.status()
         self._reader: Callable[[str, int, int], BucketView] | None = None
         self._reading: tuple[int, str, int, int] | None = None
         self._progress = coordinator.progress()
@@ -131,7 +132,7 @@ class CoordinatorServicer:
             finally:
                 self._after()
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> CoordinatorStatus:
         """The coordinator's status (any thread; never waits: while a call holds the
         lock, the status taken last time)."""
         if self.lock.acquire(blocking=False):

@@ -28,20 +28,18 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tierfs import command
 from tierfs.core import settings
-from tierfs.core.config import format_size
 from tierfs.core.errors import TierfsError
 from tierfs.core.status import NodeStatus
 from tierfs.demo.emulator import GcsEmulator, free_port
 from tierfs.demo.reaper import Reaper
+from tierfs.demo.report import StatusWatcher, Timeline, check_restores
 
 BUCKET = "tierfs-demo"
 JOB = "demo"
@@ -127,93 +125,6 @@ class Node:
     ram: Path
     port: int
     trainer: subprocess.Popen[bytes] | None = None
-
-
-@dataclass
-class Timeline:
-    """Timestamped events, printed as they happen and kept for the plot and the log."""
-
-    log_path: Path
-    start: float = field(default_factory=time.time)
-    events: list[dict[str, Any]] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def add(self, kind: str, text: str, **data: Any) -> None:
-        t = time.time() - self.start
-        event = {"t": round(t, 2), "kind": kind, "text": text, **data}
-        with self.lock:
-            self.events.append(event)
-            line = f"[{t:6.1f}s] {text}"
-            print(line, flush=True)
-            with open(self.log_path, "a") as f:
-                f.write(json.dumps(event) + "\n")
-
-
-class StatusWatcher(threading.Thread):
-    """Polls every node's ``.tierfs/status.json`` and reports step transitions."""
-
-    def __init__(self, demo: Demo) -> None:
-        super().__init__(name="status-watcher", daemon=True)
-        self.demo = demo
-        self.stop = threading.Event()
-        self.seen: dict[tuple[str, int], set[int]] = defaultdict(set)
-        self.restores: dict[int, float] = {}
-
-    def run(self) -> None:
-        while not self.stop.wait(0.25):
-            for node in self.demo.nodes:
-                status = self.demo.status(node.rank)
-                if status:
-                    self._observe(node.rank, status)
-
-    def _observe(self, rank: int, status: NodeStatus) -> None:
-        n = self.demo.config.nodes
-        for step in status.steps:
-            where = step.where
-            facts = {
-                "sealed": True,
-                "replicated": any(w.startswith("peer:") for w in where),
-                "backed up": any(w.startswith("gcs:") for w in where),
-            }
-            for fact, true in facts.items():
-                key = (fact, step.step)
-                if true and rank not in self.seen[key]:
-                    self.seen[key].add(rank)
-                    if len(self.seen[key]) == n:
-                        extra = ""
-                        if fact == "backed up":
-                            rounds = sorted({w[4:] for w in where if w.startswith("gcs:")})
-                            extra = f" (round {rounds[-1]})" if rounds else ""
-                        self.demo.timeline.add(
-                            fact,
-                            f"step {step.step:>3} {fact} on {n}/{n} nodes "
-                            f"({format_size(step.bytes)} per node){extra}",
-                            step=step.step,
-                            bytes=step.bytes,
-                        )
-        restore = status.restore
-        at = restore.at
-        if restore.state == "done" and at and self.restores.get(rank) != at:
-            self.restores[rank] = at
-            if restore.step:
-                src = restore.source or "?"
-                if restore.backup:
-                    src = f"GCS round {restore.backup}"
-                self.demo.timeline.add(
-                    "restored",
-                    f"node {rank}: restore of step {restore.step} ready (data from {src})",
-                    step=restore.step,
-                    node=rank,
-                    source=src,
-                )
-
-    def forget_node(self, rank: int) -> None:
-        """A node lost its RAM: its facts must be seen again."""
-        for ranks in self.seen.values():
-            ranks.discard(rank)
-
-    def forget_all(self) -> None:
-        self.seen.clear()
 
 
 class Demo:
@@ -528,48 +439,9 @@ class Demo:
         return self.check()
 
     def check(self) -> dict[str, Any]:
-        """Every restore must return exactly the state saved at that step."""
-        events = self.trainer_events()
-        saved = {(e["rank"], e["step"]): e["digest"] for e in events if e["event"] == "save"}
-        restores = [e for e in events if e["event"] == "restore"]
-        problems = []
-        for e in restores:
-            want = saved.get((e["rank"], e["step"]))
-            if want != e["digest"]:
-                problems.append(
-                    f"rank {e['rank']} step {e['step']}: restored {e['digest']}, saved {want}"
-                )
-        by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
-        for e in restores:
-            by_step[e["step"]].append(e)
-        for step, group in sorted(by_step.items()):
-            src = "GCS round " + group[0]["backup"] if group[0].get("backup") else "RAM/peers"
-            self.timeline.add(
-                "check",
-                f"step {step}: {len(group)} ranks restored "
-                f"{format_size(sum(g['bytes'] for g in group))} from "
-                f"{src}; state identical to the saved state: "
-                f"{'yes' if not problems else 'NO'}",
-                step=step,
-            )
-        if len(by_step) < 2:
-            problems.append(f"expected a restore after each failure, saw {sorted(by_step)}")
-        summary = {
-            "ok": not problems,
-            "problems": problems,
-            "restores": {str(k): len(v) for k, v in by_step.items()},
-            "phases": self.config.phases(),
-            "out": str(self.out),
-        }
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
-        from tierfs.demo.plot import plot_run
-
-        try:
-            png = plot_run(events, self.timeline.events, self.out / "loss.png")
-            self.timeline.add("done", f"plot written to {png}")
-        except Exception as exc:  # a missing plotting library must not hide the result
-            self.timeline.add("done", f"plot skipped: {exc}")
-        return summary
+        """Every restore must return exactly the state saved at that step
+        (:func:`tierfs.demo.report.check_restores`)."""
+        return check_restores(self.trainer_events(), self.timeline, self.config.phases(), self.out)
 
     def shutdown(self) -> None:
         """Stop everything the demo started: trainers, daemons, the emulator.
