@@ -55,6 +55,7 @@ from tierfs.node.jobstate import JobState
 from tierfs.node.reporter import NodeReporter
 from tierfs.node.restorer import Restorer
 from tierfs.node.sources import BucketRestoreSide, LocalSource, PeerSources
+from tierfs.node.verdicts import SealVerdicts
 from tierfs.node.view import ClientView
 from tierfs.replication.client import PeerClient
 from tierfs.replication.peer import PeerTier
@@ -170,6 +171,7 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
     # file work in worker threads: verification and the budget count share it
     io_limiter = trio.CapacityLimiter(2)
     verifier = ShardVerifier(shards, catalog, reporter, io_limiter)
+    SealVerdicts(catalog, reporter, state)  # a sealed step that would not load: said once
     plane = coordinator = None
     if config.listen or config.coordinator:
         plane = PlaneState(

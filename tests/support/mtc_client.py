@@ -32,12 +32,21 @@ def content(seed: str, owner: int, step: int, size: int) -> dict[str, bytes]:
     rnd = random.Random(f"{seed}/{owner}/{step}")
     return {
         "_CHECKPOINT_METADATA": json.dumps({"step": step}).encode(),
-        "state/manifest.ocdbt": rnd.randbytes(1000),
+        "state/manifest.ocdbt": ocdbt_manifest(rnd.randbytes(1000)),
         "state/d/0a1b2c": rnd.randbytes(size),
-        "state/d/empty": b"",
+        "state/ocdbt.process_0/manifest.ocdbt": ocdbt_manifest(rnd.randbytes(100)),
         "state/ocdbt.process_0/d/ff": rnd.randbytes(size // 3 + 7),
         "commit_success.txt": b"Checkpoint commit was successful.\n",
     }
+
+
+def ocdbt_manifest(body: bytes) -> bytes:
+    """Bytes shaped like a tensorstore OCDBT manifest (magic, length, body, crc32c), so
+    tierfs judges the step loadable (docs/SEMANTICS.md, Orbax)."""
+    import google_crc32c
+
+    head = (0x0CDB3A2A).to_bytes(4, "big") + (4 + 8 + len(body) + 4).to_bytes(8, "little")
+    return head + body + int(google_crc32c.value(head + body)).to_bytes(4, "little")
 
 
 def digest(files: dict[str, bytes]) -> str:

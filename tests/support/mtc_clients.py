@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import yaml
+from step_bytes import dcp_metadata, torch_like_zip
 
 MARKER_RE = re.compile(r"^.+-s(?P<step>\d+)-n\d+-w\d+\.restore$")
 
@@ -108,6 +109,15 @@ def orbax_initialize(d: Path, text: str, timeout: float = 60) -> int | None:
     raise TimeoutError("no restore marker")
 
 
+def ocdbt_manifest(body: bytes) -> bytes:
+    """Bytes shaped like a tensorstore OCDBT manifest (magic, length, body, crc32c): what
+    tierfs's Orbax rule needs to judge a step loadable (docs/SEMANTICS.md)."""
+    import google_crc32c
+
+    head = (0x0CDB3A2A).to_bytes(4, "big") + (4 + 8 + len(body) + 4).to_bytes(8, "little")
+    return head + body + int(google_crc32c.value(head + body)).to_bytes(4, "little")
+
+
 def orbax_save(d: Path, step: int, payload: dict[str, bytes]) -> None:
     """Orbax's save: tmp dir, items renamed inside, a tensorstore ``.__lock`` renamed
     onto its key while open and locked, commit_success.txt, final rename to ``<step>``."""
@@ -121,7 +131,7 @@ def orbax_save(d: Path, step: int, payload: dict[str, bytes]) -> None:
     fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX)
-        os.write(fd, b"manifest-for-step-%d" % step)
+        os.write(fd, ocdbt_manifest(b"manifest-for-step-%d" % step))
         os.rename(lock, state_tmp / "manifest.ocdbt")
         fcntl.lockf(fd, fcntl.LOCK_UN)
     finally:
@@ -197,8 +207,10 @@ def nemo_save(
     os.makedirs(target / "0")
     for name, data in payload.items():
         (target / "0" / name).write_bytes(data)
-    (target / "0" / ".metadata").write_bytes(b"dcp-metadata")
-    (target / "common.pt").write_bytes(b"common")
+    # a .metadata and common.pt tierfs judges loadable (docs/SEMANTICS.md)
+    refs = [(name, f"0/{name}", 0, len(data)) for name, data in payload.items()]
+    (target / ".metadata").write_bytes(dcp_metadata(refs))
+    (target / "common.pt").write_bytes(torch_like_zip())
     (target / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
     unfinished.unlink()
     if rename_to is not None:

@@ -23,6 +23,13 @@ the RAM copies; ranks without RAM copies take the same such round where one
 covers them all. Parts of half-written rounds are never combined with each
 other: two failed rounds of one step may hold different saves of it.
 
+A step whose chosen bytes for some rank were judged at seal as never
+loadable (:attr:`Holding.unloadable`: a damaged file, an unfinished save;
+in a one-node job also :attr:`Holding.missing`, a file no other rank will
+bring) is skipped like an incomplete one, its reason among the problems
+(issue #15). The judgement is per copy's bytes (its digest), so a backup
+round with the same bytes is skipped too.
+
 ``restore.version`` (:attr:`BucketView.forced`) replaces the rule: exactly
 the named round's step, each rank from that round or from a copy with the
 same bytes; if that is impossible, nothing (no fallback).
@@ -248,6 +255,30 @@ def _table(
     return table
 
 
+def _unloadable(
+    nodes: int, inventories: Mapping[int, Iterable[Holding]]
+) -> dict[tuple[int, int, str], str]:
+    """(step, rank, digest) -> why those bytes never load (see the module doc)."""
+    out: dict[tuple[int, int, str], str] = {}
+    for held in inventories.values():
+        for h in held:
+            why = h.unloadable or (h.missing if nodes == 1 else "")
+            if why and h.digest:
+                out.setdefault((h.step, h.rank, h.digest), why)
+    return out
+
+
+def _not_loadable(
+    step: int, digests: Mapping[int, str], unloadable: Mapping[tuple[int, int, str], str]
+) -> str:
+    """The line saying why ``step`` is skipped, "" if its chosen bytes may load."""
+    for r in sorted(digests):
+        why = unloadable.get((step, r, digests[r]))
+        if why:
+            return f"step {step} is not loadable: {why} (rank {r}'s part)"
+    return ""
+
+
 def _rolled_back(tops: Mapping[str, int], step: int | None) -> list[str]:
     names = sorted(n for n, top in tops.items() if step is None or top > step)
     if not names:
@@ -292,6 +323,7 @@ def choose_restore(
     if bucket is not None and bucket.forced is not None:
         return _choose_forced(nodes, inventories, excluded, bucket)
     table = _table(nodes, inventories, excluded)
+    unloadable = _unloadable(nodes, inventories)
     whole = _whole(nodes, bucket.parts if bucket else ())
     parts = [
         p
@@ -316,6 +348,10 @@ def choose_restore(
         if plan.missing:
             skipped.append(_describe(step, plan, excluded))
             warnings.extend(plan.notes)
+            continue
+        unfit = _not_loadable(step, plan.digests, unloadable)
+        if unfit:
+            skipped.append(unfit)
             continue
         from_bucket = sorted(r for r in range(nodes) if not plan.holders.get(r))
         backup = None

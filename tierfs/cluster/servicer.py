@@ -381,7 +381,16 @@ class CoordinatorServicer:
 def _holdings(items: Iterable[Any]) -> tuple[Holding, ...]:
     return tuple(
         Holding(
-            h.rank, h.step, h.verified, h.digest, h.bytes, h.name, h.backup_requested, h.created
+            h.rank,
+            h.step,
+            h.verified,
+            h.digest,
+            h.bytes,
+            h.name,
+            h.backup_requested,
+            h.created,
+            h.unloadable,
+            h.missing,
         )
         for h in items
     )

@@ -52,6 +52,10 @@ class Holding:
         name: its primary top-level entry.
         backup_requested: the step carries ``_BACKUP_REQUESTED`` (back it up at once).
         created: Unix time (seconds) of its seal (0.0: unknown).
+        unloadable: why the step can never load (a damaged file, an unfinished
+            save: :func:`tierfs.store.verdicts.eligibility`), "" if nothing.
+        missing: a file this part lacks or cannot read that another rank's
+            part may bring ("" if none); as bad as ``unloadable`` in a one-node job.
     """
 
     rank: int
@@ -62,6 +66,8 @@ class Holding:
     name: str = ""
     backup_requested: bool = False
     created: float = 0.0
+    unloadable: str = ""
+    missing: str = ""
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from tierfs.core.types import (
 )
 from tierfs.node.agreement import RestoreFailed
 from tierfs.node.sources import CopyFailed
+from tierfs.store.verdicts import eligibility
 
 if TYPE_CHECKING:
     from tierfs.core.control import JobSpec
@@ -338,6 +339,8 @@ class Restorer:
                 s.bytes,
                 s.manifest.name,
                 created=s.manifest.created,
+                unloadable=eligibility(s.manifest)[0],
+                missing=eligibility(s.manifest)[1],
             )
             for step, s in own.items()
         ]
@@ -392,18 +395,28 @@ class Restorer:
         )
 
     async def _decide_local(self, job: JobSpec) -> RestorePlan:
-        """One node without a bucket: the newest own step whose checksums verify."""
+        """One node without a bucket: the newest own step whose checksums verify and
+        that its framework could load (issue #15)."""
         failed: list[int] = []
+        unloadable: list[str] = []
         for shard in self.catalog.own_shards(job):
             step = shard.key.step
+            verdict = shard.manifest.verdict
+            why = verdict.reason(whole=job.nodes == 1) if verdict is not None else ""
+            if why:
+                unloadable.append(f"step {step} is not loadable: {why}")
+                continue
             if await self.verifier.verify(shard):
                 got, _bad, _why = await self._fetch(
                     job, step, shard.manifest.digest, [((0, 0, step), self.local)]
                 )
                 if got is not None:
                     reason = f"step {step} is complete on this node"
-                    if failed:
-                        reason += f" (step(s) {failed} failed verification)"
+                    why_not = unloadable + (
+                        [f"step(s) {failed} failed verification"] if failed else []
+                    )
+                    if why_not:
+                        reason += " (" + "; ".join(why_not) + ")"
                     return RestorePlan(
                         step,
                         shard=got[1],
@@ -411,12 +424,13 @@ class Restorer:
                         detail={
                             "reason": reason,
                             "outcome": RESTORED,
-                            "problems": [reason] if failed else [],
+                            "problems": ([reason] if failed else []) + unloadable,
                         },
                     )
             failed.append(step)
-        if failed:
-            reason = f"no step is complete: step(s) {failed} failed verification"
+        if failed or unloadable:
+            why_not = unloadable + ([f"step(s) {failed} failed verification"] if failed else [])
+            reason = "no step is complete: " + "; ".join(why_not)
             return RestorePlan(
                 None,
                 source="none",

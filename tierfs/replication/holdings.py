@@ -31,6 +31,7 @@ from tierfs.replication.service import HostGone, PeerHost
 from tierfs.rpc.wire import WireStats
 from tierfs.store.ramstore import RamStore
 from tierfs.store.shards import Shard, ShardKey, ShardStore
+from tierfs.store.verdicts import eligibility
 
 
 class Holdings(PeerHost):
@@ -103,6 +104,7 @@ class Holdings(PeerHost):
                 s.manifest.name,
                 s.manifest.backup_requested,
                 s.manifest.created,
+                *eligibility(s.manifest),
             )
             for s in self.catalog.shards_of(job)
         ]

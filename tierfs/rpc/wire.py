@@ -170,6 +170,8 @@ def held_shard(h: Holding) -> peer_pb2.HeldShard:
         name=h.name,
         backup_requested=h.backup_requested,
         created=h.created,
+        unloadable=h.unloadable,
+        missing=h.missing,
     )
 
 

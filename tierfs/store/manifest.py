@@ -57,6 +57,82 @@ class FileEntry:
     target: str | None = None
 
 
+#: verdict states (:attr:`StepVerdict.state`)
+COMPLETE = "complete"
+INCOMPLETE = "incomplete"
+UNKNOWN_LAYOUT = "unknown_layout"
+#: problem kinds that no other rank's part can fix (the step never loads)
+FATAL_KINDS = frozenset({"damaged", "unfinished"})
+#: problem kinds another rank's part may resolve (fatal when the part is the whole step)
+OPEN_KINDS = frozenset({"missing", "unreadable"})
+
+
+@dataclass(frozen=True, slots=True)
+class VerdictProblem:
+    """One reason a sealed part would not load (a
+    :class:`tierfs.store.validators.Problem` as plain data).
+
+    Attributes:
+        kind: ``missing``, ``damaged``, ``unreadable`` or ``unfinished``.
+        path: the file, relative to the mount root.
+        message: what is wrong.
+    """
+
+    kind: str
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """Whether the framework could load a sealed part, judged at seal time (issue #15).
+
+    Recorded in the manifest, so it survives restarts and travels with every
+    copy (replica, backup round).
+
+    Attributes:
+        state: :data:`COMPLETE`, :data:`INCOMPLETE` or :data:`UNKNOWN_LAYOUT`
+            (no format recognised: the rename rule decides, the part counts).
+        format: the detected formats (``"orbax"``, ``"dcp"``...), ``"unknown"``.
+        problems: why it would not load (at most 20 kept).
+    """
+
+    state: str
+    format: str = "unknown"
+    problems: tuple[VerdictProblem, ...] = ()
+
+    def blocking(self, whole: bool) -> tuple[VerdictProblem, ...]:
+        """The problems that keep the step from ever loading.
+
+        Args:
+            whole: this part is the whole step (a one-node job): then a
+                missing or unreadable file is one no other rank will bring.
+        """
+        kinds = FATAL_KINDS | OPEN_KINDS if whole else FATAL_KINDS
+        return tuple(p for p in self.problems if p.kind in kinds)
+
+    def reason(self, whole: bool) -> str:
+        """One line why the step is not eligible as last known good, "" if it is."""
+        blocking = self.blocking(whole)
+        if not blocking:
+            return ""
+        more = f" (+{len(blocking) - 1} more)" if len(blocking) > 1 else ""
+        return f"{blocking[0].kind}: {blocking[0]}{more}"
+
+    def to_doc(self) -> dict[str, Any]:
+        """The JSON form (inside a manifest's ``verdict``)."""
+        return {
+            "state": self.state,
+            "format": self.format,
+            "problems": [
+                {"kind": p.kind, "path": p.path, "message": p.message} for p in self.problems
+            ],
+        }
+
+
 @dataclass(frozen=True)
 class Manifest:
     """The contents of one shard: (job, rank, step) plus its files.
@@ -70,6 +146,8 @@ class Manifest:
         files: every object under the shard's entries, parents before children.
         created: Unix time of the seal (seconds).
         backup_requested: the step carries ``_BACKUP_REQUESTED``.
+        verdict: whether its framework could load it (judged at seal; None:
+            not judged, e.g. a shard sealed before verdicts existed).
     """
 
     job: str
@@ -80,6 +158,7 @@ class Manifest:
     files: tuple[FileEntry, ...]
     created: float = field(default_factory=time.time)
     backup_requested: bool = False
+    verdict: StepVerdict | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -119,6 +198,8 @@ class Manifest:
             "backup_requested": self.backup_requested,
             "files": [{k: v for k, v in asdict(f).items() if v is not None} for f in self.files],
         }
+        if self.verdict is not None:
+            d["verdict"] = self.verdict.to_doc()
         return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -153,6 +234,34 @@ class FileEntryDoc(TypedDict, total=False):
     target: StrictStr | None
 
 
+class VerdictProblemDoc(BaseModel):
+    """One problem of a manifest's ``verdict``."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    kind: StrictStr
+    path: StrictStr
+    message: StrictStr
+
+
+class VerdictDoc(BaseModel):
+    """A manifest's ``verdict`` (:meth:`StepVerdict.to_doc`)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    state: Literal["complete", "incomplete", "unknown_layout"]
+    format: StrictStr = "unknown"
+    problems: list[VerdictProblemDoc] = []
+
+    def verdict(self) -> StepVerdict:
+        """The :class:`StepVerdict`."""
+        return StepVerdict(
+            self.state,
+            self.format,
+            tuple(VerdictProblem(p.kind, p.path, p.message) for p in self.problems),
+        )
+
+
 class ManifestDoc(BaseModel):
     """The JSON of a sealed shard's manifest, format :data:`FORMAT` (what
     :meth:`Manifest.to_json` writes: keys sorted, no spaces); unknown keys are ignored."""
@@ -168,6 +277,7 @@ class ManifestDoc(BaseModel):
     files: list[FileEntryDoc]
     created: float = 0.0
     backup_requested: bool = False
+    verdict: VerdictDoc | None = None
 
     def manifest(self) -> Manifest:
         """The :class:`Manifest` (not yet path-checked)."""
@@ -180,6 +290,7 @@ class ManifestDoc(BaseModel):
             files=tuple(FileEntry(**f) for f in self.files),
             created=self.created,
             backup_requested=self.backup_requested,
+            verdict=self.verdict.verdict() if self.verdict is not None else None,
         )
 
 

@@ -36,6 +36,7 @@ from tierfs.store.manifest import (
     verify_tree,
 )
 from tierfs.store.ramstore import RamStore
+from tierfs.store.verdicts import judge_part
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +173,7 @@ class ShardStore:
         cancelled: Callable[[], bool] | None = None,
         on_inodes: Callable[[set[int]], None] | None = None,
         created: float | None = None,
+        judge: bool = True,
     ) -> Shard:
         """Seal: hard-link ``view/<entry>`` for each entry into a new shard and checksum it.
 
@@ -189,6 +191,8 @@ class ShardStore:
             created: the seal time to record (Unix seconds; default: now). A step
                 sealed again after a write keeps its first seal time, so retention
                 (newest by seal time) does not rank it above later steps.
+            judge: record in the manifest whether the step's framework could
+                load this part (:func:`tierfs.store.verdicts.judge_part`).
 
         Raises:
             SealBusy: a file is still open for writing.
@@ -226,6 +230,10 @@ class ShardStore:
             )
             if created is not None:
                 manifest = dataclasses.replace(manifest, created=created)
+            if judge:
+                siblings = [n for n in os.listdir(view) if n not in entries]
+                verdict = judge_part(manifest, data, siblings)
+                manifest = dataclasses.replace(manifest, verdict=verdict)
             return self._install(inc, manifest, inodes, verified=False)
         except BaseException:
             shutil.rmtree(inc, ignore_errors=True)

@@ -1,0 +1,155 @@
+"""Issue #15 through a real mount: a step renamed into place that its framework could not
+load (a shard truncated to 0 bytes, no commit record) is never restored while an older
+complete step exists, and ``replicator.errors`` and ``tierfs status`` say why."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from pathlib import Path
+
+from conftest import tierfs
+from mtc_clients import nemo_write_yaml, ocdbt_manifest, orbax_yaml, wait_for
+from step_bytes import dcp_metadata
+
+
+def status(d: Path) -> dict:
+    return json.loads((d / ".tierfs" / "status.json").read_text())
+
+
+def wait_sealed(d: Path, step: int) -> None:
+    def sealed() -> bool:
+        return any(s["step"] == step and s["state"] != "writing" for s in status(d)["steps"])
+
+    wait_for(sealed, 60, f"step {step} sealed")
+
+
+def put(root: Path, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+
+
+def orbax_files(shard: bytes, commit: bool) -> dict[str, bytes]:
+    meta: dict = {"item_handlers": {"state": "PyTreeCheckpointHandler"}}
+    if commit:
+        meta["commit_timestamp_nsecs"] = 1
+    out = {
+        "_CHECKPOINT_METADATA": json.dumps(meta).encode(),
+        "state/_METADATA": b'{"tree_metadata": {}, "use_ocdbt": true}',
+        "state/manifest.ocdbt": ocdbt_manifest(b"m" * 30),
+        "state/ocdbt.process_0/manifest.ocdbt": ocdbt_manifest(b"p" * 30),
+        "state/ocdbt.process_0/d/shard0": shard,
+    }
+    if commit:
+        out["commit_success.txt"] = b"Checkpoint commit was successful"
+    return out
+
+
+SHARD = os.urandom(5000)
+
+
+def dcp_files(shard: bytes) -> dict[str, bytes]:
+    return {
+        ".metadata": dcp_metadata([("model.w", "__0_0.distcp", 0, len(SHARD))]),
+        "__0_0.distcp": shard,
+    }
+
+
+def save_renamed(d: Path, step: int, files: dict[str, bytes], tmp_suffix: str) -> None:
+    """Write ``<step><tmp_suffix>/`` and rename it to ``<step>`` (the framework's final step)."""
+    tmp = d / f"{step}{tmp_suffix}"
+    put(tmp, files)
+    os.rename(tmp, d / str(step))
+
+
+def restore_marker(d: Path) -> str:
+    marker = wait_for(lambda: glob.glob(str(d / "*.restore")), 60, "a restore marker")
+    return os.path.basename(sorted(marker)[0])
+
+
+def errors(d: Path) -> str:
+    p = d / "replicator.errors"
+    return p.read_text() if p.exists() else ""
+
+
+def check_named(d: Path, reason: str) -> None:
+    """``replicator.errors`` and ``tierfs status`` name step 200's reason, the seal-time
+    line once."""
+    text = errors(d)
+    assert reason in text, text
+    seal_line = "step 200 (200, "
+    assert text.count(seal_line) <= 1, text
+    out = tierfs("status", str(d)).stdout
+    assert reason in out, out
+
+
+def test_orbax_truncated_uncommitted_step_is_not_restored(make_mount):
+    m = make_mount()
+    d = m.path
+    (d / "replicator.yaml").write_text(orbax_yaml("job", 0, 1))
+    assert restore_marker(d) == "job-s0-n0-w0.restore"  # a fresh start
+    os.unlink(d / "job-s0-n0-w0.restore")
+    save_renamed(d, 100, orbax_files(SHARD, commit=True), ".orbax-checkpoint-tmp")
+    wait_sealed(d, 100)
+    save_renamed(d, 200, orbax_files(b"", commit=False), ".orbax-checkpoint-tmp")
+    wait_sealed(d, 200)
+    reason = "damaged: 200/state/ocdbt.process_0/d/shard0"
+    wait_for(lambda: "step 200 (200, orbax) is not loadable" in errors(d), 60, "seal line")
+    assert reason in errors(d) or "unfinished: 200/_CHECKPOINT_METADATA" in errors(d)
+    m.kill9()
+    m.mount()
+    (d / "replicator.errors").unlink(missing_ok=True)
+    (d / "replicator.yaml").write_text(orbax_yaml("job", 0, 1))
+    assert restore_marker(d) == "job-s100-n0-w0.restore"
+    restore = status(d)["restore"]
+    assert restore["step"] == 100 and "step 200 is not loadable" in restore["reason"]
+    check_named(d, "step 200 is not loadable")
+    os.replace(d / "job-s100-n0-w0.restore", d / "100")
+    assert (d / "100" / "state" / "ocdbt.process_0" / "d" / "shard0").read_bytes() == SHARD
+
+
+def test_dcp_truncated_shard_is_not_restored_in_pytorch_distributed_mode(make_mount):
+    m = make_mount()
+    d = m.path
+    nemo_write_yaml(d, "job", 0, 1)
+    wait_for(lambda: not (d / "replicator.yaml").exists(), 60, "yaml consumed")
+    save_renamed(d, 100, dcp_files(SHARD), ".tmp")
+    wait_sealed(d, 100)
+    save_renamed(d, 200, dcp_files(b""), ".tmp")
+    wait_sealed(d, 200)
+    wait_for(lambda: "step 200 (200, dcp) is not loadable" in errors(d), 60, "seal line")
+    assert "damaged: 200/__0_0.distcp" in errors(d)
+    m.kill9()
+    m.mount()
+    (d / "replicator.errors").unlink(missing_ok=True)
+    for marker in glob.glob(str(d / "*.restore")):
+        os.unlink(marker)
+    nemo_write_yaml(d, "job", 0, 1)
+    assert restore_marker(d) == "job-s100-n0-w0.restore"
+    assert status(d)["restore"]["step"] == 100
+    check_named(d, "step 200 is not loadable: damaged: 200/__0_0.distcp")
+
+
+def test_generic_mode_names_the_step_that_would_not_load(make_mount):
+    m = make_mount()
+    d = m.path
+    save_renamed(d, 100, dcp_files(SHARD), ".tmp")
+    wait_sealed(d, 100)
+    save_renamed(d, 200, dcp_files(b""), ".tmp")
+    wait_sealed(d, 200)
+    wait_for(lambda: "step 200 (200, dcp) is not loadable" in errors(d), 60, "seal line")
+    check_named(d, "damaged: 200/__0_0.distcp")
+    assert "step 100" not in errors(d)
+    # the verdict lives in the manifest on disk: a restarted daemon keeps it
+    m.kill9()
+    m.mount()
+    manifests = {
+        int(Path(p).parent.name): json.loads(Path(p).read_text())
+        for p in glob.glob(str(m.ram_dir / "store" / "shards" / "*" / "0" / "*" / "manifest.json"))
+    }
+    assert manifests[100]["verdict"]["state"] == "complete"
+    assert manifests[200]["verdict"]["state"] == "incomplete"
+    assert [p["kind"] for p in manifests[200]["verdict"]["problems"]] == ["damaged"]

@@ -1,0 +1,219 @@
+"""Issue #15 wired: the verdict judged at seal and kept in the manifest, a step that would
+not load skipped by the restore choice, its reason said once -- no mount."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import fake_ports
+import pytest
+from mtc_clients import ocdbt_manifest
+from step_bytes import dcp_metadata
+from test_restorer import ONE, Node, shard
+
+from tierfs.cluster.restore_choice import choose_restore
+from tierfs.core.types import Holding
+from tierfs.node.catalog import ShardCatalog
+from tierfs.node.sealing import SealRules
+from tierfs.node.verdicts import SealVerdicts
+from tierfs.store.manifest import Manifest, StepVerdict, VerdictProblem
+from tierfs.store.ramstore import RamStore
+from tierfs.store.shards import ShardKey, ShardStore
+from tierfs.store.verdicts import eligibility
+
+JOB = "train"
+
+
+def write(root: Path, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+
+
+def orbax_step(step: int, shard: bytes = b"w" * 4000, commit: bool = True) -> dict[str, bytes]:
+    meta = {"item_handlers": {"state": "PyTreeCheckpointHandler"}}
+    if commit:
+        meta["commit_timestamp_nsecs"] = 1
+    return {
+        f"{step}/_CHECKPOINT_METADATA": json.dumps(meta).encode(),
+        f"{step}/state/_METADATA": b'{"tree_metadata": {}, "use_ocdbt": true}',
+        f"{step}/state/manifest.ocdbt": ocdbt_manifest(b"m" * 30),
+        f"{step}/state/ocdbt.process_0/manifest.ocdbt": ocdbt_manifest(b"p" * 30),
+        f"{step}/state/ocdbt.process_0/d/abc": shard,
+    }
+
+
+@pytest.fixture
+def store(tmp_path):
+    ram = RamStore(str(tmp_path / "ram"))
+    return ram, ShardStore(ram)
+
+
+def test_snapshot_records_the_verdict_and_it_survives_a_reload(store):
+    ram, shards = store
+    write(Path(ram.view), orbax_step(100))
+    write(Path(ram.view), orbax_step(200, shard=b"", commit=False))
+    good = shards.snapshot(ram.view, ShardKey(JOB, 0, 100), "100", ["100"], "orbax")
+    bad = shards.snapshot(ram.view, ShardKey(JOB, 0, 200), "200", ["200"], "orbax")
+    assert good.manifest.verdict == StepVerdict("complete", "orbax", ())
+    v = bad.manifest.verdict
+    assert v is not None and (v.state, v.format) == ("incomplete", "orbax")
+    assert {(p.kind, p.path) for p in v.problems} == {
+        ("damaged", "200/state/ocdbt.process_0/d/abc"),
+        ("unfinished", "200/_CHECKPOINT_METADATA"),
+    }
+    # on disk beside the data, read back by a restarted daemon, digest unchanged
+    doc = json.loads(Path(bad.path, "manifest.json").read_bytes())
+    assert doc["verdict"]["state"] == "incomplete"
+    loaded = shards.load()
+    assert loaded[bad.key].manifest.verdict == v
+    assert loaded[bad.key].manifest.digest == bad.manifest.digest
+    assert Manifest.from_json(bad.manifest.to_json()) == bad.manifest
+    unloadable, missing = eligibility(bad.manifest)
+    assert unloadable.startswith("unfinished: 200/_CHECKPOINT_METADATA") or unloadable.startswith(
+        "damaged: 200/state/ocdbt.process_0/d/abc"
+    )
+    assert missing == ""
+    assert eligibility(good.manifest) == ("", "")
+
+
+def test_unknown_layouts_keep_the_rename_rule(store):
+    ram, shards = store
+    write(Path(ram.view), {"7/blob.dat": b""})
+    s = shards.snapshot(ram.view, ShardKey(JOB, 0, 7), "7", ["7"], "generic")
+    assert s.manifest.verdict == StepVerdict("unknown_layout", "unknown", ())
+    assert eligibility(s.manifest) == ("", "")
+
+
+def test_a_dcp_part_without_rank_0_needs_another_rank_but_is_not_damaged(store):
+    ram, shards = store
+    write(Path(ram.view), {"step_10/__1_0.distcp": b"d" * 500})
+    s = shards.snapshot(ram.view, ShardKey(JOB, 1, 10), "step_10", ["step_10"], "generic")
+    v = s.manifest.verdict
+    assert v is not None and v.state == "incomplete"
+    assert [p.kind for p in v.problems] == ["missing"]
+    assert v.reason(whole=False) == ""  # another rank's part may bring .metadata
+    assert v.reason(whole=True).startswith("missing: step_10/.metadata")
+    assert eligibility(s.manifest)[0] == ""
+    assert eligibility(s.manifest)[1].startswith("missing: step_10/.metadata")
+
+
+def test_a_damaged_dcp_shard_is_judged_against_the_metadata(store):
+    ram, shards = store
+    md = dcp_metadata([("w", "__0_0.distcp", 0, 1000)])
+    write(Path(ram.view), {"300/.metadata": md, "300/__0_0.distcp": b""})
+    s = shards.snapshot(ram.view, ShardKey(JOB, 0, 300), "300", ["300"], "pytorch.distributed")
+    assert s.manifest.verdict is not None
+    assert [(p.kind, p.path) for p in s.manifest.verdict.problems] == [
+        ("damaged", "300/__0_0.distcp")
+    ]
+
+
+def holding(step: int, rank: int = 0, unloadable: str = "", missing: str = "") -> Holding:
+    return Holding(
+        rank, step, True, f"d{rank}-{step}", 10, str(step), unloadable=unloadable, missing=missing
+    )
+
+
+def test_choose_restore_skips_a_step_that_would_not_load():
+    why = "damaged: 200/x.safetensors: 0 bytes"
+    c = choose_restore(1, {0: [holding(100), holding(200, unloadable=why)]})
+    assert c.step == 100 and c.outcome == "restored"
+    line = f"step 200 is not loadable: {why} (rank 0's part)"
+    assert line in c.reason and c.problems == (line,)
+    # nothing older: nothing restored, the reason says why
+    c = choose_restore(1, {0: [holding(200, unloadable=why)]})
+    assert c.step is None and c.outcome == "incomplete" and line in c.reason
+
+
+def test_missing_files_only_disqualify_a_one_node_step():
+    miss = "missing: step_10/.metadata: absent"
+    two = {0: [holding(10, 0), holding(5, 0)], 1: [holding(10, 1, missing=miss), holding(5, 1)]}
+    assert choose_restore(2, two).step == 10  # rank 0's part may hold .metadata
+    assert choose_restore(1, {0: [holding(10, missing=miss), holding(5)]}).step == 5
+    # one rank's damaged part disqualifies the step for every rank
+    two[1][0] = holding(10, 1, unloadable="damaged: step_10/__1_0.distcp: short")
+    c = choose_restore(2, two)
+    assert c.step == 5 and "step 10 is not loadable" in c.reason and "rank 1's part" in c.reason
+
+
+def with_verdict(s, *problems: tuple[str, str, str]):
+    v = StepVerdict("incomplete", "orbax", tuple(VerdictProblem(*p) for p in problems))
+    return dataclasses.replace(s, manifest=dataclasses.replace(s.manifest, verdict=v))
+
+
+def test_a_node_alone_restores_the_older_complete_step_and_says_why():
+    s200 = with_verdict(shard(0, 200), ("damaged", "200/w.bin", "0 bytes"))
+    s100 = shard(0, 100)
+    node = Node(ONE, [s100, s200])
+    plan = node.restore()
+    assert (plan.step, plan.source, plan.shard) == (100, "local", s100)
+    line = "step 200 is not loadable: damaged: 200/w.bin: 0 bytes"
+    assert plan.detail["reason"] == f"step 100 is complete on this node ({line})"
+    assert plan.detail["problems"] == [line]
+    assert node.store.verified == [s100.key]  # the unloadable step is not even read
+
+
+def test_the_seal_reason_is_said_once(tmp_path):
+    job = fake_ports.FakeJob(ONE)
+    catalog = ShardCatalog(ShardStore(RamStore(str(tmp_path / "r"))), keep_local=3)
+    SealVerdicts(catalog, job, job)
+    bad = with_verdict(shard(0, 200), ("unfinished", "200/_CHECKPOINT_METADATA", "no commit"))
+    catalog.add(bad)
+    for _ in range(3):  # re-seals and retries of the same bytes
+        catalog.sealed(bad)
+    catalog.sealed(shard(0, 100))
+    assert job.errors == [
+        "step 200 (200, orbax) is not loadable: unfinished: 200/_CHECKPOINT_METADATA: "
+        "no commit; it is not restored while an older complete step exists"
+    ]
+    # a part that only lacks another rank's file is not reported in a multi-node job
+    two = fake_ports.FakeJob(dataclasses.replace(ONE, nodes=2))
+    SealVerdicts(catalog, two, two)
+    catalog.sealed(with_verdict(shard(0, 300), ("missing", "300/.metadata", "absent")))
+    assert two.errors == []
+
+
+class View:
+    def __init__(self, tree: dict[str, list[str]]) -> None:
+        self.tree = tree
+
+    def is_dir(self, path: str) -> bool:
+        return path in self.tree
+
+    def exists(self, path: str) -> bool:
+        return path in self.tree or any(
+            path == f"{d}/{n}" for d, ns in self.tree.items() for n in ns
+        )
+
+    def read_text(self, path: str, limit: int = 256) -> str | None:
+        return None
+
+    def listdir(self, path: str) -> list[str]:
+        return self.tree.get(path, [])
+
+
+def test_generic_mode_seals_a_dcp_part_of_a_node_without_rank_0():
+    rules = SealRules("generic")
+    node1 = View({"": ["step_10"], "step_10": ["__1_0.distcp"]})
+    cand = rules.on_release("step_10/__1_0.distcp", node1)
+    assert cand is not None and (cand.step, cand.name, cand.entries) == (
+        10,
+        "step_10",
+        ("step_10",),
+    )
+    assert [c.step for c in rules.scan(node1)] == [10]
+    # rank 0's node waits for .metadata, its marker
+    node0 = View({"": ["step_10"], "step_10": ["__0_0.distcp"]})
+    assert rules.on_release("step_10/__0_0.distcp", node0) is None
+    assert rules.scan(node0) == []
+    # a temp directory or another file never seals
+    tmp = View({"": ["step_10.tmp"], "step_10.tmp": ["__1_0.distcp"]})
+    assert rules.on_release("step_10.tmp/__1_0.distcp", tmp) is None
+    assert rules.on_release("step_10/notes.txt", node1) is None
+    assert SealRules("orbax").on_release("step_10/__1_0.distcp", node1) is None
+    assert os.sep == "/"

@@ -1,0 +1,94 @@
+"""Judging sealed parts with the per-format validators (issue #15), as manifest data.
+
+:func:`judge_part` runs :func:`tierfs.store.validators.judge_step` over one
+part (its manifest and its data directory) and returns the
+:class:`~tierfs.store.manifest.StepVerdict` recorded in the manifest;
+:func:`judge_parts` does the same over several ranks' parts of one step held
+on this node. :func:`eligibility` turns a manifest's verdict into the two
+lines an inventory carries (what keeps the step from ever loading, and what
+another rank's part may still bring).
+
+Blocking (reads the bytes the rules need): call from worker threads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+
+from tierfs.store.manifest import (
+    COMPLETE,
+    INCOMPLETE,
+    OPEN_KINDS,
+    UNKNOWN_LAYOUT,
+    Manifest,
+    StepVerdict,
+    VerdictProblem,
+)
+from tierfs.store.validators import Verdict, dir_reader, judge_step, step_files_from_manifests
+from tierfs.store.validators.model import MAX_REASONS
+
+log = logging.getLogger(__name__)
+
+
+def from_verdict(verdict: Verdict) -> StepVerdict:
+    """The manifest form of a validators' :class:`~tierfs.store.validators.Verdict`."""
+    if verdict.unknown_layout:
+        state = UNKNOWN_LAYOUT
+    else:
+        state = COMPLETE if verdict.complete else INCOMPLETE
+    problems = tuple(
+        VerdictProblem(str(p.kind), p.path, p.message) for p in verdict.problems[:MAX_REASONS]
+    )
+    return StepVerdict(state, verdict.format, problems)
+
+
+def judge_parts(
+    manifests: Iterable[Manifest], data_dirs: Mapping[int, str], siblings: Iterable[str] = ()
+) -> StepVerdict | None:
+    """Judge one step over the parts given (every one held here, ``rank -> data dir``).
+
+    Returns None when the judgement itself failed (logged; the part then counts
+    as not judged, as before verdicts existed). Never raises.
+    """
+    try:
+        files = step_files_from_manifests(
+            manifests,
+            siblings=siblings,
+            readers={rank: dir_reader(d) for rank, d in data_dirs.items()},
+        )
+        return from_verdict(judge_step(files))
+    except Exception:
+        log.exception("judging a step failed; it counts as not judged")
+        return None
+
+
+def judge_part(
+    manifest: Manifest, data_dir: str, siblings: Iterable[str] = ()
+) -> StepVerdict | None:
+    """Judge one rank's part from its manifest and its data directory (see :func:`judge_parts`).
+
+    Args:
+        manifest: the part's manifest (paths relative to ``data_dir``).
+        data_dir: where its bytes are (a snapshot's ``data/``).
+        siblings: top-level names of the view beside it (NeMo's ``-unfinished``).
+    """
+    return judge_parts([manifest], {manifest.rank: data_dir}, siblings)
+
+
+def eligibility(manifest: Manifest) -> tuple[str, str]:
+    """``(unloadable, open)`` of a part, for an inventory entry.
+
+    ``unloadable``: why the step can never load whatever the other ranks hold
+    (a damaged file, the framework says unfinished), "" if nothing. ``open``:
+    the first file this part lacks or cannot read that another rank's part may
+    bring ("" if none); for a one-node job it is as bad as ``unloadable``.
+    Unjudged parts and unknown layouts give ``("", "")``.
+    """
+    v = manifest.verdict
+    if v is None or v.state != INCOMPLETE:
+        return "", ""
+    unloadable = v.reason(whole=False)
+    others = [p for p in v.problems if p.kind in OPEN_KINDS]
+    open_ = f"{others[0].kind}: {others[0]}" if others else ""
+    return unloadable, open_
