@@ -15,9 +15,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The whole suite, slow multi-node tests included (what CI runs).
+# The whole suite, slow multi-node tests included (what CI runs). It mostly waits
+# (daemons starting, restores agreeing, bucket deadlines), so it runs on $(WORKERS)
+# pytest-xdist workers even on 2 cores; the longest tests start first (tests/conftest.py).
+# WORKERS=0 runs it in one process.
+WORKERS ?= 3
 test: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(WORKERS) --dist load --maxschedchunk 2
 
 # The quick layer: unit and model tests (no mount, no daemon, no bucket), < 2 minutes.
 test-fast: install

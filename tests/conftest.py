@@ -110,6 +110,24 @@ def _fuse_available() -> str | None:
     return None
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the longest tests first: ``long`` (by ``minutes``), then ``slow``, then the rest.
+
+    ``make test`` spreads the suite over several pytest-xdist workers (``--dist load``
+    with small chunks hands each worker the next test in this order as it frees up):
+    a multi-minute test started last would run alone at the end while the other
+    workers idle. The sort is stable, so the order within each group is unchanged.
+    """
+
+    def weight(item: pytest.Item) -> tuple[int, float]:
+        long = item.get_closest_marker("long")
+        if long is not None:  # @pytest.mark.long(minutes=N): the longest start first
+            return 0, -float(long.kwargs.get("minutes", 1))
+        return (1 if item.get_closest_marker("slow") else 2), 0.0
+
+    items.sort(key=weight)
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item, call):
     """Remember each phase's report on the item (fixtures print daemon logs on failure)."""

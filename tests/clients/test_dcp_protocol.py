@@ -29,6 +29,7 @@ def sealed(d: Path) -> set[int]:
     return {s["step"] for s in st["steps"] if s["state"] in ("sealed", "verified")}
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_dcp_training_loop_resumes_from_the_newest_step(make_mount, tmp_path):
     m = make_mount()

@@ -32,6 +32,7 @@ def sealed_steps(d: Path) -> set[int]:
     return {s["step"] for s in status["steps"] if s["state"] in ("sealed", "verified")}
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_orbax_replicator_checkpoint_manager_saves_and_restores(make_mount, tmp_path):
     m = make_mount("--process-id", "0", "--jax-coordinator", f"localhost:{free_port()}")
@@ -101,6 +102,7 @@ def run_clients(
     return outs
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_orbax_two_processes_sharded_with_data_parallelism_restore_from_bucket(
     make_mount, fake_gcs, tmp_path, monkeypatch

@@ -114,6 +114,7 @@ def _clear_demo_mounts(out: Path) -> None:
             subprocess.run(command("unmount", str(mnt), "--lazy"), capture_output=True)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @needs_demo_parts
 def test_sigterm_stops_everything_the_demo_started(tmp_path):
@@ -153,6 +154,7 @@ def test_sigterm_stops_everything_the_demo_started(tmp_path):
         _clear_demo_mounts(out)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @needs_demo_parts
 def test_sigkill_of_the_demo_stops_everything_it_started(tmp_path):
@@ -199,6 +201,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.long(minutes=3)
 @pytest.mark.slow
 def test_demo_survives_node_and_cluster_loss(tmp_path):
     """The whole story, started from a directory that holds a folder named

@@ -136,6 +136,7 @@ def test_oracle_split_and_wrong_bytes():
     assert judge(newer, expected_restore(set(), {}, t.versions, 4), t.versions) == []
 
 
+@pytest.mark.long(minutes=4)
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_fault_campaign(make_mount, fake_gcs, monkeypatch, tmp_path):

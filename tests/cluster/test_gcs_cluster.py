@@ -83,6 +83,7 @@ def restart_all(c: Cluster, wipe: bool) -> None:
         m.mount()
 
 
+@pytest.mark.long(minutes=2)
 def test_four_nodes_survive_losing_every_ram_tier(make_mount, fake_gcs):
     g = GcsBackend(fake_gcs.bucket, settings=GcsSettings.from_env())
     c = start(make_mount, fake_gcs.bucket)
@@ -147,6 +148,7 @@ def test_four_nodes_survive_losing_every_ram_tier(make_mount, fake_gcs):
         assert "2031-01-01_00-00, which does not exist" in res["errors"]
 
 
+@pytest.mark.long
 def test_round_cut_off_by_kill_9_is_never_chosen(make_mount, fake_gcs):
     g = GcsBackend(fake_gcs.bucket, settings=GcsSettings.from_env())
 
@@ -188,6 +190,7 @@ def test_round_cut_off_by_kill_9_is_never_chosen(make_mount, fake_gcs):
         assert f"restore-backup: {first}" in res["prerestore"]
 
 
+@pytest.mark.long
 def test_bucket_lost_during_a_round(make_mount, fake_gcs, monkeypatch):
     monkeypatch.setenv("TIERFS_GCS_RETRY_DEADLINE", "3")
     g = GcsBackend(fake_gcs.bucket, settings=GcsSettings.from_env())
@@ -281,6 +284,7 @@ def test_restore_version_goes_through_the_coordinator(make_mount, fake_gcs):
     assert "2031-01-01_00-00, which does not exist" in rnd["reason"]
 
 
+@pytest.mark.long
 def test_after_a_restore_to_an_older_step_new_steps_replicate_and_win(make_mount, fake_gcs):
     """Regression (found by trying it as a user): restore.version rolled the job back
     to an older round while newer steps were complete in the cluster. The abandoned
@@ -309,6 +313,7 @@ def test_after_a_restore_to_an_older_step_new_steps_replicate_and_win(make_mount
         assert res["files"] == step_files(r, 2, seed="new")
 
 
+@pytest.mark.long
 def test_hanging_bucket_costs_at_most_its_deadlines(make_mount, fake_gcs, monkeypatch):
     """Regressions with the emulator SIGSTOPped (connections hang): (1) the round of
     step 2 failed on the nodes and was never tried again once the bucket came

@@ -35,6 +35,7 @@ def rounds_of(g: GcsBackend) -> list:
     return g.list_rounds("job", N)
 
 
+@pytest.mark.long
 def test_data_parallel_nodes_with_different_bytes_each_back_up_their_own(make_mount, fake_gcs):
     """Case 1: assume-data-parallelism 2 on 2 nodes whose step directories differ.
     Before: node 0 wrote a .meta naming node 1's column hash, uploaded nothing, and a
@@ -97,6 +98,7 @@ def held(root) -> set[int]:
     return {s["step"] for s in st["steps"] if "local" in s["where"]}
 
 
+@pytest.mark.long
 def test_steps_sealed_back_to_back_never_leave_a_half_written_round(make_mount, fake_gcs):
     """Case 2, exact input: keep-local 1, backup every step, steps 1-3 sealed back to
     back on node 0 while node 1 is still at step 1. Before: the coordinator ordered

@@ -46,6 +46,7 @@ def replicated(c: Cluster, i: int, step: int) -> bool:
     return any(s["step"] == step and s["state"] == "replicated" for s in c.status(i)["steps"])
 
 
+@pytest.mark.long
 def test_torch_loop_resumes_after_a_node_loses_its_ram(make_mount):
     c = Cluster(make_mount, 2, node_args=generic(2))
     procs = [

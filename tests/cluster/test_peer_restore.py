@@ -8,6 +8,7 @@ from peer_cluster import Cluster, flip_byte, wait_until
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("lost", [3, 0], ids=["node3", "node0-the-coordinator"])
 def test_four_nodes_survive_the_loss_of_one(make_mount, lost):
     c = Cluster(make_mount, 4)

@@ -339,6 +339,7 @@ def test_a_node_that_is_not_rank_zero_refuses_coordinator_calls(make_mount, fake
 # ---------------------------------------------------------------------- four daemons
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_four_nodes_without_coordinator_flag_restore_from_peers_and_follow_rank_zero(
     make_mount, fake_gcs

@@ -68,6 +68,7 @@ def wait_restored(c: Cluster, i: int, timeout: float = 120) -> dict:
     return c.status(i)["restore"]
 
 
+@pytest.mark.long
 def test_generic_restore_waits_for_a_slow_bucket_and_every_node_restores_the_same_step(
     make_mount, fake_gcs, monkeypatch
 ):
@@ -172,6 +173,7 @@ def shard_data(c: Cluster, holder: int, rank: int, step: int) -> Path:
 # ---------------------------------------------------------------------- cases 4 and 5
 
 
+@pytest.mark.long
 def test_wait_outcomes_fresh_restored_missing_refused(make_mount, monkeypatch):
     """Case 5: `tierfs wait` printed "nothing to restore" and exited 0 after a node never
     joined and after the coordinator refused the node (node count mismatch)."""
@@ -226,6 +228,7 @@ def test_wait_outcomes_fresh_restored_missing_refused(make_mount, monkeypatch):
     assert "node count mismatch" in c.errors(1)
 
 
+@pytest.mark.long
 def test_nodes_that_gave_up_on_a_missing_node_restore_once_it_joins(make_mount):
     """#11 trial: nodes 0 and 1 restarted while node 2 was away; after their join
     timeout both exited 4 ("missing"). When node 2 came back, its join completed the
@@ -317,6 +320,7 @@ def test_an_incomplete_bucket_says_why_and_wait_fails(make_mount, fake_gcs, monk
 # ---------------------------------------------------------------------- case 6
 
 
+@pytest.mark.long
 def test_a_corrupt_bucket_object_moves_every_node_to_the_same_older_step(
     make_mount, fake_gcs, monkeypatch
 ):
@@ -356,6 +360,7 @@ def test_a_corrupt_bucket_object_moves_every_node_to_the_same_older_step(
     assert [d["step"] for d in decisions][-2:] == [2, 1], decisions
 
 
+@pytest.mark.long
 def test_a_peer_replica_completes_a_step_whose_bucket_object_is_corrupt(
     make_mount, fake_gcs, monkeypatch
 ):

@@ -409,6 +409,7 @@ def _write_file(path: str, data: bytes) -> None:
 EXAMPLES = int(os.environ.get("TIERFS_DIFF_EXAMPLES", "150"))
 
 
+@pytest.mark.long(minutes=2)
 @pytest.mark.parametrize("mode", MODES)
 def test_mount_behaves_like_tmpfs(make_mount, mode):
     m = mount_mode(make_mount, mode)

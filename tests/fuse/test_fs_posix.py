@@ -1147,6 +1147,7 @@ def test_readdir_20000_entries_each_exactly_once(fs):
     assert len(os.listdir(fs.view / "many")) == 20000
 
 
+@pytest.mark.long
 def test_readdir_while_unlinking(fs):
     d = fs.path / "churn"
     d.mkdir()
