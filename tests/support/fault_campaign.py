@@ -101,6 +101,7 @@ from fault_oracle import (
 from gcs_fixtures import FakeGcs
 from mtc_client import content, read_tree
 from peer_cluster import Cluster
+from step_bytes import safetensors_bytes, torch_like_zip
 
 KINDS = (
     "kill9",
@@ -640,11 +641,14 @@ class Campaign:
         if self.mode == "mtc":
             files = content(f"{self.seed}/{v.seq}", rank, v.step, self.size)
         else:
+            # what HF Trainer writes, in formats the seal-time validators accept (issue
+            # #15: random bytes named .safetensors/.pt are a damaged step, never restored)
             rnd = random.Random(f"{self.seed}/{v.seq}/{rank}")
+            weights = rnd.randbytes(self.size)
             files = {
-                "model.safetensors": rnd.randbytes(self.size),
-                "optimizer.pt": rnd.randbytes(self.size // 3 + 11),
-                "rng_state.pth": rnd.randbytes(1000),
+                "model.safetensors": safetensors_bytes({"w": ("U8", [len(weights)], weights)}),
+                "optimizer.pt": torch_like_zip(payload=rnd.randbytes(self.size // 3 + 11)),
+                "rng_state.pth": torch_like_zip(payload=rnd.randbytes(1000)),
                 "trainer_state.json": json.dumps(
                     {"global_step": v.step, "seq": v.seq, "rank": rank}
                 ).encode(),

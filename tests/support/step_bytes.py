@@ -142,12 +142,16 @@ def safetensors_bytes(
 
 
 def torch_like_zip(prefix: str = "archive", payload: bytes = b"\x00" * 64) -> bytes:
-    """A zip laid out like torch.save's (data.pkl, data/0, version), stored."""
+    """A zip laid out like torch.save's (data.pkl, data/0, version), stored; the same
+    arguments give the same bytes (members carry a fixed time, as torch.save's do)."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as zf:
-        zf.writestr(f"{prefix}/data.pkl", pickle.dumps({"w": 1}))
-        zf.writestr(f"{prefix}/data/0", payload)
-        zf.writestr(f"{prefix}/version", b"3\n")
+        for name, data in (
+            ("data.pkl", pickle.dumps({"w": 1})),
+            ("data/0", payload),
+            ("version", b"3\n"),
+        ):
+            zf.writestr(zipfile.ZipInfo(f"{prefix}/{name}", date_time=(1980, 1, 1, 0, 0, 0)), data)
     return buf.getvalue()
 
 

@@ -348,6 +348,16 @@ def test_orbax_damage(path, data, kind, why):
     assert any(why in r for r in v.reasons)
 
 
+def test_orbax_step_with_the_empty_backup_marker_is_complete():
+    """Regression (fault campaign, seed 19): newer Orbax writes an empty
+    ``_BACKUP_REQUESTED`` into the step (MTC's "back this step up"); the step was
+    judged damaged and an older step restored."""
+    blobs = orbax_step()
+    blobs["100/_BACKUP_REQUESTED"] = b""
+    v = judge_step(mem_step("100", blobs))
+    assert v.complete, v.reasons
+
+
 def test_orbax_manifest_checksum_and_length():
     blobs = orbax_step()
     m = bytearray(blobs["100/state/manifest.ocdbt"])

@@ -46,6 +46,10 @@ OCDBT_MANIFEST = "manifest.ocdbt"
 OCDBT_MAGIC = 0x0CDB3A2A
 PROCESS_DIR = re.compile(r"^ocdbt\.process_(?P<i>\d+)$")
 TMP_MARK = ".orbax-checkpoint-tmp"
+#: files of an Orbax step that are empty by design: the commit record, and the MTC
+#: marker newer Orbax versions write into a step to have it backed up at once
+#: (PROTOCOL.md section 3)
+EMPTY_BY_DESIGN = frozenset({COMMIT_SUCCESS, "_BACKUP_REQUESTED"})
 #: files Orbax writes as JSON
 JSON_FILES = frozenset({CHECKPOINT_METADATA, PYTREE_METADATA, "_sharding", ".zarray", "zarr.json"})
 #: the most bytes of one metadata file read to judge it
@@ -86,7 +90,7 @@ def check_orbax(files: StepFiles, out: Findings) -> None:
             _manifest(files, path, size, out)
         elif size == 0 and "/d/" in f"/{path}":
             out.damaged(path, "0 bytes: an OCDBT data file is never empty")
-        elif size == 0 and name != COMMIT_SUCCESS and not name.endswith(".__lock"):
+        elif size == 0 and name not in EMPTY_BY_DESIGN and not name.endswith(".__lock"):
             out.damaged(path, "0 bytes in an Orbax step (none of the files Orbax writes is empty)")
     _processes(files, out)
 
