@@ -284,7 +284,8 @@ def test_the_restore_outcome_and_its_lines(tmp_path):
     assert nothing == {"outcome": "incomplete", "reason": "", "problems": []}
     assert reporter.errors == ["restore: nothing restored: no step is complete"]
     reporter.errors.clear()
-    older = RestorePlan(5, detail={"reason": "step 6 is incomplete", "problems": ["rank 1 lost"]})
+    problems = ["rank 1 lost", "step 6 is incomplete"]  # the reason's line is not repeated
+    older = RestorePlan(5, detail={"reason": "step 6 is incomplete", "problems": problems})
     assert driver.report_plan(older)["outcome"] == "restored"
     assert reporter.errors == [
         "restore: step 5 restored: step 6 is incomplete",
