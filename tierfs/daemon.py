@@ -7,7 +7,7 @@ attached afterwards. What it builds depends on the configuration:
 
 * always: the shard store, the catalog, the verifier, the job state, the
   client view, the reporter, the GCS tier (off without ``--bucket``), the
-  restorer (its local source) and the agent;
+  restorer (its local source) and the agent with its parts (:func:`build_agent`);
 * ``--listen`` or ``--coordinator``: the peer plane's state, the peer tier
   and the restorer's peer sources; with ``--listen`` also this node's
   coordinator service; when a coordinator can be found (``--coordinator``,
@@ -51,10 +51,18 @@ from tierfs.node import metrics
 from tierfs.node.agent import NodeAgent, Tier
 from tierfs.node.agreement import CoordinatorAgreement
 from tierfs.node.catalog import ShardCatalog, ShardVerifier
+from tierfs.node.intake import EventIntake
+from tierfs.node.jobcontrol import JobControl
 from tierfs.node.jobstate import JobState
+from tierfs.node.keeper import ShardKeeper
 from tierfs.node.reporter import NodeReporter
+from tierfs.node.restore_driver import RestoreDriver
 from tierfs.node.restorer import Restorer
+from tierfs.node.sealer import Sealer
 from tierfs.node.sources import BucketRestoreSide, LocalSource, PeerSources
+from tierfs.node.status_builder import StatusBuilder
+from tierfs.node.steps import StepBook
+from tierfs.node.tasks import TaskSpawner
 from tierfs.node.verdicts import SealVerdicts
 from tierfs.node.view import ClientView
 from tierfs.replication.client import PeerClient
@@ -156,6 +164,56 @@ class NodeParts:
     agent: NodeAgent
 
 
+def build_agent(
+    config: NodeConfig,
+    store: RamStore,
+    budget: Budget,
+    *,
+    shards: ShardStore,
+    catalog: ShardCatalog,
+    state: JobState,
+    reporter: NodeReporter,
+    view: ClientView,
+    restorer: Restorer,
+    tiers: list[Tier],
+    io_limiter: trio.CapacityLimiter,
+) -> NodeAgent:
+    """Build the node agent's parts in dependency order and the agent over them (no I/O).
+
+    Built after the tiers: the keeper's retention listener follows theirs in the
+    catalog, and the restore driver registers itself for the coordinator's summons.
+    """
+    tasks = TaskSpawner(reporter.errors)
+    book = StepBook(store, state, view, catalog.sealed_inos)
+    keeper = ShardKeeper(config, catalog, book, state, view, tiers, tasks)
+    sealer = Sealer(config, store, shards, catalog, book, state, view, keeper, reporter, tasks)
+    restores = RestoreDriver(state, restorer, view, book, catalog, keeper, reporter, tasks)
+    control = JobControl(config, store, state, view, book, reporter, restores, tasks)
+    intake = EventIntake(store, book, view, catalog, sealer, keeper, control, restores, tasks)
+    status = StatusBuilder(config, store, budget, state, book, catalog, tiers, reporter.errors)
+    return NodeAgent(
+        config,
+        store,
+        budget,
+        shards=shards,
+        catalog=catalog,
+        state=state,
+        reporter=reporter,
+        view=view,
+        restorer=restorer,
+        tiers=tiers,
+        io_limiter=io_limiter,
+        book=book,
+        tasks=tasks,
+        keeper=keeper,
+        sealer=sealer,
+        restores=restores,
+        control=control,
+        intake=intake,
+        status_builder=status,
+    )
+
+
 def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts:
     """Build the node's objects in dependency order (no I/O, no threads, no trio).
 
@@ -239,7 +297,7 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         agreement=agreement,
     )
     tiers: list[Tier] = [peer, gcs] if peer is not None else [gcs]
-    agent = NodeAgent(
+    agent = build_agent(
         config,
         store,
         budget,

@@ -202,14 +202,14 @@ def test_an_adopted_replica_is_cataloged_and_asks_for_retention(tmp_path):
     async def retention() -> None:
         ran.append("retention")
 
-    parts.agent._apply_retention = retention  # type: ignore[method-assign]
+    parts.agent.keeper.apply_retention = retention  # type: ignore[method-assign]
     replica = SimpleNamespace(key=ShardKey("j", 1, 3), inodes={7})
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            parts.agent._nursery = nursery
+            parts.agent.tasks.nursery = nursery
             parts.peer.holdings.register(replica)  # type: ignore[arg-type]
-        parts.agent._nursery = None
+        parts.agent.tasks.nursery = None
 
     trio.run(main)
     assert parts.catalog.get(replica.key) is replica and ran == ["retention"]
@@ -263,6 +263,14 @@ def test_tier_modules_import_nothing_inside_functions():
         "core/ports.py",
         "core/types.py",
         "node/agent.py",
+        "node/intake.py",
+        "node/jobcontrol.py",
+        "node/keeper.py",
+        "node/restore_driver.py",
+        "node/sealer.py",
+        "node/status_builder.py",
+        "node/steps.py",
+        "node/tasks.py",
         "node/catalog.py",
         "node/jobstate.py",
         "node/reporter.py",

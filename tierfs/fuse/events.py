@@ -2,7 +2,7 @@
 
 The namespace calls these on the FUSE thread, in the request that caused
 them; a receiver must be quick and must not block (the node agent hands the
-work to trio, see :class:`tierfs.node.agent.AgentEvents`). Paths are bytes
+work to trio, see :class:`tierfs.node.intake.AgentEvents`). Paths are bytes
 relative to the mount root.
 """
 

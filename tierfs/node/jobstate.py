@@ -17,6 +17,8 @@ from tierfs.core.control import JobSpec
 
 #: restore states a daemon restart resumes (the yaml is consumed, no marker yet)
 RESUMABLE_RESTORE_STATES = frozenset({"cleanup", "planning", "barrier"})
+#: restore states during which retention drops nothing (a copy may still be needed)
+RESTORING_STATES = RESUMABLE_RESTORE_STATES | {"pending"}
 
 
 class JobState:

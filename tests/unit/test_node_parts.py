@@ -1,0 +1,348 @@
+"""The node agent's parts (tierfs/node: intake, sealer, keeper, jobcontrol,
+restore_driver, steps, tasks) on their own: no mount, no process, no bucket.
+
+The parts are built by the composition root (``build_node``) over a ram-dir in
+``tmp_path`` or, for the intake, with recording fakes of its collaborators.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import stat
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+import fake_ports
+import trio
+import trio.testing
+
+from tierfs.core.config import NodeConfig
+from tierfs.core.control import JobSpec
+from tierfs.core.types import RestorePlan
+from tierfs.daemon import NodeParts, build_node
+from tierfs.node.intake import AgentEvents, Changed, EventIntake
+from tierfs.node.jobstate import JobState
+from tierfs.node.restore_driver import RestoreDriver
+from tierfs.node.sealing import SealCandidate
+from tierfs.node.steps import StepBook
+from tierfs.node.tasks import TaskSpawner
+from tierfs.node.view import ClientView, Published
+from tierfs.store.ramstore import Budget, RamStore
+from tierfs.store.shards import ShardKey
+
+JOB = JobSpec("j", "generic", 0, 1)
+
+
+def build(tmp_path: pathlib.Path, **options: object) -> NodeParts:
+    config = NodeConfig(mountpoint=str(tmp_path / "m"), ram_dir=str(tmp_path / "r"), **options)
+    store = RamStore(config.ram_dir)
+    return build_node(config, store, Budget(store.root, 1 << 30, 0))
+
+
+def write_step(parts: NodeParts, step: int) -> str:
+    """A step directory ``<step>/`` with one file in the view; returns its file's path."""
+    root = pathlib.Path(parts.view.root) / str(step)
+    root.mkdir()
+    path = root / "data.bin"
+    path.write_bytes(b"x" * 100 + str(step).encode())
+    return str(path)
+
+
+def candidate(step: int, reason: str = "test") -> SealCandidate:
+    return SealCandidate(step, str(step), (str(step),), reason)
+
+
+def run_with_tasks(parts: NodeParts, body: Callable[[], Awaitable[None]]) -> None:
+    """Run ``body`` with the agent's task nursery open; waits for the spawned tasks."""
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            parts.agent.tasks.nursery = nursery
+            await body()
+        parts.agent.tasks.nursery = None
+
+    trio.run(main)
+
+
+def seal(parts: NodeParts, *steps: int) -> None:
+    async def body() -> None:
+        for step in steps:
+            parts.agent.sealer.schedule(candidate(step))
+            await trio.testing.wait_all_tasks_blocked()
+
+    run_with_tasks(parts, body)
+
+
+# ---------------------------------------------------------------------- sealer
+
+
+def test_the_sealer_seals_a_step_into_the_catalog_the_book_and_state_json(tmp_path):
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    write_step(parts, 10)
+    seal(parts, 10)
+    key = ShardKey("j", 0, 10)
+    shard = parts.catalog.get(key)
+    assert shard is not None and shard.manifest.name == "10"
+    assert [f.path for f in shard.manifest.files if f.kind == "file"] == ["10/data.bin"]
+    book = parts.agent.book
+    assert book.view_steps == {"10": key} and book.pending == {}
+    assert book.sealing_inos == {}  # unmarked once the snapshot is done
+    assert set(parts.catalog.sealed_inos.values()) == {key}
+    saved = (pathlib.Path(parts.agent.store.state_file)).read_text()
+    assert '"10"' in saved
+
+
+def test_a_candidate_whose_entry_vanished_is_forgotten_not_sealed(tmp_path):
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    seal(parts, 11)  # no directory 11 in the view
+    assert ShardKey("j", 0, 11) not in parts.catalog
+    assert parts.agent.book.pending == {}
+
+
+def test_a_write_into_a_sealed_file_withdraws_the_seal_and_reseals_with_its_first_time(tmp_path):
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    path = write_step(parts, 10)
+    seal(parts, 10)
+    key = ShardKey("j", 0, 10)
+    created = parts.catalog[key].manifest.created
+    parts.agent.intake.write_opening(os.stat(path).st_ino)  # what the FUSE thread calls
+    book = parts.agent.book
+    assert key not in parts.catalog
+    assert book.withdrawn_names == {"10": key} and book.withdrawn_created == {key: created}
+    assert parts.agent.status().steps[0].state == "writing"
+
+    async def body() -> None:
+        parts.agent.sealer.retry_pending("10")  # the writer closed
+        assert book.pending["10"].reason == "re-seal after write"
+        await trio.testing.wait_all_tasks_blocked()
+
+    run_with_tasks(parts, body)
+    assert parts.catalog[key].manifest.created == created
+    assert book.withdrawn_names == {} and book.withdrawn_created == {}
+
+
+# ---------------------------------------------------------------------- keeper
+
+
+def test_retention_drops_the_oldest_step_unless_a_restore_runs(tmp_path):
+    parts = build(tmp_path, keep_local=1)
+    parts.agent.control.set_job(JOB, "generic")
+    for step in (10, 20, 30):
+        write_step(parts, step)
+    seal(parts, 10, 20)
+    assert sorted(k.step for k in parts.catalog) == [20]
+    assert (pathlib.Path(parts.view.root) / "10").is_dir()  # generic mode hides nothing
+    parts.state.restore_state = {"state": "planning"}
+    seal(parts, 30)
+    assert sorted(k.step for k in parts.catalog) == [20, 30]  # nothing dropped meanwhile
+
+
+def test_a_published_marker_pins_its_shard(tmp_path):
+    parts = build(tmp_path)
+    key = ShardKey("j", 0, 7)
+    parts.view.published["j-s7"] = Published("j-s7", "7", key, "7")
+    assert key in parts.agent.keeper.pinned()
+    del parts.view.published["j-s7"]
+    assert key not in parts.agent.keeper.pinned()
+
+
+# ---------------------------------------------------------------------- intake
+
+
+class Recorder:
+    """Sealer, keeper, job control and restore driver as the intake sees them."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+
+    def schedule(self, cand: SealCandidate) -> None:
+        self.calls.append(("schedule", cand.name))
+
+    def retry_pending(self, top: str) -> None:
+        self.calls.append(("retry", top))
+
+    def withdraw(self, key: ShardKey, reason: str) -> None:
+        self.calls.append(("withdraw", key))
+
+    def drop_shard(self, key: ShardKey, reason: str) -> None:
+        self.calls.append(("drop", key))
+
+    def start_control(self) -> None:
+        self.calls.append(("control",))
+
+    async def materialize(self, name: str, pub: Published) -> None:
+        self.calls.append(("materialize", name, pub.key))
+
+
+def test_the_intake_routes_each_event_to_its_part(tmp_path):
+    store = RamStore(str(tmp_path / "r"))
+    view = ClientView(store)
+    state = JobState()
+    book = StepBook(store, state, view, {})
+    tasks = TaskSpawner(deque())
+    rec = Recorder()
+    intake = EventIntake(store, book, view, fake_ports.catalog(), rec, rec, rec, rec, tasks)
+    events = AgentEvents(intake)
+    key = ShardKey("j", 0, 3)
+    view.published["j-s3"] = Published("j-s3", "3.sib", key, "3")
+    os.mkdir(os.path.join(store.view, "5"))
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            tasks.nursery = nursery
+            events.renamed(b"tmp.yaml", b"replicator.yaml", stat.S_IFREG | 0o644)
+            events.renamed(b"j-s3", b"3", stat.S_IFLNK | 0o777)
+            events.released(b"5/a.bin", 17)
+            events.released(None, 18)
+            intake.close()
+            await intake.process()
+
+    trio.run(main)
+    assert rec.calls[0] == ("control",)  # handled at once; materializing is a task
+    assert sorted(rec.calls[1:], key=str) == [("materialize", "3", key), ("retry", "5")]
+    assert "j-s3" not in view.published
+    assert book.generation == {"tmp.yaml": 1, "replicator.yaml": 1, "j-s3": 1, "3": 1, "5": 1}
+
+
+def test_a_removed_step_leaves_the_book(tmp_path):
+    store = RamStore(str(tmp_path / "r"))
+    view = ClientView(store)
+    book = StepBook(store, JobState(), view, {})
+    rec = Recorder()
+    intake = EventIntake(
+        store, book, view, fake_ports.catalog(), rec, rec, rec, rec, TaskSpawner(deque())
+    )
+    book.view_steps["4"] = ShardKey("j", 0, 4)
+    book.pending["4"] = candidate(4)
+    intake.post(Changed("4"))  # what the FUSE thread reports after an rmdir
+    intake.close()
+    trio.run(intake.process)
+    assert book.view_steps == {} and book.pending == {} and rec.calls == []
+
+
+# ---------------------------------------------------------------------- job control
+
+
+def test_a_bad_yaml_is_reported_and_deleted_and_a_good_one_starts_the_restore(tmp_path):
+    parts = build(tmp_path)
+    control_part = parts.agent.control
+    yaml = pathlib.Path(parts.view.root) / "replicator.yaml"
+    started: list[JobSpec] = []
+
+    async def restore(job: JobSpec) -> None:
+        started.append(job)
+
+    parts.agent.restores.restore = restore  # type: ignore[method-assign]
+
+    async def consume() -> None:
+        control_part.start_control()
+
+    yaml.write_text("framework: orbax\nnode-rank: 0\nnodes: 1\n")
+    run_with_tasks(parts, consume)
+    failed = (pathlib.Path(parts.view.root) / "replicator.failed").read_text()
+    assert "missing required key 'job-name'" in failed
+    assert not yaml.exists() and parts.state.job is None and started == []
+
+    yaml.write_text("job-name: train\nframework: orbax\nnode-rank: 1\nnodes: 2\n")
+    run_with_tasks(parts, consume)
+    job = parts.state.job
+    assert job is not None and job.name == "train" and job.node_rank == 1
+    assert parts.state.mode == "protocol" and parts.agent.book.rules is not None
+    assert parts.state.restore_state["state"] == "cleanup"
+    assert started == [job] and not yaml.exists()
+
+
+def test_the_generic_job_follows_the_configuration(tmp_path):
+    parts = build(tmp_path, job="run7", node_rank=2, nodes=4)
+    job = parts.agent.control.generic_job()
+    assert (job.name, job.framework, job.node_rank, job.nodes) == ("run7", "generic", 2, 4)
+    parts.agent.control.set_job(None, "protocol")
+    assert parts.state.mode == "none" and parts.agent.book.rules is None
+
+
+# ---------------------------------------------------------------------- restore driver
+
+
+def test_the_restore_outcome_and_its_lines(tmp_path):
+    parts = build(tmp_path)
+    reporter = fake_ports.FakeJob()
+    driver = RestoreDriver(
+        parts.state,
+        parts.restorer,
+        parts.view,
+        parts.agent.book,
+        parts.catalog,
+        parts.agent.keeper,
+        reporter,
+        parts.agent.tasks,
+    )
+    nothing = driver.report_plan(RestorePlan(None, detail={}))
+    assert nothing == {"outcome": "incomplete", "reason": "", "problems": []}
+    assert reporter.errors == ["restore: nothing restored: no step is complete"]
+    reporter.errors.clear()
+    problems = ["rank 1 lost", "step 6 is incomplete"]  # the reason's line is not repeated
+    older = RestorePlan(5, detail={"reason": "step 6 is incomplete", "problems": problems})
+    assert driver.report_plan(older)["outcome"] == "restored"
+    assert reporter.errors == [
+        "restore: step 5 restored: step 6 is incomplete",
+        "restore: rank 1 lost",
+    ]
+
+
+def test_a_summons_starts_one_generic_restore_at_a_time(tmp_path):
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    driver = parts.agent.restores
+    assert parts.state.job is not None
+    assert driver.start_generic(parts.state.job) is True
+    assert parts.state.restore_state["state"] == "pending"
+    assert driver.start_generic(parts.state.job) is False  # one at a time
+
+
+# ---------------------------------------------------------------------- steps and tasks
+
+
+def test_the_step_book_round_trips_through_state_json(tmp_path):
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "protocol")
+    book = parts.agent.book
+    write_step(parts, 10)
+    book.view_steps.update({"10": ShardKey("j", 0, 10), "gone": ShardKey("j", 0, 9)})
+    book.pending["20"] = candidate(20, "closed")
+    parts.state.restore_state = {"state": "done", "step": 10}
+    book.save()
+
+    again = build(tmp_path)
+    job = again.agent.book.load()
+    assert job == JOB
+    assert again.agent.book.view_steps == {"10": ShardKey("j", 0, 10)}  # "gone" is not there
+    assert [c.name for c in again.agent.book.pending_at_start] == ["20"]
+    assert again.state.restore_state == {"state": "done", "step": 10}
+
+
+def test_a_failing_task_is_reported_and_not_fatal():
+    errors: deque[str] = deque()
+    tasks = TaskSpawner(errors)
+    ran: list[str] = []
+
+    async def boom() -> None:
+        raise ValueError("bad")
+
+    async def fine(word: str) -> None:
+        ran.append(word)
+
+    tasks.spawn(fine, "before")  # no nursery yet: nothing runs
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            tasks.nursery = nursery
+            tasks.spawn(boom)
+            tasks.spawn(fine, "after")
+
+    trio.run(main)
+    assert ran == ["after"]
+    assert list(errors) == ["internal error in boom: bad"]

@@ -1,0 +1,300 @@
+"""Namespace events from the FUSE thread, handed to the agent's trio loop.
+
+:class:`AgentEvents` is the namespace's :class:`~tierfs.fuse.events.FsEvents`
+receiver: on the FUSE thread it only bumps change counters, marks dirty
+inodes, withdraws a seal a write would make stale and sends a
+:data:`Event` into an unbounded memory channel. :class:`EventIntake` reads
+that channel on the trio thread and turns each event into work: a
+``replicator.yaml`` to consume, a restore marker renamed by the client, a
+seal candidate (decided by the pure :class:`~tierfs.node.sealing.SealRules`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import stat
+from dataclasses import dataclass
+from typing import Protocol
+
+import trio
+
+from tierfs.core import control
+from tierfs.node.catalog import ShardCatalog
+from tierfs.node.sealing import SealCandidate
+from tierfs.node.steps import StepBook, top_of
+from tierfs.node.tasks import TaskSpawner
+from tierfs.node.view import ClientView, Published
+from tierfs.store.ramstore import RamStore
+from tierfs.store.shards import ShardKey
+
+__all__ = [
+    "AgentEvents",
+    "Changed",
+    "ControlStarter",
+    "Event",
+    "EventIntake",
+    "Materializer",
+    "Released",
+    "Renamed",
+    "SealScheduler",
+    "Withdrawer",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Renamed:
+    """``old`` was renamed to ``new`` (view-relative paths); ``mode`` its st_mode."""
+
+    old: str
+    new: str
+    mode: int
+
+
+@dataclass(frozen=True)
+class Released:
+    """The last write handle of inode ``ino`` closed; ``path`` is None when unlinked."""
+
+    path: str | None
+    ino: int
+
+
+@dataclass(frozen=True)
+class Changed:
+    """Something at ``path`` (view-relative) was created, written or removed."""
+
+    path: str
+
+
+Event = Renamed | Released | Changed
+
+
+class SealScheduler(Protocol):
+    """What the intake needs of :class:`tierfs.node.sealer.Sealer`."""
+
+    def schedule(self, cand: SealCandidate) -> None: ...
+
+    def retry_pending(self, top: str) -> None: ...
+
+
+class Withdrawer(Protocol):
+    """What the intake needs of :class:`tierfs.node.keeper.ShardKeeper`."""
+
+    def withdraw(self, key: ShardKey, reason: str) -> None: ...
+
+    def drop_shard(self, key: ShardKey, reason: str) -> None: ...
+
+
+class ControlStarter(Protocol):
+    """Starts consuming ``replicator.yaml`` (:class:`tierfs.node.jobcontrol.JobControl`)."""
+
+    def start_control(self) -> None: ...
+
+
+class Materializer(Protocol):
+    """Presents a renamed restore marker as a real entry (the restore driver)."""
+
+    async def materialize(self, name: str, pub: Published) -> None: ...
+
+
+class EventIntake:
+    """The agent's event channel and its handlers.
+
+    Args:
+        store: the RAM store (the view directory, for ``lstat``).
+        book: the steps in the view, counters and candidates.
+        view: the client view (published markers, entries still there?).
+        catalog: the held shards (manifest names and entries).
+        sealer: schedules and retries seals.
+        keeper: withdraws and drops shards.
+        control: consumes ``replicator.yaml``.
+        restores: materializes a renamed marker.
+        tasks: where materializing runs.
+    """
+
+    def __init__(
+        self,
+        store: RamStore,
+        book: StepBook,
+        view: ClientView,
+        catalog: ShardCatalog,
+        sealer: SealScheduler,
+        keeper: Withdrawer,
+        control: ControlStarter,
+        restores: Materializer,
+        tasks: TaskSpawner,
+    ) -> None:
+        self.store = store
+        self.book = book
+        self.view = view
+        self.catalog = catalog
+        self.sealer = sealer
+        self.keeper = keeper
+        self.control = control
+        self.restores = restores
+        self.tasks = tasks
+        self._send, self._recv = trio.open_memory_channel[Event](math.inf)
+
+    # ------------------------------------------------------------ FUSE thread
+
+    def post(self, event: Event) -> None:
+        """Queue an event for the agent loop (FUSE thread; never blocks)."""
+        try:
+            self._send.send_nowait(event)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+
+    def bump(self, top: str) -> None:
+        """Something under the top-level entry ``top`` changed (FUSE thread)."""
+        self.book.generation[top] += 1
+
+    def write_opening(self, ino: int) -> None:
+        """A client is about to write inode ``ino`` (FUSE thread, before the open).
+
+        A sealed file withdraws its step's seal at once, so no snapshot, replica
+        or backup ever carries bytes that differ from its manifest.
+        """
+        if ino in self.book.sealing_inos:
+            self.book.dirty_inos.add(ino)
+        key = self.book.sealed_inos.get(ino)
+        if key is not None:
+            self.keeper.withdraw(key, "a sealed file was opened for writing")
+
+    def close(self) -> None:
+        """Stop taking events (the daemon exits); :meth:`process` then returns."""
+        self._send.close()
+
+    # ------------------------------------------------------------ trio thread
+
+    async def process(self) -> None:
+        """Handle events until :meth:`close`; a failing handler is logged, not fatal."""
+        async for event in self._recv:
+            try:
+                await self.handle(event)
+            except Exception:
+                log.exception("handling %s failed", event)
+
+    async def handle(self, event: Event) -> None:
+        """Handle one event."""
+        if isinstance(event, Renamed):
+            await self._on_renamed(event)
+        elif isinstance(event, Released):
+            await self._on_released(event)
+        elif isinstance(event, Changed):
+            await self._on_changed(event)
+
+    async def _on_renamed(self, ev: Renamed) -> None:
+        if ev.new == control.REPLICATOR_YAML:
+            self.control.start_control()
+            return
+        book = self.book
+        pub = self.view.published.get(ev.old)
+        if pub is not None and stat.S_ISLNK(ev.mode) and "/" not in ev.new:
+            del self.view.published[ev.old]
+            self.tasks.spawn(self.restores.materialize, ev.new, pub)
+            return
+        old_top, new_top = top_of(ev.old), top_of(ev.new)
+        cand = None
+        if book.rules is not None:
+            cand = book.rules.on_rename(
+                ev.old, ev.new, stat.S_ISDIR(ev.mode), stat.S_ISLNK(ev.mode), self.view
+            )
+        moved = ev.old == old_top and ev.new == new_top and old_top in book.view_steps
+        if moved:
+            old_key = book.view_steps.pop(old_top)
+            if cand is not None and cand.step != old_key.step:
+                # NeMo's async finalize: step=<N> (sealed) renamed to <digits>. The same
+                # checkpoint now has its final name and step; the old seal is retired.
+                shard = self.catalog.get(old_key)
+                if shard is not None and shard.manifest.name == old_top:
+                    self.keeper.drop_shard(old_key, f"renamed to {new_top}")
+            else:
+                book.view_steps[new_top] = old_key
+        if cand is not None:
+            self.sealer.schedule(cand)
+        self.sealer.retry_pending(new_top)
+
+    async def _on_released(self, ev: Released) -> None:
+        if ev.path is None:
+            return
+        if ev.path == control.REPLICATOR_YAML:
+            self.control.start_control()
+            return
+        if self.book.rules is not None:
+            cand = self.book.rules.on_release(ev.path, self.view)
+            if cand is not None:
+                self.sealer.schedule(cand)
+        self.sealer.retry_pending(top_of(ev.path))
+
+    async def _on_changed(self, ev: Changed) -> None:
+        book = self.book
+        if ev.path == control.REPLICATOR_YAML:
+            # a regular file is read when renamed into place or closed; a symlink,
+            # FIFO or directory made under that name is refused at once (no client
+            # could ever write another yaml while it stays)
+            try:
+                st = os.lstat(os.path.join(self.store.view, ev.path))
+            except OSError:
+                return
+            if not stat.S_ISREG(st.st_mode):
+                self.control.start_control()
+            return
+        top = top_of(ev.path)
+        if ev.path == top and not self.view.exists(top):
+            book.view_steps.pop(top, None)
+            book.pending.pop(top, None)
+            if book.rules is not None:
+                cand = book.rules.on_remove(top, self.view)
+                if cand is not None:
+                    self.sealer.schedule(cand)
+        elif top in book.view_steps and book.rules is not None and self.view.exists(ev.path):
+            # a file added to or changed in a sealed step: seal it again (a
+            # removal leaves the snapshot as it is: the client may delete freely)
+            key = book.view_steps[top]
+            book.pending[top] = SealCandidate(
+                key.step, top, self._entries_of(key, top), "changed after seal"
+            )
+
+    def _entries_of(self, key: ShardKey, top: str) -> tuple[str, ...]:
+        shard = self.catalog.get(key)
+        if shard is not None and shard.manifest.name == top:
+            return tuple(shard.manifest.top_level)
+        return (top,)
+
+
+class AgentEvents:
+    """The agent's :class:`~tierfs.fuse.namespace.FsEvents`; runs on the FUSE thread.
+
+    Only dictionary updates and a non-blocking channel send happen here.
+    Paths arrive as bytes relative to the view.
+    """
+
+    def __init__(self, intake: EventIntake) -> None:
+        self.intake = intake
+
+    def opening_for_write(self, ino: int) -> None:
+        """A client is about to open inode ``ino`` for writing."""
+        self.intake.write_opening(ino)
+
+    def changed(self, relpath: bytes) -> None:
+        """Something at ``relpath`` changed."""
+        path = os.fsdecode(relpath)
+        self.intake.bump(top_of(path))
+        self.intake.post(Changed(path))
+
+    def renamed(self, old: bytes, new: bytes, mode: int) -> None:
+        """``old`` was renamed to ``new``; ``mode`` is the entry's st_mode."""
+        o, n = os.fsdecode(old), os.fsdecode(new)
+        self.intake.bump(top_of(o))
+        self.intake.bump(top_of(n))
+        self.intake.post(Renamed(o, n, mode))
+
+    def released(self, relpath: bytes | None, ino: int) -> None:
+        """The last write handle of ``ino`` closed (``relpath`` None: unlinked)."""
+        path = os.fsdecode(relpath) if relpath is not None else None
+        if path is not None:
+            self.intake.bump(top_of(path))
+        self.intake.post(Released(path, ino))

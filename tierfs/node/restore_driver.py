@@ -1,0 +1,304 @@
+"""Running a restore on this node and presenting its result in the client's view.
+
+:class:`RestoreDriver` asks the :class:`tierfs.node.restorer.Restorer` what
+to restore and to fetch it, then writes what the client reads:
+
+* protocol mode (PROTOCOL.md sections 2 and 4): ``replicator.prerestore``,
+  then the restore marker (or the empty ``s0`` marker when nothing is
+  restored); when the client renames the marker the step becomes a real
+  directory (:meth:`RestoreDriver.materialize`);
+* generic mode: the agreed step back in the view under its own names, after
+  a daemon start or when the coordinator summons this node into a round.
+
+The restore's progress is ``JobState.restore_state`` (plain data: ``state``,
+``step``, ``source``, ``outcome`` ...), which ``tierfs wait`` and the status read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+import trio
+
+from tierfs.core import control
+from tierfs.core.control import JobSpec
+from tierfs.core.types import RestorePlan
+from tierfs.node.catalog import ShardCatalog
+from tierfs.node.jobstate import JobState
+from tierfs.node.restorer import Restorer
+from tierfs.node.steps import StepBook
+from tierfs.node.tasks import TaskSpawner
+from tierfs.node.view import SIBLING_GRACE, ClientView, Published
+
+__all__ = [
+    "FAILED",
+    "FRESH",
+    "INCOMPLETE",
+    "MISSING",
+    "REFUSED",
+    "RESTORED",
+    "TIMEOUT",
+    "Abandoner",
+    "RestoreDriver",
+    "RestoreReporter",
+]
+
+log = logging.getLogger(__name__)
+
+#: how a restore ended (``restore_state["outcome"]``, ``tierfs wait``'s exit code):
+#: a step restored, nothing exists anywhere, something exists but no step is
+#: complete -- and the failures: a node never joined, a phase timed out, the
+#: coordinator refused this node, anything else
+RESTORED, FRESH, INCOMPLETE = "restored", "fresh", "incomplete"
+MISSING, TIMEOUT, REFUSED, FAILED = "missing", "timeout", "refused", "failed"
+
+
+class Abandoner(Protocol):
+    """Drops this node's shards newer than the restored step (the keeper)."""
+
+    def drop_abandoned(self, job: JobSpec, step: int) -> None: ...
+
+
+class RestoreReporter(Protocol):
+    """``replicator.errors`` and ``replicator.failed`` (the node reporter)."""
+
+    def error(self, message: str) -> None: ...
+
+    def failure(self, message: str, *, job_context: bool = True) -> None: ...
+
+
+class RestoreDriver:
+    """Runs protocol and generic restores and presents the restored step (trio thread).
+
+    Args:
+        state: the running job; its ``restore_state`` is the progress. The driver
+            registers :meth:`summoned` as its summons listener.
+        restorer: plans and fetches the restore.
+        view: the client view (prerestore file, markers, links, materializing).
+        book: the steps in the view (a restored step is recorded there; saved).
+        catalog: the held shards (the shard behind a renamed marker).
+        keeper: drops the abandoned newer steps.
+        reporter: ``replicator.errors``/``failed``.
+        tasks: where restores and delayed hiding run.
+    """
+
+    def __init__(
+        self,
+        state: JobState,
+        restorer: Restorer,
+        view: ClientView,
+        book: StepBook,
+        catalog: ShardCatalog,
+        keeper: Abandoner,
+        reporter: RestoreReporter,
+        tasks: TaskSpawner,
+    ) -> None:
+        self.state = state
+        self.restorer = restorer
+        self.view = view
+        self.book = book
+        self.catalog = catalog
+        self.keeper = keeper
+        self.reporter = reporter
+        self.tasks = tasks
+        self._scope: trio.CancelScope | None = None
+        self._generic_running = False
+        state.on_summoned(self.summoned)
+
+    def cancel(self) -> None:
+        """Cancel the protocol restore that runs now, if any (a new yaml arrived)."""
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def resume(self, job: JobSpec) -> None:
+        """Restore ``job`` again after the previous daemon stopped during its restore."""
+        log.info(
+            "resuming the restore of job %s (the previous daemon stopped in state %s)",
+            job.name,
+            self.state.restore_state.get("state"),
+        )
+        self.state.restore_state = {"state": "cleanup", "since": time.time()}
+        await trio.to_thread.run_sync(self.view.cleanup, self.book.view_steps)
+        self.book.save()
+        await self.restore(job)
+
+    async def restore(self, job: JobSpec) -> None:
+        """Protocol mode: restore ``job`` and publish its marker; a failure ends in the
+        ``failed`` state with an ``outcome`` and a ``replicator.failed`` line. Cancelled
+        by :meth:`cancel`."""
+        with trio.CancelScope() as scope:
+            self._scope = scope
+            try:
+                await self._restore_inner(job)
+            except Exception as exc:
+                log.exception("restore failed")
+                self.reporter.failure(f"restore failed: {exc}")
+                self.state.restore_state = {
+                    "state": "failed",
+                    "error": str(exc),
+                    "outcome": getattr(exc, "outcome", FAILED),
+                    "at": time.time(),
+                }
+            finally:
+                if self._scope is scope:
+                    self._scope = None
+                self.book.save()
+
+    async def _restore_inner(self, job: JobSpec) -> None:
+        state = self.state
+        state.restore_state = {"state": "planning", "since": time.time()}
+        plan = await self.restorer.plan(job)
+        step = plan.step or None
+        if step:
+            self.keeper.drop_abandoned(job, step)
+        await trio.to_thread.run_sync(
+            self.view.write_file,
+            control.REPLICATOR_PRERESTORE,
+            control.prerestore_text(step, plan.backup).encode(),
+        )
+        state.restore_state = {
+            "state": "barrier",
+            "step": step,
+            "source": plan.source,
+            "since": time.time(),
+        }
+        await self.restorer.finish(job, plan)
+        outcome = self.report_plan(plan)
+        if step is None or plan.shard is None:
+            await trio.to_thread.run_sync(
+                self.view.write_file, control.marker_name(job.name, 0, job.node_rank, 0), b""
+            )
+            state.restore_state = {"state": "done", "step": None, "at": time.time(), **outcome}
+            log.info(
+                "nothing restored (%s): published the empty s0 marker",
+                outcome.get("reason") or outcome["outcome"],
+            )
+            return
+        await trio.to_thread.run_sync(self.view.publish, job, plan.shard)
+        state.restore_state = {
+            "state": "done",
+            "step": step,
+            "source": plan.source,
+            "backup": plan.backup,
+            "at": time.time(),
+            **outcome,
+        }
+        log.info("restore of step %d published (%s)", step, plan.source)
+
+    def report_plan(self, plan: RestorePlan) -> dict[str, Any]:
+        """Say in ``replicator.errors`` why the restore is not the newest step, or
+        nothing although something exists; returns the outcome fields of the
+        restore state (``outcome``, ``reason``, ``problems``)."""
+        d = plan.detail
+        outcome = d.get("outcome") or (RESTORED if plan.step else INCOMPLETE)
+        reason = str(d.get("reason") or "")
+        problems = [str(p) for p in d.get("problems") or []]
+        if plan.step is None and outcome == INCOMPLETE:
+            self.reporter.error(f"restore: nothing restored: {reason or 'no step is complete'}")
+        elif problems:
+            self.reporter.error(f"restore: step {plan.step} restored: {reason}")
+        for line in problems:
+            if line not in reason:
+                self.reporter.error(f"restore: {line}")
+        return {"outcome": outcome, "reason": reason, "problems": problems}
+
+    async def _generic_restore(self, job: JobSpec, summoned: bool = False) -> None:
+        """Generic mode: take part in a restore round and present the agreed step in the
+        view under its own names.
+
+        Run after a node loss (this daemon started) and, with ``summoned``, on a
+        node that kept running when the coordinator asks it to join another
+        node's round: every node must be able to present the agreed step, so
+        a survivor that no longer holds it fetches it too. Frameworks that
+        resume by listing their directory (HF Trainer, Lightning, Megatron)
+        then find ``checkpoint-<N>/``, ``iter_<N>/`` and their tracker files
+        as they left them. A survivor keeps its newer steps.
+        """
+        state = self.state
+        self._generic_running = True
+        state.restore_state = {"state": "planning", "since": time.time(), "summoned": summoned}
+        try:
+            plan = await self.restorer.plan(job)
+            if plan.step and not summoned:
+                self.keeper.drop_abandoned(job, plan.step)
+            await self.restorer.finish(job, plan)
+        except Exception as exc:
+            log.exception("generic restore failed")
+            self.reporter.error(f"restore failed: {exc}")
+            state.restore_state = {
+                "state": "failed",
+                "error": str(exc),
+                "at": time.time(),
+                "outcome": getattr(exc, "outcome", FAILED),
+                "summoned": summoned,
+            }
+            return
+        finally:
+            self._generic_running = False
+        outcome = self.report_plan(plan)
+        if plan.shard is None:
+            state.restore_state = {"state": "done", "step": None, "at": time.time(), **outcome}
+            return
+        shard = plan.shard
+        created = await trio.to_thread.run_sync(self.view.link_missing, shard)
+        self.book.view_steps[shard.manifest.name] = shard.key
+        state.restore_state = {
+            "state": "done",
+            "step": shard.key.step,
+            "source": plan.source,
+            "backup": plan.backup,
+            "at": time.time(),
+            "created": created,
+            "summoned": summoned,
+            **outcome,
+        }
+        if created:
+            log.info(
+                "generic restore: step %d back in the view as %s (%s)",
+                shard.key.step,
+                ", ".join(created),
+                plan.source,
+            )
+        self.book.save()
+
+    def summoned(self, job: JobSpec) -> None:
+        """The coordinator asks this node to join a restore round (generic mode; trio
+        thread): join it unless a restore already runs here.
+
+        A node whose own restore (after its daemon started) gave up, e.g. a node
+        missing past ``--join-timeout``, takes the summons as that restore again:
+        like a restarted node it drops its steps newer than the agreed one.
+        """
+        if self.state.mode != "generic" or self.state.job is not job:
+            return
+        last = self.state.restore_state
+        own = last.get("state") == "failed" and last.get("summoned") is False
+        if self.start_generic(job, not own):
+            log.info("the coordinator asks this node to join a restore round")
+
+    def start_generic(self, job: JobSpec, summoned: bool = False) -> bool:
+        """Start a generic restore unless one runs (one at a time: two restore ids of one
+        rank would take turns superseding each other's round). True if started."""
+        if self._generic_running:
+            return False
+        self._generic_running = True
+        self.state.restore_state = {
+            "state": "pending",
+            "since": time.time(),
+            "summoned": summoned,
+        }
+        self.tasks.spawn(self._generic_restore, job, summoned)
+        return True
+
+    async def materialize(self, name: str, pub: Published) -> None:
+        """After the client renamed a marker to ``name``: make ``name`` a real entry
+        (:meth:`tierfs.node.view.ClientView.materialize`), then retire the sibling."""
+        shard = self.catalog.get(pub.key)
+        if await trio.to_thread.run_sync(self.view.materialize, name, pub, shard):
+            self.book.view_steps[name] = pub.key
+            log.info("restored step %d presented as %s", pub.key.step, name)
+            # the sibling stays a while for readers that resolved the symlink before
+            self.tasks.spawn(self.view.hide_after, pub.sibling, SIBLING_GRACE)
+        self.book.save()

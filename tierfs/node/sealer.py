@@ -1,0 +1,277 @@
+"""Sealing steps: snapshot, manifest and catalog entry, one seal at a time.
+
+A seal candidate (:class:`tierfs.node.sealing.SealCandidate`, decided by the
+pure :class:`~tierfs.node.sealing.SealRules`) waits in ``book.pending`` until
+:class:`Sealer` has hard-link snapshotted its entries in a worker thread
+(:meth:`tierfs.store.shards.ShardStore.snapshot`). A seal that saw a change,
+a write or an open writer is thrown away and retried; a sealed step is added
+to the catalog (the tiers hear of it), retention runs and ``state.json`` is
+saved. :meth:`Sealer.reconcile` seals, after a daemon restart, the complete
+steps of the view that are not sealed yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import time
+import uuid
+from typing import Protocol
+
+import trio
+
+from tierfs.core.config import NodeConfig
+from tierfs.node.catalog import ShardCatalog
+from tierfs.node.jobstate import JobState
+from tierfs.node.sealing import SealCandidate
+from tierfs.node.steps import StepBook, top_of
+from tierfs.node.tasks import TaskSpawner
+from tierfs.node.view import ClientView
+from tierfs.store.manifest import ManifestError
+from tierfs.store.ramstore import RamStore
+from tierfs.store.shards import SealBusy, Shard, ShardKey, ShardStore, retention
+
+__all__ = ["ErrorLines", "Retention", "Sealer"]
+
+log = logging.getLogger(__name__)
+
+
+class Retention(Protocol):
+    """What the sealer needs of :class:`tierfs.node.keeper.ShardKeeper`."""
+
+    def age(self, key: ShardKey) -> tuple[float, int]: ...
+
+    def add_shard(self, shard: Shard) -> None: ...
+
+    async def apply_retention(self) -> None: ...
+
+    async def hide_later(self, name: str, key: ShardKey) -> None: ...
+
+
+class ErrorLines(Protocol):
+    """Where a problem the client should see goes (``replicator.errors``)."""
+
+    def error(self, message: str) -> None: ...
+
+
+class Sealer:
+    """Schedules and runs seals (trio thread; the snapshot in a worker thread).
+
+    Args:
+        config: the node configuration (``keep_local`` for :meth:`reconcile`).
+        store: the RAM store (its view directory).
+        shards: makes and removes snapshots.
+        catalog: the held shards (a sealed step is announced through it).
+        book: the steps in the view, candidates, change counters.
+        state: the running job.
+        view: the client view (entries still there?).
+        keeper: adds shards, applies retention, hides expired entries.
+        reporter: ``replicator.errors`` lines (a step that cannot be sealed).
+        tasks: where seals run.
+    """
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        store: RamStore,
+        shards: ShardStore,
+        catalog: ShardCatalog,
+        book: StepBook,
+        state: JobState,
+        view: ClientView,
+        keeper: Retention,
+        reporter: ErrorLines,
+        tasks: TaskSpawner,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.shards = shards
+        self.catalog = catalog
+        self.book = book
+        self.state = state
+        self.view = view
+        self.keeper = keeper
+        self.reporter = reporter
+        self.tasks = tasks
+        self._limiter = trio.CapacityLimiter(1)
+
+    def schedule(self, cand: SealCandidate) -> None:
+        """Make ``cand`` the pending candidate of its name and start a seal of it."""
+        known = self.book.pending.get(cand.name)
+        self.book.pending[cand.name] = cand
+        if known is None or known.step != cand.step:
+            self.book.save()
+        self.tasks.spawn(self._seal, cand)
+
+    def retry_pending(self, top: str) -> None:
+        """Something under the top-level entry ``top`` changed: try again the candidates
+        that include it, and re-seal a step whose seal a write withdrew."""
+        book = self.book
+        for cand in list(book.pending.values()):
+            if top in {top_of(e) for e in cand.entries}:
+                self.schedule(cand)
+        if top in book.withdrawn_names and top not in book.pending:
+            key = book.withdrawn_names[top]
+            book.pending[top] = SealCandidate(key.step, top, (top,), "re-seal after write")
+            self.schedule(book.pending[top])
+
+    def reschedule_pending(self) -> None:
+        """Try every pending candidate again (housekeeping)."""
+        for name in list(self.book.pending):
+            self.schedule(self.book.pending[name])
+
+    async def _seal(self, cand: SealCandidate) -> None:
+        book = self.book
+        job = self.state.job
+        if job is None or book.pending.get(cand.name) is not cand:
+            return
+        key = ShardKey(job.name, job.node_rank, cand.step)
+        tops = {top_of(e) for e in cand.entries}
+        async with self._limiter:
+            if book.pending.get(cand.name) is not cand or self.state.job is not job:
+                return
+            if not all(self.view.exists(e) for e in cand.entries):
+                del book.pending[cand.name]  # renamed or deleted meanwhile
+                return
+            gens = {t: book.generation[t] for t in tops}
+            ns = book.ns
+            writers = ns.writers_of if ns is not None else None
+            token = uuid.uuid4().hex
+
+            def work() -> Shard:
+                return self.shards.snapshot(
+                    self.store.view,
+                    key,
+                    cand.name,
+                    cand.entries,
+                    job.framework,
+                    cache=book.crc_cache,
+                    writers=writers,
+                    cancelled=lambda: any(book.generation[t] != gens[t] for t in tops),
+                    on_inodes=lambda inos: self._mark_sealing(inos, token),
+                    created=book.withdrawn_created.get(key) or cand.created,
+                )
+
+            try:
+                shard = await trio.to_thread.run_sync(work)
+            except SealBusy:
+                log.info(
+                    "step %d (%s): files still open for writing; sealing when closed",
+                    cand.step,
+                    cand.name,
+                )
+                return
+            except ManifestError as exc:
+                if book.pending.get(cand.name) is cand:
+                    del book.pending[cand.name]
+                self.reporter.error(f"step {cand.step} ({cand.name}) not sealed: {exc}")
+                return
+            except (OSError, InterruptedError) as exc:
+                if getattr(exc, "errno", None) == errno.ENOSPC:
+                    # visible to the client: the step stays unprotected until there is room
+                    self.reporter.error(
+                        f"step {cand.step} ({cand.name}) not sealed yet: the "
+                        "RAM tier is full (retried every few seconds)"
+                    )
+                log.info("step %d (%s): seal retried later: %s", cand.step, cand.name, exc)
+                return
+            finally:
+                self._unmark_sealing(token)
+            changed = any(book.generation[t] != gens[t] for t in tops)
+            dirty = bool(shard.inodes & book.dirty_inos)
+            busy = writers is not None and any(writers(i) for i in shard.inodes)
+            book.dirty_inos -= shard.inodes
+            if changed or dirty or busy or self.state.job is not job:
+                self.shards.remove(shard)
+                log.info(
+                    "step %d (%s) changed while sealing (%s); will seal again",
+                    cand.step,
+                    cand.name,
+                    "written"
+                    if dirty
+                    else "open for writing"
+                    if busy
+                    else "changed"
+                    if changed
+                    else "job restarted",
+                )
+                return
+            if book.pending.get(cand.name) is cand:
+                del book.pending[cand.name]
+            book.withdrawn_names.pop(cand.name, None)
+            book.withdrawn_created.pop(key, None)
+            self.keeper.add_shard(shard)
+            book.view_steps[cand.name] = key
+            log.info(
+                "sealed step %d (%s, %d files, %d bytes): %s",
+                key.step,
+                cand.name,
+                len(shard.manifest.files),
+                shard.bytes,
+                cand.reason,
+            )
+            self.catalog.sealed(shard)
+            await self.keeper.apply_retention()
+            book.save()
+
+    def _mark_sealing(self, inos: set[int], token: str) -> None:
+        for ino in inos:
+            self.book.sealing_inos[ino] = token
+
+    def _unmark_sealing(self, token: str) -> None:
+        sealing = self.book.sealing_inos
+        for ino in [i for i, t in sealing.items() if t == token]:
+            del sealing[ino]
+
+    async def reconcile(self) -> None:
+        """Seal complete steps that are in the view but not sealed (daemon restart)."""
+        book, job = self.book, self.state.job
+        if book.rules is None or job is None:
+            return
+        candidates = await trio.to_thread.run_sync(book.rules.scan, self.view)
+        found = {c.name for c in candidates}
+        candidates += [
+            c
+            for c in book.pending_at_start
+            if c.name not in found and all(self.view.exists(e) for e in c.entries)
+        ]
+        book.pending_at_start = []
+        job = self.state.job
+        assert job is not None
+        now = time.time()
+        fresh: dict[ShardKey, SealCandidate] = {}
+        for cand in candidates:
+            key = ShardKey(job.name, job.node_rank, cand.step)
+            if key in self.catalog and self.catalog[key].manifest.name == cand.name:
+                book.view_steps.setdefault(cand.name, key)
+                continue
+            try:
+                mtime = os.lstat(os.path.join(self.store.view, cand.name)).st_mtime
+            except OSError:
+                continue
+            fresh[key] = dataclasses.replace(cand, created=min(now, mtime))
+        # A step still visible after retention dropped it (the client's copy, or one
+        # whose hide timer died with the previous daemon) is not sealed again: it
+        # would only push a newer step out of --keep-local.
+        ages = {
+            k: self.keeper.age(k)
+            for k in self.catalog
+            if (k.job, k.rank) == (job.name, job.node_rank)
+        }
+        ages.update({k: (c.created or now, k.step) for k, c in fresh.items()})
+        too_old = set(retention(ages, self.config.keep_local, set(), age=ages.__getitem__))
+        for key, cand in fresh.items():
+            if key in too_old and key not in self.catalog:
+                log.info(
+                    "step %d (%s) found at start is older than the %d kept steps; not sealed",
+                    cand.step,
+                    cand.name,
+                    self.config.keep_local,
+                )
+                if self.state.mode == "protocol":
+                    book.view_steps[cand.name] = key
+                    self.tasks.spawn(self.keeper.hide_later, cand.name, key)
+                continue
+            self.schedule(cand)

@@ -1,0 +1,121 @@
+"""What the node agent knows of the steps in the client's view, and its state file.
+
+One :class:`StepBook` is shared by the agent's parts (intake, sealer, keeper,
+restore driver, status): the step names in the view, the seal candidates
+waiting, the seals a write withdrew, the inodes being sealed and the
+per-entry change counters. :meth:`StepBook.save` and :meth:`StepBook.load`
+keep the part of it a restarted daemon needs in ``state.json``
+(:mod:`tierfs.node.statefile`).
+
+Concurrency: ``generation``, ``dirty_inos``, ``sealing_inos`` and
+``sealed_inos`` are read or written on the FUSE thread (single dict or set
+operations); everything else only on the trio thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+from tierfs.core.control import JobSpec
+from tierfs.fuse.namespace import Namespace
+from tierfs.node import statefile
+from tierfs.node.jobstate import JobState
+from tierfs.node.sealing import SealCandidate, SealRules
+from tierfs.node.view import ClientView
+from tierfs.store.manifest import CrcCache
+from tierfs.store.ramstore import RamStore
+from tierfs.store.shards import ShardKey
+
+__all__ = ["StepBook", "top_of"]
+
+
+def top_of(path: str) -> str:
+    """The top-level entry of a view-relative ``path`` (``"10/a/b"`` -> ``"10"``)."""
+    return path.split("/", 1)[0]
+
+
+class StepBook:
+    """The agent's bookkeeping of steps (plain data, no I/O but :meth:`save`/:meth:`load`).
+
+    Args:
+        store: the RAM store (``state.json``'s place, the view directory).
+        state: the running job (its mode, job and restore state are saved).
+        view: the client view (its published markers are saved).
+        sealed_inos: inode -> sealed shard, the catalog's map (the FUSE thread
+            reads it to withdraw a seal on a write).
+
+    Attributes:
+        ns: the namespace once the agent is attached to it (None before): the
+            sealer asks it for open writers, the status for passthrough.
+        view_steps: view entry name -> the shard it is the step of.
+        pending: seal candidates by entry name, waiting to be sealed.
+        pending_at_start: seal candidates the previous daemon had not acted on.
+        withdrawn_names: entry name -> shard whose seal a write withdrew.
+        withdrawn_created: first seal time (Unix seconds) of a withdrawn step,
+            kept when it is sealed again.
+        sealing_inos: inode -> token of the seal snapshotting it right now.
+        dirty_inos: inodes opened for writing while being sealed.
+        generation: top-level entry -> count of changes under it.
+        crc_cache: crc32c of unchanged files, shared by the seals.
+        rules: the job's seal rules (None without a job).
+    """
+
+    def __init__(
+        self,
+        store: RamStore,
+        state: JobState,
+        view: ClientView,
+        sealed_inos: dict[int, ShardKey],
+    ) -> None:
+        self.store = store
+        self.state = state
+        self.view = view
+        self.ns: Namespace | None = None
+        self.sealed_inos = sealed_inos
+        self.sealing_inos: dict[int, str] = {}
+        self.dirty_inos: set[int] = set()
+        self.generation: collections.Counter[str] = collections.Counter()
+        self.view_steps: dict[str, ShardKey] = {}
+        self.pending: dict[str, SealCandidate] = {}
+        self.pending_at_start: list[SealCandidate] = []
+        self.withdrawn_names: dict[str, ShardKey] = {}
+        self.withdrawn_created: dict[ShardKey, float] = {}
+        self.crc_cache: CrcCache = {}
+        self.rules: SealRules | None = None
+
+    def names_of(self, key: ShardKey) -> list[str]:
+        """The view entry names that are the step ``key`` (usually one)."""
+        return [n for n, k in self.view_steps.items() if k == key]
+
+    def save(self) -> None:
+        """Write ``state.json`` (blocking file I/O, small; trio thread)."""
+        statefile.save(
+            self.store.store,
+            statefile.SavedState(
+                mode=self.state.mode,
+                job=self.state.job,
+                view_steps=self.view_steps,
+                published=self.view.published,
+                restore=self.state.restore_state,
+                pending=list(self.pending.values()),
+            ),
+        )
+
+    def load(self) -> JobSpec | None:
+        """Read ``state.json``: the view steps still in the view, the published markers,
+        the restore state and the pending candidates. Returns the saved protocol-mode
+        job (the caller sets it), or None."""
+        saved = statefile.load(self.store.state_file)
+        self.view_steps.clear()
+        self.view_steps.update(
+            {
+                n: k
+                for n, k in saved.view_steps.items()
+                if os.path.lexists(os.path.join(self.store.view, n))
+            }
+        )
+        self.view.published.update(saved.published)
+        self.state.restore_state = saved.restore
+        self.pending_at_start = saved.pending
+        return saved.job
