@@ -535,7 +535,11 @@ def test_status_command_shows_job_steps_budget_errors(mount):
     # files only (no directories): _CHECKPOINT_METADATA, 3 shards, manifest.ocdbt and
     # two commit_success.txt
     assert data["steps"][0]["files"] == 7
-    assert data["budget"]["total_bytes"] > data["budget"]["free_bytes"] > 0
+    # >=, not >: the native budget's "used" is the filesystem's usage minus what others
+    # held at the last count, so others freeing /dev/shm meanwhile (tests running in
+    # parallel: seen in make test) make it 0 until the next count; tierfs's own bytes
+    # are the usage block's, counted (test_cli_newcomer)
+    assert data["budget"]["total_bytes"] >= data["budget"]["free_bytes"] > 0
 
 
 def test_generic_mode_seals_hf_style_and_dcp_markers(mount):
