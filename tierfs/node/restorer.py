@@ -339,10 +339,11 @@ class Restorer:
                 s.bytes,
                 s.manifest.name,
                 created=s.manifest.created,
-                unloadable=eligibility(s.manifest)[0],
-                missing=eligibility(s.manifest)[1],
+                unloadable=unloadable,
+                missing=missing,
             )
             for step, s in own.items()
+            for unloadable, missing in (eligibility(s.manifest),)
         ]
         bad: set[CopyId] = set()
         notes: list[str] = []
