@@ -28,7 +28,45 @@ hypothesis_settings.load_profile(
     "tierfs-explore" if os.environ.get("TIERFS_HYPOTHESIS_EXPLORE") else "tierfs-ci"
 )
 
-SHM = Path("/dev/shm")
+
+def _suite_tmpfs() -> Path:
+    """A tmpfs of this test process's own under /dev/shm, where the tests' ram-dirs go.
+
+    Under ``make test``'s parallel workers every worker gets one, so the free space a
+    test reads (statfs of a mount, the native budget) moves only with its own writes,
+    not with another worker's. Its size is /dev/shm's (a limit, nothing is reserved).
+    Falls back to /dev/shm itself where mounting is not allowed (not root). Mounts of
+    processes that died (a killed worker) are removed first.
+    """
+    shm = Path("/dev/shm")
+    if os.geteuid() != 0:
+        return shm
+    for stale in shm.glob("tierfs-suite-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path("/proc", pid).exists():
+            subprocess.run(["umount", "-l", str(stale)], check=False, capture_output=True)
+            shutil.rmtree(stale, ignore_errors=True)
+    own = shm / f"tierfs-suite-{os.getpid()}"
+    own.mkdir(exist_ok=True)
+    size = shutil.disk_usage(shm).total
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tierfs-suite", str(own)],
+        check=False,
+        capture_output=True,
+    )
+    return own if done.returncode == 0 else shm
+
+
+SHM = _suite_tmpfs()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove this process's suite tmpfs (:func:`_suite_tmpfs`)."""
+    if SHM.name.startswith("tierfs-suite-"):
+        subprocess.run(["umount", "-l", str(SHM)], check=False, capture_output=True)
+        shutil.rmtree(SHM, ignore_errors=True)
+
+
 TIERFS = [sys.executable, "-m", "tierfs"]
 
 

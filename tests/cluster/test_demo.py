@@ -13,8 +13,17 @@ from conftest import is_mounted
 from mtc_clients import wait_for
 
 from tierfs import command
+from tierfs.demo import orchestrator
 from tierfs.demo.emulator import emulator_binary
-from tierfs.demo.orchestrator import Demo, DemoConfig, DemoError
+from tierfs.demo.orchestrator import (
+    Demo,
+    DemoConfig,
+    DemoError,
+    DemoInterrupted,
+    Node,
+    interrupt_on_signals,
+    signals_deferred,
+)
 from tierfs.demo.plot import loss_segments
 
 needs_demo_parts = pytest.mark.skipif(
@@ -66,6 +75,56 @@ def test_phases_leave_room_after_the_failure():
         p1, kill, p2, end = DemoConfig(steps=steps, save_every=2, backup_every=4).phases()
         assert p1 % 4 == 0 and kill == p1 + 2 and p2 >= kill + 8 and p2 % 2 == 0
         assert end >= max(steps, p2 + 4)
+
+
+@pytest.fixture
+def demo_signal_handlers():
+    """The demo's SIGTERM/SIGHUP handlers for one test, the previous ones after it."""
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    interrupt_on_signals()
+    yield
+    for sig, handler in old.items():
+        signal.signal(sig, handler)
+
+
+def test_a_deferred_signal_is_raised_when_the_outermost_block_ends(demo_signal_handlers):
+    with pytest.raises(DemoInterrupted) as caught, signals_deferred():
+        with signals_deferred():
+            signal.raise_signal(signal.SIGHUP)
+            signal.raise_signal(signal.SIGTERM)
+        reached = True  # the inner end does not raise
+    assert reached and caught.value.signum == signal.SIGHUP
+    # the demo's handler is gone for that signal: a second SIGHUP would end the process
+    assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+
+
+def test_sigterm_while_a_trainer_starts_leaves_no_unrecorded_trainer(
+    tmp_path, monkeypatch, demo_signal_handlers
+):
+    """Regression: SIGTERM raised in the demo between fork and the assignment of
+    the trainer's Popen left a trainer no cleanup knew of (seen alive 10 minutes
+    after `test_sigterm_stops_everything_the_demo_started` under load). The
+    failing input: the signal arrives while node 0's trainer is being started."""
+    demo = Demo(DemoConfig(nodes=2, out=tmp_path / "demo"))
+    (tmp_path / "demo" / "logs").mkdir(parents=True)
+    demo.nodes = [Node(rank=r, mount=tmp_path, ram=tmp_path, port=0) for r in range(2)]
+    started: list[object] = []
+    recorded: list[int] = []
+
+    class StartingTrainer:
+        def __init__(self, args: list[str], **kwargs: object) -> None:
+            self.pid = 4_000_000 + len(started)
+            started.append(self)
+            signal.raise_signal(signal.SIGTERM)  # the child exists, Popen has not returned
+
+    monkeypatch.setattr(orchestrator.subprocess, "Popen", StartingTrainer)
+    monkeypatch.setattr(demo.reaper, "pid", lambda pid, mark: recorded.append(pid))
+    with pytest.raises(DemoInterrupted):
+        demo.launch_trainers(4)
+    assert len(started) == 1  # node 1's trainer was not started after the signal
+    assert demo.nodes[0].trainer is started[0]  # the cleanup's kill_trainers sees it
+    assert recorded == [4_000_000]  # and so does the reaper
+    assert demo.nodes[1].trainer is None
 
 
 @needs_demo_parts

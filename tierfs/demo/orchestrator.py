@@ -29,9 +29,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from tierfs import command
 from tierfs.core import settings
@@ -61,21 +63,61 @@ class DemoInterrupted(DemoError):
         self.signum = signum
 
 
+class _Deferral:
+    """Signals that arrived inside :func:`signals_deferred` (main thread only)."""
+
+    depth = 0
+    pending: ClassVar[list[int]] = []
+
+
+def _interrupt(signum: int) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+    raise DemoInterrupted(signum)
+
+
 def interrupt_on_signals() -> None:
     """Turn SIGTERM and SIGHUP into :class:`DemoInterrupted` (main thread only).
 
     Python's default for them ends the process without running ``finally``
     blocks, which would leave the emulator, the daemons and the trainers
     running. A second signal of the same kind ends the process at once (the
-    emulator still stops: it gets a parent-death signal).
+    emulator still stops: it gets a parent-death signal). Inside
+    :func:`signals_deferred` the exception waits until the block ends.
     """
 
     def handler(signum: int, frame: Any) -> None:
-        signal.signal(signum, signal.SIG_DFL)
-        raise DemoInterrupted(signum)
+        if _Deferral.depth:
+            _Deferral.pending.append(signum)
+            return
+        _interrupt(signum)
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold :class:`DemoInterrupted` back until the block ends (main thread only).
+
+    For starting a process and recording it: an exception raised between
+    ``fork`` and the assignment of the ``Popen`` object would leave a child
+    that no cleanup knows of (a trainer outliving a demo stopped by SIGTERM
+    as its trainers started, 2 December 2026). Nested blocks raise at the
+    outermost end.
+
+    Raises:
+        DemoInterrupted: at the end of the block, for the first signal that
+            arrived inside it.
+    """
+    _Deferral.depth += 1
+    try:
+        yield
+    finally:
+        _Deferral.depth -= 1
+        if not _Deferral.depth and _Deferral.pending:
+            signum = _Deferral.pending[0]
+            _Deferral.pending.clear()
+            _interrupt(signum)
 
 
 @dataclass
@@ -225,7 +267,10 @@ class Demo:
         c = self.config
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}
         for node in self.nodes:
-            with open(self.out / "logs" / f"trainer{node.rank}.log", "ab") as log:
+            with (
+                signals_deferred(),
+                open(self.out / "logs" / f"trainer{node.rank}.log", "ab") as log,
+            ):
                 node.trainer = subprocess.Popen(
                     [
                         sys.executable,
