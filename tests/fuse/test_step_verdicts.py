@@ -143,6 +143,11 @@ def test_generic_mode_names_the_step_that_would_not_load(make_mount):
     wait_for(lambda: "step 200 (200, dcp) is not loadable" in errors(d), 60, "seal line")
     check_named(d, "damaged: 200/__0_0.distcp")
     assert "step 100" not in errors(d)
+    loads = {s["step"]: s.get("loads") for s in status(d)["steps"]}
+    assert loads[100] == "yes (dcp)"
+    assert loads[200].startswith("no: damaged: 200/__0_0.distcp"), loads
+    table = tierfs("status", str(d)).stdout
+    assert "loads" in table and "yes (dcp)" in table, table
     # the verdict lives in the manifest on disk: a restarted daemon keeps it
     m.kill9()
     m.mount()

@@ -22,7 +22,7 @@ from tierfs.node.verdicts import SealVerdicts
 from tierfs.store.manifest import Manifest, StepVerdict, VerdictProblem
 from tierfs.store.ramstore import RamStore
 from tierfs.store.shards import ShardKey, ShardStore
-from tierfs.store.verdicts import eligibility
+from tierfs.store.verdicts import eligibility, loads_summary
 
 JOB = "train"
 
@@ -111,6 +111,23 @@ def test_a_damaged_dcp_shard_is_judged_against_the_metadata(store):
     assert [(p.kind, p.path) for p in s.manifest.verdict.problems] == [
         ("damaged", "300/__0_0.distcp")
     ]
+
+
+def test_status_says_in_a_few_words_whether_a_part_loads():
+    assert loads_summary(None, whole=True) is None  # sealed before verdicts, or not judged
+    assert loads_summary(StepVerdict("complete", "dcp"), whole=False) == "yes (dcp)"
+    assert loads_summary(StepVerdict("unknown_layout"), whole=True) == (
+        "rename rule (no known format)"
+    )
+    damaged = StepVerdict(
+        "incomplete", "dcp", (VerdictProblem("damaged", "9/__0_0.distcp", "0 B"),)
+    )
+    assert loads_summary(damaged, whole=False) == "no: damaged: 9/__0_0.distcp: 0 B"
+    needs = StepVerdict("incomplete", "dcp", (VerdictProblem("missing", "9/.metadata", "absent"),))
+    assert loads_summary(needs, whole=True) == "no: missing: 9/.metadata: absent"
+    assert (
+        loads_summary(needs, whole=False) == "with the other ranks (missing: 9/.metadata: absent)"
+    )
 
 
 def holding(step: int, rank: int = 0, unloadable: str = "", missing: str = "") -> Holding:

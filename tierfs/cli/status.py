@@ -138,10 +138,17 @@ def render_status(data: NodeStatus | Mapping[str, Any]) -> None:
         console.print(line, markup=False, highlight=False)
     if st.steps:
         table = Table(title="steps")
-        for col in ("step", "name", "state", "size", "where"):
+        for col in ("step", "name", "state", "size", "where", "loads"):
             table.add_column(col)
         for s in st.steps:
-            cells = (str(s.step), s.name, str(s.state), format_size(s.bytes), ", ".join(s.where))
+            cells = (
+                str(s.step),
+                s.name,
+                str(s.state),
+                format_size(s.bytes),
+                ", ".join(s.where),
+                s.loads or "",
+            )
             table.add_row(*(Text(c) for c in cells))  # Text: never markup
         console.print(table)
     if st.errors:

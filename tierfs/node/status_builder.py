@@ -33,6 +33,7 @@ from tierfs.node.catalog import ShardCatalog
 from tierfs.node.jobstate import JobState
 from tierfs.node.steps import StepBook
 from tierfs.store.ramstore import Budget, RamStore
+from tierfs.store.verdicts import loads_summary
 
 __all__ = ["StatusBuilder", "StatusTier", "filesystem_status"]
 
@@ -165,6 +166,7 @@ class StatusBuilder:
                     files=sum(1 for f in shard.manifest.files if f.kind == "file"),
                     backup_requested=shard.manifest.backup_requested,
                     visible=shard.key in names,
+                    loads=loads_summary(shard.manifest.verdict, whole=job.nodes == 1),
                 )
         return steps
 

@@ -92,3 +92,32 @@ def eligibility(manifest: Manifest) -> tuple[str, str]:
     others = [p for p in v.problems if p.kind in OPEN_KINDS]
     open_ = f"{others[0].kind}: {others[0]}" if others else ""
     return unloadable, open_
+
+
+def loads_summary(verdict: StepVerdict | None, whole: bool) -> str | None:
+    """Whether a sealed part would load, in a few words for ``tierfs status`` (pure).
+
+    Args:
+        verdict: the part's seal-time verdict (None: sealed before verdicts
+            existed, or the judgement failed).
+        whole: the part is the whole step (a one-node job).
+
+    Returns:
+        ``"yes (dcp)"``; ``"no: damaged: 200/__0_0.distcp: ..."`` (never the
+        last known good); ``"with the other ranks (missing: ...)"`` (a part of
+        a multi-node step that needs another rank's files);
+        ``"rename rule (no known format)"``; None when not judged.
+    """
+    if verdict is None:
+        return None
+    if verdict.state == COMPLETE:
+        return f"yes ({verdict.format})"
+    if verdict.state == UNKNOWN_LAYOUT:
+        return "rename rule (no known format)"
+    why = verdict.reason(whole=whole)
+    if why:
+        return f"no: {why}"
+    open_ = [p for p in verdict.problems if p.kind in OPEN_KINDS]
+    if open_:
+        return f"with the other ranks ({open_[0].kind}: {open_[0]})"
+    return f"no ({verdict.format})"

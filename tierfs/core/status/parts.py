@@ -247,6 +247,9 @@ class StepStatus:
     backup_requested: bool | None = None
     #: the step is presented in the view (sealed steps only)
     visible: bool | None = None
+    #: would the framework load it, judged at seal time (sealed steps only;
+    #: :func:`tierfs.store.verdicts.loads_summary`), e.g. ``yes (dcp)``
+    loads: str | None = None
 
     def to_json(self) -> JsonObject:
         out: JsonObject = {
@@ -257,7 +260,11 @@ class StepStatus:
             "where": list(self.where),
         }
         return with_optional(
-            out, files=self.files, backup_requested=self.backup_requested, visible=self.visible
+            out,
+            files=self.files,
+            backup_requested=self.backup_requested,
+            visible=self.visible,
+            loads=self.loads,
         )
 
     @classmethod
@@ -271,6 +278,7 @@ class StepStatus:
             files=data.get("files"),
             backup_requested=data.get("backup_requested"),
             visible=data.get("visible"),
+            loads=data.get("loads"),
         )
 
 
