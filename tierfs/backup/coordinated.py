@@ -5,7 +5,8 @@
   ``Sync`` reply's round to :meth:`CoordinatedRounds.on_backup_round`, which
   starts uploading this node's part once per (round, step) and pins its step;
   the outcome goes back in the next ``Sync`` (:meth:`CoordinatedRounds.backup_outcome`).
-* Node-rank 0 (this node serves the coordinator) drives the coordinator's
+* The node serving the coordinator (node-rank 0 unless ``--coordinator``
+  names another node) drives the coordinator's
   round book (:class:`tierfs.cluster.backup_schedule.RoundBook`, built by
   :func:`tierfs.daemon.build_node`) through the :class:`tierfs.core.ports.CoordinatorHooks`
   port: seeds it from the bucket listing (round names grow, a restarted
@@ -101,8 +102,9 @@ class CoordinatedRounds:
         )
 
     async def coordinate(self, job: JobSpec) -> None:
-        """Node-rank 0 of a multi-node job: seed the coordinator's round book from the
-        bucket, write its lines to replicator.errors, delete restore.version when due."""
+        """The node serving the coordinator of a multi-node job: seed the coordinator's
+        round book from the bucket, write its lines to replicator.errors, delete
+        restore.version when due."""
         if self.coordinator is None:
             return
         mem = self.memory

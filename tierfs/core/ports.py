@@ -1,7 +1,7 @@
 """The narrow interfaces (ports) the planes get from the node, wired by ``tierfs.daemon``.
 
 Every object receives its ports in ``__init__`` from the one composition root
-(:class:`tierfs.daemon.NodeDaemon`); nothing is attached after construction.
+(:func:`tierfs.daemon.build_node`); nothing is attached after construction.
 The planes (:mod:`tierfs.replication`, :mod:`tierfs.backup`) and the node's
 restorer (:class:`tierfs.node.restorer.Restorer`) see the node only through these
 Protocols, so a unit test hands them small fakes (tests/unit/test_wiring.py,

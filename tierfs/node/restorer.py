@@ -1,7 +1,8 @@
 """What one node does to restore a job: decide the step, bring its shard (PROTOCOL.md section 4).
 
 :class:`Restorer` is the single place a restore is decided and fetched; the
-node agent then writes the prerestore file and the markers. Read top to bottom:
+node's :class:`tierfs.node.restore_driver.RestoreDriver` then writes the
+prerestore file, the ``replicator.errors`` lines and the markers. Read top to bottom:
 
 1. **Agreed** (a multi-node job with a peer plane, :meth:`Restorer._agree`):
    verify every copy this node holds, join the coordinator's round, get the
@@ -38,6 +39,7 @@ from tierfs.core import control
 from tierfs.core.types import (
     FRESH,
     INCOMPLETE,
+    OLDER,
     RESTORED,
     BucketView,
     CopyId,
@@ -424,7 +426,7 @@ class Restorer:
                         source="local",
                         detail={
                             "reason": reason,
-                            "outcome": RESTORED,
+                            "outcome": OLDER if why_not else RESTORED,
                             "problems": ([reason] if failed else []) + unloadable,
                         },
                     )
