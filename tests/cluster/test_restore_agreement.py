@@ -275,7 +275,9 @@ def test_nodes_that_gave_up_on_a_missing_node_restore_once_it_joins(make_mount):
         )
         assert restore["step"] == 1, (i, restore, c.logs())
         code, out, err = wait_code(c, i, 30)
-        assert (code, out) == (0, "restored step 1 from local"), (i, code, out, err)
+        # step 2 exists (nodes 0 and 1) but can never be complete: an older step, exit 2
+        assert (code, out) == (2, "restored step 1 from local"), (i, code, out, err)
+        assert "step 2 lacks rank(s) [2]" in err, err
         assert tree_hashes(c.root(i) / "checkpoint-1") == saved[i]
         assert "restore done: step 1 from local" in status_text(c, i)
     for i in (0, 1):
@@ -344,7 +346,8 @@ def test_a_corrupt_bucket_object_moves_every_node_to_the_same_older_step(
         c.remount(i)
     for i in range(N):
         code, out, err = wait_code(c, i)
-        assert (code, out) == (0, f"restored step 1 from GCS round {rounds[1]}"), (
+        # an older step than the ones written (their copies were bad): exit 2
+        assert (code, out) == (2, f"restored step 1 from GCS round {rounds[1]}"), (
             i,
             code,
             out,
@@ -433,7 +436,7 @@ def test_retention_keeps_the_steps_a_restore_needs(make_mount, fake_gcs, monkeyp
     for i in (1, 0):
         code, out, err = wait_code(c, i)
         assert (code, out) == (
-            0,
+            2,  # an older step: newer ones lack rank 1
             "restored step 2 from local" if i == 0 else "restored step 2 from peer:0",
         ), (i, code, out, err, c.logs())
     assert tree_hashes(c.root(1) / "checkpoint-2") == saved[2][1]
@@ -466,7 +469,7 @@ def test_every_node_can_present_the_agreed_step(make_mount, fake_gcs, monkeypatc
     c.remount(1)
     for i in (1, 0):  # the restarted node first (see above)
         code, out, err = wait_code(c, i)
-        assert (code, out) == (0, f"restored step 3 from GCS round {rounds[3]}"), (
+        assert (code, out) == (2, f"restored step 3 from GCS round {rounds[3]}"), (
             i,
             code,
             out,

@@ -131,6 +131,16 @@ def test_dcp_truncated_shard_is_not_restored_in_pytorch_distributed_mode(make_mo
     assert restore_marker(d) == "job-s100-n0-w0.restore"
     assert status(d)["restore"]["step"] == 100
     check_named(d, "step 200 is not loadable: damaged: 200/__0_0.distcp")
+    # an older step than one written: tierfs wait says so in its exit code too
+    waited = tierfs("wait", str(d), "--timeout", "60", check=False)
+    assert (waited.returncode, waited.stdout.strip()) == (2, "restored step 100 from local"), (
+        waited.stderr
+    )
+    assert "warning: step 100 is not the newest step written" in waited.stderr
+    assert "step 200 is not loadable: damaged: 200/__0_0.distcp" in waited.stderr
+    accepted = tierfs("wait", str(d), "--accept-older", "--timeout", "60", check=False)
+    assert (accepted.returncode, accepted.stdout) == (0, waited.stdout), accepted.stderr
+    assert "step 200 is not loadable" in accepted.stderr
 
 
 def test_generic_mode_names_the_step_that_would_not_load(make_mount):

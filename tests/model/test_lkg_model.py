@@ -60,7 +60,7 @@ from hypothesis.stateful import (
 )
 
 from tierfs.backup.tier import GcsTier
-from tierfs.cluster.restore_choice import FRESH, RESTORED, choose_restore
+from tierfs.cluster.restore_choice import FRESH, OLDER, RESTORED, choose_restore
 from tierfs.core.types import Holding
 from tierfs.node.catalog import ShardCatalog
 from tierfs.replication.transfer import ShardReceiver, iter_chunks
@@ -519,9 +519,13 @@ class LkgMachine(RuleBasedStateMachine):
             if anything:
                 assert choice.problems or choice.reason.startswith("no step"), choice
             return
-        assert choice.outcome == RESTORED
+        assert choice.outcome in (RESTORED, OLDER)
         if existing is not None and choice.step < existing:
+            # 5. an older step than one that exists: said in the outcome and the problems
+            assert choice.outcome == OLDER, (choice.step, existing, choice.outcome)
             assert choice.problems, f"step {choice.step} < {existing} without a reason"
+        if choice.outcome == OLDER:
+            assert choice.problems, choice
         # 2. the restored bytes are a sealed generation's, and verify
         for r, shard in got.items():
             assert shard.key == ShardKey(JOB, r, choice.step)

@@ -132,6 +132,8 @@ WAITED = re.compile(r"^restored step (?P<step>\d+) from (?P<source>.+)$")
 #: ``tierfs wait``'s exit status for "nothing restored (incomplete)": an outcome (no step
 #: is complete for every rank, with the reasons), not a failure of the restore
 WAIT_INCOMPLETE = 3
+#: ``tierfs wait``: an older step was restored (newer ones incomplete or unloadable)
+WAIT_OLDER = 2
 
 #: environment of the daemons: short GCS deadlines so a stalled bucket costs seconds
 CAMPAIGN_ENV = {
@@ -1067,7 +1069,7 @@ class Campaign:
             m = WAITED.match(text)
             if rc == WAIT_INCOMPLETE:  # nothing restored, with the reasons: judged as such
                 out[i] = NodeRestore(None, wait_rc=rc, said=text)
-            elif rc != 0:
+            elif rc not in (0, WAIT_OLDER) or (rc == WAIT_OLDER and not m):
                 out[i] = NodeRestore(
                     None, error=f"tierfs wait exit {rc}: {text}", wait_rc=rc, said=text
                 )

@@ -27,6 +27,17 @@ from tierfs.store.shards import ShardKey
             "restored step 5 from peer:1",
         ),
         (
+            {
+                "state": "done",
+                "step": 5,
+                "source": "local",
+                "outcome": "older",
+                "reason": "step 5 is complete on this node (step 6 is not loadable: ...)",
+            },
+            2,
+            "restored step 5 from local",
+        ),
+        (
             {"state": "done", "step": 5, "backup": "2026-12-01_10-28", "source": "gcs"},
             0,
             "restored step 5 from GCS round 2026-12-01_10-28",
@@ -77,7 +88,7 @@ from tierfs.store.shards import ShardKey
 def test_wait_outcomes(restore, code, text):
     got_code, line = wait_outcome(restore)
     assert got_code == code and line.startswith(text), (got_code, line)
-    assert len(set(WAIT_EXIT.values()) - {0}) == len(WAIT_EXIT) - 2  # distinct failures
+    assert len(set(WAIT_EXIT.values()) - {0}) == len(WAIT_EXIT) - 2  # distinct codes
 
 
 def _peer_tier(keys, keep_local=2):

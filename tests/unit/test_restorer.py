@@ -407,7 +407,7 @@ def test_alone_the_newest_step_that_verifies_with_the_discarded_ones_named():
     plan = node.restore()
     reason = "step 4 is complete on this node (step(s) [5] failed verification)"
     assert (plan.step, plan.source, plan.shard) == (4, "local", s4)
-    assert plan.detail == {"reason": reason, "outcome": "restored", "problems": [reason]}
+    assert plan.detail == {"reason": reason, "outcome": "older", "problems": [reason]}
     assert node.store.verified == [s5.key, s4.key]  # step 3 is not read
     assert s5.key not in node.catalog and node.store.removed == [s5.key]
     assert node.errors == [

@@ -139,7 +139,7 @@ def holding(step: int, rank: int = 0, unloadable: str = "", missing: str = "") -
 def test_choose_restore_skips_a_step_that_would_not_load():
     why = "damaged: 200/x.safetensors: 0 bytes"
     c = choose_restore(1, {0: [holding(100), holding(200, unloadable=why)]})
-    assert c.step == 100 and c.outcome == "restored"
+    assert c.step == 100 and c.outcome == "older"  # tierfs wait exits 2
     line = f"step 200 is not loadable: {why} (rank 0's part)"
     assert line in c.reason and c.problems == (line,)
     # nothing older: nothing restored, the reason says why
@@ -172,6 +172,7 @@ def test_a_node_alone_restores_the_older_complete_step_and_says_why():
     line = "step 200 is not loadable: damaged: 200/w.bin: 0 bytes"
     assert plan.detail["reason"] == f"step 100 is complete on this node ({line})"
     assert plan.detail["problems"] == [line]
+    assert plan.detail["outcome"] == "older"
     assert node.store.verified == [s100.key]  # the unloadable step is not even read
 
 

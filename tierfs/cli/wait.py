@@ -27,6 +27,7 @@ RESTORE_SETTLED = ("done", "failed", "idle")
 WAIT_EXIT = {
     "restored": 0,
     "fresh": 0,
+    "older": 2,
     "failed": 1,
     "incomplete": 3,
     "missing": 4,
@@ -42,9 +43,11 @@ def wait_outcome(restore: RestoreStatus | Mapping[str, Any]) -> tuple[int, str]:
     typed, or the status's ``restore`` object).
 
     Returns:
-        (exit code, one line): 0 for a restored step or a true fresh start
-        (nothing of the job exists anywhere), else the code of
-        :data:`WAIT_EXIT` with the reason.
+        (exit code, one line): 0 for the newest step restored or a true fresh
+        start (nothing of the job exists anywhere); 2 for an older step
+        restored because newer ones could not be (the line is the same
+        ``restored step N from ...``; the restore's ``reason`` says why); else
+        the code of :data:`WAIT_EXIT` with the reason.
     """
     if not isinstance(restore, RestoreStatus):
         restore = RestoreStatus.from_json(restore)
@@ -65,7 +68,7 @@ def wait_outcome(restore: RestoreStatus | Mapping[str, Any]) -> tuple[int, str]:
         return WAIT_EXIT.get(outcome, 1), f"restore {what}: {reason or 'see replicator.errors'}"
     if step:
         source = f"GCS round {restore.backup}" if restore.backup else restore.source or "?"
-        return 0, f"restored step {step} from {source}"
+        return WAIT_EXIT.get(outcome, 0), f"restored step {step} from {source}"
     if outcome == "fresh":
         return 0, f"nothing to restore{': ' + reason if reason else ''}"
     return WAIT_EXIT.get(outcome, 1), f"nothing restored ({outcome}): {reason}"
@@ -74,17 +77,25 @@ def wait_outcome(restore: RestoreStatus | Mapping[str, Any]) -> tuple[int, str]:
 @click.command("wait")
 @click.argument("mountpoint", type=str)  # not click.Path: its stat waits on a stuck daemon
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait.")
-def wait_cmd(mountpoint: str, timeout: float) -> None:
+@click.option(
+    "--accept-older",
+    is_flag=True,
+    help="Exit 0, not 2, when an older step was restored because newer ones could not "
+    "be (the reasons are still printed on stderr).",
+)
+def wait_cmd(mountpoint: str, timeout: float, accept_older: bool) -> None:
     """Wait until the node's restore has finished; print what it restored.
 
     Use it between `tierfs mount` and starting a trainer that lists its own
     checkpoint directory (generic mode): after a node loss the restored step
     appears in the mount only when the cluster has agreed on it. Exit status
-    0: a step was restored, or nothing of the job exists anywhere (a fresh
-    start); 1: the restore failed; 3: something exists but no step is
-    complete (nothing restored); 4: a node did not join in time; 5: the
-    coordinator refuses this node; 6: a restore phase timed out; 7: still
-    running after --timeout (or the daemon did not answer within it).
+    0: the newest step was restored, or nothing of the job exists anywhere
+    (a fresh start); 2: an older step was restored, as newer ones are
+    incomplete or would not load (0 with --accept-older); 1: the restore
+    failed; 3: something exists but no step is complete (nothing restored);
+    4: a node did not join in time; 5: the coordinator refuses this node; 6: a
+    restore phase timed out; 7: still running after --timeout (or the daemon
+    did not answer within it).
     """
     deadline = time.monotonic() + timeout
     while True:
@@ -107,11 +118,21 @@ def wait_cmd(mountpoint: str, timeout: float) -> None:
             sys.exit(WAIT_STILL_RUNNING)
         time.sleep(0.2)
     code, line = wait_outcome(restore)
-    if not code:
+    older = code == WAIT_EXIT["older"]
+    if not code or older:
         click.echo(line)
     for problem in restore.problems:
         if problem not in line:
             click.echo(f"tierfs: note: {problem}", err=True)
-    if code:
+    if older:
+        click.echo(
+            f"tierfs: warning: step {restore.step} is not the newest step written: "
+            f"{restore.reason or 'see replicator.errors'}",
+            err=True,
+        )
+        if accept_older:
+            return
+    elif code:
         click.echo(f"tierfs: error: {line}", err=True)
+    if code:
         sys.exit(code)

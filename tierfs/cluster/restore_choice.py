@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 from tierfs.core.types import FRESH as FRESH
 from tierfs.core.types import INCOMPLETE as INCOMPLETE
+from tierfs.core.types import OLDER as OLDER
 from tierfs.core.types import RESTORED as RESTORED
 from tierfs.core.types import BucketPart as BucketPart
 from tierfs.core.types import BucketView as BucketView
@@ -75,7 +76,9 @@ class Choice:
             choice: the named round), else None.
         forced: the round ``restore.version`` named when it made this choice
             (then ``step`` None means "nothing, no fallback").
-        outcome: :data:`RESTORED`, :data:`FRESH` (nothing exists anywhere) or
+        outcome: :data:`RESTORED` (the newest step), :data:`OLDER` (an older
+            step: newer ones are incomplete or would not load, ``problems``
+            say why), :data:`FRESH` (nothing exists anywhere) or
             :data:`INCOMPLETE` (something exists, no step is complete).
         problems: lines for ``replicator.errors``: why newer steps could not be
             restored, an unreadable bucket (empty for the newest step of all).
@@ -373,7 +376,14 @@ def choose_restore(
             lines += notes + (bucket.problems_above(step) if bucket is not None else [])
         holders = {r: plan.holders.get(r, ()) for r in range(nodes)}
         return Choice(
-            step, holders, plan.digests, reason, backup, rounds=plan.rounds, problems=tuple(lines)
+            step,
+            holders,
+            plan.digests,
+            reason,
+            backup,
+            rounds=plan.rounds,
+            outcome=OLDER if skipped else RESTORED,
+            problems=tuple(lines),
         )
     anything = _anything(nodes, inventories, bucket, excluded) or bool(notes)
     if not anything and (bucket is None or not bucket.error):

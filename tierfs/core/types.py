@@ -8,7 +8,7 @@ them from here, so no plane imports another for a type (issue #12).
 
 * restore: :class:`Holding` (one shard of a node's inventory), :data:`CopyId`,
   :class:`BucketPart`/:class:`BucketView` (what the bucket holds), the
-  outcomes :data:`RESTORED`/:data:`FRESH`/:data:`INCOMPLETE`, and
+  outcomes :data:`RESTORED`/:data:`OLDER`/:data:`FRESH`/:data:`INCOMPLETE`, and
   :class:`RestorePlan` (what a node restores, from where);
 * backup rounds: :class:`Outcome` (a node's report of its part),
   :class:`RoundView` (a round as the coordinator describes it) and their states;
@@ -30,8 +30,10 @@ NO_STEP = -1
 
 # ---------------------------------------------------------------------- restore
 
-#: outcomes of a restore decision
-RESTORED, FRESH, INCOMPLETE = "restored", "fresh", "incomplete"
+#: outcomes of a restore decision: the newest step was restored; an older one,
+#: as newer steps could not be (the problems say why); nothing exists anywhere;
+#: something exists but no step is complete
+RESTORED, OLDER, FRESH, INCOMPLETE = "restored", "older", "fresh", "incomplete"
 
 #: a copy's holder: a node rank (RAM) or a backup round name (the bucket)
 Holder = int | str

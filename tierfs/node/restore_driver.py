@@ -37,6 +37,7 @@ __all__ = [
     "FRESH",
     "INCOMPLETE",
     "MISSING",
+    "OLDER",
     "REFUSED",
     "RESTORED",
     "TIMEOUT",
@@ -48,10 +49,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: how a restore ended (``restore_state["outcome"]``, ``tierfs wait``'s exit code):
-#: a step restored, nothing exists anywhere, something exists but no step is
-#: complete -- and the failures: a node never joined, a phase timed out, the
-#: coordinator refused this node, anything else
-RESTORED, FRESH, INCOMPLETE = "restored", "fresh", "incomplete"
+#: the newest step restored, an older one (newer ones could not be), nothing
+#: exists anywhere, something exists but no step is complete -- and the
+#: failures: a node never joined, a phase timed out, the coordinator refused
+#: this node, anything else
+RESTORED, OLDER, FRESH, INCOMPLETE = "restored", "older", "fresh", "incomplete"
 MISSING, TIMEOUT, REFUSED, FAILED = "missing", "timeout", "refused", "failed"
 
 
