@@ -33,7 +33,7 @@ import os
 import resource
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -65,6 +65,7 @@ from tierfs.node.steps import StepBook
 from tierfs.node.tasks import TaskSpawner
 from tierfs.node.verdicts import SealVerdicts
 from tierfs.node.view import ClientView
+from tierfs.node.whole_step import WholeStepJudge
 from tierfs.replication.client import PeerClient
 from tierfs.replication.peer import PeerTier
 from tierfs.replication.plane import PlaneState
@@ -177,6 +178,7 @@ def build_agent(
     restorer: Restorer,
     tiers: list[Tier],
     io_limiter: trio.CapacityLimiter,
+    background: Sequence[Callable[[], Awaitable[None]]] = (),
 ) -> NodeAgent:
     """Build the node agent's parts in dependency order and the agent over them (no I/O).
 
@@ -211,6 +213,7 @@ def build_agent(
         control=control,
         intake=intake,
         status_builder=status,
+        background=background,
     )
 
 
@@ -297,6 +300,10 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         agreement=agreement,
     )
     tiers: list[Tier] = [peer, gcs] if peer is not None else [gcs]
+    background: list[Callable[[], Awaitable[None]]] = []
+    if peer is not None:
+        # node-rank 0 judges its steps again over every rank's part (issue #15)
+        background.append(WholeStepJudge(shards, catalog, state, peer, reporter, io_limiter).run)
     agent = build_agent(
         config,
         store,
@@ -309,6 +316,7 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         restorer=restorer,
         tiers=tiers,
         io_limiter=io_limiter,
+        background=background,
     )
     return NodeParts(
         shards,

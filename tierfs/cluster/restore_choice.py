@@ -225,7 +225,7 @@ def _plan_step(
     return _StepPlan(holders, rounds, digests, absent or missing, notes)
 
 
-def _whole(nodes: int, parts: Iterable[BucketPart]) -> set[tuple[str, int]]:
+def _whole_rounds(nodes: int, parts: Iterable[BucketPart]) -> set[tuple[str, int]]:
     """(round, step) pairs holding a part of every node rank in [0, nodes)."""
     ranks: dict[tuple[str, int], set[int]] = {}
     for p in parts:
@@ -271,14 +271,34 @@ def _unloadable(
     return out
 
 
+def _whole(
+    nodes: int, inventories: Mapping[int, Iterable[Holding]]
+) -> dict[tuple[int, tuple[str, ...]], str]:
+    """(step, every rank's digest) -> why those parts together never load, for the
+    steps a holder judged across ranks (:mod:`tierfs.node.whole_step`)."""
+    out: dict[tuple[int, tuple[str, ...]], str] = {}
+    for held in inventories.values():
+        for h in held:
+            if h.whole_unloadable and len(h.whole_digests) == nodes:
+                out.setdefault((h.step, tuple(h.whole_digests)), h.whole_unloadable)
+    return out
+
+
 def _not_loadable(
-    step: int, digests: Mapping[int, str], unloadable: Mapping[tuple[int, int, str], str]
+    step: int,
+    digests: Mapping[int, str],
+    unloadable: Mapping[tuple[int, int, str], str],
+    whole: Mapping[tuple[int, tuple[str, ...]], str] | None = None,
 ) -> str:
     """The line saying why ``step`` is skipped, "" if its chosen bytes may load."""
     for r in sorted(digests):
         why = unloadable.get((step, r, digests[r]))
         if why:
             return f"step {step} is not loadable: {why} (rank {r}'s part)"
+    chosen = tuple(digests.get(r, "") for r in range(len(digests)))
+    why = (whole or {}).get((step, chosen), "")
+    if why:
+        return f"step {step} is not loadable across its {len(chosen)} ranks: {why}"
     return ""
 
 
@@ -327,7 +347,8 @@ def choose_restore(
         return _choose_forced(nodes, inventories, excluded, bucket)
     table = _table(nodes, inventories, excluded)
     unloadable = _unloadable(nodes, inventories)
-    whole = _whole(nodes, bucket.parts if bucket else ())
+    judged = _whole(nodes, inventories)
+    whole = _whole_rounds(nodes, bucket.parts if bucket else ())
     parts = [
         p
         for p in (bucket.parts if bucket else ())
@@ -352,7 +373,7 @@ def choose_restore(
             skipped.append(_describe(step, plan, excluded))
             warnings.extend(plan.notes)
             continue
-        unfit = _not_loadable(step, plan.digests, unloadable)
+        unfit = _not_loadable(step, plan.digests, unloadable, judged)
         if unfit:
             skipped.append(unfit)
             continue

@@ -391,6 +391,8 @@ def _holdings(items: Iterable[Any]) -> tuple[Holding, ...]:
             h.created,
             h.unloadable,
             h.missing,
+            tuple(h.whole_digests),
+            h.whole_unloadable,
         )
         for h in items
     )

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from tierfs.core.control import JobSpec
-    from tierfs.core.types import BucketView, CopyId, Outcome, RestorePlan, RoundView
+    from tierfs.core.types import BucketView, CopyId, Outcome, RestorePlan, RoundView, WholeVerdict
+    from tierfs.store.manifest import Manifest
     from tierfs.store.shards import Shard, ShardKey
 
 #: a listener of a shard leaving the catalog (withdrawn, dropped by retention, replaced)
@@ -100,6 +101,20 @@ class Catalog(Protocol):
 
     def on_sealed(self, listener: SealedListener) -> None:
         """Call ``listener(shard)`` whenever one of this node's steps is sealed."""
+        ...
+
+    def whole_verdict(self, key: ShardKey) -> WholeVerdict | None:
+        """The step of ``key`` judged over every rank's part, if this node did
+        (:mod:`tierfs.node.whole_step`)."""
+        ...
+
+
+class ManifestSource(Protocol):
+    """Other nodes' manifests of their own parts, for judging a step across ranks."""
+
+    async def part_manifest(self, job: str, rank: int, step: int) -> Manifest | None:
+        """Node ``rank``'s manifest of its part of ``step`` (asked of that node; no
+        file bytes), or None while it is unreachable or has no such part. Never raises."""
         ...
 
 

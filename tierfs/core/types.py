@@ -58,6 +58,11 @@ class Holding:
             save: :func:`tierfs.store.verdicts.eligibility`), "" if nothing.
         missing: a file this part lacks or cannot read that another rank's
             part may bring ("" if none); as bad as ``unloadable`` in a one-node job.
+        whole_digests: the step judged over every rank's part
+            (:mod:`tierfs.node.whole_step`): the digest of each rank's part
+            judged, by rank; () when not judged by this holder.
+        whole_unloadable: why those parts together can never load ("" if
+            they may; only meaningful with ``whole_digests``).
     """
 
     rank: int
@@ -70,6 +75,24 @@ class Holding:
     created: float = 0.0
     unloadable: str = ""
     missing: str = ""
+    whole_digests: tuple[str, ...] = ()
+    whole_unloadable: str = ""
+
+
+@dataclass(frozen=True)
+class WholeVerdict:
+    """A step judged over every rank's part (issue #15, :mod:`tierfs.node.whole_step`).
+
+    Attributes:
+        digests: the manifest digest of each rank's part judged, by rank (its
+            length is the job's node count).
+        unloadable: why these parts together can never load, "" if they may.
+        format: the detected formats (``"dcp"``...).
+    """
+
+    digests: tuple[str, ...]
+    unloadable: str
+    format: str = "unknown"
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ import collections
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import trio
@@ -119,6 +119,8 @@ class NodeAgent:
         control: consumes ``replicator.yaml``, sets the job.
         intake: the namespace's events.
         status_builder: builds the status.
+        background: more loops to run while the agent runs (the whole-step
+            judge, :mod:`tierfs.node.whole_step`).
 
     Attributes:
         errors: the last problem lines (the reporter's, plus internal errors).
@@ -148,6 +150,7 @@ class NodeAgent:
         control: JobControl,
         intake: EventIntake,
         status_builder: StatusBuilder,
+        background: Sequence[Callable[[], Awaitable[None]]] = (),
     ) -> None:
         self.config = config
         self.store = store
@@ -168,6 +171,7 @@ class NodeAgent:
         self.control = control
         self.intake = intake
         self.status_builder = status_builder
+        self.background = tuple(background)
         self.started = time.time()
         self.errors: collections.deque[str] = reporter.errors
         #: inode -> sealed shard (the catalog's map; the FUSE thread reads it)
@@ -251,6 +255,8 @@ class NodeAgent:
             nursery.start_soon(self._housekeeping)
             nursery.start_soon(self._count_budget)
             nursery.start_soon(self.sealer.reconcile)
+            for loop in self.background:
+                nursery.start_soon(loop)
             self._start_work()
             task_status.started()
             await self.intake.process()

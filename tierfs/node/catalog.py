@@ -19,6 +19,7 @@ import trio
 
 from tierfs.core.control import JobSpec
 from tierfs.core.ports import Reporter, SealedListener, WithdrawnListener
+from tierfs.core.types import WholeVerdict
 from tierfs.store.shards import Shard, ShardKey, ShardStore
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ class ShardCatalog(Mapping[ShardKey, Shard]):
         self._withdrawn: list[WithdrawnListener] = []
         self._sealed: list[SealedListener] = []
         self._retention: list[Callable[[], None]] = []
+        #: own steps judged over every rank's part (tierfs.node.whole_step)
+        self._whole: dict[ShardKey, WholeVerdict] = {}
 
     # ------------------------------------------------------------------ Mapping
 
@@ -110,6 +113,7 @@ class ShardCatalog(Mapping[ShardKey, Shard]):
         shard = self._held.pop(key, None)
         if shard is None:
             return
+        self._whole.pop(key, None)
         log.info("dropping shard %s: %s", key, reason)
         self._forget_inodes(shard)
         try:
@@ -118,6 +122,18 @@ class ShardCatalog(Mapping[ShardKey, Shard]):
             log.warning("removing %s: %s", shard.path, exc)
         for listener in self._withdrawn:
             listener(key)
+
+    def whole_verdict(self, key: ShardKey) -> WholeVerdict | None:
+        """The step of ``key`` judged over every rank's part, if it was (trio thread)."""
+        found = self._whole.get(key)
+        if found is None:
+            shard = self._held.get(key)
+            found = shard.whole if shard is not None else None
+        return found
+
+    def set_whole_verdict(self, key: ShardKey, verdict: WholeVerdict) -> None:
+        """Record the judgement of ``key``'s step over every rank's part (trio thread)."""
+        self._whole[key] = verdict
 
     def sealed(self, shard: Shard) -> None:
         """One of this node's steps was sealed (already added): tell the sealed listeners."""

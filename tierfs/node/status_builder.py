@@ -33,6 +33,7 @@ from tierfs.node.catalog import ShardCatalog
 from tierfs.node.jobstate import JobState
 from tierfs.node.steps import StepBook
 from tierfs.store.ramstore import Budget, RamStore
+from tierfs.store.shards import Shard
 from tierfs.store.verdicts import loads_summary
 
 __all__ = ["StatusBuilder", "StatusTier", "filesystem_status"]
@@ -166,9 +167,18 @@ class StatusBuilder:
                     files=sum(1 for f in shard.manifest.files if f.kind == "file"),
                     backup_requested=shard.manifest.backup_requested,
                     visible=shard.key in names,
-                    loads=loads_summary(shard.manifest.verdict, whole=job.nodes == 1),
+                    loads=self._loads(shard, job),
                 )
         return steps
+
+    def _loads(self, shard: Shard, job: JobSpec) -> str | None:
+        """The ``loads`` words of an own step: judged across ranks where this node did."""
+        whole = self.catalog.whole_verdict(shard.key)
+        if whole is not None and whole.digests and whole.digests[0] == shard.manifest.digest:
+            if whole.unloadable:
+                return f"no, across its {job.nodes} ranks: {whole.unloadable}"
+            return f"yes ({whole.format}, all {job.nodes} ranks)"
+        return loads_summary(shard.manifest.verdict, whole=job.nodes == 1)
 
     def usage_status(self, job: JobSpec | None) -> UsageStatus | None:
         """The last count of the ram-dir by area (bytes), or None before the first.

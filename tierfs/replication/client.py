@@ -36,6 +36,7 @@ from tierfs.replication.transfer import (
 from tierfs.rpc import peer_pb2, peer_pb2_grpc
 from tierfs.rpc import wire as peer_wire
 from tierfs.rpc.wire import WireStats
+from tierfs.store.manifest import Manifest
 from tierfs.store.shards import Shard, ShardKey
 
 #: longest long poll of a Decide/Barrier call (milliseconds): a waiting call costs the
@@ -228,6 +229,33 @@ class PeerClient:
             else:
                 shutil.rmtree(inc, ignore_errors=True)
             raise
+
+    def manifest(self, address: str, key: ShardKey, timeout: float = 10.0) -> Manifest:
+        """The manifest of the holder's copy of ``key`` (no file bytes).
+
+        Raises:
+            Refused: the holder broke the protocol (the first message is no manifest).
+            BadCopy: the manifest does not parse or names another shard.
+            grpc.RpcError: unreachable (after ``timeout`` seconds), or NOT_FOUND.
+        """
+        req = peer_pb2.PullRequest(
+            job=key.job, rank=key.rank, step=key.step, puller_rank=-1, manifest_only=True
+        )
+        pull = self.channel(address).unary_stream(
+            "/tierfs.peer.v1.Peer/PullShard",
+            request_serializer=peer_wire.serialize,
+            response_deserializer=peer_wire.chunk_deserializer(peer_pb2.PullMessage),
+        )
+        call = pull(req, metadata=self.md, timeout=timeout)
+        try:
+            first = next(call)
+            if peer_wire.kind_of(first) != "manifest":
+                raise Refused("PullShard must start with the manifest")
+            manifest = parse_manifest(first.manifest.json)
+            check_identity(manifest, key, "")
+            return manifest
+        finally:
+            call.cancel()  # an older holder streams the files too: not wanted
 
     # ------------------------------------------------------------------ coordinator
 

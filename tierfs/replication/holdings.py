@@ -93,21 +93,32 @@ class Holdings(PeerHost):
         return d
 
     def holdings(self, job: str) -> list[Holding]:
-        """This node's inventory of ``job``."""
-        return [
-            Holding(
-                s.key.rank,
-                s.key.step,
-                s.verified or s.key in self._trusted,
-                self.digest(s),
-                s.bytes,
-                s.manifest.name,
-                s.manifest.backup_requested,
-                s.manifest.created,
-                *eligibility(s.manifest),
+        """This node's inventory of ``job`` (with the step judged across ranks, where
+        this node did: :mod:`tierfs.node.whole_step`)."""
+        out = []
+        for s in self.catalog.shards_of(job):
+            digest = self.digest(s)
+            whole = self.catalog.whole_verdict(s.key)
+            if whole is not None and (
+                len(whole.digests) <= s.key.rank or whole.digests[s.key.rank] != digest
+            ):
+                whole = None
+            out.append(
+                Holding(
+                    s.key.rank,
+                    s.key.step,
+                    s.verified or s.key in self._trusted,
+                    digest,
+                    s.bytes,
+                    s.manifest.name,
+                    s.manifest.backup_requested,
+                    s.manifest.created,
+                    *eligibility(s.manifest),
+                    whole_digests=whole.digests if whole else (),
+                    whole_unloadable=whole.unloadable if whole else "",
+                )
             )
-            for s in self.catalog.shards_of(job)
-        ]
+        return out
 
     def on_sealed(self, shard: Shard) -> None:
         """An own step was sealed here: its bytes are trusted (a catalog listener)."""

@@ -48,6 +48,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, overload
 
+import grpc
 import trio
 
 from tierfs.core.config import NodeConfig
@@ -71,8 +72,10 @@ from tierfs.replication.rendezvous import CoordinatorFinder
 from tierfs.replication.replicator import Replicator
 from tierfs.replication.replicator import delivered as _done
 from tierfs.replication.service import PeerServicer, peer_handlers
+from tierfs.replication.transfer import BadCopy, Refused
 from tierfs.rpc import wire as peer_wire
 from tierfs.rpc.aio_server import AioServer, with_sync_context
+from tierfs.store.manifest import Manifest
 from tierfs.store.ramstore import RamStore
 from tierfs.store.shards import Shard, ShardKey, ShardStore
 
@@ -369,6 +372,24 @@ class PeerTier:
                 cancel,
                 abandon_on_cancel=True,
             )
+
+    async def part_manifest(self, job: str, rank: int, step: int) -> Manifest | None:
+        """The manifest of node ``rank``'s own part of ``step``, asked of that node
+        (no file bytes); None while it is unreachable or holds no such part.
+
+        A :class:`tierfs.core.ports.ManifestSource` (:mod:`tierfs.node.whole_step`).
+        """
+        peer = self.book.reachable(rank)
+        if peer is None:
+            return None
+        try:
+            manifest: Manifest = await self.call(
+                self.client.manifest, peer.address, ShardKey(job, rank, step)
+            )
+        except (grpc.RpcError, Refused, BadCopy) as exc:
+            log.debug("manifest of step %d of rank %d: %s", step, rank, exc)
+            return None
+        return manifest
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a blocking control call in a worker thread."""

@@ -274,7 +274,8 @@ class PeerServicer:
         return peer_pb2.PushReply(committed=True, deduped=True)
 
     def PullShard(self, request: Any, context: Any) -> Any:
-        """Stream a sealed shard: its manifest, then every file's chunks."""
+        """Stream a sealed shard: its manifest, then every file's chunks (only the
+        manifest when ``request.manifest_only``)."""
         key = ShardKey(request.job, request.rank, request.step)
         try:
             shard = self.host.find(key)
@@ -294,6 +295,8 @@ class PeerServicer:
             yield peer_pb2.PullMessage(
                 manifest=peer_pb2.ShardManifest(json=shard.manifest.to_json())
             ).SerializeToString()
+            if request.manifest_only:
+                return
             for path, off, data, crc in iter_chunks(
                 shard.data, shard.manifest.files, cancelled=lambda: not context.is_active()
             ):

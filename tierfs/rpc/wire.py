@@ -172,6 +172,8 @@ def held_shard(h: Holding) -> peer_pb2.HeldShard:
         created=h.created,
         unloadable=h.unloadable,
         missing=h.missing,
+        whole_digests=list(h.whole_digests),
+        whole_unloadable=h.whole_unloadable,
     )
 
 

@@ -17,6 +17,7 @@ threads, never from the FUSE thread.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierfs.core.errors import StorageError
+from tierfs.core.types import WholeVerdict
 from tierfs.store.manifest import (
     CrcCache,
     Manifest,
@@ -41,6 +43,8 @@ from tierfs.store.verdicts import judge_part
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+#: beside the manifest: the step judged across ranks by this node (tierfs.node.whole_step)
+WHOLE = "whole.json"
 
 
 @dataclass(frozen=True, order=True)
@@ -64,6 +68,8 @@ class Shard:
         path: the shard directory.
         manifest: its manifest.
         verified: checksums were re-checked since this daemon loaded it.
+        whole: its step judged across ranks by this node, as read at load
+            (:meth:`ShardStore.save_whole`), or None.
     """
 
     key: ShardKey
@@ -71,6 +77,7 @@ class Shard:
     manifest: Manifest
     verified: bool = False
     inodes: set[int] = field(default_factory=set)
+    whole: WholeVerdict | None = None
 
     @property
     def data(self) -> str:
@@ -156,9 +163,30 @@ class ShardStore:
                         self.ram.to_trash(path)
                         continue
                     found[key] = Shard(
-                        key, path, manifest, inodes=file_inodes(os.path.join(path, "data"))
+                        key,
+                        path,
+                        manifest,
+                        inodes=file_inodes(os.path.join(path, "data")),
+                        whole=_read_whole(path),
                     )
         return found
+
+    def save_whole(self, shard: Shard, verdict: WholeVerdict) -> None:
+        """Keep ``verdict`` (``shard``'s step judged across ranks) beside its manifest,
+        for :meth:`load` after a restart. Blocking.
+
+        Raises:
+            OSError: it could not be written (a full tmpfs).
+        """
+        doc = {
+            "digests": list(verdict.digests),
+            "unloadable": verdict.unloadable,
+            "format": verdict.format,
+        }
+        tmp = os.path.join(shard.path, WHOLE + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, os.path.join(shard.path, WHOLE))
 
     def snapshot(
         self,
@@ -312,3 +340,17 @@ def retention(
         owned.sort(key=order, reverse=True)
         drop.extend(k for k in owned[keep:] if k not in pinned)
     return sorted(drop)
+
+
+def _read_whole(path: str) -> WholeVerdict | None:
+    """The :data:`WHOLE` file of the shard directory ``path``; None if absent or unreadable."""
+    try:
+        with open(os.path.join(path, WHOLE)) as f:
+            doc = json.load(f)
+        return WholeVerdict(
+            tuple(str(d) for d in doc["digests"]),
+            str(doc.get("unloadable", "")),
+            str(doc.get("format", "unknown")),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -14,7 +14,7 @@ Blocking (reads the bytes the rules need): call from worker threads.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from tierfs.store.manifest import (
     COMPLETE,
@@ -121,3 +121,41 @@ def loads_summary(verdict: StepVerdict | None, whole: bool) -> str | None:
     if open_:
         return f"with the other ranks ({open_[0].kind}: {open_[0]})"
     return f"no ({verdict.format})"
+
+
+def whole_unloadable(verdict: StepVerdict) -> str:
+    """Why a step judged over every rank's part can never load, "" if it may (pure).
+
+    With every rank's part known, a missing file is final, as are damaged and
+    unfinished ones. A file whose bytes this node could not read
+    (``unreadable``) is not held against the step: its holder judged it with
+    its own part.
+    """
+    if verdict.state != INCOMPLETE:
+        return ""
+    blocking = [p for p in verdict.problems if p.kind != "unreadable"]
+    if not blocking:
+        return ""
+    more = f" (+{len(blocking) - 1} more)" if len(blocking) > 1 else ""
+    return f"{blocking[0].kind}: {blocking[0]}{more}"
+
+
+def judge_whole(
+    manifests: Sequence[Manifest], data_dirs: Mapping[int, str]
+) -> tuple[StepVerdict, str] | None:
+    """Judge one step over every rank's part: ``(verdict, why it can never load or "")``.
+
+    Blocking (reads the local bytes the rules need): call from a worker thread.
+
+    Args:
+        manifests: the manifest of every rank's part of the step, one per rank.
+        data_dirs: rank -> data directory of the parts held on this node (the
+            others are judged by their sizes only).
+
+    Returns:
+        None when the judgement itself failed (logged). Never raises.
+    """
+    verdict = judge_parts(manifests, data_dirs)
+    if verdict is None:
+        return None
+    return verdict, whole_unloadable(verdict)

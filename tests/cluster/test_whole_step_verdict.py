@@ -1,0 +1,86 @@
+"""Issue #15 item 2 with real daemons: two nodes write one DCP step, ``.metadata`` on node 0
+and rank 1's shard on node 1. Each part alone looks fine; node-rank 0 judges the step over
+both parts, and a rank-1 shard shorter than ``.metadata`` says makes the whole step
+unloadable: it is said once, shown by ``tierfs status`` and never restored while an older
+complete step exists (``tierfs wait`` exits 2 on both nodes)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from conftest import tierfs
+from mtc_clients import wait_for
+from peer_cluster import Cluster
+from step_bytes import dcp_metadata
+
+pytestmark = pytest.mark.slow
+
+W0, W1 = os.urandom(30_000), os.urandom(20_000)
+
+
+def generic(i: int) -> list[str]:
+    return ["--job", "dcp", "--nodes", "2", "--node-rank", str(i), "--peers-per-node", "1"]
+
+
+def save(c: Cluster, step: int, rank1: bytes) -> None:
+    """Each node writes its part of ``step/`` as ``step.tmp/`` and renames it (as a
+    trainer's checkpoint callback does)."""
+    parts = {
+        0: {
+            ".metadata": dcp_metadata(
+                [("w0", "__0_0.distcp", 0, len(W0)), ("w1", "__1_0.distcp", 0, len(W1))]
+            ),
+            "__0_0.distcp": W0,
+        },
+        1: {"__1_0.distcp": rank1},
+    }
+    for i, files in parts.items():
+        tmp = c.root(i) / f"{step}.tmp"
+        tmp.mkdir()
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        os.rename(tmp, c.root(i) / str(step))
+
+
+def loads(c: Cluster, i: int, step: int) -> str:
+    for s in c.status(i)["steps"]:
+        if s["step"] == step:
+            return s.get("loads") or ""
+    return ""
+
+
+def test_a_short_shard_of_rank_1_makes_the_step_unloadable_across_ranks(make_mount):
+    c = Cluster(make_mount, 2, node_args=generic)
+    save(c, 10, W1)
+    wait_for(lambda: loads(c, 0, 10) == "yes (dcp, all 2 ranks)", 60, "step 10 judged")
+    save(c, 20, W1[:500])
+    wait_for(lambda: loads(c, 0, 20).startswith("no, across its 2 ranks"), 60, "step 20 judged")
+    assert "damaged: 20/__1_0.distcp" in loads(c, 0, 20), loads(c, 0, 20)
+    # node 1 alone cannot tell: its part has no .metadata
+    assert loads(c, 1, 20).startswith("with the other ranks"), loads(c, 1, 20)
+    line = "step 20 (20, dcp) is not loadable across its 2 ranks: damaged: 20/__1_0.distcp"
+    assert c.errors(0).count(line) == 1, c.errors(0)
+    out = " ".join(
+        tierfs("status", str(c.root(0)), env={**os.environ, "COLUMNS": "300"}).stdout.split()
+    )
+    assert "no, across its 2 ranks: damaged: 20/__1_0.distcp" in out, out
+
+    # both daemons die; their RAM stays: node 0 kept its verdict beside the manifest
+    for m in c.mounts:
+        m.kill9()
+    for i in (0, 1):
+        c.remount(i)
+    for i in (1, 0):
+        w = tierfs("wait", str(c.root(i)), "--timeout", "120", check=False, timeout=180)
+        assert (w.returncode, w.stdout.strip()) == (2, "restored step 10 from local"), (
+            i,
+            w.returncode,
+            w.stdout,
+            w.stderr,
+        )
+        assert "step 20 is not loadable across its 2 ranks: damaged: 20/__1_0.distcp" in w.stderr
+    assert (c.root(0) / "10" / "__0_0.distcp").read_bytes() == W0
+    assert (c.root(1) / "10" / "__1_0.distcp").read_bytes() == W1
+    assert Path(c.root(0) / "10" / ".metadata").exists()

@@ -1,0 +1,196 @@
+"""Issue #15 item 2: a multi-node step judged over every rank's part -- a DCP shard of rank 1
+truncated below what rank 0's ``.metadata`` names is caught, the restore choice skips those
+parts together, and the verdict survives a restart of node-rank 0 (no mount, no daemon)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import fake_ports
+import pytest
+import trio
+from step_bytes import dcp_metadata
+
+from tierfs.cluster.restore_choice import choose_restore
+from tierfs.core.control import JobSpec
+from tierfs.core.types import Holding, WholeVerdict
+from tierfs.node.catalog import ShardCatalog
+from tierfs.node.whole_step import WholeStepJudge
+from tierfs.store.manifest import Manifest
+from tierfs.store.ramstore import RamStore
+from tierfs.store.shards import Shard, ShardKey, ShardStore
+from tierfs.store.verdicts import judge_whole, whole_unloadable
+
+JOB = "train"
+W0, W1 = b"a" * 3000, b"b" * 2000
+
+
+def node_part(tmp: Path, rank: int, step: int, files: dict[str, bytes]) -> tuple[ShardStore, Shard]:
+    """Seal ``files`` (relative to ``<step>/``) as node ``rank``'s part of ``step``."""
+    ram = RamStore(str(tmp / f"node{rank}"))
+    for rel, data in files.items():
+        p = Path(ram.view) / str(step) / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    shards = ShardStore(ram)
+    key = ShardKey(JOB, rank, step)
+    return shards, shards.snapshot(ram.view, key, str(step), [str(step)], "generic")
+
+
+def rank0_files(len1: int = len(W1)) -> dict[str, bytes]:
+    md = dcp_metadata([("w0", "__0_0.distcp", 0, len(W0)), ("w1", "__1_0.distcp", 0, len1)])
+    return {".metadata": md, "__0_0.distcp": W0}
+
+
+def test_a_truncated_shard_of_another_rank_is_caught_only_across_ranks(tmp_path):
+    _, p0 = node_part(tmp_path, 0, 20, rank0_files())
+    _, p1 = node_part(tmp_path, 1, 20, {"__1_0.distcp": W1[:500]})
+    # each part alone: nothing that keeps the step from loading
+    for part in (p0, p1):
+        assert part.manifest.verdict is not None
+        assert part.manifest.verdict.reason(whole=False) == ""
+    got = judge_whole([p0.manifest, p1.manifest], {0: p0.data})
+    assert got is not None
+    verdict, why = got
+    assert verdict.format == "dcp"
+    assert why.startswith("damaged: 20/__1_0.distcp"), why
+    # the same parts with rank 1's whole shard: it may load
+    _, q1 = node_part(tmp_path / "b", 1, 20, {"__1_0.distcp": W1})
+    verdict, why = judge_whole([p0.manifest, q1.manifest], {0: p0.data}) or (None, "?")
+    assert why == "" and verdict is not None and verdict.state == "complete"
+
+
+def test_a_file_only_another_node_could_read_is_not_held_against_the_step(tmp_path):
+    _, p0 = node_part(tmp_path, 0, 20, rank0_files())
+    _, p1 = node_part(tmp_path, 1, 20, {"__1_0.distcp": W1})
+    # rank 0's bytes are not local either: .metadata cannot be read here
+    got = judge_whole([p0.manifest, p1.manifest], {})
+    assert got is not None
+    verdict, why = got
+    assert why == ""
+    assert {p.kind for p in verdict.problems} <= {"unreadable"}
+    assert whole_unloadable(verdict) == ""
+
+
+def holding(rank: int, step: int, whole: tuple[str, ...] = (), why: str = "") -> Holding:
+    return Holding(
+        rank,
+        step,
+        True,
+        f"d{rank}-{step}",
+        10,
+        str(step),
+        whole_digests=whole,
+        whole_unloadable=why,
+    )
+
+
+def test_choose_restore_skips_parts_judged_unloadable_together():
+    why = "damaged: 20/__1_0.distcp: 500 bytes, .metadata needs 2000"
+    both = ("d0-20", "d1-20")
+    inv = {
+        0: [holding(0, 10), holding(0, 20, both, why)],
+        1: [holding(1, 10), holding(1, 20)],
+    }
+    c = choose_restore(2, inv)
+    assert c.step == 10 and c.outcome == "older"
+    line = f"step 20 is not loadable across its 2 ranks: {why}"
+    assert line in c.reason and line in c.problems
+    # a verdict on other bytes (rank 1 wrote step 20 again) does not apply
+    inv[0][1] = holding(0, 20, ("d0-20", "d1-20-other"), why)
+    assert choose_restore(2, inv).step == 20
+    # nor does one of another node count
+    inv[0][1] = holding(0, 20, ("d0-20",), why)
+    assert choose_restore(2, inv).step == 20
+
+
+class Manifests:
+    """A :class:`tierfs.core.ports.ManifestSource` over parts the test hands it."""
+
+    def __init__(self) -> None:
+        self.parts: dict[tuple[int, int], Manifest] = {}
+        self.asked: list[tuple[int, int]] = []
+
+    async def part_manifest(self, job: str, rank: int, step: int) -> Manifest | None:
+        self.asked.append((rank, step))
+        return self.parts.get((rank, step))
+
+
+def test_node_rank_0_judges_keeps_and_says_it_once(tmp_path):
+    shards, p0 = node_part(tmp_path, 0, 20, rank0_files())
+    _, p1 = node_part(tmp_path, 1, 20, {"__1_0.distcp": W1[:500]})
+    catalog = ShardCatalog(shards, 3)
+    catalog.add(p0)
+    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 0, 2))
+    source = Manifests()
+    judge = WholeStepJudge(shards, catalog, job, source, job, trio.CapacityLimiter(1), retry=0.01)
+
+    async def main() -> None:
+        assert judge.pending(job.job) == [p0]
+        # rank 1's part is not reachable yet: nothing judged, tried again later
+        assert await judge.judge(job.job, p0) is None
+        assert judge.pending(job.job) == [p0] and catalog.whole_verdict(p0.key) is None
+        source.parts[(1, 20)] = p1.manifest
+        whole = await judge.judge(job.job, p0)
+        assert whole is not None
+        assert whole.digests == (p0.manifest.digest, p1.manifest.digest)
+        assert whole.unloadable.startswith("damaged: 20/__1_0.distcp")
+        assert catalog.whole_verdict(p0.key) == whole and judge.pending(job.job) == []
+
+    trio.run(main)
+    assert len(job.errors) == 1
+    assert job.errors[0].startswith("step 20 (20, dcp) is not loadable across its 2 ranks:")
+    # kept beside the manifest: a restarted daemon has it before any restore round
+    reloaded = shards.load()[p0.key]
+    assert reloaded.whole == catalog.whole_verdict(p0.key)
+    fresh = ShardCatalog(shards, 3)
+    fresh.add(reloaded)
+    assert (
+        WholeStepJudge(shards, fresh, job, source, job, trio.CapacityLimiter(1)).pending(job.job)
+        == []
+    )
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [JobSpec(JOB, "generic", 0, 1), JobSpec(JOB, "generic", 1, 2), None],
+    ids=["one node", "node-rank 1", "no job"],
+)
+def test_only_node_rank_0_of_a_multi_node_job_judges(tmp_path, spec):
+    shards, p0 = node_part(tmp_path, 0 if spec is None else spec.node_rank, 20, rank0_files())
+    catalog = ShardCatalog(shards, 3)
+    catalog.add(p0)
+    job = fake_ports.FakeJob(spec)
+    judge = WholeStepJudge(shards, catalog, job, Manifests(), job, trio.CapacityLimiter(1))
+    assert judge.pending(job.job) == []
+
+
+def test_a_part_not_reachable_for_its_patience_is_left_unjudged(tmp_path):
+    shards, p0 = node_part(tmp_path, 0, 20, rank0_files())
+    catalog = ShardCatalog(shards, 3)
+    catalog.add(p0)
+    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 0, 2))
+    source = Manifests()
+    judge = WholeStepJudge(
+        shards, catalog, job, source, job, trio.CapacityLimiter(1), retry=0.01, patience=0.05
+    )
+
+    async def main() -> None:
+        with trio.move_on_after(5):
+            while judge.pending(job.job):
+                await judge.judge(job.job, p0)
+                await trio.sleep(0.01)
+
+    trio.run(main)
+    assert judge.pending(job.job) == []  # given up: not asked again
+    assert catalog.whole_verdict(p0.key) is None and job.errors == []
+    assert source.asked and set(source.asked) == {(1, 20)}
+
+
+def test_whole_verdict_round_trips_through_the_wire():
+    from tierfs.cluster.servicer import _holdings
+    from tierfs.rpc.wire import held_shard
+
+    h = holding(0, 20, ("a", "b"), "damaged: x")
+    assert _holdings([held_shard(h)]) == (h,)
+    assert WholeVerdict(("a", "b"), "") != WholeVerdict(("a", "b"), "x")

@@ -1,0 +1,171 @@
+"""Judging a multi-node step over every rank's part (issue #15, item 2).
+
+A part's own verdict (judged at seal, :mod:`tierfs.store.verdicts`) cannot see
+the other ranks' files: DCP's ``.metadata`` on rank 0 names ``__1_0.distcp``
+and the byte ranges in it, which only node 1 holds; a truncated
+``__1_0.distcp`` looks fine to node 1 alone. :class:`WholeStepJudge` runs on
+node-rank 0 of a multi-node job and judges each of its sealed steps again over
+the manifests of every rank's part: asked of each node (its manifest only, no
+file bytes, :class:`tierfs.core.ports.ManifestSource`), or taken from a copy
+held here. The bytes the rules read (``.metadata``, headers) are read where
+this node holds them; a file only another node holds is judged by its size
+(its holder judged its bytes with its own part).
+
+The answer, a :class:`tierfs.core.types.WholeVerdict` naming the digest of
+every part judged, goes into the catalog; from there into this node's
+inventory (``HeldShard.whole_*``), so the restore choice skips those parts
+together (:mod:`tierfs.cluster.restore_choice`), and into ``tierfs status``
+(``loads``). A step that can never load gets one line in
+``replicator.errors``.
+
+Cost: N - 1 manifest calls per sealed step, on node-rank 0 only. A step whose
+parts are not all reachable is tried again every ``retry`` seconds for
+``patience`` seconds, then left unjudged (the per-part verdicts still hold).
+A verdict is kept beside the part's manifest (``whole.json``,
+:meth:`tierfs.store.shards.ShardStore.save_whole`): a restarted node-rank 0
+whose RAM survived still has it before its first restore round.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import trio
+
+from tierfs.core.control import JobSpec
+from tierfs.core.ports import CurrentJob, ManifestSource, Reporter
+from tierfs.core.types import WholeVerdict
+from tierfs.node.catalog import ShardCatalog
+from tierfs.store.manifest import Manifest
+from tierfs.store.shards import Shard, ShardKey, ShardStore
+from tierfs.store.verdicts import judge_whole
+
+log = logging.getLogger(__name__)
+
+#: the node rank that judges steps across ranks (the coordinator's node)
+JUDGE_RANK = 0
+
+
+class WholeStepJudge:
+    """Judges node-rank 0's sealed steps of a multi-node job over every rank's part.
+
+    Args:
+        shards: the store of committed shards (keeps a verdict beside its manifest).
+        catalog: the held shards (own parts, replicas); its seals wake the judge;
+            the verdicts are recorded in it.
+        job: the running job.
+        manifests: the other nodes' manifests of their parts.
+        reporter: ``replicator.errors`` for a step that can never load.
+        io_limiter: the node's file-work limiter (the judgement reads bytes).
+        retry: seconds between attempts while some part is not reachable.
+        patience: seconds after the first attempt before a step is left unjudged.
+    """
+
+    def __init__(
+        self,
+        shards: ShardStore,
+        catalog: ShardCatalog,
+        job: CurrentJob,
+        manifests: ManifestSource,
+        reporter: Reporter,
+        io_limiter: trio.CapacityLimiter,
+        *,
+        retry: float = 2.0,
+        patience: float = 600.0,
+    ) -> None:
+        self.shards = shards
+        self.catalog = catalog
+        self.current = job
+        self.manifests = manifests
+        self.reporter = reporter
+        self.io_limiter = io_limiter
+        self.retry = retry
+        self.patience = patience
+        self._wake = trio.Event()
+        self._first_try: dict[tuple[ShardKey, str], float] = {}
+        self._given_up: set[tuple[ShardKey, str]] = set()
+        catalog.on_sealed(self.on_sealed)
+
+    def on_sealed(self, shard: Shard) -> None:
+        """A step of this node was sealed (trio thread; never blocks): look at it."""
+        self._wake.set()
+
+    def pending(self, job: JobSpec | None) -> list[Shard]:
+        """This node's parts still to judge, newest first ([] unless node-rank 0 of a
+        multi-node job). Parts sealed before verdicts existed are not judged."""
+        if job is None or job.nodes < 2 or job.node_rank != JUDGE_RANK:
+            return []
+        out = []
+        for shard in self.catalog.own_shards(job):
+            digest = shard.manifest.digest
+            if shard.manifest.verdict is None or (shard.key, digest) in self._given_up:
+                continue
+            done = self.catalog.whole_verdict(shard.key)
+            if done is not None and done.digests[JUDGE_RANK] == digest:
+                continue
+            out.append(shard)
+        return out
+
+    async def run(self) -> None:
+        """Judge what is pending, wait for a seal (or retry), forever (trio task)."""
+        while True:
+            job = self.current.job
+            for shard in self.pending(job):
+                assert job is not None
+                await self.judge(job, shard)
+            wait = self.retry if self.pending(self.current.job) else math.inf
+            with trio.move_on_after(wait):
+                await self._wake.wait()
+            self._wake = trio.Event()
+
+    async def judge(self, job: JobSpec, shard: Shard) -> WholeVerdict | None:
+        """Judge ``shard``'s step over every rank's part; the verdict, or None while
+        a part is not reachable (or the judgement failed)."""
+        step = shard.key.step
+        ident = (shard.key, shard.manifest.digest)
+        first = self._first_try.setdefault(ident, trio.current_time())
+        manifests: list[Manifest] = [shard.manifest]
+        dirs = {JUDGE_RANK: shard.data}
+        for rank in range(1, job.nodes):
+            held = self.catalog.get(ShardKey(job.name, rank, step))
+            if held is not None:
+                manifests.append(held.manifest)
+                dirs[rank] = held.data
+                continue
+            got = await self.manifests.part_manifest(job.name, rank, step)
+            if got is None:
+                if trio.current_time() - first > self.patience:
+                    self._given_up.add(ident)
+                    log.warning(
+                        "step %d is not judged across ranks: rank %d's part was not "
+                        "reachable for %.0f s",
+                        step,
+                        rank,
+                        self.patience,
+                    )
+                return None
+            manifests.append(got)
+        async with self.io_limiter:
+            result = await trio.to_thread.run_sync(judge_whole, manifests, dirs)
+        if result is None:
+            self._given_up.add(ident)
+            return None
+        self._first_try.pop(ident, None)
+        verdict, why = result
+        whole = WholeVerdict(tuple(m.digest for m in manifests), why, verdict.format)
+        if self.catalog.get(shard.key) is not shard:
+            return None  # dropped or replaced while judged
+        self.catalog.set_whole_verdict(shard.key, whole)
+        try:
+            await trio.to_thread.run_sync(self.shards.save_whole, shard, whole)
+        except OSError as exc:
+            log.warning("keeping the verdict of step %d across ranks: %s", step, exc)
+        if why:
+            self.reporter.error(
+                f"step {step} ({shard.manifest.name}, {verdict.format}) is not loadable "
+                f"across its {job.nodes} ranks: {why}; it is not restored while an older "
+                "complete step exists"
+            )
+        log.info("step %d judged across %d ranks: %s", step, job.nodes, why or "it may load")
+        return whole
