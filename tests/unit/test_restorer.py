@@ -7,6 +7,7 @@ the copies reported bad, the reasons and the ``replicator.errors`` lines."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from tierfs.node.agreement import RestoreTimeout
 from tierfs.node.catalog import ShardCatalog, ShardVerifier
 from tierfs.node.restorer import Restorer, own_rank_view
 from tierfs.node.sources import CopyFailed, LocalSource
-from tierfs.store.manifest import FileEntry, Manifest
+from tierfs.store.manifest import FileEntry, Manifest, StepVerdict, VerdictProblem
 from tierfs.store.shards import Shard, ShardKey
 
 JOB = "train"
@@ -574,3 +575,18 @@ def test_alone_with_a_bucket_a_corrupt_only_copy_is_incomplete_with_its_note():
         "forced": None,
     }
     assert s5.key not in node.catalog and node.store.removed == [s5.key]
+
+
+def test_a_rank_alone_with_a_bucket_restores_its_part_that_needs_another_ranks_file():
+    """Regression (#15): a node deciding alone for its rank of a multi-node job (no peer
+    plane, a bucket) counted its part's `missing` file as final, as in a one-node job: a
+    DCP part of rank 1 (`.metadata` is rank 0's) was never restored."""
+    s5 = shard(1, 5)
+    verdict = StepVerdict(
+        "incomplete", "dcp", (VerdictProblem("missing", "5/.metadata", "absent"),)
+    )
+    s5 = dataclasses.replace(s5, manifest=dataclasses.replace(s5.manifest, verdict=verdict))
+    node = Node(JobSpec(JOB, "orbax", 1, 2), [s5], bucket=Bucket(BucketView(), {}))
+    plan = node.restore()
+    assert (plan.step, plan.source, plan.shard) == (5, "local", s5)
+    assert plan.detail["outcome"] == "restored"

@@ -15,8 +15,10 @@ from step_bytes import dcp_metadata
 from test_restorer import ONE, Node, shard
 
 from tierfs.cluster.restore_choice import choose_restore
-from tierfs.core.types import Holding
+from tierfs.core.control import JobSpec
+from tierfs.core.types import BucketPart, BucketView, Holding
 from tierfs.node.catalog import ShardCatalog
+from tierfs.node.restorer import own_rank_view
 from tierfs.node.sealing import SealRules
 from tierfs.node.verdicts import SealVerdicts
 from tierfs.store.manifest import Manifest, StepVerdict, VerdictProblem
@@ -235,3 +237,32 @@ def test_generic_mode_seals_a_dcp_part_of_a_node_without_rank_0():
     assert rules.on_release("step_10/notes.txt", node1) is None
     assert SealRules("orbax").on_release("step_10/__1_0.distcp", node1) is None
     assert os.sep == "/"
+
+
+def test_a_step_only_the_bucket_holds_is_judged_by_its_uploaded_verdict():
+    """#15: a round's manifest carries the part's seal-time verdict; a step held only in
+    the bucket that would not load is skipped too (it was restored before)."""
+    why = "damaged: 20/__0_0.distcp: 0 bytes"
+    bucket = BucketView(
+        parts=(
+            BucketPart("2026-12-02_10-20", 0, 20, "d20", unloadable=why),
+            BucketPart("2026-12-02_10-10", 0, 10, "d10"),
+        ),
+        rounds=("2026-12-02_10-20", "2026-12-02_10-10"),
+    )
+    c = choose_restore(1, {0: []}, bucket=bucket)
+    assert (c.step, c.backup, c.outcome) == (10, "2026-12-02_10-10", "older")
+    assert f"step 20 is not loadable: {why} (rank 0's part)" in c.problems
+
+
+def test_a_rank_deciding_alone_does_not_hold_another_ranks_file_against_its_part():
+    """Regression: a node deciding alone for its rank of a multi-node job (no peer plane)
+    read its part's `missing` (DCP `.metadata`, on rank 0) as final, as in a one-node job,
+    and so would never restore a DCP step of rank 1 from the bucket."""
+    miss = "missing: 20/.metadata: absent"
+    parts = tuple(
+        BucketPart("2026-12-02_10-20", r, 20, f"d{r}", missing=miss if r else "") for r in (0, 1)
+    )
+    view = own_rank_view(BucketView(parts=parts), JobSpec("j", "generic", 1, 2))
+    assert [(p.rank, p.missing) for p in view.parts] == [(0, "")]
+    assert choose_restore(1, {0: []}, bucket=view).step == 20

@@ -39,6 +39,7 @@ from tierfs.core import settings
 from tierfs.core.ports import Catalog, RamBudget
 from tierfs.core.types import BucketPart, BucketView, RestorePlan
 from tierfs.store.shards import Shard, ShardKey, ShardStore
+from tierfs.store.verdicts import eligibility
 
 if TYPE_CHECKING:
     from tierfs.core.control import JobSpec
@@ -47,14 +48,17 @@ log = logging.getLogger(__name__)
 
 
 def _complete_parts(info: RoundInfo) -> list[BucketPart]:
-    """Every complete node part of an inspected round (pure)."""
-    return [
-        BucketPart(
-            info.name, rank, step, part.backup.manifest.digest if part.backup is not None else ""
-        )
-        for (rank, step), part in sorted(info.parts.items())
-        if part.complete
-    ]
+    """Every complete node part of an inspected round, with its seal-time verdict (pure)."""
+    out = []
+    for (rank, step), part in sorted(info.parts.items()):
+        if not part.complete:
+            continue
+        if part.backup is None:  # a round written by MTC: no manifest, no verdict
+            out.append(BucketPart(info.name, rank, step))
+            continue
+        manifest = part.backup.manifest
+        out.append(BucketPart(info.name, rank, step, manifest.digest, *eligibility(manifest)))
+    return out
 
 
 class BucketRestore:

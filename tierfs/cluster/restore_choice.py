@@ -259,15 +259,17 @@ def _table(
 
 
 def _unloadable(
-    nodes: int, inventories: Mapping[int, Iterable[Holding]]
+    nodes: int, inventories: Mapping[int, Iterable[Holding]], parts: Iterable[BucketPart] = ()
 ) -> dict[tuple[int, int, str], str]:
-    """(step, rank, digest) -> why those bytes never load (see the module doc)."""
+    """(step, rank, digest) -> why those bytes never load (see the module doc), from
+    the nodes' inventories and the verdicts in the bucket's manifests."""
     out: dict[tuple[int, int, str], str] = {}
-    for held in inventories.values():
-        for h in held:
-            why = h.unloadable or (h.missing if nodes == 1 else "")
-            if why and h.digest:
-                out.setdefault((h.step, h.rank, h.digest), why)
+    copies: list[Holding | BucketPart] = [h for held in inventories.values() for h in held]
+    copies += parts
+    for h in copies:
+        why = h.unloadable or (h.missing if nodes == 1 else "")
+        if why and h.digest:
+            out.setdefault((h.step, h.rank, h.digest), why)
     return out
 
 
@@ -346,7 +348,7 @@ def choose_restore(
     if bucket is not None and bucket.forced is not None:
         return _choose_forced(nodes, inventories, excluded, bucket)
     table = _table(nodes, inventories, excluded)
-    unloadable = _unloadable(nodes, inventories)
+    unloadable = _unloadable(nodes, inventories, bucket.parts if bucket else ())
     judged = _whole(nodes, inventories)
     whole = _whole_rounds(nodes, bucket.parts if bucket else ())
     parts = [

@@ -102,12 +102,16 @@ class BucketPart:
     Attributes:
         round: the round name (``YYYY-MM-DD_HH-MM``).
         digest: the part's manifest digest; "" when unknown (a round written by MTC).
+        unloadable, missing: the part's seal-time verdict as its uploaded
+            manifest records it (see :class:`Holding`); "" when it has none.
     """
 
     round: str
     rank: int
     step: int
     digest: str = ""
+    unloadable: str = ""
+    missing: str = ""
 
 
 @dataclass(frozen=True)

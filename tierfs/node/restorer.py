@@ -93,8 +93,9 @@ def own_rank_view(view: BucketView, job: JobSpec) -> BucketView:
     ranks: dict[tuple[str, int], set[int]] = {}
     for p in view.parts:
         ranks.setdefault((p.round, p.step), set()).add(p.rank)
+    # (a file this rank's part lacks may be in another rank's part: not held against it)
     mine = tuple(
-        dataclasses.replace(p, rank=0)
+        dataclasses.replace(p, rank=0, missing="")
         for p in view.parts
         if p.rank == job.node_rank and ranks[(p.round, p.step)] >= everyone
     )
@@ -342,7 +343,8 @@ class Restorer:
                 s.manifest.name,
                 created=s.manifest.created,
                 unloadable=unloadable,
-                missing=missing,
+                # deciding alone for one rank of a multi-node job: another rank may hold it
+                missing=missing if job.nodes == 1 else "",
             )
             for step, s in own.items()
             for unloadable, missing in (eligibility(s.manifest),)
