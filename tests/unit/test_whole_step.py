@@ -9,6 +9,8 @@ from pathlib import Path
 import fake_ports
 import pytest
 import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from step_bytes import dcp_metadata
 
 from tierfs.cluster.restore_choice import choose_restore
@@ -16,7 +18,7 @@ from tierfs.core.control import JobSpec
 from tierfs.core.types import Holding, WholeVerdict
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.whole_step import WholeStepJudge
-from tierfs.store.manifest import Manifest
+from tierfs.store.manifest import FileEntry, Manifest
 from tierfs.store.ramstore import RamStore
 from tierfs.store.shards import Shard, ShardKey, ShardStore
 from tierfs.store.verdicts import judge_whole, whole_unloadable
@@ -194,3 +196,42 @@ def test_whole_verdict_round_trips_through_the_wire():
     h = holding(0, 20, ("a", "b"), "damaged: x")
     assert _holdings([held_shard(h)]) == (h,)
     assert WholeVerdict(("a", "b"), "") != WholeVerdict(("a", "b"), "x")
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(st.tuples(st.integers(1, 5000), st.integers(-5000, 50)), min_size=2, max_size=5),
+    st.booleans(),
+)
+def test_across_ranks_a_step_is_unloadable_exactly_when_a_shard_is_short_or_absent(
+    tmp_path_factory, shards, lose_one
+):
+    """Property: DCP `.metadata` on rank 0 names one shard per rank (its length); each
+    rank's part holds its shard at that length plus a delta (negative: truncated). The
+    whole step is unloadable iff some shard is shorter than named, or absent."""
+    tmp = tmp_path_factory.mktemp("whole")
+    n = len(shards)
+    refs = [(f"w{r}", f"__{r}_0.distcp", 0, length) for r, (length, _) in enumerate(shards)]
+    md = dcp_metadata(refs)
+    (tmp / "7").mkdir()
+    (tmp / "7" / ".metadata").write_bytes(md)
+    manifests = []
+    for r, (length, delta) in enumerate(shards):
+        size = max(0, length + delta)
+        files = [FileEntry("7", "dir", 0)]
+        if r == 0:
+            files.append(FileEntry("7/.metadata", "file", len(md)))
+        absent = lose_one and r == n - 1
+        if not absent:
+            files.append(FileEntry(f"7/__{r}_0.distcp", "file", size))
+        manifests.append(Manifest(JOB, r, 7, "7", "generic", tuple(files)))
+    got = judge_whole(manifests, {0: str(tmp)})
+    assert got is not None
+    _verdict, why = got
+    short = [r for r, (length, delta) in enumerate(shards) if length + delta < length]
+    expect = bool(short) or lose_one
+    assert bool(why) == expect, (shards, lose_one, why)
+    if lose_one:
+        assert f"__{n - 1}_0.distcp" in why or short, why
