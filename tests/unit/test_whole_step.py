@@ -235,3 +235,49 @@ def test_across_ranks_a_step_is_unloadable_exactly_when_a_shard_is_short_or_abse
     assert bool(why) == expect, (shards, lose_one, why)
     if lose_one:
         assert f"__{n - 1}_0.distcp" in why or short, why
+
+
+def test_a_manifest_got_once_is_not_asked_again_on_a_retry(tmp_path):
+    shards, p0 = node_part(tmp_path, 0, 20, rank0_files())
+    _, p1 = node_part(tmp_path, 1, 20, {"__1_0.distcp": W1})
+    _, p2 = node_part(tmp_path, 2, 20, {"x": b"2"})
+    catalog = ShardCatalog(shards, 3)
+    catalog.add(p0)
+    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 0, 3))
+    source = Manifests()
+    source.parts[(1, 20)] = p1.manifest
+    judge = WholeStepJudge(shards, catalog, job, source, job, trio.CapacityLimiter(1))
+
+    async def main() -> None:
+        assert await judge.judge(job.job, p0) is None  # rank 2 not there yet
+        source.parts[(2, 20)] = p2.manifest
+        assert await judge.judge(job.job, p0) is not None
+
+    trio.run(main)
+    assert source.asked == [(1, 20), (2, 20), (2, 20)]
+
+
+def test_a_judgement_that_fails_leaves_the_step_unjudged_and_the_loop_running(tmp_path):
+    shards, p0 = node_part(tmp_path, 0, 20, rank0_files())
+    catalog = ShardCatalog(shards, 3)
+    catalog.add(p0)
+    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 0, 2))
+
+    class Broken(Manifests):
+        async def part_manifest(self, job: str, rank: int, step: int) -> Manifest | None:
+            self.asked.append((rank, step))
+            raise ValueError("a bug in a source")
+
+    source = Broken()
+    judge = WholeStepJudge(shards, catalog, job, source, job, trio.CapacityLimiter(1), retry=0.01)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(judge.run)
+            with trio.fail_after(5):
+                while judge.pending(job.job):
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()  # the loop was still running: no crash
+
+    trio.run(main)
+    assert source.asked == [(1, 20)] and catalog.whole_verdict(p0.key) is None

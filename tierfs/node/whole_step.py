@@ -85,6 +85,8 @@ class WholeStepJudge:
         self._wake = trio.Event()
         self._first_try: dict[tuple[ShardKey, str], float] = {}
         self._given_up: set[tuple[ShardKey, str]] = set()
+        #: manifests got so far for a step not judged yet (not asked again on a retry)
+        self._got: dict[tuple[ShardKey, str], dict[int, Manifest]] = {}
         catalog.on_sealed(self.on_sealed)
 
     def on_sealed(self, shard: Shard) -> None:
@@ -108,12 +110,20 @@ class WholeStepJudge:
         return out
 
     async def run(self) -> None:
-        """Judge what is pending, wait for a seal (or retry), forever (trio task)."""
+        """Judge what is pending, wait for a seal (or retry), forever (trio task).
+
+        A judgement that fails unexpectedly leaves that step unjudged (logged);
+        it never ends the loop or the daemon.
+        """
         while True:
             job = self.current.job
             for shard in self.pending(job):
                 assert job is not None
-                await self.judge(job, shard)
+                try:
+                    await self.judge(job, shard)
+                except Exception:
+                    log.exception("judging step %d across ranks failed", shard.key.step)
+                    self._forget((shard.key, shard.manifest.digest), given_up=True)
             wait = self.retry if self.pending(self.current.job) else math.inf
             with trio.move_on_after(wait):
                 await self._wake.wait()
@@ -125,6 +135,7 @@ class WholeStepJudge:
         step = shard.key.step
         ident = (shard.key, shard.manifest.digest)
         first = self._first_try.setdefault(ident, trio.current_time())
+        got = self._got.setdefault(ident, {})
         manifests: list[Manifest] = [shard.manifest]
         dirs = {JUDGE_RANK: shard.data}
         for rank in range(1, job.nodes):
@@ -133,25 +144,26 @@ class WholeStepJudge:
                 manifests.append(held.manifest)
                 dirs[rank] = held.data
                 continue
-            got = await self.manifests.part_manifest(job.name, rank, step)
-            if got is None:
-                if trio.current_time() - first > self.patience:
-                    self._given_up.add(ident)
-                    log.warning(
-                        "step %d is not judged across ranks: rank %d's part was not "
-                        "reachable for %.0f s",
-                        step,
-                        rank,
-                        self.patience,
-                    )
-                return None
-            manifests.append(got)
+            if rank not in got:
+                asked = await self.manifests.part_manifest(job.name, rank, step)
+                if asked is None:
+                    if trio.current_time() - first > self.patience:
+                        self._forget(ident, given_up=True)
+                        log.warning(
+                            "step %d is not judged across ranks: rank %d's part was not "
+                            "reachable for %.0f s",
+                            step,
+                            rank,
+                            self.patience,
+                        )
+                    return None
+                got[rank] = asked
+            manifests.append(got[rank])
         async with self.io_limiter:
             result = await trio.to_thread.run_sync(judge_whole, manifests, dirs)
+        self._forget(ident, given_up=result is None)
         if result is None:
-            self._given_up.add(ident)
             return None
-        self._first_try.pop(ident, None)
         verdict, why = result
         whole = WholeVerdict(tuple(m.digest for m in manifests), why, verdict.format)
         if self.catalog.get(shard.key) is not shard:
@@ -169,3 +181,10 @@ class WholeStepJudge:
             )
         log.info("step %d judged across %d ranks: %s", step, job.nodes, why or "it may load")
         return whole
+
+    def _forget(self, ident: tuple[ShardKey, str], given_up: bool) -> None:
+        """Drop what was kept for judging ``ident``; remember a step given up on."""
+        self._first_try.pop(ident, None)
+        self._got.pop(ident, None)
+        if given_up:
+            self._given_up.add(ident)
