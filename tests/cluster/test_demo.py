@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,25 @@ def emulators_of(out: Path) -> list[int]:
         except OSError:
             continue
         if root in args and state not in ("Z", "X"):
+            pids.append(int(name))
+    return pids
+
+
+def trainers_of(out: Path) -> list[int]:
+    """Pids of live demo trainers whose events go under ``out``."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+            with open(f"/proc/{name}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        events = [a for a in args if a.startswith(os.fsencode(out))]
+        if b"tierfs.demo.trainer" in args and events and state not in ("Z", "X"):
             pids.append(int(name))
     return pids
 
@@ -199,6 +219,7 @@ def test_sigterm_stops_everything_the_demo_started(tmp_path):
         assert proc.returncode == 128 + signal.SIGTERM, err
         assert b"demo stopped: interrupted by SIGTERM" in err
         assert emulators_of(out) == []
+        wait_for(lambda: trainers_of(out) == [], 60, "the trainers to stop")
         assert not any(is_mounted(m) for m in (out / "nodes").glob("node*/mnt"))
         for pid in daemons:
             assert (
@@ -237,6 +258,8 @@ def test_sigkill_of_the_demo_stops_everything_it_started(tmp_path):
         proc.kill()
         proc.wait()
         wait_for(lambda: emulators_of(out) == [], 60, "the emulator to stop")
+        # a trainer whose start the demo had not recorded yet dies with the demo
+        wait_for(lambda: trainers_of(out) == [], 60, "the trainers to stop")
         wait_for(
             lambda: not any(is_mounted(m) for m in (out / "nodes").glob("node*/mnt")),
             120,
@@ -250,6 +273,47 @@ def test_sigkill_of_the_demo_stops_everything_it_started(tmp_path):
             proc.wait()
         _clear_demo_mounts(out)
         subprocess.run(["rm", "-rf", str(shm)], check=False)
+
+
+CHILD = (
+    "import sys, time\n"
+    "from tierfs.demo.lifetime import die_with\n"
+    "die_with(int(sys.argv[1]))\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(600)\n"
+)
+PARENT = (
+    "import subprocess, sys, os, time\n"
+    "c = subprocess.Popen([sys.executable, '-c', sys.argv[1], str(os.getpid())],\n"
+    "                     stdout=subprocess.PIPE, text=True)\n"
+    "assert c.stdout.readline() == 'ready\\n'\n"
+    "print(c.pid, flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def test_a_trainer_dies_with_the_demo_even_by_sigkill():
+    """Regression: a demo SIGKILLed between starting a trainer and telling its reaper
+    left that trainer waiting for its peers for 30 minutes and more (seen in a
+    loaded `make test`). Trainers now ask the kernel for a parent-death SIGKILL."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, CHILD], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+        parent.kill()
+        parent.wait()
+        wait_for(lambda: not _alive(child), 30, "the child to die with its parent")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    # a parent that is already gone: the child exits at once
+    gone = subprocess.run(
+        [sys.executable, "-c", CHILD, "1"], capture_output=True, text=True, timeout=60
+    )
+    assert (gone.returncode, gone.stdout) == (1, "")
 
 
 def _alive(pid: int) -> bool:

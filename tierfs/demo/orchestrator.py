@@ -301,6 +301,8 @@ class Demo:
                         str(c.step_delay),
                         "--timeout",
                         str(c.timeout),
+                        "--parent",
+                        str(os.getpid()),
                     ],
                     stdout=log,
                     stderr=subprocess.STDOUT,

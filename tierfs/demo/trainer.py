@@ -16,6 +16,7 @@ timeline and check that every restore returned exactly what was saved.
 from __future__ import annotations
 
 import argparse
+import datetime
 import glob
 import hashlib
 import json
@@ -30,6 +31,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from tierfs.demo.lifetime import die_with
 
 MODEL_SIZES = {"tiny": 64, "small": 256, "medium": 1024, "large": 2048}
 
@@ -124,12 +127,22 @@ def main() -> None:
     ap.add_argument("--events", required=True)
     ap.add_argument("--step-delay", type=float, default=0.0)
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--parent", type=int, help="die with this process (the demo's pid)")
     args = ap.parse_args()
+    if args.parent:
+        die_with(args.parent)
     d = Path(args.mount)
     events = Path(args.events)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.master_port))
-    dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
+    # a peer that never comes (its start was cut short) ends this trainer within
+    # --timeout, not torch's default 30 minutes
+    dist.init_process_group(
+        "gloo",
+        rank=args.rank,
+        world_size=args.world,
+        timeout=datetime.timedelta(seconds=args.timeout),
+    )
     torch.manual_seed(0)
     hidden = MODEL_SIZES[args.model_size]
     model = torch.nn.Sequential(
