@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import zipfile
@@ -21,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from step_bytes import disk_step, mem_step
 
+from tierfs.demo.emulator import free_port
 from tierfs.store.validators import Kind, StepFiles, judge_step
 
 CLIENT = Path(__file__).resolve().parents[1] / "support" / "clients" / "dcp_ranks.py"
@@ -30,12 +30,6 @@ pytestmark = pytest.mark.slow
 
 def kinds(v) -> set[tuple[Kind, str]]:
     return {(p.kind, p.path) for p in v.problems}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(mode: str, dirs: list[Path]) -> list[subprocess.CompletedProcess[str]]:
