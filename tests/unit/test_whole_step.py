@@ -125,7 +125,9 @@ def test_node_rank_0_judges_keeps_and_says_it_once(tmp_path):
     catalog.add(p0)
     job = fake_ports.FakeJob(JobSpec(JOB, "generic", 0, 2))
     source = Manifests()
-    judge = WholeStepJudge(shards, catalog, job, source, job, trio.CapacityLimiter(1), retry=0.01)
+    judge = WholeStepJudge(
+        shards, catalog, job, source, job, trio.CapacityLimiter(1), retry=0.01, settle=0
+    )
 
     async def main() -> None:
         assert judge.pending(job.job) == [p0]
@@ -133,6 +135,7 @@ def test_node_rank_0_judges_keeps_and_says_it_once(tmp_path):
         assert await judge.judge(job.job, p0) is None
         assert judge.pending(job.job) == [p0] and catalog.whole_verdict(p0.key) is None
         source.parts[(1, 20)] = p1.manifest
+        assert await judge.judge(job.job, p0) is None  # the first look at every part
         whole = await judge.judge(job.job, p0)
         assert whole is not None
         assert whole.digests == (p0.manifest.digest, p1.manifest.digest)
@@ -237,24 +240,95 @@ def test_across_ranks_a_step_is_unloadable_exactly_when_a_shard_is_short_or_abse
         assert f"__{n - 1}_0.distcp" in why or short, why
 
 
-def test_a_manifest_got_once_is_not_asked_again_on_a_retry(tmp_path):
+def test_a_part_still_changing_is_judged_only_once_it_holds_still(tmp_path):
+    """Regression (helper-7): DCP saved straight into its directory seals node 1's part
+    file by file; node 0 judged the first 3-file part, said "missing: __1_10.distcp ...
+    not loadable" for a step that loads, and never looked again."""
     shards, p0 = node_part(tmp_path, 0, 20, rank0_files())
-    _, p1 = node_part(tmp_path, 1, 20, {"__1_0.distcp": W1})
-    _, p2 = node_part(tmp_path, 2, 20, {"x": b"2"})
+    _, early = node_part(tmp_path / "a", 1, 20, {"x.bin": b"half"})
+    _, p1 = node_part(tmp_path / "b", 1, 20, {"__1_0.distcp": W1})
     catalog = ShardCatalog(shards, 3)
     catalog.add(p0)
-    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 0, 3))
+    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 0, 2))
     source = Manifests()
-    source.parts[(1, 20)] = p1.manifest
-    judge = WholeStepJudge(shards, catalog, job, source, job, trio.CapacityLimiter(1))
+    source.parts[(1, 20)] = early.manifest
+    judge = WholeStepJudge(shards, catalog, job, source, job, trio.CapacityLimiter(1), settle=0)
 
     async def main() -> None:
-        assert await judge.judge(job.job, p0) is None  # rank 2 not there yet
-        source.parts[(2, 20)] = p2.manifest
-        assert await judge.judge(job.job, p0) is not None
+        assert await judge.judge(job.job, p0) is None  # first look
+        source.parts[(1, 20)] = p1.manifest  # node 1 sealed again: the part grew
+        assert await judge.judge(job.job, p0) is None  # it changed: look again
+        whole = await judge.judge(job.job, p0)
+        assert whole is not None and whole.unloadable == ""
+        assert whole.digests == (p0.manifest.digest, p1.manifest.digest)
 
     trio.run(main)
-    assert source.asked == [(1, 20), (2, 20), (2, 20)]
+    assert job.errors == []
+
+
+def test_the_parts_must_hold_still_for_the_settle_time(tmp_path):
+    shards, p0 = node_part(tmp_path, 0, 20, rank0_files())
+    _, p1 = node_part(tmp_path, 1, 20, {"__1_0.distcp": W1})
+    catalog = ShardCatalog(shards, 3)
+    catalog.add(p0)
+    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 0, 2))
+    source = Manifests()
+    source.parts[(1, 20)] = p1.manifest
+    judge = WholeStepJudge(shards, catalog, job, source, job, trio.CapacityLimiter(1), settle=60)
+
+    async def main() -> None:
+        assert await judge.judge(job.job, p0) is None
+        assert await judge.judge(job.job, p0) is None  # same digests, but not 60 s yet
+
+    trio.run(main)
+
+
+def test_the_verdict_is_never_better_than_a_parts_own(tmp_path):
+    """Regression (helper-7): node 1's own part was `no: damaged: arr.npy` while node 0
+    said `yes (numpy, all 2 ranks)` for the step."""
+    shards, p0 = node_part(tmp_path, 0, 20, {"blob0": b"0" * 100})
+    npy = b"\x93NUMPY\x01\x00v\x00{'descr': '<f8', 'fortran_order': False, 'shape': (1000,), }"
+    npy = npy + b" " * (127 - len(npy)) + b"\n" + b"\0" * 600
+    _, p1 = node_part(tmp_path, 1, 20, {"blob1": b"1" * 100, "arr.npy": npy})
+    assert p1.manifest.verdict is not None and p1.manifest.verdict.reason(whole=False)
+    catalog = ShardCatalog(shards, 3)
+    catalog.add(p0)
+    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 0, 2))
+    source = Manifests()
+    source.parts[(1, 20)] = p1.manifest
+    judge = WholeStepJudge(shards, catalog, job, source, job, trio.CapacityLimiter(1), settle=0)
+
+    async def main() -> WholeVerdict | None:
+        await judge.judge(job.job, p0)
+        return await judge.judge(job.job, p0)
+
+    whole = trio.run(main)
+    assert whole is not None
+    assert whole.unloadable.startswith("damaged: 20/arr.npy") and "rank 1's own part" in (
+        whole.unloadable
+    )
+
+
+def test_a_file_read_on_another_node_is_said_to_be_judged_by_size(tmp_path):
+    """Regression (helper-7): DCP's rank 0 on node 1 (elastic rendezvous): node 0 cannot
+    read `.metadata`; it said `yes (dcp, all 2 ranks)` for a step with a truncated shard."""
+    md = dcp_metadata([("w0", "__0_0.distcp", 0, len(W0)), ("w1", "__1_0.distcp", 0, len(W1))])
+    shards, p0 = node_part(tmp_path, 0, 20, {"__1_0.distcp": W1[:100]})
+    _, p1 = node_part(tmp_path, 1, 20, {".metadata": md, "__0_0.distcp": W0})
+    catalog = ShardCatalog(shards, 3)
+    catalog.add(p0)
+    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 0, 2))
+    source = Manifests()
+    source.parts[(1, 20)] = p1.manifest
+    judge = WholeStepJudge(shards, catalog, job, source, job, trio.CapacityLimiter(1), settle=0)
+
+    async def main() -> WholeVerdict | None:
+        await judge.judge(job.job, p0)
+        return await judge.judge(job.job, p0)
+
+    whole = trio.run(main)
+    assert whole is not None and whole.unloadable == ""
+    assert whole.unread == "20/.metadata"  # status: "may load (... by size ...)", never "yes"
 
 
 def test_a_judgement_that_fails_leaves_the_step_unjudged_and_the_loop_running(tmp_path):
@@ -281,3 +355,19 @@ def test_a_judgement_that_fails_leaves_the_step_unjudged_and_the_loop_running(tm
 
     trio.run(main)
     assert source.asked == [(1, 20)] and catalog.whole_verdict(p0.key) is None
+
+
+def test_node_0_finds_a_member_that_is_not_its_replica_partner_through_its_coordinator():
+    """Regression (helper-7): node 0 asked only its replica partners (the address book
+    holds no one else), so in 3- and 4-node jobs it never judged a step."""
+    from types import SimpleNamespace
+
+    from tierfs.replication.peer import _member_address
+
+    coord = SimpleNamespace(
+        members={2: SimpleNamespace(address="10.0.0.2:7700"), 3: SimpleNamespace(address="x")},
+        live=lambda rank: rank == 2,
+    )
+    assert _member_address(2)(coord) == "10.0.0.2:7700"
+    assert _member_address(3)(coord) is None  # not live
+    assert _member_address(1)(coord) is None  # unknown

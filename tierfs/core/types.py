@@ -88,11 +88,14 @@ class WholeVerdict:
             length is the job's node count).
         unloadable: why these parts together can never load, "" if they may.
         format: the detected formats (``"dcp"``...).
+        unread: a file whose bytes the judge needed but another node holds
+            (judged by its size only), "" if none; only when ``unloadable`` is "".
     """
 
     digests: tuple[str, ...]
     unloadable: str
     format: str = "unknown"
+    unread: str = ""
 
 
 @dataclass(frozen=True)

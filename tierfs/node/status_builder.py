@@ -177,6 +177,11 @@ class StatusBuilder:
         if whole is not None and whole.digests and whole.digests[0] == shard.manifest.digest:
             if whole.unloadable:
                 return f"no, across its {job.nodes} ranks: {whole.unloadable}"
+            if whole.unread:
+                return (
+                    f"may load ({whole.format}, {job.nodes} ranks by size: "
+                    f"{whole.unread} is read on its own node)"
+                )
             return f"yes ({whole.format}, all {job.nodes} ranks)"
         return loads_summary(shard.manifest.verdict, whole=job.nodes == 1)
 

@@ -18,9 +18,16 @@ together (:mod:`tierfs.cluster.restore_choice`), and into ``tierfs status``
 (``loads``). A step that can never load gets one line in
 ``replicator.errors``.
 
-Cost: N - 1 manifest calls per sealed step, on node-rank 0 only. A step whose
-parts are not all reachable is tried again every ``retry`` seconds for
+Cost: 2 x (N - 1) manifest calls per sealed step (the parts must hold still
+for ``settle`` seconds between two looks), on node-rank 0 only. A step whose
+parts are not all reachable is looked at again every ``retry`` seconds for
 ``patience`` seconds, then left unjudged (the per-part verdicts still hold).
+A verdict is never better than any part's own verdict, and it says when a
+file was judged by its size only (its bytes are on another node). Limits: a
+part that changes after the judgement (a rank re-sealing its part) is not
+judged again (the restore choice then ignores the verdict: it names other
+digests); node 0 reaches the nodes it exchanges replicas with, and every
+node of the job when it serves the coordinator.
 A verdict is kept beside the part's manifest (``whole.json``,
 :meth:`tierfs.store.shards.ShardStore.save_whole`): a restarted node-rank 0
 whose RAM survived still has it before its first restore round.
@@ -29,7 +36,6 @@ whose RAM survived still has it before its first restore round.
 from __future__ import annotations
 
 import logging
-import math
 
 import trio
 
@@ -50,6 +56,12 @@ JUDGE_RANK = 0
 class WholeStepJudge:
     """Judges node-rank 0's sealed steps of a multi-node job over every rank's part.
 
+    A step is judged once every part holds still: the manifests of all parts
+    are asked for again every ``retry`` seconds and judged when two looks at
+    least ``settle`` seconds apart name the same digests (a part sealed file by
+    file while it is still being written, e.g. DCP saved straight into its
+    directory, is not judged half written).
+
     Args:
         shards: the store of committed shards (keeps a verdict beside its manifest).
         catalog: the held shards (own parts, replicas); its seals wake the judge;
@@ -58,8 +70,11 @@ class WholeStepJudge:
         manifests: the other nodes' manifests of their parts.
         reporter: ``replicator.errors`` for a step that can never load.
         io_limiter: the node's file-work limiter (the judgement reads bytes).
-        retry: seconds between attempts while some part is not reachable.
-        patience: seconds after the first attempt before a step is left unjudged.
+        retry: seconds between looks while a step is not judged yet.
+        settle: seconds the parts' digests must stay the same before judging.
+        patience: seconds after the first look before a step is left unjudged.
+        idle: seconds between looks for unjudged steps when no seal woke the
+            judge (a step restored into the catalog is not a seal).
     """
 
     def __init__(
@@ -72,7 +87,9 @@ class WholeStepJudge:
         io_limiter: trio.CapacityLimiter,
         *,
         retry: float = 2.0,
+        settle: float = 2.0,
         patience: float = 600.0,
+        idle: float = 30.0,
     ) -> None:
         self.shards = shards
         self.catalog = catalog
@@ -81,12 +98,14 @@ class WholeStepJudge:
         self.reporter = reporter
         self.io_limiter = io_limiter
         self.retry = retry
+        self.settle = settle
         self.patience = patience
+        self.idle = idle
         self._wake = trio.Event()
         self._first_try: dict[tuple[ShardKey, str], float] = {}
         self._given_up: set[tuple[ShardKey, str]] = set()
-        #: manifests got so far for a step not judged yet (not asked again on a retry)
-        self._got: dict[tuple[ShardKey, str], dict[int, Manifest]] = {}
+        #: the parts' digests at the last look, and since when they were the same
+        self._seen: dict[tuple[ShardKey, str], tuple[tuple[str, ...], float]] = {}
         catalog.on_sealed(self.on_sealed)
 
     def on_sealed(self, shard: Shard) -> None:
@@ -110,7 +129,7 @@ class WholeStepJudge:
         return out
 
     async def run(self) -> None:
-        """Judge what is pending, wait for a seal (or retry), forever (trio task).
+        """Judge what is pending, wait for a seal (or the next look), forever (trio task).
 
         A judgement that fails unexpectedly leaves that step unjudged (logged);
         it never ends the loop or the daemon.
@@ -124,48 +143,67 @@ class WholeStepJudge:
                 except Exception:
                     log.exception("judging step %d across ranks failed", shard.key.step)
                     self._forget((shard.key, shard.manifest.digest), given_up=True)
-            wait = self.retry if self.pending(self.current.job) else math.inf
+            wait = self.retry if self.pending(self.current.job) else self.idle
             with trio.move_on_after(wait):
                 await self._wake.wait()
             self._wake = trio.Event()
 
     async def judge(self, job: JobSpec, shard: Shard) -> WholeVerdict | None:
-        """Judge ``shard``'s step over every rank's part; the verdict, or None while
-        a part is not reachable (or the judgement failed)."""
+        """Look at ``shard``'s step across ranks; the verdict once the parts held still
+        for ``settle`` seconds, else None (a part not reachable, still changing, or
+        the judgement failed)."""
         step = shard.key.step
         ident = (shard.key, shard.manifest.digest)
-        first = self._first_try.setdefault(ident, trio.current_time())
-        got = self._got.setdefault(ident, {})
+        now = trio.current_time()
+        first = self._first_try.setdefault(ident, now)
         manifests: list[Manifest] = [shard.manifest]
         dirs = {JUDGE_RANK: shard.data}
         for rank in range(1, job.nodes):
             held = self.catalog.get(ShardKey(job.name, rank, step))
-            if held is not None:
-                manifests.append(held.manifest)
-                dirs[rank] = held.data
-                continue
-            if rank not in got:
-                asked = await self.manifests.part_manifest(job.name, rank, step)
-                if asked is None:
-                    if trio.current_time() - first > self.patience:
-                        self._forget(ident, given_up=True)
-                        log.warning(
-                            "step %d is not judged across ranks: rank %d's part was not "
-                            "reachable for %.0f s",
-                            step,
-                            rank,
-                            self.patience,
-                        )
-                    return None
-                got[rank] = asked
-            manifests.append(got[rank])
+            got = await self.manifests.part_manifest(job.name, rank, step)
+            if got is None and held is not None:
+                got = held.manifest  # its node is not reachable: the copy held here
+            if got is None:
+                if now - first > self.patience:
+                    self._forget(ident, given_up=True)
+                    log.warning(
+                        "step %d is not judged across ranks: rank %d's part was not "
+                        "reachable for %.0f s",
+                        step,
+                        rank,
+                        self.patience,
+                    )
+                return None
+            if held is not None and held.manifest.digest == got.digest:
+                dirs[rank] = held.data  # the same bytes are here: read them
+            manifests.append(got)
+        digests = tuple(m.digest for m in manifests)
+        seen = self._seen.get(ident)
+        if seen is None or seen[0] != digests:
+            self._seen[ident] = (digests, now)
+            return None
+        if now - seen[1] < self.settle:
+            return None
         async with self.io_limiter:
             result = await trio.to_thread.run_sync(judge_whole, manifests, dirs)
         self._forget(ident, given_up=result is None)
         if result is None:
             return None
         verdict, why = result
-        whole = WholeVerdict(tuple(m.digest for m in manifests), why, verdict.format)
+        if not why:
+            # never better than a part's own verdict (judged with all its bytes)
+            why = next(
+                (
+                    f"{r} (rank {m.rank}'s own part)"
+                    for m in manifests
+                    if m.verdict is not None
+                    for r in (m.verdict.reason(whole=False),)
+                    if r
+                ),
+                "",
+            )
+        unread = next((p.path for p in verdict.problems if p.kind == "unreadable"), "")
+        whole = WholeVerdict(digests, why, verdict.format, "" if why else unread)
         if self.catalog.get(shard.key) is not shard:
             return None  # dropped or replaced while judged
         self.catalog.set_whole_verdict(shard.key, whole)
@@ -179,12 +217,17 @@ class WholeStepJudge:
                 f"across its {job.nodes} ranks: {why}; it is not restored while an older "
                 "complete step exists"
             )
-        log.info("step %d judged across %d ranks: %s", step, job.nodes, why or "it may load")
+        log.info(
+            "step %d judged across %d ranks: %s",
+            step,
+            job.nodes,
+            why or (f"sizes only for {unread}" if unread else "it may load"),
+        )
         return whole
 
     def _forget(self, ident: tuple[ShardKey, str], given_up: bool) -> None:
         """Drop what was kept for judging ``ident``; remember a step given up on."""
         self._first_try.pop(ident, None)
-        self._got.pop(ident, None)
+        self._seen.pop(ident, None)
         if given_up:
             self._given_up.add(ident)

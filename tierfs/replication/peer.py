@@ -380,11 +380,15 @@ class PeerTier:
         A :class:`tierfs.core.ports.ManifestSource` (:mod:`tierfs.node.whole_step`).
         """
         peer = self.book.reachable(rank)
-        if peer is None:
+        address = peer.address if peer is not None else None
+        if address is None and self.coordinator is not None:
+            # not a replica partner: the coordinator this node serves knows every member
+            address = await self.call(self.coordinator.locked, _member_address(rank))
+        if not address:
             return None
         try:
             manifest: Manifest = await self.call(
-                self.client.manifest, peer.address, ShardKey(job, rank, step)
+                self.client.manifest, address, ShardKey(job, rank, step)
             )
         except (grpc.RpcError, Refused, BadCopy) as exc:
             log.debug("manifest of step %d of rank %d: %s", step, rank, exc)
@@ -558,3 +562,16 @@ class PeerTier:
                 self.coordinator.status() if self.coordinator is not None and serving else None
             ),
         )
+
+
+def _member_address(rank: int) -> Callable[[Any], str | None]:
+    """For :meth:`CoordinatorHooks.locked`: the address of live member ``rank`` of the
+    coordinator this node serves, None if it has none (or serves no job)."""
+
+    def read(coordinator: Any) -> str | None:
+        member = coordinator.members.get(rank)
+        if member is None or not coordinator.live(rank):
+            return None
+        return str(member.address) or None
+
+    return read

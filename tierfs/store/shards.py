@@ -182,6 +182,7 @@ class ShardStore:
             "digests": list(verdict.digests),
             "unloadable": verdict.unloadable,
             "format": verdict.format,
+            "unread": verdict.unread,
         }
         tmp = os.path.join(shard.path, WHOLE + ".tmp")
         with open(tmp, "w") as f:
@@ -351,6 +352,7 @@ def _read_whole(path: str) -> WholeVerdict | None:
             tuple(str(d) for d in doc["digests"]),
             str(doc.get("unloadable", "")),
             str(doc.get("format", "unknown")),
+            str(doc.get("unread", "")),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
