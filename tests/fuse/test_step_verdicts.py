@@ -9,6 +9,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 from conftest import tierfs
 from mtc_clients import nemo_write_yaml, ocdbt_manifest, orbax_yaml, wait_for
 from step_bytes import dcp_metadata
@@ -168,3 +169,35 @@ def test_generic_mode_names_the_step_that_would_not_load(make_mount):
     assert manifests[100]["verdict"]["state"] == "complete"
     assert manifests[200]["verdict"]["state"] == "incomplete"
     assert [p["kind"] for p in manifests[200]["verdict"]["problems"]] == ["damaged"]
+
+
+@pytest.mark.parametrize(
+    ("tracker", "dirname", "text"),
+    [
+        ("latest_checkpointed_iteration.txt", "iter_{:07d}", "{}"),
+        ("latest", "global_step{}", "global_step{}"),
+    ],
+    ids=["megatron", "deepspeed"],
+)
+def test_a_tracker_rewritten_for_the_next_step_leaves_the_step_before_sealed(
+    make_mount, tracker, dirname, text
+):
+    """Regression (a new user's trial): Megatron and DeepSpeed rewrite their tracker file
+    in place for every save. It was hard-linked into the previous step's snapshot, so the
+    rewrite withdrew that step's seal ("a sealed file was opened for writing"): only the
+    newest step was ever sealed, with nothing older to fall back on."""
+    m = make_mount()
+    d = m.path
+    for step in (100, 200):
+        part = d / dirname.format(step) / "mp_rank_00"
+        part.mkdir(parents=True)
+        (part / "model_optim_rng.pt").write_bytes(os.urandom(2000))
+        (d / tracker).write_text(text.format(step))  # in place, as both frameworks do
+        wait_sealed(d, step)
+    states = {s["step"]: s["state"] for s in status(d)["steps"]}
+    assert states[100] != "writing" and states[200] != "writing", states
+    assert "a sealed file was opened for writing" not in m.log()
+    # each snapshot keeps the tracker as it named its own step
+    for step in (100, 200):
+        (kept,) = glob.glob(str(m.ram_dir / "store" / "shards" / "*" / "0" / str(step)))
+        assert (Path(kept) / "data" / tracker).read_text() == text.format(step)

@@ -25,7 +25,7 @@ import trio
 from tierfs.core.config import NodeConfig
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.jobstate import JobState
-from tierfs.node.sealing import SealCandidate
+from tierfs.node.sealing import TRACKERS, SealCandidate
 from tierfs.node.steps import StepBook, top_of
 from tierfs.node.tasks import TaskSpawner
 from tierfs.node.view import ClientView
@@ -152,6 +152,9 @@ class Sealer:
                     cancelled=lambda: any(book.generation[t] != gens[t] for t in tops),
                     on_inodes=lambda inos: self._mark_sealing(inos, token),
                     created=book.withdrawn_created.get(key) or cand.created,
+                    # the next step rewrites a tracker in place: a hard link would
+                    # make that rewrite withdraw this step's seal
+                    copied=[e for e in cand.entries if e in TRACKERS],
                 )
 
             try:

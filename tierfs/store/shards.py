@@ -203,6 +203,7 @@ class ShardStore:
         on_inodes: Callable[[set[int]], None] | None = None,
         created: float | None = None,
         judge: bool = True,
+        copied: Iterable[str] = (),
     ) -> Shard:
         """Seal: hard-link ``view/<entry>`` for each entry into a new shard and checksum it.
 
@@ -222,6 +223,9 @@ class ShardStore:
                 (newest by seal time) does not rank it above later steps.
             judge: record in the manifest whether the step's framework could
                 load this part (:func:`tierfs.store.verdicts.judge_part`).
+            copied: entries (regular files) copied, not hard-linked: files that
+                the next step rewrites in place (Megatron's and DeepSpeed's
+                tracker files), so that rewrite leaves this snapshot sealed.
 
         Raises:
             SealBusy: a file is still open for writing.
@@ -231,12 +235,17 @@ class ShardStore:
             OSError: an entry vanished or changed meanwhile.
         """
         entries = tuple(entries)
+        copy = set(copied)
         inc = self.ram.new_incoming(f"seal-{key.rank}-{key.step}")
         data = os.path.join(inc, "data")
         os.mkdir(data)
         try:
             for entry in entries:
-                link_tree(os.path.join(view, entry), os.path.join(data, entry))
+                src, dst = os.path.join(view, entry), os.path.join(data, entry)
+                if entry in copy and stat.S_ISREG(os.lstat(src).st_mode):
+                    shutil.copy2(src, dst)
+                else:
+                    link_tree(src, dst)
             inodes = file_inodes(data)
             if on_inodes is not None:
                 on_inodes(inodes)
