@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import tierfs
 from gcs_cluster import backed_up, errors, gcs_status, handshake, save, status, step_files, wait_for
 
 from tierfs.backup.bucket import GcsBackend, GcsSettings
@@ -174,6 +175,35 @@ def test_one_node_backs_up_and_restores_from_the_bucket(make_mount, fake_gcs):
     assert none["restored"] is None
     assert "restore.version names round 2031-01-01_00-00, which does not exist" in none["errors"]
     assert "{}" in none["prerestore"]
+
+
+def test_a_one_node_generic_job_gets_its_backup_back_after_losing_its_ram(make_mount, fake_gcs):
+    """Regression (a new user's trial): a one-node job in generic mode with --bucket that
+    lost its RAM said `no restore needed` (tierfs wait exit 0) and started with an empty
+    mount although its backup rounds existed: a silent fresh start."""
+    m = make_mount("--bucket", fake_gcs.bucket, "--backup-interval-steps", "1")
+    d = m.path
+    data = {step: os.urandom(3000) for step in (1, 2)}
+    rounds = {}
+    for step in (1, 2):
+        tmp = d / f"tmp-checkpoint-{step}"
+        tmp.mkdir()
+        (tmp / "weights.bin").write_bytes(data[step])
+        os.rename(tmp, d / f"checkpoint-{step}")
+        rounds[step] = wait_for(lambda step=step: backed_up(d, step), 60, f"step {step} backed up")
+    remount_wiped(m)
+    waited = tierfs("wait", str(d), "--timeout", "120", check=False, timeout=180)
+    assert (waited.returncode, waited.stdout.strip()) == (
+        0,
+        f"restored step 2 from GCS round {rounds[2]}",
+    ), waited.stderr
+    assert (d / "checkpoint-2" / "weights.bin").read_bytes() == data[2]
+    # its RAM kept (a daemon restart): the newest step is its own, nothing to fetch
+    m.kill9()
+    m.mount()
+    waited = tierfs("wait", str(d), "--timeout", "120", check=False, timeout=180)
+    assert (waited.returncode, waited.stdout.strip()) == (0, "restored step 2 from local")
+    assert (d / "checkpoint-2" / "weights.bin").read_bytes() == data[2]
 
 
 def test_one_node_unreachable_bucket_never_blocks_training(make_mount, fake_gcs, monkeypatch):

@@ -275,9 +275,15 @@ class NodeAgent:
             # the previous daemon died between consuming the yaml and publishing
             # the marker: the client still waits for one
             self.tasks.spawn(self.restores.resume, job)
-        elif self.mode == "generic" and job is not None and job.nodes > 1:
+        elif (
+            self.mode == "generic"
+            and job is not None
+            and (job.nodes > 1 or self.restorer.bucket is not None)
+        ):
             # visible at once, so `tierfs wait` right after the mount waits for it
-            # (unless the coordinator summoned this node while its tiers started)
+            # (unless the coordinator summoned this node while its tiers started);
+            # a one-node job with a bucket restores too: after losing its RAM its
+            # backup rounds are all it has (never a silent fresh start)
             self.restores.start_generic(job)
 
     async def shutdown(self) -> None:
