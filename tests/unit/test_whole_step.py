@@ -21,7 +21,7 @@ from tierfs.node.whole_step import WholeStepJudge
 from tierfs.store.manifest import FileEntry, Manifest
 from tierfs.store.ramstore import RamStore
 from tierfs.store.shards import Shard, ShardKey, ShardStore
-from tierfs.store.verdicts import judge_whole, whole_unloadable
+from tierfs.store.verdicts import judge_whole, loads_across, whole_unloadable
 
 JOB = "train"
 W0, W1 = b"a" * 3000, b"b" * 2000
@@ -371,3 +371,16 @@ def test_node_0_finds_a_member_that_is_not_its_replica_partner_through_its_coord
     assert _member_address(2)(coord) == "10.0.0.2:7700"
     assert _member_address(3)(coord) is None  # not live
     assert _member_address(1)(coord) is None  # unknown
+
+
+def test_status_words_of_a_step_judged_across_ranks():
+    assert loads_across(WholeVerdict(("a", "b"), "damaged: x"), 2) == (
+        "no, across its 2 ranks: damaged: x"
+    )
+    assert loads_across(WholeVerdict(("a", "b"), "", "unknown"), 2) == (
+        "rename rule (no known format)"
+    )
+    assert loads_across(WholeVerdict(("a", "b"), "", "dcp", "9/.metadata"), 2) == (
+        "may load (dcp, 2 ranks by size: 9/.metadata is read on its own node)"
+    )
+    assert loads_across(WholeVerdict(("a", "b"), "", "dcp"), 2) == "yes (dcp, all 2 ranks)"

@@ -34,7 +34,7 @@ from tierfs.node.jobstate import JobState
 from tierfs.node.steps import StepBook
 from tierfs.store.ramstore import Budget, RamStore
 from tierfs.store.shards import Shard
-from tierfs.store.verdicts import loads_summary
+from tierfs.store.verdicts import loads_across, loads_summary
 
 __all__ = ["StatusBuilder", "StatusTier", "filesystem_status"]
 
@@ -175,14 +175,7 @@ class StatusBuilder:
         """The ``loads`` words of an own step: judged across ranks where this node did."""
         whole = self.catalog.whole_verdict(shard.key)
         if whole is not None and whole.digests and whole.digests[0] == shard.manifest.digest:
-            if whole.unloadable:
-                return f"no, across its {job.nodes} ranks: {whole.unloadable}"
-            if whole.unread:
-                return (
-                    f"may load ({whole.format}, {job.nodes} ranks by size: "
-                    f"{whole.unread} is read on its own node)"
-                )
-            return f"yes ({whole.format}, all {job.nodes} ranks)"
+            return loads_across(whole, job.nodes)
         return loads_summary(shard.manifest.verdict, whole=job.nodes == 1)
 
     def usage_status(self, job: JobSpec | None) -> UsageStatus | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 
+from tierfs.core.types import WholeVerdict
 from tierfs.store.manifest import (
     COMPLETE,
     INCOMPLETE,
@@ -159,3 +160,19 @@ def judge_whole(
     if verdict is None:
         return None
     return verdict, whole_unloadable(verdict)
+
+
+def loads_across(whole: WholeVerdict, nodes: int) -> str:
+    """The ``loads`` words of a step judged across its ``nodes`` ranks (pure): ``no,
+    across its 2 ranks: ...``, ``rename rule (no known format)``, ``may load (dcp, 2
+    ranks by size: 20/.metadata is read on its own node)`` or ``yes (dcp, all 2 ranks)``."""
+    if whole.unloadable:
+        return f"no, across its {nodes} ranks: {whole.unloadable}"
+    if whole.format == "unknown":
+        return "rename rule (no known format)"
+    if whole.unread:
+        return (
+            f"may load ({whole.format}, {nodes} ranks by size: "
+            f"{whole.unread} is read on its own node)"
+        )
+    return f"yes ({whole.format}, all {nodes} ranks)"
