@@ -13,6 +13,7 @@ import pytest
 from google.api_core import exceptions as gexc
 
 from tierfs.backup.bucket import ChecksumMismatch, IncompleteRound
+from tierfs.backup.errors import BucketTimeout
 from tierfs.backup.tier import GcsTier
 from tierfs.cluster.restore_choice import INCOMPLETE, choose_restore
 from tierfs.core.types import Holding
@@ -67,7 +68,9 @@ def test_a_node_whose_pointer_never_arrived_leaves_the_round_incomplete(nodes):
     upload_round(b, nodes, R1, 4)
     server.inject("status", "put", ".meta", status=503, times=None)  # rank 0's pointer
     shard = fb.seal(nodes[0], JOB, 0, 5, content(0, 5))
-    with pytest.raises(gexc.RetryError):
+    # it gives up either when its retries are spent or, on a loaded machine, when the
+    # 0.2 s deadline runs out first (BucketTimeout; seen in a loaded make test)
+    with pytest.raises((gexc.RetryError, BucketTimeout)):
         giving_up.upload_shard(shard, R2, nodes=2)
     server.clear_faults()
     b.upload_shard(fb.seal(nodes[1], JOB, 1, 5, content(1, 5)), R2, nodes=2)
