@@ -6,28 +6,30 @@ from __future__ import annotations
 
 import socket
 
-from tierfs.demo.emulator import _below_ephemeral, free_port
+from tierfs.demo import emulator
+from tierfs.demo.emulator import free_port
 
 
-def test_never_the_same_port_twice_and_outside_the_ephemeral_range():
+def test_never_the_same_port_twice():
     ports = [free_port() for _ in range(300)]
     assert len(set(ports)) == len(ports)
-    allowed = _below_ephemeral()
-    assert all(p in allowed for p in ports) if len(allowed) else True
     for p in ports[:20]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))  # free right now
 
 
-def test_a_port_in_use_or_handed_out_before_is_skipped(monkeypatch):
-    from tierfs.demo import emulator
-
+def test_a_port_the_kernel_gives_again_is_skipped(monkeypatch):
     given = free_port()
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        taken = busy.getsockname()[1]
-        draws = iter([taken, given, taken, 0])  # 0: the kernel's choice
-        monkeypatch.setattr(emulator.random, "choice", lambda seq: next(draws))
-        got = free_port()
-    assert got not in (taken, given, 0)
+
+    class Repeating(socket.socket):
+        """The kernel's choice repeats the port handed out before, then moves on."""
+
+        calls = 0
+
+        def bind(self, address: object) -> None:
+            Repeating.calls += 1
+            super().bind(("127.0.0.1", given if Repeating.calls == 1 else 0))
+
+    monkeypatch.setattr(emulator.socket, "socket", Repeating)
+    got = free_port()
+    assert Repeating.calls == 2 and got != given

@@ -12,7 +12,6 @@ import ctypes
 import ctypes.util
 import os
 import platform
-import random
 import signal
 import socket
 import subprocess
@@ -72,36 +71,23 @@ def _parent_death_signal() -> Callable[[], None]:
 _HANDED_OUT: set[int] = set()
 
 
-def _below_ephemeral() -> range:
-    """Ports below the kernel's ephemeral range (which outgoing connections take)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    return range(max(1024, low - 12000), low)
-
-
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now, for a server started next.
 
-    Never the same port twice in one process: binding port 0 and closing the
-    socket, twice in a row, can give the same port both times (two nodes of a
-    test cluster got one port, 2 December 2026). Picked at random below the
-    ephemeral range, so an outgoing connection's source port cannot take it
-    before the server binds it; bind(0) when that range is empty.
+    The kernel's choice (bind to port 0), from its ephemeral range, which no
+    server listens on by convention (a range below it held ports that programs
+    pick by hand: torch's 29500 and its neighbours, seen colliding). Never the
+    same port twice in one process: binding port 0 and closing the socket, twice
+    in a row, can give one port both times (two nodes of a test cluster got the
+    same port, 2 December 2026).
+
+    Raises:
+        OSError: no new free port in 200 tries.
     """
-    choices = _below_ephemeral()
     for _ in range(200):
-        port = random.choice(choices) if len(choices) else 0
-        if port in _HANDED_OUT:
-            continue
         with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            port = s.getsockname()[1]
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port
