@@ -33,10 +33,9 @@ needs_demo_parts = pytest.mark.skipif(
 )
 
 
-def emulators_of(out: Path) -> list[int]:
-    """Pids of live fake-gcs-server processes whose objects live under ``out``."""
-    root = os.fsencode(out / "gcs" / "data")
-    pids = []
+def live_processes() -> list[tuple[int, list[bytes]]]:
+    """(pid, command-line arguments) of every process that is not a zombie."""
+    out = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -47,28 +46,25 @@ def emulators_of(out: Path) -> list[int]:
                 state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if root in args and state not in ("Z", "X"):
-            pids.append(int(name))
-    return pids
+        if state not in ("Z", "X"):
+            out.append((int(name), args))
+    return out
+
+
+def emulators_of(out: Path) -> list[int]:
+    """Pids of live fake-gcs-server processes whose objects live under ``out``."""
+    root = os.fsencode(out / "gcs" / "data")
+    return [pid for pid, args in live_processes() if root in args]
 
 
 def trainers_of(out: Path) -> list[int]:
     """Pids of live demo trainers whose events go under ``out``."""
-    pids = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
-            with open(f"/proc/{name}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        events = [a for a in args if a.startswith(os.fsencode(out))]
-        if b"tierfs.demo.trainer" in args and events and state not in ("Z", "X"):
-            pids.append(int(name))
-    return pids
+    under = os.fsencode(out)
+    return [
+        pid
+        for pid, args in live_processes()
+        if b"tierfs.demo.trainer" in args and any(a.startswith(under) for a in args)
+    ]
 
 
 def timeline_text(out: Path) -> str:

@@ -118,16 +118,35 @@ class Manifests:
         return self.parts.get((rank, step))
 
 
+def judge_of(
+    shards: ShardStore, p0: Shard, parts: dict[int, Manifest], nodes: int = 2, **kw: float
+) -> tuple[WholeStepJudge, ShardCatalog, fake_ports.FakeJob, Manifests]:
+    """A judge on node-rank 0 holding ``p0``, the other nodes answering with ``parts``
+    (rank -> manifest of its part of the step)."""
+    catalog = ShardCatalog(shards, 3)
+    catalog.add(p0)
+    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 0, nodes))
+    source = Manifests()
+    source.parts.update({(rank, p0.key.step): m for rank, m in parts.items()})
+    judge = WholeStepJudge(shards, catalog, job, source, job, trio.CapacityLimiter(1), **kw)
+    return judge, catalog, job, source
+
+
+def judged_after_two_looks(judge: WholeStepJudge, job: fake_ports.FakeJob, p0: Shard):
+    """The verdict of the second look (the parts held still between the two)."""
+
+    async def main() -> WholeVerdict | None:
+        assert job.job is not None
+        await judge.judge(job.job, p0)
+        return await judge.judge(job.job, p0)
+
+    return trio.run(main)
+
+
 def test_node_rank_0_judges_keeps_and_says_it_once(tmp_path):
     shards, p0 = node_part(tmp_path, 0, 20, rank0_files())
     _, p1 = node_part(tmp_path, 1, 20, {"__1_0.distcp": W1[:500]})
-    catalog = ShardCatalog(shards, 3)
-    catalog.add(p0)
-    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 0, 2))
-    source = Manifests()
-    judge = WholeStepJudge(
-        shards, catalog, job, source, job, trio.CapacityLimiter(1), retry=0.01, settle=0
-    )
+    judge, catalog, job, source = judge_of(shards, p0, {}, retry=0.01, settle=0)
 
     async def main() -> None:
         assert judge.pending(job.job) == [p0]
@@ -172,13 +191,7 @@ def test_only_node_rank_0_of_a_multi_node_job_judges(tmp_path, spec):
 
 def test_a_part_not_reachable_for_its_patience_is_left_unjudged(tmp_path):
     shards, p0 = node_part(tmp_path, 0, 20, rank0_files())
-    catalog = ShardCatalog(shards, 3)
-    catalog.add(p0)
-    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 0, 2))
-    source = Manifests()
-    judge = WholeStepJudge(
-        shards, catalog, job, source, job, trio.CapacityLimiter(1), retry=0.01, patience=0.05
-    )
+    judge, catalog, job, source = judge_of(shards, p0, {}, retry=0.01, patience=0.05)
 
     async def main() -> None:
         with trio.move_on_after(5):
@@ -247,12 +260,7 @@ def test_a_part_still_changing_is_judged_only_once_it_holds_still(tmp_path):
     shards, p0 = node_part(tmp_path, 0, 20, rank0_files())
     _, early = node_part(tmp_path / "a", 1, 20, {"x.bin": b"half"})
     _, p1 = node_part(tmp_path / "b", 1, 20, {"__1_0.distcp": W1})
-    catalog = ShardCatalog(shards, 3)
-    catalog.add(p0)
-    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 0, 2))
-    source = Manifests()
-    source.parts[(1, 20)] = early.manifest
-    judge = WholeStepJudge(shards, catalog, job, source, job, trio.CapacityLimiter(1), settle=0)
+    judge, _, job, source = judge_of(shards, p0, {1: early.manifest}, settle=0)
 
     async def main() -> None:
         assert await judge.judge(job.job, p0) is None  # first look
@@ -269,12 +277,7 @@ def test_a_part_still_changing_is_judged_only_once_it_holds_still(tmp_path):
 def test_the_parts_must_hold_still_for_the_settle_time(tmp_path):
     shards, p0 = node_part(tmp_path, 0, 20, rank0_files())
     _, p1 = node_part(tmp_path, 1, 20, {"__1_0.distcp": W1})
-    catalog = ShardCatalog(shards, 3)
-    catalog.add(p0)
-    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 0, 2))
-    source = Manifests()
-    source.parts[(1, 20)] = p1.manifest
-    judge = WholeStepJudge(shards, catalog, job, source, job, trio.CapacityLimiter(1), settle=60)
+    judge, _, job, _ = judge_of(shards, p0, {1: p1.manifest}, settle=60)
 
     async def main() -> None:
         assert await judge.judge(job.job, p0) is None
@@ -291,18 +294,8 @@ def test_the_verdict_is_never_better_than_a_parts_own(tmp_path):
     npy = npy + b" " * (127 - len(npy)) + b"\n" + b"\0" * 600
     _, p1 = node_part(tmp_path, 1, 20, {"blob1": b"1" * 100, "arr.npy": npy})
     assert p1.manifest.verdict is not None and p1.manifest.verdict.reason(whole=False)
-    catalog = ShardCatalog(shards, 3)
-    catalog.add(p0)
-    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 0, 2))
-    source = Manifests()
-    source.parts[(1, 20)] = p1.manifest
-    judge = WholeStepJudge(shards, catalog, job, source, job, trio.CapacityLimiter(1), settle=0)
-
-    async def main() -> WholeVerdict | None:
-        await judge.judge(job.job, p0)
-        return await judge.judge(job.job, p0)
-
-    whole = trio.run(main)
+    judge, _, job, _ = judge_of(shards, p0, {1: p1.manifest}, settle=0)
+    whole = judged_after_two_looks(judge, job, p0)
     assert whole is not None
     assert whole.unloadable.startswith("damaged: 20/arr.npy") and "rank 1's own part" in (
         whole.unloadable
@@ -315,18 +308,8 @@ def test_a_file_read_on_another_node_is_said_to_be_judged_by_size(tmp_path):
     md = dcp_metadata([("w0", "__0_0.distcp", 0, len(W0)), ("w1", "__1_0.distcp", 0, len(W1))])
     shards, p0 = node_part(tmp_path, 0, 20, {"__1_0.distcp": W1[:100]})
     _, p1 = node_part(tmp_path, 1, 20, {".metadata": md, "__0_0.distcp": W0})
-    catalog = ShardCatalog(shards, 3)
-    catalog.add(p0)
-    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 0, 2))
-    source = Manifests()
-    source.parts[(1, 20)] = p1.manifest
-    judge = WholeStepJudge(shards, catalog, job, source, job, trio.CapacityLimiter(1), settle=0)
-
-    async def main() -> WholeVerdict | None:
-        await judge.judge(job.job, p0)
-        return await judge.judge(job.job, p0)
-
-    whole = trio.run(main)
+    judge, _, job, _ = judge_of(shards, p0, {1: p1.manifest}, settle=0)
+    whole = judged_after_two_looks(judge, job, p0)
     assert whole is not None and whole.unloadable == ""
     assert whole.unread == "20/.metadata"  # status: "may load (... by size ...)", never "yes"
 
