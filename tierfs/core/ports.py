@@ -104,8 +104,8 @@ class Catalog(Protocol):
         ...
 
     def whole_verdict(self, key: ShardKey) -> WholeVerdict | None:
-        """The step of ``key`` judged over every rank's part, if this node did
-        (:mod:`tierfs.node.whole_step`)."""
+        """The step of ``key`` judged over every rank's part, if this node did, on the
+        bytes held now (:mod:`tierfs.node.whole_step`)."""
         ...
 
 

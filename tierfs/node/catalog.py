@@ -124,12 +124,15 @@ class ShardCatalog(Mapping[ShardKey, Shard]):
             listener(key)
 
     def whole_verdict(self, key: ShardKey) -> WholeVerdict | None:
-        """The step of ``key`` judged over every rank's part, if it was (trio thread)."""
-        found = self._whole.get(key)
-        if found is None:
-            shard = self._held.get(key)
-            found = shard.whole if shard is not None else None
-        return found
+        """The step of ``key`` judged over every rank's part, if it was, on the bytes
+        held now (a verdict on another digest of this part is None; trio thread)."""
+        shard = self._held.get(key)
+        if shard is None:
+            return None
+        found = self._whole.get(key) or shard.whole
+        if found is None or len(found.digests) <= key.rank:
+            return None
+        return found if found.digests[key.rank] == shard.manifest.digest else None
 
     def set_whole_verdict(self, key: ShardKey, verdict: WholeVerdict) -> None:
         """Record the judgement of ``key``'s step over every rank's part (trio thread)."""

@@ -122,8 +122,7 @@ class WholeStepJudge:
             digest = shard.manifest.digest
             if shard.manifest.verdict is None or (shard.key, digest) in self._given_up:
                 continue
-            done = self.catalog.whole_verdict(shard.key)
-            if done is not None and done.digests[JUDGE_RANK] == digest:
+            if self.catalog.whole_verdict(shard.key) is not None:
                 continue
             out.append(shard)
         return out
