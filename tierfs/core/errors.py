@@ -47,6 +47,7 @@ __all__ = [
     "BackupError",
     "ClusterError",
     "ConfigurationError",
+    "FetchFailed",
     "ProtocolError",
     "RestoreError",
     "StorageError",
@@ -86,3 +87,8 @@ class ClusterError(TierfsError):
 
 class RestoreError(TierfsError):
     """A restore that cannot finish; the reason is in ``replicator.errors``."""
+
+
+class FetchFailed(TierfsError):
+    """No copy in a tier could hand over a file of another rank's part (issue #14);
+    the message names every copy tried and why it failed."""

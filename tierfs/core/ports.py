@@ -25,7 +25,9 @@ Implementations today:
 * :class:`RestoreSource`: :class:`tierfs.node.sources.LocalSource`,
   :class:`~tierfs.node.sources.PeerSource`, :class:`~tierfs.node.sources.BucketSource`;
 * :class:`BucketRestore`: :class:`tierfs.node.sources.BucketRestoreSide`;
-* :class:`Agreement`: :class:`tierfs.node.agreement.CoordinatorAgreement`.
+* :class:`Agreement`: :class:`tierfs.node.agreement.CoordinatorAgreement`;
+* :class:`FileSource`: :class:`tierfs.replication.peer.PeerTier` (peers' RAM),
+  :class:`tierfs.backup.tier.GcsTier` (bucket rounds).
 """
 
 from __future__ import annotations
@@ -115,6 +117,48 @@ class ManifestSource(Protocol):
     async def part_manifest(self, job: str, rank: int, step: int) -> Manifest | None:
         """Node ``rank``'s manifest of its part of ``step`` (asked of that node; no
         file bytes), or None while it is unreachable or has no such part. Never raises."""
+        ...
+
+
+class FileSource(Protocol):
+    """One tier that hands over a single file of another rank's part (issue #14:
+    the whole-step view fetches a file the node does not hold on first read).
+
+    Attributes:
+        tier: ``"peer"`` or ``"bucket"`` (status and metrics name bytes by it).
+    """
+
+    tier: str
+
+    async def fetch_file(
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        digest: str,
+        path: str,
+        fd: int,
+        *,
+        skip: frozenset[str] = frozenset(),
+    ) -> str:
+        """Write file ``path`` (relative to the part's root) of node ``rank``'s part
+        of ``step`` into the open descriptor ``fd``, from offset 0 (positional
+        writes; ``fd`` is not truncated).
+
+        ``digest`` is the manifest digest of the part the caller knows (a copy
+        with that digest is preferred; another copy may serve the file too: the
+        caller checks size and crc32c of what was written). ``skip`` names copies
+        (as returned) that served wrong bytes before: they are not used again.
+
+        Returns:
+            which copy served the bytes, e.g. ``"peer node-rank 2 (10.0.0.3:7070)"``
+            or ``"bucket round r-20261202-1200"`` (a key for ``skip``).
+
+        Raises:
+            tierfs.core.errors.FetchFailed: no copy in this tier could be read (the
+                reason names each copy tried). Never anything else but
+                ``trio.Cancelled``.
+        """
         ...
 
 
