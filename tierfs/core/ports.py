@@ -125,10 +125,10 @@ class FileSource(Protocol):
     the whole-step view fetches a file the node does not hold on first read).
 
     Attributes:
-        tier: ``"peer"`` or ``"bucket"`` (status and metrics name bytes by it).
+        name: ``"peer"`` or ``"gcs"`` (status and metrics name fetched bytes by it).
     """
 
-    tier: str
+    name: str
 
     async def fetch_file(
         self,
