@@ -5,6 +5,8 @@ store, check every file's crc32c and size against the manifest while
 writing, and commit with :meth:`tierfs.store.shards.ShardStore.commit`
 (:meth:`Downloader.restore_shard`). A part written by MTC (no tierfs
 manifest) gets a manifest rebuilt from the listing (:func:`synthesize_manifest`).
+One file of a part goes into a descriptor the caller opened, checked the same
+way (:meth:`Downloader.download_file`, issue #14).
 
 Blocking (HTTP, file writes); every request goes through
 :class:`tierfs.backup.bucket.ObjectStore`.
@@ -12,6 +14,7 @@ Blocking (HTTP, file writes); every request goes through
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import shutil
@@ -23,6 +26,7 @@ from typing import TYPE_CHECKING
 from tierfs.backup import layout as L
 from tierfs.backup.errors import ChecksumMismatch, GcsError, IncompleteRound
 from tierfs.backup.judge import NodeEntry, RoundInfo
+from tierfs.backup.layout import NodeBackup
 from tierfs.backup.streams import Abort, Stream, run_parallel
 from tierfs.store.manifest import FileEntry, Manifest, check_entries
 from tierfs.store.ramstore import RamStore
@@ -80,19 +84,7 @@ class Downloader:
         """
         if info is None:
             info = self.rounds.inspect_round(job, round_name)
-        part = info.parts.get((rank, step))
-        if part is None or not part.complete:
-            why = "; ".join(part.missing[:3]) if part else "no pointer"
-            raise IncompleteRound(
-                f"round {round_name} has no complete part for rank {rank} step {step} ({why})"
-            )
-        if part.backup is not None:
-            manifest = part.backup.manifest
-            objects = part.backup.objects
-        else:
-            manifest, objects = synthesize_manifest(
-                job, rank, step, framework or "orbax", part, info
-            )
+        manifest, objects = _part_files(job, round_name, rank, step, info, framework)
         prefix = self.spec.round_dir(job, round_name)
         data = os.path.join(dest, "data")
         os.mkdir(data, 0o700)
@@ -130,6 +122,74 @@ class Downloader:
             if f.kind in ("file", "dir"):
                 os.chmod(os.path.join(data, f.path), stat.S_IMODE(f.mode))
         return manifest
+
+    def download_file(
+        self,
+        job: str,
+        round_name: str,
+        rank: int,
+        step: int,
+        path: str,
+        fd: int,
+        *,
+        info: RoundInfo | None = None,
+        part: NodeBackup | None = None,
+        framework: str | None = None,
+        cancel: threading.Event | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> int:
+        """Download one file of node ``rank``'s part of ``step`` in a round into the open
+        descriptor ``fd`` (issue #14: a whole-step view reads a file of another
+        rank's part).
+
+        Positional writes from offset 0 (``os.pwrite``: ``fd``'s file offset does
+        not move; ``fd`` is not truncated). One object read (its retries resume
+        where the bytes stopped); size and crc32c are computed while writing and
+        checked against the part's manifest.
+
+        Args:
+            path: relative to the part's root, as its manifest lists it.
+            info: the inspected round: its complete part is read (inspected here
+                if neither ``info`` nor ``part`` is given).
+            part: the part's tierfs manifest as read alone
+                (:meth:`tierfs.backup.listing.RoundListing.read_part`): no listing;
+                the object is read whether or not the part is complete.
+            framework: for rounds written by MTC, as for :meth:`download_part`.
+            cancel: set -> :class:`Cancelled` at the next piece.
+            on_bytes: told each piece's bytes.
+
+        Returns:
+            bytes written (the file's size).
+
+        Raises:
+            IncompleteRound: the part is missing or incomplete (``info``).
+            GcsError: ``path`` is not a file of the part.
+            ChecksumMismatch: the object differs from the manifest (bytes may
+                have been written).
+            Cancelled, OSError (writing to ``fd``: ENOSPC...), google.api_core
+                exceptions, BucketTimeout.
+        """
+        if part is not None:
+            manifest, objects = part.manifest, part.objects
+        else:
+            if info is None:
+                info = self.rounds.inspect_round(job, round_name)
+            manifest, objects = _part_files(job, round_name, rank, step, info, framework)
+        entry = next((f for f in manifest.files if f.path == path), None)
+        if entry is None or entry.kind != "file" or path not in objects:
+            raise GcsError(
+                f"{path!r} is not a file of rank {rank}'s part of step {step} in round {round_name}"
+            )
+        name = self.spec.round_dir(job, round_name) + objects[path]
+        w = Stream(_PositionalFile(fd), Abort(cancel), on_bytes, self.objects.monitor)
+        with self.objects.request() as kw:
+            self.objects.bucket.blob(name).download_to_file(w, checksum=None, **kw)
+        if w.size != entry.size or w.crc != entry.crc32c:
+            raise ChecksumMismatch(
+                f"{objects[path]} in round {round_name}: got {w.size} bytes crc32c "
+                f"{w.crc:08x}, manifest {entry.size} bytes crc32c {(entry.crc32c or 0):08x}"
+            )
+        return w.size
 
     def restore_shard(
         self,
@@ -181,6 +241,56 @@ class Downloader:
         except BaseException:
             _discard(shards.ram, inc)
             raise
+
+
+def _part_files(
+    job: str, round_name: str, rank: int, step: int, info: RoundInfo, framework: str | None
+) -> tuple[Manifest, dict[str, str]]:
+    """The manifest of node ``rank``'s part of ``step`` in an inspected round and its
+    objects (manifest path -> object name under the round's directory); a part
+    written by MTC gets one rebuilt from the listing (:func:`synthesize_manifest`).
+
+    Raises:
+        IncompleteRound: the part is missing or incomplete.
+    """
+    part = info.parts.get((rank, step))
+    if part is None or not part.complete:
+        why = "; ".join(part.missing[:3]) if part else "no pointer"
+        raise IncompleteRound(
+            f"round {round_name} has no complete part for rank {rank} step {step} ({why})"
+        )
+    if part.backup is not None:
+        return part.backup.manifest, part.backup.objects
+    return synthesize_manifest(job, rank, step, framework or "orbax", part, info)
+
+
+class _PositionalFile:
+    """A writable file object over a descriptor that writes with ``os.pwrite`` from
+    offset 0: the descriptor's own file offset never moves."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pos = 0
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(self.fd, view, self.pos)
+            view = view[n:]
+            self.pos += n
+        return len(data)
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence != os.SEEK_SET:
+            raise OSError(errno.ESPIPE, "only absolute positions")
+        self.pos = offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        pass
 
 
 def _discard(ram: RamStore, path: str) -> None:

@@ -11,6 +11,9 @@
 * :meth:`BucketRestore.fetch_backup` brings the parts a node needs (the
   :class:`tierfs.core.ports.BackupFetch` port): its own copy when it holds the
   same bytes, else a verified download.
+* :meth:`BucketRestore.fetch_file` hands over one file of another rank's part
+  (the :class:`tierfs.core.ports.FileSource` port, issue #14), from the
+  newest round holding it.
 * :meth:`BucketRestore.note_restored` restarts the one-node schedule from a
   finished restore; ``restore.version`` is deleted by the deciding node once
   every node has sealed and replicated a newer step than the one restored
@@ -19,8 +22,10 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -32,10 +37,12 @@ from tierfs.backup.client import describe_error
 from tierfs.backup.errors import BackupCopyError
 from tierfs.backup.health import BucketAccess
 from tierfs.backup.judge import RoundInfo
+from tierfs.backup.layout import NodeBackup
 from tierfs.backup.progress import Roles, RoundMemory
 from tierfs.backup.uploads import Upload
 from tierfs.core import rounds as S
 from tierfs.core import settings
+from tierfs.core.errors import FetchFailed
 from tierfs.core.ports import Catalog, RamBudget
 from tierfs.core.types import BucketPart, BucketView, RestorePlan
 from tierfs.store.shards import Shard, ShardKey, ShardStore
@@ -59,6 +66,74 @@ def _complete_parts(info: RoundInfo) -> list[BucketPart]:
         manifest = part.backup.manifest
         out.append(BucketPart(info.name, rank, step, manifest.digest, *eligibility(manifest)))
     return out
+
+
+#: seconds the round names and part manifests a file fetch read are reused
+FILE_LOOKUP_TTL = 5.0
+#: file downloads at once (:meth:`BucketRestore.fetch_file`; not shared with uploads)
+FILE_FETCHES = 4
+#: errno values of a write into the caller's file that no other round would change
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+class FileLookups:
+    """What file fetches read of the bucket, reused for :data:`FILE_LOOKUP_TTL` seconds
+    (trio thread): a job's round names, a round's manifest of one part (None:
+    the round holds none). Concurrent lookups of one key share one request.
+
+    Args:
+        access: the bucket (requests bounded by ``$TIERFS_GCS_LOOKUP_DEADLINE``).
+        clock: monotonic seconds (tests).
+    """
+
+    def __init__(self, access: BucketAccess, clock: Callable[[], float] = time.monotonic) -> None:
+        self.access = access
+        self.clock = clock
+        self._cache: dict[tuple[Any, ...], tuple[float, Any]] = {}
+        self._locks: dict[tuple[Any, ...], trio.Lock] = {}
+
+    async def round_names(self, job: str) -> list[str]:
+        """The job's round names, newest first.
+
+        Raises:
+            google.api_core exceptions, BucketTimeout.
+        """
+        names: list[str] = await self._get(("names", job), "list_round_names", job)
+        return names
+
+    async def part(self, job: str, round_name: str, rank: int, step: int) -> NodeBackup | None:
+        """Node ``rank``'s manifest of ``step`` in a round, or None
+        (:meth:`tierfs.backup.listing.RoundListing.read_part`).
+
+        Raises:
+            LayoutError, google.api_core exceptions, BucketTimeout.
+        """
+        part: NodeBackup | None = await self._get(
+            ("part", job, round_name, rank, step), "read_part", job, round_name, rank, step
+        )
+        return part
+
+    async def _get(self, key: tuple[Any, ...], method: str, *args: Any) -> Any:
+        """The cached value of ``key``, else ``backend.rounds.<method>(*args)`` (a
+        control thread), cached; one request at a time per key."""
+        lock = self._locks.setdefault(key, trio.Lock())
+        try:
+            async with lock:
+                hit = self._cache.get(key)
+                if hit is not None and hit[0] > self.clock():
+                    return hit[1]
+                backend = await self.access.call(
+                    self.access.bounded, settings.GCS_LOOKUP_DEADLINE.get()
+                )
+                value = await self.access.call(getattr(backend.rounds, method), *args)
+                now = self.clock()
+                for old in [k for k, (until, _) in self._cache.items() if until <= now]:
+                    del self._cache[old]
+                self._cache[key] = (now + FILE_LOOKUP_TTL, value)
+                return value
+        finally:
+            if not lock.locked():  # nobody waits for it (a release hands it to a waiter)
+                self._locks.pop(key, None)
 
 
 class BucketRestore:
@@ -93,6 +168,8 @@ class BucketRestore:
         self.memory = memory
         self.roles = roles
         self.limiter = limiter
+        self._files = FileLookups(access)
+        self._file_limiter = trio.CapacityLimiter(FILE_FETCHES)
 
     def note_restored(self, job: JobSpec, plan: RestorePlan, forced: str | None) -> None:
         """Record a finished restore plan (trio thread): the one-node schedule restarts
@@ -198,6 +275,128 @@ class BucketRestore:
             shard.bytes,
         )
         return shard
+
+    # ------------------------------------------------------------------ one file (FileSource)
+
+    async def fetch_file(
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        digest: str,
+        path: str,
+        fd: int,
+        *,
+        skip: frozenset[str] = frozenset(),
+    ) -> str:
+        """Write file ``path`` of node ``rank``'s part of ``step`` into ``fd`` from a
+        backup round (a :class:`tierfs.core.ports.FileSource`; trio thread).
+
+        The rounds of ``job`` holding a tierfs manifest of that part, newest
+        first: those whose manifest digest is ``digest`` (any with ""), then the
+        others. A part need not be complete: the one object is checked against
+        its manifest's size and crc32c while it is written
+        (:meth:`tierfs.backup.download.Downloader.download_file`, positional
+        writes from offset 0 through a duplicate of ``fd``). Rounds written by
+        MTC (no tierfs manifest) are not searched.
+
+        Requests: the round names (one listing) and each round's manifest of
+        that part (one GET per round, newest first, until a round serves) are
+        cached for :data:`FILE_LOOKUP_TTL` seconds, so a burst of fetches of one
+        part costs one listing and one GET per round looked at, then one object
+        download (one GET, resumed on retries) per file. Lookups run in the
+        control threads, each request bounded by ``$TIERFS_GCS_LOOKUP_DEADLINE``;
+        downloads in :data:`FILE_FETCHES` threads of their own (not behind an
+        upload), with the bucket's retry deadline.
+
+        Returns:
+            the round that served, ``"bucket round <name>"`` (what ``skip`` names).
+
+        Raises:
+            tierfs.core.errors.FetchFailed: no round served; the message names every
+                round tried and why. A write into ``fd`` that found no room
+                (ENOSPC) ends the fetch at once, with the ``OSError`` as its cause.
+        """
+        what = f"{path} of step {step} of node-rank {rank}"
+        try:
+            names = await self._files.round_names(job)
+        except Exception as exc:
+            raise FetchFailed(
+                f"{what} from the bucket: its rounds could not be listed ({describe_error(exc)})"
+            ) from None
+        tried: list[str] = []
+        other: list[tuple[str, str, NodeBackup]] = []
+        for name in names:
+            label = f"bucket round {name}"
+            if label in skip:
+                tried.append(f"{label}: skipped (it served wrong bytes before)")
+                continue
+            try:
+                part = await self._files.part(job, name, rank, step)
+            except Exception as exc:
+                tried.append(f"{label}: its manifest cannot be read ({describe_error(exc)})")
+                continue
+            if part is None:
+                continue
+            if digest and part.manifest.digest != digest:
+                other.append((label, name, part))
+                continue
+            why = await self._download_file(job, name, part, path, fd)
+            if why is None:
+                return label
+            tried.append(f"{label}: {why}")
+        for label, name, part in other:
+            why = await self._download_file(job, name, part, path, fd)
+            if why is None:
+                return label
+            tried.append(f"{label} (other bytes of the step): {why}")
+        raise FetchFailed(
+            f"{what} from {self.spec}{job}: " + ("; ".join(tried) or "no backup round holds it")
+        )
+
+    async def _download_file(
+        self, job: str, round_name: str, part: NodeBackup, path: str, fd: int
+    ) -> str | None:
+        """One round's copy of the file into ``fd`` (a worker thread): None when it
+        served, else why not (one line).
+
+        Raises:
+            FetchFailed: ``fd`` has no room (ENOSPC, EDQUOT, EFBIG), from the ``OSError``.
+        """
+        m = part.manifest
+        cancel = threading.Event()
+        try:
+            async with self._file_limiter:
+                backend = await self.access.call(self.access.get_backend)
+                own = os.dup(fd)
+
+                def download() -> int:
+                    try:
+                        return int(
+                            backend.downloads.download_file(
+                                job, round_name, m.rank, m.step, path, own, part=part, cancel=cancel
+                            )
+                        )
+                    finally:
+                        os.close(own)
+
+                await trio.to_thread.run_sync(download, abandon_on_cancel=True)
+        except OSError as exc:
+            if exc.errno in _NO_ROOM:
+                raise FetchFailed(
+                    f"{path} of step {m.step} of node-rank {m.rank}: no room for it "
+                    f"here ({exc.strerror or exc})"
+                ) from exc
+            why = describe_error(exc)
+        except Exception as exc:
+            why = describe_error(exc)
+        else:
+            self.access.ok()
+            return None
+        finally:
+            cancel.set()
+        log.info("file %s of round %s: %s", path, round_name, why)
+        return why
 
     def read_bucket(
         self,

@@ -167,6 +167,30 @@ class RoundListing:
         )
         return judge_round(info)
 
+    def read_part(self, job: str, round_name: str, rank: int, step: int) -> NodeBackup | None:
+        """Node ``rank``'s tierfs manifest of ``step`` in one round (one GET), or None
+        when the round holds no such object (a round written by MTC has none).
+
+        A part read this way may be incomplete (no pointer yet, or an upload cut
+        off): only the objects it names that exist, with the manifest's size and
+        crc32c, are its bytes.
+
+        Raises:
+            LayoutError: the object is not a tierfs manifest of that part.
+            google.api_core exceptions after retries; BucketTimeout.
+        """
+        name = self.spec.round_dir(job, round_name) + L.tierfs_manifest_name(job, step, rank)
+        data = self.objects.get_bytes(name)
+        if data is None:
+            return None
+        nb = NodeBackup.from_json(data)
+        m = nb.manifest
+        if (m.job, m.rank, m.step) != (job, rank, step):
+            raise LayoutError(
+                f"{name} describes {m.job}/n{m.rank}/s{m.step}, not {job}/n{rank}/s{step}"
+            )
+        return nb
+
     def list_rounds(
         self,
         job: str,

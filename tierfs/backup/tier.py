@@ -19,7 +19,8 @@ the peer plane, this node's coordinator), handed to it by
   the bucket fails and the round still wants them;
 * :class:`tierfs.backup.fetch.BucketRestore`: what the bucket holds for a restore
   (:meth:`GcsTier.read_bucket`), this node's parts from it
-  (:meth:`GcsTier.fetch_backup`), ``restore.version``'s deletion;
+  (:meth:`GcsTier.fetch_backup`), one file of another rank's part
+  (:meth:`GcsTier.fetch_file`, issue #14), ``restore.version``'s deletion;
 * :mod:`tierfs.backup.progress`: the state they share (the rounds' memory,
   ``replicator.errors`` lines, who decides).
 
@@ -61,6 +62,7 @@ from tierfs.backup.progress import ErrorLines, Roles, RoundMemory
 from tierfs.backup.rendezvous import BucketRendezvous as BucketRendezvous
 from tierfs.backup.uploads import Uploads
 from tierfs.core import rounds as S
+from tierfs.core.errors import FetchFailed
 from tierfs.core.ports import Catalog, CoordinatorHooks, CurrentJob, PeerPlane, RamBudget, Reporter
 from tierfs.core.status import (
     BackupRoundStatus,
@@ -413,6 +415,28 @@ class GcsTier:
             BackupCopyError: one line why this round's copy cannot be used.
         """
         return await self.restore.fetch_backup(agent, job, step, backup, digest)
+
+    async def fetch_file(
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        digest: str,
+        path: str,
+        fd: int,
+        *,
+        skip: frozenset[str] = frozenset(),
+    ) -> str:
+        """One file of another rank's part from a backup round (the
+        :class:`tierfs.core.ports.FileSource` port): see
+        :meth:`tierfs.backup.fetch.BucketRestore.fetch_file`.
+
+        Raises:
+            tierfs.core.errors.FetchFailed: no round served it, or there is no bucket.
+        """
+        if not self.enabled:
+            raise FetchFailed("no bucket")
+        return await self.restore.fetch_file(job, rank, step, digest, path, fd, skip=skip)
 
     def read_bucket(
         self,

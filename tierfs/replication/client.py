@@ -1,7 +1,7 @@
 """The client side of the peer plane: blocking calls to peers and the coordinator.
 
 :class:`PeerClient` asks peers for their inventory, pushes replicas to them,
-pulls a shard from a holder (verifying every crc32c) and makes the
+pulls a shard or one file of it from a holder (verifying every crc32c) and makes the
 coordinator's calls (Join, Decide, Barrier, Sync). Every call blocks: run it
 in a ``trio.to_thread`` worker with a capacity limiter, as
 :class:`tierfs.replication.peer.PeerTier` does (:mod:`tierfs.replication.lanes`).
@@ -15,16 +15,19 @@ handlers directly, so the same client code runs without sockets.
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import google_crc32c
 import grpc
 
 from tierfs.core.types import CopyId, Holding, Outcome
 from tierfs.replication.transfer import (
     REPLICATION_NICE,
+    BadCopy,
     Cancelled,
     Refused,
     ShardReceiver,
@@ -43,6 +46,8 @@ from tierfs.store.shards import Shard, ShardKey
 #: coordinator no thread and no CPU (#17), so it may wait long; the coordinator caps it
 #: (tierfs.cluster.servicer.MAX_WAIT) and answers at once on progress
 POLL_MS = 25_000
+#: seconds one file pull (:meth:`PeerClient.pull_file`) may take, its bytes included
+FILE_PULL_TIMEOUT = 600.0
 
 
 class PeerClient:
@@ -230,6 +235,99 @@ class PeerClient:
                 shutil.rmtree(inc, ignore_errors=True)
             raise
 
+    def pull_file(
+        self,
+        address: str,
+        key: ShardKey,
+        digest: str,
+        path: str,
+        fd: int,
+        cancel: threading.Event,
+        timeout: float = FILE_PULL_TIMEOUT,
+    ) -> int:
+        """Pull one file of the holder's copy of ``key`` into the open descriptor ``fd``
+        (issue #14: a whole-step view reads a file of another rank's part).
+
+        One PullShard call naming ``path`` (``PullRequest.paths``): the manifest,
+        then that file's chunks. Each chunk's bytes are written at its offset
+        with ``os.pwrite`` (``fd``'s file offset does not move; ``fd`` is not
+        truncated), after its crc32c was checked; at the end the file's size and
+        crc32c must be the manifest's.
+
+        Args:
+            path: relative to the part's root, as the manifest lists it.
+            digest: the manifest digest the copy must have ("": any; a holder
+                with another one answers FAILED_PRECONDITION).
+            timeout: seconds the whole call may take.
+
+        Returns:
+            bytes written (the file's size).
+
+        Raises:
+            BadCopy: a chunk failed its crc32c, the file's size or crc32c is not
+                the manifest's, or the manifest is not the expected one (some
+                bytes may have been written: the copy is corrupt).
+            Refused: the holder broke the protocol (no manifest first, ``path``
+                not a file of it, chunks of other files or out of order).
+            Cancelled: ``cancel`` was set (checked before every write).
+            grpc.RpcError: the holder is unreachable, has no such copy or file
+                (NOT_FOUND), has another digest (FAILED_PRECONDITION), or took
+                longer than ``timeout`` (DEADLINE_EXCEEDED).
+            OSError: writing to ``fd`` failed (ENOSPC...).
+        """
+        req = peer_pb2.PullRequest(
+            job=key.job,
+            rank=key.rank,
+            step=key.step,
+            digest=digest,
+            puller_rank=-1,
+            paths=[path],
+        )
+        pull = self.channel(address).unary_stream(
+            "/tierfs.peer.v1.Peer/PullShard",
+            request_serializer=peer_wire.serialize,
+            response_deserializer=peer_wire.chunk_deserializer(peer_pb2.PullMessage),
+        )
+        call = pull(req, metadata=self.md, timeout=timeout)
+        try:
+            first = next(call, None)
+            if first is None or peer_wire.kind_of(first) != "manifest":
+                raise Refused("PullShard must start with the manifest")
+            manifest = parse_manifest(first.manifest.json)
+            check_identity(manifest, key, digest)
+            entry = next((f for f in manifest.files if f.path == path), None)
+            if entry is None or entry.kind != "file":
+                raise Refused(f"{path!r} is not a file of the manifest sent")
+            written = crc = 0
+            for msg in call:
+                if peer_wire.kind_of(msg) != "chunk":
+                    raise Refused("PullShard sent a second manifest")
+                c = peer_wire.as_chunk(msg)
+                if c.path != path:
+                    raise Refused(
+                        f"PullShard sent {c.path!r}, not only {path!r} (a holder that "
+                        "does not know PullRequest.paths)"
+                    )
+                if c.offset != written:
+                    raise Refused(f"{path!r}: chunk at offset {c.offset}, expected {written}")
+                if google_crc32c.value(c.data) != c.crc32c:
+                    raise BadCopy(f"{path} at offset {c.offset}: chunk crc32c mismatch")
+                if written + len(c.data) > entry.size:
+                    raise BadCopy(f"{path}: more bytes than the manifest's {entry.size}")
+                if cancel.is_set():
+                    raise Cancelled("transfer cancelled")
+                _pwrite_all(fd, c.data, c.offset)
+                written += len(c.data)
+                crc = google_crc32c.extend(crc, c.data)
+                self.stats.add("pulled_bytes", len(c.data))
+            if written != entry.size:
+                raise BadCopy(f"{path}: size {written} != {entry.size}")
+            if crc != entry.crc32c:
+                raise BadCopy(f"{path}: crc32c {crc:08x} != {(entry.crc32c or 0):08x}")
+            return written
+        finally:
+            call.cancel()  # a no-op once the stream ended
+
     def manifest(self, address: str, key: ShardKey, timeout: float = 10.0) -> Manifest:
         """The manifest of the holder's copy of ``key`` (no file bytes).
 
@@ -333,6 +431,14 @@ class PeerClient:
                 )
             )
         return self.coordinator(address).Sync(req, metadata=self.md, timeout=10)
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` of ``fd`` (``os.pwrite`` may write less)."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def insecure_channel(address: str) -> grpc.Channel:

@@ -3,7 +3,9 @@
 DESIGN.md "Peer plane". :class:`PeerServicer` answers inventories, receives
 pushed replicas into ``store/incoming``
 (:class:`tierfs.replication.transfer.ShardReceiver`) and streams sealed
-snapshots to pullers. It reaches the agent only through a :class:`PeerHost`
+snapshots to pullers (whole, only their manifest, or only some files of them:
+``PullRequest.paths``, one file a whole-step view reads, issue #14). It
+reaches the agent only through a :class:`PeerHost`
 (:class:`tierfs.replication.holdings.Holdings`), whose calls hop onto the trio thread
 with ``trio.from_thread.run_sync`` (cheap dictionary work only). The
 ``tierfs.peer.v1.Coordinator`` service beside it is
@@ -18,6 +20,7 @@ import logging
 import re
 import shutil
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import grpc
@@ -40,6 +43,7 @@ from tierfs.replication.transfer import (
 from tierfs.rpc import peer_pb2
 from tierfs.rpc import wire as peer_wire
 from tierfs.rpc.wire import WireStats
+from tierfs.store.manifest import FileEntry
 from tierfs.store.shards import Shard, ShardKey
 
 log = logging.getLogger(__name__)
@@ -275,7 +279,14 @@ class PeerServicer:
 
     def PullShard(self, request: Any, context: Any) -> Any:
         """Stream a sealed shard: its manifest, then every file's chunks (only the
-        manifest when ``request.manifest_only``)."""
+        manifest when ``request.manifest_only``; only the chunks of the files
+        ``request.paths`` names, in manifest order, when it names any).
+
+        Aborts (before any message): UNAVAILABLE while the daemon stops; NOT_FOUND
+        without a copy of the shard, or for a path of ``request.paths`` the
+        manifest does not list as a file (the details name it);
+        FAILED_PRECONDITION for a copy with another digest than ``request.digest``.
+        """
         key = ShardKey(request.job, request.rank, request.step)
         try:
             shard = self.host.find(key)
@@ -288,6 +299,13 @@ class PeerServicer:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"the copy of {key} here has digest {shard.manifest.digest}, not {request.digest}",
             )
+        files = shard.manifest.files
+        if request.paths:
+            files, unknown = _only_files(files, request.paths)
+            if unknown is not None:
+                context.abort(
+                    grpc.StatusCode.NOT_FOUND, f"{unknown!r} is not a file of the copy of {key}"
+                )
         self.host.pin(key, +1)
         sent = 0
         failed = None
@@ -298,7 +316,7 @@ class PeerServicer:
             if request.manifest_only:
                 return
             for path, off, data, crc in iter_chunks(
-                shard.data, shard.manifest.files, cancelled=lambda: not context.is_active()
+                shard.data, files, cancelled=lambda: not context.is_active()
             ):
                 yield peer_wire.encode_chunk(path, off, data, crc)  # a PullMessage
                 sent += len(data)
@@ -313,6 +331,19 @@ class PeerServicer:
                 pass
         if failed:
             context.abort(grpc.StatusCode.NOT_FOUND, failed)
+
+
+def _only_files(
+    files: tuple[FileEntry, ...], paths: Iterable[str]
+) -> tuple[tuple[FileEntry, ...], str | None]:
+    """The entries of ``files`` that ``paths`` names, in manifest order, and the first
+    path that is not a file of ``files`` (None if every one is)."""
+    wanted = set(paths)
+    kinds = {f.path: f.kind for f in files}
+    for path in paths:
+        if kinds.get(path) != "file":
+            return (), path
+    return tuple(f for f in files if f.path in wanted), None
 
 
 def peer_handlers(servicer: PeerServicer) -> grpc.GenericRpcHandler:

@@ -1,0 +1,612 @@
+"""One file of another rank's part from a tier (the FileSource port, issue #14), without a
+mount or a daemon.
+
+Peers: four real PeerTiers over the in-process transport of
+tests/support/fake_peers.py (real client, servicer, coordinator; faults injected
+on the wire). Node-rank 3's part of a step is held by its own node and, by the
+job's placement (2 peers per node), by nodes 2 and 1; node 0 (which serves the
+coordinator, so it knows every member's address) fetches files of it:
+``PullRequest.paths`` sends only the file asked for, a corrupt copy or one already
+named in ``skip`` moves on to the next holder, holders of other bytes are asked
+last, and when no holder serves the error names every one.
+
+Also over real loopback gRPC (the servicer on :class:`tierfs.rpc.aio_server.AioServer`):
+``PeerClient.pull_file``; and a holder that ignores ``paths`` (an older daemon) refused.
+
+Bucket: :meth:`tierfs.backup.tier.GcsTier.fetch_file` on the in-memory bucket of
+tests/support/fake_bucket.py (the real backend code): the round whose part has the
+caller's digest first, bit rot skipped for an older round, the lookups cached (a
+burst of fetches lists the bucket once, again once stale), a missing step and no
+bucket refused, no room for the file ends the fetch.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import fake_bucket as fb
+import fake_peers
+import fake_ports
+import grpc
+import pytest
+import trio
+from fake_ports import FakeBudget, FakeJob
+from gcs_fixtures import make_shard
+
+from tierfs.backup import fetch
+from tierfs.backup.tier import GcsTier
+from tierfs.cluster.coordinator import Coordinator
+from tierfs.cluster.servicer import CoordinatorServicer
+from tierfs.core.config import NodeConfig
+from tierfs.core.control import JobSpec
+from tierfs.core.errors import FetchFailed
+from tierfs.node.catalog import ShardCatalog
+from tierfs.replication import heartbeat
+from tierfs.replication.client import PeerClient
+from tierfs.replication.peer import PeerTier
+from tierfs.replication.plane import PlaneState
+from tierfs.replication.service import PeerServicer, peer_handlers
+from tierfs.replication.transfer import CHUNK, BadCopy, Refused
+from tierfs.rpc import wire as peer_wire
+from tierfs.rpc.aio_server import AioServer, with_sync_context
+from tierfs.rpc.wire import WireStats
+from tierfs.store.ramstore import RamStore
+from tierfs.store.shards import Shard, ShardKey, ShardStore
+
+JOB = "job"
+TOKEN = "secret"
+STEP = 7
+#: a part of three files; the big one spans two chunks of the wire
+FILES = {
+    "7/state/big.bin": bytes(range(256)) * (CHUNK // 256) + b"tail" * 250,
+    "7/state/small.bin": b"small file of rank 3",
+    "7/meta.json": b'{"step": 7}',
+}
+BIG, SMALL = "7/state/big.bin", "7/state/small.bin"
+
+
+def address(rank: int) -> str:
+    return f"10.0.0.{rank + 1}:7000"
+
+
+def label(rank: int) -> str:
+    return f"peer node-rank {rank} ({address(rank)})"
+
+
+def target(tmp_path: Path, name: str = "out") -> int:
+    """A fresh file for the fetched bytes (read-write, as the view opens it)."""
+    return os.open(tmp_path / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+
+
+def contents(fd: int) -> bytes:
+    return os.pread(fd, os.fstat(fd).st_size + 1, 0)
+
+
+# ---------------------------------------------------------------------- peers
+
+
+class Node:
+    """One node's parts as build_node makes them, with the fake transport; placement by
+    count (2 peers per node), so every node can tell who holds a rank's replicas."""
+
+    def __init__(self, net: fake_peers.PeerNetwork, root: Path, rank: int, nodes: int = 4):
+        self.rank = rank
+        self.ram_dir = root / f"n{rank}"
+        self.store = RamStore(str(self.ram_dir))
+        self.shards = ShardStore(self.store)
+        self.catalog = ShardCatalog(self.shards, 2)
+        self.job = FakeJob(JobSpec(JOB, "generic", rank, nodes, peers_per_node=2))
+        config = NodeConfig(
+            mountpoint=str(root / f"m{rank}"),
+            ram_dir=str(self.ram_dir),
+            listen=address(rank),
+            coordinator=address(0),
+            peer_token=TOKEN,
+            keep_local=2,
+            join_timeout=10,
+        )
+        self.plane = PlaneState(self.job, coordinator=config.coordinator, listen=config.listen)
+        self.coordinator = CoordinatorServicer(Coordinator(), gate=self.plane.coordinator_gate)
+        self.tier = PeerTier(
+            config,
+            store=self.store,
+            shards=self.shards,
+            catalog=self.catalog,
+            job=self.job,
+            reporter=self.job,
+            budget=FakeBudget(),
+            summons=self.job,
+            plane=self.plane,
+            client=net.client(address(rank), TOKEN),
+            coordinator=self.coordinator,
+            server=net.server,
+        )
+
+    def seal(self, step: int, content: dict[str, bytes]) -> Shard:
+        shard = make_shard(self.ram_dir, JOB, self.rank, step, dict(content))
+        self.catalog.add(shard)
+        self.catalog.sealed(shard)
+        return shard
+
+    def states(self, step: int) -> dict[int, str]:
+        send = self.tier._sends.get(ShardKey(JOB, self.rank, step))
+        return dict(send.states) if send is not None else {}
+
+
+async def wait_for(cond: Callable[[], object], what: str, timeout: float = 60.0) -> None:
+    with trio.move_on_after(timeout):
+        while not cond():
+            await trio.sleep(0.02)
+        return
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def net(monkeypatch):
+    monkeypatch.setattr(heartbeat, "HEARTBEAT", 0.1)  # the members' addresses arrive sooner
+    n = fake_peers.PeerNetwork()
+    yield n
+    n.close()
+
+
+def cluster(net: fake_peers.PeerNetwork, root: Path, test: Callable[..., object]) -> None:
+    """Four nodes; node 3 seals :data:`STEP` and it reaches nodes 2 and 1; then
+    ``await test(nodes, shard)``."""
+
+    async def main() -> None:
+        nodes = [Node(net, root, r) for r in range(4)]
+        async with trio.open_nursery() as nursery:
+            for n in nodes:
+                await nursery.start(n.tier.run)
+            await wait_for(
+                lambda: nodes[0].coordinator.locked(lambda c: all(c.live(r) for r in range(4))),
+                "every node to join the coordinator",
+            )
+            shard = nodes[3].seal(STEP, FILES)
+            await wait_for(
+                lambda: nodes[3].states(STEP) == {2: "replicated", 1: "replicated"},
+                "the replicas on nodes 2 and 1",
+            )
+            with trio.fail_after(120):
+                await test(nodes, shard)  # type: ignore[misc]
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def pulls(net: fake_peers.PeerNetwork) -> list[tuple[str, str]]:
+    """(callee, outcome) of every PullShard call node 0 made."""
+    return [(c[1], c[3]) for c in net.calls("PullShard") if c[0] == address(0)]
+
+
+def test_pull_file_of_a_three_file_part_writes_exactly_that_file(net, tmp_path):
+    async def test(nodes: list[Node], shard: Shard) -> None:
+        client = nodes[0].tier.client
+        key, digest = shard.key, shard.manifest.digest
+        served = nodes[3].tier.stats.snapshot()["served_bytes"]
+        fd = target(tmp_path)
+        try:
+            os.write(fd, b"x")  # the descriptor's own offset must not move
+            got = await trio.to_thread.run_sync(
+                client.pull_file, address(3), key, digest, BIG, fd, threading.Event()
+            )
+            assert got == len(FILES[BIG])
+            assert contents(fd) == FILES[BIG]
+            assert os.lseek(fd, 0, os.SEEK_CUR) == 1
+        finally:
+            os.close(fd)
+        # only that file crossed the wire (its two chunks), not the other two
+        assert nodes[3].tier.stats.snapshot()["served_bytes"] - served == len(FILES[BIG])
+        assert client.stats.snapshot()["pulled_bytes"] == len(FILES[BIG])
+        # the tier's fetch: the owner serves first; "" accepts any digest
+        fd = target(tmp_path, "small")
+        try:
+            assert await nodes[0].tier.fetch_file(JOB, 3, STEP, "", SMALL, fd) == label(3)
+            assert contents(fd) == FILES[SMALL]
+        finally:
+            os.close(fd)
+        assert pulls(net) == [(address(3), "ok"), (address(3), "ok")]
+
+    cluster(net, tmp_path, test)
+
+
+def test_an_unknown_path_or_a_directory_is_not_found_and_named(net, tmp_path):
+    async def test(nodes: list[Node], shard: Shard) -> None:
+        client = nodes[0].tier.client
+        fd = target(tmp_path)
+        try:
+            for path in ("7/state/nothing.bin", "7/state", "../7/meta.json"):
+                with pytest.raises(grpc.RpcError) as err:
+                    await trio.to_thread.run_sync(
+                        client.pull_file,
+                        address(3),
+                        shard.key,
+                        shard.manifest.digest,
+                        path,
+                        fd,
+                        threading.Event(),
+                    )
+                assert err.value.code() == grpc.StatusCode.NOT_FOUND
+                assert repr(path) in err.value.details()
+            # the tier asks every holder, and says what each answered
+            with pytest.raises(FetchFailed) as failed:
+                await nodes[0].tier.fetch_file(
+                    JOB, 3, STEP, shard.manifest.digest, "7/state/nothing.bin", fd
+                )
+            assert os.fstat(fd).st_size == 0
+        finally:
+            os.close(fd)
+        message = str(failed.value)
+        for r in (3, 2, 1):
+            assert f"{label(r)}: NOT_FOUND" in message
+        assert message.index(label(3)) < message.index(label(2)) < message.index(label(1))
+
+    cluster(net, tmp_path, test)
+
+
+def test_a_corrupt_copy_is_refused_and_the_next_holder_serves(net, tmp_path):
+    async def test(nodes: list[Node], shard: Shard) -> None:
+        client = nodes[0].tier.client
+        fd = target(tmp_path)
+        try:
+            # a bit flipped in transit: the chunk's crc32c refuses it
+            net.corrupt("PullShard", callee=address(3), chunk=1, at=5)
+            with pytest.raises(BadCopy, match="chunk crc32c mismatch"):
+                await trio.to_thread.run_sync(
+                    client.pull_file,
+                    address(3),
+                    shard.key,
+                    shard.manifest.digest,
+                    BIG,
+                    fd,
+                    threading.Event(),
+                )
+            net.corrupt("PullShard", callee=address(3), chunk=0, at=5)
+            served = await nodes[0].tier.fetch_file(JOB, 3, STEP, shard.manifest.digest, BIG, fd)
+            assert served == label(2)
+            assert contents(fd) == FILES[BIG]
+            # bit rot at rest in node 2's replica: every chunk checks out, the file does not
+            held = nodes[2].catalog[shard.key]
+            rotten = Path(held.data, SMALL)
+            data = bytearray(rotten.read_bytes())
+            data[3] ^= 0x10
+            rotten.write_bytes(bytes(data))
+            os.ftruncate(fd, 0)
+            served = await nodes[0].tier.fetch_file(
+                JOB, 3, STEP, shard.manifest.digest, SMALL, fd, skip=frozenset({label(3)})
+            )
+            assert served == label(1)
+            assert contents(fd) == FILES[SMALL]
+        finally:
+            os.close(fd)
+        # (node 2's rotten file arrived whole; the client refused it at its end)
+        assert pulls(net) == [
+            (address(3), "corrupt"),
+            (address(3), "corrupt"),
+            (address(2), "ok"),
+            (address(2), "ok"),
+            (address(1), "ok"),
+        ]
+
+    cluster(net, tmp_path, test)
+
+
+def test_skip_is_honoured_and_holders_of_other_bytes_are_asked_last(net, tmp_path):
+    async def test(nodes: list[Node], shard: Shard) -> None:
+        fd = target(tmp_path)
+        try:
+            skip = frozenset({label(3), label(2)})
+            served = await nodes[0].tier.fetch_file(
+                JOB, 3, STEP, shard.manifest.digest, SMALL, fd, skip=skip
+            )
+            assert served == label(1) and contents(fd) == FILES[SMALL]
+            assert [c for c, _ in pulls(net)] == [address(1)]
+            # every copy named in skip: nothing is asked, and the message says so
+            with pytest.raises(FetchFailed, match="skipped") as failed:
+                await nodes[0].tier.fetch_file(JOB, 3, STEP, "", SMALL, fd, skip=skip | {label(1)})
+            assert all(label(r) in str(failed.value) for r in (1, 2, 3))
+            assert len(pulls(net)) == 1
+            # a digest nobody holds: every holder refuses it, then the owner serves
+            # its own bytes (the caller checks them against its manifest)
+            served = await nodes[0].tier.fetch_file(JOB, 3, STEP, "0badd1e5", SMALL, fd)
+            assert served == label(3) and contents(fd) == FILES[SMALL]
+            assert [o for _, o in pulls(net)[1:]] == ["FAILED_PRECONDITION"] * 3 + ["ok"]
+        finally:
+            os.close(fd)
+
+    cluster(net, tmp_path, test)
+
+
+def test_every_holder_down_fails_naming_each_of_them(net, tmp_path):
+    async def test(nodes: list[Node], shard: Shard) -> None:
+        for r in (1, 2, 3):
+            net.down(address(r))
+        fd = target(tmp_path)
+        try:
+            with pytest.raises(FetchFailed) as failed:
+                await nodes[0].tier.fetch_file(JOB, 3, STEP, shard.manifest.digest, SMALL, fd)
+        finally:
+            os.close(fd)
+        message = str(failed.value)
+        assert message.startswith(f"{SMALL} of step {STEP} of node-rank 3 from peers: ")
+        for r in (3, 2, 1):
+            assert f"{label(r)}: UNAVAILABLE" in message
+        # another job's part: only its owner is asked, and node 1 (not the coordinator's
+        # node, rank 2 not one of its partners) has no address for it
+        with pytest.raises(FetchFailed, match="peer node-rank 2: no address known"):
+            await nodes[1].tier.fetch_file("other-job", 2, STEP, "", SMALL, -1)
+
+    cluster(net, tmp_path, test)
+
+
+def test_no_room_for_the_file_ends_the_fetch_at_once(net, tmp_path):
+    async def test(nodes: list[Node], shard: Shard) -> None:
+        fd = os.open("/dev/full", os.O_RDWR | os.O_CLOEXEC)  # every write: ENOSPC
+        try:
+            with pytest.raises(FetchFailed, match="no room") as failed:
+                await nodes[0].tier.fetch_file(JOB, 3, STEP, shard.manifest.digest, SMALL, fd)
+        finally:
+            os.close(fd)
+        assert isinstance(failed.value.__cause__, OSError)
+        assert failed.value.__cause__.errno == errno.ENOSPC
+        assert [c for c, _ in pulls(net)] == [address(3)]  # no other holder would fit either
+
+    cluster(net, tmp_path, test)
+
+
+# ---------------------------------------------------------------------- loopback gRPC
+
+
+class Host:
+    """A :class:`~tierfs.replication.service.PeerHost` holding one shard."""
+
+    incarnation = "inc"
+
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+        self.stats = WireStats()
+        self.pins: list[int] = []
+
+    def find(self, key: ShardKey) -> Shard | None:
+        return self.shard if key == self.shard.key else None
+
+    def pin(self, key: ShardKey, delta: int) -> None:
+        self.pins.append(delta)
+
+
+class IgnoresPaths(PeerServicer):
+    """A holder from before ``PullRequest.paths``: it streams every file."""
+
+    def PullShard(self, request, context):  # type: ignore[no-untyped-def]
+        request.ClearField("paths")
+        return super().PullShard(request, context)
+
+
+@pytest.fixture
+def served(tmp_path) -> Iterator[Callable[[type[PeerServicer]], tuple[str, Host]]]:
+    """``served(servicer_class)`` -> (address, host) of a real gRPC server on loopback
+    holding node-rank 3's part of :data:`STEP`."""
+    shard = make_shard(tmp_path / "holder", JOB, 3, STEP, dict(FILES))
+    servers: list[AioServer] = []
+
+    def start(kind: type[PeerServicer]) -> tuple[str, Host]:
+        host = Host(shard)
+        handlers = with_sync_context(peer_handlers(kind(host)))  # type: ignore[arg-type]
+        server = AioServer(
+            lambda srv, loop: srv.add_generic_rpc_handlers((handlers,)),
+            interceptors=[peer_wire.AioTokenInterceptor(TOKEN)],
+            options=peer_wire.SERVER_OPTIONS,
+        )
+        port = server.start("127.0.0.1:0")
+        servers.append(server)
+        return f"127.0.0.1:{port}", host
+
+    yield start
+    for server in servers:
+        server.stop(0)
+
+
+def test_pull_file_over_loopback_grpc(served, tmp_path):
+    at, host = served(PeerServicer)
+    client = PeerClient(TOKEN, WireStats())
+    key = host.shard.key
+    fd = target(tmp_path)
+    try:
+        n = client.pull_file(at, key, host.shard.manifest.digest, BIG, fd, threading.Event())
+        assert n == len(FILES[BIG]) and contents(fd) == FILES[BIG]
+        assert host.stats.snapshot()["served_bytes"] == len(FILES[BIG])
+        assert host.pins == [1, -1]  # pinned while it was sent
+        with pytest.raises(grpc.RpcError) as err:
+            client.pull_file(at, key, "", "7/nope", fd, threading.Event())
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "'7/nope'" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            client.pull_file(at, key, "0badd1e5", SMALL, fd, threading.Event())
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.RpcError) as err:
+            PeerClient("wrong", WireStats()).pull_file(at, key, "", SMALL, fd, threading.Event())
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        os.close(fd)
+        client.close()
+
+
+def test_a_holder_that_ignores_paths_is_refused(net, tmp_path):
+    # on the in-process transport: a real server would keep its handler thread
+    # blocked on the cancelled stream (grpc/grpc#28999), and the test process with it
+    shard = make_shard(tmp_path / "holder", JOB, 3, STEP, dict(FILES))
+    handlers = peer_handlers(IgnoresPaths(Host(shard)))  # type: ignore[arg-type]
+    server = net.server(lambda srv, loop: srv.add_generic_rpc_handlers((handlers,)))
+    server.start(address(3))
+    client = net.client(address(0))
+    fd = target(tmp_path)
+    try:
+        # the manifest lists 7/meta.json first: its chunk arrives instead of small.bin's
+        with pytest.raises(Refused, match=r"does not know PullRequest\.paths"):
+            client.pull_file(address(3), shard.key, "", SMALL, fd, threading.Event())
+        assert os.fstat(fd).st_size == 0  # nothing of another file was written
+    finally:
+        os.close(fd)
+        server.stop()
+
+
+# ---------------------------------------------------------------------- the bucket
+
+R1, R2, R3 = "2026-12-01_10-01", "2026-12-01_10-02", "2026-12-01_10-03"
+
+
+def part(rank: int, step: int, version: int = 0) -> dict[str, bytes]:
+    return {
+        "state/big.bin": bytes([rank, step, version]) * 5000,
+        "state/small.bin": f"rank {rank} step {step} version {version}".encode(),
+        "meta.json": f'{{"step": {step}}}'.encode(),
+    }
+
+
+def bucket_tier(server: fb.FakeGcs | None, deadline: float = 2.0) -> GcsTier:
+    spec = fb.backend(server).spec if server is not None else None
+    t = GcsTier(
+        spec,
+        catalog=fake_ports.catalog(),
+        job=fake_ports.FakeJob(),
+        reporter=fake_ports.FakeJob(),
+        shards=None,  # type: ignore[arg-type]
+        budget=fake_ports.FakeBudget(),
+        settings=fb.fast_settings(deadline),
+    )
+    if server is not None:
+        t.access.backend = fb.backend(server, deadline=deadline)  # get_backend() returns it
+    return t
+
+
+@pytest.fixture
+def rounds(tmp_path):
+    """Rank 1's step 5 in R1 and (other bytes) in R3; step 4 in R2; returns
+    (server, digest of R1's part, digest of R3's part)."""
+    server = fb.FakeGcs()
+    b = fb.backend(server)
+    ram = RamStore(str(tmp_path / "uploader"))
+    digests = []
+    for rnd, step, version in ((R1, 5, 0), (R2, 4, 0), (R3, 5, 1)):
+        shard = fb.seal(ram, JOB, 1, step, part(1, step, version))
+        b.upload_shard(shard, rnd, nodes=2)
+        if step == 5:
+            digests.append(shard.manifest.digest)
+    return server, digests[0], digests[1]
+
+
+def gets(server: fb.FakeGcs, suffix: str) -> int:
+    return sum(1 for op, name, _ in server.log if op == "get" and name.endswith(suffix))
+
+
+def test_the_bucket_serves_a_file_from_the_round_with_the_callers_bytes(
+    rounds, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(fetch, "FILE_LOOKUP_TTL", 3600.0)  # however slow the machine
+    server, old, _new = rounds
+    tier = bucket_tier(server)
+    fd = target(tmp_path)
+    server.log.clear()
+
+    async def main() -> None:
+        small = "5/state/small.bin"
+        # the newest round holding the digest asked for, even if a newer one holds the step
+        assert await tier.fetch_file(JOB, 1, 5, old, small, fd) == f"bucket round {R1}"
+        assert contents(fd) == part(1, 5, 0)["state/small.bin"]
+        os.ftruncate(fd, 0)
+        # any digest: the newest round
+        assert await tier.fetch_file(JOB, 1, 5, "", "5/state/big.bin", fd) == f"bucket round {R3}"
+        assert contents(fd) == part(1, 5, 1)["state/big.bin"]
+        os.ftruncate(fd, 0)
+        # R1 named in skip: the round with other bytes serves (the caller checks them)
+        served = await tier.fetch_file(
+            JOB, 1, 5, old, small, fd, skip=frozenset({f"bucket round {R1}"})
+        )
+        assert served == f"bucket round {R3}"
+        assert contents(fd) == part(1, 5, 1)["state/small.bin"]
+
+    try:
+        trio.run(main)
+    finally:
+        os.close(fd)
+    # three fetches, one listing of the rounds and one GET of each round's manifest
+    assert sum(1 for op, _name, _ in server.log if op == "list") == 1
+    for rnd in (R1, R2, R3):
+        assert gets(server, f"{rnd}/{JOB}-s5-n1.tierfs.json") == 1
+    assert gets(server, "small.bin") == 2 and gets(server, "big.bin") == 1
+
+
+def test_bit_rot_in_the_newest_round_moves_on_to_an_older_one(rounds, tmp_path):
+    server, _old, new = rounds
+    rotten = next(n for n in server.objects() if R3 in n and n.endswith("small.bin"))
+    server.rot("bkt", rotten)
+    tier = bucket_tier(server)
+    fd = target(tmp_path)
+
+    async def main() -> None:
+        # R3 has the digest asked for, but its object's bytes are not the manifest's
+        served = await tier.fetch_file(JOB, 1, 5, new, "5/state/small.bin", fd)
+        assert served == f"bucket round {R1}"
+        assert contents(fd) == part(1, 5, 0)["state/small.bin"]
+
+    try:
+        trio.run(main)
+    finally:
+        os.close(fd)
+
+
+def test_a_step_no_round_holds_and_a_tier_without_bucket_fail(rounds, tmp_path):
+    server, _old, _new = rounds
+    tier = bucket_tier(server)
+    fd = target(tmp_path)
+
+    async def main() -> None:
+        with pytest.raises(FetchFailed, match="no backup round holds it"):
+            await tier.fetch_file(JOB, 1, 9, "", "9/meta.json", fd)
+        with pytest.raises(FetchFailed, match=f"bucket round {R3}: .*not a file"):
+            await tier.fetch_file(JOB, 1, 5, "", "5/state/nothing", fd)
+        with pytest.raises(FetchFailed, match=r"^no bucket$"):
+            await bucket_tier(None).fetch_file(JOB, 1, 5, "", "5/meta.json", fd)
+        server.inject("status", "list", status=403, times=None)
+        with pytest.raises(FetchFailed, match="could not be listed"):
+            await bucket_tier(server).fetch_file(JOB, 1, 5, "", "5/meta.json", fd)
+
+    try:
+        trio.run(main)
+    finally:
+        os.close(fd)
+
+
+def test_the_lookups_are_read_again_once_stale_and_no_room_ends_the_fetch(rounds, tmp_path):
+    server, old, _new = rounds
+    tier = bucket_tier(server)
+    now = [1000.0]
+    tier.restore._files.clock = lambda: now[0]  # the lookups' clock, moved by hand
+    fd = target(tmp_path)
+    full = os.open("/dev/full", os.O_RDWR | os.O_CLOEXEC)  # every write: ENOSPC
+    server.log.clear()
+
+    def lists() -> int:
+        return sum(1 for op, _name, _ in server.log if op == "list")
+
+    async def main() -> None:
+        for _ in range(3):  # a burst: one listing
+            await tier.fetch_file(JOB, 1, 5, old, "5/meta.json", fd)
+        assert lists() == 1
+        now[0] += fetch.FILE_LOOKUP_TTL + 0.1
+        await tier.fetch_file(JOB, 1, 5, old, "5/meta.json", fd)
+        assert lists() == 2
+        with pytest.raises(FetchFailed, match="no room") as failed:
+            await tier.fetch_file(JOB, 1, 5, "", "5/state/small.bin", full)
+        assert isinstance(failed.value.__cause__, OSError)
+        assert failed.value.__cause__.errno == errno.ENOSPC
+        assert gets(server, "small.bin") == 1  # the older round was not tried
+
+    try:
+        trio.run(main)
+    finally:
+        os.close(fd)
+        os.close(full)
