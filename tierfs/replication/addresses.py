@@ -67,6 +67,18 @@ class AddressBook:
         self._restarted: list[Callable[[int], None]] = []
         self.peers: dict[int, PeerInfo] = {}
         self.node_counts: tuple[int, int] | None = None
+        #: ranks asked for beyond the replica targets (the whole-step view reads
+        #: other ranks' parts from their nodes), per job name
+        self.extra: dict[str, set[int]] = {}
+
+    def also_want(self, job: str, rank: int) -> bool:
+        """Ask the coordinator for node ``rank``'s address from the next heartbeat on
+        (for as long as ``job`` runs). Returns True if it was not asked for yet."""
+        ranks = self.extra.setdefault(job, set())
+        if rank in ranks:
+            return False
+        ranks.add(rank)
+        return True
 
     def update(self, peers: Iterable[Any], reply: Any = None) -> None:
         """Take the coordinator's ``PeerAddress`` entries and, from ``reply`` (a
@@ -105,8 +117,13 @@ class AddressBook:
 
     def wanted(self, job: JobSpec) -> list[int]:
         """The ranks whose addresses this node asks the coordinator for: its replica
-        targets and the coordinator (O(peers) replies, not the whole membership)."""
-        return sorted({COORDINATOR_RANK, *replica_peers(job)} - {job.node_rank})
+        targets, the coordinator and the ranks :meth:`also_want` added (O(peers)
+        replies, not the whole membership)."""
+        extra = self.extra.get(job.name, set())
+        return sorted(
+            {COORDINATOR_RANK, *replica_peers(job), *(r for r in extra if r < job.nodes)}
+            - {job.node_rank}
+        )
 
 
 def replica_peers(job: JobSpec) -> list[int]:

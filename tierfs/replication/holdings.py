@@ -29,9 +29,13 @@ from tierfs.core.types import Holding
 from tierfs.replication.addresses import Endpoint
 from tierfs.replication.service import HostGone, PeerHost
 from tierfs.rpc.wire import WireStats
+from tierfs.store.manifest import Manifest
 from tierfs.store.ramstore import RamStore
 from tierfs.store.shards import Shard, ShardKey, ShardStore
 from tierfs.store.verdicts import eligibility
+
+#: other nodes' part manifests kept for relaying (a few KiB each)
+REMEMBERED = 4096
 
 
 class Holdings(PeerHost):
@@ -76,12 +80,29 @@ class Holdings(PeerHost):
         self._linked: dict[ShardKey, ShardKey] = {}
         self._digests: dict[ShardKey, tuple[int, str]] = {}
         self._token: trio.lowlevel.TrioToken | None = None
+        #: other nodes' manifests of their parts this node was told (newest last)
+        self._manifests: collections.OrderedDict[ShardKey, Manifest] = collections.OrderedDict()
 
     def attach(self, token: trio.lowlevel.TrioToken) -> None:
         """Serve the servicer's calls on the trio loop of ``token`` (at start)."""
         self._token = token
 
     # ------------------------------------------------------------------ trio thread
+
+    def remember_manifest(self, manifest: Manifest) -> None:
+        """Keep another node's manifest of its part, as its node sent it, to answer
+        nodes that cannot reach that node (the whole-step view: node-rank 0, which
+        reaches every member, relays). At most :data:`REMEMBERED` are kept."""
+        key = ShardKey(manifest.job, manifest.rank, manifest.step)
+        self._manifests[key] = manifest
+        self._manifests.move_to_end(key)
+        while len(self._manifests) > REMEMBERED:
+            self._manifests.popitem(last=False)
+
+    def known_manifest(self, key: ShardKey) -> Manifest | None:
+        """The manifest of ``key`` another node sent this one, if kept (any thread:
+        one dictionary read)."""
+        return self._manifests.get(key)
 
     def digest(self, shard: Shard) -> str:
         """The shard's manifest digest (cached per manifest object)."""

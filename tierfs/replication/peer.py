@@ -381,23 +381,42 @@ class PeerTier:
         """The manifest of node ``rank``'s own part of ``step``, asked of that node
         (no file bytes); None while it is unreachable or holds no such part.
 
-        A :class:`tierfs.core.ports.ManifestSource` (:mod:`tierfs.node.whole_step`).
+        A node whose address is not known here is added to the ranks the next
+        heartbeat asks the coordinator for (:meth:`AddressBook.also_want`);
+        meanwhile the coordinator's node is asked, which relays the manifests
+        it was told (:meth:`Holdings.known_manifest`). Every manifest a node
+        sends is kept for relaying.
+
+        A :class:`tierfs.core.ports.ManifestSource` (:mod:`tierfs.node.whole_step`,
+        :mod:`tierfs.node.remote_view`).
         """
+        key = ShardKey(job, rank, step)
+        address = await self._address_of(job, rank)
+        relay = False
+        if not address:
+            address, relay = self.coordinator_address, True
+            if not address or address == self.address:
+                return None
+        try:
+            manifest: Manifest = await self.call(self.client.manifest, address, key)
+        except (grpc.RpcError, Refused, BadCopy) as exc:
+            log.debug("manifest of step %d of rank %d: %s", step, rank, exc)
+            return None
+        if not relay:
+            self.holdings.remember_manifest(manifest)
+        return manifest
+
+    async def _address_of(self, job: str, rank: int) -> str | None:
+        """Node ``rank``'s address if known here (the address book; on the node serving
+        the coordinator, its members); else None, and the next heartbeat asks for it."""
         peer = self.book.reachable(rank)
         address = peer.address if peer is not None else None
         if address is None and self.coordinator is not None:
             # not a replica partner: the coordinator this node serves knows every member
             address = await self.call(self.coordinator.locked, _member_address(rank))
-        if not address:
-            return None
-        try:
-            manifest: Manifest = await self.call(
-                self.client.manifest, address, ShardKey(job, rank, step)
-            )
-        except (grpc.RpcError, Refused, BadCopy) as exc:
-            log.debug("manifest of step %d of rank %d: %s", step, rank, exc)
-            return None
-        return manifest
+        if not address and self.book.also_want(job, rank):
+            self.poke()
+        return address or None
 
     async def fetch_file(
         self,
@@ -478,11 +497,16 @@ class PeerTier:
         for r in dict.fromkeys(ranks):
             if r == me:
                 continue
-            peer = self.book.reachable(r)
-            address = peer.address if peer is not None else None
-            if address is None and self.coordinator is not None:
-                address = await self.call(self.coordinator.locked, _member_address(r))
-            out.append((r, address or None))
+            new = r not in self.book.extra.get(job, ())
+            address = await self._address_of(job, r)
+            if address is None and new:
+                # asked for just now: the next heartbeat (about a second) brings it
+                with trio.move_on_after(ADDRESS_WAIT):
+                    while address is None:
+                        await trio.sleep(0.1)
+                        peer = self.book.reachable(r)
+                        address = peer.address if peer is not None else None
+            out.append((r, address))
         return out
 
     async def _pull_file(
@@ -696,6 +720,9 @@ class PeerTier:
             ),
         )
 
+
+#: seconds a file fetch waits for the address of a holder asked for just now
+ADDRESS_WAIT = 3.0
 
 #: errno values of a write into the caller's file that no other copy would change
 _NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})

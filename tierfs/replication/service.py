@@ -43,7 +43,7 @@ from tierfs.replication.transfer import (
 from tierfs.rpc import peer_pb2
 from tierfs.rpc import wire as peer_wire
 from tierfs.rpc.wire import WireStats
-from tierfs.store.manifest import FileEntry
+from tierfs.store.manifest import FileEntry, Manifest
 from tierfs.store.shards import Shard, ShardKey
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,11 @@ class PeerHost:
     def check_space(self, nbytes: int) -> None:
         """Raise ``OSError(ENOSPC)`` if ``nbytes`` more do not fit the RAM budget."""
         raise NotImplementedError
+
+    def known_manifest(self, key: ShardKey) -> Manifest | None:
+        """Another node's manifest of its part ``key`` this node was told, if kept (a
+        relay for nodes that cannot reach that node; any thread)."""
+        return None
 
 
 class HostGone(ClusterError):
@@ -282,6 +287,9 @@ class PeerServicer:
         manifest when ``request.manifest_only``; only the chunks of the files
         ``request.paths`` names, in manifest order, when it names any).
 
+        A ``manifest_only`` request for a part not held here is answered with the
+        manifest its node sent this one, if kept (:meth:`PeerHost.known_manifest`).
+
         Aborts (before any message): UNAVAILABLE while the daemon stops; NOT_FOUND
         without a copy of the shard, or for a path of ``request.paths`` the
         manifest does not list as a file (the details name it);
@@ -293,6 +301,14 @@ class PeerServicer:
         except HostGone:
             context.abort(grpc.StatusCode.UNAVAILABLE, "daemon is stopping")
         if shard is None:
+            relayed = self.host.known_manifest(key) if request.manifest_only else None
+            if relayed is not None:
+                # only the manifest, as its node sent it here (the whole-step view of
+                # a node that cannot reach that node; its bytes are checked on read)
+                yield peer_pb2.PullMessage(
+                    manifest=peer_pb2.ShardManifest(json=relayed.to_json())
+                ).SerializeToString()
+                return
             context.abort(grpc.StatusCode.NOT_FOUND, f"no copy of {key} here")
         if request.digest and shard.manifest.digest != request.digest:
             context.abort(
