@@ -45,6 +45,8 @@ from tierfs.cluster.coordinator import Coordinator
 from tierfs.cluster.servicer import CoordinatorServicer
 from tierfs.core import settings
 from tierfs.core.config import ConfigError, NodeConfig
+from tierfs.core.ports import FileSource
+from tierfs.core.status.whole import WholeViewStatus
 from tierfs.fuse.namespace import Namespace
 from tierfs.fuse.session import FuseSession, MountOptions
 from tierfs.node import metrics
@@ -55,6 +57,7 @@ from tierfs.node.intake import EventIntake
 from tierfs.node.jobcontrol import JobControl
 from tierfs.node.jobstate import JobState
 from tierfs.node.keeper import ShardKeeper
+from tierfs.node.remote_view import RemoteView
 from tierfs.node.reporter import NodeReporter
 from tierfs.node.restore_driver import RestoreDriver
 from tierfs.node.restorer import Restorer
@@ -163,6 +166,7 @@ class NodeParts:
     restorer: Restorer
     tiers: list[Tier]
     agent: NodeAgent
+    remote: RemoteView
 
 
 def build_agent(
@@ -179,6 +183,8 @@ def build_agent(
     tiers: list[Tier],
     io_limiter: trio.CapacityLimiter,
     background: Sequence[Callable[[], Awaitable[None]]] = (),
+    foreign: Callable[[int], bool] | None = None,
+    whole_view: Callable[[], WholeViewStatus] | None = None,
 ) -> NodeAgent:
     """Build the node agent's parts in dependency order and the agent over them (no I/O).
 
@@ -188,11 +194,15 @@ def build_agent(
     tasks = TaskSpawner(reporter.errors)
     book = StepBook(store, state, view, catalog.sealed_inos)
     keeper = ShardKeeper(config, catalog, book, state, view, tiers, tasks)
-    sealer = Sealer(config, store, shards, catalog, book, state, view, keeper, reporter, tasks)
+    sealer = Sealer(
+        config, store, shards, catalog, book, state, view, keeper, reporter, tasks, foreign
+    )
     restores = RestoreDriver(state, restorer, view, book, catalog, keeper, reporter, tasks)
     control = JobControl(config, store, state, view, book, reporter, restores, tasks)
     intake = EventIntake(store, book, view, catalog, sealer, keeper, control, restores, tasks)
-    status = StatusBuilder(config, store, budget, state, book, catalog, tiers, reporter.errors)
+    status = StatusBuilder(
+        config, store, budget, state, book, catalog, tiers, reporter.errors, whole_view
+    )
     return NodeAgent(
         config,
         store,
@@ -304,6 +314,12 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
     if peer is not None:
         # node-rank 0 judges its steps again over every rank's part (issue #15)
         background.append(WholeStepJudge(shards, catalog, state, peer, reporter, io_limiter).run)
+    # other ranks' files of a step in this node's view (issue #14)
+    sources: list[FileSource] = [peer] if peer is not None else []
+    if backup is not None:
+        sources.append(gcs)
+    remote = RemoteView(store.view, catalog, state, peer, sources, reporter, io_limiter)
+    background.append(remote.run)
     agent = build_agent(
         config,
         store,
@@ -317,6 +333,8 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         tiers=tiers,
         io_limiter=io_limiter,
         background=background,
+        foreign=remote.is_remote,
+        whole_view=remote.status,
     )
     return NodeParts(
         shards,
@@ -334,6 +352,7 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         restorer,
         tiers,
         agent,
+        remote,
     )
 
 
@@ -363,6 +382,9 @@ class NodeDaemon:
 
     def _build(self) -> None:
         self.store.clear_incoming()
+        swept = RemoteView.sweep_dir(self.store.view)
+        if swept:
+            log.info("removed %d files of the previous daemon's whole-step view", swept)
         used = self.store.usage()
         self.budget = Budget(self.store.root, self.config.size, used, recount=self.store.usage)
         self.store.attach_budget(self.budget)  # emptied trash frees budget at once
@@ -376,8 +398,10 @@ class NodeDaemon:
             events=self.agent.fs_events(),
             reserved=frozenset({CONTROL_DIR.encode()}),
             virtual=virtual,
+            remote=self.parts.remote,
         )
         self.agent.attach(self.ns)
+        self.parts.remote.attach(self.ns)
         counters = os.path.join(self.store.view, os.fsdecode(FUSE_COUNTERS_FILE))
         if not os.path.exists(counters):
             with open(counters, "wb") as f:

@@ -70,6 +70,32 @@ def format_status(data: NodeStatus | Mapping[str, Any]) -> list[str]:
                     f"{p.rank}@{p.address}{'' if p.live else ' (not heard)'}" for p in info.peers
                 )
             )
+    lines += _whole_view_lines(st)
+    return lines
+
+
+def _whole_view_lines(st: NodeStatus) -> list[str]:
+    """Other ranks' files of each step in the view (issue #14), newest steps first."""
+    view = st.whole_view
+    if not view.active:
+        return []
+    fetched = ", ".join(f"{n} bytes from {t}" for t, n in sorted(view.fetched_bytes.items()))
+    head = f"others    other ranks' files: {fetched or 'nothing fetched yet'}"
+    if view.fetch_errors:
+        head += f", {view.fetch_errors} failed fetches"
+    lines = [head]
+    for s in view.steps[:3]:
+        text = (
+            f"  step {s.step}: ranks {','.join(map(str, s.ranks_known)) or '-'} known"
+            + (f", {','.join(map(str, s.ranks_missing))} not yet" if s.ranks_missing else "")
+            + f"; files {s.local} here, {s.remote} remote ({s.bytes_remote} bytes)"
+            + (f", {s.fetching} fetching" if s.fetching else "")
+        )
+        if s.conflicts:
+            text += f"; conflicts: {', '.join(s.conflicts[:3])}"
+        if s.failed:
+            text += f"; failed: {', '.join(s.failed[:3])}"
+        lines.append(text)
     return lines
 
 

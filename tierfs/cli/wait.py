@@ -74,16 +74,45 @@ def wait_outcome(restore: RestoreStatus | Mapping[str, Any]) -> tuple[int, str]:
     return WAIT_EXIT.get(outcome, 1), f"nothing restored ({outcome}): {reason}"
 
 
+def whole_step_unready(status: NodeStatus, all_bytes: bool) -> str | None:
+    """What is still missing of the restored step's other-rank files (pure): None when
+    nothing (or the view does not show other ranks' files), else a phrase."""
+    step = status.restore.step
+    view = status.whole_view
+    if not step or not view.active or status.restore.state != "done":
+        return None
+    s = view.step(step)
+    if s is None:
+        return None  # not shown with other ranks' files (e.g. under restore markers)
+    if not s.names_ready:
+        missing = ", ".join(map(str, s.ranks_missing))
+        return f"the files of rank(s) {missing} of step {step} are not in the view yet"
+    if all_bytes and not s.bytes_ready:
+        return (
+            f"{s.remote + s.fetching} files ({s.bytes_remote} bytes) of other ranks of "
+            f"step {step} are not fetched yet"
+        )
+    return None
+
+
 @click.command("wait")
 @click.argument("mountpoint", type=str)  # not click.Path: its stat waits on a stuck daemon
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait.")
+@click.option(
+    "--bytes",
+    "all_bytes",
+    is_flag=True,
+    help="In a multi-node job whose mounts show every rank's files (generic mode): also "
+    "wait until the bytes of the other ranks' files of the restored step are fetched "
+    "into this node's RAM (default: until their names are all in the view).",
+)
 @click.option(
     "--accept-older",
     is_flag=True,
     help="Exit 0, not 2, when an older step was restored because newer ones could not "
     "be (the reasons are still printed on stderr).",
 )
-def wait_cmd(mountpoint: str, timeout: float, accept_older: bool) -> None:
+def wait_cmd(mountpoint: str, timeout: float, all_bytes: bool, accept_older: bool) -> None:
     """Wait until the node's restore has finished; print what it restored.
 
     Use it between `tierfs mount` and starting a trainer that lists its own
@@ -95,20 +124,29 @@ def wait_cmd(mountpoint: str, timeout: float, accept_older: bool) -> None:
     failed; 3: something exists but no step is complete (nothing restored);
     4: a node did not join in time; 5: the coordinator refuses this node; 6: a
     restore phase timed out; 7: still running after --timeout (or the daemon
-    did not answer within it).
+    did not answer within it, or the other ranks' files of the restored step
+    were not all in the view by then).
     """
     deadline = time.monotonic() + timeout
     while True:
         try:
             # never past --timeout, even when the daemon does not answer at all
             left = max(1.0, deadline - time.monotonic())
-            restore = NodeStatus.from_json(read_status(mountpoint, left)).restore
+            status = NodeStatus.from_json(read_status(mountpoint, left))
+            restore = status.restore
         except DaemonNotAnswering:
             click.echo(f"tierfs: error: {not_answering(mountpoint, timeout)}", err=True)
             sys.exit(WAIT_STILL_RUNNING)
         state = restore.state
         if state in RESTORE_SETTLED:
-            break
+            unready = whole_step_unready(status, all_bytes)
+            if unready is None:
+                break
+            if time.monotonic() > deadline:
+                click.echo(f"tierfs: error: {unready} after {timeout:.0f}s", err=True)
+                sys.exit(WAIT_STILL_RUNNING)
+            time.sleep(0.2)
+            continue
         if time.monotonic() > deadline:
             click.echo(
                 f"tierfs: error: restore still {state} after {timeout:.0f}s "

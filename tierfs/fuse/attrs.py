@@ -85,12 +85,15 @@ class AttrOps(DataOps):
         Raises:
             OSError: EPERM under reserved names, EISDIR for truncating a directory,
                 EINVAL for truncating other non-regular files, EOPNOTSUPP for
-                chmod of a symlink.
+                chmod of a symlink, EROFS for a size, mode or owner change of
+                another rank's file (:mod:`tierfs.fuse.remote`).
         """
         inodes = self._inodes
         inode = inodes.get(nodeid)
         if inode.reserved:
             raise access.managed_error()
+        if (size, mode, uid, gid) != (None, None, None, None) and self._remote.is_remote(inode.ino):
+            raise OSError(errno.EROFS, "another rank's file of a sealed step")
         handle = self._handles.get(fh) if fh is not None else None
         if size is not None:
             if stat.S_ISDIR(inode.mode):

@@ -20,6 +20,7 @@ from tierfs.fuse.attrs import clear_suidgid
 from tierfs.fuse.handles import Handle
 from tierfs.fuse.inodes import Inode, proc
 from tierfs.fuse.parts import DataOps
+from tierfs.fuse.remote import Deferred
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +65,20 @@ class FileOps(DataOps):
 
         Raises:
             OSError: EISDIR for directories, EPERM writing reserved files,
-                ELOOP for symlinks, ESTALE for an unknown node id.
+                EROFS writing or truncating another rank's file, ELOOP for
+                symlinks, ESTALE for an unknown node id.
+            Deferred: another rank's file whose bytes are not here yet (the
+                session answers after the fetch, :mod:`tierfs.fuse.remote`).
         """
         inode = self._inode(nodeid)
         if stat.S_ISDIR(inode.mode):
             raise OSError(errno.EISDIR, "is a directory")
+        if self._remote.is_remote(inode.ino):
+            if access.opens_for_write(flags) or flags & os.O_TRUNC:
+                raise OSError(errno.EROFS, "another rank's file of a sealed step")
+            fetch = self._remote.missing(inode.ino)
+            if fetch is not None:
+                raise Deferred(fetch)
         if access.opens_for_write(flags):
             if inode.reserved:
                 raise access.managed_error()

@@ -48,6 +48,7 @@ from tierfs.fuse.files import BACKING_FLAGS, FileOps
 from tierfs.fuse.handles import DirHandle, Handle, HandleTable
 from tierfs.fuse.inodes import ROOT_ID, Inode, InodeTable, default_max_fds, proc
 from tierfs.fuse.kernel import KernelLink
+from tierfs.fuse.remote import Deferred, NoRemoteFiles, RemoteFiles
 from tierfs.fuse.space import Space, SpaceBudget
 
 __all__ = [
@@ -73,6 +74,8 @@ class Namespace:
         virtual: relative paths (bytes) whose content is generated when opened.
         max_fds: how many descriptors the namespace may hold (``O_PATH`` pool plus
             open handles) before it evicts; default: RLIMIT_NOFILE minus a reserve.
+        remote: other ranks' files in the view (:mod:`tierfs.fuse.remote`);
+            default: none.
 
     Attributes:
         kernel: the hooks the FUSE session fills in (passthrough, invalidations).
@@ -92,6 +95,7 @@ class Namespace:
         reserved: frozenset[bytes] = frozenset(),
         virtual: dict[bytes, Callable[[], bytes]] | None = None,
         max_fds: int | None = None,
+        remote: RemoteFiles | None = None,
     ) -> None:
         self.view_dir = os.path.abspath(view_dir)
         self._view_prefix = os.fsencode(self.view_dir) + b"/"
@@ -110,8 +114,9 @@ class Namespace:
         self.root = inodes.root
         self.handles = handles = HandleTable(self.kernel)
         self.space = space = Space(budget, inodes)
-        self.files = files = FileOps(inodes, handles, space, self.events, self.kernel)
-        self.attrs = attrs = AttrOps(inodes, handles, space, self.events, self.kernel)
+        self.remote: RemoteFiles = remote if remote is not None else NoRemoteFiles()
+        self.files = files = FileOps(inodes, handles, space, self.events, self.kernel, self.remote)
+        self.attrs = attrs = AttrOps(inodes, handles, space, self.events, self.kernel, self.remote)
         self.dirs = dirs = DirOps(inodes, handles)
         # The parts' operations under the namespace's names, bound once: a FUSE
         # handler's ``ns.write(...)`` costs what a method of this class would.
@@ -265,7 +270,9 @@ class Namespace:
 
         Raises:
             OSError: EEXIST with O_EXCL, EACCES for a racing file the caller may
-                not open, EPERM under reserved names, ENOSPC past the budget.
+                not open, EPERM under reserved names, ENOSPC past the budget,
+                EROFS writing another rank's file.
+            Deferred: a racing file of another rank whose bytes are not here yet.
         """
         parent = self._directory(parent_id)
         access.check_mutable(parent.reserved, parent is self.root, name, self.reserved)
@@ -282,6 +289,12 @@ class Namespace:
                 raise
             st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
             access.check_open_access(st, uid, gid, flags)
+            if self.remote.is_remote(st.st_ino):
+                if access.opens_for_write(flags) or flags & os.O_TRUNC:
+                    raise OSError(errno.EROFS, "another rank's file of a sealed step") from None
+                fetch = self.remote.missing(st.st_ino)
+                if fetch is not None:
+                    raise Deferred(fetch) from None
             fd = os.open(name, bflags, dir_fd=dirfd)
             created = False
         try:

@@ -14,6 +14,7 @@ from tierfs.fuse.events import FsEvents
 from tierfs.fuse.handles import HandleTable
 from tierfs.fuse.inodes import InodeTable
 from tierfs.fuse.kernel import KernelLink
+from tierfs.fuse.remote import NoRemoteFiles, RemoteFiles
 from tierfs.fuse.space import Space
 
 
@@ -41,6 +42,7 @@ class DataOps(TableOps):
         space: the RAM budget accounting (ENOSPC before a write that does not fit).
         events: told when an entry changed (sealing follows it).
         kernel: the link to the FUSE session (cache invalidation).
+        remote: other ranks' files in the view (read-only; fetched on first open).
     """
 
     def __init__(
@@ -50,8 +52,10 @@ class DataOps(TableOps):
         space: Space,
         events: FsEvents,
         kernel: KernelLink,
+        remote: RemoteFiles | None = None,
     ) -> None:
         super().__init__(inodes, handles)
         self._space = space
         self._events = events
         self._kernel = kernel
+        self._remote: RemoteFiles = remote if remote is not None else NoRemoteFiles()

@@ -9,7 +9,10 @@ no CAP_SYS_ADMIN, or a managed RAM budget) the daemon serves data itself
 with 1 MiB requests.
 
 Concurrency: one trio task reads requests and answers each before reading
-the next; handlers only make short tmpfs syscalls. Kernel cache
+the next; handlers only make short tmpfs syscalls. The one exception is an
+open of another rank's file whose bytes are not here yet
+(:class:`tierfs.fuse.remote.Deferred`): that request is answered by a task of
+its own once the fetch ended, while the loop goes on serving others. Kernel cache
 invalidations are written from a separate thread, never from a handler
 (FUSE-NOTES trap 8: the kernel takes the directory lock for them).
 """
@@ -27,6 +30,7 @@ import socket
 import stat
 import subprocess
 import threading
+from collections.abc import Callable
 
 import trio
 
@@ -41,6 +45,7 @@ from tierfs.fuse.options import (
     fusermount_options,
     mount_data,
 )
+from tierfs.fuse.remote import Deferred
 
 __all__ = [
     "FuseSession",
@@ -92,6 +97,10 @@ class FuseSession:
             queue.SimpleQueue()
         )
         self._notify_thread: threading.Thread | None = None
+        #: the nursery of requests answered later (:meth:`serve` opens it)
+        self._later: trio.Nursery | None = None
+        #: requests waiting for a fetch right now (a gauge)
+        self.deferred = 0
         ns.entry_timeout = options.entry_timeout
         ns.attr_timeout = options.attr_timeout
         ns.kernel.inval_entry = self.notify_inval_entry
@@ -405,6 +414,12 @@ class FuseSession:
                 return
             self._error(hdr.unique, err)
             return
+        except Deferred as later:
+            if self._later is None:  # not serving (a direct dispatch in a test)
+                self._error(hdr.unique, errno.EAGAIN)
+                return
+            self._later.start_soon(self._answer_later, hdr, bytes(body), handler, later)
+            return
         except Exception:
             # FUSE-NOTES trap 1: nothing may escape a handler.
             log.exception("%s failed", P.Op.name(hdr.opcode))
@@ -415,7 +430,69 @@ class FuseSession:
             return
         self._reply(hdr.unique, payload)
 
+    async def _answer_later(
+        self,
+        hdr: P.RequestHeader,
+        body: bytes,
+        handler: Callable[[P.RequestHeader, memoryview], object],
+        later: Deferred,
+    ) -> None:
+        """Wait for what ``later`` waits for, then run ``handler`` again and answer.
+
+        An ``OSError`` of the wait is the answer's errno; anything else is EIO
+        (logged). A handler that defers again is waited for again, three times
+        at most (then EIO). A request the kernel gave up on (interrupted, the
+        mount gone) is answered into the void, harmlessly.
+        """
+        self.deferred += 1
+        try:
+            for _ in range(3):
+                try:
+                    await later.wait()
+                    payload = handler(hdr, memoryview(body))
+                except Deferred as again:
+                    later = again
+                    continue
+                except OSError as exc:
+                    self._answer(hdr.unique, exc.errno or errno.EIO)
+                    return
+                except Exception:
+                    log.exception("%s answered later failed", P.Op.name(hdr.opcode))
+                    self._answer(hdr.unique, errno.EIO)
+                    return
+                self._answer(hdr.unique, 0, payload)
+                return
+            self._answer(hdr.unique, errno.EIO)
+        finally:
+            self.deferred -= 1
+
+    def _answer(self, unique: int, err: int, payload: object = b"") -> None:
+        """Reply to a request answered later, unless the channel is closed."""
+        if self.fd < 0:
+            return
+        try:
+            if err:
+                self._error(unique, err)
+            else:
+                self._reply(unique, payload)
+        except OSError as exc:
+            log.debug("late answer to request %d dropped: %s", unique, exc)
+
     async def serve(self) -> None:
+        """Serve requests until the filesystem is unmounted (ENODEV).
+
+        Requests answered later (:class:`tierfs.fuse.remote.Deferred`) run in a
+        nursery of this call; they are cancelled when it returns.
+        """
+        async with trio.open_nursery() as later:
+            self._later = later
+            try:
+                await self._serve()
+            finally:
+                self._later = None
+                later.cancel_scope.cancel()
+
+    async def _serve(self) -> None:
         """Serve requests until the filesystem is unmounted (ENODEV).
 
         Between requests of a burst (a client creating, stat'ing or removing

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,33 @@ def families(status: dict[str, Any]) -> list[Any]:
     restored.add_metric([], float(restore.get("step") or 0))
     up = GaugeMetricFamily("tierfs_passthrough", "1 if FUSE passthrough serves file data")
     up.add_metric([], 1.0 if status.get("passthrough") else 0.0)
-    return [ram, info, by_state, newest, held, errors, restored, up]
+    return [ram, info, by_state, newest, held, errors, restored, up, *_whole_view(status)]
+
+
+def _whole_view(status: dict[str, Any]) -> list[Any]:
+    """The whole-step view's families (issue #14): bytes fetched per tier, failed
+    fetches, and the newest step's other-rank files by state."""
+    view = status.get("whole_view") or {}
+    fetched = CounterMetricFamily(
+        "tierfs_other_ranks_fetched_bytes",
+        "Bytes of other ranks' files fetched into this node's view, by tier",
+        labels=["tier"],
+    )
+    for tier, n in sorted((view.get("fetched_bytes") or {}).items()):
+        fetched.add_metric([tier], float(n))
+    failed = CounterMetricFamily(
+        "tierfs_other_ranks_fetch_errors", "Fetches of other ranks' files no copy could serve"
+    )
+    failed.add_metric([], float(view.get("fetch_errors", 0)))
+    files = GaugeMetricFamily(
+        "tierfs_other_ranks_files",
+        "Other ranks' files of the newest step in this node's view, by state",
+        labels=["state"],
+    )
+    newest = (view.get("steps") or [{}])[0]
+    for state in ("local", "remote", "fetching"):
+        files.add_metric([state], float(newest.get(state, 0)))
+    return [fetched, failed, files]
 
 
 class StatusCollector(Collector):

@@ -18,6 +18,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from typing import Protocol
 
 import trio
@@ -70,6 +71,8 @@ class Sealer:
         keeper: adds shards, applies retention, hides expired entries.
         reporter: ``replicator.errors`` lines (a step that cannot be sealed).
         tasks: where seals run.
+        foreign: ``foreign(inode)``: a file of another rank in the view (the
+            whole-step view), never sealed into this node's part.
     """
 
     def __init__(
@@ -84,7 +87,9 @@ class Sealer:
         keeper: Retention,
         reporter: ErrorLines,
         tasks: TaskSpawner,
+        foreign: Callable[[int], bool] | None = None,
     ) -> None:
+        self.foreign = foreign
         self.config = config
         self.store = store
         self.shards = shards
@@ -155,6 +160,7 @@ class Sealer:
                     # the next step rewrites a tracker in place: a hard link would
                     # make that rewrite withdraw this step's seal
                     copied=[e for e in cand.entries if e in TRACKERS],
+                    foreign=self.foreign,
                 )
 
             try:

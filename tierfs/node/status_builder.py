@@ -13,7 +13,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from tierfs.core.config import NodeConfig
@@ -29,6 +29,7 @@ from tierfs.core.status import (
     TierStatus,
     UsageStatus,
 )
+from tierfs.core.status.whole import WholeViewStatus
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.jobstate import JobState
 from tierfs.node.steps import StepBook
@@ -74,6 +75,7 @@ class StatusBuilder:
         catalog: the held shards (own steps and replicas).
         tiers: the tiers, whose status is shown under their name.
         errors: the last problem lines.
+        whole_view: the status of other ranks' files in the view (issue #14).
     """
 
     def __init__(
@@ -86,7 +88,9 @@ class StatusBuilder:
         catalog: ShardCatalog,
         tiers: Sequence[StatusTier],
         errors: collections.deque[str],
+        whole_view: Callable[[], WholeViewStatus] | None = None,
     ) -> None:
+        self.whole_view = whole_view
         self.config = config
         self.store = store
         self.budget = budget
@@ -143,6 +147,7 @@ class StatusBuilder:
             replicas=replicas,
             tiers=tiers,
             errors=tuple(self.errors),
+            whole_view=self.whole_view() if self.whole_view is not None else WholeViewStatus(),
         )
 
     def _own_steps(self, job: JobSpec | None) -> dict[int, StepStatus]:

@@ -116,6 +116,20 @@ def link_tree(src: str, dst: str) -> None:
         os.link(src, dst)
 
 
+def drop_files(root: str, which: Callable[[int], bool]) -> int:
+    """Unlink every regular file under ``root`` whose inode number ``which`` names;
+    returns how many."""
+    dropped = 0
+    for top, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(top, name)
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and which(st.st_ino):
+                os.unlink(path)
+                dropped += 1
+    return dropped
+
+
 def file_inodes(root: str) -> set[int]:
     """Inode numbers of every regular file under ``root``."""
     out: set[int] = set()
@@ -204,6 +218,7 @@ class ShardStore:
         created: float | None = None,
         judge: bool = True,
         copied: Iterable[str] = (),
+        foreign: Callable[[int], bool] | None = None,
     ) -> Shard:
         """Seal: hard-link ``view/<entry>`` for each entry into a new shard and checksum it.
 
@@ -226,6 +241,9 @@ class ShardStore:
             copied: entries (regular files) copied, not hard-linked: files that
                 the next step rewrites in place (Megatron's and DeepSpeed's
                 tracker files), so that rewrite leaves this snapshot sealed.
+            foreign: ``foreign(inode)`` is True for a file that belongs to
+                another rank's part (the whole-step view,
+                :mod:`tierfs.node.remote_view`): left out of this node's part.
 
         Raises:
             SealBusy: a file is still open for writing.
@@ -246,6 +264,8 @@ class ShardStore:
                     shutil.copy2(src, dst)
                 else:
                     link_tree(src, dst)
+            if foreign is not None:
+                drop_files(data, foreign)
             inodes = file_inodes(data)
             if on_inodes is not None:
                 on_inodes(inodes)

@@ -19,6 +19,7 @@ from tierfs.core.status.parts import (
     UsageStatus,
 )
 from tierfs.core.status.peer import PeerStatus
+from tierfs.core.status.whole import WholeViewStatus
 
 __all__ = ["NodeStatus", "TierStatus"]
 
@@ -66,6 +67,8 @@ class NodeStatus:
     tiers: Mapping[str, TierStatus] = field(default_factory=dict)
     #: the last problem lines (``replicator.errors`` and internal errors), oldest first
     errors: tuple[str, ...] = ()
+    #: other ranks' files of each step in this node's view (issue #14)
+    whole_view: WholeViewStatus = field(default_factory=WholeViewStatus)
 
     @property
     def peer(self) -> PeerStatus | None:
@@ -95,6 +98,7 @@ class NodeStatus:
             "replicas": [r.to_json() for r in self.replicas],
             "tiers": {name: t.to_json() for name, t in self.tiers.items()},
             "errors": list(self.errors),
+            "whole_view": self.whole_view.to_json(),
         }
 
     @classmethod
@@ -133,4 +137,5 @@ class NodeStatus:
             replicas=tuple(ReplicaStatus.from_json(r) for r in objs(d.get("replicas"))),
             tiers=tiers,
             errors=strs(d.get("errors")),
+            whole_view=WholeViewStatus.from_json(obj(d.get("whole_view") or {}, "whole_view")),
         )

@@ -1,0 +1,197 @@
+"""Issue #14 with real daemons: every node's mount shows the whole step.
+
+Two or four nodes of one generic job each write their part of a step into
+their own mount; once a part is sealed, every other node shows its files
+(names, sizes and modes at once), reads them byte-exact (fetched on first
+open from the part's node, checked against the manifest's crc32c), cannot
+change them, and never seals them into its own part.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import tierfs
+from mtc_clients import wait_for
+from peer_cluster import Cluster, flip_byte
+from step_bytes import dcp_metadata
+
+from tierfs.demo.emulator import free_port
+
+pytestmark = pytest.mark.slow
+
+W0, W1, C = os.urandom(300_000), os.urandom(200_000), os.urandom(1000)
+META = dcp_metadata([("w0", "__0_0.distcp", 0, len(W0)), ("w1", "__1_0.distcp", 0, len(W1))])
+
+
+def generic(n: int):
+    return lambda i: [
+        "--job",
+        "dcp",
+        "--nodes",
+        str(n),
+        "--node-rank",
+        str(i),
+        "--peers-per-node",
+        "1",
+    ]
+
+
+def save(c: Cluster, step: int, parts: dict[int, dict[str, bytes]]) -> None:
+    """Each node writes its part of ``step/`` as ``step.tmp/`` and renames it."""
+    for i, files in parts.items():
+        tmp = c.root(i) / f"{step}.tmp"
+        tmp.mkdir()
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        os.rename(tmp, c.root(i) / str(step))
+
+
+def test_each_node_reads_the_other_ranks_files_of_a_step(make_mount):
+    c = Cluster(make_mount, 2, node_args=generic(2))
+    save(c, 10, {0: {".metadata": META, "__0_0.distcp": W0}, 1: {"__1_0.distcp": W1}})
+    meta1 = c.root(1) / "10" / ".metadata"
+    wait_for(lambda: meta1.exists(), 60, "node 0's .metadata on node 1")
+    # names and sizes at once
+    assert (c.root(1) / "10" / "__0_0.distcp").stat().st_size == len(W0)
+    wait_for(lambda: (c.root(0) / "10" / "__1_0.distcp").exists(), 60, "rank 1's shard on node 0")
+    assert sorted(os.listdir(c.root(1) / "10")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    # bytes on first read
+    assert meta1.read_bytes() == META
+    assert (c.root(1) / "10" / "__0_0.distcp").read_bytes() == W0
+    assert (c.root(0) / "10" / "__1_0.distcp").read_bytes() == W1
+    # read-only
+    with pytest.raises(OSError) as exc:
+        os.open(c.root(1) / "10" / ".metadata", os.O_WRONLY)
+    assert exc.value.errno == errno.EROFS
+    with pytest.raises(OSError) as exc:
+        os.truncate(c.root(0) / "10" / "__1_0.distcp", 0)
+    assert exc.value.errno == errno.EROFS
+    assert c.errors(0) == "" and c.errors(1) == "", (c.errors(0), c.errors(1))
+
+
+DCP = str(Path(__file__).resolve().parents[1] / "support" / "clients" / "dcp_step.py")
+FILES4 = [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
+
+
+def dcp_ranks(c: Cluster, mode: str, step: int, nodes: list[int]) -> list[str]:
+    """Run one stock DCP rank per node (rank = position in ``nodes``); their outputs."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                DCP,
+                mode,
+                str(r),
+                str(len(nodes)),
+                str(port),
+                str(c.root(i)),
+                str(step),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r, i in enumerate(nodes)
+    ]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        outs.append(out.strip() + (f" (rc {p.returncode}) {err[-1500:]}" if p.returncode else ""))
+    return outs
+
+
+def whole(c: Cluster, i: int, step: int, files: list[str]) -> bool:
+    return sorted(os.listdir(c.root(i) / f"checkpoint-{step}")) == files
+
+
+@pytest.mark.long
+def test_stock_dcp_on_four_nodes_loads_on_every_rank_and_after_a_node_loss(make_mount):
+    c = Cluster(make_mount, 4, node_args=generic(4))
+    assert dcp_ranks(c, "save", 10, [0, 1, 2, 3]) == ["SAVED"] * 4
+    for i in range(4):
+        wait_for(lambda i=i: whole(c, i, 10, FILES4), 90, f"the whole step 10 on node {i}")
+    assert dcp_ranks(c, "load", 10, [0, 1, 2, 3]) == ["LOADED_OK"] * 4
+    size3 = (c.root(3) / "checkpoint-10" / "__3_0.distcp").stat().st_size
+
+    # node 3 is lost with its RAM; its replacement restores rank 3's part from a peer
+    c.lose(3)
+    c.remount(3)
+    w = tierfs("wait", str(c.root(3)), "--timeout", "120", check=False, timeout=180)
+    assert w.returncode == 0 and "restored step 10 from peer" in w.stdout, (w.stdout, w.stderr)
+    wait_for(lambda: whole(c, 3, 10, FILES4), 90, "the whole step 10 on the new node 3")
+    assert (c.root(3) / "checkpoint-10" / "__3_0.distcp").stat().st_size == size3
+    assert dcp_ranks(c, "load", 10, [0, 1, 2, 3]) == ["LOADED_OK"] * 4
+    for i in range(4):
+        assert c.errors(i) == "", (i, c.errors(i))
+
+
+def part_file(c: Cluster, holder: int, rank: int, step: int, rel: str) -> Path:
+    """A file of rank ``rank``'s sealed part of ``step`` in node ``holder``'s RAM store."""
+    return (
+        c.mounts[holder].ram_dir / "store" / "shards" / "dcp" / str(rank) / str(step) / "data" / rel
+    )
+
+
+def backed_up(c: Cluster, i: int, step: int) -> bool:
+    return any(s["step"] == step for s in c.status(i)["tiers"]["gcs"].get("steps", []))
+
+
+@pytest.mark.long
+def test_a_flipped_byte_in_every_peer_copy_is_read_from_the_bucket(make_mount, fake_gcs):
+    # 3 nodes, one replica each: rank 1's part is on node 1 and node 0, never on node 2
+    c = Cluster(
+        make_mount,
+        3,
+        extra=("--bucket", fake_gcs.bucket),
+        node_args=lambda i: [*generic(3)(i), "--backup-interval-steps", "1"],
+    )
+    parts = {0: {".metadata": META, "__0_0.distcp": W0}, 1: {"__1_0.distcp": W1}, 2: {"x": C}}
+    save(c, 10, parts)
+    for i in range(3):
+        wait_for(lambda i=i: backed_up(c, i, 10), 90, f"node {i}: step 10 backed up")
+    target = c.root(2) / "10" / "__1_0.distcp"
+    wait_for(target.exists, 60, "rank 1's shard in node 2's view")
+    for holder in (1, 0):
+        flip_byte(part_file(c, holder, 1, 10, "10/__1_0.distcp"), 1000)
+    assert target.read_bytes() == W1  # from the bucket, checked
+    errors = c.errors(2)
+    assert "step 10: rank 1's 10/__1_0.distcp was read from bucket round" in errors, errors
+    assert "peer node-rank 1" in errors and "peer node-rank 0" in errors, errors
+    view = c.status(2)["whole_view"]
+    assert view["fetched_bytes"].get("gcs") == len(W1), view
+
+
+def test_per_rank_files_a_shared_file_and_a_conflict(make_mount):
+    c = Cluster(make_mount, 2, node_args=generic(2))
+    same = b'{"architectures": ["Llama"]}'
+    parts = {
+        0: {"config.json": same, "rank0.pt": W0, "notes.txt": b"rank 0 wrote this"},
+        1: {"config.json": same, "rank1.pt": W1, "notes.txt": b"rank 1 wrote that"},
+    }
+    save(c, 10, parts)
+    for i in (0, 1):
+        wait_for(
+            lambda i=i: (
+                sorted(os.listdir(c.root(i) / "10"))
+                == ["config.json", "notes.txt", "rank0.pt", "rank1.pt"]
+            ),
+            60,
+            f"the whole step on node {i}",
+        )
+    assert (c.root(0) / "10" / "rank1.pt").read_bytes() == W1
+    assert (c.root(1) / "10" / "rank0.pt").read_bytes() == W0
+    # the conflicting path: each node keeps its own copy, and says so once
+    assert (c.root(0) / "10" / "notes.txt").read_bytes() == b"rank 0 wrote this"
+    assert (c.root(1) / "10" / "notes.txt").read_bytes() == b"rank 1 wrote that"
+    for i in (0, 1):
+        wait_for(lambda i=i: "notes.txt differs" in c.errors(i), 30, f"node {i}'s conflict line")
+        assert c.errors(i).count("10/notes.txt differs between ranks") == 1, c.errors(i)
+        s = c.status(i)["whole_view"]["steps"][0]
+        assert s["conflicts"] == ["10/notes.txt"], s

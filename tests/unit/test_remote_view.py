@@ -1,0 +1,321 @@
+"""Issue #14 without a mount: the whole-step view's rules (which rank's file a path
+shows), placing other ranks' files (sparse placeholders with size, mode and the xattr;
+hard links to a replica held here), fetching them verified (a corrupt copy skipped, no
+copy -> EIO with the reason, the bytes punched out again), leaving them out of the
+node's own seal, the sweep at start, the status, and the namespace's read-only rule."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+import fake_ports
+import pytest
+import trio
+
+from tierfs.core.control import JobSpec
+from tierfs.core.errors import FetchFailed
+from tierfs.fuse.inodes import ROOT_ID
+from tierfs.fuse.namespace import Namespace
+from tierfs.fuse.remote import Deferred
+from tierfs.node.catalog import ShardCatalog
+from tierfs.node.remote_view import XATTR, RemoteView
+from tierfs.node.union import Conflict, union_plan
+from tierfs.store.manifest import FileEntry, Manifest
+from tierfs.store.ramstore import Budget, RamStore
+from tierfs.store.shards import Shard, ShardKey, ShardStore
+
+JOB = "train"
+A, B, C = os.urandom(5000), os.urandom(7000), os.urandom(100)
+
+
+def manifest(rank: int, files: dict[str, bytes], step: int = 10) -> Manifest:
+    import google_crc32c
+
+    entries = [FileEntry(str(step), "dir", mode=0o755)] + [
+        FileEntry(f"{step}/{p}", "file", len(d), 0o640, google_crc32c.value(d))
+        for p, d in sorted(files.items())
+    ]
+    return Manifest(JOB, rank, step, str(step), "generic", tuple(entries))
+
+
+# ---------------------------------------------------------------------- the rules
+
+
+def test_identical_paths_are_one_file_and_different_ones_a_conflict():
+    own = manifest(1, {"__1_0.distcp": A, "shared.json": C})
+    others = {
+        0: manifest(0, {".metadata": B, "__0_0.distcp": A, "shared.json": C}),
+        2: manifest(2, {"__2_0.distcp": B, "extra/x.bin": C, ".metadata": B}),
+        3: manifest(3, {"__3_0.distcp": A, "shared.json": B}),
+    }
+    plan = union_plan(own, others)
+    assert sorted(plan.files) == [
+        "10/.metadata",
+        "10/__0_0.distcp",
+        "10/__2_0.distcp",
+        "10/__3_0.distcp",
+        "10/extra/x.bin",
+    ]
+    assert plan.files["10/.metadata"][0] == 0  # identical on 0 and 2: the lowest rank's
+    assert [d.path for d in plan.dirs] == []  # "10" is the node's own; no "10/extra" entry
+    # shared.json: this node's own copy wins, the conflict names every rank holding it
+    assert plan.conflicts == [Conflict("10/shared.json", -1, (0, 3))]
+
+
+def test_a_conflict_between_other_ranks_shows_the_lowest_rank():
+    plan = union_plan(None, {2: manifest(2, {"x": A}), 1: manifest(1, {"x": B})})
+    assert plan.files["10/x"][0] == 1
+    assert plan.conflicts == [Conflict("10/x", 1, (1, 2))]
+
+
+# ---------------------------------------------------------------------- placing, fetching
+
+
+class Manifests:
+    def __init__(self, parts: dict[int, Manifest]) -> None:
+        self.parts = parts
+        self.asked: list[int] = []
+
+    async def part_manifest(self, job: str, rank: int, step: int) -> Manifest | None:
+        self.asked.append(rank)
+        return self.parts.get(rank)
+
+
+class Source:
+    """A FileSource serving ``files`` (path -> bytes); ``corrupt`` copies flip a byte."""
+
+    def __init__(self, name: str, files: dict[str, bytes], copies: list[str]) -> None:
+        self.name = name
+        self.files = files
+        self.copies = copies
+        self.corrupt: set[str] = set()
+        self.calls: list[tuple[str, frozenset[str]]] = []
+
+    async def fetch_file(self, job, rank, step, digest, path, fd, *, skip=frozenset()) -> str:
+        self.calls.append((path, skip))
+        for copy in self.copies:
+            if copy in skip:
+                continue
+            data = self.files.get(path)
+            if data is None:
+                break
+            if copy in self.corrupt:
+                data = bytes([data[0] ^ 1]) + data[1:]
+            os.pwrite(fd, data, 0)
+            return copy
+        raise FetchFailed(f"{self.name}: no copy of {path}")
+
+
+def own_part(tmp: Path, files: dict[str, bytes]) -> tuple[RamStore, ShardStore, Shard]:
+    ram = RamStore(str(tmp / "node1"))
+    for rel, data in files.items():
+        p = Path(ram.view) / "10" / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    shards = ShardStore(ram)
+    return ram, shards, shards.snapshot(ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic")
+
+
+def view_of(tmp: Path, parts: dict[int, Manifest], sources: list[Source]):
+    ram, shards, own = own_part(tmp, {"__1_0.distcp": A})
+    catalog = ShardCatalog(shards, 3)
+    catalog.add(own)
+    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 1, 3))
+    rv = RemoteView(ram.view, catalog, job, Manifests(parts), sources, job, trio.CapacityLimiter(1))
+    return rv, ram, shards, catalog, own, job
+
+
+PARTS = {0: manifest(0, {".metadata": B, "__0_0.distcp": C}), 2: manifest(2, {"__2_0.distcp": B})}
+BYTES = {"10/.metadata": B, "10/__0_0.distcp": C, "10/__2_0.distcp": B}
+
+
+def test_other_ranks_files_appear_with_size_and_mode_and_are_fetched_verified(tmp_path):
+    peer = Source("peer", BYTES, ["peer node-rank 0", "peer node-rank 2"])
+    rv, ram, shards, _catalog, own, job = view_of(tmp_path, PARTS, [peer])
+
+    async def main() -> None:
+        assert await rv.look(own) is False  # every rank's part found
+        meta = Path(ram.view) / "10" / ".metadata"
+        st = meta.stat()
+        assert (st.st_size, stat.S_IMODE(st.st_mode), st.st_blocks) == (len(B), 0o640, 0)
+        assert os.getxattr(meta, XATTR) == b"0/10"
+        assert rv.is_remote(st.st_ino) and rv.missing(st.st_ino) is not None
+        assert not rv.is_remote((Path(ram.view) / "10" / "__1_0.distcp").stat().st_ino)
+        fetch = rv.missing(st.st_ino)
+        assert fetch is not None
+        await fetch()
+        assert meta.read_bytes() == B and rv.missing(st.st_ino) is None
+        s = rv.status().step(10)
+        assert s is not None and s.names_ready and (s.local, s.remote) == (1, 2)
+        assert rv.status().fetched_bytes == {"peer": len(B)}
+        await rv.prefetch(10)
+        assert rv.status().step(10).bytes_ready
+
+    trio.run(main)
+    assert job.errors == []
+    # a re-seal of the step here leaves other ranks' files out of this node's part
+    again = shards.snapshot(
+        ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic", foreign=rv.is_remote
+    )
+    assert [f.path for f in again.manifest.files] == ["10", "10/__1_0.distcp"]
+    # a new daemon removes the placeholders of the old one before mounting
+    assert RemoteView.sweep_dir(ram.view) == 3
+    assert sorted(os.listdir(Path(ram.view) / "10")) == ["__1_0.distcp"]
+
+
+def test_a_corrupt_copy_is_skipped_for_the_next_one_and_said_once(tmp_path):
+    peer = Source("peer", BYTES, ["peer node-rank 0", "peer node-rank 2"])
+    peer.corrupt.add("peer node-rank 0")
+    rv, ram, _s, _c, own, job = view_of(tmp_path, PARTS, [peer])
+
+    async def main() -> None:
+        await rv.look(own)
+        ino = (Path(ram.view) / "10" / ".metadata").stat().st_ino
+        await rv.missing(ino)()
+
+    trio.run(main)
+    assert (Path(ram.view) / "10" / ".metadata").read_bytes() == B
+    assert peer.calls == [
+        ("10/.metadata", frozenset()),
+        ("10/.metadata", frozenset({"peer node-rank 0"})),
+    ]
+    assert len(job.errors) == 1, job.errors
+    assert (
+        "10/.metadata was read from peer node-rank 2 after: peer node-rank 0 served"
+        in (job.errors[0])
+    ), job.errors
+
+
+def test_no_copy_serving_the_right_bytes_is_eio_with_every_reason_and_no_bytes_kept(tmp_path):
+    peer = Source("peer", BYTES, ["peer node-rank 0"])
+    peer.corrupt.add("peer node-rank 0")
+    bucket = Source("gcs", {}, ["bucket round r1"])
+    rv, ram, _s, _c, own, job = view_of(tmp_path, PARTS, [peer, bucket])
+    meta = Path(ram.view) / "10" / ".metadata"
+
+    async def main() -> None:
+        await rv.look(own)
+        with pytest.raises(OSError) as exc:
+            await rv.missing(meta.stat().st_ino)()
+        assert exc.value.errno == errno.EIO
+
+    trio.run(main)
+    assert meta.stat().st_blocks == 0 and meta.stat().st_size == len(B)  # a hole again
+    line = job.errors[-1]
+    assert "rank 0's 10/.metadata could not be read on this node" in line, line
+    assert "peer node-rank 0 served" in line and "gcs: no copy of 10/.metadata" in line, line
+    assert rv.status().step(10).failed == ("10/.metadata",)
+    assert rv.status().fetch_errors == 1
+
+
+class NoRoom(Source):
+    async def fetch_file(self, job, rank, step, digest, path, fd, *, skip=frozenset()) -> str:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as exc:
+            raise FetchFailed(f"{path}: no room for it here") from exc
+
+
+def test_a_file_that_does_not_fit_fails_the_open_with_enospc(tmp_path):
+    later = Source("gcs", BYTES, ["bucket round r1"])
+    rv, ram, _s, _c, own, job = view_of(tmp_path, PARTS, [NoRoom("peer", {}, []), later])
+    meta = Path(ram.view) / "10" / ".metadata"
+
+    async def main() -> None:
+        await rv.look(own)
+        with pytest.raises(OSError) as exc:
+            await rv.missing(meta.stat().st_ino)()
+        assert exc.value.errno == errno.ENOSPC
+
+    trio.run(main)
+    assert later.calls == []  # no other copy would fit either
+    assert "does not fit in the RAM budget" in job.errors[-1], job.errors
+
+
+def test_a_replica_held_here_is_linked_not_fetched(tmp_path):
+    rv, ram, shards, catalog, own, _job = view_of(tmp_path, PARTS, [])
+    other = Path(ram.view) / "tmp0"
+    other.mkdir()
+    (other / "10").mkdir()
+    (other / "10" / ".metadata").write_bytes(B)
+    (other / "10" / "__0_0.distcp").write_bytes(C)
+    replica = shards.snapshot(str(other), ShardKey(JOB, 0, 10), "10", ["10"], "generic")
+    catalog.add(replica)
+    rv.manifests.parts[0] = replica.manifest
+
+    trio.run(rv.look, own)
+    meta = Path(ram.view) / "10" / ".metadata"
+    assert meta.stat().st_ino == (Path(replica.data) / "10" / ".metadata").stat().st_ino
+    assert rv.missing(meta.stat().st_ino) is None and rv.is_remote(meta.stat().st_ino)
+
+
+def test_a_step_the_client_removed_gets_nothing_placed(tmp_path):
+    rv, ram, *_rest, own, _job = view_of(tmp_path, PARTS, [])
+    os.rename(Path(ram.view) / "10", Path(ram.view) / "gone")
+    assert trio.run(rv.look, own) is False
+    assert sorted(os.listdir(ram.view)) == ["gone"]
+    assert rv.status().step(10) is None
+
+
+def test_a_part_not_sealed_yet_is_looked_for_again(tmp_path):
+    rv, ram, *_rest, own, _job = view_of(tmp_path, {0: PARTS[0]}, [])
+    assert trio.run(rv.look, own) is True  # rank 2 not known yet
+    s = rv.status().step(10)
+    assert (s.ranks_known, s.ranks_missing) == ((0,), (2,))
+    rv.manifests.parts[2] = PARTS[2]
+    assert trio.run(rv.look, own) is False
+    assert (Path(ram.view) / "10" / "__2_0.distcp").stat().st_size == len(B)
+    assert rv.manifests.asked == [0, 2, 2]  # a known part is not asked for again
+
+
+# ---------------------------------------------------------------------- the namespace
+
+
+class Remote:
+    def __init__(self, ino: int) -> None:
+        self.ino = ino
+        self.here = False
+
+    def is_remote(self, ino: int) -> bool:
+        return ino == self.ino
+
+    def missing(self, ino: int):
+        if ino != self.ino or self.here:
+            return None
+
+        async def fetch() -> None:
+            self.here = True
+
+        return fetch
+
+
+def test_the_namespace_defers_the_open_of_a_missing_file_and_refuses_writes(tmp_path):
+    view = tmp_path / "view"
+    view.mkdir()
+    (view / "f").write_bytes(b"x" * 10)
+    remote = Remote((view / "f").stat().st_ino)
+    ns = Namespace(str(view), Budget(str(view), None, 0), remote=remote)
+    try:
+        inode, _st = ns.lookup(ROOT_ID, b"f")
+        with pytest.raises(OSError) as exc:
+            ns.open(inode.nodeid, os.O_WRONLY)
+        assert exc.value.errno == errno.EROFS
+        with pytest.raises(OSError) as exc:
+            ns.open(inode.nodeid, os.O_RDONLY | os.O_TRUNC)
+        assert exc.value.errno == errno.EROFS
+        for change in ({"size": 0}, {"mode": 0o777}, {"uid": 1}):
+            with pytest.raises(OSError) as exc:
+                ns.setattr(inode.nodeid, None, **change)
+            assert exc.value.errno == errno.EROFS
+        ns.setattr(inode.nodeid, None, mtime_ns=0)  # times may change
+        with pytest.raises(Deferred) as later:
+            ns.open(inode.nodeid, os.O_RDONLY)
+        trio.run(later.value.wait)
+        handle = ns.open(inode.nodeid, os.O_RDONLY)
+        ns.release(handle.fh)
+        ns.unlink(ROOT_ID, b"f")  # removing it is allowed
+    finally:
+        ns.close()

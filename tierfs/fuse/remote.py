@@ -1,0 +1,65 @@
+"""Files of other ranks in the view: what the namespace asks before it opens one.
+
+The whole-step view (issue #14, :mod:`tierfs.node.remote_view`) places other
+ranks' files of a sealed step into ``<ram-dir>/view`` as real tmpfs files: a
+file whose bytes are here already, or a sparse file of the right size and mode
+whose bytes are fetched on first open. The namespace sees them only through
+:class:`RemoteFiles`, keyed by the backing inode number:
+
+* such a file is read-only: an open for writing or with ``O_TRUNC`` and any
+  SETATTR fail with ``EROFS`` (its bytes belong to another rank's sealed part);
+* an open of a file whose bytes are not here yet raises :class:`Deferred`:
+  the session answers that request later, after the fetch, without holding
+  up other requests (:meth:`tierfs.fuse.session.FuseSession.dispatch`).
+
+Unlink and rename stay allowed (a client's retention, e.g. Orbax's rmtree of
+an old step, removes them like its own files).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from tierfs.core.errors import TierfsError
+
+
+class Deferred(TierfsError):
+    """A request that can be answered only after ``wait()`` returns (a control-flow
+    signal of the FUSE layer, never seen outside it).
+
+    Raised by a namespace operation on the FUSE thread; the session runs
+    ``wait`` in a task and then calls the same handler again with the same
+    request. ``wait`` raises ``OSError`` (its errno is the reply) when the
+    request must fail.
+    """
+
+    def __init__(self, wait: Callable[[], Awaitable[None]]) -> None:
+        super().__init__("deferred until a fetch ends")
+        self.wait = wait
+
+
+class RemoteFiles(Protocol):
+    """What the namespace asks about other ranks' files (FUSE thread; O(1), never blocks)."""
+
+    def is_remote(self, ino: int) -> bool:
+        """True if backing inode ``ino`` is a file of another rank's part (read-only)."""
+        ...
+
+    def missing(self, ino: int) -> Callable[[], Awaitable[None]] | None:
+        """None if ``ino``'s bytes are here; else the coroutine function that fetches
+        them (raises ``OSError``: EIO when no copy could serve verified bytes,
+        ENOSPC when they do not fit in the RAM budget)."""
+        ...
+
+
+class NoRemoteFiles:
+    """A view without other ranks' files (a bare RAM filesystem, tests)."""
+
+    def is_remote(self, ino: int) -> bool:
+        """Always False."""
+        return False
+
+    def missing(self, ino: int) -> Callable[[], Awaitable[None]] | None:
+        """Always None."""
+        return None

@@ -1,0 +1,636 @@
+"""The whole-step view: other ranks' files of a step on every node (issue #14).
+
+Each node's mount shows what its own node wrote. For a multi-node job in
+generic or ``pytorch.distributed`` mode, :class:`RemoteView` adds, for every
+step whose own part is sealed (or restored) here, the files of every other
+rank's part, as soon as that part's manifest is known to this node (asked of
+its node, :class:`tierfs.core.ports.ManifestSource`, or read from a replica
+held here). Which rank's file a path shows: :mod:`tierfs.node.union`.
+
+A file placed in the view is a real tmpfs file (so stat, readdir and, after
+the fetch, passthrough reads are the kernel's own):
+
+* **local**: this node holds a copy of that part (a replica): the view entry
+  is a hard link to it (no bytes copied);
+* **remote**: a sparse file of the manifest's size and mode; its bytes are
+  fetched on the first open (:class:`tierfs.fuse.remote.Deferred`), from the
+  nearest copy (``sources`` in order: peers' RAM, then the bucket), written
+  into that same inode, read back and checked against the manifest's size
+  and crc32c. A copy with wrong bytes is skipped for the next one; when no
+  copy serves, the open fails with EIO (ENOSPC when the bytes do not fit the
+  RAM budget) and ``replicator.errors`` says which file and why, never with
+  wrong bytes. Fetched bytes count against the budget; :meth:`RemoteView.drop`
+  gives them back (a hole punched: the file is remote again).
+
+These files are read-only (EROFS on write, truncate, chmod, chown; unlink and
+rename work), are never sealed into this node's part
+(:meth:`RemoteView.is_remote` is the sealer's ``foreign`` test), carry the
+xattr ``trusted.tierfs.remote`` and are removed by :meth:`RemoteView.sweep_dir`
+when a daemon starts (its predecessor's view of other ranks is rebuilt).
+
+After a restore the restored step's remote files are fetched in the
+background (:meth:`RemoteView.prefetch`): ``prefetch_width`` files at a time,
+round-robin over the ranks so the holders share the load.
+
+Cost: (N - 1) manifest calls per own sealed step per node (each repeated
+every ``retry`` seconds, at most ``patience`` seconds, until that rank's part
+is sealed); the union's names use one tmpfs inode each.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import google_crc32c
+import trio
+
+from tierfs.core import control
+from tierfs.core.errors import FetchFailed
+from tierfs.core.ports import CurrentJob, FileSource, ManifestSource, Reporter
+from tierfs.core.status.whole import WholeStepStatus, WholeViewStatus
+from tierfs.fuse.inodes import proc
+from tierfs.fuse.namespace import Namespace
+from tierfs.node.catalog import ShardCatalog
+from tierfs.node.union import union_plan
+from tierfs.store.manifest import FileEntry, Manifest
+from tierfs.store.shards import Shard, ShardKey
+
+log = logging.getLogger(__name__)
+
+#: marks a file of the whole-step view in the RAM store (value: "rank/step")
+XATTR = "trusted.tierfs.remote"
+#: frameworks whose steps are one directory tree shared by all ranks
+UNION_FRAMEWORKS = frozenset({control.GENERIC, "pytorch.distributed"})
+#: fallocate(2) flags: free the pages, keep the size
+FALLOC_PUNCH = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+#: errno values of a fetch that found no room for the file here
+NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+#: bytes read per call when checking fetched bytes
+READ_CHUNK = 1 << 20
+
+LOCAL, REMOTE, FETCHING = "local", "remote", "fetching"
+
+
+@dataclass(eq=False)
+class RemoteFile:
+    """One file of another rank's part placed in the view.
+
+    Attributes:
+        step, rank: whose part it belongs to.
+        digest: that part's manifest digest.
+        path: relative to the part's root, which is the view's root.
+        size: bytes; crc32c: of the bytes (from the manifest).
+        ino: the view inode.
+        state: ``local`` (bytes here), ``remote`` (not yet) or ``fetching``.
+        source: which copy served the bytes (``local replica`` for a hard link).
+        error: why the last fetch failed ("" if it did not).
+    """
+
+    step: int
+    rank: int
+    digest: str
+    path: str
+    size: int
+    crc32c: int
+    ino: int
+    state: str
+    source: str = ""
+    error: str = ""
+    done: trio.Event | None = None
+
+
+@dataclass
+class StepUnion:
+    """What the view of one step shows of other ranks' parts.
+
+    Attributes:
+        parts: rank -> digest of the part placed (a rank not listed: not known yet).
+        files: path -> the placed file.
+        conflicts: paths reported as conflicts.
+        first_look: trio time of the first look (patience).
+        absent: at the last look the node's own step was not in the view (removed
+            by the client, or published under restore markers): nothing placed.
+    """
+
+    step: int
+    parts: dict[int, str] = field(default_factory=dict)
+    files: dict[str, RemoteFile] = field(default_factory=dict)
+    conflicts: set[str] = field(default_factory=set)
+    first_look: float = 0.0
+    absent: bool = False
+
+
+def _read_crc(fd: int, size: int) -> tuple[int, int]:
+    """(bytes, crc32c) of the first ``size`` bytes of ``fd`` and what follows (blocking)."""
+    crc = 0
+    n = 0
+    while True:
+        chunk = os.pread(fd, READ_CHUNK, n)
+        if not chunk:
+            return n, crc
+        crc = google_crc32c.extend(crc, chunk)
+        n += len(chunk)
+
+
+class RemoteView:
+    """Other ranks' files of this node's steps, in the view (see the module docstring).
+
+    Args:
+        view_dir: ``<ram-dir>/view``.
+        catalog: the held shards (own parts, replicas); its seals wake the view.
+        job: the running job.
+        manifests: the other nodes' manifests of their parts.
+        sources: the tiers that hand over a file, nearest first.
+        reporter: ``replicator.errors``.
+        io_limiter: the node's file-work limiter (checking fetched bytes).
+        retry: seconds between looks while a rank's part is not known.
+        patience: seconds after the first look before a missing part is given up.
+        idle: seconds between looks when nothing woke the view.
+        prefetch_width: files fetched at once by :meth:`prefetch`.
+    """
+
+    def __init__(
+        self,
+        view_dir: str,
+        catalog: ShardCatalog,
+        job: CurrentJob,
+        manifests: ManifestSource | None,
+        sources: Sequence[FileSource],
+        reporter: Reporter,
+        io_limiter: trio.CapacityLimiter,
+        *,
+        retry: float = 2.0,
+        patience: float = 600.0,
+        idle: float = 30.0,
+        prefetch_width: int = 4,
+    ) -> None:
+        self.view_dir = view_dir
+        self.catalog = catalog
+        self.current = job
+        self.manifests = manifests
+        self.sources = list(sources)
+        self.reporter = reporter
+        self.io_limiter = io_limiter
+        self.retry = retry
+        self.patience = patience
+        self.idle = idle
+        self.prefetch_width = prefetch_width
+        self.ns: Namespace | None = None
+        self.steps: dict[int, StepUnion] = {}
+        self._by_ino: dict[int, RemoteFile] = {}
+        self._wake = trio.Event()
+        self._prefetched: set[int] = set()
+        #: own parts sealed by this daemon (the others were restored or found at start)
+        self._sealed_here: set[ShardKey] = set()
+        #: bytes fetched per tier name; fetches that failed
+        self.fetched_bytes: dict[str, int] = {}
+        self.fetch_errors = 0
+        catalog.on_sealed(self._on_sealed)
+
+    # ------------------------------------------------------------------ the namespace's port
+
+    def attach(self, ns: Namespace) -> None:
+        """Bind the namespace (kernel invalidations, inodes of open files)."""
+        self.ns = ns
+
+    def is_remote(self, ino: int) -> bool:
+        """True if view inode ``ino`` is another rank's file (read-only, never sealed here)."""
+        return ino in self._by_ino
+
+    def missing(self, ino: int) -> Callable[[], Awaitable[None]] | None:
+        """None if ``ino``'s bytes are here, else the fetch to wait for (FUSE thread)."""
+        rf = self._by_ino.get(ino)
+        if rf is None or rf.state == LOCAL:
+            return None
+
+        async def fetch() -> None:
+            await self.fetch(rf)
+
+        return fetch
+
+    # ------------------------------------------------------------------ finding the parts
+
+    def _on_sealed(self, shard: Shard) -> None:
+        self._sealed_here.add(shard.key)
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Look again now (a restore put a step in place). Trio thread."""
+        self._wake.set()
+
+    def _active(self) -> bool:
+        """True if the running job's steps show other ranks' files here."""
+        job = self.current.job
+        return (
+            job is not None
+            and job.nodes > 1
+            and job.framework in UNION_FRAMEWORKS
+            and self.manifests is not None
+        )
+
+    def _eligible(self) -> list[Shard]:
+        job = self.current.job
+        if job is None or not self._active():
+            return []
+        return self.catalog.own_shards(job)
+
+    async def run(self) -> None:
+        """Place other ranks' files of this node's steps, forever (trio task).
+
+        A failure is logged and the step looked at again later; it never ends
+        the loop or the daemon.
+        """
+        async with trio.open_nursery() as nursery:
+            while True:
+                waiting = False
+                own = self._eligible()
+                for shard in own:
+                    try:
+                        waiting |= await self.look(shard)
+                    except Exception:
+                        log.exception(
+                            "placing other ranks' files of step %d failed", shard.key.step
+                        )
+                restored = next((s for s in own if s.key not in self._sealed_here), None)
+                union = self.steps.get(restored.key.step) if restored is not None else None
+                job = self.current.job
+                if (
+                    restored is not None
+                    and union is not None
+                    and job is not None
+                    and len(union.parts) >= job.nodes - 1
+                    and restored.key.step not in self._prefetched
+                ):
+                    # the newest step this daemon did not seal: restored after a restart
+                    self._prefetched.add(restored.key.step)
+                    nursery.start_soon(self.prefetch, restored.key.step)
+                # an active job is looked at every ``retry`` seconds (a restored step
+                # enters the catalog without a seal); a look at a known step is a stat
+                with trio.move_on_after(self.retry if waiting or own else self.idle):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+
+    async def look(self, own: Shard) -> bool:
+        """Ask for the parts of ``own``'s step not known yet and place their files.
+
+        Returns:
+            True while a rank's part is still to be found (look again soon).
+        """
+        job = self.current.job
+        assert job is not None and self.manifests is not None
+        step = own.key.step
+        union = self.steps.get(step)
+        if union is None:
+            union = self.steps[step] = StepUnion(step, first_look=trio.current_time())
+        if not any(os.path.lexists(os.path.join(self.view_dir, e)) for e in own.manifest.top_level):
+            union.absent = True  # the client removed the step (or it is under markers)
+            return False
+        union.absent = False
+        found: dict[int, Manifest] = {}
+        waiting = False
+        for rank in range(job.nodes):
+            if rank == job.node_rank or rank in union.parts:
+                continue
+            held = self.catalog.get(ShardKey(job.name, rank, step))
+            manifest = held.manifest if held is not None else None
+            if manifest is None:
+                manifest = await self.manifests.part_manifest(job.name, rank, step)
+            if manifest is None:
+                waiting = trio.current_time() - union.first_look < self.patience
+                continue
+            found[rank] = manifest
+        if found:
+            await trio.to_thread.run_sync(self._place, job.name, own, union, found)
+            for rank, manifest in found.items():
+                union.parts[rank] = manifest.digest
+        return waiting
+
+    def _place(self, job: str, own: Shard, union: StepUnion, parts: dict[int, Manifest]) -> None:
+        """Create the entries of ``parts`` in the view (a worker thread)."""
+        plan = union_plan(own.manifest, parts)
+        for c in plan.conflicts:
+            if c.path in union.conflicts:
+                continue
+            union.conflicts.add(c.path)
+            shown = "this node's own copy" if c.shown < 0 else f"rank {c.shown}'s copy"
+            self.reporter.error(
+                f"step {union.step}: {c.path} differs between ranks "
+                f"{', '.join(map(str, c.ranks))}"
+                + (" and this node" if c.shown < 0 else "")
+                + f"; this node shows {shown}"
+            )
+        owner = self._owner(own)
+        for d in plan.dirs:
+            path = os.path.join(self.view_dir, d.path)
+            if not os.path.lexists(path):
+                try:
+                    os.mkdir(path, stat.S_IMODE(d.mode) | 0o700)
+                    os.chmod(path, stat.S_IMODE(d.mode))
+                    if owner is not None:
+                        os.lchown(path, *owner)
+                except OSError as exc:
+                    log.debug("directory %s of the whole-step view: %s", d.path, exc)
+                    continue
+                self._notify(d.path)
+        for path_rel, entry in plan.symlinks.items():
+            path = os.path.join(self.view_dir, path_rel)
+            if not os.path.lexists(path):
+                try:
+                    os.symlink(entry.target or "", path)
+                except OSError as exc:
+                    log.debug("symlink %s of the whole-step view: %s", path_rel, exc)
+                    continue
+                self._notify(path_rel)
+        for path_rel, (rank, entry) in plan.files.items():
+            if path_rel in union.files:
+                continue
+            digest = parts[rank].digest
+            try:
+                rf = self._place_file(job, union.step, rank, digest, path_rel, entry, owner)
+            except OSError as exc:
+                log.warning("placing %s of rank %d: %s", path_rel, rank, exc)
+                continue
+            if rf is not None:
+                union.files[path_rel] = rf
+                self._by_ino[rf.ino] = rf
+                self._notify(path_rel)
+
+    def _owner(self, own: Shard) -> tuple[int, int] | None:
+        """The owner of the own part's top-level entry in the view (new entries get it)."""
+        for entry in own.manifest.top_level:
+            try:
+                st = os.lstat(os.path.join(self.view_dir, entry))
+            except OSError:
+                continue
+            return st.st_uid, st.st_gid
+        return None
+
+    def _place_file(
+        self,
+        job: str,
+        step: int,
+        rank: int,
+        digest: str,
+        path_rel: str,
+        entry: FileEntry,
+        owner: tuple[int, int] | None,
+    ) -> RemoteFile | None:
+        """One file: a hard link to a replica held here, else a sparse placeholder."""
+        path = os.path.join(self.view_dir, path_rel)
+        if os.path.lexists(path):
+            return None  # a client's entry of that name
+        parent = os.path.dirname(path)
+        if not os.path.isdir(parent):
+            top = os.path.join(self.view_dir, path_rel.split("/", 1)[0])
+            if not os.path.isdir(top):
+                return None  # the client removed the step meanwhile
+            os.makedirs(parent, 0o755, exist_ok=True)  # a part listing no directory entry
+        held = self.catalog.get(ShardKey(job, rank, step))
+        crc = entry.crc32c or 0
+        if held is not None and any(
+            f.path == path_rel and f.size == entry.size and f.crc32c == entry.crc32c
+            for f in held.manifest.files
+        ):
+            os.link(os.path.join(held.data, path_rel), path)
+            ino = os.lstat(path).st_ino
+            return RemoteFile(
+                step,
+                rank,
+                held.manifest.digest,
+                path_rel,
+                entry.size,
+                crc,
+                ino,
+                LOCAL,
+                source="replica held here",
+            )
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, entry.size)
+            os.setxattr(fd, XATTR, f"{rank}/{step}".encode())
+            if owner is not None:
+                os.fchown(fd, *owner)
+            os.fchmod(fd, stat.S_IMODE(entry.mode))
+            ino = os.fstat(fd).st_ino
+        finally:
+            os.close(fd)
+        return RemoteFile(step, rank, digest, path_rel, entry.size, crc, ino, REMOTE)
+
+    def _notify(self, path_rel: str) -> None:
+        if self.ns is not None:
+            self.ns.notify_changed(path_rel)
+
+    # ------------------------------------------------------------------ fetching
+
+    def _open_rw(self, rf: RemoteFile) -> int:
+        """A read-write descriptor of ``rf``'s inode (trio thread: the namespace's
+        inode table is the FUSE thread's). Raises ``OSError(ENOENT)`` if it is gone."""
+        if self.ns is not None:
+            inode = self.ns.inodes.by_ino(rf.ino)
+            if inode is not None:
+                return os.open(proc(self.ns.fd_of(inode)), os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(os.path.join(self.view_dir, rf.path), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        if os.fstat(fd).st_ino != rf.ino:
+            os.close(fd)
+            raise OSError(errno.ENOENT, f"{rf.path} is no longer the file placed there")
+        return fd
+
+    async def fetch(self, rf: RemoteFile) -> None:
+        """Bring ``rf``'s bytes here, verified (see the module docstring). Trio thread.
+
+        Concurrent calls for one file share one fetch.
+
+        Raises:
+            OSError: EIO when no copy served the right bytes, ENOSPC when they do
+                not fit, ENOENT when the file left the view meanwhile.
+        """
+        if rf.state == LOCAL:
+            return
+        if rf.state == FETCHING:
+            assert rf.done is not None
+            await rf.done.wait()
+            if rf.state != LOCAL:
+                raise OSError(errno.EIO, rf.error)
+            return
+        rf.state, rf.done = FETCHING, trio.Event()
+        try:
+            await self._fetch(rf)
+        finally:
+            if rf.state == FETCHING:
+                rf.state = REMOTE
+            rf.done.set()
+
+    async def _fetch(self, rf: RemoteFile) -> None:
+        job = self.current.job
+        fd = self._open_rw(rf)
+        try:
+            tried: list[str] = []
+            for source in self.sources:
+                skip: set[str] = set()
+                while True:
+                    try:
+                        label = await source.fetch_file(
+                            job.name if job else "",
+                            rf.rank,
+                            rf.step,
+                            rf.digest,
+                            rf.path,
+                            fd,
+                            skip=frozenset(skip),
+                        )
+                    except FetchFailed as exc:
+                        cause = exc.__cause__
+                        if isinstance(cause, OSError) and cause.errno in NO_ROOM:
+                            # no copy would fit: the open fails with ENOSPC
+                            await trio.to_thread.run_sync(self._punch, fd, rf.size)
+                            self._failed(rf, f"it does not fit in the RAM budget ({exc})")
+                            raise OSError(errno.ENOSPC, rf.error) from exc
+                        tried.append(str(exc))
+                        break
+                    async with self.io_limiter:
+                        size, crc = await trio.to_thread.run_sync(_read_crc, fd, rf.size)
+                    if size == rf.size and crc == rf.crc32c:
+                        rf.state, rf.source, rf.error = LOCAL, label, ""
+                        self.fetched_bytes[source.name] = (
+                            self.fetched_bytes.get(source.name, 0) + size
+                        )
+                        if tried:  # nearer copies failed: say which and why, once
+                            self.reporter.error(
+                                f"step {rf.step}: rank {rf.rank}'s {rf.path} was read from "
+                                f"{label} after: {'; '.join(tried)}"
+                            )
+                        return
+                    skip.add(label)
+                    why = (
+                        f"{label} served {size} bytes crc32c {crc:08x}, the manifest says "
+                        f"{rf.size} bytes crc32c {rf.crc32c:08x}"
+                    )
+                    tried.append(why)
+                    await trio.to_thread.run_sync(self._punch, fd, rf.size)
+            await trio.to_thread.run_sync(self._punch, fd, rf.size)
+            self._failed(rf, "; ".join(tried) or "no tier holds other ranks' files")
+            raise OSError(errno.EIO, rf.error)
+        finally:
+            os.close(fd)
+
+    def _failed(self, rf: RemoteFile, why: str) -> None:
+        self.fetch_errors += 1
+        rf.error = why
+        self.reporter.error(
+            f"step {rf.step}: rank {rf.rank}'s {rf.path} could not be read on this node: {why}"
+        )
+
+    @staticmethod
+    def _punch(fd: int, size: int) -> None:
+        """Free the bytes of ``fd`` and make it ``size`` bytes of hole again (blocking)."""
+        os.ftruncate(fd, 0)
+        os.ftruncate(fd, size)
+
+    async def drop(self, step: int) -> int:
+        """Give back the RAM of ``step``'s fetched files no handle holds open; returns
+        the bytes freed (they are fetched again on the next open). Trio thread."""
+        freed = 0
+        union = self.steps.get(step)
+        if union is None:
+            return 0
+        for rf in union.files.values():
+            if rf.state != LOCAL or rf.source == "replica held here":
+                continue
+            inode = self.ns.inodes.by_ino(rf.ino) if self.ns is not None else None
+            if inode is not None and inode.handles:
+                continue
+            try:
+                fd = self._open_rw(rf)
+            except OSError:
+                continue
+            try:
+                await trio.to_thread.run_sync(self._punch, fd, rf.size)
+            finally:
+                os.close(fd)
+            rf.state = REMOTE
+            freed += rf.size
+        return freed
+
+    async def prefetch(self, step: int) -> None:
+        """Fetch every remote file of ``step`` in the background: ``prefetch_width`` at
+        a time, round-robin over the ranks. Failures are reported like any fetch's."""
+        union = self.steps.get(step)
+        if union is None:
+            return
+        by_rank: dict[int, list[RemoteFile]] = {}
+        for rf in sorted(union.files.values(), key=lambda f: -f.size):
+            if rf.state != LOCAL:
+                by_rank.setdefault(rf.rank, []).append(rf)
+        order: list[RemoteFile] = []
+        queues = [by_rank[r] for r in sorted(by_rank)]
+        while any(queues):
+            for q in queues:
+                if q:
+                    order.append(q.pop(0))
+        limiter = trio.CapacityLimiter(self.prefetch_width)
+
+        async def one(rf: RemoteFile) -> None:
+            async with limiter:
+                try:
+                    await self.fetch(rf)
+                except OSError as exc:
+                    log.info("prefetch of %s: %s", rf.path, exc)
+
+        async with trio.open_nursery() as nursery:
+            for rf in order:
+                nursery.start_soon(one, rf)
+
+    # ------------------------------------------------------------------ start and status
+
+    @staticmethod
+    def sweep_dir(view_dir: str) -> int:
+        """Remove the placeholders a previous daemon placed in ``view_dir`` (the xattr
+        marks them; hard links to replicas are left: their bytes are right); blocking,
+        before the mount. Returns how many were removed."""
+        removed = 0
+        for top, _dirs, files in os.walk(view_dir):
+            for name in files:
+                path = os.path.join(top, name)
+                try:
+                    os.getxattr(path, XATTR, follow_symlinks=False)
+                except OSError:
+                    continue
+                try:
+                    os.unlink(path)
+                    removed += 1
+                except OSError as exc:
+                    log.warning("removing %s of a previous whole-step view: %s", path, exc)
+        return removed
+
+    def status(self) -> WholeViewStatus:
+        """Per step, newest first: other ranks' files placed, by state (trio thread)."""
+        job = self.current.job
+        own = {s.key.step for s in self._eligible()}
+        steps = []
+        for step in sorted(own | set(self.steps), reverse=True):
+            union = self.steps.get(step) or StepUnion(step)
+            if union.absent or (step not in own and not union.files):
+                continue
+            files = list(union.files.values())
+            others = [r for r in range(job.nodes) if r != job.node_rank] if job is not None else []
+            steps.append(
+                WholeStepStatus(
+                    step=step,
+                    ranks_known=tuple(sorted(union.parts)),
+                    ranks_missing=tuple(r for r in others if r not in union.parts),
+                    local=sum(1 for f in files if f.state == LOCAL),
+                    remote=sum(1 for f in files if f.state == REMOTE),
+                    fetching=sum(1 for f in files if f.state == FETCHING),
+                    bytes_remote=sum(f.size for f in files if f.state != LOCAL),
+                    conflicts=tuple(sorted(union.conflicts)),
+                    failed=tuple(sorted(f.path for f in files if f.error)),
+                )
+            )
+        return WholeViewStatus(
+            tuple(steps), dict(self.fetched_bytes), self.fetch_errors, active=self._active()
+        )
