@@ -235,6 +235,42 @@ def test_a_file_that_does_not_fit_fails_the_open_with_enospc(tmp_path):
     assert "does not fit in the RAM budget" in job.errors[-1], job.errors
 
 
+class FullOnce(Source):
+    """No room on the first call (the budget is full), then it serves."""
+
+    async def fetch_file(self, job, rank, step, digest, path, fd, *, skip=frozenset()) -> str:
+        if not self.calls:
+            self.calls.append((path, skip))
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            except OSError as exc:
+                raise FetchFailed(f"{path}: no room for it here") from exc
+        return await super().fetch_file(job, rank, step, digest, path, fd, skip=skip)
+
+
+def test_fetched_bytes_are_a_cache_dropped_to_make_room(tmp_path):
+    peer = Source("peer", BYTES, ["peer node-rank 0"])
+    rv, ram, _s, _c, own, job = view_of(tmp_path, PARTS, [peer])
+    view = Path(ram.view) / "10"
+
+    async def main() -> None:
+        await rv.look(own)
+        await rv.missing((view / "__0_0.distcp").stat().st_ino)()
+        await rv.missing((view / "__2_0.distcp").stat().st_ino)()
+        assert (view / "__2_0.distcp").stat().st_blocks > 0
+        rv.sources = [FullOnce("peer", BYTES, ["peer node-rank 0"])]
+        await rv.missing((view / ".metadata").stat().st_ino)()
+        # the largest fetched file went first, and it is fetched again on its next open
+        assert (view / "__2_0.distcp").stat().st_blocks == 0
+        assert (view / "__0_0.distcp").stat().st_blocks > 0
+        assert rv.missing((view / "__2_0.distcp").stat().st_ino) is not None
+        assert rv.status().step(10).remote == 1
+        assert await rv.drop(10) == len(B) + len(C)
+
+    trio.run(main)
+    assert (view / ".metadata").stat().st_blocks == 0 and job.errors == []
+
+
 def test_a_replica_held_here_is_linked_not_fetched(tmp_path):
     rv, ram, shards, catalog, own, _job = view_of(tmp_path, PARTS, [])
     other = Path(ram.view) / "tmp0"

@@ -74,6 +74,8 @@ NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 READ_CHUNK = 1 << 20
 
 LOCAL, REMOTE, FETCHING = "local", "remote", "fetching"
+#: the ``source`` of a file hard-linked from a replica held here (never dropped)
+REPLICA = "replica held here"
 
 
 @dataclass(eq=False)
@@ -271,7 +273,8 @@ class RemoteView:
                     nursery.start_soon(self.prefetch, restored.key.step)
                 # an active job is looked at every ``retry`` seconds (a restored step
                 # enters the catalog without a seal); a look at a known step is a stat
-                with trio.move_on_after(self.retry if waiting or own else self.idle):
+                active = waiting or self._active()
+                with trio.move_on_after(self.retry if active else self.idle):
                     await self._wake.wait()
                 self._wake = trio.Event()
 
@@ -407,7 +410,7 @@ class RemoteView:
                 crc,
                 ino,
                 LOCAL,
-                source="replica held here",
+                source=REPLICA,
             )
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
@@ -468,6 +471,7 @@ class RemoteView:
     async def _fetch(self, rf: RemoteFile) -> None:
         job = self.current.job
         fd = self._open_rw(rf)
+        made_room = False
         try:
             tried: list[str] = []
             for source in self.sources:
@@ -486,8 +490,11 @@ class RemoteView:
                     except FetchFailed as exc:
                         cause = exc.__cause__
                         if isinstance(cause, OSError) and cause.errno in NO_ROOM:
-                            # no copy would fit: the open fails with ENOSPC
                             await trio.to_thread.run_sync(self._punch, fd, rf.size)
+                            if not made_room and await self.make_room(rf.size, rf) > 0:
+                                made_room = True  # other fetched files dropped: again
+                                continue
+                            # no copy would fit: the open fails with ENOSPC
                             self._failed(rf, f"it does not fit in the RAM budget ({exc})")
                             raise OSError(errno.ENOSPC, rf.error) from exc
                         tried.append(str(exc))
@@ -534,16 +541,37 @@ class RemoteView:
     async def drop(self, step: int) -> int:
         """Give back the RAM of ``step``'s fetched files no handle holds open; returns
         the bytes freed (they are fetched again on the next open). Trio thread."""
-        freed = 0
         union = self.steps.get(step)
         if union is None:
             return 0
-        for rf in union.files.values():
-            if rf.state != LOCAL or rf.source == "replica held here":
+        return await self._drop_files(list(union.files.values()), need=None)
+
+    async def make_room(self, need: int, keep: RemoteFile | None = None) -> int:
+        """Drop fetched files no handle holds open, oldest step first and the largest
+        files first within a step, until ``need`` bytes are freed (the budget is a
+        cache for other ranks' bytes: they are fetched again on the next open);
+        ``keep`` is never dropped. Returns the bytes freed. Trio thread."""
+        files = [
+            rf
+            for step in sorted(self.steps)
+            for rf in sorted(self.steps[step].files.values(), key=lambda f: -f.size)
+            if rf is not keep
+        ]
+        freed = await self._drop_files(files, need)
+        if freed:
+            log.info("dropped %d bytes of other ranks' files to make room", freed)
+        return freed
+
+    async def _drop_files(self, files: list[RemoteFile], need: int | None) -> int:
+        freed = 0
+        for rf in files:
+            if need is not None and freed >= need:
+                break
+            if rf.state != LOCAL or rf.source == REPLICA:
                 continue
             inode = self.ns.inodes.by_ino(rf.ino) if self.ns is not None else None
             if inode is not None and inode.handles:
-                continue
+                continue  # open: a reader's passthrough file must keep its bytes
             try:
                 fd = self._open_rw(rf)
             except OSError:

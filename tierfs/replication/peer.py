@@ -43,9 +43,7 @@ control calls so heartbeats are never queued behind a large transfer).
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, overload
@@ -54,7 +52,6 @@ import grpc
 import trio
 
 from tierfs.core.config import NodeConfig
-from tierfs.core.errors import FetchFailed
 from tierfs.core.ports import (
     BackupOrders,
     Catalog,
@@ -65,9 +62,9 @@ from tierfs.core.ports import (
     Summons,
 )
 from tierfs.core.status import PeerMemberStatus, PeerStatus, PeerStepStatus, SyncStatus
-from tierfs.replication import placement
 from tierfs.replication.addresses import AddressBook, Endpoint, replica_peers
-from tierfs.replication.client import PeerClient, rpc_code, rpc_reason
+from tierfs.replication.client import PeerClient
+from tierfs.replication.files import PeerFiles
 from tierfs.replication.heartbeat import Heartbeat
 from tierfs.replication.holdings import Holdings, retention_pins
 from tierfs.replication.lanes import CONTROL_CALLS, TRANSFERS, Lane
@@ -247,6 +244,7 @@ class PeerTier:
             keep_local=c.keep_local,
         )
         self.book = AddressBook(self.me)
+        self.files = PeerFiles(self.book, self._address_of, client, self.transfer_limiter, job)
         self.finder = CoordinatorFinder(
             self.me,
             static=c.coordinator,
@@ -429,128 +427,9 @@ class PeerTier:
         *,
         skip: frozenset[str] = frozenset(),
     ) -> str:
-        """Write file ``path`` of node ``rank``'s part of ``step`` into ``fd`` from a
-        peer's RAM (a :class:`tierfs.core.ports.FileSource`; trio thread).
-
-        The copies, in order: node ``rank`` itself, then the nodes that receive
-        its steps by the job's placement (:func:`.placement.peer_ranks` with
-        ``peers-per-node`` and ``assume-data-parallelism``; with explicit
-        ``peer-ranks`` a node knows only its own receivers, so only node
-        ``rank`` is asked). This node's own copies are not (the caller reads
-        its catalog). A node's address is the address book's, else, on the
-        node serving the coordinator, the member's. Each copy is one
-        :meth:`PeerClient.pull_file` call (every chunk's crc32c and the file's
-        checked) in a worker thread of the data lane (:attr:`transfer_limiter`,
-        shared with replica transfers), writing through its own duplicate of
-        ``fd`` (a cancelled fetch's abandoned thread stops at its next chunk).
-        Copies with ``digest`` first; holders of other bytes of the step
-        (FAILED_PRECONDITION) are asked again without it after every other
-        copy failed. A corrupt copy (BadCopy) only moves on to the next one.
-
-        Returns:
-            the copy that served, ``"peer node-rank R (ADDRESS)"`` (what ``skip``
-            names).
-
-        Raises:
-            tierfs.core.errors.FetchFailed: no copy served; the message names every
-                copy and why (``"peer node-rank 1 (10.0.0.2:7000): NOT_FOUND: ..."``).
-                A write into ``fd`` that found no room (ENOSPC) ends the fetch
-                at once (no copy would fit), with the ``OSError`` as its cause.
-        """
-        key = ShardKey(job, rank, step)
-        tried: list[str] = []
-        other: list[tuple[str, str]] = []  # (label, address): holders of other bytes
-        for r, address in await self._file_copies(job, rank):
-            if address is None:
-                tried.append(f"peer node-rank {r}: no address known here")
-                continue
-            label = f"peer node-rank {r} ({address})"
-            if label in skip:
-                tried.append(f"{label}: skipped (it served wrong bytes before)")
-                continue
-            failed = await self._pull_file(address, key, digest, path, fd)
-            if failed is None:
-                return label
-            why, code = failed
-            if digest and code == grpc.StatusCode.FAILED_PRECONDITION:
-                other.append((label, address))  # it holds other bytes of the step
-            tried.append(f"{label}: {why}")
-        for label, address in other:
-            failed = await self._pull_file(address, key, "", path, fd)
-            if failed is None:
-                return label
-            tried.append(f"{label} (any bytes): {failed[0]}")
-        raise FetchFailed(
-            f"{path} of step {step} of node-rank {rank} from peers: "
-            + ("; ".join(tried) or "no copy known")
-        )
-
-    async def _file_copies(self, job: str, rank: int) -> list[tuple[int, str | None]]:
-        """(rank, address or None) of every node that may hold node ``rank``'s part of
-        ``job``, owner first (see :meth:`fetch_file`)."""
-        spec = self.current.job
-        ranks = [rank]
-        if spec is not None and spec.name == job:
-            ranks += _receivers_of(spec, rank)
-        me = spec.node_rank if spec is not None and spec.name == job else None
-        out: list[tuple[int, str | None]] = []
-        for r in dict.fromkeys(ranks):
-            if r == me:
-                continue
-            new = r not in self.book.extra.get(job, ())
-            address = await self._address_of(job, r)
-            if address is None and new:
-                # asked for just now: the next heartbeat (about a second) brings it
-                with trio.move_on_after(ADDRESS_WAIT):
-                    while address is None:
-                        await trio.sleep(0.1)
-                        peer = self.book.reachable(r)
-                        address = peer.address if peer is not None else None
-            out.append((r, address))
-        return out
-
-    async def _pull_file(
-        self, address: str, key: ShardKey, digest: str, path: str, fd: int
-    ) -> tuple[str, grpc.StatusCode | None] | None:
-        """One copy's :meth:`PeerClient.pull_file` in the data lane: None when it served,
-        else why not (one line) and the call's status code (None: not a gRPC error).
-
-        Raises:
-            FetchFailed: ``fd`` has no room (ENOSPC, EDQUOT, EFBIG), from the ``OSError``.
-        """
-        cancel = threading.Event()
-        code = None
-        try:
-            async with self.transfer_limiter:
-                own = os.dup(fd)
-
-                def pull() -> int:
-                    try:
-                        return int(self.client.pull_file(address, key, digest, path, own, cancel))
-                    finally:
-                        os.close(own)
-
-                await trio.to_thread.run_sync(pull, abandon_on_cancel=True)
-            return None
-        except grpc.RpcError as exc:
-            why, code = rpc_reason(exc), rpc_code(exc)
-        except BadCopy as exc:
-            why = f"bad copy: {exc}"
-        except Refused as exc:
-            why = f"refused: {exc}"
-        except OSError as exc:
-            if exc.errno in _NO_ROOM:
-                raise FetchFailed(
-                    f"{path} of step {key.step} of node-rank {key.rank}: no room for it "
-                    f"here ({exc.strerror or exc})"
-                ) from exc
-            why = f"writing it failed: {exc.strerror or exc}"
-        except Exception as exc:  # a FileSource raises nothing else: say what it was
-            why = f"{type(exc).__name__}: {exc}"
-        finally:
-            cancel.set()
-        log.info("file %s of %s from %s: %s", path, key, address, why)
-        return why, code
+        """One file of node ``rank``'s part from a peer's RAM: a
+        :class:`tierfs.core.ports.FileSource`, see :meth:`PeerFiles.fetch_file`."""
+        return await self.files.fetch_file(job, rank, step, digest, path, fd, skip=skip)
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a blocking control call in a worker thread."""
@@ -719,29 +598,6 @@ class PeerTier:
                 self.coordinator.status() if self.coordinator is not None and serving else None
             ),
         )
-
-
-#: seconds a file fetch waits for the address of a holder asked for just now
-ADDRESS_WAIT = 3.0
-
-#: errno values of a write into the caller's file that no other copy would change
-_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-
-
-def _receivers_of(job: JobSpec, rank: int) -> list[int]:
-    """The ranks receiving node ``rank``'s steps by ``job``'s placement, in preference
-    order; none with explicit ``peer-ranks`` (each node's own) or an impossible one."""
-    if job.peer_ranks is not None:
-        return []
-    try:
-        return placement.peer_ranks(
-            rank,
-            job.nodes,
-            peers_per_node=job.peers_per_node,
-            data_parallelism=job.assume_data_parallelism,
-        )
-    except ValueError:
-        return []
 
 
 def _member_address(rank: int) -> Callable[[Any], str | None]:

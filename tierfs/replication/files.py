@@ -1,0 +1,216 @@
+"""Other ranks' files from peers' RAM, one file at a time (issue #14, the whole-step view).
+
+:class:`PeerFiles` is the peer tier's :class:`tierfs.core.ports.FileSource`:
+which nodes may hold a rank's part (the owner, then its replica holders by the
+job's placement), their addresses (asked of the coordinator when not known
+yet), and one ``PullShard`` call with ``paths`` per copy tried, in the data
+lane's worker threads, every chunk's and the file's crc32c checked by the
+client.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from collections.abc import Awaitable, Callable
+
+import grpc
+import trio
+
+from tierfs.core.control import JobSpec
+from tierfs.core.errors import FetchFailed
+from tierfs.core.ports import CurrentJob
+from tierfs.replication import placement
+from tierfs.replication.addresses import AddressBook
+from tierfs.replication.client import PeerClient, rpc_code, rpc_reason
+from tierfs.replication.transfer import BadCopy, Refused
+from tierfs.store.shards import ShardKey
+
+log = logging.getLogger(__name__)
+
+#: seconds a file fetch waits for the address of a holder asked for just now
+ADDRESS_WAIT = 3.0
+
+#: errno values of a write into the caller's file that no other copy would change
+NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def _receivers_of(job: JobSpec, rank: int) -> list[int]:
+    """The ranks receiving node ``rank``'s steps by ``job``'s placement, in preference
+    order; none with explicit ``peer-ranks`` (each node's own) or an impossible one."""
+    if job.peer_ranks is not None:
+        return []
+    try:
+        return placement.peer_ranks(
+            rank,
+            job.nodes,
+            peers_per_node=job.peers_per_node,
+            data_parallelism=job.assume_data_parallelism,
+        )
+    except ValueError:
+        return []
+
+
+class PeerFiles:
+    """Hands over single files of other ranks' parts from peers (see the module docstring).
+
+    Args:
+        book: the peers' addresses (and the ranks asked for beyond them).
+        address_of: ``address_of(job, rank)``: the node's address if known, else
+            None (and the next heartbeat asks for it).
+        client: the calls to peers.
+        limiter: the data lane's worker-thread limiter (shared with replica transfers).
+        job: the running job (its placement names the replica holders).
+    """
+
+    name = "peer"
+
+    def __init__(
+        self,
+        book: AddressBook,
+        address_of: Callable[[str, int], Awaitable[str | None]],
+        client: PeerClient,
+        limiter: trio.CapacityLimiter,
+        job: CurrentJob,
+    ) -> None:
+        self.book = book
+        self.address_of = address_of
+        self.client = client
+        self.limiter = limiter
+        self.job = job
+
+    async def fetch_file(
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        digest: str,
+        path: str,
+        fd: int,
+        *,
+        skip: frozenset[str] = frozenset(),
+    ) -> str:
+        """Write file ``path`` of node ``rank``'s part of ``step`` into ``fd`` from a
+        peer's RAM (a :class:`tierfs.core.ports.FileSource`; trio thread).
+
+        The copies, in order: node ``rank`` itself, then the nodes that receive
+        its steps by the job's placement (:func:`.placement.peer_ranks` with
+        ``peers-per-node`` and ``assume-data-parallelism``; with explicit
+        ``peer-ranks`` a node knows only its own receivers, so only node
+        ``rank`` is asked). This node's own copies are not (the caller reads
+        its catalog). A node's address is the address book's, else, on the
+        node serving the coordinator, the member's. Each copy is one
+        :meth:`PeerClient.pull_file` call (every chunk's crc32c and the file's
+        checked) in a worker thread of the data lane (:attr:`transfer_limiter`,
+        shared with replica transfers), writing through its own duplicate of
+        ``fd`` (a cancelled fetch's abandoned thread stops at its next chunk).
+        Copies with ``digest`` first; holders of other bytes of the step
+        (FAILED_PRECONDITION) are asked again without it after every other
+        copy failed. A corrupt copy (BadCopy) only moves on to the next one.
+
+        Returns:
+            the copy that served, ``"peer node-rank R (ADDRESS)"`` (what ``skip``
+            names).
+
+        Raises:
+            tierfs.core.errors.FetchFailed: no copy served; the message names every
+                copy and why (``"peer node-rank 1 (10.0.0.2:7000): NOT_FOUND: ..."``).
+                A write into ``fd`` that found no room (ENOSPC) ends the fetch
+                at once (no copy would fit), with the ``OSError`` as its cause.
+        """
+        key = ShardKey(job, rank, step)
+        tried: list[str] = []
+        other: list[tuple[str, str]] = []  # (label, address): holders of other bytes
+        for r, address in await self._file_copies(job, rank):
+            if address is None:
+                tried.append(f"peer node-rank {r}: no address known here")
+                continue
+            label = f"peer node-rank {r} ({address})"
+            if label in skip:
+                tried.append(f"{label}: skipped (it served wrong bytes before)")
+                continue
+            failed = await self._pull_file(address, key, digest, path, fd)
+            if failed is None:
+                return label
+            why, code = failed
+            if digest and code == grpc.StatusCode.FAILED_PRECONDITION:
+                other.append((label, address))  # it holds other bytes of the step
+            tried.append(f"{label}: {why}")
+        for label, address in other:
+            failed = await self._pull_file(address, key, "", path, fd)
+            if failed is None:
+                return label
+            tried.append(f"{label} (any bytes): {failed[0]}")
+        raise FetchFailed(
+            f"{path} of step {step} of node-rank {rank} from peers: "
+            + ("; ".join(tried) or "no copy known")
+        )
+
+    async def _file_copies(self, job: str, rank: int) -> list[tuple[int, str | None]]:
+        """(rank, address or None) of every node that may hold node ``rank``'s part of
+        ``job``, owner first (see :meth:`fetch_file`)."""
+        spec = self.job.job
+        ranks = [rank]
+        if spec is not None and spec.name == job:
+            ranks += _receivers_of(spec, rank)
+        me = spec.node_rank if spec is not None and spec.name == job else None
+        out: list[tuple[int, str | None]] = []
+        for r in dict.fromkeys(ranks):
+            if r == me:
+                continue
+            new = r not in self.book.extra.get(job, ())
+            address = await self.address_of(job, r)
+            if address is None and new:
+                # asked for just now: the next heartbeat (about a second) brings it
+                with trio.move_on_after(ADDRESS_WAIT):
+                    while address is None:
+                        await trio.sleep(0.1)
+                        peer = self.book.reachable(r)
+                        address = peer.address if peer is not None else None
+            out.append((r, address))
+        return out
+
+    async def _pull_file(
+        self, address: str, key: ShardKey, digest: str, path: str, fd: int
+    ) -> tuple[str, grpc.StatusCode | None] | None:
+        """One copy's :meth:`PeerClient.pull_file` in the data lane: None when it served,
+        else why not (one line) and the call's status code (None: not a gRPC error).
+
+        Raises:
+            FetchFailed: ``fd`` has no room (ENOSPC, EDQUOT, EFBIG), from the ``OSError``.
+        """
+        cancel = threading.Event()
+        code = None
+        try:
+            async with self.limiter:
+                own = os.dup(fd)
+
+                def pull() -> int:
+                    try:
+                        return int(self.client.pull_file(address, key, digest, path, own, cancel))
+                    finally:
+                        os.close(own)
+
+                await trio.to_thread.run_sync(pull, abandon_on_cancel=True)
+            return None
+        except grpc.RpcError as exc:
+            why, code = rpc_reason(exc), rpc_code(exc)
+        except BadCopy as exc:
+            why = f"bad copy: {exc}"
+        except Refused as exc:
+            why = f"refused: {exc}"
+        except OSError as exc:
+            if exc.errno in NO_ROOM:
+                raise FetchFailed(
+                    f"{path} of step {key.step} of node-rank {key.rank}: no room for it "
+                    f"here ({exc.strerror or exc})"
+                ) from exc
+            why = f"writing it failed: {exc.strerror or exc}"
+        except Exception as exc:  # a FileSource raises nothing else: say what it was
+            why = f"{type(exc).__name__}: {exc}"
+        finally:
+            cancel.set()
+        log.info("file %s of %s from %s: %s", path, key, address, why)
+        return why, code
