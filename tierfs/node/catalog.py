@@ -41,6 +41,7 @@ class ShardCatalog(Mapping[ShardKey, Shard]):
         self.sealed_inos: dict[int, ShardKey] = {}
         self._withdrawn: list[WithdrawnListener] = []
         self._sealed: list[SealedListener] = []
+        self._added: list[SealedListener] = []
         self._retention: list[Callable[[], None]] = []
         #: own steps judged over every rank's part (tierfs.node.whole_step)
         self._whole: dict[ShardKey, WholeVerdict] = {}
@@ -101,6 +102,8 @@ class ShardCatalog(Mapping[ShardKey, Shard]):
         self._held[shard.key] = shard
         for ino in shard.inodes:
             self.sealed_inos[ino] = shard.key
+        for listener in self._added:
+            listener(shard)
 
     def _forget_inodes(self, shard: Shard) -> None:
         for ino in shard.inodes:
@@ -153,6 +156,11 @@ class ShardCatalog(Mapping[ShardKey, Shard]):
     def on_withdrawn(self, listener: WithdrawnListener) -> None:
         """Call ``listener(key)`` whenever a shard leaves the catalog."""
         self._withdrawn.append(listener)
+
+    def on_added(self, listener: SealedListener) -> None:
+        """Call ``listener(shard)`` whenever a shard enters the catalog (sealed here,
+        restored, a replica received); trio thread, must not block."""
+        self._added.append(listener)
 
     def on_sealed(self, listener: SealedListener) -> None:
         """Call ``listener(shard)`` whenever one of this node's steps is sealed."""

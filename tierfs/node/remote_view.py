@@ -193,6 +193,7 @@ class RemoteView:
         self.fetched_bytes: dict[str, int] = {}
         self.fetch_errors = 0
         catalog.on_sealed(self._on_sealed)
+        catalog.on_added(lambda _shard: self._wake.set())  # a restored step: look now
 
     # ------------------------------------------------------------------ the namespace's port
 
