@@ -318,7 +318,9 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
     sources: list[FileSource] = [peer] if peer is not None else []
     if backup is not None:
         sources.append(gcs)
-    remote = RemoteView(store.view, catalog, state, peer, sources, reporter, io_limiter)
+    remote = RemoteView(
+        store.view, store.incoming, catalog, state, peer, sources, reporter, io_limiter
+    )
     background.append(remote.run)
     agent = build_agent(
         config,

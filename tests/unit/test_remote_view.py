@@ -124,7 +124,16 @@ def view_of(tmp: Path, parts: dict[int, Manifest], sources: list[Source]):
     catalog = ShardCatalog(shards, 3)
     catalog.add(own)
     job = fake_ports.FakeJob(JobSpec(JOB, "generic", 1, 3))
-    rv = RemoteView(ram.view, catalog, job, Manifests(parts), sources, job, trio.CapacityLimiter(1))
+    rv = RemoteView(
+        ram.view,
+        ram.incoming,
+        catalog,
+        job,
+        Manifests(parts),
+        sources,
+        job,
+        trio.CapacityLimiter(1),
+    )
     return rv, ram, shards, catalog, own, job
 
 
@@ -355,3 +364,26 @@ def test_the_namespace_defers_the_open_of_a_missing_file_and_refuses_writes(tmp_
         ns.unlink(ROOT_ID, b"f")  # removing it is allowed
     finally:
         ns.close()
+
+
+def test_a_placed_file_is_read_only_before_its_name_appears(tmp_path, monkeypatch):
+    # a client opening the name the moment it appears must never read the sparse zeros
+    rv, ram, *_rest, own, _job = view_of(tmp_path, PARTS, [])
+    real_link = os.link
+    seen: list[tuple[str, bool, bool]] = []
+
+    def link(src, dst):
+        ino = os.lstat(src).st_ino
+        seen.append((os.path.basename(dst), rv.is_remote(ino), rv.missing(ino) is not None))
+        real_link(src, dst)
+
+    monkeypatch.setattr("tierfs.node.remote_view.os.link", link)
+    trio.run(rv.look, own)
+    assert sorted(seen) == [
+        (".metadata", True, True),
+        ("__0_0.distcp", True, True),
+        ("__2_0.distcp", True, True),
+    ]
+    assert os.listdir(ram.incoming) and not os.listdir(
+        os.path.join(ram.incoming, os.listdir(ram.incoming)[0])
+    )  # no placeholder left behind in the scratch directory

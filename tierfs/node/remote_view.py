@@ -43,6 +43,7 @@ import errno
 import logging
 import os
 import stat
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -144,6 +145,8 @@ class RemoteView:
 
     Args:
         view_dir: ``<ram-dir>/view``.
+        incoming: the store's ``incoming`` directory (same filesystem as the view):
+            placeholders are made there and linked into the view once registered.
         catalog: the held shards (own parts, replicas); its seals wake the view.
         job: the running job.
         manifests: the other nodes' manifests of their parts.
@@ -159,6 +162,7 @@ class RemoteView:
     def __init__(
         self,
         view_dir: str,
+        incoming: str,
         catalog: ShardCatalog,
         job: CurrentJob,
         manifests: ManifestSource | None,
@@ -172,6 +176,8 @@ class RemoteView:
         prefetch_width: int = 4,
     ) -> None:
         self.view_dir = view_dir
+        self.incoming = incoming
+        self._scratch_dir: str | None = None
         self.catalog = catalog
         self.current = job
         self.manifests = manifests
@@ -309,20 +315,26 @@ class RemoteView:
                 continue
             found[rank] = manifest
         if found:
-            await trio.to_thread.run_sync(self._place, job.name, own, union, found)
+            said = await trio.to_thread.run_sync(self._place, job.name, own, union, found)
             for rank, manifest in found.items():
                 union.parts[rank] = manifest.digest
+            for line in said:
+                self.reporter.error(line)
         return waiting
 
-    def _place(self, job: str, own: Shard, union: StepUnion, parts: dict[int, Manifest]) -> None:
-        """Create the entries of ``parts`` in the view (a worker thread)."""
+    def _place(
+        self, job: str, own: Shard, union: StepUnion, parts: dict[int, Manifest]
+    ) -> list[str]:
+        """Create the entries of ``parts`` in the view (a worker thread); returns the
+        conflict lines to report."""
         plan = union_plan(own.manifest, parts)
+        said = []
         for c in plan.conflicts:
             if c.path in union.conflicts:
                 continue
             union.conflicts.add(c.path)
             shown = "this node's own copy" if c.shown < 0 else f"rank {c.shown}'s copy"
-            self.reporter.error(
+            said.append(
                 f"step {union.step}: {c.path} differs between ranks "
                 f"{', '.join(map(str, c.ranks))}"
                 + (" and this node" if c.shown < 0 else "")
@@ -355,14 +367,13 @@ class RemoteView:
                 continue
             digest = parts[rank].digest
             try:
-                rf = self._place_file(job, union.step, rank, digest, path_rel, entry, owner)
+                rf = self._place_file(job, union, rank, digest, path_rel, entry, owner)
             except OSError as exc:
                 log.warning("placing %s of rank %d: %s", path_rel, rank, exc)
                 continue
             if rf is not None:
-                union.files[path_rel] = rf
-                self._by_ino[rf.ino] = rf
                 self._notify(path_rel)
+        return said
 
     def _owner(self, own: Shard) -> tuple[int, int] | None:
         """The owner of the own part's top-level entry in the view (new entries get it)."""
@@ -377,14 +388,18 @@ class RemoteView:
     def _place_file(
         self,
         job: str,
-        step: int,
+        union: StepUnion,
         rank: int,
         digest: str,
         path_rel: str,
         entry: FileEntry,
         owner: tuple[int, int] | None,
     ) -> RemoteFile | None:
-        """One file: a hard link to a replica held here, else a sparse placeholder."""
+        """One file: a hard link to a replica held here, else a sparse placeholder.
+
+        The inode is registered (read-only, fetched on open) before its name
+        appears in the view: a client can never open it as a plain file.
+        """
         path = os.path.join(self.view_dir, path_rel)
         if os.path.lexists(path):
             return None  # a client's entry of that name
@@ -394,15 +409,16 @@ class RemoteView:
             if not os.path.isdir(top):
                 return None  # the client removed the step meanwhile
             os.makedirs(parent, 0o755, exist_ok=True)  # a part listing no directory entry
+        step = union.step
         held = self.catalog.get(ShardKey(job, rank, step))
         crc = entry.crc32c or 0
         if held is not None and any(
             f.path == path_rel and f.size == entry.size and f.crc32c == entry.crc32c
             for f in held.manifest.files
         ):
-            os.link(os.path.join(held.data, path_rel), path)
-            ino = os.lstat(path).st_ino
-            return RemoteFile(
+            source = os.path.join(held.data, path_rel)
+            ino = os.lstat(source).st_ino
+            rf = RemoteFile(
                 step,
                 rank,
                 held.manifest.digest,
@@ -413,17 +429,42 @@ class RemoteView:
                 LOCAL,
                 source=REPLICA,
             )
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            made = None
+        else:
+            made = os.path.join(self._scratch(), f"{rank}-{step}-{uuid.uuid4().hex[:12]}")
+            fd = os.open(made, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(fd, entry.size)
+                os.setxattr(fd, XATTR, f"{rank}/{step}".encode())
+                if owner is not None:
+                    os.fchown(fd, *owner)
+                os.fchmod(fd, stat.S_IMODE(entry.mode))
+                ino = os.fstat(fd).st_ino
+            finally:
+                os.close(fd)
+            source = made
+            rf = RemoteFile(step, rank, digest, path_rel, entry.size, crc, ino, REMOTE)
+        self._by_ino[ino] = rf  # read-only before anyone can open it
         try:
-            os.ftruncate(fd, entry.size)
-            os.setxattr(fd, XATTR, f"{rank}/{step}".encode())
-            if owner is not None:
-                os.fchown(fd, *owner)
-            os.fchmod(fd, stat.S_IMODE(entry.mode))
-            ino = os.fstat(fd).st_ino
+            os.link(source, path)  # never replaces a name a client created meanwhile
+        except OSError:
+            if self._by_ino.get(ino) is rf:
+                del self._by_ino[ino]
+            raise
         finally:
-            os.close(fd)
-        return RemoteFile(step, rank, digest, path_rel, entry.size, crc, ino, REMOTE)
+            if made is not None:
+                os.unlink(made)
+        union.files[path_rel] = rf
+        return rf
+
+    def _scratch(self) -> str:
+        """A directory on the view's filesystem where placeholders are made (created on
+        first use, inside the store's ``incoming``, emptied at every daemon start)."""
+        if self._scratch_dir is None:
+            path = os.path.join(self.incoming, f"remote-{uuid.uuid4().hex[:12]}")
+            os.makedirs(path, 0o700, exist_ok=True)
+            self._scratch_dir = path
+        return self._scratch_dir
 
     def _notify(self, path_rel: str) -> None:
         if self.ns is not None:
