@@ -282,7 +282,7 @@ def test_fetched_bytes_are_a_cache_dropped_to_make_room(tmp_path):
 
 def test_a_replica_held_here_is_linked_not_fetched(tmp_path):
     rv, ram, shards, catalog, own, _job = view_of(tmp_path, PARTS, [])
-    other = Path(ram.view) / "tmp0"
+    other = tmp_path / "node0-view"  # rank 0's view, on the same filesystem
     other.mkdir()
     (other / "10").mkdir()
     (other / "10" / ".metadata").write_bytes(B)
@@ -295,6 +295,10 @@ def test_a_replica_held_here_is_linked_not_fetched(tmp_path):
     meta = Path(ram.view) / "10" / ".metadata"
     assert meta.stat().st_ino == (Path(replica.data) / "10" / ".metadata").stat().st_ino
     assert rv.missing(meta.stat().st_ino) is None and rv.is_remote(meta.stat().st_ino)
+    # a new daemon has no registry: the view's name goes, the replica stays intact
+    assert RemoteView.sweep_dir(ram.view) == 3
+    assert not meta.exists() and (Path(replica.data) / "10" / ".metadata").read_bytes() == B
+    assert shards.verify(replica) == []
 
 
 def test_a_step_the_client_removed_gets_nothing_placed(tmp_path):

@@ -418,6 +418,9 @@ class RemoteView:
         ):
             source = os.path.join(held.data, path_rel)
             ino = os.lstat(source).st_ino
+            # marked like a placeholder: a new daemon sweeps the view's name away (its
+            # registry is gone; a client must never write into the replica's bytes)
+            os.setxattr(source, XATTR, f"{rank}/{step}".encode())
             rf = RemoteFile(
                 step,
                 rank,
@@ -659,9 +662,10 @@ class RemoteView:
 
     @staticmethod
     def sweep_dir(view_dir: str) -> int:
-        """Remove the placeholders a previous daemon placed in ``view_dir`` (the xattr
-        marks them; hard links to replicas are left: their bytes are right); blocking,
-        before the mount. Returns how many were removed."""
+        """Remove the files a previous daemon placed in ``view_dir`` (the xattr marks
+        them: placeholders, fetched files, and the view's names of replicas held here,
+        whose store copies stay); blocking, before the mount. Returns how many names
+        were removed."""
         removed = 0
         for top, _dirs, files in os.walk(view_dir):
             for name in files:
