@@ -318,8 +318,23 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
     sources: list[FileSource] = [peer] if peer is not None else []
     if backup is not None:
         sources.append(gcs)
+
+    def restored() -> tuple[float, int] | None:
+        r = state.restore_state
+        if r.get("state") != "done" or not r.get("step"):
+            return None
+        return float(r.get("at") or 0.0), int(r["step"])
+
     remote = RemoteView(
-        store.view, store.incoming, catalog, state, peer, sources, reporter, io_limiter
+        store.view,
+        store.incoming,
+        catalog,
+        state,
+        peer,
+        sources,
+        reporter,
+        io_limiter,
+        restored=restored,
     )
     background.append(remote.run)
     agent = build_agent(
@@ -384,14 +399,14 @@ class NodeDaemon:
 
     def _build(self) -> None:
         self.store.clear_incoming()
-        swept = RemoteView.sweep_dir(self.store.view)
-        if swept:
-            log.info("removed %d files of the previous daemon's whole-step view", swept)
         used = self.store.usage()
         self.budget = Budget(self.store.root, self.config.size, used, recount=self.store.usage)
         self.store.attach_budget(self.budget)  # emptied trash frees budget at once
         self.parts = build_node(self.config, self.store, self.budget)
         self.agent = self.parts.agent
+        known = self.parts.remote.reload()  # before the start-up seals: never sealed here
+        if known:
+            log.info("%d files of other ranks in the view known again", known)
         virtual = dict(self.agent.virtual_files())
         virtual[FUSE_COUNTERS_FILE] = self._fuse_counters
         self.ns = Namespace(

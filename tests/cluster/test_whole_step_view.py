@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -125,8 +126,30 @@ def test_stock_dcp_on_four_nodes_loads_on_every_rank_and_after_a_node_loss(make_
     c.remount(3)
     w = tierfs("wait", str(c.root(3)), "--timeout", "120", check=False, timeout=180)
     assert w.returncode == 0 and "restored step 10 from peer" in w.stdout, (w.stdout, w.stderr)
-    wait_for(lambda: whole(c, 3, 10, FILES4), 90, "the whole step 10 on the new node 3")
+    # tierfs wait returns once every rank's names are in the view (regression: it
+    # returned before the view had looked at the restored step)
+    assert whole(c, 3, 10, FILES4), os.listdir(c.root(3) / "checkpoint-10")
     assert (c.root(3) / "checkpoint-10" / "__3_0.distcp").stat().st_size == size3
+    # --bytes: the restored step's other-rank bytes are prefetched on every node of the
+    # round, the survivors summoned into it too (regression: only the restarted node)
+    for i in (3, 0):
+        w = tierfs("wait", str(c.root(i)), "--bytes", "--timeout", "120", check=False)
+        assert w.returncode == 0, (i, w.stdout, w.stderr)
+        s = c.status(i)["whole_view"]["steps"][0]
+        assert (s["step"], s["remote"], s["fetching"]) == (10, 0, 0), (i, s)
+    assert dcp_ranks(c, "load", 10, [0, 1, 2, 3]) == ["LOADED_OK"] * 4
+
+    # node 2's daemon dies, its RAM stays: the new daemon knows the other ranks' files
+    # again before it mounts, and never seals them into its own part (regression:
+    # sealed rank 3's replica link as its own, and lost the view of older steps)
+    c.mounts[2].kill9()
+    c.remount(2)
+    assert whole(c, 2, 10, FILES4), os.listdir(c.root(2) / "checkpoint-10")
+    w = tierfs("wait", str(c.root(2)), "--timeout", "120", check=False, timeout=180)
+    assert w.returncode == 0, (w.stdout, w.stderr)
+    own = part_file(c, 2, 2, 10, "checkpoint-10")
+    wait_for(own.exists, 60, "node 2's own part of step 10")
+    assert sorted(p.name for p in own.iterdir()) == ["__2_0.distcp"]
     assert dcp_ranks(c, "load", 10, [0, 1, 2, 3]) == ["LOADED_OK"] * 4
     for i in range(4):
         assert c.errors(i) == "", (i, c.errors(i))
@@ -158,6 +181,12 @@ def test_a_flipped_byte_in_every_peer_copy_is_read_from_the_bucket(make_mount, f
         wait_for(lambda i=i: backed_up(c, i, 10), 90, f"node {i}: step 10 backed up")
     target = c.root(2) / "10" / "__1_0.distcp"
     wait_for(target.exists, 60, "rank 1's shard in node 2's view")
+    # the owner's copy damaged, its replica good: the replica serves, and the damaged
+    # copy is said (regression: only a log line)
+    flip_byte(part_file(c, 0, 0, 10, "10/__0_0.distcp"), 1000)
+    assert (c.root(2) / "10" / "__0_0.distcp").read_bytes() == W0
+    line = "step 10: rank 0's 10/__0_0.distcp was read from peer node-rank 1"
+    assert line in c.errors(2) and "a nearer copy is damaged" in c.errors(2), c.errors(2)
     for holder in (1, 0):
         flip_byte(part_file(c, holder, 1, 10, "10/__1_0.distcp"), 1000)
     assert target.read_bytes() == W1  # from the bucket, checked
@@ -166,6 +195,29 @@ def test_a_flipped_byte_in_every_peer_copy_is_read_from_the_bucket(make_mount, f
     assert "peer node-rank 1" in errors and "peer node-rank 0" in errors, errors
     view = c.status(2)["whole_view"]
     assert view["fetched_bytes"].get("gcs") == len(W1), view
+
+    # ^C of a reader waiting for a fetch ends its wait at once (regression: it waited
+    # for the hung holder's gRPC timeout, about 80 s); the mount stays responsive
+    holder = c.mounts[0].pid()
+    os.kill(holder, signal.SIGSTOP)
+    try:
+        reader = subprocess.Popen(
+            ["cat", str(c.root(2) / "10" / ".metadata")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        wait_for(
+            lambda: c.status(2)["whole_view"]["steps"][0]["fetching"] == 1,
+            30,
+            "the fetch of .metadata to start",
+        )
+        assert reader.poll() is None
+        reader.send_signal(signal.SIGINT)
+        assert reader.wait(timeout=20) != 0
+        assert (c.root(2) / "10" / "x").read_bytes() == C  # its own file, at once
+    finally:
+        os.kill(holder, signal.SIGCONT)
+    assert (c.root(2) / "10" / ".metadata").read_bytes() == META
 
 
 def test_per_rank_files_a_shared_file_and_a_conflict(make_mount):

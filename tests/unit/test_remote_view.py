@@ -7,6 +7,7 @@ node's own seal, the sweep at start, the status, and the namespace's read-only r
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 from pathlib import Path
@@ -29,6 +30,20 @@ from tierfs.store.shards import Shard, ShardKey, ShardStore
 
 JOB = "train"
 A, B, C = os.urandom(5000), os.urandom(7000), os.urandom(100)
+
+
+def has_data(path: Path) -> bool:
+    """True if ``path`` holds any data block (not a hole from end to end)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.lseek(fd, 0, os.SEEK_DATA)
+        return True
+    except OSError as exc:
+        if exc.errno != errno.ENXIO:
+            raise
+        return False
+    finally:
+        os.close(fd)
 
 
 def manifest(rank: int, files: dict[str, bytes], step: int = 10) -> Manifest:
@@ -149,8 +164,14 @@ def test_other_ranks_files_appear_with_size_and_mode_and_are_fetched_verified(tm
         assert await rv.look(own) is False  # every rank's part found
         meta = Path(ram.view) / "10" / ".metadata"
         st = meta.stat()
-        assert (st.st_size, stat.S_IMODE(st.st_mode), st.st_blocks) == (len(B), 0o640, 0)
-        assert os.getxattr(meta, XATTR) == b"0/10"
+        assert (st.st_size, stat.S_IMODE(st.st_mode), has_data(meta)) == (len(B), 0o640, False)
+        mark = json.loads(os.getxattr(meta, XATTR))
+        assert (mark["rank"], mark["step"], mark["path"], mark["state"]) == (
+            0,
+            10,
+            "10/.metadata",
+            "remote",
+        )
         assert rv.is_remote(st.st_ino) and rv.missing(st.st_ino) is not None
         assert not rv.is_remote((Path(ram.view) / "10" / "__1_0.distcp").stat().st_ino)
         fetch = rv.missing(st.st_ino)
@@ -170,9 +191,25 @@ def test_other_ranks_files_appear_with_size_and_mode_and_are_fetched_verified(tm
         ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic", foreign=rv.is_remote
     )
     assert [f.path for f in again.manifest.files] == ["10", "10/__1_0.distcp"]
-    # a new daemon removes the placeholders of the old one before mounting
-    assert RemoteView.sweep_dir(ram.view) == 3
-    assert sorted(os.listdir(Path(ram.view) / "10")) == ["__1_0.distcp"]
+    # a new daemon (RAM kept) knows them again from their xattr before it mounts: still
+    # read-only and never sealed here, fetched bytes kept, an unfinished fetch a hole
+    partial = Path(ram.view) / "10" / "__2_0.distcp"
+    trio.run(rv.drop, 10)
+    with open(partial, "r+b") as f:
+        f.write(b"half")  # a fetch cut off by kill -9
+    again_view = RemoteView(
+        ram.view, ram.incoming, _catalog, job, Manifests({}), [], job, trio.CapacityLimiter(1)
+    )
+    assert again_view.reload() == 3
+    assert not has_data(partial) and partial.stat().st_size == len(B)
+    assert again_view.missing(partial.stat().st_ino) is not None
+    assert all(again_view.is_remote((Path(ram.view) / p).stat().st_ino) for p in BYTES)
+    s = again_view.status().step(10)
+    assert (s.ranks_known, s.ranks_missing, s.remote) == ((0, 2), (), 3), s
+    resealed = shards.snapshot(
+        ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic", foreign=again_view.is_remote
+    )
+    assert [f.path for f in resealed.manifest.files] == ["10", "10/__1_0.distcp"]
 
 
 def test_a_corrupt_copy_is_skipped_for_the_next_one_and_said_once(tmp_path):
@@ -212,7 +249,7 @@ def test_no_copy_serving_the_right_bytes_is_eio_with_every_reason_and_no_bytes_k
         assert exc.value.errno == errno.EIO
 
     trio.run(main)
-    assert meta.stat().st_blocks == 0 and meta.stat().st_size == len(B)  # a hole again
+    assert not has_data(meta) and meta.stat().st_size == len(B)  # a hole again
     line = job.errors[-1]
     assert "rank 0's 10/.metadata could not be read on this node" in line, line
     assert "peer node-rank 0 served" in line and "gcs: no copy of 10/.metadata" in line, line
@@ -266,18 +303,18 @@ def test_fetched_bytes_are_a_cache_dropped_to_make_room(tmp_path):
         await rv.look(own)
         await rv.missing((view / "__0_0.distcp").stat().st_ino)()
         await rv.missing((view / "__2_0.distcp").stat().st_ino)()
-        assert (view / "__2_0.distcp").stat().st_blocks > 0
+        assert has_data(view / "__2_0.distcp")
         rv.sources = [FullOnce("peer", BYTES, ["peer node-rank 0"])]
         await rv.missing((view / ".metadata").stat().st_ino)()
         # the largest fetched file went first, and it is fetched again on its next open
-        assert (view / "__2_0.distcp").stat().st_blocks == 0
-        assert (view / "__0_0.distcp").stat().st_blocks > 0
+        assert not has_data(view / "__2_0.distcp")
+        assert has_data(view / "__0_0.distcp")
         assert rv.missing((view / "__2_0.distcp").stat().st_ino) is not None
         assert rv.status().step(10).remote == 1
         assert await rv.drop(10) == len(B) + len(C)
 
     trio.run(main)
-    assert (view / ".metadata").stat().st_blocks == 0 and job.errors == []
+    assert not has_data(view / ".metadata") and job.errors == []
 
 
 def test_a_replica_held_here_is_linked_not_fetched(tmp_path):
@@ -295,9 +332,10 @@ def test_a_replica_held_here_is_linked_not_fetched(tmp_path):
     meta = Path(ram.view) / "10" / ".metadata"
     assert meta.stat().st_ino == (Path(replica.data) / "10" / ".metadata").stat().st_ino
     assert rv.missing(meta.stat().st_ino) is None and rv.is_remote(meta.stat().st_ino)
-    # a new daemon has no registry: the view's name goes, the replica stays intact
-    assert RemoteView.sweep_dir(ram.view) == 3
-    assert not meta.exists() and (Path(replica.data) / "10" / ".metadata").read_bytes() == B
+    # a new daemon knows the replica's names in the view again: read-only, not fetched
+    again = RemoteView(ram.view, ram.incoming, catalog, _job, Manifests({}), [], _job, None)
+    assert again.reload() == 3
+    assert again.is_remote(meta.stat().st_ino) and again.missing(meta.stat().st_ino) is None
     assert shards.verify(replica) == []
 
 
@@ -391,3 +429,25 @@ def test_a_placed_file_is_read_only_before_its_name_appears(tmp_path, monkeypatc
     assert os.listdir(ram.incoming) and not os.listdir(
         os.path.join(ram.incoming, os.listdir(ram.incoming)[0])
     )  # no placeholder left behind in the scratch directory
+
+
+def test_a_replica_that_arrives_later_replaces_the_placeholders(tmp_path):
+    # the view was placed before rank 0's replica reached this node: its files are then
+    # hard links to the replica, not fetched over the network (nor held twice in RAM)
+    rv, ram, shards, catalog, own, _job = view_of(tmp_path, PARTS, [])
+    trio.run(rv.look, own)
+    meta = Path(ram.view) / "10" / ".metadata"
+    old = meta.stat().st_ino
+    assert rv.missing(old) is not None
+    other = tmp_path / "node0-view"
+    (other / "10").mkdir(parents=True)
+    (other / "10" / ".metadata").write_bytes(B)
+    (other / "10" / "__0_0.distcp").write_bytes(C)
+    replica = shards.snapshot(str(other), ShardKey(JOB, 0, 10), "10", ["10"], "generic")
+    catalog.add(replica)
+    trio.run(rv.look, own)
+    assert meta.stat().st_ino == (Path(replica.data) / "10" / ".metadata").stat().st_ino
+    assert meta.read_bytes() == B and rv.missing(meta.stat().st_ino) is None
+    assert rv.is_remote(old)  # an open that began on the placeholder still fetches
+    s = rv.status().step(10)
+    assert (s.local, s.remote) == (2, 1) and rv.status().fetched_bytes == {}

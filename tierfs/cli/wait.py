@@ -83,7 +83,10 @@ def whole_step_unready(status: NodeStatus, all_bytes: bool) -> str | None:
         return None
     s = view.step(step)
     if s is None:
-        return None  # not shown with other ranks' files (e.g. under restore markers)
+        if status.mode != "generic":
+            return None  # protocol mode publishes under restore markers: own files only
+        # generic mode restores in place: the view has not looked at the step yet
+        return f"the other ranks' files of step {step} are not in the view yet"
     if not s.names_ready:
         missing = ", ".join(map(str, s.ranks_missing))
         return f"the files of rank(s) {missing} of step {step} are not in the view yet"

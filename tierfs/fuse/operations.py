@@ -371,7 +371,8 @@ class Operations:
         return P.WRITE_OUT.pack(n, 0)
 
     def interrupt(self, h: P.RequestHeader, body: memoryview) -> object:
-        # Every request is answered promptly on the serving thread; nothing to cancel.
+        # Answered on the serving thread at once, so nothing is left to cancel, except a
+        # request answered later: the session handles INTERRUPT for those itself.
         return NO_REPLY
 
     def ioctl(self, h: P.RequestHeader, body: memoryview) -> Payload:

@@ -101,6 +101,8 @@ class FuseSession:
         self._later: trio.Nursery | None = None
         #: requests waiting for a fetch right now (a gauge)
         self.deferred = 0
+        #: their cancel scopes by ``unique``, for the kernel's INTERRUPT
+        self._waiting: dict[int, trio.CancelScope] = {}
         ns.entry_timeout = options.entry_timeout
         ns.attr_timeout = options.attr_timeout
         ns.kernel.inval_entry = self.notify_inval_entry
@@ -402,6 +404,14 @@ class FuseSession:
         if hdr.opcode == P.Op.DESTROY:
             self._reply(hdr.unique, b"")
             return
+        if hdr.opcode == P.Op.INTERRUPT:
+            # fuse.h: the interrupted request's ``unique``; only a request answered
+            # later can still be waiting (a reader's ^C while a fetch runs)
+            (unique,) = P.INTERRUPT_IN.unpack_from(body)
+            scope = self._waiting.get(unique)
+            if scope is not None:
+                scope.cancel()
+            return
         handler = self.ops.handlers.get(hdr.opcode)
         if handler is None:
             self._error(hdr.unique, errno.ENOSYS)
@@ -418,6 +428,8 @@ class FuseSession:
             if self._later is None:  # not serving (a direct dispatch in a test)
                 self._error(hdr.unique, errno.EAGAIN)
                 return
+            # the scope exists before the task runs: an INTERRUPT right after finds it
+            self._waiting[hdr.unique] = trio.CancelScope()
             self._later.start_soon(self._answer_later, hdr, bytes(body), handler, later)
             return
         except Exception:
@@ -442,29 +454,46 @@ class FuseSession:
         An ``OSError`` of the wait is the answer's errno; anything else is EIO
         (logged). A handler that defers again is waited for again, three times
         at most (then EIO). A request the kernel gave up on (interrupted, the
-        mount gone) is answered into the void, harmlessly.
+        mount gone) is answered into the void, harmlessly. The kernel's INTERRUPT
+        of the request (the reader got a signal, e.g. ^C) ends the wait with EINTR;
+        what it waited for goes on (a fetch serves the next open).
         """
         self.deferred += 1
+        scope = self._waiting.setdefault(hdr.unique, trio.CancelScope())
         try:
-            for _ in range(3):
-                try:
-                    await later.wait()
-                    payload = handler(hdr, memoryview(body))
-                except Deferred as again:
-                    later = again
-                    continue
-                except OSError as exc:
-                    self._answer(hdr.unique, exc.errno or errno.EIO)
-                    return
-                except Exception:
-                    log.exception("%s answered later failed", P.Op.name(hdr.opcode))
-                    self._answer(hdr.unique, errno.EIO)
-                    return
-                self._answer(hdr.unique, 0, payload)
-                return
-            self._answer(hdr.unique, errno.EIO)
+            with scope:
+                await self._wait_and_answer(hdr, body, handler, later)
+            if scope.cancelled_caught:
+                self._answer(hdr.unique, errno.EINTR)  # the kernel's INTERRUPT
         finally:
             self.deferred -= 1
+            self._waiting.pop(hdr.unique, None)
+
+    async def _wait_and_answer(
+        self,
+        hdr: P.RequestHeader,
+        body: bytes,
+        handler: Callable[[P.RequestHeader, memoryview], object],
+        later: Deferred,
+    ) -> None:
+        """The loop of :meth:`_answer_later`: wait, run the handler again, answer."""
+        for _ in range(3):
+            try:
+                await later.wait()
+                payload = handler(hdr, memoryview(body))
+            except Deferred as again:
+                later = again
+                continue
+            except OSError as exc:
+                self._answer(hdr.unique, exc.errno or errno.EIO)
+                return
+            except Exception:
+                log.exception("%s answered later failed", P.Op.name(hdr.opcode))
+                self._answer(hdr.unique, errno.EIO)
+                return
+            self._answer(hdr.unique, 0, payload)
+            return
+        self._answer(hdr.unique, errno.EIO)
 
     def _answer(self, unique: int, err: int, payload: object = b"") -> None:
         """Reply to a request answered later, unless the channel is closed."""

@@ -25,8 +25,8 @@ the fetch, passthrough reads are the kernel's own):
 These files are read-only (EROFS on write, truncate, chmod, chown; unlink and
 rename work), are never sealed into this node's part
 (:meth:`RemoteView.is_remote` is the sealer's ``foreign`` test), carry the
-xattr ``trusted.tierfs.remote`` and are removed by :meth:`RemoteView.sweep_dir`
-when a daemon starts (its predecessor's view of other ranks is rebuilt).
+xattr ``trusted.tierfs.remote`` describing them, from which a restarted
+daemon knows them again (:meth:`RemoteView.reload`, fetched bytes kept).
 
 After a restore the restored step's remote files are fetched in the
 background (:meth:`RemoteView.prefetch`): ``prefetch_width`` files at a time,
@@ -39,7 +39,9 @@ is sealed); the union's names use one tmpfs inode each.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import json
 import logging
 import os
 import stat
@@ -91,7 +93,7 @@ class RemoteFile:
         ino: the view inode.
         state: ``local`` (bytes here), ``remote`` (not yet) or ``fetching``.
         source: which copy served the bytes (``local replica`` for a hard link).
-        error: why the last fetch failed ("" if it did not).
+        error: why the last fetch failed ("" if it did not); errno: its errno.
     """
 
     step: int
@@ -104,6 +106,7 @@ class RemoteFile:
     state: str
     source: str = ""
     error: str = ""
+    errno: int = 0
     done: trio.Event | None = None
 
 
@@ -124,8 +127,44 @@ class StepUnion:
     parts: dict[int, str] = field(default_factory=dict)
     files: dict[str, RemoteFile] = field(default_factory=dict)
     conflicts: set[str] = field(default_factory=set)
-    first_look: float = 0.0
+    first_look: float | None = None
     absent: bool = False
+
+
+def _mark(rf: RemoteFile) -> bytes:
+    """The xattr value that describes ``rf`` (JSON), so a restarted daemon finds it."""
+    return json.dumps(
+        {
+            "rank": rf.rank,
+            "step": rf.step,
+            "digest": rf.digest,
+            "path": rf.path,
+            "size": rf.size,
+            "crc32c": rf.crc32c,
+            "state": LOCAL if rf.state == LOCAL else REMOTE,
+            "source": rf.source,
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+def _unmark(value: bytes, ino: int) -> RemoteFile | None:
+    """The file an xattr value describes, or None if it is not one of ours (malformed)."""
+    try:
+        d = json.loads(value)
+        return RemoteFile(
+            int(d["step"]),
+            int(d["rank"]),
+            str(d["digest"]),
+            str(d["path"]),
+            int(d["size"]),
+            int(d["crc32c"]),
+            ino,
+            LOCAL if d.get("state") == LOCAL else REMOTE,
+            source=str(d.get("source") or ""),
+        )
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _read_crc(fd: int, size: int) -> tuple[int, int]:
@@ -157,6 +196,8 @@ class RemoteView:
         patience: seconds after the first look before a missing part is given up.
         idle: seconds between looks when nothing woke the view.
         prefetch_width: files fetched at once by :meth:`prefetch`.
+        restored: (when, step) of the last restore this node finished with a step
+            (restored or kept), else None: that step is prefetched once.
     """
 
     def __init__(
@@ -174,6 +215,7 @@ class RemoteView:
         patience: float = 600.0,
         idle: float = 30.0,
         prefetch_width: int = 4,
+        restored: Callable[[], tuple[float, int] | None] = lambda: None,
     ) -> None:
         self.view_dir = view_dir
         self.incoming = incoming
@@ -192,9 +234,10 @@ class RemoteView:
         self.steps: dict[int, StepUnion] = {}
         self._by_ino: dict[int, RemoteFile] = {}
         self._wake = trio.Event()
-        self._prefetched: set[int] = set()
-        #: own parts sealed by this daemon (the others were restored or found at start)
-        self._sealed_here: set[ShardKey] = set()
+        self.restored = restored
+        #: restores whose step was prefetched: (when, step)
+        self._prefetched: set[tuple[float, int]] = set()
+        self._fetches: trio.Nursery | None = None
         #: bytes fetched per tier name; fetches that failed
         self.fetched_bytes: dict[str, int] = {}
         self.fetch_errors = 0
@@ -225,7 +268,6 @@ class RemoteView:
     # ------------------------------------------------------------------ finding the parts
 
     def _on_sealed(self, shard: Shard) -> None:
-        self._sealed_here.add(shard.key)
         self._wake.set()
 
     def wake(self) -> None:
@@ -265,19 +307,20 @@ class RemoteView:
                         log.exception(
                             "placing other ranks' files of step %d failed", shard.key.step
                         )
-                restored = next((s for s in own if s.key not in self._sealed_here), None)
-                union = self.steps.get(restored.key.step) if restored is not None else None
+                self._fetches = nursery
+                restore = self.restored()
+                union = self.steps.get(restore[1]) if restore is not None else None
                 job = self.current.job
                 if (
-                    restored is not None
+                    restore is not None
                     and union is not None
                     and job is not None
                     and len(union.parts) >= job.nodes - 1
-                    and restored.key.step not in self._prefetched
+                    and restore not in self._prefetched
                 ):
-                    # the newest step this daemon did not seal: restored after a restart
-                    self._prefetched.add(restored.key.step)
-                    nursery.start_soon(self.prefetch, restored.key.step)
+                    # every node of a restore round (survivors too) fetches the step
+                    self._prefetched.add(restore)
+                    nursery.start_soon(self.prefetch, restore[1])
                 # an active job is looked at every ``retry`` seconds (a restored step
                 # enters the catalog without a seal); a look at a known step is a stat
                 active = waiting or self._active()
@@ -296,7 +339,9 @@ class RemoteView:
         step = own.key.step
         union = self.steps.get(step)
         if union is None:
-            union = self.steps[step] = StepUnion(step, first_look=trio.current_time())
+            union = self.steps[step] = StepUnion(step)
+        if union.first_look is None:
+            union.first_look = trio.current_time()
         if not any(os.path.lexists(os.path.join(self.view_dir, e)) for e in own.manifest.top_level):
             union.absent = True  # the client removed the step (or it is under markers)
             return False
@@ -320,7 +365,65 @@ class RemoteView:
                 union.parts[rank] = manifest.digest
             for line in said:
                 self.reporter.error(line)
+        adoptable = self._adoptable(job.name, union)
+        if adoptable:
+            await trio.to_thread.run_sync(self._adopt, union, adoptable)
         return waiting
+
+    def _adoptable(self, job: str, union: StepUnion) -> list[tuple[RemoteFile, Shard]]:
+        """Placed files whose bytes a replica received since holds too (trio thread: the
+        open handles are the FUSE thread's), not being fetched nor open."""
+        out = []
+        replicas: dict[int, tuple[Shard, dict[str, tuple[int, int | None]]] | None] = {}
+        for rf in union.files.values():
+            if rf.source == REPLICA or rf.state == FETCHING:
+                continue
+            if rf.rank not in replicas:
+                held = self.catalog.get(ShardKey(job, rf.rank, union.step))
+                replicas[rf.rank] = (
+                    (held, {f.path: (f.size, f.crc32c) for f in held.manifest.files})
+                    if held is not None
+                    else None
+                )
+            replica = replicas[rf.rank]
+            if replica is None or replica[1].get(rf.path) != (rf.size, rf.crc32c):
+                continue
+            held = replica[0]
+            inode = self.ns.inodes.by_ino(rf.ino) if self.ns is not None else None
+            if inode is not None and inode.handles:
+                continue
+            out.append((rf, held))
+        return out
+
+    def _adopt(self, union: StepUnion, files: list[tuple[RemoteFile, Shard]]) -> None:
+        """Replace each placed file by a hard link to the replica holding its bytes (a
+        worker thread): nothing is fetched, and fetched bytes are freed. The old inode
+        stays registered (an open that started on it still fetches, never reads a hole).
+        """
+        for rf, held in files:
+            view_path = os.path.join(self.view_dir, rf.path)
+            source = os.path.join(held.data, rf.path)
+            try:
+                if os.lstat(view_path).st_ino != rf.ino:
+                    continue  # renamed or replaced by the client
+                new = dataclasses.replace(
+                    rf,
+                    ino=os.lstat(source).st_ino,
+                    state=LOCAL,
+                    source=REPLICA,
+                    digest=held.manifest.digest,
+                    done=None,
+                )
+                os.setxattr(source, XATTR, _mark(new))
+                self._by_ino[new.ino] = new
+                tmp = os.path.join(self._scratch(), f"adopt-{uuid.uuid4().hex[:12]}")
+                os.link(source, tmp)
+                os.rename(tmp, view_path)
+            except OSError as exc:
+                log.debug("linking %s to the replica held here: %s", rf.path, exc)
+                continue
+            union.files[rf.path] = new
+            self._notify(rf.path)
 
     def _place(
         self, job: str, own: Shard, union: StepUnion, parts: dict[int, Manifest]
@@ -418,9 +521,6 @@ class RemoteView:
         ):
             source = os.path.join(held.data, path_rel)
             ino = os.lstat(source).st_ino
-            # marked like a placeholder: a new daemon sweeps the view's name away (its
-            # registry is gone; a client must never write into the replica's bytes)
-            os.setxattr(source, XATTR, f"{rank}/{step}".encode())
             rf = RemoteFile(
                 step,
                 rank,
@@ -432,21 +532,24 @@ class RemoteView:
                 LOCAL,
                 source=REPLICA,
             )
+            # marked like a placeholder: a restarted daemon knows it again (a client
+            # must never write into the replica's bytes)
+            os.setxattr(source, XATTR, _mark(rf))
             made = None
         else:
             made = os.path.join(self._scratch(), f"{rank}-{step}-{uuid.uuid4().hex[:12]}")
             fd = os.open(made, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 os.ftruncate(fd, entry.size)
-                os.setxattr(fd, XATTR, f"{rank}/{step}".encode())
                 if owner is not None:
                     os.fchown(fd, *owner)
                 os.fchmod(fd, stat.S_IMODE(entry.mode))
                 ino = os.fstat(fd).st_ino
+                rf = RemoteFile(step, rank, digest, path_rel, entry.size, crc, ino, REMOTE)
+                os.setxattr(fd, XATTR, _mark(rf))
             finally:
                 os.close(fd)
             source = made
-            rf = RemoteFile(step, rank, digest, path_rel, entry.size, crc, ino, REMOTE)
         self._by_ino[ino] = rf  # read-only before anyone can open it
         try:
             os.link(source, path)  # never replaces a name a client created meanwhile
@@ -499,15 +602,29 @@ class RemoteView:
         """
         if rf.state == LOCAL:
             return
-        if rf.state == FETCHING:
-            assert rf.done is not None
-            await rf.done.wait()
-            if rf.state != LOCAL:
-                raise OSError(errno.EIO, rf.error)
-            return
-        rf.state, rf.done = FETCHING, trio.Event()
+        if rf.state != FETCHING:
+            rf.state, rf.done, rf.errno = FETCHING, trio.Event(), 0
+            if self._fetches is not None:
+                # in the view's own nursery: a reader that gives up (^C: the kernel's
+                # INTERRUPT) stops waiting, the fetch goes on for the others
+                self._fetches.start_soon(self._fetch_task, rf)
+            else:
+                await self._fetch_task(rf)
+        assert rf.done is not None
+        await rf.done.wait()
+        if rf.state != LOCAL:
+            raise OSError(rf.errno or errno.EIO, rf.error or "the fetch failed")
+
+    async def _fetch_task(self, rf: RemoteFile) -> None:
+        """One fetch of ``rf``; its outcome is left in ``rf`` (state, errno, error)."""
+        assert rf.done is not None
         try:
             await self._fetch(rf)
+        except OSError as exc:
+            rf.errno = exc.errno or errno.EIO
+        except Exception:
+            log.exception("fetching %s of rank %d failed", rf.path, rf.rank)
+            rf.errno, rf.error = errno.EIO, rf.error or "internal error (see the log)"
         finally:
             if rf.state == FETCHING:
                 rf.state = REMOTE
@@ -548,6 +665,7 @@ class RemoteView:
                         size, crc = await trio.to_thread.run_sync(_read_crc, fd, rf.size)
                     if size == rf.size and crc == rf.crc32c:
                         rf.state, rf.source, rf.error = LOCAL, label, ""
+                        os.setxattr(fd, XATTR, _mark(rf))  # a restart keeps the bytes
                         self.fetched_bytes[source.name] = (
                             self.fetched_bytes.get(source.name, 0) + size
                         )
@@ -621,13 +739,19 @@ class RemoteView:
                 fd = self._open_rw(rf)
             except OSError:
                 continue
+            rf.state = REMOTE
             try:
-                await trio.to_thread.run_sync(self._punch, fd, rf.size)
+                await trio.to_thread.run_sync(self._unfetch, fd, rf)
             finally:
                 os.close(fd)
-            rf.state = REMOTE
             freed += rf.size
         return freed
+
+    @staticmethod
+    def _unfetch(fd: int, rf: RemoteFile) -> None:
+        """Punch ``rf``'s bytes out and say so in its mark (blocking)."""
+        RemoteView._punch(fd, rf.size)
+        os.setxattr(fd, XATTR, _mark(rf))
 
     async def prefetch(self, step: int) -> None:
         """Fetch every remote file of ``step`` in the background: ``prefetch_width`` at
@@ -660,26 +784,39 @@ class RemoteView:
 
     # ------------------------------------------------------------------ start and status
 
-    @staticmethod
-    def sweep_dir(view_dir: str) -> int:
-        """Remove the files a previous daemon placed in ``view_dir`` (the xattr marks
-        them: placeholders, fetched files, and the view's names of replicas held here,
-        whose store copies stay); blocking, before the mount. Returns how many names
-        were removed."""
-        removed = 0
-        for top, _dirs, files in os.walk(view_dir):
+    def reload(self) -> int:
+        """Know again the files a previous daemon placed in the view (their xattr
+        describes them): read-only, never sealed here, fetched bytes kept (a file
+        whose fetch had not finished is a hole again). A mark this daemon cannot read
+        (an older format) has its file removed. Blocking; before the mount, so the
+        start-up seals already leave them out. Returns how many were known again.
+        """
+        known = 0
+        for top, _dirs, files in os.walk(self.view_dir):
             for name in files:
                 path = os.path.join(top, name)
                 try:
-                    os.getxattr(path, XATTR, follow_symlinks=False)
+                    value = os.getxattr(path, XATTR, follow_symlinks=False)
+                    st = os.lstat(path)
                 except OSError:
                     continue
+                rf = _unmark(value, st.st_ino)
                 try:
-                    os.unlink(path)
-                    removed += 1
+                    if rf is None:
+                        os.unlink(path)
+                        continue
+                    if rf.state != LOCAL:
+                        with open(path, "r+b") as f:
+                            self._punch(f.fileno(), rf.size)
                 except OSError as exc:
-                    log.warning("removing %s of a previous whole-step view: %s", path, exc)
-        return removed
+                    log.warning("a file of a previous whole-step view, %s: %s", path, exc)
+                    continue
+                self._by_ino[rf.ino] = rf
+                union = self.steps.setdefault(rf.step, StepUnion(rf.step))
+                union.files.setdefault(rf.path, rf)
+                union.parts.setdefault(rf.rank, rf.digest)
+                known += 1
+        return known
 
     def status(self) -> WholeViewStatus:
         """Per step, newest first: other ranks' files placed, by state (trio thread)."""

@@ -21,7 +21,7 @@ import trio
 
 from tierfs.core.control import JobSpec
 from tierfs.core.errors import FetchFailed
-from tierfs.core.ports import CurrentJob
+from tierfs.core.ports import CurrentJob, Reporter
 from tierfs.replication import placement
 from tierfs.replication.addresses import AddressBook
 from tierfs.replication.client import PeerClient, rpc_code, rpc_reason
@@ -29,6 +29,9 @@ from tierfs.replication.transfer import BadCopy, Refused
 from tierfs.store.shards import ShardKey
 
 log = logging.getLogger(__name__)
+
+#: how a copy whose checksum failed is named in the reasons
+BAD = "bad copy"
 
 #: seconds a file fetch waits for the address of a holder asked for just now
 ADDRESS_WAIT = 3.0
@@ -63,6 +66,7 @@ class PeerFiles:
         client: the calls to peers.
         limiter: the data lane's worker-thread limiter (shared with replica transfers).
         job: the running job (its placement names the replica holders).
+        reporter: ``replicator.errors`` (a damaged copy skipped for another one).
     """
 
     name = "peer"
@@ -74,7 +78,9 @@ class PeerFiles:
         client: PeerClient,
         limiter: trio.CapacityLimiter,
         job: CurrentJob,
+        reporter: Reporter,
     ) -> None:
+        self.reporter = reporter
         self.book = book
         self.address_of = address_of
         self.client = client
@@ -133,6 +139,7 @@ class PeerFiles:
                 continue
             failed = await self._pull_file(address, key, digest, path, fd)
             if failed is None:
+                self._say_bad(key, path, label, tried)
                 return label
             why, code = failed
             if digest and code == grpc.StatusCode.FAILED_PRECONDITION:
@@ -141,12 +148,23 @@ class PeerFiles:
         for label, address in other:
             failed = await self._pull_file(address, key, "", path, fd)
             if failed is None:
+                self._say_bad(key, path, label, tried)
                 return label
             tried.append(f"{label} (any bytes): {failed[0]}")
         raise FetchFailed(
             f"{path} of step {step} of node-rank {rank} from peers: "
             + ("; ".join(tried) or "no copy known")
         )
+
+    def _say_bad(self, key: ShardKey, path: str, label: str, tried: list[str]) -> None:
+        """A nearer copy served wrong bytes (a checksum failed): one line in
+        ``replicator.errors`` naming it, although another copy served."""
+        bad = [t for t in tried if BAD in t]
+        if bad:
+            self.reporter.error(
+                f"step {key.step}: rank {key.rank}'s {path} was read from {label}; "
+                f"a nearer copy is damaged: {'; '.join(bad)}"
+            )
 
     async def _file_copies(self, job: str, rank: int) -> list[tuple[int, str | None]]:
         """(rank, address or None) of every node that may hold node ``rank``'s part of
@@ -198,7 +216,7 @@ class PeerFiles:
         except grpc.RpcError as exc:
             why, code = rpc_reason(exc), rpc_code(exc)
         except BadCopy as exc:
-            why = f"bad copy: {exc}"
+            why = f"{BAD}: {exc}"
         except Refused as exc:
             why = f"refused: {exc}"
         except OSError as exc:

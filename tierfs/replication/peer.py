@@ -244,7 +244,9 @@ class PeerTier:
             keep_local=c.keep_local,
         )
         self.book = AddressBook(self.me)
-        self.files = PeerFiles(self.book, self._address_of, client, self.transfer_limiter, job)
+        self.files = PeerFiles(
+            self.book, self._address_of, client, self.transfer_limiter, job, reporter
+        )
         self.finder = CoordinatorFinder(
             self.me,
             static=c.coordinator,
