@@ -335,6 +335,7 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         reporter,
         io_limiter,
         restored=restored,
+        more_manifests=[gcs] if backup is not None else [],
     )
     background.append(remote.run)
     agent = build_agent(

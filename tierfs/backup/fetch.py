@@ -45,6 +45,7 @@ from tierfs.core import settings
 from tierfs.core.errors import FetchFailed
 from tierfs.core.ports import Catalog, RamBudget
 from tierfs.core.types import BucketPart, BucketView, RestorePlan
+from tierfs.store.manifest import Manifest
 from tierfs.store.shards import Shard, ShardKey, ShardStore
 from tierfs.store.verdicts import eligibility
 
@@ -353,6 +354,20 @@ class BucketRestore:
         raise FetchFailed(
             f"{what} from {self.spec}{job}: " + ("; ".join(tried) or "no backup round holds it")
         )
+
+    async def part_manifest(self, job: str, rank: int, step: int) -> Manifest | None:
+        """Node ``rank``'s manifest of its part of ``step`` from the newest backup round
+        holding one (a :class:`tierfs.core.ports.ManifestSource`, for the whole-step
+        view when that node cannot say); None when no round holds it or the bucket
+        cannot be read. Same cached lookups as :meth:`fetch_file`. Never raises."""
+        try:
+            for name in await self._files.round_names(job):
+                part = await self._files.part(job, name, rank, step)
+                if part is not None:
+                    return part.manifest
+        except Exception as exc:
+            log.debug("manifest of step %d of rank %d from the bucket: %s", step, rank, exc)
+        return None
 
     async def _download_file(
         self, job: str, round_name: str, part: NodeBackup, path: str, fd: int

@@ -71,6 +71,7 @@ from tierfs.core.status import (
     UploadStatus,
 )
 from tierfs.core.types import BucketView, RestorePlan
+from tierfs.store.manifest import Manifest
 from tierfs.store.shards import Shard, ShardKey, ShardStore
 
 if TYPE_CHECKING:
@@ -415,6 +416,14 @@ class GcsTier:
             BackupCopyError: one line why this round's copy cannot be used.
         """
         return await self.restore.fetch_backup(agent, job, step, backup, digest)
+
+    async def part_manifest(self, job: str, rank: int, step: int) -> Manifest | None:
+        """Node ``rank``'s manifest of its part of ``step`` from a backup round (the
+        :class:`tierfs.core.ports.ManifestSource` port): see
+        :meth:`tierfs.backup.fetch.BucketRestore.part_manifest`; None without a bucket."""
+        if not self.enabled:
+            return None
+        return await self.restore.part_manifest(job, rank, step)
 
     async def fetch_file(
         self,

@@ -71,6 +71,9 @@ XATTR = "trusted.tierfs.remote"
 UNION_FRAMEWORKS = frozenset({control.GENERIC, "pytorch.distributed"})
 #: fallocate(2) flags: free the pages, keep the size
 FALLOC_PUNCH = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+#: seconds between looks while a step just added to the catalog is not in the view yet
+#: (a restore links it in right after), and for how long after its first look
+SOON, SOON_FOR = 0.1, 10.0
 #: errno values of a fetch that found no room for the file here
 NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 #: bytes read per call when checking fetched bytes
@@ -195,7 +198,10 @@ class RemoteView:
         retry: seconds between looks while a rank's part is not known.
         patience: seconds after the first look before a missing part is given up.
         idle: seconds between looks when nothing woke the view.
-        prefetch_width: files fetched at once by :meth:`prefetch`.
+        prefetch_width: files fetched at once by :meth:`prefetch` (1: of the data
+            lane's 2 transfer slots one stays free for a reader's open).
+        more_manifests: where a part's manifest is asked next when its node cannot
+            say (the bucket's rounds).
         restored: (when, step) of the last restore this node finished with a step
             (restored or kept), else None: that step is prefetched once.
     """
@@ -214,9 +220,11 @@ class RemoteView:
         retry: float = 2.0,
         patience: float = 600.0,
         idle: float = 30.0,
-        prefetch_width: int = 4,
+        prefetch_width: int = 1,
         restored: Callable[[], tuple[float, int] | None] = lambda: None,
+        more_manifests: Sequence[ManifestSource] = (),
     ) -> None:
+        self.more_manifests = list(more_manifests)
         self.view_dir = view_dir
         self.incoming = incoming
         self._scratch_dir: str | None = None
@@ -238,6 +246,8 @@ class RemoteView:
         #: restores whose step was prefetched: (when, step)
         self._prefetched: set[tuple[float, int]] = set()
         self._fetches: trio.Nursery | None = None
+        #: a step of the catalog not in the view yet, just now: look again in SOON s
+        self._soon = False
         #: bytes fetched per tier name; fetches that failed
         self.fetched_bytes: dict[str, int] = {}
         self.fetch_errors = 0
@@ -299,6 +309,7 @@ class RemoteView:
         async with trio.open_nursery() as nursery:
             while True:
                 waiting = False
+                self._soon = False
                 own = self._eligible()
                 for shard in own:
                     try:
@@ -324,7 +335,8 @@ class RemoteView:
                 # an active job is looked at every ``retry`` seconds (a restored step
                 # enters the catalog without a seal); a look at a known step is a stat
                 active = waiting or self._active()
-                with trio.move_on_after(self.retry if active else self.idle):
+                period = SOON if self._soon else self.retry if active else self.idle
+                with trio.move_on_after(period):
                     await self._wake.wait()
                 self._wake = trio.Event()
 
@@ -343,7 +355,10 @@ class RemoteView:
         if union.first_look is None:
             union.first_look = trio.current_time()
         if not any(os.path.lexists(os.path.join(self.view_dir, e)) for e in own.manifest.top_level):
-            union.absent = True  # the client removed the step (or it is under markers)
+            # the client removed the step, or it is under markers, or a restore has put
+            # it in the catalog and not yet in the view: looked at again soon a while
+            union.absent = True
+            self._soon = self._soon or trio.current_time() - union.first_look < SOON_FOR
             return False
         union.absent = False
         found: dict[int, Manifest] = {}
@@ -355,6 +370,11 @@ class RemoteView:
             manifest = held.manifest if held is not None else None
             if manifest is None:
                 manifest = await self.manifests.part_manifest(job.name, rank, step)
+            for more in self.more_manifests:
+                if manifest is not None:
+                    break
+                # that node cannot say (down, or its part not back yet): a backup round
+                manifest = await more.part_manifest(job.name, rank, step)
             if manifest is None:
                 waiting = trio.current_time() - union.first_look < self.patience
                 continue

@@ -40,7 +40,7 @@ ADDRESS_WAIT = 3.0
 NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
-def _receivers_of(job: JobSpec, rank: int) -> list[int]:
+def receivers_of(job: JobSpec, rank: int) -> list[int]:
     """The ranks receiving node ``rank``'s steps by ``job``'s placement, in preference
     order; none with explicit ``peer-ranks`` (each node's own) or an impossible one."""
     if job.peer_ranks is not None:
@@ -172,7 +172,7 @@ class PeerFiles:
         spec = self.job.job
         ranks = [rank]
         if spec is not None and spec.name == job:
-            ranks += _receivers_of(spec, rank)
+            ranks += receivers_of(spec, rank)
         me = spec.node_rank if spec is not None and spec.name == job else None
         out: list[tuple[int, str | None]] = []
         for r in dict.fromkeys(ranks):

@@ -64,7 +64,7 @@ from tierfs.core.ports import (
 from tierfs.core.status import PeerMemberStatus, PeerStatus, PeerStepStatus, SyncStatus
 from tierfs.replication.addresses import AddressBook, Endpoint, replica_peers
 from tierfs.replication.client import PeerClient
-from tierfs.replication.files import PeerFiles
+from tierfs.replication.files import PeerFiles, receivers_of
 from tierfs.replication.heartbeat import Heartbeat
 from tierfs.replication.holdings import Holdings, retention_pins
 from tierfs.replication.lanes import CONTROL_CALLS, TRANSFERS, Lane
@@ -385,7 +385,8 @@ class PeerTier:
         heartbeat asks the coordinator for (:meth:`AddressBook.also_want`);
         meanwhile the coordinator's node is asked, which relays the manifests
         it was told (:meth:`Holdings.known_manifest`). Every manifest a node
-        sends is kept for relaying.
+        sends is kept for relaying. When that node has no answer, the nodes
+        holding its replicas (by the job's placement) are asked.
 
         A :class:`tierfs.core.ports.ManifestSource` (:mod:`tierfs.node.whole_step`,
         :mod:`tierfs.node.remote_view`).
@@ -395,15 +396,31 @@ class PeerTier:
         relay = False
         if not address:
             address, relay = self.coordinator_address, True
-            if not address or address == self.address:
-                return None
+        manifest = await self._manifest_from(address, key)
+        if manifest is not None:
+            if not relay:
+                self.holdings.remember_manifest(manifest)
+            return manifest
+        # that node is down or lost its part: the nodes holding its replicas
+        spec = self.current.job
+        if spec is None or spec.name != job:
+            return None
+        for r in receivers_of(spec, rank):
+            if r != spec.node_rank:
+                manifest = await self._manifest_from(await self._address_of(job, r), key)
+                if manifest is not None:
+                    return manifest
+        return None
+
+    async def _manifest_from(self, address: str | None, key: ShardKey) -> Manifest | None:
+        """The manifest of the copy of ``key`` at ``address`` (None: no answer)."""
+        if not address or address == self.address:
+            return None
         try:
             manifest: Manifest = await self.call(self.client.manifest, address, key)
         except (grpc.RpcError, Refused, BadCopy) as exc:
-            log.debug("manifest of step %d of rank %d: %s", step, rank, exc)
+            log.debug("manifest of step %d of rank %d: %s", key.step, key.rank, exc)
             return None
-        if not relay:
-            self.holdings.remember_manifest(manifest)
         return manifest
 
     async def _address_of(self, job: str, rank: int) -> str | None:
