@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import errno
 import functools
 import logging
 import os
@@ -42,7 +41,7 @@ from tierfs.backup.progress import Roles, RoundMemory
 from tierfs.backup.uploads import Upload
 from tierfs.core import rounds as S
 from tierfs.core import settings
-from tierfs.core.errors import FetchFailed
+from tierfs.core.errors import NO_ROOM_ERRNOS, FetchFailed
 from tierfs.core.ports import Catalog, RamBudget
 from tierfs.core.types import BucketPart, BucketView, RestorePlan
 from tierfs.store.manifest import Manifest
@@ -73,8 +72,6 @@ def _complete_parts(info: RoundInfo) -> list[BucketPart]:
 FILE_LOOKUP_TTL = 5.0
 #: file downloads at once (:meth:`BucketRestore.fetch_file`; not shared with uploads)
 FILE_FETCHES = 4
-#: errno values of a write into the caller's file that no other round would change
-_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 class FileLookups:
@@ -397,7 +394,7 @@ class BucketRestore:
 
                 await trio.to_thread.run_sync(download, abandon_on_cancel=True)
         except OSError as exc:
-            if exc.errno in _NO_ROOM:
+            if exc.errno in NO_ROOM_ERRNOS:
                 raise FetchFailed(
                     f"{path} of step {m.step} of node-rank {m.rank}: no room for it "
                     f"here ({exc.strerror or exc})"

@@ -43,7 +43,10 @@ package can derive from it.
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
+    "NO_ROOM_ERRNOS",
     "BackupError",
     "ClusterError",
     "ConfigurationError",
@@ -87,6 +90,11 @@ class ClusterError(TierfsError):
 
 class RestoreError(TierfsError):
     """A restore that cannot finish; the reason is in ``replicator.errors``."""
+
+
+#: errno values of a write that found no room (RAM budget, tmpfs size, quota, file size):
+#: no other copy of the same bytes would fit either
+NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 class FetchFailed(TierfsError):

@@ -53,7 +53,7 @@ import google_crc32c
 import trio
 
 from tierfs.core import control
-from tierfs.core.errors import FetchFailed
+from tierfs.core.errors import NO_ROOM_ERRNOS, FetchFailed
 from tierfs.core.ports import CurrentJob, FileSource, ManifestSource, Reporter
 from tierfs.core.status.whole import WholeStepStatus, WholeViewStatus
 from tierfs.fuse.inodes import proc
@@ -69,13 +69,9 @@ log = logging.getLogger(__name__)
 XATTR = "trusted.tierfs.remote"
 #: frameworks whose steps are one directory tree shared by all ranks
 UNION_FRAMEWORKS = frozenset({control.GENERIC, "pytorch.distributed"})
-#: fallocate(2) flags: free the pages, keep the size
-FALLOC_PUNCH = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 #: seconds between looks while a step just added to the catalog is not in the view yet
 #: (a restore links it in right after), and for how long after its first look
 SOON, SOON_FOR = 0.1, 10.0
-#: errno values of a fetch that found no room for the file here
-NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 #: bytes read per call when checking fetched bytes
 READ_CHUNK = 1 << 20
 
@@ -671,7 +667,7 @@ class RemoteView:
                         )
                     except FetchFailed as exc:
                         cause = exc.__cause__
-                        if isinstance(cause, OSError) and cause.errno in NO_ROOM:
+                        if isinstance(cause, OSError) and cause.errno in NO_ROOM_ERRNOS:
                             await trio.to_thread.run_sync(self._punch, fd, rf.size)
                             if not made_room and await self.make_room(rf.size, rf) > 0:
                                 made_room = True  # other fetched files dropped: again

@@ -10,7 +10,6 @@ client.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -20,7 +19,7 @@ import grpc
 import trio
 
 from tierfs.core.control import JobSpec
-from tierfs.core.errors import FetchFailed
+from tierfs.core.errors import NO_ROOM_ERRNOS, FetchFailed
 from tierfs.core.ports import CurrentJob, Reporter
 from tierfs.replication import placement
 from tierfs.replication.addresses import AddressBook
@@ -35,9 +34,6 @@ BAD = "bad copy"
 
 #: seconds a file fetch waits for the address of a holder asked for just now
 ADDRESS_WAIT = 3.0
-
-#: errno values of a write into the caller's file that no other copy would change
-NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 def receivers_of(job: JobSpec, rank: int) -> list[int]:
@@ -220,7 +216,7 @@ class PeerFiles:
         except Refused as exc:
             why = f"refused: {exc}"
         except OSError as exc:
-            if exc.errno in NO_ROOM:
+            if exc.errno in NO_ROOM_ERRNOS:
                 raise FetchFailed(
                     f"{path} of step {key.step} of node-rank {key.rank}: no room for it "
                     f"here ({exc.strerror or exc})"
