@@ -610,3 +610,29 @@ def test_the_lookups_are_read_again_once_stale_and_no_room_ends_the_fetch(rounds
     finally:
         os.close(fd)
         os.close(full)
+
+
+def test_a_round_written_after_a_cached_lookup_serves_at_once(tmp_path, monkeypatch):
+    # regression: the whole-step view looked for a part's manifest before its round
+    # existed; the cached "no round" made the next file read fail for 5 s with EIO
+    monkeypatch.setattr(fetch, "FILE_LOOKUP_TTL", 3600.0)  # a stale cache, however slow
+    server = fb.FakeGcs()
+    b = fb.backend(server)
+    ram = RamStore(str(tmp_path / "uploader"))
+    b.upload_shard(fb.seal(ram, JOB, 1, 4, part(1, 4, 0)), R1, nodes=2)
+    tier = bucket_tier(server)
+    fd = target(tmp_path)
+
+    async def main() -> None:
+        assert await tier.part_manifest(JOB, 1, 5) is None  # cached: no round holds it
+        shard = fb.seal(ram, JOB, 1, 5, part(1, 5, 0))
+        b.upload_shard(shard, R2, nodes=2)
+        got = await tier.fetch_file(JOB, 1, 5, shard.manifest.digest, "5/meta.json", fd)
+        assert got == f"bucket round {R2}"
+        with pytest.raises(FetchFailed, match="no backup round holds it"):
+            await tier.fetch_file(JOB, 1, 6, "", "6/meta.json", fd)
+
+    try:
+        trio.run(main)
+    finally:
+        os.close(fd)

@@ -74,6 +74,10 @@ FILE_LOOKUP_TTL = 5.0
 FILE_FETCHES = 4
 
 
+class _NoRound(BackupCopyError):
+    """No backup round holds the part (the lookups may be stale)."""
+
+
 class FileLookups:
     """What file fetches read of the bucket, reused for :data:`FILE_LOOKUP_TTL` seconds
     (trio thread): a job's round names, a round's manifest of one part (None:
@@ -110,6 +114,12 @@ class FileLookups:
             ("part", job, round_name, rank, step), "read_part", job, round_name, rank, step
         )
         return part
+
+    def forget(self, job: str) -> None:
+        """Drop what is kept of ``job`` (a lookup found no round holding a part: a
+        round may have completed since, e.g. while a part's manifest was looked for)."""
+        for key in [k for k in self._cache if job in k[1:2]]:
+            del self._cache[key]
 
     async def _get(self, key: tuple[Any, ...], method: str, *args: Any) -> Any:
         """The cached value of ``key``, else ``backend.rounds.<method>(*args)`` (a
@@ -316,6 +326,24 @@ class BucketRestore:
                 (ENOSPC) ends the fetch at once, with the ``OSError`` as its cause.
         """
         what = f"{path} of step {step} of node-rank {rank}"
+        for fresh in (False, True):
+            try:
+                return await self._fetch_file_once(job, rank, step, digest, path, fd, skip)
+            except _NoRound:
+                if fresh:
+                    break
+                self._files.forget(job)  # the cached lookups may be from before the round
+        raise FetchFailed(f"{what} from {self.spec}{job}: no backup round holds it")
+
+    async def _fetch_file_once(
+        self, job: str, rank: int, step: int, digest: str, path: str, fd: int, skip: frozenset[str]
+    ) -> str:
+        """One pass of :meth:`fetch_file` over the (cached) lookups.
+
+        Raises:
+            _NoRound: no round holds the part; FetchFailed: as :meth:`fetch_file`.
+        """
+        what = f"{path} of step {step} of node-rank {rank}"
         try:
             names = await self._files.round_names(job)
         except Exception as exc:
@@ -348,9 +376,9 @@ class BucketRestore:
             if why is None:
                 return label
             tried.append(f"{label} (other bytes of the step): {why}")
-        raise FetchFailed(
-            f"{what} from {self.spec}{job}: " + ("; ".join(tried) or "no backup round holds it")
-        )
+        if not tried and not other:
+            raise _NoRound(what)
+        raise FetchFailed(f"{what} from {self.spec}{job}: " + "; ".join(tried))
 
     async def part_manifest(self, job: str, rank: int, step: int) -> Manifest | None:
         """Node ``rank``'s manifest of its part of ``step`` from the newest backup round
