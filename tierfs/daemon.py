@@ -319,11 +319,11 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
     if backup is not None:
         sources.append(gcs)
 
-    def restored() -> tuple[float, int] | None:
+    def restored() -> tuple[float, int, int] | None:
         r = state.restore_state
         if r.get("state") != "done" or not r.get("step"):
             return None
-        return float(r.get("at") or 0.0), int(r["step"])
+        return float(r.get("at") or 0.0), int(r["step"]), int(r.get("writers") or 0)
 
     remote = RemoteView(
         store.view,

@@ -94,7 +94,9 @@ class Manifests:
         self.parts = parts
         self.asked: list[int] = []
 
-    async def part_manifest(self, job: str, rank: int, step: int) -> Manifest | None:
+    async def part_manifest(
+        self, job: str, rank: int, step: int, *, writers: int = 0
+    ) -> Manifest | None:
         self.asked.append(rank)
         return self.parts.get(rank)
 
@@ -109,7 +111,9 @@ class Source:
         self.corrupt: set[str] = set()
         self.calls: list[tuple[str, frozenset[str]]] = []
 
-    async def fetch_file(self, job, rank, step, digest, path, fd, *, skip=frozenset()) -> str:
+    async def fetch_file(
+        self, job, rank, step, digest, path, fd, *, skip=frozenset(), writers=0
+    ) -> str:
         self.calls.append((path, skip))
         for copy in self.copies:
             if copy in skip:
@@ -258,7 +262,9 @@ def test_no_copy_serving_the_right_bytes_is_eio_with_every_reason_and_no_bytes_k
 
 
 class NoRoom(Source):
-    async def fetch_file(self, job, rank, step, digest, path, fd, *, skip=frozenset()) -> str:
+    async def fetch_file(
+        self, job, rank, step, digest, path, fd, *, skip=frozenset(), writers=0
+    ) -> str:
         try:
             raise OSError(errno.ENOSPC, "No space left on device")
         except OSError as exc:
@@ -284,7 +290,9 @@ def test_a_file_that_does_not_fit_fails_the_open_with_enospc(tmp_path):
 class FullOnce(Source):
     """No room on the first call (the budget is full), then it serves."""
 
-    async def fetch_file(self, job, rank, step, digest, path, fd, *, skip=frozenset()) -> str:
+    async def fetch_file(
+        self, job, rank, step, digest, path, fd, *, skip=frozenset(), writers=0
+    ) -> str:
         if not self.calls:
             self.calls.append((path, skip))
             try:

@@ -366,9 +366,16 @@ class GcsBackend:
         """Round directory names of ``job``, newest first."""
         return self.rounds.list_round_names(job)
 
-    def inspect_round(self, job: str, round_name: str, nodes: int | None = None) -> RoundInfo:
+    def inspect_round(
+        self,
+        job: str,
+        round_name: str,
+        nodes: int | None = None,
+        *,
+        fallback: int | None = None,
+    ) -> RoundInfo:
         """See :meth:`tierfs.backup.listing.RoundListing.inspect_round`."""
-        return self.rounds.inspect_round(job, round_name, nodes)
+        return self.rounds.inspect_round(job, round_name, nodes, fallback=fallback)
 
     def list_rounds(
         self,

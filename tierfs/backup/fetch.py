@@ -64,7 +64,16 @@ def _complete_parts(info: RoundInfo) -> list[BucketPart]:
             out.append(BucketPart(info.name, rank, step))
             continue
         manifest = part.backup.manifest
-        out.append(BucketPart(info.name, rank, step, manifest.digest, *eligibility(manifest)))
+        out.append(
+            BucketPart(
+                info.name,
+                rank,
+                step,
+                manifest.digest,
+                *eligibility(manifest),
+                nodes=manifest.nodes or part.backup.nodes,
+            )
+        )
     return out
 
 
@@ -214,10 +223,12 @@ class BucketRestore:
         try:
             backend = await self.access.call(self.access.get_backend)
             info = await self.access.call(
-                self.access.bounded(settings.GCS_LOOKUP_DEADLINE.get()).inspect_round,
+                functools.partial(
+                    self.access.bounded(settings.GCS_LOOKUP_DEADLINE.get()).inspect_round,
+                    fallback=job.nodes,
+                ),
                 job.name,
                 backup,
-                job.nodes,
             )
         except Exception as exc:
             raise BackupCopyError(
@@ -500,7 +511,8 @@ class BucketRestore:
             for name in names:
                 if complete >= depth:
                     break
-                info = backend.inspect_round(job, name, nodes)
+                # judged against the node count that wrote the round (issue #16)
+                info = backend.inspect_round(job, name, fallback=nodes)
                 read.append(name)
                 parts.extend(_complete_parts(info))
                 if info.complete_step is not None:

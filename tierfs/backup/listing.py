@@ -84,14 +84,25 @@ class RoundListing:
         names = [p[len(base) :].rstrip("/") for p in prefixes]
         return sorted((n for n in names if L.is_round_name(n)), reverse=True)
 
-    def inspect_round(self, job: str, round_name: str, nodes: int | None = None) -> RoundInfo:
+    def inspect_round(
+        self,
+        job: str,
+        round_name: str,
+        nodes: int | None = None,
+        *,
+        fallback: int | None = None,
+    ) -> RoundInfo:
         """List one round and judge which step (if any) is complete for every node.
 
         Args:
             job: the job name.
             round_name: ``YYYY-MM-DD_HH-MM``.
-            nodes: the job's node count; if None, the largest ``nodes`` found in
-                the round's manifests (else the highest rank seen + 1).
+            nodes: the node count to judge against; if None, the largest
+                ``nodes`` found in the round's manifests (the node count of the
+                job that wrote the round: its writer topology, issue #16), else
+                ``fallback``, else the highest rank seen + 1.
+            fallback: the node count of a round that records none (a round
+                written by MTC): the restoring job's.
 
         Raises:
             google.api_core exceptions after retries.
@@ -156,7 +167,7 @@ class RoundListing:
             except LayoutError:
                 parts[(rank, step)].metas[worker] = None
         if nodes is None:
-            nodes = seen_nodes or (max((r for r, _ in parts), default=-1) + 1)
+            nodes = seen_nodes or fallback or (max((r for r, _ in parts), default=-1) + 1)
         info = RoundInfo(
             round_name,
             nodes,
@@ -289,7 +300,7 @@ class RoundListing:
                 return RestoreChoice(
                     None, None, True, f"restore.version names {forced[:40]!r}, not a round"
                 )
-            info = self.inspect_round(job, forced, nodes)
+            info = self.inspect_round(job, forced, fallback=nodes)
             if not info.objects:
                 return RestoreChoice(
                     None,
@@ -316,7 +327,7 @@ class RoundListing:
                 info,
             )
         for name in self.list_round_names(job):
-            info = self.inspect_round(job, name, nodes)
+            info = self.inspect_round(job, name, fallback=nodes)
             if info.complete_step is not None:
                 return RestoreChoice(
                     name,

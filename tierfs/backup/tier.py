@@ -417,10 +417,13 @@ class GcsTier:
         """
         return await self.restore.fetch_backup(agent, job, step, backup, digest)
 
-    async def part_manifest(self, job: str, rank: int, step: int) -> Manifest | None:
+    async def part_manifest(
+        self, job: str, rank: int, step: int, *, writers: int = 0
+    ) -> Manifest | None:
         """Node ``rank``'s manifest of its part of ``step`` from a backup round (the
         :class:`tierfs.core.ports.ManifestSource` port): see
-        :meth:`tierfs.backup.fetch.BucketRestore.part_manifest`; None without a bucket."""
+        :meth:`tierfs.backup.fetch.BucketRestore.part_manifest`; None without a bucket.
+        ``writers`` is not needed here (a round names its parts by rank)."""
         if not self.enabled:
             return None
         return await self.restore.part_manifest(job, rank, step)
@@ -435,10 +438,12 @@ class GcsTier:
         fd: int,
         *,
         skip: frozenset[str] = frozenset(),
+        writers: int = 0,
     ) -> str:
         """One file of another rank's part from a backup round (the
         :class:`tierfs.core.ports.FileSource` port): see
-        :meth:`tierfs.backup.fetch.BucketRestore.fetch_file`.
+        :meth:`tierfs.backup.fetch.BucketRestore.fetch_file` (``writers`` is not
+        needed: a round names its parts by rank).
 
         Raises:
             tierfs.core.errors.FetchFailed: no round served it, or there is no bucket.

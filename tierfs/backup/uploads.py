@@ -222,7 +222,9 @@ class Uploads:
                                 backend.upload_shard,
                                 shard,
                                 rnd,
-                                nodes=job.nodes,
+                                # the step's writer topology (a restored step
+                                # written by another node count keeps it)
+                                nodes=shard.manifest.nodes or job.nodes,
                                 data_parallelism=job.assume_data_parallelism,
                                 dedup=dedup,
                                 cancel=up.cancel,

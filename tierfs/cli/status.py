@@ -34,7 +34,7 @@ def format_status(data: NodeStatus | Mapping[str, Any]) -> list[str]:
     if job:
         lines.append(
             f"job        {job.name}  rank {job.node_rank}/{job.nodes}  framework "
-            f"{job.framework}  state {job.state}"
+            f"{job.framework}  state {job.state}" + _generation(st)
         )
     else:
         lines.append("job        none (no replicator.yaml and no --job)")
@@ -42,9 +42,16 @@ def format_status(data: NodeStatus | Mapping[str, Any]) -> list[str]:
     restore = st.restore
     if restore.state not in (None, "idle"):
         text = f"restore    {restore.state}"
-        if restore.step:
+        if restore.step and restore.source == "none":
+            text += (
+                f": step {restore.step} (written by {restore.writers} nodes: this node "
+                "holds no part of it)"
+            )
+        elif restore.step:
             source = f"GCS round {restore.backup}" if restore.backup else restore.source or "?"
             text += f": step {restore.step} from {source}"
+            if job and restore.writers and restore.writers != job.nodes:
+                text += f" (written by {restore.writers} nodes)"
         elif restore.state == "done":
             text += (
                 ": nothing to restore (fresh start)"
@@ -85,8 +92,13 @@ def _whole_view_lines(st: NodeStatus) -> list[str]:
         head += f", {view.fetch_errors} failed fetches"
     lines = [head]
     for s in view.steps[:3]:
+        written = (
+            f" (written by {s.writers} nodes{'' if s.own_part else '; no part here'})"
+            if st.job is not None and s.writers and (s.writers != st.job.nodes or not s.own_part)
+            else ""
+        )
         text = (
-            f"  step {s.step}: ranks {','.join(map(str, s.ranks_known)) or '-'} known"
+            f"  step {s.step}{written}: ranks {','.join(map(str, s.ranks_known)) or '-'} known"
             + (f", {','.join(map(str, s.ranks_missing))} not yet" if s.ranks_missing else "")
             + f"; files {s.local} here, {s.remote} remote ({s.bytes_remote} bytes)"
             + (f", {s.fetching} fetching" if s.fetching else "")
@@ -97,6 +109,15 @@ def _whole_view_lines(st: NodeStatus) -> list[str]:
             text += f"; failed: {', '.join(s.failed[:3])}"
         lines.append(text)
     return lines
+
+
+def _generation(st: NodeStatus) -> str:
+    """``  generation G (N nodes)`` on the node serving the coordinator, else ""."""
+    peer = st.tiers.get("peer")
+    coord = peer.coordinator_state if isinstance(peer, PeerStatus) else None
+    if coord is None or not coord.generation:
+        return ""
+    return f"  generation {coord.generation} ({coord.nodes} nodes)"
 
 
 def _typed(data: NodeStatus | Mapping[str, Any]) -> NodeStatus:

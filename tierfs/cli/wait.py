@@ -38,9 +38,10 @@ WAIT_EXIT = {
 WAIT_STILL_RUNNING = 7
 
 
-def wait_outcome(restore: RestoreStatus | Mapping[str, Any]) -> tuple[int, str]:
+def wait_outcome(restore: RestoreStatus | Mapping[str, Any], nodes: int = 0) -> tuple[int, str]:
     """What ``tierfs wait`` prints and returns for a settled restore state (pure;
-    typed, or the status's ``restore`` object).
+    typed, or the status's ``restore`` object). ``nodes``: the job's node count
+    (0 unknown), to say when the step was written by another count (issue #16).
 
     Returns:
         (exit code, one line): 0 for the newest step restored or a true fresh
@@ -66,9 +67,18 @@ def wait_outcome(restore: RestoreStatus | Mapping[str, Any]) -> tuple[int, str]:
             "timeout": "timed out",
         }.get(outcome, "failed")
         return WAIT_EXIT.get(outcome, 1), f"restore {what}: {reason or 'see replicator.errors'}"
+    if step and restore.source == "none":
+        # a node added since the step was written (issue #16): no part of its own
+        return WAIT_EXIT.get(outcome, 0), (
+            f"restored step {step} (written by {restore.writers} nodes: this node "
+            "holds no part of it; the other ranks' files are in the view)"
+        )
     if step:
         source = f"GCS round {restore.backup}" if restore.backup else restore.source or "?"
-        return WAIT_EXIT.get(outcome, 0), f"restored step {step} from {source}"
+        line = f"restored step {step} from {source}"
+        if nodes and restore.writers and restore.writers != nodes:
+            line += f" (written by {restore.writers} nodes; this job has {nodes})"
+        return WAIT_EXIT.get(outcome, 0), line
     if outcome == "fresh":
         return 0, f"nothing to restore{': ' + reason if reason else ''}"
     return WAIT_EXIT.get(outcome, 1), f"nothing restored ({outcome}): {reason}"
@@ -158,7 +168,7 @@ def wait_cmd(mountpoint: str, timeout: float, all_bytes: bool, accept_older: boo
             )
             sys.exit(WAIT_STILL_RUNNING)
         time.sleep(0.2)
-    code, line = wait_outcome(restore)
+    code, line = wait_outcome(restore, status.job.nodes if status.job is not None else 0)
     older = code == WAIT_EXIT["older"]
     if not code or older:
         click.echo(line)

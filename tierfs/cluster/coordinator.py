@@ -183,6 +183,11 @@ class Coordinator:
         self.backups: RoundBook | None = None
         self.job: str | None = None
         self.nodes = 0
+        #: membership generations of the job served (issue #16): 1 for the first node
+        #: count, one more each time the job is restarted with another node count (a
+        #: member of an older generation is refused); the wall time it began
+        self.generation = 0
+        self.generation_since = 0.0
         self.roster = Membership(clock, live_seconds)
         self.restores = RestoreRounds(
             clock=clock, wall=wall, bucket=bucket, on_decision=self._clear_sync
@@ -236,6 +241,8 @@ class Coordinator:
                 job,
                 nodes,
             )
+        self.generation = self.generation + 1 if job == self.job else 1
+        self.generation_since = self.wall()
         self.job, self.nodes = job, nodes
         self.roster.clear()
         self.restores.clear()
@@ -285,7 +292,9 @@ class Coordinator:
             )
         raise Rejected(
             f"node count mismatch: job {job!r} has {self.nodes} nodes at the "
-            f"coordinator; node-rank {rank} joined with nodes {nodes}"
+            f"coordinator; node-rank {rank} joined with nodes {nodes} (to resize the "
+            f"job, restart node-rank {self.own_rank} with --nodes {nodes}, or remount "
+            f"this node with --nodes {self.nodes})"
         )
 
     def join(
@@ -556,6 +565,8 @@ class Coordinator:
         return CoordinatorStatus(
             job=self.job,
             nodes=self.nodes,
+            generation=self.generation,
+            generation_since=self.generation_since,
             round=rnd,
             members=tuple(
                 CoordinatorMemberStatus(

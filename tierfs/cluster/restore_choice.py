@@ -30,6 +30,17 @@ bring) is skipped like an incomplete one, its reason among the problems
 (issue #15). The judgement is per copy's bytes (its digest), so a backup
 round with the same bytes is skipped too.
 
+Writer topology (issue #16): every copy records the node count of the job
+that wrote its step (:attr:`Holding.nodes`, :attr:`BucketPart.nodes`; 0,
+unknown, reads as the restoring job's). A step written by W nodes is complete
+when every rank 0..W-1 has a good copy, whatever node count N restores it:
+after a shrink (W > N) ranks N..W-1 are restored by nobody and read through
+the whole-step view; after a growth (W < N) node ranks W..N-1 hold no part
+of the step. Copies of one step number written by different node counts are
+different steps (different saves): each is judged alone and never mixed, and
+of two complete ones the newer seal wins. The newest complete step is taken
+whatever its W, so a resize never drops a newer complete step.
+
 ``restore.version`` (:attr:`BucketView.forced`) replaces the rule: exactly
 the named round's step, each rank from that round or from a copy with the
 same bytes; if that is impossible, nothing (no fallback).
@@ -82,6 +93,8 @@ class Choice:
             :data:`INCOMPLETE` (something exists, no step is complete).
         problems: lines for ``replicator.errors``: why newer steps could not be
             restored, an unreadable bucket (empty for the newest step of all).
+        writers: the node count that wrote ``step`` (its writer topology; the
+            keys of ``holders`` are 0..writers-1); 0 for "nothing".
     """
 
     step: int | None
@@ -93,6 +106,13 @@ class Choice:
     rounds: dict[int, tuple[str, ...]] = field(default_factory=dict)
     outcome: str = RESTORED
     problems: tuple[str, ...] = ()
+    writers: int = 0
+
+
+def writers_of(copy: Holding | BucketPart, nodes: int) -> int:
+    """The node count that wrote ``copy``'s step: the one it records, else ``nodes``
+    (the restoring job's; a copy from before the count was recorded). Pure."""
+    return copy.nodes if copy.nodes > 0 else nodes
 
 
 def round_time(name: str) -> float | None:
@@ -144,20 +164,21 @@ class _StepPlan:
 
 
 def _plan_step(
-    nodes: int,
+    writers: int,
     step: int,
     cluster: Mapping[int, Mapping[str, set[int]]],
     parts: list[BucketPart],
     whole: AbstractSet[tuple[str, int]] = frozenset(),
 ) -> _StepPlan:
-    """Per rank: the digest to restore and every good copy of it (see the module doc).
+    """Per rank 0..writers-1: the digest to restore and every good copy of it (see the
+    module doc).
 
     ``whole``: the (round, step) pairs with a part of every node rank in the
     bucket, bad copies included (the round was written as one save of the step).
     """
     digests: dict[int, str] = {}
     holders: dict[int, tuple[int, ...]] = {}
-    for r in range(nodes):
+    for r in range(writers):
         copies = cluster.get(r)
         if not copies:
             continue
@@ -196,7 +217,7 @@ def _plan_step(
     # that shares a part with the RAM copies; never from a half-written round of
     # another save of the step (seed 7 #39: rank 1's part of an old failed round
     # combined with the other ranks' parts of a newer one)
-    needed = [r for r in range(nodes) if r not in digests]
+    needed = [r for r in range(writers) if r not in digests]
     usable = [n for n in consistent if (n, step) in whole or linked(n)]
     anchor = next((n for n in usable if all(r in by_round[n] for r in needed)), None)
     for r in needed:
@@ -212,7 +233,7 @@ def _plan_step(
             first,
             *(n for n in usable if n != first and digests[r] and by_round[n].get(r) == digests[r]),
         )
-    missing = [r for r in range(nodes) if r not in digests]
+    missing = [r for r in range(writers) if r not in digests]
     # name the ranks no usable round holds at all; when each has a part somewhere
     # but no round holds them together, say that the parts were not combined
     absent = [r for r in missing if not any(r in by_round[n] for n in usable)]
@@ -226,11 +247,12 @@ def _plan_step(
 
 
 def _whole_rounds(nodes: int, parts: Iterable[BucketPart]) -> set[tuple[str, int]]:
-    """(round, step) pairs holding a part of every node rank in [0, nodes)."""
-    ranks: dict[tuple[str, int], set[int]] = {}
+    """(round, step) pairs holding a part of every rank of the node count that wrote
+    them (:func:`writers_of`)."""
+    ranks: dict[tuple[str, int, int], set[int]] = {}
     for p in parts:
-        ranks.setdefault((p.round, p.step), set()).add(p.rank)
-    return {k for k, rs in ranks.items() if rs >= set(range(nodes))}
+        ranks.setdefault((p.round, p.step, writers_of(p, nodes)), set()).add(p.rank)
+    return {(r, s) for (r, s, w), rs in ranks.items() if rs >= set(range(w))}
 
 
 def _describe(step: int, plan: _StepPlan, bad: set[CopyId]) -> str:
@@ -243,19 +265,32 @@ def _describe(step: int, plan: _StepPlan, bad: set[CopyId]) -> str:
 
 def _table(
     nodes: int, inventories: Mapping[int, Iterable[Holding]], bad: set[CopyId]
-) -> dict[int, dict[int, dict[str, set[int]]]]:
-    """step -> rank -> digest -> holders, of the verified copies not found bad."""
-    table: dict[int, dict[int, dict[str, set[int]]]] = {}
+) -> dict[tuple[int, int], dict[int, dict[str, set[int]]]]:
+    """(step, writers) -> rank -> digest -> holders, of the verified copies not found
+    bad (``writers``: :func:`writers_of`; ranks outside [0, writers) are ignored)."""
+    table: dict[tuple[int, int], dict[int, dict[str, set[int]]]] = {}
     for holder, held in inventories.items():
         for h in held:
-            if not h.verified or not 0 <= h.rank < nodes or h.step < 0:
+            w = writers_of(h, nodes)
+            if not h.verified or not 0 <= h.rank < w or h.step < 0:
                 continue
             if (holder, h.rank, h.step) in bad:
                 continue
-            table.setdefault(h.step, {}).setdefault(h.rank, {}).setdefault(h.digest, set()).add(
-                holder
-            )
+            copies = table.setdefault((h.step, w), {}).setdefault(h.rank, {})
+            copies.setdefault(h.digest, set()).add(holder)
     return table
+
+
+def _seals(
+    inventories: Mapping[int, Iterable[Holding]], nodes: int
+) -> dict[tuple[int, int], float]:
+    """(step, writers) -> the latest seal time of a copy held in RAM (0.0 unknown)."""
+    out: dict[tuple[int, int], float] = {}
+    for held in inventories.values():
+        for h in held:
+            key = (h.step, writers_of(h, nodes))
+            out[key] = max(out.get(key, 0.0), h.created)
+    return out
 
 
 def _unloadable(
@@ -267,7 +302,7 @@ def _unloadable(
     copies: list[Holding | BucketPart] = [h for held in inventories.values() for h in held]
     copies += parts
     for h in copies:
-        why = h.unloadable or (h.missing if nodes == 1 else "")
+        why = h.unloadable or (h.missing if writers_of(h, nodes) == 1 else "")
         if why and h.digest:
             out.setdefault((h.step, h.rank, h.digest), why)
     return out
@@ -281,7 +316,7 @@ def _whole(
     out: dict[tuple[int, tuple[str, ...]], str] = {}
     for held in inventories.values():
         for h in held:
-            if h.whole_unloadable and len(h.whole_digests) == nodes:
+            if h.whole_unloadable and len(h.whole_digests) == writers_of(h, nodes):
                 out.setdefault((h.step, tuple(h.whole_digests)), h.whole_unloadable)
     return out
 
@@ -320,7 +355,7 @@ def _anything(
     bucket: BucketView | None,
     bad: set[CopyId],
 ) -> bool:
-    held = any(0 <= h.rank < nodes for hs in inventories.values() for h in hs)
+    held = any(0 <= h.rank < writers_of(h, nodes) for hs in inventories.values() for h in hs)
     return held or bool(bad) or (bucket is not None and bucket.holds_anything())
 
 
@@ -334,7 +369,8 @@ def choose_restore(
     """Pick the newest step with a good copy of every rank's shard (see the module doc).
 
     Args:
-        nodes: number of node ranks N; shards of ranks outside [0, N) are ignored.
+        nodes: the job's node count N (holders are node ranks 0..N-1); a step
+            is judged against the node count that wrote it (:func:`writers_of`).
         inventories: holder node rank -> what it holds in RAM.
         bad: copies found corrupt or unusable (excluded).
         bucket: what the bucket holds (None: no bucket, or not read).
@@ -354,7 +390,7 @@ def choose_restore(
     parts = [
         p
         for p in (bucket.parts if bucket else ())
-        if 0 <= p.rank < nodes and (p.round, p.rank, p.step) not in excluded
+        if 0 <= p.rank < writers_of(p, nodes) and (p.round, p.rank, p.step) not in excluded
     ]
     old = superseded(parts, inventories)
     old_tops = {
@@ -366,38 +402,42 @@ def choose_restore(
     warnings: list[str] = []
     if bucket is not None and bucket.error:
         warnings.append(f"the bucket could not be read ({bucket.error}); deciding without it")
-    steps = sorted(set(table) | {p.step for p in parts}, reverse=True)
-    for step in steps:
+    for step, w in _candidates(nodes, table, parts, _seals(inventories, nodes)):
         plan = _plan_step(
-            nodes, step, table.get(step, {}), [p for p in parts if p.step == step], whole
+            w,
+            step,
+            table.get((step, w), {}),
+            [p for p in parts if p.step == step and writers_of(p, nodes) == w],
+            whole,
         )
         if plan.missing:
-            skipped.append(_describe(step, plan, excluded))
+            skipped.append(_describe(step, plan, excluded) + _topology(w, nodes))
             warnings.extend(plan.notes)
             continue
         unfit = _not_loadable(step, plan.digests, unloadable, judged)
         if unfit:
             skipped.append(unfit)
             continue
-        from_bucket = sorted(r for r in range(nodes) if not plan.holders.get(r))
+        from_bucket = sorted(r for r in range(w) if not plan.holders.get(r))
         backup = None
         if not from_bucket:
             reason = f"step {step} is complete in the cluster"
         else:
             backup = plan.rounds[from_bucket[0]][0]
-            if len(from_bucket) == nodes:
+            if len(from_bucket) == w:
                 reason = f"step {step} from backup round {backup}"
             else:
                 reason = (
                     f"step {step}: rank(s) {_ranks(from_bucket)} from backup round "
                     f"{backup}, the others from the nodes' RAM"
                 )
+        reason += _topology(w, nodes)
         if skipped:
             reason += " (" + "; ".join(skipped) + ")"
         lines = skipped + plan.notes + warnings + _rolled_back(old_tops, step)
         if skipped:
             lines += notes + (bucket.problems_above(step) if bucket is not None else [])
-        holders = {r: plan.holders.get(r, ()) for r in range(nodes)}
+        holders = {r: plan.holders.get(r, ()) for r in range(w)}
         return Choice(
             step,
             holders,
@@ -407,6 +447,7 @@ def choose_restore(
             rounds=plan.rounds,
             outcome=OLDER if skipped else RESTORED,
             problems=tuple(lines),
+            writers=w,
         )
     anything = _anything(nodes, inventories, bucket, excluded) or bool(notes)
     if not anything and (bucket is None or not bucket.error):
@@ -434,6 +475,24 @@ def choose_restore(
     return Choice(None, reason=reason, outcome=INCOMPLETE, problems=tuple(lines))
 
 
+def _candidates(
+    nodes: int,
+    table: Mapping[tuple[int, int], object],
+    parts: Iterable[BucketPart],
+    seals: Mapping[tuple[int, int], float],
+) -> list[tuple[int, int]]:
+    """The (step, writers) pairs to try, best first: the newest step; of one step
+    written by several node counts, the newest seal, then the job's own count,
+    then the larger count."""
+    keys = set(table) | {(p.step, writers_of(p, nodes)) for p in parts}
+    return sorted(keys, key=lambda k: (-k[0], -seals.get(k, 0.0), k[1] != nodes, -k[1]))
+
+
+def _topology(writers: int, nodes: int) -> str:
+    """The note ``(written by W nodes; this job has N)`` when the two differ, else ""."""
+    return f" (written by {writers} nodes; this job has {nodes})" if writers != nodes else ""
+
+
 def _choose_forced(
     nodes: int, inventories: Mapping[int, Iterable[Holding]], bad: set[CopyId], bucket: BucketView
 ) -> Choice:
@@ -449,17 +508,15 @@ def _choose_forced(
             "restored; nothing restored (no fallback)"
         )
         return Choice(None, reason=why, forced=name, outcome=INCOMPLETE, problems=(why,))
-    parts = {
-        p.rank: p.digest
-        for p in bucket.parts
-        if p.round == name and p.step == step and (name, p.rank, step) not in bad
-    }
-    table = _table(nodes, inventories, bad).get(step, {})
+    named = [p for p in bucket.parts if p.round == name and p.step == step]
+    w = max((writers_of(p, nodes) for p in named), default=nodes)
+    parts = {p.rank: p.digest for p in named if (name, p.rank, step) not in bad}
+    table = _table(nodes, inventories, bad).get((step, w), {})
     holders: dict[int, tuple[int, ...]] = {}
     rounds: dict[int, tuple[str, ...]] = {}
     digests: dict[int, str] = {}
     lacking = []
-    for r in range(nodes):
+    for r in range(w):
         digest = parts.get(r)
         same = table.get(r, {}).get(digest, set()) if digest else set()
         if digest is None and not same:
@@ -478,10 +535,11 @@ def _choose_forced(
         step,
         holders,
         digests,
-        f"restore.version: round {name} step {step}",
+        f"restore.version: round {name} step {step}" + _topology(w, nodes),
         backup=name,
         forced=name,
         rounds=rounds,
+        writers=w,
     )
 
 

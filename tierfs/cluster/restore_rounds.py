@@ -264,9 +264,13 @@ class RestoreRounds:
             forced=c.forced,
             outcome=c.outcome,
             problems=c.problems,
+            writers=c.writers,
         )
         if c.step is None:
             return plain
+        if rank >= c.writers:
+            # a node added since the step was written (issue #16): no part of its own
+            return dataclasses.replace(plain, step=c.step)
         local, holders = sources_for(c, rank, r.nodes)
         sources = tuple((h, members[h].address) for h in holders if h in members)
         backups = c.rounds.get(rank, ())

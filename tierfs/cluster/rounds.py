@@ -258,6 +258,8 @@ class DecideView:
     Attributes:
         missing: the first :data:`SHOWN_RANKS` ranks that have not joined.
         missing_count: how many have not joined.
+        writers: the node count that wrote ``step`` (issue #16; 0 unknown): a
+            node whose rank is not below it has no part of the step to restore.
     """
 
     state: str
@@ -278,6 +280,7 @@ class DecideView:
     #: while waiting: what for, besides the missing ranks
     waiting_for: str = ""
     missing_count: int = 0
+    writers: int = 0
 
 
 @dataclass(frozen=True)

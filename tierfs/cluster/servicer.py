@@ -290,6 +290,7 @@ class CoordinatorServicer:
             step=_NO_STEP if view.step is None else view.step,
             missing=list(view.missing),
             missing_count=view.missing_count,
+            writers=view.writers,
             local=view.local,
             digest=view.digest,
             sources=[peer_pb2.Source(holder=h, address=a) for h, a in view.sources],
@@ -393,6 +394,7 @@ def _holdings(items: Iterable[Any]) -> tuple[Holding, ...]:
             h.missing,
             tuple(h.whole_digests),
             h.whole_unloadable,
+            h.nodes,
         )
         for h in items
     )

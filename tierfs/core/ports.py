@@ -114,9 +114,14 @@ class Catalog(Protocol):
 class ManifestSource(Protocol):
     """Other nodes' manifests of their own parts, for judging a step across ranks."""
 
-    async def part_manifest(self, job: str, rank: int, step: int) -> Manifest | None:
+    async def part_manifest(
+        self, job: str, rank: int, step: int, *, writers: int = 0
+    ) -> Manifest | None:
         """Node ``rank``'s manifest of its part of ``step`` (asked of that node; no
-        file bytes), or None while it is unreachable or has no such part. Never raises."""
+        file bytes), or None while it is unreachable or has no such part. Never raises.
+
+        ``writers``: the node count that wrote the step (issue #16; 0: the job's):
+        where its replicas are placed; a rank the job no longer has is not asked."""
         ...
 
 
@@ -140,6 +145,7 @@ class FileSource(Protocol):
         fd: int,
         *,
         skip: frozenset[str] = frozenset(),
+        writers: int = 0,
     ) -> str:
         """Write file ``path`` (relative to the part's root) of node ``rank``'s part
         of ``step`` into the open descriptor ``fd``, from offset 0 (positional
@@ -149,6 +155,8 @@ class FileSource(Protocol):
         with that digest is preferred; another copy may serve the file too: the
         caller checks size and crc32c of what was written). ``skip`` names copies
         (as returned) that served wrong bytes before: they are not used again.
+        ``writers``: the node count that wrote the step (see
+        :meth:`ManifestSource.part_manifest`).
 
         Returns:
             which copy served the bytes, e.g. ``"peer node-rank 2 (10.0.0.3:7070)"``
@@ -423,6 +431,8 @@ class Decision:
         local: this node holds that copy itself.
         peers: (node rank, address) of the peers holding it, in the order to try.
         rounds: the backup rounds holding it, in the order to try.
+        writers: the node count that wrote ``step`` (its writer topology, issue
+            #16; 0 unknown): a node whose rank is not below it has no part.
     """
 
     round: int
@@ -436,6 +446,7 @@ class Decision:
     local: bool = False
     peers: tuple[tuple[int, str], ...] = ()
     rounds: tuple[str, ...] = ()
+    writers: int = 0
 
 
 class Agreement(Protocol):

@@ -63,6 +63,8 @@ class Holding:
             judged, by rank; () when not judged by this holder.
         whole_unloadable: why those parts together can never load ("" if
             they may; only meaningful with ``whole_digests``).
+        nodes: the node count of the job that wrote the step (its writer
+            topology, :attr:`tierfs.store.manifest.Manifest.nodes`); 0 unknown.
     """
 
     rank: int
@@ -77,6 +79,7 @@ class Holding:
     missing: str = ""
     whole_digests: tuple[str, ...] = ()
     whole_unloadable: str = ""
+    nodes: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,8 @@ class BucketPart:
         digest: the part's manifest digest; "" when unknown (a round written by MTC).
         unloadable, missing: the part's seal-time verdict as its uploaded
             manifest records it (see :class:`Holding`); "" when it has none.
+        nodes: the writer topology its manifest records (see :class:`Holding`);
+            0 unknown (a round written by MTC or before it was recorded).
     """
 
     round: str
@@ -115,6 +120,7 @@ class BucketPart:
     digest: str = ""
     unloadable: str = ""
     missing: str = ""
+    nodes: int = 0
 
 
 @dataclass(frozen=True)
@@ -145,12 +151,14 @@ class BucketView:
     depth: int = 1
 
     def floor(self, nodes: int) -> int | None:
-        """The oldest step complete for all ``nodes`` among the rounds read (the rounds
-        not read are older, so they cannot hold a newer complete step); None if none."""
-        by_round: dict[tuple[str, int], set[int]] = {}
+        """The oldest step complete for its writers among the rounds read (the rounds
+        not read are older, so they cannot hold a newer complete step); None if none.
+
+        ``nodes``: the job's node count, the writer count of a part that records none."""
+        by_round: dict[tuple[str, int, int], set[int]] = {}
         for p in self.parts:
-            by_round.setdefault((p.round, p.step), set()).add(p.rank)
-        steps = [s for (_r, s), ranks in by_round.items() if ranks >= set(range(nodes))]
+            by_round.setdefault((p.round, p.step, p.nodes or nodes), set()).add(p.rank)
+        steps = [s for (_r, s, w), ranks in by_round.items() if ranks >= set(range(w))]
         return min(steps) if steps else None
 
     def holds_anything(self) -> bool:
@@ -178,6 +186,9 @@ class RestorePlan:
         detail: ``reason`` (one line), ``outcome`` (:data:`RESTORED`, :data:`FRESH`,
             :data:`INCOMPLETE`), ``problems`` (lines for ``replicator.errors``) and
             ``forced`` (the ``restore.version`` round, or None).
+        writers: the node count that wrote ``step`` (issue #16; 0 unknown). A
+            node whose rank is not below it holds no part of the step: its plan
+            has ``step`` set, no ``shard`` and ``source`` ``"none"``.
     """
 
     step: int | None
@@ -185,6 +196,7 @@ class RestorePlan:
     shard: Shard | None = None
     source: str = "local"
     detail: dict[str, Any] = field(default_factory=dict)
+    writers: int = 0
 
 
 # ---------------------------------------------------------------------- backup rounds

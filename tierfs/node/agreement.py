@@ -77,6 +77,16 @@ def _refused_for_good(exc: grpc.RpcError) -> bool:
     )
 
 
+def _grace(detail: str, join_timeout: float) -> float:
+    """Seconds a refusal for good may last before the restore fails: a node count
+    that differs from the coordinator's is a resize in progress (issue #16: the
+    coordinator's node, node-rank 0, restarted with the new count starts the new
+    generation), given up to the join timeout; else ``$TIERFS_REFUSAL_GRACE``."""
+    if "node count mismatch" in detail:
+        return max(join_timeout, settings.REFUSAL_GRACE.get())
+    return settings.REFUSAL_GRACE.get()
+
+
 def decision_of(view: Any) -> Decision:
     """A ``DecideReply`` (state DECIDED) as plain data."""
     rounds = tuple(view.backups) or ((view.backup,) if view.backup else ())
@@ -92,6 +102,7 @@ def decision_of(view: Any) -> Decision:
         local=bool(view.local),
         peers=tuple((int(s.holder), s.address) for s in view.sources),
         rounds=rounds,
+        writers=int(view.writers),
     )
 
 
@@ -166,7 +177,7 @@ class CoordinatorAgreement:
                             self.reporter.error(
                                 f"restore: the coordinator refuses this node {last}"
                             )
-                        elif now - refused_since > (grace := settings.REFUSAL_GRACE.get()):
+                        elif now - refused_since > (grace := _grace(last, tier.join_timeout)):
                             # a configuration error: the job fails now, not after the
                             # join timeout (minutes), unless it is fixed meanwhile
                             raise RestoreRefused(

@@ -32,6 +32,14 @@ After a restore the restored step's remote files are fetched in the
 background (:meth:`RemoteView.prefetch`): ``prefetch_width`` files at a time,
 round-robin over the ranks so the holders share the load.
 
+Writer topology (issue #16): a step shows the parts of the ranks of the node
+count that wrote it (:attr:`tierfs.store.manifest.Manifest.nodes`), not of
+the running job's: after a shrink the survivors show the lost ranks' files
+(their manifests and bytes come from the nodes holding their replicas, by the
+writing job's placement, else the bucket); after a growth a node whose rank
+did not exist then holds no part of the restored step and shows all of it
+(the step restored, :attr:`RemoteView.restored`, anchors its view).
+
 Cost: (N - 1) manifest calls per own sealed step per node (each repeated
 every ``retry`` seconds, at most ``patience`` seconds, until that rank's part
 is sealed); the union's names use one tmpfs inode each.
@@ -120,6 +128,9 @@ class StepUnion:
         first_look: trio time of the first look (patience).
         absent: at the last look the node's own step was not in the view (removed
             by the client, or published under restore markers): nothing placed.
+        writers: the node count that wrote the step (its parts are of ranks
+            0..writers-1; 0 not looked at yet).
+        own: this node holds a part of its own of the step.
     """
 
     step: int
@@ -128,6 +139,8 @@ class StepUnion:
     conflicts: set[str] = field(default_factory=set)
     first_look: float | None = None
     absent: bool = False
+    writers: int = 0
+    own: bool = True
 
 
 def _mark(rf: RemoteFile) -> bytes:
@@ -198,8 +211,10 @@ class RemoteView:
             lane's 2 transfer slots one stays free for a reader's open).
         more_manifests: where a part's manifest is asked next when its node cannot
             say (the bucket's rounds).
-        restored: (when, step) of the last restore this node finished with a step
-            (restored or kept), else None: that step is prefetched once.
+        restored: (when, step, writers) of the last restore this node finished with
+            a step (restored or kept; ``writers``: the node count that wrote it, 0
+            unknown), else None: that step is prefetched once, and shown even when
+            this node holds no part of it (a node added since it was written).
     """
 
     def __init__(
@@ -217,7 +232,7 @@ class RemoteView:
         patience: float = 600.0,
         idle: float = 30.0,
         prefetch_width: int = 1,
-        restored: Callable[[], tuple[float, int] | None] = lambda: None,
+        restored: Callable[[], tuple[float, int, int] | None] = lambda: None,
         more_manifests: Sequence[ManifestSource] = (),
     ) -> None:
         self.more_manifests = list(more_manifests)
@@ -239,8 +254,8 @@ class RemoteView:
         self._by_ino: dict[int, RemoteFile] = {}
         self._wake = trio.Event()
         self.restored = restored
-        #: restores whose step was prefetched: (when, step)
-        self._prefetched: set[tuple[float, int]] = set()
+        #: restores whose step was prefetched: (when, step, writers)
+        self._prefetched: set[tuple[float, int, int]] = set()
         self._fetches: trio.Nursery | None = None
         #: a step of the catalog not in the view yet, just now: look again in SOON s
         self._soon = False
@@ -290,11 +305,20 @@ class RemoteView:
             and self.manifests is not None
         )
 
-    def _eligible(self) -> list[Shard]:
+    def _eligible(self) -> list[tuple[int, Shard | None, int]]:
+        """(step, this node's own part or None, the node count that wrote it) of every
+        step whose view shows other ranks' parts: the own parts held, and the step
+        restored last when this node has no part of it."""
         job = self.current.job
         if job is None or not self._active():
             return []
-        return self.catalog.own_shards(job)
+        out: list[tuple[int, Shard | None, int]] = [
+            (s.key.step, s, s.manifest.nodes or job.nodes) for s in self.catalog.own_shards(job)
+        ]
+        restore = self.restored()
+        if restore is not None and restore[2] and all(t[0] != restore[1] for t in out):
+            out.append((restore[1], None, restore[2]))
+        return out
 
     async def run(self) -> None:
         """Place other ranks' files of this node's steps, forever (trio task).
@@ -306,14 +330,11 @@ class RemoteView:
             while True:
                 waiting = False
                 self._soon = False
-                own = self._eligible()
-                for shard in own:
+                for step, shard, writers in self._eligible():
                     try:
-                        waiting |= await self.look(shard)
+                        waiting |= await self.look(shard, step=step, writers=writers)
                     except Exception:
-                        log.exception(
-                            "placing other ranks' files of step %d failed", shard.key.step
-                        )
+                        log.exception("placing other ranks' files of step %d failed", step)
                 self._fetches = nursery
                 restore = self.restored()
                 union = self.steps.get(restore[1]) if restore is not None else None
@@ -322,7 +343,8 @@ class RemoteView:
                     restore is not None
                     and union is not None
                     and job is not None
-                    and len(union.parts) >= job.nodes - 1
+                    and union.writers
+                    and len(union.parts) >= union.writers - (1 if union.own else 0)
                     and restore not in self._prefetched
                 ):
                     # every node of a restore round (survivors too) fetches the step
@@ -336,21 +358,37 @@ class RemoteView:
                     await self._wake.wait()
                 self._wake = trio.Event()
 
-    async def look(self, own: Shard) -> bool:
-        """Ask for the parts of ``own``'s step not known yet and place their files.
+    async def look(self, own: Shard | None, *, step: int = -1, writers: int = 0) -> bool:
+        """Ask for the parts of a step not known yet and place their files.
+
+        Args:
+            own: this node's own part of the step, or None (it holds none: a node
+                added since the step was written).
+            step: the step (default: ``own``'s).
+            writers: the node count that wrote it (default: ``own``'s record, else
+                the job's).
 
         Returns:
             True while a rank's part is still to be found (look again soon).
         """
         job = self.current.job
         assert job is not None and self.manifests is not None
-        step = own.key.step
+        if own is not None:
+            step = own.key.step
+            writers = writers or own.manifest.nodes
+        writers = writers or job.nodes
         union = self.steps.get(step)
         if union is None:
             union = self.steps[step] = StepUnion(step)
+        union.writers, union.own = writers, own is not None
         if union.first_look is None:
             union.first_look = trio.current_time()
-        if not any(os.path.lexists(os.path.join(self.view_dir, e)) for e in own.manifest.top_level):
+        tops = (
+            own.manifest.top_level
+            if own is not None
+            else sorted({p.split("/", 1)[0] for p in union.files})
+        )
+        if tops and not any(os.path.lexists(os.path.join(self.view_dir, e)) for e in tops):
             # the client removed the step, or it is under markers, or a restore has put
             # it in the catalog and not yet in the view: looked at again soon a while
             union.absent = True
@@ -359,18 +397,18 @@ class RemoteView:
         union.absent = False
         found: dict[int, Manifest] = {}
         waiting = False
-        for rank in range(job.nodes):
-            if rank == job.node_rank or rank in union.parts:
+        for rank in range(writers):
+            if (own is not None and rank == job.node_rank) or rank in union.parts:
                 continue
             held = self.catalog.get(ShardKey(job.name, rank, step))
             manifest = held.manifest if held is not None else None
             if manifest is None:
-                manifest = await self.manifests.part_manifest(job.name, rank, step)
+                manifest = await self.manifests.part_manifest(job.name, rank, step, writers=writers)
             for more in self.more_manifests:
                 if manifest is not None:
                     break
                 # that node cannot say (down, or its part not back yet): a backup round
-                manifest = await more.part_manifest(job.name, rank, step)
+                manifest = await more.part_manifest(job.name, rank, step, writers=writers)
             if manifest is None:
                 waiting = trio.current_time() - union.first_look < self.patience
                 continue
@@ -442,11 +480,11 @@ class RemoteView:
             self._notify(rf.path)
 
     def _place(
-        self, job: str, own: Shard, union: StepUnion, parts: dict[int, Manifest]
+        self, job: str, own: Shard | None, union: StepUnion, parts: dict[int, Manifest]
     ) -> list[str]:
         """Create the entries of ``parts`` in the view (a worker thread); returns the
         conflict lines to report."""
-        plan = union_plan(own.manifest, parts)
+        plan = union_plan(own.manifest if own is not None else None, parts)
         said = []
         for c in plan.conflicts:
             if c.path in union.conflicts:
@@ -494,8 +532,15 @@ class RemoteView:
                 self._notify(path_rel)
         return said
 
-    def _owner(self, own: Shard) -> tuple[int, int] | None:
-        """The owner of the own part's top-level entry in the view (new entries get it)."""
+    def _owner(self, own: Shard | None) -> tuple[int, int] | None:
+        """The owner of the own part's top-level entry in the view (new entries get it);
+        without an own part, the view root's owner."""
+        if own is None:
+            try:
+                st = os.lstat(self.view_dir)
+            except OSError:
+                return None
+            return st.st_uid, st.st_gid
         for entry in own.manifest.top_level:
             try:
                 st = os.lstat(os.path.join(self.view_dir, entry))
@@ -646,6 +691,11 @@ class RemoteView:
                 rf.state = REMOTE
             rf.done.set()
 
+    def _writers(self, step: int) -> int:
+        """The node count that wrote ``step`` (0: not known here, the job's)."""
+        union = self.steps.get(step)
+        return union.writers if union is not None else 0
+
     async def _fetch(self, rf: RemoteFile) -> None:
         job = self.current.job
         fd = self._open_rw(rf)
@@ -664,6 +714,7 @@ class RemoteView:
                             rf.path,
                             fd,
                             skip=frozenset(skip),
+                            writers=self._writers(rf.step),
                         )
                     except FetchFailed as exc:
                         cause = exc.__cause__
@@ -837,14 +888,18 @@ class RemoteView:
     def status(self) -> WholeViewStatus:
         """Per step, newest first: other ranks' files placed, by state (trio thread)."""
         job = self.current.job
-        own = {s.key.step for s in self._eligible()}
+        eligible = {step: (shard, writers) for step, shard, writers in self._eligible()}
+        own = set(eligible)
         steps = []
         for step in sorted(own | set(self.steps), reverse=True):
             union = self.steps.get(step) or StepUnion(step)
             if union.absent or (step not in own and not union.files):
                 continue
             files = list(union.files.values())
-            others = [r for r in range(job.nodes) if r != job.node_rank] if job is not None else []
+            shard, writers = eligible.get(step, (None, union.writers))
+            writers = writers or union.writers or (job.nodes if job is not None else 0)
+            mine = shard is not None or (step not in eligible and union.own)
+            others = [r for r in range(writers) if not (mine and job and r == job.node_rank)]
             steps.append(
                 WholeStepStatus(
                     step=step,
@@ -856,6 +911,8 @@ class RemoteView:
                     bytes_remote=sum(f.size for f in files if f.state != LOCAL),
                     conflicts=tuple(sorted(union.conflicts)),
                     failed=tuple(sorted(f.path for f in files if f.error)),
+                    writers=writers,
+                    own_part=mine,
                 )
             )
         return WholeViewStatus(

@@ -241,7 +241,25 @@ class RestoreDriver:
             self._generic_running = False
         outcome = self.report_plan(plan)
         if plan.shard is None:
-            state.restore_state = {"state": "done", "step": None, "at": time.time(), **outcome}
+            # None, or a step written by fewer nodes than this node's rank (issue #16):
+            # the step is restored, this node has no part of it (the whole-step view
+            # shows the others' files)
+            state.restore_state = {
+                "state": "done",
+                "step": plan.step,
+                "at": time.time(),
+                "summoned": summoned,
+                **outcome,
+            }
+            if plan.step is not None:
+                state.restore_state.update(source="none", writers=plan.writers)
+                log.info(
+                    "generic restore: step %d (written by %d nodes) has no part of node-rank %d",
+                    plan.step,
+                    plan.writers,
+                    job.node_rank,
+                )
+            self.book.save()
             return
         shard = plan.shard
         created = await trio.to_thread.run_sync(self.view.link_missing, shard)
@@ -254,6 +272,7 @@ class RestoreDriver:
             "at": time.time(),
             "created": created,
             "summoned": summoned,
+            "writers": plan.writers or job.nodes,
             **outcome,
         }
         if created:

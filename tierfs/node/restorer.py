@@ -277,6 +277,10 @@ class Restorer:
             }
             return RestorePlan(None, source="none", detail=nothing), [], ""
         step, me = decision.step, job.node_rank
+        if decision.writers and me >= decision.writers:
+            # a node added since the step was written (issue #16): it has no part of
+            # its own; the step's files reach it through the whole-step view
+            return RestorePlan(step, source="none", writers=decision.writers), [], ""
         candidates: list[Candidate] = []
         if decision.local:
             candidates.append(((me, me, step), self.local))
@@ -292,6 +296,7 @@ class Restorer:
                 shard=shard,
                 source="gcs" if source.round else source.name,
                 backup=source.round or decision.forced,
+                writers=decision.writers,
             )
             return plan, [], ""
         if self.bucket is None and decision.rounds:

@@ -161,6 +161,7 @@ class Sealer:
                     # make that rewrite withdraw this step's seal
                     copied=[e for e in cand.entries if e in TRACKERS],
                     foreign=self.foreign,
+                    nodes=job.nodes,
                 )
 
             try:

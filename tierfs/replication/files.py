@@ -36,20 +36,24 @@ BAD = "bad copy"
 ADDRESS_WAIT = 3.0
 
 
-def receivers_of(job: JobSpec, rank: int) -> list[int]:
+def receivers_of(job: JobSpec, rank: int, writers: int = 0) -> list[int]:
     """The ranks receiving node ``rank``'s steps by ``job``'s placement, in preference
-    order; none with explicit ``peer-ranks`` (each node's own) or an impossible one."""
+    order; none with explicit ``peer-ranks`` (each node's own) or an impossible one.
+
+    ``writers``: the node count that wrote the step (issue #16; 0: ``job.nodes``):
+    its placement, of which only the node ranks ``job`` still has are returned."""
     if job.peer_ranks is not None:
         return []
     try:
-        return placement.peer_ranks(
+        ranks = placement.peer_ranks(
             rank,
-            job.nodes,
+            writers or job.nodes,
             peers_per_node=job.peers_per_node,
             data_parallelism=job.assume_data_parallelism,
         )
     except ValueError:
         return []
+    return [r for r in ranks if r < job.nodes]
 
 
 class PeerFiles:
@@ -93,13 +97,16 @@ class PeerFiles:
         fd: int,
         *,
         skip: frozenset[str] = frozenset(),
+        writers: int = 0,
     ) -> str:
         """Write file ``path`` of node ``rank``'s part of ``step`` into ``fd`` from a
         peer's RAM (a :class:`tierfs.core.ports.FileSource`; trio thread).
 
         The copies, in order: node ``rank`` itself, then the nodes that receive
-        its steps by the job's placement (:func:`.placement.peer_ranks` with
-        ``peers-per-node`` and ``assume-data-parallelism``; with explicit
+        its steps by the placement of the node count that wrote the step
+        (``writers``, 0: the job's; :func:`receivers_of`: :func:`.placement.peer_ranks`
+        with ``peers-per-node`` and ``assume-data-parallelism``; a node rank the
+        job no longer has is not asked; with explicit
         ``peer-ranks`` a node knows only its own receivers, so only node
         ``rank`` is asked). This node's own copies are not (the caller reads
         its catalog). A node's address is the address book's, else, on the
@@ -125,7 +132,7 @@ class PeerFiles:
         key = ShardKey(job, rank, step)
         tried: list[str] = []
         other: list[tuple[str, str]] = []  # (label, address): holders of other bytes
-        for r, address in await self._file_copies(job, rank):
+        for r, address in await self._file_copies(job, rank, writers):
             if address is None:
                 tried.append(f"peer node-rank {r}: no address known here")
                 continue
@@ -162,13 +169,17 @@ class PeerFiles:
                 f"a nearer copy is damaged: {'; '.join(bad)}"
             )
 
-    async def _file_copies(self, job: str, rank: int) -> list[tuple[int, str | None]]:
+    async def _file_copies(
+        self, job: str, rank: int, writers: int = 0
+    ) -> list[tuple[int, str | None]]:
         """(rank, address or None) of every node that may hold node ``rank``'s part of
         ``job``, owner first (see :meth:`fetch_file`)."""
         spec = self.job.job
         ranks = [rank]
         if spec is not None and spec.name == job:
-            ranks += receivers_of(spec, rank)
+            if rank >= spec.nodes:
+                ranks = []  # written by more nodes than the job has now (issue #16)
+            ranks += receivers_of(spec, rank, writers)
         me = spec.node_rank if spec is not None and spec.name == job else None
         out: list[tuple[int, str | None]] = []
         for r in dict.fromkeys(ranks):

@@ -133,6 +133,7 @@ class Holdings(PeerHost):
                     *eligibility(s.manifest),
                     whole_digests=whole.digests if whole else (),
                     whole_unloadable=whole.unloadable if whole else "",
+                    nodes=s.manifest.nodes,
                 )
             )
         return out

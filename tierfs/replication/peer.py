@@ -377,7 +377,9 @@ class PeerTier:
                 abandon_on_cancel=True,
             )
 
-    async def part_manifest(self, job: str, rank: int, step: int) -> Manifest | None:
+    async def part_manifest(
+        self, job: str, rank: int, step: int, *, writers: int = 0
+    ) -> Manifest | None:
         """The manifest of node ``rank``'s own part of ``step``, asked of that node
         (no file bytes); None while it is unreachable or holds no such part.
 
@@ -386,13 +388,17 @@ class PeerTier:
         meanwhile the coordinator's node is asked, which relays the manifests
         it was told (:meth:`Holdings.known_manifest`). Every manifest a node
         sends is kept for relaying. When that node has no answer, the nodes
-        holding its replicas (by the job's placement) are asked.
+        holding its replicas (by the placement of ``writers`` nodes, the node
+        count that wrote the step; 0: the job's) are asked. A rank the job no
+        longer has (a step written by more nodes, issue #16) is not asked itself.
 
         A :class:`tierfs.core.ports.ManifestSource` (:mod:`tierfs.node.whole_step`,
         :mod:`tierfs.node.remote_view`).
         """
         key = ShardKey(job, rank, step)
-        address = await self._address_of(job, rank)
+        spec = self.current.job
+        gone = spec is not None and spec.name == job and rank >= spec.nodes
+        address = None if gone else await self._address_of(job, rank)
         relay = False
         if not address:
             address, relay = self.coordinator_address, True
@@ -402,10 +408,9 @@ class PeerTier:
                 self.holdings.remember_manifest(manifest)
             return manifest
         # that node is down or lost its part: the nodes holding its replicas
-        spec = self.current.job
         if spec is None or spec.name != job:
             return None
-        for r in receivers_of(spec, rank):
+        for r in receivers_of(spec, rank, writers):
             if r != spec.node_rank:
                 manifest = await self._manifest_from(await self._address_of(job, r), key)
                 if manifest is not None:
@@ -445,10 +450,13 @@ class PeerTier:
         fd: int,
         *,
         skip: frozenset[str] = frozenset(),
+        writers: int = 0,
     ) -> str:
         """One file of node ``rank``'s part from a peer's RAM: a
         :class:`tierfs.core.ports.FileSource`, see :meth:`PeerFiles.fetch_file`."""
-        return await self.files.fetch_file(job, rank, step, digest, path, fd, skip=skip)
+        return await self.files.fetch_file(
+            job, rank, step, digest, path, fd, skip=skip, writers=writers
+        )
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a blocking control call in a worker thread."""

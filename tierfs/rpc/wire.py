@@ -174,6 +174,7 @@ def held_shard(h: Holding) -> peer_pb2.HeldShard:
         missing=h.missing,
         whole_digests=list(h.whole_digests),
         whole_unloadable=h.whole_unloadable,
+        nodes=h.nodes,
     )
 
 

@@ -148,6 +148,11 @@ class Manifest:
         backup_requested: the step carries ``_BACKUP_REQUESTED``.
         verdict: whether its framework could load it (judged at seal; None:
             not judged, e.g. a shard sealed before verdicts existed).
+        nodes: the node count of the job that wrote the step (its *writer
+            topology*, issue #16): a step written by N nodes is complete with
+            the parts of ranks 0..N-1, whatever node count restores it. 0:
+            unknown (a shard sealed before this field existed; read as the
+            restoring job's node count).
     """
 
     job: str
@@ -159,6 +164,7 @@ class Manifest:
     created: float = field(default_factory=time.time)
     backup_requested: bool = False
     verdict: StepVerdict | None = None
+    nodes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -200,6 +206,8 @@ class Manifest:
         }
         if self.verdict is not None:
             d["verdict"] = self.verdict.to_doc()
+        if self.nodes > 0:
+            d["nodes"] = self.nodes
         return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -278,6 +286,7 @@ class ManifestDoc(BaseModel):
     created: float = 0.0
     backup_requested: bool = False
     verdict: VerdictDoc | None = None
+    nodes: int = 0
 
     def manifest(self) -> Manifest:
         """The :class:`Manifest` (not yet path-checked)."""
@@ -291,6 +300,7 @@ class ManifestDoc(BaseModel):
             created=self.created,
             backup_requested=self.backup_requested,
             verdict=self.verdict.verdict() if self.verdict is not None else None,
+            nodes=max(self.nodes, 0),
         )
 
 

@@ -219,6 +219,7 @@ class ShardStore:
         judge: bool = True,
         copied: Iterable[str] = (),
         foreign: Callable[[int], bool] | None = None,
+        nodes: int = 0,
     ) -> Shard:
         """Seal: hard-link ``view/<entry>`` for each entry into a new shard and checksum it.
 
@@ -244,6 +245,8 @@ class ShardStore:
             foreign: ``foreign(inode)`` is True for a file that belongs to
                 another rank's part (the whole-step view,
                 :mod:`tierfs.node.remote_view`): left out of this node's part.
+            nodes: the job's node count, recorded as the step's writer topology
+                (:attr:`tierfs.store.manifest.Manifest.nodes`; 0 unknown).
 
         Raises:
             SealBusy: a file is still open for writing.
@@ -285,6 +288,7 @@ class ShardStore:
                 framework=framework,
                 files=tuple(files),
                 backup_requested=backup,
+                nodes=nodes,
             )
             if created is not None:
                 manifest = dataclasses.replace(manifest, created=created)

@@ -265,6 +265,10 @@ class CoordinatorStatus:
     #: the job the coordinator serves, None before a node joined
     job: str | None = None
     nodes: int = 0
+    #: the job's membership generation at this coordinator (issue #16: one more per
+    #: restart with another node count; 0 before a node joined) and its start (Unix s)
+    generation: int = 0
+    generation_since: float = 0.0
     #: the newest restore round, None before one
     round: CoordinatorRoundStatus | None = None
     #: the nodes by rank
@@ -277,7 +281,7 @@ class CoordinatorStatus:
     backups: BackupBookStatus | None = None
 
     def to_json(self) -> JsonObject:
-        return {
+        out: JsonObject = {
             "job": self.job,
             "nodes": self.nodes,
             "round": self.round.to_json() if self.round is not None else None,
@@ -286,6 +290,9 @@ class CoordinatorStatus:
             "decisions": [dict(d) for d in self.decisions],
             "backups": self.backups.to_json() if self.backups is not None else None,
         }
+        if self.generation:  # a daemon from before generations wrote none
+            out.update(generation=self.generation, generation_since=self.generation_since)
+        return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CoordinatorStatus:
@@ -293,6 +300,8 @@ class CoordinatorStatus:
         return cls(
             job=data.get("job"),
             nodes=data.get("nodes", 0),
+            generation=data.get("generation", 0),
+            generation_since=data.get("generation_since", 0.0),
             round=CoordinatorRoundStatus.from_json(rnd) if isinstance(rnd, Mapping) else None,
             members=tuple(CoordinatorMemberStatus.from_json(m) for m in objs(data.get("members"))),
             sync=CoordinatorSyncStatus.from_json(obj(data.get("sync") or {}, "sync")),

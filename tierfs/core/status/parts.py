@@ -193,6 +193,11 @@ class RestoreStatus:
         return self.fields.get("backup")
 
     @property
+    def writers(self) -> int:
+        """The node count that wrote the restored step (issue #16; 0 unknown)."""
+        return int(self.fields.get("writers") or 0)
+
+    @property
     def outcome(self) -> str | None:
         """restored, fresh, incomplete, missing, timeout, refused or failed (None: a
         status from before outcomes, or a restore still running)."""

@@ -36,6 +36,10 @@ class WholeStepStatus:
     conflicts: tuple[str, ...] = ()
     #: paths whose last fetch failed
     failed: tuple[str, ...] = ()
+    #: the node count that wrote the step (its writer topology, issue #16; 0 unknown)
+    writers: int = 0
+    #: this node holds a part of its own of the step
+    own_part: bool = True
 
     @property
     def names_ready(self) -> bool:
@@ -58,6 +62,8 @@ class WholeStepStatus:
             "bytes_remote": self.bytes_remote,
             "conflicts": list(self.conflicts),
             "failed": list(self.failed),
+            # written only when known (a daemon from before issue #16 wrote neither)
+            **({"writers": self.writers, "own_part": self.own_part} if self.writers else {}),
         }
 
     @classmethod
@@ -72,6 +78,8 @@ class WholeStepStatus:
             bytes_remote=d.get("bytes_remote", 0),
             conflicts=tuple(d.get("conflicts") or ()),
             failed=tuple(d.get("failed") or ()),
+            writers=d.get("writers", 0),
+            own_part=d.get("own_part", True),
         )
 
 
