@@ -1,0 +1,158 @@
+"""Issue #16 with real daemons: a job restarted on fewer, then more nodes.
+
+Four nodes save a sharded state with stock ``torch.distributed.checkpoint``
+(DTensors over a CPU mesh, one rank per node, each into its own mount); node
+3 is lost for good with its RAM; the job restarts on the 3 survivors (each
+daemon remounted with ``--nodes 3``, RAM kept), which restore the 4-node
+step, see rank 3's files through the whole-step view (its replica on a
+survivor) and load it resharded onto 3 ranks. They save a 3-node step; the
+job grows to 5 nodes (two new, empty ones): the 3-node step -- newer than
+the 4-node one -- is restored on all five, the new nodes hold no part of it
+and read every file from their peers, and the 5 ranks load it resharded.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import tierfs
+from mtc_clients import wait_for
+from peer_cluster import Cluster
+
+from tierfs.demo.emulator import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.long]
+
+CLIENT = str(Path(__file__).resolve().parents[1] / "support" / "clients" / "dcp_reshard.py")
+JOB = "elastic"
+
+
+def elastic(n: int) -> Callable[[int], list[str]]:
+    return lambda i: [
+        "--job",
+        JOB,
+        "--nodes",
+        str(n),
+        "--node-rank",
+        str(i),
+        "--peers-per-node",
+        "1",
+    ]
+
+
+def dcp(c: Cluster, mode: str, step: int, nodes: list[int]) -> list[str]:
+    """One stock DCP rank per node (rank = position in ``nodes``, world = len(nodes))."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                CLIENT,
+                mode,
+                str(r),
+                str(len(nodes)),
+                str(port),
+                str(c.root(i)),
+                str(step),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r, i in enumerate(nodes)
+    ]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        outs.append(out.strip() + (f" (rc {p.returncode}) {err[-1500:]}" if p.returncode else ""))
+    return outs
+
+
+def files(world: int) -> list[str]:
+    return [".metadata", *(f"__{r}_0.distcp" for r in range(world))]
+
+
+def whole(c: Cluster, i: int, step: int, world: int) -> bool:
+    try:
+        return sorted(os.listdir(c.root(i) / f"checkpoint-{step}")) == files(world)
+    except OSError:
+        return False
+
+
+def holds(c: Cluster, holder: int, rank: int, step: int) -> bool:
+    """Node ``holder``'s RAM store holds a sealed copy of rank ``rank``'s part of ``step``."""
+    shard = c.mounts[holder].ram_dir / "store" / "shards" / JOB / str(rank) / str(step)
+    return (shard / "manifest.json").exists()
+
+
+def restart(c: Cluster, n: int, nodes: list[int]) -> None:
+    """The job restarts with ``n`` nodes: each of ``nodes`` is remounted with ``--nodes n``
+    (its RAM kept); node-rank 0 first, as a job scheduler starts them."""
+    c.node_args = elastic(n)
+    for i in nodes:
+        c.mounts[i].unmount()
+    for i in nodes:
+        c.mounts[i].args = c.args(i)
+        c.remount(i)
+
+
+def wait_restore(c: Cluster, i: int) -> str:
+    w = tierfs("wait", str(c.root(i)), "--timeout", "180", check=False, timeout=240)
+    assert w.returncode == 0, (i, w.stdout, w.stderr, c.logs())
+    return w.stdout.strip()
+
+
+def test_a_job_shrinks_to_three_nodes_then_grows_to_five_and_loads_resharded(make_mount):
+    c = Cluster(make_mount, 4, node_args=elastic(4))
+    assert dcp(c, "save", 30, [0, 1, 2, 3]) == ["SAVED"] * 4
+    for i in range(4):
+        wait_for(lambda i=i: whole(c, i, 30, 4), 90, f"the whole step 30 on node {i}")
+    # rank 3's part has a replica on a survivor before node 3 is lost
+    wait_for(lambda: any(holds(c, h, 3, 30) for h in range(3)), 90, "a replica of rank 3")
+
+    # node 3 is lost for good; the job restarts on the 3 survivors
+    c.lose(3)
+    restart(c, 3, [0, 1, 2])
+    for i in range(3):
+        line = wait_restore(c, i)
+        assert line == "restored step 30 from local (written by 4 nodes; this job has 3)", line
+        # rank 3's files are in every survivor's view (from its replica), and load
+        assert whole(c, i, 30, 4), os.listdir(c.root(i) / "checkpoint-30")
+        s = c.status(i)
+        assert s["restore"]["writers"] == 4, s["restore"]
+        view = {v["step"]: v for v in s["whole_view"]["steps"]}
+        assert view[30]["writers"] == 4 and view[30]["ranks_missing"] == [], view
+    assert dcp(c, "load", 30, [0, 1, 2]) == ["LOADED_OK"] * 3
+    coord = c.peer(0)["coordinator_state"]
+    assert (coord["nodes"], coord["generation"]) == (3, 1), coord
+
+    # a 3-node step, then the job grows to 5 nodes: two new ones with empty RAM
+    assert dcp(c, "save", 40, [0, 1, 2]) == ["SAVED"] * 3
+    for i in range(3):
+        wait_for(lambda i=i: whole(c, i, 40, 3), 90, f"the whole step 40 on node {i}")
+    c.n = 5
+    c.ports.append(free_port())
+    restart(c, 5, [0, 1, 2])
+    c.mounts[3].args = c.args(3)
+    c.remount(3)
+    c.mounts.append(make_mount(*c.args(4), name="node4"))
+    for i in range(3):
+        line = wait_restore(c, i)
+        # the newest complete step, although written by 3 nodes (regression: the
+        # 4-node step 30 was restored and step 40 dropped as abandoned)
+        assert line == "restored step 40 from local (written by 3 nodes; this job has 5)", line
+    for i in (3, 4):
+        line = wait_restore(c, i)
+        assert line.startswith("restored step 40 (written by 3 nodes: this node holds no part"), (
+            line
+        )
+    for i in range(5):
+        wait_for(lambda i=i: whole(c, i, 40, 3), 60, f"the whole step 40 on node {i}")
+    assert dcp(c, "load", 40, [0, 1, 2, 3, 4]) == ["LOADED_OK"] * 5
+    for i in range(5):
+        assert "abandon" not in c.errors(i), (i, c.errors(i))
