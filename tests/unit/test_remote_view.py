@@ -459,3 +459,47 @@ def test_a_replica_that_arrives_later_replaces_the_placeholders(tmp_path):
     assert rv.is_remote(old)  # an open that began on the placeholder still fetches
     s = rv.status().step(10)
     assert (s.local, s.remote) == (2, 1) and rv.status().fetched_bytes == {}
+
+
+def test_a_node_without_a_part_shows_the_whole_restored_step(tmp_path):
+    # issue #16: node-rank 3 of a 5-node job restored step 10, written by 3 nodes, of
+    # which it holds nothing: the restored step anchors its view of ranks 0..2
+    ram = RamStore(str(tmp_path / "node3"))
+    catalog = ShardCatalog(ShardStore(ram), 3)
+    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 3, 5))
+    parts = {**PARTS, 1: manifest(1, {"__1_0.distcp": A})}
+    files = {**BYTES, "10/__1_0.distcp": A}
+    peer = Source("peer", files, ["peer node-rank 0"])
+    asked = Manifests(parts)
+    rv = RemoteView(
+        ram.view,
+        ram.incoming,
+        catalog,
+        job,
+        asked,
+        [peer],
+        job,
+        trio.CapacityLimiter(1),
+        restored=lambda: (1000.0, 10, 3),
+    )
+    assert rv._eligible() == [(10, None, 3)]
+
+    async def main() -> None:
+        assert await rv.look(None, step=10, writers=3) is False
+        for path, data in files.items():
+            assert (Path(ram.view) / path).stat().st_size == len(data)
+        await rv.prefetch(10)
+
+    trio.run(main)
+    assert sorted(asked.asked) == [0, 1, 2]  # ranks of the writers, never 3 or 4
+    assert sorted(os.listdir(Path(ram.view) / "10")) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "__2_0.distcp",
+    ]
+    for path, data in files.items():
+        assert (Path(ram.view) / path).read_bytes() == data
+    s = rv.status().step(10)
+    assert s is not None and (s.writers, s.own_part, s.ranks_missing) == (3, False, ())
+    assert s.bytes_ready and job.errors == []

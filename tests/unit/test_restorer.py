@@ -590,3 +590,28 @@ def test_a_rank_alone_with_a_bucket_restores_its_part_that_needs_another_ranks_f
     plan = node.restore()
     assert (plan.step, plan.source, plan.shard) == (5, "local", s5)
     assert plan.detail["outcome"] == "restored"
+
+
+def test_a_node_added_since_the_step_was_written_restores_it_without_a_part():
+    # issue #16: node-rank 3 of a 5-node job, the step written by 3 nodes
+    log: list[str] = []
+    agreement = Agreement([decided(40, writers=3)], ["passed"])
+    node = Node(
+        JobSpec(JOB, "generic", 3, 5),
+        agreement=agreement,
+        bucket=Bucket(BucketView(), {}),
+        peers={1: Source("peer:1", shard(3, 40), log)},
+    )
+    plan = node.restore()
+    assert (plan.step, plan.source, plan.shard, plan.writers) == (40, "none", None, 3)
+    assert log == [] and node.errors == []  # nothing is fetched, nothing is wrong
+    assert agreement.readies == [(1, 1, True, [], "")] and agreement.pins == []
+
+
+def test_a_restored_step_records_its_writers():
+    own = shard(0, 30)
+    agreement = Agreement(
+        [decided(30, local=True, digest=own.manifest.digest, writers=4)], ["passed"]
+    )
+    plan = Node(JobSpec(JOB, "generic", 0, 3), [own], agreement=agreement).restore()
+    assert (plan.step, plan.source, plan.writers) == (30, "local", 4)

@@ -4,8 +4,9 @@ its own node's mount (no tierfs-specific code).
 Usage: dcp_step.py save|load RANK WORLD PORT ROOT STEP
 
 The state: ``layer<r>.*`` per rank, and ``shared.embedding`` (2 MiB, the same on every
-rank: DCP's planner saves it once, in the lowest rank's file, so every other rank
-reads that rank's file on load). ``save`` writes ``ROOT/checkpoint-STEP/`` with
+rank: DCP's planner saves it once, in one rank's file -- on torch 2.13 the rank whose
+plan is smallest so far, not always rank 0 -- so the other ranks read that rank's
+file on load). ``save`` writes ``ROOT/checkpoint-STEP/`` with
 ``dcp.save`` and prints ``SAVED``; ``load`` fills zeroed tensors with ``dcp.load``
 from the same path, checks every value and prints ``LOADED_OK`` (a failed load
 prints ``LOAD_FAILED <why>`` and exits 3).
