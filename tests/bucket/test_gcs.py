@@ -166,7 +166,11 @@ def test_partial_rounds_are_reported_and_never_chosen(fake_gcs, tmp_path):
     with pytest.raises(IncompleteRound):
         restore_into(g, tmp_path / "x", "job", R2, 1, 5)
     # judged against more nodes than uploaded, nothing is complete
-    assert g.choose_restore("job", 3).round is None
+    assert g.inspect_round("job", R1, 3).complete_step is None
+    # but a restore judges a round against the node count that wrote it (issue #16):
+    # a job grown to 3 nodes restores the 2-node round
+    choice = g.choose_restore("job", 3)
+    assert (choice.round, choice.step) == (R1, 5)
 
 
 def test_data_parallelism_dedups_only_what_the_bucket_proves(fake_gcs, tmp_path):
