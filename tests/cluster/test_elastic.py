@@ -5,7 +5,8 @@ Four nodes save a sharded state with stock ``torch.distributed.checkpoint``
 3 is lost for good with its RAM; the job restarts on the 3 survivors (each
 daemon remounted with ``--nodes 3``, RAM kept), which restore the 4-node
 step, see rank 3's files through the whole-step view (its replica on a
-survivor) and load it resharded onto 3 ranks. They save a 3-node step; the
+survivor) and load it resharded onto 3 ranks; the parts that lost a copy with node 3
+are copied again to a live peer. They save a 3-node step; the
 job grows to 5 nodes (two new, empty ones): the 3-node step -- newer than
 the 4-node one -- is restored on all five, the new nodes hold no part of it
 and read every file from their peers, and the 5 ranks load it resharded.
@@ -128,6 +129,10 @@ def test_a_job_shrinks_to_three_nodes_then_grows_to_five_and_loads_resharded(mak
         view = {v["step"]: v for v in s["whole_view"]["steps"]}
         assert view[30]["writers"] == 4 and view[30]["ranks_missing"] == [], view
     assert dcp(c, "load", 30, [0, 1, 2]) == ["LOADED_OK"] * 3
+    # re-replication: rank 2's part lost its copy with node 3 (pairs 0-1 and 2-3 on 4
+    # nodes), rank 3's has only node 2's: node 2 sends both to its receiver on 3
+    # nodes, node 0, so a second loss (node 2) would not lose step 30
+    wait_for(lambda: holds(c, 0, 2, 30) and holds(c, 0, 3, 30), 90, "step 30 copied again")
     coord = c.peer(0)["coordinator_state"]
     assert (coord["nodes"], coord["generation"]) == (3, 1), coord
 

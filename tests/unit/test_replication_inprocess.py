@@ -461,3 +461,22 @@ def test_a_restore_round_through_the_coordinator_fetches_the_lost_shard_from_its
         assert {c[2] for c in net.log} >= {"Join", "Decide", "Barrier", "Sync", "PullShard"}
 
     cluster(net, tmp_path, test)
+
+
+def test_a_lost_ranks_part_held_here_is_copied_again_to_this_nodes_peers(net, tmp_path):
+    # issue #16: the job runs on 3 nodes now; node 1 holds the replica of rank 3's part
+    # of step 5, written by 4 nodes: its node is gone, so node 1 copies it again to its
+    # own receiver (node 0), and only the newest such step of that rank
+    async def test(nodes: list[Node]) -> None:
+        for step in (4, 5):
+            orphan = make_shard(nodes[1].ram_dir, JOB, 3, step, files(step, 3))
+            orphan.verified = True  # a received replica was checked on receipt
+            nodes[1].catalog.add(orphan)
+        nodes[1].tier.replicator.catch_up()
+        key = ShardKey(JOB, 3, 5)
+        await wait_for(lambda: key in nodes[0].catalog, "rank 3's part on node 0")
+        assert content_of(nodes[0].catalog[key]) == files(5, 3)
+        assert ShardKey(JOB, 3, 4) not in nodes[0].catalog
+        assert ShardKey(JOB, 3, 5) not in nodes[2].catalog  # not a receiver of node 1
+
+    cluster(net, tmp_path, test)

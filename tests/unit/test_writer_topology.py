@@ -12,7 +12,7 @@ from tierfs.cluster.coordinator import DECIDED, Coordinator, Rejected
 from tierfs.cluster.restore_choice import INCOMPLETE, OLDER, RESTORED, choose_restore
 from tierfs.core.control import JobSpec
 from tierfs.core.types import BucketPart, BucketView, Holding
-from tierfs.replication.files import receivers_of
+from tierfs.replication.files import holders_of, receivers_of
 from tierfs.store.manifest import FileEntry, Manifest
 
 
@@ -173,6 +173,11 @@ def test_replica_holders_follow_the_writers_placement():
     # ranks the job no longer has are never named
     assert all(r < 3 for w in (4, 5, 8) for rank in range(w) for r in receivers_of(job, rank, w))
     assert receivers_of(job, 1) == [0]
+    # where a lost rank's part is: its replica holder by the old placement, then that
+    # holder's receivers today (where it copies the part again)
+    assert holders_of(job, 3, 4) == [2, 0]
+    assert holders_of(job, 1, 4) == [1, 0]  # the owner is still there
+    assert holders_of(job, 2, 4) == [2]  # its old receiver, node 3, is gone
 
 
 @pytest.mark.parametrize(

@@ -56,6 +56,21 @@ def receivers_of(job: JobSpec, rank: int, writers: int = 0) -> list[int]:
     return [r for r in ranks if r < job.nodes]
 
 
+def holders_of(job: JobSpec, rank: int, writers: int = 0) -> list[int]:
+    """The node ranks of ``job`` that may hold node ``rank``'s part of a step written
+    by ``writers`` nodes (0: ``job.nodes``), in the order to ask them (issue #16):
+    the owner while the job has that rank, the receivers of the writers' placement,
+    and for a rank the job no longer has also the receivers of those receivers in
+    today's placement (where they copy the lost rank's part again,
+    :meth:`tierfs.replication.replicator.Replicator.catch_up`)."""
+    first = receivers_of(job, rank, writers)
+    out = ([rank] if rank < job.nodes else []) + first
+    if rank >= job.nodes:
+        for holder in first:
+            out += receivers_of(job, holder)
+    return list(dict.fromkeys(out))
+
+
 class PeerFiles:
     """Hands over single files of other ranks' parts from peers (see the module docstring).
 
@@ -177,9 +192,7 @@ class PeerFiles:
         spec = self.job.job
         ranks = [rank]
         if spec is not None and spec.name == job:
-            if rank >= spec.nodes:
-                ranks = []  # written by more nodes than the job has now (issue #16)
-            ranks += receivers_of(spec, rank, writers)
+            ranks = holders_of(spec, rank, writers)
         me = spec.node_rank if spec is not None and spec.name == job else None
         out: list[tuple[int, str | None]] = []
         for r in dict.fromkeys(ranks):

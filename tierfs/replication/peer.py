@@ -64,7 +64,7 @@ from tierfs.core.ports import (
 from tierfs.core.status import PeerMemberStatus, PeerStatus, PeerStepStatus, SyncStatus
 from tierfs.replication.addresses import AddressBook, Endpoint, replica_peers
 from tierfs.replication.client import PeerClient
-from tierfs.replication.files import PeerFiles, receivers_of
+from tierfs.replication.files import PeerFiles, holders_of
 from tierfs.replication.heartbeat import Heartbeat
 from tierfs.replication.holdings import Holdings, retention_pins
 from tierfs.replication.lanes import CONTROL_CALLS, TRANSFERS, Lane
@@ -410,7 +410,9 @@ class PeerTier:
         # that node is down or lost its part: the nodes holding its replicas
         if spec is None or spec.name != job:
             return None
-        for r in receivers_of(spec, rank, writers):
+        for r in holders_of(spec, rank, writers):
+            if r == rank:
+                continue  # asked above
             if r != spec.node_rank:
                 manifest = await self._manifest_from(await self._address_of(job, r), key)
                 if manifest is not None:

@@ -179,23 +179,48 @@ class Replicator:
 
     def catch_up(self) -> None:
         """Send again what a live peer lacks: retained steps whose transfer to it
-        failed, or that were sealed before the peer was known."""
+        failed, or that were sealed before the peer was known -- after a restart on
+        another node count (issue #16) also the own parts of steps written by the
+        old count, to the receivers of the new placement.
+
+        Re-replication of a lost node's parts (issue #16): this node also sends
+        its replicas of ranks the job no longer has (a step written by more
+        nodes; the newest such step per rank, the one a restore would use) to
+        its own receivers, so a second node loss does not lose them. Other
+        nodes find those copies by placement
+        (:func:`tierfs.replication.files.holders_of`)."""
         job = self.active_job()
         if job is None:
             return
-        for shard in self.catalog.own_shards(job):
+        peers = replica_peers(job)
+        for shard in [*self.catalog.own_shards(job), *self._orphans(job)]:
             if not self.catalog.retained(shard.key):
                 continue
             send = self.sends.setdefault(shard.key, Send())
-            for peer in replica_peers(job):
+            for peer in peers:
                 if self.book.reachable(peer) is None:
                     continue
                 if send.states.get(peer) in (None, "failed"):
                     send.states[peer] = "queued"
                     log.info(
-                        "sending step %d to node-rank %d again (it lacks it)", shard.key.step, peer
+                        "sending step %d of rank %d to node-rank %d (it lacks it)",
+                        shard.key.step,
+                        shard.key.rank,
+                        peer,
                     )
                     self._start_send(shard, peer, send)
+
+    def _orphans(self, job: JobSpec) -> list[Shard]:
+        """The newest part held here of each rank ``job`` no longer has (its node count
+        shrank since the step was written), newest first."""
+        newest: dict[int, Shard] = {}
+        for shard in self.catalog.shards_of(job.name):
+            rank = shard.key.rank
+            if rank < job.nodes or not shard.verified:
+                continue
+            if rank not in newest or shard.key.step > newest[rank].key.step:
+                newest[rank] = shard
+        return sorted(newest.values(), key=lambda s: s.key.step, reverse=True)
 
     # ------------------------------------------------------------------ one transfer
 
@@ -211,6 +236,7 @@ class Replicator:
         dp = bool(
             job
             and job.assume_data_parallelism
+            and key.rank < job.nodes
             and peer in placement.column_of(key.rank, job.nodes, job.assume_data_parallelism)
         )
         # how long a push is retried while its peer is unreachable: policy peer-push
