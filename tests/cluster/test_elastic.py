@@ -161,3 +161,38 @@ def test_a_job_shrinks_to_three_nodes_then_grows_to_five_and_loads_resharded(mak
     assert dcp(c, "load", 40, [0, 1, 2, 3, 4]) == ["LOADED_OK"] * 5
     for i in range(5):
         assert "abandon" not in c.errors(i), (i, c.errors(i))
+
+
+def test_survivors_renumbered_after_a_middle_node_is_lost_restore_and_load(make_mount):
+    # node 1 of 4 is lost; the job restarts on 3 nodes and node 3 takes node-rank 1 (as
+    # a scheduler renumbers its workers): its old part (rank 3) counts as a copy it
+    # holds, rank 1's part comes from its replica on node 0
+    c = Cluster(make_mount, 4, node_args=elastic(4))
+    assert dcp(c, "save", 30, [0, 1, 2, 3]) == ["SAVED"] * 4
+    for i in range(4):
+        wait_for(lambda i=i: whole(c, i, 30, 4), 90, f"the whole step 30 on node {i}")
+    wait_for(lambda: holds(c, 0, 1, 30), 90, "rank 1's replica on node 0")
+    c.lose(1)
+    ranks = {0: 0, 2: 2, 3: 1}
+    c.node_args = lambda i: elastic(3)(ranks[i])
+    for i in ranks:
+        c.mounts[i].unmount()
+    for i in ranks:
+        c.mounts[i].args = c.args(i)
+        c.remount(i)
+    for i in ranks:
+        line = wait_restore(c, i)
+        assert line.startswith("restored step 30 from "), line
+        assert line.endswith("(written by 4 nodes; this job has 3)"), line
+        assert whole(c, i, 30, 4), os.listdir(c.root(i) / "checkpoint-30")
+    # node 3's old part stays rank 3's, never sealed again as node-rank 1's (regression:
+    # sealed at start as rank 1's part of step 30 with rank 3's files, a second
+    # "step 30" written by 3 nodes that made the restore report an older step)
+    part = c.mounts[3].ram_dir / "store" / "shards" / JOB / "1" / "30" / "data" / "checkpoint-30"
+    wait_for(part.exists, 60, "rank 1's part of step 30 on node 3")
+    assert sorted(p.name for p in part.iterdir()) == ["__1_0.distcp"]
+    assert "not sealed again as node-rank 1's" in c.mounts[3].log()
+    # the world-3 ranks in node-rank order: mounts 0, 3, 2
+    assert dcp(c, "load", 30, [0, 3, 2]) == ["LOADED_OK"] * 3
+    for i in ranks:
+        assert c.errors(i) == "", (i, c.errors(i))

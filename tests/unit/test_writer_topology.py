@@ -86,8 +86,17 @@ def test_one_step_number_written_by_two_node_counts_is_never_mixed():
     inv[1].append(H(1, 40, 3, created=200))
     inv[2].append(H(2, 40, 4, created=100))
     c = choose_restore(3, inv)
-    assert (c.step, c.writers) == (40, 3)
+    assert (c.step, c.writers, c.outcome) == (40, 3, RESTORED)
     assert c.digests == {0: "d0-40-3", 1: "d1-40-3", 2: "d2-40-3"}
+    # the newer seal incomplete: the older save of step 40 is restored, and it is
+    # still the newest step (regression: exit code 2, "not the newest step written")
+    for node in (0, 1):
+        inv[node] = [h for h in inv[node] if h.nodes != 3 or h.step != 40]
+    inv[0].append(H(2, 40, 4, created=100))
+    c = choose_restore(3, inv)
+    assert (c.step, c.writers, c.outcome) == (40, 4, RESTORED), c
+    assert "step 40 lacks rank(s) [0, 1] (written by 3 nodes; this job has 3)" not in c.problems
+    assert "step 40 lacks rank(s) [0, 1]" in c.problems
 
 
 def test_copies_without_a_recorded_count_are_the_jobs():

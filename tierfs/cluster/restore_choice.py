@@ -398,6 +398,8 @@ def choose_restore(
     }
     parts = [p for p in parts if p.round not in old]
     skipped: list[str] = []
+    #: the newest step number skipped (-1: none)
+    newest_skipped = -1
     notes = list(notes)
     warnings: list[str] = []
     if bucket is not None and bucket.error:
@@ -413,10 +415,12 @@ def choose_restore(
         if plan.missing:
             skipped.append(_describe(step, plan, excluded) + _topology(w, nodes))
             warnings.extend(plan.notes)
+            newest_skipped = max(newest_skipped, step)
             continue
         unfit = _not_loadable(step, plan.digests, unloadable, judged)
         if unfit:
             skipped.append(unfit)
+            newest_skipped = max(newest_skipped, step)
             continue
         from_bucket = sorted(r for r in range(w) if not plan.holders.get(r))
         backup = None
@@ -445,7 +449,9 @@ def choose_restore(
             reason,
             backup,
             rounds=plan.rounds,
-            outcome=OLDER if skipped else RESTORED,
+            # another save of the same step number (another node count) that is
+            # incomplete does not make this one older
+            outcome=OLDER if newest_skipped > step else RESTORED,
             problems=tuple(lines),
             writers=w,
         )

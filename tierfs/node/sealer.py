@@ -16,6 +16,7 @@ import dataclasses
 import errno
 import logging
 import os
+import stat
 import time
 import uuid
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from tierfs.node.tasks import TaskSpawner
 from tierfs.node.view import ClientView
 from tierfs.store.manifest import ManifestError
 from tierfs.store.ramstore import RamStore
-from tierfs.store.shards import SealBusy, Shard, ShardKey, ShardStore, retention
+from tierfs.store.shards import SealBusy, Shard, ShardKey, ShardStore, file_inodes, retention
 
 __all__ = ["ErrorLines", "Retention", "Sealer"]
 
@@ -235,6 +236,27 @@ class Sealer:
         for ino in [i for i, t in sealing.items() if t == token]:
             del sealing[ino]
 
+    def _sealed_as_other_rank(self, others: list[Shard], cand: SealCandidate) -> ShardKey | None:
+        """The key of the part among ``others`` (other ranks' parts of ``cand``'s step
+        held here) whose files are every file of ``cand`` in the view (hard links: the
+        same inodes), else None. A worker thread (walks the candidate's entries)."""
+        inos: set[int] = set()
+        for entry in cand.entries:
+            path = os.path.join(self.store.view, entry)
+            inos |= file_inodes(path)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                inos.add(st.st_ino)
+        if self.foreign is not None:
+            inos = {i for i in inos if not self.foreign(i)}
+        for s in others:
+            if inos and inos <= s.inodes:
+                return s.key
+        return None
+
     async def reconcile(self) -> None:
         """Seal complete steps that are in the view but not sealed (daemon restart)."""
         book, job = self.book, self.state.job
@@ -256,6 +278,29 @@ class Sealer:
             key = ShardKey(job.name, job.node_rank, cand.step)
             if key in self.catalog and self.catalog[key].manifest.name == cand.name:
                 book.view_steps.setdefault(cand.name, key)
+                continue
+            others = [
+                s
+                for k, s in self.catalog.items()
+                if (k.job, k.step) == (job.name, cand.step) and k.rank != job.node_rank
+            ]
+            other = (
+                await trio.to_thread.run_sync(self._sealed_as_other_rank, others, cand)
+                if others
+                else None
+            )
+            if other is not None:
+                # this node's rank changed (a job restarted on another node count,
+                # issue #16): the step is its old rank's part, sealed and held here
+                # as that rank's copy, never sealed again as the new rank's
+                log.info(
+                    "step %d (%s) found at start is the part of rank %d held here; not "
+                    "sealed again as node-rank %d's",
+                    cand.step,
+                    cand.name,
+                    other.rank,
+                    job.node_rank,
+                )
                 continue
             try:
                 mtime = os.lstat(os.path.join(self.store.view, cand.name)).st_mtime
