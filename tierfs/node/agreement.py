@@ -278,7 +278,9 @@ class CoordinatorAgreement:
                     msg = (
                         f"node-rank(s) {shown} did not join within "
                         f"{tier.join_timeout:.0f} s (job {job.name}, round {view.round}); "
-                        "no step can be agreed"
+                        "no step can be agreed (a node gone for good: restart the job "
+                        f"with --nodes {max(job.nodes - view.missing_count, 1)} on the "
+                        "others, README 'Restarting on fewer or more nodes')"
                     )
                     self.reporter.error(f"restore: {msg}")
                     raise NodesMissing(msg)
