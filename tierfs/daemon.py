@@ -197,7 +197,17 @@ def build_agent(
     sealer = Sealer(
         config, store, shards, catalog, book, state, view, keeper, reporter, tasks, foreign
     )
-    restores = RestoreDriver(state, restorer, view, book, catalog, keeper, reporter, tasks)
+    restores = RestoreDriver(
+        state,
+        restorer,
+        view,
+        book,
+        catalog,
+        keeper,
+        reporter,
+        tasks,
+        before=sealer.wait_reconciled,
+    )
     control = JobControl(config, store, state, view, book, reporter, restores, tasks)
     intake = EventIntake(store, book, view, catalog, sealer, keeper, control, restores, tasks)
     status = StatusBuilder(

@@ -15,6 +15,7 @@ and read every file from their peers, and the 5 ranks load it resharded.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -161,6 +162,15 @@ def test_a_job_shrinks_to_three_nodes_then_grows_to_five_and_loads_resharded(mak
     assert dcp(c, "load", 40, [0, 1, 2, 3, 4]) == ["LOADED_OK"] * 5
     for i in range(5):
         assert "abandon" not in c.errors(i), (i, c.errors(i))
+    # a new node's daemon restarts (RAM kept): the step's directory in its view holds
+    # only other ranks' files, never sealed as a part of its own (regression: an empty
+    # part of rank 3 was sealed and every later restore exited 2)
+    c.mounts[3].unmount()
+    c.remount(3)
+    line = wait_restore(c, 3)
+    assert line.startswith("restored step 40 (written by 3 nodes: this node holds no part"), line
+    assert not holds(c, 3, 3, 40)
+    assert "only other ranks' files" in c.mounts[3].log()
 
 
 def test_survivors_renumbered_after_a_middle_node_is_lost_restore_and_load(make_mount):
@@ -196,3 +206,44 @@ def test_survivors_renumbered_after_a_middle_node_is_lost_restore_and_load(make_
     assert dcp(c, "load", 30, [0, 3, 2]) == ["LOADED_OK"] * 3
     for i in ranks:
         assert c.errors(i) == "", (i, c.errors(i))
+
+
+def save_files(c: Cluster, step: int, nodes: list[int]) -> None:
+    """Each of ``nodes`` writes its part of ``checkpoint-<step>/`` with a commit marker
+    under a temp name and renames it into place (a save)."""
+    for i in nodes:
+        tmp = c.root(i) / f"tmp-{step}"
+        tmp.mkdir()
+        (tmp / f"part-{i}.bin").write_bytes(os.urandom(50_000))
+        (tmp / "commit_success.txt").write_text("ok")  # what a start finds complete
+        os.rename(tmp, c.root(i) / f"checkpoint-{step}")
+
+
+def test_a_step_abandoned_by_a_restore_is_not_sealed_again_at_the_next_start(make_mount):
+    c = Cluster(make_mount, 3, node_args=elastic(3))
+    save_files(c, 30, [0, 1, 2])
+    save_files(c, 40, [0, 1])  # node 2 never saved step 40
+    for i in range(3):
+        wait_for(lambda i=i: holds(c, i, i, 30), 60, f"node {i}'s part of step 30")
+    for i in range(2):
+        wait_for(lambda i=i: holds(c, i, i, 40), 60, f"node {i}'s part of step 40")
+    restart(c, 3, [0, 1, 2])
+    for i in range(3):
+        w = tierfs("wait", str(c.root(i)), "--timeout", "180", check=False, timeout=240)
+        assert w.returncode == 2, (i, w.stdout, w.stderr)  # an older step: said
+        assert "step 40 lacks rank(s) [2]" in w.stderr, w.stderr
+    # the next start of the job: step 40 is still in the views of nodes 0 and 1, but
+    # it was abandoned (regression: sealed again at every start, stamped with the
+    # running job's node count, and every restore exited 2)
+    restart(c, 3, [0, 1, 2])
+    for i in range(3):
+        assert wait_restore(c, i) == "restored step 30 from local"
+    for i in range(2):
+        assert not holds(c, i, i, 40)
+        assert "abandoned by a restore; not sealed again" in c.mounts[i].log()
+    # saved again, the step seals as usual
+    for i in range(2):
+        shutil.rmtree(c.root(i) / "checkpoint-40")
+    save_files(c, 40, [0, 1, 2])
+    for i in range(3):
+        wait_for(lambda i=i: holds(c, i, i, 40), 60, f"node {i}'s part of step 40 again")

@@ -503,3 +503,83 @@ def test_a_node_without_a_part_shows_the_whole_restored_step(tmp_path):
     s = rv.status().step(10)
     assert s is not None and (s.writers, s.own_part, s.ranks_missing) == (3, False, ())
     assert s.bytes_ready and job.errors == []
+
+
+def test_a_step_saved_again_shows_the_new_files_of_the_other_ranks(tmp_path):
+    # regression (a new user's trial of issue #16): the view never asked again for a
+    # rank's part it had placed, so after the job saved the same step number again
+    # the old placeholders stayed: a read failed with EIO (wrong crc32c from every
+    # healthy copy), also after a daemon restart, and a file of a step directory the
+    # client had removed and saved again never came back
+    B2 = os.urandom(len(B) + 10)
+    new_parts = {0: manifest(0, {".metadata": B2, "__0_0.distcp": C}), 2: PARTS[2]}
+    new_bytes = {**BYTES, "10/.metadata": B2}
+    peer = Source("peer", BYTES, ["peer node-rank 0"])
+    rv, ram, shards, catalog, own, job = view_of(tmp_path, dict(PARTS), [peer])
+    view = Path(ram.view) / "10"
+
+    async def main() -> None:
+        await rv.look(own)
+        old_two = (view / "__2_0.distcp").stat().st_ino
+        # the job saves step 10 again: a new own part, rank 0's .metadata is new
+        (view / "__1_0.distcp").unlink()
+        (view / "__1_0.distcp").write_bytes(A + b"again")
+        again = shards.snapshot(
+            ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic", foreign=rv.is_remote
+        )
+        catalog.add(again)
+        rv.manifests = Manifests(new_parts)
+        peer.files = new_bytes
+        await rv.look(again)
+        meta = view / ".metadata"
+        assert meta.stat().st_size == len(B2)
+        await rv.missing(meta.stat().st_ino)()
+        assert meta.read_bytes() == B2
+        assert (view / "__2_0.distcp").stat().st_ino == old_two  # same bytes: kept
+        # the client removes the step and saves it again: every file comes back
+        for p in sorted(view.iterdir()):
+            p.unlink()
+        (view / "__1_0.distcp").write_bytes(A + b"third")
+        third = shards.snapshot(
+            ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic", foreign=rv.is_remote
+        )
+        catalog.add(third)
+        await rv.look(third)
+        assert sorted(p.name for p in view.iterdir()) == [
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+            "__2_0.distcp",
+        ]
+        await rv.prefetch(10)
+        for path, data in new_bytes.items():
+            assert (Path(ram.view) / path).read_bytes() == data
+
+    trio.run(main)
+    assert job.errors == []
+    # a restarted daemon knows the placed files from their marks and asks every rank
+    # again: a part changed meanwhile is replaced, not served with the old checksum
+    B3 = os.urandom(len(B))
+    catalog2 = ShardCatalog(shards, 3)
+    catalog2.add(catalog[ShardKey(JOB, 1, 10)])
+    peer2 = Source("peer", {**new_bytes, "10/.metadata": B3}, ["peer node-rank 0"])
+    rv2 = RemoteView(
+        ram.view,
+        ram.incoming,
+        catalog2,
+        job,
+        Manifests({0: manifest(0, {".metadata": B3, "__0_0.distcp": C}), 2: PARTS[2]}),
+        [peer2],
+        job,
+        trio.CapacityLimiter(1),
+    )
+    assert rv2.reload() == 3
+
+    async def after_restart() -> None:
+        await rv2.look(catalog2[ShardKey(JOB, 1, 10)])
+        meta = view / ".metadata"
+        await rv2.missing(meta.stat().st_ino)()
+        assert meta.read_bytes() == B3
+
+    trio.run(after_restart)
+    assert job.errors == []

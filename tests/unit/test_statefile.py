@@ -3,6 +3,7 @@ plus one file round trip in tmp_path)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -63,3 +64,12 @@ def test_a_missing_or_garbled_file_is_the_empty_state(tmp_path):
     assert statefile.load(str(tmp_path / "bad.json")) == statefile.SavedState()
     (tmp_path / "list.json").write_text("[1, 2]")
     assert statefile.load(str(tmp_path / "list.json")) == statefile.SavedState()
+
+
+def test_abandoned_steps_are_kept_and_a_bad_entry_drops_them():
+    gone = {"checkpoint-40": ShardKey("train", 1, 40)}
+    data = json.loads(statefile.encode(dataclasses.replace(saved(), abandoned=gone)))
+    assert data["abandoned"] == {"checkpoint-40": ["train", 1, 40]}
+    assert statefile.decode(data).abandoned == gone
+    assert statefile.decode({**data, "abandoned": {"x": ["train", "one", 40]}}).abandoned == {}
+    assert statefile.decode({**data, "abandoned": ["x"]}).abandoned == {}

@@ -93,7 +93,10 @@ class ShardKeeper:
         nothing is dropped: retention by seal time ages the old steps out.
         """
         for key in [k for k in self.catalog if k.job == job.name and k.step > step]:
+            for name in self.book.names_of(key) if key.rank == job.node_rank else ():
+                self.book.abandoned[name] = key  # never sealed again at a start
             self.drop_shard(key, f"abandoned: the job restored step {step}")
+        self.book.save()
 
     def withdraw(self, key: ShardKey, reason: str) -> None:
         """Withdraw a seal: the snapshot no longer matches the client's bytes.

@@ -131,6 +131,8 @@ class StepUnion:
         writers: the node count that wrote the step (its parts are of ranks
             0..writers-1; 0 not looked at yet).
         own: this node holds a part of its own of the step.
+        own_digest: the digest of this node's own part when every rank was last
+            asked ("" none; None: not asked by this daemon yet).
     """
 
     step: int
@@ -141,6 +143,7 @@ class StepUnion:
     absent: bool = False
     writers: int = 0
     own: bool = True
+    own_digest: str | None = None
 
 
 def _mark(rf: RemoteFile) -> bytes:
@@ -395,6 +398,14 @@ class RemoteView:
             self._soon = self._soon or trio.current_time() - union.first_look < SOON_FOR
             return False
         union.absent = False
+        own_digest = own.manifest.digest if own is not None else ""
+        placed: dict[int, str] = {}
+        if union.parts and union.own_digest != own_digest:
+            # the own part changed (the step number saved again: the other ranks' parts
+            # may be new too), or this daemon knows the placed parts only from their
+            # marks (a restart): every rank is asked again, changed files replaced
+            placed, union.parts = dict(union.parts), {}
+        union.own_digest = own_digest
         found: dict[int, Manifest] = {}
         waiting = False
         for rank in range(writers):
@@ -413,6 +424,12 @@ class RemoteView:
                 waiting = trio.current_time() - union.first_look < self.patience
                 continue
             found[rank] = manifest
+        stale = {r: m for r, m in found.items() if r in placed}
+        if stale:
+            await trio.to_thread.run_sync(self._unplace, union, stale)
+        for rank, digest in placed.items():
+            if rank not in found:
+                union.parts.setdefault(rank, digest)  # not answering now: as placed
         if found:
             said = await trio.to_thread.run_sync(self._place, job.name, own, union, found)
             for rank, manifest in found.items():
@@ -478,6 +495,40 @@ class RemoteView:
                 continue
             union.files[rf.path] = new
             self._notify(rf.path)
+
+    def _unplace(self, union: StepUnion, parts: dict[int, Manifest]) -> None:
+        """Forget the placed files of ``parts``' ranks whose bytes the part's manifest no
+        longer names (the step saved again), or whose view entry is not the placed
+        file any more (removed or replaced by the client); remove the stale ones from
+        the view. A worker thread. Files with the same bytes stay (their digest is
+        updated); a file being fetched or open stays until the next look."""
+        for rf in list(union.files.values()):
+            manifest = parts.get(rf.rank)
+            if manifest is None:
+                continue
+            entry = next((f for f in manifest.files if f.path == rf.path), None)
+            path = os.path.join(self.view_dir, rf.path)
+            try:
+                here = os.lstat(path).st_ino == rf.ino
+            except OSError:
+                here = False
+            if here and entry is not None and (entry.size, entry.crc32c) == (rf.size, rf.crc32c):
+                rf.digest = manifest.digest
+                continue
+            if here:
+                inode = self.ns.inodes.by_ino(rf.ino) if self.ns is not None else None
+                if rf.state == FETCHING or (inode is not None and inode.handles):
+                    continue
+                try:
+                    os.unlink(path)
+                except OSError as exc:
+                    log.debug("removing the old %s of rank %d: %s", rf.path, rf.rank, exc)
+                    continue
+                self._notify(rf.path)
+            del union.files[rf.path]
+            # an entry the client removed may still be open: its inode keeps its rules
+            if here and self._by_ino.get(rf.ino) is rf:
+                del self._by_ino[rf.ino]
 
     def _place(
         self, job: str, own: Shard | None, union: StepUnion, parts: dict[int, Manifest]

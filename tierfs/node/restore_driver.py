@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import trio
@@ -84,6 +85,8 @@ class RestoreDriver:
         keeper: drops the abandoned newer steps.
         reporter: ``replicator.errors``/``failed``.
         tasks: where restores and delayed hiding run.
+        before: awaited before a generic restore plans (the sealer's start-up
+            seals: the restore's inventory must hold the steps they seal).
     """
 
     def __init__(
@@ -96,7 +99,9 @@ class RestoreDriver:
         keeper: Abandoner,
         reporter: RestoreReporter,
         tasks: TaskSpawner,
+        before: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        self.before = before
         self.state = state
         self.restorer = restorer
         self.view = view
@@ -222,6 +227,8 @@ class RestoreDriver:
         self._generic_running = True
         state.restore_state = {"state": "planning", "since": time.time(), "summoned": summoned}
         try:
+            if self.before is not None:
+                await self.before()
             plan = await self.restorer.plan(job)
             if plan.step and not summoned:
                 self.keeper.drop_abandoned(job, plan.step)

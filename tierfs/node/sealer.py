@@ -91,6 +91,9 @@ class Sealer:
         foreign: Callable[[int], bool] | None = None,
     ) -> None:
         self.foreign = foreign
+        #: set once :meth:`reconcile` has sealed what the previous daemon left (a
+        #: restore waits for it: its inventory must hold those steps)
+        self.reconciled = trio.Event()
         self.config = config
         self.store = store
         self.shards = shards
@@ -213,6 +216,7 @@ class Sealer:
                 del book.pending[cand.name]
             book.withdrawn_names.pop(cand.name, None)
             book.withdrawn_created.pop(key, None)
+            book.abandoned.pop(cand.name, None)  # saved again since
             self.keeper.add_shard(shard)
             book.view_steps[cand.name] = key
             log.info(
@@ -236,10 +240,11 @@ class Sealer:
         for ino in [i for i, t in sealing.items() if t == token]:
             del sealing[ino]
 
-    def _sealed_as_other_rank(self, others: list[Shard], cand: SealCandidate) -> ShardKey | None:
-        """The key of the part among ``others`` (other ranks' parts of ``cand``'s step
-        held here) whose files are every file of ``cand`` in the view (hard links: the
-        same inodes), else None. A worker thread (walks the candidate's entries)."""
+    def _not_own(self, others: list[Shard], cand: SealCandidate) -> str:
+        """Why ``cand``'s files in the view are not this node's own part ("" if they may
+        be): all of them are the files of one of ``others`` (other ranks' parts of the
+        step held here; hard links, the same inodes), or all are other ranks' files of
+        the whole-step view. A worker thread (walks the candidate's entries)."""
         inos: set[int] = set()
         for entry in cand.entries:
             path = os.path.join(self.store.view, entry)
@@ -250,15 +255,34 @@ class Sealer:
                 continue
             if stat.S_ISREG(st.st_mode):
                 inos.add(st.st_ino)
-        if self.foreign is not None:
-            inos = {i for i in inos if not self.foreign(i)}
+        own = {i for i in inos if self.foreign is None or not self.foreign(i)}
+        if inos and not own:
+            return "only other ranks' files (the whole-step view)"
         for s in others:
-            if inos and inos <= s.inodes:
-                return s.key
-        return None
+            if own and own <= s.inodes:
+                return f"the part of rank {s.key.rank} held here"
+        return ""
+
+    async def wait_reconciled(self) -> None:
+        """Until :meth:`reconcile` has sealed (or given up on) what the previous daemon
+        left in the view."""
+        await self.reconciled.wait()
 
     async def reconcile(self) -> None:
-        """Seal complete steps that are in the view but not sealed (daemon restart)."""
+        """Seal complete steps that are in the view but not sealed (daemon restart),
+        one after the other, then set :attr:`reconciled`.
+
+        Not sealed again: a step a restore abandoned (``book.abandoned``: it was
+        written before the restore chose an older step; sealing it now would stamp
+        it with this job's node count), a step whose files are all another rank's
+        part held here (this node's rank changed) or all other ranks' files of the
+        whole-step view (nothing of this node's own)."""
+        try:
+            await self._reconcile()
+        finally:
+            self.reconciled.set()
+
+    async def _reconcile(self) -> None:
         book, job = self.book, self.state.job
         if book.rules is None or job is None:
             return
@@ -279,26 +303,29 @@ class Sealer:
             if key in self.catalog and self.catalog[key].manifest.name == cand.name:
                 book.view_steps.setdefault(cand.name, key)
                 continue
+            gone = book.abandoned.get(cand.name)
+            if gone is not None and gone.step == cand.step:
+                log.info(
+                    "step %d (%s) found at start was abandoned by a restore; not sealed "
+                    "again (saved again, it seals as usual)",
+                    cand.step,
+                    cand.name,
+                )
+                continue
             others = [
                 s
                 for k, s in self.catalog.items()
                 if (k.job, k.step) == (job.name, cand.step) and k.rank != job.node_rank
             ]
-            other = (
-                await trio.to_thread.run_sync(self._sealed_as_other_rank, others, cand)
-                if others
-                else None
-            )
-            if other is not None:
-                # this node's rank changed (a job restarted on another node count,
-                # issue #16): the step is its old rank's part, sealed and held here
-                # as that rank's copy, never sealed again as the new rank's
+            why = await trio.to_thread.run_sync(self._not_own, others, cand)
+            if why:
+                # issue #16: this node's rank changed (a job restarted on another node
+                # count), or it joined after the step was written
                 log.info(
-                    "step %d (%s) found at start is the part of rank %d held here; not "
-                    "sealed again as node-rank %d's",
+                    "step %d (%s) found at start is %s; not sealed again as node-rank %d's",
                     cand.step,
                     cand.name,
-                    other.rank,
+                    why,
                     job.node_rank,
                 )
                 continue
@@ -329,4 +356,9 @@ class Sealer:
                     book.view_steps[cand.name] = key
                     self.tasks.spawn(self.keeper.hide_later, cand.name, key)
                 continue
-            self.schedule(cand)
+            book.pending[cand.name] = cand
+            book.save()
+            try:
+                await self._seal(cand)  # in turn: a restore waits for them all
+            except Exception:
+                log.exception("sealing step %d (%s) found at start failed", cand.step, cand.name)

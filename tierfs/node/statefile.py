@@ -40,6 +40,8 @@ class SavedState:
         restore: the restore state (``state`` and details).
         pending: seal events not yet acted on (a rename into a step name is the
             only sign a generic-mode step is complete: a restart must not lose it).
+        abandoned: view entry name -> the step of this node a restore abandoned
+            (never sealed again at a start, :attr:`tierfs.node.steps.StepBook.abandoned`).
     """
 
     mode: str = "none"
@@ -48,6 +50,7 @@ class SavedState:
     published: dict[str, Published] = field(default_factory=dict)
     restore: dict[str, Any] = field(default_factory=lambda: {"state": "idle"})
     pending: list[SealCandidate] = field(default_factory=list)
+    abandoned: dict[str, ShardKey] = field(default_factory=dict)
 
 
 def encode(saved: SavedState) -> bytes:
@@ -64,6 +67,8 @@ def encode(saved: SavedState) -> bytes:
         "restore": saved.restore,
         "pending": {c.name: [c.step, list(c.entries), c.reason] for c in saved.pending},
     }
+    if saved.abandoned:  # the key is new (issue #16): a file without it reads the same
+        state["abandoned"] = {n: [k.job, k.rank, k.step] for n, k in saved.abandoned.items()}
     return json.dumps(state, indent=1, sort_keys=True).encode()
 
 
@@ -93,6 +98,13 @@ def decode(state: dict[str, Any]) -> SavedState:
         ]
     except (TypeError, ValueError):
         saved.pending = []
+    try:
+        saved.abandoned = {
+            n: ShardKey(str(j), int(r), int(s))
+            for n, (j, r, s) in (state.get("abandoned") or {}).items()
+        }
+    except (AttributeError, TypeError, ValueError):
+        saved.abandoned = {}
     return saved
 
 

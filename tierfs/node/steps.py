@@ -54,6 +54,9 @@ class StepBook:
         withdrawn_names: entry name -> shard whose seal a write withdrew.
         withdrawn_created: first seal time (Unix seconds) of a withdrawn step,
             kept when it is sealed again.
+        abandoned: entry name -> this node's step a restore abandoned (a newer step
+            than the one restored): not sealed again at a daemon start, until the
+            client saves it again (saved in ``state.json``).
         sealing_inos: inode -> token of the seal snapshotting it right now.
         dirty_inos: inodes opened for writing while being sealed.
         generation: top-level entry -> count of changes under it.
@@ -81,6 +84,7 @@ class StepBook:
         self.pending_at_start: list[SealCandidate] = []
         self.withdrawn_names: dict[str, ShardKey] = {}
         self.withdrawn_created: dict[ShardKey, float] = {}
+        self.abandoned: dict[str, ShardKey] = {}
         self.crc_cache: CrcCache = {}
         self.rules: SealRules | None = None
 
@@ -99,6 +103,7 @@ class StepBook:
                 published=self.view.published,
                 restore=self.state.restore_state,
                 pending=list(self.pending.values()),
+                abandoned=self.abandoned,
             ),
         )
 
@@ -118,4 +123,9 @@ class StepBook:
         self.view.published.update(saved.published)
         self.state.restore_state = saved.restore
         self.pending_at_start = saved.pending
+        self.abandoned = {
+            n: k
+            for n, k in saved.abandoned.items()
+            if os.path.lexists(os.path.join(self.store.view, n))
+        }
         return saved.job
