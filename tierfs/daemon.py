@@ -27,6 +27,7 @@ lives on tmpfs.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import logging.handlers
 import os
@@ -49,7 +50,7 @@ from tierfs.core.ports import FileSource
 from tierfs.core.status.whole import WholeViewStatus
 from tierfs.fuse.namespace import Namespace
 from tierfs.fuse.session import FuseSession, MountOptions
-from tierfs.node import metrics
+from tierfs.node import metrics, statefile
 from tierfs.node.agent import NodeAgent, Tier
 from tierfs.node.agreement import CoordinatorAgreement
 from tierfs.node.catalog import ShardCatalog, ShardVerifier
@@ -273,7 +274,13 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
                 # seeds the book from the bucket before the first round starts
                 book = RoundBook(timeout=settings.GCS_ROUND_TIMEOUT.get())
             coordinator = CoordinatorServicer(
-                Coordinator(bucket=spec is not None, backups=book), gate=plane.coordinator_gate
+                Coordinator(
+                    bucket=spec is not None,
+                    backups=book,
+                    generation=statefile.load_generation(store.store),
+                    on_generation=functools.partial(statefile.save_generation, store.store),
+                ),
+                gate=plane.coordinator_gate,
             )
     gcs = GcsTier(
         spec,

@@ -135,7 +135,8 @@ def test_a_job_shrinks_to_three_nodes_then_grows_to_five_and_loads_resharded(mak
     # nodes, node 0, so a second loss (node 2) would not lose step 30
     wait_for(lambda: holds(c, 0, 2, 30) and holds(c, 0, 3, 30), 90, "step 30 copied again")
     coord = c.peer(0)["coordinator_state"]
-    assert (coord["nodes"], coord["generation"]) == (3, 1), coord
+    # node-rank 0 keeps the generation across its restarts: 1 was the 4-node job
+    assert (coord["nodes"], coord["generation"]) == (3, 2), coord
 
     # a 3-node step, then the job grows to 5 nodes: two new ones with empty RAM
     assert dcp(c, "save", 40, [0, 1, 2]) == ["SAVED"] * 3
@@ -152,6 +153,8 @@ def test_a_job_shrinks_to_three_nodes_then_grows_to_five_and_loads_resharded(mak
         # the newest complete step, although written by 3 nodes (regression: the
         # 4-node step 30 was restored and step 40 dropped as abandoned)
         assert line == "restored step 40 from local (written by 3 nodes; this job has 5)", line
+    coord = c.peer(0)["coordinator_state"]
+    assert (coord["nodes"], coord["generation"]) == (5, 3), coord
     for i in (3, 4):
         line = wait_restore(c, i)
         assert line.startswith("restored step 40 (written by 3 nodes: this node holds no part"), (

@@ -113,7 +113,9 @@ class Manifests:
         self.parts: dict[tuple[int, int], Manifest] = {}
         self.asked: list[tuple[int, int]] = []
 
-    async def part_manifest(self, job: str, rank: int, step: int) -> Manifest | None:
+    async def part_manifest(
+        self, job: str, rank: int, step: int, *, writers: int = 0
+    ) -> Manifest | None:
         self.asked.append((rank, step))
         return self.parts.get((rank, step))
 
@@ -321,7 +323,9 @@ def test_a_judgement_that_fails_leaves_the_step_unjudged_and_the_loop_running(tm
     job = fake_ports.FakeJob(JobSpec(JOB, "generic", 0, 2))
 
     class Broken(Manifests):
-        async def part_manifest(self, job: str, rank: int, step: int) -> Manifest | None:
+        async def part_manifest(
+            self, job: str, rank: int, step: int, *, writers: int = 0
+        ) -> Manifest | None:
             self.asked.append((rank, step))
             raise ValueError("a bug in a source")
 

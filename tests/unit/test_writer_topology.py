@@ -12,6 +12,7 @@ from tierfs.cluster.coordinator import DECIDED, Coordinator, Rejected
 from tierfs.cluster.restore_choice import INCOMPLETE, OLDER, RESTORED, choose_restore
 from tierfs.core.control import JobSpec
 from tierfs.core.types import BucketPart, BucketView, Holding
+from tierfs.node import statefile
 from tierfs.replication.files import holders_of, receivers_of
 from tierfs.store.manifest import FileEntry, Manifest
 
@@ -212,3 +213,39 @@ def test_replica_holders_follow_the_writers_placement():
 )
 def test_wait_says_the_writer_topology(restore, nodes, line):
     assert wait_outcome(restore, nodes) == (0, line)
+
+
+def test_a_restarted_coordinator_continues_the_generation_or_starts_the_next():
+    told: list[tuple[str, int, int, float]] = []
+
+    def coordinator(memory, at):
+        return Coordinator(
+            clock=lambda: 1000.0,
+            wall=lambda: at,
+            generation=memory,
+            on_generation=lambda *g: told.append(g),
+        )
+
+    c = coordinator(None, 100.0)
+    join(c, 0, 4)
+    assert (c.generation, c.generation_since, told[-1]) == (1, 100.0, ("job", 4, 1, 100.0))
+    # node-rank 0 restarted with the same count: the same generation
+    c = coordinator(told[-1], 200.0)
+    join(c, 0, 4)
+    assert (c.generation, c.generation_since) == (1, 100.0)
+    # with another count: the next one, from now
+    c = coordinator(told[-1], 300.0)
+    join(c, 0, 3)
+    assert (c.generation, c.generation_since, told[-1]) == (2, 300.0, ("job", 3, 2, 300.0))
+    # another job starts at 1
+    c = coordinator(told[-1], 400.0)
+    c.join("other", 2, 0, "10.0.0.0:7000", "inc0", (), "r0", "generic")
+    assert c.generation == 1
+
+
+def test_the_generation_file_round_trips(tmp_path):
+    assert statefile.load_generation(str(tmp_path)) is None
+    statefile.save_generation(str(tmp_path), "job", 3, 2, 300.5)
+    assert statefile.load_generation(str(tmp_path)) == ("job", 3, 2, 300.5)
+    (tmp_path / statefile.GENERATION_FILE).write_text("{")
+    assert statefile.load_generation(str(tmp_path)) is None

@@ -164,6 +164,11 @@ class Coordinator:
         bucket: node-rank 0 has a bucket: every decision waits for the bucket's
             answer (:meth:`bucket_wanted`, :meth:`bucket_answered`).
         backups: the backup rounds' book (see :meth:`set_backups`).
+        generation: (job, nodes, generation, since) the previous coordinator of this
+            node recorded (issue #16): a restart with the same job and node count
+            continues that generation, another node count starts the next one.
+        on_generation: told (job, nodes, generation, since) when a generation starts
+            (the daemon keeps it in a file for the next start).
     """
 
     def __init__(
@@ -175,7 +180,11 @@ class Coordinator:
         own_rank: int = COORDINATOR_RANK,
         bucket: bool = False,
         backups: RoundBook | None = None,
+        generation: tuple[str, int, int, float] | None = None,
+        on_generation: Callable[[str, int, int, float], None] | None = None,
     ) -> None:
+        self._last_generation = generation
+        self._on_generation = on_generation
         self.clock = clock
         self.wall = wall
         self.live_seconds = live_seconds
@@ -241,8 +250,16 @@ class Coordinator:
                 job,
                 nodes,
             )
-        self.generation = self.generation + 1 if job == self.job else 1
-        self.generation_since = self.wall()
+        last = self._last_generation
+        if last is not None and last[0] == job and last[1] == nodes and last[2] > 0:
+            self.generation, self.generation_since = last[2], last[3]
+        else:
+            same_job = last is not None and last[0] == job
+            self.generation = last[2] + 1 if same_job and last is not None else 1
+            self.generation_since = self.wall()
+        self._last_generation = (job, nodes, self.generation, self.generation_since)
+        if self._on_generation is not None:
+            self._on_generation(*self._last_generation)
         self.job, self.nodes = job, nodes
         self.roster.clear()
         self.restores.clear()

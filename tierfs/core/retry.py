@@ -367,8 +367,8 @@ def restore_join(join_timeout: float) -> Policy:
     return Policy(
         name="restore-join",
         retries="finding and joining the coordinator (not found, unreachable, node-rank taken)",
-        not_retried="a refusal for good (token, job, node count) after "
-        "TIERFS_REFUSAL_GRACE: RestoreRefused",
+        not_retried="a refusal for good (token, job) after TIERFS_REFUSAL_GRACE, "
+        "another node count after --join-timeout: RestoreRefused",
         first=0.2,
         max_wait=2.0,
         deadline=join_timeout,

@@ -263,7 +263,7 @@ REFUSAL_GRACE = _seconds(
     "TIERFS_REFUSAL_GRACE",
     30.0,
     "how long the coordinator may refuse this node's join for good (wrong token, another "
-    "job or node count) before the restore fails",
+    "job) before the restore fails (another node count: up to --join-timeout)",
     _PEER,
     zero_ok=True,
 )

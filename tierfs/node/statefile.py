@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,3 +129,30 @@ def load(path: str) -> SavedState:
     if not isinstance(state, dict):
         state = {}
     return decode(state)
+
+
+#: node-rank 0's record of the job generation its coordinator serves (issue #16)
+GENERATION_FILE = "coordinator-generation.json"
+
+
+def load_generation(store_dir: str) -> tuple[str, int, int, float] | None:
+    """(job, nodes, generation, since) the previous coordinator of this node recorded
+    (:class:`tierfs.cluster.coordinator.Coordinator`'s ``generation``), None if none
+    or unreadable."""
+    try:
+        with open(os.path.join(store_dir, GENERATION_FILE), encoding="utf-8") as f:
+            d = json.load(f)
+        return str(d["job"]), int(d["nodes"]), int(d["generation"]), float(d["since"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_generation(store_dir: str, job: str, nodes: int, generation: int, since: float) -> None:
+    """Record the generation started (atomically, 0600); a failure is only logged."""
+    data = {"job": job, "nodes": nodes, "generation": generation, "since": since}
+    try:
+        control.atomic_write(
+            store_dir, GENERATION_FILE, json.dumps(data, sort_keys=True).encode(), 0o600
+        )
+    except OSError as exc:
+        log.warning("could not save %s: %s", GENERATION_FILE, exc.strerror or exc)

@@ -179,9 +179,10 @@ class StatusBuilder:
     def _loads(self, shard: Shard, job: JobSpec) -> str | None:
         """The ``loads`` words of an own step: judged across ranks where this node did."""
         whole = self.catalog.whole_verdict(shard.key)
+        writers = shard.manifest.nodes or job.nodes  # the count that wrote it (issue #16)
         if whole is not None:
-            return loads_across(whole, job.nodes)
-        return loads_summary(shard.manifest.verdict, whole=job.nodes == 1)
+            return loads_across(whole, writers)
+        return loads_summary(shard.manifest.verdict, whole=writers == 1)
 
     def usage_status(self, job: JobSpec | None) -> UsageStatus | None:
         """The last count of the ram-dir by area (bytes), or None before the first.

@@ -157,9 +157,11 @@ class WholeStepJudge:
         first = self._first_try.setdefault(ident, now)
         manifests: list[Manifest] = [shard.manifest]
         dirs = {JUDGE_RANK: shard.data}
-        for rank in range(1, job.nodes):
+        # the ranks of the node count that wrote the step (issue #16), not the job's now
+        writers = shard.manifest.nodes or job.nodes
+        for rank in range(1, writers):
             held = self.catalog.get(ShardKey(job.name, rank, step))
-            got = await self.manifests.part_manifest(job.name, rank, step)
+            got = await self.manifests.part_manifest(job.name, rank, step, writers=writers)
             if got is None and held is not None:
                 got = held.manifest  # its node is not reachable: the copy held here
             if got is None:
@@ -213,13 +215,13 @@ class WholeStepJudge:
         if why:
             self.reporter.error(
                 f"step {step} ({shard.manifest.name}, {verdict.format}) is not loadable "
-                f"across its {job.nodes} ranks: {why}; it is not restored while an older "
+                f"across its {writers} ranks: {why}; it is not restored while an older "
                 "complete step exists"
             )
         log.info(
             "step %d judged across %d ranks: %s",
             step,
-            job.nodes,
+            writers,
             why or (f"sizes only for {unread}" if unread else "it may load"),
         )
         return whole
