@@ -355,6 +355,7 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         more_manifests=[gcs] if backup is not None else [],
     )
     background.append(remote.run)
+    view.foreign = remote.is_remote  # the seal rules skip other ranks' files
     agent = build_agent(
         config,
         store,

@@ -47,9 +47,11 @@ def elastic(n: int) -> Callable[[int], list[str]]:
     ]
 
 
-def dcp(c: Cluster, mode: str, step: int, nodes: list[int]) -> list[str]:
-    """One stock DCP rank per node (rank = position in ``nodes``, world = len(nodes))."""
+def dcp(c: Cluster, mode: str, step: int, nodes: list[int], seed: int = 0) -> list[str]:
+    """One stock DCP rank per node (rank = position in ``nodes``, world = len(nodes));
+    ``seed`` gives the step other values (a step saved again)."""
     port = free_port()
+    env = {**os.environ, "DCP_RESHARD_SEED": str(seed)}
     procs = [
         subprocess.Popen(
             [
@@ -65,6 +67,7 @@ def dcp(c: Cluster, mode: str, step: int, nodes: list[int]) -> list[str]:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env=env,
         )
         for r, i in enumerate(nodes)
     ]
@@ -250,3 +253,41 @@ def test_a_step_abandoned_by_a_restore_is_not_sealed_again_at_the_next_start(mak
     save_files(c, 40, [0, 1, 2])
     for i in range(3):
         wait_for(lambda i=i: holds(c, i, i, 40), 60, f"node {i}'s part of step 40 again")
+
+
+def part_digest(c: Cluster, holder: int, rank: int, step: int) -> str:
+    """The manifest digest of rank ``rank``'s part of ``step`` held by node ``holder``."""
+    from tierfs.store.manifest import Manifest
+
+    path = c.mounts[holder].ram_dir / "store" / "shards" / JOB / str(rank) / str(step)
+    try:
+        return Manifest.from_json((path / "manifest.json").read_bytes()).digest
+    except (OSError, ValueError):
+        return ""
+
+
+def test_a_step_saved_again_seals_on_every_node_and_loads_the_new_values(make_mount):
+    # after an older step is restored a job saves the abandoned step number again, into
+    # the directory that already shows every rank's files. Regressions (a new user's
+    # trial): node 1 never sealed its new part (rank 0's file of the whole-step view
+    # made it look like rank 0's node), and the views kept the old files of the other
+    # ranks (reads failed with EIO against the old checksums)
+    c = Cluster(make_mount, 3, node_args=elastic(3))
+    assert dcp(c, "save", 30, [0, 1, 2]) == ["SAVED"] * 3
+    for i in range(3):
+        wait_for(lambda i=i: whole(c, i, 30, 3), 90, f"the whole step 30 on node {i}")
+    before = {i: part_digest(c, i, i, 30) for i in range(3)}
+    assert all(before.values()), before
+    assert dcp(c, "save", 30, [0, 1, 2], seed=1) == ["SAVED"] * 3
+    for i in range(3):
+        wait_for(
+            lambda i=i: part_digest(c, i, i, 30) not in ("", before[i]),
+            90,
+            f"node {i}'s new part of step 30",
+        )
+    wait_for(
+        lambda: dcp(c, "load", 30, [0, 1, 2], seed=1) == ["LOADED_OK"] * 3,
+        90,
+        "the new values loaded on every rank",
+        poll=2,
+    )

@@ -583,3 +583,29 @@ def test_a_step_saved_again_shows_the_new_files_of_the_other_ranks(tmp_path):
 
     trio.run(after_restart)
     assert job.errors == []
+
+
+def test_other_bytes_in_every_copy_ask_for_the_part_again(tmp_path):
+    # regression: rank 0 saved the step again after this node had read its manifest
+    # (its own part unchanged): every copy served the new bytes, and the old file
+    # failed with EIO for good
+    B2 = os.urandom(len(B))
+    peer = Source("peer", {**BYTES, "10/.metadata": B2}, ["peer node-rank 0"])
+    rv, ram, _shards, _catalog, own, job = view_of(tmp_path, dict(PARTS), [peer])
+    meta = Path(ram.view) / "10" / ".metadata"
+
+    async def main() -> None:
+        await rv.look(own)
+        with pytest.raises(OSError) as exc:
+            await rv.missing(meta.stat().st_ino)()
+        assert exc.value.errno == errno.EIO
+        assert rv.steps[10].recheck == {0}
+        rv.manifests = Manifests(
+            {0: manifest(0, {".metadata": B2, "__0_0.distcp": C}), 2: PARTS[2]}
+        )
+        await rv.look(own)
+        await rv.missing(meta.stat().st_ino)()
+
+    trio.run(main)
+    assert meta.read_bytes() == B2
+    assert "its manifest is asked for again" in job.errors[0], job.errors

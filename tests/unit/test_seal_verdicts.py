@@ -201,6 +201,7 @@ def test_the_seal_reason_is_said_once(tmp_path):
 class View:
     def __init__(self, tree: dict[str, list[str]]) -> None:
         self.tree = tree
+        self.others: set[str] = set()  # other ranks' files of the whole-step view
 
     def is_dir(self, path: str) -> bool:
         return path in self.tree
@@ -212,6 +213,9 @@ class View:
 
     def read_text(self, path: str, limit: int = 256) -> str | None:
         return None
+
+    def is_other_rank(self, path: str) -> bool:
+        return path in self.others
 
     def listdir(self, path: str) -> list[str]:
         return self.tree.get(path, [])
@@ -231,6 +235,12 @@ def test_generic_mode_seals_a_dcp_part_of_a_node_without_rank_0():
     node0 = View({"": ["step_10"], "step_10": ["__0_0.distcp"]})
     assert rules.on_release("step_10/__0_0.distcp", node0) is None
     assert rules.scan(node0) == []
+    # rank 0's file placed by the whole-step view is not this node's (regression: a
+    # step saved again into a directory showing rank 0's file never sealed on node 1)
+    shown = View({"": ["step_10"], "step_10": ["__0_0.distcp", "__1_0.distcp"]})
+    shown.others = {"step_10/__0_0.distcp"}
+    cand = rules.on_release("step_10/__1_0.distcp", shown)
+    assert cand is not None and cand.step == 10
     # a temp directory or another file never seals
     tmp = View({"": ["step_10.tmp"], "step_10.tmp": ["__1_0.distcp"]})
     assert rules.on_release("step_10.tmp/__1_0.distcp", tmp) is None

@@ -12,6 +12,7 @@ class FakeView:
     """A view described by a dict: path -> 'dir' | 'file' | 'link' | file content (str)."""
 
     entries: dict[str, str] = field(default_factory=dict)
+    others: set[str] = field(default_factory=set)  # other ranks' files (whole-step view)
 
     def is_dir(self, path: str) -> bool:
         return self.entries.get(path) == "dir"
@@ -22,6 +23,9 @@ class FakeView:
     def read_text(self, path: str, limit: int = 256) -> str | None:
         v = self.entries.get(path)
         return None if v in (None, "dir", "link", "file") else v
+
+    def is_other_rank(self, path: str) -> bool:
+        return path in self.others
 
     def listdir(self, path: str) -> list[str]:
         prefix = f"{path}/" if path else ""

@@ -133,6 +133,8 @@ class StepUnion:
         own: this node holds a part of its own of the step.
         own_digest: the digest of this node's own part when every rank was last
             asked ("" none; None: not asked by this daemon yet).
+        recheck: ranks whose part is asked for again at the next look (a fetch found
+            other bytes in every copy).
     """
 
     step: int
@@ -144,6 +146,7 @@ class StepUnion:
     writers: int = 0
     own: bool = True
     own_digest: str | None = None
+    recheck: set[int] = field(default_factory=set)
 
 
 def _mark(rf: RemoteFile) -> bytes:
@@ -405,6 +408,10 @@ class RemoteView:
             # may be new too), or this daemon knows the placed parts only from their
             # marks (a restart): every rank is asked again, changed files replaced
             placed, union.parts = dict(union.parts), {}
+        for rank in union.recheck:
+            if rank in union.parts:
+                placed[rank] = union.parts.pop(rank)
+        union.recheck.clear()
         union.own_digest = own_digest
         found: dict[int, Manifest] = {}
         waiting = False
@@ -751,6 +758,7 @@ class RemoteView:
         job = self.current.job
         fd = self._open_rw(rf)
         made_room = False
+        mismatched = False
         try:
             tried: list[str] = []
             for source in self.sources:
@@ -799,8 +807,18 @@ class RemoteView:
                         f"{rf.size} bytes crc32c {rf.crc32c:08x}"
                     )
                     tried.append(why)
+                    mismatched = True
                     await trio.to_thread.run_sync(self._punch, fd, rf.size)
             await trio.to_thread.run_sync(self._punch, fd, rf.size)
+            if mismatched:
+                # every copy holds other bytes: the rank most likely saved the step again
+                # since its manifest was read; the next look asks for it again and
+                # replaces the file (a later open reads the new bytes)
+                union = self.steps.get(rf.step)
+                if union is not None:
+                    union.recheck.add(rf.rank)
+                    self._wake.set()
+                tried.append("its manifest is asked for again (the step may have been saved again)")
             self._failed(rf, "; ".join(tried) or "no tier holds other ranks' files")
             raise OSError(errno.EIO, rf.error)
         finally:

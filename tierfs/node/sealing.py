@@ -84,6 +84,9 @@ class ViewProbe(Protocol):
     def listdir(self, path: str) -> list[str]:
         """Names in a directory ('' is the root)."""
 
+    def is_other_rank(self, path: str) -> bool:
+        """True for another rank's file placed by the whole-step view (not this node's)."""
+
 
 def _top(path: str) -> tuple[str, str]:
     top, _, rest = path.partition("/")
@@ -183,11 +186,17 @@ class SealRules:
 
     @staticmethod
     def _dcp_part(top: str, view: ViewProbe) -> bool:
-        """``top`` holds DCP data files, none of global rank 0 (whose node writes
-        ``.metadata``, the marker there): this node's part is done when they are."""
+        """``top`` holds DCP data files of this node, none of global rank 0 (whose node
+        writes ``.metadata``, the marker there): this node's part is done when they
+        are. Other ranks' files of the whole-step view do not count (regression: a
+        step saved again into a directory showing rank 0's file never sealed here)."""
         if not view.is_dir(top):
             return False
-        ranks = [m["rank"] for m in map(DCP_DATA.match, view.listdir(top)) if m]
+        ranks = [
+            m["rank"]
+            for name in view.listdir(top)
+            if (m := DCP_DATA.match(name)) and not view.is_other_rank(f"{top}/{name}")
+        ]
         return bool(ranks) and "0" not in ranks
 
     def on_remove(self, path: str, view: ViewProbe) -> SealCandidate | None:

@@ -22,6 +22,7 @@ import logging
 import os
 import stat
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -66,6 +67,9 @@ class ClientView:
         self.root = store.view
         self.ns: Namespace | None = None
         self.published: dict[str, Published] = {}
+        #: ``foreign(inode)``: another rank's file of the whole-step view (set by the
+        #: composition root; None: there are none)
+        self.foreign: Callable[[int], bool] | None = None
 
     def attach(self, ns: Namespace) -> None:
         """Bind the namespace whose kernel entries are invalidated after each change."""
@@ -102,6 +106,14 @@ class ClientView:
             return os.listdir(self._p(path))
         except OSError:
             return []
+
+    def is_other_rank(self, path: str) -> bool:
+        if self.foreign is None:
+            return False
+        try:
+            return self.foreign(os.lstat(self._p(path)).st_ino)
+        except OSError:
+            return False
 
     # ------------------------------------------------------------------ hiding
 

@@ -5,13 +5,13 @@ job restarted on fewer or more nodes does; no tierfs-specific code).
 Usage: dcp_reshard.py save|load RANK WORLD PORT ROOT STEP
 
 The state: ``model.weight`` (250x512, 500 KiB) and ``model.bias`` (250,), both derived
-from STEP only and sharded on dim 0 as DTensors over a 1-D CPU device mesh of WORLD ranks
-(250 rows split unevenly for most worlds), plus a replicated ``step`` tensor. ``save``
-writes ``ROOT/checkpoint-STEP/`` with ``dcp.save`` and prints ``SAVED``; ``load`` fills
-zeroed DTensors sharded over the current WORLD with ``dcp.load`` from the same path,
-checks this rank's local shards against the same rows of the full tensors and the step,
-and prints ``LOADED_OK`` (a failed load or a wrong value prints
-``LOAD_FAILED <type> <why>`` and exits 3).
+from STEP (and ``$DCP_RESHARD_SEED``, default 0) only and sharded on dim 0 as DTensors
+over a 1-D CPU device mesh of WORLD ranks (250 rows split unevenly for most worlds),
+plus a replicated ``step`` tensor. ``save`` writes ``ROOT/checkpoint-STEP/`` with
+``dcp.save`` and prints ``SAVED``; ``load`` fills zeroed DTensors sharded over the
+current WORLD with ``dcp.load`` from the same path, checks this rank's local shards
+against the same rows of the full tensors and the step, and prints ``LOADED_OK`` (a
+failed load or a wrong value prints ``LOAD_FAILED <type> <why>`` and exits 3).
 """
 
 import os
@@ -27,7 +27,9 @@ ROWS = 250  # not divisible by 3, 4 or 6: exercises uneven shards
 
 
 def full_state(step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
+    # $DCP_RESHARD_SEED (default 0) gives other values for the same step (a step saved again)
+    seed = int(os.environ.get("DCP_RESHARD_SEED", "0"))
+    g = torch.Generator().manual_seed(step + 1_000_003 * seed)
     return {
         "model.weight": torch.randn(ROWS, 512, generator=g),
         "model.bias": torch.randn(ROWS, generator=g),
