@@ -249,3 +249,18 @@ def test_the_generation_file_round_trips(tmp_path):
     assert statefile.load_generation(str(tmp_path)) == ("job", 3, 2, 300.5)
     (tmp_path / statefile.GENERATION_FILE).write_text("{")
     assert statefile.load_generation(str(tmp_path)) is None
+
+
+def test_waiting_nodes_are_told_a_missing_rank_came_with_another_count():
+    t = [1000.0]
+    c = Coordinator(clock=lambda: t[0], wall=lambda: t[0])
+    join(c, 0, 3, rid="r0")
+    with pytest.raises(Rejected):
+        join(c, 2, 4)  # node 2 still runs with the old count
+    v = c.decide("job", 0, "r0")
+    assert v.missing == (1, 2)
+    assert v.waiting_for == (
+        "joined with another node count (node-rank 2 with --nodes 4; this generation has 3 nodes)"
+    )
+    t[0] += 61  # an old refusal is not named any more
+    assert c.decide("job", 0, "r0").waiting_for == ""

@@ -63,6 +63,7 @@ over gRPC, serializing every call with one lock, and wakes long-polling
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -152,6 +153,10 @@ __all__ = [
 ]
 
 
+#: seconds a join refused for another node count is named to the waiting nodes
+REFUSED_SHOWN = 60.0
+
+
 class Coordinator:
     """The coordinator's state for the job it serves (pure; see the module docstring).
 
@@ -197,6 +202,8 @@ class Coordinator:
         #: member of an older generation is refused); the wall time it began
         self.generation = 0
         self.generation_since = 0.0
+        #: rank -> (node count, clock) of its last join refused for another node count
+        self.refused_counts: dict[int, tuple[int, float]] = {}
         self.roster = Membership(clock, live_seconds)
         self.restores = RestoreRounds(
             clock=clock, wall=wall, bucket=bucket, on_decision=self._clear_sync
@@ -261,6 +268,7 @@ class Coordinator:
         if self._on_generation is not None:
             self._on_generation(*self._last_generation)
         self.job, self.nodes = job, nodes
+        self.refused_counts.clear()
         self.roster.clear()
         self.restores.clear()
         self._clear_sync()
@@ -307,6 +315,7 @@ class Coordinator:
                 f"job {self.job!r} with {self.nodes} nodes; node-rank {rank} joined "
                 f"as job {job!r}"
             )
+        self.refused_counts[rank] = (nodes, self.clock())
         raise Rejected(
             f"node count mismatch: job {job!r} has {self.nodes} nodes at the "
             f"coordinator; node-rank {rank} joined with nodes {nodes} (to resize the "
@@ -345,6 +354,7 @@ class Coordinator:
                 live node at another address still serves (a duplicate rank).
         """
         self._check_job(job, nodes, rank)
+        self.refused_counts.pop(rank, None)
         now = self.clock()
         inv = tuple(inventory)
         m, restarted = self.roster.admit(rank, address, incarnation)
@@ -396,7 +406,23 @@ class Coordinator:
         r = self._participant(job, rank, restore_id)
         if r is None:
             return DecideView(REJOIN)
-        return self.restores.decide(r, rank, self.members)
+        view = self.restores.decide(r, rank, self.members)
+        if view.state == WAITING and view.missing and not view.waiting_for:
+            # say why a missing rank does not join when it tried with another node count
+            now = self.clock()
+            other = sorted(
+                (m, n)
+                for m, (n, at) in self.refused_counts.items()
+                if m in view.missing and now - at < REFUSED_SHOWN
+            )
+            if other:
+                said = ", ".join(f"node-rank {m} with --nodes {n}" for m, n in other)
+                view = dataclasses.replace(
+                    view,
+                    waiting_for=f"joined with another node count ({said}; this generation "
+                    f"has {self.nodes} nodes)",
+                )
+        return view
 
     def barrier(
         self,

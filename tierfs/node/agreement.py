@@ -269,6 +269,7 @@ class CoordinatorAgreement:
             shown = f"{missing} and {more} more" if more > 0 else f"{missing}"
             what = (
                 f"node-rank(s) {shown} to join"
+                + (f" ({view.waiting_for})" if view.waiting_for else "")
                 if missing
                 else view.waiting_for or "the coordinator"
             )
@@ -277,7 +278,9 @@ class CoordinatorAgreement:
                 if missing:
                     msg = (
                         f"node-rank(s) {shown} did not join within "
-                        f"{tier.join_timeout:.0f} s (job {job.name}, round {view.round}); "
+                        f"{tier.join_timeout:.0f} s (job {job.name}, round {view.round}"
+                        + (f"; {view.waiting_for}" if view.waiting_for else "")
+                        + "); "
                         "no step can be agreed (a node gone for good: restart the job "
                         f"with --nodes {max(job.nodes - view.missing_count, 1)} on the "
                         "others, README 'Restarting on fewer or more nodes')"
