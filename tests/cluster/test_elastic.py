@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from conftest import tierfs
 from mtc_clients import wait_for
-from peer_cluster import Cluster
+from peer_cluster import Cluster, job_args, run_ranks
 
 from tierfs.demo.emulator import free_port
 
@@ -35,47 +33,17 @@ JOB = "elastic"
 
 
 def elastic(n: int) -> Callable[[int], list[str]]:
-    return lambda i: [
-        "--job",
-        JOB,
-        "--nodes",
-        str(n),
-        "--node-rank",
-        str(i),
-        "--peers-per-node",
-        "1",
-    ]
+    return job_args(JOB, n)
 
 
 def dcp(c: Cluster, mode: str, step: int, nodes: list[int], seed: int = 0) -> list[str]:
     """One stock DCP rank per node (rank = position in ``nodes``, world = len(nodes));
     ``seed`` gives the step other values (a step saved again)."""
-    port = free_port()
-    env = {**os.environ, "DCP_RESHARD_SEED": str(seed)}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                CLIENT,
-                mode,
-                str(r),
-                str(len(nodes)),
-                str(port),
-                str(c.root(i)),
-                str(step),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r, i in enumerate(nodes)
-    ]
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=300)
-        outs.append(out.strip() + (f" (rc {p.returncode}) {err[-1500:]}" if p.returncode else ""))
-    return outs
+
+    def args(r: int, world: int, port: int) -> list[str]:
+        return [mode, str(r), str(world), str(port), str(c.root(nodes[r])), str(step)]
+
+    return run_ranks(c, CLIENT, args, nodes, {"DCP_RESHARD_SEED": str(seed)})
 
 
 def files(world: int) -> list[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import tierfs
-from peer_cluster import Cluster, flip_byte, tree_hashes, wait_until
+from peer_cluster import Cluster, flip_byte, job_args, tree_hashes, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -18,16 +18,7 @@ TRAIN = str(Path(__file__).resolve().parents[1] / "support" / "torch_train.py")
 
 
 def generic(n: int):
-    return lambda i: [
-        "--job",
-        "hf",
-        "--nodes",
-        str(n),
-        "--node-rank",
-        str(i),
-        "--peers-per-node",
-        "1",
-    ]
+    return job_args("hf", n)
 
 
 def train(root: Path, until: int, seed: int) -> dict:

@@ -14,7 +14,7 @@ import pytest
 from conftest import tierfs
 from gcs_cluster import wait_for
 from gcs_fixtures import FaultyProxy
-from peer_cluster import Cluster, flip_byte, tree_hashes
+from peer_cluster import Cluster, flip_byte, job_args, tree_hashes
 
 from tierfs.backup.bucket import GcsBackend, GcsSettings
 
@@ -24,17 +24,7 @@ N = 4
 
 
 def generic(n: int, *more: str):
-    return lambda i: [
-        "--job",
-        "hf",
-        "--nodes",
-        str(n),
-        "--node-rank",
-        str(i),
-        "--peers-per-node",
-        "1",
-        *more,
-    ]
+    return job_args("hf", n, *more)
 
 
 def write_step(root: Path, step: int, rank: int, size: int = 50_000) -> dict[str, str]:

@@ -174,6 +174,51 @@ class Cluster:
         return "\n".join(out)
 
 
+def job_args(job: str, n: int, *more: str) -> Callable[[int], list[str]]:
+    """``node_args`` for :class:`Cluster`: a generic-mode job of ``n`` nodes, one replica
+    per node, plus ``more`` arguments."""
+    return lambda i: [
+        "--job",
+        job,
+        "--nodes",
+        str(n),
+        "--node-rank",
+        str(i),
+        "--peers-per-node",
+        "1",
+        *more,
+    ]
+
+
+def run_ranks(
+    c: Cluster,
+    client: str,
+    args: Callable[[int, int, int], list[str]],
+    nodes: list[int],
+    env: dict[str, str] | None = None,
+) -> list[str]:
+    """One process of the client script ``client`` per node of ``nodes`` at once, rank
+    = its position there; ``args(rank, world, port)`` gives its arguments (``port``: one
+    free port for the ranks' rendezvous). Returns each one's stdout, stripped, with the
+    exit code and the end of stderr after it when it failed."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, client, *args(r, len(nodes), port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=None if env is None else {**os.environ, **env},
+        )
+        for r in range(len(nodes))
+    ]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        outs.append(out.strip() + (f" (rc {p.returncode}) {err[-1500:]}" if p.returncode else ""))
+    return outs
+
+
 def tree_hashes(root: Path) -> dict[str, str]:
     """Every file under ``root``: relative path -> sha256 of its bytes."""
     out = {}
