@@ -124,6 +124,29 @@ def test_generic_marker_files():
     assert rules.on_release("step_10/sub/.metadata", view) is None
 
 
+def test_generic_hf_trainer_checkpoint_saved_in_place_seals_on_trainer_state():
+    """Regression (a new user's trial, stop 24): the HF Trainer writes ``checkpoint-N/`` in
+    place (no temp directory, no rename), so it never sealed in generic mode; its last
+    file, ``trainer_state.json``, is the marker now."""
+    rules = SealRules("generic")
+    view = FakeView(
+        {
+            "checkpoint-500": "dir",
+            "checkpoint-500/model.safetensors": "file",
+            "checkpoint-500/trainer_state.json": "file",
+            "runs": "dir",
+        }
+    )
+    assert rules.on_release("checkpoint-500/model.safetensors", view) is None
+    cand = rules.on_release("checkpoint-500/trainer_state.json", view)
+    assert cand == SealCandidate(
+        500, "checkpoint-500", ("checkpoint-500",), "marker trainer_state.json"
+    )
+    assert rules.on_release("runs/trainer_state.json", view) is None
+    assert rules.on_release("tmp-checkpoint-500/trainer_state.json", view) is None
+    assert [c.name for c in rules.scan(view)] == ["checkpoint-500"]
+
+
 def test_generic_trackers_megatron_and_deepspeed():
     rules = SealRules("generic")
     view = FakeView(

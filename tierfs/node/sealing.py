@@ -15,7 +15,11 @@ Framework rules:
   once ``workers-per-node`` of them are closed.
 * ``generic`` (no control file): a top-level directory renamed into a name
   matching a seal pattern; or a marker file appearing inside such a
-  directory (``commit_success.txt``, DCP's ``.metadata``); or a tracker file
+  directory (``commit_success.txt``, DCP's ``.metadata``, and the Hugging
+  Face Trainer's ``trainer_state.json``, which ``Trainer._save_checkpoint``
+  writes after the model, optimizer, scheduler and RNG files of a
+  ``checkpoint-<N>`` it saves in place, without a rename; a file added later
+  seals the step again); or a tracker file
   naming the directory (Megatron ``latest_checkpointed_iteration.txt``,
   DeepSpeed ``latest``); or NeMo's ``-unfinished`` removal; or, on a node
   without DCP's global rank 0, a ``__<rank>_<i>.distcp`` file closed in such
@@ -40,7 +44,11 @@ from tierfs.core.config import DEFAULT_SEAL_PATTERNS
 DIGITS = re.compile(r"^(?P<step>\d+)$")
 NEMO_STEP = re.compile(r"^step=(?P<step>\d+)$")
 NEMO_UNFINISHED = re.compile(r"^(?P<name>step=\d+)-unfinished$")
-MARKER_FILES = frozenset({"commit_success.txt", ".metadata"})
+#: files whose close inside a step directory says the save ended (generic mode): Orbax's
+#: commit record, DCP's ``.metadata`` (rank 0, last), the HF Trainer's ``trainer_state.json``
+#: (transformers ``trainer.py`` ``_save_checkpoint``: written after the model, optimizer,
+#: scheduler and RNG state of ``checkpoint-<N>/``, which it saves in place)
+MARKER_FILES = frozenset({"commit_success.txt", ".metadata", "trainer_state.json"})
 #: a DCP ``FileSystemWriter`` data file: ``__<global rank>_<index>.distcp``
 DCP_DATA = re.compile(r"^__(?P<rank>\d+)_\d+\.distcp$")
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
