@@ -6,6 +6,7 @@ complete step exists (``tierfs wait`` exits 2 on both nodes)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -84,3 +85,49 @@ def test_a_short_shard_of_rank_1_makes_the_step_unloadable_across_ranks(make_mou
     assert (c.root(0) / "10" / "__0_0.distcp").read_bytes() == W0
     assert (c.root(1) / "10" / "__1_0.distcp").read_bytes() == W1
     assert Path(c.root(0) / "10" / ".metadata").exists()
+
+
+def test_a_step_unloadable_across_ranks_is_not_restored_from_the_bucket(
+    make_mount, fake_gcs, monkeypatch
+):
+    """Regression: node 0's verdict across ranks lives in its RAM only. After both nodes
+    lost their RAM, the restore from the bucket judged each uploaded part alone (rank
+    1's short shard looks fine without ``.metadata``) and restored step 20, which DCP
+    cannot load. The bucket reader now judges a round's step over every rank's uploaded
+    manifest (reading the small files the rules need, checked against their crc32c)."""
+    from gcs_cluster import backed_up
+
+    monkeypatch.setenv("TIERFS_GCS_TICK", "0.5")
+    c = Cluster(
+        make_mount,
+        2,
+        extra=("--bucket", fake_gcs.bucket),
+        node_args=lambda i: [*generic(i), "--backup-interval-steps", "1"],
+    )
+    save(c, 10, W1)
+    for i in (0, 1):
+        wait_for(lambda i=i: backed_up(c.root(i), 10), 120, f"node {i}: step 10 backed up")
+    save(c, 20, W1[:500])
+    for i in (0, 1):
+        wait_for(lambda i=i: backed_up(c.root(i), 20), 120, f"node {i}: step 20 backed up")
+    listed = tierfs("backups", "list", "--bucket", fake_gcs.bucket, "--job", "dcp", "--json")
+    rows = {r["step"]: r for r in json.loads(listed.stdout)["rounds"]}
+    assert rows[20]["complete"] and rows[20]["loads"].startswith("no, across its 2 ranks"), rows
+    assert "damaged: 20/__1_0.distcp" in rows[20]["loads"], rows[20]
+    assert rows[10]["loads"].startswith("yes (dcp"), rows[10]
+    for i in (0, 1):
+        c.lose(i)
+    for i in (0, 1):
+        c.remount(i)
+    for i in (1, 0):
+        w = tierfs("wait", str(c.root(i)), "--timeout", "120", check=False, timeout=180)
+        assert w.returncode == 2 and w.stdout.startswith("restored step 10 from GCS round"), (
+            i,
+            w.returncode,
+            w.stdout,
+            w.stderr,
+            c.logs(),
+        )
+        assert "step 20 is not loadable across its 2 ranks: damaged: 20/__1_0.distcp" in w.stderr
+    assert (c.root(0) / "10" / "__0_0.distcp").read_bytes() == W0
+    assert (c.root(1) / "10" / "__1_0.distcp").read_bytes() == W1

@@ -548,3 +548,23 @@ def seal(ram: Any, job: str, rank: int, step: int, files: dict[str, bytes]) -> A
     )
     shutil.rmtree(top)
     return shard
+
+
+def gcs_tier(server: FakeGcs, deadline: float = 2.0) -> Any:
+    """A real :class:`~tierfs.backup.tier.GcsTier` (the restore's bucket reader) on the
+    fake, with in-process ports (no RAM store)."""
+    import fake_ports
+
+    from tierfs.backup.tier import GcsTier
+
+    t = GcsTier(
+        backend(server).spec,
+        catalog=fake_ports.catalog(),
+        job=fake_ports.FakeJob(),
+        reporter=fake_ports.FakeJob(),
+        shards=None,  # type: ignore[arg-type]
+        budget=fake_ports.FakeBudget(),
+        settings=fast_settings(deadline),
+    )
+    t.access.backend = backend(server, deadline=deadline)  # the seam: get_backend() returns it
+    return t

@@ -8,13 +8,11 @@ from __future__ import annotations
 import os
 
 import fake_bucket as fb
-import fake_ports
 import pytest
 from google.api_core import exceptions as gexc
 
 from tierfs.backup.bucket import ChecksumMismatch, IncompleteRound
 from tierfs.backup.errors import BucketTimeout
-from tierfs.backup.tier import GcsTier
 from tierfs.cluster.restore_choice import INCOMPLETE, choose_restore
 from tierfs.core.types import Holding
 from tierfs.store.ramstore import RamStore
@@ -119,18 +117,7 @@ def test_a_restore_version_naming_an_incomplete_round_means_nothing(nodes):
     assert "no fallback" in choice.reason
 
 
-def tier(server, deadline=2.0):
-    t = GcsTier(
-        fb.backend(server).spec,
-        catalog=fake_ports.catalog(),
-        job=fake_ports.FakeJob(),
-        reporter=fake_ports.FakeJob(),
-        shards=None,  # type: ignore[arg-type]
-        budget=fake_ports.FakeBudget(),
-        settings=fb.fast_settings(deadline),
-    )
-    t.access.backend = fb.backend(server, deadline=deadline)  # the seam: get_backend() returns it
-    return t
+tier = fb.gcs_tier
 
 
 def test_read_bucket_and_the_restore_choice_skip_a_partial_round_and_say_why(nodes):

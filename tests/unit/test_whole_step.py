@@ -21,7 +21,8 @@ from tierfs.node.whole_step import WholeStepJudge
 from tierfs.store.manifest import FileEntry, Manifest
 from tierfs.store.ramstore import RamStore
 from tierfs.store.shards import Shard, ShardKey, ShardStore
-from tierfs.store.verdicts import judge_whole, loads_across, whole_unloadable
+from tierfs.store.validators import dir_reader
+from tierfs.store.verdicts import judge_parts, judge_whole, loads_across, whole_unloadable
 
 JOB = "train"
 W0, W1 = b"a" * 3000, b"b" * 2000
@@ -53,13 +54,29 @@ def test_a_truncated_shard_of_another_rank_is_caught_only_across_ranks(tmp_path)
         assert part.manifest.verdict.reason(whole=False) == ""
     got = judge_whole([p0.manifest, p1.manifest], {0: p0.data})
     assert got is not None
-    verdict, why = got
-    assert verdict.format == "dcp"
-    assert why.startswith("damaged: 20/__1_0.distcp"), why
+    assert got.format == "dcp"
+    assert got.digests == (p0.manifest.digest, p1.manifest.digest)
+    assert got.unloadable.startswith("damaged: 20/__1_0.distcp"), got
     # the same parts with rank 1's whole shard: it may load
     _, q1 = node_part(tmp_path / "b", 1, 20, {"__1_0.distcp": W1})
-    verdict, why = judge_whole([p0.manifest, q1.manifest], {0: p0.data}) or (None, "?")
-    assert why == "" and verdict is not None and verdict.state == "complete"
+    got = judge_whole([p0.manifest, q1.manifest], {0: p0.data})
+    assert got is not None and (got.unloadable, got.unread) == ("", "")
+
+
+def test_bytes_served_by_a_reader_are_judged_like_local_ones(tmp_path):
+    """A backup round's objects: ``readers`` serve rank 0's ``.metadata`` from elsewhere."""
+    _, p0 = node_part(tmp_path, 0, 20, rank0_files())
+    _, p1 = node_part(tmp_path, 1, 20, {"__1_0.distcp": W1[:500]})
+    read0 = dir_reader(p0.data)
+    asked: list[str] = []
+
+    def reader(path: str, offset: int, length: int) -> bytes:
+        asked.append(path)
+        return read0(path, offset, length)
+
+    got = judge_whole([p0.manifest, p1.manifest], {}, readers={0: reader})
+    assert got is not None and got.unloadable.startswith("damaged: 20/__1_0.distcp"), got
+    assert "20/.metadata" in asked
 
 
 def test_a_file_only_another_node_could_read_is_not_held_against_the_step(tmp_path):
@@ -68,8 +85,10 @@ def test_a_file_only_another_node_could_read_is_not_held_against_the_step(tmp_pa
     # rank 0's bytes are not local either: .metadata cannot be read here
     got = judge_whole([p0.manifest, p1.manifest], {})
     assert got is not None
-    verdict, why = got
-    assert why == ""
+    assert got.unloadable == ""
+    assert got.unread == "20/.metadata"
+    verdict = judge_parts([p0.manifest, p1.manifest], {})
+    assert verdict is not None
     assert {p.kind for p in verdict.problems} <= {"unreadable"}
     assert whole_unloadable(verdict) == ""
 
@@ -247,7 +266,7 @@ def test_across_ranks_a_step_is_unloadable_exactly_when_a_shard_is_short_or_abse
         manifests.append(Manifest(JOB, r, 7, "7", "generic", tuple(files)))
     got = judge_whole(manifests, {0: str(tmp)})
     assert got is not None
-    _verdict, why = got
+    why = got.unloadable
     short = [r for r, (length, delta) in enumerate(shards) if length + delta < length]
     expect = bool(short) or lose_one
     assert bool(why) == expect, (shards, lose_one, why)

@@ -38,6 +38,7 @@ from tierfs.backup.health import BucketAccess
 from tierfs.backup.judge import RoundInfo
 from tierfs.backup.layout import NodeBackup
 from tierfs.backup.progress import Roles, RoundMemory
+from tierfs.backup.round_verdict import judge_round_step
 from tierfs.backup.uploads import Upload
 from tierfs.core import rounds as S
 from tierfs.core import settings
@@ -507,6 +508,7 @@ class BucketRestore:
             parts = []
             incomplete = []
             read = []
+            judged = []
             complete = 0
             for name in names:
                 if complete >= depth:
@@ -517,6 +519,8 @@ class BucketRestore:
                 parts.extend(_complete_parts(info))
                 if info.complete_step is not None:
                     complete += 1
+                    if (found := judge_round_step(backend, job, info)) is not None:
+                        judged.append(found)
                 elif info.parts:
                     incomplete.append(
                         (name, info.step_for_display(), "; ".join(info.problems()[:3]))
@@ -535,6 +539,7 @@ class BucketRestore:
             tuple(read),
             exhausted=len(read) == len(names),
             depth=depth,
+            judged=tuple(judged),
         )
 
     def _unreadable(

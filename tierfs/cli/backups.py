@@ -108,13 +108,15 @@ def _nodes_text(info: Any) -> str:
     return f"{len(present)}/{info.nodes} ({shown or '-'})"
 
 
-def round_row(info: Any, forced: str | None) -> dict[str, Any]:
-    """One round as plain data (``list --json``)."""
+def round_row(info: Any, forced: str | None, loads: str | None = None) -> dict[str, Any]:
+    """One round as plain data (``list --json``); ``loads``: whether its complete step
+    would load (:func:`tierfs.backup.round_verdict.round_loads`)."""
     step = info.step_for_display()
     return {
         "round": info.name,
         "step": step,
         "complete": info.complete,
+        "loads": loads,
         "nodes": info.nodes,
         "ranks_present": info.ranks_present(step) if step is not None else [],
         "bytes": info.total_bytes,
@@ -138,7 +140,9 @@ def list_cmd(bucket: str, job: str, nodes: int | None, as_json: bool) -> None:
     backend = _backend(bucket)
     forced = _guard(lambda: backend.read_restore_version(job))
     rounds = _load_rounds(backend, job, nodes)
-    rows = [round_row(r, forced) for r in rounds]
+    from tierfs.backup.round_verdict import round_loads
+
+    rows = [round_row(r, forced, round_loads(backend, job, r)) for r in rounds]
     if as_json:
         click.echo(
             json.dumps(
@@ -164,6 +168,7 @@ def list_cmd(bucket: str, job: str, nodes: int | None, as_json: bool) -> None:
         table = Table(title=f"backups of {job} in {backend.spec}")
         for col in ("round", "step", "nodes", "complete", "size", "objects"):
             table.add_column(col, no_wrap=True)
+        table.add_column("loads")
         table.add_column("note")
         for info, row in zip(rounds, rows, strict=True):
             note = "restore.version" if row["restore_version"] else ""
@@ -178,6 +183,7 @@ def list_cmd(bucket: str, job: str, nodes: int | None, as_json: bool) -> None:
                 "yes" if info.complete else "no",
                 format_size(info.total_bytes),
                 str(len(info.objects)),
+                row["loads"] or "-",
                 note,
             )
         console.print(table)
@@ -197,6 +203,8 @@ def show_cmd(round_name: str, bucket: str, job: str, nodes: int | None, as_json:
         check_round_name(round_name)
     except LayoutError as exc:
         raise click.ClickException(str(exc)) from None
+    from tierfs.backup.round_verdict import round_loads
+
     backend = _backend(bucket)
     forced = _guard(lambda: backend.read_restore_version(job))
     info = _guard(lambda: backend.inspect_round_of_job(job, round_name, nodes))
@@ -218,7 +226,7 @@ def show_cmd(round_name: str, bucket: str, job: str, nodes: int | None, as_json:
             }
         )
     data = {
-        **round_row(info, forced),
+        **round_row(info, forced, round_loads(backend, job, info)),
         "complete_step": info.complete_step,
         "problems": info.problems() if not info.complete else [],
         "parts": parts,
@@ -231,6 +239,8 @@ def show_cmd(round_name: str, bucket: str, job: str, nodes: int | None, as_json:
 
     console = Console(markup=False)  # bucket object names and errors are not markup
     state = f"complete (step {info.complete_step})" if info.complete else "INCOMPLETE"
+    if data["loads"]:
+        state += f", loads: {data['loads']}"
     console.print(
         f"round {info.name} of {job} in {backend.spec}: {state}; "
         f"{len(info.objects)} objects, {format_size(info.total_bytes)}"

@@ -386,6 +386,9 @@ def choose_restore(
     table = _table(nodes, inventories, excluded)
     unloadable = _unloadable(nodes, inventories, bucket.parts if bucket else ())
     judged = _whole(nodes, inventories)
+    for step, verdict in bucket.judged if bucket else ():
+        if verdict.unloadable:  # judged over the parts uploaded (node 0's RAM may be gone)
+            judged.setdefault((step, verdict.digests), verdict.unloadable)
     whole = _whole_rounds(nodes, bucket.parts if bucket else ())
     parts = [
         p

@@ -138,6 +138,10 @@ class BucketView:
         forced_step: that round's step complete for every node, or None.
         forced_problem: why that round cannot be restored (missing, incomplete).
         depth: how many complete rounds the reader looked for.
+        judged: (step, verdict) of each round's complete step written by several
+            nodes, judged over every rank's uploaded part
+            (:mod:`tierfs.backup.round_verdict`): node-rank 0's own verdict
+            across ranks lives in its RAM, lost with it (issue #15).
     """
 
     parts: tuple[BucketPart, ...] = ()
@@ -149,6 +153,7 @@ class BucketView:
     forced_step: int | None = None
     forced_problem: str | None = None
     depth: int = 1
+    judged: tuple[tuple[int, WholeVerdict], ...] = ()
 
     def floor(self, nodes: int) -> int | None:
         """The oldest step complete for its writers among the rounds read (the rounds

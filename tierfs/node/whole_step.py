@@ -186,25 +186,11 @@ class WholeStepJudge:
         if now - seen[1] < self.settle:
             return None
         async with self.io_limiter:
-            result = await trio.to_thread.run_sync(judge_whole, manifests, dirs)
-        self._forget(ident, given_up=result is None)
-        if result is None:
+            whole = await trio.to_thread.run_sync(judge_whole, manifests, dirs)
+        self._forget(ident, given_up=whole is None)
+        if whole is None:
             return None
-        verdict, why = result
-        if not why:
-            # never better than a part's own verdict (judged with all its bytes)
-            why = next(
-                (
-                    f"{r} (rank {m.rank}'s own part)"
-                    for m in manifests
-                    if m.verdict is not None
-                    for r in (m.verdict.reason(whole=False),)
-                    if r
-                ),
-                "",
-            )
-        unread = next((p.path for p in verdict.problems if p.kind == "unreadable"), "")
-        whole = WholeVerdict(digests, why, verdict.format, "" if why else unread)
+        why, unread = whole.unloadable, whole.unread
         if self.catalog.get(shard.key) is not shard:
             return None  # dropped or replaced while judged
         self.catalog.set_whole_verdict(shard.key, whole)
@@ -214,7 +200,7 @@ class WholeStepJudge:
             log.warning("keeping the verdict of step %d across ranks: %s", step, exc)
         if why:
             self.reporter.error(
-                f"step {step} ({shard.manifest.name}, {verdict.format}) is not loadable "
+                f"step {step} ({shard.manifest.name}, {whole.format}) is not loadable "
                 f"across its {writers} ranks: {why}; it is not restored while an older "
                 "complete step exists"
             )

@@ -26,7 +26,13 @@ from tierfs.store.manifest import (
     StepVerdict,
     VerdictProblem,
 )
-from tierfs.store.validators import Verdict, dir_reader, judge_step, step_files_from_manifests
+from tierfs.store.validators import (
+    Reader,
+    Verdict,
+    dir_reader,
+    judge_step,
+    step_files_from_manifests,
+)
 from tierfs.store.validators.model import MAX_REASONS
 
 log = logging.getLogger(__name__)
@@ -45,18 +51,26 @@ def from_verdict(verdict: Verdict) -> StepVerdict:
 
 
 def judge_parts(
-    manifests: Iterable[Manifest], data_dirs: Mapping[int, str], siblings: Iterable[str] = ()
+    manifests: Iterable[Manifest],
+    data_dirs: Mapping[int, str],
+    siblings: Iterable[str] = (),
+    readers: Mapping[int, Reader] | None = None,
 ) -> StepVerdict | None:
     """Judge one step over the parts given (every one held here, ``rank -> data dir``).
 
-    Returns None when the judgement itself failed (logged; the part then counts
-    as not judged, as before verdicts existed). Never raises.
+    ``readers``: rank -> a reader of that rank's bytes held elsewhere (a bucket
+    round), beside ``data_dirs``. Returns None when the judgement itself failed
+    (logged; the part then counts as not judged, as before verdicts existed).
+    Never raises.
     """
     try:
         files = step_files_from_manifests(
             manifests,
             siblings=siblings,
-            readers={rank: dir_reader(d) for rank, d in data_dirs.items()},
+            readers={
+                **{rank: dir_reader(d) for rank, d in data_dirs.items()},
+                **(readers or {}),
+            },
         )
         return from_verdict(judge_step(files))
     except Exception:
@@ -142,24 +156,44 @@ def whole_unloadable(verdict: StepVerdict) -> str:
 
 
 def judge_whole(
-    manifests: Sequence[Manifest], data_dirs: Mapping[int, str]
-) -> tuple[StepVerdict, str] | None:
-    """Judge one step over every rank's part: ``(verdict, why it can never load or "")``.
+    manifests: Sequence[Manifest],
+    data_dirs: Mapping[int, str],
+    readers: Mapping[int, Reader] | None = None,
+) -> WholeVerdict | None:
+    """Judge one step over every rank's part (issue #15 item 2).
 
-    Blocking (reads the local bytes the rules need): call from a worker thread.
+    Blocking (reads the bytes the rules need): call from a worker thread.
 
     Args:
-        manifests: the manifest of every rank's part of the step, one per rank.
-        data_dirs: rank -> data directory of the parts held on this node (the
-            others are judged by their sizes only).
+        manifests: the manifest of every rank's part of the step, one per
+            rank, in rank order (the verdict's ``digests`` follow it).
+        data_dirs: rank -> data directory of the parts held on this node.
+        readers: rank -> a reader of that rank's part held elsewhere (a
+            backup round's objects). Files no reader serves are judged by
+            their sizes only.
 
     Returns:
-        None when the judgement itself failed (logged). Never raises.
+        The verdict; it is never better than a part's own seal-time verdict
+        (a part damaged by itself makes the step unloadable). None when the
+        judgement itself failed (logged). Never raises.
     """
-    verdict = judge_parts(manifests, data_dirs)
+    verdict = judge_parts(manifests, data_dirs, readers=readers)
     if verdict is None:
         return None
-    return verdict, whole_unloadable(verdict)
+    why = whole_unloadable(verdict) or next(
+        (
+            f"{r} (rank {m.rank}'s own part)"
+            for m in manifests
+            if m.verdict is not None
+            for r in (m.verdict.reason(whole=False),)
+            if r
+        ),
+        "",
+    )
+    unread = next((p.path for p in verdict.problems if p.kind == "unreadable"), "")
+    return WholeVerdict(
+        tuple(m.digest for m in manifests), why, verdict.format, "" if why else unread
+    )
 
 
 def loads_across(whole: WholeVerdict, nodes: int) -> str:
