@@ -8,8 +8,10 @@ node-rank 0 of a multi-node job and judges each of its sealed steps again over
 the manifests of every rank's part: asked of each node (its manifest only, no
 file bytes, :class:`tierfs.core.ports.ManifestSource`), or taken from a copy
 held here. The bytes the rules read (``.metadata``, headers) are read where
-this node holds them; a file only another node holds is judged by its size
-(its holder judged its bytes with its own part).
+this node holds them; a small file only another node holds is fetched from
+its nearest copy (:class:`tierfs.core.ports.FileSource`, checked against its
+manifest), a larger one is judged by its size (its holder judged its bytes
+with its own part).
 
 The answer, a :class:`tierfs.core.types.WholeVerdict` naming the digest of
 every part judged, goes into the catalog; from there into this node's
@@ -35,22 +37,29 @@ whose RAM survived still has it before its first restore round.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 
+import google_crc32c
 import trio
 
 from tierfs.core.control import JobSpec
-from tierfs.core.ports import CurrentJob, ManifestSource, Reporter
+from tierfs.core.errors import FetchFailed
+from tierfs.core.ports import CurrentJob, FileSource, ManifestSource, Reporter
 from tierfs.core.types import WholeVerdict
 from tierfs.node.catalog import ShardCatalog
 from tierfs.store.manifest import Manifest
 from tierfs.store.shards import Shard, ShardKey, ShardStore
+from tierfs.store.validators import Reader
 from tierfs.store.verdicts import judge_whole
 
 log = logging.getLogger(__name__)
 
 #: the node rank that judges steps across ranks (the coordinator's node)
 JUDGE_RANK = 0
+#: bytes of another rank's file the judgement fetches to read it (larger: judged by size)
+READ_LIMIT = 16 << 20
 
 
 class WholeStepJudge:
@@ -70,6 +79,10 @@ class WholeStepJudge:
         manifests: the other nodes' manifests of their parts.
         reporter: ``replicator.errors`` for a step that can never load.
         io_limiter: the node's file-work limiter (the judgement reads bytes).
+        files: another rank's file, fetched when a rule needs its bytes and no
+            copy is held here (DCP's ``.metadata`` written on node 1): up to
+            :data:`READ_LIMIT` bytes, into memory, checked against the part's
+            manifest (size and crc32c); None: such files are judged by size.
         retry: seconds between looks while a step is not judged yet.
         settle: seconds the parts' digests must stay the same before judging.
         patience: seconds after the first look before a step is left unjudged.
@@ -85,6 +98,7 @@ class WholeStepJudge:
         manifests: ManifestSource,
         reporter: Reporter,
         io_limiter: trio.CapacityLimiter,
+        files: FileSource | None = None,
         *,
         retry: float = 2.0,
         settle: float = 2.0,
@@ -97,6 +111,7 @@ class WholeStepJudge:
         self.manifests = manifests
         self.reporter = reporter
         self.io_limiter = io_limiter
+        self.files = files
         self.retry = retry
         self.settle = settle
         self.patience = patience
@@ -147,6 +162,57 @@ class WholeStepJudge:
                 await self._wake.wait()
             self._wake = trio.Event()
 
+    def _remote_reader(self, job: str, step: int, writers: int, manifest: Manifest) -> Reader:
+        """A reader, for the judgement's worker thread, of rank ``manifest.rank``'s part
+        held on another node: each file it needs is fetched once through
+        :attr:`files` on the trio thread (:func:`trio.from_thread.run`), into memory,
+        and used only if its size and crc32c match ``manifest``.
+
+        The reader raises OSError (the rules then judge the file by its size):
+        ENOENT (not a file of the part), EFBIG (over :data:`READ_LIMIT`), EIO (no
+        copy could be fetched, or the bytes differ from the manifest)."""
+        entries = {f.path: f for f in manifest.files if f.kind == "file"}
+        cache: dict[str, bytes] = {}
+
+        def read(path: str, offset: int, length: int) -> bytes:
+            data = cache.get(path)
+            if data is None:
+                entry = entries.get(path)
+                if entry is None:
+                    raise OSError(errno.ENOENT, "not a file of the part", path)
+                if entry.size > READ_LIMIT:
+                    raise OSError(errno.EFBIG, f"larger than {READ_LIMIT} bytes", path)
+                got = trio.from_thread.run(self._fetch, job, step, writers, manifest, path)
+                if (
+                    got is None
+                    or len(got) != entry.size
+                    or google_crc32c.value(got) != entry.crc32c
+                ):
+                    raise OSError(errno.EIO, "no copy with the manifest's bytes", path)
+                cache[path] = data = got
+            return data[offset : offset + length]
+
+        return read
+
+    async def _fetch(
+        self, job: str, step: int, writers: int, manifest: Manifest, path: str
+    ) -> bytes | None:
+        """One small file of another rank's part, from its nearest copy (trio thread);
+        None if no copy could serve it (logged)."""
+        assert self.files is not None
+        fd = os.memfd_create("tierfs-judge", os.MFD_CLOEXEC)
+        try:
+            try:
+                await self.files.fetch_file(
+                    job, manifest.rank, step, manifest.digest, path, fd, writers=writers
+                )
+            except FetchFailed as exc:
+                log.info("judging step %d: %s of rank %d: %s", step, path, manifest.rank, exc)
+                return None
+            return await trio.to_thread.run_sync(_read_all, fd)
+        finally:
+            os.close(fd)
+
     async def judge(self, job: JobSpec, shard: Shard) -> WholeVerdict | None:
         """Look at ``shard``'s step across ranks; the verdict once the parts held still
         for ``settle`` seconds, else None (a part not reachable, still changing, or
@@ -185,8 +251,13 @@ class WholeStepJudge:
             return None
         if now - seen[1] < self.settle:
             return None
+        readers = {
+            m.rank: self._remote_reader(job.name, step, writers, m)
+            for m in manifests
+            if m.rank not in dirs and self.files is not None
+        }
         async with self.io_limiter:
-            whole = await trio.to_thread.run_sync(judge_whole, manifests, dirs)
+            whole = await trio.to_thread.run_sync(judge_whole, manifests, dirs, readers)
         self._forget(ident, given_up=whole is None)
         if whole is None:
             return None
@@ -218,3 +289,9 @@ class WholeStepJudge:
         self._seen.pop(ident, None)
         if given_up:
             self._given_up.add(ident)
+
+
+def _read_all(fd: int) -> bytes:
+    """Every byte of the memory file ``fd`` (blocking)."""
+    size = os.fstat(fd).st_size
+    return os.pread(fd, size, 0)
