@@ -17,7 +17,7 @@ from step_bytes import dcp_metadata
 
 from tierfs.backup import round_verdict
 from tierfs.backup.round_verdict import judge_round_step, object_reader, round_loads
-from tierfs.cluster.restore_choice import OLDER, choose_restore
+from tierfs.cluster.restore_choice import INCOMPLETE, OLDER, choose_restore
 from tierfs.store.ramstore import RamStore
 
 JOB = "job"
@@ -100,3 +100,17 @@ def test_files_above_the_read_limit_are_judged_by_size(nodes, monkeypatch):
     with pytest.raises(OSError) as e:
         read("10/nope", 0, 10)
     assert e.value.errno == errno.ENOENT
+
+
+def test_with_no_older_step_nothing_is_restored_and_the_reason_says_it_would_not_load(nodes):
+    """Exit 3's reason said "no step is complete" although every rank's part was there
+    (a new user's trial, stop 24): it now says the step would not load, and why."""
+    server = fb.FakeGcs()
+    b = fb.backend(server)
+    upload(b, nodes, R2, 20, W1[:500])
+    choice = choose_restore(2, {0: [], 1: []}, (), fb.gcs_tier(server).read_bucket(JOB, 2))
+    assert (choice.step, choice.outcome) == (None, INCOMPLETE), choice
+    assert choice.reason.startswith(
+        "no step would load (every rank's part exists) (step 20 is "
+        "not loadable across its 2 ranks: damaged: 20/__1_0.distcp"
+    )

@@ -468,7 +468,13 @@ def choose_restore(
         return Choice(
             None, reason=f"no step of the job exists {where}: a fresh start", outcome=FRESH
         )
-    reason = "no step is complete for every rank"
+    # "complete" alone would hide that the parts exist but would not load (stop 24 trial)
+    unloadable_only = bool(skipped) and all(" is not loadable" in line for line in skipped)
+    reason = (
+        "no step would load (every rank's part exists)"
+        if unloadable_only
+        else "no step is complete for every rank"
+    )
     why = skipped + (bucket.problems_above(None)[:2] if bucket is not None else [])
     if why:
         reason += " (" + "; ".join(why) + ")"

@@ -440,7 +440,8 @@ class Restorer:
             failed.append(step)
         if failed or unloadable:
             why_not = unloadable + ([f"step(s) {failed} failed verification"] if failed else [])
-            reason = "no step is complete: " + "; ".join(why_not)
+            lead = "no step is complete" if failed else "no step would load"
+            reason = f"{lead}: " + "; ".join(why_not)
             return RestorePlan(
                 None,
                 source="none",
