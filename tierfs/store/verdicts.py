@@ -119,8 +119,9 @@ def loads_summary(verdict: StepVerdict | None, whole: bool) -> str | None:
 
     Returns:
         ``"yes (dcp)"``; ``"no: damaged: 200/__0_0.distcp: ..."`` (never the
-        last known good); ``"with the other ranks (missing: ...)"`` (a part of
-        a multi-node step that needs another rank's files);
+        last known good); ``"with the other ranks (missing: ...; judged on
+        node-rank 0)"`` (a part of a multi-node step that needs another rank's
+        files: node-rank 0 judges the whole step);
         ``"rename rule (no known format)"``; None when not judged.
     """
     if verdict is None:
@@ -134,7 +135,8 @@ def loads_summary(verdict: StepVerdict | None, whole: bool) -> str | None:
         return f"no: {why}"
     open_ = [p for p in verdict.problems if p.kind in OPEN_KINDS]
     if open_:
-        return f"with the other ranks ({open_[0].kind}: {open_[0]})"
+        # node-rank 0 judges the whole step; its `loads` says whether it loads
+        return f"with the other ranks ({open_[0].kind}: {open_[0]}; judged on node-rank 0)"
     return f"no ({verdict.format})"
 
 
