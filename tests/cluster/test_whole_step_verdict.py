@@ -54,6 +54,24 @@ def loads(c: Cluster, i: int, step: int) -> str:
     return ""
 
 
+def restarted_on_step_10(c: Cluster, said: str = "") -> None:
+    """Both daemons die with their RAM kept and mount again: each node's ``tierfs wait``
+    exits 2 with step 10 restored from local (``said``: a line its stderr holds)."""
+    for m in c.mounts:
+        m.kill9()
+    for i in (0, 1):
+        c.remount(i)
+    for i in (1, 0):
+        w = tierfs("wait", str(c.root(i)), "--timeout", "120", check=False, timeout=180)
+        assert (w.returncode, w.stdout.strip()) == (2, "restored step 10 from local"), (
+            i,
+            w.returncode,
+            w.stdout,
+            w.stderr,
+        )
+        assert said in w.stderr, w.stderr
+
+
 def test_a_short_shard_of_rank_1_makes_the_step_unloadable_across_ranks(make_mount):
     c = Cluster(make_mount, 2, node_args=generic)
     save(c, 10, W1)
@@ -71,19 +89,9 @@ def test_a_short_shard_of_rank_1_makes_the_step_unloadable_across_ranks(make_mou
     assert "no, across its 2 ranks: damaged: 20/__1_0.distcp" in out, out
 
     # both daemons die; their RAM stays: node 0 kept its verdict beside the manifest
-    for m in c.mounts:
-        m.kill9()
-    for i in (0, 1):
-        c.remount(i)
-    for i in (1, 0):
-        w = tierfs("wait", str(c.root(i)), "--timeout", "120", check=False, timeout=180)
-        assert (w.returncode, w.stdout.strip()) == (2, "restored step 10 from local"), (
-            i,
-            w.returncode,
-            w.stdout,
-            w.stderr,
-        )
-        assert "step 20 is not loadable across its 2 ranks: damaged: 20/__1_0.distcp" in w.stderr
+    restarted_on_step_10(
+        c, said="step 20 is not loadable across its 2 ranks: damaged: 20/__1_0.distcp"
+    )
     assert (c.root(0) / "10" / "__0_0.distcp").read_bytes() == W0
     assert (c.root(1) / "10" / "__1_0.distcp").read_bytes() == W1
     assert Path(c.root(0) / "10" / ".metadata").exists()
@@ -151,16 +159,5 @@ def test_metadata_written_on_node_1_is_read_by_the_judge_on_node_0(make_mount):
     save(c, 20, W1[:500], dcp_rank0_on=1)
     wait_for(lambda: loads(c, 0, 20).startswith("no, across its 2 ranks"), 60, "step 20 judged")
     assert "damaged: 20/__1_0.distcp" in loads(c, 0, 20), loads(c, 0, 20)
-    for m in c.mounts:
-        m.kill9()
-    for i in (0, 1):
-        c.remount(i)
-    for i in (1, 0):
-        w = tierfs("wait", str(c.root(i)), "--timeout", "120", check=False, timeout=180)
-        assert (w.returncode, w.stdout.strip()) == (2, "restored step 10 from local"), (
-            i,
-            w.returncode,
-            w.stdout,
-            w.stderr,
-        )
+    restarted_on_step_10(c)
     assert (c.root(0) / "10" / "__1_0.distcp").read_bytes() == W1
