@@ -331,7 +331,9 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
     if peer is not None:
         # node-rank 0 judges its steps again over every rank's part (issue #15)
         background.append(
-            WholeStepJudge(shards, catalog, state, peer, reporter, io_limiter, files=peer).run
+            WholeStepJudge(
+                shards, catalog, state, peer, reporter, io_limiter, files=peer, parts=coordinator
+            ).run
         )
     # other ranks' files of a step in this node's view (issue #14)
     sources: list[FileSource] = [peer] if peer is not None else []

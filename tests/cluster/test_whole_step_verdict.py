@@ -97,6 +97,35 @@ def test_a_short_shard_of_rank_1_makes_the_step_unloadable_across_ranks(make_mou
     assert Path(c.root(0) / "10" / ".metadata").exists()
 
 
+def test_a_step_saved_again_by_another_rank_is_judged_again(make_mount):
+    """Regression (#15): node 0 judged step 20 across ranks (it may load); then rank 1 saved
+    step 20 again with its shard cut short (removed and renamed into place, as a trainer
+    saving a step number again does). Node 0's verdict named rank 1's old part and was
+    never revisited, so the restore judged rank 1's new part alone (fine without
+    ``.metadata``) and restored step 20, which DCP cannot load. Node 0 now sees rank 1's
+    new digest in the coordinator's inventories and judges the step again."""
+    import shutil
+
+    c = Cluster(make_mount, 2, node_args=generic)
+    save(c, 10, W1)
+    save(c, 20, W1)
+    wait_for(lambda: loads(c, 0, 20) == "yes (dcp, all 2 ranks)", 60, "step 20 judged")
+    shutil.rmtree(c.root(1) / "20")
+    tmp = c.root(1) / "20.tmp"
+    tmp.mkdir()
+    (tmp / "__1_0.distcp").write_bytes(W1[:500])
+    os.rename(tmp, c.root(1) / "20")
+    wait_for(
+        lambda: loads(c, 0, 20).startswith("no, across its 2 ranks"), 90, "step 20 judged again"
+    )
+    assert "damaged: 20/__1_0.distcp" in loads(c, 0, 20), loads(c, 0, 20)
+    assert loads(c, 0, 10) == "yes (dcp, all 2 ranks)"
+    restarted_on_step_10(
+        c, said="step 20 is not loadable across its 2 ranks: damaged: 20/__1_0.distcp"
+    )
+    assert (c.root(1) / "10" / "__1_0.distcp").read_bytes() == W1
+
+
 def test_a_step_unloadable_across_ranks_is_not_restored_from_the_bucket(
     make_mount, fake_gcs, monkeypatch
 ):

@@ -19,7 +19,7 @@ from tierfs.core.control import JobSpec
 from tierfs.core.errors import FetchFailed
 from tierfs.core.types import Holding, WholeVerdict
 from tierfs.node.catalog import ShardCatalog
-from tierfs.node.whole_step import WholeStepJudge
+from tierfs.node.whole_step import WholeStepJudge, changed_parts
 from tierfs.store.manifest import FileEntry, Manifest
 from tierfs.store.ramstore import RamStore
 from tierfs.store.shards import Shard, ShardKey, ShardStore
@@ -455,3 +455,91 @@ def test_a_global_file_no_copy_serves_right_is_judged_by_size(tmp_path, served):
     )
     whole = judged_after_two_looks(judge, job, p0)
     assert whole is not None and whole.unloadable == "" and whole.unread == "20/.metadata", whole
+
+
+class Reports:
+    """A :class:`tierfs.core.ports.PartReports`: step -> rank -> digest, as set by the test."""
+
+    def __init__(self) -> None:
+        self.digests: dict[int, dict[int, str]] = {}
+        self.asked = 0
+
+    def own_part_digests(self, job: str, steps) -> dict[int, dict[int, str]]:
+        self.asked += 1
+        return {s: dict(self.digests[s]) for s in steps if s in self.digests}
+
+
+def test_changed_parts_names_the_ranks_whose_reported_part_differs():
+    v = WholeVerdict(("d0", "d1", "d2"), "")
+    assert changed_parts(v, {0: "d0", 1: "d1", 2: "d2"}) == ()
+    assert changed_parts(v, {0: "d0", 2: "e2", 1: "e1"}) == (1, 2)
+    # a node that reports nothing (down), an empty digest, a rank the step never had
+    assert changed_parts(v, {1: "", 5: "x"}) == ()
+
+
+def test_a_step_judged_loadable_is_judged_again_when_another_rank_saves_it_again(tmp_path):
+    """#15: node 0 judged step 20 (may load); rank 1 then saved step 20 again with its shard
+    cut short. Before, the verdict was left stale (the restore choice ignored it and
+    judged rank 1's part alone, which looks fine): the unloadable step could be restored.
+    Now the coordinator's reported digests make the judge look again; a report it already
+    looked at does not make it judge again (a holder with an older copy cannot loop it)."""
+    shards, p0 = node_part(tmp_path, 0, 20, rank0_files())
+    _, p1 = node_part(tmp_path / "a", 1, 20, {"__1_0.distcp": W1})
+    _, p1_cut = node_part(tmp_path / "b", 1, 20, {"__1_0.distcp": W1[:700]})
+    reports = Reports()
+    judge, catalog, job, source = judge_of(shards, p0, {1: p1.manifest}, settle=0)
+    judge.parts = reports
+
+    async def main() -> None:
+        spec = job.job
+        assert spec is not None
+        assert await judge.judge(spec, p0) is None
+        first = await judge.judge(spec, p0)
+        assert first is not None and first.unloadable == ""
+        assert judge.pending(spec) == []
+        reports.digests[20] = {0: p0.manifest.digest, 1: p1.manifest.digest}
+        await judge.look_for_changed_parts(spec)
+        assert judge.pending(spec) == []  # the parts judged are the ones reported
+        # rank 1 saves step 20 again, cut short; its node reports the new digest
+        source.parts[(1, 20)] = p1_cut.manifest
+        reports.digests[20] = {0: p0.manifest.digest, 1: p1_cut.manifest.digest}
+        await judge.look_for_changed_parts(spec)
+        assert judge.pending(spec) == [p0]
+        assert await judge.judge(spec, p0) is None  # the first look at the new parts
+        again = await judge.judge(spec, p0)
+        assert again is not None
+        assert again.digests == (p0.manifest.digest, p1_cut.manifest.digest)
+        assert again.unloadable.startswith("damaged: 20/__1_0.distcp")
+        assert catalog.whole_verdict(p0.key) == again and judge.pending(spec) == []
+        # a holder still reporting the old copy: looked at once, judged once more at most
+        reports.digests[20] = {0: p0.manifest.digest, 1: p1.manifest.digest}
+        await judge.look_for_changed_parts(spec)
+        assert judge.pending(spec) == [p0]
+        await judge.judge(spec, p0)
+        await judge.judge(spec, p0)
+        assert judge.pending(spec) == []
+        await judge.look_for_changed_parts(spec)
+        assert judge.pending(spec) == []  # the same report: not looked at again
+
+    trio.run(main)
+    assert any("not loadable across its 2 ranks" in e for e in job.errors)
+
+
+def test_the_coordinator_reports_each_ranks_own_part_digest():
+    """The PartReports node 0's judge reads: a member's own part only (not its replicas
+    of other ranks), nothing for another job."""
+    from tierfs.cluster.coordinator import Coordinator
+    from tierfs.cluster.servicer import CoordinatorServicer
+
+    servicer = CoordinatorServicer(Coordinator(live_seconds=600.0))
+    mine = Holding(0, 20, True, "d0", 10, "20", False, 1.0)
+    replica = Holding(1, 20, True, "old1", 10, "20", False, 1.0)
+    own1 = Holding(1, 20, True, "d1", 10, "20", False, 1.0)
+
+    def join(c: Coordinator) -> None:
+        c.join(JOB, 2, 0, "a:0", "i0", [mine, replica], mode="generic")
+        c.join(JOB, 2, 1, "a:1", "i1", [own1], mode="generic")
+
+    servicer.locked(join)
+    assert servicer.own_part_digests(JOB, [20, 30]) == {20: {0: "d0", 1: "d1"}, 30: {}}
+    assert servicer.own_part_digests("other", [20]) == {}

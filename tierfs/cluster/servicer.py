@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import grpc
@@ -131,6 +131,16 @@ class CoordinatorServicer:
                 return fn(self.coordinator)
             finally:
                 self._after()
+
+    def own_part_digests(self, job: str, steps: Collection[int]) -> dict[int, dict[int, str]]:
+        """Step -> rank -> the digest of that rank's own part, from the members' last
+        inventories (:class:`tierfs.core.ports.PartReports`; {} when the job served
+        is another). Any thread but the loop's; O(members) per step."""
+        with self.lock:
+            c = self.coordinator
+            if c.job != job:
+                return {}
+            return {s: {r: d for r, d in c.roster.holders(s).items() if d} for s in steps}
 
     def status(self) -> CoordinatorStatus:
         """The coordinator's status (any thread; never waits: while a call holds the

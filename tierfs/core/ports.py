@@ -32,7 +32,7 @@ Implementations today:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -122,6 +122,18 @@ class ManifestSource(Protocol):
 
         ``writers``: the node count that wrote the step (issue #16; 0: the job's):
         where its replicas are placed; a rank the job no longer has is not asked."""
+        ...
+
+
+class PartReports(Protocol):
+    """The digests the nodes report of their own parts (node-rank 0's coordinator:
+    each node's inventory arrives with its heartbeat, about every second)."""
+
+    def own_part_digests(self, job: str, steps: Collection[int]) -> dict[int, dict[int, str]]:
+        """Step -> rank -> the manifest digest of that rank's own part of the step, as
+        its node last reported it; ranks that report none are left out, and so is
+        every step when this node does not serve ``job``'s coordinator. Blocking
+        (a short lock: call it from a worker thread); never raises."""
         ...
 
 

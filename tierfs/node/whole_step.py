@@ -25,11 +25,14 @@ for ``settle`` seconds between two looks), on node-rank 0 only. A step whose
 parts are not all reachable is looked at again every ``retry`` seconds for
 ``patience`` seconds, then left unjudged (the per-part verdicts still hold).
 A verdict is never better than any part's own verdict, and it says when a
-file was judged by its size only (its bytes are on another node). Limits: a
-part that changes after the judgement (a rank re-sealing its part) is not
-judged again (the restore choice then ignores the verdict: it names other
-digests); node 0 reaches the nodes it exchanges replicas with, and every
-node of the job when it serves the coordinator.
+file was judged by its size only (its bytes are on another node). A part that
+changes after the judgement (a rank saving the step again and re-sealing its
+part) makes the verdict stale: the restore choice ignores a verdict naming
+other digests, and the judge, which sees every node's own-part digests in the
+coordinator's inventories (:class:`tierfs.core.ports.PartReports`), judges
+the step again within ``recheck`` seconds. Limits: node 0 reaches the nodes
+it exchanges replicas with, and every node of the job when it serves the
+coordinator.
 A verdict is kept beside the part's manifest (``whole.json``,
 :meth:`tierfs.store.shards.ShardStore.save_whole`): a restarted node-rank 0
 whose RAM survived still has it before its first restore round.
@@ -40,13 +43,14 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from collections.abc import Mapping
 
 import google_crc32c
 import trio
 
 from tierfs.core.control import JobSpec
 from tierfs.core.errors import FetchFailed
-from tierfs.core.ports import CurrentJob, FileSource, ManifestSource, Reporter
+from tierfs.core.ports import CurrentJob, FileSource, ManifestSource, PartReports, Reporter
 from tierfs.core.types import WholeVerdict
 from tierfs.node.catalog import ShardCatalog
 from tierfs.store.manifest import Manifest
@@ -83,11 +87,16 @@ class WholeStepJudge:
             copy is held here (DCP's ``.metadata`` written on node 1): up to
             :data:`READ_LIMIT` bytes, into memory, checked against the part's
             manifest (size and crc32c); None: such files are judged by size.
+        parts: the digests the nodes report of their own parts (the
+            coordinator's inventories): a judged step whose parts changed since
+            is judged again; None: a verdict is never revisited.
         retry: seconds between looks while a step is not judged yet.
         settle: seconds the parts' digests must stay the same before judging.
         patience: seconds after the first look before a step is left unjudged.
         idle: seconds between looks for unjudged steps when no seal woke the
             judge (a step restored into the catalog is not a seal).
+        recheck: seconds between looks at the reported digests of judged steps
+            (with ``parts``).
     """
 
     def __init__(
@@ -99,11 +108,13 @@ class WholeStepJudge:
         reporter: Reporter,
         io_limiter: trio.CapacityLimiter,
         files: FileSource | None = None,
+        parts: PartReports | None = None,
         *,
         retry: float = 2.0,
         settle: float = 2.0,
         patience: float = 600.0,
         idle: float = 30.0,
+        recheck: float = 5.0,
     ) -> None:
         self.shards = shards
         self.catalog = catalog
@@ -116,6 +127,12 @@ class WholeStepJudge:
         self.settle = settle
         self.patience = patience
         self.idle = idle
+        self.parts = parts
+        self.recheck = recheck
+        #: judged steps whose parts changed since (judged again, though they have a verdict)
+        self._rejudge: set[ShardKey] = set()
+        #: the reported digests last looked at, per judged step (a change is looked at once)
+        self._looked: dict[ShardKey, dict[int, str]] = {}
         self._wake = trio.Event()
         self._first_try: dict[tuple[ShardKey, str], float] = {}
         self._given_up: set[tuple[ShardKey, str]] = set()
@@ -137,7 +154,8 @@ class WholeStepJudge:
             digest = shard.manifest.digest
             if shard.manifest.verdict is None or (shard.key, digest) in self._given_up:
                 continue
-            if self.catalog.whole_verdict(shard.key) is not None:
+            judged = self.catalog.whole_verdict(shard.key) is not None
+            if judged and shard.key not in self._rejudge:
                 continue
             out.append(shard)
         return out
@@ -150,6 +168,7 @@ class WholeStepJudge:
         """
         while True:
             job = self.current.job
+            await self.look_for_changed_parts(job)
             for shard in self.pending(job):
                 assert job is not None
                 try:
@@ -157,10 +176,47 @@ class WholeStepJudge:
                 except Exception:
                     log.exception("judging step %d across ranks failed", shard.key.step)
                     self._forget((shard.key, shard.manifest.digest), given_up=True)
-            wait = self.retry if self.pending(self.current.job) else self.idle
+            if self.pending(self.current.job):
+                wait = self.retry
+            else:
+                wait = min(self.idle, self.recheck) if self.parts is not None else self.idle
             with trio.move_on_after(wait):
                 await self._wake.wait()
             self._wake = trio.Event()
+
+    async def look_for_changed_parts(self, job: JobSpec | None) -> None:
+        """Mark for judging again each judged step of this node whose parts, as their
+        nodes report them now (:attr:`parts`), differ from the parts judged (a
+        rank saved the step again). A reported change is looked at once: a
+        holder reporting an older copy cannot make the judge loop."""
+        if self.parts is None or job is None or job.nodes < 2 or job.node_rank != JUDGE_RANK:
+            return
+        judged: dict[ShardKey, WholeVerdict] = {}
+        for shard in self.catalog.own_shards(job):
+            verdict = self.catalog.whole_verdict(shard.key)
+            if verdict is not None:
+                judged[shard.key] = verdict
+        for key in set(self._looked) - set(judged):
+            del self._looked[key]
+        if not judged:
+            return
+        steps = sorted({k.step for k in judged})
+        reported = await trio.to_thread.run_sync(self.parts.own_part_digests, job.name, steps)
+        for key, verdict in judged.items():
+            now = reported.get(key.step, {})
+            if now == self._looked.get(key):
+                continue
+            self._looked[key] = now
+            changed = changed_parts(verdict, now)
+            if changed:
+                log.info(
+                    "step %d: the part(s) of rank(s) %s changed since it was judged across "
+                    "ranks: judging it again",
+                    key.step,
+                    list(changed),
+                )
+                self._rejudge.add(key)
+                self._given_up.discard((key, verdict.digests[key.rank]))
 
     def _remote_reader(self, job: str, step: int, writers: int, manifest: Manifest) -> Reader:
         """A reader, for the judgement's worker thread, of rank ``manifest.rank``'s part
@@ -259,6 +315,7 @@ class WholeStepJudge:
         async with self.io_limiter:
             whole = await trio.to_thread.run_sync(judge_whole, manifests, dirs, readers)
         self._forget(ident, given_up=whole is None)
+        self._rejudge.discard(shard.key)
         if whole is None:
             return None
         why, unread = whole.unloadable, whole.unread
@@ -289,6 +346,17 @@ class WholeStepJudge:
         self._seen.pop(ident, None)
         if given_up:
             self._given_up.add(ident)
+
+
+def changed_parts(verdict: WholeVerdict, reported: Mapping[int, str]) -> tuple[int, ...]:
+    """The ranks whose reported own-part digest (``reported``: rank -> digest) differs
+    from the part ``verdict`` judged, ascending; ranks not reported (a node down)
+    or outside the verdict's node count do not count."""
+    return tuple(
+        rank
+        for rank, digest in sorted(reported.items())
+        if 0 <= rank < len(verdict.digests) and digest and digest != verdict.digests[rank]
+    )
 
 
 def _read_all(fd: int) -> bytes:
