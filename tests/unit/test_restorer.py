@@ -615,3 +615,44 @@ def test_a_restored_step_records_its_writers():
     )
     plan = Node(JobSpec(JOB, "generic", 0, 3), [own], agreement=agreement).restore()
     assert (plan.step, plan.source, plan.writers) == (30, "local", 4)
+
+
+# ---------------------------------------------------------------------- a job shrunk to one node
+
+
+def written_by(n: int, s: Shard) -> Shard:
+    """``s`` as a part of a step written by ``n`` nodes (its manifest's writer topology)."""
+    return dataclasses.replace(s, manifest=dataclasses.replace(s.manifest, nodes=n))
+
+
+def test_a_job_shrunk_to_one_node_with_a_coordinator_restores_through_its_round():
+    """Regression (#16): a one-node job holding a step written by 2 nodes never restored
+    (a one-node job without a bucket skipped its restore) and `tierfs wait` reported the
+    previous daemon's outcome; the round of its own coordinator decides over every part
+    it holds, replicas included."""
+    held = [written_by(2, shard(0, 30)), written_by(2, shard(1, 30))]
+    digest = held[0].manifest.digest
+    agreement = Agreement([decided(30, local=True, digest=digest)], ["passed"])
+    node = Node(ONE, held, agreement=agreement)
+    assert node.restorer.written_by_more(ONE) and node.restorer.agreed(ONE)
+    plan = node.restore()
+    assert len(agreement.joins) == 1 and (plan.step, plan.source) == (30, "local")
+    assert not Node(ONE, [shard(0, 30)]).restorer.agreed(ONE)  # a one-node step
+
+
+def test_a_job_shrunk_to_one_node_alone_needs_a_verified_copy_of_every_writers_part():
+    s40, s30 = written_by(2, shard(0, 40)), written_by(2, shard(0, 30))
+    r30 = written_by(2, shard(1, 30))
+    node = Node(ONE, [s40, s30, r30])
+    plan = node.restore()
+    lacks = "step 40 lacks rank(s) [1] (written by 2 nodes; this job has 1)"
+    reason = f"step 30 is complete on this node (written by 2 nodes; this job has 1) ({lacks})"
+    assert (plan.step, plan.source, plan.writers) == (30, "local", 2)
+    assert plan.detail == {"reason": reason, "outcome": "older", "problems": [lacks]}
+    # rank 1's copy is corrupt: discarded, nothing would load, and said so
+    bad = Node(ONE, [s30, r30])
+    bad.store.corrupt = {r30.key}
+    plan = bad.restore()
+    assert plan.step is None and plan.detail["outcome"] == "incomplete", plan.detail
+    assert "step 30 lacks rank(s) [1]" in plan.detail["reason"]
+    assert r30.key not in bad.catalog

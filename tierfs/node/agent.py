@@ -278,12 +278,17 @@ class NodeAgent:
         elif (
             self.mode == "generic"
             and job is not None
-            and (job.nodes > 1 or self.restorer.bucket is not None)
+            and (
+                job.nodes > 1
+                or self.restorer.bucket is not None
+                or self.restorer.written_by_more(job)
+            )
         ):
             # visible at once, so `tierfs wait` right after the mount waits for it
             # (unless the coordinator summoned this node while its tiers started);
             # a one-node job with a bucket restores too: after losing its RAM its
-            # backup rounds are all it has (never a silent fresh start)
+            # backup rounds are all it has (never a silent fresh start); and so does a
+            # job shrunk to one node: its steps need the lost nodes' parts (issue #16)
             self.restores.start_generic(job)
 
     async def shutdown(self) -> None:

@@ -304,11 +304,15 @@ class RemoteView:
     def _active(self) -> bool:
         """True if the running job's steps show other ranks' files here."""
         job = self.current.job
-        return (
-            job is not None
-            and job.nodes > 1
-            and job.framework in UNION_FRAMEWORKS
-            and self.manifests is not None
+        if job is None or job.framework not in UNION_FRAMEWORKS:
+            return False
+        if job.nodes > 1:
+            return self.manifests is not None
+        # a job shrunk to one node (issue #16): the lost ranks' parts of the steps
+        # written by more nodes come from the replicas held here, else the bucket
+        restore = self.restored()
+        return (restore is not None and restore[2] > 1) or any(
+            (s.manifest.nodes or 0) > 1 for s in self.catalog.own_shards(job)
         )
 
     def _eligible(self) -> list[tuple[int, Shard | None, int]]:
@@ -378,7 +382,7 @@ class RemoteView:
             True while a rank's part is still to be found (look again soon).
         """
         job = self.current.job
-        assert job is not None and self.manifests is not None
+        assert job is not None
         if own is not None:
             step = own.key.step
             writers = writers or own.manifest.nodes
@@ -420,7 +424,7 @@ class RemoteView:
                 continue
             held = self.catalog.get(ShardKey(job.name, rank, step))
             manifest = held.manifest if held is not None else None
-            if manifest is None:
+            if manifest is None and self.manifests is not None:
                 manifest = await self.manifests.part_manifest(job.name, rank, step, writers=writers)
             for more in self.more_manifests:
                 if manifest is not None:

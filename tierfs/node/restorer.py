@@ -48,6 +48,7 @@ from tierfs.core.types import (
 )
 from tierfs.node.agreement import RestoreFailed
 from tierfs.node.sources import CopyFailed
+from tierfs.store.shards import ShardKey
 from tierfs.store.verdicts import eligibility
 
 if TYPE_CHECKING:
@@ -145,6 +146,18 @@ class Restorer:
 
     # ------------------------------------------------------------------ the restore
 
+    def written_by_more(self, job: JobSpec) -> bool:
+        """True if this node holds a step of ``job`` written by more nodes than the job
+        has now (a job shrunk to one node, issue #16): its restore must find every
+        writer's part, not only this node's."""
+        return any((s.manifest.nodes or 0) > job.nodes for s in self.catalog.shards_of(job.name))
+
+    def agreed(self, job: JobSpec) -> bool:
+        """True if ``job``'s restore is a coordinator round (with an agreement): a
+        multi-node job, or one node holding steps written by more nodes (the round
+        of one node decides over every part it holds, replicas included)."""
+        return job.nodes > 1 or self.written_by_more(job)
+
     async def plan(self, job: JobSpec) -> RestorePlan:
         """Decide the step and bring this node's shard of it into the catalog.
 
@@ -158,7 +171,7 @@ class Restorer:
                 the reason is in ``replicator.errors``.
         """
         self._open = None
-        if self.agreement is not None and job.nodes > 1:
+        if self.agreement is not None and self.agreed(job):
             plan = await self._agree(job, self.agreement)
         elif self.bucket is not None:
             plan = await self._decide_with_bucket(job, self.bucket)
@@ -404,17 +417,41 @@ class Restorer:
             detail={"reason": reason, "outcome": INCOMPLETE, "problems": [reason]},
         )
 
+    async def _lacking_writers(self, job: JobSpec, step: int, writers: int) -> list[int]:
+        """The ranks below ``writers``, other than this node's, of which no copy of
+        their part of ``step`` held here verifies (a bad copy is reported and
+        dropped by the verifier)."""
+        lacks = []
+        for rank in range(writers):
+            if rank == job.node_rank:
+                continue
+            held = self.catalog.get(ShardKey(job.name, rank, step))
+            if held is None or not await self.verifier.verify(held):
+                lacks.append(rank)
+        return lacks
+
     async def _decide_local(self, job: JobSpec) -> RestorePlan:
         """One node without a bucket: the newest own step whose checksums verify and
-        that its framework could load (issue #15)."""
+        that its framework could load (issue #15). A step written by more nodes (a
+        job shrunk to one node without a peer plane, issue #16) also needs a verified
+        copy of every other writer's part held here (each one verified; a rank
+        without one: ``step N lacks rank(s) [...]``)."""
         failed: list[int] = []
         unloadable: list[str] = []
         for shard in self.catalog.own_shards(job):
             step = shard.key.step
+            writers = max(shard.manifest.nodes or 0, job.nodes)
             verdict = shard.manifest.verdict
-            why = verdict.reason(whole=job.nodes == 1) if verdict is not None else ""
+            why = verdict.reason(whole=writers == 1) if verdict is not None else ""
             if why:
                 unloadable.append(f"step {step} is not loadable: {why}")
+                continue
+            lacks = await self._lacking_writers(job, step, writers)
+            if lacks:
+                unloadable.append(
+                    f"step {step} lacks rank(s) {lacks} (written by {writers} nodes; "
+                    f"this job has {job.nodes})"
+                )
                 continue
             if await self.verifier.verify(shard):
                 got, _bad, _why = await self._fetch(
@@ -422,6 +459,8 @@ class Restorer:
                 )
                 if got is not None:
                     reason = f"step {step} is complete on this node"
+                    if writers > job.nodes:
+                        reason += f" (written by {writers} nodes; this job has {job.nodes})"
                     why_not = unloadable + (
                         [f"step(s) {failed} failed verification"] if failed else []
                     )
@@ -436,6 +475,7 @@ class Restorer:
                             "outcome": OLDER if why_not else RESTORED,
                             "problems": ([reason] if failed else []) + unloadable,
                         },
+                        writers=writers,
                     )
             failed.append(step)
         if failed or unloadable:
