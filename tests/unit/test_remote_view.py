@@ -86,6 +86,20 @@ def test_a_conflict_between_other_ranks_shows_the_lowest_rank():
     assert plan.conflicts == [Conflict("10/x", 1, (1, 2))]
 
 
+def test_orbax_per_process_step_metadata_is_not_a_conflict():
+    """Orbax with ``primary_host=None`` (node-local storage): every process finalizes its
+    own step and writes ``_CHECKPOINT_METADATA`` with its own timestamps. Regression: each
+    node reported the file as a conflict in ``replicator.errors`` at every step."""
+    meta = "default/_CHECKPOINT_METADATA"  # also at the step's top (item metadata)
+    own = manifest(0, {"_CHECKPOINT_METADATA": A, meta: A, "commit_success.txt": A, "w/0.0": C})
+    other = {"_CHECKPOINT_METADATA": B, meta: B, "commit_success.txt": B, "w/1.0": C}
+    plan = union_plan(own, {1: manifest(1, other)})
+    assert plan.conflicts == []
+    assert sorted(plan.files) == ["10/w/1.0"]  # the node's own metadata is shown
+    alone = union_plan(None, {2: manifest(2, {meta: B}), 1: manifest(1, {meta: A})})
+    assert alone.conflicts == [] and alone.files[f"10/{meta}"][0] == 1
+
+
 # ---------------------------------------------------------------------- placing, fetching
 
 

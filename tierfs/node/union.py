@@ -12,6 +12,13 @@ all parts' files (docs/SEMANTICS.md, "The whole-step view"):
   shown; either way the conflict is reported once;
 * directories are created as needed; symlinks of other parts are created
   where no entry of that name exists.
+
+Files every process writes for itself (:data:`PER_PROCESS_NAMES`: Orbax's
+``_CHECKPOINT_METADATA``, whose init and commit timestamps differ per process,
+and ``commit_success.txt``, which names the process's own path, when each host
+finalizes its own step directory, ``primary_host=None``) show
+the node's own copy (else the lowest rank's) like a conflict, but different
+bytes there are expected and not reported.
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tierfs.store.manifest import FileEntry, Manifest
+
+#: file names every process writes with its own bytes (see the module docstring)
+PER_PROCESS_NAMES = frozenset({"_CHECKPOINT_METADATA", "commit_success.txt"})
 
 
 @dataclass(frozen=True)
@@ -80,7 +90,9 @@ def union_plan(own: Manifest | None, others: Mapping[int, Manifest]) -> UnionPla
         mine = own_entries.get(path)
         first_rank, first = held[0]
         entries = ([mine] if mine is not None else []) + [f for _, f in held]
-        if any(e.kind != "dir" for e in entries) and not all(_same(entries[0], e) for e in entries):
+        per_process = path.rsplit("/", 1)[-1] in PER_PROCESS_NAMES
+        differ = not all(_same(entries[0], e) for e in entries)
+        if any(e.kind != "dir" for e in entries) and differ and not per_process:
             ranks = tuple(sorted({r for r, _ in held}))
             plan.conflicts.append(Conflict(path, -1 if mine is not None else first_rank, ranks))
         if mine is not None:
