@@ -171,6 +171,19 @@ def test_generations_of_the_job_at_the_coordinator():
         join(c, 2, 4)
 
 
+def test_a_protocol_mode_node_of_another_count_is_told_about_replicator_yaml():
+    """Regression: in MTC protocol mode (no --nodes flag: the count is in the client's
+    replicator.yaml) the refusal said to restart with --nodes."""
+    c = Coordinator(clock=lambda: 1000.0, wall=lambda: 1000.0)
+    c.join("job", 4, 0, "10.0.0.0:7000", "inc0", (), "r0")
+    c.join("job", 4, 1, "10.0.0.1:7000", "inc1", (), "r1")
+    with pytest.raises(Rejected) as got:
+        c.join("job", 3, 1, "10.0.0.1:7000", "inc1b", (), "r1b")
+    msg = str(got.value)
+    assert "node-rank 0's client must restart with nodes: 3 in its replicator.yaml" in msg
+    assert "--nodes" not in msg
+
+
 # ---------------------------------------------------------------------- placement, wait
 
 

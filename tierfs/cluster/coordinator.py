@@ -295,7 +295,7 @@ class Coordinator:
         """True if ``rank`` was heard from within ``live_seconds``."""
         return self.roster.live(rank)
 
-    def _check_job(self, job: str, nodes: int, rank: int) -> None:
+    def _check_job(self, job: str, nodes: int, rank: int, mode: str = "generic") -> None:
         if nodes < 1:
             raise Rejected(f"node-rank {rank} joined with nodes {nodes}; nodes must be >= 1")
         if not 0 <= rank < nodes:
@@ -316,11 +316,21 @@ class Coordinator:
                 f"as job {job!r}"
             )
         self.refused_counts[rank] = (nodes, self.clock())
+        if mode == PROTOCOL:
+            # the client's replicator.yaml carries the count (no --nodes in protocol mode)
+            what = (
+                f"node-rank {self.own_rank}'s client must restart with nodes: {nodes} in "
+                f"its replicator.yaml, as this node's did"
+            )
+        else:
+            what = (
+                f"restart node-rank {self.own_rank} with --nodes {nodes}, or remount "
+                f"this node with --nodes {self.nodes}"
+            )
         raise Rejected(
             f"node count mismatch: job {job!r} has {self.nodes} nodes at the "
             f"coordinator; node-rank {rank} joined with nodes {nodes} (to resize the "
-            f"job, restart node-rank {self.own_rank} with --nodes {nodes}, or remount "
-            f"this node with --nodes {self.nodes})"
+            f"job, {what})"
         )
 
     def join(
@@ -353,7 +363,7 @@ class Coordinator:
                 than the coordinator's while that job is active, or a rank a
                 live node at another address still serves (a duplicate rank).
         """
-        self._check_job(job, nodes, rank)
+        self._check_job(job, nodes, rank, mode)
         self.refused_counts.pop(rank, None)
         now = self.clock()
         inv = tuple(inventory)
