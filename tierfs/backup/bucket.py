@@ -121,6 +121,8 @@ class ObjectStore:
         self.settings = settings
         self.client = client
         self.monitor = monitor_of(client)
+        if self.monitor is not None:
+            self.monitor.gate.configure(settings.retry_initial, settings.retry_max)
         self.bucket = client.bucket(spec.bucket)
         self.on_retry = on_retry
         self.retry = make_retry(settings.policy(), self._retrying)
