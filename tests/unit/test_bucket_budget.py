@@ -72,7 +72,7 @@ def _backend(server: RatedGcs) -> GcsBackend:
     )
 
 
-@pytest.mark.parametrize("index", [False])
+@pytest.mark.parametrize("index", [False, True])
 def test_real_backend_makes_the_counted_requests(tmp_path, index: bool) -> None:
     nodes, files = 3, 5
     server = RatedGcs(writes_per_s=1e6, reads_per_s=1e6)
@@ -92,3 +92,35 @@ def test_real_backend_makes_the_counted_requests(tmp_path, index: bool) -> None:
     if index:
         be.write_round_index("job", rnd)
     assert server.reset_counts() == B.backup_round(nodes, files, index=index).total
+
+
+@pytest.mark.parametrize("index", [False, True])
+def test_real_restore_makes_the_counted_requests(tmp_path, index: bool) -> None:
+    """The coordinator's bucket read on node-rank 0, then every node's part:
+    inspect_part (the index, else the whole round) and its data GETs."""
+    from tierfs.store.shards import ShardStore
+
+    nodes, files = 3, 5
+    server = RatedGcs(writes_per_s=1e6, reads_per_s=1e6)
+    be = _backend(server)
+    rnd = "2026-12-04_07-00"
+    for rank in range(nodes):
+        ram = RamStore(str(tmp_path / f"r{rank}"))
+        shard = seal(ram, "job", rank, 7, {f"f{i}": bytes([rank, i]) * 10 for i in range(files)})
+        be.upload_shard(shard, rnd, nodes=nodes)
+    if index:
+        be.write_round_index("job", rnd)
+    server.reset_counts()
+    assert be.read_restore_version("job") is None
+    assert be.list_round_names("job") == [rnd]
+    assert be.inspect_round("job", rnd, fallback=nodes).complete_step == 7
+    for rank in range(nodes):
+        if index:
+            info = be.inspect_part("job", rnd, rank, 7, fallback=nodes)
+        else:  # what each node did before the index
+            info = be.inspect_round("job", rnd, fallback=nodes)
+        assert info.parts[(rank, 7)].complete
+        ram = RamStore(str(tmp_path / f"restore{rank}"))
+        shard = be.restore_shard(ShardStore(ram), "job", rnd, rank, 7, info=info)
+        assert shard.manifest.rank == rank
+    assert server.reset_counts() == B.restore(nodes, files, index=index).total

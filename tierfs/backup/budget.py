@@ -109,7 +109,8 @@ def restore(nodes: int, files: int, *, workers: int = 1, index: bool = True) -> 
     listed crc32c is the expected one are not read). Then every node fetches its
     part (:meth:`tierfs.backup.fetch.BucketRestore.fetch_backup`): without the
     index it judges the whole round again (the same listing and ``nodes``
-    manifest GETs); with it, one GET of the index and one of its own manifest.
+    manifest GETs; a round without an index costs that plus the GET that finds
+    no index); with it, one GET of the index and one of its own manifest.
     Then its ``files`` data GETs. Reads by the loadability verdict (a few small
     files of the step) are not counted.
     """
