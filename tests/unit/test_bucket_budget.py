@@ -124,3 +124,28 @@ def test_real_restore_makes_the_counted_requests(tmp_path, index: bool) -> None:
         shard = be.restore_shard(ShardStore(ram), "job", rnd, rank, 7, info=info)
         assert shard.manifest.rank == rank
     assert server.reset_counts() == B.restore(nodes, files, index=index).total
+
+
+def test_data_names_spread_over_the_key_range_after_the_round_prefix() -> None:
+    """GCS splits key ranges: the character after ``JOB/ROUND/D`` of 1,600 parts'
+    data objects is a hash digit, every one of the 16 about equally often."""
+    from collections import Counter
+
+    from tierfs.backup.layout import node_layout
+    from tierfs.store.manifest import FileEntry, Manifest
+
+    firsts: Counter[str] = Counter()
+    for rank in range(1600):
+        m = Manifest(
+            job="job",
+            rank=rank,
+            step=3,
+            name="3",
+            framework="generic",
+            files=(FileEntry("3", "dir"), FileEntry("3/a", "file", 5, crc32c=rank)),
+        )
+        (name,) = node_layout(m).objects.values()
+        assert name.startswith("D")
+        firsts[name[1]] += 1
+    assert sorted(firsts) == list("0123456789abcdef")
+    assert max(firsts.values()) < 2 * min(firsts.values())
