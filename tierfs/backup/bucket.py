@@ -426,7 +426,11 @@ class GcsBackend:
         """
         info = self.indexes.read_part(job, round_name, rank, step, fallback)
         if info is not None:
+            log.info("round %s: rank %d's part read through the round index", round_name, rank)
             return info
+        log.info(
+            "round %s: no round index verifies rank %d's part; judging the round", round_name, rank
+        )
         return self.rounds.inspect_round(job, round_name, fallback=fallback)
 
     # ------------------------------------------------------------------ upload (Uploader)
