@@ -136,6 +136,13 @@ def test_one_node_backs_up_and_restores_from_the_bucket(make_mount, fake_gcs):
     g = GcsBackend(bucket, settings=GcsSettings.from_env())
     infos = {r.name: r for r in g.list_rounds("job")}
     assert infos[rounds[1]].complete_step == 1 and infos[rounds[2]].complete_step == 2
+    # the node wrote each complete round's index (#17): its part in two GETs
+    for step in (1, 2):
+        wait_for(
+            lambda step=step: g.indexes.read_part("job", rounds[step], 0, step, 1) is not None,
+            30,
+            f"round {rounds[step]} indexed",
+        )
     st = gcs_status(m.path)
     assert st["role"] == "decides rounds" and st["last_error"] is None
     assert "gcs:" + rounds[2] in next(s for s in status(m.path)["steps"] if s["step"] == 2)["where"]

@@ -105,6 +105,12 @@ def test_four_nodes_survive_losing_every_ram_tier(make_mount, fake_gcs):
         30,
         "every node to learn that the round is complete",
     )
+    # node-rank 0 indexed the complete round (#17): each node's part in two GETs
+    wait_for(
+        lambda: all(g.indexes.read_part("job", rounds[2], r, 2, N) is not None for r in range(N)),
+        30,
+        f"round {rounds[2]} indexed",
+    )
     assert not [b.name for b in g.client.list_blobs(g.bucket, prefix="job/.tierfs/rounds")]
     out = " ".join(tierfs("status", str(c.root(1))).stdout.split())  # rich wraps lines
     assert f"last round {rounds[2]} step 2: complete" in out
@@ -121,6 +127,10 @@ def test_four_nodes_survive_losing_every_ram_tier(make_mount, fake_gcs):
         assert res["files"] == step_files(r, 2), f"node {r} restored other bytes"
         assert f"restore-backup: {rounds[2]}" in res["prerestore"]
         assert status(c.root(r))["restore"]["source"] == "gcs"
+        # through the round index, not a listing of the whole round per node (#17)
+        assert f"round {rounds[2]}: rank {r}'s part read through the round index" in (
+            c.mounts[r].log()
+        ), c.logs()
 
     # restore.version forces the older round for every node, although step 2 is
     # complete in the cluster

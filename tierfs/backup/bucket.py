@@ -78,6 +78,7 @@ from tierfs.backup.monitor import BucketMonitor as BucketMonitor
 from tierfs.backup.monitor import deadline_scope
 from tierfs.backup.monitor import monitor_of as monitor_of
 from tierfs.backup.rendezvous import wait_for_address
+from tierfs.backup.round_index import RoundIndex, RoundIndexes
 from tierfs.backup.tidy import RoundCleaner
 from tierfs.backup.upload import Uploader, await_objects
 from tierfs.backup.upload import UploadResult as UploadResult
@@ -121,6 +122,8 @@ class ObjectStore:
         self.settings = settings
         self.client = client
         self.monitor = monitor_of(client)
+        if self.monitor is not None:
+            self.monitor.gate.configure(settings.retry_initial, settings.retry_max)
         self.bucket = client.bucket(spec.bucket)
         self.on_retry = on_retry
         self.retry = make_retry(settings.policy(), self._retrying)
@@ -265,6 +268,7 @@ class GcsBackend:
         self.uploads = Uploader(self.objects)
         self.downloads = Downloader(self.objects, self.rounds)
         self.cleaner = RoundCleaner(self.objects, self.rounds)
+        self.indexes = RoundIndexes(self.objects)
 
     def bounded(self, deadline: float) -> GcsBackend:
         """A backend on the same client whose every request, retries and waiting for
@@ -401,6 +405,33 @@ class GcsBackend:
     def choose_restore(self, job: str, nodes: int) -> RestoreChoice:
         """See :meth:`tierfs.backup.listing.RoundListing.choose_restore`."""
         return self.rounds.choose_restore(job, nodes)
+
+    # ------------------------------------------------------------------ round index
+
+    def write_round_index(self, job: str, round_name: str) -> RoundIndex:
+        """See :meth:`tierfs.backup.round_index.RoundIndexes.write`."""
+        return self.indexes.write(job, round_name)
+
+    def inspect_part(
+        self, job: str, round_name: str, rank: int, step: int, *, fallback: int
+    ) -> RoundInfo:
+        """Node ``rank``'s part of ``step`` in a round, for that node's restore: through
+        the round index when it verifies the part (two GETs,
+        :meth:`tierfs.backup.round_index.RoundIndexes.read_part`), else the whole
+        round judged from its listing (:meth:`inspect_round`, ``fallback`` nodes
+        for a round that records none).
+
+        Raises:
+            google.api_core exceptions after retries; BucketTimeout.
+        """
+        info = self.indexes.read_part(job, round_name, rank, step, fallback)
+        if info is not None:
+            log.info("round %s: rank %d's part read through the round index", round_name, rank)
+            return info
+        log.info(
+            "round %s: no round index verifies rank %d's part; judging the round", round_name, rank
+        )
+        return self.rounds.inspect_round(job, round_name, fallback=fallback)
 
     # ------------------------------------------------------------------ upload (Uploader)
 

@@ -164,6 +164,8 @@ class CoordinatedRounds:
             entry = mem.entry(last.round)
             if entry is not None:
                 entry["state"] = last.state
+            if last.state == S.COMPLETE and job.node_rank == 0:
+                self.uploads.spawn_index(job, last.round)
         if order is None:
             return
         rnd, step = order

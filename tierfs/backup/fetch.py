@@ -223,13 +223,16 @@ class BucketRestore:
         key = ShardKey(job.name, job.node_rank, step)
         try:
             backend = await self.access.call(self.access.get_backend)
+            # the round index: two GETs instead of judging the whole round on every node
             info = await self.access.call(
                 functools.partial(
-                    self.access.bounded(settings.GCS_LOOKUP_DEADLINE.get()).inspect_round,
+                    self.access.bounded(settings.GCS_LOOKUP_DEADLINE.get()).inspect_part,
                     fallback=job.nodes,
                 ),
                 job.name,
                 backup,
+                job.node_rank,
+                step,
             )
         except Exception as exc:
             raise BackupCopyError(

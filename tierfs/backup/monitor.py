@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tierfs.backup.errors import BucketTimeout
+from tierfs.backup.gate import SharedBackoff
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +78,12 @@ class BucketMonitor:
             answer about the bucket (any status but 408/429/5xx), 0.0 if none.
         last_activity: ``time.monotonic()`` of the last response of any kind
             or the last data bytes moved.
+        gate: the :class:`SharedBackoff` every request of the client waits at
+            (429/503 answers close it for all threads).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, gate: SharedBackoff | None = None) -> None:
+        self.gate = gate if gate is not None else SharedBackoff()
         self._lock = threading.Lock()
         self._inflight: dict[int, float] = {}
         self._next = 0
@@ -155,6 +159,7 @@ def monitor_of(client: Any) -> BucketMonitor | None:
     mon = BucketMonitor()
 
     def request(method: Any, url: Any, *args: Any, **kwargs: Any) -> Any:
+        mon.gate.wait(thread_deadline())
         if "timeout" in kwargs:
             kwargs["timeout"] = mon.cap(kwargs["timeout"])
         else:
@@ -167,6 +172,7 @@ def monitor_of(client: Any) -> BucketMonitor | None:
             return resp
         finally:
             mon.end(token, status)
+            mon.gate.answered(status)
 
     try:
         session.request = request

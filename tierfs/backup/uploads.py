@@ -119,6 +119,8 @@ class Uploads:
         self.wake = wake
         self.active: dict[ShardKey, Upload] = {}
         self._nursery: trio.Nursery | None = None
+        #: rounds whose index this node wrote or is writing (node-rank 0, one node)
+        self.indexed: set[tuple[str, str]] = set()
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Host the uploads' tasks until cancelled; then cancel every upload."""
@@ -361,6 +363,8 @@ class Uploads:
             S.finished(self.memory.state, rnd)
             if state != S.DONE or (entry is not None and entry.get("moved_from")):
                 self.memory.untidy.append(rnd)
+            if state == S.DONE and not (entry is not None and entry.get("moved_from")):
+                self.spawn_index(job, rnd)
             if state == S.DONE and self.memory.untidy:
                 # this node's earlier uploads are over (one at a time): their leftovers
                 # are final
@@ -400,6 +404,25 @@ class Uploads:
             shard.key.step,
         )
         return shard
+
+    def spawn_index(self, job: JobSpec, rnd: str) -> None:
+        """Write the index of the complete round ``rnd`` (a task, once per round;
+        :mod:`tierfs.backup.round_index`). Node-rank 0 calls it when the coordinator
+        reports the round complete, one node when its upload is done."""
+        if self._nursery is None or (job.name, rnd) in self.indexed:
+            return
+        self.indexed.add((job.name, rnd))
+        self._nursery.start_soon(self._index, job.name, rnd)
+
+    async def _index(self, job: str, rnd: str) -> None:
+        try:
+            index = await self.access.call(
+                lambda: self.access.get_backend().write_round_index(job, rnd)
+            )
+        except Exception as exc:  # restores then judge the round from its listing
+            log.info("backup round %s: index not written: %s", rnd, describe_error(exc))
+            return
+        log.info("backup round %s: index written (%d parts)", rnd, len(index.parts))
 
     def spawn_tidy(self, job: JobSpec, names: list[str]) -> None:
         """Remove what the rounds ``names`` left behind (a task)."""
