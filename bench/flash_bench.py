@@ -112,6 +112,7 @@ Workarounds (every one is needed on this CPU-only Python 3.11 machine):
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
@@ -282,52 +283,43 @@ def tierfs_replicated(mnt: Path, step: int) -> bool:
     )
 
 
+Saver = Callable[[dict[str, Any], bool], Callable[[], bool]]
+
+
 def worker(a: dict[str, Any]) -> None:
-    """One rank of one run; prints a JSON line with monotonic times and rates."""
+    """One rank of one run; prints a JSON line with monotonic times and rates.
+
+    Every system first saves a 1 MiB warm-up state (untimed; not a step on
+    tierfs) so that one-time costs (process-group and planner caches, ML
+    Flashpoint's manager proxies, NVRx's replication groups) are not
+    counted; then the timed save of the rank's share of ``size`` bytes.
+    """
+    import torch
     import torch.distributed as dist
 
     rank, world, system = a["rank"], 2, a["system"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a["port"]))
     if system == "mlf":
-        import torch
-
         torch.cuda.device_count = lambda: 1  # workaround: 1 "accelerator" per node
         os.environ.update(NNODES="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    state = make_state(a["size"], rank, world)
-    root = Path(a["root"])
-    step = a["step"]
-    rate0 = idle_rate()
-    done: Callable[[], bool]
-    if system in ("tierfs-dcp", "tierfs-files"):
-        dist.barrier()
-        t0 = time.monotonic()
-        if system == "tierfs-dcp":
-            import torch.distributed.checkpoint as dcp
-
-            dcp.save(state, checkpoint_id=str(root / f"step_{step}"))
-        else:
-            tmp = root / f"tmp-checkpoint-{step}"
-            tmp.mkdir()
-            with open(tmp / f"shard-{rank}.bin", "wb") as f:
-                for t in state.values():
-                    f.write(t.numpy().data)
-            os.rename(tmp, root / f"checkpoint-{step}")
-        t_ret = time.monotonic()
-
-        def done() -> bool:
-            return tierfs_replicated(root, step)
-
-    elif system == "mlf":
-        done, t0, t_ret = _mlf_save(a, state)
-    elif system == "nvrx":
-        t0, t_ret = _nvrx_save(a, state)
-
-        def done() -> bool:
-            return True
-
-    else:
+    savers: dict[str, Callable[[dict[str, Any]], Saver]] = {
+        "tierfs-dcp": _tierfs_saver,
+        "tierfs-files": _tierfs_saver,
+        "mlf": _mlf_saver,
+        "nvrx": _nvrx_saver,
+    }
+    if system not in savers:
         raise SystemExit(f"unknown system {system}")
+    save = savers[system](a)
+    warm_done = save({f"warmup.r{rank}": torch.rand(MiB // 4)}, True)
+    spin_until(warm_done)
+    state = make_state(a["size"], rank, world)
+    rate0 = idle_rate()
+    dist.barrier()
+    t0 = time.monotonic()
+    done = save(state, False)
+    t_ret = time.monotonic()
     t_rep, rate1 = spin_until(done)
     dist.barrier()
     dist.destroy_process_group()
@@ -345,7 +337,35 @@ def worker(a: dict[str, Any]) -> None:
     )
 
 
-def _mlf_save(a: dict[str, Any], state: dict[str, Any]) -> tuple[Callable[[], bool], float, float]:
+def _tierfs_saver(a: dict[str, Any]) -> Saver:
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    root, step, rank = Path(a["root"]), a["step"], a["rank"]
+
+    def save(state: dict[str, Any], warm: bool) -> Callable[[], bool]:
+        # a warm-up directory matches no seal pattern: never a step, removed at once
+        final = root / (f"warmup-{step}" if warm else f"step_{step}")
+        if a["system"] == "tierfs-dcp":
+            dcp.save(state, checkpoint_id=str(final))
+        else:
+            final = root / (f"warmup-{step}" if warm else f"checkpoint-{step}")
+            tmp = root / f"tmp-{final.name}"
+            tmp.mkdir()
+            with open(tmp / f"shard-{rank}.bin", "wb") as f:
+                for t in state.values():
+                    f.write(t.numpy().data)
+            os.rename(tmp, final)
+        if warm:
+            shutil.rmtree(final, ignore_errors=True)
+            return lambda: True
+        return lambda: tierfs_replicated(root, step)
+
+    return save
+
+
+def _mlf_saver(a: dict[str, Any]) -> Saver:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from ml_flashpoint.adapter.pytorch.memory_storage_writer import MemoryStorageWriter
@@ -366,6 +386,8 @@ def _mlf_save(a: dict[str, Any], state: dict[str, Any]) -> tuple[Callable[[], bo
         return fs
 
     ReplicationManager.async_replicate = recording  # type: ignore[method-assign]
+    manager: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    manager.set_result(torch_mp.get_context("spawn").Manager())
     com = CheckpointObjectManager()
     rm = ReplicationManager()
     rm.initialize(com)
@@ -378,24 +400,26 @@ def _mlf_save(a: dict[str, Any], state: dict[str, Any]) -> tuple[Callable[[], bo
             replication_manager=rm,
             initial_buffer_size_bytes=a["size"] // 2 + 64 * MiB,
         ),
-        mp_manager=torch_mp.Manager(),
+        mp_manager_future=manager,
     )
     base = CheckpointContainerId(f"{a['root']}/job-bench")
-    ckpt = CheckpointContainerId.create_child(
-        base, CheckpointContainerId.format_version_container(a["step"])
-    )
-    dist.barrier()
-    t0 = time.monotonic()
-    dcp.save(state, checkpoint_id=str(ckpt), storage_writer=writer)
-    t_ret = time.monotonic()
-    if not futures:
-        raise SystemExit("ML Flashpoint started no replication")
-    return (lambda: all(f.done() for f in futures)), t0, t_ret
+
+    def save(state: dict[str, Any], warm: bool) -> Callable[[], bool]:
+        version = 2 * a["step"] + (0 if warm else 1)
+        ckpt = CheckpointContainerId.create_child(
+            base, CheckpointContainerId.format_version_container(version)
+        )
+        futures.clear()
+        dcp.save(state, checkpoint_id=str(ckpt), storage_writer=writer)
+        if not futures:
+            raise SystemExit("ML Flashpoint started no replication")
+        mine = list(futures)
+        return lambda: all(f.done() for f in mine)
+
+    return save
 
 
-def _nvrx_save(a: dict[str, Any], state: dict[str, Any]) -> tuple[float, float]:
-    import torch.distributed as dist
-
+def _nvrx_saver(a: dict[str, Any]) -> Saver:
     sys.path.append(str(NVRX_DIR))
     from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import (
         BasicTensorAwareStateDict,
@@ -424,11 +448,13 @@ def _nvrx_save(a: dict[str, Any], state: dict[str, Any]) -> tuple[float, float]:
         replication_jump=1, replication_factor=2
     )
     mgr = LocalCheckpointManager(a["root"], session_id="bench", repl_strategy=strategy)
-    sd = CPUStateDict(state)
-    dist.barrier()
-    t0 = time.monotonic()
-    mgr.save(sd, a["step"], is_async=False)
-    return t0, time.monotonic()
+
+    def save(state: dict[str, Any], warm: bool) -> Callable[[], bool]:
+        # synchronous: returns once the own part and the peer's copy are written
+        mgr.save(CPUStateDict(state), 2 * a["step"] + (0 if warm else 1), is_async=False)
+        return lambda: True
+
+    return save
 
 
 # ---------------------------------------------------------------------- orchestrator
@@ -498,11 +524,14 @@ def run_once(system: str, roots: list[Path], step: int, size: int) -> dict[str, 
         if p.returncode or not lines:
             raise RuntimeError(f"{system} rank {rank} failed ({p.returncode}):\n{err[-3000:]}")
         results.append(json.loads(lines[-1]))
+        log = Path(tempfile.gettempdir()) / f"flash-bench-{system}-rank{rank}.log"
+        log.write_text(err)  # the worker's own logging, kept for a look after the run
     slow = [1 - r["rate_during"] / r["rate_idle"] for r in results if r["rate_during"] is not None]
     return {
         "returned": max(r["returned"] for r in results),
         "replicated": max(r["replicated"] for r in results),
         "slowdown": statistics.median(slow) if slow else None,
+        "ranks": results,
     }
 
 
