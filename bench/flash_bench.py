@@ -37,11 +37,18 @@ Systems:
   returns after both the own part and the peer's copy are written to the
   rank's local directory, so both columns are the same time.
 
+Every worker first saves a 1 MiB warm-up state through its system, untimed
+(on tierfs into a directory that matches no seal pattern, removed at once),
+so that one-time costs of a fresh process (gloo and DCP planner caches, ML
+Flashpoint's multiprocessing manager proxies, NVRx's replication groups) are
+not counted: a trainer pays them once, not at every save.
+
 Trainer slowdown: each worker first measures the rate of a CPU-bound
 pure-Python loop while idle, then runs the same loop after its save returned
 until its part is replicated (tierfs, ML Flashpoint: replication runs in the
-background); ``slowdown = 1 - rate_during / rate_idle`` (median over ranks
-and repeats). NVRx blocks the save call until replicated: no background
+background; the loop polls for "replicated" every 20 ms);
+``slowdown = 1 - rate_during / rate_idle`` (median over ranks and repeats;
+negative = faster than idle, i.e. noise). NVRx blocks the save call until replicated: no background
 window, shown as "blocked". On a shared 2-core VM this figure is noisy.
 
 Installing the competitors (never needed by ``make install`` or the tests;
@@ -93,6 +100,10 @@ Workarounds (every one is needed on this CPU-only Python 3.11 machine):
   one machine would write each other's objects into the same file. Each
   worker runs in its own mount namespace (``unshare -m``) with a private
   tmpfs mounted at the same base path: each "node" has its own tmpfs.
+* ML Flashpoint 0.0.10's ``MemoryStorageWriter`` takes ``mp_manager_future``
+  (a ``concurrent.futures.Future`` of a ``torch.multiprocessing`` manager),
+  not the ``mp_manager=`` of its user guide: given a resolved future of a
+  spawn-context manager.
 * ML Flashpoint's default write buffer is 16 GB per rank: set to the rank's
   bytes + 64 MiB (``initial_buffer_size_bytes``).
 * NVRx 0.7.0 ships wheels for CPython 3.12/3.14 only; this machine's Python
