@@ -126,6 +126,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -596,6 +597,13 @@ def main() -> None:
                 )
                 if system == "nvrx":
                     subprocess.run(["rm", "-rf", str(work / f"nvrx-{step}")], check=False)
+                if system.startswith("tierfs"):
+                    # tierfs keeps sealed steps until a backup round (there is no
+                    # bucket here): without this the RAM budget fills after a few
+                    # runs and replication fails with ENOSPC on the peer
+                    for mnt in nodes.mounts:
+                        for name in (f"step_{step}", f"checkpoint-{step}"):
+                            shutil.rmtree(mnt / name, ignore_errors=True)
     subprocess.run(["rm", "-rf", str(work)], check=False)
     summary = summarize(runs)
     print(format_table(summary, skipped))
