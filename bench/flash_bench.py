@@ -22,6 +22,9 @@ Systems:
   ``<its node's mount>/step_N``. Replicated = ``.tierfs/status.json`` of each
   rank's node lists step N in state ``replicated`` (crc32c-checked and
   committed on the peer).
+  After each tierfs run the measured step is removed from both mounts (the
+  daemons keep sealed steps until a backup round; with no bucket the RAM
+  budget would fill and replication fail with ENOSPC).
 * ``tierfs-files``: the same nodes; each rank writes one file of SIZE/2 into
   ``tmp-checkpoint-N/`` on its node's mount and renames it to
   ``checkpoint-N`` (the rename seals).
