@@ -126,6 +126,9 @@ def test_ray_train_v2_shrinks_after_a_node_loss_and_grows_back_resuming_from_tie
         ]
         ray.init(address=rc.address)
         rc.wait_for_nodes()
+        # the first group starts with all 3 nodes, not fewer (the AutoscalingCoordinator
+        # is made by the first trainer: here only the live nodes are waited for)
+        refresh_resources(4)
         trainer = TorchTrainer(
             train_loop,
             train_loop_config={
