@@ -19,9 +19,11 @@ install: $(STAMP)
 # it mostly waits on daemons, restores and bucket deadlines, so 3 workers fit 2 cores (19 min
 # instead of ~37). The longest tests start first (tests/conftest.py); every worker keeps its
 # tests' ram-dirs on a tmpfs of its own. `make test WORKERS=0` runs it in one process.
+# The Ray Train test (marker ray: a local Ray cluster of 4 raylets) runs after, alone.
 WORKERS ?= 3
 test: install
-	$(BIN)/pytest -q -n $(WORKERS) --dist load --maxschedchunk 2
+	$(BIN)/pytest -q -n $(WORKERS) --dist load --maxschedchunk 2 -m "not ray"
+	$(BIN)/pytest -q -m ray
 
 # The quick layer: unit and model tests (no mount, no daemon, no bucket), < 2 minutes.
 test-fast: install

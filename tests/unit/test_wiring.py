@@ -333,3 +333,49 @@ def test_a_gcs_client_that_cannot_be_created_is_tried_again_with_backoff(monkeyp
     clock[0] += 3.0  # the second pause is 4 s: not yet
     trio.run(ticks, 3)
     assert len(tries) == 2
+
+
+class HeldTier:
+    """A tier whose start waits for ``release`` (a peer tier still reaching its
+    coordinator), recording what the node's status said meanwhile."""
+
+    def __init__(self, inner: object, release: trio.Event) -> None:
+        self.inner, self.release, self.seen = inner, release, trio.Event()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.seen.set()
+        await self.release.wait()
+        task_status.started()
+        await trio.sleep_forever()
+
+
+def test_a_starting_node_reports_its_restore_pending_before_its_tiers_started(tmp_path):
+    # regression (a Ray Train worker resized onto this node): while the daemon started
+    # its tiers, the mount answered with restore "idle"; `tierfs wait` printed "no
+    # restore needed" (exit 0) and the trainer started from step 0
+    from tierfs.cli.wait import RESTORE_SETTLED, wait_outcome
+
+    parts = build(
+        tmp_path, listen="127.0.0.1:7001", coordinator="127.0.0.1:7001", nodes=2, node_rank=1
+    )
+    agent = parts.agent
+    seen: list[tuple[str, tuple[int, str]]] = []
+
+    async def main() -> None:
+        release = trio.Event()
+        held = HeldTier(agent.tiers[0], release)
+        agent.tiers = [held, *agent.tiers[1:]]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(agent.run)
+            await held.seen.wait()
+            restore = agent.status().restore
+            seen.append((restore.state, wait_outcome(restore)))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    state, outcome = seen[0]
+    assert state == "pending" and state not in RESTORE_SETTLED, seen
+    assert outcome != (0, "no restore needed")

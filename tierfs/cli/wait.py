@@ -14,7 +14,12 @@ from typing import Any
 
 import click
 
-from tierfs.cli.status_file import DaemonNotAnswering, not_answering, read_status
+from tierfs.cli.status_file import (
+    DaemonNotAnswering,
+    not_answering,
+    read_status,
+    read_status_file,
+)
 from tierfs.core.status import NodeStatus, RestoreStatus
 
 __all__ = ["RESTORE_SETTLED", "WAIT_EXIT", "WAIT_STILL_RUNNING", "wait_cmd", "wait_outcome"]
@@ -125,7 +130,17 @@ def whole_step_unready(status: NodeStatus, all_bytes: bool) -> str | None:
     help="Exit 0, not 2, when an older step was restored because newer ones could not "
     "be (the reasons are still printed on stderr).",
 )
-def wait_cmd(mountpoint: str, timeout: float, all_bytes: bool, accept_older: bool) -> None:
+@click.option(
+    "--nodes",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Wait until the mount is served by a daemon of a job of this many nodes (a "
+    "job restarted on another node count: not the previous daemon's restore); until "
+    "then a mountpoint that does not answer counts as not there yet. 0: any.",
+)
+def wait_cmd(
+    mountpoint: str, timeout: float, all_bytes: bool, accept_older: bool, nodes: int
+) -> None:
     """Wait until the node's restore has finished; print what it restored.
 
     Use it between `tierfs mount` and starting a trainer that lists its own
@@ -145,11 +160,31 @@ def wait_cmd(mountpoint: str, timeout: float, all_bytes: bool, accept_older: boo
         try:
             # never past --timeout, even when the daemon does not answer at all
             left = max(1.0, deadline - time.monotonic())
-            status = NodeStatus.from_json(read_status(mountpoint, left))
+            if nodes:
+                status = NodeStatus.from_json(read_status_file(mountpoint, left) or {})
+            else:
+                status = NodeStatus.from_json(read_status(mountpoint, left))
             restore = status.restore
         except DaemonNotAnswering:
             click.echo(f"tierfs: error: {not_answering(mountpoint, timeout)}", err=True)
             sys.exit(WAIT_STILL_RUNNING)
+        except (OSError, ValueError) as exc:  # only with --nodes: being remounted
+            if time.monotonic() > deadline:
+                click.echo(f"tierfs: error: {mountpoint}: no tierfs daemon: {exc}", err=True)
+                sys.exit(WAIT_STILL_RUNNING)
+            time.sleep(0.2)
+            continue
+        serving = status.job.nodes if status.job is not None else 0
+        if nodes and serving != nodes:
+            if time.monotonic() > deadline:
+                click.echo(
+                    f"tierfs: error: {mountpoint} serves a job of {serving} nodes, not "
+                    f"{nodes}, after {timeout:.0f}s",
+                    err=True,
+                )
+                sys.exit(WAIT_STILL_RUNNING)
+            time.sleep(0.2)
+            continue
         state = restore.state
         if state in RESTORE_SETTLED:
             unready = whole_step_unready(status, all_bytes)

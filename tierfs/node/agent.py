@@ -247,6 +247,11 @@ class NodeAgent:
         if self.mode == "generic" and self.restore_state.get("state") in RESTORING_STATES:
             # a generic restore is never resumed: a new one starts below
             self.state.restore_state = {"state": "idle"}
+        if self._generic_restore_due():
+            # the mount answers while the tiers start: `tierfs wait` must see the restore
+            # coming, never the "idle" of a node with nothing to restore (regression: it
+            # printed "no restore needed", exit 0, and a trainer started from step 0)
+            self.state.restore_state = {"state": "pending", "since": time.time(), "summoned": False}
         await trio.to_thread.run_sync(self.control.write_jax_init_info)
         async with trio.open_nursery() as nursery:
             self.tasks.nursery = nursery
@@ -275,21 +280,28 @@ class NodeAgent:
             # the previous daemon died between consuming the yaml and publishing
             # the marker: the client still waits for one
             self.tasks.spawn(self.restores.resume, job)
-        elif (
-            self.mode == "generic"
-            and job is not None
-            and (
-                job.nodes > 1
-                or self.restorer.bucket is not None
-                or self.restorer.written_by_more(job)
-            )
-        ):
+        elif job is not None and self._generic_restore_due():
             # visible at once, so `tierfs wait` right after the mount waits for it
             # (unless the coordinator summoned this node while its tiers started);
             # a one-node job with a bucket restores too: after losing its RAM its
             # backup rounds are all it has (never a silent fresh start); and so does a
             # job shrunk to one node: its steps need the lost nodes' parts (issue #16)
             self.restores.start_generic(job)
+
+    def _generic_restore_due(self) -> bool:
+        """True if this start runs a generic restore: a multi-node job, a bucket, or
+        steps written by more nodes than the job has now."""
+        job = self.state.job
+        return (
+            self.mode == "generic"
+            and job is not None
+            and not os.path.lexists(os.path.join(self.store.view, control.REPLICATOR_YAML))
+            and (
+                job.nodes > 1
+                or self.restorer.bucket is not None
+                or self.restorer.written_by_more(job)
+            )
+        )
 
     async def shutdown(self) -> None:
         """Persist state before the daemon exits."""
