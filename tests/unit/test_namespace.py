@@ -7,6 +7,7 @@ directory on /dev/shm.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import stat
@@ -285,6 +286,47 @@ def test_reserved_names_give_eperm(ns, view):
     assert sorted(os.listdir(view / ".tierfs")) == ["status.json"]
     h = ns.open(status.nodeid, os.O_RDONLY)  # reading is fine
     ns.release(h.fh)
+
+
+def test_a_generated_file_reads_whole_when_the_ram_store_is_full(view, monkeypatch):
+    """Regression (a benchmark filled a node's RAM): ``.tierfs/status.json`` is generated
+    into its backing file in the RAM store at each open; with the store full, tmpfs
+    stored the first 8192 bytes (a short write) and the status read as cut-off JSON,
+    8192 bytes, exactly when the user needs it. Reads now come from the bytes generated
+    at the open; the backing file is written best effort."""
+    import tierfs.fuse.files as files_mod
+
+    content = json.dumps({"steps": [{"step": i, "state": "sealed"} for i in range(900)]})
+    data = content.encode()
+    assert len(data) > 3 * 8192
+    ns = make_ns(view, virtual={b".tierfs/status.json": lambda: data})
+    real_write = os.write
+    calls = []
+
+    def full_tmpfs(fd: int, buf) -> int:  # what tmpfs does with 8192 bytes left
+        calls.append(len(buf))
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, bytes(buf[:8192]))
+
+    monkeypatch.setattr(files_mod.os, "write", full_tmpfs)
+    try:
+        ctl, _ = ns.lookup(ROOT_ID, b".tierfs")
+        status, _ = ns.lookup(ctl.nodeid, b"status.json")
+        h = ns.open(status.nodeid, os.O_RDONLY)
+        got = bytearray()
+        while True:
+            buf = bytearray(4096)
+            n = ns.read_into(h.fh, len(got), memoryview(buf))
+            if n == 0:
+                break
+            got += buf[:n]
+        ns.release(h.fh)
+    finally:
+        monkeypatch.undo()
+        ns.close()
+    assert bytes(got) == data and json.loads(got) == json.loads(content)
+    assert calls[0] == len(data)
 
 
 # ---------------------------------------------------------------- events

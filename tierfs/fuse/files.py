@@ -83,8 +83,9 @@ class FileOps(DataOps):
             if inode.reserved:
                 raise access.managed_error()
             self._events.opening_for_write(inode.ino)
-        elif inode.virtual is not None:
-            self._regenerate(inode)
+        content = None
+        if not access.opens_for_write(flags) and inode.virtual is not None:
+            content = self._regenerate(inode)
         # No O_NOFOLLOW: /proc/self/fd/N is a magic link (the kernel resolves
         # client symlinks itself and never opens one through FUSE).
         fd = os.open(proc(self._fd_of(inode)), (flags & BACKING_FLAGS) | os.O_CLOEXEC)
@@ -99,31 +100,53 @@ class FileOps(DataOps):
                 self._space.shrunk(fd, before)
                 if kill_suidgid:
                     clear_suidgid(self._kernel, inode, fd)
-            return self._handles.new_file(inode, fd, flags)
+            handle = self._handles.new_file(inode, fd, flags)
+            handle.content = content
+            return handle
         except BaseException:
             os.close(fd)
             raise
 
-    def _regenerate(self, inode: Inode) -> None:
+    def _regenerate(self, inode: Inode) -> bytes | None:
+        """Generate a daemon-generated file's content for an open: returned (the open's
+        reads are served from it) and written to its backing file, best effort, so
+        stat shows its size. None if the generator failed (the last content stays).
+
+        Regression: the content was only written to the backing file, which lives in
+        the RAM store; with the store full, ``write`` stored the first 8192 bytes and
+        ``.tierfs/status.json`` read as cut-off JSON exactly when a user needs it."""
         assert inode.virtual is not None
         try:
             content = inode.virtual()
         except Exception:  # a status generator must never break open()
             log.exception("generating virtual file failed")
-            return
-        fd = os.open(proc(self._fd_of(inode)), os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+            return None
         try:
-            os.write(fd, content)
-        finally:
-            os.close(fd)
+            fd = os.open(proc(self._fd_of(inode)), os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+            try:
+                view = memoryview(content)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+        except OSError as exc:  # e.g. ENOSPC: the reads are served from memory
+            log.debug("keeping a generated file's size on disk failed: %s", exc)
+        return content
 
     def read_into(self, fh: int, offset: int, buf: memoryview) -> int:
-        """Read up to ``len(buf)`` bytes at ``offset`` into ``buf``; returns bytes read.
+        """Read up to ``len(buf)`` bytes at ``offset`` into ``buf``; returns bytes read
+        (a daemon-generated file's from its content at open).
 
         Raises:
             OSError: EBADF for an unknown handle.
         """
-        return os.preadv(self._file(fh).fd, [buf], offset)
+        handle = self._file(fh)
+        content = handle.content
+        if content is not None:
+            chunk = content[offset : offset + len(buf)]
+            buf[: len(chunk)] = chunk
+            return len(chunk)
+        return os.preadv(handle.fd, [buf], offset)
 
     def write(self, fh: int, offset: int, data: memoryview, cached: bool = False) -> int:
         """Write ``data`` at ``offset``; returns bytes written.

@@ -37,6 +37,8 @@ class Handle:
         writable: opened for writing (counted in ``Inode.writers``).
         passthrough: the kernel moves the data (``inode.backing_id``).
         direct_io, keep_cache: the FOPEN flags of a daemon-served open.
+        content: a daemon-generated file's bytes as generated at this open
+            (``Inode.virtual``): reads are served from them (None: from ``fd``).
     """
 
     fh: int
@@ -47,6 +49,7 @@ class Handle:
     passthrough: bool
     direct_io: bool = False
     keep_cache: bool = False
+    content: bytes | None = None
 
 
 @dataclass(eq=False, slots=True)
