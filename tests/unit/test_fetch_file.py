@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -545,6 +546,39 @@ def test_a_holder_whose_file_is_not_the_expected_one_sends_no_byte(served, tmp_p
         )
         assert n == size and contents(fd) == FILES[BIG]
     finally:
+        os.close(fd)
+        client.close()
+
+
+def test_a_held_pull_writes_nothing_until_released(served, tmp_path):
+    at, host = served(PeerServicer)
+    client = PeerClient(TOKEN, WireStats())
+    fd = target(tmp_path)
+    go = threading.Event()
+    asked = []
+
+    def hold() -> bool:
+        asked.append(os.fstat(fd).st_size)
+        return not go.is_set()
+
+    got: list[int] = []
+    t = threading.Thread(
+        target=lambda: got.append(
+            client.pull_file(at, host.shard.key, "", BIG, fd, threading.Event(), hold=hold)
+        )
+    )
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(asked) < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(asked) >= 20 and set(asked) == {0}  # asked again and again, nothing written
+        go.set()
+        t.join(30)
+        assert got == [len(FILES[BIG])] and contents(fd) == FILES[BIG]
+    finally:
+        go.set()
+        t.join(30)
         os.close(fd)
         client.close()
 

@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import fake_ports
@@ -20,7 +21,7 @@ import trio.testing
 
 from tierfs.core.control import JobSpec
 from tierfs.core.errors import FetchFailed
-from tierfs.core.priority import fetch_urgent
+from tierfs.core.priority import fetch_hold, fetch_urgent
 from tierfs.fuse.inodes import ROOT_ID
 from tierfs.fuse.namespace import Namespace
 from tierfs.fuse.remote import Deferred
@@ -628,12 +629,14 @@ class Checked(Source):
         self.expects: list[tuple[int, int] | None] = []
         self.urgent: list[tuple[str, bool]] = []
         self.gates: dict[str, trio.Event] = {}
+        self.holds: dict[str, Callable[[], bool]] = {}
 
     async def fetch_file(
         self, job, rank, step, digest, path, fd, *, skip=frozenset(), writers=0, expect=None
     ) -> str:
         self.expects.append(expect)
         self.urgent.append((path, fetch_urgent.get()()))
+        self.holds[path] = fetch_hold.get()
         gate = self.gates.get(path)
         if gate is not None:
             await gate.wait()
@@ -755,3 +758,42 @@ def test_after_a_readers_open_the_next_file_in_path_order_is_read_ahead(tmp_path
         ("10/__2_0.distcp", False),
     ]
     assert (view / "__2_0.distcp").read_bytes() == B and job.errors == []
+
+
+def test_a_prefetch_under_way_is_held_while_a_reader_waits_for_another_file(tmp_path):
+    peer = Checked("peer", BYTES, ["peer node-rank 0"])
+    rv, ram, _s, _c, _own, job = view_of(tmp_path, PARTS, [peer])
+    view = Path(ram.view) / "10"
+    peer.gates["10/__2_0.distcp"] = trio.Event()  # the prefetch's file
+    peer.gates["10/.metadata"] = trio.Event()  # the reader's
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await running(rv, nursery)
+            prefetch = rv.steps[10].files["10/__2_0.distcp"]
+            nursery.start_soon(rv.fetch, prefetch)
+            await trio.testing.wait_all_tasks_blocked()
+            hold = peer.holds["10/__2_0.distcp"]
+            assert hold() is False  # nobody waits: it goes on
+            nursery.start_soon(rv.missing((view / ".metadata").stat().st_ino))
+            await trio.testing.wait_all_tasks_blocked()
+            assert hold() is True  # a reader waits for .metadata: the prefetch pauses
+            assert peer.holds["10/.metadata"]() is False  # the reader's own never does
+            peer.gates["10/.metadata"].set()
+            with trio.fail_after(10):
+                while rv.steps[10].files["10/.metadata"].state != "local":
+                    await trio.sleep(0.01)
+            await trio.testing.wait_all_tasks_blocked()
+            assert hold() is False
+            # a reader opens the prefetched file itself: it is urgent now, never held
+            nursery.start_soon(rv.missing((view / "__2_0.distcp").stat().st_ino))
+            await trio.testing.wait_all_tasks_blocked()
+            assert (rv._readers, prefetch.urgent, hold()) == (1, True, False)
+            peer.gates["10/__2_0.distcp"].set()
+            with trio.fail_after(10):
+                while not rv.status().step(10).bytes_ready:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert job.errors == []

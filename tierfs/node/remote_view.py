@@ -34,7 +34,8 @@ background (:meth:`RemoteView.prefetch`): ``prefetch_width`` files at a time,
 round-robin over the ranks so the holders share the load. A reader's open
 comes first: its fetch is *urgent* (the peer tier's file lane gives it the
 next slot, :mod:`tierfs.core.priority`), the prefetch starts no new file while
-one waits, and after it the next file of the step is read ahead.
+one waits and pauses the transfers it has under way between chunks, and after
+it the next file of the step is read ahead.
 
 Writer topology (issue #16): a step shows the parts of the ranks of the node
 count that wrote it (:attr:`tierfs.store.manifest.Manifest.nodes`), not of
@@ -68,7 +69,7 @@ import trio
 from tierfs.core import control
 from tierfs.core.errors import NO_ROOM_ERRNOS, FetchFailed
 from tierfs.core.ports import CurrentJob, FileSource, ManifestSource, Reporter
-from tierfs.core.priority import fetch_urgent
+from tierfs.core.priority import fetch_hold, fetch_urgent
 from tierfs.core.status.whole import WholeStepStatus, WholeViewStatus
 from tierfs.fuse.inodes import proc
 from tierfs.fuse.namespace import Namespace
@@ -800,6 +801,8 @@ class RemoteView:
         """One fetch of ``rf``; its outcome is left in ``rf`` (state, errno, error)."""
         assert rf.done is not None
         token = fetch_urgent.set(lambda: rf.urgent)
+        # a fetch no reader waits for pauses between chunks while a reader waits
+        held = fetch_hold.set(lambda: self._readers > 0 and not rf.urgent)
         try:
             await self._fetch(rf)
         except OSError as exc:
@@ -812,6 +815,7 @@ class RemoteView:
                 rf.state = REMOTE
             rf.urgent = False
             fetch_urgent.reset(token)
+            fetch_hold.reset(held)
             rf.done.set()
 
     def _writers(self, step: int) -> int:

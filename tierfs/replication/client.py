@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -49,6 +50,8 @@ from tierfs.store.shards import Shard, ShardKey
 POLL_MS = 25_000
 #: seconds one file pull (:meth:`PeerClient.pull_file`) may take, its bytes included
 FILE_PULL_TIMEOUT = 600.0
+#: seconds between looks while a file pull is held (:meth:`PeerClient.pull_file` ``hold``)
+HOLD_POLL = 0.005
 
 
 class PeerClient:
@@ -246,6 +249,7 @@ class PeerClient:
         cancel: threading.Event,
         timeout: float = FILE_PULL_TIMEOUT,
         expect: tuple[int, int] | None = None,
+        hold: Callable[[], bool] | None = None,
     ) -> int:
         """Pull one file of the holder's copy of ``key`` into the open descriptor ``fd``
         (issue #14: a whole-step view reads a file of another rank's part).
@@ -267,6 +271,9 @@ class PeerClient:
             expect: (size in bytes, crc32c) the caller's manifest gives the file;
                 a holder whose entry differs raises :class:`OtherBytes` before any
                 byte is written (None: the holder's entry is taken).
+            hold: called before every chunk is written; while it returns True the
+                pull pauses (polled every :data:`HOLD_POLL` seconds; the stream
+                stalls under gRPC flow control): a prefetch gives way to a reader.
 
         Returns:
             bytes written (the file's size).
@@ -336,6 +343,8 @@ class PeerClient:
                     raise BadCopy(f"{path} at offset {c.offset}: chunk crc32c mismatch")
                 if written + len(c.data) > entry.size:
                     raise BadCopy(f"{path}: more bytes than the manifest's {entry.size}")
+                while hold is not None and hold() and not cancel.is_set():
+                    time.sleep(HOLD_POLL)
                 if cancel.is_set():
                     raise Cancelled("transfer cancelled")
                 _pwrite_all(fd, c.data, c.offset)

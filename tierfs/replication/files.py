@@ -22,6 +22,7 @@ import trio
 from tierfs.core.control import JobSpec
 from tierfs.core.errors import NO_ROOM_ERRNOS, FetchFailed
 from tierfs.core.ports import CurrentJob, Reporter
+from tierfs.core.priority import fetch_hold
 from tierfs.replication import placement
 from tierfs.replication.addresses import AddressBook
 from tierfs.replication.client import PeerClient, rpc_code, rpc_reason
@@ -244,6 +245,7 @@ class PeerFiles:
         cancel = threading.Event()
         code: grpc.StatusCode | str | None = None
         try:
+            hold = fetch_hold.get()  # the caller's (a prefetch gives way to readers)
             async with self.lane.slot():
                 own = os.dup(fd)
 
@@ -251,7 +253,7 @@ class PeerFiles:
                     try:
                         return int(
                             self.client.pull_file(
-                                address, key, digest, path, own, cancel, expect=expect
+                                address, key, digest, path, own, cancel, expect=expect, hold=hold
                             )
                         )
                     finally:
