@@ -267,3 +267,69 @@ def test_the_synced_step_and_backup_requests_are_counted_not_walked():
         )
     assert sorted(c.sync_steps.items()) == sorted(steps.items())
     assert sum(c.roster.step_counts.values()) == len(steps)
+
+
+def test_a_sync_waiting_for_a_summons_returns_when_another_node_opens_a_round(service):
+    """A node that kept running long-polls its heartbeat (``SyncRequest.wait_ms``) and is
+    told of another node's restore round at once, not at its next heartbeat."""
+    servicer, address = service
+
+    def req(rank: int, rid: str, inventory: list[Holding]) -> peer_pb2.JoinRequest:
+        return peer_pb2.JoinRequest(
+            job="g",
+            nodes=2,
+            rank=rank,
+            address=f"10.0.0.{rank + 1}:7000",
+            incarnation=f"inc{rank}",
+            restore_id=rid,
+            mode="generic",
+            inventory=[peer_wire.held_shard(h) for h in inventory],
+        )
+
+    held = [Holding(0, 5, True, "d0-5"), Holding(1, 5, True, "d1-5")]
+    with grpc.insecure_channel(address) as ch:
+        stub = peer_pb2_grpc.CoordinatorStub(ch)
+        stub.Join(req(0, "", held), metadata=MD)
+
+        def sync(wait_ms: int) -> peer_pb2.SyncReply:
+            return stub.Sync(
+                peer_pb2.SyncRequest(
+                    job="g",
+                    rank=0,
+                    incarnation="inc0",
+                    step=5,
+                    inventory=[peer_wire.held_shard(h) for h in held],
+                    wait_ms=wait_ms,
+                ),
+                metadata=MD,
+                timeout=150,
+            )
+
+        # no round: the reply comes when the long poll ends, not summoned
+        started = time.monotonic()
+        quiet = sync(300)
+        assert quiet.known and not quiet.summoned and time.monotonic() - started >= 0.3
+        # a held heartbeat, then node 1 restarts and opens a round: answered at once
+        pending = stub.Sync.future(
+            peer_pb2.SyncRequest(
+                job="g",
+                rank=0,
+                incarnation="inc0",
+                step=5,
+                inventory=[peer_wire.held_shard(h) for h in held],
+                wait_ms=120_000,
+            ),
+            metadata=MD,
+            timeout=150,
+        )
+        until(lambda: servicer.waiting >= 1, "the heartbeat to wait")
+        assert not pending.done()
+        stub.Join(req(1, "restart", []), metadata=MD)
+        d = stub.Decide(
+            peer_pb2.DecideRequest(job="g", rank=1, restore_id="restart", wait_ms=0), metadata=MD
+        )
+        assert d.state == peer_pb2.DecideReply.WAITING and list(d.missing) == [0]
+        reply = pending.result(timeout=60)  # far less than its 120 s poll
+        assert reply.summoned and reply.restore_round == d.round
+        # an older node (no wait_ms) is answered at once, summoned too
+        assert sync(0).summoned

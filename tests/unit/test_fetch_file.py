@@ -25,12 +25,14 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import fake_bucket as fb
 import fake_peers
 import fake_ports
+import google_crc32c
 import grpc
 import pytest
 import trio
@@ -50,10 +52,12 @@ from tierfs.replication.client import PeerClient
 from tierfs.replication.peer import PeerTier
 from tierfs.replication.plane import PlaneState
 from tierfs.replication.service import PeerServicer, peer_handlers
-from tierfs.replication.transfer import CHUNK, BadCopy, Refused
+from tierfs.replication.transfer import CHUNK, BadCopy, OtherBytes, Refused
+from tierfs.rpc import peer_pb2
 from tierfs.rpc import wire as peer_wire
 from tierfs.rpc.aio_server import AioServer, with_sync_context
 from tierfs.rpc.wire import WireStats
+from tierfs.store.manifest import Manifest
 from tierfs.store.ramstore import RamStore
 from tierfs.store.shards import Shard, ShardKey, ShardStore
 
@@ -430,6 +434,151 @@ def test_pull_file_over_loopback_grpc(served, tmp_path):
             PeerClient("wrong", WireStats()).pull_file(at, key, "", SMALL, fd, threading.Event())
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
+        os.close(fd)
+        client.close()
+
+
+class IgnoresTrim(PeerServicer):
+    """A holder from before ``PullRequest.trim_manifest``: it sends the whole manifest."""
+
+    def PullShard(self, request, context):  # type: ignore[no-untyped-def]
+        request.ClearField("trim_manifest")
+        return super().PullShard(request, context)
+
+
+def pull_messages(at: str, request: peer_pb2.PullRequest) -> list[peer_pb2.PullMessage]:
+    """Every message a PullShard call answers (a raw call, as any puller makes it)."""
+    client = PeerClient(TOKEN, WireStats())
+    try:
+        pull = client.channel(at).unary_stream(
+            "/tierfs.peer.v1.Peer/PullShard",
+            request_serializer=peer_wire.serialize,
+            response_deserializer=peer_wire.chunk_deserializer(peer_pb2.PullMessage),
+        )
+        return list(pull(request, metadata=client.md, timeout=30))
+    finally:
+        client.close()
+
+
+def test_a_trimmed_pull_sends_only_that_files_entry_and_the_whole_digest(served, tmp_path):
+    at, host = served(PeerServicer)
+    key, whole = host.shard.key, host.shard.manifest
+    req = peer_pb2.PullRequest(
+        job=JOB, rank=3, step=STEP, digest=whole.digest, puller_rank=-1, paths=[SMALL]
+    )
+    # an older puller (no trim_manifest): the whole manifest, no digest field
+    full = pull_messages(at, req)
+    assert full[0].manifest.digest == ""
+    assert Manifest.from_json(full[0].manifest.json) == whole
+    req.trim_manifest = True
+    msgs = pull_messages(at, req)
+    head = msgs[0].manifest
+    trimmed = Manifest.from_json(head.json)
+    assert [f.path for f in trimmed.files] == [SMALL]
+    assert trimmed.files[0] == next(f for f in whole.files if f.path == SMALL)
+    assert head.digest == whole.digest != trimmed.digest
+    assert b"".join(peer_wire.as_chunk(m).data for m in msgs[1:]) == FILES[SMALL]
+    # the client reads it, and an older holder's whole manifest too
+    old_at, _ = served(IgnoresTrim)
+    client = PeerClient(TOKEN, WireStats())
+    try:
+        for where in (at, old_at):
+            fd = target(tmp_path, f"out-{where.rsplit(':', 1)[1]}")
+            try:
+                n = client.pull_file(where, key, whole.digest, BIG, fd, threading.Event())
+                assert n == len(FILES[BIG]) and contents(fd) == FILES[BIG]
+            finally:
+                os.close(fd)
+        # a digest the holder does not have: refused before any byte (as untrimmed)
+        fd = target(tmp_path, "wrong")
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                client.pull_file(at, key, "0badd1e5-10", SMALL, fd, threading.Event())
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        finally:
+            os.close(fd)
+    finally:
+        client.close()
+
+
+def test_a_trimmed_manifest_with_another_digest_than_asked_is_a_bad_copy(tmp_path, served):
+    # a holder that answers a trimmed manifest whose whole digest is not the one asked
+    class WrongDigest(PeerServicer):
+        def PullShard(self, request, context):  # type: ignore[no-untyped-def]
+            asked, request.digest = request.digest, ""
+            for i, msg in enumerate(super().PullShard(request, context)):
+                if i == 0:
+                    m = peer_pb2.PullMessage.FromString(msg)
+                    m.manifest.digest = "0badd1e5-10"
+                    msg = m.SerializeToString()
+                yield msg
+            assert asked
+
+    at, host = served(WrongDigest)
+    client = PeerClient(TOKEN, WireStats())
+    fd = target(tmp_path)
+    try:
+        with pytest.raises(BadCopy, match="manifest digest 0badd1e5-10 != announced"):
+            client.pull_file(
+                at, host.shard.key, host.shard.manifest.digest, SMALL, fd, threading.Event()
+            )
+        assert os.fstat(fd).st_size == 0
+    finally:
+        os.close(fd)
+        client.close()
+
+
+def test_a_holder_whose_file_is_not_the_expected_one_sends_no_byte(served, tmp_path):
+    at, host = served(PeerServicer)
+    client = PeerClient(TOKEN, WireStats())
+    fd = target(tmp_path)
+    size = len(FILES[BIG])
+    right = google_crc32c.value(FILES[BIG])
+    try:
+        with pytest.raises(OtherBytes, match=f"the manifest here says {size} bytes crc32c"):
+            client.pull_file(
+                at, host.shard.key, "", BIG, fd, threading.Event(), expect=(size, right ^ 1)
+            )
+        assert os.fstat(fd).st_size == 0
+        assert client.stats.snapshot().get("pulled_bytes", 0) == 0
+        n = client.pull_file(
+            at, host.shard.key, "", BIG, fd, threading.Event(), expect=(size, right)
+        )
+        assert n == size and contents(fd) == FILES[BIG]
+    finally:
+        os.close(fd)
+        client.close()
+
+
+def test_a_held_pull_writes_nothing_until_released(served, tmp_path):
+    at, host = served(PeerServicer)
+    client = PeerClient(TOKEN, WireStats())
+    fd = target(tmp_path)
+    go = threading.Event()
+    asked = []
+
+    def hold() -> bool:
+        asked.append(os.fstat(fd).st_size)
+        return not go.is_set()
+
+    got: list[int] = []
+    t = threading.Thread(
+        target=lambda: got.append(
+            client.pull_file(at, host.shard.key, "", BIG, fd, threading.Event(), hold=hold)
+        )
+    )
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(asked) < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(asked) >= 20 and set(asked) == {0}  # asked again and again, nothing written
+        go.set()
+        t.join(30)
+        assert got == [len(FILES[BIG])] and contents(fd) == FILES[BIG]
+    finally:
+        go.set()
+        t.join(30)
         os.close(fd)
         client.close()
 

@@ -10,14 +10,18 @@ import errno
 import json
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import fake_ports
+import google_crc32c
 import pytest
 import trio
+import trio.testing
 
 from tierfs.core.control import JobSpec
 from tierfs.core.errors import FetchFailed
+from tierfs.core.priority import fetch_hold, fetch_urgent
 from tierfs.fuse.inodes import ROOT_ID
 from tierfs.fuse.namespace import Namespace
 from tierfs.fuse.remote import Deferred
@@ -623,3 +627,187 @@ def test_other_bytes_in_every_copy_ask_for_the_part_again(tmp_path):
     trio.run(main)
     assert meta.read_bytes() == B2
     assert "its manifest is asked for again" in job.errors[0], job.errors
+
+
+# ---------------------------------------------------------------------- a source that checks
+
+
+class Checked(Source):
+    """A source that checks the bytes against ``expect`` as they are written (as the peer
+    tier does): it refuses a copy whose file is not ``expect`` with ``other_bytes``."""
+
+    checks_written = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.expects: list[tuple[int, int] | None] = []
+        self.urgent: list[tuple[str, bool]] = []
+        self.gates: dict[str, trio.Event] = {}
+        self.holds: dict[str, Callable[[], bool]] = {}
+
+    async def fetch_file(
+        self, job, rank, step, digest, path, fd, *, skip=frozenset(), writers=0, expect=None
+    ) -> str:
+        self.expects.append(expect)
+        self.urgent.append((path, fetch_urgent.get()()))
+        self.holds[path] = fetch_hold.get()
+        gate = self.gates.get(path)
+        if gate is not None:
+            await gate.wait()
+        data = self.files.get(path)
+        if data is not None and expect != (len(data), google_crc32c.value(data)):
+            raise FetchFailed(f"{self.name}: other bytes of {path}", other_bytes=True)
+        return await super().fetch_file(job, rank, step, digest, path, fd, skip=skip)
+
+
+def test_a_source_that_checks_as_it_writes_is_given_the_manifest_entry_and_not_read_back(
+    tmp_path,
+):
+    peer = Checked("peer", BYTES, ["peer node-rank 0"])
+    rv, ram, _s, _c, own, job = view_of(tmp_path, PARTS, [peer])
+    meta = Path(ram.view) / "10" / ".metadata"
+
+    async def main() -> None:
+        await rv.look(own)
+        # the file-work limiter is held: a read-back of the fetched bytes would wait on it
+        async with rv.io_limiter:
+            with trio.fail_after(10):
+                await rv.missing(meta.stat().st_ino)()
+
+    trio.run(main)
+    assert meta.read_bytes() == B and job.errors == []
+    assert peer.expects == [(len(B), google_crc32c.value(B))]
+    assert rv.status().fetched_bytes == {"peer": len(B)}
+
+
+def test_other_bytes_said_by_a_checking_source_ask_for_the_part_again(tmp_path):
+    B2 = os.urandom(len(B))
+    peer = Checked("peer", {**BYTES, "10/.metadata": B2}, ["peer node-rank 0"])
+    rv, ram, _s, _c, own, job = view_of(tmp_path, dict(PARTS), [peer])
+    meta = Path(ram.view) / "10" / ".metadata"
+
+    async def main() -> None:
+        await rv.look(own)
+        with pytest.raises(OSError) as exc:
+            await rv.missing(meta.stat().st_ino)()
+        assert exc.value.errno == errno.EIO
+        assert rv.steps[10].recheck == {0}
+
+    trio.run(main)
+    assert not has_data(meta)
+    assert "its manifest is asked for again" in job.errors[0], job.errors
+
+
+async def running(rv: RemoteView, nursery: trio.Nursery) -> None:
+    """Start ``rv``'s loop and wait until step 10's other ranks' files are placed."""
+    nursery.start_soon(rv.run)
+    with trio.fail_after(10):
+        while rv._fetches is None or not rv.steps.get(10) or not rv.steps[10].files:
+            await trio.sleep(0.01)
+
+
+def test_a_readers_open_is_urgent_and_the_prefetch_starts_nothing_while_it_waits(tmp_path):
+    peer = Checked("peer", BYTES, ["peer node-rank 0"])
+    rv, ram, _s, _c, _own, job = view_of(tmp_path, PARTS, [peer])
+    view = Path(ram.view) / "10"
+    peer.gates["10/.metadata"] = trio.Event()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await running(rv, nursery)
+            opened = trio.Event()
+
+            async def reader() -> None:
+                await rv.missing((view / ".metadata").stat().st_ino)()
+                opened.set()
+
+            nursery.start_soon(reader)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(rv.prefetch, 10)
+            await trio.testing.wait_all_tasks_blocked()
+            # the reader's fetch runs urgent; the prefetch starts nothing while it waits
+            assert peer.urgent == [("10/.metadata", True)]
+            peer.gates["10/.metadata"].set()
+            with trio.fail_after(10):
+                await opened.wait()
+                while not rv.status().step(10).bytes_ready:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    # the rest in the background (read-ahead or prefetch, whichever came first)
+    assert peer.urgent[0] == ("10/.metadata", True)
+    assert sorted(peer.urgent[1:]) == [("10/__0_0.distcp", False), ("10/__2_0.distcp", False)]
+    assert (view / "__0_0.distcp").read_bytes() == C and job.errors == []
+
+
+def test_after_a_readers_open_the_next_file_in_path_order_is_read_ahead(tmp_path):
+    peer = Checked("peer", BYTES, ["peer node-rank 0"])
+    rv, ram, _s, _c, _own, job = view_of(tmp_path, PARTS, [peer])
+    view = Path(ram.view) / "10"
+
+    def state(name: str) -> str:
+        return rv.steps[10].files[f"10/{name}"].state
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await running(rv, nursery)
+            await rv.missing((view / ".metadata").stat().st_ino)()
+            with trio.fail_after(10):
+                while state("__0_0.distcp") != "local":
+                    await trio.sleep(0.01)
+            await trio.testing.wait_all_tasks_blocked()
+            assert state("__2_0.distcp") == "remote"  # one file ahead, no more
+            # its open finds the bytes here, and reads the next one ahead
+            assert rv.missing((view / "__0_0.distcp").stat().st_ino) is None
+            with trio.fail_after(10):
+                while state("__2_0.distcp") != "local":
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert peer.urgent == [
+        ("10/.metadata", True),
+        ("10/__0_0.distcp", False),
+        ("10/__2_0.distcp", False),
+    ]
+    assert (view / "__2_0.distcp").read_bytes() == B and job.errors == []
+
+
+def test_a_prefetch_under_way_is_held_while_a_reader_waits_for_another_file(tmp_path):
+    peer = Checked("peer", BYTES, ["peer node-rank 0"])
+    rv, ram, _s, _c, _own, job = view_of(tmp_path, PARTS, [peer])
+    view = Path(ram.view) / "10"
+    peer.gates["10/__2_0.distcp"] = trio.Event()  # the prefetch's file
+    peer.gates["10/.metadata"] = trio.Event()  # the reader's
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await running(rv, nursery)
+            prefetch = rv.steps[10].files["10/__2_0.distcp"]
+            nursery.start_soon(rv.fetch, prefetch)
+            await trio.testing.wait_all_tasks_blocked()
+            hold = peer.holds["10/__2_0.distcp"]
+            assert hold() is False  # nobody waits: it goes on
+            nursery.start_soon(rv.missing((view / ".metadata").stat().st_ino))
+            await trio.testing.wait_all_tasks_blocked()
+            assert hold() is True  # a reader waits for .metadata: the prefetch pauses
+            assert peer.holds["10/.metadata"]() is False  # the reader's own never does
+            peer.gates["10/.metadata"].set()
+            with trio.fail_after(10):
+                while rv.steps[10].files["10/.metadata"].state != "local":
+                    await trio.sleep(0.01)
+            await trio.testing.wait_all_tasks_blocked()
+            assert hold() is False
+            # a reader opens the prefetched file itself: it is urgent now, never held
+            nursery.start_soon(rv.missing((view / "__2_0.distcp").stat().st_ino))
+            await trio.testing.wait_all_tasks_blocked()
+            assert (rv._readers, prefetch.urgent, hold()) == (1, True, False)
+            peer.gates["10/__2_0.distcp"].set()
+            with trio.fail_after(10):
+                while not rv.status().step(10).bytes_ready:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert job.errors == []

@@ -439,11 +439,13 @@ class GcsTier:
         *,
         skip: frozenset[str] = frozenset(),
         writers: int = 0,
+        expect: tuple[int, int] | None = None,
     ) -> str:
         """One file of another rank's part from a backup round (the
         :class:`tierfs.core.ports.FileSource` port): see
         :meth:`tierfs.backup.fetch.BucketRestore.fetch_file` (``writers`` is not
-        needed: a round names its parts by rank).
+        needed: a round names its parts by rank; ``expect`` is not checked here,
+        the caller reads the bytes back).
 
         Raises:
             tierfs.core.errors.FetchFailed: no round served it, or there is no bucket.

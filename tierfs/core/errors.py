@@ -99,4 +99,14 @@ NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 class FetchFailed(TierfsError):
     """No copy in a tier could hand over a file of another rank's part (issue #14);
-    the message names every copy tried and why it failed."""
+    the message names every copy tried and why it failed.
+
+    Attributes:
+        other_bytes: a copy holds other bytes of the file than the caller's
+            manifest says (the part saved again since it was read), as opposed to
+            no copy, a damaged one or an unreachable one.
+    """
+
+    def __init__(self, message: str, *, other_bytes: bool = False) -> None:
+        super().__init__(message)
+        self.other_bytes = other_bytes

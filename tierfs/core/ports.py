@@ -158,6 +158,7 @@ class FileSource(Protocol):
         *,
         skip: frozenset[str] = frozenset(),
         writers: int = 0,
+        expect: tuple[int, int] | None = None,
     ) -> str:
         """Write file ``path`` (relative to the part's root) of node ``rank``'s part
         of ``step`` into the open descriptor ``fd``, from offset 0 (positional
@@ -168,7 +169,13 @@ class FileSource(Protocol):
         caller checks size and crc32c of what was written). ``skip`` names copies
         (as returned) that served wrong bytes before: they are not used again.
         ``writers``: the node count that wrote the step (see
-        :meth:`ManifestSource.part_manifest`).
+        :meth:`ManifestSource.part_manifest`). ``expect``: (size in bytes, crc32c)
+        of the file by the caller's manifest; a source whose ``checks_written``
+        attribute is True then checks the bytes against it as they are written
+        (on return they are exactly that file: the caller need not read them
+        back; a copy with other bytes is skipped, and when no copy served,
+        :attr:`FetchFailed.other_bytes` says whether one held other bytes).
+        Other sources ignore it (the caller checks what was written).
 
         Returns:
             which copy served the bytes, e.g. ``"peer node-rank 2 (10.0.0.3:7070)"``

@@ -15,8 +15,9 @@ the fetch, passthrough reads are the kernel's own):
 * **remote**: a sparse file of the manifest's size and mode; its bytes are
   fetched on the first open (:class:`tierfs.fuse.remote.Deferred`), from the
   nearest copy (``sources`` in order: peers' RAM, then the bucket), written
-  into that same inode, read back and checked against the manifest's size
-  and crc32c. A copy with wrong bytes is skipped for the next one; when no
+  into that same inode and checked against the manifest's size and crc32c
+  (as they are written for a source that ``checks_written``, the peers; else
+  read back). A copy with wrong bytes is skipped for the next one; when no
   copy serves, the open fails with EIO (ENOSPC when the bytes do not fit the
   RAM budget) and ``replicator.errors`` says which file and why, never with
   wrong bytes. Fetched bytes count against the budget; :meth:`RemoteView.drop`
@@ -30,7 +31,11 @@ daemon knows them again (:meth:`RemoteView.reload`, fetched bytes kept).
 
 After a restore the restored step's remote files are fetched in the
 background (:meth:`RemoteView.prefetch`): ``prefetch_width`` files at a time,
-round-robin over the ranks so the holders share the load.
+round-robin over the ranks so the holders share the load. A reader's open
+comes first: its fetch is *urgent* (the peer tier's file lane gives it the
+next slot, :mod:`tierfs.core.priority`), the prefetch starts no new file while
+one waits and pauses the transfers it has under way between chunks, and after
+it the next file of the step is read ahead.
 
 Writer topology (issue #16): a step shows the parts of the ranks of the node
 count that wrote it (:attr:`tierfs.store.manifest.Manifest.nodes`), not of
@@ -47,6 +52,7 @@ is sealed); the union's names use one tmpfs inode each.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import errno
 import json
@@ -63,6 +69,7 @@ import trio
 from tierfs.core import control
 from tierfs.core.errors import NO_ROOM_ERRNOS, FetchFailed
 from tierfs.core.ports import CurrentJob, FileSource, ManifestSource, Reporter
+from tierfs.core.priority import fetch_hold, fetch_urgent
 from tierfs.core.status.whole import WholeStepStatus, WholeViewStatus
 from tierfs.fuse.inodes import proc
 from tierfs.fuse.namespace import Namespace
@@ -115,6 +122,8 @@ class RemoteFile:
     error: str = ""
     errno: int = 0
     done: trio.Event | None = None
+    #: a reader waits for this fetch (its lane slot comes before the prefetch's)
+    urgent: bool = False
 
 
 @dataclass
@@ -147,6 +156,8 @@ class StepUnion:
     own: bool = True
     own_digest: str | None = None
     recheck: set[int] = field(default_factory=set)
+    #: the paths of ``files`` sorted (read-ahead), None: to sort again
+    order: list[str] | None = None
 
 
 def _mark(rf: RemoteFile) -> bytes:
@@ -213,8 +224,8 @@ class RemoteView:
         retry: seconds between looks while a rank's part is not known.
         patience: seconds after the first look before a missing part is given up.
         idle: seconds between looks when nothing woke the view.
-        prefetch_width: files fetched at once by :meth:`prefetch` (1: of the data
-            lane's 2 transfer slots one stays free for a reader's open).
+        prefetch_width: files fetched at once by :meth:`prefetch` (1: of the peer
+            tier's file lane's slots the others stay free for readers' opens).
         more_manifests: where a part's manifest is asked next when its node cannot
             say (the bucket's rounds).
         restored: (when, step, writers) of the last restore this node finished with
@@ -265,6 +276,10 @@ class RemoteView:
         self._fetches: trio.Nursery | None = None
         #: a step of the catalog not in the view yet, just now: look again in SOON s
         self._soon = False
+        #: readers' opens waiting for a fetch now; set when none (the prefetch goes on)
+        self._readers = 0
+        self._no_readers = trio.Event()
+        self._no_readers.set()
         #: bytes fetched per tier name; fetches that failed
         self.fetched_bytes: dict[str, int] = {}
         self.fetch_errors = 0
@@ -282,13 +297,18 @@ class RemoteView:
         return ino in self._by_ino
 
     def missing(self, ino: int) -> Callable[[], Awaitable[None]] | None:
-        """None if ``ino``'s bytes are here, else the fetch to wait for (FUSE thread)."""
+        """None if ``ino``'s bytes are here, else the fetch to wait for (FUSE thread,
+        which is the trio thread). Either way the next remote file of the step is
+        read ahead (after the fetch, see :meth:`fetch`): ``ino`` is being opened."""
         rf = self._by_ino.get(ino)
-        if rf is None or rf.state == LOCAL:
+        if rf is None:
+            return None
+        if rf.state == LOCAL:
+            self._read_ahead(rf)
             return None
 
         async def fetch() -> None:
-            await self.fetch(rf)
+            await self.fetch(rf, urgent=True)
 
         return fetch
 
@@ -505,6 +525,7 @@ class RemoteView:
                 log.debug("linking %s to the replica held here: %s", rf.path, exc)
                 continue
             union.files[rf.path] = new
+            union.order = None
             self._notify(rf.path)
 
     def _unplace(self, union: StepUnion, parts: dict[int, Manifest]) -> None:
@@ -537,6 +558,7 @@ class RemoteView:
                     continue
                 self._notify(rf.path)
             del union.files[rf.path]
+            union.order = None
             # an entry the client removed may still be open: its inode keeps its rules
             if here and self._by_ino.get(rf.ino) is rf:
                 del self._by_ino[rf.ino]
@@ -684,6 +706,7 @@ class RemoteView:
             if made is not None:
                 os.unlink(made)
         union.files[path_rel] = rf
+        union.order = None
         return rf
 
     def _scratch(self) -> str:
@@ -714,17 +737,25 @@ class RemoteView:
             raise OSError(errno.ENOENT, f"{rf.path} is no longer the file placed there")
         return fd
 
-    async def fetch(self, rf: RemoteFile) -> None:
+    async def fetch(self, rf: RemoteFile, *, urgent: bool = False) -> None:
         """Bring ``rf``'s bytes here, verified (see the module docstring). Trio thread.
 
-        Concurrent calls for one file share one fetch.
+        Concurrent calls for one file share one fetch. ``urgent``: a reader's
+        ``open()`` waits for it: its fetch takes the next free slot of the peer
+        tier's file lane before any prefetch (a prefetch under way becomes
+        urgent), the prefetch starts no new file while it waits, and once the
+        bytes are here the next remote file of the step (path order) is fetched
+        in the background (read-ahead for a sequential reader).
 
         Raises:
             OSError: EIO when no copy served the right bytes, ENOSPC when they do
                 not fit, ENOENT when the file left the view meanwhile.
         """
         if rf.state == LOCAL:
+            if urgent:
+                self._read_ahead(rf)
             return
+        rf.urgent = rf.urgent or urgent
         if rf.state != FETCHING:
             rf.state, rf.done, rf.errno = FETCHING, trio.Event(), 0
             if self._fetches is not None:
@@ -734,13 +765,48 @@ class RemoteView:
             else:
                 await self._fetch_task(rf)
         assert rf.done is not None
-        await rf.done.wait()
+        if urgent:
+            self._readers += 1
+            try:
+                await rf.done.wait()
+            finally:
+                self._readers -= 1
+                if not self._readers:
+                    self._no_readers.set()
+        else:
+            await rf.done.wait()
         if rf.state != LOCAL:
             raise OSError(rf.errno or errno.EIO, rf.error or "the fetch failed")
+        if urgent:
+            self._read_ahead(rf)
+
+    def _read_ahead(self, rf: RemoteFile) -> None:
+        """Start fetching the remote file after ``rf`` in its step (path order) in the
+        background, if there is one and the view's nursery runs. Trio thread."""
+        union = self.steps.get(rf.step)
+        if union is None or self._fetches is None:
+            return
+        if union.order is None:
+            union.order = sorted(union.files)
+        i = bisect.bisect_right(union.order, rf.path)
+        nxt = union.files.get(union.order[i]) if i < len(union.order) else None
+        if nxt is None or nxt.state != REMOTE:
+            return
+
+        async def ahead(f: RemoteFile) -> None:
+            try:
+                await self.fetch(f)
+            except OSError as exc:
+                log.info("read-ahead of %s: %s", f.path, exc)
+
+        self._fetches.start_soon(ahead, nxt)
 
     async def _fetch_task(self, rf: RemoteFile) -> None:
         """One fetch of ``rf``; its outcome is left in ``rf`` (state, errno, error)."""
         assert rf.done is not None
+        token = fetch_urgent.set(lambda: rf.urgent)
+        # a fetch no reader waits for pauses between chunks while a reader waits
+        held = fetch_hold.set(lambda: self._readers > 0 and not rf.urgent)
         try:
             await self._fetch(rf)
         except OSError as exc:
@@ -751,6 +817,9 @@ class RemoteView:
         finally:
             if rf.state == FETCHING:
                 rf.state = REMOTE
+            rf.urgent = False
+            fetch_urgent.reset(token)
+            fetch_hold.reset(held)
             rf.done.set()
 
     def _writers(self, step: int) -> int:
@@ -767,6 +836,9 @@ class RemoteView:
             tried: list[str] = []
             for source in self.sources:
                 skip: set[str] = set()
+                # a source that checks the bytes as they are written: no read-back
+                checked = bool(getattr(source, "checks_written", False))
+                more = {"expect": (rf.size, rf.crc32c)} if checked else {}
                 while True:
                     try:
                         label = await source.fetch_file(
@@ -778,6 +850,7 @@ class RemoteView:
                             fd,
                             skip=frozenset(skip),
                             writers=self._writers(rf.step),
+                            **more,
                         )
                     except FetchFailed as exc:
                         cause = exc.__cause__
@@ -790,9 +863,13 @@ class RemoteView:
                             self._failed(rf, f"it does not fit in the RAM budget ({exc})")
                             raise OSError(errno.ENOSPC, rf.error) from exc
                         tried.append(str(exc))
+                        mismatched |= exc.other_bytes
                         break
-                    async with self.io_limiter:
-                        size, crc = await trio.to_thread.run_sync(_read_crc, fd, rf.size)
+                    if checked:
+                        size, crc = rf.size, rf.crc32c
+                    else:
+                        async with self.io_limiter:
+                            size, crc = await trio.to_thread.run_sync(_read_crc, fd, rf.size)
                     if size == rf.size and crc == rf.crc32c:
                         rf.state, rf.source, rf.error = LOCAL, label, ""
                         os.setxattr(fd, XATTR, _mark(rf))  # a restart keeps the bytes
@@ -913,6 +990,10 @@ class RemoteView:
 
         async def one(rf: RemoteFile) -> None:
             async with limiter:
+                while self._readers:  # a reader's open waits: it goes first
+                    if self._no_readers.is_set():
+                        self._no_readers = trio.Event()
+                    await self._no_readers.wait()
                 try:
                     await self.fetch(rf)
                 except OSError as exc:
@@ -954,6 +1035,7 @@ class RemoteView:
                 self._by_ino[rf.ino] = rf
                 union = self.steps.setdefault(rf.step, StepUnion(rf.step))
                 union.files.setdefault(rf.path, rf)
+                union.order = None
                 union.parts.setdefault(rf.rank, rf.digest)
                 known += 1
         return known

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -29,6 +30,7 @@ from tierfs.replication.transfer import (
     REPLICATION_NICE,
     BadCopy,
     Cancelled,
+    OtherBytes,
     Refused,
     ShardReceiver,
     check_identity,
@@ -48,6 +50,8 @@ from tierfs.store.shards import Shard, ShardKey
 POLL_MS = 25_000
 #: seconds one file pull (:meth:`PeerClient.pull_file`) may take, its bytes included
 FILE_PULL_TIMEOUT = 600.0
+#: seconds between looks while a file pull is held (:meth:`PeerClient.pull_file` ``hold``)
+HOLD_POLL = 0.005
 
 
 class PeerClient:
@@ -244,26 +248,38 @@ class PeerClient:
         fd: int,
         cancel: threading.Event,
         timeout: float = FILE_PULL_TIMEOUT,
+        expect: tuple[int, int] | None = None,
+        hold: Callable[[], bool] | None = None,
     ) -> int:
         """Pull one file of the holder's copy of ``key`` into the open descriptor ``fd``
         (issue #14: a whole-step view reads a file of another rank's part).
 
-        One PullShard call naming ``path`` (``PullRequest.paths``): the manifest,
-        then that file's chunks. Each chunk's bytes are written at its offset
-        with ``os.pwrite`` (``fd``'s file offset does not move; ``fd`` is not
-        truncated), after its crc32c was checked; at the end the file's size and
-        crc32c must be the manifest's.
+        One PullShard call naming ``path`` (``PullRequest.paths``, with
+        ``trim_manifest``): the manifest (only that file's entry and the whole
+        manifest's digest; an older holder sends all of it), then that file's
+        chunks. Each chunk's bytes are written at its offset with ``os.pwrite``
+        (``fd``'s file offset does not move; ``fd`` is not truncated), after its
+        crc32c was checked; the file's crc32c is computed from the chunks as they
+        are written (the bytes are not read back) and must be the manifest's at the
+        end, as must its size.
 
         Args:
             path: relative to the part's root, as the manifest lists it.
             digest: the manifest digest the copy must have ("": any; a holder
                 with another one answers FAILED_PRECONDITION).
             timeout: seconds the whole call may take.
+            expect: (size in bytes, crc32c) the caller's manifest gives the file;
+                a holder whose entry differs raises :class:`OtherBytes` before any
+                byte is written (None: the holder's entry is taken).
+            hold: called before every chunk is written; while it returns True the
+                pull pauses (polled every :data:`HOLD_POLL` seconds; the stream
+                stalls under gRPC flow control): a prefetch gives way to a reader.
 
         Returns:
             bytes written (the file's size).
 
         Raises:
+            OtherBytes: the holder's file is not ``expect`` (nothing written).
             BadCopy: a chunk failed its crc32c, the file's size or crc32c is not
                 the manifest's, or the manifest is not the expected one (some
                 bytes may have been written: the copy is corrupt).
@@ -282,6 +298,7 @@ class PeerClient:
             digest=digest,
             puller_rank=-1,
             paths=[path],
+            trim_manifest=True,
         )
         pull = self.channel(address).unary_stream(
             "/tierfs.peer.v1.Peer/PullShard",
@@ -294,10 +311,22 @@ class PeerClient:
             if first is None or peer_wire.kind_of(first) != "manifest":
                 raise Refused("PullShard must start with the manifest")
             manifest = parse_manifest(first.manifest.json)
-            check_identity(manifest, key, digest)
+            if first.manifest.digest:
+                # a trimmed manifest: its own digest is not the part's
+                check_identity(manifest, key, "")
+                if digest and first.manifest.digest != digest:
+                    raise BadCopy(f"manifest digest {first.manifest.digest} != announced {digest}")
+            else:
+                check_identity(manifest, key, digest)
             entry = next((f for f in manifest.files if f.path == path), None)
             if entry is None or entry.kind != "file":
                 raise Refused(f"{path!r} is not a file of the manifest sent")
+            if expect is not None and (entry.size, entry.crc32c) != expect:
+                raise OtherBytes(
+                    f"{path}: the holder's file is {entry.size} bytes crc32c "
+                    f"{(entry.crc32c or 0):08x}, the manifest here says {expect[0]} bytes "
+                    f"crc32c {expect[1]:08x}"
+                )
             written = crc = 0
             for msg in call:
                 if peer_wire.kind_of(msg) != "chunk":
@@ -314,6 +343,8 @@ class PeerClient:
                     raise BadCopy(f"{path} at offset {c.offset}: chunk crc32c mismatch")
                 if written + len(c.data) > entry.size:
                     raise BadCopy(f"{path}: more bytes than the manifest's {entry.size}")
+                while hold is not None and hold() and not cancel.is_set():
+                    time.sleep(HOLD_POLL)
                 if cancel.is_set():
                     raise Cancelled("transfer cancelled")
                 _pwrite_all(fd, c.data, c.offset)
@@ -405,10 +436,13 @@ class PeerClient:
         backup: Outcome | None = None,
         data_parallelism: int | None = None,
         want_peers: Iterable[int] | None = None,
+        wait_s: float = 0.0,
     ) -> Any:
         """Heartbeat and sync report (with the last backup outcome and the job's
         ``assume-data-parallelism``); returns the SyncReply. ``want_peers``: the
-        ranks whose addresses the reply lists (a compact reply); None: every member."""
+        ranks whose addresses the reply lists (a compact reply); None: every member.
+        ``wait_s``: a long poll of that many seconds at most for a summons into a
+        restore round (``SyncRequest.wait_ms``; an older coordinator answers at once)."""
         req = peer_pb2.SyncRequest(
             job=job,
             rank=rank,
@@ -418,6 +452,7 @@ class PeerClient:
             data_parallelism=data_parallelism or 0,
             want_peers=list(want_peers or ()),
             compact=want_peers is not None,
+            wait_ms=_poll_ms(wait_s) if wait_s > 0 else 0,
         )
         if backup is not None:
             req.backup.CopyFrom(
@@ -430,7 +465,7 @@ class PeerClient:
                     seconds=backup.seconds,
                 )
             )
-        return self.coordinator(address).Sync(req, metadata=self.md, timeout=10)
+        return self.coordinator(address).Sync(req, metadata=self.md, timeout=10 + wait_s)
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:

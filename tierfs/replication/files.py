@@ -3,9 +3,10 @@
 :class:`PeerFiles` is the peer tier's :class:`tierfs.core.ports.FileSource`:
 which nodes may hold a rank's part (the owner, then its replica holders by the
 job's placement), their addresses (asked of the coordinator when not known
-yet), and one ``PullShard`` call with ``paths`` per copy tried, in the data
-lane's worker threads, every chunk's and the file's crc32c checked by the
-client.
+yet), and one ``PullShard`` call with ``paths`` per copy tried, in the file
+fetch lane's worker threads (:class:`tierfs.replication.lanes.PriorityLane`: a
+reader's open before the prefetch), every chunk's and the file's crc32c checked
+by the client as the bytes are written.
 """
 
 from __future__ import annotations
@@ -21,16 +22,21 @@ import trio
 from tierfs.core.control import JobSpec
 from tierfs.core.errors import NO_ROOM_ERRNOS, FetchFailed
 from tierfs.core.ports import CurrentJob, Reporter
+from tierfs.core.priority import fetch_hold
 from tierfs.replication import placement
 from tierfs.replication.addresses import AddressBook
 from tierfs.replication.client import PeerClient, rpc_code, rpc_reason
-from tierfs.replication.transfer import BadCopy, Refused
+from tierfs.replication.lanes import PriorityLane
+from tierfs.replication.transfer import BadCopy, OtherBytes, Refused
 from tierfs.store.shards import ShardKey
 
 log = logging.getLogger(__name__)
 
 #: how a copy whose checksum failed is named in the reasons
 BAD = "bad copy"
+
+#: the "code" of a copy whose file is not the caller's ``expect`` (:meth:`PeerFiles._pull_file`)
+OTHER = "other bytes"
 
 #: seconds a file fetch waits for the address of a holder asked for just now
 ADDRESS_WAIT = 3.0
@@ -79,19 +85,21 @@ class PeerFiles:
         address_of: ``address_of(job, rank)``: the node's address if known, else
             None (and the next heartbeat asks for it).
         client: the calls to peers.
-        limiter: the data lane's worker-thread limiter (shared with replica transfers).
+        lane: the file fetch lane (its own slots, urgent fetches first).
         job: the running job (its placement names the replica holders).
         reporter: ``replicator.errors`` (a damaged copy skipped for another one).
     """
 
     name = "peer"
+    #: the bytes are checked against ``expect`` as they are written (FileSource)
+    checks_written = True
 
     def __init__(
         self,
         book: AddressBook,
         address_of: Callable[[str, int], Awaitable[str | None]],
         client: PeerClient,
-        limiter: trio.CapacityLimiter,
+        lane: PriorityLane,
         job: CurrentJob,
         reporter: Reporter,
     ) -> None:
@@ -99,7 +107,7 @@ class PeerFiles:
         self.book = book
         self.address_of = address_of
         self.client = client
-        self.limiter = limiter
+        self.lane = lane
         self.job = job
 
     async def fetch_file(
@@ -113,6 +121,7 @@ class PeerFiles:
         *,
         skip: frozenset[str] = frozenset(),
         writers: int = 0,
+        expect: tuple[int, int] | None = None,
     ) -> str:
         """Write file ``path`` of node ``rank``'s part of ``step`` into ``fd`` from a
         peer's RAM (a :class:`tierfs.core.ports.FileSource`; trio thread).
@@ -127,12 +136,14 @@ class PeerFiles:
         its catalog). A node's address is the address book's, else, on the
         node serving the coordinator, the member's. Each copy is one
         :meth:`PeerClient.pull_file` call (every chunk's crc32c and the file's
-        checked) in a worker thread of the data lane (:attr:`transfer_limiter`,
-        shared with replica transfers), writing through its own duplicate of
-        ``fd`` (a cancelled fetch's abandoned thread stops at its next chunk).
-        Copies with ``digest`` first; holders of other bytes of the step
+        checked as they are written, and with ``expect`` the holder's entry
+        compared with it before any byte is sent) in a worker thread of the file
+        fetch lane (:attr:`lane`), writing through its own duplicate of ``fd`` (a
+        cancelled fetch's abandoned thread stops at its next chunk). Copies with
+        ``digest`` first; holders of other bytes of the step
         (FAILED_PRECONDITION) are asked again without it after every other
-        copy failed. A corrupt copy (BadCopy) only moves on to the next one.
+        copy failed. A corrupt copy (BadCopy) or one with other bytes than
+        ``expect`` only moves on to the next one.
 
         Returns:
             the copy that served, ``"peer node-rank R (ADDRESS)"`` (what ``skip``
@@ -143,10 +154,12 @@ class PeerFiles:
                 copy and why (``"peer node-rank 1 (10.0.0.2:7000): NOT_FOUND: ..."``).
                 A write into ``fd`` that found no room (ENOSPC) ends the fetch
                 at once (no copy would fit), with the ``OSError`` as its cause.
+                ``other_bytes``: a holder's file was not ``expect``.
         """
         key = ShardKey(job, rank, step)
         tried: list[str] = []
         other: list[tuple[str, str]] = []  # (label, address): holders of other bytes
+        others = False  # a holder's file is not ``expect``
         for r, address in await self._file_copies(job, rank, writers):
             if address is None:
                 tried.append(f"peer node-rank {r}: no address known here")
@@ -155,23 +168,26 @@ class PeerFiles:
             if label in skip:
                 tried.append(f"{label}: skipped (it served wrong bytes before)")
                 continue
-            failed = await self._pull_file(address, key, digest, path, fd)
+            failed = await self._pull_file(address, key, digest, path, fd, expect)
             if failed is None:
                 self._say_bad(key, path, label, tried)
                 return label
             why, code = failed
+            others |= code is OTHER
             if digest and code == grpc.StatusCode.FAILED_PRECONDITION:
                 other.append((label, address))  # it holds other bytes of the step
             tried.append(f"{label}: {why}")
         for label, address in other:
-            failed = await self._pull_file(address, key, "", path, fd)
+            failed = await self._pull_file(address, key, "", path, fd, expect)
             if failed is None:
                 self._say_bad(key, path, label, tried)
                 return label
+            others |= failed[1] is OTHER
             tried.append(f"{label} (any bytes): {failed[0]}")
         raise FetchFailed(
             f"{path} of step {step} of node-rank {rank} from peers: "
-            + ("; ".join(tried) or "no copy known")
+            + ("; ".join(tried) or "no copy known"),
+            other_bytes=others,
         )
 
     def _say_bad(self, key: ShardKey, path: str, label: str, tried: list[str]) -> None:
@@ -211,23 +227,35 @@ class PeerFiles:
         return out
 
     async def _pull_file(
-        self, address: str, key: ShardKey, digest: str, path: str, fd: int
-    ) -> tuple[str, grpc.StatusCode | None] | None:
-        """One copy's :meth:`PeerClient.pull_file` in the data lane: None when it served,
-        else why not (one line) and the call's status code (None: not a gRPC error).
+        self,
+        address: str,
+        key: ShardKey,
+        digest: str,
+        path: str,
+        fd: int,
+        expect: tuple[int, int] | None = None,
+    ) -> tuple[str, grpc.StatusCode | str | None] | None:
+        """One copy's :meth:`PeerClient.pull_file` in the file fetch lane: None when it
+        served, else why not (one line) and the call's status code (:data:`OTHER`: the
+        holder's file is not ``expect``; None: not a gRPC error).
 
         Raises:
             FetchFailed: ``fd`` has no room (ENOSPC, EDQUOT, EFBIG), from the ``OSError``.
         """
         cancel = threading.Event()
-        code = None
+        code: grpc.StatusCode | str | None = None
         try:
-            async with self.limiter:
+            hold = fetch_hold.get()  # the caller's (a prefetch gives way to readers)
+            async with self.lane.slot():
                 own = os.dup(fd)
 
                 def pull() -> int:
                     try:
-                        return int(self.client.pull_file(address, key, digest, path, own, cancel))
+                        return int(
+                            self.client.pull_file(
+                                address, key, digest, path, own, cancel, expect=expect, hold=hold
+                            )
+                        )
                     finally:
                         os.close(own)
 
@@ -237,6 +265,8 @@ class PeerFiles:
             why, code = rpc_reason(exc), rpc_code(exc)
         except BadCopy as exc:
             why = f"{BAD}: {exc}"
+        except OtherBytes as exc:
+            why, code = f"other bytes: {exc}", OTHER
         except Refused as exc:
             why = f"refused: {exc}"
         except OSError as exc:

@@ -37,7 +37,8 @@ network of ``tests/support/fake_peers.py``.
 Threads: nothing here blocks the trio thread. gRPC handlers run in the
 server's pool; client calls and file work run in ``trio.to_thread`` with
 limiters (:attr:`PeerTier.transfer_limiter` for data, a separate one for
-control calls so heartbeats are never queued behind a large transfer).
+control calls so heartbeats are never queued behind a large transfer, and a
+third for the whole-step view's file fetches, readers before the prefetch).
 """
 
 from __future__ import annotations
@@ -67,7 +68,13 @@ from tierfs.replication.client import PeerClient
 from tierfs.replication.files import PeerFiles, holders_of
 from tierfs.replication.heartbeat import Heartbeat
 from tierfs.replication.holdings import Holdings, retention_pins
-from tierfs.replication.lanes import CONTROL_CALLS, TRANSFERS, Lane
+from tierfs.replication.lanes import (
+    CONTROL_CALLS,
+    FILE_FETCHES,
+    TRANSFERS,
+    Lane,
+    PriorityLane,
+)
 from tierfs.replication.plane import PlaneState
 from tierfs.replication.rendezvous import CoordinatorFinder
 from tierfs.replication.replicator import Replicator
@@ -173,6 +180,8 @@ class PeerTier:
     """
 
     name = "peer"
+    #: its fetch_file checks the bytes against ``expect`` as they are written (FileSource)
+    checks_written = True
 
     address = _Via[str]("me")
     coordinator_address = _Via[str | None]("finder")
@@ -245,7 +254,7 @@ class PeerTier:
         )
         self.book = AddressBook(self.me)
         self.files = PeerFiles(
-            self.book, self._address_of, client, self.transfer_limiter, job, reporter
+            self.book, self._address_of, client, PriorityLane(FILE_FETCHES), job, reporter
         )
         self.finder = CoordinatorFinder(
             self.me,
@@ -453,11 +462,12 @@ class PeerTier:
         *,
         skip: frozenset[str] = frozenset(),
         writers: int = 0,
+        expect: tuple[int, int] | None = None,
     ) -> str:
         """One file of node ``rank``'s part from a peer's RAM: a
         :class:`tierfs.core.ports.FileSource`, see :meth:`PeerFiles.fetch_file`."""
         return await self.files.fetch_file(
-            job, rank, step, digest, path, fd, skip=skip, writers=writers
+            job, rank, step, digest, path, fd, skip=skip, writers=writers, expect=expect
         )
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -15,10 +15,12 @@ with ``trio.from_thread.run_sync`` (cheap dictionary work only). The
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import re
 import shutil
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -287,6 +289,9 @@ class PeerServicer:
         manifest when ``request.manifest_only``; only the chunks of the files
         ``request.paths`` names, in manifest order, when it names any).
 
+        With ``request.trim_manifest`` (and ``paths``) the manifest sent lists only
+        those files and ``ShardManifest.digest`` carries the whole manifest's digest.
+
         A ``manifest_only`` request for a part not held here is answered with the
         manifest its node sent this one, if kept (:meth:`PeerHost.known_manifest`).
 
@@ -310,14 +315,14 @@ class PeerServicer:
                 ).SerializeToString()
                 return
             context.abort(grpc.StatusCode.NOT_FOUND, f"no copy of {key} here")
-        if request.digest and shard.manifest.digest != request.digest:
+        if request.digest and _index(shard.manifest).digest != request.digest:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"the copy of {key} here has digest {shard.manifest.digest}, not {request.digest}",
             )
         files = shard.manifest.files
         if request.paths:
-            files, unknown = _only_files(files, request.paths)
+            files, unknown = _only_files(shard.manifest, request.paths)
             if unknown is not None:
                 context.abort(
                     grpc.StatusCode.NOT_FOUND, f"{unknown!r} is not a file of the copy of {key}"
@@ -326,9 +331,15 @@ class PeerServicer:
         sent = 0
         failed = None
         try:
-            yield peer_pb2.PullMessage(
-                manifest=peer_pb2.ShardManifest(json=shard.manifest.to_json())
-            ).SerializeToString()
+            if request.paths and request.trim_manifest:
+                # only the entries of the files sent, and the whole manifest's digest
+                trimmed = dataclasses.replace(shard.manifest, files=files)
+                head = peer_pb2.ShardManifest(
+                    json=trimmed.to_json(), digest=_index(shard.manifest).digest
+                )
+            else:
+                head = peer_pb2.ShardManifest(json=shard.manifest.to_json())
+            yield peer_pb2.PullMessage(manifest=head).SerializeToString()
             if request.manifest_only:
                 return
             for path, off, data, crc in iter_chunks(
@@ -349,17 +360,53 @@ class PeerServicer:
             context.abort(grpc.StatusCode.NOT_FOUND, failed)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Index:
+    """What a file pull needs of a manifest, computed once per manifest (a 10,000-file
+    part's digest and path lookup would otherwise be rebuilt for every file pulled)."""
+
+    manifest: Manifest
+    digest: str
+    entries: dict[str, FileEntry]
+
+
+#: manifests indexed lately, by ``id`` (the index holds the manifest: the id stays its)
+_INDEXES: dict[int, _Index] = {}
+_INDEXES_LOCK = threading.Lock()
+#: manifests kept indexed (the oldest is forgotten first)
+INDEXES_KEPT = 64
+
+
+def _index(manifest: Manifest) -> _Index:
+    """``manifest``'s :class:`_Index` (cached; any thread)."""
+    with _INDEXES_LOCK:
+        found = _INDEXES.get(id(manifest))
+    if found is not None and found.manifest is manifest:
+        return found
+    made = _Index(manifest, manifest.digest, {f.path: f for f in manifest.files})
+    with _INDEXES_LOCK:
+        _INDEXES[id(manifest)] = made
+        while len(_INDEXES) > INDEXES_KEPT:
+            del _INDEXES[next(iter(_INDEXES))]
+    return made
+
+
 def _only_files(
-    files: tuple[FileEntry, ...], paths: Iterable[str]
+    manifest: Manifest, paths: Iterable[str]
 ) -> tuple[tuple[FileEntry, ...], str | None]:
-    """The entries of ``files`` that ``paths`` names, in manifest order, and the first
-    path that is not a file of ``files`` (None if every one is)."""
-    wanted = set(paths)
-    kinds = {f.path: f.kind for f in files}
-    for path in paths:
-        if kinds.get(path) != "file":
+    """The entries of ``manifest`` that ``paths`` names, in manifest order, and the first
+    path that is not a file of it (None if every one is)."""
+    entries = _index(manifest).entries
+    wanted: list[FileEntry] = []
+    for path in dict.fromkeys(paths):
+        entry = entries.get(path)
+        if entry is None or entry.kind != "file":
             return (), path
-    return tuple(f for f in files if f.path in wanted), None
+        wanted.append(entry)
+    if len(wanted) == 1:
+        return tuple(wanted), None
+    order = {f.path: i for i, f in enumerate(manifest.files)}
+    return tuple(sorted(wanted, key=lambda f: order[f.path])), None
 
 
 def peer_handlers(servicer: PeerServicer) -> grpc.GenericRpcHandler:

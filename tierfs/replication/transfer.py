@@ -63,6 +63,11 @@ class BadCopy(TransferError):
     """The bytes do not match their checksums (a chunk's or a file's crc32c, a size)."""
 
 
+class OtherBytes(TransferError):
+    """The holder's copy lists the file with another size or crc32c than the caller's
+    manifest (not damaged: other bytes, e.g. the step saved again since)."""
+
+
 class Refused(TransferError):
     """The sender broke the protocol: unsafe or unexpected paths, chunks out of order."""
 

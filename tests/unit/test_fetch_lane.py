@@ -1,0 +1,93 @@
+"""The peer tier's file fetch lane (issue #14): a reader's open gets the next free slot
+before the background prefetch (:class:`tierfs.replication.lanes.PriorityLane`)."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from tierfs.core.priority import fetch_urgent
+from tierfs.replication.lanes import PriorityLane
+
+
+def test_an_urgent_waiter_gets_the_next_slot_before_earlier_prefetches():
+    order: list[str] = []
+
+    async def main() -> None:
+        lane = PriorityLane(1)
+        release = trio.Event()
+
+        async def holder() -> None:
+            async with lane.slot():
+                order.append("holder")
+                await release.wait()
+
+        async def one(name: str, urgent: bool) -> None:
+            fetch_urgent.set(lambda: urgent)
+            async with lane.slot():
+                order.append(name)
+                await trio.sleep(0)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(holder)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(one, "prefetch 1", False)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(one, "prefetch 2", False)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(one, "reader", True)
+            await trio.testing.wait_all_tasks_blocked()
+            assert (lane.busy, lane.waiting) == (1, 3)
+            release.set()
+        assert (lane.busy, lane.waiting) == (0, 0)
+
+    trio.run(main)
+    assert order == ["holder", "reader", "prefetch 1", "prefetch 2"]
+
+
+def test_a_prefetch_that_becomes_urgent_while_it_waits_goes_first():
+    order: list[str] = []
+
+    async def main() -> None:
+        lane = PriorityLane(1)
+        release = trio.Event()
+        wanted = {"late": False}
+
+        async def holder() -> None:
+            async with lane.slot():
+                await release.wait()
+
+        async def one(name: str) -> None:
+            fetch_urgent.set(lambda: wanted.get(name, False))
+            async with lane.slot():
+                order.append(name)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(holder)
+            await trio.testing.wait_all_tasks_blocked()
+            for name in ("early", "late"):
+                nursery.start_soon(one, name)
+                await trio.testing.wait_all_tasks_blocked()
+            wanted["late"] = True  # a reader opened that file meanwhile
+            release.set()
+
+    trio.run(main)
+    assert order == ["late", "early"]
+
+
+def test_a_cancelled_waiter_leaves_no_slot_taken():
+    async def main() -> None:
+        lane = PriorityLane(2)
+        async with lane.slot(), lane.slot():
+            with trio.move_on_after(0.01) as scope:
+                async with lane.slot():
+                    raise AssertionError("no third slot")
+            assert scope.cancelled_caught and lane.waiting == 0
+        assert lane.busy == 0
+        async with lane.slot():
+            assert lane.busy == 1
+
+    trio.run(main)
+    with pytest.raises(ValueError):
+        PriorityLane(0)
