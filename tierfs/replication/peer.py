@@ -343,8 +343,9 @@ class PeerTier:
         self.book.update(peers, reply)
 
     def replica_peers(self, job: JobSpec) -> list[int]:
-        """The ranks receiving this node's steps (:func:`.placement.peer_ranks`)."""
-        return replica_peers(job)
+        """The ranks receiving this node's steps (:func:`.placement.peer_ranks`, with
+        stand-ins for ranks gone for good)."""
+        return replica_peers(job, self.book.gone)
 
     def digest(self, shard: Shard) -> str:
         """The shard's manifest digest (cached per manifest object)."""
@@ -617,6 +618,7 @@ class PeerTier:
             incarnation=self.incarnation,
             active=active is not None,
             replicate_to=tuple(targets),
+            gone=tuple(sorted(self.book.gone)),
             peers=peers,
             steps=tuple(steps),
             sync=SyncStatus.from_json(self.sync),
