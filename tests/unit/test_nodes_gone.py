@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tierfs.cluster.backup_schedule import COMPLETE, DONE, RoundBook
-from tierfs.cluster.coordinator import DECIDED, WAITING, Coordinator, Rejected, gone_problem
+from tierfs.cluster.coordinator import DECIDED, PASSED, WAITING, Coordinator, Rejected, gone_problem
 from tierfs.cluster.restore_choice import INCOMPLETE, OLDER, RESTORED
 from tierfs.core.control import JobSpec
 from tierfs.core.types import Holding
@@ -108,6 +108,24 @@ def test_a_restore_round_stops_waiting_for_a_gone_rank_and_takes_its_replica():
     assert "from a verified copy on a peer or in the bucket" in v.reason
     st = c.status()
     assert st.gone == (3,) and st.to_json()["gone"] == [3]
+
+
+def test_the_barrier_passes_without_the_gone_rank():
+    """Regression (real 4-node run): decided without rank 3, the 'ready' barrier still
+    waited for it and the restore timed out (exit 6)."""
+    c, _ = coord()
+    for r, inv in survivors().items():
+        join(c, r, inv)
+    c.declare_gone("job", [3])
+    v = c.decide("job", 0, "r0")
+    b = c.barrier("job", 0, "r0", v.round, v.version, "ready")
+    assert (b.state, b.waiting_for, b.waiting_count) == (WAITING, (1, 2), 2)
+    b = c.barrier("job", 1, "r1", v.round, v.version, "ready")
+    assert (b.state, b.waiting_for, b.waiting_count) == (WAITING, (2,), 1)
+    assert c.barrier("job", 2, "r2", v.round, v.version, "ready").state == PASSED
+    for r in (0, 1, 2):
+        b = c.barrier("job", r, f"r{r}", v.round, v.version, "done")
+    assert b.state == PASSED
 
 
 def test_a_gone_rank_without_a_verified_copy_makes_the_step_incomplete_never_fresh():

@@ -53,6 +53,7 @@ from tierfs.cluster.rounds import (
     PROTOCOL,
     REJOIN,
     REPLAN,
+    SHOWN_RANKS,
     WAITING,
     BarrierView,
     DecideView,
@@ -353,12 +354,12 @@ class RestoreRounds:
                 self._failed(r, rank, set(bad), detail)
                 return BarrierView(REPLAN)
             r.ready.add(rank)
-            return _waiting(r.ready)
+            return _waiting(r, r.ready)
         if phase == "done":
             if not r.ready_passed:
-                return _waiting(r.ready)
+                return _waiting(r, r.ready)
             r.done.add(rank)
-            return _waiting(r.done)
+            return _waiting(r, r.done)
         raise ValueError(f"unknown barrier phase {phase!r}")
 
     def _failed(self, r: Round, rank: int, bad: set[CopyId], detail: str) -> None:
@@ -417,8 +418,12 @@ def gone_reason(reason: str, gone: list[int]) -> str:
     )
 
 
-def _waiting(reached: RankSet) -> BarrierView:
-    """``passed`` once every rank (a decided round has all of them) reached the phase."""
-    if not reached.lacking_count:
+def _waiting(r: Round, reached: RankSet) -> BarrierView:
+    """``passed`` once every rank (a decided round has all of them but the gone ones
+    that did not join) reached the phase."""
+    absent = [g for g in r.gone if g not in r.present and g < r.nodes]
+    lacking = reached.lacking_count - len(absent)
+    if not lacking:
         return BarrierView(PASSED)
-    return BarrierView(WAITING, reached.lacking(), reached.lacking_count)
+    shown = reached.lacking(SHOWN_RANKS + len(absent))
+    return BarrierView(WAITING, tuple(x for x in shown if x not in absent)[:SHOWN_RANKS], lacking)
