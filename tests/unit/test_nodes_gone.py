@@ -175,6 +175,9 @@ def test_the_sync_round_completes_without_the_gone_rank():
     c.declare_gone("job", [3])
     assert c.synced_step == 5
     assert c.sync("job", 0, "inc0", 6, [H(0, 6)]).synced_step == 5
+    # a gone node still running (a partition) is told to join, which is refused
+    assert c.sync("job", 3, "inc3", 6, [H(3, 6)]).known is False
+    assert c.roster.sync_steps.get(3) is None
 
 
 def test_a_backup_round_neither_waits_for_nor_needs_the_gone_rank():
@@ -296,3 +299,15 @@ def test_the_status_line_shows_the_gone_ranks():
     assert _generation(st) == "  gone [3]"
     assert PeerStatus.from_json(PeerStatus("", gone=(1, 3)).to_json()).gone == (1, 3)
     assert "gone" not in PeerStatus("").to_json()
+
+
+def test_wait_notes_a_skipped_gone_rank():
+    from tierfs.cli.wait import gone_note
+    from tierfs.cluster.restore_rounds import gone_reason
+
+    reason = gone_reason("step 30 is complete in the cluster", [3])
+    assert gone_note(reason) == (
+        "node-rank(s) [3] declared gone: not waited for, their part taken only from a "
+        "verified copy on a peer or in the bucket"
+    )
+    assert gone_note("step 30 lacks rank(s) [3]; node-rank(s) [1] discarded") == ""

@@ -633,8 +633,8 @@ class Coordinator:
             round's state.
         """
         m = self.members.get(rank)
-        if job != self.job or m is None or m.incarnation != incarnation:
-            return SyncView(False)
+        if job != self.job or m is None or m.incarnation != incarnation or rank in self.gone:
+            return SyncView(False)  # join (again); a gone rank's join is refused
         m.last_seen = self.clock()
         self.roster.set_inventory(m, tuple(inventory))
         m.replicated_step = step

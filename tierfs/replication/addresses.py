@@ -65,6 +65,7 @@ class AddressBook:
     def __init__(self, me: Endpoint) -> None:
         self.me = me
         self._restarted: list[Callable[[int], None]] = []
+        self._gone: list[Callable[[list[int]], None]] = []
         self.peers: dict[int, PeerInfo] = {}
         self.node_counts: tuple[int, int] | None = None
         #: node ranks the coordinator declared gone for good (issue #16): the
@@ -91,8 +92,12 @@ class AddressBook:
         if reply is not None and hasattr(reply, "gone"):
             gone = frozenset(int(g) for g in reply.gone)
             if gone != self.gone:
+                new = sorted(gone - self.gone)
                 log.warning("the coordinator declared node-rank(s) %s gone for good", sorted(gone))
                 self.gone = gone
+                if new:
+                    for told in self._gone:
+                        told(new)
         for p in peers:
             old = self.peers.get(p.rank)
             self.peers[p.rank] = PeerInfo(p.rank, p.address, p.incarnation, p.live)
@@ -108,6 +113,11 @@ class AddressBook:
         """Call ``listener(rank)`` when a known peer answers with a new incarnation
         (trio thread; must not block)."""
         self._restarted.append(listener)
+
+    def on_gone(self, listener: Callable[[list[int]], None]) -> None:
+        """Call ``listener(ranks)`` with the ranks newly declared gone for good (trio
+        thread; must not block)."""
+        self._gone.append(listener)
 
     def coordinator_down(self) -> None:
         """A coordinator call failed: its node no longer counts as live (the book is the

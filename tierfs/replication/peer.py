@@ -286,6 +286,7 @@ class PeerTier:
         self._sends = self.replicator.sends
         self._pins = self.holdings.pins
         self.book.on_restart(self.replicator.rereplicate)
+        self.book.on_gone(self._gone)
         catalog.on_sealed(self.holdings.on_sealed)
         catalog.on_sealed(self.replicator.on_sealed)
         catalog.on_withdrawn(self.replicator.on_withdrawn)
@@ -341,6 +342,17 @@ class PeerTier:
         """Take the coordinator's addresses of the peers this node asked for, and from
         ``reply`` (a JoinReply/SyncReply) its counts of live and known nodes (trio thread)."""
         self.book.update(peers, reply)
+
+    def _gone(self, ranks: list[int]) -> None:
+        """The coordinator declared ``ranks`` gone for good: say so in
+        ``replicator.errors`` and send the stand-ins what they lack at once."""
+        job = self.current.job
+        targets = self.replica_peers(job) if job is not None else []
+        self.reporter.error(
+            f"node-rank(s) {ranks} declared gone for good by the coordinator: rounds no "
+            f"longer wait for them; this node replicates to {targets}"
+        )
+        self.replicator.catch_up()
 
     def replica_peers(self, job: JobSpec) -> list[int]:
         """The ranks receiving this node's steps (:func:`.placement.peer_ranks`, with
