@@ -243,7 +243,7 @@ def test_gone_after_declares_a_silent_member_gone():
     assert "no heartbeat for more than 30 s (--gone-after)" in c.take_events()[0]
 
 
-def test_gone_after_is_off_by_default_and_never_takes_the_last_node():
+def test_gone_after_is_off_by_default_and_never_takes_node_rank_0():
     c, clock = coord()
     for r in range(2):
         join(c, r, nodes=2, rid="")

@@ -154,6 +154,9 @@ __all__ = [
 ]
 
 
+#: seconds between two ``--gone-after`` checks (each walks the members)
+GONE_CHECK_PERIOD = 1.0
+
 #: seconds a join refused for another node count is named to the waiting nodes
 REFUSED_SHOWN = 60.0
 
@@ -222,6 +225,7 @@ class Coordinator:
         self.gone_after = gone_after
         #: node ranks declared gone for good in this generation (issue #16)
         self.gone: frozenset[int] = frozenset()
+        self._gone_checked = float("-inf")
         #: lines for replicator.errors of the coordinator's node (taken by the owner)
         self.events: list[str] = []
         self.clock = clock
@@ -368,10 +372,14 @@ class Coordinator:
 
     def expire_gone(self) -> tuple[int, ...]:
         """With ``gone_after``: declare gone every member not heard from for that long
-        (never node-rank 0, never the last live member). Returns the ranks it declared."""
+        (never node-rank 0). Checked at most every :data:`GONE_CHECK_PERIOD` seconds
+        (O(members)). Returns the ranks it declared."""
         if self.gone_after is None or self.job is None:
             return ()
         now = self.clock()
+        if now - self._gone_checked < GONE_CHECK_PERIOD:
+            return ()  # a walk over the members: at most once per period, not per call
+        self._gone_checked = now
         silent = frozenset(
             m.rank
             for m in self.members.values()
