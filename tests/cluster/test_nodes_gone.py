@@ -57,9 +57,9 @@ def test_a_node_declared_gone_unblocks_the_job_and_its_copies_are_made_again(
     # refusals: the coordinator's node, a rank out of range; then node 3
     env = {**os.environ, "TIERFS_PEER_TOKEN": c.token}
     refused = tierfs("nodes", "gone", str(c.root(1)), "0", env=env, check=False)
-    assert refused.returncode == 2 and "serves the coordinator" in refused.stderr
+    assert refused.returncode == 5 and "serves the coordinator" in refused.stderr
     refused = tierfs("nodes", "gone", str(c.root(1)), "4", env=env, check=False)
-    assert refused.returncode == 2 and "out of range for 4 nodes" in refused.stderr
+    assert refused.returncode == 5 and "out of range for 4 nodes" in refused.stderr
     wrong = tierfs("nodes", "gone", str(c.root(1)), "3", "--peer-token", "bad", check=False)
     assert wrong.returncode == 3 and "UNAUTHENTICATED" in wrong.stderr
     done = tierfs("nodes", "gone", str(c.root(1)), "3", env=env)

@@ -7,8 +7,11 @@ ranks, placement stand-ins and the re-replication targets.
 
 from __future__ import annotations
 
+import click
 import pytest
+from click.testing import CliRunner
 
+from tierfs.cli.main import main
 from tierfs.cluster.backup_schedule import COMPLETE, DONE, RoundBook
 from tierfs.cluster.coordinator import DECIDED, PASSED, WAITING, Coordinator, Rejected, gone_problem
 from tierfs.cluster.restore_choice import INCOMPLETE, OLDER, RESTORED
@@ -311,3 +314,17 @@ def test_wait_notes_a_skipped_gone_rank():
         "verified copy on a peer or in the bucket"
     )
     assert gone_note("step 30 lacks rank(s) [3]; node-rank(s) [1] discarded") == ""
+
+
+def test_nodes_gone_needs_a_job_and_a_coordinator():
+    from tierfs.cli.nodes import _target
+
+    with pytest.raises(click.ClickException, match="runs no job yet"):
+        _target({}, None)
+    with pytest.raises(click.ClickException, match="does not know its coordinator"):
+        _target({"job": {"name": "j"}, "tiers": {"peer": {"coordinator": None}}}, None)
+    status = {"job": {"name": "j"}, "tiers": {"peer": {"coordinator": "10.0.0.0:7000"}}}
+    assert _target(status, None) == ("j", "10.0.0.0:7000")
+    assert _target(status, "h:1") == ("j", "h:1")
+    result = CliRunner().invoke(main, ["nodes", "gone", "/mnt/x"])
+    assert result.exit_code == 2 and "Missing argument 'RANKS...'" in result.output

@@ -8,10 +8,10 @@ straight over the peer plane with the job's peer token (``--peer-token`` or
 the gone set with the generation (node-rank 0's ``coordinator-generation.json``)
 and sends it to every node in its Join and Sync replies.
 
-Exit codes: 0 declared (the gone ranks are printed); 1 usage or the mount has
-no coordinator to ask; 2 the coordinator refused (node-rank 0, a rank out of
-range, every node gone, another job: the reason is printed); 3 the coordinator
-did not answer (unreachable, wrong peer token).
+Exit codes: 0 declared (the gone ranks are printed); 1 the mount has no job or
+coordinator to ask; 2 usage (click's); 3 the coordinator did not answer
+(unreachable, wrong peer token); 5 the coordinator refused (node-rank 0, a rank
+out of range, another job: the reason is printed).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tierfs.rpc import peer_pb2, peer_pb2_grpc
 from tierfs.rpc import wire as peer_wire
 
 #: exit codes of ``tierfs nodes gone`` besides 0 and 1 (see the module docstring)
-REFUSED_EXIT = 2
+REFUSED_EXIT = 5
 UNREACHABLE_EXIT = 3
 
 #: seconds the Gone call may take
@@ -78,7 +78,7 @@ def gone_cmd(
 
     Restore, sync and backup rounds stop waiting for them and replication picks
     stand-ins; a gone node that comes back is refused until the job restarts
-    with another --nodes. Exit 2: refused (reason printed); 3: no answer.
+    with another --nodes. Exit 5: refused (reason printed); 3: no answer.
     """
     try:
         status = read_status(mountpoint, STATUS_TIMEOUT)
