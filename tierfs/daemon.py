@@ -279,6 +279,9 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
                     backups=book,
                     generation=statefile.load_generation(store.store),
                     on_generation=functools.partial(statefile.save_generation, store.store),
+                    gone=statefile.load_gone(store.store),
+                    on_gone=functools.partial(statefile.save_gone, store.store),
+                    gone_after=config.gone_after,
                 ),
                 gate=plane.coordinator_gate,
             )

@@ -31,6 +31,7 @@ from tierfs.cli.checks import (
     pid_running,
 )
 from tierfs.cli.console import fail
+from tierfs.cli.nodes import nodes
 from tierfs.cli.options import SchemaCommand, mount_options
 from tierfs.cli.spawn import read_config_stdin, run_daemon, spawn_daemon
 from tierfs.cli.status_file import STATUS_TIMEOUT, DaemonNotAnswering, not_answering, read_status
@@ -175,6 +176,7 @@ def _register_plugins() -> None:
 
 main.add_command(unmount)
 main.add_command(wait_cmd)
+main.add_command(nodes)
 _register_plugins()
 
 # read_status, pid_running, WAIT_EXIT and wait_outcome: imported from here by older code

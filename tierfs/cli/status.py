@@ -112,12 +112,19 @@ def _whole_view_lines(st: NodeStatus) -> list[str]:
 
 
 def _generation(st: NodeStatus) -> str:
-    """``  generation G (N nodes)`` on the node serving the coordinator, else ""."""
+    """``  generation G (N nodes)`` on the node serving the coordinator, else ""; then
+    ``  gone [3]`` on every node that knows ranks declared gone for good (issue #16)."""
     peer = st.tiers.get("peer")
-    coord = peer.coordinator_state if isinstance(peer, PeerStatus) else None
-    if coord is None or not coord.generation:
+    if not isinstance(peer, PeerStatus):
         return ""
-    return f"  generation {coord.generation} ({coord.nodes} nodes)"
+    coord = peer.coordinator_state
+    gone = coord.gone if coord is not None and coord.gone else peer.gone
+    out = ""
+    if coord is not None and coord.generation:
+        out = f"  generation {coord.generation} ({coord.nodes} nodes)"
+    if gone:
+        out += f"  gone {list(gone)}"
+    return out
 
 
 def _typed(data: NodeStatus | Mapping[str, Any]) -> NodeStatus:

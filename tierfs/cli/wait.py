@@ -43,6 +43,18 @@ WAIT_EXIT = {
 WAIT_STILL_RUNNING = 7
 
 
+def gone_note(reason: str) -> str:
+    """The part of a restore ``reason`` saying the decision skipped ranks declared gone
+    for good (issue #16: ``node-rank(s) [3] declared gone: ...``), "" if none."""
+    at = reason.find("node-rank(s) ")
+    while at >= 0:
+        part = reason[at:]
+        if "declared gone" in part.split(";")[0]:
+            return part.split(";")[0]
+        at = reason.find("node-rank(s) ", at + 1)
+    return ""
+
+
 def wait_outcome(restore: RestoreStatus | Mapping[str, Any], nodes: int = 0) -> tuple[int, str]:
     """What ``tierfs wait`` prints and returns for a settled restore state (pure;
     typed, or the status's ``restore`` object). ``nodes``: the job's node count
@@ -210,6 +222,9 @@ def wait_cmd(
     for problem in restore.problems:
         if problem not in line:
             click.echo(f"tierfs: note: {problem}", err=True)
+    gone = gone_note(restore.reason or "")
+    if gone and not older:
+        click.echo(f"tierfs: note: {gone}", err=True)
     if older:
         click.echo(
             f"tierfs: warning: step {restore.step} is not the newest step written: "

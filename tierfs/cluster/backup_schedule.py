@@ -115,6 +115,9 @@ class RoundBook:
         self._dp_reported: set[tuple[int, tuple[tuple[int, tuple[int, ...]], ...]]] = set()
         self.job: str | None = None
         self.nodes = 0
+        #: node ranks declared gone for good (issue #16): rounds neither wait for
+        #: nor plan them
+        self.gone: frozenset[int] = frozenset()
         self.state = ScheduleState(started_at=0.0)
         self.seeded = False
         self.previous_name: str | None = None
@@ -127,9 +130,18 @@ class RoundBook:
 
     # ------------------------------------------------------------------ life cycle
 
+    def set_gone(self, gone: frozenset[int]) -> None:
+        """Ranks declared gone for good: rounds stop waiting for them (issue #16)."""
+        self.gone = gone
+
+    def ranks(self) -> list[int]:
+        """The ranks a backup round waits for: every rank of the job but the gone ones."""
+        return [r for r in range(self.nodes) if r not in self.gone]
+
     def reset(self, job: str, nodes: int, now: float) -> None:
-        """Take up ``job`` of ``nodes`` nodes from scratch (unseeded, no round)."""
+        """Take up ``job`` of ``nodes`` nodes from scratch (unseeded, no round, none gone)."""
         self.job, self.nodes = job, nodes
+        self.gone = frozenset()
         self.state = ScheduleState(started_at=now)
         self.seeded = False
         self.previous_name = None
@@ -267,7 +279,7 @@ class RoundBook:
         elif decision.action == START:
             assert decision.round is not None and decision.step is not None
             held = holders(decision.step) if holders is not None else None
-            lacking = [r for r in range(self.nodes) if held is not None and r not in held]
+            lacking = [r for r in self.ranks() if held is not None and r not in held]
             if lacking:
                 decision = Decision(
                     WAIT,
@@ -300,7 +312,7 @@ class RoundBook:
             return False
         if holders is not None:
             held = holders(a.step)
-            for r in range(self.nodes):
+            for r in self.ranks():
                 if r not in held and r not in a.outcomes:
                     a.lacking.setdefault(r, f"step {a.step} is no longer held on node-rank {r}")
         return bool(a.lacking)
@@ -317,7 +329,7 @@ class RoundBook:
         timed out."""
         if self._stuck(a, holders) and step is not None and step > a.step:
             held = holders(step) if holders is not None else None
-            if held is None or all(r in held for r in range(self.nodes)):
+            if held is None or all(r in held for r in self.ranks()):
                 self.events.extend(superseded(self.state, step))
                 a.moved_from.append(a.step)
                 a.step = step
@@ -332,7 +344,7 @@ class RoundBook:
                         h["moved_from"] = list(a.moved_from)
                         break
                 return
-        missing = [r for r in range(self.nodes) if r not in a.outcomes]
+        missing = [r for r in self.ranks() if r not in a.outcomes]
         if not missing:
             failed = sorted(r for r, o in a.outcomes.items() if o.state != DONE)
             if failed:

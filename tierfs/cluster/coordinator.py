@@ -149,12 +149,37 @@ __all__ = [
     "Rejected",
     "SyncView",
     "choose_restore",
+    "gone_problem",
     "sources_for",
 ]
 
 
+#: seconds between two ``--gone-after`` checks (each walks the members)
+GONE_CHECK_PERIOD = 1.0
+
 #: seconds a join refused for another node count is named to the waiting nodes
 REFUSED_SHOWN = 60.0
+
+
+def gone_problem(
+    wanted: frozenset[int], gone: frozenset[int], nodes: int, own_rank: int = COORDINATOR_RANK
+) -> str:
+    """Why node ranks ``wanted`` cannot be declared gone in a job of ``nodes`` nodes of
+    which ``gone`` already are ("" if they can): none named, node-rank ``own_rank``
+    (it serves the coordinator), a rank outside ``[0, nodes)``, or no node left."""
+    if not wanted:
+        return "no node rank named"
+    outside = sorted(r for r in wanted if not 0 <= r < nodes)
+    if outside:
+        return f"node-rank(s) {outside} out of range for {nodes} nodes (must be in [0, {nodes}))"
+    if own_rank in wanted:
+        return (
+            f"node-rank {own_rank} cannot be declared gone: it serves the coordinator "
+            "(restart the job on the remaining nodes instead)"
+        )
+    if len(wanted | gone) >= nodes:
+        return f"declaring node-rank(s) {sorted(wanted)} gone would leave no node of {nodes}"
+    return ""
 
 
 class Coordinator:
@@ -187,9 +212,22 @@ class Coordinator:
         backups: RoundBook | None = None,
         generation: tuple[str, int, int, float] | None = None,
         on_generation: Callable[[str, int, int, float], None] | None = None,
+        gone: Iterable[int] = (),
+        on_gone: Callable[[tuple[int, ...]], None] | None = None,
+        gone_after: float | None = None,
     ) -> None:
         self._last_generation = generation
         self._on_generation = on_generation
+        #: the gone ranks recorded with ``generation``: kept if it is continued
+        self._last_gone = frozenset(gone)
+        self._on_gone = on_gone
+        #: seconds without a heartbeat after which a member is declared gone (None: off)
+        self.gone_after = gone_after
+        #: node ranks declared gone for good in this generation (issue #16)
+        self.gone: frozenset[int] = frozenset()
+        self._gone_checked = float("-inf")
+        #: lines for replicator.errors of the coordinator's node (taken by the owner)
+        self.events: list[str] = []
         self.clock = clock
         self.wall = wall
         self.live_seconds = live_seconds
@@ -245,6 +283,7 @@ class Coordinator:
         self.backups = book
         if book is not None and self.job is not None:
             book.reset(self.job, self.nodes, self.wall())
+            book.set_gone(self.gone)
 
     # ------------------------------------------------------------------ membership
 
@@ -258,8 +297,10 @@ class Coordinator:
                 nodes,
             )
         last = self._last_generation
+        keep_gone: frozenset[int] = frozenset()
         if last is not None and last[0] == job and last[1] == nodes and last[2] > 0:
             self.generation, self.generation_since = last[2], last[3]
+            keep_gone = frozenset(g for g in self._last_gone if 0 < g < nodes)
         else:
             same_job = last is not None and last[0] == job
             self.generation = last[2] + 1 if same_job and last is not None else 1
@@ -275,6 +316,99 @@ class Coordinator:
         self.synced_at = 0.0
         if self.backups is not None:
             self.backups.reset(job, nodes, self.wall())
+        self.gone = frozenset()
+        self._last_gone = keep_gone
+        self._apply_gone(keep_gone)
+
+    # ------------------------------------------------------------------ gone for good
+
+    def _apply_gone(self, gone: frozenset[int]) -> None:
+        """Make ``gone`` the generation's gone ranks everywhere and record it."""
+        self.gone = gone
+        self.restores.set_gone(gone)
+        for g in gone:
+            self.roster.forget_step(g)
+        if self.backups is not None:
+            self.backups.set_gone(gone)
+        self._update_synced()
+        if self._on_gone is not None:
+            self._on_gone(tuple(sorted(gone)))
+
+    def declare_gone(self, job: str, ranks: Iterable[int], reason: str = "") -> tuple[int, ...]:
+        """Declare node ranks gone for good for the current generation (issue #16).
+
+        Restore rounds, sync rounds and backup rounds stop waiting for them, the
+        nodes' replication picks stand-ins (the gone set goes out in every Join and
+        Sync reply), and a gone rank that joins again is refused until the job is
+        restarted with another node count (a new generation clears the set).
+        Declaring a rank already gone again is accepted (idempotent).
+
+        Returns:
+            Every gone rank of the generation, ascending.
+
+        Raises:
+            Rejected: no job yet or another job, node-rank 0 (it serves the
+                coordinator), a rank outside ``[0, nodes)``, or every node gone.
+        """
+        wanted = frozenset(ranks)
+        if self.job is None:
+            raise Rejected("no job yet: no node has joined the coordinator")
+        if job != self.job:
+            raise Rejected(f"job-name mismatch: the coordinator runs job {self.job!r}, not {job!r}")
+        problem = gone_problem(wanted, self.gone, self.nodes, self.own_rank)
+        if problem:
+            raise Rejected(problem)
+        new = wanted - self.gone
+        if new:
+            why = f" ({reason})" if reason else ""
+            line = (
+                f"node-rank(s) {sorted(new)} declared gone for good in generation "
+                f"{self.generation}{why}: rounds no longer wait for them"
+            )
+            log.warning("coordinator: %s", line)
+            self.events.append(line)
+            self._apply_gone(self.gone | new)
+        return tuple(sorted(self.gone))
+
+    def expire_gone(self) -> tuple[int, ...]:
+        """With ``gone_after``: declare gone every member not heard from for that long
+        (never node-rank 0). Checked at most every :data:`GONE_CHECK_PERIOD` seconds
+        (O(members)). Returns the ranks it declared."""
+        if self.gone_after is None or self.job is None:
+            return ()
+        now = self.clock()
+        if now - self._gone_checked < GONE_CHECK_PERIOD:
+            return ()  # a walk over the members: at most once per period, not per call
+        self._gone_checked = now
+        silent = frozenset(
+            m.rank
+            for m in self.members.values()
+            if m.rank != self.own_rank
+            and m.rank not in self.gone
+            and now - m.last_seen > self.gone_after
+        )
+        if not silent or gone_problem(silent, self.gone, self.nodes, self.own_rank):
+            return ()
+        self.declare_gone(
+            self.job, silent, f"no heartbeat for more than {self.gone_after:g} s (--gone-after)"
+        )
+        return tuple(sorted(silent))
+
+    def take_events(self) -> list[str]:
+        """The coordinator's lines for ``replicator.errors`` since the last call."""
+        out, self.events = self.events, []
+        return out
+
+    def _update_synced(self) -> None:
+        synced = self.roster.least_step(self.nodes - len(self.gone))
+        if synced is not None and synced > self.synced_step:
+            self.synced_step = synced
+            self.synced_at = self.wall()
+            log.info(
+                "coordinator: sync round complete: step %d on all %d live nodes",
+                synced,
+                self.nodes - len(self.gone),
+            )
 
     def _clear_sync(self, r: Round | None = None) -> None:
         """The sync round starts over: another job, or a decision of round ``r``
@@ -364,6 +498,12 @@ class Coordinator:
                 live node at another address still serves (a duplicate rank).
         """
         self._check_job(job, nodes, rank, mode)
+        if rank in self.gone:
+            raise Rejected(
+                f"node-rank {rank} was declared gone for good in generation "
+                f"{self.generation} of job {job!r}: it may not rejoin it (restart the "
+                "job with another --nodes to start a new generation)"
+            )
         self.refused_counts.pop(rank, None)
         now = self.clock()
         inv = tuple(inventory)
@@ -511,20 +651,15 @@ class Coordinator:
             round's state.
         """
         m = self.members.get(rank)
-        if job != self.job or m is None or m.incarnation != incarnation:
-            return SyncView(False)
+        if job != self.job or m is None or m.incarnation != incarnation or rank in self.gone:
+            return SyncView(False)  # join (again); a gone rank's join is refused
         m.last_seen = self.clock()
         self.roster.set_inventory(m, tuple(inventory))
         m.replicated_step = step
         m.data_parallelism = data_parallelism or None
         self.roster.report_step(rank, step)
-        synced = self.roster.least_step(self.nodes)
-        if synced is not None and synced > self.synced_step:
-            self.synced_step = synced
-            self.synced_at = self.wall()
-            log.info(
-                "coordinator: sync round complete: step %d on all %d nodes", synced, self.nodes
-            )
+        self.expire_gone()
+        self._update_synced()
         steps = () if compact else tuple(self.sync_steps.get(r, NO_STEP) for r in range(self.nodes))
         number = self.restore_open()
         summoned = bool(self.restores.summons(rank, incarnation))
@@ -620,6 +755,7 @@ class Coordinator:
             nodes=self.nodes,
             generation=self.generation,
             generation_since=self.generation_since,
+            gone=tuple(sorted(self.gone)),
             round=rnd,
             members=tuple(
                 CoordinatorMemberStatus(

@@ -143,6 +143,14 @@ class Membership:
             if not counts[old]:
                 del counts[old]
 
+    def forget_step(self, rank: int) -> None:
+        """Drop ``rank``'s sync report (the rank was declared gone, issue #16)."""
+        old = self.sync_steps.pop(rank, None)
+        if old is not None:
+            self.step_counts[old] -= 1
+            if not self.step_counts[old]:
+                del self.step_counts[old]
+
     def least_step(self, nodes: int) -> int | None:
         """The least step reported, once all ``nodes`` ranks reported one (ranks are
         ``< nodes``: checked at join), else None."""

@@ -53,6 +53,7 @@ from tierfs.cluster.rounds import (
     PROTOCOL,
     REJOIN,
     REPLAN,
+    SHOWN_RANKS,
     WAITING,
     BarrierView,
     DecideView,
@@ -106,10 +107,23 @@ class RestoreRounds:
         self.previous: Round | None = None
         self.rounds = 0
         self.history: list[dict[str, Any]] = []
+        #: ranks declared gone for good in this generation (:meth:`set_gone`)
+        self.gone: frozenset[int] = frozenset()
 
     def clear(self) -> None:
-        """Forget the rounds (another job); round numbers go on counting."""
+        """Forget the rounds and the gone ranks (another job or generation); round
+        numbers go on counting."""
         self.round = self.previous = None
+        self.gone = frozenset()
+
+    def set_gone(self, gone: frozenset[int]) -> None:
+        """Ranks declared gone for good: the open round stops waiting for them and is
+        decided at once if every other rank joined (issue #16)."""
+        self.gone = gone
+        r = self.round
+        if r is not None and r.choice is None:
+            r.gone = gone
+            self._try_decide(r)
 
     def enter(self, joining: Participant, mode: str, nodes: int) -> int:
         """``joining`` enters the open round, or opens the next one (``mode`` of its node,
@@ -133,7 +147,7 @@ class RestoreRounds:
                 return r.number  # a retried join of the same restore
         self.previous = r
         self.rounds += 1
-        self.round = Round(self.rounds, mode == PROTOCOL, now, nodes, touched=now)
+        self.round = Round(self.rounds, mode == PROTOCOL, now, nodes, touched=now, gone=self.gone)
         self.round.enter(joining)
         log.info("coordinator: restore round %d opened by node-rank %d", self.rounds, joining.rank)
         self._try_decide(self.round)
@@ -211,6 +225,9 @@ class RestoreRounds:
                 r.choice = None
                 r.waiting_for = "older backup rounds"
                 return
+            skipped = sorted(g for g in r.gone if g not in r.present and g < r.nodes)
+            if skipped:
+                choice = dataclasses.replace(choice, reason=gone_reason(choice.reason, skipped))
         r.choice = choice
         r.waiting_for = ""
         r.version += 1
@@ -337,12 +354,12 @@ class RestoreRounds:
                 self._failed(r, rank, set(bad), detail)
                 return BarrierView(REPLAN)
             r.ready.add(rank)
-            return _waiting(r.ready)
+            return _waiting(r, r.ready)
         if phase == "done":
             if not r.ready_passed:
-                return _waiting(r.ready)
+                return _waiting(r, r.ready)
             r.done.add(rank)
-            return _waiting(r.done)
+            return _waiting(r, r.done)
         raise ValueError(f"unknown barrier phase {phase!r}")
 
     def _failed(self, r: Round, rank: int, bad: set[CopyId], detail: str) -> None:
@@ -392,8 +409,21 @@ class RestoreRounds:
         return number if number and r is not None and r.summons(rank, incarnation) else 0
 
 
-def _waiting(reached: RankSet) -> BarrierView:
-    """``passed`` once every rank (a decided round has all of them) reached the phase."""
-    if not reached.lacking_count:
+def gone_reason(reason: str, gone: list[int]) -> str:
+    """``reason`` of a decision made without the gone ranks ``gone`` (issue #16): says
+    that their parts were taken only from verified copies on peers or in the bucket."""
+    return (
+        f"{reason}; node-rank(s) {gone} declared gone: not waited for, their part "
+        "taken only from a verified copy on a peer or in the bucket"
+    )
+
+
+def _waiting(r: Round, reached: RankSet) -> BarrierView:
+    """``passed`` once every rank (a decided round has all of them but the gone ones
+    that did not join) reached the phase."""
+    absent = [g for g in r.gone if g not in r.present and g < r.nodes]
+    lacking = reached.lacking_count - len(absent)
+    if not lacking:
         return BarrierView(PASSED)
-    return BarrierView(WAITING, reached.lacking(), reached.lacking_count)
+    shown = reached.lacking(SHOWN_RANKS + len(absent))
+    return BarrierView(WAITING, tuple(x for x in shown if x not in absent)[:SHOWN_RANKS], lacking)

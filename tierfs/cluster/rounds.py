@@ -174,6 +174,9 @@ class Round:
     touched: float = 0.0
     #: "ready" reports of nodes that could not get their data
     failures: int = 0
+    #: ranks declared gone for good (issue #16): the round does not wait for them;
+    #: their parts count only where a verified copy exists (peers, bucket)
+    gone: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         self.present = RankSet(self.nodes)
@@ -187,13 +190,17 @@ class Round:
 
     @property
     def missing_count(self) -> int:
-        """Ranks that have not joined."""
-        return self.present.lacking_count
+        """Ranks that have not joined and are not gone (O(gone ranks))."""
+        absent_gone = sum(1 for g in self.gone if g not in self.present and g < self.nodes)
+        return self.present.lacking_count - absent_gone
 
     @property
     def missing(self) -> tuple[int, ...]:
-        """The first :data:`SHOWN_RANKS` ranks that have not joined."""
-        return self.present.lacking() if self.present.lacking_count else ()
+        """The first :data:`SHOWN_RANKS` ranks that have not joined (gone ones left out)."""
+        if not self.missing_count:
+            return ()
+        lacking = self.present.lacking(SHOWN_RANKS + len(self.gone))
+        return tuple(r for r in lacking if r not in self.gone)[:SHOWN_RANKS]
 
     @property
     def ready_passed(self) -> bool:

@@ -278,6 +278,7 @@ class CoordinatorServicer:
                     peers=self._peer_list(request.want_peers if request.compact else None),
                     live_nodes=c.live_count(),
                     known_nodes=len(c.members),
+                    gone=sorted(c.gone),
                 )
             finally:
                 self._after()
@@ -395,6 +396,7 @@ class CoordinatorServicer:
                     live_nodes=c.live_count(),
                     known_nodes=len(c.members),
                     reported=view.reported,
+                    gone=sorted(c.gone),
                 )
             finally:
                 self._after()
@@ -415,6 +417,23 @@ class CoordinatorServicer:
                 peer_pb2.BackupRound(round=last.round, step=last.step, state=last.state)
             )
         return reply
+
+    async def Gone(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        """Declare node ranks gone for good (``tierfs nodes gone``; see
+        :meth:`Coordinator.declare_gone`); FAILED_PRECONDITION with the reason."""
+        await self._admit(context)
+        c = self.coordinator
+        refused = None
+        with self.lock:
+            try:
+                gone = c.declare_gone(request.job, tuple(request.ranks), request.reason)
+            except Rejected as exc:
+                refused = str(exc)
+            finally:
+                self._after()
+        if refused is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused)
+        return peer_pb2.GoneReply(gone=list(gone), nodes=c.nodes, generation=c.generation)
 
 
 def _holdings(items: Iterable[Any]) -> tuple[Holding, ...]:

@@ -281,6 +281,16 @@ class NodeConfig(BaseModel):
         ),
         Where(flag="--join-timeout", keys=("joinTimeoutSeconds",), unit="s"),
     ] = 600.0
+    gone_after: Annotated[
+        Seconds | None,
+        Field(
+            gt=0,
+            allow_inf_nan=False,
+            description="Node-rank 0's coordinator declares a node gone for good when it "
+            "sent no heartbeat for this long (off by default; see tierfs nodes gone).",
+        ),
+        Where(flag="--gone-after", keys=("goneAfterSeconds",), unit="s", default_doc="off"),
+    ] = None
     # durable plane
     bucket: Annotated[
         str | None,

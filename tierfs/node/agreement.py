@@ -67,13 +67,14 @@ class RestoreRefused(RestoreFailed):
 def _refused_for_good(exc: grpc.RpcError) -> bool:
     """A join refusal that retrying cannot cure: a wrong token or a configuration that
     disagrees with the coordinator's. Not "node-rank N is taken" (the previous
-    incarnation's heartbeat runs out within seconds)."""
+    incarnation's heartbeat runs out within seconds). A rank declared gone for good
+    (``tierfs nodes gone``, issue #16) is refused until the job's next generation."""
     code = rpc_code(exc)
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return True
     detail = rpc_reason(exc)
     return code == grpc.StatusCode.FAILED_PRECONDITION and (
-        "mismatch" in detail or "out of range" in detail
+        "mismatch" in detail or "out of range" in detail or "declared gone for good" in detail
     )
 
 

@@ -156,3 +156,36 @@ def save_generation(store_dir: str, job: str, nodes: int, generation: int, since
         )
     except OSError as exc:
         log.warning("could not save %s: %s", GENERATION_FILE, exc.strerror or exc)
+
+
+def load_gone(store_dir: str) -> tuple[int, ...]:
+    """The node ranks declared gone for good in the generation of the
+    :data:`GENERATION_FILE` (issue #16); () if none or unreadable."""
+    try:
+        with open(os.path.join(store_dir, GENERATION_FILE), encoding="utf-8") as f:
+            d = json.load(f)
+        return tuple(sorted({int(r) for r in d.get("gone", ())}))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ()
+
+
+def save_gone(store_dir: str, gone: tuple[int, ...]) -> None:
+    """Record ``gone`` with the generation in :data:`GENERATION_FILE` (atomically,
+    0600); a new generation (:func:`save_generation`) clears it. A failure is only
+    logged."""
+    path = os.path.join(store_dir, GENERATION_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if not isinstance(data, dict):
+            raise ValueError("not an object")
+    except (OSError, ValueError) as exc:
+        log.warning("could not record the gone ranks in %s: %s", GENERATION_FILE, exc)
+        return
+    data["gone"] = sorted(gone)
+    try:
+        control.atomic_write(
+            store_dir, GENERATION_FILE, json.dumps(data, sort_keys=True).encode(), 0o600
+        )
+    except OSError as exc:
+        log.warning("could not save %s: %s", GENERATION_FILE, exc.strerror or exc)

@@ -65,8 +65,12 @@ class AddressBook:
     def __init__(self, me: Endpoint) -> None:
         self.me = me
         self._restarted: list[Callable[[int], None]] = []
+        self._gone: list[Callable[[list[int]], None]] = []
         self.peers: dict[int, PeerInfo] = {}
         self.node_counts: tuple[int, int] | None = None
+        #: node ranks the coordinator declared gone for good (issue #16): the
+        #: replica targets get stand-ins for them (:func:`replica_peers`)
+        self.gone: frozenset[int] = frozenset()
         #: ranks asked for beyond the replica targets (the whole-step view reads
         #: other ranks' parts from their nodes), per job name
         self.extra: dict[str, set[int]] = {}
@@ -85,6 +89,15 @@ class AddressBook:
         JoinReply/SyncReply), its counts of live and known nodes."""
         if reply is not None and reply.known_nodes:
             self.node_counts = (int(reply.live_nodes), int(reply.known_nodes))
+        if reply is not None and hasattr(reply, "gone"):
+            gone = frozenset(int(g) for g in reply.gone)
+            if gone != self.gone:
+                new = sorted(gone - self.gone)
+                log.warning("the coordinator declared node-rank(s) %s gone for good", sorted(gone))
+                self.gone = gone
+                if new:
+                    for told in self._gone:
+                        told(new)
         for p in peers:
             old = self.peers.get(p.rank)
             self.peers[p.rank] = PeerInfo(p.rank, p.address, p.incarnation, p.live)
@@ -100,6 +113,11 @@ class AddressBook:
         """Call ``listener(rank)`` when a known peer answers with a new incarnation
         (trio thread; must not block)."""
         self._restarted.append(listener)
+
+    def on_gone(self, listener: Callable[[list[int]], None]) -> None:
+        """Call ``listener(ranks)`` with the ranks newly declared gone for good (trio
+        thread; must not block)."""
+        self._gone.append(listener)
 
     def coordinator_down(self) -> None:
         """A coordinator call failed: its node no longer counts as live (the book is the
@@ -121,16 +139,17 @@ class AddressBook:
         replies, not the whole membership)."""
         extra = self.extra.get(job.name, set())
         return sorted(
-            {COORDINATOR_RANK, *replica_peers(job), *(r for r in extra if r < job.nodes)}
+            {COORDINATOR_RANK, *replica_peers(job, self.gone), *(r for r in extra if r < job.nodes)}
             - {job.node_rank}
         )
 
 
-def replica_peers(job: JobSpec) -> list[int]:
-    """The ranks receiving this node's steps in ``job`` (:func:`.placement.peer_ranks`;
+def replica_peers(job: JobSpec, gone: frozenset[int] = frozenset()) -> list[int]:
+    """The ranks receiving this node's steps in ``job`` (:func:`.placement.peer_ranks`,
+    with stand-ins for the ranks ``gone`` for good: :func:`.placement.with_stand_ins`;
     an impossible placement is logged and gives no peers)."""
     try:
-        return placement.peer_ranks(
+        targets = placement.peer_ranks(
             job.node_rank,
             job.nodes,
             peer_ranks=job.peer_ranks,
@@ -140,3 +159,4 @@ def replica_peers(job: JobSpec) -> list[int]:
     except ValueError as exc:
         log.warning("no peers: %s", exc)
         return []
+    return placement.with_stand_ins(targets, job.node_rank, job.nodes, gone)

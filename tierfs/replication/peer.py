@@ -295,6 +295,7 @@ class PeerTier:
         self._sends = self.replicator.sends
         self._pins = self.holdings.pins
         self.book.on_restart(self.replicator.rereplicate)
+        self.book.on_gone(self._gone)
         catalog.on_sealed(self.holdings.on_sealed)
         catalog.on_sealed(self.replicator.on_sealed)
         catalog.on_withdrawn(self.replicator.on_withdrawn)
@@ -351,9 +352,21 @@ class PeerTier:
         ``reply`` (a JoinReply/SyncReply) its counts of live and known nodes (trio thread)."""
         self.book.update(peers, reply)
 
+    def _gone(self, ranks: list[int]) -> None:
+        """The coordinator declared ``ranks`` gone for good: say so in
+        ``replicator.errors`` and send the stand-ins what they lack at once."""
+        job = self.current.job
+        targets = self.replica_peers(job) if job is not None else []
+        self.reporter.error(
+            f"node-rank(s) {ranks} declared gone for good by the coordinator: rounds no "
+            f"longer wait for them; this node replicates to {targets}"
+        )
+        self.replicator.catch_up()
+
     def replica_peers(self, job: JobSpec) -> list[int]:
-        """The ranks receiving this node's steps (:func:`.placement.peer_ranks`)."""
-        return replica_peers(job)
+        """The ranks receiving this node's steps (:func:`.placement.peer_ranks`, with
+        stand-ins for ranks gone for good)."""
+        return replica_peers(job, self.book.gone)
 
     def digest(self, shard: Shard) -> str:
         """The shard's manifest digest (cached per manifest object)."""
@@ -627,6 +640,7 @@ class PeerTier:
             incarnation=self.incarnation,
             active=active is not None,
             replicate_to=tuple(targets),
+            gone=tuple(sorted(self.book.gone)),
             peers=peers,
             steps=tuple(steps),
             sync=SyncStatus.from_json(self.sync),

@@ -96,3 +96,38 @@ def column_of(rank: int, nodes: int, data_parallelism: int | None) -> list[int]:
         return [rank]
     cols = nodes // data_parallelism
     return [row * cols + rank % cols for row in range(data_parallelism)]
+
+
+def with_stand_ins(targets: Iterable[int], rank: int, nodes: int, gone: Iterable[int]) -> list[int]:
+    """``targets`` (node ``rank``'s receivers, :func:`peer_ranks`) with each rank declared
+    gone for good replaced by a stand-in (issue #16), in the same preference order.
+
+    A gone target's stand-in is the next rank after it on the ring (``+1, +2, ...
+    mod nodes``) that is not ``rank``, not gone and not already a receiver, so
+    every node's steps keep their copy count while enough live nodes remain
+    (fewer receivers only when fewer live nodes than receivers are left).
+    Deterministic: every node computes the same stand-ins from the same gone set.
+
+    Args:
+        targets: the receivers as placed, distinct ranks in ``[0, nodes)``.
+        rank: this node's rank.
+        nodes: the job's node count.
+        gone: the ranks declared gone.
+    """
+    dead = frozenset(gone)
+    chosen = [t for t in targets if t not in dead]
+    if not dead:
+        return chosen
+    out: list[int] = []
+    taken = set(chosen) | {rank}
+    for t in targets:
+        if t not in dead:
+            out.append(t)
+            continue
+        for i in range(1, nodes):
+            c = (t + i) % nodes
+            if c not in dead and c not in taken:
+                out.append(c)
+                taken.add(c)
+                break
+    return out

@@ -126,7 +126,7 @@ class Replicator:
         job = self.active_job()
         if job is None or shard.key.job != job.name or shard.key.rank != job.node_rank:
             return
-        peers = replica_peers(job)
+        peers = replica_peers(job, self.book.gone)
         old = self.sends.pop(shard.key, None)
         if old is not None:
             old.cancel.set()
@@ -149,7 +149,7 @@ class Replicator:
     def replicated_step(self, job: JobSpec) -> int:
         """The newest own step replicated to every peer, sealed since the job (re)started
         (steps of the timeline before a restore are never reported)."""
-        peers = replica_peers(job)
+        peers = replica_peers(job, self.book.gone)
         since = self.current.timeline_since
         for shard in self.catalog.own_shards(job):
             if shard.manifest.created < since:
@@ -164,7 +164,7 @@ class Replicator:
     def rereplicate(self, peer: int) -> None:
         """A peer came back (new incarnation): send it our newest step again."""
         job = self.active_job()
-        if job is None or peer not in replica_peers(job):
+        if job is None or peer not in replica_peers(job, self.book.gone):
             return
         own = self.catalog.own_shards(job)
         if not own:
@@ -192,7 +192,7 @@ class Replicator:
         job = self.active_job()
         if job is None:
             return
-        peers = replica_peers(job)
+        peers = replica_peers(job, self.book.gone)
         for shard in [*self.catalog.own_shards(job), *self._orphans(job)]:
             if not self.catalog.retained(shard.key):
                 continue
@@ -212,11 +212,12 @@ class Replicator:
 
     def _orphans(self, job: JobSpec) -> list[Shard]:
         """The newest part held here of each rank ``job`` no longer has (its node count
-        shrank since the step was written), newest first."""
+        shrank since the step was written, or the rank was declared gone for good),
+        newest first."""
         newest: dict[int, Shard] = {}
         for shard in self.catalog.shards_of(job.name):
             rank = shard.key.rank
-            if rank < job.nodes or not shard.verified:
+            if (rank < job.nodes and rank not in self.book.gone) or not shard.verified:
                 continue
             if rank not in newest or shard.key.step > newest[rank].key.step:
                 newest[rank] = shard

@@ -269,6 +269,8 @@ class CoordinatorStatus:
     #: restart with another node count; 0 before a node joined) and its start (Unix s)
     generation: int = 0
     generation_since: float = 0.0
+    #: node ranks declared gone for good in this generation (issue #16)
+    gone: tuple[int, ...] = ()
     #: the newest restore round, None before one
     round: CoordinatorRoundStatus | None = None
     #: the nodes by rank
@@ -290,6 +292,8 @@ class CoordinatorStatus:
             "decisions": [dict(d) for d in self.decisions],
             "backups": self.backups.to_json() if self.backups is not None else None,
         }
+        if self.gone:  # issue #16; absent when no rank is gone
+            out["gone"] = list(self.gone)
         if self.generation:  # a daemon from before generations wrote none
             out.update(generation=self.generation, generation_since=self.generation_since)
         return out
@@ -302,6 +306,7 @@ class CoordinatorStatus:
             nodes=data.get("nodes", 0),
             generation=data.get("generation", 0),
             generation_since=data.get("generation_since", 0.0),
+            gone=tuple(int(g) for g in data.get("gone") or ()),
             round=CoordinatorRoundStatus.from_json(rnd) if isinstance(rnd, Mapping) else None,
             members=tuple(CoordinatorMemberStatus.from_json(m) for m in objs(data.get("members"))),
             sync=CoordinatorSyncStatus.from_json(obj(data.get("sync") or {}, "sync")),

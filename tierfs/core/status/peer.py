@@ -131,6 +131,8 @@ class PeerStatus:
     active: bool = False
     #: the node ranks this node replicates to
     replicate_to: tuple[int, ...] = ()
+    #: node ranks the coordinator declared gone for good (issue #16)
+    gone: tuple[int, ...] = ()
     peers: tuple[PeerMemberStatus, ...] = ()
     steps: tuple[PeerStepStatus, ...] = ()
     sync: SyncStatus = field(default_factory=SyncStatus)
@@ -163,6 +165,8 @@ class PeerStatus:
             "pinned": list(self.pinned),
             "last_error": self.last_error,
         }
+        if self.gone:  # issue #16; absent when no rank is gone (older daemons wrote none)
+            out["gone"] = list(self.gone)
         if self.coordinator_state is not None:
             out["coordinator_state"] = self.coordinator_state.to_json()
         return out
@@ -183,6 +187,7 @@ class PeerStatus:
             incarnation=str(data.get("incarnation", "")),
             active=bool(data.get("active", False)),
             replicate_to=tuple(data.get("replicate_to") or ()),
+            gone=tuple(int(g) for g in data.get("gone") or ()),
             peers=tuple(PeerMemberStatus.from_json(p) for p in objs(data.get("peers"))),
             steps=tuple(PeerStepStatus.from_json(s) for s in objs(data.get("steps"))),
             sync=SyncStatus.from_json(obj(data.get("sync") or {}, "sync")),
