@@ -213,6 +213,36 @@ def test_a_one_node_generic_job_gets_its_backup_back_after_losing_its_ram(make_m
     assert (d / "checkpoint-2" / "weights.bin").read_bytes() == data[2]
 
 
+def test_a_step_saved_again_is_backed_up_again_and_restored_with_its_new_bytes(
+    make_mount, fake_gcs
+):
+    """Regression (#15 new-user trial, jobs sg and hfrw): a step number saved again after
+    its backup round (a file of checkpoint-2 rewritten) was never backed up again: only
+    steps above the last one backed up were. After the node lost its RAM the bucket's
+    old checkpoint-2 came back with exit 0 ("the newest step written was restored")."""
+    m = make_mount("--bucket", fake_gcs.bucket, "--backup-interval-steps", "1")
+    d = m.path
+    old, new = os.urandom(3000), os.urandom(3000)
+    for step in (1, 2):
+        tmp = d / f"tmp-checkpoint-{step}"
+        tmp.mkdir()
+        (tmp / "weights.bin").write_bytes(old)
+        os.rename(tmp, d / f"checkpoint-{step}")
+        first = wait_for(lambda step=step: backed_up(d, step), 60, f"step {step} backed up")
+    (d / "checkpoint-2" / "weights.bin").write_bytes(new)  # saved again, in place
+    again = wait_for(
+        lambda: (r := backed_up(d, 2)) and r != first and r, 60, "step 2 backed up again"
+    )
+    assert again > first
+    remount_wiped(m)
+    waited = tierfs("wait", str(d), "--timeout", "120", check=False, timeout=180)
+    assert (waited.returncode, waited.stdout.strip()) == (
+        0,
+        f"restored step 2 from GCS round {again}",
+    ), waited.stderr
+    assert (d / "checkpoint-2" / "weights.bin").read_bytes() == new
+
+
 def test_one_node_unreachable_bucket_never_blocks_training(make_mount, fake_gcs, monkeypatch):
     monkeypatch.setenv("TIERFS_GCS_RETRY_DEADLINE", "2")
     m = make_mount("--bucket", fake_gcs.bucket)

@@ -181,3 +181,50 @@ def test_holders_follow_each_members_latest_inventory():
     assert c.holders(1) == {0: "d0-1", 1: "d1-1"} and c.holders(2) == {}
     c.sync("job", 0, "inc0", 2, [H(0, 2)])
     assert c.holders(1) == {1: "d1-1"} and c.holders(2) == {0: "d0-2"}
+
+
+def test_a_step_number_saved_again_with_other_bytes_is_backed_up_again():
+    """Regression (#15 new-user trial, job sg): steps 10 and 20 were backed up; the
+    trainer removed step 20 and saved it again with other values. No round was ever
+    made for the new bytes (only steps above the last one backed up were), and after
+    a cluster loss the bucket's old step 20 came back with exit 0. A part whose
+    digest changed makes the step due again; the same bytes do not."""
+    c, _ = book_coord()
+    sync(c, 0, 20, [20])
+    r1, step = sync(c, 1, 20, [20]).backup_order
+    assert step == 20
+    sync(c, 0, 20, [20], backup=Outcome(r1, 20, DONE))
+    sync(c, 1, 20, [20], backup=Outcome(r1, 20, DONE))
+    # the same bytes: nothing new
+    assert sync(c, 0, 20, [20]).backup_order is None
+    assert sync(c, 1, 20, [20]).backup_order is None
+    # rank 1 saved step 20 again: other bytes in its part
+    again = lambda s: f"again-{s}"  # noqa: E731
+    sync(c, 0, 20, [20])
+    order = sync(c, 1, 20, [20], digest=again).backup_order
+    assert order is not None and order[1] == 20 and order[0] > r1, order
+    book = c.status().backups
+    assert book is not None and "step 20 was saved again since round" in book.last_decision
+    assert "rank(s) [1]" in book.last_decision
+    sync(c, 0, 20, [20], backup=Outcome(order[0], 20, DONE))
+    sync(c, 1, 20, [20], backup=Outcome(order[0], 20, DONE), digest=again)
+    # backed up: the new bytes are not due again
+    assert sync(c, 1, 20, [20], digest=again).backup_order is None
+
+
+def test_saved_again_is_decided_on_the_digests_pure():
+    """The one-node path (tierfs/backup/follower.py) decides with the node's own part:
+    regression of the new-user trial's job hfrw (a rewritten model.safetensors of a
+    sealed checkpoint-200 was never backed up again; the bucket restored the old one)."""
+    from tierfs.core.rounds import START, WAIT, ScheduleState, decide_round, saved_again
+
+    state = ScheduleState(started_at=0.0, last_round="2025-01-01_00-00", last_step=200)
+    state.last_parts = ((0, "a"),)
+    kw = {"now": 100.0, "step": 200, "interval_minutes": None, "interval_steps": 1}
+    assert decide_round(state, parts={0: "a"}, **kw).action == WAIT
+    d = decide_round(state, parts={0: "b"}, **kw)
+    assert d.action == START and "step 200 was saved again" in d.due, d
+    assert decide_round(state, parts={}, **kw).action == WAIT  # nothing reported
+    state.last_parts = None  # unknown (a round taken from the bucket): not guessed
+    assert decide_round(state, parts={0: "b"}, **kw).action == WAIT
+    assert saved_again(((0, "a"), (1, "b")), {0: "a", 1: "c", 2: "z"}) == [1]

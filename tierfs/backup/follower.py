@@ -148,6 +148,8 @@ class ScheduleFollower:
         minutes, steps = S.intervals(job.backup_interval_minutes, job.backup_interval_steps)
         now = time.time()
         requested = bool(shard and shard.manifest.backup_requested)
+        # this node's part now: the step number saved again (other bytes) is due again
+        parts = {job.node_rank: shard.manifest.digest} if shard is not None else {}
         decision = S.decide_round(
             mem.state,
             now=now,
@@ -155,6 +157,7 @@ class ScheduleFollower:
             backup_requested=requested,
             interval_minutes=minutes,
             interval_steps=steps,
+            parts=parts,
         )
         if decision.action == S.SKIP:
             for line in S.skipped(mem.state, decision):
@@ -183,12 +186,14 @@ class ScheduleFollower:
                 backup_requested=requested,
                 interval_minutes=minutes,
                 interval_steps=steps,
+                parts=parts,
             )
             if decision.action != S.START:
                 return
         assert decision.round is not None and decision.step is not None
         for line in S.started(mem.state, decision, now):
             self.lines.fail(line)
+        mem.state.last_parts = tuple(sorted(parts.items())) or None
         log.info("backup round %s: step %d (%s)", decision.round, decision.step, decision.reason)
         mem.history.append(
             {

@@ -394,6 +394,7 @@ class Uploads:
         for line in S.superseded(self.memory.state, shard.key.step):
             self.lines.fail(line)
         self.memory.state.last_step = max(shard.key.step, self.memory.state.last_step or 0)
+        self.memory.state.last_parts = ((shard.key.rank, shard.manifest.digest),)
         if entry is not None:
             entry["step"] = shard.key.step
             entry.setdefault("moved_from", []).append(step)

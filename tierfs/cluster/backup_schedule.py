@@ -265,6 +265,7 @@ class RoundBook:
         if not self.seeded:
             return Decision(WAIT, step, reason="the bucket has not been listed yet")
         minutes, steps = intervals(interval_minutes, interval_steps)
+        now_parts = holders(step) if holders is not None and step is not None else None
         decision = decide_round(
             self.state,
             now=now,
@@ -273,6 +274,7 @@ class RoundBook:
             interval_minutes=minutes,
             interval_steps=steps,
             previous_name=self.previous_name,
+            parts={r: d for r, d in (now_parts or {}).items() if d},
         )
         if decision.action == SKIP:
             self.events.extend(skipped(self.state, decision))
@@ -291,6 +293,9 @@ class RoundBook:
                 )
             else:
                 self.events.extend(started(self.state, decision, now))
+                self.state.last_parts = (
+                    tuple(sorted((r, d) for r, d in held.items() if d)) if held else None
+                )
                 self.active = ActiveRound(decision.round, decision.step, now, decision.reason)
                 self._plan(self.active, held, data_parallelism)
                 self.last_view = RoundView(decision.round, decision.step, RUNNING)
@@ -337,6 +342,9 @@ class RoundBook:
                 a.lacking.clear()
                 self._plan(a, held, data_parallelism)
                 self.state.last_step = max(step, self.state.last_step or 0)
+                self.state.last_parts = (
+                    tuple(sorted((r, d) for r, d in held.items() if d)) if held else None
+                )
                 self.last_view = RoundView(a.round, a.step, RUNNING)
                 for h in reversed(self.history):
                     if h["round"] == a.round:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tierfs.core.errors import BackupError
@@ -231,6 +232,9 @@ class ScheduleState:
         waiting: (step, running round, why due) of the newest step due while a
             round ran: backed up next, or reported skipped when a newer step
             is backed up instead (:func:`superseded`).
+        last_parts: (rank, manifest digest) of each part of ``last_step`` when
+            its round started (None: not known, e.g. taken from the bucket): the
+            same step number with other bytes (saved again) is backed up again.
     """
 
     started_at: float
@@ -240,6 +244,17 @@ class ScheduleState:
     active: str | None = None
     skipped_step: int | None = None
     waiting: tuple[int, str, str] | None = None
+    last_parts: tuple[tuple[int, str], ...] | None = None
+
+
+def saved_again(last: tuple[tuple[int, str], ...] | None, parts: Mapping[int, str]) -> list[int]:
+    """The ranks whose part of the step last backed up now has other bytes (its
+    number saved again): ranks in both ``last`` and ``parts`` (rank -> digest)
+    whose digests differ, ascending; [] when ``last`` is unknown."""
+    if not last:
+        return []
+    before = dict(last)
+    return sorted(r for r, d in parts.items() if d and r in before and before[r] != d)
 
 
 @dataclass(frozen=True)
@@ -281,6 +296,7 @@ def decide_round(
     interval_minutes: float | None = None,
     interval_steps: int | None = None,
     previous_name: str | None = None,
+    parts: Mapping[int, str] | None = None,
 ) -> Decision:
     """Decide whether a backup round starts now (pure; see the module docstring).
 
@@ -291,15 +307,30 @@ def decide_round(
         backup_requested: that step carries ``_BACKUP_REQUESTED``.
         interval_minutes, interval_steps: the job's period (see :func:`intervals`).
         previous_name: the newest round name known in the bucket (names never repeat).
+        parts: rank -> the digest of its own part of ``step`` now (the inventories):
+            ``step`` equal to the step last backed up but with other bytes in a
+            part (the step number saved again) is due again at once.
 
     Returns:
         a :class:`Decision`; the caller updates ``state`` with :func:`started`
         or :func:`skipped`.
     """
-    if step is None or step <= 0 or (state.last_step is not None and step <= state.last_step):
+    again = (
+        saved_again(state.last_parts, parts or {})
+        if step is not None and step == state.last_step
+        else []
+    )
+    if step is None or step <= 0:
+        return Decision(WAIT, step, reason="no new step to back up")
+    if not again and state.last_step is not None and step <= state.last_step:
         return Decision(WAIT, step, reason="no new step to back up")
     due = ""
-    if backup_requested:
+    if again:
+        due = (
+            f"step {step} was saved again since round {state.last_round} (other bytes "
+            f"in the part(s) of rank(s) {again})"
+        )
+    elif backup_requested:
         due = f"step {step} carries _BACKUP_REQUESTED"
     elif interval_steps and step - (state.last_step or 0) >= interval_steps:
         due = (
