@@ -126,6 +126,33 @@ def test_a_step_saved_again_by_another_rank_is_judged_again(make_mount):
     assert (c.root(1) / "10" / "__1_0.distcp").read_bytes() == W1
 
 
+def test_a_file_removed_from_a_sealed_step_is_back_after_the_restore(make_mount):
+    """Regression (#15 new-user trial, job sd): ``.metadata`` removed from node 0's sealed
+    step 20; after both daemons restarted (RAM kept) both said ``restored step 20 from
+    local`` (exit 0) but the view lacked the file and ``dcp.load`` failed. The restore
+    links back what the sealed, verified part holds."""
+    c = Cluster(make_mount, 2, node_args=generic)
+    save(c, 10, W1)
+    save(c, 20, W1)
+    wait_for(lambda: loads(c, 0, 20) == "yes (dcp, all 2 ranks)", 60, "step 20 judged")
+    metadata = (c.root(0) / "20" / ".metadata").read_bytes()
+    os.unlink(c.root(0) / "20" / ".metadata")
+    for m in c.mounts:
+        m.kill9()
+    for i in (0, 1):
+        c.remount(i)
+    for i in (1, 0):
+        w = tierfs("wait", str(c.root(i)), "--timeout", "120", check=False, timeout=180)
+        assert (w.returncode, w.stdout.strip()) == (0, "restored step 20 from local"), (
+            i,
+            w.stderr,
+        )
+    assert (c.root(0) / "20" / ".metadata").read_bytes() == metadata
+    wait_for(lambda: (c.root(1) / "20" / ".metadata").exists(), 60, ".metadata on node 1")
+    assert (c.root(1) / "20" / ".metadata").read_bytes() == metadata
+    assert (c.root(1) / "20" / "__1_0.distcp").read_bytes() == W1
+
+
 def test_a_step_unloadable_across_ranks_is_not_restored_from_the_bucket(
     make_mount, fake_gcs, monkeypatch
 ):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import stat
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -346,3 +347,35 @@ def test_a_failing_task_is_reported_and_not_fatal():
     trio.run(main)
     assert ran == ["after"]
     assert list(errors) == ["internal error in boom: bad"]
+
+
+def test_a_restore_links_back_the_files_removed_from_a_sealed_step(tmp_path):
+    """Regression (#15 new-user trial, jobs sd and sf): ``.metadata`` (or a shard) was
+    removed from a sealed DCP step in the mount; the restore said ``restored step 20
+    from local`` (exit 0) and ``dcp.load`` failed, the view keeping the step without
+    the file. The restore now presents the step as sealed."""
+    from tierfs.store.shards import ShardStore
+
+    store = RamStore(str(tmp_path / "r"))
+    view = ClientView(store)
+    step = pathlib.Path(store.view) / "step_20"
+    (step / "sub").mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"m" * 100)
+    (step / "__0_0.distcp").write_bytes(b"d" * 300)
+    (step / "sub" / "x.bin").write_bytes(b"x" * 7)
+    shard = ShardStore(store).snapshot(
+        store.view, ShardKey("j", 0, 20), "step_20", ["step_20"], "generic"
+    )
+    os.unlink(step / ".metadata")
+    (step / "sub" / "x.bin").unlink()
+    (step / "sub").rmdir()
+    (step / "extra.txt").write_bytes(b"the client's")  # not the step's: left alone
+    assert view.link_missing(shard) == ["step_20/.metadata", "step_20/sub"]
+    assert (step / ".metadata").read_bytes() == b"m" * 100
+    assert (step / "sub" / "x.bin").read_bytes() == b"x" * 7
+    assert (step / "extra.txt").read_bytes() == b"the client's"
+    assert view.link_missing(shard) == []  # whole: nothing to do
+    # a step removed from the view comes back whole (as before)
+    shutil.rmtree(step)
+    assert view.link_missing(shard) == ["step_20"]
+    assert sorted(os.listdir(step)) == [".metadata", "__0_0.distcp", "sub"]

@@ -252,14 +252,34 @@ class ClientView:
         return True
 
     def link_missing(self, shard: Shard) -> list[str]:
-        """Link the shard's top-level entries that are missing from the view back in
-        (generic restore); returns their names."""
-        missing = [e for e in shard.manifest.top_level if not self.exists(e)]
-        if not missing:
-            return []
+        """Link what the view lacks of the shard back in (generic restore): its missing
+        top-level entries, and inside the ones present each file, directory or
+        symlink of its manifest that was removed from the view since the seal (a
+        restore presents the step as sealed and verified). Returns the names of the
+        top-level entries linked, then the paths linked inside present ones.
+
+        Regression (#15 new-user trial, jobs sd and sf): ``.metadata`` removed from a
+        sealed DCP step; the restore said ``restored step 20 from local`` (exit 0)
+        and ``dcp.load`` failed: the view kept the step without the file."""
+        top = shard.manifest.top_level
         created = []
-        for entry in missing:
-            link_tree(os.path.join(shard.data, entry), os.path.join(self.store.view, entry))
-            created.append(entry)
-            self.notify(entry)
+        for entry in top:
+            if not self.exists(entry):
+                link_tree(os.path.join(shard.data, entry), os.path.join(self.store.view, entry))
+                created.append(entry)
+                self.notify(entry)
+        whole = set(created)
+        for f in sorted(shard.manifest.files, key=lambda e: e.path):
+            head = f.path.split("/", 1)[0]
+            if head in whole or head not in top or f.path == head or self.exists(f.path):
+                continue
+            if not self.is_dir(os.path.dirname(f.path)):
+                continue  # its directory is not a directory here: left as the client made it
+            try:
+                link_tree(os.path.join(shard.data, f.path), self._p(f.path))
+            except OSError as exc:
+                log.warning("restore: %s not linked back into the view: %s", f.path, exc)
+                continue
+            created.append(f.path)
+            self.notify(f.path)
         return created
