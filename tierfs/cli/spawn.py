@@ -58,8 +58,7 @@ def run_daemon(config: NodeConfig, foreground: bool, ready_fd: int | None) -> No
 
     def ready() -> None:
         if ready_fd is not None:
-            os.write(ready_fd, b"READY\n")
-            os.close(ready_fd)
+            announce_ready(ready_fd)
 
     try:
         code = run_foreground(config, on_ready=ready)
@@ -77,6 +76,19 @@ def run_daemon(config: NodeConfig, foreground: bool, ready_fd: int | None) -> No
         logging.getLogger("tierfs").exception("daemon failed")
         fail(f"mount failed: {msg}")
     sys.exit(code)
+
+
+def announce_ready(fd: int) -> None:
+    """Write ``READY`` to the waiting ``tierfs mount`` on pipe ``fd`` and close it. A
+    reader that gave up waiting (:data:`READY_TIMEOUT`: it said the daemon keeps
+    starting) is not an error: the daemon goes on serving. Regression (a new user's
+    trial under load): EPIPE ended the daemon just as it became ready."""
+    try:
+        os.write(fd, b"READY\n")
+    except BrokenPipeError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def leaf_messages(exc: BaseException) -> list[str]:
