@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 
+from tierfs.cli.console import stdout_console
 from tierfs.core import settings
 from tierfs.core.config import ConfigError, format_size
 
@@ -156,10 +157,9 @@ def list_cmd(bucket: str, job: str, nodes: int | None, as_json: bool) -> None:
             )
         )
         return
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(markup=False)  # bucket object names and errors are not markup
+    console = stdout_console(markup=False)  # bucket object names, errors: not markup
     if not rounds:
         console.print(
             f"no backup rounds under {backend.spec}{job}/", highlight=False, soft_wrap=True
@@ -234,10 +234,9 @@ def show_cmd(round_name: str, bucket: str, job: str, nodes: int | None, as_json:
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(markup=False)  # bucket object names and errors are not markup
+    console = stdout_console(markup=False)  # bucket object names, errors: not markup
     state = f"complete (step {info.complete_step})" if info.complete else "INCOMPLETE"
     if data["loads"]:
         state += f", loads: {data['loads']}"

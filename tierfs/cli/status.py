@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from tierfs.cli.console import stdout_console
 from tierfs.core.config import format_size
 from tierfs.core.status import NodeStatus, PeerStatus
 
@@ -176,12 +177,8 @@ def _ram_lines(st: NodeStatus) -> list[str]:
 
 
 def _console() -> Console:
-    """A console for stdout; when it is not a terminal (a pipe, a file), lines are
-    never wrapped or cut (rich would wrap at 80 columns)."""
-    probe = Console()
-    if probe.is_terminal:
-        return probe
-    return Console(width=10_000, soft_wrap=True)
+    """A console for stdout (:func:`tierfs.cli.console.stdout_console`)."""
+    return stdout_console()
 
 
 def render_status(data: NodeStatus | Mapping[str, Any]) -> None:

@@ -1,4 +1,5 @@
-"""The background daemon's start-up handshake with ``tierfs mount`` (tierfs/cli/spawn.py)."""
+"""The CLI's output plumbing: the daemon's start-up handshake with ``tierfs mount``
+(tierfs/cli/spawn.py) and tables on stdout (tierfs/cli/console.py)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,14 @@ def test_ready_after_the_mount_gave_up_waiting_keeps_the_daemon():
     announce_ready(w)  # no exception
     with pytest.raises(OSError):
         os.fstat(w)
+
+
+def test_tables_piped_to_a_file_are_never_wrapped(capsys):
+    """Regression (new-user trial): `tierfs backups list | cat` wrapped its table at 80
+    columns (one word per line); `tierfs status` already printed whole lines."""
+    from tierfs.cli.console import stdout_console
+
+    console = stdout_console(markup=False)
+    assert not console.is_terminal and console.width == 10_000
+    console.print("x" * 300)
+    assert capsys.readouterr().out == "x" * 300 + "\n"
