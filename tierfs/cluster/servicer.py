@@ -340,32 +340,6 @@ class CoordinatorServicer:
         ]
         return pb(state=state, waiting_for=list(view.waiting_for), waiting_count=view.waiting_count)
 
-    async def _summons(self, request: Any, reply: Any) -> None:
-        """Hold a Sync reply up to ``request.wait_ms`` (capped) until the node is
-        summoned into a restore round; a summons found sets ``reply.summoned`` and
-        ``reply.restore_round`` (the rest of the reply is as it was)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(request.wait_ms / 1000.0, self.max_wait)
-        c = self.coordinator
-        while True:
-            with self.lock:
-                changed = self._event()
-                number = c.restores.summons(request.rank, request.incarnation)
-            if number:
-                reply.summoned, reply.restore_round = True, c.restore_open() or number
-                return
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return
-            self.waiting += 1
-            try:
-                await asyncio.wait_for(changed.wait(), remaining)
-                self.wakeups += 1
-            except TimeoutError:
-                pass
-            finally:
-                self.waiting -= 1
-
     async def Sync(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await self._admit(context)
         backup = None
@@ -400,8 +374,6 @@ class CoordinatorServicer:
                 )
             finally:
                 self._after()
-        if view.known and not view.summoned and request.wait_ms > 0:
-            await self._summons(request, reply)
         if view.backup_order is not None:
             reply.backup_order.CopyFrom(
                 peer_pb2.BackupRound(

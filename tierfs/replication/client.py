@@ -436,13 +436,10 @@ class PeerClient:
         backup: Outcome | None = None,
         data_parallelism: int | None = None,
         want_peers: Iterable[int] | None = None,
-        wait_s: float = 0.0,
     ) -> Any:
         """Heartbeat and sync report (with the last backup outcome and the job's
         ``assume-data-parallelism``); returns the SyncReply. ``want_peers``: the
-        ranks whose addresses the reply lists (a compact reply); None: every member.
-        ``wait_s``: a long poll of that many seconds at most for a summons into a
-        restore round (``SyncRequest.wait_ms``; an older coordinator answers at once)."""
+        ranks whose addresses the reply lists (a compact reply); None: every member."""
         req = peer_pb2.SyncRequest(
             job=job,
             rank=rank,
@@ -452,7 +449,6 @@ class PeerClient:
             data_parallelism=data_parallelism or 0,
             want_peers=list(want_peers or ()),
             compact=want_peers is not None,
-            wait_ms=_poll_ms(wait_s) if wait_s > 0 else 0,
         )
         if backup is not None:
             req.backup.CopyFrom(
@@ -465,7 +461,7 @@ class PeerClient:
                     seconds=backup.seconds,
                 )
             )
-        return self.coordinator(address).Sync(req, metadata=self.md, timeout=10 + wait_s)
+        return self.coordinator(address).Sync(req, metadata=self.md, timeout=10)
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:

@@ -115,7 +115,6 @@ class Heartbeat:
         """Heartbeat until cancelled; errors are kept in :attr:`last_error` and logged."""
         last_catch_up = trio.current_time()
         while True:
-            started = trio.current_time()
             if trio.current_time() - last_catch_up >= CATCH_UP:
                 last_catch_up = trio.current_time()
                 try:
@@ -132,7 +131,7 @@ class Heartbeat:
                             f"coordinator not found yet: {self.finder.rendezvous_note}"
                         )
                     else:
-                        await self._sync_or_poke(job, coord)
+                        await self.sync_once(job, coord)
                         if self._coord_ok is False:
                             log.info("coordinator %s reachable again", coord)
                         self._coord_ok = True
@@ -145,29 +144,9 @@ class Heartbeat:
                     self.coordinator_lost()
                 except Exception:
                     log.exception("heartbeat failed")
-            # the rest of the heartbeat period (a Sync that waited for a summons used it)
-            with trio.move_on_after(max(0.0, HEARTBEAT - (trio.current_time() - started))):
+            with trio.move_on_after(HEARTBEAT):
                 await self.wake.wait()
             self.wake = trio.Event()
-
-    async def _sync_or_poke(self, job: JobSpec, coord: str) -> None:
-        """One Sync that waits up to a heartbeat period for a summons into a restore
-        round (a long poll: a node that kept running joins another node's round at
-        once). When :meth:`poke` asks for a heartbeat now, the long poll is given
-        up (its reply dropped) and a Sync answered at once is made instead, so
-        every poke gets a reply that is used (a poke already pending: only that)."""
-        if not self.wake.is_set():
-            async with trio.open_nursery() as nursery:
-
-                async def poked() -> None:
-                    await self.wake.wait()
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(poked)
-                await self.sync_once(job, coord, wait_s=HEARTBEAT)
-                nursery.cancel_scope.cancel()
-                return
-        await self.sync_once(job, coord)
 
     def join_fields(self, job: JobSpec) -> dict[str, Any]:
         """The JoinRequest fields describing this node in ``job``."""
@@ -189,10 +168,8 @@ class Heartbeat:
         backup = self.backup
         return backup.backup_outcome() if backup is not None else self._no_bucket
 
-    async def sync_once(self, job: JobSpec, coord: str, wait_s: float = 0.0) -> None:
-        """One Sync with the coordinator at ``coord`` (a Join if it does not know us);
-        ``wait_s``: the reply may wait that long for a summons (a long poll; the call
-        is then abandoned if the task is cancelled).
+    async def sync_once(self, job: JobSpec, coord: str) -> None:
+        """One Sync with the coordinator at ``coord`` (a Join if it does not know us).
 
         Raises:
             grpc.RpcError: the coordinator did not answer.
@@ -214,8 +191,6 @@ class Heartbeat:
                 self.backup_outcome(),
                 job.assume_data_parallelism,
                 self.book.wanted(job),
-                wait_s,
-                abandon_on_cancel=wait_s > 0,
             )
             self._reported_ok = step
             self.plane.reported = (step,) if step >= 0 else ()
