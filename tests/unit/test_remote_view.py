@@ -479,6 +479,33 @@ def test_a_replica_that_arrives_later_replaces_the_placeholders(tmp_path):
     assert (s.local, s.remote) == (2, 1) and rv.status().fetched_bytes == {}
 
 
+def test_a_replica_saved_again_by_its_rank_replaces_the_placed_files(tmp_path):
+    """Regression (#14/#16 new-user trial): rank 0 saved step 10 again (other bytes in
+    ``__0_0.distcp``) while this node's own part stayed the same; its new replica
+    arrived here, but the view kept the hard link to the old replica and served the
+    old bytes without an error (a world-size-1 dcp.load got the old values)."""
+    rv, ram, shards, catalog, own, job = view_of(tmp_path, PARTS, [])
+    other = tmp_path / "node0-view"
+    (other / "10").mkdir(parents=True)
+    (other / "10" / ".metadata").write_bytes(B)
+    (other / "10" / "__0_0.distcp").write_bytes(C)
+    catalog.add(shards.snapshot(str(other), ShardKey(JOB, 0, 10), "10", ["10"], "generic"))
+    trio.run(rv.look, own)
+    shard0 = Path(ram.view) / "10" / "__0_0.distcp"
+    assert shard0.read_bytes() == C
+    # rank 0 saves step 10 again: its new replica replaces the old one here
+    C2 = os.urandom(len(C))
+    (other / "10" / "__0_0.distcp").unlink()
+    (other / "10" / "__0_0.distcp").write_bytes(C2)
+    again = shards.snapshot(str(other), ShardKey(JOB, 0, 10), "10", ["10"], "generic")
+    catalog.add(again)
+    rv.manifests = Manifests({**PARTS, 0: again.manifest})
+    trio.run(rv.look, own)
+    assert shard0.read_bytes() == C2 and rv.missing(shard0.stat().st_ino) is None
+    assert (Path(ram.view) / "10" / ".metadata").read_bytes() == B  # unchanged: kept
+    assert job.errors == []
+
+
 def test_a_node_without_a_part_shows_the_whole_restored_step(tmp_path):
     # issue #16: node-rank 3 of a 5-node job restored step 10, written by 3 nodes, of
     # which it holds nothing: the restored step anchors its view of ranks 0..2

@@ -143,7 +143,7 @@ class StepUnion:
         own_digest: the digest of this node's own part when every rank was last
             asked ("" none; None: not asked by this daemon yet).
         recheck: ranks whose part is asked for again at the next look (a fetch found
-            other bytes in every copy).
+            other bytes in every copy, or a replica with other bytes arrived).
     """
 
     step: int
@@ -284,7 +284,7 @@ class RemoteView:
         self.fetched_bytes: dict[str, int] = {}
         self.fetch_errors = 0
         catalog.on_sealed(self._on_sealed)
-        catalog.on_added(lambda _shard: self._wake.set())  # a restored step: look now
+        catalog.on_added(self._on_added)
 
     # ------------------------------------------------------------------ the namespace's port
 
@@ -319,6 +319,24 @@ class RemoteView:
 
     def wake(self) -> None:
         """Look again now (a restore put a step in place). Trio thread."""
+        self._wake.set()
+
+    def _on_added(self, shard: Shard) -> None:
+        """A shard entered the catalog (trio thread): a restored step is looked at now,
+        and a replica of another rank's part whose bytes differ from the part placed
+        in the view (that rank saved the step again) makes that rank's part asked
+        again at once, its changed files replaced.
+
+        Regression (#14/#16 new-user trial): after both ranks saved step 20 again, each
+        node kept showing the other rank's old files (hard links to the replaced
+        replica) and served the old bytes without an error; only a daemon restart
+        placed the new ones."""
+        job = self.current.job
+        union = self.steps.get(shard.key.step)
+        if job is not None and union is not None and shard.key.job == job.name:
+            placed = union.parts.get(shard.key.rank)
+            if placed is not None and placed != shard.manifest.digest:
+                union.recheck.add(shard.key.rank)
         self._wake.set()
 
     def _active(self) -> bool:
