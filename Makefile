@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # made by a finished install; older than pyproject.toml means the dependencies changed
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast lint demo bench soak clean
+.PHONY: install test test-ray test-fast lint demo bench soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,10 +19,14 @@ install: $(STAMP)
 # it mostly waits on daemons, restores and bucket deadlines, so 3 workers fit 2 cores (19 min
 # instead of ~37). The longest tests start first (tests/conftest.py); every worker keeps its
 # tests' ram-dirs on a tmpfs of its own. `make test WORKERS=0` runs it in one process.
-# The Ray Train test (marker ray: a local Ray cluster of 4 raylets) runs after, alone.
+# The Ray Train test (marker ray: a local Ray cluster of 4 raylets) is not part of it: beside
+# a CPU hog on 2 cores Ray starved and it timed out; `make test-ray` runs it alone.
 WORKERS ?= 3
 test: install
 	$(BIN)/pytest -q -n $(WORKERS) --dist load --maxschedchunk 2 -m "not ray"
+
+# The Ray Train v2 elastic test alone (issue #16; about 3 minutes on an idle 2-core VM).
+test-ray: install
 	$(BIN)/pytest -q -m ray
 
 # The quick layer: unit and model tests (no mount, no daemon, no bucket), < 2 minutes.
