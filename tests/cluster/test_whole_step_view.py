@@ -152,15 +152,19 @@ def test_a_flipped_byte_in_every_peer_copy_is_read_from_the_bucket(make_mount, f
     wait_for(target.exists, 60, "rank 1's shard in node 2's view")
     # rank 0's part may be found a look later (its node answered late under load)
     wait_for((c.root(2) / "10" / "__0_0.distcp").exists, 60, "rank 0's shard in node 2's view")
+    # every byte flipped before the first read: reading __0_0.distcp starts the
+    # read-ahead of __1_0.distcp (path order), which would otherwise race the flips
+    # (regression: CI on a busy machine read rank 1's good replica before its flip)
+    flip_byte(part_file(c, 0, 0, 10, "10/__0_0.distcp"), 1000)
+    for holder in (1, 0):
+        flip_byte(part_file(c, holder, 1, 10, "10/__1_0.distcp"), 1000)
     # the owner's copy damaged, its replica good: the replica serves, and the damaged
     # copy is said (regression: only a log line)
-    flip_byte(part_file(c, 0, 0, 10, "10/__0_0.distcp"), 1000)
     assert (c.root(2) / "10" / "__0_0.distcp").read_bytes() == W0
     line = "step 10: rank 0's 10/__0_0.distcp was read from peer node-rank 1"
     assert line in c.errors(2) and "a nearer copy is damaged" in c.errors(2), c.errors(2)
-    for holder in (1, 0):
-        flip_byte(part_file(c, holder, 1, 10, "10/__1_0.distcp"), 1000)
-    assert target.read_bytes() == W1  # from the bucket, checked
+    # both peer copies of rank 1's shard damaged: the bucket serves, checked
+    assert target.read_bytes() == W1
     errors = c.errors(2)
     assert "step 10: rank 1's 10/__1_0.distcp was read from bucket round" in errors, errors
     assert "peer node-rank 1" in errors and "peer node-rank 0" in errors, errors

@@ -43,6 +43,19 @@ def test_parse_bucket_rejects(text):
         L.parse_bucket(text)
 
 
+def test_a_bucket_name_of_the_wrong_length_is_refused_with_the_rule():
+    # regression: "--bucket b2" said only which characters a name may have
+    with pytest.raises(L.LayoutError, match="3-63 characters"):
+        L.parse_bucket("b2")
+    with pytest.raises(L.LayoutError):
+        L.parse_bucket("a" * 64)
+    with pytest.raises(L.LayoutError):
+        L.parse_bucket("a" * 64 + ".com")
+    assert L.parse_bucket("a" * 63).bucket == "a" * 63
+    dotted = ".".join(["a" * 60] * 3)  # 182 characters, 60 between dots
+    assert L.parse_bucket(dotted + "/p").bucket == dotted
+
+
 def test_object_names_follow_mtc_layout():
     spec = L.parse_bucket("bkt/pre")
     assert spec.job_dir("job") == "pre/job/"

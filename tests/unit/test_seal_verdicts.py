@@ -127,8 +127,11 @@ def test_status_says_in_a_few_words_whether_a_part_loads():
     assert loads_summary(damaged, whole=False) == "no: damaged: 9/__0_0.distcp: 0 B"
     needs = StepVerdict("incomplete", "dcp", (VerdictProblem("missing", "9/.metadata", "absent"),))
     assert loads_summary(needs, whole=True) == "no: missing: 9/.metadata: absent"
+    # regression: "with the other ranks (missing: 9/.metadata: absent; ...)" read like
+    # an error on every node but node-rank 0 (new-user trial)
     assert loads_summary(needs, whole=False) == (
-        "with the other ranks (missing: 9/.metadata: absent; judged on node-rank 0)"
+        "part ok (dcp), with the other ranks: judged whole on node-rank 0 "
+        "(9/.metadata is in another rank's part)"
     )
 
 

@@ -113,6 +113,18 @@ class BucketSpec:
         return f"{self.job_dir(job)}{TIERFS_DIR}/rounds/{round_name}/"
 
 
+def bucket_name_ok(name: str) -> bool:
+    """Whether ``name`` follows Cloud Storage's bucket naming rules
+    (https://cloud.google.com/storage/docs/buckets#naming): 3-63 characters, or up to
+    222 when it contains dots with at most 63 between them; lowercase letters, digits,
+    ``-``, ``_`` and ``.``; a letter or digit first and last."""
+    if not _BUCKET_RE.match(name) or ".." in name:
+        return False
+    if "." not in name:
+        return len(name) <= 63
+    return all(len(part) <= 63 for part in name.split("."))
+
+
 def parse_bucket(text: str) -> BucketSpec:
     """Parse ``--bucket NAME[/PREFIX]`` (``gs://`` accepted, slashes trimmed).
 
@@ -125,10 +137,11 @@ def parse_bucket(text: str) -> BucketSpec:
         s = s[5:]
     s = s.strip("/")
     bucket, _, prefix = s.partition("/")
-    if not _BUCKET_RE.match(bucket) or ".." in bucket:
+    if not bucket_name_ok(bucket):
         raise LayoutError(
-            f"invalid bucket name in {text!r} (want NAME[/PREFIX], "
-            "lowercase letters, digits, '-', '_', '.')"
+            f"invalid bucket name in {text!r} (want NAME[/PREFIX]; a bucket name has "
+            "3-63 characters (up to 222 with dots, 63 between dots): lowercase letters, "
+            "digits, '-', '_', '.', starting and ending with a letter or digit)"
         )
     prefix = prefix.strip("/")
     if prefix:

@@ -119,9 +119,11 @@ def loads_summary(verdict: StepVerdict | None, whole: bool) -> str | None:
 
     Returns:
         ``"yes (dcp)"``; ``"no: damaged: 200/__0_0.distcp: ..."`` (never the
-        last known good); ``"with the other ranks (missing: ...; judged on
-        node-rank 0)"`` (a part of a multi-node step that needs another rank's
-        files: node-rank 0 judges the whole step);
+        last known good); ``"part ok (dcp), with the other ranks: judged whole
+        on node-rank 0 (9/.metadata is in another rank's part)"`` (a part of a
+        multi-node step that needs another rank's files: node-rank 0 judges the
+        whole step; before, this read ``with the other ranks (missing: ...)``,
+        which users took for an error);
         ``"rename rule (no known format)"``; None when not judged.
     """
     if verdict is None:
@@ -136,7 +138,14 @@ def loads_summary(verdict: StepVerdict | None, whole: bool) -> str | None:
     open_ = [p for p in verdict.problems if p.kind in OPEN_KINDS]
     if open_:
         # node-rank 0 judges the whole step; its `loads` says whether it loads
-        return f"with the other ranks ({open_[0].kind}: {open_[0]}; judged on node-rank 0)"
+        p = open_[0]
+        where = (
+            "is in another rank's part" if p.kind == "missing" else "is read with the whole step"
+        )
+        return (
+            f"part ok ({verdict.format}), with the other ranks: judged whole on node-rank 0 "
+            f"({p.path} {where})"
+        )
     return f"no ({verdict.format})"
 
 
