@@ -267,3 +267,19 @@ def test_the_synced_step_and_backup_requests_are_counted_not_walked():
         )
     assert sorted(c.sync_steps.items()) == sorted(steps.items())
     assert sum(c.roster.step_counts.values()) == len(steps)
+
+
+def test_declaring_a_node_gone_that_still_heartbeats_says_so(service):
+    """``Gone`` names the newly declared ranks that were heard from within the live
+    window (regression, new-user trial: a live node was declared gone without a word);
+    a silent one, or one declared again, is not named."""
+    servicer, address = service
+    with grpc.insecure_channel(address) as ch:
+        stub = peer_pb2_grpc.CoordinatorStub(ch)
+        for r in range(NODES):
+            stub.Join(join_req(r), metadata=MD)
+        servicer.coordinator.members[7].last_seen -= 10_000  # silent for ages
+        reply = stub.Gone(peer_pb2.GoneRequest(job=JOB, ranks=[5, 7], reason="t"), metadata=MD)
+        assert list(reply.gone) == [5, 7] and list(reply.live) == [5]
+        again = stub.Gone(peer_pb2.GoneRequest(job=JOB, ranks=[5], reason="t"), metadata=MD)
+        assert list(again.gone) == [5, 7] and list(again.live) == []

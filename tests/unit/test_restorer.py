@@ -519,6 +519,24 @@ def test_alone_with_an_empty_bucket_is_a_fresh_start():
     assert bucket.noted == [(None, "none", None)]
 
 
+def test_a_job_shrunk_to_one_node_says_the_writers_of_a_step_from_the_bucket():
+    """Regression (new-user trial): RAM wiped, a job shrunk to one node restored a step
+    written by 2 nodes from its round, and `tierfs wait` left "(written by 2 nodes;
+    this job has 1)" out: the plan had no writers."""
+    s7 = written_by(2, shard(0, 7))
+    view = BucketView(
+        parts=(
+            BucketPart("R7", 0, 7, s7.manifest.digest, nodes=2),
+            BucketPart("R7", 1, 7, "r1", nodes=2),
+        ),
+        rounds=("R7",),
+    )
+    log: list[str] = []
+    bucket = Bucket(view, {"R7": Source("gcs:R7", s7, log)})
+    plan = Node(ONE, bucket=bucket).restore()
+    assert (plan.step, plan.source, plan.backup, plan.writers) == (7, "gcs", "R7", 2)
+
+
 def test_a_multi_node_job_without_a_coordinator_decides_alone_for_its_rank():
     job = JobSpec(JOB, "orbax", 1, 2)
     s7 = shard(1, 7)

@@ -8,8 +8,9 @@ straight over the peer plane with the job's peer token (``--peer-token`` or
 the gone set with the generation (node-rank 0's ``coordinator-generation.json``)
 and sends it to every node in its Join and Sync replies.
 
-Exit codes: 0 declared (the gone ranks are printed); 1 the mount has no job or
-coordinator to ask; 2 usage (click's); 3 the coordinator did not answer
+Exit codes: 0 declared (the gone ranks are printed; a warning on stderr names
+those that were still heartbeating, which the coordinator declares anyway); 1 the
+mount has no job or coordinator to ask; 2 usage (click's); 3 the coordinator did not answer
 (unreachable, wrong peer token); 5 the coordinator refused (node-rank 0, a rank
 out of range, another job: the reason is printed).
 """
@@ -104,3 +105,11 @@ def gone_cmd(
     click.echo(
         f"job {job} generation {reply.generation} ({reply.nodes} nodes): gone {sorted(reply.gone)}"
     )
+    if reply.live:
+        click.echo(
+            f"tierfs: warning: node-rank(s) {sorted(reply.live)} still sent heartbeats a "
+            "moment ago: declared gone anyway; while this generation lasts their daemons "
+            "are refused and rounds no longer wait for them (restart the job to take "
+            "them back)",
+            err=True,
+        )

@@ -392,11 +392,15 @@ class CoordinatorServicer:
 
     async def Gone(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         """Declare node ranks gone for good (``tierfs nodes gone``; see
-        :meth:`Coordinator.declare_gone`); FAILED_PRECONDITION with the reason."""
+        :meth:`Coordinator.declare_gone`); FAILED_PRECONDITION with the reason.
+        The reply's ``live`` names the newly declared ranks that were still
+        heartbeating (within ``live_seconds``)."""
         await self._admit(context)
         c = self.coordinator
         refused = None
         with self.lock:
+            # before the declaration: a rank still heartbeating is probably running
+            live = sorted({r for r in request.ranks if r not in c.gone and c.live(r)})
             try:
                 gone = c.declare_gone(request.job, tuple(request.ranks), request.reason)
             except Rejected as exc:
@@ -405,7 +409,9 @@ class CoordinatorServicer:
                 self._after()
         if refused is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused)
-        return peer_pb2.GoneReply(gone=list(gone), nodes=c.nodes, generation=c.generation)
+        return peer_pb2.GoneReply(
+            gone=list(gone), nodes=c.nodes, generation=c.generation, live=live
+        )
 
 
 def _holdings(items: Iterable[Any]) -> tuple[Holding, ...]:

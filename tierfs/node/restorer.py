@@ -403,9 +403,17 @@ class Restorer:
                         shard=fetched,
                         source="gcs" if choice.forced else "local",
                         detail=detail,
+                        writers=choice.writers,
                     )
+                # writers: a job shrunk to one node says so (regression: the bucket
+                # restore of a 2-node step left "(written by 2 nodes; ...)" out)
                 return RestorePlan(
-                    step, backup=source.round, shard=fetched, source="gcs", detail=detail
+                    step,
+                    backup=source.round,
+                    shard=fetched,
+                    source="gcs",
+                    detail=detail,
+                    writers=choice.writers,
                 )
             bad.update(failed)
             notes += why
