@@ -106,6 +106,9 @@ def test_ray_train_v2_shrinks_after_a_node_loss_and_grows_back_resuming_from_tie
     # no OOM killer: the machine's memory is mostly other programs' tmpfs, and Ray's
     # monitor killed the tiny workers at its 95% threshold
     monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
+    # Ray starts its worker processes at niceness 15: beside any busy process at 0 (a
+    # CPU hog, the suite's other tests) they got ~3% of a core and the test timed out
+    monkeypatch.setenv("RAY_worker_niceness", "0")
     # the raylets' worker processes import tests/support/ray_elastic.py
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([SUPPORT, *sys.path]))
     from ray.cluster_utils import Cluster as RayCluster

@@ -125,6 +125,20 @@ def whole_step_unready(status: NodeStatus, all_bytes: bool) -> str | None:
     return None
 
 
+#: seconds between two reads of the mount's status
+POLL = 0.2
+
+
+def _poll_or_give_up(deadline: float, why: str) -> None:
+    """Sleep :data:`POLL` seconds before the next look; once past ``deadline``
+    (``time.monotonic()`` seconds) print ``why`` and end the command with exit 7
+    (:data:`WAIT_STILL_RUNNING`) instead."""
+    if time.monotonic() > deadline:
+        click.echo(f"tierfs: error: {why}", err=True)
+        sys.exit(WAIT_STILL_RUNNING)
+    time.sleep(POLL)
+
+
 @click.command("wait")
 @click.argument("mountpoint", type=str)  # not click.Path: its stat waits on a stuck daemon
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait.")
@@ -181,40 +195,24 @@ def wait_cmd(
             click.echo(f"tierfs: error: {not_answering(mountpoint, timeout)}", err=True)
             sys.exit(WAIT_STILL_RUNNING)
         except (OSError, ValueError) as exc:  # only with --nodes: being remounted
-            if time.monotonic() > deadline:
-                click.echo(f"tierfs: error: {mountpoint}: no tierfs daemon: {exc}", err=True)
-                sys.exit(WAIT_STILL_RUNNING)
-            time.sleep(0.2)
+            _poll_or_give_up(deadline, f"{mountpoint}: no tierfs daemon: {exc}")
             continue
         serving = status.job.nodes if status.job is not None else 0
         if nodes and serving != nodes:
-            if time.monotonic() > deadline:
-                click.echo(
-                    f"tierfs: error: {mountpoint} serves a job of {serving} nodes, not "
-                    f"{nodes}, after {timeout:.0f}s",
-                    err=True,
-                )
-                sys.exit(WAIT_STILL_RUNNING)
-            time.sleep(0.2)
+            _poll_or_give_up(
+                deadline,
+                f"{mountpoint} serves a job of {serving} nodes, not {nodes}, after {timeout:.0f}s",
+            )
             continue
         state = restore.state
-        if state in RESTORE_SETTLED:
-            unready = whole_step_unready(status, all_bytes)
-            if unready is None:
-                break
-            if time.monotonic() > deadline:
-                click.echo(f"tierfs: error: {unready} after {timeout:.0f}s", err=True)
-                sys.exit(WAIT_STILL_RUNNING)
-            time.sleep(0.2)
+        if state not in RESTORE_SETTLED:
+            why = restore.phase or "tierfs status " + mountpoint
+            _poll_or_give_up(deadline, f"restore still {state} after {timeout:.0f}s ({why})")
             continue
-        if time.monotonic() > deadline:
-            click.echo(
-                f"tierfs: error: restore still {state} after {timeout:.0f}s "
-                f"({restore.phase or 'tierfs status ' + mountpoint})",
-                err=True,
-            )
-            sys.exit(WAIT_STILL_RUNNING)
-        time.sleep(0.2)
+        unready = whole_step_unready(status, all_bytes)
+        if unready is None:
+            break
+        _poll_or_give_up(deadline, f"{unready} after {timeout:.0f}s")
     code, line = wait_outcome(restore, status.job.nodes if status.job is not None else 0)
     older = code == WAIT_EXIT["older"]
     if not code or older:
