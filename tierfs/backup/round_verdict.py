@@ -23,19 +23,18 @@ import errno
 import logging
 from typing import Any
 
-import google_crc32c
-
 from tierfs.backup.judge import RoundInfo
 from tierfs.backup.layout import NodeBackup
 from tierfs.core.types import WholeVerdict
-from tierfs.store.validators import Reader
+from tierfs.store.validators import READ_LIMIT as VALIDATOR_READ_LIMIT
+from tierfs.store.validators import Reader, checked_reader
 from tierfs.store.verdicts import judge_whole, loads_across, loads_summary
 
 log = logging.getLogger(__name__)
 
 #: bytes of one file the judgement reads whole from the bucket; larger files are
 #: judged by their sizes (their own node read them at seal time)
-READ_LIMIT = 16 << 20
+READ_LIMIT = VALIDATOR_READ_LIMIT
 
 
 def object_reader(objects: Any, job: str, round_name: str, part: NodeBackup) -> Reader:
@@ -52,30 +51,20 @@ def object_reader(objects: Any, job: str, round_name: str, part: NodeBackup) -> 
     manifest); and what the bucket client raises, as OSError(EIO).
     """
     prefix = objects.spec.round_dir(job, round_name)
-    files = {f.path: f for f in part.manifest.files if f.kind == "file"}
-    cache: dict[str, bytes] = {}
 
-    def read(relpath: str, offset: int, length: int) -> bytes:
-        data = cache.get(relpath)
-        if data is None:
-            entry, obj = files.get(relpath), part.objects.get(relpath)
-            if entry is None or obj is None:
-                raise OSError(errno.ENOENT, "not a file of the part", relpath)
-            if entry.size > READ_LIMIT:
-                raise OSError(errno.EFBIG, f"larger than {READ_LIMIT} bytes", relpath)
-            try:
-                got = objects.get_bytes(prefix + obj)
-            except Exception as exc:
-                raise OSError(errno.EIO, f"bucket read failed: {exc}", relpath) from exc
-            if got is None:
-                raise OSError(errno.ENOENT, f"object {obj} not found", relpath)
-            crc = google_crc32c.value(got)
-            if len(got) != entry.size or crc != entry.crc32c:
-                raise OSError(errno.EIO, f"object {obj} differs from the manifest", relpath)
-            cache[relpath] = data = got
-        return data[offset : offset + length]
+    def get(relpath: str) -> bytes:
+        obj = part.objects.get(relpath)
+        if obj is None:
+            raise OSError(errno.ENOENT, "not a file of the part", relpath)
+        try:
+            got = objects.get_bytes(prefix + obj)
+        except Exception as exc:
+            raise OSError(errno.EIO, f"bucket read failed: {exc}", relpath) from exc
+        if got is None:
+            raise OSError(errno.ENOENT, f"object {obj} not found", relpath)
+        return bytes(got)
 
-    return read
+    return checked_reader(part.manifest.files, get, READ_LIMIT)
 
 
 def _parts_of_step(info: RoundInfo) -> tuple[int, list[NodeBackup]] | None:

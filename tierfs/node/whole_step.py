@@ -45,7 +45,6 @@ import logging
 import os
 from collections.abc import Mapping
 
-import google_crc32c
 import trio
 
 from tierfs.core.control import JobSpec
@@ -55,7 +54,8 @@ from tierfs.core.types import WholeVerdict
 from tierfs.node.catalog import ShardCatalog
 from tierfs.store.manifest import Manifest
 from tierfs.store.shards import Shard, ShardKey, ShardStore
-from tierfs.store.validators import Reader
+from tierfs.store.validators import READ_LIMIT as VALIDATOR_READ_LIMIT
+from tierfs.store.validators import Reader, checked_reader
 from tierfs.store.verdicts import judge_whole
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 #: the node rank that judges steps across ranks (the coordinator's node)
 JUDGE_RANK = 0
 #: bytes of another rank's file the judgement fetches to read it (larger: judged by size)
-READ_LIMIT = 16 << 20
+READ_LIMIT = VALIDATOR_READ_LIMIT
 
 
 class WholeStepJudge:
@@ -227,28 +227,14 @@ class WholeStepJudge:
         The reader raises OSError (the rules then judge the file by its size):
         ENOENT (not a file of the part), EFBIG (over :data:`READ_LIMIT`), EIO (no
         copy could be fetched, or the bytes differ from the manifest)."""
-        entries = {f.path: f for f in manifest.files if f.kind == "file"}
-        cache: dict[str, bytes] = {}
 
-        def read(path: str, offset: int, length: int) -> bytes:
-            data = cache.get(path)
-            if data is None:
-                entry = entries.get(path)
-                if entry is None:
-                    raise OSError(errno.ENOENT, "not a file of the part", path)
-                if entry.size > READ_LIMIT:
-                    raise OSError(errno.EFBIG, f"larger than {READ_LIMIT} bytes", path)
-                got = trio.from_thread.run(self._fetch, job, step, writers, manifest, path)
-                if (
-                    got is None
-                    or len(got) != entry.size
-                    or google_crc32c.value(got) != entry.crc32c
-                ):
-                    raise OSError(errno.EIO, "no copy with the manifest's bytes", path)
-                cache[path] = data = got
-            return data[offset : offset + length]
+        def get(path: str) -> bytes:
+            got = trio.from_thread.run(self._fetch, job, step, writers, manifest, path)
+            if got is None:
+                raise OSError(errno.EIO, "no copy with the manifest's bytes", path)
+            return got
 
-        return read
+        return checked_reader(manifest.files, get, READ_LIMIT)
 
     async def _fetch(
         self, job: str, step: int, writers: int, manifest: Manifest, path: str

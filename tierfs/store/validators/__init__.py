@@ -11,14 +11,16 @@ reads local bytes. One module per format: :mod:`.dcp` (with the safe
 
 from tierfs.store.validators.judge import judge_step, step_files_from_manifests
 from tierfs.store.validators.model import Kind, Problem, Reader, StepFiles, Verdict
-from tierfs.store.validators.snapshot import dir_reader
+from tierfs.store.validators.snapshot import READ_LIMIT, checked_reader, dir_reader
 
 __all__ = [
+    "READ_LIMIT",
     "Kind",
     "Problem",
     "Reader",
     "StepFiles",
     "Verdict",
+    "checked_reader",
     "dir_reader",
     "judge_step",
     "step_files_from_manifests",
