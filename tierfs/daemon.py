@@ -362,6 +362,8 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         more_manifests=[gcs] if backup is not None else [],
     )
     background.append(remote.run)
+    if peer is not None:
+        peer.watch_parts(remote)  # a rank saving a step again is noticed on every node
     view.foreign = remote.is_remote  # the seal rules skip other ranks' files
     agent = build_agent(
         config,

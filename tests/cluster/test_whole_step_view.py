@@ -195,6 +195,50 @@ def test_a_flipped_byte_in_every_peer_copy_is_read_from_the_bucket(make_mount, f
     assert (c.root(2) / "10" / ".metadata").read_bytes() == META
 
 
+def test_a_rank_saving_a_step_again_is_served_anew_on_a_node_without_its_replica(make_mount):
+    """Regression (#14 new-user trial): 3 nodes, one replica each, so rank 1's part is
+    on node 1 and node 0, never on node 2. Rank 1 saved step 10 again with other bytes
+    (same names); node 2's own part did not change and it holds no replica of rank 1,
+    so its view kept serving rank 1's old bytes with no error until its daemon
+    restarted. Now the coordinator's report of the changed part (heartbeat) has node
+    2 place rank 1's part again within seconds; a re-save is no error."""
+    import shutil
+    import time
+
+    c = Cluster(make_mount, 3, node_args=generic(3))
+    parts = {0: {".metadata": META, "__0_0.distcp": W0}, 1: {"__1_0.distcp": W1}, 2: {"x": C}}
+    save(c, 10, parts)
+    target = c.root(2) / "10" / "__1_0.distcp"
+    wait_for(target.exists, 60, "rank 1's shard in node 2's view")
+    assert target.read_bytes() == W1  # fetched from node 1, kept in node 2's RAM
+    replica = c.mounts[2].ram_dir / "store" / "shards" / "dcp" / "1" / "10"
+    # rank 1 saves step 10 again: its directory removed and renamed into place anew
+    W1b = os.urandom(len(W1))
+    shutil.rmtree(c.root(1) / "10")
+    tmp = c.root(1) / "10.tmp"
+    tmp.mkdir()
+    (tmp / "__1_0.distcp").write_bytes(W1b)
+    os.rename(tmp, c.root(1) / "10")
+    began = time.monotonic()
+
+    def served() -> bool:
+        data = target.read_bytes()
+        assert data in (W1, W1b), "mixed bytes"  # the old bytes or the new, never a mix
+        return data == W1b
+
+    wait_for(served, 60, "rank 1's new bytes in node 2's view", poll=0.5)
+    took = time.monotonic() - began
+    assert not replica.exists(), "node 2 holds a replica of rank 1: not the case tested"
+    view = c.status(2)["whole_view"]["steps"][0]
+    assert (view["step"], view.get("resaved")) == (10, [1]), view
+    assert (c.root(2) / "10" / "__0_0.distcp").read_bytes() == W0  # rank 0's: unchanged
+    log = c.mounts[2].log()  # noticed through the coordinator's report (no replica here)
+    assert "rank(s) [1] reported another part than the one shown here" in log
+    assert "rank 1 saved its part again" in log
+    assert c.errors(2) == "", c.errors(2)
+    print(f"node 2 served rank 1's new bytes {took:.1f} s after the re-save")
+
+
 def test_per_rank_files_a_shared_file_and_a_conflict(make_mount):
     c = Cluster(make_mount, 2, node_args=generic(2))
     same = b'{"architectures": ["Llama"]}'

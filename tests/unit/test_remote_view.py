@@ -506,6 +506,50 @@ def test_a_replica_saved_again_by_its_rank_replaces_the_placed_files(tmp_path):
     assert job.errors == []
 
 
+def test_a_part_the_coordinator_reports_changed_is_placed_again_without_a_replica(tmp_path):
+    """Regression (#14 new-user trial, 3 nodes, one replica each): rank 0 saved step 10
+    again (other bytes in ``__0_0.distcp``); this node holds no replica of rank 0 and its
+    own part did not change, so it served rank 0's old bytes until its daemon restarted.
+    Now the coordinator's report of the digests changed in the steps shown (the
+    heartbeat's :class:`tierfs.core.ports.PartWatch`) has the part asked again."""
+    C2 = os.urandom(len(C))
+    peer = Source("peer", dict(BYTES), ["peer node-rank 0"])
+    rv, ram, _shards, _catalog, own, job = view_of(tmp_path, dict(PARTS), [peer])
+    shard0 = Path(ram.view) / "10" / "__0_0.distcp"
+    new0 = manifest(0, {".metadata": B, "__0_0.distcp": C2})
+
+    async def main() -> None:
+        assert rv.watched() == ("", [])  # nothing shown yet
+        await rv.look(own)
+        await rv.missing(shard0.stat().st_ino)()
+        assert shard0.read_bytes() == C
+        assert rv.watched() == ("", [(10, 0)])
+        # the coordinator's first answer: nothing changed; known up to version 4 now
+        rv.parts_reported("e1", 4, [10], [(10, 0, PARTS[0].digest), (10, 1, "own")])
+        assert rv.watched() == ("e1", [(10, 4)]) and rv.steps[10].recheck == set()
+        # rank 0 saves step 10 again; its node reports the new part to the coordinator
+        rv.manifests = Manifests({**PARTS, 0: new0})
+        peer.files = {**BYTES, "10/__0_0.distcp": C2}
+        rv.parts_reported("e1", 5, [10], [(10, 0, new0.digest)])
+        assert rv.steps[10].recheck == {0} and rv.watched() == ("e1", [(10, 5)])
+        await rv.look(own)
+        assert rv.steps[10].parts[0] == new0.digest
+        await rv.missing(shard0.stat().st_ino)()
+        assert shard0.read_bytes() == C2
+        s = rv.status().step(10)
+        assert s is not None and s.resaved == (0,) and s.to_json()["resaved"] == [0]
+        # the same report again (or a holder's older copy) asks for nothing
+        rv.parts_reported("e1", 5, [10], [(10, 0, new0.digest)])
+        assert rv.steps[10].recheck == set()
+        # another coordinator (restarted): a step not asked in that reply is asked
+        # from its start; a lost step's changes have every placed rank asked again
+        rv.parts_reported("e2", 1, [10], [(10, -1, "")])
+        assert rv.steps[10].recheck == {0, 2} and rv.watched() == ("e2", [(10, 1)])
+
+    trio.run(main)
+    assert job.errors == []  # saving a step again is no error
+
+
 def test_a_node_without_a_part_shows_the_whole_restored_step(tmp_path):
     # issue #16: node-rank 3 of a 5-node job restored step 10, written by 3 nodes, of
     # which it holds nothing: the restored step anchors its view of ranks 0..2

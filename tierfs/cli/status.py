@@ -104,6 +104,8 @@ def _whole_view_lines(st: NodeStatus) -> list[str]:
             + f"; files {s.local} here, {s.remote} remote ({s.bytes_remote} bytes)"
             + (f", {s.fetching} fetching" if s.fetching else "")
         )
+        if s.resaved:
+            text += f"; saved again: rank(s) {','.join(map(str, s.resaved))}"
         if s.conflicts:
             text += f"; conflicts: {', '.join(s.conflicts[:3])}"
         if s.failed:

@@ -10,7 +10,10 @@ call without walking every member (a job may have 10,000 nodes, #17):
   per step, so the synced step (the least one, once every rank reported)
   costs O(distinct steps), a handful;
 * the number of live members, counted at most every :data:`LIVE_COUNT_TTL`
-  seconds.
+  seconds;
+* the own-part digest each rank last reported per step, numbered, so a node's
+  whole-step view learns only what changed since it last asked
+  (:class:`tierfs.cluster.part_versions.PartVersions`).
 
 Only :meth:`Membership.holders` (for the backup book) and the full
 :meth:`Membership.peers` list (status, older nodes) walk every member.
@@ -22,6 +25,7 @@ import collections
 import logging
 from collections.abc import Callable, Iterable
 
+from tierfs.cluster.part_versions import PartVersions
 from tierfs.cluster.restore_choice import Holding
 from tierfs.cluster.rounds import Member, PeerView, Rejected
 
@@ -52,10 +56,13 @@ class Membership:
         self._live_count: tuple[float, int] | None = None
         #: rank -> (the inventory it was built from, own step -> digest), see holders()
         self._own_steps: dict[int, tuple[tuple[Holding, ...], dict[int, str]]] = {}
+        #: the own-part digests reported, numbered (the nodes' whole-step views)
+        self.parts = PartVersions()
 
     def clear(self) -> None:
         """Forget every member (another job)."""
         self.members.clear()
+        self.parts.clear()
         self.requested.clear()
         self._live_count = None
         self._own_steps.clear()
@@ -116,6 +123,7 @@ class Membership:
     def set_inventory(self, m: Member, inventory: tuple[Holding, ...]) -> None:
         """``m``'s inventory is ``inventory`` (O(inventory): keeps the request counts)."""
         m.inventory = inventory
+        self.parts.update(m.rank, inventory)
         requested = frozenset(h.step for h in inventory if h.backup_requested and h.rank == m.rank)
         if requested != m.requested:
             self.requested.subtract(m.requested)

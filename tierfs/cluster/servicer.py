@@ -372,6 +372,15 @@ class CoordinatorServicer:
                     reported=view.reported,
                     gone=sorted(c.gone),
                 )
+                if view.known and request.view_steps:
+                    # what changed in the steps the node's whole-step view shows
+                    parts = c.roster.parts
+                    asked = [(v.step, v.version) for v in request.view_steps]
+                    reply.part_changes.extend(
+                        peer_pb2.PartDigest(step=p.step, rank=p.rank, digest=p.digest)
+                        for p in parts.changes(request.parts_epoch, asked)
+                    )
+                    reply.parts_version, reply.parts_epoch = parts.version, parts.epoch
             finally:
                 self._after()
         if view.backup_order is not None:

@@ -137,6 +137,31 @@ class PartReports(Protocol):
         ...
 
 
+class PartWatch(Protocol):
+    """The whole-step view's side of the heartbeat (issue #14): the steps it shows and
+    the own-part digests node-rank 0's coordinator reports changed in them (a rank
+    saved a step again), so a node notices without holding a replica of that rank."""
+
+    def watched(self) -> tuple[str, list[tuple[int, int]]]:
+        """(parts epoch, [(step, parts version)]): the steps shown and the version of
+        that epoch up to which their parts' changes are known ("", 0: none yet).
+        Trio thread; never raises."""
+        ...
+
+    def parts_reported(
+        self,
+        epoch: str,
+        version: int,
+        asked: Sequence[int],
+        changes: Sequence[tuple[int, int, str]],
+    ) -> None:
+        """The coordinator's answer for the steps ``asked``: (step, rank, digest) of
+        the own parts reported since (rank -1: that step's changes are lost, ask
+        every rank again); they are now known up to ``version`` of ``epoch``.
+        Trio thread; never raises."""
+        ...
+
+
 class FileSource(Protocol):
     """One tier that hands over a single file of another rank's part (issue #14:
     the whole-step view fetches a file the node does not hold on first read).

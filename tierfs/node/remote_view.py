@@ -74,7 +74,7 @@ from tierfs.core.status.whole import WholeStepStatus, WholeViewStatus
 from tierfs.fuse.inodes import proc
 from tierfs.fuse.namespace import Namespace
 from tierfs.node.catalog import ShardCatalog
-from tierfs.node.union import union_plan
+from tierfs.node.union import changed_ranks, union_plan
 from tierfs.store.manifest import FileEntry, Manifest
 from tierfs.store.shards import Shard, ShardKey
 
@@ -143,7 +143,14 @@ class StepUnion:
         own_digest: the digest of this node's own part when every rank was last
             asked ("" none; None: not asked by this daemon yet).
         recheck: ranks whose part is asked for again at the next look (a fetch found
-            other bytes in every copy, or a replica with other bytes arrived).
+            other bytes in every copy, a replica with other bytes arrived, the
+            coordinator reported another digest, or an open file of an older part
+            was kept).
+        wanted: rank -> the digest its node reported (a replica held here with
+            another digest is older: that node is asked).
+        covered: the parts version (of :attr:`RemoteView.parts_epoch`) up to which
+            the coordinator's reports of changed parts of this step are known.
+        resaved: ranks whose part was placed again with other bytes (saved again).
     """
 
     step: int
@@ -156,6 +163,9 @@ class StepUnion:
     own: bool = True
     own_digest: str | None = None
     recheck: set[int] = field(default_factory=set)
+    wanted: dict[int, str] = field(default_factory=dict)
+    covered: int = 0
+    resaved: set[int] = field(default_factory=set)
     #: the paths of ``files`` sorted (read-ahead), None: to sort again
     order: list[str] | None = None
 
@@ -283,6 +293,9 @@ class RemoteView:
         #: bytes fetched per tier name; fetches that failed
         self.fetched_bytes: dict[str, int] = {}
         self.fetch_errors = 0
+        #: the coordinator's parts epoch and version last heard (:meth:`parts_reported`)
+        self.parts_epoch = ""
+        self.parts_version = 0
         catalog.on_sealed(self._on_sealed)
         catalog.on_added(self._on_added)
 
@@ -338,6 +351,60 @@ class RemoteView:
             if placed is not None and placed != shard.manifest.digest:
                 union.recheck.add(shard.key.rank)
         self._wake.set()
+
+    def watched(self) -> tuple[str, list[tuple[int, int]]]:
+        """The steps showing other ranks' parts, each with the parts version up to which
+        their changes are known, and that version's epoch (a
+        :class:`tierfs.core.ports.PartWatch`; the heartbeat sends them). Trio thread."""
+        steps = [(s, u.covered) for s, u in sorted(self.steps.items()) if u.parts and not u.absent]
+        return self.parts_epoch, steps
+
+    def parts_reported(
+        self,
+        epoch: str,
+        version: int,
+        asked: Sequence[int],
+        changes: Sequence[tuple[int, int, str]],
+    ) -> None:
+        """The coordinator's report for the steps ``asked`` (a
+        :class:`tierfs.core.ports.PartWatch`; trio thread): each rank whose placed part
+        differs from the digest its node reported (:func:`tierfs.node.union.changed_ranks`)
+        is asked again at once, its changed files replaced by the next look.
+
+        Regression (#14 new-user trial): with 3 nodes and one replica each, the node
+        holding no replica of a rank that saved a step again kept serving that rank's
+        old bytes until its own part changed or its daemon restarted."""
+        if epoch != self.parts_epoch:
+            # versions of another coordinator mean nothing: a step not asked now is
+            # asked from the start of this one
+            for step, shown in self.steps.items():
+                if step not in asked:
+                    shown.covered = 0
+            self.parts_epoch = epoch
+        self.parts_version = version
+        reported: dict[int, dict[int, str]] = {}
+        for step, rank, digest in changes:
+            reported.setdefault(step, {})[rank] = digest
+        for step in asked:
+            union = self.steps.get(step)
+            if union is None:
+                continue
+            union.covered = version
+            ranks = changed_ranks(union.parts, reported.get(step, {}))
+            if not ranks:
+                continue
+            log.info(
+                "step %d: rank(s) %s reported another part than the one shown here (saved "
+                "again): asking for it again",
+                step,
+                ranks,
+            )
+            for rank in ranks:
+                union.recheck.add(rank)
+                wanted = reported[step].get(rank)
+                if wanted:
+                    union.wanted[rank] = wanted
+            self._wake.set()
 
     def _active(self) -> bool:
         """True if the running job's steps show other ranks' files here."""
@@ -427,7 +494,8 @@ class RemoteView:
         writers = writers or job.nodes
         union = self.steps.get(step)
         if union is None:
-            union = self.steps[step] = StepUnion(step)
+            # the coordinator's reports of changed parts count from what is known now
+            union = self.steps[step] = StepUnion(step, covered=self.parts_version)
         union.writers, union.own = writers, own is not None
         if union.first_look is None:
             union.first_look = trio.current_time()
@@ -462,8 +530,13 @@ class RemoteView:
                 continue
             held = self.catalog.get(ShardKey(job.name, rank, step))
             manifest = held.manifest if held is not None else None
+            want = union.wanted.get(rank)
+            if manifest is not None and want and manifest.digest != want:
+                manifest = None  # an older replica than the part its node reported
             if manifest is None and self.manifests is not None:
                 manifest = await self.manifests.part_manifest(job.name, rank, step, writers=writers)
+                if manifest is None and held is not None:
+                    manifest = held.manifest  # its node does not answer: the replica here
             for more in self.more_manifests:
                 if manifest is not None:
                     break
@@ -473,9 +546,27 @@ class RemoteView:
                 waiting = trio.current_time() - union.first_look < self.patience
                 continue
             found[rank] = manifest
+            union.wanted.pop(rank, None)
         stale = {r: m for r, m in found.items() if r in placed}
+        for rank, manifest in sorted(stale.items()):
+            if placed[rank] != manifest.digest:
+                # a re-save is no error: said in the log and in status (whole_view)
+                log.info(
+                    "step %d: rank %d saved its part again (%s -> %s): its changed files "
+                    "are replaced in the view",
+                    step,
+                    rank,
+                    placed[rank][:12],
+                    manifest.digest[:12],
+                )
+                union.resaved.add(rank)
         if stale:
-            await trio.to_thread.run_sync(self._unplace, union, stale)
+            kept = await trio.to_thread.run_sync(self._unplace, union, stale)
+            if kept:
+                # an older file still open (or being fetched) stays until it is closed:
+                # that rank is asked again at the next look, which replaces it then
+                union.recheck |= kept
+                waiting = True
         for rank, digest in placed.items():
             if rank not in found:
                 union.parts.setdefault(rank, digest)  # not answering now: as placed
@@ -546,12 +637,15 @@ class RemoteView:
             union.order = None
             self._notify(rf.path)
 
-    def _unplace(self, union: StepUnion, parts: dict[int, Manifest]) -> None:
+    def _unplace(self, union: StepUnion, parts: dict[int, Manifest]) -> set[int]:
         """Forget the placed files of ``parts``' ranks whose bytes the part's manifest no
         longer names (the step saved again), or whose view entry is not the placed
         file any more (removed or replaced by the client); remove the stale ones from
         the view. A worker thread. Files with the same bytes stay (their digest is
-        updated); a file being fetched or open stays until the next look."""
+        updated); a file being fetched or open stays (its reader keeps the old
+        bytes, or its fetch of them fails cleanly) until a later look: returns the
+        ranks of such files."""
+        kept: set[int] = set()
         for rf in list(union.files.values()):
             manifest = parts.get(rf.rank)
             if manifest is None:
@@ -568,6 +662,7 @@ class RemoteView:
             if here:
                 inode = self.ns.inodes.by_ino(rf.ino) if self.ns is not None else None
                 if rf.state == FETCHING or (inode is not None and inode.handles):
+                    kept.add(rf.rank)
                     continue
                 try:
                     os.unlink(path)
@@ -580,6 +675,7 @@ class RemoteView:
             # an entry the client removed may still be open: its inode keeps its rules
             if here and self._by_ino.get(rf.ino) is rf:
                 del self._by_ino[rf.ino]
+        return kept
 
     def _place(
         self, job: str, own: Shard | None, union: StepUnion, parts: dict[int, Manifest]
@@ -1086,6 +1182,7 @@ class RemoteView:
                     failed=tuple(sorted(f.path for f in files if f.error)),
                     writers=writers,
                     own_part=mine,
+                    resaved=tuple(sorted(union.resaved)),
                 )
             )
         return WholeViewStatus(

@@ -105,3 +105,25 @@ def union_plan(own: Manifest | None, others: Mapping[int, Manifest]) -> UnionPla
             plan.files[path] = (first_rank, first)
     plan.dirs = [dirs[p] for p in sorted(dirs, key=lambda p: (p.count("/"), p))]
     return plan
+
+
+#: a reported rank of -1: every placed part of that step is to be asked again
+ALL_RANKS = -1
+
+
+def changed_ranks(placed: Mapping[int, str], reported: Mapping[int, str]) -> list[int]:
+    """The ranks whose part placed in the view is not the part their node reports now
+    (that rank saved the step again), ascending.
+
+    Args:
+        placed: rank -> the manifest digest of the part whose files the view shows.
+        reported: rank -> the digest of that rank's own part as its node reported it
+            to the coordinator (:data:`ALL_RANKS` -> anything: the changes are not
+            known, every placed rank counts as changed).
+
+    A rank not placed yet (the view's next look finds its part) or reported with
+    no digest does not count; nor does a rank placed with the reported digest.
+    """
+    if ALL_RANKS in reported:
+        return sorted(placed)
+    return sorted(r for r, d in reported.items() if d and r in placed and placed[r] != d)

@@ -436,10 +436,14 @@ class PeerClient:
         backup: Outcome | None = None,
         data_parallelism: int | None = None,
         want_peers: Iterable[int] | None = None,
+        view_steps: Iterable[tuple[int, int]] = (),
+        parts_epoch: str = "",
     ) -> Any:
         """Heartbeat and sync report (with the last backup outcome and the job's
         ``assume-data-parallelism``); returns the SyncReply. ``want_peers``: the
-        ranks whose addresses the reply lists (a compact reply); None: every member."""
+        ranks whose addresses the reply lists (a compact reply); None: every member.
+        ``view_steps``: (step, parts version) of the steps the whole-step view shows,
+        known at ``parts_epoch`` (the reply's ``part_changes``)."""
         req = peer_pb2.SyncRequest(
             job=job,
             rank=rank,
@@ -449,6 +453,8 @@ class PeerClient:
             data_parallelism=data_parallelism or 0,
             want_peers=list(want_peers or ()),
             compact=want_peers is not None,
+            view_steps=[peer_pb2.ViewStep(step=s, version=v) for s, v in view_steps],
+            parts_epoch=parts_epoch,
         )
         if backup is not None:
             req.backup.CopyFrom(

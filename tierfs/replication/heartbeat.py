@@ -10,6 +10,9 @@ restore round. A coordinator that does not know this node (it restarted)
 gets a Join. The heartbeat also carries backup rounds between the
 coordinator and the node's backup plane (a :class:`tierfs.core.ports.BackupOrders`):
 the outcome of the node's last round up, the round it is ordered into down.
+It also carries the steps of the node's whole-step view up and the own parts
+reported changed in them down (:class:`tierfs.core.ports.PartWatch`): a rank
+that saved a step again is noticed by every node within about two heartbeats.
 Every :data:`CATCH_UP` seconds the replicator sends what a live peer lacks.
 """
 
@@ -23,7 +26,7 @@ import grpc
 import trio
 
 from tierfs.core.control import JobSpec
-from tierfs.core.ports import BackupOrders, CurrentJob, Summons
+from tierfs.core.ports import BackupOrders, CurrentJob, PartWatch, Summons
 from tierfs.core.types import FAILED, Outcome, RoundView
 from tierfs.replication.addresses import AddressBook, Endpoint
 from tierfs.replication.client import PeerClient, rpc_code, rpc_reason
@@ -64,6 +67,8 @@ class Heartbeat:
             unknown), from the last Sync.
         last_error: the last problem with the coordinator, or None.
         wake: set to send a heartbeat now (replaced after each one).
+        parts_watch: the whole-step view told of changed parts, or None (set after
+            construction: the view is built after the peer tier).
     """
 
     def __init__(
@@ -97,6 +102,7 @@ class Heartbeat:
         self.restore_round = 0
         self.last_error: str | None = None
         self.wake = trio.Event()
+        self.parts_watch: PartWatch | None = None
         self._coord_ok: bool | None = None
         self._reported_ok: int | None = None
         self._no_bucket: Outcome | None = None
@@ -176,6 +182,8 @@ class Heartbeat:
         """
         inventory = self.holdings.holdings(job.name)
         step = self.replicator.replicated_step(job)
+        watch = self.parts_watch
+        epoch, watched = watch.watched() if watch is not None else ("", [])
         self.plane.reported = tuple(
             sorted({s for s in (self._reported_ok, step) if s is not None and s >= 0})
         )
@@ -191,6 +199,8 @@ class Heartbeat:
                 self.backup_outcome(),
                 job.assume_data_parallelism,
                 self.book.wanted(job),
+                watched,
+                epoch,
             )
             self._reported_ok = step
             self.plane.reported = (step,) if step >= 0 else ()
@@ -221,6 +231,14 @@ class Heartbeat:
         self.restore_round = int(reply.restore_round)
         if reply.summoned:
             self.summons.summoned(job)
+        if watch is not None and watched and reply.parts_epoch:
+            # (a coordinator from before the whole-step view's watch answers "")
+            watch.parts_reported(
+                reply.parts_epoch,
+                int(reply.parts_version),
+                [s for s, _ in watched],
+                [(int(c.step), int(c.rank), c.digest) for c in reply.part_changes],
+            )
         self._backup_round(job, reply)
 
     def _backup_round(self, job: JobSpec, reply: Any) -> None:

@@ -57,6 +57,7 @@ from tierfs.core.ports import (
     BackupOrders,
     Catalog,
     CurrentJob,
+    PartWatch,
     RamBudget,
     Rendezvous,
     Reporter,
@@ -326,6 +327,11 @@ class PeerTier:
     def poke(self) -> None:
         """Send a heartbeat now (e.g. a backup outcome to report; trio thread)."""
         self.heartbeat.poke()
+
+    def watch_parts(self, watch: PartWatch) -> None:
+        """Tell ``watch`` (the whole-step view) in every heartbeat which own parts of the
+        steps it shows were reported changed (:class:`tierfs.core.ports.PartWatch`)."""
+        self.heartbeat.parts_watch = watch
 
     # ------------------------------------------------------------------ restore rounds
 

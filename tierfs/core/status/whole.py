@@ -40,6 +40,9 @@ class WholeStepStatus:
     writers: int = 0
     #: this node holds a part of its own of the step
     own_part: bool = True
+    #: ranks whose part was placed again here with other bytes (that rank saved the
+    #: step again; its changed files were replaced), since this daemon started
+    resaved: tuple[int, ...] = ()
 
     @property
     def names_ready(self) -> bool:
@@ -64,6 +67,7 @@ class WholeStepStatus:
             "failed": list(self.failed),
             # written only when known (a daemon from before issue #16 wrote neither)
             **({"writers": self.writers, "own_part": self.own_part} if self.writers else {}),
+            **({"resaved": list(self.resaved)} if self.resaved else {}),
         }
 
     @classmethod
@@ -80,6 +84,7 @@ class WholeStepStatus:
             failed=tuple(d.get("failed") or ()),
             writers=d.get("writers", 0),
             own_part=d.get("own_part", True),
+            resaved=tuple(d.get("resaved") or ()),
         )
 
 
