@@ -231,6 +231,8 @@ def test_a_rank_saving_a_step_again_is_served_anew_on_a_node_without_its_replica
     assert not replica.exists(), "node 2 holds a replica of rank 1: not the case tested"
     view = c.status(2)["whole_view"]["steps"][0]
     assert (view["step"], view.get("resaved")) == (10, [1]), view
+    shown = tierfs("status", str(c.root(2))).stdout
+    assert "step 10: ranks 0,1 known" in shown and "saved again: rank(s) 1" in shown, shown
     assert (c.root(2) / "10" / "__0_0.distcp").read_bytes() == W0  # rank 0's: unchanged
     log = c.mounts[2].log()  # noticed through the coordinator's report (no replica here)
     assert "rank(s) [1] reported another part than the one shown here" in log

@@ -550,6 +550,55 @@ def test_a_part_the_coordinator_reports_changed_is_placed_again_without_a_replic
     assert job.errors == []  # saving a step again is no error
 
 
+class OpenFiles:
+    """The namespace's port as far as the view uses it: ``open`` inodes have handles."""
+
+    def __init__(self) -> None:
+        self.open: set[int] = set()
+        self.inodes = self
+
+    def by_ino(self, ino: int):
+        return type("Inode", (), {"handles": {1}})() if ino in self.open else None
+
+    def notify_changed(self, path: str) -> None:
+        pass
+
+
+def test_an_open_file_of_a_part_saved_again_keeps_its_bytes_until_closed(tmp_path):
+    """A reader holding rank 0's old ``__0_0.distcp`` open when the coordinator reports
+    rank 0's new part keeps reading the old bytes (its file is not replaced under
+    it); once closed, the next look replaces it and a new open reads the new bytes."""
+    C2 = os.urandom(len(C))
+    peer = Source("peer", dict(BYTES), ["peer node-rank 0"])
+    rv, ram, _shards, _catalog, own, job = view_of(tmp_path, dict(PARTS), [peer])
+    shard0 = Path(ram.view) / "10" / "__0_0.distcp"
+    new0 = manifest(0, {".metadata": B, "__0_0.distcp": C2})
+    files = OpenFiles()
+
+    async def main() -> None:
+        await rv.look(own)
+        await rv.missing(shard0.stat().st_ino)()
+        old = shard0.stat().st_ino
+        with open(shard0, "rb") as reader:
+            rv.attach(files)  # type: ignore[arg-type]
+            files.open.add(old)
+            rv.manifests = Manifests({**PARTS, 0: new0})
+            peer.files = {**BYTES, "10/__0_0.distcp": C2}
+            rv.parts_reported("e1", 1, [10], [(10, 0, new0.digest)])
+            assert await rv.look(own) is True  # look again soon: a file was kept
+            assert shard0.stat().st_ino == old and rv.steps[10].recheck == {0}
+            assert reader.read() == C  # the old bytes, whole
+            files.open.clear()
+        await rv.look(own)
+        assert rv.steps[10].recheck == set()
+        assert rv.steps[10].files["10/__0_0.distcp"].digest == new0.digest  # replaced
+        await rv.missing(shard0.stat().st_ino)()
+        assert shard0.read_bytes() == C2
+
+    trio.run(main)
+    assert job.errors == []
+
+
 def test_a_node_without_a_part_shows_the_whole_restored_step(tmp_path):
     # issue #16: node-rank 3 of a 5-node job restored step 10, written by 3 nodes, of
     # which it holds nothing: the restored step anchors its view of ranks 0..2
