@@ -45,9 +45,21 @@ writing job's placement, else the bucket); after a growth a node whose rank
 did not exist then holds no part of the restored step and shows all of it
 (the step restored, :attr:`RemoteView.restored`, anchors its view).
 
+A rank that saves a step again (same step number, other bytes) has its part
+asked again and its changed files replaced (:meth:`RemoteView._unplace`; an
+open file of the old part stays until closed) when this node's own part of
+the step changes, when a replica with other bytes arrives here
+(:meth:`RemoteView._on_added`), at a daemon restart, and, on every node
+whether or not it holds a replica, when node-rank 0's coordinator reports
+that rank's own part changed (:meth:`RemoteView.parts_reported`, the
+heartbeat's :class:`tierfs.core.ports.PartWatch`; within about two
+heartbeats). It is logged at INFO and shown in the status (``resaved``).
+
 Cost: (N - 1) manifest calls per own sealed step per node (each repeated
 every ``retry`` seconds, at most ``patience`` seconds, until that rank's part
-is sealed); the union's names use one tmpfs inode each.
+is sealed); the union's names use one tmpfs inode each; each heartbeat
+carries the steps shown (step and parts version) and brings back only the
+parts changed since (:mod:`tierfs.cluster.part_versions`).
 """
 
 from __future__ import annotations
