@@ -216,6 +216,51 @@ def test_replies_list_the_peers_asked_for_and_counts(service):
         assert list(d.missing) == [0, *range(2, 8), *range(9, SHOWN_RANKS + 2)]
 
 
+def test_sync_replies_name_only_the_parts_saved_again_in_the_steps_a_view_shows(service):
+    """Issue #14 (a re-save noticed on every node) within #17's limits: a node's Sync names
+    the steps its whole-step view shows; the reply lists only the own parts changed
+    since the version it knows them at, not the 300 ranks' digests."""
+    _, address = service
+
+    def sync(rank: int, digest: str, view=(), epoch: str = ""):
+        return stub.Sync(
+            peer_pb2.SyncRequest(
+                job=JOB,
+                rank=rank,
+                incarnation=f"inc{rank}",
+                step=5,
+                inventory=[peer_wire.held_shard(Holding(rank, 5, True, digest))],
+                view_steps=[peer_pb2.ViewStep(step=s, version=v) for s, v in view],
+                parts_epoch=epoch,
+                compact=True,
+            ),
+            metadata=MD,
+        )
+
+    def changes(reply) -> list[tuple[int, int, str]]:
+        return [(c.step, c.rank, c.digest) for c in reply.part_changes]
+
+    with grpc.insecure_channel(address) as ch:
+        stub = peer_pb2_grpc.CoordinatorStub(ch)
+        for r in range(NODES):
+            stub.Join(join_req(r), metadata=MD)
+        first = sync(3, "d3-5", [(5, 0)])
+        assert changes(first) == [] and first.parts_epoch and first.parts_version == 0
+        epoch = first.parts_epoch
+        # rank 7 saves step 5 again; node 3 (no replica of rank 7) learns it, once
+        sync(7, "d7-5-again")
+        second = sync(3, "d3-5", [(5, first.parts_version)], epoch)
+        assert changes(second) == [(5, 7, "d7-5-again")] and second.parts_version == 1
+        assert changes(sync(3, "d3-5", [(5, second.parts_version)], epoch)) == []
+        assert changes(sync(3, "d3-5", [(6, 0)], epoch)) == []  # only the steps asked
+        # an older node asks nothing and is told nothing
+        old = sync(4, "d4-5")
+        assert changes(old) == [] and old.parts_epoch == "" and old.parts_version == 0
+        # a node that knew a former coordinator gets every digest of its steps, once
+        every = changes(sync(3, "d3-5", [(5, 9)], "a-former-coordinator"))
+        assert len(every) == NODES and (5, 7, "d7-5-again") in every
+
+
 def test_a_wrong_token_is_refused(service):
     _, address = service
     with grpc.insecure_channel(address) as ch:
