@@ -19,13 +19,15 @@ install: $(STAMP)
 # it mostly waits on daemons, restores and bucket deadlines, so 3 workers fit 2 cores (19 min
 # instead of ~37). The longest tests start first (tests/conftest.py); every worker keeps its
 # tests' ram-dirs on a tmpfs of its own. `make test WORKERS=0` runs it in one process.
-# The Ray Train test (marker ray: a local Ray cluster of 4 raylets) is not part of it: beside
-# a CPU hog on 2 cores Ray starved and it timed out; `make test-ray` runs it alone.
+# Then the Ray Train test (marker ray: a local Ray cluster of 4 raylets) runs on its own, so
+# its Ray processes do not compete with 3 workers of daemons for the 2 cores.
 WORKERS ?= 3
 test: install
 	$(BIN)/pytest -q -n $(WORKERS) --dist load --maxschedchunk 2 -m "not ray"
+	$(BIN)/pytest -q -m ray
 
-# The Ray Train v2 elastic test alone (issue #16; about 3 minutes on an idle 2-core VM).
+# The Ray Train v2 elastic test alone (issue #16; about 2-3 minutes on a 2-core VM, also
+# beside two busy loops).
 test-ray: install
 	$(BIN)/pytest -q -m ray
 

@@ -109,6 +109,9 @@ def test_ray_train_v2_shrinks_after_a_node_loss_and_grows_back_resuming_from_tie
     # Ray starts its worker processes at niceness 15: beside any busy process at 0 (a
     # CPU hog, the suite's other tests) they got ~3% of a core and the test timed out
     monkeypatch.setenv("RAY_worker_niceness", "0")
+    # a worker group's start (3 processes importing torch) may outlast Ray Train's 60 s on
+    # a busy 2-core machine; each such timeout costs one of max_failures
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "180")
     # the raylets' worker processes import tests/support/ray_elastic.py
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([SUPPORT, *sys.path]))
     from ray.cluster_utils import Cluster as RayCluster

@@ -189,7 +189,7 @@ def test_a_step_number_saved_again_with_other_bytes_is_backed_up_again():
     made for the new bytes (only steps above the last one backed up were), and after
     a cluster loss the bucket's old step 20 came back with exit 0. A part whose
     digest changed makes the step due again; the same bytes do not."""
-    c, _ = book_coord()
+    c, clock = book_coord()
     sync(c, 0, 20, [20])
     r1, step = sync(c, 1, 20, [20]).backup_order
     assert step == 20
@@ -198,9 +198,18 @@ def test_a_step_number_saved_again_with_other_bytes_is_backed_up_again():
     # the same bytes: nothing new
     assert sync(c, 0, 20, [20]).backup_order is None
     assert sync(c, 1, 20, [20]).backup_order is None
-    # rank 1 saved step 20 again: other bytes in its part
+    # rank 1 saved step 20 again: other bytes in its part; rank 0's may still come
     again = lambda s: f"again-{s}"  # noqa: E731
     sync(c, 0, 20, [20])
+    assert sync(c, 1, 20, [20], digest=again).backup_order is None
+    book = c.status().backups
+    assert book is not None and book.last_decision == (
+        "step 20 was saved again by rank(s) [1]: waiting up to 30 s for the new parts "
+        "of rank(s) [0]"
+    )
+    clock.t += 29
+    assert sync(c, 1, 20, [20], digest=again).backup_order is None
+    clock.t += 1.5  # rank 0 never saved it again: the round starts with its old part
     order = sync(c, 1, 20, [20], digest=again).backup_order
     assert order is not None and order[1] == 20 and order[0] > r1, order
     book = c.status().backups
@@ -210,6 +219,23 @@ def test_a_step_number_saved_again_with_other_bytes_is_backed_up_again():
     sync(c, 1, 20, [20], backup=Outcome(order[0], 20, DONE), digest=again)
     # backed up: the new bytes are not due again
     assert sync(c, 1, 20, [20], digest=again).backup_order is None
+
+
+def test_a_step_saved_again_by_every_rank_gets_one_round_of_the_new_parts():
+    """Regression (second #15 trial): a 2-node re-save of step 20 made two rounds
+    0.1 s apart; the first started at rank 0's new part and took rank 1's old one,
+    a step nobody saved. The round waits for the other ranks' new parts."""
+    c, _ = book_coord()
+    sync(c, 0, 20, [20])
+    r1, _step = sync(c, 1, 20, [20]).backup_order
+    sync(c, 0, 20, [20], backup=Outcome(r1, 20, DONE))
+    sync(c, 1, 20, [20], backup=Outcome(r1, 20, DONE))
+    again = lambda s: f"again-{s}"  # noqa: E731
+    assert sync(c, 0, 20, [20], digest=again).backup_order is None  # rank 1's may come
+    order = sync(c, 1, 20, [20], digest=again).backup_order
+    assert order is not None and order[1] == 20 and order[0] > r1, order
+    book = c.backups
+    assert book.state.last_parts == ((0, "again-20"), (1, "again-20"))
 
 
 def test_saved_again_is_decided_on_the_digests_pure():

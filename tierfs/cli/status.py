@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tierfs.cli.console import stdout_console
+from tierfs.cluster.copies import copies_line
 from tierfs.core.config import format_size
 from tierfs.core.status import NodeStatus, PeerStatus
 
@@ -39,6 +40,7 @@ def format_status(data: NodeStatus | Mapping[str, Any]) -> list[str]:
         )
     else:
         lines.append("job        none (no replicator.yaml and no --job)")
+    lines += _copies(st)
     lines += _ram_lines(st)
     restore = st.restore
     if restore.state not in (None, "idle"):
@@ -112,6 +114,16 @@ def _whole_view_lines(st: NodeStatus) -> list[str]:
             text += f"; failed: {', '.join(s.failed[:3])}"
         lines.append(text)
     return lines
+
+
+def _copies(st: NodeStatus) -> list[str]:
+    """``copies     step 4: 2 copies of every rank's part`` on the node serving the
+    coordinator (issue #16: re-replication after a node loss), else nothing."""
+    peer = st.tiers.get("peer")
+    coord = peer.coordinator_state if isinstance(peer, PeerStatus) else None
+    if coord is None or coord.copies_step is None:
+        return []
+    return [f"copies     {copies_line(coord.copies_step, coord.copies)}"]
 
 
 def _generation(st: NodeStatus) -> str:

@@ -33,7 +33,7 @@ from tierfs.core.rounds import Decision as Decision
 from tierfs.core.rounds import ScheduleState as ScheduleState
 from tierfs.core.rounds import apply_seed as apply_seed
 from tierfs.core.rounds import decide_round as decide_round
-from tierfs.core.rounds import dedup_plan
+from tierfs.core.rounds import dedup_plan, note_settling
 from tierfs.core.rounds import finished as finished
 from tierfs.core.rounds import intervals as intervals
 from tierfs.core.rounds import restart_timeline as restart_timeline
@@ -276,6 +276,7 @@ class RoundBook:
             previous_name=self.previous_name,
             parts={r: d for r, d in (now_parts or {}).items() if d},
         )
+        note_settling(self.state, decision, now)
         if decision.action == SKIP:
             self.events.extend(skipped(self.state, decision))
         elif decision.action == START:

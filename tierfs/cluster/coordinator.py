@@ -70,6 +70,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from tierfs.cluster.backup_schedule import Outcome, RoundBook
+from tierfs.cluster.copies import copy_counts
 from tierfs.cluster.membership import Membership
 from tierfs.cluster.restore_choice import (
     FRESH,
@@ -775,4 +776,15 @@ class Coordinator:
             ),
             decisions=tuple(dict(d) for d in self.history[-5:]),
             backups=self.backups.status() if self.backups is not None else None,
+            copies_step=self.synced_step if self.synced_step >= 0 else None,
+            copies=(
+                copy_counts(
+                    {m.rank: m.inventory for m in self.members.values()},
+                    self.synced_step,
+                    self.live,
+                    frozenset(self.gone),
+                )
+                if self.synced_step >= 0
+                else {}
+            ),
         )

@@ -235,6 +235,8 @@ class ScheduleState:
         last_parts: (rank, manifest digest) of each part of ``last_step`` when
             its round started (None: not known, e.g. taken from the bucket): the
             same step number with other bytes (saved again) is backed up again.
+        again_since: when a re-save of ``last_step`` by some but not all ranks was
+            first seen (:func:`note_settling`); None when none waits.
     """
 
     started_at: float
@@ -245,6 +247,12 @@ class ScheduleState:
     skipped_step: int | None = None
     waiting: tuple[int, str, str] | None = None
     last_parts: tuple[tuple[int, str], ...] | None = None
+    again_since: float | None = None
+
+
+#: seconds a step saved again by some ranks waits for the others' new parts before
+#: its round starts anyway (a collective save seals every rank's part within seconds)
+RESAVE_SETTLE = 30.0
 
 
 def saved_again(last: tuple[tuple[int, str], ...] | None, parts: Mapping[int, str]) -> list[int]:
@@ -270,6 +278,8 @@ class Decision:
         report: for ``skip``, True the first time this step is found due while
             a round runs.
         due: why the step is due (``start`` and ``skip``).
+        settling: a ``wait`` because the step was saved again by some ranks and
+            the others' new parts may still come (:data:`RESAVE_SETTLE`).
     """
 
     action: str
@@ -278,6 +288,7 @@ class Decision:
     reason: str = ""
     report: bool = False
     due: str = ""
+    settling: bool = False
 
 
 def intervals(minutes: float | None, steps: int | None) -> tuple[float | None, int | None]:
@@ -324,6 +335,23 @@ def decide_round(
         return Decision(WAIT, step, reason="no new step to back up")
     if not again and state.last_step is not None and step <= state.last_step:
         return Decision(WAIT, step, reason="no new step to back up")
+    if again:
+        # one round for the whole re-save: a round started at the first rank's new part
+        # would mix it with the other ranks' old parts, a step nobody saved
+        # (regression: two rounds 0.1 s apart, the first one mixed)
+        before = dict(state.last_parts or ())
+        others = sorted(r for r in parts or {} if r in before and r not in again)
+        since = state.again_since if state.again_since is not None else now
+        if others and now - since < RESAVE_SETTLE:
+            return Decision(
+                WAIT,
+                step,
+                reason=(
+                    f"step {step} was saved again by rank(s) {again}: waiting up to "
+                    f"{RESAVE_SETTLE:g} s for the new parts of rank(s) {others}"
+                ),
+                settling=True,
+            )
     due = ""
     if again:
         due = (
@@ -358,6 +386,13 @@ def decide_round(
     return Decision(START, step, next_round_name(now, prev), reason=due, due=due)
 
 
+def note_settling(state: ScheduleState, decision: Decision, now: float) -> None:
+    """Remember when a re-save first made ``decision`` wait (``settling``), so the
+    wait ends :data:`RESAVE_SETTLE` seconds later (:func:`started` forgets it)."""
+    if decision.settling and state.again_since is None:
+        state.again_since = now
+
+
 def superseded(state: ScheduleState, step: int | None) -> list[str]:
     """Step ``step`` is backed up now or waits to be: a step that waited for the
     running round and is older is skipped for good. Returns its line for
@@ -382,6 +417,7 @@ def started(state: ScheduleState, decision: Decision, now: float) -> list[str]:
     state.last_round_at = now
     state.last_step = decision.step
     state.active = decision.round
+    state.again_since = None
     return lines
 
 

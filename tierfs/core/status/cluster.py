@@ -37,6 +37,11 @@ def _by_rank(data: object) -> dict[int, Any]:
     return {int(k): v for k, v in data.items() if str(k).lstrip("-").isdigit()}
 
 
+def _by_count(data: object) -> dict[int, int]:
+    """:func:`_by_rank` of whole numbers (other values dropped)."""
+    return {r: v for r, v in _by_rank(data).items() if isinstance(v, int)}
+
+
 def _records(data: object) -> tuple[Mapping[str, Any], ...]:
     return tuple(dict(d) for d in objs(data))
 
@@ -281,6 +286,10 @@ class CoordinatorStatus:
     decisions: tuple[Mapping[str, Any], ...] = ()
     #: the backup round book, None on a node without the GCS tier
     backups: BackupBookStatus | None = None
+    #: the synced step whose copies are counted (None: no synced step yet) and, by
+    #: rank, how many live members hold a verified copy of its part (issue #16)
+    copies_step: int | None = None
+    copies: Mapping[int, int] = field(default_factory=dict)
 
     def to_json(self) -> JsonObject:
         out: JsonObject = {
@@ -296,11 +305,14 @@ class CoordinatorStatus:
             out["gone"] = list(self.gone)
         if self.generation:  # a daemon from before generations wrote none
             out.update(generation=self.generation, generation_since=self.generation_since)
+        if self.copies_step is not None:
+            # int keys, as the coordinator counts them (JSON writes them as text)
+            out["copies"] = {"step": self.copies_step, "counts": dict(self.copies)}
         return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CoordinatorStatus:
-        rnd, backups = data.get("round"), data.get("backups")
+        rnd, backups, copies = data.get("round"), data.get("backups"), data.get("copies")
         return cls(
             job=data.get("job"),
             nodes=data.get("nodes", 0),
@@ -312,4 +324,6 @@ class CoordinatorStatus:
             sync=CoordinatorSyncStatus.from_json(obj(data.get("sync") or {}, "sync")),
             decisions=_records(data.get("decisions")),
             backups=BackupBookStatus.from_json(backups) if isinstance(backups, Mapping) else None,
+            copies_step=copies.get("step") if isinstance(copies, Mapping) else None,
+            copies=_by_count(copies.get("counts")) if isinstance(copies, Mapping) else {},
         )

@@ -1,0 +1,62 @@
+"""Copies of each rank's part the cluster holds (tierfs/cluster/copies.py, issue #16)."""
+
+from __future__ import annotations
+
+import json
+
+from tierfs.cli.status import format_status
+from tierfs.cluster.copies import copies_line, copy_counts
+from tierfs.core.status import CoordinatorStatus, NodeStatus
+from tierfs.core.status.peer import PeerStatus
+from tierfs.core.types import Holding
+
+
+def H(rank: int, step: int, digest: str | None = None, verified: bool = True) -> Holding:
+    return Holding(rank, step, verified, digest or f"d{rank}-{step}")
+
+
+def test_copies_are_counted_on_live_members_with_the_parts_digest():
+    # 4 nodes in pairs 0-1 and 2-3; node 3 lost: rank 3's part survives on node 2 only
+    inventories = {
+        0: [H(0, 4), H(1, 4), H(0, 2)],
+        1: [H(1, 4), H(0, 4)],
+        2: [H(2, 4), H(3, 4)],
+        3: [H(3, 4), H(2, 4)],
+    }
+    alive = lambda r: r != 3  # noqa: E731
+    assert copy_counts(inventories, 4, alive) == {0: 2, 1: 2, 2: 1, 3: 1}
+    assert copy_counts(inventories, 4, lambda r: True) == {0: 2, 1: 2, 2: 2, 3: 2}
+    assert copy_counts(inventories, 4, lambda r: True, frozenset({3})) == {0: 2, 1: 2, 2: 1, 3: 1}
+    # a copy with other bytes than the owner's, or unverified, is not a copy
+    inventories[1] = [H(1, 4), H(0, 4, "stale")]
+    inventories[2] = [H(2, 4), H(3, 4, verified=False)]
+    assert copy_counts(inventories, 4, alive) == {0: 1, 1: 2, 2: 1}
+    # the owner gone: the digest most holders have
+    inv = {0: [H(2, 4, "a")], 1: [H(2, 4, "a")], 3: [H(2, 4, "b")]}
+    assert copy_counts(inv, 4, lambda r: True) == {2: 2}
+    assert copy_counts(inventories, 9, alive) == {}
+
+
+def test_the_copies_line_names_the_ranks_with_the_fewest():
+    assert copies_line(4, {0: 2, 1: 2}) == "step 4: 2 copies of every rank's part"
+    assert copies_line(4, {0: 1}) == "step 4: 1 copy of every rank's part"
+    assert copies_line(4, {0: 2, 1: 2, 2: 1, 3: 1}) == (
+        "step 4: 1-2 copies; fewest (1): rank(s) [2, 3]"
+    )
+    many = {r: 1 for r in range(10)} | {10: 2}
+    assert copies_line(7, many, shown=3) == (
+        "step 7: 1-2 copies; fewest (1): rank(s) [0, 1, 2] (+7 more)"
+    )
+    assert copies_line(7, {}) == "step 7: no verified copy known"
+
+
+def test_the_copies_survive_the_status_json_and_make_a_status_line():
+    st = CoordinatorStatus(job="j", nodes=4, copies_step=4, copies={0: 2, 3: 1})
+    back = CoordinatorStatus.from_json(json.loads(json.dumps(st.to_json())))
+    assert (back.copies_step, back.copies) == (4, {0: 2, 3: 1})
+    assert CoordinatorStatus.from_json(CoordinatorStatus(job="j").to_json()).copies_step is None
+    peer = PeerStatus("", coordinator_state=st)
+    lines = format_status(NodeStatus.from_json({"tiers": {"peer": peer.to_json()}}))
+    assert "copies     step 4: 1-2 copies; fewest (1): rank(s) [3]" in lines, lines
+    plain = NodeStatus.from_json({"tiers": {"peer": PeerStatus("").to_json()}})
+    assert not any(line.startswith("copies") for line in format_status(plain))
