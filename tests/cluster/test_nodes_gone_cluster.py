@@ -115,3 +115,37 @@ def test_gone_after_declares_a_silent_node_gone(make_mount):
     save(c, 0, 3)
     save(c, 1, 3)
     wait_until(lambda: (c.peer(0)["sync"].get("step") or -1) >= 3, 60, "sync round of step 3")
+
+
+def test_after_two_nodes_declared_gone_the_view_reads_their_parts_from_the_stand_in(
+    make_mount, monkeypatch
+):
+    """The new-user trial's job k end to end: pairs 0-1 and 2-3; node 3 declared gone,
+    so node 2 sends its parts to its stand-in, node 0; then node 2 declared gone too:
+    node 1 reads both lost ranks' files, verified. (In the trial node 1's view asked
+    only nodes 2 and 3 and read EIO; here node 0 may also have copied the parts on to
+    node 1 first, so the unit test of ``holders_of`` in test_writer_topology.py is
+    the regression test of where the view asks.)"""
+    monkeypatch.setenv("TIERFS_REFUSAL_GRACE", "2")
+    c = Cluster(make_mount, 4, node_args=job_args(JOB, 4))
+    data = {i: os.urandom(150_000) for i in range(4)}
+    for i in range(4):
+        tmp = c.root(i) / "tmp-checkpoint-2"
+        tmp.mkdir()
+        (tmp / f"rank{i}.bin").write_bytes(data[i])
+        os.rename(tmp, c.root(i) / "checkpoint-2")
+    for i in range(4):
+        wait_until(lambda i=i: state(c, i, 2) == "replicated", 90, f"node {i}'s step 2")
+    env = {**os.environ, "TIERFS_PEER_TOKEN": c.token}
+    c.lose(3)
+    tierfs("nodes", "gone", str(c.root(1)), "3", env=env)
+    # node 2 copies its own part to its stand-in receiver, node 0
+    wait_until(lambda: holds(c, 0, 2, 2), 90, "rank 2's step 2 on node 0")
+    c.lose(2)
+    tierfs("nodes", "gone", str(c.root(1)), "2", env=env)
+    wait_until(lambda: c.peer(1).get("gone") == [2, 3], 30, "node 1 to learn that 2 is gone")
+    for rank in (2, 3):
+        f = c.root(1) / "checkpoint-2" / f"rank{rank}.bin"
+        assert f.read_bytes() == data[rank], rank  # from node 0, verified
+    assert "could not be read" not in c.errors(1), c.errors(1)
+    assert "ERROR" not in c.mounts[1].log()

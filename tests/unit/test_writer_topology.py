@@ -203,6 +203,22 @@ def test_replica_holders_follow_the_writers_placement():
     assert holders_of(job, 2, 4) == [2]  # its old receiver, node 3, is gone
 
 
+def test_a_part_whose_owner_and_receiver_are_declared_gone_is_asked_of_the_stand_in():
+    """Regression (new-user trial, job k): 4 nodes in pairs 0-1 and 2-3; node 3 declared
+    gone, so node 2 sent its parts to its stand-in, node 0; then node 2 declared gone.
+    The other nodes asked nodes 2 and 3 for rank 2's files ("no address known here")
+    and read EIO although node 0 held them."""
+    job = JobSpec("k", "generic", node_rank=1, nodes=4, peers_per_node=1)
+    assert holders_of(job, 2) == [2, 3]  # nobody gone: the owner, its receiver
+    assert holders_of(job, 2, gone=frozenset({3})) == [2, 0]
+    assert holders_of(job, 2, gone=frozenset({2, 3})) == [0]
+    assert holders_of(job, 3, gone=frozenset({2, 3})) == [0]
+    assert holders_of(job, 0, gone=frozenset({2, 3})) == [0, 1]  # nothing gone of its own
+    # a rank the job no longer has: as before, and never a gone one
+    small = JobSpec("j", "generic", node_rank=0, nodes=3, peers_per_node=1)
+    assert holders_of(small, 3, 4, gone=frozenset({2})) == [0]
+
+
 @pytest.mark.parametrize(
     ("restore", "nodes", "line"),
     [

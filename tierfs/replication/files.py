@@ -62,19 +62,31 @@ def receivers_of(job: JobSpec, rank: int, writers: int = 0) -> list[int]:
     return [r for r in ranks if r < job.nodes]
 
 
-def holders_of(job: JobSpec, rank: int, writers: int = 0) -> list[int]:
+def holders_of(
+    job: JobSpec, rank: int, writers: int = 0, gone: frozenset[int] = frozenset()
+) -> list[int]:
     """The node ranks of ``job`` that may hold node ``rank``'s part of a step written
     by ``writers`` nodes (0: ``job.nodes``), in the order to ask them (issue #16):
     the owner while the job has that rank, the receivers of the writers' placement,
     and for a rank the job no longer has also the receivers of those receivers in
     today's placement (where they copy the lost rank's part again,
-    :meth:`tierfs.replication.replicator.Replicator.catch_up`)."""
+    :meth:`tierfs.replication.replicator.Replicator.catch_up`).
+
+    ``gone``: the ranks declared gone for good, never named. When the owner or a
+    receiver is gone, today's receivers of the owner and of each receiver, with
+    stand-ins for the gone ones (:func:`.placement.with_stand_ins`), are named
+    too: the owner sent its parts to its stand-in receiver before it was lost
+    itself (regression, new-user trial: after ``nodes gone 3`` and then
+    ``nodes gone 2``, rank 2's part lived on node 0 only, and the other nodes
+    asked nodes 2 and 3 only: EIO on a step ``tierfs wait`` called restored)."""
     first = receivers_of(job, rank, writers)
-    out = ([rank] if rank < job.nodes else []) + first
-    if rank >= job.nodes:
-        for holder in first:
-            out += receivers_of(job, holder)
-    return list(dict.fromkeys(out))
+    owner = [rank] if rank < job.nodes else []
+    out = owner + first
+    if rank >= job.nodes or rank in gone or any(h in gone for h in first):
+        for holder in owner + first:
+            today = receivers_of(job, holder)
+            out += placement.with_stand_ins(today, holder, job.nodes, gone)
+    return [r for r in dict.fromkeys(out) if r not in gone]
 
 
 class PeerFiles:
@@ -208,7 +220,7 @@ class PeerFiles:
         spec = self.job.job
         ranks = [rank]
         if spec is not None and spec.name == job:
-            ranks = holders_of(spec, rank, writers)
+            ranks = holders_of(spec, rank, writers, frozenset(self.book.gone))
         me = spec.node_rank if spec is not None and spec.name == job else None
         out: list[tuple[int, str | None]] = []
         for r in dict.fromkeys(ranks):

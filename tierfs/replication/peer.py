@@ -425,7 +425,9 @@ class PeerTier:
         """
         key = ShardKey(job, rank, step)
         spec = self.current.job
-        gone = spec is not None and spec.name == job and rank >= spec.nodes
+        gone = (
+            spec is not None and spec.name == job and (rank >= spec.nodes or rank in self.book.gone)
+        )
         address = None if gone else await self._address_of(job, rank)
         relay = False
         if not address:
@@ -438,7 +440,7 @@ class PeerTier:
         # that node is down or lost its part: the nodes holding its replicas
         if spec is None or spec.name != job:
             return None
-        for r in holders_of(spec, rank, writers):
+        for r in holders_of(spec, rank, writers, frozenset(self.book.gone)):
             if r == rank:
                 continue  # asked above
             if r != spec.node_rank:

@@ -185,7 +185,7 @@ class Replicator:
 
         Re-replication of a lost node's parts (issue #16): this node also sends
         its replicas of ranks the job no longer has (a step written by more
-        nodes; the newest such step per rank, the one a restore would use) to
+        nodes, or a rank declared gone: every retained step of theirs) to
         its own receivers, so a second node loss does not lose them. Other
         nodes find those copies by placement
         (:func:`tierfs.replication.files.holders_of`)."""
@@ -211,17 +211,18 @@ class Replicator:
                     self._start_send(shard, peer, send)
 
     def _orphans(self, job: JobSpec) -> list[Shard]:
-        """The newest part held here of each rank ``job`` no longer has (its node count
-        shrank since the step was written, or the rank was declared gone for good),
-        newest first."""
-        newest: dict[int, Shard] = {}
-        for shard in self.catalog.shards_of(job.name):
-            rank = shard.key.rank
-            if (rank < job.nodes and rank not in self.book.gone) or not shard.verified:
-                continue
-            if rank not in newest or shard.key.step > newest[rank].key.step:
-                newest[rank] = shard
-        return sorted(newest.values(), key=lambda s: s.key.step, reverse=True)
+        """Every verified part held here of each rank ``job`` no longer has (its node
+        count shrank since the step was written, or the rank was declared gone for
+        good), newest first; the caller sends only retained ones. Not only the
+        newest: a step written after the rank was lost lacks it, so a restore takes
+        an older one (regression, new-user trial: only the newest part was copied
+        again and the step a restore would use kept a single copy)."""
+        orphans = [
+            shard
+            for shard in self.catalog.shards_of(job.name)
+            if (shard.key.rank >= job.nodes or shard.key.rank in self.book.gone) and shard.verified
+        ]
+        return sorted(orphans, key=lambda s: s.key.step, reverse=True)
 
     # ------------------------------------------------------------------ one transfer
 
