@@ -60,3 +60,22 @@ def test_the_copies_survive_the_status_json_and_make_a_status_line():
     assert "copies     step 4: 1-2 copies; fewest (1): rank(s) [3]" in lines, lines
     plain = NodeStatus.from_json({"tiers": {"peer": PeerStatus("").to_json()}})
     assert not any(line.startswith("copies") for line in format_status(plain))
+
+
+def test_a_rank_declared_gone_is_not_shown_as_not_yet_in_the_view_line():
+    """Regression (new-user trial): a step missing a rank declared gone for good said
+    "3 not yet", as if its part were still coming."""
+    from tierfs.cli.status import _whole_view_lines
+    from tierfs.core.status.whole import WholeStepStatus
+
+    st = NodeStatus.from_json(
+        {
+            "tiers": {"peer": PeerStatus("", gone=(3,)).to_json()},
+            "whole_view": {
+                "active": True,
+                "steps": [WholeStepStatus(30, ranks_known=(0, 1), ranks_missing=(2, 3)).to_json()],
+            },
+        }
+    )
+    lines = _whole_view_lines(st)
+    assert "ranks 0,1 known, 2 not yet, 3 gone;" in lines[1], lines

@@ -167,8 +167,14 @@ def test_generations_of_the_job_at_the_coordinator():
     join(c, 1, 3)
     st = c.status().to_json()
     assert (st["generation"], st["nodes"]) == (2, 3)
-    with pytest.raises(Rejected, match="node count mismatch"):
+    with pytest.raises(Rejected, match="node count mismatch") as refused:
         join(c, 2, 4)
+    assert "or remount this node with --nodes 3" in str(refused.value)
+    # node-rank 3 does not exist in a 3-node job: never told to use --nodes 3
+    # (regression, new-user trial)
+    with pytest.raises(Rejected, match="node count mismatch") as refused:
+        join(c, 3, 4)
+    assert str(refused.value).endswith("(to resize the job, restart node-rank 0 with --nodes 4)")
 
 
 def test_a_protocol_mode_node_of_another_count_is_told_about_replicator_yaml():

@@ -109,7 +109,7 @@ def gone_cmd(
         click.echo(
             f"tierfs: warning: node-rank(s) {sorted(reply.live)} still sent heartbeats a "
             "moment ago: declared gone anyway; while this generation lasts their daemons "
-            "are refused and rounds no longer wait for them (restart the job to take "
-            "them back)",
+            "are refused and rounds no longer wait for them (only a restart of the job "
+            "with another node count, --nodes, takes them back)",
             err=True,
         )

@@ -94,7 +94,11 @@ def _whole_view_lines(st: NodeStatus) -> list[str]:
     if view.fetch_errors:
         head += f", {view.fetch_errors} failed fetches"
     lines = [head]
+    peer = st.tiers.get("peer")
+    gone = set(peer.gone) if isinstance(peer, PeerStatus) else set()
     for s in view.steps[:3]:
+        later = [r for r in s.ranks_missing if r not in gone]
+        lost = [r for r in s.ranks_missing if r in gone]
         written = (
             f" (written by {s.writers} nodes{'' if s.own_part else '; no part here'})"
             if st.job is not None and s.writers and (s.writers != st.job.nodes or not s.own_part)
@@ -102,7 +106,9 @@ def _whole_view_lines(st: NodeStatus) -> list[str]:
         )
         text = (
             f"  step {s.step}{written}: ranks {','.join(map(str, s.ranks_known)) or '-'} known"
-            + (f", {','.join(map(str, s.ranks_missing))} not yet" if s.ranks_missing else "")
+            + (f", {','.join(map(str, later))} not yet" if later else "")
+            # a rank declared gone brings no part (regression: "3 not yet")
+            + (f", {','.join(map(str, lost))} gone" if lost else "")
             + f"; files {s.local} here, {s.remote} remote ({s.bytes_remote} bytes)"
             + (f", {s.fetching} fetching" if s.fetching else "")
         )

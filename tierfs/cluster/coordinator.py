@@ -457,11 +457,15 @@ class Coordinator:
                 f"node-rank {self.own_rank}'s client must restart with nodes: {nodes} in "
                 f"its replicator.yaml, as this node's did"
             )
-        else:
+        elif rank < self.nodes:
             what = (
                 f"restart node-rank {self.own_rank} with --nodes {nodes}, or remount "
                 f"this node with --nodes {self.nodes}"
             )
+        else:
+            # its rank does not exist in the coordinator's job: only a resize helps
+            # (regression, new-user trial: node-rank 3 was told to use --nodes 3)
+            what = f"restart node-rank {self.own_rank} with --nodes {nodes}"
         raise Rejected(
             f"node count mismatch: job {job!r} has {self.nodes} nodes at the "
             f"coordinator; node-rank {rank} joined with nodes {nodes} (to resize the "
