@@ -311,7 +311,9 @@ def test_wait_notes_a_skipped_gone_rank():
     reason = gone_reason("step 30 is complete in the cluster", [3])
     assert gone_note(reason) == (
         "node-rank(s) [3] declared gone: not waited for, their part taken only from a "
-        "verified copy on a peer or in the bucket"
+        "verified copy on a peer or in the bucket (a step saved after they were declared "
+        "gone lacks their part and is never complete: restart the job with a node count "
+        "without them before training on)"
     )
     assert gone_note("step 30 lacks rank(s) [3]; node-rank(s) [1] discarded") == ""
 

@@ -414,7 +414,9 @@ def gone_reason(reason: str, gone: list[int]) -> str:
     that their parts were taken only from verified copies on peers or in the bucket."""
     return (
         f"{reason}; node-rank(s) {gone} declared gone: not waited for, their part "
-        "taken only from a verified copy on a peer or in the bucket"
+        "taken only from a verified copy on a peer or in the bucket (a step saved "
+        "after they were declared gone lacks their part and is never complete: "
+        "restart the job with a node count without them before training on)"
     )
 
 
