@@ -118,9 +118,16 @@ def whole_step_unready(status: NodeStatus, all_bytes: bool) -> str | None:
         missing = ", ".join(map(str, s.ranks_missing))
         return f"the files of rank(s) {missing} of step {step} are not in the view yet"
     if all_bytes and not s.bytes_ready:
+        # a fetch that failed (no copy served verified bytes) is said as such
+        # (regression, elastic trial: "not fetched yet" for a file no copy could serve)
+        failed = (
+            f"; the last fetch of {', '.join(s.failed[:3])} failed (see replicator.errors)"
+            if s.failed
+            else ""
+        )
         return (
             f"{s.remote + s.fetching} files ({s.bytes_remote} bytes) of other ranks of "
-            f"step {step} are not fetched yet"
+            f"step {step} are not fetched yet{failed}"
         )
     return None
 

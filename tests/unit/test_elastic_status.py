@@ -1,4 +1,5 @@
-"""Copies of each rank's part the cluster holds (tierfs/cluster/copies.py, issue #16)."""
+"""Status lines of elastic restarts (issue #16): copies of each rank's part the cluster
+holds (tierfs/cluster/copies.py), ranks declared gone, failed fetches in `tierfs wait`."""
 
 from __future__ import annotations
 
@@ -79,3 +80,29 @@ def test_a_rank_declared_gone_is_not_shown_as_not_yet_in_the_view_line():
     )
     lines = _whole_view_lines(st)
     assert "ranks 0,1 known, 2 not yet, 3 gone;" in lines[1], lines
+
+
+def test_wait_bytes_says_which_fetch_failed():
+    """Regression (elastic trial): ``tierfs wait --bytes`` said only "not fetched yet"
+    for a file whose fetch had failed (no copy served verified bytes)."""
+    from tierfs.cli.wait import whole_step_unready
+    from tierfs.core.status.whole import WholeStepStatus
+
+    def status(**kw):
+        step = WholeStepStatus(40, ranks_known=(0, 1, 2), remote=1, bytes_remote=245, **kw)
+        return NodeStatus.from_json(
+            {
+                "mode": "generic",
+                "restore": {"state": "done", "step": 40, "source": "local"},
+                "whole_view": {"active": True, "steps": [step.to_json()]},
+            }
+        )
+
+    assert whole_step_unready(status(), True) == (
+        "1 files (245 bytes) of other ranks of step 40 are not fetched yet"
+    )
+    assert whole_step_unready(status(failed=("checkpoint-40/__2_0.distcp",)), True) == (
+        "1 files (245 bytes) of other ranks of step 40 are not fetched yet; the last "
+        "fetch of checkpoint-40/__2_0.distcp failed (see replicator.errors)"
+    )
+    assert whole_step_unready(status(), False) is None
