@@ -240,3 +240,27 @@ def test_hf_trainer_checkpoint_saved_in_place_seals_and_a_cut_model_does_not_loa
     loads = {s["step"]: s.get("loads") for s in status(d)["steps"]}
     assert loads[100].startswith("yes"), loads
     assert loads[200].startswith("no: damaged: checkpoint-200/model.safetensors"), loads
+
+
+def test_a_change_to_a_step_dropped_by_retention_does_not_seal_it_again(make_mount):
+    """Regression (CI under load, test_dcp_training_loop_resumes_from_the_newest_step): a
+    late change event of step 1, whose snapshot retention had dropped, sealed it again as
+    the newest step (retention counts seal times), so retention dropped step 3."""
+    m = make_mount("--keep-local", "2")
+    d = m.path
+
+    def save(step: int) -> None:
+        put(d / f"tmp-checkpoint-{step}", {"model.bin": os.urandom(3000) + bytes([step])})
+        os.rename(d / f"tmp-checkpoint-{step}", d / f"checkpoint-{step}")
+        wait_sealed(d, step)
+
+    def held() -> set[int]:
+        return {s["step"] for s in status(d)["steps"] if s["state"] != "writing"}
+
+    for step in (1, 2, 3):
+        save(step)
+    wait_for(lambda: held() == {2, 3}, 60, "step 1 dropped by retention")
+    (d / "checkpoint-1" / "extra.json").write_text("{}")  # a change after its seal
+    save(4)
+    assert held() == {3, 4}, status(d)["steps"]
+    assert "sealed step 1" not in m.log().split("dropping shard")[-1], m.log()[-3000:]
