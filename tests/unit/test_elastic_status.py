@@ -38,6 +38,21 @@ def test_copies_are_counted_on_live_members_with_the_parts_digest():
     assert copy_counts(inventories, 9, alive) == {}
 
 
+def test_a_rank_of_the_writers_with_no_copy_makes_the_step_incomplete():
+    # step 5 saved by a 4-node job after node 3 was declared gone: rank 3 has no part
+    inventories = {
+        m: [Holding(r, 5, True, f"d{r}", nodes=4) for r in (m, (m + 1) % 3)] for m in range(3)
+    }
+    counts = copy_counts(inventories, 5, lambda r: True, frozenset({3}))
+    assert counts == {0: 2, 1: 2, 2: 2, 3: 0}
+    assert copy_counts(inventories, 5, lambda r: True, writers=5) == {0: 2, 1: 2, 2: 2, 3: 0, 4: 0}
+    assert copies_line(5, counts) == (
+        "step 5: incomplete: no copy of rank(s) [3]'s part on a live node; "
+        "the others: 2 copies of every rank's part"
+    )
+    assert copies_line(5, {0: 0, 1: 0}) == "step 5: no verified copy known"
+
+
 def test_the_copies_line_names_the_ranks_with_the_fewest():
     assert copies_line(4, {0: 2, 1: 2}) == "step 4: 2 copies of every rank's part"
     assert copies_line(4, {0: 1}) == "step 4: 1 copy of every rank's part"

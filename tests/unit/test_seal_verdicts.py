@@ -16,7 +16,7 @@ from test_restorer import ONE, Node, shard
 
 from tierfs.cluster.restore_choice import choose_restore
 from tierfs.core.control import JobSpec
-from tierfs.core.types import BucketPart, BucketView, Holding
+from tierfs.core.types import BucketPart, BucketView, Holding, WholeVerdict
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.restorer import own_rank_view
 from tierfs.node.sealing import SealRules
@@ -24,7 +24,7 @@ from tierfs.node.verdicts import SealVerdicts
 from tierfs.store.manifest import Manifest, StepVerdict, VerdictProblem
 from tierfs.store.ramstore import RamStore
 from tierfs.store.shards import ShardKey, ShardStore
-from tierfs.store.verdicts import eligibility, loads_summary
+from tierfs.store.verdicts import eligibility, loads_summary, step_loads
 
 JOB = "train"
 
@@ -132,6 +132,18 @@ def test_status_says_in_a_few_words_whether_a_part_loads():
     assert loads_summary(needs, whole=False) == (
         "part ok (dcp), with the other ranks: judged whole on node-rank 0 "
         "(9/.metadata is in another rank's part)"
+    )
+
+    # node-rank 0 found no copy of a gone rank's part: never an "ok" (issue #16 trial)
+    why = "rank 3's part: no copy found on a live node (asked for 40 s)"
+    assert step_loads(needs, None, 4, why) == (
+        "incomplete so far: part ok (dcp), rank 3's part: no copy found on a live node "
+        "(asked for 40 s)"
+    )
+    assert step_loads(needs, None, 4) == loads_summary(needs, whole=False)
+    assert step_loads(damaged, None, 4, why) == "no: damaged: 9/__0_0.distcp: 0 B"
+    assert step_loads(needs, WholeVerdict(("a", "b"), "", "dcp"), 2, why) == (
+        "yes (dcp, all 2 ranks)"
     )
 
 

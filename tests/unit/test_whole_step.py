@@ -176,6 +176,8 @@ def test_node_rank_0_judges_keeps_and_says_it_once(tmp_path):
         # rank 1's part is not reachable yet: nothing judged, tried again later
         assert await judge.judge(job.job, p0) is None
         assert judge.pending(job.job) == [p0] and catalog.whole_verdict(p0.key) is None
+        # said in `tierfs status`' loads (issue #16: a step lacking a gone rank's part)
+        assert catalog.unjudged(p0.key).startswith("rank 1's part: no copy found on a live node")
         source.parts[(1, 20)] = p1.manifest
         assert await judge.judge(job.job, p0) is None  # the first look at every part
         whole = await judge.judge(job.job, p0)
@@ -183,6 +185,7 @@ def test_node_rank_0_judges_keeps_and_says_it_once(tmp_path):
         assert whole.digests == (p0.manifest.digest, p1.manifest.digest)
         assert whole.unloadable.startswith("damaged: 20/__1_0.distcp")
         assert catalog.whole_verdict(p0.key) == whole and judge.pending(job.job) == []
+        assert catalog.unjudged(p0.key) == ""
 
     trio.run(main)
     assert len(job.errors) == 1
@@ -226,6 +229,10 @@ def test_a_part_not_reachable_for_its_patience_is_left_unjudged(tmp_path):
     assert judge.pending(job.job) == []  # given up: not asked again
     assert catalog.whole_verdict(p0.key) is None and job.errors == []
     assert source.asked and set(source.asked) == {(1, 20)}
+    # still said after giving up; a dropped part forgets it
+    assert catalog.unjudged(p0.key).startswith("rank 1's part: no copy found on a live node")
+    catalog.drop(p0.key, "test")
+    assert catalog.unjudged(p0.key) == ""
 
 
 def test_whole_verdict_round_trips_through_the_wire():

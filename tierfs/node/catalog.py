@@ -45,6 +45,7 @@ class ShardCatalog(Mapping[ShardKey, Shard]):
         self._retention: list[Callable[[], None]] = []
         #: own steps judged over every rank's part (tierfs.node.whole_step)
         self._whole: dict[ShardKey, WholeVerdict] = {}
+        self._unjudged: dict[ShardKey, str] = {}
 
     # ------------------------------------------------------------------ Mapping
 
@@ -117,6 +118,7 @@ class ShardCatalog(Mapping[ShardKey, Shard]):
         if shard is None:
             return
         self._whole.pop(key, None)
+        self._unjudged.pop(key, None)
         log.info("dropping shard %s: %s", key, reason)
         self._forget_inodes(shard)
         try:
@@ -140,6 +142,19 @@ class ShardCatalog(Mapping[ShardKey, Shard]):
     def set_whole_verdict(self, key: ShardKey, verdict: WholeVerdict) -> None:
         """Record the judgement of ``key``'s step over every rank's part (trio thread)."""
         self._whole[key] = verdict
+        self._unjudged.pop(key, None)
+
+    def set_unjudged(self, key: ShardKey, why: str) -> None:
+        """Record why ``key``'s step is not judged across ranks yet ("" clears it):
+        e.g. ``rank 3's part: no copy found on a live node`` (trio thread)."""
+        if why:
+            self._unjudged[key] = why
+        else:
+            self._unjudged.pop(key, None)
+
+    def unjudged(self, key: ShardKey) -> str:
+        """Why ``key``'s step is not judged across ranks yet, "" if nothing is known."""
+        return self._unjudged.get(key, "")
 
     def sealed(self, shard: Shard) -> None:
         """One of this node's steps was sealed (already added): tell the sealed listeners."""

@@ -35,7 +35,7 @@ from tierfs.node.jobstate import JobState
 from tierfs.node.steps import StepBook
 from tierfs.store.ramstore import Budget, RamStore
 from tierfs.store.shards import Shard
-from tierfs.store.verdicts import loads_across, loads_summary
+from tierfs.store.verdicts import step_loads
 
 __all__ = ["StatusBuilder", "StatusTier", "filesystem_status"]
 
@@ -178,11 +178,13 @@ class StatusBuilder:
 
     def _loads(self, shard: Shard, job: JobSpec) -> str | None:
         """The ``loads`` words of an own step: judged across ranks where this node did."""
-        whole = self.catalog.whole_verdict(shard.key)
         writers = shard.manifest.nodes or job.nodes  # the count that wrote it (issue #16)
-        if whole is not None:
-            return loads_across(whole, writers)
-        return loads_summary(shard.manifest.verdict, whole=writers == 1)
+        return step_loads(
+            shard.manifest.verdict,
+            self.catalog.whole_verdict(shard.key),
+            writers,
+            self.catalog.unjudged(shard.key),
+        )
 
     def usage_status(self, job: JobSpec | None) -> UsageStatus | None:
         """The last count of the ram-dir by area (bytes), or None before the first.

@@ -273,6 +273,11 @@ class WholeStepJudge:
             if got is None and held is not None:
                 got = held.manifest  # its node is not reachable: the copy held here
             if got is None:
+                self.catalog.set_unjudged(
+                    shard.key,
+                    f"rank {rank}'s part: no copy found on a live node "
+                    f"(asked for {now - first:.0f} s)",
+                )
                 if now - first > self.patience:
                     self._forget(ident, given_up=True)
                     log.warning(

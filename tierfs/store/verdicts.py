@@ -149,6 +149,33 @@ def loads_summary(verdict: StepVerdict | None, whole: bool) -> str | None:
     return f"no ({verdict.format})"
 
 
+def step_loads(
+    verdict: StepVerdict | None, whole: WholeVerdict | None, writers: int, unjudged: str = ""
+) -> str | None:
+    """The ``loads`` words of one of this node's steps in ``tierfs status`` (pure).
+
+    Args:
+        verdict: the part's seal-time verdict (None: not judged).
+        whole: the step judged over every rank's part on these bytes (node-rank
+            0 of a multi-node job), None if not.
+        writers: the node count that wrote the step.
+        unjudged: why node-rank 0 could not judge the step across ranks yet
+            (``rank 3's part: no copy found on a live node ...``), "" if unknown.
+
+    Returns:
+        :func:`loads_across` when judged across ranks; else
+        :func:`loads_summary`, or ``incomplete so far: part ok (dcp), rank 3's
+        part: ...`` when this part is fine but a rank's part is nowhere (a node
+        gone for good, issue #16; never "ok" for such a step).
+    """
+    if whole is not None:
+        return loads_across(whole, writers)
+    words = loads_summary(verdict, whole=writers == 1)
+    if unjudged and verdict is not None and words is not None and words.startswith("part ok"):
+        return f"incomplete so far: part ok ({verdict.format}), {unjudged}"
+    return words
+
+
 def whole_unloadable(verdict: StepVerdict) -> str:
     """Why a step judged over every rank's part can never load, "" if it may (pure).
 
