@@ -121,3 +121,34 @@ def test_wait_bytes_says_which_fetch_failed():
         "fetch of checkpoint-40/__2_0.distcp failed (see replicator.errors)"
     )
     assert whole_step_unready(status(), False) is None
+
+
+def test_wait_says_where_the_other_ranks_files_of_the_restored_step_come_from():
+    """Regression (elastic trial): ``restored step 30 from local`` did not say that the
+    other ranks' files were fetched (some from the bucket)."""
+    from tierfs.cli.wait import whole_step_note
+    from tierfs.core.status.whole import WholeStepStatus
+
+    def status(fetched: dict[str, int], **kw):
+        step = WholeStepStatus(30, ranks_known=(0, 2, 3), **kw)
+        return NodeStatus.from_json(
+            {
+                "mode": "generic",
+                "restore": {"state": "done", "step": 30, "source": "local"},
+                "whole_view": {
+                    "active": True,
+                    "steps": [step.to_json()],
+                    "fetched_bytes": fetched,
+                },
+            }
+        )
+
+    assert whole_step_note(status({"gcs": 1048576, "peer": 0}, local=4, remote=1, fetching=1)) == (
+        "the other ranks' files of step 30: 4 here, 2 fetched on first read "
+        "(3 ranks: 0, 2, 3); fetched so far: 1048576 bytes from gcs"
+    )
+    assert whole_step_note(status({}, local=6)) == (
+        "the other ranks' files of step 30: 6 here, 0 fetched on first read (3 ranks: 0, 2, 3)"
+    )
+    one = NodeStatus.from_json({"restore": {"state": "done", "step": 30, "source": "local"}})
+    assert whole_step_note(one) is None  # one node, or no view

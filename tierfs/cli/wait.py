@@ -132,6 +132,28 @@ def whole_step_unready(status: NodeStatus, all_bytes: bool) -> str | None:
     return None
 
 
+def whole_step_note(status: NodeStatus) -> str | None:
+    """Where the restored step's other-rank files come from (pure), for a note after
+    ``restored step N from local``: ``the other ranks' files of step 30: 4 here, 2
+    fetched on first read (3 ranks: 0, 2, 3); fetched so far: 1048576 bytes from
+    gcs`` (new-user trial of #16: the line named only this node's own part). None
+    when the view shows no other rank's files of the step."""
+    step = status.restore.step
+    view = status.whole_view
+    s = view.step(step) if step and view.active else None
+    if s is None or not s.ranks_known:
+        return None
+    later = s.remote + s.fetching
+    text = (
+        f"the other ranks' files of step {step}: {s.local} here, {later} fetched on first "
+        f"read ({len(s.ranks_known)} ranks: {', '.join(map(str, s.ranks_known))})"
+    )
+    got = [f"{n} bytes from {tier}" for tier, n in sorted(view.fetched_bytes.items()) if n]
+    if got:
+        text += f"; fetched so far: {', '.join(got)}"
+    return text
+
+
 #: seconds between two reads of the mount's status
 POLL = 0.2
 
@@ -224,6 +246,10 @@ def wait_cmd(
     older = code == WAIT_EXIT["older"]
     if not code or older:
         click.echo(line)
+    if not code or older:
+        note = whole_step_note(status)
+        if note:
+            click.echo(f"tierfs: note: {note}", err=True)
     for problem in restore.problems:
         if problem not in line:
             click.echo(f"tierfs: note: {problem}", err=True)
