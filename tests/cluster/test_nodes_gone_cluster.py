@@ -79,8 +79,12 @@ def test_a_node_declared_gone_unblocks_the_job_and_its_copies_are_made_again(
     for rank in (2, 3):
         wait_until(lambda rank=rank: holds(c, 0, rank, 2), 90, f"rank {rank}'s step 2 on node 0")
     assert holds(c, 0, 2, 4)
-    # the coordinator counts them: every live rank's part of step 4 has 2 copies
-    every = "copies     step 4: 2 copies of every rank's part"
+    # the coordinator counts them: every live rank's part of step 4 has 2 copies, and
+    # step 4 (saved after node 3 was gone) lacks rank 3's part: incomplete, never "ok"
+    every = (
+        "copies     step 4: incomplete: no copy of rank(s) [3]'s part on a live node; "
+        "the others: 2 copies of every rank's part"
+    )
     wait_until(lambda: every in tierfs("status", str(c.root(0))).stdout, 60, "2 copies of step 4")
 
     # a second node lost: its restore does not wait for rank 3 and restores step 2
