@@ -54,22 +54,22 @@ def loads(c: Cluster, i: int, step: int) -> str:
     return ""
 
 
-def restarted_on_step_10(c: Cluster, said: str = "") -> None:
+def restarted(c: Cluster, code: int, line: str, said: str = "") -> None:
     """Both daemons die with their RAM kept and mount again: each node's ``tierfs wait``
-    exits 2 with step 10 restored from local (``said``: a line its stderr holds)."""
+    exits ``code`` and prints ``line`` (``said``: a line its stderr holds)."""
     for m in c.mounts:
         m.kill9()
     for i in (0, 1):
         c.remount(i)
     for i in (1, 0):
         w = tierfs("wait", str(c.root(i)), "--timeout", "120", check=False, timeout=180)
-        assert (w.returncode, w.stdout.strip()) == (2, "restored step 10 from local"), (
-            i,
-            w.returncode,
-            w.stdout,
-            w.stderr,
-        )
+        assert (w.returncode, w.stdout.strip()) == (code, line), (i, w.stdout, w.stderr)
         assert said in w.stderr, w.stderr
+
+
+def restarted_on_step_10(c: Cluster, said: str = "") -> None:
+    """:func:`restarted`: exit 2, step 10 restored from local (an older step)."""
+    restarted(c, 2, "restored step 10 from local", said)
 
 
 def test_a_short_shard_of_rank_1_makes_the_step_unloadable_across_ranks(make_mount):
@@ -137,16 +137,7 @@ def test_a_file_removed_from_a_sealed_step_is_back_after_the_restore(make_mount)
     wait_for(lambda: loads(c, 0, 20) == "yes (dcp, all 2 ranks)", 60, "step 20 judged")
     metadata = (c.root(0) / "20" / ".metadata").read_bytes()
     os.unlink(c.root(0) / "20" / ".metadata")
-    for m in c.mounts:
-        m.kill9()
-    for i in (0, 1):
-        c.remount(i)
-    for i in (1, 0):
-        w = tierfs("wait", str(c.root(i)), "--timeout", "120", check=False, timeout=180)
-        assert (w.returncode, w.stdout.strip()) == (0, "restored step 20 from local"), (
-            i,
-            w.stderr,
-        )
+    restarted(c, 0, "restored step 20 from local")
     assert (c.root(0) / "20" / ".metadata").read_bytes() == metadata
     wait_for(lambda: (c.root(1) / "20" / ".metadata").exists(), 60, ".metadata on node 1")
     assert (c.root(1) / "20" / ".metadata").read_bytes() == metadata
