@@ -22,7 +22,9 @@ unmeasured warm-up pass that caches the names); then the small-files phases
 of ``bench/small_bench.py`` on a new directory: create + write 4 KiB +
 close, stat, unlink. The daemon's request counts (snapshots on SIGUSR1) give
 the FUSE requests per file of each phase. Prints files/s, the ratio to tmpfs
-and to ``dev``, and the load average before and after (the machine is shared).
+and to ``dev``, and the load average before and after (the machine is shared;
+``--busy N`` adds N spinning processes, a controlled load like other
+sessions' test suites).
 """
 
 from __future__ import annotations
@@ -169,6 +171,9 @@ def main() -> int:
     ap.add_argument(
         "--sides", default="tmpfs,dev,uring-default,uring-coop,uring-defer,uring-default-pinned"
     )
+    ap.add_argument(
+        "--busy", type=int, default=0, help="run this many busy loops (CPU load) meanwhile"
+    )
     ap.add_argument("--json", help="write the medians and samples here")
     args = ap.parse_args()
     sides = args.sides.split(",")
@@ -176,6 +181,7 @@ def main() -> int:
     old = ENABLE.read_text().strip() if ENABLE.exists() else None
     load_before = os.getloadavg()
     samples: dict[str, list[dict[str, float]]] = {s: [] for s in sides}
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     requests: dict[str, dict[str, Counter[str]]] = {}
     try:
         if any(s.startswith("uring") for s in sides):
@@ -196,6 +202,9 @@ def main() -> int:
                     flush=True,
                 )
     finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
         if old is not None:
             ENABLE.write_text(old)
         shutil.rmtree(work, ignore_errors=True)
@@ -203,7 +212,7 @@ def main() -> int:
     med = {s: {p: statistics.median(x[p] for x in samples[s]) for p in PHASES} for s in sides}
     print(
         f"\nload average before {load_before[0]:.2f}, after {load_after[0]:.2f}; "
-        f"{args.files} files, medians of {args.repeat}"
+        f"{args.files} files, medians of {args.repeat}, {args.busy} busy loops"
     )
     print(
         f"{'phase':20} {'side':20} {'files/s':>9} {'/tmpfs':>7} {'/dev':>6}  FUSE requests per file"
@@ -225,6 +234,7 @@ def main() -> int:
                 {
                     "files": args.files,
                     "load": [load_before, load_after],
+                    "busy": args.busy,
                     "medians": med,
                     "samples": samples,
                     "requests": {
