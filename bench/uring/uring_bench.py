@@ -12,8 +12,8 @@ or over io_uring with the ring's task-work mode ``default`` (signal-based),
 for all queues, or with a ``-pinned`` suffix (``uring-default-pinned``) one
 thread and ring per queue pinned to the queue's CPU. The sides run
 interleaved (one round = every side once, ``--repeat`` rounds, medians), each
-sample on a fresh mount, with ``/sys/module/fuse/parameters/enable_uring`` set to Y
-for the run and restored afterwards.
+sample on a fresh mount; ``/sys/module/fuse/parameters/enable_uring`` is set to Y
+only while an io_uring side's mount answers INIT, then restored.
 
 Phases of a sample, all from ``bench/smallfiles.c`` (one C process, no
 interpreter on the client side): ``getattr loop``: stat of ``--files`` files
@@ -112,15 +112,18 @@ class Side:
             cmd += ["--taskrun", rest[0]]
         if rest[1:] == ["pinned"]:
             cmd.append("--pinned")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-        wait_for(
-            lambda: os.path.ismount(self.mnt) or self.proc.poll() is not None,
-            30,
-            f"{self.name} mount",
-        )  # type: ignore[union-attr]
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"{self.name}: spikefs exited {self.proc.returncode}")
-        os.stat(self.mnt / "pre")  # the first request waits until the ring is ready
+        old = ENABLE.read_text().strip() if mode == "uring" else None
+        if old is not None:  # the kernel reads it at INIT only; the connection keeps io_uring
+            ENABLE.write_text("Y")
+        try:
+            self.proc = proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+            wait_for(lambda: os.path.ismount(self.mnt) or proc.poll() is not None, 30, "mount")
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self.name}: spikefs exited {proc.returncode}")
+            os.stat(self.mnt / "pre")  # answered after INIT (and once the ring is ready)
+        finally:
+            if old is not None:
+                ENABLE.write_text(old)
         return self
 
     def counts(self) -> Counter[str]:
@@ -178,18 +181,14 @@ def main() -> int:
     args = ap.parse_args()
     sides = args.sides.split(",")
     work = Path(tempfile.mkdtemp(prefix="uring-bench-"))
-    old = ENABLE.read_text().strip() if ENABLE.exists() else None
+    old = ENABLE.read_text().strip() if ENABLE.exists() else None  # restored at the end anyway
     load_before = os.getloadavg()
     samples: dict[str, list[dict[str, float]]] = {s: [] for s in sides}
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     requests: dict[str, dict[str, Counter[str]]] = {}
     try:
-        if any(s.startswith("uring") for s in sides):
-            if old is None:
-                raise SystemExit(
-                    "this kernel has no FUSE over io_uring (no enable_uring parameter)"
-                )
-            ENABLE.write_text("Y")
+        if any(s.startswith("uring") for s in sides) and old is None:
+            raise SystemExit("this kernel has no FUSE over io_uring (no enable_uring parameter)")
         exe = build_client(work)
         for r in range(args.repeat):
             for name in sides:
