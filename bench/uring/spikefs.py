@@ -21,7 +21,8 @@ GETATTR round trip: the stat-loop benchmark). Mounted with
 
 Transports:
 
-* ``dev``: one thread reads a request from /dev/fuse, answers with write(2).
+* ``dev``: one thread reads a request from /dev/fuse, answers with write(2);
+  with ``--pinned`` one such thread per CPU, pinned to it.
 * ``uring``: INIT is answered over /dev/fuse with ``FUSE_OVER_IO_URING``;
   then one Python thread owns one io_uring (SQE128) and registers ``--depth``
   ring entries (a 4 KiB header page and a 128 KiB payload buffer each) for
@@ -123,7 +124,20 @@ class SpikeFS:
         pre = self._add(P.ROOT_ID, b"pre", Node(stat.S_IFDIR | 0o755))
         for i in range(files):
             self._add(pre, b"f%06d" % i, Node(stat.S_IFREG | 0o644, attr_timeout=0))
-        self.counts: collections.Counter[str] = collections.Counter()
+        self._counters: list[collections.Counter[str]] = []
+
+    def counter(self) -> collections.Counter[str]:
+        """A new request counter for one serving thread (threads never share one)."""
+        counts: collections.Counter[str] = collections.Counter()
+        self._counters.append(counts)
+        return counts
+
+    def totals(self) -> dict[str, int]:
+        """The request counts of every serving thread, by ``transport:OPCODE``."""
+        total: collections.Counter[str] = collections.Counter()
+        for counts in list(self._counters):
+            total.update(dict(counts))
+        return dict(total)
 
     def _add(self, parent: int, name: bytes, node: Node) -> int:
         nodeid = self.next_id
@@ -280,14 +294,20 @@ def answer_init(fd: int, want_uring: bool) -> int:
     return granted
 
 
-def serve_dev(fd: int, fs: SpikeFS, only_forgets: bool = False) -> None:
-    """Serve /dev/fuse by read/write until unmount; with ``only_forgets`` answer the rest ENOSYS."""
+def serve_dev(fd: int, fs: SpikeFS, only_forgets: bool = False, cpu: int | None = None) -> None:
+    """Serve /dev/fuse by read/write until unmount; with ``only_forgets`` answer the rest ENOSYS.
+
+    ``cpu``: pin the calling thread there first (None: leave it).
+    """
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    counts = fs.counter()
     while True:
         buf = read_request(fd)
         if buf is None:
             return
         length, opcode, unique, nodeid = struct.unpack_from("<IIQQ", buf)
-        fs.counts[f"dev:{P.Op.name(opcode)}"] += 1
+        counts[f"dev:{P.Op.name(opcode)}"] += 1
         if opcode in NO_REPLY:
             continue
         if opcode == P.Op.DESTROY:
@@ -305,6 +325,21 @@ def serve_dev(fd: int, fs: SpikeFS, only_forgets: bool = False) -> None:
         except OSError as exc:  # ENOENT: the request was interrupted meanwhile
             if exc.errno != errno.ENOENT:
                 raise
+
+
+def serve_dev_pinned(fd: int, fs: SpikeFS) -> None:
+    """Serve /dev/fuse with one reader thread per possible CPU, each pinned to its CPU.
+
+    The control for the pinned io_uring queues: /dev/fuse wakes whichever
+    reader waits first, not the one on the caller's CPU.
+    """
+    threads = [
+        threading.Thread(target=serve_dev, args=(fd, fs, False, q)) for q in range(possible_cpus())
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 class _Iovec(ctypes.Structure):
@@ -396,7 +431,7 @@ def serve_queues(
             2,
         )
     r.enter(0)
-    handle, counts = fs.handle, fs.counts
+    handle, counts = fs.handle, fs.counter()
     names = {code: f"uring:{P.Op.name(code)}" for code in range(64)}
     registered = [False] * entries
     while True:
@@ -458,7 +493,7 @@ def main() -> int:
     ap.add_argument(
         "--pinned",
         action="store_true",
-        help="io_uring: one thread and ring per queue, pinned to its CPU",
+        help="one thread per CPU pinned there (uring: and one ring per queue)",
     )
     ap.add_argument("--stats", help="write request counts here (JSON) at exit")
     args = ap.parse_args()
@@ -467,7 +502,7 @@ def main() -> int:
     def dump_stats(*_: object) -> None:
         if args.stats:
             with open(args.stats + ".tmp", "w") as f:
-                json.dump(dict(fs.counts), f)
+                json.dump(fs.totals(), f)
             os.replace(args.stats + ".tmp", args.stats)
 
     signal.signal(signal.SIGUSR1, dump_stats)
@@ -480,6 +515,8 @@ def main() -> int:
                 f"INIT granted FUSE_OVER_IO_URING: {bool(granted & FUSE_OVER_IO_URING)}", flush=True
             )
             serve_uring(fd, fs, args.depth, args.taskrun, args.pinned)
+        elif args.pinned:
+            serve_dev_pinned(fd, fs)
         else:
             serve_dev(fd, fs)
     except (OSError, RuntimeError) as exc:

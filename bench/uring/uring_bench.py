@@ -10,7 +10,8 @@ or over io_uring with the ring's task-work mode ``default`` (signal-based),
 ``coop`` (``IORING_SETUP_COOP_TASKRUN``) or ``defer``
 (``IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN``), one thread
 for all queues, or with a ``-pinned`` suffix (``uring-default-pinned``) one
-thread and ring per queue pinned to the queue's CPU. The sides run
+thread and ring per queue pinned to the queue's CPU; ``dev-pinned`` is the
+control for those: one /dev/fuse reader thread per CPU, pinned. The sides run
 interleaved (one round = every side once, ``--repeat`` rounds, medians), each
 sample on a fresh mount; ``/sys/module/fuse/parameters/enable_uring`` is set to Y
 only while an io_uring side's mount answers INIT, then restored.
@@ -108,9 +109,9 @@ class Side:
             "--stats",
             str(self.stats),
         ]
-        if rest:
+        if rest and rest[0] != "pinned":
             cmd += ["--taskrun", rest[0]]
-        if rest[1:] == ["pinned"]:
+        if rest[-1:] == ["pinned"]:
             cmd.append("--pinned")
         old = ENABLE.read_text().strip() if mode == "uring" else None
         if old is not None:  # the kernel reads it at INIT only; the connection keeps io_uring

@@ -40,9 +40,9 @@ class Spike:
         return json.loads(self.stats.read_text())
 
 
-@pytest.fixture(params=["dev", "uring"])
+@pytest.fixture(params=["dev", "dev-pinned", "uring", "uring-pinned"])
 def spike(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Spike]:
-    mode = request.param
+    mode, _, pinned = request.param.partition("-")
     if mode == "uring" and not ENABLE.exists():
         pytest.skip("kernel without FUSE over io_uring (no enable_uring parameter)")
     mnt, stats = tmp_path / "mnt", tmp_path / "stats.json"
@@ -61,7 +61,7 @@ def spike(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Spike]:
         "--stats",
         str(stats),
     ]
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd + (["--pinned"] if pinned else []))
     try:
         wait_for(lambda: os.path.ismount(mnt) or proc.poll() is not None, 30, "spikefs mount")
         assert proc.poll() is None, f"spikefs exited {proc.returncode}"
