@@ -1,8 +1,8 @@
 """FUSE round trips per second over /dev/fuse read/write against FUSE-over-io_uring, beside tmpfs.
 
 Usage (root, kernel with ``CONFIG_FUSE_IO_URING``): ``python bench/uring/uring_bench.py
-[--files 5000] [--repeat 3] [--sides tmpfs,dev,uring-default,uring-defer,uring-default-pinned]
-[--json FILE]``.
+[--files 5000] [--repeat 3] [--sides tmpfs,dev,dev-pinned,uring-default,uring-default-pinned]
+[--busy N] [--json FILE]``.
 
 Each side is one mount: tmpfs (the reference), or ``bench/uring/spikefs.py``
 (the same in-memory Python daemon) served over /dev/fuse read/write (``dev``)
@@ -172,9 +172,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--files", type=int, default=5000)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument(
-        "--sides", default="tmpfs,dev,uring-default,uring-coop,uring-defer,uring-default-pinned"
-    )
+    ap.add_argument("--sides", default="tmpfs,dev,dev-pinned,uring-default,uring-default-pinned")
     ap.add_argument(
         "--busy", type=int, default=0, help="run this many busy loops (CPU load) meanwhile"
     )
