@@ -12,6 +12,7 @@ io_uring afterwards) and then put back.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import stat
@@ -25,6 +26,8 @@ from gcs_cluster import wait_for
 
 SPIKE = Path(__file__).resolve().parents[2] / "bench" / "uring" / "spikefs.py"
 ENABLE = Path("/sys/module/fuse/parameters/enable_uring")
+#: serialises the tests that set ENABLE (a global kernel parameter)
+LOCK = "/tmp/tierfs-uring-spike.lock"
 
 
 class Spike:
@@ -47,9 +50,17 @@ def spike(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Spike]:
         pytest.skip("kernel without FUSE over io_uring (no enable_uring parameter)")
     mnt, stats = tmp_path / "mnt", tmp_path / "stats.json"
     mnt.mkdir()
+    # enable_uring is global: one test at a time sets it, from before its mount until its
+    # INIT is answered (xdist workers run these in parallel; a lock file serialises them)
+    lock = os.open(LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
     old = ENABLE.read_text().strip() if ENABLE.exists() else None
     if mode == "uring":
-        ENABLE.write_text("Y")
+        try:
+            ENABLE.write_text("Y")
+        except OSError as exc:  # e.g. a read-only /sys in a container
+            os.close(lock)
+            pytest.skip(f"cannot set {ENABLE}: {exc}")
     cmd = [
         sys.executable,
         str(SPIKE),
@@ -67,8 +78,11 @@ def spike(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Spike]:
         assert proc.poll() is None, f"spikefs exited {proc.returncode}"
         os.stat(mnt / "pre")  # answered only once INIT is (and, over io_uring, the ring is ready)
     finally:
-        if old is not None:
-            ENABLE.write_text(old)
+        try:
+            if old is not None and mode == "uring":
+                ENABLE.write_text(old)
+        finally:
+            os.close(lock)  # releases the flock
     spike = Spike(mode, mnt, stats, proc)
     yield spike
     if os.path.ismount(mnt):
