@@ -19,6 +19,7 @@ import trio.testing
 
 from tierfs.core.control import JobSpec
 from tierfs.core.errors import FetchFailed
+from tierfs.core.priority import fetch_hold
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.remote_view import RemoteView
 from tierfs.store.chunks import ChunkMismatch
@@ -266,4 +267,49 @@ def test_a_manifest_without_chunk_checksums_waits_for_the_whole_file(tmp_path):
 
     trio.run(_with_view, rv, body)
     assert peer.given == [False]
+    assert path.read_bytes() == BIG
+
+
+class HoldingSource(ChunkSource):
+    """Pauses between pieces while the fetch's hold says so, as the peer tier does (a
+    prefetch gives way to a reader's fetch)."""
+
+    async def fetch_file(self, *args, **kwargs) -> str:
+        hold = fetch_hold.get()
+        write = kwargs["write"]
+
+        def held_write(data: bytes, offset: int) -> None:
+            self.pieces.append(hold())
+            write(data, offset)
+
+        kwargs["write"] = held_write
+        self.pieces: list[bool] = []
+        return await super().fetch_file(*args, **kwargs)
+
+
+def test_a_reader_of_a_file_the_prefetch_is_fetching_makes_that_fetch_its_own(tmp_path):
+    """Regression: a reader waiting for the watermark of a file the background prefetch
+    was fetching counted as a waiting reader, and the prefetch's transfer of that very
+    file paused for it: the read never returned."""
+    peer = HoldingSource("peer", ["peer node-rank 0"])
+    peer.hold_after = CH  # the prefetch's transfer parks after the first chunk
+    rv, ram, own, _job = view_of(tmp_path, [peer])
+    path = Path(ram.view) / PATH
+
+    async def body() -> None:
+        await rv.look(own)
+        rf = rv._by_ino[path.stat().st_ino]
+        async with trio.open_nursery() as n:
+            n.start_soon(rv.fetch, rf)  # the prefetch's (not urgent)
+            with trio.fail_after(10):
+                await peer.parked.wait()
+            waiter = rv.readable(rf.ino, 3 * CH, 10)
+            assert waiter is not None
+            n.start_soon(waiter)
+            await trio.testing.wait_all_tasks_blocked()
+            peer.gate.set()
+        assert rf.state == "local"
+
+    trio.run(_with_view, rv, body)
+    assert peer.pieces[0] is False and not any(peer.pieces[5:]), peer.pieces
     assert path.read_bytes() == BIG

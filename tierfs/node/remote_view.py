@@ -408,6 +408,9 @@ class RemoteView:
                 # waits with the reader's urgency until the end, then reads ahead
                 self._fetches.start_soon(self._reader_fetch, rf)
                 continue
+            # a reader waits for this fetch: a prefetch's transfer of it must not pause
+            # for readers (it would wait for itself)
+            rf.urgent = True
             self._readers += 1
             try:
                 await rf.progress.wait()
