@@ -17,8 +17,9 @@ step with no ``ranks_missing``, until the step is replicated on every node,
 and until the daemons are idle.
 
 1. **first byte**: time from ``open()`` of one remote file on node 2 to its
-   first byte (the whole file is fetched and verified before the open
-   returns), for a 256 MiB file in a 1 GiB and a 4 GiB step (``--big-gib``)
+   first byte (the open returns once the first 4 MiB chunk is verified
+   against the manifest's per-chunk crc32c; a part sealed without them: once
+   the whole file is), for a 256 MiB file in a 1 GiB and a 4 GiB step (``--big-gib``)
    and for a 1 MiB file; baseline: the raw gRPC stream below of that one
    file (discarded, and into tmpfs), and the time to read the fetched file
    back with crc32c (what the fetch's check adds).

@@ -268,3 +268,60 @@ def test_per_rank_files_a_shared_file_and_a_conflict(make_mount):
         assert c.errors(i).count("10/notes.txt differs between ranks") == 1, c.errors(i)
         s = c.status(i)["whole_view"]["steps"][0]
         assert s["conflicts"] == ["10/notes.txt"], s
+
+
+CHUNK = 4 << 20
+#: three chunks and a short fourth: read before the whole file is here
+BIG = os.urandom(3 * CHUNK + 1000)
+META_BIG = dcp_metadata([("w0", "__0_0.distcp", 0, len(W0)), ("w1", "__1_0.distcp", 0, len(BIG))])
+
+
+@pytest.mark.long
+def test_the_first_chunk_is_served_while_the_rest_is_fetched_and_a_bad_middle_chunk_is_never(
+    make_mount, fake_gcs
+):
+    """Verified ranges before the whole file (issue #14, per-chunk crc32c): both peer
+    copies of rank 1's shard carry a flipped byte in chunk 1 and the bucket is held
+    (its server stopped), so the fetch is held after chunk 0, deterministically. The
+    open returns and chunk 0 reads byte-exact; a read of chunk 2 waits; once the bucket
+    answers every byte is the sealed one, never the flipped one."""
+    c = Cluster(
+        make_mount,
+        3,
+        extra=("--bucket", fake_gcs.bucket),
+        node_args=lambda i: [*generic(3)(i), "--backup-interval-steps", "1"],
+    )
+    parts = {0: {".metadata": META_BIG, "__0_0.distcp": W0}, 1: {"__1_0.distcp": BIG}, 2: {"x": C}}
+    save(c, 10, parts)
+    for i in range(3):
+        wait_for(lambda i=i: backed_up(c, i, 10), 90, f"node {i}: step 10 backed up")
+    target = c.root(2) / "10" / "__1_0.distcp"
+    wait_for(target.exists, 60, "rank 1's shard in node 2's view")
+    bad = CHUNK + 1000  # in chunk 1
+    for holder in (1, 0):
+        flip_byte(part_file(c, holder, 1, 10, "10/__1_0.distcp"), bad)
+    fake_gcs.freeze()
+    try:
+        # chunk 0 comes from a peer and is verified: the open and its read return
+        head = subprocess.run(
+            ["head", "-c", str(1 << 20), str(target)], capture_output=True, timeout=60
+        )
+        assert head.returncode == 0 and head.stdout == BIG[: 1 << 20], head.stderr
+        view = c.status(2)["whole_view"]["steps"][0]
+        assert view["fetching"] == 1, view  # the rest is not here: the bucket is held
+        middle = subprocess.Popen(
+            ["dd", f"if={target}", "bs=1M", "skip=9", "count=1", "status=none"],
+            stdout=subprocess.PIPE,
+        )
+        # past the watermark: it waits for the bucket (it has not answered)
+        with pytest.raises(subprocess.TimeoutExpired):
+            middle.wait(timeout=2)
+    finally:
+        fake_gcs.thaw()
+    out, _ = middle.communicate(timeout=60)
+    assert middle.returncode == 0 and out == BIG[9 << 20 : 10 << 20]
+    data = target.read_bytes()
+    assert data[bad] == BIG[bad] and data == BIG  # never the flipped byte
+    errors = c.errors(2)
+    assert "step 10: rank 1's 10/__1_0.distcp was read from bucket round" in errors, errors
+    assert "chunk 1 (offset 4194304)" in errors, errors

@@ -137,6 +137,7 @@ class Downloader:
         framework: str | None = None,
         cancel: threading.Event | None = None,
         on_bytes: Callable[[int], None] | None = None,
+        write: Callable[[bytes, int], None] | None = None,
     ) -> int:
         """Download one file of node ``rank``'s part of ``step`` in a round into the open
         descriptor ``fd`` (issue #14: a whole-step view reads a file of another
@@ -157,6 +158,8 @@ class Downloader:
             framework: for rounds written by MTC, as for :meth:`download_part`.
             cancel: set -> :class:`Cancelled` at the next piece.
             on_bytes: told each piece's bytes.
+            write: ``write(data, offset)`` writes each piece instead of ``os.pwrite``
+                into ``fd`` (what it raises ends the download).
 
         Returns:
             bytes written (the file's size).
@@ -181,7 +184,7 @@ class Downloader:
                 f"{path!r} is not a file of rank {rank}'s part of step {step} in round {round_name}"
             )
         name = self.spec.round_dir(job, round_name) + objects[path]
-        w = Stream(_PositionalFile(fd), Abort(cancel), on_bytes, self.objects.monitor)
+        w = Stream(_PositionalFile(fd, write), Abort(cancel), on_bytes, self.objects.monitor)
         with self.objects.request() as kw:
             self.objects.bucket.blob(name).download_to_file(w, checksum=None, **kw)
         if w.size != entry.size or w.crc != entry.crc32c:
@@ -266,13 +269,20 @@ def _part_files(
 
 class _PositionalFile:
     """A writable file object over a descriptor that writes with ``os.pwrite`` from
-    offset 0: the descriptor's own file offset never moves."""
+    offset 0: the descriptor's own file offset never moves (or with ``write(data,
+    offset)``, when given, instead of ``os.pwrite``)."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, write: Callable[[bytes, int], None] | None = None) -> None:
         self.fd = fd
         self.pos = 0
+        self._write = write
 
     def write(self, data: bytes) -> int:
+        if self._write is not None:
+            data = bytes(data)
+            self._write(data, self.pos)
+            self.pos += len(data)
+            return len(data)
         view = memoryview(data)
         while view:
             n = os.pwrite(self.fd, view, self.pos)

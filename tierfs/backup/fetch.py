@@ -43,7 +43,7 @@ from tierfs.backup.uploads import Upload
 from tierfs.core import rounds as S
 from tierfs.core import settings
 from tierfs.core.errors import NO_ROOM_ERRNOS, FetchFailed
-from tierfs.core.ports import Catalog, RamBudget
+from tierfs.core.ports import Catalog, PositionalWrite, RamBudget
 from tierfs.core.types import BucketPart, BucketView, RestorePlan
 from tierfs.store.manifest import Manifest
 from tierfs.store.shards import Shard, ShardKey, ShardStore
@@ -311,6 +311,7 @@ class BucketRestore:
         fd: int,
         *,
         skip: frozenset[str] = frozenset(),
+        write: PositionalWrite | None = None,
     ) -> str:
         """Write file ``path`` of node ``rank``'s part of ``step`` into ``fd`` from a
         backup round (a :class:`tierfs.core.ports.FileSource`; trio thread).
@@ -320,7 +321,8 @@ class BucketRestore:
         others. A part need not be complete: the one object is checked against
         its manifest's size and crc32c while it is written
         (:meth:`tierfs.backup.download.Downloader.download_file`, positional
-        writes from offset 0 through a duplicate of ``fd``). Rounds written by
+        writes from offset 0 through a duplicate of ``fd``, or through ``write``:
+        see :class:`tierfs.core.ports.FileSource`). Rounds written by
         MTC (no tierfs manifest) are not searched.
 
         Requests: the round names (one listing) and each round's manifest of
@@ -343,7 +345,7 @@ class BucketRestore:
         what = f"{path} of step {step} of node-rank {rank}"
         for fresh in (False, True):
             try:
-                return await self._fetch_file_once(job, rank, step, digest, path, fd, skip)
+                return await self._fetch_file_once(job, rank, step, digest, path, fd, skip, write)
             except _NoRound:
                 if fresh:
                     break
@@ -351,7 +353,15 @@ class BucketRestore:
         raise FetchFailed(f"{what} from {self.spec}{job}: no backup round holds it")
 
     async def _fetch_file_once(
-        self, job: str, rank: int, step: int, digest: str, path: str, fd: int, skip: frozenset[str]
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        digest: str,
+        path: str,
+        fd: int,
+        skip: frozenset[str],
+        write: PositionalWrite | None = None,
     ) -> str:
         """One pass of :meth:`fetch_file` over the (cached) lookups.
 
@@ -382,12 +392,12 @@ class BucketRestore:
             if digest and part.manifest.digest != digest:
                 other.append((label, name, part))
                 continue
-            why = await self._download_file(job, name, part, path, fd)
+            why = await self._download_file(job, name, part, path, fd, write)
             if why is None:
                 return label
             tried.append(f"{label}: {why}")
         for label, name, part in other:
-            why = await self._download_file(job, name, part, path, fd)
+            why = await self._download_file(job, name, part, path, fd, write)
             if why is None:
                 return label
             tried.append(f"{label} (other bytes of the step): {why}")
@@ -410,7 +420,13 @@ class BucketRestore:
         return None
 
     async def _download_file(
-        self, job: str, round_name: str, part: NodeBackup, path: str, fd: int
+        self,
+        job: str,
+        round_name: str,
+        part: NodeBackup,
+        path: str,
+        fd: int,
+        write: PositionalWrite | None = None,
     ) -> str | None:
         """One round's copy of the file into ``fd`` (a worker thread): None when it
         served, else why not (one line).
@@ -429,7 +445,15 @@ class BucketRestore:
                     try:
                         return int(
                             backend.downloads.download_file(
-                                job, round_name, m.rank, m.step, path, own, part=part, cancel=cancel
+                                job,
+                                round_name,
+                                m.rank,
+                                m.step,
+                                path,
+                                own,
+                                part=part,
+                                cancel=cancel,
+                                write=write,
                             )
                         )
                     finally:

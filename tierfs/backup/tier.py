@@ -63,7 +63,15 @@ from tierfs.backup.rendezvous import BucketRendezvous as BucketRendezvous
 from tierfs.backup.uploads import Uploads
 from tierfs.core import rounds as S
 from tierfs.core.errors import FetchFailed
-from tierfs.core.ports import Catalog, CoordinatorHooks, CurrentJob, PeerPlane, RamBudget, Reporter
+from tierfs.core.ports import (
+    Catalog,
+    CoordinatorHooks,
+    CurrentJob,
+    PeerPlane,
+    PositionalWrite,
+    RamBudget,
+    Reporter,
+)
 from tierfs.core.status import (
     BackupRoundStatus,
     BackupStatus,
@@ -105,6 +113,8 @@ class GcsTier:
     """
 
     name = "gcs"
+    #: a copy's bytes go through fetch_file's ``write`` when given (FileSource)
+    chunk_writes = True
 
     def __init__(
         self,
@@ -440,6 +450,7 @@ class GcsTier:
         skip: frozenset[str] = frozenset(),
         writers: int = 0,
         expect: tuple[int, int] | None = None,
+        write: PositionalWrite | None = None,
     ) -> str:
         """One file of another rank's part from a backup round (the
         :class:`tierfs.core.ports.FileSource` port): see
@@ -452,7 +463,9 @@ class GcsTier:
         """
         if not self.enabled:
             raise FetchFailed("no bucket")
-        return await self.restore.fetch_file(job, rank, step, digest, path, fd, skip=skip)
+        return await self.restore.fetch_file(
+            job, rank, step, digest, path, fd, skip=skip, write=write
+        )
 
     def read_bucket(
         self,

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from tierfs.store.manifest import Manifest
     from tierfs.store.shards import Shard, ShardKey
 
+#: ``write(data, offset)``: a positional write of a fetched file's bytes (see FileSource)
+PositionalWrite = Callable[[bytes, int], None]
 #: a listener of a shard leaving the catalog (withdrawn, dropped by retention, replaced)
 WithdrawnListener = Callable[["ShardKey"], None]
 #: a listener of one of this node's steps being sealed (its shard is in the catalog)
@@ -184,6 +186,7 @@ class FileSource(Protocol):
         skip: frozenset[str] = frozenset(),
         writers: int = 0,
         expect: tuple[int, int] | None = None,
+        write: PositionalWrite | None = None,
     ) -> str:
         """Write file ``path`` (relative to the part's root) of node ``rank``'s part
         of ``step`` into the open descriptor ``fd``, from offset 0 (positional
@@ -201,6 +204,14 @@ class FileSource(Protocol):
         back; a copy with other bytes is skipped, and when no copy served,
         :attr:`FetchFailed.other_bytes` says whether one held other bytes).
         Other sources ignore it (the caller checks what was written).
+        ``write`` (given only to a source whose ``chunk_writes`` attribute is
+        True): when given, every piece of a copy's bytes goes through
+        ``write(data, offset)`` instead of a positional write into ``fd`` (in a
+        worker thread, in offset order from 0; a next copy starts at 0 again):
+        the caller checks each chunk before it writes it. An exception it
+        raises refuses that copy like a checksum failure (the next copy is
+        tried), except an ``OSError`` of no room, which ends the fetch as a
+        full ``fd`` does.
 
         Returns:
             which copy served the bytes, e.g. ``"peer node-rank 2 (10.0.0.3:7070)"``

@@ -67,8 +67,8 @@ class FileOps(DataOps):
             OSError: EISDIR for directories, EPERM writing reserved files,
                 EROFS writing or truncating another rank's file, ELOOP for
                 symlinks, ESTALE for an unknown node id.
-            Deferred: another rank's file whose bytes are not here yet (the
-                session answers after the fetch, :mod:`tierfs.fuse.remote`).
+            Deferred: another rank's file whose first bytes are not verified
+                here yet (the session answers later, :mod:`tierfs.fuse.remote`).
         """
         inode = self._inode(nodeid)
         if stat.S_ISDIR(inode.mode):
@@ -76,9 +76,10 @@ class FileOps(DataOps):
         if self._remote.is_remote(inode.ino):
             if access.opens_for_write(flags) or flags & os.O_TRUNC:
                 raise OSError(errno.EROFS, "another rank's file of a sealed step")
-            fetch = self._remote.missing(inode.ino)
+            fetch = self._remote.opening(inode.ino)
             if fetch is not None:
                 raise Deferred(fetch)
+        partial = self._remote.partial(inode.ino)
         if access.opens_for_write(flags):
             if inode.reserved:
                 raise access.managed_error()
@@ -100,8 +101,9 @@ class FileOps(DataOps):
                 self._space.shrunk(fd, before)
                 if kill_suidgid:
                     clear_suidgid(self._kernel, inode, fd)
-            handle = self._handles.new_file(inode, fd, flags)
+            handle = self._handles.new_file(inode, fd, flags, daemon=partial)
             handle.content = content
+            handle.partial = partial
             return handle
         except BaseException:
             os.close(fd)
@@ -139,8 +141,16 @@ class FileOps(DataOps):
 
         Raises:
             OSError: EBADF for an unknown handle.
+            Deferred: another rank's file opened during its fetch, a range past
+                what is verified yet (:mod:`tierfs.fuse.remote`).
         """
         handle = self._file(fh)
+        if handle.partial:
+            # another rank's file opened during its fetch: only verified bytes
+            wait = self._remote.readable(handle.inode.ino, offset, len(buf))
+            if wait is not None:
+                raise Deferred(wait)
+            handle.partial = self._remote.partial(handle.inode.ino)
         content = handle.content
         if content is not None:
             chunk = content[offset : offset + len(buf)]

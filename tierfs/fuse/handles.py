@@ -39,6 +39,8 @@ class Handle:
         direct_io, keep_cache: the FOPEN flags of a daemon-served open.
         content: a daemon-generated file's bytes as generated at this open
             (``Inode.virtual``): reads are served from them (None: from ``fd``).
+        partial: another rank's file opened before all its bytes were here: each
+            read asks whether its range is verified yet (until the file is).
     """
 
     fh: int
@@ -50,6 +52,7 @@ class Handle:
     direct_io: bool = False
     keep_cache: bool = False
     content: bytes | None = None
+    partial: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -115,19 +118,21 @@ class HandleTable:
 
     # ------------------------------------------------------------------ opening
 
-    def new_file(self, inode: Inode, fd: int, flags: int) -> Handle:
+    def new_file(self, inode: Inode, fd: int, flags: int, daemon: bool = False) -> Handle:
         """A handle for ``fd``, a descriptor of ``inode``'s backing file opened with ``flags``.
 
         Takes ownership of ``fd``. Decides how the data moves: passthrough if
         the kernel granted it and this inode may use it (:meth:`_passthrough_allowed`),
-        else the daemon with ``direct_io`` or ``keep_cache``.
+        else the daemon with ``direct_io`` or ``keep_cache``. ``daemon``: never
+        passthrough (a file whose bytes are still being fetched).
         """
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         handle = Handle(next(self._next_fh), inode, fd, flags, writable, passthrough=False)
         if inode.virtual is not None:
             handle.direct_io = True
-        elif inode.backing_id or (
-            self._passthrough_allowed(inode, fd) and self._register_backing(inode, fd)
+        elif not daemon and (
+            inode.backing_id
+            or (self._passthrough_allowed(inode, fd) and self._register_backing(inode, fd))
         ):
             # every passthrough open of one inode shares its backing id, also
             # after passthrough was turned off for new inodes

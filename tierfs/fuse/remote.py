@@ -9,8 +9,13 @@ whose bytes are fetched on first open. The namespace sees them only through
 * such a file is read-only: an open for writing or with ``O_TRUNC`` and any
   SETATTR fail with ``EROFS`` (its bytes belong to another rank's sealed part);
 * an open of a file whose bytes are not here yet raises :class:`Deferred`:
-  the session answers that request later, after the fetch, without holding
-  up other requests (:meth:`tierfs.fuse.session.FuseSession.dispatch`).
+  the session answers that request later, without holding up other requests
+  (:meth:`tierfs.fuse.session.FuseSession.dispatch`): once the first chunk is
+  verified when the manifest has per-chunk checksums, else after the fetch;
+* a handle opened before all bytes are here is served by the daemon (never
+  passthrough, which needs the complete file): a READ of verified bytes is
+  answered at once, a READ past the fetch's watermark is deferred until the
+  watermark passes it (EIO when every copy failed); never an unverified byte.
 
 Unlink and rename stay allowed (a client's retention, e.g. Orbax's rmtree of
 an old step, removes them like its own files).
@@ -52,6 +57,22 @@ class RemoteFiles(Protocol):
         ENOSPC when they do not fit in the RAM budget)."""
         ...
 
+    def opening(self, ino: int) -> Callable[[], Awaitable[None]] | None:
+        """None if ``ino`` may be opened now (all bytes here, or the first chunk
+        verified); else what to wait for first (raises ``OSError`` as :meth:`missing`)."""
+        ...
+
+    def partial(self, ino: int) -> bool:
+        """True if ``ino`` is another rank's file whose bytes are not all here yet: a
+        handle opened now is served by the daemon and its reads ask :meth:`readable`."""
+        ...
+
+    def readable(self, ino: int, offset: int, size: int) -> Callable[[], Awaitable[None]] | None:
+        """None if bytes ``[offset, offset + size)`` of ``ino`` (clipped to its size) are
+        verified here; else what to wait for (raises ``OSError``: EIO when every copy
+        failed)."""
+        ...
+
 
 class NoRemoteFiles:
     """A view without other ranks' files (a bare RAM filesystem, tests)."""
@@ -61,5 +82,17 @@ class NoRemoteFiles:
         return False
 
     def missing(self, ino: int) -> Callable[[], Awaitable[None]] | None:
+        """Always None."""
+        return None
+
+    def opening(self, ino: int) -> Callable[[], Awaitable[None]] | None:
+        """Always None."""
+        return None
+
+    def partial(self, ino: int) -> bool:
+        """Always False."""
+        return False
+
+    def readable(self, ino: int, offset: int, size: int) -> Callable[[], Awaitable[None]] | None:
         """Always None."""
         return None

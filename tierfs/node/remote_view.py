@@ -87,6 +87,7 @@ from tierfs.fuse.inodes import proc
 from tierfs.fuse.namespace import Namespace
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.union import changed_ranks, union_plan
+from tierfs.node.verified_writer import VerifiedWriter
 from tierfs.store.manifest import FileEntry, Manifest
 from tierfs.store.shards import Shard, ShardKey
 
@@ -120,6 +121,12 @@ class RemoteFile:
         state: ``local`` (bytes here), ``remote`` (not yet) or ``fetching``.
         source: which copy served the bytes (``local replica`` for a hard link).
         error: why the last fetch failed ("" if it did not); errno: its errno.
+        chunk_size, chunks: the manifest's per-chunk crc32c (bytes per chunk, the
+            crc of each), None when it has none for this file: then nothing is
+            served before the whole file is here and checked.
+        verified: while fetching, bytes from offset 0 checked against ``chunks``
+            and written (the watermark: reads below it are served at once).
+        progress: set when ``verified`` moves or the fetch ends (then replaced).
     """
 
     step: int
@@ -136,6 +143,15 @@ class RemoteFile:
     done: trio.Event | None = None
     #: a reader waits for this fetch (its lane slot comes before the prefetch's)
     urgent: bool = False
+    chunk_size: int = 0
+    chunks: tuple[int, ...] | None = None
+    verified: int = 0
+    progress: trio.Event = field(default_factory=trio.Event)
+
+    def moved(self) -> None:
+        """Wake who waits for ``verified`` to move or the fetch to end (trio thread)."""
+        self.progress.set()
+        self.progress = trio.Event()
 
 
 @dataclass
@@ -336,6 +352,79 @@ class RemoteView:
             await self.fetch(rf, urgent=True)
 
         return fetch
+
+    def opening(self, ino: int) -> Callable[[], Awaitable[None]] | None:
+        """None if ``ino`` may be opened now: its bytes are here, or its fetch has
+        verified the first chunk (the handle's reads then wait for the watermark,
+        :meth:`readable`); else what to wait for (which starts the fetch). A file
+        whose manifest has no chunk checksums waits for all its bytes (as
+        :meth:`missing`). FUSE (trio) thread."""
+        rf = self._by_ino.get(ino)
+        if rf is None or rf.chunks is None or rf.state == LOCAL:
+            return self.missing(ino)
+        first = min(rf.size, rf.chunk_size)
+        if rf.state == FETCHING and rf.verified >= first:
+            return None
+        return lambda: self.wait_verified(rf, first)
+
+    def partial(self, ino: int) -> bool:
+        """True if ``ino`` is another rank's file whose bytes are not all here (a handle
+        opened now is served by the daemon, never by passthrough). FUSE thread."""
+        rf = self._by_ino.get(ino)
+        return rf is not None and rf.state != LOCAL
+
+    def readable(self, ino: int, offset: int, size: int) -> Callable[[], Awaitable[None]] | None:
+        """None if bytes ``[offset, offset + size)`` of ``ino`` (clipped to its size) are
+        verified here; else what to wait for: until the fetch's watermark passes them
+        (raises ``OSError`` EIO when every copy failed). FUSE thread."""
+        rf = self._by_ino.get(ino)
+        if rf is None or rf.state == LOCAL:
+            return None
+        end = min(offset + size, rf.size)
+        if end <= 0 or (rf.state == FETCHING and rf.verified >= end):
+            return None
+        return lambda: self.wait_verified(rf, end)
+
+    async def wait_verified(self, rf: RemoteFile, end: int) -> None:
+        """Wait until ``rf``'s first ``end`` bytes are verified here (its fetch started
+        if none is under way, as a reader's: urgent), on a trio event: no thread, no
+        polling. Trio thread.
+
+        Raises:
+            OSError: as :meth:`fetch` when the fetch fails (EIO, ENOSPC, ENOENT).
+        """
+        started = False
+        while True:
+            if rf.state == LOCAL or (rf.state == FETCHING and rf.verified >= end):
+                return
+            if rf.state != FETCHING:
+                if started:
+                    raise OSError(rf.errno or errno.EIO, rf.error or "the fetch failed")
+                started = True
+                if self._fetches is None:
+                    await self.fetch(rf, urgent=True)
+                    continue
+                self._start(rf, urgent=True)
+                # waits with the reader's urgency until the end, then reads ahead
+                self._fetches.start_soon(self._reader_fetch, rf)
+                continue
+            # a reader waits for this fetch: a prefetch's transfer of it must not pause
+            # for readers (it would wait for itself)
+            rf.urgent = True
+            self._readers += 1
+            try:
+                await rf.progress.wait()
+            finally:
+                self._readers -= 1
+                if not self._readers:
+                    self._no_readers.set()
+
+    async def _reader_fetch(self, rf: RemoteFile) -> None:
+        """A reader's fetch in the view's nursery (its outcome is left in ``rf``)."""
+        try:
+            await self.fetch(rf, urgent=True)
+        except OSError as exc:
+            log.info("fetch of %s for a reader: %s", rf.path, exc)
 
     # ------------------------------------------------------------------ finding the parts
 
@@ -670,6 +759,10 @@ class RemoteView:
                 here = False
             if here and entry is not None and (entry.size, entry.crc32c) == (rf.size, rf.crc32c):
                 rf.digest = manifest.digest
+                chunks = manifest.chunks_of(entry)
+                if chunks is not None and rf.chunks is None:
+                    # a restarted daemon's mark carries no chunk checksums
+                    rf.chunk_size, rf.chunks = chunks
                 continue
             if here:
                 inode = self.ns.inodes.by_ino(rf.ino) if self.ns is not None else None
@@ -734,7 +827,9 @@ class RemoteView:
                 continue
             digest = parts[rank].digest
             try:
-                rf = self._place_file(job, union, rank, digest, path_rel, entry, owner)
+                rf = self._place_file(
+                    job, union, rank, digest, path_rel, entry, owner, parts[rank].chunks_of(entry)
+                )
             except OSError as exc:
                 log.warning("placing %s of rank %d: %s", path_rel, rank, exc)
                 continue
@@ -768,8 +863,10 @@ class RemoteView:
         path_rel: str,
         entry: FileEntry,
         owner: tuple[int, int] | None,
+        chunks: tuple[int, tuple[int, ...]] | None = None,
     ) -> RemoteFile | None:
-        """One file: a hard link to a replica held here, else a sparse placeholder.
+        """One file: a hard link to a replica held here, else a sparse placeholder
+        (``chunks``: the manifest's (chunk size, per-chunk crc32c) of the file).
 
         The inode is registered (read-only, fetched on open) before its name
         appears in the view: a client can never open it as a plain file.
@@ -817,6 +914,8 @@ class RemoteView:
                 os.fchmod(fd, stat.S_IMODE(entry.mode))
                 ino = os.fstat(fd).st_ino
                 rf = RemoteFile(step, rank, digest, path_rel, entry.size, crc, ino, REMOTE)
+                if chunks is not None:
+                    rf.chunk_size, rf.chunks = chunks
                 os.setxattr(fd, XATTR, _mark(rf))
             finally:
                 os.close(fd)
@@ -881,14 +980,12 @@ class RemoteView:
             if urgent:
                 self._read_ahead(rf)
             return
-        rf.urgent = rf.urgent or urgent
-        if rf.state != FETCHING:
-            rf.state, rf.done, rf.errno = FETCHING, trio.Event(), 0
-            if self._fetches is not None:
-                # in the view's own nursery: a reader that gives up (^C: the kernel's
-                # INTERRUPT) stops waiting, the fetch goes on for the others
-                self._fetches.start_soon(self._fetch_task, rf)
-            else:
+        if self._fetches is not None:
+            self._start(rf, urgent)
+        else:
+            rf.urgent = rf.urgent or urgent
+            if rf.state != FETCHING:
+                rf.state, rf.done, rf.errno = FETCHING, trio.Event(), 0
                 await self._fetch_task(rf)
         assert rf.done is not None
         if urgent:
@@ -905,6 +1002,16 @@ class RemoteView:
             raise OSError(rf.errno or errno.EIO, rf.error or "the fetch failed")
         if urgent:
             self._read_ahead(rf)
+
+    def _start(self, rf: RemoteFile, urgent: bool) -> None:
+        """Start ``rf``'s fetch in the view's own nursery unless one is under way (a
+        reader that gives up, ^C: the kernel's INTERRUPT, stops waiting; the fetch
+        goes on for the others). Synchronous: ``rf`` is FETCHING on return."""
+        assert self._fetches is not None
+        rf.urgent = rf.urgent or urgent
+        if rf.state != FETCHING:
+            rf.state, rf.done, rf.errno = FETCHING, trio.Event(), 0
+            self._fetches.start_soon(self._fetch_task, rf)
 
     def _read_ahead(self, rf: RemoteFile) -> None:
         """Start fetching the remote file after ``rf`` in its step (path order) in the
@@ -943,28 +1050,75 @@ class RemoteView:
         finally:
             if rf.state == FETCHING:
                 rf.state = REMOTE
+                rf.verified = 0
             rf.urgent = False
             fetch_urgent.reset(token)
             fetch_hold.reset(held)
             rf.done.set()
+            rf.moved()
 
     def _writers(self, step: int) -> int:
         """The node count that wrote ``step`` (0: not known here, the job's)."""
         union = self.steps.get(step)
         return union.writers if union is not None else 0
 
+    def _writer(self, rf: RemoteFile, fd: int) -> VerifiedWriter | None:
+        """The chunk-checking writer of ``rf``'s fetch (None: the manifest has no
+        chunk checksums for it). Its watermark moves ``rf.verified`` on the trio
+        thread."""
+        if rf.chunks is None:
+            return None
+        token = trio.lowlevel.current_trio_token()
+
+        def advance(n: int) -> None:
+            # the last chunk is served once the fetch has ended (its source said done,
+            # the lines about nearer bad copies written): as a file of one chunk always was
+            if rf.state == FETCHING and rf.verified < n < rf.size:
+                rf.verified = n
+                rf.moved()
+
+        def on_verified(n: int) -> None:
+            try:
+                trio.lowlevel.current_task()
+            except RuntimeError:  # a worker thread: handed over to the trio thread
+                try:
+                    token.run_sync_soon(advance, n)
+                except trio.RunFinishedError:
+                    pass
+            else:
+                advance(n)
+
+        return VerifiedWriter(fd, rf.size, rf.chunk_size, rf.chunks, on_verified)
+
+    def _unverify(self, rf: RemoteFile, writer: VerifiedWriter | None) -> None:
+        """The file is emptied: nothing below the watermark is served any more (trio
+        thread, before the bytes go)."""
+        rf.verified = 0
+        if writer is not None:
+            writer.reset()
+
     async def _fetch(self, rf: RemoteFile) -> None:
         job = self.current.job
         fd = self._open_rw(rf)
         made_room = False
         mismatched = False
+        rf.verified = 0
+        writer = self._writer(rf, fd)
         try:
             tried: list[str] = []
             for source in self.sources:
                 skip: set[str] = set()
                 # a source that checks the bytes as they are written: no read-back
                 checked = bool(getattr(source, "checks_written", False))
-                more = {"expect": (rf.size, rf.crc32c)} if checked else {}
+                more: dict[str, object] = {"expect": (rf.size, rf.crc32c)} if checked else {}
+                chunked = writer is not None and bool(getattr(source, "chunk_writes", False))
+                if chunked:
+                    # every chunk is checked against the manifest before it is written
+                    more["write"] = writer
+                elif rf.verified:
+                    # a source writing unchecked bytes over the verified ones: nothing
+                    # is served until it is done and checked
+                    self._unverify(rf, writer)
                 while True:
                     try:
                         label = await source.fetch_file(
@@ -976,11 +1130,12 @@ class RemoteView:
                             fd,
                             skip=frozenset(skip),
                             writers=self._writers(rf.step),
-                            **more,
+                            **more,  # type: ignore[arg-type]
                         )
                     except FetchFailed as exc:
                         cause = exc.__cause__
                         if isinstance(cause, OSError) and cause.errno in NO_ROOM_ERRNOS:
+                            self._unverify(rf, writer)
                             await trio.to_thread.run_sync(self._punch, fd, rf.size)
                             if not made_room and await self.make_room(rf.size, rf) > 0:
                                 made_room = True  # other fetched files dropped: again
@@ -991,13 +1146,18 @@ class RemoteView:
                         tried.append(str(exc))
                         mismatched |= exc.other_bytes
                         break
-                    if checked:
+                    if chunked:
+                        assert writer is not None
+                        # every byte went through the writer: checked chunk by chunk
+                        size, crc = writer.verified, rf.crc32c if writer.verified == rf.size else 0
+                    elif checked:
                         size, crc = rf.size, rf.crc32c
                     else:
                         async with self.io_limiter:
                             size, crc = await trio.to_thread.run_sync(_read_crc, fd, rf.size)
                     if size == rf.size and crc == rf.crc32c:
                         rf.state, rf.source, rf.error = LOCAL, label, ""
+                        rf.verified = rf.size
                         os.setxattr(fd, XATTR, _mark(rf))  # a restart keeps the bytes
                         self.fetched_bytes[source.name] = (
                             self.fetched_bytes.get(source.name, 0) + size
@@ -1013,9 +1173,13 @@ class RemoteView:
                         f"{label} served {size} bytes crc32c {crc:08x}, the manifest says "
                         f"{rf.size} bytes crc32c {rf.crc32c:08x}"
                     )
+                    if chunked:
+                        why = f"{label} served {size} verified bytes of {rf.size}"
                     tried.append(why)
                     mismatched = True
-                    await trio.to_thread.run_sync(self._punch, fd, rf.size)
+                    if not chunked:
+                        await trio.to_thread.run_sync(self._punch, fd, rf.size)
+            self._unverify(rf, writer)
             await trio.to_thread.run_sync(self._punch, fd, rf.size)
             if mismatched:
                 # every copy holds other bytes: the rank most likely saved the step again
@@ -1029,6 +1193,8 @@ class RemoteView:
             self._failed(rf, "; ".join(tried) or "no tier holds other ranks' files")
             raise OSError(errno.EIO, rf.error)
         finally:
+            if writer is not None:
+                writer.close()
             os.close(fd)
 
     def _failed(self, rf: RemoteFile, why: str) -> None:

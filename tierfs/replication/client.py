@@ -250,6 +250,7 @@ class PeerClient:
         timeout: float = FILE_PULL_TIMEOUT,
         expect: tuple[int, int] | None = None,
         hold: Callable[[], bool] | None = None,
+        write: Callable[[bytes, int], None] | None = None,
     ) -> int:
         """Pull one file of the holder's copy of ``key`` into the open descriptor ``fd``
         (issue #14: a whole-step view reads a file of another rank's part).
@@ -274,6 +275,9 @@ class PeerClient:
             hold: called before every chunk is written; while it returns True the
                 pull pauses (polled every :data:`HOLD_POLL` seconds; the stream
                 stalls under gRPC flow control): a prefetch gives way to a reader.
+            write: ``write(data, offset)`` writes each chunk instead of ``os.pwrite``
+                into ``fd`` (the caller checks chunks against its manifest first;
+                what it raises ends the pull).
 
         Returns:
             bytes written (the file's size).
@@ -347,7 +351,10 @@ class PeerClient:
                     time.sleep(HOLD_POLL)
                 if cancel.is_set():
                     raise Cancelled("transfer cancelled")
-                _pwrite_all(fd, c.data, c.offset)
+                if write is not None:
+                    write(c.data, c.offset)
+                else:
+                    _pwrite_all(fd, c.data, c.offset)
                 written += len(c.data)
                 crc = google_crc32c.extend(crc, c.data)
                 self.stats.add("pulled_bytes", len(c.data))

@@ -21,13 +21,14 @@ import trio
 
 from tierfs.core.control import JobSpec
 from tierfs.core.errors import NO_ROOM_ERRNOS, FetchFailed
-from tierfs.core.ports import CurrentJob, Reporter
+from tierfs.core.ports import CurrentJob, PositionalWrite, Reporter
 from tierfs.core.priority import fetch_hold
 from tierfs.replication import placement
 from tierfs.replication.addresses import AddressBook
 from tierfs.replication.client import PeerClient, rpc_code, rpc_reason
 from tierfs.replication.lanes import PriorityLane
 from tierfs.replication.transfer import BadCopy, OtherBytes, Refused
+from tierfs.store.chunks import ChunkMismatch
 from tierfs.store.shards import ShardKey
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,8 @@ class PeerFiles:
     name = "peer"
     #: the bytes are checked against ``expect`` as they are written (FileSource)
     checks_written = True
+    #: a copy's bytes go through fetch_file's ``write`` when given (FileSource)
+    chunk_writes = True
 
     def __init__(
         self,
@@ -134,6 +137,7 @@ class PeerFiles:
         skip: frozenset[str] = frozenset(),
         writers: int = 0,
         expect: tuple[int, int] | None = None,
+        write: PositionalWrite | None = None,
     ) -> str:
         """Write file ``path`` of node ``rank``'s part of ``step`` into ``fd`` from a
         peer's RAM (a :class:`tierfs.core.ports.FileSource`; trio thread).
@@ -154,7 +158,8 @@ class PeerFiles:
         cancelled fetch's abandoned thread stops at its next chunk). Copies with
         ``digest`` first; holders of other bytes of the step
         (FAILED_PRECONDITION) are asked again without it after every other
-        copy failed. A corrupt copy (BadCopy) or one with other bytes than
+        copy failed. A corrupt copy (BadCopy, or a chunk ``write`` refused:
+        :class:`tierfs.store.chunks.ChunkMismatch`) or one with other bytes than
         ``expect`` only moves on to the next one.
 
         Returns:
@@ -180,7 +185,7 @@ class PeerFiles:
             if label in skip:
                 tried.append(f"{label}: skipped (it served wrong bytes before)")
                 continue
-            failed = await self._pull_file(address, key, digest, path, fd, expect)
+            failed = await self._pull_file(address, key, digest, path, fd, expect, write)
             if failed is None:
                 self._say_bad(key, path, label, tried)
                 return label
@@ -190,7 +195,7 @@ class PeerFiles:
                 other.append((label, address))  # it holds other bytes of the step
             tried.append(f"{label}: {why}")
         for label, address in other:
-            failed = await self._pull_file(address, key, "", path, fd, expect)
+            failed = await self._pull_file(address, key, "", path, fd, expect, write)
             if failed is None:
                 self._say_bad(key, path, label, tried)
                 return label
@@ -246,6 +251,7 @@ class PeerFiles:
         path: str,
         fd: int,
         expect: tuple[int, int] | None = None,
+        write: PositionalWrite | None = None,
     ) -> tuple[str, grpc.StatusCode | str | None] | None:
         """One copy's :meth:`PeerClient.pull_file` in the file fetch lane: None when it
         served, else why not (one line) and the call's status code (:data:`OTHER`: the
@@ -265,7 +271,15 @@ class PeerFiles:
                     try:
                         return int(
                             self.client.pull_file(
-                                address, key, digest, path, own, cancel, expect=expect, hold=hold
+                                address,
+                                key,
+                                digest,
+                                path,
+                                own,
+                                cancel,
+                                expect=expect,
+                                hold=hold,
+                                write=write,
                             )
                         )
                     finally:
@@ -275,7 +289,7 @@ class PeerFiles:
             return None
         except grpc.RpcError as exc:
             why, code = rpc_reason(exc), rpc_code(exc)
-        except BadCopy as exc:
+        except (BadCopy, ChunkMismatch) as exc:
             why = f"{BAD}: {exc}"
         except OtherBytes as exc:
             why, code = f"other bytes: {exc}", OTHER

@@ -58,6 +58,7 @@ from tierfs.core.ports import (
     Catalog,
     CurrentJob,
     PartWatch,
+    PositionalWrite,
     RamBudget,
     Rendezvous,
     Reporter,
@@ -183,6 +184,8 @@ class PeerTier:
     name = "peer"
     #: its fetch_file checks the bytes against ``expect`` as they are written (FileSource)
     checks_written = True
+    #: a copy's bytes go through fetch_file's ``write`` when given (FileSource)
+    chunk_writes = True
 
     address = _Via[str]("me")
     coordinator_address = _Via[str | None]("finder")
@@ -484,11 +487,21 @@ class PeerTier:
         skip: frozenset[str] = frozenset(),
         writers: int = 0,
         expect: tuple[int, int] | None = None,
+        write: PositionalWrite | None = None,
     ) -> str:
         """One file of node ``rank``'s part from a peer's RAM: a
         :class:`tierfs.core.ports.FileSource`, see :meth:`PeerFiles.fetch_file`."""
         return await self.files.fetch_file(
-            job, rank, step, digest, path, fd, skip=skip, writers=writers, expect=expect
+            job,
+            rank,
+            step,
+            digest,
+            path,
+            fd,
+            skip=skip,
+            writers=writers,
+            expect=expect,
+            write=write,
         )
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:

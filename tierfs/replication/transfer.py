@@ -214,7 +214,7 @@ class ShardReceiver:
         if m is None:
             raise Refused("no manifest")
         try:
-            check_entries(m.files)
+            check_entries(m.files, m.chunk_size)
         except ManifestError as exc:
             raise Refused(str(exc)) from None
         listed = {f.path: f for f in m.files}

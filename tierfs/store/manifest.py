@@ -27,9 +27,12 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationErro
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
 from tierfs.core.errors import StorageError
+from tierfs.store.chunks import CHUNK as CHUNK_SIZE
+from tierfs.store.chunks import chunk_count, combine_chunks, crc32c_combine
 
 FORMAT = "tierfs.store.manifest/1"
-CHUNK = 4 << 20
+#: bytes per checksummed chunk of a sealed file (recorded as ``chunk_size``)
+CHUNK = CHUNK_SIZE
 
 
 class ManifestError(StorageError, ValueError):
@@ -47,6 +50,11 @@ class FileEntry:
         mode: permission bits (``stat.S_IMODE``).
         crc32c: crc32c of the file's bytes (files only).
         target: the link target (symlinks only), as stored.
+        chunks: crc32c of each ``chunk_size``-byte chunk of the file (the
+            manifest's :attr:`Manifest.chunk_size`; the last chunk shorter), for
+            a file of more than one chunk sealed since per-chunk checksums exist;
+            None otherwise (a file of one chunk: its crc32c is the chunk's).
+            Not part of :attr:`Manifest.digest`.
     """
 
     path: str
@@ -55,6 +63,7 @@ class FileEntry:
     mode: int = 0o644
     crc32c: int | None = None
     target: str | None = None
+    chunks: tuple[int, ...] | None = None
 
 
 #: verdict states (:attr:`StepVerdict.state`)
@@ -153,6 +162,8 @@ class Manifest:
             the parts of ranks 0..N-1, whatever node count restores it. 0:
             unknown (a shard sealed before this field existed; read as the
             restoring job's node count).
+        chunk_size: bytes per chunk of :attr:`FileEntry.chunks` (0: the manifest
+            carries no per-chunk checksums, e.g. sealed before they existed).
     """
 
     job: str
@@ -165,6 +176,21 @@ class Manifest:
     backup_requested: bool = False
     verdict: StepVerdict | None = None
     nodes: int = 0
+    chunk_size: int = 0
+
+    def chunks_of(self, entry: FileEntry) -> tuple[int, tuple[int, ...]] | None:
+        """(chunk size in bytes, crc32c of each chunk) of file ``entry``, or None when
+        this manifest cannot say (no per-chunk checksums for a file of more than one
+        chunk). A file of at most one chunk is its own chunk."""
+        if entry.kind != "file" or entry.crc32c is None or self.chunk_size <= 0:
+            return None
+        if entry.chunks is not None:
+            return self.chunk_size, entry.chunks
+        if entry.size == 0:
+            return self.chunk_size, ()
+        if entry.size <= self.chunk_size:
+            return self.chunk_size, (entry.crc32c,)
+        return None
 
     @property
     def total_bytes(self) -> int:
@@ -202,12 +228,21 @@ class Manifest:
             "framework": self.framework,
             "created": self.created,
             "backup_requested": self.backup_requested,
-            "files": [{k: v for k, v in asdict(f).items() if v is not None} for f in self.files],
+            "files": [
+                {k: v for k, v in asdict(f).items() if v is not None and k != "chunks"}
+                for f in self.files
+            ],
         }
         if self.verdict is not None:
             d["verdict"] = self.verdict.to_doc()
         if self.nodes > 0:
             d["nodes"] = self.nodes
+        if self.chunk_size > 0:
+            # top-level keys, which a daemon of before per-chunk checksums ignores
+            d["chunk_size"] = self.chunk_size
+            chunks = {f.path: f.chunks for f in self.files if f.chunks is not None}
+            if chunks:
+                d["chunks"] = chunks
         return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -224,7 +259,9 @@ class Manifest:
         except ValidationError as exc:
             raise ManifestError(_manifest_problem(exc)) from None
         m = doc.manifest()
-        check_entries(m.files)
+        check_entries(m.files, m.chunk_size)
+        if doc.chunks and len(doc.chunks) != sum(1 for f in m.files if f.chunks is not None):
+            raise ManifestError("chunk checksums of a path that is not a file of the manifest")
         return m
 
 
@@ -287,6 +324,9 @@ class ManifestDoc(BaseModel):
     backup_requested: bool = False
     verdict: VerdictDoc | None = None
     nodes: int = 0
+    chunk_size: int = 0
+    #: path -> crc32c of each chunk (files of more than one chunk)
+    chunks: dict[StrictStr, list[StrictInt]] = {}
 
     def manifest(self) -> Manifest:
         """The :class:`Manifest` (not yet path-checked)."""
@@ -296,12 +336,20 @@ class ManifestDoc(BaseModel):
             step=self.step,
             name=self.name,
             framework=self.framework,
-            files=tuple(FileEntry(**f) for f in self.files),
+            files=tuple(_entry(f, self.chunks) for f in self.files),
             created=self.created,
             backup_requested=self.backup_requested,
             verdict=self.verdict.verdict() if self.verdict is not None else None,
             nodes=max(self.nodes, 0),
+            chunk_size=max(self.chunk_size, 0),
         )
+
+
+def _entry(doc: FileEntryDoc, chunks: dict[str, list[int]]) -> FileEntry:
+    crcs = chunks.get(doc["path"])
+    if crcs is None:
+        return FileEntry(**doc)
+    return FileEntry(**doc, chunks=tuple(crcs))
 
 
 def _manifest_problem(exc: ValidationError) -> str:
@@ -327,8 +375,10 @@ def check_path(path: str) -> None:
             raise ManifestError(f"unsafe path {path!r}")
 
 
-def check_entries(files: Iterable[FileEntry]) -> None:
-    """Validate every entry: safe paths, known kinds, symlinks that stay inside the shard.
+def check_entries(files: Iterable[FileEntry], chunk_size: int = 0) -> None:
+    """Validate every entry: safe paths, known kinds, symlinks that stay inside the shard,
+    per-chunk checksums (``chunk_size`` bytes each) that are as many as the file's
+    chunks and combine to its crc32c.
 
     Raises:
         ManifestError: on the first unsafe or malformed entry.
@@ -343,6 +393,11 @@ def check_entries(files: Iterable[FileEntry]) -> None:
             raise ManifestError(f"unknown kind {f.kind!r} for {f.path!r}")
         if f.kind == "file" and (f.size < 0 or f.crc32c is None):
             raise ManifestError(f"file {f.path!r} lacks size or crc32c")
+        if f.chunks is not None:
+            if chunk_size <= 0 or len(f.chunks) != chunk_count(f.size, chunk_size):
+                raise ManifestError(f"file {f.path!r}: chunk checksums do not fit its size")
+            if combine_chunks(f.chunks, f.size, chunk_size) != f.crc32c:
+                raise ManifestError(f"file {f.path!r}: chunk checksums do not make its crc32c")
         if f.kind == "symlink":
             target = f.target or ""
             if not target or target.startswith("/"):
@@ -379,8 +434,21 @@ def crc32c_file(
 ) -> tuple[int, int]:
     """crc32c and size of a file (path or open descriptor), streaming 4 MiB at a time.
 
-    ``buf`` is accepted for API symmetry and ignored: google-crc32c needs
-    immutable ``bytes``, which ``os.read`` returns.
+    ``buf`` is accepted for API symmetry and ignored.
+
+    Raises:
+        OSError: unreadable file. InterruptedError if ``cancelled()`` turns true.
+    """
+    crc, size, _ = crc32c_chunks(path, cancelled)
+    return crc, size
+
+
+def crc32c_chunks(
+    path: str | int, cancelled: Callable[[], bool] | None = None, chunk: int = CHUNK
+) -> tuple[int, int, tuple[int, ...]]:
+    """(crc32c, size in bytes, crc32c of each ``chunk``-byte chunk) of a file (path or
+    open descriptor) in one pass: each chunk's crc is computed once and the file's
+    derived from them (:func:`tierfs.store.chunks.crc32c_combine`).
 
     Raises:
         OSError: unreadable file. InterruptedError if ``cancelled()`` turns true.
@@ -389,22 +457,32 @@ def crc32c_file(
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if isinstance(path, str) else int(path)
     crc = 0
     size = 0
+    crcs: list[int] = []
     try:
         while True:
-            chunk = os.read(fd, CHUNK)
-            if not chunk:
+            data = os.read(fd, chunk)
+            if not data:
                 break
-            crc = google_crc32c.extend(crc, chunk)
-            size += len(chunk)
+            c = google_crc32c.value(data)
+            while len(data) < chunk:  # a short read inside the file: fill the chunk
+                more = os.read(fd, chunk - len(data))
+                if not more:
+                    break
+                c = google_crc32c.extend(c, more)
+                data += more
+            crcs.append(c)
+            crc = crc32c_combine(crc, c, len(data))
+            size += len(data)
             if cancelled is not None and cancelled():
                 raise InterruptedError("checksum cancelled")
     finally:
         if own:
             os.close(fd)
-    return crc, size
+    return crc, size, tuple(crcs)
 
 
-CrcCache = dict[tuple[int, int, int], int]  # (ino, size, mtime_ns) -> crc32c
+#: (ino, size, mtime_ns) -> (crc32c, chunks' crc32c or None for one chunk)
+CrcCache = dict[tuple[int, int, int], tuple[int, tuple[int, ...] | None]]
 
 
 def scan_tree(
@@ -414,7 +492,9 @@ def scan_tree(
     cache: CrcCache | None = None,
     cancelled: Callable[[], bool] | None = None,
 ) -> list[FileEntry]:
-    """Describe ``root/<entry>`` for each top-level entry, computing crc32c of files.
+    """Describe ``root/<entry>`` for each top-level entry, computing crc32c of files
+    and, for a file of more than one :data:`CHUNK`, of each chunk (in the same pass;
+    the manifest's ``chunk_size`` is then :data:`CHUNK`).
 
     ``cache`` maps (inode, size, mtime_ns) to a known crc32c so re-seals of
     unchanged files cost a stat, not a read.
@@ -423,7 +503,6 @@ def scan_tree(
         OSError: an entry vanished or is unreadable.
     """
     out: list[FileEntry] = []
-    buf = bytearray(CHUNK)
 
     def visit(rel: str) -> None:
         full = os.path.join(root, rel)
@@ -437,14 +516,17 @@ def scan_tree(
             out.append(FileEntry(rel, "symlink", mode=0o777, target=os.readlink(full)))
         elif stat.S_ISREG(st.st_mode):
             key = (st.st_ino, st.st_size, st.st_mtime_ns)
-            crc = cache.get(key) if cache is not None else None
-            if crc is None:
-                crc, size = crc32c_file(full, buf, cancelled)
+            known = cache.get(key) if cache is not None else None
+            if known is None:
+                crc, size, crcs = crc32c_chunks(full, cancelled)
                 if size != st.st_size:
                     raise OSError(f"{rel} changed while it was checksummed")
+                known = (crc, crcs if len(crcs) > 1 else None)
                 if cache is not None:
-                    cache[key] = crc
-            out.append(FileEntry(rel, "file", size=st.st_size, mode=mode, crc32c=crc))
+                    cache[key] = known
+            out.append(
+                FileEntry(rel, "file", size=st.st_size, mode=mode, crc32c=known[0], chunks=known[1])
+            )
         # sockets, FIFOs and devices are not checkpoint data: skipped
 
     for entry in entries:

@@ -29,6 +29,7 @@ from typing import Any
 from tierfs.core.errors import StorageError
 from tierfs.core.types import WholeVerdict
 from tierfs.store.manifest import (
+    CHUNK,
     CrcCache,
     Manifest,
     ManifestError,
@@ -277,7 +278,7 @@ class ShardStore:
                     if writers(ino) > 0:
                         raise SealBusy(f"{key}: a file is still open for writing")
             files = scan_tree(data, entries, cache=cache, cancelled=cancelled)
-            check_entries(files)  # what a peer or a restart would refuse is never sealed
+            check_entries(files, CHUNK)  # what a peer or a restart would refuse is never sealed
             check_self_contained(files)
             backup = any(f.path.rsplit("/", 1)[-1] == "_BACKUP_REQUESTED" for f in files)
             manifest = Manifest(
@@ -289,6 +290,7 @@ class ShardStore:
                 files=tuple(files),
                 backup_requested=backup,
                 nodes=nodes,
+                chunk_size=CHUNK,
             )
             if created is not None:
                 manifest = dataclasses.replace(manifest, created=created)
