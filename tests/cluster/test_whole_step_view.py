@@ -278,13 +278,16 @@ META_BIG = dcp_metadata([("w0", "__0_0.distcp", 0, len(W0)), ("w1", "__1_0.distc
 
 @pytest.mark.long
 def test_the_first_chunk_is_served_while_the_rest_is_fetched_and_a_bad_middle_chunk_is_never(
-    make_mount, fake_gcs
+    make_mount, fake_gcs, monkeypatch
 ):
     """Verified ranges before the whole file (issue #14, per-chunk crc32c): both peer
     copies of rank 1's shard carry a flipped byte in chunk 1 and the bucket is held
     (its server stopped), so the fetch is held after chunk 0, deterministically. The
     open returns and chunk 0 reads byte-exact; a read of chunk 2 waits; once the bucket
     answers every byte is the sealed one, never the flipped one."""
+    # the file is a few chunks: served from its chunks at once (the default waits for
+    # the whole of a file with at most 256 MiB to come, then gives passthrough)
+    monkeypatch.setenv("TIERFS_EARLY_READ_MIB", "0")
     c = Cluster(
         make_mount,
         3,

@@ -33,6 +33,25 @@ BIG = os.urandom(5 * CH + 100)  # six chunks, the last one short
 PATH = "10/__0_0.distcp"
 
 
+@pytest.fixture(autouse=True)
+def early_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These files are a few KiB: serve them from their verified chunks at once (the
+    default waits for the whole of a file with at most 256 MiB to come)."""
+    monkeypatch.setenv("TIERFS_EARLY_READ_MIB", "0")
+
+
+def test_an_open_waits_for_the_whole_file_when_little_is_left():
+    from tierfs.node.remote_view import MIB, early_read
+
+    # regression (run F): a sequential reader opening the file read ahead for it got a
+    # daemon-served handle (no passthrough): 1-reader full reads 547 -> 170 MB/s
+    assert early_read(256 * MIB, 0, 256.0) is False
+    assert early_read(1024 * MIB, 800 * MIB, 256.0) is False
+    assert early_read(1024 * MIB, 0, 256.0) is True
+    assert early_read(4096, 0, 0.0) is True
+    assert early_read(4096, 4096, 0.0) is False
+
+
 def crc(data: bytes) -> int:
     return int(google_crc32c.value(data))
 

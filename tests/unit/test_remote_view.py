@@ -404,6 +404,15 @@ class Remote:
 
         return fetch
 
+    def opening(self, ino: int):
+        return self.missing(ino)  # no chunk checksums: the whole file first
+
+    def partial(self, ino: int) -> bool:
+        return ino == self.ino and not self.here
+
+    def readable(self, ino: int, offset: int, size: int):
+        return None
+
 
 def test_the_namespace_defers_the_open_of_a_missing_file_and_refuses_writes(tmp_path):
     view = tmp_path / "view"

@@ -259,6 +259,19 @@ PEER_PUSH_PATIENCE = _seconds(
     _PEER,
     zero_ok=True,
 )
+EARLY_READ_MIB = Setting(
+    "TIERFS_EARLY_READ_MIB",
+    float,
+    256.0,
+    "MiB",
+    "an open of another rank's file in the whole-step view waits for the whole file "
+    "(then served by passthrough) when at most this much of it is still to come; a "
+    "larger remainder is served from its verified chunks at once (first byte within a "
+    "chunk's fetch; that handle is served by the daemon, slower for full reads); 0: "
+    "always at once",
+    _PEER,
+    minimum=0.0,
+)
 REFUSAL_GRACE = _seconds(
     "TIERFS_REFUSAL_GRACE",
     30.0,
@@ -318,6 +331,7 @@ ALL: tuple[Setting[int] | Setting[float] | Setting[str], ...] = (
     GCS_DEDUP_WAIT,
     PEER_TOKEN,
     PEER_PUSH_PATIENCE,
+    EARLY_READ_MIB,
     REFUSAL_GRACE,
     BUCKET,
     IMAGE,

@@ -78,7 +78,7 @@ from dataclasses import dataclass, field
 import google_crc32c
 import trio
 
-from tierfs.core import control
+from tierfs.core import control, settings
 from tierfs.core.errors import NO_ROOM_ERRNOS, FetchFailed
 from tierfs.core.ports import CurrentJob, FileSource, ManifestSource, Reporter
 from tierfs.core.priority import fetch_hold, fetch_urgent
@@ -92,6 +92,8 @@ from tierfs.store.manifest import FileEntry, Manifest
 from tierfs.store.shards import Shard, ShardKey
 
 log = logging.getLogger(__name__)
+
+MIB = 1 << 20
 
 #: marks a file of the whole-step view in the RAM store (value: "rank/step")
 XATTR = "trusted.tierfs.remote"
@@ -246,6 +248,22 @@ def _read_crc(fd: int, size: int) -> tuple[int, int]:
         n += len(chunk)
 
 
+def early_read(size: int, verified: int, limit_mib: float | None = None) -> bool:
+    """Whether an open of another rank's file is served from its verified chunks at once
+    (True) or waits for the whole file and gets passthrough (False) (pure).
+
+    A handle opened before the whole file is here is served by the daemon for its
+    whole life (the kernel grants passthrough only at open): a full read through it
+    runs at the daemon's pace, about a third of passthrough here (BENCHMARKS.md,
+    run F). So an open waits when at most ``limit_mib`` MiB (default
+    ``$TIERFS_EARLY_READ_MIB``) of the ``size`` bytes are still to come beyond the
+    ``verified`` ones (a short wait at the peer stream's rate), and is served at once
+    when more are (the first byte of a file of any size within a chunk's fetch).
+    """
+    limit = settings.EARLY_READ_MIB.get() if limit_mib is None else limit_mib
+    return size - verified > limit * MIB
+
+
 class RemoteView:
     """Other ranks' files of this node's steps, in the view (see the module docstring).
 
@@ -362,6 +380,8 @@ class RemoteView:
         rf = self._by_ino.get(ino)
         if rf is None or rf.chunks is None or rf.state == LOCAL:
             return self.missing(ino)
+        if early_read(rf.size, rf.verified if rf.state == FETCHING else 0) is False:
+            return self.missing(ino)  # little left: the whole file, then passthrough
         first = min(rf.size, rf.chunk_size)
         if rf.state == FETCHING and rf.verified >= first:
             return None
