@@ -81,6 +81,8 @@ class CoordinatorServicer:
         wakeups: times a sleeping call was woken by progress (not by its own
             deadline); an idle round adds none.
         evaluations: times a Decide/Barrier call evaluated the state.
+        sync_calls: ``Sync`` calls served; batch_calls: ``SyncBatch`` calls;
+        batched_members: the heartbeats those batches carried.
     """
 
     def __init__(
@@ -100,6 +102,10 @@ class CoordinatorServicer:
         self.waiting = 0
         self.wakeups = 0
         self.evaluations = 0
+        #: Sync calls, SyncBatch calls and the members those batches carried
+        self.sync_calls = 0
+        self.batch_calls = 0
+        self.batched_members = 0
 
     # ------------------------------------------------------------------ any thread
 
@@ -342,47 +348,68 @@ class CoordinatorServicer:
 
     async def Sync(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await self._admit(context)
+        self.sync_calls += 1
+        with self.lock:
+            try:
+                return self._sync_reply(request)
+            finally:
+                self._after()
+
+    async def SyncBatch(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        """The heartbeats of a group leader's members in one call (issue #17 item 2):
+        each member's SyncRequest is handled exactly as its own ``Sync`` (the same
+        fencing by job, incarnation, generation and gone ranks) and
+        ``replies[i]`` answers ``members[i]``. One lock hold and one wake-up
+        check for the whole batch; the per-call gRPC cost is paid once."""
+        await self._admit(context)
+        self.batch_calls += 1
+        self.batched_members += len(request.members)
+        with self.lock:
+            try:
+                replies = [self._sync_reply(m) for m in request.members]
+            finally:
+                self._after()
+        return peer_pb2.SyncBatchReply(replies=replies)
+
+    def _sync_reply(self, request: Any) -> Any:
+        """The SyncReply to one SyncRequest (under the lock)."""
         backup = None
         if request.HasField("backup") and request.backup.round:
             b = request.backup
             backup = Outcome(b.round, b.step, b.state, b.error, b.bytes, b.seconds)
         c = self.coordinator
-        with self.lock:
-            try:
-                view = c.sync(
-                    request.job,
-                    request.rank,
-                    request.incarnation,
-                    request.step,
-                    _holdings(request.inventory),
-                    backup,
-                    request.data_parallelism,
-                    compact=request.compact,
-                )
-                reply = peer_pb2.SyncReply(
-                    known=view.known,
-                    synced_step=view.synced_step,
-                    synced_at=view.synced_at,
-                    peers=self._peer_list(request.want_peers if request.compact else None),
-                    steps=list(view.steps),
-                    restore_round=view.restore_round,
-                    summoned=view.summoned,
-                    live_nodes=c.live_count(),
-                    known_nodes=len(c.members),
-                    reported=view.reported,
-                    gone=sorted(c.gone),
-                )
-                if view.known and request.view_steps:
-                    # what changed in the steps the node's whole-step view shows
-                    parts = c.roster.parts
-                    asked = [(v.step, v.version) for v in request.view_steps]
-                    reply.part_changes.extend(
-                        peer_pb2.PartDigest(step=p.step, rank=p.rank, digest=p.digest)
-                        for p in parts.changes(request.parts_epoch, asked)
-                    )
-                    reply.parts_version, reply.parts_epoch = parts.version, parts.epoch
-            finally:
-                self._after()
+        view = c.sync(
+            request.job,
+            request.rank,
+            request.incarnation,
+            request.step,
+            _holdings(request.inventory),
+            backup,
+            request.data_parallelism,
+            compact=request.compact,
+        )
+        reply = peer_pb2.SyncReply(
+            known=view.known,
+            synced_step=view.synced_step,
+            synced_at=view.synced_at,
+            peers=self._peer_list(request.want_peers if request.compact else None),
+            steps=list(view.steps),
+            restore_round=view.restore_round,
+            summoned=view.summoned,
+            live_nodes=c.live_count(),
+            known_nodes=len(c.members),
+            reported=view.reported,
+            gone=sorted(c.gone),
+        )
+        if view.known and request.view_steps:
+            # what changed in the steps the node's whole-step view shows
+            parts = c.roster.parts
+            asked = [(v.step, v.version) for v in request.view_steps]
+            reply.part_changes.extend(
+                peer_pb2.PartDigest(step=p.step, rank=p.rank, digest=p.digest)
+                for p in parts.changes(request.parts_epoch, asked)
+            )
+            reply.parts_version, reply.parts_epoch = parts.version, parts.epoch
         if view.backup_order is not None:
             reply.backup_order.CopyFrom(
                 peer_pb2.BackupRound(
