@@ -106,6 +106,8 @@ class CoordinatorServicer:
         self.sync_calls = 0
         self.batch_calls = 0
         self.batched_members = 0
+        #: rank -> (the serialized inventory of its last Sync, as Holdings)
+        self._inventories: dict[int, tuple[bytes, tuple[Holding, ...]]] = {}
 
     # ------------------------------------------------------------------ any thread
 
@@ -371,6 +373,18 @@ class CoordinatorServicer:
                 self._after()
         return peer_pb2.SyncBatchReply(replies=replies)
 
+    def _inventory(self, rank: int, items: Any) -> tuple[Holding, ...]:
+        """``items`` (HeldShard messages) as Holdings; the tuple of the rank's last call
+        when they are the same bytes (a heartbeat's inventory rarely changes, and
+        converting it is a third of a Sync's pure cost at 10,000 nodes)."""
+        key = b"".join(h.SerializeToString() for h in items)
+        hit = self._inventories.get(rank)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        held = _holdings(items)
+        self._inventories[rank] = (key, held)
+        return held
+
     def _sync_reply(self, request: Any) -> Any:
         """The SyncReply to one SyncRequest (under the lock)."""
         backup = None
@@ -383,24 +397,29 @@ class CoordinatorServicer:
             request.rank,
             request.incarnation,
             request.step,
-            _holdings(request.inventory),
+            self._inventory(request.rank, request.inventory),
             backup,
             request.data_parallelism,
             compact=request.compact,
         )
+        # (only the fields set: building a reply is a good part of a heartbeat's cost)
         reply = peer_pb2.SyncReply(
             known=view.known,
             synced_step=view.synced_step,
             synced_at=view.synced_at,
-            peers=self._peer_list(request.want_peers if request.compact else None),
-            steps=list(view.steps),
             restore_round=view.restore_round,
             summoned=view.summoned,
             live_nodes=c.live_count(),
             known_nodes=len(c.members),
             reported=view.reported,
-            gone=sorted(c.gone),
         )
+        add = reply.peers.add
+        for p in c.peers(request.want_peers if request.compact else None):
+            add(rank=p.rank, address=p.address, incarnation=p.incarnation, live=p.live)
+        if view.steps:
+            reply.steps.extend(view.steps)
+        if c.gone:
+            reply.gone.extend(sorted(c.gone))
         if view.known and request.view_steps:
             # what changed in the steps the node's whole-step view shows
             parts = c.roster.parts
