@@ -153,7 +153,8 @@ class PeerTier:
 
     Args:
         config: the node configuration: ``listen``, ``advertise``,
-            ``coordinator``, ``peer_token``, ``join_timeout`` and ``keep_local``.
+            ``coordinator``, ``peer_token``, ``join_timeout``, ``keep_local`` and
+            ``heartbeat_group``.
         store: the RAM store (pulled shards arrive in its ``incoming``).
         shards: the store of committed shards.
         catalog: the held shards; the tier registers its sealed and withdrawn
@@ -292,8 +293,9 @@ class PeerTier:
             backup=backup,
             active_job=plane.active_job,
         )
+        self.heartbeat.route.group_size = c.heartbeat_group
         #: the group leader's side of the heartbeat tree (served by every node)
-        self.relay = SyncRelay(self.token, rank=self._own_rank)
+        self.relay = SyncRelay(self.token, rank=self._own_rank, stats=self.stats)
         #: shared with the parts (never replaced): what status() shows
         self.peers = self.book.peers
         self._sends = self.replicator.sends

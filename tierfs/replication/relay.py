@@ -31,6 +31,7 @@ import grpc.aio
 from tierfs.replication.groups import RELAY_WINDOW
 from tierfs.rpc import peer_pb2
 from tierfs.rpc import wire as peer_wire
+from tierfs.rpc.wire import WireStats
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class SyncRelay:
         window: seconds a batch collects members before it is sent.
         connect: ``connect(address)`` -> a ``grpc.aio.Channel`` (None: insecure,
             with the peer plane's channel options); called on the loop.
+        stats: the node's wire counters (``heartbeat_batches_sent``,
+            ``heartbeats_batched``), or None.
 
     Attributes:
         batches: SyncBatch calls sent; members: the heartbeats they carried;
@@ -66,7 +69,9 @@ class SyncRelay:
         rank: Callable[[], int] = lambda: -1,
         window: float = RELAY_WINDOW,
         connect: Callable[[str], grpc.aio.Channel] | None = None,
+        stats: WireStats | None = None,
     ) -> None:
+        self.stats = stats
         self.md = peer_wire.metadata(token)
         self.rank = rank
         self.window = window
@@ -118,6 +123,9 @@ class SyncRelay:
         stub = peer_pb2_grpc.CoordinatorStub(channel)
         self.batches += 1
         self.members += len(batch.requests)
+        if self.stats is not None:
+            self.stats.add("heartbeat_batches_sent")
+            self.stats.add("heartbeats_batched", len(batch.requests))
         try:
             reply = await stub.SyncBatch(
                 peer_pb2.SyncBatchRequest(members=batch.requests, leader=self.rank()),

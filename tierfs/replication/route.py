@@ -44,7 +44,9 @@ class SyncRoute:
         failed: node rank -> clock time a relay through it last failed.
         via: the node rank of the leader the last Sync went through (None: direct).
         relayed, direct, fallbacks: heartbeats sent through a leader, directly,
-            and directly after the leader failed.
+            and directly after the leader failed (also counted in the client's
+            wire stats: ``heartbeats_relayed``, ``heartbeats_direct``,
+            ``heartbeat_fallbacks``).
     """
 
     def __init__(
@@ -114,6 +116,7 @@ class SyncRoute:
                 with self._lock:
                     self.failed[via[0]] = self.clock()
                     self.fallbacks += 1
+                self.client.stats.add("heartbeat_fallbacks")
                 log.warning(
                     "heartbeat leader node-rank %d (%s) failed: %s; syncing directly",
                     via[0],
@@ -123,7 +126,9 @@ class SyncRoute:
             else:
                 self.via = via[0]
                 self.relayed += 1
+                self.client.stats.add("heartbeats_relayed")
                 return reply
         self.via = None
         self.direct += 1
+        self.client.stats.add("heartbeats_direct")
         return self.client.sync_call(coord, request)

@@ -200,6 +200,13 @@ class WireStats:
         "pulled_bytes",
         "corrupt_copies",
         "refused",
+        # heartbeats (issue #17 item 2): this node's own, and the batches it sent as
+        # its group's leader
+        "heartbeats_direct",
+        "heartbeats_relayed",
+        "heartbeat_fallbacks",
+        "heartbeat_batches_sent",
+        "heartbeats_batched",
     )
 
     def __init__(self) -> None:
