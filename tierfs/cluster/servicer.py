@@ -366,12 +366,15 @@ class CoordinatorServicer:
         await self._admit(context)
         self.batch_calls += 1
         self.batched_members += len(request.members)
+        out = peer_pb2.SyncBatchReply()
+        add = out.replies.add
         with self.lock:
             try:
-                replies = [self._sync_reply(m) for m in request.members]
+                for m in request.members:
+                    self._sync_reply(m, add())  # built in place: no copy per member
             finally:
                 self._after()
-        return peer_pb2.SyncBatchReply(replies=replies)
+        return out
 
     def _inventory(self, rank: int, items: Any) -> tuple[Holding, ...]:
         """``items`` (HeldShard messages) as Holdings; the tuple of the rank's last call
@@ -385,8 +388,9 @@ class CoordinatorServicer:
         self._inventories[rank] = (key, held)
         return held
 
-    def _sync_reply(self, request: Any) -> Any:
-        """The SyncReply to one SyncRequest (under the lock)."""
+    def _sync_reply(self, request: Any, reply: Any = None) -> Any:
+        """The SyncReply to one SyncRequest, filled into ``reply`` (an empty SyncReply;
+        None: a new one) and returned (under the lock)."""
         backup = None
         if request.HasField("backup") and request.backup.round:
             b = request.backup
@@ -403,16 +407,16 @@ class CoordinatorServicer:
             compact=request.compact,
         )
         # (only the fields set: building a reply is a good part of a heartbeat's cost)
-        reply = peer_pb2.SyncReply(
-            known=view.known,
-            synced_step=view.synced_step,
-            synced_at=view.synced_at,
-            restore_round=view.restore_round,
-            summoned=view.summoned,
-            live_nodes=c.live_count(),
-            known_nodes=len(c.members),
-            reported=view.reported,
-        )
+        if reply is None:
+            reply = peer_pb2.SyncReply()
+        reply.known = view.known
+        reply.synced_step = view.synced_step
+        reply.synced_at = view.synced_at
+        reply.restore_round = view.restore_round
+        reply.summoned = view.summoned
+        reply.live_nodes = c.live_count()
+        reply.known_nodes = len(c.members)
+        reply.reported = view.reported
         add = reply.peers.add
         for p in c.peers(request.want_peers if request.compact else None):
             add(rank=p.rank, address=p.address, incarnation=p.incarnation, live=p.live)
