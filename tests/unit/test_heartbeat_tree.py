@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc.aio
 import pytest
 
 from tierfs.cluster.coordinator import Coordinator
@@ -223,3 +224,24 @@ def test_a_hung_leaders_members_go_direct_after_the_relay_timeout(cluster):
     assert calls["batch"] == 0
     _check_replies(c, range(200, NODES))
     assert all(c.members[r].route.failed.get(200) is not None for r in range(200, NODES))
+
+
+def test_a_leader_that_cannot_reach_the_coordinator_is_kept(cluster):
+    """The batch call fails (the coordinator is at fault, not the leader): the
+    members sync directly this beat and go through their leader again the next."""
+    c = cluster
+    relay = c.relays[200]
+    relay._connect = lambda address: grpc.aio.insecure_channel("127.0.0.1:1")  # nothing there
+    relay._channels.clear()
+    calls = c.round(range(200, NODES))
+    assert calls["sync"] == GROUP and calls["batch"] == 0
+    _check_replies(c, range(200, NODES))
+    assert relay.failures >= 1
+    assert all(c.members[r].route.fallbacks == 1 for r in range(200, NODES))
+    assert all(200 not in c.members[r].route.failed for r in range(200, NODES))
+    relay._connect = lambda address: grpc.aio.insecure_channel(address)
+    relay._channels.clear()
+    c.clock[0] += 1.0
+    calls = c.round(range(200, NODES))
+    assert calls["sync"] == 0 and calls["members"] == GROUP
+    assert all(c.members[r].route.via == 200 for r in range(200, NODES))

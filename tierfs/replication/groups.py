@@ -27,6 +27,9 @@ CANDIDATES = 3
 RELAY_WINDOW = 1.0
 #: seconds a member waits for its leader's answer before it syncs directly
 RELAY_TIMEOUT = RELAY_WINDOW + 2.0
+#: how a leader's Relay answer starts when its batch call failed (the coordinator is at
+#: fault, not the leader: the member syncs directly this beat but keeps its leader)
+UPSTREAM = "leader could not reach the coordinator"
 #: seconds a node syncs directly (or with the next candidate) after its leader failed
 LEADER_BACKOFF = 30.0
 

@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from tierfs.replication.groups import RELAY_WINDOW
+from tierfs.replication.groups import RELAY_WINDOW, UPSTREAM
 from tierfs.rpc import peer_pb2
 from tierfs.rpc import wire as peer_wire
 from tierfs.rpc.wire import WireStats
@@ -78,6 +78,7 @@ class SyncRelay:
         self._connect = connect or _aio_channel
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._open: dict[str, _Batch] = {}
+        self._sending: set[asyncio.Task[None]] = set()
         self.batches = 0
         self.members = 0
         self.failures = 0
@@ -98,7 +99,7 @@ class SyncRelay:
         batch = self._open.get(coord)
         if batch is None:
             batch = self._open[coord] = _Batch()
-            loop.call_later(self.window, lambda: loop.create_task(self._send(coord)))
+            loop.call_later(self.window, self._start_send, coord)
         waiter: asyncio.Future[Any] = loop.create_future()
         batch.requests.append(request.sync)
         batch.waiters.append(waiter)
@@ -107,9 +108,14 @@ class SyncRelay:
         except grpc.aio.AioRpcError as exc:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
-                f"leader could not reach the coordinator {coord}: "
-                f"{exc.code().name} {exc.details()}",
+                f"{UPSTREAM} {coord}: {exc.code().name} {exc.details()}",
             )
+
+    def _start_send(self, coord: str) -> None:
+        # the loop keeps only weak references to tasks: hold it until it ends
+        task = asyncio.get_running_loop().create_task(self._send(coord))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
 
     async def _send(self, coord: str) -> None:
         batch = self._open.pop(coord, None)

@@ -7,6 +7,10 @@ that fails or does not answer within ``relay_timeout`` seconds is skipped for
 :data:`tierfs.replication.groups.LEADER_BACKOFF` seconds and the same request
 goes directly to the coordinator at once, so a dead leader delays a member's
 heartbeat by at most ``relay_timeout`` seconds once, never makes it miss one.
+A leader that answers that it could not reach the coordinator
+(:data:`tierfs.replication.groups.UPSTREAM`) is not skipped: the member syncs
+directly this beat only (a restarted or moved coordinator must not get every
+node's direct Sync for the backoff).
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from typing import Any, Protocol
 
 import grpc
 
-from tierfs.replication.client import PeerClient, rpc_reason
-from tierfs.replication.groups import GROUP_SIZE, RELAY_TIMEOUT, candidates, leader
+from tierfs.replication.client import PeerClient, rpc_code, rpc_reason
+from tierfs.replication.groups import GROUP_SIZE, RELAY_TIMEOUT, UPSTREAM, candidates, leader
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +117,13 @@ class SyncRoute:
             try:
                 reply = self.client.relay(via[1], coord, request, self.relay_timeout)
             except grpc.RpcError as exc:
+                details = exc.details() if hasattr(exc, "details") else ""
+                upstream = rpc_code(exc) == grpc.StatusCode.UNAVAILABLE and (
+                    details or ""
+                ).startswith(UPSTREAM)
                 with self._lock:
-                    self.failed[via[0]] = self.clock()
+                    if not upstream:  # a coordinator at fault must not send N nodes direct
+                        self.failed[via[0]] = self.clock()
                     self.fallbacks += 1
                 self.client.stats.add("heartbeat_fallbacks")
                 log.warning(
