@@ -29,6 +29,8 @@ def test_method_paths_are_pinned():
         "/tierfs.peer.v1.Coordinator/Barrier",
         "/tierfs.peer.v1.Coordinator/Sync",
         "/tierfs.peer.v1.Coordinator/Gone",
+        "/tierfs.peer.v1.Coordinator/SyncBatch",
+        "/tierfs.peer.v1.SyncRelay/Relay",
     )
     # ... and they are the generated module's (tierfs/rpc/peer.proto, package tierfs.peer.v1)
     assert pb2.DESCRIPTOR.package == "tierfs.peer.v1"

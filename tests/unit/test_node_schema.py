@@ -50,6 +50,7 @@ SAMPLES: dict[str, tuple[object, object, object]] = {
     "peer_token": ("s3cret", "s3cret", "s3cret"),
     "join_timeout": (12.5, 12.5, 12.5),
     "gone_after": (90.0, 90.0, 90.0),
+    "heartbeat_group": (16, 16, 16),
     "bucket": ("b/p", "b/p", "b/p"),
     "backup_interval_minutes": (7.5, 7.5, 7.5),
     "backup_interval_steps": (10, 10, 10),
@@ -211,6 +212,7 @@ def test_file_keys_are_the_schemas_and_unchanged():
         "logLevel", "job", "jobName", "nodeRank", "nodes", "peersPerNode", "peerRanks",
         "assumeDataParallelism", "processId", "jaxCoordinator", "sealPatterns", "keepLocal",
         "listen", "advertise", "coordinator", "peerToken", "joinTimeoutSeconds", "goneAfterSeconds",
+        "heartbeatGroupSize",
         "cloudStorageBucketName", "bucket", "backupIntervalMinutes", "backupIntervalSteps",
         "metricsPort",
     }  # fmt: skip

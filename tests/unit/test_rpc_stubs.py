@@ -78,7 +78,7 @@ def test_installed_modules_are_what_the_proto_files_compile_to(name, tmp_path):
 def test_the_wire_keeps_its_package_names():
     assert peer_pb2.DESCRIPTOR.package == "tierfs.peer.v1"
     assert csi_pb2.DESCRIPTOR.package == "csi.v1"
-    assert set(peer_pb2.DESCRIPTOR.services_by_name) == {"Peer", "Coordinator"}
+    assert set(peer_pb2.DESCRIPTOR.services_by_name) == {"Peer", "Coordinator", "SyncRelay"}
     assert set(csi_pb2.DESCRIPTOR.services_by_name) == {"Identity", "Node"}
 
 

@@ -81,6 +81,8 @@ class CoordinatorServicer:
         wakeups: times a sleeping call was woken by progress (not by its own
             deadline); an idle round adds none.
         evaluations: times a Decide/Barrier call evaluated the state.
+        sync_calls: ``Sync`` calls served; batch_calls: ``SyncBatch`` calls;
+        batched_members: the heartbeats those batches carried.
     """
 
     def __init__(
@@ -100,6 +102,12 @@ class CoordinatorServicer:
         self.waiting = 0
         self.wakeups = 0
         self.evaluations = 0
+        #: Sync calls, SyncBatch calls and the members those batches carried
+        self.sync_calls = 0
+        self.batch_calls = 0
+        self.batched_members = 0
+        #: rank -> (the serialized inventory of its last Sync, as Holdings)
+        self._inventories: dict[int, tuple[bytes, tuple[Holding, ...]]] = {}
 
     # ------------------------------------------------------------------ any thread
 
@@ -342,47 +350,89 @@ class CoordinatorServicer:
 
     async def Sync(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await self._admit(context)
+        self.sync_calls += 1
+        with self.lock:
+            try:
+                return self._sync_reply(request)
+            finally:
+                self._after()
+
+    async def SyncBatch(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        """The heartbeats of a group leader's members in one call (issue #17 item 2):
+        each member's SyncRequest is handled exactly as its own ``Sync`` (the same
+        fencing by job, incarnation, generation and gone ranks) and
+        ``replies[i]`` answers ``members[i]``. One lock hold and one wake-up
+        check for the whole batch; the per-call gRPC cost is paid once."""
+        await self._admit(context)
+        self.batch_calls += 1
+        self.batched_members += len(request.members)
+        out = peer_pb2.SyncBatchReply()
+        add = out.replies.add
+        with self.lock:
+            try:
+                for m in request.members:
+                    self._sync_reply(m, add())  # built in place: no copy per member
+            finally:
+                self._after()
+        return out
+
+    def _inventory(self, rank: int, items: Any) -> tuple[Holding, ...]:
+        """``items`` (HeldShard messages) as Holdings; the tuple of the rank's last call
+        when they are the same bytes (a heartbeat's inventory rarely changes, and
+        converting it is a third of a Sync's pure cost at 10,000 nodes)."""
+        key = b"".join(h.SerializeToString() for h in items)
+        hit = self._inventories.get(rank)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        held = _holdings(items)
+        self._inventories[rank] = (key, held)
+        return held
+
+    def _sync_reply(self, request: Any, reply: Any = None) -> Any:
+        """The SyncReply to one SyncRequest, filled into ``reply`` (an empty SyncReply;
+        None: a new one) and returned (under the lock)."""
         backup = None
         if request.HasField("backup") and request.backup.round:
             b = request.backup
             backup = Outcome(b.round, b.step, b.state, b.error, b.bytes, b.seconds)
         c = self.coordinator
-        with self.lock:
-            try:
-                view = c.sync(
-                    request.job,
-                    request.rank,
-                    request.incarnation,
-                    request.step,
-                    _holdings(request.inventory),
-                    backup,
-                    request.data_parallelism,
-                    compact=request.compact,
-                )
-                reply = peer_pb2.SyncReply(
-                    known=view.known,
-                    synced_step=view.synced_step,
-                    synced_at=view.synced_at,
-                    peers=self._peer_list(request.want_peers if request.compact else None),
-                    steps=list(view.steps),
-                    restore_round=view.restore_round,
-                    summoned=view.summoned,
-                    live_nodes=c.live_count(),
-                    known_nodes=len(c.members),
-                    reported=view.reported,
-                    gone=sorted(c.gone),
-                )
-                if view.known and request.view_steps:
-                    # what changed in the steps the node's whole-step view shows
-                    parts = c.roster.parts
-                    asked = [(v.step, v.version) for v in request.view_steps]
-                    reply.part_changes.extend(
-                        peer_pb2.PartDigest(step=p.step, rank=p.rank, digest=p.digest)
-                        for p in parts.changes(request.parts_epoch, asked)
-                    )
-                    reply.parts_version, reply.parts_epoch = parts.version, parts.epoch
-            finally:
-                self._after()
+        view = c.sync(
+            request.job,
+            request.rank,
+            request.incarnation,
+            request.step,
+            self._inventory(request.rank, request.inventory),
+            backup,
+            request.data_parallelism,
+            compact=request.compact,
+        )
+        # (only the fields set: building a reply is a good part of a heartbeat's cost)
+        if reply is None:
+            reply = peer_pb2.SyncReply()
+        reply.known = view.known
+        reply.synced_step = view.synced_step
+        reply.synced_at = view.synced_at
+        reply.restore_round = view.restore_round
+        reply.summoned = view.summoned
+        reply.live_nodes = c.live_count()
+        reply.known_nodes = len(c.members)
+        reply.reported = view.reported
+        add = reply.peers.add
+        for p in c.peers(request.want_peers if request.compact else None):
+            add(rank=p.rank, address=p.address, incarnation=p.incarnation, live=p.live)
+        if view.steps:
+            reply.steps.extend(view.steps)
+        if c.gone:
+            reply.gone.extend(sorted(c.gone))
+        if view.known and request.view_steps:
+            # what changed in the steps the node's whole-step view shows
+            parts = c.roster.parts
+            asked = [(v.step, v.version) for v in request.view_steps]
+            reply.part_changes.extend(
+                peer_pb2.PartDigest(step=p.step, rank=p.rank, digest=p.digest)
+                for p in parts.changes(request.parts_epoch, asked)
+            )
+            reply.parts_version, reply.parts_epoch = parts.version, parts.epoch
         if view.backup_order is not None:
             reply.backup_order.CopyFrom(
                 peer_pb2.BackupRound(

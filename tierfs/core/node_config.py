@@ -291,6 +291,16 @@ class NodeConfig(BaseModel):
         ),
         Where(flag="--gone-after", keys=("goneAfterSeconds",), unit="s", default_doc="off"),
     ] = None
+    heartbeat_group: Annotated[
+        Count,
+        Field(
+            ge=1,
+            description="Node ranks per heartbeat group: in a job of more nodes, each "
+            "node's heartbeat goes through its group's leader (its lowest live node "
+            "rank), which sends the group's heartbeats to the coordinator in one call.",
+        ),
+        Where(flag="--heartbeat-group", keys=("heartbeatGroupSize",)),
+    ] = 100
     # durable plane
     bucket: Annotated[
         str | None,

@@ -451,30 +451,74 @@ class PeerClient:
         ranks whose addresses the reply lists (a compact reply); None: every member.
         ``view_steps``: (step, parts version) of the steps the whole-step view shows,
         known at ``parts_epoch`` (the reply's ``part_changes``)."""
-        req = peer_pb2.SyncRequest(
-            job=job,
-            rank=rank,
-            incarnation=incarnation,
-            step=step,
-            inventory=[peer_wire.held_shard(h) for h in inventory],
-            data_parallelism=data_parallelism or 0,
-            want_peers=list(want_peers or ()),
-            compact=want_peers is not None,
-            view_steps=[peer_pb2.ViewStep(step=s, version=v) for s, v in view_steps],
-            parts_epoch=parts_epoch,
+        req = sync_request(
+            job,
+            rank,
+            incarnation,
+            step,
+            inventory,
+            backup,
+            data_parallelism,
+            want_peers,
+            view_steps,
+            parts_epoch,
         )
-        if backup is not None:
-            req.backup.CopyFrom(
-                peer_pb2.BackupOutcome(
-                    round=backup.round,
-                    step=backup.step,
-                    state=backup.state,
-                    error=backup.error,
-                    bytes=backup.bytes,
-                    seconds=backup.seconds,
-                )
+        return self.sync_call(address, req)
+
+    def sync_call(self, address: str, request: Any) -> Any:
+        """Send the SyncRequest ``request`` to the coordinator at ``address``; the SyncReply."""
+        return self.coordinator(address).Sync(request, metadata=self.md, timeout=10)
+
+    def relay(self, leader: str, coord: str, request: Any, timeout: float) -> Any:
+        """Send the SyncRequest ``request`` through the group leader at ``leader`` (its
+        ``SyncRelay`` service) to the coordinator at ``coord``; the member's SyncReply.
+
+        Raises:
+            grpc.RpcError: the leader did not answer within ``timeout`` seconds, or
+                could not reach the coordinator (UNAVAILABLE): sync directly.
+        """
+        stub = peer_pb2_grpc.SyncRelayStub(self.channel(leader))
+        req = peer_pb2.RelayRequest(coordinator=coord, sync=request)
+        return stub.Relay(req, metadata=self.md, timeout=timeout)
+
+
+def sync_request(
+    job: str,
+    rank: int,
+    incarnation: str,
+    step: int,
+    inventory: Iterable[Holding],
+    backup: Outcome | None = None,
+    data_parallelism: int | None = None,
+    want_peers: Iterable[int] | None = None,
+    view_steps: Iterable[tuple[int, int]] = (),
+    parts_epoch: str = "",
+) -> Any:
+    """The SyncRequest of :meth:`PeerClient.sync` (sent directly or through a leader)."""
+    req = peer_pb2.SyncRequest(
+        job=job,
+        rank=rank,
+        incarnation=incarnation,
+        step=step,
+        inventory=[peer_wire.held_shard(h) for h in inventory],
+        data_parallelism=data_parallelism or 0,
+        want_peers=list(want_peers or ()),
+        compact=want_peers is not None,
+        view_steps=[peer_pb2.ViewStep(step=s, version=v) for s, v in view_steps],
+        parts_epoch=parts_epoch,
+    )
+    if backup is not None:
+        req.backup.CopyFrom(
+            peer_pb2.BackupOutcome(
+                round=backup.round,
+                step=backup.step,
+                state=backup.state,
+                error=backup.error,
+                bytes=backup.bytes,
+                seconds=backup.seconds,
             )
-        return self.coordinator(address).Sync(req, metadata=self.md, timeout=10)
+        )
+    return req
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:

@@ -14,6 +14,16 @@ It also carries the steps of the node's whole-step view up and the own parts
 reported changed in them down (:class:`tierfs.core.ports.PartWatch`): a rank
 that saved a step again is noticed by every node within about two heartbeats.
 Every :data:`CATCH_UP` seconds the replicator sends what a live peer lacks.
+
+In a job of more than :data:`tierfs.replication.groups.GROUP_SIZE` nodes the
+Sync goes through the node's group leader (ARCHITECTURE.md "Heartbeat
+groups", :mod:`tierfs.replication.groups`, :mod:`tierfs.replication.relay`),
+which sends its group's heartbeats in one call; a leader that does not answer
+within :data:`tierfs.replication.groups.RELAY_TIMEOUT` seconds is skipped for
+:data:`tierfs.replication.groups.LEADER_BACKOFF` seconds and the Sync goes
+directly to the coordinator in the same beat. Heartbeats start every
+:data:`HEARTBEAT` seconds (fixed rate: the wait for a leader's batch does not
+stretch the period).
 """
 
 from __future__ import annotations
@@ -29,12 +39,13 @@ from tierfs.core.control import JobSpec
 from tierfs.core.ports import BackupOrders, CurrentJob, PartWatch, Summons
 from tierfs.core.types import FAILED, Outcome, RoundView
 from tierfs.replication.addresses import AddressBook, Endpoint
-from tierfs.replication.client import PeerClient, rpc_code, rpc_reason
+from tierfs.replication.client import PeerClient, rpc_code, rpc_reason, sync_request
 from tierfs.replication.holdings import Holdings
 from tierfs.replication.lanes import Lane
 from tierfs.replication.plane import PlaneState
 from tierfs.replication.rendezvous import CoordinatorFinder
 from tierfs.replication.replicator import Replicator
+from tierfs.replication.route import SyncRoute
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +80,8 @@ class Heartbeat:
         wake: set to send a heartbeat now (replaced after each one).
         parts_watch: the whole-step view told of changed parts, or None (set after
             construction: the view is built after the peer tier).
+        route: where the Sync goes (the group leader or the coordinator; its
+            ``group_size`` and ``relay_timeout`` may be changed before :meth:`run`).
     """
 
     def __init__(
@@ -106,6 +119,7 @@ class Heartbeat:
         self._coord_ok: bool | None = None
         self._reported_ok: int | None = None
         self._no_bucket: Outcome | None = None
+        self.route = SyncRoute(client)
 
     def poke(self) -> None:
         """Send a heartbeat now (e.g. a backup outcome to report)."""
@@ -121,6 +135,7 @@ class Heartbeat:
         """Heartbeat until cancelled; errors are kept in :attr:`last_error` and logged."""
         last_catch_up = trio.current_time()
         while True:
+            started = trio.current_time()
             if trio.current_time() - last_catch_up >= CATCH_UP:
                 last_catch_up = trio.current_time()
                 try:
@@ -150,7 +165,7 @@ class Heartbeat:
                     self.coordinator_lost()
                 except Exception:
                     log.exception("heartbeat failed")
-            with trio.move_on_after(HEARTBEAT):
+            with trio.move_on_at(started + HEARTBEAT):
                 await self.wake.wait()
             self.wake = trio.Event()
 
@@ -165,9 +180,15 @@ class Heartbeat:
             backup_interval_minutes=job.backup_interval_minutes or 0.0,
             backup_interval_steps=job.backup_interval_steps or 0,
             inventory=self.holdings.holdings(job.name),
-            want_peers=self.book.wanted(job),
+            want_peers=self.wanted(job),
             compact=True,
         )
+
+    def wanted(self, job: JobSpec) -> list[int]:
+        """The ranks whose addresses this node asks for: the address book's and the
+        candidate leaders of its heartbeat group."""
+        lead = self.route.wanted(job.node_rank, job.nodes)
+        return sorted(set(self.book.wanted(job)) | set(lead))
 
     def backup_outcome(self) -> Outcome | None:
         """The outcome of the node's last backup round (reported in the next Sync)."""
@@ -187,21 +208,23 @@ class Heartbeat:
         self.plane.reported = tuple(
             sorted({s for s in (self._reported_ok, step) if s is not None and s >= 0})
         )
+        request = sync_request(
+            job.name,
+            job.node_rank,
+            self.me.incarnation,
+            step,
+            inventory,
+            self.backup_outcome(),
+            job.assume_data_parallelism,
+            self.wanted(job),
+            watched,
+            epoch,
+        )
         async with self.lane.limiter:
-            reply = await trio.to_thread.run_sync(
-                self.client.sync,
-                coord,
-                job.name,
-                job.node_rank,
-                self.me.incarnation,
-                step,
-                inventory,
-                self.backup_outcome(),
-                job.assume_data_parallelism,
-                self.book.wanted(job),
-                watched,
-                epoch,
+            via = self.route.leader_of(
+                job.node_rank, job.nodes, self.me.address, self.book.peers, self.book.gone
             )
+            reply = await trio.to_thread.run_sync(self.route.sync, coord, request, via)
             self._reported_ok = step
             self.plane.reported = (step,) if step >= 0 else ()
             if not reply.known:

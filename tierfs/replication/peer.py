@@ -78,6 +78,7 @@ from tierfs.replication.lanes import (
     PriorityLane,
 )
 from tierfs.replication.plane import PlaneState
+from tierfs.replication.relay import SyncRelay
 from tierfs.replication.rendezvous import CoordinatorFinder
 from tierfs.replication.replicator import Replicator
 from tierfs.replication.replicator import delivered as _done
@@ -153,7 +154,8 @@ class PeerTier:
 
     Args:
         config: the node configuration: ``listen``, ``advertise``,
-            ``coordinator``, ``peer_token``, ``join_timeout`` and ``keep_local``.
+            ``coordinator``, ``peer_token``, ``join_timeout``, ``keep_local`` and
+            ``heartbeat_group``.
         store: the RAM store (pulled shards arrive in its ``incoming``).
         shards: the store of committed shards.
         catalog: the held shards; the tier registers its sealed and withdrawn
@@ -294,6 +296,9 @@ class PeerTier:
             backup=backup,
             active_job=plane.active_job,
         )
+        self.heartbeat.route.group_size = c.heartbeat_group
+        #: the group leader's side of the heartbeat tree (served by every node)
+        self.relay = SyncRelay(self.token, rank=self._own_rank, stats=self.stats)
         #: shared with the parts (never replaced): what status() shows
         self.peers = self.book.peers
         self._sends = self.replicator.sends
@@ -538,11 +543,14 @@ class PeerTier:
         # may be known only once a job starts (the gate answers the others)
         peer = with_sync_context(peer_handlers(PeerServicer(self.holdings)))
         coordinator = self.coordinator
+        relay = self.relay
 
         def setup(server: Any, loop: Any) -> None:
-            # one asyncio loop thread: the coordinator's waiting calls hold no thread;
-            # the data plane's blocking handlers run in the server's 32 threads
+            # one asyncio loop thread: the coordinator's waiting calls and the
+            # heartbeat relay's members hold no thread; the data plane's blocking
+            # handlers run in the server's 32 threads
             server.add_generic_rpc_handlers((peer,))
+            relay.attach(server, loop)
             if coordinator is not None:
                 coordinator.attach(server, loop)
 
@@ -570,6 +578,11 @@ class PeerTier:
             if self.static_coordinator
             else "; the coordinator is found through the bucket (node-rank 0 serves it)",
         )
+
+    def _own_rank(self) -> int:
+        """This node's node rank in the current job (-1: none; any thread)."""
+        job = self.current.job
+        return job.node_rank if job is not None else -1
 
     def pinned(self) -> set[ShardKey]:
         """Shards being sent or served, a restore's chosen shard until it is published,

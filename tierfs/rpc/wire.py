@@ -40,10 +40,12 @@ MAX_MESSAGE = 16 << 20
 CHUNK = 4 << 20
 
 PEER_METHODS = ("Inventory", "PushShard", "PullShard")
-COORDINATOR_METHODS = ("Join", "Decide", "Barrier", "Sync", "Gone")
+COORDINATOR_METHODS = ("Join", "Decide", "Barrier", "Sync", "Gone", "SyncBatch")
+RELAY_METHODS = ("Relay",)
 METHOD_PATHS = tuple(
     [f"/tierfs.peer.v1.Peer/{m}" for m in PEER_METHODS]
     + [f"/tierfs.peer.v1.Coordinator/{m}" for m in COORDINATOR_METHODS]
+    + [f"/tierfs.peer.v1.SyncRelay/{m}" for m in RELAY_METHODS]
 )
 
 CHANNEL_OPTIONS = (
@@ -198,6 +200,13 @@ class WireStats:
         "pulled_bytes",
         "corrupt_copies",
         "refused",
+        # heartbeats (issue #17 item 2): this node's own, and the batches it sent as
+        # its group's leader
+        "heartbeats_direct",
+        "heartbeats_relayed",
+        "heartbeat_fallbacks",
+        "heartbeat_batches_sent",
+        "heartbeats_batched",
     )
 
     def __init__(self) -> None:

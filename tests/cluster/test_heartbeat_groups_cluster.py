@@ -1,0 +1,73 @@
+"""Heartbeat groups with real daemons (issue #17 item 2): 4 nodes, ``--heartbeat-group 2``.
+
+Node-ranks 0 and 2 lead the groups {0, 1} and {2, 3}: every node's heartbeat
+goes through its leader's relay, the leaders send batches to the coordinator
+(node-rank 0). When leader 2 dies, node 3 falls back to a direct Sync in the
+same beat and then leads itself; the coordinator never sees it stale.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from peer_cluster import Cluster, job_args, wait_until
+
+pytestmark = pytest.mark.slow
+
+JOB = "hbgroups"
+
+
+def test_four_daemons_in_two_heartbeat_groups_keep_their_liveness_when_a_leader_dies(
+    make_mount,
+):
+    c = Cluster(make_mount, 4, extra=("--heartbeat-group", "2"), node_args=job_args(JOB, 4))
+
+    def members() -> dict[int, dict[str, Any]]:
+        state = c.peer(0)["coordinator_state"] or {}
+        return {m["rank"]: m for m in state.get("members", [])}
+
+    def wire(i: int) -> dict[str, int]:
+        return c.peer(i)["wire"]
+
+    wait_until(
+        lambda: all(wire(i)["heartbeats_relayed"] >= 3 for i in range(4)),
+        90,
+        "every node's heartbeats through its group leader",
+    )
+    assert wire(0)["heartbeat_batches_sent"] >= 3 and wire(2)["heartbeat_batches_sent"] >= 3
+    # settled (a node may lead itself until it knows its leader's address): the
+    # members' heartbeats go through their leaders only
+    before = {i: wire(i) for i in (1, 3)}
+    wait_until(
+        lambda: all(
+            wire(i)["heartbeats_relayed"] >= before[i]["heartbeats_relayed"] + 3 for i in (1, 3)
+        ),
+        60,
+        "three more heartbeats of nodes 1 and 3 through their leaders",
+    )
+    for i in (1, 3):
+        now = wire(i)
+        for key in ("heartbeat_batches_sent", "heartbeat_fallbacks", "heartbeats_direct"):
+            assert now[key] == before[i][key], (i, key, now, before[i])
+    wait_until(
+        lambda: sorted(r for r, m in members().items() if m["live"]) == [0, 1, 2, 3],
+        30,
+        "the coordinator to see all 4 nodes live",
+    )
+    relayed = wire(3)["heartbeats_relayed"]
+
+    c.mounts[2].kill9()  # the leader of {2, 3}
+    wait_until(lambda: wire(3)["heartbeat_fallbacks"] >= 1, 30, "node 3 to leave its dead leader")
+    wait_until(lambda: not members()[2]["live"], 30, "the coordinator to see node-rank 2 gone")
+    m = members()
+    assert m[3]["live"] and m[3]["seen_seconds_ago"] < 3.0, m[3]
+    assert m[1]["live"] and m[0]["live"]
+    # node 3 is now the lowest live rank of its group: it relays its own heartbeat
+    wait_until(
+        lambda: wire(3)["heartbeat_batches_sent"] >= 2 and wire(3)["heartbeats_relayed"] > relayed,
+        30,
+        "node 3 to lead its group",
+    )
+    assert members()[3]["seen_seconds_ago"] < 3.0
+    assert "heartbeat" not in c.errors(3)

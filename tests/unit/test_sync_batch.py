@@ -1,0 +1,104 @@
+"""The coordinator's batched heartbeat call, SyncBatch (issue #17 item 2).
+
+Two coordinators in the same state on the same clock: one answers each
+member's Sync, the other the same requests in one SyncBatch. Every reply
+must be byte-identical (the fencing, the peers, the gone ranks, the part
+changes, counts), and the coordinator's state after the round the same.
+The handlers are called directly (no sockets: the gRPC path is
+tests/unit/test_heartbeat_tree.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from tierfs.cluster.coordinator import Coordinator, Holding
+from tierfs.cluster.servicer import CoordinatorServicer
+from tierfs.replication.client import sync_request
+from tierfs.rpc import peer_pb2
+from tierfs.rpc import wire as peer_wire
+
+NODES = 12
+JOB = "job"
+
+
+def _servicer(clock: list[float]) -> CoordinatorServicer:
+    s = CoordinatorServicer(Coordinator(clock=lambda: clock[0], live_seconds=5.0))
+    for r in range(NODES):
+        asyncio.run(
+            s.Join(
+                peer_pb2.JoinRequest(
+                    job=JOB,
+                    nodes=NODES,
+                    rank=r,
+                    address=f"10.0.0.{r}:7000",
+                    incarnation=f"i{r}",
+                    mode="protocol",
+                    inventory=[peer_wire.held_shard(Holding(r, 3, True, f"d{r}-3"))],
+                ),
+                None,
+            )
+        )
+    s.coordinator.declare_gone(JOB, [7], "test")
+    return s
+
+
+def _requests(step: int, digest: str = "") -> list[peer_pb2.SyncRequest]:
+    out = []
+    for r in range(NODES):
+        inc = "stale" if r == 4 else f"i{r}"  # node-rank 4 restarted: it must join again
+        held = [Holding(r, 3, True, f"d{r}-3"), Holding(r, step, True, digest or f"d{r}-{step}")]
+        out.append(
+            sync_request(
+                JOB,
+                r,
+                inc,
+                step,
+                held,
+                want_peers=sorted({0, (r + 1) % NODES, (r + 5) % NODES} - {r}),
+                view_steps=[(step, 0)],
+            )
+        )
+    return out
+
+
+def test_a_batch_answers_every_member_as_its_own_sync_would():
+    clock = [100.0]
+    one, batch = _servicer(clock), _servicer(clock)
+    for step in (5, 6):
+        clock[0] += 1.0
+        reqs = _requests(step)
+        direct = [asyncio.run(one.Sync(q, None)) for q in reqs]
+        got = asyncio.run(batch.SyncBatch(peer_pb2.SyncBatchRequest(members=reqs, leader=0), None))
+        assert len(got.replies) == NODES
+        for r, (a, b) in enumerate(zip(direct, got.replies, strict=True)):
+            # (each coordinator numbers its part digests in an epoch of its own)
+            assert (a.parts_epoch == one.coordinator.roster.parts.epoch) == a.known
+            assert (b.parts_epoch == batch.coordinator.roster.parts.epoch) == b.known
+            a.parts_epoch = b.parts_epoch = ""
+            assert b.SerializeToString() == a.SerializeToString(), r
+        assert batch.batch_calls == step - 4 and batch.batched_members == NODES * (step - 4)
+        assert batch.sync_calls == 0
+    replies = got.replies
+    assert not replies[4].known and not replies[7].known  # restarted; gone for good
+    assert all(replies[r].known for r in range(NODES) if r not in (4, 7))
+    assert list(replies[0].gone) == [7]
+    assert [p.rank for p in replies[3].peers] == [0, 4, 8]
+    assert replies[3].peers[1].address == "10.0.0.4:7000"
+    c1, c2 = one.coordinator, batch.coordinator
+    for r in range(NODES):
+        assert c2.members[r].last_seen == c1.members[r].last_seen
+        assert c2.members[r].inventory == c1.members[r].inventory
+
+
+def test_a_changed_inventory_is_taken_though_the_last_one_is_reused():
+    clock = [100.0]
+    s = _servicer(clock)
+    first = _requests(5)
+    asyncio.run(s.SyncBatch(peer_pb2.SyncBatchRequest(members=first), None))
+    held = s.coordinator.members[2].inventory
+    asyncio.run(s.SyncBatch(peer_pb2.SyncBatchRequest(members=_requests(5)), None))
+    assert s.coordinator.members[2].inventory is held  # same bytes: not converted again
+    asyncio.run(s.SyncBatch(peer_pb2.SyncBatchRequest(members=_requests(5, "other")), None))
+    assert [h.digest for h in s.coordinator.members[2].inventory] == ["d2-3", "other"]
+    assert s.coordinator.roster.holders(5)[2] == "other"

@@ -1,0 +1,143 @@
+"""A member's side of the heartbeat tree: its Sync through the group leader or directly.
+
+ARCHITECTURE.md "Heartbeat groups" (issue #17 item 2). :class:`SyncRoute`
+picks the leader (:func:`tierfs.replication.groups.leader` over the peers the
+coordinator last described) and sends the SyncRequest through it; a leader
+that fails or does not answer within ``relay_timeout`` seconds is skipped for
+:data:`tierfs.replication.groups.LEADER_BACKOFF` seconds and the same request
+goes directly to the coordinator at once, so a dead leader delays a member's
+heartbeat by at most ``relay_timeout`` seconds once, never makes it miss one.
+A leader that answers that it could not reach the coordinator
+(:data:`tierfs.replication.groups.UPSTREAM`) is not skipped: the member syncs
+directly this beat only (a restarted or moved coordinator must not get every
+node's direct Sync for the backoff).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, Protocol
+
+import grpc
+
+from tierfs.replication.client import PeerClient, rpc_code, rpc_reason
+from tierfs.replication.groups import GROUP_SIZE, RELAY_TIMEOUT, UPSTREAM, candidates, leader
+
+log = logging.getLogger(__name__)
+
+
+class _Peer(Protocol):
+    address: str
+    live: bool
+
+
+class SyncRoute:
+    """Where a node's heartbeats go (blocking calls: run :meth:`sync` in a worker thread).
+
+    Args:
+        client: the node's calls (``relay`` and ``sync_call``).
+        group_size: node ranks per heartbeat group (jobs of at most this many
+            nodes sync directly).
+        relay_timeout: seconds to wait for the leader's answer.
+        clock: monotonic seconds (the leaders' failure times).
+
+    Attributes:
+        failed: node rank -> clock time a relay through it last failed.
+        via: the node rank of the leader the last Sync went through (None: direct).
+        relayed, direct, fallbacks: heartbeats sent through a leader, directly,
+            and directly after the leader failed (also counted in the client's
+            wire stats: ``heartbeats_relayed``, ``heartbeats_direct``,
+            ``heartbeat_fallbacks``).
+    """
+
+    def __init__(
+        self,
+        client: PeerClient,
+        *,
+        group_size: int = GROUP_SIZE,
+        relay_timeout: float = RELAY_TIMEOUT,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.group_size = group_size
+        self.relay_timeout = relay_timeout
+        self.clock = clock
+        self.failed: dict[int, float] = {}
+        self.via: int | None = None
+        self.relayed = self.direct = self.fallbacks = 0
+        self._lock = threading.Lock()
+
+    def wanted(self, rank: int, nodes: int) -> list[int]:
+        """The candidate leaders of ``rank``'s group other than itself (their addresses
+        are asked for in every Sync)."""
+        return [r for r in candidates(rank, nodes, self.group_size) if r != rank]
+
+    def leader_of(
+        self,
+        rank: int,
+        nodes: int,
+        own_address: str,
+        peers: Mapping[int, _Peer],
+        gone: Collection[int] = (),
+    ) -> tuple[int, str] | None:
+        """(node rank, address) of the leader ``rank``'s heartbeat goes through now, or
+        None: directly. ``peers``: rank -> the coordinator's last address and live
+        flag; ``own_address``: this node's (it leads its group while it is the
+        lowest live candidate; "" without a server: never)."""
+        if nodes <= self.group_size:
+            return None
+        live = {r: p.live for r, p in peers.items() if p.address}
+        live[rank] = bool(own_address)  # its own liveness is not the coordinator's word
+        with self._lock:
+            failed = dict(self.failed)
+        chosen = leader(
+            rank,
+            nodes,
+            live=live,
+            gone=gone,
+            failed=failed,
+            now=self.clock(),
+            group_size=self.group_size,
+        )
+        if chosen is None:
+            return None
+        return chosen, own_address if chosen == rank else peers[chosen].address
+
+    def sync(self, coord: str, request: Any, via: tuple[int, str] | None) -> Any:
+        """The SyncReply to ``request`` (a SyncRequest): through the leader ``via`` or,
+        when it is None or fails, directly from the coordinator at ``coord``.
+
+        Raises:
+            grpc.RpcError: the coordinator did not answer the direct Sync.
+        """
+        if via is not None:
+            try:
+                reply = self.client.relay(via[1], coord, request, self.relay_timeout)
+            except grpc.RpcError as exc:
+                details = exc.details() if hasattr(exc, "details") else ""
+                upstream = rpc_code(exc) == grpc.StatusCode.UNAVAILABLE and (
+                    details or ""
+                ).startswith(UPSTREAM)
+                with self._lock:
+                    if not upstream:  # a coordinator at fault must not send N nodes direct
+                        self.failed[via[0]] = self.clock()
+                    self.fallbacks += 1
+                self.client.stats.add("heartbeat_fallbacks")
+                log.warning(
+                    "heartbeat leader node-rank %d (%s) failed: %s; syncing directly",
+                    via[0],
+                    via[1],
+                    rpc_reason(exc),
+                )
+            else:
+                self.via = via[0]
+                self.relayed += 1
+                self.client.stats.add("heartbeats_relayed")
+                return reply
+        self.via = None
+        self.direct += 1
+        self.client.stats.add("heartbeats_direct")
+        return self.client.sync_call(coord, request)
