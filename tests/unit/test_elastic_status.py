@@ -147,8 +147,12 @@ def test_wait_says_where_the_other_ranks_files_of_the_restored_step_come_from():
         "the other ranks' files of step 30: 4 here, 2 fetched on first read "
         "(3 ranks: 0, 2, 3); fetched so far: 1048576 bytes from gcs"
     )
-    assert whole_step_note(status({}, local=6)) == (
-        "the other ranks' files of step 30: 6 here, 0 fetched on first read (3 ranks: 0, 2, 3)"
+    assert whole_step_note(status({"peer": 5}, local=6)) == (
+        "the other ranks' files of step 30: 6 here, 0 fetched on first read "
+        "(3 ranks: 0, 2, 3); fetched so far: 5 bytes from peer"
     )
+    # every file here from the start (regression: a note on every plain restore)
+    assert whole_step_note(status({}, local=6)) is None
+    assert whole_step_note(status({"gcs": 0})) is None
     one = NodeStatus.from_json({"restore": {"state": "done", "step": 30, "source": "local"}})
     assert whole_step_note(one) is None  # one node, or no view

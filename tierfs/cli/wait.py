@@ -137,18 +137,21 @@ def whole_step_note(status: NodeStatus) -> str | None:
     ``restored step N from local``: ``the other ranks' files of step 30: 4 here, 2
     fetched on first read (3 ranks: 0, 2, 3); fetched so far: 1048576 bytes from
     gcs`` (new-user trial of #16: the line named only this node's own part). None
-    when the view shows no other rank's files of the step."""
+    when the view shows no other rank's files of the step, or all of them were here
+    from the start (own copies, replicas: a plain restore keeps its one line)."""
     step = status.restore.step
     view = status.whole_view
     s = view.step(step) if step and view.active else None
     if s is None or not s.ranks_known:
         return None
     later = s.remote + s.fetching
+    got = [f"{n} bytes from {tier}" for tier, n in sorted(view.fetched_bytes.items()) if n]
+    if not later and not (got and s.local):
+        return None  # every file here (own copies, replicas): nothing to say
     text = (
         f"the other ranks' files of step {step}: {s.local} here, {later} fetched on first "
         f"read ({len(s.ranks_known)} ranks: {', '.join(map(str, s.ranks_known))})"
     )
-    got = [f"{n} bytes from {tier}" for tier, n in sorted(view.fetched_bytes.items()) if n]
     if got:
         text += f"; fetched so far: {', '.join(got)}"
     return text
