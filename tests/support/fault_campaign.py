@@ -1505,6 +1505,7 @@ class Campaign:
         root = self.root(n)
         filler = root / "filler.bin"
         fault.t0 = time.monotonic()
+        log_at = self._log_size(n)
         written, full = self._fill(filler, cap=2 * self._budget(n))
         if not full:
             self.reasons_extra.append(
@@ -1512,7 +1513,14 @@ class Campaign:
             )
         v, res = self.save_all()
         err = res.get(n)
-        if err is None:
+        freed = "dropping shard" in self._log_text(n, log_at)
+        if err is None and freed:
+            # regression (CI under load, seed 19 #6): retention dropped an old step after
+            # the filler's ENOSPC, so the save found room: correct, not a fault
+            self.notes.append(
+                f"node {n}: save of step {v.step} found room that retention freed after the fill"
+            )
+        elif err is None:
             self.reasons_extra.append(
                 f"node {n}: saving step {v.step} ({self.size} bytes) "
                 f"succeeded although a filler of {written} bytes had "
