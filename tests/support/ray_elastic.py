@@ -54,7 +54,8 @@ def my_node() -> int:
 
 
 def wait_restore(mount: str, world: int) -> tuple[int, str]:
-    """``tierfs wait MOUNT --nodes WORLD``: (exit code, stdout + stderr)."""
+    """``tierfs wait MOUNT --nodes WORLD``: (exit code, stdout + stderr without the
+    ``tierfs: note:`` lines, e.g. where other ranks' files were fetched from)."""
     w = subprocess.run(
         [sys.executable, "-m", "tierfs", "wait", mount, "--nodes", str(world), "--timeout", "400"],
         capture_output=True,
@@ -62,7 +63,10 @@ def wait_restore(mount: str, world: int) -> tuple[int, str]:
         timeout=460,
         check=False,
     )
-    return w.returncode, (w.stdout + w.stderr).strip()
+    err = "".join(
+        line for line in w.stderr.splitlines(keepends=True) if not line.startswith("tierfs: note:")
+    )
+    return w.returncode, (w.stdout + err).strip()
 
 
 def train_loop(config: dict[str, Any]) -> None:
