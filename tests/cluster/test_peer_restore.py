@@ -90,7 +90,23 @@ def shard_file(c: Cluster, holder: int, rank: int, step: int) -> str:
     )
 
 
-def test_corrupt_replica_falls_back_to_the_newest_complete_older_step(make_mount):
+#: who finds a flipped byte in a survivor's copy: the holder itself when it re-checks
+#: every copy it holds on a summons (TIERFS_REVERIFY_AFTER=0), or, by default (the
+#: copy was checked when it arrived, within the window), the restoring node when the
+#: fetched bytes fail their crc32c; either way the same step is restored
+WHO_FINDS = pytest.mark.parametrize("finder", ["holder", "reader"])
+
+
+def _reverify(monkeypatch: pytest.MonkeyPatch, finder: str) -> None:
+    if finder == "holder":
+        monkeypatch.setenv("TIERFS_REVERIFY_AFTER", "0")
+
+
+@WHO_FINDS
+def test_corrupt_replica_falls_back_to_the_newest_complete_older_step(
+    make_mount, monkeypatch, finder
+):
+    _reverify(monkeypatch, finder)
     c = Cluster(make_mount, 4)
     first = c.clients(steps="1,2,3,4,5", size=200_000)
     c.wait_synced(5)
@@ -101,14 +117,21 @@ def test_corrupt_replica_falls_back_to_the_newest_complete_older_step(make_mount
     assert [r["restored"] for r in again] == [4, 4, 4, 4], c.logs()
     assert all(r["restored_ok"] for r in again), again
     assert again[3]["restored_digest"] == first[3]["saved"]["4"]
-    errors = c.errors(2)
-    assert "step 5 of rank 3 failed verification" in errors
-    assert "crc32c" in errors
     decision = c.peer(0)["coordinator_state"]["round"]
     assert decision["step"] == 4 and "step 5 lacks rank(s) [3]" in decision["reason"]
+    if finder == "holder":
+        errors = c.errors(2)
+        assert "step 5 of rank 3 failed verification" in errors
+        assert "crc32c" in errors
+    else:
+        errors = c.errors(3)
+        assert "the copy of step 5 of rank 3 on node-rank 2 is bad" in errors
+        assert "crc32c" in errors
 
 
-def test_corrupt_replica_another_copy_is_used(make_mount):
+@WHO_FINDS
+def test_corrupt_replica_another_copy_is_used(make_mount, monkeypatch, finder):
+    _reverify(monkeypatch, finder)
     c = Cluster(make_mount, 4)
     first = c.clients(steps="1,2,3", size=200_000, peers_per_node=2)
     c.wait_synced(3)
@@ -121,7 +144,12 @@ def test_corrupt_replica_another_copy_is_used(make_mount):
     assert again[3]["restored_ok"]
     assert again[3]["restored_digest"] == first[3]["saved"]["3"]
     assert c.status(3)["restore"]["source"] == "peer:1"
-    assert "step 3 of rank 3 failed verification" in c.errors(2)
+    if finder == "holder":
+        assert "step 3 of rank 3 failed verification" in c.errors(2)
+    else:
+        # node 2 checked its copy when it arrived (within the window): not read again
+        # on the summons; the restored bytes are the good ones (digest above)
+        assert "failed verification" not in c.errors(2)
 
 
 def test_two_nodes_lost_with_both_copies_gone_restores_nothing(make_mount):

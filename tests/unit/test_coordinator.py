@@ -22,6 +22,7 @@ from tierfs.cluster.coordinator import (
     DECIDED,
     FRESH,
     MAX_DECISIONS,
+    NUDGE_MAX_NODES,
     PASSED,
     REJOIN,
     REPLAN,
@@ -270,6 +271,36 @@ def test_generic_round_summons_the_live_nodes():
     for r, rid in ((0, "summoned"), (1, "restart")):
         c.barrier("job", r, rid, v.round, v.version, "done")
     assert c.sync("job", 0, "inc0", 5, []).restore_round == 0  # finished
+
+
+def test_a_round_nudges_each_live_summoned_member_once():
+    """Stop 32: survivors learned of a restart's round only at their next heartbeat
+    (0.4-0.9 s of the 1 s period, most of mount-to-first-byte). The coordinator now
+    names the live members the round summons, once per round, so they are told to
+    heartbeat at once; not the joiner, not a gone or silent member, not a large job."""
+    c, clock = coord(live_seconds=5)
+    for r in range(3):
+        join(c, r, rid="", mode="generic", nodes=3)
+        c.sync("job", r, f"inc{r}", 5, [H(r, 5)])
+    assert c.nudges() == []  # no round open
+    clock.t += 4
+    c.sync("job", 0, "inc0", 5, [H(0, 5)])
+    c.sync("job", 1, "inc1", 5, [H(1, 5)])  # rank 2 silent from now on
+    join(c, 1, [H(1, 5)], rid="restart", mode="generic", nodes=3)
+    clock.t += 2  # rank 2 not heard for 6 s > live_seconds: not live
+    assert c.nudges() == [(0, "10.0.0.0:7000")]
+    assert c.nudges() == []  # once per round
+    join(c, 2, [H(2, 5)], rid="late", mode="generic", nodes=3)  # heard again, joined
+    assert c.nudges() == []  # a member that joined is not summoned
+
+
+def test_a_job_over_the_nudge_limit_is_not_nudged():
+    c, _clock = coord(live_seconds=5)
+    n = NUDGE_MAX_NODES + 1
+    for r in range(n):
+        join(c, r, rid="", mode="generic", nodes=n)
+    join(c, 3, rid="restart", mode="generic", nodes=n)
+    assert c.nudges() == []
 
 
 def test_nodes_that_gave_up_are_summoned_once_the_round_is_decided():

@@ -21,6 +21,7 @@ import pytest
 from tierfs.cluster.coordinator import Coordinator, Holding
 from tierfs.cluster.rounds import SHOWN_RANKS, RankSet
 from tierfs.cluster.servicer import CoordinatorServicer
+from tierfs.replication.relay import SyncRelay
 from tierfs.rpc import peer_pb2, peer_pb2_grpc
 from tierfs.rpc import wire as peer_wire
 from tierfs.rpc.aio_server import AioServer
@@ -328,3 +329,43 @@ def test_declaring_a_node_gone_that_still_heartbeats_says_so(service):
         assert list(reply.gone) == [5, 7] and list(reply.live) == [5]
         again = stub.Gone(peer_pb2.GoneRequest(job=JOB, ranks=[5], reason="t"), metadata=MD)
         assert list(again.gone) == [5, 7] and list(again.live) == []
+
+
+def test_a_join_opening_a_round_nudges_the_summoned_nodes_over_grpc(service):
+    """Stop 32: the survivors of a generic job are nudged (``SyncRelay.Nudge``, token
+    checked) when a restarted node's join opens a round, so the summons reaches them
+    at once instead of at their next heartbeat; the joiner itself is not nudged."""
+    servicer, address = service
+    got: list[str] = []
+    node = SyncRelay("t", on_nudge=got.append)
+    node_server = AioServer(
+        node.attach,
+        interceptors=[peer_wire.AioTokenInterceptor("t")],
+        options=peer_wire.SERVER_OPTIONS,
+    )
+    node_address = f"127.0.0.1:{node_server.start('127.0.0.1:0')}"
+    sender = SyncRelay("t")
+    servicer.set_nudger(sender.nudge)
+    try:
+        with grpc.insecure_channel(address) as ch:
+            stub = peer_pb2_grpc.CoordinatorStub(ch)
+
+            def join(rank: int, rid: str) -> None:
+                stub.Join(
+                    peer_pb2.JoinRequest(
+                        job="small", nodes=3, rank=rank, address=node_address,
+                        incarnation=f"inc{rank}", restore_id=rid, mode="generic",
+                    ),
+                    metadata=MD,
+                )  # fmt: skip
+
+            for r in range(3):
+                join(r, "")
+            assert servicer.nudges == 0
+            join(1, "restart")
+            until(lambda: len(got) == 2, "two nudges to arrive", 60)
+            assert got == ["small", "small"] and servicer.nudges == 2
+            join(0, "summoned")
+            assert servicer.nudges == 2  # once per round and node
+    finally:
+        node_server.stop(0)

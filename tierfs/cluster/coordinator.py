@@ -157,6 +157,10 @@ __all__ = [
 
 #: seconds between two ``--gone-after`` checks (each walks the members)
 GONE_CHECK_PERIOD = 1.0
+#: a round of a job of at most this many nodes nudges the members it summons
+#: (:meth:`Coordinator.nudges`); a larger job's members learn of it in their
+#: next heartbeat (one call per member would cost the coordinator O(N) calls)
+NUDGE_MAX_NODES = 100
 
 #: seconds a join refused for another node count is named to the waiting nodes
 REFUSED_SHOWN = 60.0
@@ -251,6 +255,8 @@ class Coordinator:
         self.synced_at = 0.0
         self._book_calls = 0
         self._book_synced = NO_STEP
+        #: (round, rank) of the summoned members nudged already (:meth:`nudges`)
+        self._nudged: set[tuple[int, int]] = set()
         if backups is not None:
             self.set_backups(backups)
 
@@ -623,6 +629,33 @@ class Coordinator:
     def restore_open(self) -> int:
         """The restore round in progress (0: none, or idle for :data:`ROUND_IDLE` s)."""
         return self.restores.open_round()
+
+    def nudges(self) -> list[tuple[int, str]]:
+        """(node rank, address) of the live members a summons into the open restore
+        round waits for and that were not nudged for it yet; each is returned once
+        per round. The servicer asks each to heartbeat now (``SyncRelay.Nudge``),
+        so a summons reaches it in one call's time, not at its next heartbeat
+        (up to :data:`tierfs.replication.heartbeat.HEARTBEAT` s later). Empty for a
+        job of more than :data:`NUDGE_MAX_NODES` nodes.
+        """
+        number = self.restores.open_round()
+        if not number or self.nodes > NUDGE_MAX_NODES:
+            return []
+        out = []
+        for rank, m in sorted(self.members.items()):
+            if (
+                (number, rank) in self._nudged
+                or rank in self.gone
+                or not m.address
+                or not self.live(rank)
+                or not self.restores.summons(rank, m.incarnation)
+            ):
+                continue
+            self._nudged.add((number, rank))
+            out.append((rank, m.address))
+        if len(self._nudged) > 4 * NUDGE_MAX_NODES:
+            self._nudged = {k for k in self._nudged if k[0] == number}
+        return out
 
     # ------------------------------------------------------------------ sync
 

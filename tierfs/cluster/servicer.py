@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Coroutine, Iterable
 from typing import Any
 
 import grpc
@@ -108,6 +108,10 @@ class CoordinatorServicer:
         self.batched_members = 0
         #: rank -> (the serialized inventory of its last Sync, as Holdings)
         self._inventories: dict[int, tuple[bytes, tuple[Holding, ...]]] = {}
+        self._nudger: Callable[[str, str, int], Coroutine[Any, Any, bool]] | None = None
+        self._nudging: set[asyncio.Task[bool]] = set()
+        #: nudges sent (:meth:`tierfs.cluster.coordinator.Coordinator.nudges`)
+        self.nudges = 0
 
     # ------------------------------------------------------------------ any thread
 
@@ -117,6 +121,13 @@ class CoordinatorServicer:
 
         self._loop = loop
         peer_pb2_grpc.add_CoordinatorServicer_to_server(self, server)  # type: ignore[arg-type]
+
+    def set_nudger(self, nudger: Callable[[str, str, int], Coroutine[Any, Any, bool]]) -> None:
+        """Install ``nudger(address, job, round)`` (a coroutine function run on the
+        loop): asks a node the open restore round summons to heartbeat now (see
+        :meth:`tierfs.cluster.coordinator.Coordinator.nudges`). Any thread, before
+        the server starts."""
+        self._nudger = nudger
 
     def set_bucket_reader(self, reader: Callable[[str, int, int], BucketView]) -> None:
         """Install the bucket reader: ``reader(job, nodes, depth)`` -> :class:`BucketView`
@@ -288,11 +299,25 @@ class CoordinatorServicer:
                     known_nodes=len(c.members),
                     gone=sorted(c.gone),
                 )
+                nudges = c.nudges() if self._nudger is not None else []
             finally:
                 self._after()
         if refused is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused)
+        self._nudge(nudges, request.job, number)
         return reply
+
+    def _nudge(self, targets: list[tuple[int, str]], job: str, number: int) -> None:
+        """Start one nudge per target (loop thread); the call does not wait for them."""
+        nudger = self._nudger
+        if nudger is None:
+            return
+        for _rank, address in targets:
+            task = asyncio.get_running_loop().create_task(nudger(address, job, number))
+            # the loop keeps only weak references to tasks: hold each until it ends
+            self._nudging.add(task)
+            task.add_done_callback(self._nudging.discard)
+            self.nudges += 1
 
     async def Decide(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await self._admit(context)

@@ -272,6 +272,16 @@ EARLY_READ_MIB = Setting(
     _PEER,
     minimum=0.0,
 )
+REVERIFY_AFTER = _seconds(
+    "TIERFS_REVERIFY_AFTER",
+    600.0,
+    "a node summoned to a restore round re-reads and re-checks the crc32c of the copies "
+    "it holds, except those whose bytes it sealed, received verified or checked within "
+    "this many seconds (about 0.5 s per GiB held on a 2-vCPU VM); a copy loaded at "
+    "startup is always checked; 0: re-check every copy",
+    _PEER,
+    zero_ok=True,
+)
 REFUSAL_GRACE = _seconds(
     "TIERFS_REFUSAL_GRACE",
     30.0,
@@ -332,6 +342,7 @@ ALL: tuple[Setting[int] | Setting[float] | Setting[str], ...] = (
     PEER_TOKEN,
     PEER_PUSH_PATIENCE,
     EARLY_READ_MIB,
+    REVERIFY_AFTER,
     REFUSAL_GRACE,
     BUCKET,
     IMAGE,

@@ -18,6 +18,7 @@ this node), in every mode: a failure never passes for "nothing to restore".
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from tierfs.core.control import JobSpec
     from tierfs.replication.peer import PeerTier
     from tierfs.store.shards import ShardKey
+
+log = logging.getLogger(__name__)
 
 #: the "done" barrier waits at most this long (seconds): every node has its data by then
 DONE_TIMEOUT = 60.0
@@ -123,6 +126,7 @@ class CoordinatorAgreement:
         self.reporter = reporter
 
     def _phase(self, text: str, **extra: Any) -> None:
+        log.debug("restore phase: %s %s", text, extra)
         self.progress.progress({"phase": text, **extra})
 
     def pin(self, key: ShardKey, delta: int) -> None:

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tierfs.cluster.restore_choice import choose_restore, needs_deeper_read
-from tierfs.core import control
+from tierfs.core import control, settings
 from tierfs.core.types import (
     FRESH,
     INCOMPLETE,
@@ -48,7 +49,7 @@ from tierfs.core.types import (
 )
 from tierfs.node.agreement import RestoreFailed
 from tierfs.node.sources import CopyFailed
-from tierfs.store.shards import ShardKey
+from tierfs.store.shards import ShardKey, needs_check
 from tierfs.store.verdicts import eligibility
 
 if TYPE_CHECKING:
@@ -142,6 +143,7 @@ class Restorer:
         self._open: _Round | None = None
 
     def _phase(self, text: str, **extra: Any) -> None:
+        log.debug("restore phase: %s %s", text, extra)
         self.progress.progress({"phase": text, **extra})
 
     # ------------------------------------------------------------------ the restore
@@ -260,11 +262,24 @@ class Restorer:
                 # replan (a copy was bad somewhere): ask again
 
     async def _verify_held(self, job: JobSpec) -> list[str]:
-        """Verify every shard of ``job`` held here (own and replicas), newest first;
-        returns the notes for the coordinator on the copies discarded."""
-        self._phase("verifying local copies")
+        """Verify the shards of ``job`` held here (own and replicas), newest first, but
+        those checked within ``$TIERFS_REVERIFY_AFTER`` seconds (:func:`needs_check`);
+        returns the notes for the coordinator on the copies discarded.
+
+        A copy skipped here is still checked chunk by chunk by every node that
+        fetches it (a bad one is refused there and the round decides again), so
+        the window trades this node's join latency (about 0.5 s per GiB held) for
+        a later fallback, never for wrong bytes.
+        """
+        window = settings.REVERIFY_AFTER.get()
+        now = time.monotonic()
+        held = sorted(self.catalog.shards_of(job.name), key=lambda s: s.key, reverse=True)
+        due = [s for s in held if needs_check(s.checked_at, now, window)]
+        self._phase(
+            "verifying local copies", copies=len(due), recently_checked=len(held) - len(due)
+        )
         notes = []
-        for shard in sorted(self.catalog.shards_of(job.name), key=lambda s: s.key, reverse=True):
+        for shard in due:
             if shard.key in self.catalog and not await self.verifier.verify(shard):
                 notes.append(
                     f"node-rank {job.node_rank} discarded its copy of step "

@@ -83,6 +83,11 @@ class Holdings(PeerHost):
         #: other nodes' manifests of their parts this node was told (newest last)
         self._manifests: collections.OrderedDict[ShardKey, Manifest] = collections.OrderedDict()
 
+    @property
+    def token(self) -> trio.lowlevel.TrioToken | None:
+        """The trio loop this node serves on (None before :meth:`attach`)."""
+        return self._token
+
     def attach(self, token: trio.lowlevel.TrioToken) -> None:
         """Serve the servicer's calls on the trio loop of ``token`` (at start)."""
         self._token = token

@@ -298,7 +298,11 @@ class PeerTier:
         )
         self.heartbeat.route.group_size = c.heartbeat_group
         #: the group leader's side of the heartbeat tree (served by every node)
-        self.relay = SyncRelay(self.token, rank=self._own_rank, stats=self.stats)
+        self.relay = SyncRelay(
+            self.token, rank=self._own_rank, stats=self.stats, on_nudge=self._nudged
+        )
+        if coordinator is not None:
+            coordinator.set_nudger(self.relay.nudge)
         #: shared with the parts (never replaced): what status() shows
         self.peers = self.book.peers
         self._sends = self.replicator.sends
@@ -335,6 +339,18 @@ class PeerTier:
     def poke(self) -> None:
         """Send a heartbeat now (e.g. a backup outcome to report; trio thread)."""
         self.heartbeat.poke()
+
+    def _nudged(self, job: str) -> None:
+        """The coordinator summons this node (``SyncRelay.Nudge``; the server's loop
+        thread): heartbeat now if ``job`` is the one running here."""
+        token = self.holdings.token
+        current = self.current.job
+        if token is None or current is None or current.name != job:
+            return
+        try:
+            token.run_sync_soon(self.poke)
+        except trio.RunFinishedError:
+            pass
 
     def watch_parts(self, watch: PartWatch) -> None:
         """Tell ``watch`` (the whole-step view) in every heartbeat which own parts of the

@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 #: seconds the leader's SyncBatch call may take
 BATCH_TIMEOUT = 10.0
+#: seconds a coordinator's Nudge call may take (a node that does not answer learns
+#: of the round in its next heartbeat anyway)
+NUDGE_TIMEOUT = 2.0
 
 
 @dataclass
@@ -56,6 +59,8 @@ class SyncRelay:
             with the peer plane's channel options); called on the loop.
         stats: the node's wire counters (``heartbeat_batches_sent``,
             ``heartbeats_batched``), or None.
+        on_nudge: ``on_nudge(job)``: a coordinator asks this node to heartbeat now
+            (the loop thread; must not block); None: nudges are ignored.
 
     Attributes:
         batches: SyncBatch calls sent; members: the heartbeats they carried;
@@ -70,8 +75,10 @@ class SyncRelay:
         window: float = RELAY_WINDOW,
         connect: Callable[[str], grpc.aio.Channel] | None = None,
         stats: WireStats | None = None,
+        on_nudge: Callable[[str], None] | None = None,
     ) -> None:
         self.stats = stats
+        self.on_nudge = on_nudge
         self.md = peer_wire.metadata(token)
         self.rank = rank
         self.window = window
@@ -110,6 +117,32 @@ class SyncRelay:
                 grpc.StatusCode.UNAVAILABLE,
                 f"{UPSTREAM} {coord}: {exc.code().name} {exc.details()}",
             )
+
+    async def Nudge(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        """The coordinator summons this node into a restore round: heartbeat now (the
+        Sync reply carries the summons)."""
+        if self.on_nudge is not None:
+            self.on_nudge(request.job)
+        return peer_pb2.NudgeReply()
+
+    async def nudge(self, address: str, job: str, round: int) -> bool:
+        """Ask the node at ``address`` to heartbeat now (the coordinator's side, loop
+        thread); False, logged, if it did not answer within :data:`NUDGE_TIMEOUT` s."""
+        from tierfs.rpc import peer_pb2_grpc
+
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = self._connect(address)
+        try:
+            await peer_pb2_grpc.SyncRelayStub(channel).Nudge(
+                peer_pb2.NudgeRequest(job=job, round=round),
+                metadata=self.md,
+                timeout=NUDGE_TIMEOUT,
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.info("nudge of %s into restore round %d: %s", address, round, exc.code().name)
+            return False
+        return True
 
     def _start_send(self, coord: str) -> None:
         # the loop keeps only weak references to tasks: hold it until it ends
@@ -172,7 +205,7 @@ class SyncRelay:
                 w.cancel()
 
     async def close(self) -> None:
-        """Close the channels to coordinators (loop thread)."""
+        """Close the channels to coordinators and nudged nodes (loop thread)."""
         channels, self._channels = list(self._channels.values()), {}
         for ch in channels:
             await ch.close()

@@ -271,7 +271,9 @@ class PeerServicer:
         except OSError:
             shutil.rmtree(inc, ignore_errors=True)
             return peer_pb2.PushReply(committed=False, detail="no local copy with that digest")
-        shard = self.host.shards.commit(inc, manifest, verified=src.verified or trusted)
+        shard = self.host.shards.commit(
+            inc, manifest, verified=src.verified or trusted, checked_at=src.checked_at
+        )
         self.host.adopt(shard, linked_from=src.key)
         self.host.stats.add("manifest_only_received")
         self.host.stats.add("pushes_received")

@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import stat
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,10 @@ class Shard:
         path: the shard directory.
         manifest: its manifest.
         verified: checksums were re-checked since this daemon loaded it.
+        checked_at: ``time.monotonic()`` when this daemon last computed or checked
+            the crc32c of every byte (sealed here, received verified, or
+            :meth:`ShardStore.verify` passed); None since it was loaded from the
+            store at startup (a restore re-checks it, :func:`needs_check`).
         whole: its step judged across ranks by this node, as read at load
             (:meth:`ShardStore.save_whole`), or None.
     """
@@ -79,6 +84,7 @@ class Shard:
     verified: bool = False
     inodes: set[int] = field(default_factory=set)
     whole: WholeVerdict | None = None
+    checked_at: float | None = None
 
     @property
     def data(self) -> str:
@@ -87,6 +93,23 @@ class Shard:
     @property
     def bytes(self) -> int:
         return self.manifest.total_bytes
+
+
+def needs_check(checked_at: float | None, now: float, window: float) -> bool:
+    """Whether a held copy's bytes must be re-checked before a restore round counts it
+    (pure).
+
+    Args:
+        checked_at: :attr:`Shard.checked_at` (``time.monotonic()`` seconds, or None:
+            never checked by this daemon).
+        now: ``time.monotonic()``.
+        window: seconds a check stays good (``$TIERFS_REVERIFY_AFTER``); 0: every
+            copy is re-checked.
+
+    Returns:
+        True if never checked by this daemon, or checked ``window`` seconds ago or more.
+    """
+    return checked_at is None or window <= 0 or now - checked_at >= window
 
 
 class SealBusy(StorageError):
@@ -298,21 +321,42 @@ class ShardStore:
                 siblings = [n for n in os.listdir(view) if n not in entries]
                 verdict = judge_part(manifest, data, siblings)
                 manifest = dataclasses.replace(manifest, verdict=verdict)
-            return self._install(inc, manifest, inodes, verified=False)
+            # the crc32c were computed from these bytes just now: checked
+            return self._install(inc, manifest, inodes, verified=False, checked=time.monotonic())
         except BaseException:
             shutil.rmtree(inc, ignore_errors=True)
             raise
 
-    def commit(self, incoming: str, manifest: Manifest, *, verified: bool) -> Shard:
+    def commit(
+        self,
+        incoming: str,
+        manifest: Manifest,
+        *,
+        verified: bool,
+        checked_at: float | None = None,
+    ) -> Shard:
         """Install a shard received in ``incoming`` (holding ``data/``) under its key.
 
-        The caller has verified the bytes (or says so with ``verified``).
+        The caller has verified the bytes (or says so with ``verified``; then
+        :attr:`Shard.checked_at` is now, else ``checked_at``: e.g. the time the
+        copy its files are hard-linked from was checked).
         """
         return self._install(
-            incoming, manifest, file_inodes(os.path.join(incoming, "data")), verified=verified
+            incoming,
+            manifest,
+            file_inodes(os.path.join(incoming, "data")),
+            verified=verified,
+            checked=time.monotonic() if verified else checked_at,
         )
 
-    def _install(self, inc: str, manifest: Manifest, inodes: set[int], verified: bool) -> Shard:
+    def _install(
+        self,
+        inc: str,
+        manifest: Manifest,
+        inodes: set[int],
+        verified: bool,
+        checked: float | None,
+    ) -> Shard:
         with open(os.path.join(inc, MANIFEST), "wb") as f:
             f.write(manifest.to_json())
         key = ShardKey(manifest.job, manifest.rank, manifest.step)
@@ -321,7 +365,7 @@ class ShardStore:
         if os.path.lexists(dest):
             self.ram.to_trash(dest)
         os.rename(inc, dest)
-        return Shard(key, dest, manifest, verified=verified, inodes=inodes)
+        return Shard(key, dest, manifest, verified=verified, inodes=inodes, checked_at=checked)
 
     def remove(self, shard: Shard) -> None:
         """Drop a shard (one rename to trash; the bytes go when the trash is emptied)."""
@@ -330,8 +374,10 @@ class ShardStore:
 
     def verify(self, shard: Shard, cancelled: Callable[[], bool] | None = None) -> list[str]:
         """Re-check every file against the manifest; returns problems (empty: good)."""
+        started = time.monotonic()
         problems = verify_tree(shard.data, shard.manifest.files, cancelled)
         shard.verified = not problems
+        shard.checked_at = None if problems else started
         return problems
 
     def materialize(self, shard: Shard, dest_dir: str, renames: dict[str, str]) -> list[str]:
