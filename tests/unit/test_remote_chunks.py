@@ -203,6 +203,74 @@ def test_an_open_and_reads_below_the_watermark_go_on_while_the_rest_is_held(tmp_
     assert job.errors == [] and peer.given == [True]
 
 
+def test_an_open_waits_for_the_whole_file_only_until_the_early_read_wait(tmp_path, monkeypatch):
+    """Stop 32: an open of a file with at most $TIERFS_EARLY_READ_MIB to come waited for
+    the whole file however slow its fetch (mount to first byte 0.5-1 s for a 256 MiB
+    file here, more under load). It now waits at most $TIERFS_EARLY_READ_WAIT s from the
+    first open that waits, then is served from the verified chunks; a retried open
+    goes on at once and its handle is daemon-served."""
+    monkeypatch.setenv("TIERFS_EARLY_READ_MIB", "256")
+    monkeypatch.setenv("TIERFS_EARLY_READ_WAIT", "0.2")
+    peer = ChunkSource("peer", ["peer node-rank 0"])
+    peer.hold_after = 2 * CH  # two chunks verified, then held until the gate opens
+    rv, ram, own, _job = view_of(tmp_path, [peer])
+    path = Path(ram.view) / PATH
+
+    async def body() -> None:
+        await rv.look(own)
+        ino = path.stat().st_ino
+        opening = rv.opening(ino)
+        assert opening is not None
+        start = trio.current_time()
+        with trio.fail_after(30):
+            await opening()
+        assert trio.current_time() - start >= 0.2  # it did wait for the whole file
+        rf = rv._by_ino[ino]
+        assert rf.verified >= CH and rf.state == "fetching"
+        assert rv.opening(ino) is None and rv.partial(ino)  # retried: served early
+        with open(path, "rb") as f:
+            assert f.read(CH) == BIG[:CH]
+        peer.gate.set()
+        with trio.fail_after(10):
+            await rv.fetch(rf)
+        assert rf.whole_until is None and not rv.partial(ino)
+
+    trio.run(_with_view, rv, body)
+    assert path.read_bytes() == BIG
+
+
+def test_an_open_that_sees_the_whole_file_within_the_wait_gets_passthrough(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIERFS_EARLY_READ_MIB", "256")
+    monkeypatch.setenv("TIERFS_EARLY_READ_WAIT", "60")
+    peer = ChunkSource("peer", ["peer node-rank 0"])
+    peer.hold_after = 2 * CH
+    rv, ram, own, _job = view_of(tmp_path, [peer])
+    path = Path(ram.view) / PATH
+
+    async def body() -> None:
+        await rv.look(own)
+        ino = path.stat().st_ino
+        opening = rv.opening(ino)
+        assert opening is not None
+        opened = trio.Event()
+
+        async def opener() -> None:
+            await opening()
+            opened.set()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(opener)
+            with trio.fail_after(10):
+                await peer.parked.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            assert not opened.is_set()  # chunks verified, but little is left: it waits
+            peer.gate.set()
+        assert opened.is_set() and not rv.partial(ino)  # whole: passthrough
+
+    trio.run(_with_view, rv, body)
+    assert path.read_bytes() == BIG
+
+
 def test_a_corrupt_middle_chunk_refuses_that_copy_and_no_wrong_byte_is_written(tmp_path):
     peer = ChunkSource("peer", ["peer node-rank 0"], flip={"peer node-rank 0": 3 * CH + 7})
     gcs = ChunkSource("gcs", ["bucket round r1"])

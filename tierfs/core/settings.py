@@ -272,6 +272,16 @@ EARLY_READ_MIB = Setting(
     _PEER,
     minimum=0.0,
 )
+EARLY_READ_WAIT = _seconds(
+    "TIERFS_EARLY_READ_WAIT",
+    0.5,
+    "the longest an open of another rank's file waits for the whole file under "
+    "TIERFS_EARLY_READ_MIB (counted from the first open that waits); then it is served "
+    "from its verified chunks: the first byte after a mount within about this long "
+    "whatever the fetch's rate",
+    _PEER,
+    zero_ok=True,
+)
 REVERIFY_AFTER = _seconds(
     "TIERFS_REVERIFY_AFTER",
     600.0,
@@ -342,6 +352,7 @@ ALL: tuple[Setting[int] | Setting[float] | Setting[str], ...] = (
     PEER_TOKEN,
     PEER_PUSH_PATIENCE,
     EARLY_READ_MIB,
+    EARLY_READ_WAIT,
     REVERIFY_AFTER,
     REFUSAL_GRACE,
     BUCKET,

@@ -149,6 +149,9 @@ class RemoteFile:
     chunks: tuple[int, ...] | None = None
     verified: int = 0
     progress: trio.Event = field(default_factory=trio.Event)
+    #: trio time until which opens wait for the whole file (the first such open plus
+    #: ``$TIERFS_EARLY_READ_WAIT``); None: no open waits now
+    whole_until: float | None = None
 
     def moved(self) -> None:
         """Wake who waits for ``verified`` to move or the fetch to end (trio thread)."""
@@ -380,12 +383,33 @@ class RemoteView:
         rf = self._by_ino.get(ino)
         if rf is None or rf.chunks is None or rf.state == LOCAL:
             return self.missing(ino)
-        if early_read(rf.size, rf.verified if rf.state == FETCHING else 0) is False:
-            return self.missing(ino)  # little left: the whole file, then passthrough
         first = min(rf.size, rf.chunk_size)
+        if early_read(rf.size, rf.verified if rf.state == FETCHING else 0) is False:
+            # little left: the whole file, then passthrough, but only for a bounded
+            # time from the first open that waits; past it the open is served from
+            # its verified chunks (first byte in about that time whatever the rate)
+            now = trio.current_time()
+            if rf.whole_until is None:
+                rf.whole_until = now + settings.EARLY_READ_WAIT.get()
+            if now < rf.whole_until:
+                return lambda: self._whole_or_first_chunk(rf, first)
         if rf.state == FETCHING and rf.verified >= first:
             return None
         return lambda: self.wait_verified(rf, first)
+
+    async def _whole_or_first_chunk(self, rf: RemoteFile, first: int) -> None:
+        """Wait for all of ``rf``'s bytes until :attr:`RemoteFile.whole_until`, then for
+        its first ``first`` bytes verified (the open is retried either way). Trio
+        thread.
+
+        Raises:
+            OSError: as :meth:`fetch` (EIO, ENOSPC, ENOENT).
+        """
+        assert rf.whole_until is not None
+        with trio.move_on_at(rf.whole_until):
+            await self.fetch(rf, urgent=True)
+            return
+        await self.wait_verified(rf, first)
 
     def partial(self, ino: int) -> bool:
         """True if ``ino`` is another rank's file whose bytes are not all here (a handle
@@ -1071,6 +1095,7 @@ class RemoteView:
             if rf.state == FETCHING:
                 rf.state = REMOTE
                 rf.verified = 0
+            rf.whole_until = None  # the next fetch's opens wait afresh
             rf.urgent = False
             fetch_urgent.reset(token)
             fetch_hold.reset(held)
