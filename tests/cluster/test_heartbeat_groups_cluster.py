@@ -71,3 +71,40 @@ def test_four_daemons_in_two_heartbeat_groups_keep_their_liveness_when_a_leader_
     )
     assert members()[3]["seen_seconds_ago"] < 3.0
     assert "heartbeat" not in c.errors(3)
+
+
+def test_a_restore_round_goes_through_the_group_leaders(make_mount):
+    """The restore round's Decide and Barrier calls take the heartbeats' route
+    (ARCHITECTURE.md "Batched restore round"): node 3 is lost and restarted, every
+    rank restores step 3, and node 1, a member that kept running, sends its round
+    calls through its leader, node 0, which batches them with its own."""
+    c = Cluster(make_mount, 4, extra=("--heartbeat-group", "2"))
+
+    def wire(i: int) -> dict[str, int]:
+        return c.peer(i)["wire"]
+
+    first = c.clients(steps="1,2,3", size=200_000)
+    c.wait_synced(3)
+    before = {i: wire(i) for i in range(4)}
+    wait_until(
+        lambda: all(
+            wire(i)["heartbeats_relayed"] >= before[i]["heartbeats_relayed"] + 2 for i in (1, 3)
+        ),
+        60,
+        "nodes 1 and 3 to heartbeat through their leaders",
+    )
+    before = {i: wire(i) for i in range(4)}
+    c.lose(3)
+    c.remount(3)
+    again = c.clients(size=200_000)
+    assert [r["restored"] for r in again] == [3, 3, 3, 3], c.logs()
+    assert all(r["restored_ok"] for r in again), again
+    assert again[3]["restored_digest"] == first[3]["saved"]["3"]
+    w1, w0 = wire(1), wire(0)
+    # node 1 (Decide, ready, done: at least 3 calls) only through node 0, its leader
+    assert w1["round_calls_relayed"] - before[1]["round_calls_relayed"] >= 3, w1
+    assert w1["round_calls_direct"] == before[1]["round_calls_direct"], w1
+    assert w1["round_fallbacks"] == before[1]["round_fallbacks"], w1
+    assert w0["round_batches_sent"] - before[0]["round_batches_sent"] >= 3, w0
+    assert w0["round_calls_batched"] - before[0]["round_calls_batched"] >= 6, w0
+    assert "restore" not in c.errors(1)

@@ -82,7 +82,9 @@ class CoordinatorServicer:
             deadline); an idle round adds none.
         evaluations: times a Decide/Barrier call evaluated the state.
         sync_calls: ``Sync`` calls served; batch_calls: ``SyncBatch`` calls;
-        batched_members: the heartbeats those batches carried.
+        batched_members: the heartbeats those batches carried;
+        round_batch_calls: ``DecideBatch``/``BarrierBatch`` calls;
+        round_batched_members: the members' calls those carried.
     """
 
     def __init__(
@@ -106,6 +108,9 @@ class CoordinatorServicer:
         self.sync_calls = 0
         self.batch_calls = 0
         self.batched_members = 0
+        #: DecideBatch/BarrierBatch calls and the members' calls they carried
+        self.round_batch_calls = 0
+        self.round_batched_members = 0
         #: rank -> (the serialized inventory of its last Sync, as Holdings)
         self._inventories: dict[int, tuple[bytes, tuple[Holding, ...]]] = {}
         self._nudger: Callable[[str, str, int], Coroutine[Any, Any, bool]] | None = None
@@ -321,34 +326,19 @@ class CoordinatorServicer:
 
     async def Decide(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await self._admit(context)
-        view: DecideView = await self._wait(
-            request,
-            lambda: self.coordinator.decide(request.job, request.rank, request.restore_id),
-        )
-        pb = peer_pb2.DecideReply
-        state = {WAITING: pb.WAITING, "decided": pb.DECIDED, REJOIN: pb.REJOIN}[view.state]
-        return pb(
-            state=state,
-            round=view.round,
-            version=view.version,
-            step=_NO_STEP if view.step is None else view.step,
-            missing=list(view.missing),
-            missing_count=view.missing_count,
-            writers=view.writers,
-            local=view.local,
-            digest=view.digest,
-            sources=[peer_pb2.Source(holder=h, address=a) for h, a in view.sources],
-            reason=view.reason,
-            backup=view.backup or "",
-            restore_version=view.forced or "",
-            backups=list(view.backups),
-            outcome=view.outcome,
-            problems=list(view.problems),
-            waiting_for=view.waiting_for,
-        )
+        view: DecideView = await self._wait(request, self._decider(request))
+        return _decide_reply(view)
 
     async def Barrier(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await self._admit(context)
+        view: BarrierView = await self._wait(request, self._barrier(request))
+        return _barrier_reply(view)
+
+    def _decider(self, request: Any) -> Callable[[], DecideView]:
+        c = self.coordinator
+        return lambda: c.decide(request.job, request.rank, request.restore_id)
+
+    def _barrier(self, request: Any) -> Callable[[], BarrierView]:
         bad: list[CopyId] = [(b.round or b.holder, b.rank, b.step) for b in request.bad]
 
         def call() -> BarrierView:
@@ -366,12 +356,52 @@ class CoordinatorServicer:
                 request.detail,
             )
 
-        view: BarrierView = await self._wait(request, call)
-        pb = peer_pb2.BarrierReply
-        state = {WAITING: pb.WAITING, PASSED: pb.PASSED, REPLAN: pb.REPLAN, REJOIN: pb.REJOIN}[
-            view.state
-        ]
-        return pb(state=state, waiting_for=list(view.waiting_for), waiting_count=view.waiting_count)
+        return call
+
+    async def _wait_batch(self, wait_ms: int, fns: list[Callable[[], Any]]) -> list[Any]:
+        """Every ``fns[i]()`` (under one lock hold per evaluation) until any view is not
+        ``waiting`` or ``wait_ms`` (capped by :attr:`max_wait`) has passed; the
+        views of the last evaluation. Sleeps on progress as :meth:`_wait` does."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(max(wait_ms, 0) / 1000.0, self.max_wait)
+        while True:
+            with self.lock:
+                views = [fn() for fn in fns]
+                self.evaluations += 1
+                self._after()
+                changed = self._event()
+            remaining = deadline - loop.time()
+            if remaining <= 0 or any(v.state != WAITING for v in views):
+                return views
+            self.waiting += 1
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+                self.wakeups += 1
+            except TimeoutError:
+                pass
+            finally:
+                self.waiting -= 1
+
+    async def DecideBatch(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        """A group leader's members' Decide calls in one long poll (issue #17): each
+        member's view is the one its own ``Decide`` would get at that moment;
+        ``replies[i]`` answers ``members[i]``; the call returns when any member's
+        state is not ``waiting`` or after ``wait_ms`` (milliseconds)."""
+        await self._admit(context)
+        self.round_batch_calls += 1
+        self.round_batched_members += len(request.members)
+        views = await self._wait_batch(request.wait_ms, [self._decider(m) for m in request.members])
+        return peer_pb2.DecideBatchReply(replies=[_decide_reply(v) for v in views])
+
+    async def BarrierBatch(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        """A group leader's members' Barrier calls in one long poll (see
+        :meth:`DecideBatch`); each member's report is registered as its own
+        ``Barrier`` call would register it."""
+        await self._admit(context)
+        self.round_batch_calls += 1
+        self.round_batched_members += len(request.members)
+        views = await self._wait_batch(request.wait_ms, [self._barrier(m) for m in request.members])
+        return peer_pb2.BarrierBatchReply(replies=[_barrier_reply(v) for v in views])
 
     async def Sync(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await self._admit(context)
@@ -496,6 +526,38 @@ class CoordinatorServicer:
         return peer_pb2.GoneReply(
             gone=list(gone), nodes=c.nodes, generation=c.generation, live=live
         )
+
+
+def _decide_reply(view: DecideView) -> Any:
+    pb = peer_pb2.DecideReply
+    state = {WAITING: pb.WAITING, "decided": pb.DECIDED, REJOIN: pb.REJOIN}[view.state]
+    return pb(
+        state=state,
+        round=view.round,
+        version=view.version,
+        step=_NO_STEP if view.step is None else view.step,
+        missing=list(view.missing),
+        missing_count=view.missing_count,
+        writers=view.writers,
+        local=view.local,
+        digest=view.digest,
+        sources=[peer_pb2.Source(holder=h, address=a) for h, a in view.sources],
+        reason=view.reason,
+        backup=view.backup or "",
+        restore_version=view.forced or "",
+        backups=list(view.backups),
+        outcome=view.outcome,
+        problems=list(view.problems),
+        waiting_for=view.waiting_for,
+    )
+
+
+def _barrier_reply(view: BarrierView) -> Any:
+    pb = peer_pb2.BarrierReply
+    state = {WAITING: pb.WAITING, PASSED: pb.PASSED, REPLAN: pb.REPLAN, REJOIN: pb.REJOIN}[
+        view.state
+    ]
+    return pb(state=state, waiting_for=list(view.waiting_for), waiting_count=view.waiting_count)
 
 
 def _holdings(items: Iterable[Any]) -> tuple[Holding, ...]:

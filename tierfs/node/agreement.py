@@ -7,7 +7,11 @@ prerestore file, "done" before the markers), and follows a coordinator that
 restarted elsewhere. It talks through the node's
 :class:`tierfs.replication.peer.PeerTier` (client, address book, rendezvous),
 on the trio thread; every gRPC call runs in a worker thread. What to do with
-the decision is :class:`tierfs.node.restorer.Restorer`'s job.
+the decision is :class:`tierfs.node.restorer.Restorer`'s job. In a job of
+more than ``--heartbeat-group`` nodes the Decide and Barrier calls go
+through the node's group leader when it knows one (the peers its Join reply
+and heartbeats described), with the heartbeat's fallback to direct calls
+(ARCHITECTURE.md "Batched restore round"); the Join itself goes directly.
 
 A round that cannot finish raises :class:`RestoreFailed` with its
 ``outcome`` (``missing``: a node never joined; ``timeout``: a barrier or the
@@ -29,7 +33,7 @@ from tierfs.core import retry, settings
 from tierfs.core.errors import RestoreError
 from tierfs.core.ports import Decision, Reporter, RestoreProgress
 from tierfs.core.types import CopyId
-from tierfs.replication.client import rpc_code, rpc_reason
+from tierfs.replication.client import barrier_request, decide_request, rpc_code, rpc_reason
 from tierfs.rpc import peer_pb2
 
 if TYPE_CHECKING:
@@ -250,8 +254,9 @@ class CoordinatorAgreement:
                 # for), then long polls, never past the join timeout (checked between)
                 wait = 0.0 if first else tier.join_timeout - (trio.current_time() - start)
                 first = False
+                request = decide_request(job.name, job.node_rank, restore_id, max(wait, 0.0))
                 view = await tier.call(
-                    tier.client.decide, coord, job.name, job.node_rank, restore_id, max(wait, 0.0)
+                    tier.heartbeat.route.decide, coord, request, tier.heartbeat.leader(job)
                 )
             except grpc.RpcError as exc:
                 if await self._unreachable(job, coord, exc, start, tier.join_timeout):
@@ -337,21 +342,20 @@ class CoordinatorAgreement:
             wait = 0.0 if first else max(limit - (trio.current_time() - start), 0.0)
             first = False
             try:
+                request = barrier_request(
+                    list(bad),
+                    wait,
+                    job=job.name,
+                    rank=job.node_rank,
+                    restore_id=restore_id,
+                    round=round,
+                    version=version,
+                    phase=phase,
+                    ok=ok,
+                    detail=detail[:2000],
+                )
                 reply = await tier.call(
-                    functools.partial(
-                        tier.client.barrier,
-                        coord,
-                        list(bad),
-                        wait,
-                        job=job.name,
-                        rank=job.node_rank,
-                        restore_id=restore_id,
-                        round=round,
-                        version=version,
-                        phase=phase,
-                        ok=ok,
-                        detail=detail[:2000],
-                    )
+                    tier.heartbeat.route.barrier, coord, request, tier.heartbeat.leader(job)
                 )
             except grpc.RpcError as exc:
                 if await self._unreachable(job, coord, exc, start, limit):

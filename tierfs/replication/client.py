@@ -406,9 +406,14 @@ class PeerClient:
     ) -> Any:
         """The DecideReply, after a long poll of ``wait_s`` seconds at most (None:
         :data:`POLL_MS`) while the decision waits."""
-        ms = _poll_ms(wait_s)
-        req = peer_pb2.DecideRequest(job=job, rank=rank, restore_id=restore_id, wait_ms=ms)
-        return self.coordinator(address).Decide(req, metadata=self.md, timeout=ms / 1000 + 10)
+        return self.decide_call(address, decide_request(job, rank, restore_id, wait_s))
+
+    def decide_call(self, address: str, request: Any) -> Any:
+        """Send the DecideRequest ``request`` to the coordinator at ``address``; the
+        DecideReply (deadline: its long poll + 10 s)."""
+        return self.coordinator(address).Decide(
+            request, metadata=self.md, timeout=request.wait_ms / 1000 + 10
+        )
 
     def barrier(
         self,
@@ -419,18 +424,14 @@ class PeerClient:
     ) -> Any:
         """The BarrierReply (fields of BarrierRequest), after a long poll of ``wait_s``
         seconds at most (None: :data:`POLL_MS`) while the phase waits."""
-        ms = _poll_ms(wait_s)
-        req = peer_pb2.BarrierRequest(
-            bad=[
-                peer_pb2.BadCopy(holder=h, rank=r, step=s)
-                if isinstance(h, int)
-                else peer_pb2.BadCopy(holder=-1, rank=r, step=s, round=h)
-                for h, r, s in bad
-            ],
-            wait_ms=ms,
-            **fields,
+        return self.barrier_call(address, barrier_request(bad, wait_s, **fields))
+
+    def barrier_call(self, address: str, request: Any) -> Any:
+        """Send the BarrierRequest ``request`` to the coordinator at ``address``; the
+        BarrierReply (deadline: its long poll + 10 s)."""
+        return self.coordinator(address).Barrier(
+            request, metadata=self.md, timeout=request.wait_ms / 1000 + 10
         )
-        return self.coordinator(address).Barrier(req, metadata=self.md, timeout=ms / 1000 + 10)
 
     def sync(
         self,
@@ -480,6 +481,50 @@ class PeerClient:
         stub = peer_pb2_grpc.SyncRelayStub(self.channel(leader))
         req = peer_pb2.RelayRequest(coordinator=coord, sync=request)
         return stub.Relay(req, metadata=self.md, timeout=timeout)
+
+    def relay_decide(self, leader: str, coord: str, request: Any, timeout: float) -> Any:
+        """Send the DecideRequest ``request`` through the group leader at ``leader`` to
+        the coordinator at ``coord``; the member's DecideReply.
+
+        Raises:
+            grpc.RpcError: as :meth:`relay`: call the coordinator directly.
+        """
+        stub = peer_pb2_grpc.SyncRelayStub(self.channel(leader))
+        req = peer_pb2.RelayDecideRequest(coordinator=coord, decide=request)
+        return stub.RelayDecide(req, metadata=self.md, timeout=timeout)
+
+    def relay_barrier(self, leader: str, coord: str, request: Any, timeout: float) -> Any:
+        """Send the BarrierRequest ``request`` through the group leader at ``leader`` to
+        the coordinator at ``coord``; the member's BarrierReply.
+
+        Raises:
+            grpc.RpcError: as :meth:`relay`: call the coordinator directly.
+        """
+        stub = peer_pb2_grpc.SyncRelayStub(self.channel(leader))
+        req = peer_pb2.RelayBarrierRequest(coordinator=coord, barrier=request)
+        return stub.RelayBarrier(req, metadata=self.md, timeout=timeout)
+
+
+def decide_request(job: str, rank: int, restore_id: str, wait_s: float | None = None) -> Any:
+    """The DecideRequest of :meth:`PeerClient.decide` (a long poll of ``wait_s`` seconds
+    at most; None: :data:`POLL_MS`), sent directly or through a leader."""
+    return peer_pb2.DecideRequest(
+        job=job, rank=rank, restore_id=restore_id, wait_ms=_poll_ms(wait_s)
+    )
+
+
+def barrier_request(bad: Iterable[CopyId] = (), wait_s: float | None = None, **fields: Any) -> Any:
+    """The BarrierRequest of :meth:`PeerClient.barrier` (fields of BarrierRequest)."""
+    return peer_pb2.BarrierRequest(
+        bad=[
+            peer_pb2.BadCopy(holder=h, rank=r, step=s)
+            if isinstance(h, int)
+            else peer_pb2.BadCopy(holder=-1, rank=r, step=s, round=h)
+            for h, r, s in bad
+        ],
+        wait_ms=_poll_ms(wait_s),
+        **fields,
+    )
 
 
 def sync_request(

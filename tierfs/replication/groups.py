@@ -25,6 +25,11 @@ CANDIDATES = 3
 #: seconds a leader collects its members' heartbeats before the batch goes out (one
 #: heartbeat period: one coordinator call per group and period)
 RELAY_WINDOW = 1.0
+#: seconds a leader collects its members' restore-round calls (Decide, Barrier) before
+#: the batch goes out: the members of a group reach a phase within milliseconds of
+#: each other (they all wait on the same decision or barrier), so a short window
+#: gathers most of them and adds at most this much to a phase
+ROUND_WINDOW = 0.05
 #: seconds a member waits for its leader's answer before it syncs directly
 RELAY_TIMEOUT = RELAY_WINDOW + 2.0
 #: how a leader's Relay answer starts when its batch call failed (the coordinator is at

@@ -190,6 +190,13 @@ class Heartbeat:
         lead = self.route.wanted(job.node_rank, job.nodes)
         return sorted(set(self.book.wanted(job)) | set(lead))
 
+    def leader(self, job: JobSpec) -> tuple[int, str] | None:
+        """(node rank, address) of the group leader this node's heartbeats and restore
+        round calls go through now, or None: directly (trio thread)."""
+        return self.route.leader_of(
+            job.node_rank, job.nodes, self.me.address, self.book.peers, self.book.gone
+        )
+
     def backup_outcome(self) -> Outcome | None:
         """The outcome of the node's last backup round (reported in the next Sync)."""
         backup = self.backup
@@ -221,9 +228,7 @@ class Heartbeat:
             epoch,
         )
         async with self.lane.limiter:
-            via = self.route.leader_of(
-                job.node_rank, job.nodes, self.me.address, self.book.peers, self.book.gone
-            )
+            via = self.leader(job)
             reply = await trio.to_thread.run_sync(self.route.sync, coord, request, via)
             self._reported_ok = step
             self.plane.reported = (step,) if step >= 0 else ()

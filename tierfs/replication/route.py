@@ -1,4 +1,4 @@
-"""A member's side of the heartbeat tree: its Sync through the group leader or directly.
+"""A member's side of the tree: its Sync, Decide, Barrier through the group leader or directly.
 
 ARCHITECTURE.md "Heartbeat groups" (issue #17 item 2). :class:`SyncRoute`
 picks the leader (:func:`tierfs.replication.groups.leader` over the peers the
@@ -11,6 +11,10 @@ A leader that answers that it could not reach the coordinator
 (:data:`tierfs.replication.groups.UPSTREAM`) is not skipped: the member syncs
 directly this beat only (a restarted or moved coordinator must not get every
 node's direct Sync for the backoff).
+
+The restore round's Decide and Barrier calls (ARCHITECTURE.md "Batched
+restore round") follow the same rule through the same leader
+(:meth:`SyncRoute.decide`, :meth:`SyncRoute.barrier`): one mechanism.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
@@ -51,6 +56,9 @@ class SyncRoute:
             and directly after the leader failed (also counted in the client's
             wire stats: ``heartbeats_relayed``, ``heartbeats_direct``,
             ``heartbeat_fallbacks``).
+        tally: the same three counts per kind (``"heartbeat"``, ``"restore round"``:
+            Decide and Barrier calls; wire stats ``round_calls_relayed``,
+            ``round_calls_direct``, ``round_fallbacks``).
     """
 
     def __init__(
@@ -67,7 +75,10 @@ class SyncRoute:
         self.clock = clock
         self.failed: dict[int, float] = {}
         self.via: int | None = None
-        self.relayed = self.direct = self.fallbacks = 0
+        #: kind ("heartbeat", "restore round") -> relayed, direct, fallbacks
+        self.tally: dict[str, dict[str, int]] = {
+            k.name: {"relayed": 0, "direct": 0, "fallbacks": 0} for k in (_HEARTBEAT, _ROUND)
+        }
         self._lock = threading.Lock()
 
     def wanted(self, rank: int, nodes: int) -> list[int]:
@@ -113,9 +124,60 @@ class SyncRoute:
         Raises:
             grpc.RpcError: the coordinator did not answer the direct Sync.
         """
+        reply, self.via = self._through(
+            via,
+            lambda leader: self.client.relay(leader, coord, request, self.relay_timeout),
+            lambda: self.client.sync_call(coord, request),
+            _HEARTBEAT,
+        )
+        return reply
+
+    def decide(self, coord: str, request: Any, via: tuple[int, str] | None) -> Any:
+        """The DecideReply to ``request`` (a DecideRequest): through the leader ``via``
+        (its DecideBatch; answered within the request's long poll plus
+        ``relay_timeout`` seconds) or, when it is None or fails, directly.
+
+        Raises:
+            grpc.RpcError: the coordinator did not answer the direct Decide.
+        """
+        timeout = request.wait_ms / 1000 + self.relay_timeout
+        reply, _ = self._through(
+            via,
+            lambda leader: self.client.relay_decide(leader, coord, request, timeout),
+            lambda: self.client.decide_call(coord, request),
+            _ROUND,
+        )
+        return reply
+
+    def barrier(self, coord: str, request: Any, via: tuple[int, str] | None) -> Any:
+        """The BarrierReply to ``request`` (a BarrierRequest), as :meth:`decide`.
+
+        Raises:
+            grpc.RpcError: the coordinator did not answer the direct Barrier.
+        """
+        timeout = request.wait_ms / 1000 + self.relay_timeout
+        reply, _ = self._through(
+            via,
+            lambda leader: self.client.relay_barrier(leader, coord, request, timeout),
+            lambda: self.client.barrier_call(coord, request),
+            _ROUND,
+        )
+        return reply
+
+    def _through(
+        self,
+        via: tuple[int, str] | None,
+        relayed: Callable[[str], Any],
+        direct: Callable[[], Any],
+        kind: _Kind,
+    ) -> tuple[Any, int | None]:
+        """(``relayed(leader address)``, the leader's rank), or (``direct()``, None) when
+        ``via`` is None or the leader fails: the one routing and fallback rule of
+        heartbeats and restore-round calls (module docstring)."""
+        tally = self.tally[kind.name]
         if via is not None:
             try:
-                reply = self.client.relay(via[1], coord, request, self.relay_timeout)
+                reply = relayed(via[1])
             except grpc.RpcError as exc:
                 details = exc.details() if hasattr(exc, "details") else ""
                 upstream = rpc_code(exc) == grpc.StatusCode.UNAVAILABLE and (
@@ -124,20 +186,48 @@ class SyncRoute:
                 with self._lock:
                     if not upstream:  # a coordinator at fault must not send N nodes direct
                         self.failed[via[0]] = self.clock()
-                    self.fallbacks += 1
-                self.client.stats.add("heartbeat_fallbacks")
+                    tally["fallbacks"] += 1
+                self.client.stats.add(kind.fallbacks)
                 log.warning(
-                    "heartbeat leader node-rank %d (%s) failed: %s; syncing directly",
+                    "%s leader node-rank %d (%s) failed: %s; calling the coordinator directly",
+                    kind.name,
                     via[0],
                     via[1],
                     rpc_reason(exc),
                 )
             else:
-                self.via = via[0]
-                self.relayed += 1
-                self.client.stats.add("heartbeats_relayed")
-                return reply
-        self.via = None
-        self.direct += 1
-        self.client.stats.add("heartbeats_direct")
-        return self.client.sync_call(coord, request)
+                tally["relayed"] += 1
+                self.client.stats.add(kind.relayed)
+                return reply, via[0]
+        tally["direct"] += 1
+        self.client.stats.add(kind.direct)
+        return direct(), None
+
+    @property
+    def relayed(self) -> int:
+        """Heartbeats sent through a leader."""
+        return self.tally[_HEARTBEAT.name]["relayed"]
+
+    @property
+    def direct(self) -> int:
+        """Heartbeats sent directly."""
+        return self.tally[_HEARTBEAT.name]["direct"]
+
+    @property
+    def fallbacks(self) -> int:
+        """Heartbeats sent directly after their leader failed."""
+        return self.tally[_HEARTBEAT.name]["fallbacks"]
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """A kind of call a member routes (its name in logs and its wire counters)."""
+
+    name: str
+    relayed: str
+    direct: str
+    fallbacks: str
+
+
+_HEARTBEAT = _Kind("heartbeat", "heartbeats_relayed", "heartbeats_direct", "heartbeat_fallbacks")
+_ROUND = _Kind("restore round", "round_calls_relayed", "round_calls_direct", "round_fallbacks")

@@ -207,6 +207,13 @@ class WireStats:
         "heartbeat_fallbacks",
         "heartbeat_batches_sent",
         "heartbeats_batched",
+        # the restore round's Decide/Barrier calls likewise (ARCHITECTURE.md
+        # "Batched restore round")
+        "round_calls_direct",
+        "round_calls_relayed",
+        "round_fallbacks",
+        "round_batches_sent",
+        "round_calls_batched",
     )
 
     def __init__(self) -> None:
