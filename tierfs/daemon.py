@@ -335,7 +335,15 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         # node-rank 0 judges its steps again over every rank's part (issue #15)
         background.append(
             WholeStepJudge(
-                shards, catalog, state, peer, reporter, io_limiter, files=peer, parts=coordinator
+                shards,
+                catalog,
+                state,
+                peer,
+                reporter,
+                io_limiter,
+                files=peer,
+                parts=coordinator,
+                gone=lambda: peer.book.gone,
             ).run
         )
     # other ranks' files of a step in this node's view (issue #14)

@@ -180,6 +180,25 @@ def test_survivors_renumbered_after_a_middle_node_is_lost_restore_and_load(make_
     assert dcp(c, "load", 30, [0, 3, 2]) == ["LOADED_OK"] * 3
     for i in ranks:
         assert c.errors(i) == "", (i, c.errors(i))
+    # regression (stop 32 trial, finding 1): saving step 30 again into its directory
+    # failed on the renumbered job with EROFS (node 3, now rank 1, writes __1_0.distcp:
+    # the old rank 1's file in its view) and sealed a torn step. Now the path becomes
+    # the node's own. DCP leaves the old __3_0.distcp in the directory, as on a shared
+    # file system; node 3 wrote it (as rank 3), so it is in node 3's new part and
+    # every node shows it
+    assert dcp(c, "save", 30, [0, 3, 2], seed=1) == ["SAVED"] * 3
+    for i in ranks:
+        wait_for(
+            lambda i=i: (
+                sorted(os.listdir(c.root(i) / "checkpoint-30"))
+                == sorted([*files(3), "__3_0.distcp"])
+            ),
+            90,
+            f"the 3-node step 30 on node {i}",
+        )
+    assert dcp(c, "load", 30, [0, 3, 2], seed=1) == ["LOADED_OK"] * 3
+    for i in ranks:
+        assert c.errors(i) == "", (i, c.errors(i))
 
 
 def save_files(c: Cluster, step: int, nodes: list[int]) -> None:

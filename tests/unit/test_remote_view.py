@@ -410,6 +410,10 @@ class Remote:
     def partial(self, ino: int) -> bool:
         return ino == self.ino and not self.here
 
+    def taking_over(self, ino: int):
+        self.ino = -1  # the node's own file from now on
+        return None
+
     def readable(self, ino: int, offset: int, size: int):
         return None
 
@@ -438,6 +442,10 @@ def test_the_namespace_defers_the_open_of_a_missing_file_and_refuses_writes(tmp_
         trio.run(later.value.wait)
         handle = ns.open(inode.nodeid, os.O_RDONLY)
         ns.release(handle.fh)
+        # stop 32: saving that path again (O_TRUNC for writing) makes it the node's own
+        handle = ns.open(inode.nodeid, os.O_WRONLY | os.O_TRUNC)
+        ns.release(handle.fh)
+        assert (view / "f").stat().st_size == 0 and not remote.is_remote(inode.ino)
         ns.unlink(ROOT_ID, b"f")  # removing it is allowed
     finally:
         ns.close()
@@ -650,6 +658,66 @@ def test_a_node_without_a_part_shows_the_whole_restored_step(tmp_path):
     s = rv.status().step(10)
     assert s is not None and (s.writers, s.own_part, s.ranks_missing) == (3, False, ())
     assert s.bytes_ready and job.errors == []
+
+
+def test_a_renumbered_node_saving_the_step_again_takes_over_its_paths(tmp_path):
+    """Stop 32 trial, finding 1: a job of 5 nodes shrunk to 2 (nodes renumbered) saved
+    the restored step 40 again into its directory; the new rank 0's
+    ``open("__0_0.distcp", "wb")`` failed with EROFS (the old rank 0's file is
+    another rank's in the view) while rank 1's write went through: a torn step was
+    sealed. An O_TRUNC open for writing now makes the path the node's own; and once
+    the node's part says the step is written by 2 nodes, the files of old ranks 2..
+    leave the view."""
+    ram = RamStore(str(tmp_path / "node0"))
+    shards = ShardStore(ram)
+    catalog = ShardCatalog(shards, 3)
+    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 0, 2))
+    parts = {r: manifest(r, {f"__{r}_0.distcp": bytes([r]) * 100}) for r in range(5)}
+    parts[0] = manifest(0, {".metadata": B, "__0_0.distcp": C})
+    rv = RemoteView(
+        ram.view,
+        ram.incoming,
+        catalog,
+        job,
+        Manifests(parts),
+        [],
+        job,
+        trio.CapacityLimiter(1),
+        restored=lambda: (1000.0, 10, 5),
+    )
+    view = Path(ram.view) / "10"
+
+    async def main() -> None:
+        await rv.look(None, step=10, writers=5)
+        assert sorted(os.listdir(view)) == [".metadata", *(f"__{r}_0.distcp" for r in range(5))]
+        ino = (view / "__0_0.distcp").stat().st_ino
+        assert rv.is_remote(ino) and os.getxattr(view / "__0_0.distcp", XATTR)
+        assert rv.taking_over(ino) is None
+        assert not rv.is_remote(ino) and not rv.partial(ino)
+        with pytest.raises(OSError) as gone:
+            os.getxattr(view / "__0_0.distcp", XATTR)
+        assert gone.value.errno == errno.ENODATA
+        # the node saves its part of step 10 again (2 writers now) and seals it
+        (view / "__0_0.distcp").write_bytes(A)
+        assert rv.taking_over((view / ".metadata").stat().st_ino) is None
+        (view / ".metadata").write_bytes(b"new metadata")
+        own = shards.snapshot(
+            ram.view, ShardKey(JOB, 0, 10), "10", ["10"], "generic", foreign=rv.is_remote, nodes=2
+        )
+        catalog.add(own)
+        assert own.manifest.nodes == 2
+        assert sorted(f.path for f in own.manifest.files if f.kind == "file") == [
+            "10/.metadata",
+            "10/__0_0.distcp",
+        ]
+        await rv.look(own)
+
+    trio.run(main)
+    # rank 1's file stays (rank 1 writes the 2-node step too: its own re-save replaces
+    # it); ranks 2..4 no longer write step 10
+    assert sorted(os.listdir(view)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert (view / "__0_0.distcp").read_bytes() == A
+    assert (view / ".metadata").read_bytes() == b"new metadata"
 
 
 def test_a_step_saved_again_shows_the_new_files_of_the_other_ranks(tmp_path):

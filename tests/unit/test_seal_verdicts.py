@@ -141,6 +141,12 @@ def test_status_says_in_a_few_words_whether_a_part_loads():
         "(asked for 40 s)"
     )
     assert step_loads(needs, None, 4) == loads_summary(needs, whole=False)
+    # the rank declared gone: "never", not "so far" (stop 32 trial, finding 3)
+    gone = (
+        "rank 3's part: none (node-rank 3 declared gone): never complete for the 4-node "
+        "job; restart the job with the smaller --nodes to restore later steps"
+    )
+    assert step_loads(needs, None, 4, gone) == f"incomplete: part ok (dcp), {gone}"
     assert step_loads(damaged, None, 4, why) == "no: damaged: 9/__0_0.distcp: 0 B"
     assert step_loads(needs, WholeVerdict(("a", "b"), "", "dcp"), 2, why) == (
         "yes (dcp, all 2 ranks)"

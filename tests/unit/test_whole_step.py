@@ -178,6 +178,13 @@ def test_node_rank_0_judges_keeps_and_says_it_once(tmp_path):
         assert judge.pending(job.job) == [p0] and catalog.whole_verdict(p0.key) is None
         # said in `tierfs status`' loads (issue #16: a step lacking a gone rank's part)
         assert catalog.unjudged(p0.key).startswith("rank 1's part: no copy found on a live node")
+        # rank 1 declared gone: the step can never be completed (stop 32 trial)
+        judge.gone = lambda: frozenset({1})
+        assert await judge.judge(job.job, p0) is None
+        assert catalog.unjudged(p0.key).startswith(
+            "rank 1's part: none (node-rank 1 declared gone): never complete for the 2-node job"
+        )
+        judge.gone = frozenset
         source.parts[(1, 20)] = p1.manifest
         assert await judge.judge(job.job, p0) is None  # the first look at every part
         whole = await judge.judge(job.job, p0)

@@ -65,7 +65,8 @@ class FileOps(DataOps):
 
         Raises:
             OSError: EISDIR for directories, EPERM writing reserved files,
-                EROFS writing or truncating another rank's file, ELOOP for
+                EROFS writing another rank's file without ``O_TRUNC`` (with it the
+                file becomes the node's own: saved again), ELOOP for
                 symlinks, ESTALE for an unknown node id.
             Deferred: another rank's file whose first bytes are not verified
                 here yet (the session answers later, :mod:`tierfs.fuse.remote`).
@@ -74,11 +75,17 @@ class FileOps(DataOps):
         if stat.S_ISDIR(inode.mode):
             raise OSError(errno.EISDIR, "is a directory")
         if self._remote.is_remote(inode.ino):
-            if access.opens_for_write(flags) or flags & os.O_TRUNC:
+            if (flags & os.O_ACCMODE) != os.O_RDONLY and flags & os.O_TRUNC:
+                # the step saved again into its directory: the path is this node's now
+                wait = self._remote.taking_over(inode.ino)
+                if wait is not None:
+                    raise Deferred(wait)
+            elif access.opens_for_write(flags) or flags & os.O_TRUNC:
                 raise OSError(errno.EROFS, "another rank's file of a sealed step")
-            fetch = self._remote.opening(inode.ino)
-            if fetch is not None:
-                raise Deferred(fetch)
+            else:
+                fetch = self._remote.opening(inode.ino)
+                if fetch is not None:
+                    raise Deferred(fetch)
         partial = self._remote.partial(inode.ino)
         if access.opens_for_write(flags):
             if inode.reserved:

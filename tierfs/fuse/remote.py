@@ -6,8 +6,10 @@ file whose bytes are here already, or a sparse file of the right size and mode
 whose bytes are fetched on first open. The namespace sees them only through
 :class:`RemoteFiles`, keyed by the backing inode number:
 
-* such a file is read-only: an open for writing or with ``O_TRUNC`` and any
+* such a file is read-only: an open for writing without ``O_TRUNC`` and any
   SETATTR fail with ``EROFS`` (its bytes belong to another rank's sealed part);
+  an open for writing with ``O_TRUNC`` (the node saving that path of the step
+  again) makes it the node's own file (:meth:`RemoteFiles.taking_over`);
 * an open of a file whose bytes are not here yet raises :class:`Deferred`:
   the session answers that request later, without holding up other requests
   (:meth:`tierfs.fuse.session.FuseSession.dispatch`): once the first chunk is
@@ -62,6 +64,12 @@ class RemoteFiles(Protocol):
         verified); else what to wait for first (raises ``OSError`` as :meth:`missing`)."""
         ...
 
+    def taking_over(self, ino: int) -> Callable[[], Awaitable[None]] | None:
+        """An open of ``ino`` for writing with ``O_TRUNC``: the node writes that path
+        itself from now on (the file stops being another rank's). None once done;
+        else what to wait for first (a fetch writing into it)."""
+        ...
+
     def partial(self, ino: int) -> bool:
         """True if ``ino`` is another rank's file whose bytes are not all here yet: a
         handle opened now is served by the daemon and its reads ask :meth:`readable`."""
@@ -86,6 +94,10 @@ class NoRemoteFiles:
         return None
 
     def opening(self, ino: int) -> Callable[[], Awaitable[None]] | None:
+        """Always None."""
+        return None
+
+    def taking_over(self, ino: int) -> Callable[[], Awaitable[None]] | None:
         """Always None."""
         return None
 

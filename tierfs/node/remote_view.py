@@ -72,7 +72,7 @@ import logging
 import os
 import stat
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import google_crc32c
@@ -411,6 +411,50 @@ class RemoteView:
             return
         await self.wait_verified(rf, first)
 
+    def taking_over(self, ino: int) -> Callable[[], Awaitable[None]] | None:
+        """An open with ``O_TRUNC`` for writing of another rank's file (FUSE thread): the
+        node writes that path of the step itself now (the step saved again into the
+        same directory, e.g. by a job restarted on another node count, whose new
+        rank 0 writes ``__0_0.distcp`` where the old rank 0's file is shown). The file
+        stops being another rank's: it is forgotten here, its mark removed, and the
+        open goes on as for the node's own file (its truncation, then the node's
+        seal). None once done; while a fetch writes into it, what to wait for
+        first (then the open is retried)."""
+        rf = self._by_ino.get(ino)
+        if rf is None:
+            return None
+        if rf.state == FETCHING and rf.done is not None:
+            done = rf.done
+
+            async def fetch_ended() -> None:
+                await done.wait()
+
+            return fetch_ended
+        del self._by_ino[ino]
+        union = self.steps.get(rf.step)
+        if union is not None and union.files.get(rf.path) is rf:
+            del union.files[rf.path]
+            union.order = None
+        try:
+            fd = self._open_rw(rf)
+        except OSError:
+            pass
+        else:
+            try:
+                os.removexattr(fd, XATTR)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        log.info(
+            "step %d: %s (rank %d's file) opened with O_TRUNC for writing: this node's "
+            "own file from now on",
+            rf.step,
+            rf.path,
+            rf.rank,
+        )
+        return None
+
     def partial(self, ino: int) -> bool:
         """True if ``ino`` is another rank's file whose bytes are not all here (a handle
         opened now is served by the daemon, never by passthrough). FUSE thread."""
@@ -644,6 +688,20 @@ class RemoteView:
         union.writers, union.own = writers, own is not None
         if union.first_look is None:
             union.first_look = trio.current_time()
+        beyond = {rf.rank for rf in union.files.values() if rf.rank >= writers}
+        if beyond:
+            # the step saved again by fewer nodes (a job restarted on another node
+            # count): the files of the ranks that no longer write it leave the view
+            log.info(
+                "step %d: now written by %d nodes: rank(s) %s's files leave the view",
+                step,
+                writers,
+                sorted(beyond),
+            )
+            kept_beyond = await trio.to_thread.run_sync(self._unplace, union, {}, beyond)
+            for rank in beyond - kept_beyond:
+                union.parts.pop(rank, None)
+            self._soon = self._soon or bool(kept_beyond)
         tops = (
             own.manifest.top_level
             if own is not None
@@ -782,26 +840,41 @@ class RemoteView:
             union.order = None
             self._notify(rf.path)
 
-    def _unplace(self, union: StepUnion, parts: dict[int, Manifest]) -> set[int]:
+    def _unplace(
+        self,
+        union: StepUnion,
+        parts: dict[int, Manifest],
+        dropped: Collection[int] = (),
+    ) -> set[int]:
         """Forget the placed files of ``parts``' ranks whose bytes the part's manifest no
         longer names (the step saved again), or whose view entry is not the placed
-        file any more (removed or replaced by the client); remove the stale ones from
-        the view. A worker thread. Files with the same bytes stay (their digest is
-        updated); a file being fetched or open stays (its reader keeps the old
-        bytes, or its fetch of them fails cleanly) until a later look: returns the
-        ranks of such files."""
+        file any more (removed or replaced by the client), and every placed file of
+        the ranks in ``dropped`` (no longer writers of the step); remove the stale
+        ones from the view. A worker thread. Files with the same bytes stay (their
+        digest is updated); a file being fetched or open stays (its reader keeps the
+        old bytes, or its fetch of them fails cleanly) until a later look: returns
+        the ranks of such files."""
         kept: set[int] = set()
         for rf in list(union.files.values()):
             manifest = parts.get(rf.rank)
-            if manifest is None:
+            if manifest is None and rf.rank not in dropped:
                 continue
-            entry = next((f for f in manifest.files if f.path == rf.path), None)
+            entry = (
+                None
+                if manifest is None
+                else next((f for f in manifest.files if f.path == rf.path), None)
+            )
             path = os.path.join(self.view_dir, rf.path)
             try:
                 here = os.lstat(path).st_ino == rf.ino
             except OSError:
                 here = False
-            if here and entry is not None and (entry.size, entry.crc32c) == (rf.size, rf.crc32c):
+            if (
+                here
+                and manifest is not None
+                and entry is not None
+                and (entry.size, entry.crc32c) == (rf.size, rf.crc32c)
+            ):
                 rf.digest = manifest.digest
                 chunks = manifest.chunks_of(entry)
                 if chunks is not None and rf.chunks is None:

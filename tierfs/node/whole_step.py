@@ -43,7 +43,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import trio
 
@@ -97,6 +97,8 @@ class WholeStepJudge:
             judge (a step restored into the catalog is not a seal).
         recheck: seconds between looks at the reported digests of judged steps
             (with ``parts``).
+        gone: the node ranks declared gone for good (issue #16): a rank of them
+            whose part is nowhere makes the step "never complete", not "not yet".
     """
 
     def __init__(
@@ -115,7 +117,9 @@ class WholeStepJudge:
         patience: float = 600.0,
         idle: float = 30.0,
         recheck: float = 5.0,
+        gone: Callable[[], Collection[int]] = frozenset,
     ) -> None:
+        self.gone = gone
         self.shards = shards
         self.catalog = catalog
         self.current = job
@@ -275,7 +279,11 @@ class WholeStepJudge:
             if got is None:
                 self.catalog.set_unjudged(
                     shard.key,
-                    f"rank {rank}'s part: no copy found on a live node "
+                    f"rank {rank}'s part: none (node-rank {rank} declared gone): never "
+                    f"complete for the {writers}-node job; restart the job with the "
+                    "smaller --nodes to restore later steps"
+                    if rank in self.gone()
+                    else f"rank {rank}'s part: no copy found on a live node "
                     f"(asked for {now - first:.0f} s)",
                 )
                 if now - first > self.patience:

@@ -160,7 +160,9 @@ def step_loads(
             0 of a multi-node job), None if not.
         writers: the node count that wrote the step.
         unjudged: why node-rank 0 could not judge the step across ranks yet
-            (``rank 3's part: no copy found on a live node ...``), "" if unknown.
+            (``rank 3's part: no copy found on a live node ...``), "" if unknown;
+            a reason saying ``never complete`` (the rank declared gone) drops the
+            "so far".
 
     Returns:
         :func:`loads_across` when judged across ranks; else
@@ -172,7 +174,8 @@ def step_loads(
         return loads_across(whole, writers)
     words = loads_summary(verdict, whole=writers == 1)
     if unjudged and verdict is not None and words is not None and words.startswith("part ok"):
-        return f"incomplete so far: part ok ({verdict.format}), {unjudged}"
+        when = "" if "never complete" in unjudged else " so far"
+        return f"incomplete{when}: part ok ({verdict.format}), {unjudged}"
     return words
 
 
