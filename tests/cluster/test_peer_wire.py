@@ -30,7 +30,12 @@ def test_method_paths_are_pinned():
         "/tierfs.peer.v1.Coordinator/Sync",
         "/tierfs.peer.v1.Coordinator/Gone",
         "/tierfs.peer.v1.Coordinator/SyncBatch",
+        "/tierfs.peer.v1.Coordinator/DecideBatch",
+        "/tierfs.peer.v1.Coordinator/BarrierBatch",
         "/tierfs.peer.v1.SyncRelay/Relay",
+        "/tierfs.peer.v1.SyncRelay/RelayDecide",
+        "/tierfs.peer.v1.SyncRelay/RelayBarrier",
+        "/tierfs.peer.v1.SyncRelay/Nudge",
     )
     # ... and they are the generated module's (tierfs/rpc/peer.proto, package tierfs.peer.v1)
     assert pb2.DESCRIPTOR.package == "tierfs.peer.v1"

@@ -40,8 +40,17 @@ MAX_MESSAGE = 16 << 20
 CHUNK = 4 << 20
 
 PEER_METHODS = ("Inventory", "PushShard", "PullShard")
-COORDINATOR_METHODS = ("Join", "Decide", "Barrier", "Sync", "Gone", "SyncBatch")
-RELAY_METHODS = ("Relay",)
+COORDINATOR_METHODS = (
+    "Join",
+    "Decide",
+    "Barrier",
+    "Sync",
+    "Gone",
+    "SyncBatch",
+    "DecideBatch",
+    "BarrierBatch",
+)
+RELAY_METHODS = ("Relay", "RelayDecide", "RelayBarrier", "Nudge")
 METHOD_PATHS = tuple(
     [f"/tierfs.peer.v1.Peer/{m}" for m in PEER_METHODS]
     + [f"/tierfs.peer.v1.Coordinator/{m}" for m in COORDINATOR_METHODS]
