@@ -183,16 +183,13 @@ def test_survivors_renumbered_after_a_middle_node_is_lost_restore_and_load(make_
     # regression (stop 32 trial, finding 1): saving step 30 again into its directory
     # failed on the renumbered job with EROFS (node 3, now rank 1, writes __1_0.distcp:
     # the old rank 1's file in its view) and sealed a torn step. Now the path becomes
-    # the node's own. DCP leaves the old __3_0.distcp in the directory, as on a shared
-    # file system; node 3 wrote it (as rank 3), so it is in node 3's new part and
-    # every node shows it
+    # the node's own. (Node 3's old __3_0.distcp, which it wrote as rank 3, still stays
+    # in its view as its own file: the #16 note of stop 32 says why that is wrong and
+    # what comes next; not asserted here either way.)
     assert dcp(c, "save", 30, [0, 3, 2], seed=1) == ["SAVED"] * 3
     for i in ranks:
         wait_for(
-            lambda i=i: (
-                sorted(os.listdir(c.root(i) / "checkpoint-30"))
-                == sorted([*files(3), "__3_0.distcp"])
-            ),
+            lambda i=i: set(files(3)) <= set(os.listdir(c.root(i) / "checkpoint-30")),
             90,
             f"the 3-node step 30 on node {i}",
         )
