@@ -246,26 +246,9 @@ class CoordinatorServicer:
 
     async def _wait(self, request: Any, fn: Callable[[], Any]) -> Any:
         """``fn()`` (under the lock) until it is not ``waiting`` or the long poll ends;
-        between evaluations the call sleeps until progress (see the module docstring)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(max(request.wait_ms, 0) / 1000.0, self.max_wait)
-        while True:
-            with self.lock:
-                view = fn()
-                self.evaluations += 1
-                self._after()
-                changed = self._event()
-            remaining = deadline - loop.time()
-            if view.state != WAITING or remaining <= 0:
-                return view
-            self.waiting += 1
-            try:
-                await asyncio.wait_for(changed.wait(), remaining)
-                self.wakeups += 1
-            except TimeoutError:
-                pass
-            finally:
-                self.waiting -= 1
+        between evaluations the call sleeps until progress (see the module docstring):
+        :meth:`_wait_batch` with one member."""
+        return (await self._wait_batch(request.wait_ms, [fn]))[0]
 
     def _peer_list(self, ranks: Iterable[int] | None) -> list[peer_pb2.PeerAddress]:
         return [
@@ -361,7 +344,8 @@ class CoordinatorServicer:
     async def _wait_batch(self, wait_ms: int, fns: list[Callable[[], Any]]) -> list[Any]:
         """Every ``fns[i]()`` (under one lock hold per evaluation) until any view is not
         ``waiting`` or ``wait_ms`` (capped by :attr:`max_wait`) has passed; the
-        views of the last evaluation. Sleeps on progress as :meth:`_wait` does."""
+        views of the last evaluation. Between evaluations it sleeps until progress
+        (see the module docstring)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(max(wait_ms, 0) / 1000.0, self.max_wait)
         while True:

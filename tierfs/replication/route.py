@@ -140,14 +140,13 @@ class SyncRoute:
         Raises:
             grpc.RpcError: the coordinator did not answer the direct Decide.
         """
-        timeout = request.wait_ms / 1000 + self.relay_timeout
-        reply, _ = self._through(
+        return self._round_call(
+            request,
             via,
-            lambda leader: self.client.relay_decide(leader, coord, request, timeout),
+            self.client.relay_decide,
             lambda: self.client.decide_call(coord, request),
-            _ROUND,
+            coord,
         )
-        return reply
 
     def barrier(self, coord: str, request: Any, via: tuple[int, str] | None) -> Any:
         """The BarrierReply to ``request`` (a BarrierRequest), as :meth:`decide`.
@@ -155,12 +154,27 @@ class SyncRoute:
         Raises:
             grpc.RpcError: the coordinator did not answer the direct Barrier.
         """
+        return self._round_call(
+            request,
+            via,
+            self.client.relay_barrier,
+            lambda: self.client.barrier_call(coord, request),
+            coord,
+        )
+
+    def _round_call(
+        self,
+        request: Any,
+        via: tuple[int, str] | None,
+        relay: Callable[[str, str, Any, float], Any],
+        direct: Callable[[], Any],
+        coord: str,
+    ) -> Any:
+        """A restore-round call (Decide or Barrier) through the leader ``via`` with the
+        relay timeout of its long poll, else ``direct()``."""
         timeout = request.wait_ms / 1000 + self.relay_timeout
         reply, _ = self._through(
-            via,
-            lambda leader: self.client.relay_barrier(leader, coord, request, timeout),
-            lambda: self.client.barrier_call(coord, request),
-            _ROUND,
+            via, lambda leader: relay(leader, coord, request, timeout), direct, _ROUND
         )
         return reply
 
