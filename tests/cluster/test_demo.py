@@ -199,10 +199,13 @@ def test_sigterm_stops_everything_the_demo_started(tmp_path):
     proc = _start_demo(out, tmp_path)
     try:
         wait_for(
-            lambda: "tierfs nodes mounted" in timeline_text(out) or proc.poll(),
+            lambda: "tierfs nodes mounted" in timeline_text(out) or proc.poll() is not None,
             120,
             "the nodes mounted",
         )
+        # a demo that ended before its nodes mounted says why on stderr (one CI run
+        # of 876a812 showed only the timeline's first line)
+        assert proc.poll() is None, proc.communicate()
         emulators = emulators_of(out)
         assert len(emulators) == 1, timeline_text(out)
         daemons = [

@@ -411,3 +411,27 @@ def test_a_node_the_coordinator_refuses_fails_fast(make_mount, monkeypatch):
     failed = (root / "replicator.failed").read_text()
     assert "refused this node" in failed and "refused the peer token" in failed
     assert "the coordinator refuses this node" in (root / "replicator.errors").read_text()
+
+
+@pytest.mark.slow
+def test_two_nodes_with_one_rank_is_a_refusal(make_mount):
+    """Regression (issue #16 trial): a node whose node-rank another live node
+    serves retried until --join-timeout and then exited 6 ("timed out"), where the
+    README's table says a rank the coordinator refuses exits 5."""
+    c = Cluster(make_mount, 3, join_timeout=4)
+    for i, rank in ((0, 0), (1, 1), (2, 1)):
+        root = c.root(i)
+        (root / "replicator.yaml.tmp").write_text(
+            f"job-name: job\nframework: orbax\nnode-rank: {rank}\nnodes: 3\npeers-per-node: 1"
+        )
+        os.replace(root / "replicator.yaml.tmp", root / "replicator.yaml")
+        if i == 1:
+            wait_until(
+                lambda: "joining" not in c.status(1)["restore"].get("phase", "joining"),
+                60,
+                "node 1 joined",
+            )
+    waited = tierfs("wait", str(c.root(2)), "--timeout", "60", check=False)
+    assert waited.returncode == 5, (waited.returncode, waited.stderr)
+    assert "node-rank 1 is taken" in waited.stderr
+    assert "node-rank 1 is taken" in (c.root(2) / "replicator.failed").read_text()

@@ -199,7 +199,10 @@ class CoordinatorAgreement:
                     f"restore: could not join the coordinator within "
                     f"{tier.join_timeout:.0f} s: {last}"
                 )
-                if refused_since is not None:
+                if refused_since is not None or "is taken" in last:
+                    # another live node serves this node-rank the whole time: a
+                    # configuration error (two nodes with one rank), not a slow
+                    # coordinator (regression: exit 6 "timed out", README says 5)
                     raise RestoreRefused(last)
                 raise RestoreTimeout(
                     f"could not join the coordinator within {tier.join_timeout:.0f} s: {last}"
