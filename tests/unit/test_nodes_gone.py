@@ -330,3 +330,17 @@ def test_nodes_gone_needs_a_job_and_a_coordinator():
     assert _target(status, "h:1") == ("j", "h:1")
     result = CliRunner().invoke(main, ["nodes", "gone", "/mnt/x"])
     assert result.exit_code == 2 and "Missing argument 'RANKS...'" in result.output
+
+
+def test_a_refused_node_drops_the_coordinators_last_node_counts():
+    # regression (issue #16 trial): a node the coordinator refused (declared gone)
+    # kept showing "5 node(s) live" from its last accepted heartbeat
+    from types import SimpleNamespace
+
+    from tierfs.replication.addresses import AddressBook, Endpoint
+
+    book = AddressBook(Endpoint(None, ""))
+    book.update([], SimpleNamespace(live_nodes=5, known_nodes=5, gone=[]))
+    assert book.node_counts == (5, 5)
+    book.coordinator_down()
+    assert book.node_counts is None

@@ -121,7 +121,10 @@ class AddressBook:
 
     def coordinator_down(self) -> None:
         """A coordinator call failed: its node no longer counts as live (the book is the
-        coordinator's, so nothing else would say it is gone)."""
+        coordinator's, so nothing else would say it is gone), and its last counts of
+        live and known nodes are dropped (a node the coordinator refuses, e.g. one
+        declared gone, showed "5 node(s) live" from its last accepted heartbeat)."""
+        self.node_counts = None
         info = self.peers.get(COORDINATOR_RANK)
         if info is not None and info.live:
             info.live = False
