@@ -323,6 +323,44 @@ def test_after_a_restore_to_an_older_step_new_steps_replicate_and_win(make_mount
         assert res["files"] == step_files(r, 2, seed="new")
 
 
+@pytest.mark.long(minutes=2)
+def test_a_step_saved_again_after_a_restore_is_backed_up_again(make_mount, fake_gcs):
+    """Regression (issue #16, third trial): after a restore the coordinator's backup
+    schedule knew the restored step's number but not its bytes, so the same step
+    saved again with other bytes was never backed up; after a cluster-wide loss the
+    bucket's first save of it was restored with exit 0 (wrong data, no reason)."""
+    g = GcsBackend(fake_gcs.bucket, settings=GcsSettings.from_env())
+    c = start(make_mount, fake_gcs.bucket)
+    handshake_all(c)
+    save_all(c, 1)
+    first = round_of(c, 1)
+    # every daemon restarts (RAM kept): step 1 restored, then saved again in place
+    restart_all(c, wipe=False)
+    assert [res["restored"] for res in handshake_all(c)] == [1] * N, c.logs()
+    for r in range(N):
+        shutil.rmtree(c.root(r) / "1")
+    save_all(c, 1, seed="second")
+    again = [
+        wait_for(
+            lambda i=i: (backed_up(c.root(i), 1) or first) > first and backed_up(c.root(i), 1),
+            90,
+            f"node {i}: the second save of step 1 backed up",
+        )
+        for i in range(N)
+    ]
+    assert len(set(again)) == 1, again
+    assert g.inspect_round("job", again[0], N).complete_step == 1
+    # the whole cluster's RAM is lost: the bucket brings back the second save
+    for i in range(N):
+        c.lose(i)
+    for i in range(N):
+        c.remount(i)
+    for r, res in enumerate(handshake_all(c)):
+        assert res["restored"] == 1, c.logs()
+        assert res["files"] == step_files(r, 1, seed="second"), f"node {r}: the first save"
+        assert f"restore-backup: {again[0]}" in res["prerestore"]
+
+
 @pytest.mark.long
 def test_hanging_bucket_costs_at_most_its_deadlines(make_mount, fake_gcs, monkeypatch):
     """Regressions with the emulator SIGSTOPped (connections hang): (1) the round of

@@ -117,7 +117,7 @@ class CoordinatedRounds:
         )
         if book_job is not None and not seeded:
             try:
-                newest, complete = await self.access.read_seed(book_job, nodes)
+                newest, complete, parts = await self.access.read_seed(book_job, nodes)
             except Exception as exc:
                 if not mem.seed_failed:
                     mem.seed_failed = True
@@ -127,7 +127,7 @@ class CoordinatedRounds:
             else:
                 mem.seed_failed = False
                 self.access.ok()
-                await self._locked(lambda c: c.backups.seed(book_job, newest, complete))
+                await self._locked(lambda c: c.backups.seed(book_job, newest, complete, parts))
         for line in await self._locked(lambda c: c.backups.drain() if c.backups else []):
             self.lines.fail(line)
         self.uploads.spawn_tidy(

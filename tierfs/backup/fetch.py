@@ -198,8 +198,13 @@ class BucketRestore:
         self.memory.restored_here = True
         # steps sealed before the restore belong to the old timeline (see the follower)
         self.memory.epoch = time.time()
+        shard = plan.shard
         self.memory.state = S.restart_timeline(
-            self.memory.state, backup=plan.backup, step=plan.step, now=self.memory.epoch
+            self.memory.state,
+            backup=plan.backup,
+            step=plan.step,
+            now=self.memory.epoch,
+            parts={shard.key.rank: shard.manifest.digest} if shard is not None else None,
         )
         if forced is not None:
             self.memory.forced = (job.name, forced, plan.step or 0, time.time())

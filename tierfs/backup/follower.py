@@ -169,7 +169,7 @@ class ScheduleFollower:
             # a restarted daemon: never redo a step the bucket already holds, never
             # reuse a round name, count the period from the newest round
             try:
-                newest, complete = await self.access.read_seed(job.name, job.nodes)
+                newest, complete, seeded = await self.access.read_seed(job.name, job.nodes)
             except Exception as exc:
                 self.lines.fail(
                     f"backup of step {decision.step} not started: {describe_error(exc)}"
@@ -177,7 +177,7 @@ class ScheduleFollower:
                 return
             if newest is not None:
                 mem.state.last_round = max(newest, mem.state.last_round or "")
-            S.apply_seed(mem.state, complete, after_restore=mem.restored_here)
+            S.apply_seed(mem.state, complete, after_restore=mem.restored_here, parts=seeded)
             mem.seeded = True
             decision = S.decide_round(
                 mem.state,

@@ -30,6 +30,7 @@ from tierfs.backup import layout as L
 from tierfs.backup.bucket import GcsBackend, GcsSettings
 from tierfs.backup.client import describe_error
 from tierfs.backup.errors import GcsError
+from tierfs.backup.judge import RoundInfo
 from tierfs.backup.monitor import BucketMonitor
 from tierfs.backup.progress import ErrorLines
 from tierfs.core import retry, settings
@@ -241,10 +242,13 @@ class BucketAccess:
             backoff = retry.gcs_bucket_check().backoff()
             delay = backoff.next()
 
-    async def read_seed(self, job: str, nodes: int) -> tuple[str | None, tuple[str, int] | None]:
-        """The bucket's newest round name and newest complete (round, step) of the last 3
-        (what a schedule starts from; each request bounded by
-        ``$TIERFS_GCS_LOOKUP_DEADLINE``).
+    async def read_seed(
+        self, job: str, nodes: int
+    ) -> tuple[str | None, tuple[str, int] | None, dict[int, str]]:
+        """The bucket's newest round name, newest complete (round, step) of the last 3,
+        and that round's parts of the step (rank -> manifest digest; ranks whose
+        part records none are left out): what a schedule starts from (each request
+        bounded by ``$TIERFS_GCS_LOOKUP_DEADLINE``).
 
         Raises:
             google.api_core exceptions, BucketTimeout: the bucket cannot be listed.
@@ -252,12 +256,24 @@ class BucketAccess:
         backend = self.bounded(settings.GCS_LOOKUP_DEADLINE.get())
         names = await self.call(backend.list_round_names, job)
         complete = None
+        parts: dict[int, str] = {}
         for name in names[:3]:
             info = await self.call(backend.inspect_round, job, name, nodes)
             if info.complete_step is not None:
                 complete = (name, info.complete_step)
+                parts = seed_parts(info)
                 break
-        return (names[0] if names else None), complete
+        return (names[0] if names else None), complete, parts
+
+
+def seed_parts(info: RoundInfo) -> dict[int, str]:
+    """Rank -> manifest digest of ``info``'s parts of its complete step (pure; parts
+    without a tierfs manifest, e.g. written by MTC, are left out)."""
+    return {
+        rank: entry.backup.manifest.digest
+        for (rank, step), entry in info.parts.items()
+        if step == info.complete_step and entry.backup is not None and entry.backup.manifest.digest
+    }
 
 
 def preflight_bucket(bucket: str, deadline: float | None = None) -> str | None:

@@ -20,7 +20,7 @@ everything is unit-tested (tests/unit/test_gcs_rounds.py, tests/unit/test_coordi
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,8 +154,15 @@ class RoundBook:
         self.cleanup.clear()
         self._dp_reported.clear()
 
-    def seed(self, job: str, newest: str | None, complete: tuple[str, int] | None) -> bool:
-        """What the bucket holds: its newest round name and newest complete (round, step).
+    def seed(
+        self,
+        job: str,
+        newest: str | None,
+        complete: tuple[str, int] | None,
+        parts: Mapping[int, str] | None = None,
+    ) -> bool:
+        """What the bucket holds: its newest round name and newest complete (round, step),
+        and that round's parts of the step (rank -> manifest digest; :func:`apply_seed`).
 
         Round names from now on sort after ``newest``. Unless a restore was
         decided since :meth:`reset` (then the restore sets the timeline),
@@ -167,16 +174,23 @@ class RoundBook:
             return False
         if newest is not None:
             self.previous_name = max(newest, self.previous_name or "")
-        apply_seed(self.state, complete, after_restore=self.restored_seen)
+        apply_seed(self.state, complete, after_restore=self.restored_seen, parts=parts)
         self.seeded = True
         return True
 
     def restored(
-        self, backup: str | None, step: int | None, now: float, *, new_timeline: bool = True
+        self,
+        backup: str | None,
+        step: int | None,
+        now: float,
+        *,
+        new_timeline: bool = True,
+        parts: Mapping[int, str] | None = None,
     ) -> None:
         """A restore was decided (``step`` from ``backup``, or from the cluster; None: nothing).
 
         Args:
+            parts: rank -> the restored copy's manifest digest (the decision's).
             new_timeline: every node restarts from ``step`` (protocol mode): see
                 :func:`restart_timeline`; a round still running belongs to
                 the old timeline (dropped). False (generic mode: one node came
@@ -187,7 +201,7 @@ class RoundBook:
         self.restored_seen = True
         if self.active is not None:
             self._close(self.active, "abandoned (the job restarted)", report=None)
-        self.state = restart_timeline(self.state, backup=backup, step=step, now=now)
+        self.state = restart_timeline(self.state, backup=backup, step=step, now=now, parts=parts)
 
     # ------------------------------------------------------------------ per Sync
 

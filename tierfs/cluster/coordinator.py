@@ -425,7 +425,11 @@ class Coordinator:
         self.synced_step = NO_STEP
         if r is not None and r.choice is not None and self.backups is not None:
             self.backups.restored(
-                r.choice.backup, r.choice.step, self.wall(), new_timeline=r.strict
+                r.choice.backup,
+                r.choice.step,
+                self.wall(),
+                new_timeline=r.strict,
+                parts=r.choice.digests,
             )
 
     def live_count(self) -> int:

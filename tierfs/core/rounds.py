@@ -451,37 +451,59 @@ def restored(state: ScheduleState, round_name: str | None, step: int | None, now
 
 
 def restart_timeline(
-    state: ScheduleState, *, backup: str | None, step: int | None, now: float
+    state: ScheduleState,
+    *,
+    backup: str | None,
+    step: int | None,
+    now: float,
+    parts: Mapping[int, str] | None = None,
 ) -> ScheduleState:
     """The schedule after a restore that restarts the job from ``step`` (every node).
 
     Round names keep growing (``last_round`` stays) and the period counts from
-    the restore. Which step the step interval counts from:
+    the restore. Which step the step interval counts from, and which bytes of
+    it count as backed up (:attr:`ScheduleState.last_parts`: the same step
+    number saved again with other bytes is backed up again):
 
-    * restored from round ``backup``: ``step`` (that round holds it);
-    * restored from the cluster: the last round's step if it is not newer
-      than ``step`` (it is still part of the job's history), else ``step``
-      (the last round belongs to the discarded steps after it);
+    * restored from round ``backup``: ``step`` (that round holds it), with
+      ``parts``, the restored parts' digests (rank -> manifest digest);
+    * restored from the cluster: the last round's step and parts if that step
+      is not newer than ``step`` (it is still part of the job's history), else
+      ``step`` with ``parts`` (the last round belongs to the discarded steps
+      after it; the bucket's seed, :func:`apply_seed`, corrects both);
     * nothing restored (``step`` None): the job starts over, none.
+
+    Regression (issue #16 trial): the parts were forgotten here, so a step
+    restored and then saved again under its number with other bytes was never
+    backed up again, and after a cluster-wide loss the bucket's first save of
+    it came back with exit 0.
     """
     fresh = ScheduleState(
         started_at=now, last_round=state.last_round, last_round_at=state.last_round_at
     )
+    known = tuple(sorted((r, d) for r, d in (parts or {}).items() if d)) or None
     if backup is not None:
         fresh.last_round = max(backup, state.last_round or "")
         fresh.last_round_at = now
         fresh.last_step = step
+        fresh.last_parts = known
     elif step is None:
         fresh.last_step = None
     elif state.last_step is not None and state.last_step <= step:
         fresh.last_step = state.last_step
+        fresh.last_parts = state.last_parts
     else:
         fresh.last_step = step
+        fresh.last_parts = known
     return fresh
 
 
 def apply_seed(
-    state: ScheduleState, complete: tuple[str, int] | None, *, after_restore: bool
+    state: ScheduleState,
+    complete: tuple[str, int] | None,
+    *,
+    after_restore: bool,
+    parts: Mapping[int, str] | None = None,
 ) -> None:
     """Take the bucket's newest complete (round, step) into a schedule.
 
@@ -490,6 +512,13 @@ def apply_seed(
     from its time. After a restore (:func:`restart_timeline`) it only lowers
     the step the interval counts from, when that round's step is part of the
     restored history.
+
+    Args:
+        parts: rank -> manifest digest of that round's parts of its step (what
+            the bucket holds). When the schedule then counts that step as backed
+            up, these are its :attr:`ScheduleState.last_parts`, so a RAM copy of
+            the step with other bytes (saved again) is backed up again; None
+            (unknown) keeps what the schedule knew.
     """
     if complete is None:
         return
@@ -498,3 +527,6 @@ def apply_seed(
         restored(state, name, step, min(round_time(name).timestamp(), state.started_at))
     elif state.last_step is not None and step <= state.last_step:
         state.last_step = step
+    known = tuple(sorted((r, d) for r, d in (parts or {}).items() if d))
+    if known and state.last_step == step:
+        state.last_parts = known
