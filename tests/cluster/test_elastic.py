@@ -183,15 +183,16 @@ def test_survivors_renumbered_after_a_middle_node_is_lost_restore_and_load(make_
     # regression (stop 32 trial, finding 1): saving step 30 again into its directory
     # failed on the renumbered job with EROFS (node 3, now rank 1, writes __1_0.distcp:
     # the old rank 1's file in its view) and sealed a torn step. Now the path becomes
-    # the node's own. (Node 3's old __3_0.distcp, which it wrote as rank 3, still stays
-    # in its view as its own file: the #16 note of stop 32 says why that is wrong and
-    # what comes next; not asserted here either way.)
+    # the node's own. Node 3's old __3_0.distcp, which it wrote as rank 3, is rank
+    # 3's file in its view (regression, third trial: it stayed a plain file of its own
+    # and "own copy wins" could show old bytes), so it leaves the view with every
+    # other file of rank 3 once the step is written by 3 nodes.
     assert dcp(c, "save", 30, [0, 3, 2], seed=1) == ["SAVED"] * 3
     for i in ranks:
         wait_for(
-            lambda i=i: set(files(3)) <= set(os.listdir(c.root(i) / "checkpoint-30")),
+            lambda i=i: sorted(os.listdir(c.root(i) / "checkpoint-30")) == files(3),
             90,
-            f"the 3-node step 30 on node {i}",
+            f"the 3-node step 30 (and no __3_0.distcp) on node {i}",
         )
     assert dcp(c, "load", 30, [0, 3, 2], seed=1) == ["LOADED_OK"] * 3
     for i in ranks:
@@ -275,3 +276,49 @@ def test_a_step_saved_again_seals_on_every_node_and_loads_the_new_values(make_mo
         "the new values loaded on every rank",
         poll=2,
     )
+
+
+def test_nodes_swapping_ranks_see_the_new_bytes_of_a_step_saved_again(make_mount):
+    """Regression (issue #16, third trial, finding 1): three nodes restarted with
+    ranks swapped (RAM kept) save the restored step again into its directory. Each
+    node kept the files it wrote under its old rank as files of its own; "the own
+    copy wins" then showed them instead of that rank's new part, and stock
+    ``dcp.load`` read the old values without an error."""
+    c = Cluster(make_mount, 3, node_args=elastic(3))
+    assert dcp(c, "save", 40, [0, 1, 2]) == ["SAVED"] * 3
+    for i in range(3):
+        wait_for(lambda i=i: whole(c, i, 40, 3), 90, f"the whole step 40 on node {i}")
+    ranks = {0: 2, 1: 1, 2: 0}  # nodes 0 and 2 swap ranks
+    c.node_args = lambda i: elastic(3)(ranks[i])
+    for i in (2, 1, 0):
+        c.mounts[i].unmount()
+    for i in (2, 1, 0):  # the new node-rank 0 first
+        c.mounts[i].args = c.args(i)
+        c.remount(i)
+    for i in range(3):
+        line = wait_restore(c, i)
+        assert line.startswith("restored step 40 from "), line
+    by_rank = [2, 1, 0]  # the mounts in node-rank order
+    assert dcp(c, "load", 40, by_rank) == ["LOADED_OK"] * 3
+    assert dcp(c, "save", 40, by_rank, seed=1) == ["SAVED"] * 3
+
+    def written(rank: int) -> dict[str, bytes]:
+        top = c.root(by_rank[rank]) / "checkpoint-40"
+        own = [f"__{rank}_0.distcp"] + ([".metadata"] if rank == 0 else [])
+        return {name: (top / name).read_bytes() for name in own}
+
+    new = {name: data for r in range(3) for name, data in written(r).items()}
+    assert sorted(new) == files(3)
+
+    def shows_new(i: int) -> bool:
+        top = c.root(i) / "checkpoint-40"
+        try:
+            return all((top / name).read_bytes() == data for name, data in new.items())
+        except OSError:
+            return False
+
+    for i in range(3):
+        wait_for(lambda i=i: shows_new(i), 90, f"node {i} to show every rank's new bytes")
+    assert dcp(c, "load", 40, by_rank, seed=1) == ["LOADED_OK"] * 3
+    for i in range(3):
+        assert "differs between ranks" not in c.errors(i), (i, c.errors(i))

@@ -720,6 +720,66 @@ def test_a_renumbered_node_saving_the_step_again_takes_over_its_paths(tmp_path):
     assert (view / ".metadata").read_bytes() == b"new metadata"
 
 
+def test_files_a_renumbered_node_wrote_under_its_old_rank_are_that_ranks(tmp_path):
+    """Regression (issue #16, third trial, finding 1): a node that wrote step 10 as rank
+    2 restarts as rank 1 (RAM kept). Its old files stayed plain files of its own in
+    the view: "the own copy wins" then showed them where rank 2 saved the step again,
+    and a load read old values. They are rank 2's files now: read-only, out of the
+    node's seal, replaced by rank 2's new part."""
+    ram = RamStore(str(tmp_path / "node"))
+    view = Path(ram.view) / "10"
+    view.mkdir()
+    (view / "__2_0.distcp").write_bytes(A)
+    shards = ShardStore(ram)
+    old = shards.snapshot(ram.view, ShardKey(JOB, 2, 10), "10", ["10"], "generic")
+    (view / "__1_0.distcp").write_bytes(C)  # the node's restored part as rank 1
+    old_ino = (view / "__2_0.distcp").stat().st_ino
+    own = shards.snapshot(  # restored from rank 1's node: its files only
+        ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic", foreign=lambda i: i == old_ino
+    )
+    catalog = ShardCatalog(shards, 3)
+    catalog.add(old)
+    catalog.add(own)
+    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 1, 3))
+    parts = {0: manifest(0, {"__0_0.distcp": B}), 2: old.manifest}
+    peer = Source("peer", {"10/__0_0.distcp": B, "10/__2_0.distcp": B}, ["peer"])
+    rv = RemoteView(
+        ram.view,
+        ram.incoming,
+        catalog,
+        job,
+        Manifests(parts),
+        [peer],
+        job,
+        trio.CapacityLimiter(1),
+    )
+    old_file = view / "__2_0.distcp"
+
+    async def main() -> None:
+        await rv.look(own)
+        ino = old_file.stat().st_ino
+        assert rv.is_remote(ino) and rv.missing(ino) is None  # rank 2's, bytes held here
+        mark = json.loads(os.getxattr(old_file, XATTR))
+        assert (mark["rank"], mark["source"]) == (2, "replica held here")
+        assert sorted(rv.status().step(10).ranks_known) == [0, 2]
+        resealed = shards.snapshot(
+            ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic", foreign=rv.is_remote
+        )
+        assert [f.path for f in resealed.manifest.files if f.kind == "file"] == ["10/__1_0.distcp"]
+        # rank 2 saves the step again elsewhere with other bytes: its new part replaces
+        # the old file in this node's view (the coordinator reports the change)
+        parts[2] = manifest(2, {"__2_0.distcp": B})
+        rv.parts_reported(rv.parts_epoch, 1, [10], [(10, 2, parts[2].digest)])
+        await rv.look(own)
+        fetch = rv.missing(old_file.stat().st_ino)
+        assert fetch is not None
+        await fetch()
+        assert old_file.read_bytes() == B
+
+    trio.run(main)
+    assert job.errors == []
+
+
 def test_a_step_saved_again_shows_the_new_files_of_the_other_ranks(tmp_path):
     # regression (a new user's trial of issue #16): the view never asked again for a
     # rank's part it had placed, so after the job saved the same step number again

@@ -184,6 +184,8 @@ class StepUnion:
         covered: the parts version (of :attr:`RemoteView.parts_epoch`) up to which
             the coordinator's reports of changed parts of this step are known.
         resaved: ranks whose part was placed again with other bytes (saved again).
+        claimed: this daemon looked for the node's files of an earlier rank in the
+            step (:meth:`RemoteView._claim`).
     """
 
     step: int
@@ -199,6 +201,7 @@ class StepUnion:
     wanted: dict[int, str] = field(default_factory=dict)
     covered: int = 0
     resaved: set[int] = field(default_factory=set)
+    claimed: bool = False
     #: the paths of ``files`` sorted (read-ahead), None: to sort again
     order: list[str] | None = None
 
@@ -725,6 +728,13 @@ class RemoteView:
             if rank in union.parts:
                 placed[rank] = union.parts.pop(rank)
         union.recheck.clear()
+        if not union.claimed:
+            claimed = await trio.to_thread.run_sync(self._claim, job.name, job.node_rank, union)
+            union.claimed = True
+            for rank, digest in claimed.items():
+                # asked again below like a placed part: a newer part of that rank
+                # (the step saved again) replaces the claimed files
+                placed.setdefault(rank, union.parts.pop(rank, digest))
         union.own_digest = own_digest
         found: dict[int, Manifest] = {}
         waiting = False
@@ -783,6 +793,71 @@ class RemoteView:
         if adoptable:
             await trio.to_thread.run_sync(self._adopt, union, adoptable)
         return waiting
+
+    def _claim(self, job: str, own_rank: int, union: StepUnion) -> dict[int, str]:
+        """Make the files this node wrote into the step under an earlier node rank
+        files of that rank (a worker thread; issue #16).
+
+        A job restarted with its nodes renumbered keeps each node's view: the files
+        a node wrote as rank R are plain files there, hard-linked with its sealed
+        part of rank R (now a copy of another rank's part, held here). Left plain,
+        they counted as this node's own files: "the node's own copy wins" showed
+        them instead of rank R's part saved again by the node that has rank R now,
+        and a load read the old values without an error (regression, third trial
+        of issue #16). Each such file (a view entry not in the view's books whose
+        inode is a file of a held part of another rank of the step) is registered
+        as that rank's file held here (read-only, never sealed into this node's
+        part, marked for a restarted daemon), exactly as a replica placed in the
+        view: a re-save of rank R replaces it, an ``O_TRUNC`` open takes it over,
+        a smaller writer count removes it.
+
+        Returns:
+            rank -> the digest of its part whose files were claimed.
+        """
+        claimed: dict[int, str] = {}
+        for held in self.catalog.shards_of(job):
+            if held.key.step != union.step or held.key.rank == own_rank:
+                continue
+            chunked = {f.path: held.manifest.chunks_of(f) for f in held.manifest.files}
+            for f in held.manifest.files:
+                if f.kind != "file" or f.path in union.files:
+                    continue
+                source = os.path.join(held.data, f.path)
+                try:
+                    ino = os.lstat(os.path.join(self.view_dir, f.path)).st_ino
+                    if ino != os.lstat(source).st_ino or ino in self._by_ino:
+                        continue
+                    rf = RemoteFile(
+                        union.step,
+                        held.key.rank,
+                        held.manifest.digest,
+                        f.path,
+                        f.size,
+                        f.crc32c or 0,
+                        ino,
+                        LOCAL,
+                        source=REPLICA,
+                    )
+                    chunks = chunked.get(f.path)
+                    if chunks is not None:
+                        rf.chunk_size, rf.chunks = chunks
+                    os.setxattr(source, XATTR, _mark(rf))
+                except OSError as exc:
+                    log.debug("claiming %s for rank %d: %s", f.path, held.key.rank, exc)
+                    continue
+                self._by_ino[ino] = rf
+                union.files[f.path] = rf
+                union.order = None
+                claimed[held.key.rank] = held.manifest.digest
+                self._notify(f.path)
+        if claimed:
+            log.info(
+                "step %d: the files this node wrote as rank(s) %s are those ranks' files "
+                "in the view (the nodes were renumbered)",
+                union.step,
+                sorted(claimed),
+            )
+        return claimed
 
     def _adoptable(self, job: str, union: StepUnion) -> list[tuple[RemoteFile, Shard]]:
         """Placed files whose bytes a replica received since holds too (trio thread: the
