@@ -193,7 +193,7 @@ class ScheduleFollower:
         assert decision.round is not None and decision.step is not None
         for line in S.started(mem.state, decision, now):
             self.lines.fail(line)
-        mem.state.last_parts = tuple(sorted(parts.items())) or None
+        mem.state.last_parts = S.parts_key(parts)
         log.info("backup round %s: step %d (%s)", decision.round, decision.step, decision.reason)
         mem.history.append(
             {

@@ -36,6 +36,7 @@ from tierfs.core.rounds import decide_round as decide_round
 from tierfs.core.rounds import dedup_plan, note_settling
 from tierfs.core.rounds import finished as finished
 from tierfs.core.rounds import intervals as intervals
+from tierfs.core.rounds import parts_key as parts_key
 from tierfs.core.rounds import restart_timeline as restart_timeline
 from tierfs.core.rounds import restored as restored
 from tierfs.core.rounds import skipped as skipped
@@ -308,9 +309,7 @@ class RoundBook:
                 )
             else:
                 self.events.extend(started(self.state, decision, now))
-                self.state.last_parts = (
-                    tuple(sorted((r, d) for r, d in held.items() if d)) if held else None
-                )
+                self.state.last_parts = parts_key(held)
                 self.active = ActiveRound(decision.round, decision.step, now, decision.reason)
                 self._plan(self.active, held, data_parallelism)
                 self.last_view = RoundView(decision.round, decision.step, RUNNING)
@@ -357,9 +356,7 @@ class RoundBook:
                 a.lacking.clear()
                 self._plan(a, held, data_parallelism)
                 self.state.last_step = max(step, self.state.last_step or 0)
-                self.state.last_parts = (
-                    tuple(sorted((r, d) for r, d in held.items() if d)) if held else None
-                )
+                self.state.last_parts = parts_key(held)
                 self.last_view = RoundView(a.round, a.step, RUNNING)
                 for h in reversed(self.history):
                     if h["round"] == a.round:

@@ -255,6 +255,15 @@ class ScheduleState:
 RESAVE_SETTLE = 30.0
 
 
+def parts_key(
+    parts: Mapping[int, str | None] | Mapping[int, str] | None,
+) -> tuple[tuple[int, str], ...] | None:
+    """``parts`` (rank -> manifest digest) as :attr:`ScheduleState.last_parts`:
+    (rank, digest) pairs by rank, unknown ("" or None) digests left out; None when none
+    is known (pure)."""
+    return tuple(sorted((r, d) for r, d in (parts or {}).items() if d)) or None
+
+
 def saved_again(last: tuple[tuple[int, str], ...] | None, parts: Mapping[int, str]) -> list[int]:
     """The ranks whose part of the step last backed up now has other bytes (its
     number saved again): ranks in both ``last`` and ``parts`` (rank -> digest)
@@ -481,7 +490,7 @@ def restart_timeline(
     fresh = ScheduleState(
         started_at=now, last_round=state.last_round, last_round_at=state.last_round_at
     )
-    known = tuple(sorted((r, d) for r, d in (parts or {}).items() if d)) or None
+    known = parts_key(parts)
     if backup is not None:
         fresh.last_round = max(backup, state.last_round or "")
         fresh.last_round_at = now
@@ -527,6 +536,6 @@ def apply_seed(
         restored(state, name, step, min(round_time(name).timestamp(), state.started_at))
     elif state.last_step is not None and step <= state.last_step:
         state.last_step = step
-    known = tuple(sorted((r, d) for r, d in (parts or {}).items() if d))
+    known = parts_key(parts)
     if known and state.last_step == step:
         state.last_parts = known

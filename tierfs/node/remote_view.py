@@ -242,6 +242,30 @@ def _unmark(value: bytes, ino: int) -> RemoteFile | None:
         return None
 
 
+def _held_file(step: int, held: Shard, entry: FileEntry, ino: int) -> RemoteFile:
+    """``entry`` of ``held`` (another rank's part held here), shown in the view as
+    that rank's file through a hard link to its bytes (inode ``ino``). Marked on
+    the inode like a placeholder, so a restarted daemon knows it again and a
+    client never writes into the held part's bytes. Blocking (one setxattr).
+
+    Raises:
+        OSError: the held part's file cannot be marked.
+    """
+    rf = RemoteFile(
+        step,
+        held.key.rank,
+        held.manifest.digest,
+        entry.path,
+        entry.size,
+        entry.crc32c or 0,
+        ino,
+        LOCAL,
+        source=REPLICA,
+    )
+    os.setxattr(os.path.join(held.data, entry.path), XATTR, _mark(rf))
+    return rf
+
+
 def _read_crc(fd: int, size: int) -> tuple[int, int]:
     """(bytes, crc32c) of the first ``size`` bytes of ``fd`` and what follows (blocking)."""
     crc = 0
@@ -818,7 +842,6 @@ class RemoteView:
         for held in self.catalog.shards_of(job):
             if held.key.step != union.step or held.key.rank == own_rank:
                 continue
-            chunked = {f.path: held.manifest.chunks_of(f) for f in held.manifest.files}
             for f in held.manifest.files:
                 if f.kind != "file" or f.path in union.files:
                     continue
@@ -827,21 +850,7 @@ class RemoteView:
                     ino = os.lstat(os.path.join(self.view_dir, f.path)).st_ino
                     if ino != os.lstat(source).st_ino or ino in self._by_ino:
                         continue
-                    rf = RemoteFile(
-                        union.step,
-                        held.key.rank,
-                        held.manifest.digest,
-                        f.path,
-                        f.size,
-                        f.crc32c or 0,
-                        ino,
-                        LOCAL,
-                        source=REPLICA,
-                    )
-                    chunks = chunked.get(f.path)
-                    if chunks is not None:
-                        rf.chunk_size, rf.chunks = chunks
-                    os.setxattr(source, XATTR, _mark(rf))
+                    rf = _held_file(union.step, held, f, ino)
                 except OSError as exc:
                     log.debug("claiming %s for rank %d: %s", f.path, held.key.rank, exc)
                     continue
@@ -1080,21 +1089,8 @@ class RemoteView:
             for f in held.manifest.files
         ):
             source = os.path.join(held.data, path_rel)
-            ino = os.lstat(source).st_ino
-            rf = RemoteFile(
-                step,
-                rank,
-                held.manifest.digest,
-                path_rel,
-                entry.size,
-                crc,
-                ino,
-                LOCAL,
-                source=REPLICA,
-            )
-            # marked like a placeholder: a restarted daemon knows it again (a client
-            # must never write into the replica's bytes)
-            os.setxattr(source, XATTR, _mark(rf))
+            rf = _held_file(step, held, entry, os.lstat(source).st_ino)
+            ino = rf.ino
             made = None
         else:
             made = os.path.join(self._scratch(), f"{rank}-{step}-{uuid.uuid4().hex[:12]}")
