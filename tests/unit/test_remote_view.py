@@ -156,12 +156,16 @@ def own_part(tmp: Path, files: dict[str, bytes]) -> tuple[RamStore, ShardStore, 
     return ram, shards, shards.snapshot(ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic")
 
 
-def view_of(tmp: Path, parts: dict[int, Manifest], sources: list[Source]):
-    ram, shards, own = own_part(tmp, {"__1_0.distcp": A})
-    catalog = ShardCatalog(shards, 3)
-    catalog.add(own)
-    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 1, 3))
-    rv = RemoteView(
+def remote_view(
+    ram: RamStore,
+    catalog: ShardCatalog,
+    job: fake_ports.FakeJob,
+    parts: dict[int, Manifest],
+    sources: list[Source],
+) -> RemoteView:
+    """A view of ``ram`` whose other ranks' manifests are ``parts`` (``job`` is the
+    running job and the reporter)."""
+    return RemoteView(
         ram.view,
         ram.incoming,
         catalog,
@@ -171,6 +175,14 @@ def view_of(tmp: Path, parts: dict[int, Manifest], sources: list[Source]):
         job,
         trio.CapacityLimiter(1),
     )
+
+
+def view_of(tmp: Path, parts: dict[int, Manifest], sources: list[Source]):
+    ram, shards, own = own_part(tmp, {"__1_0.distcp": A})
+    catalog = ShardCatalog(shards, 3)
+    catalog.add(own)
+    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 1, 3))
+    rv = remote_view(ram, catalog, job, parts, sources)
     return rv, ram, shards, catalog, own, job
 
 
@@ -743,16 +755,7 @@ def test_files_a_renumbered_node_wrote_under_its_old_rank_are_that_ranks(tmp_pat
     job = fake_ports.FakeJob(JobSpec(JOB, "generic", 1, 3))
     parts = {0: manifest(0, {"__0_0.distcp": B}), 2: old.manifest}
     peer = Source("peer", {"10/__0_0.distcp": B, "10/__2_0.distcp": B}, ["peer"])
-    rv = RemoteView(
-        ram.view,
-        ram.incoming,
-        catalog,
-        job,
-        Manifests(parts),
-        [peer],
-        job,
-        trio.CapacityLimiter(1),
-    )
+    rv = remote_view(ram, catalog, job, parts, [peer])
     old_file = view / "__2_0.distcp"
 
     async def main() -> None:
