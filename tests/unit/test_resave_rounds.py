@@ -103,3 +103,75 @@ def test_seed_parts_are_the_complete_steps_manifest_digests():
     assert seed_parts(info) == digests and len(set(digests.values())) == 2
     info.parts[(1, 40)] = NodeEntry(1, 40, foreign=True)  # written by MTC: no manifest
     assert seed_parts(info) == {0: digests[0]}
+
+
+# ---------------------------------------------------------------------- the bytes a round took
+
+
+def test_a_round_counts_the_part_its_upload_took():
+    """Regression (replay of the #16 trial, a DCP re-save in place on 3 nodes): rank 0's
+    part was sealed twice 40 ms apart -- after ``__0_0.distcp`` (the old ``.metadata``
+    still in it), then after the new ``.metadata``. Every rank had new bytes by the first
+    seal, so the round started at once and recorded rank 0's first seal; rank 0 uploaded
+    its second. The round book then saw rank 0's part "saved again" and backed up the
+    same bytes in a second round 30 s later."""
+    book = S.RoundBook()
+    book.reset("job", 3, 0.0)
+    book.seed("job", ROUND, (ROUND, 40), V1)
+    first_seal = {0: "d0-v2-old-metadata", 1: "d1-v2", 2: "d2-v2"}
+    held = dict(first_seal)
+    d = book.tick(7000.0, step=40, interval_steps=1, holders=lambda step: held)
+    assert d.action == S.START, d
+    held[0] = "d0-v2"  # the .metadata rename seals rank 0's part again
+    for rank in range(3):
+        book.report(rank, S.Outcome(d.round or "", 40, S.DONE, digest=held[rank]))
+    book.tick(7001.0, step=40, interval_steps=1, holders=lambda step: held)
+    assert book.active is None  # complete
+    late = book.tick(7100.0, step=40, interval_steps=1, holders=lambda step: held)
+    assert late.action == S.WAIT and late.reason == "no new step to back up", late
+
+
+def test_a_round_that_took_the_first_seal_is_followed_by_the_second():
+    # the other order: rank 0 uploaded before its part was sealed again; the bucket
+    # holds the first seal, so the newer bytes are backed up in a round of their own
+    book = S.RoundBook()
+    book.reset("job", 3, 0.0)
+    book.seed("job", ROUND, (ROUND, 40), V1)
+    held = {0: "d0-v2-old-metadata", 1: "d1-v2", 2: "d2-v2"}
+    d = book.tick(7000.0, step=40, interval_steps=1, holders=lambda step: held)
+    for rank in range(3):
+        book.report(rank, S.Outcome(d.round or "", 40, S.DONE, digest=held[rank]))
+    held[0] = "d0-v2"
+    book.tick(7001.0, step=40, interval_steps=1, holders=lambda step: held)
+    assert book.active is None
+    again = book.tick(7100.0, step=40, interval_steps=1, holders=lambda step: held)
+    assert again.action == S.START and "rank(s) [0]" in again.reason, again
+
+
+def test_an_outcome_without_a_digest_or_of_another_step_changes_nothing():
+    st = backed_up_40()
+    S.took(st, 40, 0, "")  # an older daemon's outcome: no digest on the wire
+    S.took(st, 30, 0, "x")
+    assert dict(st.last_parts or ()) == V1
+    S.took(st, 40, 1, "d1-v2")
+    assert dict(st.last_parts or ()) == {**V1, 1: "d1-v2"}
+
+
+def test_the_digest_an_upload_took_reaches_the_coordinator_over_the_wire():
+    from tierfs.cluster.coordinator import Coordinator
+    from tierfs.cluster.servicer import CoordinatorServicer
+    from tierfs.replication.client import sync_request
+
+    servicer = CoordinatorServicer(Coordinator(clock=lambda: 1000.0, live_seconds=5.0))
+    servicer.coordinator.join("job", 2, 1, "10.0.0.1:7000", "i1", (), "r1", "protocol")
+    seen = []
+    real = servicer.coordinator.sync
+
+    def sync(*args, **kw):
+        seen.append(args[5])
+        return real(*args, **kw)
+
+    servicer.coordinator.sync = sync  # type: ignore[method-assign]
+    sent = S.Outcome(ROUND, 40, S.DONE, "", 123, 0.5, "d1-v2")
+    servicer._sync_reply(sync_request("job", 1, "i1", 40, [], backup=sent))
+    assert seen == [sent]

@@ -316,7 +316,15 @@ class Uploads:
                 if result.note:
                     log.warning("backup round %s: %s", rnd, result.note)
                 self.finish(
-                    job, rnd, step, S.DONE, "", result.bytes, time.time() - up.started, entry
+                    job,
+                    rnd,
+                    step,
+                    S.DONE,
+                    "",
+                    result.bytes,
+                    time.time() - up.started,
+                    entry,
+                    digest=shard.manifest.digest,
                 )
                 return
         finally:
@@ -349,18 +357,23 @@ class Uploads:
         nbytes: int,
         seconds: float,
         entry: dict[str, Any] | None,
+        digest: str = "",
     ) -> None:
         """Record an upload's outcome once: ``state`` (:data:`tierfs.core.rounds.DONE`,
         ``FAILED``, ``MISSING``), ``error`` (one line), ``nbytes`` sent in
-        ``seconds``, in the status ``entry``; one node: the schedule's round ends
-        (and earlier rounds' leftovers are tidied after a done one); multi-node:
-        the outcome goes to the coordinator with a heartbeat now."""
+        ``seconds``, in the status ``entry``; ``digest``: the manifest digest of the
+        part uploaded (done). One node: the schedule's round ends (and earlier
+        rounds' leftovers are tidied after a done one) and the schedule counts the
+        bytes uploaded as the step's backed-up bytes; multi-node: the outcome goes
+        to the coordinator with a heartbeat now."""
         if entry is not None:
             entry.update(node=state, seconds=round(seconds, 1), bytes=nbytes)
             if job.nodes <= 1 or state == S.FAILED:
                 entry["state"] = S.COMPLETE if state == S.DONE else S.INCOMPLETE
         if job.nodes <= 1:
             S.finished(self.memory.state, rnd)
+            if state == S.DONE:
+                S.took(self.memory.state, step, job.node_rank, digest)
             if state != S.DONE or (entry is not None and entry.get("moved_from")):
                 self.memory.untidy.append(rnd)
             if state == S.DONE and not (entry is not None and entry.get("moved_from")):
@@ -372,7 +385,7 @@ class Uploads:
                 self.spawn_tidy(job, names)
             return
         # reported to the coordinator in the next Sync (repeated until a newer round)
-        self.memory.outcome = S.Outcome(rnd, step, state, error, nbytes, round(seconds, 3))
+        self.memory.outcome = S.Outcome(rnd, step, state, error, nbytes, round(seconds, 3), digest)
         if self.plane is not None:
             self.plane.heartbeat_now()
 

@@ -33,7 +33,7 @@ from tierfs.core.rounds import Decision as Decision
 from tierfs.core.rounds import ScheduleState as ScheduleState
 from tierfs.core.rounds import apply_seed as apply_seed
 from tierfs.core.rounds import decide_round as decide_round
-from tierfs.core.rounds import dedup_plan, note_settling
+from tierfs.core.rounds import dedup_plan, note_settling, took
 from tierfs.core.rounds import finished as finished
 from tierfs.core.rounds import intervals as intervals
 from tierfs.core.rounds import parts_key as parts_key
@@ -225,6 +225,8 @@ class RoundBook:
             outcome = Outcome(
                 outcome.round, outcome.step, FAILED, f"unknown outcome {outcome.state!r}"
             )
+        if rank not in a.outcomes and outcome.state == DONE:
+            took(self.state, a.step, rank, outcome.digest)
         a.outcomes.setdefault(rank, outcome)
 
     def member_restarted(self, rank: int) -> None:

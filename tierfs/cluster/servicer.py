@@ -433,7 +433,7 @@ class CoordinatorServicer:
         backup = None
         if request.HasField("backup") and request.backup.round:
             b = request.backup
-            backup = Outcome(b.round, b.step, b.state, b.error, b.bytes, b.seconds)
+            backup = Outcome(b.round, b.step, b.state, b.error, b.bytes, b.seconds, b.digest)
         c = self.coordinator
         view = c.sync(
             request.job,

@@ -430,6 +430,21 @@ def started(state: ScheduleState, decision: Decision, now: float) -> list[str]:
     return lines
 
 
+def took(state: ScheduleState, step: int, rank: int, digest: str) -> None:
+    """Rank ``rank`` uploaded its part of ``step`` with manifest digest ``digest``:
+    that is the part backed up (:attr:`ScheduleState.last_parts`), whatever the
+    round saw when it started. A part sealed again between the round's start and
+    its upload (a re-save in place: a data file first, then the commit marker)
+    would otherwise read as saved again after the round and be backed up a second
+    time. Nothing changes for another step than the last one backed up, or an
+    unknown digest."""
+    if not digest or state.last_step != step:
+        return
+    parts = dict(state.last_parts or ())
+    parts[rank] = digest
+    state.last_parts = parts_key(parts)
+
+
 def skipped(state: ScheduleState, decision: Decision) -> list[str]:
     """``decision``'s step is due while a round runs: it waits for that round (the
     newest such step is backed up next). Returns the line of an older waiting

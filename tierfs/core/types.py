@@ -227,6 +227,8 @@ class Outcome:
         error: one human line for a failure.
         bytes: data bytes uploaded.
         seconds: how long the upload took.
+        digest: the manifest digest of the part uploaded (:data:`DONE`; "" when
+            not known): the bytes the round actually took.
     """
 
     round: str
@@ -235,6 +237,7 @@ class Outcome:
     error: str = ""
     bytes: int = 0
     seconds: float = 0.0
+    digest: str = ""
 
 
 @dataclass(frozen=True)

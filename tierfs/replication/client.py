@@ -561,6 +561,7 @@ def sync_request(
                 error=backup.error,
                 bytes=backup.bytes,
                 seconds=backup.seconds,
+                digest=backup.digest,
             )
         )
     return req
