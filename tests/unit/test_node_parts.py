@@ -126,6 +126,83 @@ def test_a_write_into_a_sealed_file_withdraws_the_seal_and_reseals_with_its_firs
     assert book.withdrawn_names == {} and book.withdrawn_created == {}
 
 
+def test_a_step_saved_again_in_place_seals_again_at_its_marker_not_at_its_first_file(tmp_path):
+    """Regression (replay of the #16 trial, DCP saved again in place): rank 0's part was
+    sealed after ``__0_0.distcp`` was rewritten, with the old ``.metadata`` in it, and
+    again 40 ms later after the new ``.metadata``; a backup round took the first seal
+    and its upload was stopped by the second. The re-seal now waits for the marker."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    data = write_step(parts, 10)
+    marker = pathlib.Path(data).parent / ".metadata"
+    marker.write_bytes(b"old metadata")
+    seal(parts, 10)
+    key = ShardKey("j", 0, 10)
+    assert {f.path for f in parts.catalog[key].manifest.files} >= {"10/.metadata", "10/data.bin"}
+    parts.agent.intake.write_opening(os.stat(data).st_ino)
+    pathlib.Path(data).write_bytes(b"new data")
+    book, sealer = parts.agent.book, parts.agent.sealer
+
+    async def body() -> None:
+        sealer.retry_pending("10")  # the data file's writer closed
+        await trio.testing.wait_all_tasks_blocked()
+        assert key not in parts.catalog  # not sealed with the old .metadata
+        assert book.pending["10"].reason == "re-seal after write"
+        sealer.retry_pending("10")  # more events meanwhile start no second waiter
+        tmp = marker.with_name(".metadata.tmp")
+        tmp.write_bytes(b"new metadata")
+        os.rename(tmp, marker)
+        assert book.rules is not None
+        cand = book.rules.on_rename("10/.metadata.tmp", "10/.metadata", False, False, parts.view)
+        assert cand is not None
+        sealer.schedule(cand)
+
+    run_with_tasks(parts, body)  # ends once the seal is done and no task waits
+    files = {f.path: f for f in parts.catalog[key].manifest.files}
+    assert files["10/.metadata"].size == len(b"new metadata")
+    assert files["10/data.bin"].size == len(b"new data")
+
+
+def test_a_file_changed_by_hand_in_a_step_with_a_marker_is_sealed_after_the_grace(tmp_path):
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    data = write_step(parts, 10)
+    (pathlib.Path(data).parent / "commit_success.txt").write_bytes(b"ok")
+    seal(parts, 10)
+    key = ShardKey("j", 0, 10)
+    parts.agent.intake.write_opening(os.stat(data).st_ino)
+    pathlib.Path(data).write_bytes(b"fixed by hand")
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            parts.agent.tasks.nursery = nursery
+            parts.agent.sealer.retry_pending("10")
+            await trio.sleep(parts.agent.sealer.marker_grace - 1)
+            assert key not in parts.catalog
+        parts.agent.tasks.nursery = None  # the nursery waited for the seal (mock clock)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    files = {f.path: f for f in parts.catalog[key].manifest.files}
+    assert files["10/data.bin"].size == len(b"fixed by hand")
+
+
+def test_a_part_without_a_marker_of_its_own_is_sealed_again_at_once(tmp_path):
+    # DCP's other ranks: no .metadata of their own, their data file is their last
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    data = write_step(parts, 10)
+    seal(parts, 10)
+    key = ShardKey("j", 0, 10)
+    parts.agent.intake.write_opening(os.stat(data).st_ino)
+
+    async def body() -> None:
+        parts.agent.sealer.retry_pending("10")
+        await trio.testing.wait_all_tasks_blocked()
+
+    run_with_tasks(parts, body)
+    assert key in parts.catalog
+
+
 # ---------------------------------------------------------------------- keeper
 
 

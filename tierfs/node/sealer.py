@@ -27,7 +27,7 @@ import trio
 from tierfs.core.config import NodeConfig
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.jobstate import JobState
-from tierfs.node.sealing import TRACKERS, SealCandidate
+from tierfs.node.sealing import MARKER_GRACE, TRACKERS, SealCandidate
 from tierfs.node.steps import StepBook, top_of
 from tierfs.node.tasks import TaskSpawner
 from tierfs.node.view import ClientView
@@ -105,14 +105,54 @@ class Sealer:
         self.reporter = reporter
         self.tasks = tasks
         self._limiter = trio.CapacityLimiter(1)
+        #: step name -> (the re-seal candidate waiting for its marker, set when another
+        #: candidate replaced it); see :meth:`tierfs.node.sealing.SealRules.awaits_marker`
+        self._deferred: dict[str, tuple[SealCandidate, trio.Event]] = {}
+        #: seconds a re-seal waits for its marker file (a setting for tests)
+        self.marker_grace = MARKER_GRACE
 
     def schedule(self, cand: SealCandidate) -> None:
-        """Make ``cand`` the pending candidate of its name and start a seal of it."""
+        """Make ``cand`` the pending candidate of its name and start a seal of it.
+
+        A re-seal of a step saved again in place whose marker file has not been
+        written again yet waits :attr:`marker_grace` seconds for it (one waiting
+        task per candidate); the marker's own candidate replaces it and seals at once.
+        """
         known = self.book.pending.get(cand.name)
         self.book.pending[cand.name] = cand
         if known is None or known.step != cand.step:
             self.book.save()
+        waiting = self._deferred.get(cand.name)
+        if waiting is not None:
+            if waiting[0] is cand:
+                return  # its task seals it when the grace is over
+            del self._deferred[cand.name]
+            waiting[1].set()  # replaced (the marker's seal): its task ends now
+        rules = self.book.rules
+        if rules is not None and rules.awaits_marker(cand, self.view):
+            until = trio.current_time() + self.marker_grace
+            self._deferred[cand.name] = (cand, trio.Event())
+            log.info(
+                "step %d (%s) written to after its seal: sealing again when its marker "
+                "file is written again, at the latest in %.0f s",
+                cand.step,
+                cand.name,
+                self.marker_grace,
+            )
+            self.tasks.spawn(self._seal_after, cand, until)
+            return
         self.tasks.spawn(self._seal, cand)
+
+    async def _seal_after(self, cand: SealCandidate, until: float) -> None:
+        waiting = self._deferred.get(cand.name)
+        if waiting is None or waiting[0] is not cand:
+            return
+        with trio.move_on_at(until):
+            await waiting[1].wait()
+        waiting = self._deferred.get(cand.name)
+        if waiting is not None and waiting[0] is cand:
+            del self._deferred[cand.name]
+            await self._seal(cand)
 
     def retry_pending(self, top: str) -> None:
         """Something under the top-level entry ``top`` changed: try again the candidates

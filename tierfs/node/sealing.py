@@ -51,6 +51,14 @@ NEMO_UNFINISHED = re.compile(r"^(?P<name>step=\d+)-unfinished$")
 MARKER_FILES = frozenset({"commit_success.txt", ".metadata", "trainer_state.json"})
 #: a DCP ``FileSystemWriter`` data file: ``__<global rank>_<index>.distcp``
 DCP_DATA = re.compile(r"^__(?P<rank>\d+)_\d+\.distcp$")
+#: why a step whose seal a write withdrew (or that changed after its seal) is sealed
+#: again: no seal rule asked for it (:meth:`tierfs.node.sealer.Sealer.retry_pending`,
+#: :meth:`tierfs.node.intake.EventIntake`)
+RESEAL_REASONS = frozenset({"re-seal after write", "changed after seal"})
+#: seconds such a re-seal of a directory holding its own marker file waits for the
+#: marker to be written again (:meth:`SealRules.awaits_marker`); a collective save
+#: writes it within seconds of its data files
+MARKER_GRACE = 30.0
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 DEEPSPEED_TRACKER = "latest"
 TRACKERS = frozenset({MEGATRON_TRACKER, DEEPSPEED_TRACKER})
@@ -191,6 +199,27 @@ class SealRules:
             if step is not None:
                 return SealCandidate(step, top, (top,), f"DCP part {rest} (no rank 0 here)")
         return None
+
+    def awaits_marker(self, cand: SealCandidate, view: ViewProbe) -> bool:
+        """A re-seal (:data:`RESEAL_REASONS`) of ``cand`` should wait up to
+        :data:`MARKER_GRACE` seconds: its directory holds a marker file of this node's
+        own (generic mode: DCP rank 0's ``.metadata``, ``commit_success.txt``,
+        ``trainer_state.json``), so the step is being saved again in place and the
+        marker, written last, seals it (:meth:`on_release`, :meth:`on_rename`).
+
+        Sealing at once took the half-saved part (regression: a DCP save in place
+        sealed rank 0's part after ``__0_0.distcp`` with the old ``.metadata``, and again
+        40 ms later; the backup round took the first seal and its upload was stopped
+        by the second). A file changed by hand without its marker is sealed once the
+        grace has passed.
+        """
+        if self.framework != "generic" or cand.reason not in RESEAL_REASONS:
+            return False
+        top = cand.name
+        if not view.is_dir(top):
+            return False
+        markers = [f"{top}/{m}" for m in sorted(MARKER_FILES)]
+        return any(view.exists(p) and not view.is_other_rank(p) for p in markers)
 
     @staticmethod
     def _dcp_part(top: str, view: ViewProbe) -> bool:
