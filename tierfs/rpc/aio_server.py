@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -36,6 +37,93 @@ log = logging.getLogger(__name__)
 
 #: seconds :meth:`AioServer.start` waits for the loop thread to bind the port
 START_TIMEOUT = 30.0
+
+
+class DaemonThreadPool(futures.Executor):
+    """A thread pool for plain gRPC handlers whose threads never hold up the
+    interpreter's exit.
+
+    ``concurrent.futures.ThreadPoolExecutor`` joins its threads at exit, also
+    after ``shutdown(wait=False)``. ``grpc.aio`` runs a blocking handler's
+    request stream in such a thread, waiting on a future of the server's loop;
+    a call cut off by :meth:`AioServer.stop` just as the loop ended left that
+    future unresolved for ever, and the process hung at exit after its work was
+    done (regression: ``make test-fast`` printed its summary and never returned,
+    a ``tierfs-rpc_0`` thread in ``Future.result``, on a loaded machine).
+    These threads are daemon threads that nothing joins at exit.
+
+    Args:
+        max_workers: threads at most (started on demand, reused when idle).
+        thread_name_prefix: thread names are ``<prefix>_<n>``.
+    """
+
+    def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
+        self._max = max_workers
+        self._prefix = thread_name_prefix
+        self._work: queue.SimpleQueue[
+            tuple[futures.Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None
+        ] = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> futures.Future[Any]:
+        """Run ``fn(*args, **kwargs)`` in a pool thread; its future.
+
+        Raises:
+            RuntimeError: after :meth:`shutdown`.
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            fut: futures.Future[Any] = futures.Future()
+            self._work.put((fut, fn, args, kwargs))
+            if not self._idle.acquire(blocking=False) and len(self._threads) < self._max:
+                t = threading.Thread(
+                    target=self._worker,
+                    name=f"{self._prefix}_{len(self._threads)}",
+                    daemon=True,
+                )
+                t.start()
+                self._threads.append(t)
+            return fut
+
+    def _worker(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            fut, fn, args, kwargs = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as exc:  # the caller sees it through the future
+                    fut.set_exception(exc)
+                else:
+                    fut.set_result(result)
+            del item, fut, fn, args, kwargs
+            self._idle.release()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Take no more work; with ``cancel_futures`` cancel what has not started;
+        with ``wait`` join the threads (those stuck in a call are waited for)."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        if cancel_futures:
+            while True:
+                try:
+                    item = self._work.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].cancel()
+        for _ in threads:
+            self._work.put(None)
+        if wait:
+            for t in threads:
+                t.join()
 
 
 class _SyncContext:
@@ -101,7 +189,7 @@ class AioServer:
         self._setup = setup
         self._interceptors = list(interceptors)
         self._options = list(options)
-        self._pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        self._pool = DaemonThreadPool(workers, name)
         self._name = name
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: grpc.aio.Server | None = None
