@@ -357,6 +357,12 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
             return None
         return float(r.get("at") or 0.0), int(r["step"]), int(r.get("writers") or 0)
 
+    def restored_round(step: int) -> str:
+        r = state.restore_state
+        if r.get("state") != "done" or r.get("step") != step:
+            return ""
+        return str(r.get("backup") or "")
+
     remote = RemoteView(
         store.view,
         store.incoming,
@@ -367,6 +373,7 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         reporter,
         io_limiter,
         restored=restored,
+        restored_round=restored_round,
         more_manifests=[gcs] if backup is not None else [],
     )
     background.append(remote.run)

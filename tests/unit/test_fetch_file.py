@@ -785,3 +785,34 @@ def test_a_round_written_after_a_cached_lookup_serves_at_once(tmp_path, monkeypa
         trio.run(main)
     finally:
         os.close(fd)
+
+
+def test_a_parts_manifest_comes_from_the_round_the_restore_decided(tmp_path):
+    """Regression (#16 fourth trial): restored from round R1 (step 5 saved by 2 nodes),
+    the view took a lost rank's manifest from the newest round holding step 5: R3,
+    another save of step 5, once by 2 nodes and once (R4) by 3 nodes; the file had the
+    same size and dcp.load returned that rank's values of the other save."""
+    server = fb.FakeGcs()
+    b = fb.backend(server)
+    ram = RamStore(str(tmp_path / "uploader"))
+    digests = {}
+    for rnd, version, nodes in ((R1, 0, 2), (R2, 1, 2), (R3, 2, 3)):
+        shard = fb.seal(ram, JOB, 1, 5, part(1, 5, version))
+        b.upload_shard(shard, rnd, nodes=nodes)
+        digests[rnd] = shard.manifest.digest
+    tier = bucket_tier(server)
+
+    async def main() -> None:
+        async def digest(**kw: object) -> str | None:
+            m = await tier.part_manifest(JOB, 1, 5, **kw)  # type: ignore[arg-type]
+            return m.digest if m is not None else None
+
+        assert await digest() == digests[R3]  # nothing known: the newest round
+        assert await digest(round_name=R1) == digests[R1]
+        assert await digest(writers=2, round_name=R1) == digests[R1]
+        # a save by another node count is never taken for a step of 2 writers
+        assert await digest(writers=2) == digests[R2]
+        assert await digest(writers=2, round_name="2026-12-01_09-00") == digests[R2]
+        assert await digest(writers=4) is None
+
+    trio.run(main)

@@ -78,7 +78,7 @@ class Manifests:
         self.parts = parts
 
     async def part_manifest(
-        self, job: str, rank: int, step: int, *, writers: int = 0
+        self, job: str, rank: int, step: int, *, writers: int = 0, round_name: str = ""
     ) -> Manifest | None:
         return self.parts.get(rank)
 

@@ -113,7 +113,7 @@ class Manifests:
         self.asked: list[int] = []
 
     async def part_manifest(
-        self, job: str, rank: int, step: int, *, writers: int = 0
+        self, job: str, rank: int, step: int, *, writers: int = 0, round_name: str = ""
     ) -> Manifest | None:
         self.asked.append(rank)
         return self.parts.get(rank)

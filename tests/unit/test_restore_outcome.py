@@ -124,3 +124,37 @@ def test_retention_keeps_the_synced_steps_and_everything_during_a_restore_round(
     assert tier.pinned() == {ShardKey("job", r, s) for r in (0, 1) for s in (2, 3)}
     tier.restore_round = 7  # a restore round is open: every copy may be chosen
     assert tier.pinned() == set(keys)
+
+
+def test_wait_warns_of_an_older_save_of_the_newest_step_number(monkeypatch):
+    """#16 fourth trial: every RAM tier lost, the bucket held step 20 saved by 4 nodes
+    (complete) and saved again by 3 nodes (cut off): the 4-node save was restored with
+    exit 0 and no word. Now exit 2 and the warning says which save came back."""
+    from click.testing import CliRunner
+
+    from tierfs.cli import wait as wait_cli
+    from tierfs.cli.wait import wait_cmd as cli
+
+    again = (
+        "step 20 was saved again by 3 node(s) after the save restored (written by 4 nodes), "
+        "and that newer save is incomplete (step 20 lacks rank(s) [2] (written by 3 nodes; "
+        "this job has 2)): the earlier save of step 20 is restored"
+    )
+    restore = {
+        "state": "done",
+        "step": 20,
+        "source": "gcs",
+        "backup": "2026-12-04_22-06",
+        "outcome": "older",
+        "writers": 4,
+        "reason": "step 20 from backup round 2026-12-04_22-06 (written by 4 nodes; this job has 2)",
+        "problems": [again, "step 20 lacks rank(s) [2] (written by 3 nodes; this job has 2)"],
+    }
+    status = {"restore": restore, "job": {"name": "bk", "framework": "generic", "nodes": 2}}
+    monkeypatch.setattr(wait_cli, "read_status", lambda mountpoint, timeout: status)
+    got = CliRunner().invoke(cli, ["/mnt/x"])
+    assert got.exit_code == WAIT_EXIT["older"], got.output
+    assert "restored step 20 from GCS round 2026-12-04_22-06" in got.stdout
+    assert f"tierfs: warning: {again}" in got.stderr
+    assert "is not the newest step written" not in got.stderr
+    assert got.stderr.count("was saved again") == 1

@@ -135,7 +135,7 @@ class Manifests:
         self.asked: list[tuple[int, int]] = []
 
     async def part_manifest(
-        self, job: str, rank: int, step: int, *, writers: int = 0
+        self, job: str, rank: int, step: int, *, writers: int = 0, round_name: str = ""
     ) -> Manifest | None:
         self.asked.append((rank, step))
         return self.parts.get((rank, step))
@@ -359,7 +359,7 @@ def test_a_judgement_that_fails_leaves_the_step_unjudged_and_the_loop_running(tm
 
     class Broken(Manifests):
         async def part_manifest(
-            self, job: str, rank: int, step: int, *, writers: int = 0
+            self, job: str, rank: int, step: int, *, writers: int = 0, round_name: str = ""
         ) -> Manifest | None:
             self.asked.append((rank, step))
             raise ValueError("a bug in a source")

@@ -89,15 +89,31 @@ def test_one_step_number_written_by_two_node_counts_is_never_mixed():
     c = choose_restore(3, inv)
     assert (c.step, c.writers, c.outcome) == (40, 3, RESTORED)
     assert c.digests == {0: "d0-40-3", 1: "d1-40-3", 2: "d2-40-3"}
-    # the newer seal incomplete: the older save of step 40 is restored, and it is
-    # still the newest step (regression: exit code 2, "not the newest step written")
+    # the newer seal incomplete: the older save of step 40 is restored, an older state
+    # than the job saved last (the #16 fourth trial: exit 0 and no word of the newer
+    # save); said as such, not as "not the newest step" (an earlier trial)
     for node in (0, 1):
         inv[node] = [h for h in inv[node] if h.nodes != 3 or h.step != 40]
     inv[0].append(H(2, 40, 4, created=100))
     c = choose_restore(3, inv)
-    assert (c.step, c.writers, c.outcome) == (40, 4, RESTORED), c
-    assert "step 40 lacks rank(s) [0, 1] (written by 3 nodes; this job has 3)" not in c.problems
-    assert "step 40 lacks rank(s) [0, 1]" in c.problems
+    assert (c.step, c.writers, c.outcome) == (40, 4, OLDER), c
+    assert c.problems[0] == (
+        "step 40 was saved again by 3 node(s) after the save restored (written by 4 "
+        "nodes), and that newer save is incomplete (step 40 lacks rank(s) [0, 1]): the "
+        "earlier save of step 40 is restored"
+    )
+    # the same two saves in the bucket only (every RAM tier lost): the newer round
+    # is the newer save, however many nodes wrote the older one
+    old = tuple(BucketPart(RND, r, 40, f"d{r}-40-4", nodes=4) for r in range(4))
+    new = tuple(BucketPart(RND2, r, 40, f"d{r}-40-3", nodes=3) for r in (0, 1))
+    c = choose_restore(2, {0: [], 1: []}, bucket=BucketView(parts=old + new, rounds=(RND2, RND)))
+    assert (c.step, c.writers, c.backup, c.outcome) == (40, 4, RND, OLDER), c
+    assert "step 40 was saved again by 3 node(s)" in c.problems[0]
+    assert "(written by 3 nodes; this job has 2)" in c.problems[0]
+    # the newer save complete: it is the one restored
+    full = (*new, BucketPart(RND2, 2, 40, "d2-40-3", nodes=3))
+    c = choose_restore(2, {0: [], 1: []}, bucket=BucketView(parts=old + full, rounds=(RND2, RND)))
+    assert (c.step, c.writers, c.backup, c.outcome) == (40, 3, RND2, RESTORED), c
 
 
 def test_copies_without_a_recorded_count_are_the_jobs():
@@ -108,6 +124,7 @@ def test_copies_without_a_recorded_count_are_the_jobs():
 
 
 RND = "2026-12-01_10-00"
+RND2 = "2026-12-01_10-05"
 
 
 def test_a_bucket_round_written_by_four_nodes_restores_a_three_node_job():

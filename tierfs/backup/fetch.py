@@ -410,16 +410,34 @@ class BucketRestore:
             raise _NoRound(what)
         raise FetchFailed(f"{what} from {self.spec}{job}: " + "; ".join(tried))
 
-    async def part_manifest(self, job: str, rank: int, step: int) -> Manifest | None:
-        """Node ``rank``'s manifest of its part of ``step`` from the newest backup round
-        holding one (a :class:`tierfs.core.ports.ManifestSource`, for the whole-step
-        view when that node cannot say); None when no round holds it or the bucket
-        cannot be read. Same cached lookups as :meth:`fetch_file`. Never raises."""
+    async def part_manifest(
+        self, job: str, rank: int, step: int, *, writers: int = 0, round_name: str = ""
+    ) -> Manifest | None:
+        """Node ``rank``'s manifest of its part of ``step`` from a backup round (a
+        :class:`tierfs.core.ports.ManifestSource`, for the whole-step view when that
+        node cannot say): round ``round_name``'s when given and it holds one (the
+        round the restore of ``step`` decided), else the newest round holding one;
+        a part written by another node count than ``writers`` (0: any) is another
+        save of the step and never taken. None when no round holds it or the
+        bucket cannot be read. Same cached lookups as :meth:`fetch_file`. Never
+        raises.
+
+        Regression (#16 fourth trial): after a restore from round 22-06 (step 20,
+        saved by 4 nodes), the view took lost rank 2's part from the newer round
+        22-07, another save of step 20 by 3 nodes whose round was cut off; the file
+        had the same size and dcp.load returned rank 2's values of the other save."""
         try:
-            for name in await self._files.round_names(job):
+            names = await self._files.round_names(job)
+            if round_name in names:
+                names = [round_name, *(n for n in names if n != round_name)]
+            for name in names:
                 part = await self._files.part(job, name, rank, step)
-                if part is not None:
-                    return part.manifest
+                if part is None:
+                    continue
+                wrote = part.manifest.nodes or part.nodes
+                if writers and wrote and wrote != writers:
+                    continue
+                return part.manifest
         except Exception as exc:
             log.debug("manifest of step %d of rank %d from the bucket: %s", step, rank, exc)
         return None

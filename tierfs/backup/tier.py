@@ -428,15 +428,16 @@ class GcsTier:
         return await self.restore.fetch_backup(agent, job, step, backup, digest)
 
     async def part_manifest(
-        self, job: str, rank: int, step: int, *, writers: int = 0
+        self, job: str, rank: int, step: int, *, writers: int = 0, round_name: str = ""
     ) -> Manifest | None:
         """Node ``rank``'s manifest of its part of ``step`` from a backup round (the
         :class:`tierfs.core.ports.ManifestSource` port): see
-        :meth:`tierfs.backup.fetch.BucketRestore.part_manifest`; None without a bucket.
-        ``writers`` is not needed here (a round names its parts by rank)."""
+        :meth:`tierfs.backup.fetch.BucketRestore.part_manifest`; None without a bucket."""
         if not self.enabled:
             return None
-        return await self.restore.part_manifest(job, rank, step)
+        return await self.restore.part_manifest(
+            job, rank, step, writers=writers, round_name=round_name
+        )
 
     async def fetch_file(
         self,

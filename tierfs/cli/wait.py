@@ -21,6 +21,7 @@ from tierfs.cli.status_file import (
     read_status_file,
 )
 from tierfs.core.status import NodeStatus, RestoreStatus
+from tierfs.core.types import SAVED_AGAIN
 
 __all__ = ["RESTORE_SETTLED", "WAIT_EXIT", "WAIT_STILL_RUNNING", "wait_cmd", "wait_outcome"]
 
@@ -253,13 +254,17 @@ def wait_cmd(
         note = whole_step_note(status)
         if note:
             click.echo(f"tierfs: note: {note}", err=True)
+    # an older save of the newest step number (issue #16 fourth trial): said as such
+    again = next((p for p in restore.problems if SAVED_AGAIN in p), None) if older else None
     for problem in restore.problems:
-        if problem not in line:
+        if problem not in line and problem != again:
             click.echo(f"tierfs: note: {problem}", err=True)
     gone = gone_note(restore.reason or "")
     if gone and not older:
         click.echo(f"tierfs: note: {gone}", err=True)
-    if older:
+    if again:
+        click.echo(f"tierfs: warning: {again}", err=True)
+    elif older:
         click.echo(
             f"tierfs: warning: step {restore.step} is not the newest step written: "
             f"{restore.reason or 'see replicator.errors'}",

@@ -63,6 +63,7 @@ from tierfs.core.types import FRESH as FRESH
 from tierfs.core.types import INCOMPLETE as INCOMPLETE
 from tierfs.core.types import OLDER as OLDER
 from tierfs.core.types import RESTORED as RESTORED
+from tierfs.core.types import SAVED_AGAIN
 from tierfs.core.types import BucketPart as BucketPart
 from tierfs.core.types import BucketView as BucketView
 from tierfs.core.types import CopyId as CopyId
@@ -407,7 +408,10 @@ def choose_restore(
     warnings: list[str] = []
     if bucket is not None and bucket.error:
         warnings.append(f"the bucket could not be read ({bucket.error}); deciding without it")
-    for step, w in _candidates(nodes, table, parts, _seals(inventories, nodes)):
+    saved_at = _saved_at(nodes, parts, _seals(inventories, nodes))
+    #: (step, writers) -> why, of the saves skipped so far
+    passed: dict[tuple[int, int], str] = {}
+    for step, w in _candidates(nodes, table, parts, saved_at):
         plan = _plan_step(
             w,
             step,
@@ -417,14 +421,25 @@ def choose_restore(
         )
         if plan.missing:
             skipped.append(_describe(step, plan, excluded) + _topology(w, nodes))
+            passed[(step, w)] = skipped[-1]
             warnings.extend(plan.notes)
             newest_skipped = max(newest_skipped, step)
             continue
         unfit = _not_loadable(step, plan.digests, unloadable, judged)
         if unfit:
             skipped.append(unfit)
+            passed[(step, w)] = skipped[-1]
             newest_skipped = max(newest_skipped, step)
             continue
+        # the same step number saved again later (another seal or round, e.g. by
+        # another node count) and that save incomplete: the older save's values come
+        # back, said as an older state (regression, #16 fourth trial: exit 0 and no
+        # word, with the newer save of step 20 cut off in the bucket)
+        again = [
+            (ww, why)
+            for (s, ww), why in passed.items()
+            if s == step and saved_at.get((s, ww), 0.0) > saved_at.get((step, w), 0.0)
+        ]
         from_bucket = sorted(r for r in range(w) if not plan.holders.get(r))
         backup = None
         if not from_bucket:
@@ -442,6 +457,14 @@ def choose_restore(
         if skipped:
             reason += " (" + "; ".join(skipped) + ")"
         lines = skipped + plan.notes + warnings + _rolled_back(old_tops, step)
+        if again:
+            ww = again[0][0]
+            lines.insert(
+                0,
+                f"step {step}{SAVED_AGAIN}{ww} node(s) after the save restored "
+                f"(written by {w} nodes), and that newer save is incomplete "
+                f"({again[0][1]}): the earlier save of step {step} is restored",
+            )
         if skipped:
             lines += notes + (bucket.problems_above(step) if bucket is not None else [])
         holders = {r: plan.holders.get(r, ()) for r in range(w)}
@@ -452,9 +475,9 @@ def choose_restore(
             reason,
             backup,
             rounds=plan.rounds,
-            # another save of the same step number (another node count) that is
-            # incomplete does not make this one older
-            outcome=OLDER if newest_skipped > step else RESTORED,
+            # a newer save of the same step number that is incomplete makes this an
+            # older state too (its values, not the ones the job saved last)
+            outcome=OLDER if newest_skipped > step or again else RESTORED,
             problems=tuple(lines),
             writers=w,
         )
@@ -490,17 +513,35 @@ def choose_restore(
     return Choice(None, reason=reason, outcome=INCOMPLETE, problems=tuple(lines))
 
 
+def _saved_at(
+    nodes: int, parts: Iterable[BucketPart], seals: Mapping[tuple[int, int], float]
+) -> dict[tuple[int, int], float]:
+    """(step, writers) -> when that save was made, as far as known (Unix seconds, 0.0
+    unknown): the latest seal of a copy in RAM, else the newest backup round holding
+    a part of it (round names are UTC minutes, :func:`round_time`)."""
+    out = dict(seals)
+    for p in parts:
+        key = (p.step, writers_of(p, nodes))
+        if out.get(key):
+            continue
+        at = round_time(p.round) or 0.0
+        out[key] = max(out.get(key, 0.0), at)
+    return out
+
+
 def _candidates(
     nodes: int,
     table: Mapping[tuple[int, int], object],
     parts: Iterable[BucketPart],
-    seals: Mapping[tuple[int, int], float],
+    saved_at: Mapping[tuple[int, int], float],
 ) -> list[tuple[int, int]]:
     """The (step, writers) pairs to try, best first: the newest step; of one step
-    written by several node counts, the newest seal, then the job's own count,
-    then the larger count."""
+    written by several node counts, the newest save (:func:`_saved_at`: the newest
+    seal, else the newest backup round; regression, #16 fourth trial: after a loss
+    of every RAM tier the older 4-node save of step 20 went first because it had
+    more writers), then the job's own count, then the larger count."""
     keys = set(table) | {(p.step, writers_of(p, nodes)) for p in parts}
-    return sorted(keys, key=lambda k: (-k[0], -seals.get(k, 0.0), k[1] != nodes, -k[1]))
+    return sorted(keys, key=lambda k: (-k[0], -saved_at.get(k, 0.0), k[1] != nodes, -k[1]))
 
 
 def _topology(writers: int, nodes: int) -> str:

@@ -117,13 +117,16 @@ class ManifestSource(Protocol):
     """Other nodes' manifests of their own parts, for judging a step across ranks."""
 
     async def part_manifest(
-        self, job: str, rank: int, step: int, *, writers: int = 0
+        self, job: str, rank: int, step: int, *, writers: int = 0, round_name: str = ""
     ) -> Manifest | None:
         """Node ``rank``'s manifest of its part of ``step`` (asked of that node; no
         file bytes), or None while it is unreachable or has no such part. Never raises.
 
         ``writers``: the node count that wrote the step (issue #16; 0: the job's):
-        where its replicas are placed; a rank the job no longer has is not asked."""
+        where its replicas are placed; a rank the job no longer has is not asked.
+        ``round_name``: a backup source takes that round's part first (the round the
+        restore of ``step`` decided: another round of the same step number may be
+        another save of it); other sources ignore it."""
         ...
 
 

@@ -206,6 +206,11 @@ class RestorePlan:
 
 # ---------------------------------------------------------------------- backup rounds
 
+#: the words of a restore problem saying that the step restored is an older save of its
+#: step number (:func:`tierfs.cluster.restore_choice.choose_restore`; ``tierfs wait``
+#: makes that line its warning)
+SAVED_AGAIN = " was saved again by "
+
 DONE, FAILED = "done", "failed"
 #: an outcome meaning "this node no longer holds the ordered step" (the round
 #: moves to a newer step instead of failing)

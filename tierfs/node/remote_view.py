@@ -318,6 +318,8 @@ class RemoteView:
             a step (restored or kept; ``writers``: the node count that wrote it, 0
             unknown), else None: that step is prefetched once, and shown even when
             this node holds no part of it (a node added since it was written).
+        restored_round: step -> the backup round the last restore decided for that
+            step ("" none): a part no node can say is taken from that round first.
     """
 
     def __init__(
@@ -336,6 +338,7 @@ class RemoteView:
         idle: float = 30.0,
         prefetch_width: int = 1,
         restored: Callable[[], tuple[float, int, int] | None] = lambda: None,
+        restored_round: Callable[[int], str] = lambda step: "",
         more_manifests: Sequence[ManifestSource] = (),
     ) -> None:
         self.more_manifests = list(more_manifests)
@@ -357,6 +360,7 @@ class RemoteView:
         self._by_ino: dict[int, RemoteFile] = {}
         self._wake = trio.Event()
         self.restored = restored
+        self.restored_round = restored_round
         #: restores whose step was prefetched: (when, step, writers)
         self._prefetched: set[tuple[float, int, int]] = set()
         self._fetches: trio.Nursery | None = None
@@ -777,8 +781,11 @@ class RemoteView:
             for more in self.more_manifests:
                 if manifest is not None:
                     break
-                # that node cannot say (down, or its part not back yet): a backup round
-                manifest = await more.part_manifest(job.name, rank, step, writers=writers)
+                # that node cannot say (down, or its part not back yet): a backup round,
+                # the one this node's restore of the step decided first
+                manifest = await more.part_manifest(
+                    job.name, rank, step, writers=writers, round_name=self.restored_round(step)
+                )
             if manifest is None:
                 waiting = trio.current_time() - union.first_look < self.patience
                 continue
