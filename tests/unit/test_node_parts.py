@@ -203,6 +203,30 @@ def test_a_part_without_a_marker_of_its_own_is_sealed_again_at_once(tmp_path):
     assert key in parts.catalog
 
 
+def test_a_step_dropped_by_retention_is_not_sealed_again_at_start(tmp_path):
+    """Regression (#16 fourth trial F7): a 4-node step 10 whose snapshot --keep-local
+    had dropped stayed in the mount; the daemon restarted for a 2-node job sealed it
+    again "found at start" as a 2-node part, the newest by its directory's time, and
+    retention then dropped the parts of step 20 that the restore had just taken."""
+    parts = build(tmp_path, keep_local=1)
+    parts.agent.control.set_job(JOB, "generic")
+    for step in (10, 20):
+        data = write_step(parts, step)
+        (pathlib.Path(data).parent / "commit_success.txt").write_bytes(b"ok")
+    seal(parts, 10, 20)
+    k10, k20 = ShardKey("j", 0, 10), ShardKey("j", 0, 20)
+    assert k10 not in parts.catalog and k20 in parts.catalog  # keep-local 1
+    assert parts.agent.book.view_steps["10"] == k10
+    os.utime(pathlib.Path(parts.view.root) / "10")  # the directory changed since (now)
+
+    async def body() -> None:
+        await parts.agent.sealer.reconcile()
+
+    run_with_tasks(parts, body)
+    assert k10 not in parts.catalog
+    assert k20 in parts.catalog
+
+
 # ---------------------------------------------------------------------- keeper
 
 

@@ -314,7 +314,9 @@ class Sealer:
 
         Not sealed again: a step a restore abandoned (``book.abandoned``: it was
         written before the restore chose an older step; sealing it now would stamp
-        it with this job's node count), a step whose files are all another rank's
+        it with this job's node count), a step sealed by an earlier daemon whose
+        snapshot retention dropped (``book.view_steps`` names it, the catalog has
+        it no more), a step whose files are all another rank's
         part held here (this node's rank changed) or all other ranks' files of the
         whole-step view (nothing of this node's own)."""
         try:
@@ -350,6 +352,26 @@ class Sealer:
                     "again (saved again, it seals as usual)",
                     cand.step,
                     cand.name,
+                )
+                continue
+            before = book.view_steps.get(cand.name)
+            if (
+                before is not None
+                and (before.job, before.step) == (job.name, cand.step)
+                and before not in self.catalog
+                and before not in book.withdrawn_created
+            ):
+                # sealed by an earlier daemon, its snapshot dropped since (--keep-local);
+                # the directory stayed (generic mode hides nothing). Sealed again it was
+                # a new part of this job's node count and the newest by its directory's
+                # time: retention then dropped the step just restored (regression, #16
+                # fourth trial F7: a 4-node step 10 sealed again by a 2-node job)
+                log.info(
+                    "step %d (%s) found at start was sealed before (node-rank %d) and "
+                    "dropped by retention; not sealed again",
+                    cand.step,
+                    cand.name,
+                    before.rank,
                 )
                 continue
             others = [
