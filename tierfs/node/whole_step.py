@@ -280,8 +280,9 @@ class WholeStepJudge:
                 self.catalog.set_unjudged(
                     shard.key,
                     f"rank {rank}'s part: none (node-rank {rank} declared gone): never "
-                    f"complete for the {writers}-node job; restart the job with the "
-                    "smaller --nodes to restore later steps"
+                    f"complete for the {writers}-node job (restarting with a smaller "
+                    "--nodes does not change that: steps saved after such a restart "
+                    "are complete)"
                     if rank in self.gone()
                     else f"rank {rank}'s part: no copy found on a live node "
                     f"(asked for {now - first:.0f} s)",
