@@ -243,6 +243,27 @@ def test_retention_drops_the_oldest_step_unless_a_restore_runs(tmp_path):
     assert sorted(k.step for k in parts.catalog) == [20, 30]  # nothing dropped meanwhile
 
 
+def test_the_restored_step_is_kept_until_the_job_saves_again(tmp_path):
+    """Regression (#16 fourth trial F7): retention dropped the parts of the step the
+    restore had just taken for steps that sorted newer by their seal time."""
+    parts = build(tmp_path, keep_local=1)
+    parts.agent.control.set_job(JOB, "generic")
+    for step in (10, 20):
+        write_step(parts, step)
+    seal(parts, 10)
+    k10, k20 = ShardKey("j", 0, 10), ShardKey("j", 0, 20)
+    restored_at = parts.catalog[k10].manifest.created + 3600.0  # after every seal here
+    parts.state.restore_state = {"state": "done", "step": 10, "at": restored_at}
+    seal(parts, 20)  # "sealed" before the restore finished: an abandoned newer step
+    assert k10 in parts.catalog and k20 in parts.catalog
+    assert parts.agent.keeper.restored_pins() == {k10}
+    # the job saved after the restore: plain --keep-local again
+    parts.state.restore_state = {"state": "done", "step": 10, "at": 0.0}
+    write_step(parts, 30)
+    seal(parts, 30)
+    assert sorted(k.step for k in parts.catalog) == [30]
+
+
 def test_a_published_marker_pins_its_shard(tmp_path):
     parts = build(tmp_path)
     key = ShardKey("j", 0, 7)

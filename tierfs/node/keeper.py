@@ -114,11 +114,29 @@ class ShardKeeper:
             self.book.withdrawn_names[name] = key
 
     def pinned(self) -> set[ShardKey]:
-        """Shards some tier still needs, plus the ones a published marker points at."""
+        """Shards some tier still needs, the ones a published marker points at, and
+        the step the last restore took (:meth:`restored_pins`)."""
         keep = {p.key for p in self.view.published.values()}
         for tier in self.tiers:
             keep |= tier.pinned()
-        return keep
+        return keep | self.restored_pins()
+
+    def restored_pins(self) -> set[ShardKey]:
+        """Every shard held here of the step the last finished restore took (this
+        node's part and the other ranks' copies), until this node seals a part of
+        the job after that restore: the newest step the job can restore is never
+        dropped for older or abandoned steps that sort newer by their seal time
+        (regression, #16 fourth trial F7: a stale step sealed again at the start
+        pushed the restored step 20 out of --keep-local on both survivors, and the
+        next restore found nothing complete)."""
+        job, r = self.state.job, self.state.restore_state
+        if job is None or r.get("state") != "done" or not r.get("step"):
+            return set()
+        step, at = int(r["step"]), float(r.get("at") or 0.0)
+        held = self.catalog.shards_of(job.name)
+        if any(s.key.rank == job.node_rank and s.manifest.created > at for s in held):
+            return set()  # the job saved since: plain retention
+        return {s.key for s in held if s.key.step == step}
 
     async def apply_retention(self) -> None:
         """Drop snapshots past ``--keep-local``; in protocol mode hide their view entries too.
