@@ -187,11 +187,15 @@ def test_a_file_changed_by_hand_in_a_step_with_a_marker_is_sealed_after_the_grac
 
 
 def test_a_part_without_a_marker_of_its_own_is_sealed_again_at_once(tmp_path):
-    # DCP's other ranks: no .metadata of their own, their data file is their last
+    # DCP's other ranks: no .metadata of their own (rank 0's, shown by the whole-step
+    # view, is another rank's file), their data file is their last
     parts = build(tmp_path)
     parts.agent.control.set_job(JOB, "generic")
     data = write_step(parts, 10)
     seal(parts, 10)
+    shown = pathlib.Path(data).parent / ".metadata"
+    shown.write_bytes(b"rank 0's metadata")
+    parts.view.foreign = lambda ino: ino == os.stat(shown).st_ino
     key = ShardKey("j", 0, 10)
     parts.agent.intake.write_opening(os.stat(data).st_ino)
 
