@@ -201,6 +201,7 @@ def test_a_part_without_a_marker_of_its_own_is_sealed_again_at_once(tmp_path):
 
     async def body() -> None:
         parts.agent.sealer.retry_pending("10")
+        assert parts.agent.sealer._deferred == {}  # not waiting for a marker
         await trio.testing.wait_all_tasks_blocked()
 
     run_with_tasks(parts, body)
