@@ -816,3 +816,28 @@ def test_a_parts_manifest_comes_from_the_round_the_restore_decided(tmp_path):
         assert await digest(writers=4) is None
 
     trio.run(main)
+
+
+def test_the_status_names_the_ranks_a_shrunk_jobs_round_lacks(tmp_path, monkeypatch):
+    """#16 fourth trial F4: after a 4-node step 20 was restored by a 2-node job, its
+    round (ranks 0 and 1 only) was "complete" in `tierfs status` while `tierfs backups
+    list` said incomplete (no pointer for ranks 2, 3)."""
+    import dataclasses
+
+    from tierfs.core.control import JobSpec
+    from tierfs.core.types import RoundView
+
+    tier = bucket_tier(fb.FakeGcs())
+    tier.current.job = JobSpec(JOB, "generic", 0, 2)  # type: ignore[attr-defined]
+    monkeypatch.setattr(tier.roles, "multi", lambda job: True)
+    shard = fb.seal(RamStore(str(tmp_path / "r")), JOB, 0, 20, part(0, 20))
+    tier.catalog.add(
+        dataclasses.replace(shard, manifest=dataclasses.replace(shard.manifest, nodes=4))
+    )
+    tier.memory.cluster_last = RoundView(R1, 20, "complete")
+    assert (
+        f"last round {R1} step 20: complete for this job's 2 node(s), without rank(s) "
+        "2..3 of the 4-node step" in tier.status().summary
+    )
+    tier.memory.cluster_last = RoundView(R1, 20, "incomplete")
+    assert f"last round {R1} step 20: incomplete;" in tier.status().summary + ";"
