@@ -344,3 +344,38 @@ def test_a_refused_node_drops_the_coordinators_last_node_counts():
     assert book.node_counts == (5, 5)
     book.coordinator_down()
     assert book.node_counts is None
+
+
+def test_a_job_that_ran_at_another_count_since_starts_a_new_generation(tmp_path):
+    """Regression (#16 fourth trial F8): node 3 declared gone in generation 1 (4 nodes);
+    the job restarted on 3 nodes, renumbered, under another node's coordinator; then
+    back at 4 nodes with the old node-rank 0 as coordinator, which took up its stored
+    generation 1 with gone [3] and refused the new, empty node 3 for good."""
+    store = str(tmp_path)
+    wall = [1000.0]
+
+    def coordinator() -> Coordinator:
+        return Coordinator(
+            clock=lambda: wall[0],
+            wall=lambda: wall[0],
+            generation=statefile.load_generation(store),
+            on_generation=lambda *g: statefile.save_generation(store, *g),
+            gone=statefile.load_gone(store),
+            on_gone=lambda gone: statefile.save_gone(store, gone),
+        )
+
+    c = coordinator()
+    join(c, 0)
+    c.declare_gone("job", [3])
+    # meanwhile the job ran at 3 nodes elsewhere and saved step 20 there
+    wall[0] = 2000.0
+    c = coordinator()
+    three = [Holding(0, 20, True, "d0", created=1500.0, nodes=3)]
+    join(c, 0, inv=three)
+    assert (c.generation, c.gone, statefile.load_gone(store)) == (2, frozenset(), ())
+    assert "generation 2 of job 'job' (4 nodes) begins" in c.take_events()[0]
+    join(c, 3)  # the new node 3 is welcome
+    # a part of another count sealed before the generation began proves nothing
+    c = coordinator()
+    join(c, 0, inv=[Holding(0, 10, True, "d", created=900.0, nodes=3)])
+    assert c.generation == 2

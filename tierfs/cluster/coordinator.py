@@ -157,6 +157,10 @@ __all__ = [
 
 #: seconds between two ``--gone-after`` checks (each walks the members)
 GONE_CHECK_PERIOD = 1.0
+#: seconds after a generation began before a part sealed by another node count proves
+#: that the job ran under another coordinator since (:meth:`Coordinator._ran_elsewhere`;
+#: slack for the nodes' clocks)
+ELSEWHERE_SLACK = 30.0
 #: a round of a job of at most this many nodes nudges the members it summons
 #: (:meth:`Coordinator.nudges`); a larger job's members learn of it in their
 #: next heartbeat (one call per member would cost the coordinator O(N) calls)
@@ -341,6 +345,44 @@ class Coordinator:
         if self._on_gone is not None:
             self._on_gone(tuple(sorted(gone)))
 
+    def _ran_elsewhere(self, inventory: Iterable[Holding]) -> Holding | None:
+        """A part of the job in a joining node's inventory that another node count
+        sealed after this generation began (plus :data:`ELSEWHERE_SLACK`): the job ran
+        at that count under another coordinator since (a renumbered node-rank 0), so
+        this generation and its gone ranks are history. None when there is none."""
+        if not self.generation_since:
+            return None
+        after = self.generation_since + ELSEWHERE_SLACK
+        for h in inventory:
+            if h.nodes and h.nodes != self.nodes and h.created > after:
+                return h
+        return None
+
+    def _next_generation(self, rank: int, seen: Holding) -> None:
+        """Start the next generation of the job at the same node count: the gone ranks
+        of the old one no longer apply (issue #16 fourth trial F8: node-rank 0 took up
+        its stored generation 1 with ``gone [3]`` after the job had run at 3 nodes under
+        another coordinator, and refused a new empty node 3 for good)."""
+        assert self.job is not None
+        old, gone = self.generation, sorted(self.gone)
+        self.generation = max(self.generation, 0) + 1
+        self.generation_since = self.wall()
+        self._last_generation = (self.job, self.nodes, self.generation, self.generation_since)
+        if self._on_generation is not None:
+            self._on_generation(*self._last_generation)
+        line = (
+            f"generation {self.generation} of job {self.job!r} ({self.nodes} nodes) begins: "
+            f"node-rank {rank} holds step {seen.step} of rank {seen.rank}, sealed by a job "
+            f"of {seen.nodes} nodes after generation {old} began, so the job ran under "
+            "another coordinator since"
+            + (f"; node-rank(s) {gone} are no longer declared gone" if gone else "")
+        )
+        log.warning("coordinator: %s", line)
+        self.events.append(line)
+        self._last_gone = frozenset()
+        if gone:
+            self._apply_gone(frozenset())
+
     def declare_gone(self, job: str, ranks: Iterable[int], reason: str = "") -> tuple[int, ...]:
         """Declare node ranks gone for good for the current generation (issue #16).
 
@@ -513,6 +555,10 @@ class Coordinator:
                 live node at another address still serves (a duplicate rank).
         """
         self._check_job(job, nodes, rank, mode)
+        inventory = tuple(inventory)
+        elsewhere = self._ran_elsewhere(inventory)
+        if elsewhere is not None:
+            self._next_generation(rank, elsewhere)
         if rank in self.gone:
             raise Rejected(
                 f"node-rank {rank} was declared gone for good in generation "
