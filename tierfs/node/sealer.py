@@ -373,6 +373,9 @@ class Sealer:
                     cand.name,
                     before.rank,
                 )
+                if self.state.mode == "protocol":
+                    # as retention does: an expired step leaves the client's view
+                    self.tasks.spawn(self.keeper.hide_later, cand.name, before)
                 continue
             others = [
                 s
