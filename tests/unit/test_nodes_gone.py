@@ -7,6 +7,8 @@ ranks, placement stand-ins and the re-replication targets.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import click
 import pytest
 from click.testing import CliRunner
@@ -204,18 +206,24 @@ def test_a_backup_round_neither_waits_for_nor_needs_the_gone_rank():
 # ---------------------------------------------------------------------- persistence, --gone-after
 
 
+def stored_coordinator(store: str, now: Callable[[], float] = lambda: 1000.0) -> Coordinator:
+    """A coordinator that keeps its generation and gone set in ``store`` (as the daemon
+    of node-rank 0 does), on the clock ``now``."""
+    return Coordinator(
+        clock=now,
+        wall=now,
+        generation=statefile.load_generation(store),
+        on_generation=lambda *g: statefile.save_generation(store, *g),
+        gone=statefile.load_gone(store),
+        on_gone=lambda gone: statefile.save_gone(store, gone),
+    )
+
+
 def test_the_gone_set_survives_a_coordinator_restart_of_the_same_generation(tmp_path):
     store = str(tmp_path)
 
     def coordinator() -> Coordinator:
-        return Coordinator(
-            clock=lambda: 1000.0,
-            wall=lambda: 1000.0,
-            generation=statefile.load_generation(store),
-            on_generation=lambda *g: statefile.save_generation(store, *g),
-            gone=statefile.load_gone(store),
-            on_gone=lambda gone: statefile.save_gone(store, gone),
-        )
+        return stored_coordinator(store)
 
     c = coordinator()
     join(c, 0)
@@ -355,14 +363,7 @@ def test_a_job_that_ran_at_another_count_since_starts_a_new_generation(tmp_path)
     wall = [1000.0]
 
     def coordinator() -> Coordinator:
-        return Coordinator(
-            clock=lambda: wall[0],
-            wall=lambda: wall[0],
-            generation=statefile.load_generation(store),
-            on_generation=lambda *g: statefile.save_generation(store, *g),
-            gone=statefile.load_gone(store),
-            on_gone=lambda gone: statefile.save_gone(store, gone),
-        )
+        return stored_coordinator(store, lambda: wall[0])
 
     c = coordinator()
     join(c, 0)
