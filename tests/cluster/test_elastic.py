@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -322,3 +323,64 @@ def test_nodes_swapping_ranks_see_the_new_bytes_of_a_step_saved_again(make_mount
     assert dcp(c, "load", 40, by_rank, seed=1) == ["LOADED_OK"] * 3
     for i in range(3):
         assert "differs between ranks" not in c.errors(i), (i, c.errors(i))
+
+
+def own_manifest(c: Cluster, holder: int, rank: int, step: int):  # type: ignore[no-untyped-def]
+    """Rank ``rank``'s manifest of ``step`` held by node ``holder``, or None."""
+    from tierfs.store.manifest import Manifest
+
+    path = c.mounts[holder].ram_dir / "store" / "shards" / JOB / str(rank) / str(step)
+    try:
+        return Manifest.from_json((path / "manifest.json").read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def test_a_lost_ranks_part_of_an_earlier_save_is_never_combined_with_the_new_save(make_mount):
+    """Regression (issue #16, fourth trial F9): a step saved again in place by the
+    same node count, a node lost before its new part reached a peer: the survivors
+    restored the step with exit 0 from their new parts and the lost rank's replica of
+    the first save, and ``dcp.load`` returned a mix of the two saves. Now the step is
+    incomplete (the survivors' new parts record the parts they replaced, rank 2's
+    replica among them) and the older complete step comes back, said."""
+    from tierfs.node.resave import RESAVE_GAP
+
+    c = Cluster(make_mount, 3, node_args=elastic(3))
+    save_files(c, 10, [0, 1, 2])
+    save_files(c, 20, [0, 1, 2])
+    # one replica per node
+    for step in (10, 20):
+        for i in range(3):
+            wait_for(
+                lambda i=i, s=step: any(holds(c, h, i, s) for h in range(3) if h != i),
+                60,
+                f"a replica of rank {i}'s step {step}",
+            )
+    keeper = next(h for h in (0, 1) if holds(c, h, 2, 20))  # a survivor with rank 2's part
+    first = own_manifest(c, keeper, 2, 20)
+    assert first is not None
+    c.lose(2)  # before its part of the next save reaches any peer
+    sealed = max(own_manifest(c, i, i, 20).sealed for i in (0, 1))  # type: ignore[union-attr]
+    # the next save of step 20 comes a training interval after the first one
+    wait_for(lambda: time.time() > sealed + RESAVE_GAP + 0.5, RESAVE_GAP + 30, "the interval")
+    for i in (0, 1):
+        top = c.root(i) / "checkpoint-20"
+        (top / f"part-{i}.bin").write_bytes(os.urandom(50_000))  # in place
+        (top / "commit_success.txt").write_text("ok")
+    new = {}
+    for i in (0, 1):
+        wait_for(
+            lambda i=i: (m := own_manifest(c, i, i, 20)) is not None and m.began > 0,
+            60,
+            f"node {i}'s part of the new save",
+        )
+        new[i] = own_manifest(c, i, i, 20)
+    assert (2, first.digest) in new[keeper].replaces, new[keeper].replaces
+    restart(c, 2, [0, 1])
+    for i in (0, 1):
+        w = tierfs("wait", str(c.root(i)), "--timeout", "180", check=False, timeout=240)
+        assert w.returncode == 2, (i, w.stdout, w.stderr)  # an older step: said
+        assert w.stdout.startswith("restored step 10 from "), w.stdout
+        why = "(rank(s) [2]: only a part of an earlier save of step 20 is left"
+        assert why in w.stderr, w.stderr
+        assert why in c.errors(i), c.errors(i)

@@ -73,6 +73,7 @@ def _complete_parts(info: RoundInfo) -> list[BucketPart]:
                 manifest.digest,
                 *eligibility(manifest),
                 nodes=manifest.nodes or part.backup.nodes,
+                replaces=manifest.replaces,
             )
         )
     return out

@@ -41,6 +41,14 @@ different steps (different saves): each is judged alone and never mixed, and
 of two complete ones the newer seal wins. The newest complete step is taken
 whatever its W, so a resize never drops a newer complete step.
 
+One step number saved again in place (issue #16 F9): every copy records the
+parts of an earlier save its own save replaced (:attr:`Holding.replaces`,
+:mod:`tierfs.node.resave`). A copy some copy of the same save lists as
+replaced is never used -- a rank left with only such copies makes the step
+incomplete ("only an earlier save ... is left"), never a mix of two saves --
+unless a copy of those very bytes lists them itself (the rank saved identical
+bytes again).
+
 ``restore.version`` (:attr:`BucketView.forced`) replaces the rule: exactly
 the named round's step, each rank from that round or from a copy with the
 same bytes; if that is impossible, nothing (no fallback).
@@ -256,19 +264,56 @@ def _whole_rounds(nodes: int, parts: Iterable[BucketPart]) -> set[tuple[str, int
     return {(r, s) for (r, s, w), rs in ranks.items() if rs >= set(range(w))}
 
 
-def _describe(step: int, plan: _StepPlan, bad: set[CopyId]) -> str:
+def _describe(
+    step: int, plan: _StepPlan, bad: set[CopyId], stale: AbstractSet[int] = frozenset()
+) -> str:
     line = f"step {step} lacks rank(s) {_ranks(plan.missing)}"
     found = sorted({_holder_name(h) for h, r, s in bad if s == step and r in plan.missing})
     if found:
         line += f" (bad copies: {', '.join(found)})"
+    older = sorted(r for r in plan.missing if r in stale)
+    if older:
+        line += (
+            f" (rank(s) {_ranks(older)}: only a part of an earlier save of step {step} "
+            "is left; the step was saved again, and no node or backup round holds the "
+            "new save's part)"
+        )
     return line
 
 
+#: (step, writers) -> the (rank, digest) pairs of an earlier save of that step
+Replaced = dict[tuple[int, int], set[tuple[int, str]]]
+
+
+def replaced_copies(nodes: int, copies: Iterable[Holding | BucketPart]) -> Replaced:
+    """(step, writers) -> the (rank, digest) pairs some copy of that save lists as
+    replaced by its save (:attr:`Holding.replaces`), less the pairs a copy of those
+    very bytes lists itself (the rank saved identical bytes again). Pure."""
+    listed: Replaced = {}
+    renewed: set[tuple[int, int, int, str]] = set()
+    for c in copies:
+        if not c.replaces:
+            continue
+        key = (c.step, writers_of(c, nodes))
+        listed.setdefault(key, set()).update(c.replaces)
+        if (c.rank, c.digest) in c.replaces:
+            renewed.add((*key, c.rank, c.digest))
+    return {k: {p for p in v if (*k, *p) not in renewed} for k, v in listed.items()}
+
+
+def _is_replaced(nodes: int, c: Holding | BucketPart, replaced: Replaced) -> bool:
+    return (c.rank, c.digest) in replaced.get((c.step, writers_of(c, nodes)), ())
+
+
 def _table(
-    nodes: int, inventories: Mapping[int, Iterable[Holding]], bad: set[CopyId]
+    nodes: int,
+    inventories: Mapping[int, Iterable[Holding]],
+    bad: set[CopyId],
+    replaced: Replaced | None = None,
 ) -> dict[tuple[int, int], dict[int, dict[str, set[int]]]]:
     """(step, writers) -> rank -> digest -> holders, of the verified copies not found
-    bad (``writers``: :func:`writers_of`; ranks outside [0, writers) are ignored)."""
+    bad and not replaced by another save (``writers``: :func:`writers_of`; ranks
+    outside [0, writers) are ignored)."""
     table: dict[tuple[int, int], dict[int, dict[str, set[int]]]] = {}
     for holder, held in inventories.items():
         for h in held:
@@ -276,6 +321,8 @@ def _table(
             if not h.verified or not 0 <= h.rank < w or h.step < 0:
                 continue
             if (holder, h.rank, h.step) in bad:
+                continue
+            if replaced and _is_replaced(nodes, h, replaced):
                 continue
             copies = table.setdefault((h.step, w), {}).setdefault(h.rank, {})
             copies.setdefault(h.digest, set()).add(holder)
@@ -384,7 +431,11 @@ def choose_restore(
     excluded = set(bad)
     if bucket is not None and bucket.forced is not None:
         return _choose_forced(nodes, inventories, excluded, bucket)
-    table = _table(nodes, inventories, excluded)
+    all_parts = bucket.parts if bucket else ()
+    replaced = replaced_copies(
+        nodes, [*(h for held in inventories.values() for h in held), *all_parts]
+    )
+    table = _table(nodes, inventories, excluded, replaced)
     unloadable = _unloadable(nodes, inventories, bucket.parts if bucket else ())
     judged = _whole(nodes, inventories)
     for step, verdict in bucket.judged if bucket else ():
@@ -401,6 +452,17 @@ def choose_restore(
         p.round: max(q.step for q in parts if q.round == p.round) for p in parts if p.round in old
     }
     parts = [p for p in parts if p.round not in old]
+    #: (step, writers) -> ranks with a copy of an earlier save only (set aside)
+    stale: dict[tuple[int, int], set[int]] = {}
+    current: set[tuple[int, int, int]] = set()
+    copies: list[Holding | BucketPart] = [h for held in inventories.values() for h in held]
+    for c in [*copies, *parts]:
+        if _is_replaced(nodes, c, replaced):
+            stale.setdefault((c.step, writers_of(c, nodes)), set()).add(c.rank)
+        else:
+            current.add((c.step, writers_of(c, nodes), c.rank))
+    stale = {k: {r for r in rs if (*k, r) not in current} for k, rs in stale.items()}
+    kept = [p for p in parts if not _is_replaced(nodes, p, replaced)]
     skipped: list[str] = []
     #: the newest step number skipped (-1: none)
     newest_skipped = -1
@@ -411,16 +473,18 @@ def choose_restore(
     saved_at = _saved_at(nodes, parts, _seals(inventories, nodes))
     #: (step, writers) -> why, of the saves skipped so far
     passed: dict[tuple[int, int], str] = {}
-    for step, w in _candidates(nodes, table, parts, saved_at):
+    for step, w in _candidates(nodes, table, kept, saved_at):
         plan = _plan_step(
             w,
             step,
             table.get((step, w), {}),
-            [p for p in parts if p.step == step and writers_of(p, nodes) == w],
+            [p for p in kept if p.step == step and writers_of(p, nodes) == w],
             whole,
         )
         if plan.missing:
-            skipped.append(_describe(step, plan, excluded) + _topology(w, nodes))
+            skipped.append(
+                _describe(step, plan, excluded, stale.get((step, w), set())) + _topology(w, nodes)
+            )
             passed[(step, w)] = skipped[-1]
             warnings.extend(plan.notes)
             newest_skipped = max(newest_skipped, step)

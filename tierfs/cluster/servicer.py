@@ -560,6 +560,7 @@ def _holdings(items: Iterable[Any]) -> tuple[Holding, ...]:
             tuple(h.whole_digests),
             h.whole_unloadable,
             h.nodes,
+            tuple((p.rank, p.digest) for p in h.replaces),
         )
         for h in items
     )

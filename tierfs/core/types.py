@@ -65,6 +65,8 @@ class Holding:
             they may; only meaningful with ``whole_digests``).
         nodes: the node count of the job that wrote the step (its writer
             topology, :attr:`tierfs.store.manifest.Manifest.nodes`); 0 unknown.
+        replaces: (rank, digest) of the parts of an earlier save of the step that
+            this part's save replaced (:attr:`tierfs.store.manifest.Manifest.replaces`).
     """
 
     rank: int
@@ -80,6 +82,7 @@ class Holding:
     whole_digests: tuple[str, ...] = ()
     whole_unloadable: str = ""
     nodes: int = 0
+    replaces: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,8 @@ class BucketPart:
             manifest records it (see :class:`Holding`); "" when it has none.
         nodes: the writer topology its manifest records (see :class:`Holding`);
             0 unknown (a round written by MTC or before it was recorded).
+        replaces: the parts its save replaced, as its manifest records them (see
+            :class:`Holding`).
     """
 
     round: str
@@ -121,6 +126,7 @@ class BucketPart:
     unloadable: str = ""
     missing: str = ""
     nodes: int = 0
+    replaces: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ All methods run on the trio thread.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -19,6 +20,7 @@ from tierfs.core.config import NodeConfig
 from tierfs.core.control import JobSpec
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.jobstate import RESTORING_STATES, JobState
+from tierfs.node.resave import EarlierSave
 from tierfs.node.steps import StepBook
 from tierfs.node.tasks import TaskSpawner
 from tierfs.node.view import ClientView
@@ -95,6 +97,11 @@ class ShardKeeper:
         for key in [k for k in self.catalog if k.job == job.name and k.step > step]:
             for name in self.book.names_of(key) if key.rank == job.node_rank else ():
                 self.book.abandoned[name] = key  # never sealed again at a start
+            shard = self.catalog.get(key)
+            if shard is not None:
+                # a save of this step number in the new history replaces this part (F9)
+                own = ShardKey(key.job, job.node_rank, key.step)
+                self.book.earlier.setdefault(own, EarlierSave()).abandoned.append(shard.manifest)
             self.drop_shard(key, f"abandoned: the job restored step {step}")
         self.book.save()
 
@@ -102,13 +109,23 @@ class ShardKeeper:
         """Withdraw a seal: the snapshot no longer matches the client's bytes.
 
         The step's view names are remembered in ``book.withdrawn_names`` (sealed
-        again when the writer closes) and its first seal time in
-        ``book.withdrawn_created``. Also called on the FUSE thread (a write opening).
+        again when the writer closes), its first seal time in
+        ``book.withdrawn_created``, and the step's parts held here (this node's
+        and the other ranks') in ``book.earlier``: the next seal may record them as
+        replaced by another save (:mod:`tierfs.node.resave`). Also called on the FUSE
+        thread (a write opening).
         """
         names = self.book.names_of(key)
         shard = self.catalog.get(key)
         if shard is not None:
             self.book.withdrawn_created[key] = shard.manifest.created
+            held = [
+                s.manifest
+                for s in self.catalog.shards_of(key.job)
+                if s.key.step == key.step and s.manifest.nodes == shard.manifest.nodes
+            ]
+            earlier = self.book.earlier.setdefault(key, EarlierSave())
+            earlier.withdrawn(shard.manifest, held, time.time())
         self.drop_shard(key, reason)
         for name in names:
             self.book.withdrawn_names[name] = key

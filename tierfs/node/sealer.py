@@ -27,6 +27,7 @@ import trio
 from tierfs.core.config import NodeConfig
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.jobstate import JobState
+from tierfs.node.resave import EarlierSave, replaced_pairs
 from tierfs.node.sealing import MARKER_GRACE, TRACKERS, SealCandidate
 from tierfs.node.steps import StepBook, top_of
 from tierfs.node.tasks import TaskSpawner
@@ -188,6 +189,21 @@ class Sealer:
             ns = book.ns
             writers = ns.writers_of if ns is not None else None
             token = uuid.uuid4().hex
+            earlier = book.earlier.get(key) or EarlierSave()
+            former = self.catalog.get(key)
+            if former is not None and key not in book.earlier:
+                earlier.resealed(former.manifest)  # a file added: the same save goes on
+            held_now = (
+                [
+                    s.manifest
+                    for s in self.catalog.shards_of(key.job)
+                    if s.key.step == key.step
+                    and s.key.rank != key.rank
+                    and s.manifest.nodes == job.nodes
+                ]
+                if earlier.cutoff
+                else []
+            )
 
             def work() -> Shard:
                 return self.shards.snapshot(
@@ -206,6 +222,8 @@ class Sealer:
                     copied=[e for e in cand.entries if e in TRACKERS],
                     foreign=self.foreign,
                     nodes=job.nodes,
+                    replaces=replaced_pairs(earlier, held_now),
+                    began=earlier.began,
                 )
 
             try:
@@ -256,6 +274,7 @@ class Sealer:
                 del book.pending[cand.name]
             book.withdrawn_names.pop(cand.name, None)
             book.withdrawn_created.pop(key, None)
+            book.earlier.pop(key, None)
             book.abandoned.pop(cand.name, None)  # saved again since
             self.keeper.add_shard(shard)
             book.view_steps[cand.name] = key

@@ -21,6 +21,7 @@ from tierfs.core.control import JobSpec
 from tierfs.fuse.namespace import Namespace
 from tierfs.node import statefile
 from tierfs.node.jobstate import JobState
+from tierfs.node.resave import EarlierSave
 from tierfs.node.sealing import SealCandidate, SealRules
 from tierfs.node.view import ClientView
 from tierfs.store.manifest import CrcCache
@@ -54,6 +55,8 @@ class StepBook:
         withdrawn_names: entry name -> shard whose seal a write withdrew.
         withdrawn_created: first seal time (Unix seconds) of a withdrawn step,
             kept when it is sealed again.
+        earlier: this node's part of a step -> the parts of an earlier save its next
+            seal replaces (:mod:`tierfs.node.resave`; in memory only).
         abandoned: entry name -> this node's step a restore abandoned (a newer step
             than the one restored): not sealed again at a daemon start, until the
             client saves it again (saved in ``state.json``).
@@ -84,6 +87,7 @@ class StepBook:
         self.pending_at_start: list[SealCandidate] = []
         self.withdrawn_names: dict[str, ShardKey] = {}
         self.withdrawn_created: dict[ShardKey, float] = {}
+        self.earlier: dict[ShardKey, EarlierSave] = {}
         self.abandoned: dict[str, ShardKey] = {}
         self.crc_cache: CrcCache = {}
         self.rules: SealRules | None = None

@@ -139,6 +139,7 @@ class Holdings(PeerHost):
                     whole_digests=whole.digests if whole else (),
                     whole_unloadable=whole.unloadable if whole else "",
                     nodes=s.manifest.nodes,
+                    replaces=s.manifest.replaces,
                 )
             )
         return out

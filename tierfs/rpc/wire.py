@@ -186,6 +186,7 @@ def held_shard(h: Holding) -> peer_pb2.HeldShard:
         whole_digests=list(h.whole_digests),
         whole_unloadable=h.whole_unloadable,
         nodes=h.nodes,
+        replaces=[peer_pb2.PartDigest(step=h.step, rank=r, digest=d) for r, d in h.replaces],
     )
 
 

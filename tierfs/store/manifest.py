@@ -164,6 +164,17 @@ class Manifest:
             restoring job's node count).
         chunk_size: bytes per chunk of :attr:`FileEntry.chunks` (0: the manifest
             carries no per-chunk checksums, e.g. sealed before they existed).
+        replaces: the parts of this step this save replaced, as (node rank,
+            manifest digest) pairs: when the node began writing the step again
+            (its seal withdrawn by a write), its own former part and the other
+            ranks' parts it held then belonged to an earlier save of the step
+            (issue #16 F9: a restore must never combine them with this save's
+            parts). () for a first save. Not part of :attr:`digest`.
+        began: Unix time (seconds, the writer's clock) when the node began the
+            save this part is of by writing a sealed file of the step again; 0.0
+            for a first save.
+        sealed: Unix time (seconds) of this seal (``created`` keeps the first
+            seal's time across saves); 0.0 unknown (sealed before it was recorded).
     """
 
     job: str
@@ -177,6 +188,9 @@ class Manifest:
     verdict: StepVerdict | None = None
     nodes: int = 0
     chunk_size: int = 0
+    replaces: tuple[tuple[int, str], ...] = ()
+    began: float = 0.0
+    sealed: float = 0.0
 
     def chunks_of(self, entry: FileEntry) -> tuple[int, tuple[int, ...]] | None:
         """(chunk size in bytes, crc32c of each chunk) of file ``entry``, or None when
@@ -243,6 +257,13 @@ class Manifest:
             chunks = {f.path: f.chunks for f in self.files if f.chunks is not None}
             if chunks:
                 d["chunks"] = chunks
+        if self.replaces:
+            # a top-level key, which a daemon of before F9 ignores
+            d["replaces"] = [[r, dg] for r, dg in self.replaces]
+        if self.began > 0:
+            d["began"] = self.began
+        if self.sealed > 0:
+            d["sealed"] = self.sealed
         return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -327,6 +348,10 @@ class ManifestDoc(BaseModel):
     chunk_size: int = 0
     #: path -> crc32c of each chunk (files of more than one chunk)
     chunks: dict[StrictStr, list[StrictInt]] = {}
+    #: [node rank, manifest digest] of the parts of an earlier save this one replaced
+    replaces: list[tuple[StrictInt, StrictStr]] = []
+    began: float = 0.0
+    sealed: float = 0.0
 
     def manifest(self) -> Manifest:
         """The :class:`Manifest` (not yet path-checked)."""
@@ -342,6 +367,9 @@ class ManifestDoc(BaseModel):
             verdict=self.verdict.verdict() if self.verdict is not None else None,
             nodes=max(self.nodes, 0),
             chunk_size=max(self.chunk_size, 0),
+            replaces=tuple((int(r), str(d)) for r, d in self.replaces),
+            began=max(self.began, 0.0),
+            sealed=max(self.sealed, 0.0),
         )
 
 

@@ -244,6 +244,8 @@ class ShardStore:
         copied: Iterable[str] = (),
         foreign: Callable[[int], bool] | None = None,
         nodes: int = 0,
+        replaces: Iterable[tuple[int, str]] = (),
+        began: float = 0.0,
     ) -> Shard:
         """Seal: hard-link ``view/<entry>`` for each entry into a new shard and checksum it.
 
@@ -271,6 +273,10 @@ class ShardStore:
                 :mod:`tierfs.node.remote_view`): left out of this node's part.
             nodes: the job's node count, recorded as the step's writer topology
                 (:attr:`tierfs.store.manifest.Manifest.nodes`; 0 unknown).
+            replaces: (node rank, digest) of the parts of an earlier save of the
+                step this one replaces (:attr:`tierfs.store.manifest.Manifest.replaces`).
+            began: when this node began the save (Unix seconds; 0.0 a first save,
+                :attr:`tierfs.store.manifest.Manifest.began`).
 
         Raises:
             SealBusy: a file is still open for writing.
@@ -314,6 +320,9 @@ class ShardStore:
                 backup_requested=backup,
                 nodes=nodes,
                 chunk_size=CHUNK,
+                replaces=tuple(sorted(set(replaces))),
+                began=began,
+                sealed=time.time(),
             )
             if created is not None:
                 manifest = dataclasses.replace(manifest, created=created)

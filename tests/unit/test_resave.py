@@ -1,0 +1,240 @@
+"""Issue #16 F9: one step number saved again in place. Every seal records the parts
+of an earlier save it replaced (tierfs.node.resave), and a restore never combines a
+rank's part of the earlier save with the other ranks' parts of the new one.
+
+Regression (fourth #16 trial, mx_repro.sh): 3 nodes saved step 20 with DCP, saved it
+again in place, and node 2 was lost before its new part was replicated; the 2
+survivors restored step 20 with exit 0 from their new parts and rank 2's old
+replica, and ``dcp.load`` returned a mix of the two saves."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+
+import pytest
+import trio.testing
+from test_node_parts import build, run_with_tasks, seal, write_step
+
+from tierfs.cluster.restore_choice import OLDER, RESTORED, choose_restore, replaced_copies
+from tierfs.core.control import JobSpec
+from tierfs.core.types import BucketPart, BucketView, Holding
+from tierfs.node import resave
+from tierfs.node.resave import EarlierSave, replaced_pairs
+from tierfs.node.sealing import SealCandidate
+from tierfs.store.manifest import FileEntry, Manifest
+from tierfs.store.shards import ShardKey
+
+
+def M(rank: int, tag: str, *, began: float = 0.0, sealed: float = 100.0, **kw: object) -> Manifest:
+    files = (
+        FileEntry("20", "dir", mode=0o755),
+        FileEntry(f"20/__{rank}_0.distcp", "file", 8, 0o644, hash(tag) & 0xFFFF),
+    )
+    return Manifest(
+        "j",
+        rank,
+        20,
+        "20",
+        "generic",
+        files,
+        created=sealed,
+        began=began,
+        sealed=sealed,
+        nodes=3,
+        **kw,
+    )  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- the seal's record
+
+
+def test_a_new_save_replaces_the_own_part_and_the_parts_held_when_it_began():
+    a0, a1, a2 = M(0, "a0"), M(1, "a1"), M(2, "a2")
+    save = EarlierSave()
+    save.withdrawn(a0, [a0, a1, a2], now=100.0 + resave.RESAVE_GAP)
+    assert save.began == 100.0 + resave.RESAVE_GAP and save.cutoff == 100.0
+    assert set(replaced_pairs(save)) == {(0, a0.digest), (1, a1.digest), (2, a2.digest)}
+
+
+def test_a_part_of_the_new_save_that_arrived_early_is_not_replaced():
+    a0, a2 = M(0, "a0"), M(2, "a2")
+    b1 = M(1, "b1", began=111.0, sealed=112.0)  # rank 1 began the new save after a0's seal
+    save = EarlierSave()
+    save.withdrawn(a0, [a2, b1], now=113.0)
+    late_b2 = M(2, "b2", began=111.5, sealed=114.0)  # held at the seal
+    pairs = set(replaced_pairs(save, [late_b2]))
+    assert pairs == {(0, a0.digest), (2, a2.digest)}
+
+
+def test_a_write_soon_after_the_seal_continues_the_save_and_replaces_only_the_own_part():
+    a0, a1 = M(0, "a0", began=50.0, replaces=((1, "old1"),)), M(1, "a1")
+    save = EarlierSave()
+    save.withdrawn(a0, [a1], now=100.0 + resave.RESAVE_GAP / 2)
+    assert save.cutoff == 0.0 and save.began == 50.0  # the save a0 was of goes on
+    # a0 itself and what a0 replaced, never rank 1's part of the same save
+    assert replaced_pairs(save, [a1]) == ((0, a0.digest), (1, "old1"))
+
+
+def test_a_file_added_continues_the_save_and_abandoned_parts_are_replaced():
+    torn = M(0, "torn", began=90.0)
+    old2 = M(2, "abandoned")
+    save = EarlierSave(abandoned=[old2])
+    save.resealed(torn)
+    assert save.began == 90.0
+    assert set(replaced_pairs(save)) == {(0, torn.digest), (2, old2.digest)}
+
+
+def test_the_record_is_bounded():
+    own = M(0, "x", replaces=tuple((r, f"d{r}") for r in range(1000)))
+    save = EarlierSave()
+    save.resealed(own)
+    assert len(replaced_pairs(save)) == resave.MAX_REPLACED
+
+
+def test_the_manifest_carries_the_record_outside_its_digest():
+    m = M(0, "a0", began=12.5, sealed=13.0, replaces=((1, "abc-1"), (2, "def-2")))
+    back = Manifest.from_json(m.to_json())
+    assert (back.replaces, back.began, back.sealed) == (m.replaces, 12.5, 13.0)
+    assert back.digest == dataclasses.replace(m, replaces=(), began=0.0, sealed=0.0).digest
+    assert b"replaces" not in M(0, "a0").to_json()  # a first save writes no key
+
+
+# ---------------------------------------------------------------------- the sealer
+
+
+JOB = JobSpec("j", "generic", 0, 2)
+
+
+def replica(parts, tmp_path: pathlib.Path, rank: int, step: int, data: bytes) -> Manifest:
+    """Rank ``rank``'s part of ``step`` held here as a replica (snapshotted from a
+    directory beside the view)."""
+    src = tmp_path / f"src{rank}-{len(data)}"
+    (src / str(step)).mkdir(parents=True)
+    (src / str(step) / f"__{rank}_0.distcp").write_bytes(data)
+    shard = parts.shards.snapshot(
+        str(src), ShardKey("j", rank, step), str(step), (str(step),), "generic", nodes=2
+    )
+    parts.catalog.add(shard)
+    return shard.manifest
+
+
+def test_a_step_saved_again_in_place_records_the_earlier_save_it_replaced(tmp_path, monkeypatch):
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    path = write_step(parts, 20)
+    seal(parts, 20)
+    key = ShardKey("j", 0, 20)
+    a0 = parts.catalog[key].manifest
+    assert a0.replaces == () and a0.began == 0.0 and a0.sealed > 0
+    a1 = replica(parts, tmp_path, 1, 20, b"rank 1, first save")
+    monkeypatch.setattr(resave, "RESAVE_GAP", 0.0)  # the next save, a training interval later
+    parts.agent.intake.write_opening(os.stat(path).st_ino)
+    pathlib.Path(path).write_bytes(b"rank 0, second save")
+
+    async def body() -> None:
+        parts.agent.sealer.retry_pending("20")
+        await trio.testing.wait_all_tasks_blocked()
+
+    run_with_tasks(parts, body)
+    b0 = parts.catalog[key].manifest
+    assert b0.digest != a0.digest
+    assert set(b0.replaces) == {(0, a0.digest), (1, a1.digest)}
+    assert b0.began >= a0.sealed and parts.agent.book.earlier == {}
+    # a file added to the step right after: the same save goes on (rank 1's new part,
+    # arrived meanwhile, is not replaced)
+    monkeypatch.setattr(resave, "RESAVE_GAP", 3600.0)
+    b1 = replica(parts, tmp_path, 1, 20, b"rank 1, second save, longer")
+    assert b1.digest != a1.digest
+    (pathlib.Path(path).parent / "extra.bin").write_bytes(b"added")
+
+    async def added() -> None:  # what the intake schedules for a file added to a sealed step
+        parts.agent.sealer.schedule(SealCandidate(20, "20", ("20",), "changed after seal"))
+        await trio.testing.wait_all_tasks_blocked()
+
+    run_with_tasks(parts, added)
+    final = parts.catalog[key].manifest
+    assert any(f.path == "20/extra.bin" for f in final.files)
+    assert (0, b0.digest) in final.replaces and (1, a1.digest) in final.replaces
+    assert (1, b1.digest) not in final.replaces
+    assert final.began == b0.began
+
+
+# ---------------------------------------------------------------------- the restore
+
+
+def H(rank: int, step: int, digest: str, replaces: tuple[tuple[int, str], ...] = ()) -> Holding:
+    return Holding(rank, step, True, digest, created=float(step), nodes=3, replaces=replaces)
+
+
+NEW = ((0, "a0"), (1, "a1"), (2, "a2"))
+
+
+def survivors() -> dict[int, list[Holding]]:
+    """mx_repro.sh after node 2 was lost: step 10 complete; step 20 saved twice, the
+    survivors hold their new parts (b0, b1) and rank 2's first-save replica (a2)."""
+    inv: dict[int, list[Holding]] = {0: [], 1: []}
+    for node in (0, 1):
+        inv[node] += [H(r, 10, f"s10-{r}") for r in range(3)]
+    inv[0] += [H(0, 20, "b0", NEW), H(1, 20, "b1", NEW), H(2, 20, "a2")]
+    inv[1] += [H(1, 20, "b1", NEW), H(0, 20, "b0", NEW)]
+    return inv
+
+
+def test_a_lost_ranks_part_of_the_earlier_save_is_never_combined_with_the_new_one():
+    c = choose_restore(2, survivors())
+    assert (c.step, c.outcome, c.writers) == (10, OLDER, 3), c
+    assert c.problems[0] == (
+        "step 20 lacks rank(s) [2] (rank(s) [2]: only a part of an earlier save of step "
+        "20 is left; the step was saved again, and no node or backup round holds the new "
+        "save's part) (written by 3 nodes; this job has 2)"
+    )
+    # the same inventory from daemons of before the record: the mix (what F9 was)
+    old = {n: [dataclasses.replace(h, replaces=()) for h in hs] for n, hs in survivors().items()}
+    assert choose_restore(2, old).step == 20
+
+
+def test_a_rank_that_saved_identical_bytes_again_is_not_an_earlier_save():
+    inv = survivors()
+    inv[2] = [H(2, 20, "a2", ((2, "a2"), (0, "a0"), (1, "a1")))]  # node 2 kept: same bytes
+    c = choose_restore(3, inv)
+    assert (c.step, c.outcome, c.digests) == (20, RESTORED, {0: "b0", 1: "b1", 2: "a2"}), c
+    assert replaced_copies(3, [h for hs in inv.values() for h in hs])[(20, 3)] == {
+        (0, "a0"),
+        (1, "a1"),
+    }
+
+
+def test_the_new_saves_part_of_the_lost_rank_in_a_round_completes_the_step():
+    # a round of the new save (rank 1's upload failed): linked to the RAM parts by b0
+    parts = tuple(
+        BucketPart("2026-12-05_01-30", r, 20, f"b{r}", nodes=3, replaces=NEW) for r in (0, 2)
+    )
+    c = choose_restore(2, survivors(), bucket=BucketView(parts=parts))
+    assert (c.step, c.outcome, c.digests[2]) == (20, RESTORED, "b2"), c
+
+
+def test_a_whole_round_of_the_earlier_save_is_not_restored_as_the_step():
+    """Every RAM tier lost: the first save's round is whole, the second save's round
+    was cut off without rank 2. Before: the first save of step 20 came back with exit 0
+    (the newer save never mentioned)."""
+    r1, r2 = "2026-12-05_01-00", "2026-12-05_01-10"
+    parts = tuple(
+        [BucketPart(r1, r, 10, f"s10-{r}", nodes=3) for r in range(3)]
+        + [BucketPart(r1, r, 20, f"a{r}", nodes=3) for r in range(3)]
+        + [BucketPart(r2, r, 20, f"b{r}", nodes=3, replaces=NEW) for r in (0, 1)]
+    )
+    c = choose_restore(3, {}, bucket=BucketView(parts=parts))
+    assert (c.step, c.outcome) == (10, OLDER), c
+    assert "(rank(s) [2]: only a part of an earlier save of step 20 is left" in c.problems[0]
+
+
+@pytest.mark.parametrize("nodes", [3, 4])
+def test_a_save_by_another_node_count_does_not_replace_parts(nodes):
+    """The record applies within one save's node count: a 4-node save of step 20 is
+    judged alone (F3 orders the two saves)."""
+    inv = {0: [H(r, 20, f"a{r}") for r in range(3)]}
+    inv[0].append(dataclasses.replace(H(0, 20, "x0", NEW), nodes=4))
+    c = choose_restore(nodes, inv)
+    assert c.step == 20 and c.writers == 3

@@ -1,0 +1,115 @@
+"""Which parts of an earlier save a new save of the same step replaces (pure; issue #16 F9).
+
+A job may save one step number again in place (DCP ``dcp.save`` into the
+same directory after a restore, a loop that overwrites a step). Parts of one
+step number at one node count then come from different saves, and nothing in
+their bytes says which save a part belongs to: a node lost before its new part
+was replicated leaves only its *old* part, and a restore combining it with the
+survivors' new parts returns a mix of two saves (the fourth #16 trial's F9:
+exit 0, ``dcp.load`` returned rank 2's values of the first save).
+
+So every seal records what it replaced
+(:attr:`tierfs.store.manifest.Manifest.replaces`):
+
+* the node's own former part of the step (always: those bytes are gone from
+  the client's view), and what that part replaced in turn;
+* when the seal was withdrawn by a write into a file sealed at least
+  :data:`RESAVE_GAP` seconds before (the node began *another save*, not a
+  late write of the same save), the other ranks' parts of the step it held
+  then and holds at the seal, except those whose writer began its save after
+  this node's former part was sealed (a part of the new save that arrived
+  early);
+* the parts a restore abandoned (a save of the step in the new history
+  replaces them).
+
+The restore (:mod:`tierfs.cluster.restore_choice`) never uses a copy some
+part of the same step lists as replaced, unless a copy of those very bytes
+lists them itself (the rank saved identical bytes again). Only written files
+withdraw a seal: a file added to a sealed step (DCP's ``.metadata`` renamed
+in after the data files) seals again without starting a new save.
+
+Clocks: :attr:`Manifest.began` is the writer's clock and is compared with
+this node's seal times; the margin is a training interval (two saves of a
+step are :data:`RESAVE_GAP` or more apart), far above the skew of NTP clocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from tierfs.store.manifest import Manifest
+
+__all__ = ["MAX_REPLACED", "RESAVE_GAP", "EarlierSave", "replaced_pairs"]
+
+#: seconds after its seal from which a write into a sealed part begins another save
+#: of the step (earlier: a late write of the same save, e.g. a file rewritten)
+RESAVE_GAP = 10.0
+#: at most this many (rank, digest) pairs a manifest records as replaced
+MAX_REPLACED = 256
+
+
+def sealed_at(m: Manifest) -> float:
+    """When ``m`` was sealed (Unix seconds): its ``sealed``, else its ``created``."""
+    return m.sealed or m.created
+
+
+@dataclass
+class EarlierSave:
+    """What the next seal of one of this node's parts replaces.
+
+    Attributes:
+        began: when this node began the save being sealed (Unix seconds; 0.0: a
+            first save, or unknown).
+        cutoff: the seal time of the own part a new save withdrew (Unix seconds):
+            held parts of other ranks whose save began after it are of the new
+            save; 0.0: record no held parts (no new save began).
+        own: this node's former parts of the step (withdrawn or sealed again).
+        held: other ranks' parts of the step held when the new save began.
+        abandoned: parts of the step a restore abandoned.
+    """
+
+    began: float = 0.0
+    cutoff: float = 0.0
+    own: list[Manifest] = field(default_factory=list)
+    held: list[Manifest] = field(default_factory=list)
+    abandoned: list[Manifest] = field(default_factory=list)
+
+    def withdrawn(self, own: Manifest, held: Iterable[Manifest], now: float) -> None:
+        """A write withdrew this node's part ``own`` at ``now`` (Unix seconds);
+        ``held``: the other ranks' parts of the step (same node count) held here."""
+        self.own.append(own)
+        if now - sealed_at(own) >= RESAVE_GAP:
+            self.began = self.began or now
+            self.cutoff = max(self.cutoff, sealed_at(own))
+            self.held.extend(m for m in held if m.rank != own.rank)
+        else:
+            self.began = self.began or own.began
+
+    def resealed(self, own: Manifest) -> None:
+        """This node's part ``own`` is sealed again without a withdraw (a file added):
+        the same save goes on."""
+        self.own.append(own)
+        self.began = self.began or own.began
+
+
+def replaced_pairs(
+    save: EarlierSave, held_now: Iterable[Manifest] = ()
+) -> tuple[tuple[int, str], ...]:
+    """The (node rank, manifest digest) pairs the next seal records as replaced (see
+    the module doc): ``held_now`` are the other ranks' parts of the step held at the
+    seal. At most :data:`MAX_REPLACED`, the most recent first. Reads every file entry
+    of the manifests (their digests): call it from a worker thread for large ones."""
+    out: dict[tuple[int, str], None] = {}
+    for m in reversed(save.own):
+        out.setdefault((m.rank, m.digest), None)
+    if save.cutoff > 0:
+        for m in [*save.held, *held_now]:
+            if m.began <= save.cutoff:
+                out.setdefault((m.rank, m.digest), None)
+    for m in save.abandoned:
+        out.setdefault((m.rank, m.digest), None)
+    for m in reversed(save.own):
+        for pair in m.replaces:
+            out.setdefault(pair, None)
+    return tuple(list(out)[:MAX_REPLACED])
