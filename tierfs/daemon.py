@@ -396,6 +396,7 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         foreign=remote.is_remote,
         whole_view=remote.status,
     )
+    remote.new_save = agent.book.new_save  # the view's opens wait for a new save (F1)
     return NodeParts(
         shards,
         catalog,

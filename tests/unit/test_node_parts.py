@@ -163,6 +163,48 @@ def test_a_step_saved_again_in_place_seals_again_at_its_marker_not_at_its_first_
     assert files["10/data.bin"].size == len(b"new data")
 
 
+def test_a_dcp_save_in_place_that_removes_the_old_metadata_first_waits_for_the_new_one(
+    tmp_path,
+):
+    """Regression (#16 F1 replay): DCP's ``FileSystemWriter(overwrite=True)`` removes the
+    old ``.metadata`` before it writes. Rank 0's part then had no marker in its
+    directory and was sealed at once without one (or with ``.metadata.tmp``); the other
+    nodes showed that torn part and ``dcp.load`` failed with "metadata is None". And a
+    change event arriving while the marker's seal ran replaced its candidate: the seal
+    gave up and the re-seal waited out the 30 s grace, the old part shown meanwhile."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    data = write_step(parts, 10)
+    marker = pathlib.Path(data).parent / ".metadata"
+    marker.write_bytes(b"old metadata")
+    seal(parts, 10)
+    key = ShardKey("j", 0, 10)
+    marker.unlink()  # set_up_storage_writer: rm_file(.metadata)
+    parts.agent.intake.write_opening(os.stat(data).st_ino)
+    pathlib.Path(data).write_bytes(b"new data")
+    book, sealer, intake = parts.agent.book, parts.agent.sealer, parts.agent.intake
+
+    async def body() -> None:
+        sealer.retry_pending("10")  # the data file's writer closed
+        await trio.testing.wait_all_tasks_blocked()
+        assert key not in parts.catalog  # not sealed without its marker
+        tmp = marker.with_name(".metadata.tmp")
+        tmp.write_bytes(b"new metadata")
+        os.rename(tmp, marker)
+        assert book.rules is not None
+        cand = book.rules.on_rename("10/.metadata.tmp", "10/.metadata", False, False, parts.view)
+        assert cand is not None and cand.reason == "marker .metadata"
+        sealer.schedule(cand)
+        await intake.handle(Changed("10/.metadata"))  # while the marker's seal runs
+        assert book.pending["10"] is cand
+
+    run_with_tasks(parts, body)  # ends once the seal is done and no task waits
+    files = {f.path: f for f in parts.catalog[key].manifest.files}
+    assert files["10/.metadata"].size == len(b"new metadata")
+    assert files["10/data.bin"].size == len(b"new data")
+    assert sealer._deferred == {}
+
+
 def test_a_file_changed_by_hand_in_a_step_with_a_marker_is_sealed_after_the_grace(tmp_path):
     parts = build(tmp_path)
     parts.agent.control.set_job(JOB, "generic")

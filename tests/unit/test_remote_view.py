@@ -6,10 +6,12 @@ node's own seal, the sweep at start, the status, and the namespace's read-only r
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -1071,3 +1073,72 @@ def test_a_prefetch_under_way_is_held_while_a_reader_waits_for_another_file(tmp_
 
     trio.run(main)
     assert job.errors == []
+
+
+def test_an_open_waits_for_the_new_save_of_the_other_ranks_after_this_node_began_one(
+    tmp_path, monkeypatch
+):
+    """Regression (#16 fourth trial F1): every rank saved step 10 again in place and,
+    after a barrier, loaded it. This node showed rank 0's earlier part (fetched by an
+    earlier load) and served its old bytes without an error until the coordinator's
+    notice arrived. Now, once this node's write began another save of the step, an
+    open of another rank's file waits for that rank's part of the new save (a part
+    sealed since, or whose save began then); a file replaced meanwhile answers ESTALE
+    (the kernel looks the path up again), a rank silent too long EIO, said."""
+    C2 = os.urandom(len(C))
+    peer = Source("peer", dict(BYTES), ["peer node-rank 0"])
+    rv, ram, shards, catalog, own, job = view_of(tmp_path, dict(PARTS), [peer])
+    shard0 = Path(ram.view) / "10" / "__0_0.distcp"
+    shard2 = Path(ram.view) / "10" / "__2_0.distcp"
+
+    async def main() -> None:
+        await rv.look(own)
+        await rv.missing(shard0.stat().st_ino)()
+        assert shard0.read_bytes() == C  # fetched by an earlier load
+        began = time.time()
+        rv.new_save = lambda step: (began - 30.0, began)
+        catalog.drop(own.key, "a sealed file was opened for writing")  # the save begins
+        union = rv.steps[10]
+        assert union.suspect == {0, 2} and union.own_began == began
+        old_ino = shard0.stat().st_ino
+        wait = rv.opening(old_ino)
+        assert wait is not None  # its bytes are here, but may be of the earlier save
+        # rank 0's node shows the part of the new save; this node's own is sealed again
+        new0 = dataclasses.replace(
+            manifest(0, {".metadata": B, "__0_0.distcp": C2}), began=began + 0.2
+        )
+        rv.manifests = Manifests({**PARTS, 0: new0})
+        peer.files = {**BYTES, "10/__0_0.distcp": C2}
+        (Path(ram.view) / "10" / "__1_0.distcp").write_bytes(A[::-1])
+        own2 = shards.snapshot(
+            ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic", foreign=rv.is_remote
+        )
+        catalog.add(own2)
+        async with trio.open_nursery() as nursery:
+            failed: list[int] = []
+
+            async def opener() -> None:
+                try:
+                    await wait()
+                except OSError as exc:
+                    failed.append(exc.errno or 0)
+
+            nursery.start_soon(opener)
+            await trio.testing.wait_all_tasks_blocked()
+            assert failed == []  # still waiting
+            await rv.look(own2)
+        assert failed == [errno.ESTALE]  # replaced by rank 0's new part
+        assert 0 not in union.suspect and union.parts[0] == new0.digest
+        await rv.missing(shard0.stat().st_ino)()
+        assert shard0.read_bytes() == C2
+        # rank 2's node still shows its part of the earlier save: its opens wait, then
+        # fail with EIO once the wait is over, said in replicator.errors
+        assert union.suspect == {2}
+        union.suspect_until = trio.current_time() + 0.2
+        with pytest.raises(OSError) as exc:
+            await rv.opening(shard2.stat().st_ino)()
+        assert exc.value.errno == errno.EIO
+        assert union.suspect == set()
+        assert any("rank 2 showed no part of the save this node began" in e for e in job.errors)
+
+    trio.run(main)

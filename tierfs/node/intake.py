@@ -260,6 +260,12 @@ class EventIntake:
                 # made retention drop a newer one (regression: a late event of step 1
                 # sealed it again after step 4 and dropped step 3, CI under load)
                 return
+            if top in book.pending:
+                # a candidate is pending already (the marker's, being sealed): it takes
+                # the change; replacing it made its seal give up, and the re-seal then
+                # waited out the marker grace (regression, F1 replay: DCP rank 0's part
+                # saved in place was sealed 30 s late, other nodes showed the old one)
+                return
             book.pending[top] = SealCandidate(
                 key.step, top, self._entries_of(key, top), "changed after seal"
             )

@@ -86,6 +86,7 @@ from tierfs.core.status.whole import WholeStepStatus, WholeViewStatus
 from tierfs.fuse.inodes import proc
 from tierfs.fuse.namespace import Namespace
 from tierfs.node.catalog import ShardCatalog
+from tierfs.node.resave import RESAVE_GAP, sealed_at
 from tierfs.node.union import changed_ranks, union_plan
 from tierfs.node.verified_writer import VerifiedWriter
 from tierfs.store.manifest import FileEntry, Manifest
@@ -102,6 +103,9 @@ UNION_FRAMEWORKS = frozenset({control.GENERIC, "pytorch.distributed"})
 #: seconds between looks while a step just added to the catalog is not in the view yet
 #: (a restore links it in right after), and for how long after its first look
 SOON, SOON_FOR = 0.1, 10.0
+#: seconds an open of a rank's file waits for that rank's part of the save this node
+#: began (F1): past the marker grace a part is sealed (:data:`sealing.MARKER_GRACE`)
+SUSPECT_WAIT = 40.0
 #: bytes read per call when checking fetched bytes
 READ_CHUNK = 1 << 20
 
@@ -186,6 +190,14 @@ class StepUnion:
         resaved: ranks whose part was placed again with other bytes (saved again).
         claimed: this daemon looked for the node's files of an earlier rank in the
             step (:meth:`RemoteView._claim`).
+        suspect: ranks whose placed part may be of an earlier save than the one this
+            node began (F1): an open of their files waits until their node shows a
+            part of that save (or :data:`SUSPECT_WAIT` passes).
+        own_began: when this node began its new save of the step (Unix seconds): a
+            part sealed since, or whose save began at most ``RESAVE_GAP / 2``
+            before, is of that save (:meth:`StepUnion.current`).
+        suspect_until: trio time until which opens wait for the suspect ranks.
+        confirmed: set (and replaced) whenever a suspect rank is confirmed.
     """
 
     step: int
@@ -204,6 +216,21 @@ class StepUnion:
     claimed: bool = False
     #: the paths of ``files`` sorted (read-ahead), None: to sort again
     order: list[str] | None = None
+    suspect: set[int] = field(default_factory=set)
+    own_began: float = 0.0
+    suspect_until: float = 0.0
+    confirmed: trio.Event = field(default_factory=trio.Event)
+
+    def current(self, m: Manifest) -> bool:
+        """True if part ``m`` is of the save this node began (not an earlier one, even
+        one sealed late, e.g. after a marker's grace)."""
+        return sealed_at(m) >= self.own_began or m.began >= self.own_began - RESAVE_GAP / 2
+
+    def confirm(self, rank: int) -> None:
+        """Rank ``rank``'s part is current (or no longer waited for): wake its opens."""
+        self.suspect.discard(rank)
+        self.confirmed.set()
+        self.confirmed = trio.Event()
 
 
 def _mark(rf: RemoteFile) -> bytes:
@@ -376,8 +403,12 @@ class RemoteView:
         #: the coordinator's parts epoch and version last heard (:meth:`parts_reported`)
         self.parts_epoch = ""
         self.parts_version = 0
+        #: (cutoff, began) of a new save of this node's part of a step, else None: set
+        #: by the composition root (:meth:`tierfs.node.steps.StepBook.new_save`)
+        self.new_save: Callable[[int], tuple[float, float] | None] = lambda step: None
         catalog.on_sealed(self._on_sealed)
         catalog.on_added(self._on_added)
+        catalog.on_withdrawn(self._on_withdrawn)
 
     # ------------------------------------------------------------------ the namespace's port
 
@@ -392,10 +423,15 @@ class RemoteView:
     def missing(self, ino: int) -> Callable[[], Awaitable[None]] | None:
         """None if ``ino``'s bytes are here, else the fetch to wait for (FUSE thread,
         which is the trio thread). Either way the next remote file of the step is
-        read ahead (after the fetch, see :meth:`fetch`): ``ino`` is being opened."""
+        read ahead (after the fetch, see :meth:`fetch`): ``ino`` is being opened.
+        A file of a rank whose part may be of an earlier save than this node's
+        (:attr:`StepUnion.suspect`) first waits for that rank's current part."""
         rf = self._by_ino.get(ino)
         if rf is None:
             return None
+        union = self.steps.get(rf.step)
+        if union is not None and rf.rank in union.suspect:
+            return lambda: self._current(union, rf)
         if rf.state == LOCAL:
             self._read_ahead(rf)
             return None
@@ -414,6 +450,9 @@ class RemoteView:
         rf = self._by_ino.get(ino)
         if rf is None or rf.chunks is None or rf.state == LOCAL:
             return self.missing(ino)
+        union = self.steps.get(rf.step)
+        if union is not None and rf.rank in union.suspect:
+            return lambda: self._current(union, rf)
         first = min(rf.size, rf.chunk_size)
         if early_read(rf.size, rf.verified if rf.state == FETCHING else 0) is False:
             # little left: the whole file, then passthrough, but only for a bounded
@@ -423,12 +462,44 @@ class RemoteView:
             if rf.whole_until is None:
                 rf.whole_until = now + settings.EARLY_READ_WAIT.get()
             if now < rf.whole_until:
-                return lambda: self._whole_or_first_chunk(rf, first)
+                until = rf.whole_until
+                return lambda: self._whole_or_first_chunk(rf, first, until)
         if rf.state == FETCHING and rf.verified >= first:
             return None
         return lambda: self.wait_verified(rf, first)
 
-    async def _whole_or_first_chunk(self, rf: RemoteFile, first: int) -> None:
+    async def _current(self, union: StepUnion, rf: RemoteFile) -> None:
+        """Wait until rank ``rf.rank``'s part of the step is known current here (its
+        node shows a part sealed in this node's save of the step, F1), at most until
+        :attr:`StepUnion.suspect_until`. Trio thread; the open is retried after.
+
+        Regression (#16 fourth trial F1): every rank saved a step again in place,
+        then (after a barrier) loaded it; a node holding another rank's earlier part
+        showed its old bytes, and ``dcp.load`` returned the earlier save's values.
+
+        Raises:
+            OSError: ESTALE when the file was replaced by the rank's new part (the
+                kernel looks the path up again and opens the new file); EIO when the
+                rank's node showed no part of this save in time (said in
+                ``replicator.errors``).
+        """
+        self._wake.set()
+        with trio.move_on_at(union.suspect_until):
+            while rf.rank in union.suspect:
+                await union.confirmed.wait()
+        if self._by_ino.get(rf.ino) is not rf:
+            raise OSError(errno.ESTALE, f"{rf.path}: replaced by rank {rf.rank}'s new part")
+        if rf.rank in union.suspect:
+            union.confirm(rf.rank)  # said once; later opens read the part shown
+            why = (
+                f"step {rf.step}: rank {rf.rank} showed no part of the save this node began "
+                f"within {SUSPECT_WAIT:.0f} s; {rf.path} failed (its files here may be of "
+                "an earlier save of the step)"
+            )
+            self.reporter.error(why)
+            raise OSError(errno.EIO, why)
+
+    async def _whole_or_first_chunk(self, rf: RemoteFile, first: int, until: float) -> None:
         """Wait for all of ``rf``'s bytes until :attr:`RemoteFile.whole_until`, then for
         its first ``first`` bytes verified (the open is retried either way). Trio
         thread.
@@ -436,8 +507,12 @@ class RemoteView:
         Raises:
             OSError: as :meth:`fetch` (EIO, ENOSPC, ENOENT).
         """
-        assert rf.whole_until is not None
-        with trio.move_on_at(rf.whole_until):
+        # ``until`` is taken at the open: a fetch that ended meanwhile resets
+        # ``whole_until`` (regression: an assert failed the open with EIO when the
+        # placed file's fetch failed because its rank had saved the step again)
+        if self._by_ino.get(rf.ino) is not rf:
+            raise OSError(errno.ESTALE, f"{rf.path}: replaced by rank {rf.rank}'s new part")
+        with trio.move_on_at(until):
             await self.fetch(rf, urgent=True)
             return
         await self.wait_verified(rf, first)
@@ -548,6 +623,24 @@ class RemoteView:
     # ------------------------------------------------------------------ finding the parts
 
     def _on_sealed(self, shard: Shard) -> None:
+        self._wake.set()
+
+    def _on_withdrawn(self, key: ShardKey) -> None:
+        """A shard left the catalog (FUSE/trio thread): when a write withdrew this
+        node's own part to begin another save of the step (:mod:`tierfs.node.resave`),
+        the other ranks' parts shown may be of the earlier save until their nodes
+        show their new parts: opens of their files wait (F1)."""
+        job = self.current.job
+        union = self.steps.get(key.step)
+        if job is None or union is None or key.job != job.name or key.rank != job.node_rank:
+            return
+        save = self.new_save(key.step)
+        if save is None:
+            return
+        union.own_began = save[1]
+        union.suspect = {r for r in union.parts if r != job.node_rank}
+        union.suspect_until = trio.current_time() + SUSPECT_WAIT
+        union.recheck |= union.suspect
         self._wake.set()
 
     def wake(self) -> None:
@@ -752,6 +845,10 @@ class RemoteView:
             # may be new too), or this daemon knows the placed parts only from their
             # marks (a restart): every rank is asked again, changed files replaced
             placed, union.parts = dict(union.parts), {}
+        if union.suspect and trio.current_time() > union.suspect_until:
+            for rank in list(union.suspect):
+                union.confirm(rank)  # waited long enough (the opens said so)
+        union.recheck |= union.suspect
         for rank in union.recheck:
             if rank in union.parts:
                 placed[rank] = union.parts.pop(rank)
@@ -765,6 +862,7 @@ class RemoteView:
                 placed.setdefault(rank, union.parts.pop(rank, digest))
         union.own_digest = own_digest
         found: dict[int, Manifest] = {}
+        current: list[int] = []
         waiting = False
         for rank in range(writers):
             if (own is not None and rank == job.node_rank) or rank in union.parts:
@@ -774,6 +872,8 @@ class RemoteView:
             want = union.wanted.get(rank)
             if manifest is not None and want and manifest.digest != want:
                 manifest = None  # an older replica than the part its node reported
+            if manifest is not None and rank in union.suspect and not union.current(manifest):
+                manifest = None  # a replica of the earlier save: its node is asked
             if manifest is None and self.manifests is not None:
                 manifest = await self.manifests.part_manifest(job.name, rank, step, writers=writers)
                 if manifest is None and held is not None:
@@ -789,6 +889,12 @@ class RemoteView:
             if manifest is None:
                 waiting = trio.current_time() - union.first_look < self.patience
                 continue
+            if rank in union.suspect:
+                if union.current(manifest):
+                    current.append(rank)  # confirmed once its files are placed
+                else:
+                    waiting = True  # its node shows the earlier save still: soon again
+                    self._soon = True
             found[rank] = manifest
             union.wanted.pop(rank, None)
         stale = {r: m for r, m in found.items() if r in placed}
@@ -823,6 +929,9 @@ class RemoteView:
         adoptable = self._adoptable(job.name, union)
         if adoptable:
             await trio.to_thread.run_sync(self._adopt, union, adoptable)
+        for rank in current:
+            if rank not in union.recheck:  # an old file kept open: confirmed when replaced
+                union.confirm(rank)
         return waiting
 
     def _claim(self, job: str, own_rank: int, union: StepUnion) -> dict[int, str]:

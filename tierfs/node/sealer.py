@@ -28,7 +28,14 @@ from tierfs.core.config import NodeConfig
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.jobstate import JobState
 from tierfs.node.resave import EarlierSave, replaced_pairs
-from tierfs.node.sealing import MARKER_GRACE, TRACKERS, SealCandidate
+from tierfs.node.sealing import (
+    MARKER_FILES,
+    MARKER_GRACE,
+    RESEAL_REASONS,
+    TRACKERS,
+    SealCandidate,
+    SealRules,
+)
 from tierfs.node.steps import StepBook, top_of
 from tierfs.node.tasks import TaskSpawner
 from tierfs.node.view import ClientView
@@ -130,7 +137,9 @@ class Sealer:
             del self._deferred[cand.name]
             waiting[1].set()  # replaced (the marker's seal): its task ends now
         rules = self.book.rules
-        if rules is not None and rules.awaits_marker(cand, self.view):
+        if rules is not None and (
+            rules.awaits_marker(cand, self.view) or self._had_marker(rules, cand)
+        ):
             until = trio.current_time() + self.marker_grace
             self._deferred[cand.name] = (cand, trio.Event())
             log.info(
@@ -143,6 +152,26 @@ class Sealer:
             self.tasks.spawn(self._seal_after, cand, until)
             return
         self.tasks.spawn(self._seal, cand)
+
+    def _had_marker(self, rules: SealRules, cand: SealCandidate) -> bool:
+        """A re-seal of a step whose former own part (sealed, or withdrawn by the write)
+        held a marker file the client removed meanwhile: it waits for the marker too.
+
+        Regression (#16, F1 replay): DCP saving in place with ``overwrite=True`` first
+        removes the old ``.metadata``; rank 0's part was then sealed at once without
+        one (or with ``.metadata.tmp``) and the other nodes showed that torn part:
+        ``dcp.load`` failed with "metadata is None" for up to 30 s."""
+        if cand.reason not in RESEAL_REASONS or rules.framework != "generic":
+            return False
+        job = self.state.job
+        if job is None:
+            return False
+        key = ShardKey(job.name, job.node_rank, cand.step)
+        former = [s.manifest for s in (self.catalog.get(key),) if s is not None]
+        earlier = self.book.earlier.get(key)
+        former += earlier.own if earlier is not None else []
+        markers = {f"{cand.name}/{m}" for m in MARKER_FILES}
+        return any(f.path in markers for m in former for f in m.files)
 
     async def _seal_after(self, cand: SealCandidate, until: float) -> None:
         waiting = self._deferred.get(cand.name)

@@ -92,6 +92,18 @@ class StepBook:
         self.crc_cache: CrcCache = {}
         self.rules: SealRules | None = None
 
+    def new_save(self, step: int) -> tuple[float, float] | None:
+        """(cutoff, began) when a write began another save of this node's part of
+        ``step`` and it is not sealed yet (:class:`tierfs.node.resave.EarlierSave`:
+        the former part's seal time and the save's start, Unix seconds), else None."""
+        job = self.state.job
+        if job is None:
+            return None
+        earlier = self.earlier.get(ShardKey(job.name, job.node_rank, step))
+        if earlier is None or earlier.cutoff <= 0:
+            return None
+        return earlier.cutoff, earlier.began
+
     def names_of(self, key: ShardKey) -> list[str]:
         """The view entry names that are the step ``key`` (usually one)."""
         return [n for n, k in self.view_steps.items() if k == key]

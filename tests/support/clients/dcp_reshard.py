@@ -2,7 +2,7 @@
 gloo, where the world size may differ between save and load (resharding, as an elastic
 job restarted on fewer or more nodes does; no tierfs-specific code).
 
-Usage: dcp_reshard.py save|load RANK WORLD PORT ROOT STEP
+Usage: dcp_reshard.py save|load|saveload RANK WORLD PORT ROOT STEP
 
 The state: ``model.weight`` (250x512, 500 KiB) and ``model.bias`` (250,), both derived
 from STEP (and ``$DCP_RESHARD_SEED``, default 0) only and sharded on dim 0 as DTensors
@@ -12,6 +12,7 @@ plus a replicated ``step`` tensor. ``save`` writes ``ROOT/checkpoint-STEP/`` wit
 current WORLD with ``dcp.load`` from the same path, checks this rank's local shards
 against the same rows of the full tensors and the step, and prints ``LOADED_OK`` (a
 failed load or a wrong value prints ``LOAD_FAILED <type> <why>`` and exits 3).
+``saveload`` saves, waits for every rank (``dist.barrier``) and loads at once.
 """
 
 import os
@@ -54,10 +55,12 @@ def main() -> None:
     try:
         mesh = init_device_mesh("cpu", (world,))
         full = full_state(step)
-        if mode == "save":
+        if mode in ("save", "saveload"):
             dcp.save({**sharded(full, mesh), "step": torch.tensor(step)}, checkpoint_id=path)
             print("SAVED", flush=True)
-            return
+            if mode == "save":
+                return
+            dist.barrier()
         shards = sharded({k: torch.zeros_like(v) for k, v in full.items()}, mesh)
         target: dict[str, torch.Tensor] = {**shards, "step": torch.tensor(-1)}
         try:
