@@ -126,18 +126,24 @@ def test_a_write_into_a_sealed_file_withdraws_the_seal_and_reseals_with_its_firs
     assert book.withdrawn_names == {} and book.withdrawn_created == {}
 
 
-def test_a_step_saved_again_in_place_seals_again_at_its_marker_not_at_its_first_file(tmp_path):
-    """Regression (replay of the #16 trial, DCP saved again in place): rank 0's part was
-    sealed after ``__0_0.distcp`` was rewritten, with the old ``.metadata`` in it, and
-    again 40 ms later after the new ``.metadata``; a backup round took the first seal
-    and its upload was stopped by the second. The re-seal now waits for the marker."""
+def sealed_with_metadata(tmp_path: pathlib.Path) -> tuple[NodeParts, str, pathlib.Path, ShardKey]:
+    """A generic job's step 10 sealed with ``data.bin`` and DCP rank 0's ``.metadata``:
+    (the parts, the data file's path, the marker's path, the part's key)."""
     parts = build(tmp_path)
     parts.agent.control.set_job(JOB, "generic")
     data = write_step(parts, 10)
     marker = pathlib.Path(data).parent / ".metadata"
     marker.write_bytes(b"old metadata")
     seal(parts, 10)
-    key = ShardKey("j", 0, 10)
+    return parts, data, marker, ShardKey("j", 0, 10)
+
+
+def test_a_step_saved_again_in_place_seals_again_at_its_marker_not_at_its_first_file(tmp_path):
+    """Regression (replay of the #16 trial, DCP saved again in place): rank 0's part was
+    sealed after ``__0_0.distcp`` was rewritten, with the old ``.metadata`` in it, and
+    again 40 ms later after the new ``.metadata``; a backup round took the first seal
+    and its upload was stopped by the second. The re-seal now waits for the marker."""
+    parts, data, marker, key = sealed_with_metadata(tmp_path)
     assert {f.path for f in parts.catalog[key].manifest.files} >= {"10/.metadata", "10/data.bin"}
     parts.agent.intake.write_opening(os.stat(data).st_ino)
     pathlib.Path(data).write_bytes(b"new data")
@@ -172,13 +178,7 @@ def test_a_dcp_save_in_place_that_removes_the_old_metadata_first_waits_for_the_n
     nodes showed that torn part and ``dcp.load`` failed with "metadata is None". And a
     change event arriving while the marker's seal ran replaced its candidate: the seal
     gave up and the re-seal waited out the 30 s grace, the old part shown meanwhile."""
-    parts = build(tmp_path)
-    parts.agent.control.set_job(JOB, "generic")
-    data = write_step(parts, 10)
-    marker = pathlib.Path(data).parent / ".metadata"
-    marker.write_bytes(b"old metadata")
-    seal(parts, 10)
-    key = ShardKey("j", 0, 10)
+    parts, data, marker, key = sealed_with_metadata(tmp_path)
     marker.unlink()  # set_up_storage_writer: rm_file(.metadata)
     parts.agent.intake.write_opening(os.stat(data).st_ino)
     pathlib.Path(data).write_bytes(b"new data")

@@ -20,6 +20,7 @@ import trio
 from tierfs.core.control import JobSpec
 from tierfs.core.ports import Reporter, SealedListener, WithdrawnListener
 from tierfs.core.types import WholeVerdict
+from tierfs.store.manifest import Manifest
 from tierfs.store.shards import Shard, ShardKey, ShardStore
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,15 @@ class ShardCatalog(Mapping[ShardKey, Shard]):
     def shards_of(self, job: str) -> list[Shard]:
         """Every shard of ``job`` held here (own and replicas)."""
         return [s for k, s in self._held.items() if k.job == job]
+
+    def step_manifests(self, job: str, step: int, nodes: int) -> list[Manifest]:
+        """The manifests of every rank's part of ``step`` held here (own and replicas)
+        written by ``nodes`` nodes (its :attr:`Manifest.nodes`). O(catalog)."""
+        return [
+            s.manifest
+            for k, s in self._held.items()
+            if k.job == job and k.step == step and s.manifest.nodes == nodes
+        ]
 
     def age(self, key: ShardKey) -> tuple[float, int]:
         """Recency of a shard for retention: (seal time, step); larger is newer."""

@@ -119,11 +119,7 @@ class ShardKeeper:
         shard = self.catalog.get(key)
         if shard is not None:
             self.book.withdrawn_created[key] = shard.manifest.created
-            held = [
-                s.manifest
-                for s in self.catalog.shards_of(key.job)
-                if s.key.step == key.step and s.manifest.nodes == shard.manifest.nodes
-            ]
+            held = self.catalog.step_manifests(key.job, key.step, shard.manifest.nodes)
             earlier = self.book.earlier.setdefault(key, EarlierSave())
             earlier.withdrawn(shard.manifest, held, time.time())
         self.drop_shard(key, reason)

@@ -97,15 +97,17 @@ def replaced_pairs(
     save: EarlierSave, held_now: Iterable[Manifest] = ()
 ) -> tuple[tuple[int, str], ...]:
     """The (node rank, manifest digest) pairs the next seal records as replaced (see
-    the module doc): ``held_now`` are the other ranks' parts of the step held at the
-    seal. At most :data:`MAX_REPLACED`, the most recent first. Reads every file entry
-    of the manifests (their digests): call it from a worker thread for large ones."""
+    the module doc): ``held_now`` are the parts of the step held at the seal (this
+    node's own rank among them is left out). At most :data:`MAX_REPLACED`, the most
+    recent first. Reads every file entry of the manifests (their digests): call it
+    from a worker thread for large ones."""
     out: dict[tuple[int, str], None] = {}
     for m in reversed(save.own):
         out.setdefault((m.rank, m.digest), None)
+    own_ranks = {m.rank for m in save.own}
     if save.cutoff > 0:
         for m in [*save.held, *held_now]:
-            if m.began <= save.cutoff:
+            if m.rank not in own_ranks and m.began <= save.cutoff:
                 out.setdefault((m.rank, m.digest), None)
     for m in save.abandoned:
         out.setdefault((m.rank, m.digest), None)

@@ -28,14 +28,7 @@ from tierfs.core.config import NodeConfig
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.jobstate import JobState
 from tierfs.node.resave import EarlierSave, replaced_pairs
-from tierfs.node.sealing import (
-    MARKER_FILES,
-    MARKER_GRACE,
-    RESEAL_REASONS,
-    TRACKERS,
-    SealCandidate,
-    SealRules,
-)
+from tierfs.node.sealing import MARKER_GRACE, TRACKERS, SealCandidate
 from tierfs.node.steps import StepBook, top_of
 from tierfs.node.tasks import TaskSpawner
 from tierfs.node.view import ClientView
@@ -137,8 +130,8 @@ class Sealer:
             del self._deferred[cand.name]
             waiting[1].set()  # replaced (the marker's seal): its task ends now
         rules = self.book.rules
-        if rules is not None and (
-            rules.awaits_marker(cand, self.view) or self._had_marker(rules, cand)
+        if rules is not None and rules.awaits_marker(
+            cand, self.view, lambda: self._former_files(cand.step)
         ):
             until = trio.current_time() + self.marker_grace
             self._deferred[cand.name] = (cand, trio.Event())
@@ -153,25 +146,18 @@ class Sealer:
             return
         self.tasks.spawn(self._seal, cand)
 
-    def _had_marker(self, rules: SealRules, cand: SealCandidate) -> bool:
-        """A re-seal of a step whose former own part (sealed, or withdrawn by the write)
-        held a marker file the client removed meanwhile: it waits for the marker too.
-
-        Regression (#16, F1 replay): DCP saving in place with ``overwrite=True`` first
-        removes the old ``.metadata``; rank 0's part was then sealed at once without
-        one (or with ``.metadata.tmp``) and the other nodes showed that torn part:
-        ``dcp.load`` failed with "metadata is None" for up to 30 s."""
-        if cand.reason not in RESEAL_REASONS or rules.framework != "generic":
-            return False
+    def _former_files(self, step: int) -> list[str]:
+        """The file paths of this node's former parts of ``step``: the one sealed, and
+        those a write withdrew (:attr:`tierfs.node.steps.StepBook.earlier`)."""
         job = self.state.job
         if job is None:
-            return False
-        key = ShardKey(job.name, job.node_rank, cand.step)
-        former = [s.manifest for s in (self.catalog.get(key),) if s is not None]
+            return []
+        key = ShardKey(job.name, job.node_rank, step)
+        held = self.catalog.get(key)
+        former = [held.manifest] if held is not None else []
         earlier = self.book.earlier.get(key)
         former += earlier.own if earlier is not None else []
-        markers = {f"{cand.name}/{m}" for m in MARKER_FILES}
-        return any(f.path in markers for m in former for f in m.files)
+        return [f.path for m in former for f in m.files]
 
     async def _seal_after(self, cand: SealCandidate, until: float) -> None:
         waiting = self._deferred.get(cand.name)
@@ -223,15 +209,7 @@ class Sealer:
             if former is not None and key not in book.earlier:
                 earlier.resealed(former.manifest)  # a file added: the same save goes on
             held_now = (
-                [
-                    s.manifest
-                    for s in self.catalog.shards_of(key.job)
-                    if s.key.step == key.step
-                    and s.key.rank != key.rank
-                    and s.manifest.nodes == job.nodes
-                ]
-                if earlier.cutoff
-                else []
+                self.catalog.step_manifests(key.job, key.step, job.nodes) if earlier.cutoff else []
             )
 
             def work() -> Shard:

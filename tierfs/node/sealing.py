@@ -35,7 +35,7 @@ never match, because every rule is anchored on a final name.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -200,7 +200,12 @@ class SealRules:
                 return SealCandidate(step, top, (top,), f"DCP part {rest} (no rank 0 here)")
         return None
 
-    def awaits_marker(self, cand: SealCandidate, view: ViewProbe) -> bool:
+    def awaits_marker(
+        self,
+        cand: SealCandidate,
+        view: ViewProbe,
+        former: Callable[[], Iterable[str]] = lambda: (),
+    ) -> bool:
         """A re-seal (:data:`RESEAL_REASONS`) of ``cand`` should wait up to
         :data:`MARKER_GRACE` seconds: its directory holds a marker file of this node's
         own (generic mode: DCP rank 0's ``.metadata``, ``commit_success.txt``,
@@ -212,6 +217,13 @@ class SealRules:
         40 ms later; the backup round took the first seal and its upload was stopped
         by the second). A file changed by hand without its marker is sealed once the
         grace has passed.
+
+        ``former``: gives the file paths of this node's former part of the step
+        (sealed, or withdrawn by the write; called only for a re-seal). A marker it
+        held counts even when the client removed it (regression, #16 F1 replay:
+        DCP's ``overwrite=True`` removes the old ``.metadata`` first; rank 0's part
+        was sealed at once without one, or with ``.metadata.tmp``, and other nodes'
+        ``dcp.load`` failed "metadata is None").
         """
         if self.framework != "generic" or cand.reason not in RESEAL_REASONS:
             return False
@@ -219,6 +231,8 @@ class SealRules:
         if not view.is_dir(top):
             return False
         markers = [f"{top}/{m}" for m in sorted(MARKER_FILES)]
+        if not set(markers).isdisjoint(former()):
+            return True
         return any(view.exists(p) and not view.is_other_rank(p) for p in markers)
 
     @staticmethod
