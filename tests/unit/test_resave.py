@@ -10,6 +10,7 @@ replica, and ``dcp.load`` returned a mix of the two saves."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 
@@ -20,7 +21,7 @@ from test_node_parts import build, run_with_tasks, seal, write_step
 from tierfs.cluster.restore_choice import OLDER, RESTORED, choose_restore, replaced_copies
 from tierfs.core.control import JobSpec
 from tierfs.core.types import BucketPart, BucketView, Holding
-from tierfs.node import resave
+from tierfs.node import resave, statefile
 from tierfs.node.resave import EarlierSave, replaced_pairs
 from tierfs.node.sealing import SealCandidate
 from tierfs.store.manifest import FileEntry, Manifest
@@ -238,3 +239,68 @@ def test_a_save_by_another_node_count_does_not_replace_parts(nodes):
     inv[0].append(dataclasses.replace(H(0, 20, "x0", NEW), nodes=4))
     c = choose_restore(nodes, inv)
     assert c.step == 20 and c.writers == 3
+
+
+def test_a_daemon_restarted_before_the_reseal_still_records_the_earlier_save(tmp_path, monkeypatch):
+    """The record survives a daemon restart between the write that began the new save
+    and its seal (``state.json``). Before, the restarted daemon knew nothing of the
+    withdraw: the step counted as one retention had dropped and was never sealed
+    again (not replicated, not backed up), and a seal would have recorded nothing."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    path = write_step(parts, 20)
+    marker = pathlib.Path(path).parent / "commit_success.txt"
+    marker.write_bytes(b"ok")
+    seal(parts, 20)
+    key = ShardKey("j", 0, 20)
+    a0 = parts.catalog[key].manifest
+    a1 = replica(parts, tmp_path, 1, 20, b"rank 1, first save")
+    monkeypatch.setattr(resave, "RESAVE_GAP", 0.0)
+    parts.agent.intake.write_opening(os.stat(path).st_ino)
+    pathlib.Path(path).write_bytes(b"rank 0, second save")
+    marker.unlink()  # the client removes its marker first (DCP's .metadata, overwrite=True)
+
+    async def events() -> None:  # the Withdrawn event reaches the trio thread
+        parts.agent.intake.close()
+        await parts.agent.intake.process()
+
+    run_with_tasks(parts, events)
+    assert key not in parts.catalog
+    # the daemon stops before the re-seal; another one starts on the same ram-dir
+
+    again = build(tmp_path)
+    again.agent.control.set_job(JOB, "generic")
+    again.agent.book.load()
+    assert key in again.agent.book.withdrawn_created
+    assert again.agent.book.withdrawn_names == {"20": key}
+    # the former part's marker counts while the client has not written it again
+    assert "20/commit_success.txt" in again.agent.sealer._former_files(20)
+    marker.write_bytes(b"ok")
+
+    async def body() -> None:
+        await again.agent.sealer.reconcile()
+        await trio.testing.wait_all_tasks_blocked()
+
+    run_with_tasks(again, body)
+    b0 = again.catalog[key].manifest
+    assert b0.digest != a0.digest
+    assert set(b0.replaces) == {(0, a0.digest), (1, a1.digest)}
+    assert b0.created == a0.created and b0.began > 0
+    assert again.agent.book.earlier == {} and again.agent.book.withdrawn_created == {}
+
+
+def test_the_record_round_trips_through_state_json_and_a_bad_one_is_left_out():
+    e = EarlierSave(began=5.0, cutoff=3.0, own=[M(0, "a0")], held=[M(1, "a1", began=1.0)])
+    saved = statefile.SavedState(
+        withdrawn={ShardKey("j", 0, 20): 1.5}, earlier={ShardKey("j", 0, 20): e}
+    )
+    back = statefile.decode(json.loads(statefile.encode(saved)))
+    assert back.withdrawn == {ShardKey("j", 0, 20): 1.5}
+    got = back.earlier[ShardKey("j", 0, 20)]
+    assert (got.began, got.cutoff, got.files()) == (5.0, 3.0, ["20", "20/__0_0.distcp"])
+    assert replaced_pairs(got) == replaced_pairs(e)
+    bad = json.loads(statefile.encode(saved))
+    bad["earlier"] = [["j", 0, 20, {"began": "x"}]]
+    bad["withdrawn"] = [["j", 0]]
+    back = statefile.decode(bad)
+    assert back.earlier == {} and back.withdrawn == {}

@@ -40,6 +40,7 @@ __all__ = [
     "Renamed",
     "SealScheduler",
     "Withdrawer",
+    "Withdrawn",
 ]
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,15 @@ class Changed:
     path: str
 
 
-Event = Renamed | Released | Changed
+@dataclass(frozen=True)
+class Withdrawn:
+    """A write withdrew the seal of this node's part ``key`` (saved in ``state.json``
+    at once: a restart before the re-seal still knows what the seal replaces)."""
+
+    key: ShardKey
+
+
+Event = Renamed | Released | Changed | Withdrawn
 
 
 class SealScheduler(Protocol):
@@ -162,6 +171,7 @@ class EventIntake:
         key = self.book.sealed_inos.get(ino)
         if key is not None:
             self.keeper.withdraw(key, "a sealed file was opened for writing")
+            self.post(Withdrawn(key))
 
     def close(self) -> None:
         """Stop taking events (the daemon exits); :meth:`process` then returns."""
@@ -185,6 +195,8 @@ class EventIntake:
             await self._on_released(event)
         elif isinstance(event, Changed):
             await self._on_changed(event)
+        elif isinstance(event, Withdrawn):
+            self.book.save()
 
     async def _on_renamed(self, ev: Renamed) -> None:
         if ev.new == control.REPLICATOR_YAML:

@@ -35,8 +35,9 @@ step are :data:`RESAVE_GAP` or more apart), far above the skew of NTP clocks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from tierfs.store.manifest import Manifest
 
@@ -67,6 +68,9 @@ class EarlierSave:
         own: this node's former parts of the step (withdrawn or sealed again).
         held: other ranks' parts of the step held when the new save began.
         abandoned: parts of the step a restore abandoned.
+        recorded: (node rank, manifest digest) pairs a previous daemon had gathered
+            (``state.json``, :meth:`to_dict`): replaced as well.
+        former_files: file paths of this node's former parts a previous daemon knew.
     """
 
     began: float = 0.0
@@ -74,6 +78,38 @@ class EarlierSave:
     own: list[Manifest] = field(default_factory=list)
     held: list[Manifest] = field(default_factory=list)
     abandoned: list[Manifest] = field(default_factory=list)
+    recorded: list[tuple[int, str]] = field(default_factory=list)
+    former_files: list[str] = field(default_factory=list)
+
+    def files(self) -> list[str]:
+        """The file paths of this node's former parts (those withdrawn or sealed
+        again, and those a previous daemon knew)."""
+        return list(
+            dict.fromkeys([*(f.path for m in self.own for f in m.files), *self.former_files])
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record for ``state.json``: a daemon restarted between the write that
+        began the save and its seal still records what the seal replaces (the held
+        parts already filtered by :attr:`cutoff`). Computes manifest digests (reads
+        every file entry). Plain JSON types."""
+        return {
+            "began": self.began,
+            "cutoff": self.cutoff,
+            "replaces": [list(p) for p in replaced_pairs(self)],
+            "files": self.files(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> EarlierSave:
+        """The record :meth:`to_dict` wrote. Raises ``ValueError``, ``TypeError`` or
+        ``KeyError`` on a malformed one."""
+        return cls(
+            began=float(d["began"]),
+            cutoff=float(d["cutoff"]),
+            recorded=[(int(r), str(g)) for r, g in d.get("replaces", ())],
+            former_files=[str(f) for f in d.get("files", ())],
+        )
 
     def withdrawn(self, own: Manifest, held: Iterable[Manifest], now: float) -> None:
         """A write withdrew this node's part ``own`` at ``now`` (Unix seconds);
@@ -104,6 +140,8 @@ def replaced_pairs(
     out: dict[tuple[int, str], None] = {}
     for m in reversed(save.own):
         out.setdefault((m.rank, m.digest), None)
+    for pair in save.recorded:
+        out.setdefault(pair, None)
     own_ranks = {m.rank for m in save.own}
     if save.cutoff > 0:
         for m in [*save.held, *held_now]:

@@ -154,10 +154,9 @@ class Sealer:
             return []
         key = ShardKey(job.name, job.node_rank, step)
         held = self.catalog.get(key)
-        former = [held.manifest] if held is not None else []
+        files = [f.path for f in held.manifest.files] if held is not None else []
         earlier = self.book.earlier.get(key)
-        former += earlier.own if earlier is not None else []
-        return [f.path for m in former for f in m.files]
+        return files + (earlier.files() if earlier is not None else [])
 
     async def _seal_after(self, cand: SealCandidate, until: float) -> None:
         waiting = self._deferred.get(cand.name)
@@ -208,9 +207,15 @@ class Sealer:
             former = self.catalog.get(key)
             if former is not None and key not in book.earlier:
                 earlier.resealed(former.manifest)  # a file added: the same save goes on
-            held_now = (
-                self.catalog.step_manifests(key.job, key.step, job.nodes) if earlier.cutoff else []
-            )
+            held_now = [
+                m
+                for m in (
+                    self.catalog.step_manifests(key.job, key.step, job.nodes)
+                    if earlier.cutoff
+                    else []
+                )
+                if m.rank != key.rank  # a daemon restarted since knows its own parts by pairs
+            ]
 
             def work() -> Shard:
                 return self.shards.snapshot(

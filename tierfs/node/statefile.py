@@ -1,7 +1,8 @@
 """The node's ``state.json``: what a restarted daemon must know of the previous one.
 
 The job (protocol mode), the view's step names, the published restore
-markers, the restore state and the seal events not yet acted on, written
+markers, the restore state, the seal events not yet acted on and the seals a
+write withdrew (with what their next seal replaces), written
 atomically into the store directory (mode 0600) and read back at start.
 :func:`encode`/:func:`decode` are pure; :func:`save`/:func:`load` do the
 file work (blocking: small files, called on the trio thread as before).
@@ -17,6 +18,7 @@ from typing import Any
 
 from tierfs.core import control
 from tierfs.core.control import JobSpec
+from tierfs.node.resave import EarlierSave
 from tierfs.node.sealing import SealCandidate
 from tierfs.node.view import Published
 from tierfs.store.shards import ShardKey
@@ -43,6 +45,11 @@ class SavedState:
             only sign a generic-mode step is complete: a restart must not lose it).
         abandoned: view entry name -> the step of this node a restore abandoned
             (never sealed again at a start, :attr:`tierfs.node.steps.StepBook.abandoned`).
+        withdrawn: this node's parts whose seal a write withdrew -> their first seal
+            time (Unix seconds; :attr:`tierfs.node.steps.StepBook.withdrawn_created`):
+            a restart before the re-seal seals the step again at start.
+        earlier: this node's parts -> what their next seal replaces (issue #16 F9,
+            :meth:`tierfs.node.resave.EarlierSave.to_dict`).
     """
 
     mode: str = "none"
@@ -52,6 +59,8 @@ class SavedState:
     restore: dict[str, Any] = field(default_factory=lambda: {"state": "idle"})
     pending: list[SealCandidate] = field(default_factory=list)
     abandoned: dict[str, ShardKey] = field(default_factory=dict)
+    withdrawn: dict[ShardKey, float] = field(default_factory=dict)
+    earlier: dict[ShardKey, EarlierSave] = field(default_factory=dict)
 
 
 def encode(saved: SavedState) -> bytes:
@@ -70,6 +79,10 @@ def encode(saved: SavedState) -> bytes:
     }
     if saved.abandoned:  # the key is new (issue #16): a file without it reads the same
         state["abandoned"] = {n: [k.job, k.rank, k.step] for n, k in saved.abandoned.items()}
+    if saved.withdrawn:  # new keys (issue #16 F9): a file without them reads the same
+        state["withdrawn"] = [[k.job, k.rank, k.step, t] for k, t in saved.withdrawn.items()]
+    if saved.earlier:
+        state["earlier"] = [[k.job, k.rank, k.step, e.to_dict()] for k, e in saved.earlier.items()]
     return json.dumps(state, indent=1, sort_keys=True).encode()
 
 
@@ -106,6 +119,20 @@ def decode(state: dict[str, Any]) -> SavedState:
         }
     except (AttributeError, TypeError, ValueError):
         saved.abandoned = {}
+    try:
+        saved.withdrawn = {
+            ShardKey(str(j), int(r), int(s)): float(t)
+            for j, r, s, t in state.get("withdrawn") or ()
+        }
+    except (TypeError, ValueError):
+        saved.withdrawn = {}
+    try:
+        saved.earlier = {
+            ShardKey(str(j), int(r), int(s)): EarlierSave.from_dict(d)
+            for j, r, s, d in state.get("earlier") or ()
+        }
+    except (AttributeError, KeyError, TypeError, ValueError):
+        saved.earlier = {}
     return saved
 
 

@@ -56,7 +56,8 @@ class StepBook:
         withdrawn_created: first seal time (Unix seconds) of a withdrawn step,
             kept when it is sealed again.
         earlier: this node's part of a step -> the parts of an earlier save its next
-            seal replaces (:mod:`tierfs.node.resave`; in memory only).
+            seal replaces (:mod:`tierfs.node.resave`; saved in ``state.json`` with
+            ``withdrawn_created``).
         abandoned: entry name -> this node's step a restore abandoned (a newer step
             than the one restored): not sealed again at a daemon start, until the
             client saves it again (saved in ``state.json``).
@@ -120,6 +121,8 @@ class StepBook:
                 restore=self.state.restore_state,
                 pending=list(self.pending.values()),
                 abandoned=self.abandoned,
+                withdrawn=dict(self.withdrawn_created),
+                earlier=dict(self.earlier),
             ),
         )
 
@@ -143,5 +146,15 @@ class StepBook:
             n: k
             for n, k in saved.abandoned.items()
             if os.path.lexists(os.path.join(self.store.view, n))
+        }
+        # a seal a write withdrew, its step still in the view: sealed again at start
+        # with its first seal time and what it replaces (issue #16 F9)
+        shown = set(self.view_steps.values())
+        self.withdrawn_created = {k: t for k, t in saved.withdrawn.items() if k in shown}
+        self.withdrawn_names = {
+            n: k for n, k in self.view_steps.items() if k in self.withdrawn_created
+        }
+        self.earlier = {
+            k: e for k, e in saved.earlier.items() if k in shown or k in self.abandoned.values()
         }
         return saved.job
