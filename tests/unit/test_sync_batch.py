@@ -102,3 +102,50 @@ def test_a_changed_inventory_is_taken_though_the_last_one_is_reused():
     asyncio.run(s.SyncBatch(peer_pb2.SyncBatchRequest(members=_requests(5, "other")), None))
     assert [h.digest for h in s.coordinator.members[2].inventory] == ["d2-3", "other"]
     assert s.coordinator.roster.holders(5)[2] == "other"
+
+
+def test_an_unchanged_heartbeat_still_sees_a_peer_go_silent():
+    # the request bytes of node-rank 3 never change; its peer 4 (a stale incarnation,
+    # never heard after its join at t=100) must turn not live after live_seconds (5 s)
+    clock = [100.0]
+    s = _servicer(clock)
+    live = []
+    for t in (101.0, 104.0, 106.0):
+        clock[0] = t
+        got = asyncio.run(s.SyncBatch(peer_pb2.SyncBatchRequest(members=_requests(5)), None))
+        live.append([(p.rank, p.live) for p in got.replies[3].peers])
+        c = s.coordinator
+        rows = c.roster.peer_rows([8, 0, 4, 4, 99])
+        assert rows == [(p.rank, p.address, p.incarnation, p.live) for p in c.peers([0, 4, 8])]
+    assert live == [
+        [(0, True), (4, True), (8, True)],
+        [(0, True), (4, True), (8, True)],
+        [(0, True), (4, False), (8, True)],
+    ]
+
+
+def test_a_join_between_two_equal_heartbeats_does_not_keep_the_joins_inventory():
+    # the second heartbeat's bytes equal the first's: its cached Holdings are not the
+    # tuple the join set, so the membership takes them again (regression guard of the
+    # identity check in Membership.set_inventory)
+    clock = [100.0]
+    s = _servicer(clock)
+    asyncio.run(s.SyncBatch(peer_pb2.SyncBatchRequest(members=_requests(5)), None))
+    asyncio.run(
+        s.Join(
+            peer_pb2.JoinRequest(
+                job=JOB,
+                nodes=NODES,
+                rank=2,
+                address="10.0.0.2:7000",
+                incarnation="i2",
+                mode="protocol",
+                inventory=[peer_wire.held_shard(Holding(2, 9, True, "joined"))],
+            ),
+            None,
+        )
+    )
+    assert [h.digest for h in s.coordinator.members[2].inventory] == ["joined"]
+    asyncio.run(s.SyncBatch(peer_pb2.SyncBatchRequest(members=_requests(5)), None))
+    assert [h.digest for h in s.coordinator.members[2].inventory] == ["d2-3", "d2-5"]
+    assert s.coordinator.roster.holders(5)[2] == "d2-5"

@@ -750,7 +750,7 @@ class Coordinator:
         self._update_synced()
         steps = () if compact else tuple(self.sync_steps.get(r, NO_STEP) for r in range(self.nodes))
         number = self.restore_open()
-        summoned = bool(self.restores.summons(rank, incarnation))
+        summoned = bool(number and self.restores.summons(rank, incarnation, number))
         book = self.backups
         if book is None:
             return SyncView(

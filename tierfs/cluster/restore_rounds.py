@@ -401,10 +401,12 @@ class RestoreRounds:
             return 0
         return r.number
 
-    def summons(self, rank: int, incarnation: str) -> int:
+    def summons(self, rank: int, incarnation: str, number: int | None = None) -> int:
         """The round in progress that the live node ``rank`` (daemon ``incarnation``) is
-        asked to join, or 0 (:meth:`tierfs.cluster.rounds.Round.summons`)."""
-        number = self.open_round()
+        asked to join, or 0 (:meth:`tierfs.cluster.rounds.Round.summons`). ``number``:
+        :meth:`open_round`'s answer when the caller just asked it (None: asked here)."""
+        if number is None:
+            number = self.open_round()
         r = self.round
         return number if number and r is not None and r.summons(rank, incarnation) else 0
 
