@@ -397,6 +397,7 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         whole_view=remote.status,
     )
     remote.new_save = agent.book.new_save  # the view's opens wait for a new save (F1)
+    remote.abandoned = agent.book.is_abandoned  # such a step shows only its own files
     return NodeParts(
         shards,
         catalog,

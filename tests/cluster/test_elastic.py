@@ -384,6 +384,15 @@ def test_a_lost_ranks_part_of_an_earlier_save_is_never_combined_with_the_new_sav
         why = "(rank(s) [2]: only a part of an earlier save of step 20 is left"
         assert why in w.stderr, w.stderr
         assert why in c.errors(i), c.errors(i)
+    # fifth trial F4: the abandoned step 20 stays in each mount with that node's own
+    # files only (before, every view showed other ranks' parts of it, of both saves)
+    for i in (0, 1):
+        top = c.root(i) / "checkpoint-20"
+        wait_for(
+            lambda top=top, i=i: sorted(os.listdir(top)) == ["commit_success.txt", f"part-{i}.bin"],
+            60,
+            f"node {i}'s abandoned step 20 showing its own files only",
+        )
 
 
 def test_a_load_right_after_a_save_in_place_reads_every_ranks_new_bytes(make_mount):

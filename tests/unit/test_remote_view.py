@@ -1142,3 +1142,58 @@ def test_an_open_waits_for_the_new_save_of_the_other_ranks_after_this_node_began
         assert any("rank 2 showed no part of the save this node began" in e for e in job.errors)
 
     trio.run(main)
+
+
+def test_a_step_a_restore_abandoned_shows_only_this_nodes_own_files(tmp_path):
+    """Regression (#16 fifth trial F4): step 20 saved again in place, a node lost before
+    its new part was copied; the restore took step 10 and abandoned step 20, which
+    stays in the mount. Each survivor's view still showed other ranks' parts of it,
+    some of the new save and some of the earlier one (from its backup round),
+    different on each node, and a stock ``dcp.load`` of that newest directory returned
+    the mix without an error. Now the other ranks' files leave the view of a step whose
+    own part a restore abandoned (a file still open stays until closed), so such a
+    load fails loudly; a new save of the step shows every rank's files again."""
+    peer = Source("peer", BYTES, ["peer node-rank 0", "peer node-rank 2"])
+    rv, ram, shards, catalog, own, _job = view_of(tmp_path, PARTS, [peer])
+    abandoned: set[int] = set()
+    rv.abandoned = lambda step: step in abandoned
+    step_dir = Path(ram.view) / "10"
+    files = OpenFiles()
+
+    async def main() -> None:
+        assert await rv.look(own) is False
+        assert sorted(os.listdir(step_dir)) == [
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+            "__2_0.distcp",
+        ]
+        rv.attach(files)  # type: ignore[arg-type]
+        held = (step_dir / "__2_0.distcp").stat().st_ino
+        files.open.add(held)  # a reader still has rank 2's file open
+        # the restore abandons step 10 (drop_abandoned: book.abandoned, then the drop)
+        abandoned.add(10)
+        catalog.drop(own.key, "abandoned: the job restored step 5")
+        assert rv._eligible() == []
+        assert await rv._leave_abandoned(set()) is True  # one file is still open
+        assert sorted(os.listdir(step_dir)) == ["__1_0.distcp", "__2_0.distcp"]
+        files.open.discard(held)
+        assert await rv._leave_abandoned(set()) is False
+        assert sorted(os.listdir(step_dir)) == ["__1_0.distcp"]  # its own file only
+        assert (step_dir / "__1_0.distcp").read_bytes() == A
+        assert 10 not in rv.steps and rv.status().step(10) is None
+        # the step saved again here: a new seal, every rank's files shown again
+        abandoned.clear()
+        again = shards.snapshot(
+            ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic", foreign=rv.is_remote
+        )
+        catalog.add(again)
+        assert await rv.look(again) is False
+        assert sorted(os.listdir(step_dir)) == [
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+            "__2_0.distcp",
+        ]
+
+    trio.run(main)

@@ -406,6 +406,9 @@ class RemoteView:
         #: (cutoff, began) of a new save of this node's part of a step, else None: set
         #: by the composition root (:meth:`tierfs.node.steps.StepBook.new_save`)
         self.new_save: Callable[[int], tuple[float, float] | None] = lambda step: None
+        #: True for a step whose own part a restore abandoned (issue #16 trial F4): set
+        #: by the composition root (:meth:`tierfs.node.steps.StepBook.is_abandoned`)
+        self.abandoned: Callable[[int], bool] = lambda step: False
         catalog.on_sealed(self._on_sealed)
         catalog.on_added(self._on_added)
         catalog.on_withdrawn(self._on_withdrawn)
@@ -634,6 +637,9 @@ class RemoteView:
         union = self.steps.get(key.step)
         if job is None or union is None or key.job != job.name or key.rank != job.node_rank:
             return
+        if self.abandoned(key.step):
+            self._wake.set()  # its other ranks' files leave the view (run)
+            return
         save = self.new_save(key.step)
         if save is None:
             return
@@ -758,11 +764,16 @@ class RemoteView:
             while True:
                 waiting = False
                 self._soon = False
-                for step, shard, writers in self._eligible():
+                eligible = self._eligible()
+                for step, shard, writers in eligible:
                     try:
                         waiting |= await self.look(shard, step=step, writers=writers)
                     except Exception:
                         log.exception("placing other ranks' files of step %d failed", step)
+                try:
+                    waiting |= await self._leave_abandoned({t[0] for t in eligible})
+                except Exception:
+                    log.exception("removing other ranks' files of abandoned steps failed")
                 self._fetches = nursery
                 restore = self.restored()
                 union = self.steps.get(restore[1]) if restore is not None else None
@@ -785,6 +796,37 @@ class RemoteView:
                 with trio.move_on_after(period):
                     await self._wake.wait()
                 self._wake = trio.Event()
+
+    async def _leave_abandoned(self, shown: Collection[int]) -> bool:
+        """Remove the other ranks' files of every step whose own part a restore
+        abandoned (not in ``shown``, the steps looked at): that step stays in the mount
+        with this node's own files only (issue #16 trial F4).
+
+        Regression: after a restore abandoned step 20 (saved again in place, a node
+        lost before its new part was copied), each survivor's view still showed
+        other ranks' parts of it, some of the new save and some of the earlier one
+        (read from the first save's backup round), different on each node, and a
+        stock ``dcp.load`` of that newest directory returned the mix without an
+        error. Its own files alone make such a load fail loudly instead.
+
+        Returns True while a file of such a step is still open (looked at again)."""
+        busy = False
+        for step, union in list(self.steps.items()):
+            if step in shown or not union.files or not self.abandoned(step):
+                continue
+            ranks = {rf.rank for rf in union.files.values()}
+            kept = await trio.to_thread.run_sync(self._unplace, union, {}, ranks)
+            log.info(
+                "step %d was abandoned by the restore: rank(s) %s's files leave the view "
+                "(the step shows this node's own files only)",
+                step,
+                sorted(ranks - kept),
+            )
+            if kept:
+                busy = True  # a file still open: removed at a later look
+            else:
+                del self.steps[step]  # a save of the step again starts a new union
+        return busy
 
     async def look(self, own: Shard | None, *, step: int = -1, writers: int = 0) -> bool:
         """Ask for the parts of a step not known yet and place their files.

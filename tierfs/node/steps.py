@@ -105,6 +105,15 @@ class StepBook:
             return None
         return earlier.cutoff, earlier.began
 
+    def is_abandoned(self, step: int) -> bool:
+        """True if a restore abandoned this node's own part of ``step`` of the running
+        job and it was not saved again since (:attr:`abandoned`)."""
+        job = self.state.job
+        return job is not None and any(
+            k.job == job.name and k.rank == job.node_rank and k.step == step
+            for k in self.abandoned.values()
+        )
+
     def names_of(self, key: ShardKey) -> list[str]:
         """The view entry names that are the step ``key`` (usually one)."""
         return [n for n, k in self.view_steps.items() if k == key]
