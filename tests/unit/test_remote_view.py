@@ -1197,3 +1197,49 @@ def test_a_step_a_restore_abandoned_shows_only_this_nodes_own_files(tmp_path):
         ]
 
     trio.run(main)
+
+
+def test_a_bucket_round_of_an_earlier_save_is_never_shown_beside_the_new_save(tmp_path):
+    """Regression (#16 fifth trial F5, silent wrong data with exit 0): step 20 saved
+    again in place, node 3 lost, the job restarted on 3 nodes and restored step 20
+    from the new parts. A survivor asked for rank 2's part while node 2 was still
+    restarting; the newest backup round holding it was the first save's, and the view
+    served rank 2's earlier bytes (verified against the earlier manifest) beside the
+    new parts: ``dcp.load`` returned a mix. Now a round's part is not shown when this
+    node's own part is of a save begun after it was sealed, nor when another part of
+    the save lists it as replaced; its node is asked again."""
+    began = time.time()
+    old2 = dataclasses.replace(
+        manifest(2, {"__2_0.distcp": B}), created=began - 60, sealed=began - 60
+    )
+    new2 = dataclasses.replace(
+        manifest(2, {"__2_0.distcp": C}), began=began + 0.1, sealed=began + 1
+    )
+    rounds = Manifests({2: old2})
+    peer = Source("peer", {**BYTES, "10/__2_0.distcp": C}, ["peer node-rank 2"])
+    rv, ram, _shards, catalog, own, _job = view_of(tmp_path, {0: PARTS[0]}, [peer])
+    rv.more_manifests = [rounds]
+    resaved = dataclasses.replace(own, manifest=dataclasses.replace(own.manifest, began=began))
+    catalog.add(resaved)
+    shard2 = Path(ram.view) / "10" / "__2_0.distcp"
+    # this node's part is of the new save: node 2 does not answer, its round is older
+    assert trio.run(rv.look, resaved) is True
+    assert rounds.asked == [2] and not shard2.exists()
+    # node 2 answers with its part of the new save: shown, its bytes served
+    rv.manifests.parts[2] = new2
+    assert trio.run(rv.look, resaved) is False
+    assert trio.run(rv.missing(shard2.stat().st_ino)) is None and shard2.read_bytes() == C
+
+    # a node whose own part is a first save (began 0): another part of the step lists
+    # the round's part as replaced by its save
+    rv2, ram2, _s, catalog2, own2, _j = view_of(tmp_path / "b", {}, [peer])
+    rv2.more_manifests = [Manifests({2: old2})]
+    lister = dataclasses.replace(PARTS[0], replaces=((0, "x"), (2, old2.digest)))
+    rv2.manifests.parts[0] = lister
+    assert trio.run(rv2.look, own2) is True
+    assert not (Path(ram2.view) / "10" / "__2_0.distcp").exists()
+    assert (Path(ram2.view) / "10" / ".metadata").exists()  # rank 0's part is shown
+    # a part listing its own digest (identical bytes saved again) is not replaced
+    rv2.manifests.parts[2] = dataclasses.replace(old2, replaces=((2, old2.digest),))
+    assert trio.run(rv2.look, own2) is False
+    assert (Path(ram2.view) / "10" / "__2_0.distcp").stat().st_size == len(B)

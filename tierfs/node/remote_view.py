@@ -233,6 +233,45 @@ class StepUnion:
         self.confirmed = trio.Event()
 
 
+def _of_this_save(m: Manifest, own: Shard | None, want: str | None) -> bool:
+    """Whether another rank's part ``m``, read from a backup round because its node
+    cannot say, may be shown beside this node's own part ``own`` (issue #16 fifth
+    trial F5): not when the coordinator reported another digest for that rank
+    (``want``), nor when ``own`` is of another save of the step begun after ``m``
+    was sealed and ``m``'s own save began more than ``RESAVE_GAP / 2`` before it (the
+    rule of :meth:`StepUnion.current`). A round of an earlier save of the step is
+    otherwise taken as the newest round holding that rank's part.
+
+    Regression: after a step saved again in place and a restart on fewer nodes that
+    restored it from local parts, a survivor asked for rank 2's part while node 2 was
+    still restarting; the newest round holding it was the first save's, and the view
+    served rank 2's earlier bytes (verified against the earlier manifest) beside
+    the new parts: ``dcp.load`` returned a mix with exit 0."""
+    if want and m.digest != want:
+        return False
+    began = own.manifest.began if own is not None else 0.0
+    if began <= 0:
+        return True
+    return sealed_at(m) >= began or m.began >= began - RESAVE_GAP / 2
+
+
+def _replaced(own: Shard | None, *groups: Collection[Manifest]) -> set[tuple[int, str]]:
+    """The (rank, digest) pairs that this node's own part or any of the manifests in
+    ``groups`` (other ranks' parts of the step: found now, held here) list as
+    replaced by their save (:attr:`tierfs.store.manifest.Manifest.replaces`): parts of
+    an earlier save of the step, never shown beside them (F5; the restore's rule,
+    :func:`tierfs.cluster.restore_choice.replaced_copies`): less the pairs a part of
+    those very bytes lists itself (its rank saved identical bytes again)."""
+    listed: set[tuple[int, str]] = set()
+    renewed: set[tuple[int, str]] = set()
+    mine = [own.manifest] if own is not None else []
+    for m in [*mine, *(m for g in groups for m in g)]:
+        listed.update(m.replaces)
+        if (m.rank, m.digest) in m.replaces:
+            renewed.add((m.rank, m.digest))
+    return listed - renewed
+
+
 def _mark(rf: RemoteFile) -> bytes:
     """The xattr value that describes ``rf`` (JSON), so a restarted daemon finds it."""
     return json.dumps(
@@ -928,6 +967,8 @@ class RemoteView:
                 manifest = await more.part_manifest(
                     job.name, rank, step, writers=writers, round_name=self.restored_round(step)
                 )
+                if manifest is not None and not _of_this_save(manifest, own, want):
+                    manifest = None  # an earlier save's part (F5): its node is asked again
             if manifest is None:
                 waiting = trio.current_time() - union.first_look < self.patience
                 continue
@@ -939,6 +980,22 @@ class RemoteView:
                     self._soon = True
             found[rank] = manifest
             union.wanted.pop(rank, None)
+        replaced = _replaced(
+            own, found.values(), self.catalog.step_manifests(job.name, step, writers)
+        )
+        for rank in sorted(r for r, m in found.items() if (r, m.digest) in replaced):
+            # a part of this step that another part of the same save lists as replaced
+            # (F5): never shown; its node is asked again
+            log.info(
+                "step %d: rank %d's part %s is of an earlier save of the step (another "
+                "part lists it as replaced): not shown",
+                step,
+                rank,
+                found[rank].digest[:12],
+            )
+            del found[rank]
+            current = [r for r in current if r != rank]
+            waiting = True
         stale = {r: m for r, m in found.items() if r in placed}
         for rank, manifest in sorted(stale.items()):
             if placed[rank] != manifest.digest:
