@@ -398,6 +398,7 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
     )
     remote.new_save = agent.book.new_save  # the view's opens wait for a new save (F1)
     remote.abandoned = agent.book.is_abandoned  # such a step shows only its own files
+    agent.intake.on_change = remote.own_change  # a save begun in a step shown without a part
     return NodeParts(
         shards,
         catalog,

@@ -1232,7 +1232,7 @@ def test_a_bucket_round_of_an_earlier_save_is_never_shown_beside_the_new_save(tm
 
     # a node whose own part is a first save (began 0): another part of the step lists
     # the round's part as replaced by its save
-    rv2, ram2, _s, catalog2, own2, _j = view_of(tmp_path / "b", {}, [peer])
+    rv2, ram2, _s, _catalog2, own2, _j = view_of(tmp_path / "b", {}, [peer])
     rv2.more_manifests = [Manifests({2: old2})]
     lister = dataclasses.replace(PARTS[0], replaces=((0, "x"), (2, old2.digest)))
     rv2.manifests.parts[0] = lister
@@ -1243,3 +1243,59 @@ def test_a_bucket_round_of_an_earlier_save_is_never_shown_beside_the_new_save(tm
     rv2.manifests.parts[2] = dataclasses.replace(old2, replaces=((2, old2.digest),))
     assert trio.run(rv2.look, own2) is False
     assert (Path(ram2.view) / "10" / "__2_0.distcp").stat().st_size == len(B)
+
+
+def test_a_save_begun_in_a_step_shown_without_an_own_part_waits_for_the_new_parts(tmp_path):
+    """Regression (#16 fifth trial F3): a job grew from 3 to 4 nodes and every rank
+    saved the restored step 10 again in place, then loaded it. The new node 3 held no
+    part of the step, so nothing told its view that a new save began: it served rank
+    0's earlier ``.metadata`` (with equal keys the earlier values would have come back
+    silently). Now a file this node creates in such a step makes the other ranks'
+    parts sealed more than RESAVE_GAP before suspect: an open of their files waits
+    for their part of the new save (F1's rule); a removal, a part sealed just now, or
+    another step changes nothing."""
+    ram = RamStore(str(tmp_path / "node3"))
+    catalog = ShardCatalog(ShardStore(ram), 3)
+    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 3, 4))
+    long_ago = time.time() - 60
+    parts = {
+        r: dataclasses.replace(m, created=long_ago, sealed=long_ago)
+        for r, m in {**PARTS, 1: manifest(1, {"__1_0.distcp": A})}.items()
+    }
+    peer = Source("peer", {**BYTES, "10/__1_0.distcp": A}, ["peer node-rank 0"])
+    rv = RemoteView(
+        ram.view,
+        ram.incoming,
+        catalog,
+        job,
+        Manifests(parts),
+        [peer],
+        job,
+        trio.CapacityLimiter(1),
+        restored=lambda: (1000.0, 10, 3),
+    )
+    meta = Path(ram.view) / "10" / ".metadata"
+
+    async def main() -> None:
+        assert await rv.look(None, step=10, writers=3) is False
+        union = rv.steps[10]
+        assert union.tops == {"10"} and not union.suspect
+        rv.own_change("10/gone.bin")  # a removal: nothing
+        rv.own_change("10/.metadata")  # another rank's file itself (e.g. a refused chmod)
+        rv.own_change("11/x")  # another step
+        assert not union.suspect
+        await rv.missing(meta.stat().st_ino)()  # fetched by an earlier load
+        assert rv.missing(meta.stat().st_ino) is None
+        (Path(ram.view) / "10" / "__3_0.distcp").write_bytes(b"new")  # this node saves
+        rv.own_change("10/__3_0.distcp")
+        assert union.suspect == {0, 1, 2} and union.recheck >= {0, 1, 2}
+        assert rv.missing(meta.stat().st_ino) is not None  # waits for rank 0's new part
+        assert rv.opening(meta.stat().st_ino) is not None
+
+    trio.run(main)
+
+    # parts sealed just now belong to the same save: no wait
+    rv.steps[10].suspect.clear()
+    rv.steps[10].sealed = dict.fromkeys(rv.steps[10].sealed, time.time() - 1)
+    rv.own_change("10/__3_0.distcp")
+    assert rv.steps[10].suspect == set()

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -146,6 +147,10 @@ class EventIntake:
         self.restores = restores
         self.tasks = tasks
         self._send, self._recv = trio.open_memory_channel[Event](math.inf)
+        #: told of every client change (view-relative path; trio thread): the
+        #: whole-step view learns that this node began a save of a step it shows
+        #: without a part of its own (:meth:`tierfs.node.remote_view.RemoteView.own_change`)
+        self.on_change: Callable[[str], None] = lambda path: None
 
     # ------------------------------------------------------------ FUSE thread
 
@@ -194,6 +199,7 @@ class EventIntake:
         elif isinstance(event, Released):
             await self._on_released(event)
         elif isinstance(event, Changed):
+            self.on_change(event.path)
             await self._on_changed(event)
         elif isinstance(event, Withdrawn):
             self.book.save()

@@ -71,6 +71,7 @@ import json
 import logging
 import os
 import stat
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -220,6 +221,10 @@ class StepUnion:
     own_began: float = 0.0
     suspect_until: float = 0.0
     confirmed: trio.Event = field(default_factory=trio.Event)
+    #: the step's top-level entries in the view (set at each look)
+    tops: frozenset[str] = frozenset()
+    #: rank -> when its placed part was sealed (Unix seconds), as far as known
+    sealed: dict[int, float] = field(default_factory=dict)
 
     def current(self, m: Manifest) -> bool:
         """True if part ``m`` is of the save this node began (not an earlier one, even
@@ -688,6 +693,49 @@ class RemoteView:
         union.recheck |= union.suspect
         self._wake.set()
 
+    def own_change(self, path: str) -> None:
+        """A client of this node created or changed ``path`` (view-relative; trio
+        thread, the agent's intake). When it lies in a step this node shows without
+        a part of its own (a node added since the step was written, issue #16), this
+        node began a save of that step: the other ranks' parts shown that were sealed
+        more than ``RESAVE_GAP`` before are of an earlier save until their nodes show
+        their parts of this one, so opens of their files wait for that (as after a
+        withdraw, :meth:`_on_withdrawn`).
+
+        Regression (#16 fifth trial F3): after a job grew from 3 to 4 nodes, every
+        rank saved the restored step 30 again in place, then loaded it; the new
+        node 3, which held no part of step 30, read rank 0's earlier ``.metadata``
+        (a mismatch of keys made it loud; with the same keys the earlier values
+        would have come back)."""
+        top = path.split("/", 1)[0]
+        for union in self.steps.values():
+            if union.own or union.suspect or top not in union.tops or not union.parts:
+                continue
+            full = os.path.join(self.view_dir, path)
+            try:
+                ino = os.lstat(full).st_ino
+            except OSError:
+                return  # a removal (a client's retention): no save
+            if ino in self._by_ino:
+                return  # another rank's file itself (refused, or a take-over)
+            now = time.time()
+            old = {r for r in union.parts if union.sealed.get(r, now) < now - RESAVE_GAP}
+            if not old:
+                return
+            union.own_began = now
+            union.suspect = old
+            union.suspect_until = trio.current_time() + SUSPECT_WAIT
+            union.recheck |= old
+            log.info(
+                "step %d: this node began writing it (%s) without a part of its own: "
+                "opens of rank(s) %s's files wait for their part of this save",
+                union.step,
+                path,
+                sorted(old),
+            )
+            self._wake.set()
+            return
+
     def wake(self) -> None:
         """Look again now (a restore put a step in place). Trio thread."""
         self._wake.set()
@@ -912,6 +960,7 @@ class RemoteView:
             if own is not None
             else sorted({p.split("/", 1)[0] for p in union.files})
         )
+        union.tops = frozenset(tops)
         if tops and not any(os.path.lexists(os.path.join(self.view_dir, e)) for e in tops):
             # the client removed the step, or it is under markers, or a restore has put
             # it in the catalog and not yet in the view: looked at again soon a while
@@ -979,6 +1028,7 @@ class RemoteView:
                     waiting = True  # its node shows the earlier save still: soon again
                     self._soon = True
             found[rank] = manifest
+            union.sealed[rank] = sealed_at(manifest)
             union.wanted.pop(rank, None)
         replaced = _replaced(
             own, found.values(), self.catalog.step_manifests(job.name, step, writers)
@@ -1023,6 +1073,7 @@ class RemoteView:
             said = await trio.to_thread.run_sync(self._place, job.name, own, union, found)
             for rank, manifest in found.items():
                 union.parts[rank] = manifest.digest
+            union.tops |= {p.split("/", 1)[0] for p in union.files}
             for line in said:
                 self.reporter.error(line)
         adoptable = self._adoptable(job.name, union)
