@@ -395,6 +395,17 @@ def test_a_lost_ranks_part_of_an_earlier_save_is_never_combined_with_the_new_sav
         )
 
 
+def test_a_load_right_after_a_save_of_a_new_step_finds_rank_0s_metadata(make_mount):
+    """Regression (issue #16, fifth trial F1): every rank ran stock ``dcp.save`` into a
+    new step, ``dist.barrier`` and ``dcp.load``; ranks 1 and 2 failed with
+    ``FileNotFoundError`` on ``.metadata`` (rank 0's part reached their views a few
+    seconds later; 3 runs of 3 in the trial). Now their lookup of ``.metadata`` waits
+    for the other ranks' parts for a few seconds after their own part sealed."""
+    c = Cluster(make_mount, 3, node_args=elastic(3))
+    out = dcp(c, "saveload", 50, [0, 1, 2], seed=2)
+    assert out == ["SAVED\nLOADED_OK"] * 3, out
+
+
 def test_a_load_right_after_a_save_in_place_reads_every_ranks_new_bytes(make_mount):
     """Regression (issue #16, fourth trial F1): every rank saved a step again in place
     with stock DCP, waited for the others (``dist.barrier``) and loaded it at once. A

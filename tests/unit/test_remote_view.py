@@ -431,14 +431,31 @@ class Remote:
     def readable(self, ino: int, offset: int, size: int):
         return None
 
+    def expected(self, relpath: bytes):
+        if relpath != b"later":
+            return None
+
+        async def placed() -> None:
+            (self.view / "later").write_bytes(b"y")
+
+        return placed
+
 
 def test_the_namespace_defers_the_open_of_a_missing_file_and_refuses_writes(tmp_path):
     view = tmp_path / "view"
     view.mkdir()
     (view / "f").write_bytes(b"x" * 10)
     remote = Remote((view / "f").stat().st_ino)
+    remote.view = view
     ns = Namespace(str(view), Budget(str(view), None, 0), remote=remote)
     try:
+        # a missing name: ENOENT, unless another rank's file of that name is expected
+        with pytest.raises(FileNotFoundError):
+            ns.lookup(ROOT_ID, b"nothing")
+        with pytest.raises(Deferred) as later:
+            ns.lookup(ROOT_ID, b"later")
+        trio.run(later.value.wait)
+        assert ns.lookup(ROOT_ID, b"later")[1].st_size == 1
         inode, _st = ns.lookup(ROOT_ID, b"f")
         with pytest.raises(OSError) as exc:
             ns.open(inode.nodeid, os.O_WRONLY)
@@ -1299,3 +1316,64 @@ def test_a_save_begun_in_a_step_shown_without_an_own_part_waits_for_the_new_part
     rv.steps[10].sealed = dict.fromkeys(rv.steps[10].sealed, time.time() - 1)
     rv.own_change("10/__3_0.distcp")
     assert rv.steps[10].suspect == set()
+
+
+def test_a_load_right_after_a_save_waits_for_rank_0s_metadata(tmp_path):
+    """Regression (#16 fifth trial F1): every rank saved a new step with stock DCP,
+    passed a barrier and loaded it; on ranks 1..3 the lookup of ``.metadata`` failed
+    with ENOENT (rank 0's part came a few seconds later). Now, for EXPECT_FOR s after
+    this node's part of a step sealed, a lookup of DCP's ``.metadata`` missing in a
+    directory of that part (DCP data files, none of the coordinator rank's ``__0_*``)
+    waits while some rank's part is not known here: until it is placed, every part is
+    known, or the time is up. Other names, and the node that writes ``.metadata``,
+    never wait (the kernel looks a name up before creating it)."""
+    rv, ram, _shards, _catalog, own, _job = view_of(tmp_path, {}, [])
+
+    async def main() -> None:
+        assert await rv.look(own) is True  # ranks 0 and 2 not known yet
+        assert rv.expected(b"10/__0_0.distcp") is None  # only .metadata waits
+        assert rv.expected(b"11/.metadata") is None  # another step
+        wait = rv.expected(b"10/.metadata")
+        assert wait is not None
+        rv.manifests.parts.update(PARTS)  # their nodes sealed their parts
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            await trio.testing.wait_all_tasks_blocked()
+            assert rv._expecting == 1
+            await rv.look(own)
+        assert rv._expecting == 0
+        assert (Path(ram.view) / "10" / ".metadata").stat().st_size == len(B)
+        assert rv.expected(b"10/.metadata") is None  # every part known now
+
+    trio.run(main)
+
+    # every part but rank 0's known and none brings .metadata: the time bounds the wait
+    rv2, _ram2, _s2, _c2, own2, _j2 = view_of(tmp_path / "b", {2: PARTS[2]}, [])
+
+    async def bounded() -> None:
+        await rv2.look(own2)
+        wait = rv2.expected(b"10/.metadata")
+        assert wait is not None
+        rv2.steps[10].first_look = trio.current_time() - 9.9  # EXPECT_FOR is 10 s
+        with trio.fail_after(1):
+            await wait()
+        assert rv2.expected(b"10/.metadata") is None
+
+    trio.run(bounded)
+
+    # the node whose part holds the coordinator rank's data file writes .metadata itself
+    ram3 = RamStore(str(tmp_path / "c"))
+    (Path(ram3.view) / "10").mkdir(parents=True)
+    (Path(ram3.view) / "10" / "__0_0.distcp").write_bytes(C)
+    shards3 = ShardStore(ram3)
+    own3 = shards3.snapshot(ram3.view, ShardKey(JOB, 0, 10), "10", ["10"], "generic")
+    catalog3 = ShardCatalog(shards3, 3)
+    catalog3.add(own3)
+    job3 = fake_ports.FakeJob(JobSpec(JOB, "generic", 0, 3))
+    rv3 = remote_view(ram3, catalog3, job3, {}, [])
+
+    async def coordinator_rank() -> None:
+        assert await rv3.look(own3) is True
+        assert rv3.expected(b"10/.metadata") is None
+
+    trio.run(coordinator_rank)

@@ -202,12 +202,21 @@ class Namespace:
             OSError: ENOENT if absent, ENOTDIR if the parent is not a directory,
                 EINVAL for an invalid name, EXDEV for an object on another
                 filesystem (a mount inside the RAM store).
+            Deferred: absent, but another rank's file of that name is expected
+                soon (:meth:`tierfs.fuse.remote.RemoteFiles.expected`).
         """
         inodes = self.inodes
         parent = inodes.directory(parent_id)
         if b"/" in name or name in access.DOTS:
             access.check_name(name)
-        st = os.stat(name, dir_fd=inodes.fd_of(parent), follow_symlinks=False)
+        try:
+            st = os.stat(name, dir_fd=inodes.fd_of(parent), follow_symlinks=False)
+        except FileNotFoundError:
+            rel = inodes.child_relpath(parent, name)
+            wait = self.remote.expected(rel) if rel is not None else None
+            if wait is not None:
+                raise Deferred(wait) from None
+            raise
         if st.st_dev != inodes.dev:
             raise OSError(errno.EXDEV, "foreign filesystem in the RAM store")
         known = inodes.known(st)

@@ -10,6 +10,10 @@ whose bytes are fetched on first open. The namespace sees them only through
   SETATTR fail with ``EROFS`` (its bytes belong to another rank's sealed part);
   an open for writing with ``O_TRUNC`` (the node saving that path of the step
   again) makes it the node's own file (:meth:`RemoteFiles.taking_over`);
+* a LOOKUP of a name another rank's part is expected to hold soon (DCP's
+  ``.metadata`` right after this node's part of a new step sealed,
+  :meth:`RemoteFiles.expected`) raises :class:`Deferred` until it is placed
+  or the expectation ends;
 * an open of a file whose bytes are not here yet raises :class:`Deferred`:
   the session answers that request later, without holding up other requests
   (:meth:`tierfs.fuse.session.FuseSession.dispatch`): once the first chunk is
@@ -70,6 +74,13 @@ class RemoteFiles(Protocol):
         else what to wait for first (a fetch writing into it)."""
         ...
 
+    def expected(self, relpath: bytes) -> Callable[[], Awaitable[None]] | None:
+        """A LOOKUP of ``relpath`` (relative to the view) found nothing: None to answer
+        ``ENOENT`` now; else what to wait for first (another rank's file that this
+        node's part of a step just sealed expects, e.g. DCP's ``.metadata``), after
+        which the lookup is tried again."""
+        ...
+
     def partial(self, ino: int) -> bool:
         """True if ``ino`` is another rank's file whose bytes are not all here yet: a
         handle opened now is served by the daemon and its reads ask :meth:`readable`."""
@@ -98,6 +109,10 @@ class NoRemoteFiles:
         return None
 
     def taking_over(self, ino: int) -> Callable[[], Awaitable[None]] | None:
+        """Always None."""
+        return None
+
+    def expected(self, relpath: bytes) -> Callable[[], Awaitable[None]] | None:
         """Always None."""
         return None
 

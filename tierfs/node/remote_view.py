@@ -107,6 +107,14 @@ SOON, SOON_FOR = 0.1, 10.0
 #: seconds an open of a rank's file waits for that rank's part of the save this node
 #: began (F1): past the marker grace a part is sealed (:data:`sealing.MARKER_GRACE`)
 SUSPECT_WAIT = 40.0
+#: seconds after this node's first look at a step (right after its own part sealed)
+#: during which a LOOKUP of DCP's ``.metadata`` missing here waits for the other
+#: ranks' parts (fifth trial F1: save, barrier, load on every rank)
+EXPECT_FOR = 10.0
+#: seconds between looks while such a lookup waits
+EXPECT_POLL = 0.25
+#: DCP's metadata file, written by the coordinator rank (the part holding ``__0_*``)
+DCP_METADATA = ".metadata"
 #: bytes read per call when checking fetched bytes
 READ_CHUNK = 1 << 20
 
@@ -225,6 +233,8 @@ class StepUnion:
     tops: frozenset[str] = frozenset()
     #: rank -> when its placed part was sealed (Unix seconds), as far as known
     sealed: dict[int, float] = field(default_factory=dict)
+    #: set (and replaced) at the end of every look at the step
+    looked: trio.Event = field(default_factory=trio.Event)
 
     def current(self, m: Manifest) -> bool:
         """True if part ``m`` is of the save this node began (not an earlier one, even
@@ -441,6 +451,8 @@ class RemoteView:
         self._readers = 0
         self._no_readers = trio.Event()
         self._no_readers.set()
+        #: lookups waiting for an expected file (:meth:`expected`): looks come faster
+        self._expecting = 0
         #: bytes fetched per tier name; fetches that failed
         self.fetched_bytes: dict[str, int] = {}
         self.fetch_errors = 0
@@ -736,6 +748,74 @@ class RemoteView:
             self._wake.set()
             return
 
+    def expected(self, relpath: bytes) -> Callable[[], Awaitable[None]] | None:
+        """A LOOKUP of ``relpath`` found nothing (FUSE/trio thread): what to wait for
+        when it is DCP's ``.metadata`` in a directory of a step whose own part this
+        node sealed less than :data:`EXPECT_FOR` s ago, holding DCP data files but
+        not the coordinator rank's (``__0_*``) nor a ``.metadata``, while some other
+        rank's part is not known here yet; else None (``ENOENT`` now). The wait ends
+        once the file is in the view, every rank's part is known, or the time is up;
+        the lookup is then tried again.
+
+        Regression (#16 fifth trial F1): every rank ran ``dcp.save`` into a new step,
+        a barrier and ``dcp.load``; ranks 1..3 failed with ``FileNotFoundError`` on
+        ``.metadata``, which rank 0's part brought a few seconds later. Other names
+        never wait: the kernel looks a name up before it creates it, and a node's
+        own new files must not stall (the DCP coordinator rank, which writes
+        ``.metadata``, never waits)."""
+        rel = os.fsdecode(relpath)
+        head, _, name = rel.rpartition("/")
+        if name != DCP_METADATA or not head:
+            return None
+        union = self._awaits_metadata(head)
+        if union is None:
+            return None
+        return lambda: self._await_metadata(union, rel)
+
+    def _awaits_metadata(self, head: str) -> StepUnion | None:
+        """The step whose view would show another rank's ``head/.metadata`` soon (see
+        :meth:`expected`), else None."""
+        job = self.current.job
+        if job is None:
+            return None
+        top = head.split("/", 1)[0]
+        now = trio.current_time()
+        for step, union in self.steps.items():
+            if not union.own or top not in union.tops or union.first_look is None:
+                continue
+            if now >= union.first_look + EXPECT_FOR:
+                continue
+            if all(r in union.parts for r in range(union.writers) if r != job.node_rank):
+                continue  # every part is known: none brings it
+            own = self.catalog.get(ShardKey(job.name, job.node_rank, step))
+            if own is None:
+                continue
+            prefix = head + "/"
+            names = {
+                f.path[len(prefix) :]
+                for f in own.manifest.files
+                if f.path.startswith(prefix) and "/" not in f.path[len(prefix) :]
+            }
+            data = [n for n in names if n.endswith(".distcp")]
+            if data and DCP_METADATA not in names and not any(n.startswith("__0_") for n in data):
+                return union
+        return None
+
+    async def _await_metadata(self, union: StepUnion, rel: str) -> None:
+        """Wait until ``rel`` is in the view or :meth:`_awaits_metadata` no longer
+        expects it (trio thread; the looks come every :data:`EXPECT_POLL` s)."""
+        path = os.path.join(self.view_dir, rel)
+        head = rel.rpartition("/")[0]
+        assert union.first_look is not None
+        self._expecting += 1
+        self._wake.set()
+        try:
+            with trio.move_on_at(union.first_look + EXPECT_FOR):
+                while not os.path.lexists(path) and self._awaits_metadata(head) is union:
+                    await union.looked.wait()
+        finally:
+            self._expecting -= 1
+
     def wake(self) -> None:
         """Look again now (a restore put a step in place). Trio thread."""
         self._wake.set()
@@ -880,6 +960,8 @@ class RemoteView:
                 # enters the catalog without a seal); a look at a known step is a stat
                 active = waiting or self._active()
                 period = SOON if self._soon else self.retry if active else self.idle
+                if self._expecting:
+                    period = min(period, EXPECT_POLL)
                 with trio.move_on_after(period):
                     await self._wake.wait()
                 self._wake = trio.Event()
@@ -1082,6 +1164,8 @@ class RemoteView:
         for rank in current:
             if rank not in union.recheck:  # an old file kept open: confirmed when replaced
                 union.confirm(rank)
+        union.looked.set()
+        union.looked = trio.Event()
         return waiting
 
     def _claim(self, job: str, own_rank: int, union: StepUnion) -> dict[int, str]:
