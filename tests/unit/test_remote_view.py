@@ -164,9 +164,10 @@ def remote_view(
     job: fake_ports.FakeJob,
     parts: dict[int, Manifest],
     sources: list[Source],
+    **options,
 ) -> RemoteView:
     """A view of ``ram`` whose other ranks' manifests are ``parts`` (``job`` is the
-    running job and the reporter)."""
+    running job and the reporter; ``options``: RemoteView's keyword arguments)."""
     return RemoteView(
         ram.view,
         ram.incoming,
@@ -176,6 +177,7 @@ def remote_view(
         sources,
         job,
         trio.CapacityLimiter(1),
+        **options,
     )
 
 
@@ -188,6 +190,8 @@ def view_of(tmp: Path, parts: dict[int, Manifest], sources: list[Source]):
     return rv, ram, shards, catalog, own, job
 
 
+#: the names of step 10 in a view showing every rank's files of PARTS and its own
+WHOLE_STEP = [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
 PARTS = {0: manifest(0, {".metadata": B, "__0_0.distcp": C}), 2: manifest(2, {"__2_0.distcp": B})}
 BYTES = {"10/.metadata": B, "10/__0_0.distcp": C, "10/__2_0.distcp": B}
 
@@ -842,12 +846,7 @@ def test_a_step_saved_again_shows_the_new_files_of_the_other_ranks(tmp_path):
         )
         catalog.add(third)
         await rv.look(third)
-        assert sorted(p.name for p in view.iterdir()) == [
-            ".metadata",
-            "__0_0.distcp",
-            "__1_0.distcp",
-            "__2_0.distcp",
-        ]
+        assert sorted(p.name for p in view.iterdir()) == WHOLE_STEP
         await rv.prefetch(10)
         for path, data in new_bytes.items():
             assert (Path(ram.view) / path).read_bytes() == data
@@ -1179,12 +1178,7 @@ def test_a_step_a_restore_abandoned_shows_only_this_nodes_own_files(tmp_path):
 
     async def main() -> None:
         assert await rv.look(own) is False
-        assert sorted(os.listdir(step_dir)) == [
-            ".metadata",
-            "__0_0.distcp",
-            "__1_0.distcp",
-            "__2_0.distcp",
-        ]
+        assert sorted(os.listdir(step_dir)) == WHOLE_STEP
         rv.attach(files)  # type: ignore[arg-type]
         held = (step_dir / "__2_0.distcp").stat().st_ino
         files.open.add(held)  # a reader still has rank 2's file open
@@ -1206,12 +1200,7 @@ def test_a_step_a_restore_abandoned_shows_only_this_nodes_own_files(tmp_path):
         )
         catalog.add(again)
         assert await rv.look(again) is False
-        assert sorted(os.listdir(step_dir)) == [
-            ".metadata",
-            "__0_0.distcp",
-            "__1_0.distcp",
-            "__2_0.distcp",
-        ]
+        assert sorted(os.listdir(step_dir)) == WHOLE_STEP
 
     trio.run(main)
 
@@ -1280,17 +1269,7 @@ def test_a_save_begun_in_a_step_shown_without_an_own_part_waits_for_the_new_part
         for r, m in {**PARTS, 1: manifest(1, {"__1_0.distcp": A})}.items()
     }
     peer = Source("peer", {**BYTES, "10/__1_0.distcp": A}, ["peer node-rank 0"])
-    rv = RemoteView(
-        ram.view,
-        ram.incoming,
-        catalog,
-        job,
-        Manifests(parts),
-        [peer],
-        job,
-        trio.CapacityLimiter(1),
-        restored=lambda: (1000.0, 10, 3),
-    )
+    rv = remote_view(ram, catalog, job, parts, [peer], restored=lambda: (1000.0, 10, 3))
     meta = Path(ram.view) / "10" / ".metadata"
 
     async def main() -> None:

@@ -699,10 +699,15 @@ class RemoteView:
         save = self.new_save(key.step)
         if save is None:
             return
-        union.own_began = save[1]
-        union.suspect = {r for r in union.parts if r != job.node_rank}
+        self._suspect(union, {r for r in union.parts if r != job.node_rank}, save[1])
+
+    def _suspect(self, union: StepUnion, ranks: set[int], began: float) -> None:
+        """This node began another save of ``union``'s step at ``began`` (Unix seconds):
+        opens of ``ranks``' files wait for their parts of that save (F1)."""
+        union.own_began = began
+        union.suspect = ranks
         union.suspect_until = trio.current_time() + SUSPECT_WAIT
-        union.recheck |= union.suspect
+        union.recheck |= ranks
         self._wake.set()
 
     def own_change(self, path: str) -> None:
@@ -734,10 +739,6 @@ class RemoteView:
             old = {r for r in union.parts if union.sealed.get(r, now) < now - RESAVE_GAP}
             if not old:
                 return
-            union.own_began = now
-            union.suspect = old
-            union.suspect_until = trio.current_time() + SUSPECT_WAIT
-            union.recheck |= old
             log.info(
                 "step %d: this node began writing it (%s) without a part of its own: "
                 "opens of rank(s) %s's files wait for their part of this save",
@@ -745,7 +746,7 @@ class RemoteView:
                 path,
                 sorted(old),
             )
-            self._wake.set()
+            self._suspect(union, old, now)
             return
 
     def expected(self, relpath: bytes) -> Callable[[], Awaitable[None]] | None:
@@ -1112,8 +1113,10 @@ class RemoteView:
             found[rank] = manifest
             union.sealed[rank] = sealed_at(manifest)
             union.wanted.pop(rank, None)
-        replaced = _replaced(
-            own, found.values(), self.catalog.step_manifests(job.name, step, writers)
+        replaced = (
+            _replaced(own, found.values(), self.catalog.step_manifests(job.name, step, writers))
+            if found
+            else set()
         )
         for rank in sorted(r for r, m in found.items() if (r, m.digest) in replaced):
             # a part of this step that another part of the same save lists as replaced
