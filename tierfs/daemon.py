@@ -75,7 +75,7 @@ from tierfs.replication.peer import PeerTier
 from tierfs.replication.plane import PlaneState
 from tierfs.rpc.wire import WireStats
 from tierfs.store.ramstore import Budget, RamStore
-from tierfs.store.shards import ShardStore
+from tierfs.store.shards import Shard, ShardStore
 
 log = logging.getLogger(__name__)
 
@@ -253,6 +253,11 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
     # file work in worker threads: verification and the budget count share it
     io_limiter = trio.CapacityLimiter(2)
     verifier = ShardVerifier(shards, catalog, reporter, io_limiter)
+
+    async def withdraw_bad(shard: Shard) -> None:
+        await trio.to_thread.run_sync(view.withdraw_bad, shard)
+
+    verifier.on_bad(withdraw_bad)  # a discarded copy's files leave the view (F6)
     SealVerdicts(catalog, reporter, state)  # a sealed step that would not load: said once
     plane = coordinator = None
     if config.listen or config.coordinator:
@@ -380,6 +385,7 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
     if peer is not None:
         peer.watch_parts(remote)  # a rank saving a step again is noticed on every node
     view.foreign = remote.is_remote  # the seal rules skip other ranks' files
+    verifier.on_bad(remote.discard_bad)  # a discarded replica's files too (F7)
     agent = build_agent(
         config,
         store,

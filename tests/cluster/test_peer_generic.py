@@ -109,6 +109,49 @@ def test_corrupt_copy_caught_by_the_holder_falls_back_a_step(make_mount, monkeyp
     assert (survivor["state"], survivor["step"], survivor["summoned"]) == ("done", 2, True)
 
 
+def test_bad_copies_found_at_a_restart_are_never_served_by_the_view(make_mount):
+    """#16 fifth trial F6 and F7: node 1's own part of step 2 and its replica of rank 0
+    each had a flipped byte. Its restart found both, restored its part verified from
+    node 0 and said so (``restored step 2 from peer:0``, exit 0), but the view kept
+    the hard links to the discarded copies: the mount served the corrupt bytes."""
+    c = Cluster(make_mount, 2, node_args=generic(2))
+    saved = {}
+    for i in range(2):
+        tmp = c.root(i) / "tmp-checkpoint-2"
+        tmp.mkdir()
+        saved[f"weights-{i}.bin"] = os.urandom(300_000)
+        (tmp / f"weights-{i}.bin").write_bytes(saved[f"weights-{i}.bin"])
+        (tmp / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+        os.rename(tmp, c.root(i) / "checkpoint-2")
+    for i in range(2):
+        wait_until(lambda i=i: replicated(c, i, 2), 60, f"node {i}'s step 2 to be replicated")
+    # node 1 shows rank 0's file of the step (from the replica it holds)
+    wait_until(lambda: (c.root(1) / "checkpoint-2" / "weights-0.bin").exists(), 60, "rank 0's file")
+    shards = c.mounts[1].ram_dir / "store/shards/hf"
+    flip_byte(shards / "1/2/data/checkpoint-2/weights-1.bin", 150_000)  # its own part
+    flip_byte(shards / "0/2/data/checkpoint-2/weights-0.bin", 150_000)  # its replica
+    c.mounts[1].unmount()
+    c.remount(1)
+    waited = tierfs("wait", str(c.root(1)), "--timeout", "60")
+    assert waited.stdout.strip() == "restored step 2 from peer:0", c.logs()
+    errors = c.errors(1)
+    assert "step 2 of rank 1 failed verification" in errors, errors
+    assert "step 2 of rank 0 failed verification" in errors, errors
+    for name, data in saved.items():
+        # the own file: linked back from the verified copy; rank 0's: fetched again
+        got = wait_until(
+            lambda name=name: _read(c.root(1) / "checkpoint-2" / name), 60, f"{name} shown"
+        )
+        assert got == data, f"{name} served with other bytes than saved\n" + c.logs()
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
 def test_a_step_sealed_while_its_peer_was_down_reaches_it_later(make_mount, monkeypatch):
     """Found by a user: a step whose replication failed while the peer was down
     stayed 'replicating' forever once a newer step had been sent."""

@@ -13,7 +13,7 @@ and drops a bad copy from the catalog.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, ItemsView, Iterator, Mapping
+from collections.abc import Awaitable, Callable, ItemsView, Iterator, Mapping
 
 import trio
 
@@ -218,10 +218,25 @@ class ShardVerifier:
         self.catalog = catalog
         self.reporter = reporter
         self.limiter = limiter
+        self._bad: list[Callable[[Shard], Awaitable[None]]] = []
+
+    def on_bad(self, listener: Callable[[Shard], Awaitable[None]]) -> None:
+        """Await ``listener(shard)`` (trio thread; its file work in worker threads) when
+        :meth:`verify` finds ``shard`` bad, before it is dropped (its files still in
+        the store; :attr:`tierfs.store.shards.Shard.bad` names the wrong ones): the
+        view takes back its entries that are these files (hard links to the bad
+        bytes)."""
+        self._bad.append(listener)
 
     async def verify(self, shard: Shard) -> bool:
         """True if every file of ``shard`` matches its crc32c (worker thread); a bad
-        copy gets one line in ``replicator.errors`` and is dropped."""
+        copy gets one line in ``replicator.errors``, the view's entries that are its
+        wrong files leave the view (:meth:`on_bad`) and it is dropped.
+
+        Regression (#16 fifth trial F6): a flipped byte in node 2's own part of
+        step 10; the restart found it, fetched a verified copy from a peer and
+        said ``restored step 10 from peer:0`` (exit 0), while the mount kept
+        serving the corrupt file (the view's hard link to the discarded copy)."""
         async with self.limiter:
             problems = await trio.to_thread.run_sync(self.shards.verify, shard)
         if problems:
@@ -230,6 +245,8 @@ class ShardVerifier:
                 f"verification ({problems[0]}; {len(problems)} problem(s)); "
                 "copy discarded"
             )
+            for listener in self._bad:
+                await listener(shard)
             self.catalog.drop(shard.key, "checksum mismatch")
             return False
         return True

@@ -701,6 +701,59 @@ class RemoteView:
             return
         self._suspect(union, {r for r in union.parts if r != job.node_rank}, save[1])
 
+    async def discard_bad(self, shard: Shard) -> None:
+        """A replica held here failed verification (trio thread; before it is dropped,
+        :meth:`tierfs.node.catalog.ShardVerifier.on_bad`): each placed file that is
+        a hard link to one of its wrong files (:attr:`Shard.bad`) leaves the view,
+        and that rank's part is looked at again, so the file comes back as a
+        remote file fetched from another verified copy (or, with none, a read
+        fails loudly), never with the wrong bytes.
+
+        Regression (#16 fifth trial F7): node 0 held a replica of rank 2 with a
+        flipped byte; its restore found it and discarded the copy, while its
+        mount kept serving the file (a hard link to it) and ``dcp.load`` on node
+        0 returned the corrupt value."""
+        job = self.current.job
+        union = self.steps.get(shard.key.step)
+        if job is None or union is None or shard.key.job != job.name or not shard.bad:
+            return
+        bad = [
+            rf
+            for rf in (union.files.get(path) for path in shard.bad)
+            if rf is not None and rf.rank == shard.key.rank
+        ]
+        if not bad:
+            return
+        gone = await trio.to_thread.run_sync(self._unlink_bad, shard, bad)
+        if gone:
+            log.warning(
+                "step %d: rank %d's %s taken out of the view: the replica held here "
+                "failed verification; asked again",
+                shard.key.step,
+                shard.key.rank,
+                ", ".join(gone),
+            )
+            union.recheck.add(shard.key.rank)
+            self._wake.set()
+
+    def _unlink_bad(self, shard: Shard, files: list[RemoteFile]) -> list[str]:
+        """Unlink the view entries of ``files`` that are hard links to ``shard``'s bytes
+        (a worker thread); returns their paths. The next look of the step forgets
+        them (:meth:`_unplace`: the view entry is not the placed file any more)."""
+        gone = []
+        for rf in files:
+            path = os.path.join(self.view_dir, rf.path)
+            try:
+                ino = os.lstat(os.path.join(shard.data, rf.path)).st_ino
+                if rf.ino != ino or os.lstat(path).st_ino != ino:
+                    continue
+                os.unlink(path)
+            except OSError:
+                continue
+            self._notify(rf.path)
+            gone.append(rf.path)
+        return gone
+
     def _suspect(self, union: StepUnion, ranks: set[int], began: float) -> None:
         """This node began another save of ``union``'s step at ``began`` (Unix seconds):
         opens of ``ranks``' files wait for their parts of that save (F1)."""

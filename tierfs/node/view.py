@@ -251,6 +251,46 @@ class ClientView:
         os.unlink(os.path.join(view, tmp))
         return True
 
+    def withdraw_bad(self, shard: Shard) -> list[str]:
+        """Take out of the view (into the trash) each entry that is one of ``shard``'s
+        wrong files (:attr:`tierfs.store.shards.Shard.bad`: a hard link to bytes a
+        verification found wrong), before that copy is discarded. A worker thread.
+
+        A restore of the step links the verified copy back in
+        (:meth:`link_missing`, :meth:`publish`); until then, and when the step is
+        not restored, the file is missing (a load fails loudly), never served
+        with wrong bytes. Other ranks' files of the whole-step view are left to
+        :meth:`tierfs.node.remote_view.RemoteView.discard_bad`. An open handle
+        keeps the inode it opened. Returns the view paths taken out.
+        """
+        out = []
+        for rel in shard.bad:
+            try:
+                ino = os.lstat(os.path.join(shard.data, rel)).st_ino
+                st = os.lstat(self._p(rel))
+            except OSError:
+                continue
+            if st.st_ino != ino or not stat.S_ISREG(st.st_mode):
+                continue  # replaced or rewritten by the client since the seal
+            if self.foreign is not None and self.foreign(ino):
+                continue
+            try:
+                self.store.to_trash(self._p(rel))
+            except OSError as exc:
+                log.warning("taking %s out of the view: %s", rel, exc)
+                continue
+            self.notify(rel)
+            out.append(rel)
+        if out:
+            log.warning(
+                "step %d: %s taken out of the view: the copy of rank %d behind them "
+                "failed verification",
+                shard.key.step,
+                ", ".join(out),
+                shard.key.rank,
+            )
+        return out
+
     def link_missing(self, shard: Shard) -> list[str]:
         """Link what the view lacks of the shard back in (generic restore): its missing
         top-level entries, and inside the ones present each file, directory or

@@ -562,36 +562,44 @@ def scan_tree(
     return out
 
 
-def verify_tree(
+def check_tree(
     root: str, files: Iterable[FileEntry], cancelled: Callable[[], bool] | None = None
-) -> list[str]:
-    """Check a copy against its manifest entries; returns problems (empty: verified).
+) -> list[tuple[str, str]]:
+    """Check a copy against its manifest entries; returns (path, problem) pairs, the
+    path relative to ``root`` as the manifest names it (empty: verified).
 
     Every file's size and crc32c, every directory and symlink must match.
     """
-    problems: list[str] = []
+    problems: list[tuple[str, str]] = []
     buf = bytearray(CHUNK)
     for f in files:
         full = os.path.join(root, f.path)
         try:
             st = os.lstat(full)
         except OSError:
-            problems.append(f"{f.path}: missing")
+            problems.append((f.path, "missing"))
             continue
         if f.kind == "dir":
             if not stat.S_ISDIR(st.st_mode):
-                problems.append(f"{f.path}: not a directory")
+                problems.append((f.path, "not a directory"))
         elif f.kind == "symlink":
             if not stat.S_ISLNK(st.st_mode) or os.readlink(full) != f.target:
-                problems.append(f"{f.path}: symlink differs")
+                problems.append((f.path, "symlink differs"))
         else:
             if not stat.S_ISREG(st.st_mode):
-                problems.append(f"{f.path}: not a regular file")
+                problems.append((f.path, "not a regular file"))
                 continue
             if st.st_size != f.size:
-                problems.append(f"{f.path}: size {st.st_size} != {f.size}")
+                problems.append((f.path, f"size {st.st_size} != {f.size}"))
                 continue
             crc, _ = crc32c_file(full, buf, cancelled)
             if crc != f.crc32c:
-                problems.append(f"{f.path}: crc32c {crc:08x} != {f.crc32c:08x}")
+                problems.append((f.path, f"crc32c {crc:08x} != {f.crc32c:08x}"))
     return problems
+
+
+def verify_tree(
+    root: str, files: Iterable[FileEntry], cancelled: Callable[[], bool] | None = None
+) -> list[str]:
+    """:func:`check_tree` as lines ``"<path>: <problem>"`` (empty: verified)."""
+    return [f"{path}: {why}" for path, why in check_tree(root, files, cancelled)]

@@ -36,8 +36,8 @@ from tierfs.store.manifest import (
     ManifestError,
     check_entries,
     check_self_contained,
+    check_tree,
     scan_tree,
-    verify_tree,
 )
 from tierfs.store.ramstore import RamStore
 from tierfs.store.verdicts import judge_part
@@ -76,6 +76,8 @@ class Shard:
             store at startup (a restore re-checks it, :func:`needs_check`).
         whole: its step judged across ranks by this node, as read at load
             (:meth:`ShardStore.save_whole`), or None.
+        bad: the manifest paths (relative to :attr:`data`) of the files the last
+            :meth:`ShardStore.verify` found wrong or missing (empty: none).
     """
 
     key: ShardKey
@@ -85,6 +87,7 @@ class Shard:
     inodes: set[int] = field(default_factory=set)
     whole: WholeVerdict | None = None
     checked_at: float | None = None
+    bad: tuple[str, ...] = ()
 
     @property
     def data(self) -> str:
@@ -382,12 +385,15 @@ class ShardStore:
             self.ram.to_trash(shard.path)
 
     def verify(self, shard: Shard, cancelled: Callable[[], bool] | None = None) -> list[str]:
-        """Re-check every file against the manifest; returns problems (empty: good)."""
+        """Re-check every file against the manifest; returns problems as lines
+        ``"<path>: <problem>"`` (empty: good) and records the paths in
+        :attr:`Shard.bad`."""
         started = time.monotonic()
-        problems = verify_tree(shard.data, shard.manifest.files, cancelled)
-        shard.verified = not problems
-        shard.checked_at = None if problems else started
-        return problems
+        found = check_tree(shard.data, shard.manifest.files, cancelled)
+        shard.verified = not found
+        shard.checked_at = None if found else started
+        shard.bad = tuple(path for path, _ in found)
+        return [f"{path}: {why}" for path, why in found]
 
     def materialize(self, shard: Shard, dest_dir: str, renames: dict[str, str]) -> list[str]:
         """Hard-link the shard's top-level entries into ``dest_dir``.

@@ -1,0 +1,141 @@
+"""A copy that fails verification takes its files out of the view (#16 fifth trial F6,
+F7), without a mount: the view's entries are hard links to the store's bytes, so a
+copy discarded for a checksum mismatch must not stay readable through them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import fake_ports
+import trio
+from test_remote_view import BYTES, PARTS, Source, remote_view
+
+from tierfs.core.control import JobSpec
+from tierfs.node.catalog import ShardCatalog, ShardVerifier
+from tierfs.node.view import ClientView
+from tierfs.store.ramstore import RamStore
+from tierfs.store.shards import Shard, ShardKey, ShardStore
+
+JOB = "train"
+A, B = os.urandom(5000), os.urandom(7000)
+
+
+def flip(path: str | Path, offset: int = 100) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def sealed(ram: RamStore, shards: ShardStore, rank: int, files: dict[str, bytes]) -> Shard:
+    for rel, data in files.items():
+        p = Path(ram.view) / "10" / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    return shards.snapshot(ram.view, ShardKey(JOB, rank, 10), "10", ["10"], "generic")
+
+
+def verifier(shards: ShardStore, catalog: ShardCatalog, job) -> ShardVerifier:
+    return ShardVerifier(shards, catalog, job, trio.CapacityLimiter(2))
+
+
+def test_a_bad_own_copy_leaves_the_view_and_the_restored_copy_takes_its_place(tmp_path):
+    """F6: node 2's own part of step 10 had a flipped byte; its restart found it and
+    restored a verified copy from a peer, but the view kept the hard link to the bad
+    bytes and ``dcp.load`` read them (exit 0, ``restored step 10 from peer:0``)."""
+    ram = RamStore(str(tmp_path / "node1"))
+    shards = ShardStore(ram)
+    own = sealed(ram, shards, 1, {"__1_0.distcp": A, "extra.bin": B})
+    catalog = ShardCatalog(shards, 3)
+    catalog.add(own)
+    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 1, 3))
+    view = ClientView(ram)
+    check = verifier(shards, catalog, job)
+
+    async def withdraw(shard: Shard) -> None:
+        await trio.to_thread.run_sync(view.withdraw_bad, shard)
+
+    check.on_bad(withdraw)
+    bad, good = Path(ram.view) / "10" / "__1_0.distcp", Path(ram.view) / "10" / "extra.bin"
+    good_ino = good.stat().st_ino
+    flip(bad)  # the view's file is the store's file (a hard link): both are bad
+    assert trio.run(check.verify, own) is False
+    assert own.bad == ("10/__1_0.distcp",)
+    assert not bad.exists()  # never served with the wrong bytes
+    assert good.read_bytes() == B and good.stat().st_ino == good_ino  # a good file stays
+    assert own.key not in catalog
+    assert any("failed verification" in e for e in job.errors), job.errors
+    # the restore's verified copy (from a peer: here sealed from another tree) is linked
+    # back into the view in place of the bad one
+    peer_tree = tmp_path / "peer"
+    (peer_tree / "10").mkdir(parents=True)
+    (peer_tree / "10" / "__1_0.distcp").write_bytes(A)
+    (peer_tree / "10" / "extra.bin").write_bytes(B)
+    fetched = shards.snapshot(str(peer_tree), ShardKey(JOB, 1, 10), "10", ["10"], "generic")
+    assert view.link_missing(fetched) == ["10/__1_0.distcp"]
+    assert bad.read_bytes() == A
+
+
+def test_a_file_the_client_rewrote_since_the_seal_is_left_alone(tmp_path):
+    """Only entries that are the bad copy's own inode leave the view."""
+    ram = RamStore(str(tmp_path / "node1"))
+    shards = ShardStore(ram)
+    own = sealed(ram, shards, 1, {"__1_0.distcp": A})
+    flip(Path(own.data) / "10" / "__1_0.distcp")
+    mine = Path(ram.view) / "10" / "__1_0.distcp"
+    mine.unlink()
+    mine.write_bytes(B)  # a new file of that name (another inode)
+    assert shards.verify(own) and own.bad == ("10/__1_0.distcp",)
+    assert ClientView(ram).withdraw_bad(own) == []
+    assert mine.read_bytes() == B
+
+
+def test_a_bad_replica_behind_another_ranks_file_is_placed_again_and_fetched(tmp_path):
+    """F7: node 0 held a replica of rank 2 with a flipped byte; its restore discarded
+    the copy, while the whole-step view kept serving the file (a hard link to it)."""
+    ram = RamStore(str(tmp_path / "node1"))
+    shards = ShardStore(ram)
+    own = sealed(ram, shards, 1, {"__1_0.distcp": A})
+    catalog = ShardCatalog(shards, 3)
+    catalog.add(own)
+    other = tmp_path / "node0-view"  # rank 0's view, on the same filesystem
+    (other / "10").mkdir(parents=True)
+    (other / "10" / ".metadata").write_bytes(BYTES["10/.metadata"])
+    (other / "10" / "__0_0.distcp").write_bytes(BYTES["10/__0_0.distcp"])
+    replica = shards.snapshot(str(other), ShardKey(JOB, 0, 10), "10", ["10"], "generic")
+    catalog.add(replica)
+    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 1, 3))
+    peer = Source("peer", BYTES, ["peer node-rank 0"])
+    rv = remote_view(ram, catalog, job, {**PARTS, 0: replica.manifest}, [peer])
+    check = verifier(shards, catalog, job)
+    check.on_bad(rv.discard_bad)
+    view = ClientView(ram)
+    view.foreign = rv.is_remote
+
+    async def withdraw(shard: Shard) -> None:
+        await trio.to_thread.run_sync(view.withdraw_bad, shard)
+
+    check.on_bad(withdraw)
+    meta = Path(ram.view) / "10" / ".metadata"
+
+    async def main() -> None:
+        await rv.look(own)
+        held = (Path(replica.data) / "10" / ".metadata").stat().st_ino
+        assert meta.stat().st_ino == held
+        flip(meta)  # the replica's bytes, seen through the view's hard link
+        assert await check.verify(replica) is False
+        assert not meta.exists()
+        await rv.look(own)  # asked again: placed as a remote file, fetched on open
+        ino = meta.stat().st_ino
+        assert ino != held
+        fetch = rv.missing(ino)
+        assert fetch is not None
+        await fetch()
+
+    trio.run(main)
+    assert meta.read_bytes() == BYTES["10/.metadata"]
+    assert replica.key not in catalog
+    # the good file of the discarded replica stays shown (its bytes were right)
+    assert (Path(ram.view) / "10" / "__0_0.distcp").read_bytes() == BYTES["10/__0_0.distcp"]
