@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -228,10 +229,12 @@ def make_shard(
     framework: str = "orbax",
     entries: list[str] | None = None,
     modes: dict[str, int] | None = None,
+    **seal: Any,
 ):
     """Seal a shard from ``files`` (relative path -> bytes, or ``"->target"`` for a
     symlink, or ``"/"`` for an empty directory) in a RAM store at ``ram_dir``;
-    ``modes`` sets permission bits before the seal.
+    ``modes`` sets permission bits before the seal; ``seal``: more keyword arguments
+    of :meth:`tierfs.store.shards.ShardStore.snapshot` (``nodes``, ``created``).
 
     Returns the committed :class:`tierfs.store.shards.Shard`.
     """
@@ -252,7 +255,9 @@ def make_shard(
     for rel, mode in (modes or {}).items():
         os.chmod(view / rel, mode)
     tops = entries or sorted({rel.split("/", 1)[0] for rel in files})
-    return ShardStore(ram).snapshot(str(view), ShardKey(job, rank, step), tops[0], tops, framework)
+    return ShardStore(ram).snapshot(
+        str(view), ShardKey(job, rank, step), tops[0], tops, framework, **seal
+    )
 
 
 def tree_of(root: Path) -> dict[str, object]:

@@ -45,6 +45,9 @@ class Host:
     def find_digest(self, job: str, digest: str):
         return self.src, True
 
+    def find(self, key):
+        return None  # no copy of the pushed part's own key held here
+
     def adopt(self, shard, linked_from=None) -> None:
         self.adopted.append((shard, linked_from))
 

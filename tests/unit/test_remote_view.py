@@ -1251,6 +1251,32 @@ def test_a_bucket_round_of_an_earlier_save_is_never_shown_beside_the_new_save(tm
     assert (Path(ram2.view) / "10" / "__2_0.distcp").stat().st_size == len(B)
 
 
+def test_a_part_of_the_step_saved_by_another_node_count_is_never_shown(tmp_path):
+    """Regression (#16 fifth trial F8, silent mixed data): a 4-node job saved step 20,
+    went on with 3 renumbered nodes and saved step 20 again; renumbered once more, the
+    node that was rank 2 of the 4-node save became rank 2 again and sent that part:
+    node 0 showed it beside the 3-node save's parts. A part written by another node
+    count than this view's save of the step is not shown, from a replica held here,
+    from its node, or from a bucket round."""
+    old2 = dataclasses.replace(manifest(2, {"__2_0.distcp": B}), nodes=4)
+    new2 = dataclasses.replace(manifest(2, {"__2_0.distcp": C}), nodes=3)
+    peer = Source("peer", {**BYTES, "10/__2_0.distcp": C}, ["peer node-rank 2"])
+    rv, ram, shards, catalog, own, _job = view_of(tmp_path, {0: PARTS[0], 2: old2}, [peer])
+    rv.more_manifests = [Manifests({2: old2})]
+    other = tmp_path / "node2-view"  # the 4-node part, also held here as a replica
+    (other / "10").mkdir(parents=True)
+    (other / "10" / "__2_0.distcp").write_bytes(B)
+    held = shards.snapshot(str(other), ShardKey(JOB, 2, 10), "10", ["10"], "generic", nodes=4)
+    catalog.add(held)
+    shard2 = Path(ram.view) / "10" / "__2_0.distcp"
+    assert trio.run(rv.look, own) is True  # rank 2's part of this save: not known yet
+    assert not shard2.exists()
+    assert (Path(ram.view) / "10" / ".metadata").exists()  # rank 0's part is shown
+    rv.manifests.parts[2] = new2  # node 2 answers with its part of the 3-node save
+    assert trio.run(rv.look, own) is False
+    assert trio.run(rv.missing(shard2.stat().st_ino)) is None and shard2.read_bytes() == C
+
+
 def test_a_save_begun_in_a_step_shown_without_an_own_part_waits_for_the_new_parts(tmp_path):
     """Regression (#16 fifth trial F3): a job grew from 3 to 4 nodes and every rank
     saved the restored step 10 again in place, then loaded it. The new node 3 held no

@@ -9,9 +9,11 @@ through the coordinator."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,8 +33,10 @@ from tierfs.node.catalog import ShardCatalog
 from tierfs.replication import heartbeat
 from tierfs.replication.peer import PeerTier
 from tierfs.replication.plane import PlaneState
+from tierfs.replication.service import later_save_held
 from tierfs.replication.transfer import BadCopy
 from tierfs.rpc import peer_pb2 as pb
+from tierfs.store.manifest import FileEntry, Manifest
 from tierfs.store.ramstore import RamStore
 from tierfs.store.shards import Shard, ShardKey, ShardStore
 
@@ -202,6 +206,43 @@ def test_a_peer_holding_identical_bytes_gets_only_the_manifest(net, tmp_path):
             assert os.stat(Path(replica.data, f)).st_ino == os.stat(Path(own.data, f)).st_ino
 
     cluster(net, tmp_path, test)
+
+
+def test_a_later_save_by_another_node_count_is_kept_against_an_older_push(net, tmp_path):
+    """Regression (#16 fifth trial F8): a node renumbered back to the rank it had in a
+    4-node save pushed its part of that save; node 0 replaced its replica of the later
+    3-node save of the same step (same job, rank, step) and its view showed the old
+    part. The receiver keeps the later save (ALREADY_EXISTS); the sender calls that
+    peer's copy ``superseded`` and writes no error."""
+    later = time.time()
+
+    async def test(nodes: list[Node]) -> None:
+        old = make_shard(nodes[0].ram_dir, JOB, 0, 5, files(5), nodes=4, created=later - 600)
+        kept = make_shard(nodes[1].ram_dir, JOB, 0, 5, files(5, 9), nodes=3, created=later)
+        assert kept.manifest.sealed > old.manifest.sealed  # sealed after: the later save
+        nodes[1].catalog.add(kept)
+        nodes[0].catalog.add(old)
+        nodes[0].catalog.sealed(old)
+        await wait_for(
+            lambda: nodes[0].states(5) == {1: "superseded", 2: "replicated"},
+            "the pushes",
+            debug=lambda: nodes[0].states(5),
+        )
+        assert nodes[1].catalog[ShardKey(JOB, 0, 5)].manifest.digest == kept.manifest.digest
+        assert content_of(nodes[1].catalog[ShardKey(JOB, 0, 5)]) == files(5, 9)
+        assert nodes[2].catalog[ShardKey(JOB, 0, 5)].manifest.digest == old.manifest.digest
+        assert not any("replication of step 5" in e for e in nodes[0].job.errors)
+
+    cluster(net, tmp_path, test)
+
+
+def test_later_save_held_needs_another_node_count_and_a_later_seal():
+    a = Manifest(JOB, 2, 20, "20", "generic", (), created=100.0, nodes=4)
+    b = dataclasses.replace(a, files=(FileEntry("20", "dir"),), created=200.0, nodes=3)
+    assert later_save_held(b, a) and not later_save_held(a, b)
+    assert not later_save_held(dataclasses.replace(b, nodes=4), a)  # a re-save: newest wins
+    assert not later_save_held(dataclasses.replace(b, nodes=0), a)  # unknown: as before
+    assert not later_save_held(dataclasses.replace(a, created=300.0, nodes=3), a)  # same bytes
 
 
 def test_a_copy_corrupted_in_transit_is_refused_and_sent_again(net, tmp_path):

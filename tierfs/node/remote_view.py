@@ -270,6 +270,21 @@ def _of_this_save(m: Manifest, own: Shard | None, want: str | None) -> bool:
     return sealed_at(m) >= began or m.began >= began - RESAVE_GAP / 2
 
 
+def _of_writers(m: Manifest, writers: int) -> bool:
+    """Whether another rank's part ``m`` is of the save of the step by ``writers``
+    nodes that this view shows (pure): the same step number written by two node
+    counts is two saves whose parts are never combined (README, docs/SEMANTICS.md).
+    A manifest without a node count (sealed before it was recorded) is taken as of
+    ``writers``.
+
+    Regression (#16 fifth trial F8): a 4-node job saved step 20, lost a node, went
+    on with 3 renumbered nodes and saved step 20 again; renumbered once more, the
+    node that was rank 2 of the 4-node save became rank 2 again and sent its part
+    of that earlier save: node 0 showed it beside the 3-node save's parts and
+    ``dcp.load`` returned rank 2's earlier values without an error."""
+    return not m.nodes or not writers or m.nodes == writers
+
+
 def _replaced(own: Shard | None, *groups: Collection[Manifest]) -> set[tuple[int, str]]:
     """The (rank, digest) pairs that this node's own part or any of the manifests in
     ``groups`` (other ranks' parts of the step: found now, held here) list as
@@ -1140,10 +1155,23 @@ class RemoteView:
                 manifest = None  # an older replica than the part its node reported
             if manifest is not None and rank in union.suspect and not union.current(manifest):
                 manifest = None  # a replica of the earlier save: its node is asked
+            if manifest is not None and not _of_writers(manifest, writers):
+                manifest = None  # a replica of another node count's save (F8)
             if manifest is None and self.manifests is not None:
                 manifest = await self.manifests.part_manifest(job.name, rank, step, writers=writers)
                 if manifest is None and held is not None:
                     manifest = held.manifest  # its node does not answer: the replica here
+                if manifest is not None and not _of_writers(manifest, writers):
+                    log.info(
+                        "step %d: rank %d's part %s was written by %d nodes, this view's "
+                        "save of the step by %d: not shown",
+                        step,
+                        rank,
+                        manifest.digest[:12],
+                        manifest.nodes,
+                        writers,
+                    )
+                    manifest = None  # its node's part of another save (F8)
             for more in self.more_manifests:
                 if manifest is not None:
                     break
@@ -1152,8 +1180,10 @@ class RemoteView:
                 manifest = await more.part_manifest(
                     job.name, rank, step, writers=writers, round_name=self.restored_round(step)
                 )
-                if manifest is not None and not _of_this_save(manifest, own, want):
-                    manifest = None  # an earlier save's part (F5): its node is asked again
+                if manifest is not None and not (
+                    _of_this_save(manifest, own, want) and _of_writers(manifest, writers)
+                ):
+                    manifest = None  # an earlier save's part (F5, F8): its node is asked again
             if manifest is None:
                 waiting = trio.current_time() - union.first_look < self.patience
                 continue

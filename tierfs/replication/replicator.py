@@ -288,6 +288,17 @@ class Replicator:
                                 "node-rank %d found %s corrupt in transit; sending again", peer, key
                             )
                             continue
+                        if code == grpc.StatusCode.ALREADY_EXISTS:
+                            # the peer holds a later save of this step by another node
+                            # count (a renumbered node's old part, #16 F8): nothing to send
+                            send.states[peer] = "superseded"
+                            log.info(
+                                "node-rank %d keeps its later save of %s: %s",
+                                peer,
+                                key,
+                                rpc_reason(exc),
+                            )
+                            return
                         again = code in (
                             grpc.StatusCode.UNAVAILABLE,
                             grpc.StatusCode.DEADLINE_EXCEEDED,

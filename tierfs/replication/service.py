@@ -110,6 +110,30 @@ class HostGone(ClusterError):
     """
 
 
+class Superseded(ClusterError):
+    """This node holds a later save of the pushed part's step by another node count
+    (:func:`later_save_held`): the push is refused with ``ALREADY_EXISTS``."""
+
+
+def later_save_held(held: Manifest, incoming: Manifest) -> bool:
+    """Whether a copy ``held`` here of the same (job, rank, step) as ``incoming`` is of
+    a later save of that step by another node count (pure): then ``incoming`` must not
+    replace it. Both node counts must be known; seal times are the writers' clocks
+    (``sealed``, else ``created``; Unix seconds).
+
+    Regression (#16 fifth trial F8): renumbered again, the node that was rank 2 of
+    a 4-node save of step 20 became rank 2 of a 3-node job and pushed that old part
+    to node 0, replacing node 0's replica of the 3-node save's rank 2 (which the
+    3-node job had saved later): its view then showed the older part."""
+    return (
+        held.digest != incoming.digest
+        and held.nodes > 0
+        and incoming.nodes > 0
+        and held.nodes != incoming.nodes
+        and (held.sealed or held.created) > (incoming.sealed or incoming.created)
+    )
+
+
 def _valid_job(job: str) -> bool:
     return bool(_JOB_RE.match(job)) and job not in (".", "..")
 
@@ -201,6 +225,7 @@ class PeerServicer:
                     detail="stream ended without a manifest",
                 )
             check_identity(manifest, key, h.digest)
+            self._not_superseded(key, manifest)
             rx.finish(manifest)
             shard = self.host.shards.commit(inc, manifest, verified=True)
             inc = None
@@ -220,6 +245,9 @@ class PeerServicer:
         except Refused as exc:
             self.host.stats.add("refused")
             code, detail = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        except Superseded as exc:
+            self.host.stats.add("refused")
+            code, detail = grpc.StatusCode.ALREADY_EXISTS, str(exc)
         except OSError as exc:
             code = (
                 grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -239,12 +267,24 @@ class PeerServicer:
         log.warning("refused a replica from node-rank %d: %s", h.sender_rank, detail)
         context.abort(code, detail)
 
+    def _not_superseded(self, key: ShardKey, manifest: Manifest) -> None:
+        """Raise :class:`Superseded` if the copy of ``key`` held here is of a later save
+        by another node count than ``manifest`` (:func:`later_save_held`)."""
+        held = self.host.find(key)
+        if held is not None and later_save_held(held.manifest, manifest):
+            raise Superseded(
+                f"step {key.step} of rank {key.rank}: this node holds a later save of "
+                f"it by {held.manifest.nodes} nodes; this copy is of the save by "
+                f"{manifest.nodes}"
+            )
+
     def _dedup(self, h: Any, key: ShardKey, it: Any, inc: str) -> Any:
         msg = next(it, None)
         if msg is None or peer_wire.kind_of(msg) != "manifest":
             raise Refused("a manifest-only push must carry the manifest")
         manifest = parse_manifest(msg.manifest.json)
         check_identity(manifest, key, h.digest)
+        self._not_superseded(key, manifest)
         found = self.host.find_digest(h.job, h.digest)
         if found is None:
             shutil.rmtree(inc, ignore_errors=True)
