@@ -45,7 +45,8 @@ requests from a count per step, and replies list at most
 :data:`tierfs.cluster.rounds.SHOWN_RANKS` ranks plus the exact count. The
 backup book (whose tick does walk the ranks) is ticked on every call for
 up to :data:`BOOK_TICKS_PER_ROUND` nodes, else that many times per
-heartbeat round, and at once when the synced step moves. A round is
+heartbeat round (above :data:`BOOK_TICK_NODES` nodes at most once per
+:data:`BOOK_TICK_SECONDS`), and at once when the synced step moves. A round is
 decided as soon as its last rank joined (or the bucket answered), not at
 the next ``Decide``.
 
@@ -119,6 +120,12 @@ log = logging.getLogger(__name__)
 #: the backup book is ticked at least once per this many Sync calls per node
 #: (with 64 nodes or fewer on every call); a new synced step ticks it at once
 BOOK_TICKS_PER_ROUND = 64
+#: above this many nodes the book is ticked at most once per :data:`BOOK_TICK_SECONDS`
+#: (each tick walks every member: 64 ticks per heartbeat round tripled the round's
+#: coordinator CPU at 10,000 nodes, issue #17 review B0); a new synced step still
+#: ticks it at once
+BOOK_TICK_NODES = 256
+BOOK_TICK_SECONDS = 0.5
 
 __all__ = [
     "BUCKET_DEPTH",
@@ -259,6 +266,8 @@ class Coordinator:
         self.synced_at = 0.0
         self._book_calls = 0
         self._book_synced = NO_STEP
+        #: clock time of the last tick of the backup book (:data:`BOOK_TICK_SECONDS`)
+        self._book_ticked = float("-inf")
         #: (round, rank) of the summoned members nudged already (:meth:`nudges`)
         self._nudged: set[tuple[int, int]] = set()
         if backups is not None:
@@ -765,12 +774,13 @@ class Coordinator:
         if backup is not None:
             book.report(rank, backup)
         self._book_calls += 1
-        if (
-            self._book_calls >= max(1, self.nodes // BOOK_TICKS_PER_ROUND)
-            or self.synced_step != self._book_synced
-        ):
+        due = self._book_calls >= max(1, self.nodes // BOOK_TICKS_PER_ROUND)
+        if due and self.nodes > BOOK_TICK_NODES:
+            due = self.clock() - self._book_ticked >= BOOK_TICK_SECONDS
+        if due or self.synced_step != self._book_synced:
             self._book_calls = 0
             self._book_synced = self.synced_step
+            self._book_ticked = self.clock()
             self._backup_tick(book)
         order = book.order_for(rank)
         return SyncView(

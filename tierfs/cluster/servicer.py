@@ -113,6 +113,8 @@ class CoordinatorServicer:
         self.round_batched_members = 0
         #: rank -> (its last SyncRequest, serialized; that request's inventory as Holdings)
         self._inventories: dict[int, tuple[bytes, tuple[Holding, ...]]] = {}
+        #: the coordinator's gone set and its ranks sorted (:meth:`_gone_sorted`)
+        self._gone: tuple[frozenset[int], list[int]] | None = None
         self._nudger: Callable[[str, str, int], Coroutine[Any, Any, bool]] | None = None
         self._nudging: set[asyncio.Task[bool]] = set()
         #: nudges sent (:meth:`tierfs.cluster.coordinator.Coordinator.nudges`)
@@ -430,6 +432,14 @@ class CoordinatorServicer:
         self._inventories[request.rank] = (key, held)
         return held
 
+    def _gone_sorted(self, gone: frozenset[int]) -> list[int]:
+        """``gone`` sorted, sorted once per set (the coordinator replaces the frozenset
+        when it changes; sorting it per heartbeat cost O(G log G) per call, review B3)."""
+        hit = self._gone
+        if hit is None or hit[0] is not gone:
+            hit = self._gone = (gone, sorted(gone))
+        return hit[1]
+
     def _sync_reply(self, request: Any, reply: Any = None) -> Any:
         """The SyncReply to one SyncRequest, filled into ``reply`` (an empty SyncReply;
         None: a new one) and returned (under the lock)."""
@@ -469,7 +479,7 @@ class CoordinatorServicer:
         if view.steps:
             reply.steps.extend(view.steps)
         if c.gone:
-            reply.gone.extend(sorted(c.gone))
+            reply.gone.extend(self._gone_sorted(c.gone))
         if view.known and request.view_steps:
             # what changed in the steps the node's whole-step view shows
             parts = c.roster.parts
