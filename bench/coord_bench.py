@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -94,15 +95,22 @@ def load_baseline(ref: str) -> Any:
     return mod
 
 
-def serve(kind: str, ref: str) -> None:
-    """The server process: print the port, serve until stdin closes."""
+def serve(kind: str, ref: str, book: bool = False) -> None:
+    """The server process: print the port, serve until stdin closes. With ``book`` the
+    coordinator has the backup book node-rank 0 installs for a job with a bucket
+    (``tierfs/daemon.py``), seeded as an empty bucket once the job has joined."""
     if kind == "new":
+        from tierfs.cluster.backup_schedule import RoundBook
         from tierfs.cluster.coordinator import Coordinator
         from tierfs.cluster.servicer import CoordinatorServicer
         from tierfs.rpc import wire
         from tierfs.rpc.aio_server import AioServer
 
-        servicer = CoordinatorServicer(Coordinator(live_seconds=600.0))
+        servicer = CoordinatorServicer(
+            Coordinator(live_seconds=600.0, backups=RoundBook() if book else None)
+        )
+        if book:
+            threading.Thread(target=_seed_book, args=(servicer,), daemon=True).start()
         server = AioServer(servicer.attach, options=wire.SERVER_OPTIONS)
         port = server.start("127.0.0.1:0")
         stop = server.stop
@@ -131,12 +139,21 @@ def serve(kind: str, ref: str) -> None:
     stop(0)
 
 
-class Server:
-    """A coordinator in a child process."""
+def _seed_book(servicer: Any) -> None:
+    """Seed the backup book as the GCS tier does for an empty bucket, as soon as the
+    job is known (a thread of the server process)."""
+    while not servicer.locked(lambda c: c.backups.job == JOB):
+        time.sleep(0.01)
+    servicer.locked(lambda c: c.backups.seed(JOB, None, None))
 
-    def __init__(self, kind: str, ref: str) -> None:
+
+class Server:
+    """A coordinator in a child process (``book``: with a backup book, :func:`serve`)."""
+
+    def __init__(self, kind: str, ref: str, book: bool = False) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve", kind, "--baseline-ref", ref],
+            [sys.executable, __file__, "--serve", kind, "--baseline-ref", ref]
+            + (["--book"] if book else []),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -446,6 +463,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--serve", choices=["old", "new"], help=argparse.SUPPRESS)
     ap.add_argument("--baseline-ref", default="main")
+    ap.add_argument("--book", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--nodes", default="100,1000")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--limit", type=float, default=60.0, help="seconds a restore round may take")
@@ -460,7 +478,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.serve:
-        serve(args.serve, args.baseline_ref)
+        serve(args.serve, args.baseline_ref, args.book)
         return
     kinds = (
         ["new"] if args.no_baseline or load_baseline(args.baseline_ref) is None else ["old", "new"]

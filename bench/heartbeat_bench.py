@@ -14,12 +14,23 @@ round is measured both ways, alternating (ABAB), ``--repeat`` times each:
   requests are built before the clock starts; the members' Relay calls go
   to their leaders, not here).
 
-Printed per N: the coordinator's CPU seconds per round (median, and every
-run), wall time, calls, and the 1-minute load average before and after
-(the machine is shared). Every reply is checked (``known``, the member's
-own peers).
+Printed per N and configuration: the coordinator's CPU seconds per round
+(median, and every run), wall time, calls, and the 1-minute load average
+before and after (the machine is shared). Every reply is checked (``known``,
+the member's own peers). Configurations (``--config``, comma-separated):
 
-Usage: ``python bench/heartbeat_bench.py [--nodes 1000,10000] [--repeat 3] [--group 100]``.
+* ``plain``: a coordinator without a backup book (a job without ``--bucket``);
+* ``book`` (default): with the backup book node-rank 0 installs for a job with
+  a bucket, seeded as for an empty bucket, no round running;
+* ``active``: the same with a backup round running all along (node-rank 0's
+  job asks for a round every synced step).
+
+``--gone G`` declares the last G ranks gone for good first (a lost rack); the
+other nodes carry the ``gone_tag`` of their last reply as real nodes do, so the
+gone ranks are listed to each node once, not in every reply.
+
+Usage: ``python bench/heartbeat_bench.py [--nodes 1000,10000] [--repeat 3] [--group 100]
+[--config book] [--gone 0]``.
 """
 
 from __future__ import annotations
@@ -61,17 +72,22 @@ def sync_request(rank: int, nodes: int) -> Any:
 
 
 class Nodes:
-    """N simulated nodes over a few channels to the coordinator at ``address``."""
+    """N simulated nodes over a few channels to the coordinator at ``address``; the
+    last ``gone`` ranks are declared gone for good and send nothing."""
 
-    def __init__(self, address: str, nodes: int, group: int) -> None:
+    def __init__(self, address: str, nodes: int, group: int, gone: int = 0) -> None:
         self.nodes = nodes
         self.group = group
+        self.gone = gone
+        self.ordered = 0
+        #: more JoinRequest fields of some ranks (rank -> field -> value)
+        self.join_extra: dict[int, dict[str, Any]] = {}
         self.channels = [grpc.aio.insecure_channel(address) for _ in range(CHANNELS)]
         self.stubs = [peer_pb2_grpc.CoordinatorStub(c) for c in self.channels]
-        self.requests = [sync_request(r, nodes) for r in range(nodes)]
+        self.requests = [sync_request(r, nodes) for r in range(nodes - gone)]
         self.batches = [
             peer_pb2.SyncBatchRequest(members=self.requests[g : g + group], leader=g)
-            for g in range(0, nodes, group)
+            for g in range(0, nodes - gone, group)
         ]
 
     def stub(self, i: int) -> Any:
@@ -81,10 +97,20 @@ class Nodes:
         sem = asyncio.Semaphore(200)
 
         async def one(r: int) -> None:
+            request = join_request(r, self.nodes, True, "")
+            for name, value in self.join_extra.get(r, {}).items():
+                setattr(request, name, value)
             async with sem:
-                await self.stub(r).Join(join_request(r, self.nodes, True, ""), timeout=300)
+                await self.stub(r).Join(request, timeout=300)
 
         await asyncio.gather(*(one(r) for r in range(self.nodes)))
+        if self.gone:
+            await self.stub(0).Gone(
+                peer_pb2.GoneRequest(
+                    job=JOB, ranks=range(self.nodes - self.gone, self.nodes), reason="bench"
+                ),
+                timeout=300,
+            )
 
     async def direct(self) -> int:
         # at most 1,000 calls in flight (10,000 at once get CANCELLED on loopback)
@@ -106,20 +132,29 @@ class Nodes:
         return len(out)
 
     def _check(self, replies: list[Any]) -> None:
-        assert len(replies) == self.nodes
+        assert len(replies) == self.nodes - self.gone
+        #: replies ordering an upload into a running backup round (``active``)
+        self.ordered = sum(1 for reply in replies if reply.HasField("backup_order"))
         for r, reply in enumerate(replies):
             assert reply.known, r
             want = sorted({0, (r + 1) % self.nodes} - {r})
             assert sorted(p.rank for p in reply.peers) == want, r
+            assert reply.gone_same or len(reply.gone) == self.gone, r
+            self.requests[r].gone_tag = reply.gone_tag  # as the node's AddressBook does
 
     async def close(self) -> None:
         for c in self.channels:
             await c.close()
 
 
-async def measure(nodes: int, group: int, repeat: int) -> dict[str, Any]:
-    server = Server("new", "main")
-    sim = Nodes(server.address, nodes, group)
+async def measure(
+    nodes: int, group: int, repeat: int, config: str = "book", gone: int = 0
+) -> dict[str, Any]:
+    server = Server("new", "main", book=config != "plain")
+    sim = Nodes(server.address, nodes, group, gone)
+    if config == "active":
+        # node-rank 0's job setting: a backup round for every synced step
+        sim.join_extra[0] = {"backup_interval_steps": 1}
     try:
         t0 = time.monotonic()
         await sim.join()
@@ -136,12 +171,16 @@ async def measure(nodes: int, group: int, repeat: int) -> dict[str, Any]:
                     {"cpu_s": server.cpu() - cpu0, "wall_s": time.monotonic() - t, "calls": calls}
                 )
         load.append(os.getloadavg()[0])
+        ordered = sim.ordered
     finally:
         await sim.close()
         server.close()
     return {
         "nodes": nodes,
         "group": group,
+        "config": config,
+        "gone": gone,
+        "backup_orders": ordered,
         "join_s": joined,
         "load1": load,
         **{
@@ -161,25 +200,33 @@ def main() -> None:
     ap.add_argument("--nodes", default="1000,10000")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--group", type=int, default=GROUP_SIZE, help="members per batch")
+    ap.add_argument("--config", default="book", help="plain, book, active (comma-separated)")
+    ap.add_argument("--gone", type=int, default=0, help="ranks declared gone for good")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     results = []
     for n in [int(x) for x in args.nodes.split(",") if x]:
-        r = asyncio.run(measure(n, args.group, args.repeat))
-        results.append(r)
-        if args.json:
-            continue
-        d, b = r["direct"], r["batched"]
-        print(
-            f"N={n:>6} G={r['group']}: heartbeat round coordinator CPU "
-            f"direct {d['cpu_s']:.3f} s ({d['calls']} Sync calls; runs {d['cpu_runs']}), "
-            f"batched {b['cpu_s']:.3f} s ({b['calls']} SyncBatch calls; runs {b['cpu_runs']}); "
-            f"wall direct {d['wall_s']:.2f} s, batched {b['wall_s']:.2f} s; "
-            f"load1 {r['load1'][0]:.1f}->{r['load1'][1]:.1f}",
-            flush=True,
-        )
+        for config in args.config.split(","):
+            r = asyncio.run(measure(n, args.group, args.repeat, config, args.gone))
+            results.append(r)
+            if not args.json:
+                report(r)
     if args.json:
         print(json.dumps(results, indent=1))
+
+
+def report(r: dict[str, Any]) -> None:
+    d, b, n = r["direct"], r["batched"], r["nodes"]
+    print(
+        f"N={n:>6} G={r['group']} {r['config']} gone={r['gone']}: heartbeat round "
+        "coordinator CPU "
+        f"direct {d['cpu_s']:.3f} s ({d['calls']} Sync calls; runs {d['cpu_runs']}), "
+        f"batched {b['cpu_s']:.3f} s ({b['calls']} SyncBatch calls; runs {b['cpu_runs']}); "
+        f"wall direct {d['wall_s']:.2f} s, batched {b['wall_s']:.2f} s; "
+        f"backup orders {r['backup_orders']}; "
+        f"load1 {r['load1'][0]:.1f}->{r['load1'][1]:.1f}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ is its own; a dead or hung leader's members go direct and stay live.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,8 +24,9 @@ from tierfs.cluster.coordinator import Coordinator
 from tierfs.cluster.servicer import CoordinatorServicer
 from tierfs.replication.addresses import PeerInfo
 from tierfs.replication.client import PeerClient, sync_request
+from tierfs.replication.groups import RELAY_TIMEOUT
 from tierfs.replication.relay import SyncRelay
-from tierfs.replication.route import SyncRoute
+from tierfs.replication.route import CoordinatorBusy, SyncRoute
 from tierfs.rpc import wire as peer_wire
 from tierfs.rpc.aio_server import AioServer
 from tierfs.rpc.wire import WireStats
@@ -241,6 +244,72 @@ def test_a_leader_that_cannot_reach_the_coordinator_is_kept(cluster):
     assert all(200 not in c.members[r].route.failed for r in range(200, NODES))
     relay._connect = lambda address: grpc.aio.insecure_channel(address)
     relay._channels.clear()
+    c.clock[0] += 1.0
+    calls = c.round(range(200, NODES))
+    assert calls["sync"] == 0 and calls["members"] == GROUP
+    assert all(c.members[r].route.via == 200 for r in range(200, NODES))
+
+
+def _beats(c: Cluster, ranks: range) -> list[str]:
+    """One heartbeat of each of ``ranks`` at once: "relayed", "direct" or "skipped"."""
+
+    def beat(m: Member) -> str:
+        try:
+            c._beat(m)
+        except CoordinatorBusy:
+            return "skipped"
+        return "relayed" if m.route.via is not None else "direct"
+
+    with ThreadPoolExecutor(max_workers=len(ranks)) as pool:
+        return list(pool.map(beat, [c.members[r] for r in ranks]))
+
+
+def _until(cond: Any, what: str, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_slow_coordinator_skips_one_beat_instead_of_sending_every_member_direct(cluster):
+    """Review of #17, B2: a coordinator stalled for a few seconds (its lock held, as a
+    bucket lookup does) made the leader's batch call outlast its members' relay
+    calls (10 s against 3 s): every member took its healthy leader for a dead one,
+    went direct at once and stayed direct for the 30 s backoff, 10,000 direct Syncs
+    per second on a coordinator already behind. Now the leader gives its call up
+    before its members' deadline and says so; the members skip that beat (no direct
+    Sync, leader kept), and only a second such beat in a row goes direct."""
+    c = cluster
+    relay = c.relays[200]
+    for m in c.members[200:]:
+        m.route.relay_timeout = RELAY_TIMEOUT  # the shipped default (3 s)
+    release = threading.Event()
+
+    def stall() -> threading.Thread:
+        t = threading.Thread(target=c.servicer.locked, args=(lambda _c: release.wait(60),))
+        t.start()
+        return t
+
+    stalled = stall()
+    try:
+        direct_before = c.servicer.sync_calls
+        assert _beats(c, range(200, NODES)) == ["skipped"] * GROUP
+        assert relay.failures == 1
+        assert c.servicer.sync_calls == direct_before  # nobody went direct
+        assert all(200 not in c.members[r].route.failed for r in range(200, NODES))
+        # still stalled: a second busy beat in a row goes direct (answered once the
+        # coordinator is back)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            second = pool.submit(_beats, c, range(200, NODES))
+            _until(lambda: relay.failures == 2, "the second batch to time out")
+            release.set()
+            assert second.result() == ["direct"] * GROUP
+    finally:
+        release.set()
+        stalled.join()
+    _check_replies(c, range(200, NODES))
+    assert all(c.members[r].route.skipped == 1 for r in range(200, NODES))
+    # the next beat goes through the leader again
     c.clock[0] += 1.0
     calls = c.round(range(200, NODES))
     assert calls["sync"] == 0 and calls["members"] == GROUP

@@ -380,3 +380,13 @@ def test_a_job_that_ran_at_another_count_since_starts_a_new_generation(tmp_path)
     c = coordinator()
     join(c, 0, inv=[Holding(0, 10, True, "d", created=900.0, nodes=3)])
     assert c.generation == 2
+
+
+def test_gone_ranks_are_written_as_ranges():
+    """A rack of 1,000 gone ranks is one short line in logs and events, not 1,000
+    numbers (found with bench/heartbeat_bench.py --gone 1000)."""
+    from tierfs.core.ranks import rank_ranges
+
+    assert rank_ranges(range(9000, 10000)) == "[9000-9999]"
+    assert rank_ranges([9, 3, 4, 5, 7, 8]) == "[3-5, 7-9]"
+    assert rank_ranges([2, 1]) == "[1, 2]" and rank_ranges([]) == "[]"

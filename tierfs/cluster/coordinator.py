@@ -106,6 +106,7 @@ from tierfs.cluster.rounds import (
     Round,
     SyncView,
 )
+from tierfs.core.ranks import rank_ranges
 from tierfs.core.status import (
     CoordinatorMemberStatus,
     CoordinatorRoundStatus,
@@ -420,7 +421,7 @@ class Coordinator:
         if new:
             why = f" ({reason})" if reason else ""
             line = (
-                f"node-rank(s) {sorted(new)} declared gone for good in generation "
+                f"node-rank(s) {rank_ranges(new)} declared gone for good in generation "
                 f"{self.generation}{why}: rounds no longer wait for them"
             )
             log.warning("coordinator: %s", line)

@@ -115,6 +115,8 @@ class CoordinatorServicer:
         self._inventories: dict[int, tuple[bytes, tuple[Holding, ...]]] = {}
         #: the coordinator's gone set and its ranks sorted (:meth:`_gone_sorted`)
         self._gone: tuple[frozenset[int], list[int]] | None = None
+        #: the gone set, (generation, parts epoch) and its gone_tag (:meth:`_gone_tag`)
+        self._gone_tags: tuple[frozenset[int], tuple[int, str], str] | None = None
         self._nudger: Callable[[str, str, int], Coroutine[Any, Any, bool]] | None = None
         self._nudging: set[asyncio.Task[bool]] = set()
         #: nudges sent (:meth:`tierfs.cluster.coordinator.Coordinator.nudges`)
@@ -440,6 +442,16 @@ class CoordinatorServicer:
             hit = self._gone = (gone, sorted(gone))
         return hit[1]
 
+    def _gone_tag(self, gone: frozenset[int], generation: int, epoch: str) -> str:
+        """The ``gone_tag`` naming ``gone`` in SyncReplies: this coordinator's parts
+        epoch (new at every start and job), the generation and the number of gone
+        ranks (a generation's gone set only grows; a new generation starts another).
+        Built once per set."""
+        hit = self._gone_tags
+        if hit is None or hit[0] is not gone or hit[1] != (generation, epoch):
+            hit = self._gone_tags = (gone, (generation, epoch), f"{epoch}:{generation}:{len(gone)}")
+        return hit[2]
+
     def _sync_reply(self, request: Any, reply: Any = None) -> Any:
         """The SyncReply to one SyncRequest, filled into ``reply`` (an empty SyncReply;
         None: a new one) and returned (under the lock)."""
@@ -479,7 +491,12 @@ class CoordinatorServicer:
         if view.steps:
             reply.steps.extend(view.steps)
         if c.gone:
-            reply.gone.extend(self._gone_sorted(c.gone))
+            tag = self._gone_tag(c.gone, c.generation, c.roster.parts.epoch)
+            reply.gone_tag = tag
+            if request.gone_tag == tag:
+                reply.gone_same = True  # the node has them: O(1), not O(gone) (review B3)
+            else:
+                reply.gone.extend(self._gone_sorted(c.gone))
         if view.known and request.view_steps:
             # what changed in the steps the node's whole-step view shows
             parts = c.roster.parts

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierfs.core.control import JobSpec
+from tierfs.core.ranks import rank_ranges
 from tierfs.core.types import COORDINATOR_RANK
 from tierfs.replication import placement
 
@@ -71,6 +72,8 @@ class AddressBook:
         #: node ranks the coordinator declared gone for good (issue #16): the
         #: replica targets get stand-ins for them (:func:`replica_peers`)
         self.gone: frozenset[int] = frozenset()
+        #: the coordinator's tag of :attr:`gone` (its SyncReply's ``gone_tag``; "": none)
+        self.gone_tag = ""
         #: ranks asked for beyond the replica targets (the whole-step view reads
         #: other ranks' parts from their nodes), per job name
         self.extra: dict[str, set[int]] = {}
@@ -90,10 +93,14 @@ class AddressBook:
         if reply is not None and reply.known_nodes:
             self.node_counts = (int(reply.live_nodes), int(reply.known_nodes))
         if reply is not None and hasattr(reply, "gone"):
-            gone = frozenset(int(g) for g in reply.gone)
+            same = bool(getattr(reply, "gone_same", False))
+            gone = self.gone if same else frozenset(int(g) for g in reply.gone)
+            self.gone_tag = str(getattr(reply, "gone_tag", ""))
             if gone != self.gone:
                 new = sorted(gone - self.gone)
-                log.warning("the coordinator declared node-rank(s) %s gone for good", sorted(gone))
+                log.warning(
+                    "the coordinator declared node-rank(s) %s gone for good", rank_ranges(gone)
+                )
                 self.gone = gone
                 if new:
                     for told in self._gone:

@@ -538,8 +538,11 @@ def sync_request(
     want_peers: Iterable[int] | None = None,
     view_steps: Iterable[tuple[int, int]] = (),
     parts_epoch: str = "",
+    gone_tag: str = "",
 ) -> Any:
-    """The SyncRequest of :meth:`PeerClient.sync` (sent directly or through a leader)."""
+    """The SyncRequest of :meth:`PeerClient.sync` (sent directly or through a leader);
+    ``gone_tag``: the tag of the gone ranks this node knows (the reply leaves them out
+    while they are unchanged)."""
     req = peer_pb2.SyncRequest(
         job=job,
         rank=rank,
@@ -551,6 +554,7 @@ def sync_request(
         compact=want_peers is not None,
         view_steps=[peer_pb2.ViewStep(step=s, version=v) for s, v in view_steps],
         parts_epoch=parts_epoch,
+        gone_tag=gone_tag,
     )
     if backup is not None:
         req.backup.CopyFrom(

@@ -45,7 +45,7 @@ from tierfs.replication.lanes import Lane
 from tierfs.replication.plane import PlaneState
 from tierfs.replication.rendezvous import CoordinatorFinder
 from tierfs.replication.replicator import Replicator
-from tierfs.replication.route import SyncRoute
+from tierfs.replication.route import CoordinatorBusy, SyncRoute
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,9 @@ class Heartbeat:
                         if self._coord_ok is False:
                             log.info("coordinator %s reachable again", coord)
                         self._coord_ok = True
+                except CoordinatorBusy as exc:
+                    # the coordinator is slow, not gone: no lookup, no direct Sync now
+                    self.last_error = f"coordinator {coord} busy: {exc}"
                 except grpc.RpcError as exc:
                     self.restore_round = 0  # unknown now: retention must not stay paused
                     self.last_error = f"coordinator {coord}: {rpc_reason(exc)}"
@@ -226,6 +229,7 @@ class Heartbeat:
             self.wanted(job),
             watched,
             epoch,
+            self.book.gone_tag,
         )
         async with self.lane.limiter:
             via = self.leader(job)

@@ -47,6 +47,14 @@ log = logging.getLogger(__name__)
 BATCH_TIMEOUT = 10.0
 #: seconds before a member's own deadline by which its batch must be answered
 DEADLINE_MARGIN = 1.0
+#: seconds before a member's own deadline by which the coordinator's answer to the
+#: batch must be here (the rest is the hop back to the member): past it the batch
+#: call is given up and the members told :data:`UPSTREAM` with DEADLINE_EXCEEDED
+#: while they still wait, so none of them takes its healthy leader for a failed
+#: one (review of #17, B2)
+ANSWER_MARGIN = 0.5
+#: seconds a batch call is given at least beyond its long poll
+MIN_BATCH_TIMEOUT = 0.25
 _SYNC_COUNTERS = ("heartbeat_batches_sent", "heartbeats_batched")
 _ROUND_COUNTERS = ("round_batches_sent", "round_calls_batched")
 #: the reply message of each batch method
@@ -66,6 +74,9 @@ class _Batch:
     waiters: list[asyncio.Future[Any]] = field(default_factory=list)
     #: loop time by which the batch's answer must be back (the members' earliest)
     deadline: float = float("inf")
+    #: loop time by which the coordinator's answer must be here so that every
+    #: member still gets its reply before its own call's deadline
+    answer_by: float = float("inf")
 
 
 @dataclass(frozen=True)
@@ -203,6 +214,8 @@ class SyncRelay:
         batch.requests.append(member)
         batch.waiters.append(waiter)
         batch.deadline = min(batch.deadline, bound)
+        if remaining is not None:
+            batch.answer_by = min(batch.answer_by, now + remaining - ANSWER_MARGIN)
         try:
             return await waiter
         except grpc.aio.AioRpcError as exc:
@@ -252,9 +265,13 @@ class SyncRelay:
         channel = self._channels.get(coord)
         if channel is None:
             channel = self._channels[coord] = self._connect(coord)
+        now = asyncio.get_running_loop().time()
         wait = 0.0
         if kind != "sync":
-            wait = max(batch.deadline - asyncio.get_running_loop().time(), 0.0)
+            wait = max(batch.deadline - now, 0.0)
+        # never past the earliest member's own deadline (less the hop back): a slow
+        # coordinator is then reported to the members as such, in time (B2)
+        timeout = min(wait + BATCH_TIMEOUT, max(batch.answer_by - now, wait + MIN_BATCH_TIMEOUT))
         call = channel.unary_unary(
             f"/tierfs.peer.v1.Coordinator/{spec.method}",
             request_serializer=peer_wire.serialize,
@@ -269,7 +286,7 @@ class SyncRelay:
             reply = await call(
                 spec.request(batch.requests, int(wait * 1000), self.rank()),
                 metadata=self.md,
-                timeout=wait + BATCH_TIMEOUT,
+                timeout=timeout,
             )
         except grpc.aio.AioRpcError as exc:
             self.failures += 1

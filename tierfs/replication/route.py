@@ -10,7 +10,13 @@ heartbeat by at most ``relay_timeout`` seconds once, never makes it miss one.
 A leader that answers that it could not reach the coordinator
 (:data:`tierfs.replication.groups.UPSTREAM`) is not skipped: the member syncs
 directly this beat only (a restarted or moved coordinator must not get every
-node's direct Sync for the backoff).
+node's direct Sync for the backoff). When the coordinator was only slow (the
+leader's batch call ran out of time, DEADLINE_EXCEEDED) the member's heartbeat
+is skipped instead (:class:`CoordinatorBusy`), once in a row: a second such
+beat syncs directly. A coordinator that stalls for a few seconds at 10,000
+nodes so gets each group's next batch, not 10,000 direct Syncs on top of the
+work it is behind with (review of #17, B2). The leader gives up its batch call
+in time for that (:data:`tierfs.replication.relay.ANSWER_MARGIN`).
 
 The restore round's Decide and Barrier calls (ARCHITECTURE.md "Batched
 restore round") follow the same rule through the same leader
@@ -28,10 +34,16 @@ from typing import Any, Protocol
 
 import grpc
 
+from tierfs.core.errors import ClusterError
 from tierfs.replication.client import PeerClient, rpc_code, rpc_reason
 from tierfs.replication.groups import GROUP_SIZE, RELAY_TIMEOUT, UPSTREAM, candidates, leader
 
 log = logging.getLogger(__name__)
+
+
+class CoordinatorBusy(ClusterError):
+    """The leader's batch call to the coordinator ran out of time: this heartbeat is
+    skipped (not sent directly; the next one goes through the leader again)."""
 
 
 class _Peer(Protocol):
@@ -80,6 +92,10 @@ class SyncRoute:
             k.name: {"relayed": 0, "direct": 0, "fallbacks": 0} for k in (_HEARTBEAT, _ROUND)
         }
         self._lock = threading.Lock()
+        #: the last heartbeat was skipped for a busy coordinator (the next one is not)
+        self._skipped = False
+        #: heartbeats skipped for a busy coordinator (wire stat ``heartbeats_skipped``)
+        self.skipped = 0
 
     def wanted(self, rank: int, nodes: int) -> list[int]:
         """The candidate leaders of ``rank``'s group other than itself (their addresses
@@ -123,6 +139,8 @@ class SyncRoute:
 
         Raises:
             grpc.RpcError: the coordinator did not answer the direct Sync.
+            CoordinatorBusy: the leader's batch call ran out of time and the last
+                heartbeat was not skipped: this one is (module docstring).
         """
         reply, self.via = self._through(
             via,
@@ -197,6 +215,18 @@ class SyncRoute:
                 upstream = rpc_code(exc) == grpc.StatusCode.UNAVAILABLE and (
                     details or ""
                 ).startswith(UPSTREAM)
+                busy = upstream and "DEADLINE_EXCEEDED" in (details or "")
+                if busy and kind is _HEARTBEAT and not self._skipped:
+                    self._skipped = True
+                    self.skipped += 1
+                    self.client.stats.add("heartbeats_skipped")
+                    log.info(
+                        "heartbeat skipped: the coordinator did not answer leader node-rank "
+                        "%d in time (%s)",
+                        via[0],
+                        rpc_reason(exc),
+                    )
+                    raise CoordinatorBusy(rpc_reason(exc)) from exc
                 with self._lock:
                     if not upstream:  # a coordinator at fault must not send N nodes direct
                         self.failed[via[0]] = self.clock()
@@ -212,10 +242,15 @@ class SyncRoute:
             else:
                 tally["relayed"] += 1
                 self.client.stats.add(kind.relayed)
+                if kind is _HEARTBEAT:
+                    self._skipped = False
                 return reply, via[0]
         tally["direct"] += 1
         self.client.stats.add(kind.direct)
-        return direct(), None
+        reply = direct()
+        if kind is _HEARTBEAT:
+            self._skipped = False
+        return reply, None
 
     @property
     def relayed(self) -> int:

@@ -215,6 +215,7 @@ class WireStats:
         "heartbeats_direct",
         "heartbeats_relayed",
         "heartbeat_fallbacks",
+        "heartbeats_skipped",
         "heartbeat_batches_sent",
         "heartbeats_batched",
         # the restore round's Decide/Barrier calls likewise (ARCHITECTURE.md
