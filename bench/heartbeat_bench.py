@@ -121,17 +121,20 @@ class Nodes:
                 return await self.stub(r).Sync(q, timeout=300)
 
         replies = await asyncio.gather(*(one(r, q) for r, q in enumerate(self.requests)))
-        self._check(replies)
+        self._check(replies, self.requests)
         return len(replies)
 
     async def batched(self) -> int:
         out = await asyncio.gather(
             *(self.stub(i).SyncBatch(b, timeout=300) for i, b in enumerate(self.batches))
         )
-        self._check([r for b in out for r in b.replies])
+        # (a batch holds copies of the requests: the ones it sent carry the tags)
+        self._check(
+            [r for b in out for r in b.replies], [q for b in self.batches for q in b.members]
+        )
         return len(out)
 
-    def _check(self, replies: list[Any]) -> None:
+    def _check(self, replies: list[Any], sent: list[Any]) -> None:
         assert len(replies) == self.nodes - self.gone
         #: replies ordering an upload into a running backup round (``active``)
         self.ordered = sum(1 for reply in replies if reply.HasField("backup_order"))
@@ -140,7 +143,7 @@ class Nodes:
             want = sorted({0, (r + 1) % self.nodes} - {r})
             assert sorted(p.rank for p in reply.peers) == want, r
             assert reply.gone_same or len(reply.gone) == self.gone, r
-            self.requests[r].gone_tag = reply.gone_tag  # as the node's AddressBook does
+            sent[r].gone_tag = reply.gone_tag  # as the node's AddressBook does
 
     async def close(self) -> None:
         for c in self.channels:
