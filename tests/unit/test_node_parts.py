@@ -473,6 +473,27 @@ def test_a_summons_starts_one_generic_restore_at_a_time(tmp_path):
     assert driver.start_generic(parts.state.job) is False  # one at a time
 
 
+def test_a_summons_before_the_start_up_restore_is_this_nodes_own_restore(tmp_path):
+    """Regression (#16 sixth trial N1): a restarted node summoned before its own
+    start-up restore began ran the round as a summoned survivor and never dropped its
+    newer (abandoned) steps. A daemon's first generic restore is its own."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    driver = parts.agent.restores
+    job = parts.state.job
+    assert job is not None
+    driver.summoned(job)  # the heartbeat's summons came first
+    assert parts.state.restore_state == {
+        "state": "pending",
+        "since": parts.state.restore_state["since"],
+        "summoned": False,
+    }
+    # after a restore ended, a summons is another node's round
+    driver._generic_running, driver._fresh = False, False
+    driver.summoned(job)
+    assert parts.state.restore_state["summoned"] is True
+
+
 # ---------------------------------------------------------------------- steps and tasks
 
 

@@ -29,6 +29,7 @@ from tierfs.fuse.namespace import Namespace
 from tierfs.fuse.remote import Deferred
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.remote_view import XATTR, RemoteView
+from tierfs.node.resave import sealed_at
 from tierfs.node.union import Conflict, union_plan
 from tierfs.store.manifest import FileEntry, Manifest
 from tierfs.store.ramstore import Budget, RamStore
@@ -1199,6 +1200,46 @@ def test_a_step_a_restore_abandoned_shows_only_this_nodes_own_files(tmp_path):
             ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic", foreign=rv.is_remote
         )
         catalog.add(again)
+        assert await rv.look(again) is False
+        assert sorted(os.listdir(step_dir)) == WHOLE_STEP
+
+    trio.run(main)
+
+
+def test_a_newer_step_a_node_kept_through_a_restore_shows_only_its_own_files(tmp_path):
+    """Regression (#16 sixth trial N1): a restore round decided step 5; the nodes it
+    summoned (they had kept running, or were summoned before their own restore
+    began) kept their parts of step 10, and their views kept showing step 10's
+    other ranks' files, rank 3's of an earlier save among them: a one-process
+    ``dcp.load`` returned the mix. A step newer than the restored one whose own part
+    was sealed before that restore shows only the node's own files; sealed again
+    after it (the step saved again), every rank's files again."""
+    peer = Source("peer", BYTES, ["peer node-rank 0", "peer node-rank 2"])
+    rv, ram, shards, catalog, own, _job = view_of(tmp_path, PARTS, [peer])
+    restore: list[tuple[float, int, int]] = []
+    rv.restored = lambda: restore[-1] if restore else None
+    step_dir = Path(ram.view) / "10"
+
+    async def main() -> None:
+        assert await rv.look(own) is False
+        assert sorted(os.listdir(step_dir)) == WHOLE_STEP
+        # a restore decides step 5 after this node's part of step 10 was sealed; the
+        # part stays in the catalog (this node was summoned: it keeps its newer parts)
+        restore.append((time.time(), 5, 3))
+        assert sealed_at(own.manifest) < restore[-1][0]
+        assert rv.left_behind(10) and not rv.left_behind(5)
+        assert rv._eligible() == [(5, None, 3)]  # the restored step, not step 10
+        assert await rv._leave_abandoned(set()) is False
+        assert sorted(os.listdir(step_dir)) == ["__1_0.distcp"]  # its own file only
+        assert own.key in catalog
+        # the step saved again here after the restore: shown whole again
+        while time.time() <= restore[-1][0]:  # (a coarse clock)
+            await trio.sleep(0.001)
+        again = shards.snapshot(
+            ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic", foreign=rv.is_remote
+        )
+        catalog.add(again)
+        assert not rv.left_behind(10)
         assert await rv.look(again) is False
         assert sorted(os.listdir(step_dir)) == WHOLE_STEP
 

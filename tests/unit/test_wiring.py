@@ -189,6 +189,7 @@ def test_the_coordinators_summons_reach_the_agent(tmp_path):
     job = JobSpec("j", "generic", 1, 2)
     parts.state.job, parts.state.mode = job, "generic"
     assert parts.peer is not None
+    parts.agent.restores._fresh = False  # its own start-up restore ended earlier
     parts.peer.summons.summoned(job)
     assert parts.agent.restore_state["state"] == "pending"
     assert parts.agent.restore_state["summoned"] is True

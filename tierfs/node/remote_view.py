@@ -708,7 +708,7 @@ class RemoteView:
         union = self.steps.get(key.step)
         if job is None or union is None or key.job != job.name or key.rank != job.node_rank:
             return
-        if self.abandoned(key.step):
+        if self.left_behind(key.step):
             self._wake.set()  # its other ranks' files leave the view (run)
             return
         save = self.new_save(key.step)
@@ -975,15 +975,38 @@ class RemoteView:
             (s.manifest.nodes or 0) > 1 for s in self.catalog.own_shards(job)
         )
 
+    def left_behind(self, step: int) -> bool:
+        """True for a step whose view shows only this node's own files (trio thread): a
+        restore abandoned this node's part of it (:attr:`abandoned`), or a restore
+        decided an older step after this node's part of it was sealed (a node that
+        kept running through another node's restore keeps its newer parts, but
+        their steps are incomplete in the cluster: their other ranks' files may be
+        of two saves). A part sealed after that restore (the step saved again) is
+        shown whole again.
+
+        Regression (#16 sixth trial N1): nodes summoned into a restore round that
+        decided step 10 kept showing step 20's other ranks' files, rank 3's of the
+        earlier save among them, and a one-process ``dcp.load`` returned the mix."""
+        if self.abandoned(step):
+            return True
+        restore, job = self.restored(), self.current.job
+        if restore is None or job is None or step <= restore[1]:
+            return False
+        own = self.catalog.get(ShardKey(job.name, job.node_rank, step))
+        return own is not None and sealed_at(own.manifest) < restore[0]
+
     def _eligible(self) -> list[tuple[int, Shard | None, int]]:
         """(step, this node's own part or None, the node count that wrote it) of every
-        step whose view shows other ranks' parts: the own parts held, and the step
-        restored last when this node has no part of it."""
+        step whose view shows other ranks' parts: the own parts held (but those
+        :meth:`left_behind`), and the step restored last when this node has no part
+        of it."""
         job = self.current.job
         if job is None or not self._active():
             return []
         out: list[tuple[int, Shard | None, int]] = [
-            (s.key.step, s, s.manifest.nodes or job.nodes) for s in self.catalog.own_shards(job)
+            (s.key.step, s, s.manifest.nodes or job.nodes)
+            for s in self.catalog.own_shards(job)
+            if not self.left_behind(s.key.step)
         ]
         restore = self.restored()
         if restore is not None and restore[2] and all(t[0] != restore[1] for t in out):
@@ -1050,7 +1073,7 @@ class RemoteView:
         Returns True while a file of such a step is still open (looked at again)."""
         busy = False
         for step, union in list(self.steps.items()):
-            if step in shown or not union.files or not self.abandoned(step):
+            if step in shown or not union.files or not self.left_behind(step):
                 continue
             ranks = {rf.rank for rf in union.files.values()}
             kept = await trio.to_thread.run_sync(self._unplace, union, {}, ranks)

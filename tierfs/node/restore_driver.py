@@ -112,6 +112,9 @@ class RestoreDriver:
         self.tasks = tasks
         self._scope: trio.CancelScope | None = None
         self._generic_running = False
+        #: no generic restore has ended since this daemon started: the first one is
+        #: this node's own (a restarted node), even when a summons starts it
+        self._fresh = True
         state.on_summoned(self.summoned)
 
     def cancel(self) -> None:
@@ -246,6 +249,7 @@ class RestoreDriver:
             return
         finally:
             self._generic_running = False
+            self._fresh = False
         outcome = self.report_plan(plan)
         if plan.shard is None:
             # None, or a step written by fewer nodes than this node's rank (issue #16):
@@ -297,12 +301,20 @@ class RestoreDriver:
 
         A node whose own restore (after its daemon started) gave up, e.g. a node
         missing past ``--join-timeout``, takes the summons as that restore again:
-        like a restarted node it drops its steps newer than the agreed one.
+        like a restarted node it drops its steps newer than the agreed one. So
+        does a node whose daemon started and has not restored yet: a summons
+        that reaches it before its own start-up restore begins is that restore.
+
+        Regression (#16 sixth trial N1): with the README's order (node 0 first),
+        every other restarted node was summoned before its own restore began,
+        so it never marked the newer steps abandoned: their other ranks' files
+        (a mix of two saves) stayed in its view and a one-process ``dcp.load``
+        of that directory returned rank 3's earlier values without an error.
         """
         if self.state.mode != "generic" or self.state.job is not job:
             return
         last = self.state.restore_state
-        own = last.get("state") == "failed" and last.get("summoned") is False
+        own = self._fresh or (last.get("state") == "failed" and last.get("summoned") is False)
         if self.start_generic(job, not own):
             log.info("the coordinator asks this node to join a restore round")
 
