@@ -27,7 +27,8 @@ def test_counts_at_10000_nodes() -> None:
     # every node lists the whole round and reads every manifest without the index
     assert before.node == B.Requests(reads=10000 + 64, lists=660)
     assert after.node == B.Requests(reads=2 + 64)
-    assert after.total.reads == 10000 * 66 + 1 + 10000
+    # (node-rank 0: restore.version and the index found, beside the round's manifests)
+    assert after.total.reads == 10000 * 66 + 2 + 10000
     assert after.total.lists == 661
     assert before.total.seconds() > 100 * after.total.seconds()
 
@@ -114,6 +115,8 @@ def test_real_restore_makes_the_counted_requests(tmp_path, index: bool) -> None:
     assert be.read_restore_version("job") is None
     assert be.list_round_names("job") == [rnd]
     assert be.inspect_round("job", rnd, fallback=nodes).complete_step == 7
+    if index:  # the reader finds the index (BucketRestore.read_bucket)
+        assert be.ensure_round_index("job", rnd) is None
     for rank in range(nodes):
         if index:
             info = be.inspect_part("job", rnd, rank, 7, fallback=nodes)

@@ -133,6 +133,25 @@ def test_read_bucket_and_the_restore_choice_skip_a_partial_round_and_say_why(nod
     assert choice.problems and any(R2 in line for line in choice.problems)
 
 
+def test_read_bucket_writes_the_index_of_a_complete_round_that_lacks_one(nodes):
+    """Review of #17: a complete round without an index (node-rank 0 died before it
+    wrote one) made every restoring node list the whole round. The coordinator's
+    reader writes it while it judges the round; a partial round gets none."""
+    from tierfs.backup.round_index import index_name
+
+    server = fb.FakeGcs()
+    b = fb.backend(server)
+    upload_round(b, nodes, R1, 4)
+    upload_round(b, nodes, R2, 5, ranks=(1,))
+    view = tier(server).read_bucket(JOB, 2, depth=1)
+    assert view.rounds == (R2, R1)
+    names = set(server.objects())
+    assert f"{JOB}/{R1}/{index_name(JOB)}" in names
+    assert f"{JOB}/{R2}/{index_name(JOB)}" not in names
+    info = b.indexes.read_part(JOB, R1, 1, 4, 2)
+    assert info is not None and info.parts[(1, 4)].complete
+
+
 def test_rank_zero_in_ram_and_rank_one_from_the_round_that_shares_its_bytes(nodes):
     server = fb.FakeGcs()
     b = fb.backend(server)

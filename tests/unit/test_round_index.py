@@ -120,3 +120,23 @@ def test_the_judge_ignores_the_index(bucket) -> None:
     be.write_round_index("job", RND)
     info = be.inspect_round("job", RND)
     assert info.complete_step == 4 and set(info.parts) == {(0, 4), (1, 4)}
+
+
+def test_the_restore_reader_writes_the_index_a_complete_round_lacks(bucket) -> None:
+    """Review of #17: a round whose index was never written (node-rank 0 died before
+    it, or the write failed) cost every restoring node a listing of the whole round.
+    The coordinator's reader, which judges the round anyway, writes it: one GET when
+    the index is there, one listing and one write more when it is not."""
+    server, be = bucket
+    server.reset_counts()
+    idx = be.ensure_round_index("job", RND)
+    counts = server.reset_counts()
+    assert idx is not None and [(p.rank, p.step) for p in idx.parts] == [(0, 4), (1, 4)]
+    assert (counts.reads, counts.lists, counts.writes) == (1, 1, 1)
+    assert be.ensure_round_index("job", RND) is None  # there now: one GET
+    assert server.reset_counts().reads == 1
+    info = be.inspect_part("job", RND, 1, 4, fallback=2)
+    assert server.reset_counts().reads == 2 and list(info.parts) == [(1, 4)]
+    # a round with no tierfs manifest to name (MTC's) gets no index
+    assert be.ensure_round_index("job", "2026-12-04_08-00") is None
+    assert f"job/2026-12-04_08-00/{index_name('job')}" not in server.objects()

@@ -412,6 +412,10 @@ class GcsBackend:
         """See :meth:`tierfs.backup.round_index.RoundIndexes.write`."""
         return self.indexes.write(job, round_name)
 
+    def ensure_round_index(self, job: str, round_name: str) -> RoundIndex | None:
+        """See :meth:`tierfs.backup.round_index.RoundIndexes.ensure`."""
+        return self.indexes.ensure(job, round_name)
+
     def inspect_part(
         self, job: str, round_name: str, rank: int, step: int, *, fallback: int
     ) -> RoundInfo:

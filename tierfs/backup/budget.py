@@ -106,7 +106,9 @@ def restore(nodes: int, files: int, *, workers: int = 1, index: bool = True) -> 
     (:meth:`tierfs.backup.fetch.BucketRestore.read_bucket`): ``restore.version``
     (a GET answered 404), the round names (one listing), the round judged (a
     listing of every object of the round, one GET per manifest; pointers whose
-    listed crc32c is the expected one are not read). Then every node fetches its
+    listed crc32c is the expected one are not read), and with the index one GET
+    that finds the round's index (a round without one gets it written then: one
+    listing and one write more, once). Then every node fetches its
     part (:meth:`tierfs.backup.fetch.BucketRestore.fetch_backup`): without the
     index it judges the whole round again (the same listing and ``nodes``
     manifest GETs; a round without an index costs that plus the GET that finds
@@ -115,7 +117,7 @@ def restore(nodes: int, files: int, *, workers: int = 1, index: bool = True) -> 
     files of the step) are not counted.
     """
     whole = Requests(reads=nodes, lists=pages(_round_objects(nodes, files, workers)))
-    coordinator = Requests(reads=1, lists=1) + whole
+    coordinator = Requests(reads=2 if index else 1, lists=1) + whole
     own = Requests(reads=2) if index else whole
     per = own + Requests(reads=files)
     rank0 = coordinator + per

@@ -572,6 +572,7 @@ class BucketRestore:
                     complete += 1
                     if (found := judge_round_step(backend, job, info)) is not None:
                         judged.append(found)
+                    self._ensure_index(backend, job, name)
                 elif info.parts:
                     incomplete.append(
                         (name, info.step_for_display(), "; ".join(info.problems()[:3]))
@@ -592,6 +593,17 @@ class BucketRestore:
             depth=depth,
             judged=tuple(judged),
         )
+
+    @staticmethod
+    def _ensure_index(backend: Any, job: str, name: str) -> None:
+        """Write the index of the complete round ``name`` if it has none, before any
+        node restores from it (each then reads its part in two GETs instead of
+        listing the round); a failure only costs the nodes those listings."""
+        try:
+            if backend.ensure_round_index(job, name) is not None:
+                log.info("backup round %s had no index: written for the restore", name)
+        except Exception as exc:
+            log.info("backup round %s: index not written: %s", name, describe_error(exc))
 
     def _unreadable(
         self, line: str, depth: int, report: Callable[[str], None] | None

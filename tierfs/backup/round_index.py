@@ -216,6 +216,29 @@ class RoundIndexes:
         self.objects.put_bytes(prefix + index_name(job), index.to_json(), "application/json")
         return index
 
+    def ensure(self, job: str, round_name: str) -> RoundIndex | None:
+        """Write the index of a complete round that has none (one GET; without an index
+        one listing and one write more); returns the index written, or None when
+        one was there or the round holds no tierfs manifest to name (a round MTC
+        wrote). For the coordinator's reader, which just judged the round complete:
+        a round whose index was never written (node-rank 0 died first, the write
+        failed) cost every restoring node a listing of the whole round, N listings
+        of N parts (review of #17).
+
+        Raises:
+            google.api_core exceptions after retries; BucketTimeout.
+        """
+        prefix = self.spec.round_dir(job, round_name)
+        if self.objects.get_bytes(prefix + index_name(job)) is not None:
+            return None
+        blobs, _ = self.objects.listing(prefix, delimiter="/")
+        listed = {b.name[len(prefix) :]: (int(b.size or 0), crc_from_b64(b.crc32c)) for b in blobs}
+        index = index_from_listing(job, round_name, listed)
+        if not index.parts:
+            return None
+        self.objects.put_bytes(prefix + index_name(job), index.to_json(), "application/json")
+        return index
+
     def read_part(
         self, job: str, round_name: str, rank: int, step: int, nodes: int
     ) -> RoundInfo | None:
