@@ -152,6 +152,49 @@ def _read(path: Path) -> bytes | None:
         return None
 
 
+def test_a_survivors_wait_after_a_node_loss_waits_for_the_round_not_its_fresh_start(
+    make_mount,
+):
+    """#16 sixth trial N4 (a silent fresh start): the job started fresh, saved steps 2
+    and 4, then node 1 was lost. ``tierfs wait`` on the survivor, started at once (as
+    a scheduler restarts every worker), printed its restore at mount time, ``nothing
+    to restore ... a fresh start`` with exit 0, while it held step 4. It now waits for
+    the round the restarted node starts and prints that round's step."""
+    from conftest import TIERFS
+
+    c = Cluster(make_mount, 2, node_args=generic(2))
+    for i in range(2):
+        w = tierfs("wait", str(c.root(i)), "--timeout", "60")
+        assert w.stdout.startswith("nothing to restore"), w.stdout
+    for step in (2, 4):
+        for i in range(2):
+            tmp = c.root(i) / f"tmp-checkpoint-{step}"
+            tmp.mkdir()
+            (tmp / f"weights-{i}.bin").write_bytes(os.urandom(100_000))
+            (tmp / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+            os.rename(tmp, c.root(i) / f"checkpoint-{step}")
+    for i in range(2):
+        wait_until(lambda i=i: replicated(c, i, 4), 60, f"node {i}'s step 4 to be replicated")
+    c.lose(1)
+    survivor = subprocess.Popen(
+        [*TIERFS, "wait", str(c.root(0)), "--timeout", "120"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # (before, it printed the fresh start at once, long before node 1 is back)
+        c.remount(1)
+        out, err = survivor.communicate(timeout=150)
+    finally:
+        if survivor.poll() is None:
+            survivor.kill()
+    assert survivor.returncode == 0, (out, err, c.logs())
+    assert out.strip() == "restored step 4 from local", (out, err)
+    w = tierfs("wait", str(c.root(1)), "--timeout", "60")
+    assert w.stdout.strip() == "restored step 4 from peer:0", w.stdout
+
+
 def test_a_step_sealed_while_its_peer_was_down_reaches_it_later(make_mount, monkeypatch):
     """Found by a user: a step whose replication failed while the peer was down
     stayed 'replicating' forever once a newer step had been sent."""

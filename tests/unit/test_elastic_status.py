@@ -156,3 +156,30 @@ def test_wait_says_where_the_other_ranks_files_of_the_restored_step_come_from():
     assert whole_step_note(status({"gcs": 0})) is None
     one = NodeStatus.from_json({"restore": {"state": "done", "step": 30, "source": "local"}})
     assert whole_step_note(one) is None  # one node, or no view
+
+
+def test_a_fresh_start_is_no_answer_on_a_node_that_holds_steps_now():
+    """Regression (#16 sixth trial N4, a silent fresh start): right after a node loss,
+    ``tierfs wait`` on both survivors printed ``nothing to restore ... a fresh start``
+    (exit 0), their restore at mount time, while they held step 20; a trainer that
+    follows the printed step starts ranks 0 and 1 from scratch. Such a result is not
+    an answer: the wait goes on for the round the restarted node starts."""
+    from tierfs.cli.wait import stale_fresh_start
+
+    def status(restore: dict, steps: list[tuple[int, str]]) -> NodeStatus:
+        return NodeStatus.from_json(
+            {
+                "restore": restore,
+                "steps": [{"step": s, "name": f"checkpoint-{s}", "state": st} for s, st in steps],
+            }
+        )
+
+    fresh = {"state": "done", "outcome": "fresh", "reason": "no step of the job exists"}
+    line = stale_fresh_start(status(fresh, [(20, "replicated"), (10, "replicated")]))
+    assert line is not None and "holds step 20 now" in line
+    assert stale_fresh_start(status(fresh, [])) is None  # a true fresh start
+    assert stale_fresh_start(status(fresh, [(10, "writing")])) is None  # being written
+    restored = {"state": "done", "step": 10, "source": "local", "outcome": "restored"}
+    assert stale_fresh_start(status(restored, [(20, "replicated")])) is None
+    running = {"state": "planning"}
+    assert stale_fresh_start(status(running, [(20, "replicated")])) is None

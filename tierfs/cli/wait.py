@@ -102,6 +102,30 @@ def wait_outcome(restore: RestoreStatus | Mapping[str, Any], nodes: int = 0) -> 
     return WAIT_EXIT.get(outcome, 1), f"nothing restored ({outcome}): {reason}"
 
 
+def stale_fresh_start(status: NodeStatus) -> str | None:
+    """Why the settled restore cannot be the answer (pure): its outcome is a fresh
+    start (nothing of the job anywhere) while this node holds sealed steps of the
+    job now; None otherwise.
+
+    Such a result is this node's restore at its mount, from before the job saved
+    anything: on a node that kept running through another node's loss it would
+    send the restarted trainer back to step 0 while the node holds the job's steps
+    (#16 sixth trial N4: ``nothing to restore ... a fresh start``, exit 0, on both
+    survivors right after a node loss). ``tierfs wait`` waits instead for the
+    restore round the restarted node starts, which summons this node."""
+    r = status.restore
+    if r.state != "done" or r.step or (r.outcome or "fresh") != "fresh":
+        return None
+    held = [s.step for s in status.steps if s.state not in (None, "writing")]
+    if not held:
+        return None
+    return (
+        f"this node's last restore found nothing (a fresh start), but it holds step "
+        f"{max(held)} now: waiting for a restore round (one starts when a restarted node "
+        "joins; this node's daemon kept running)"
+    )
+
+
 def whole_step_unready(status: NodeStatus, all_bytes: bool) -> str | None:
     """What is still missing of the restored step's other-rank files (pure): None when
     nothing (or the view does not show other ranks' files), else a phrase."""
@@ -212,7 +236,8 @@ def wait_cmd(
     4: a node did not join in time; 5: the coordinator refuses this node; 6: a
     restore phase timed out; 7: still running after --timeout (or the daemon
     did not answer within it, or the other ranks' files of the restored step
-    were not all in the view by then).
+    were not all in the view by then, or this node's only restore was a fresh
+    start while it holds steps of the job now and no restore round came).
     """
     deadline = time.monotonic() + timeout
     while True:
@@ -241,6 +266,10 @@ def wait_cmd(
         if state not in RESTORE_SETTLED:
             why = restore.phase or "tierfs status " + mountpoint
             _poll_or_give_up(deadline, f"restore still {state} after {timeout:.0f}s ({why})")
+            continue
+        stale = stale_fresh_start(status)
+        if stale is not None:
+            _poll_or_give_up(deadline, f"{stale}; none after {timeout:.0f}s")
             continue
         unready = whole_step_unready(status, all_bytes)
         if unready is None:
