@@ -209,12 +209,20 @@ class RoundIndexes:
         Raises:
             google.api_core exceptions after retries; BucketTimeout.
         """
+        index = self._listed(job, round_name)
+        self._put(job, round_name, index)
+        return index
+
+    def _listed(self, job: str, round_name: str) -> RoundIndex:
+        """The index of the round from one listing of its top level (not written)."""
         prefix = self.spec.round_dir(job, round_name)
         blobs, _ = self.objects.listing(prefix, delimiter="/")
         listed = {b.name[len(prefix) :]: (int(b.size or 0), crc_from_b64(b.crc32c)) for b in blobs}
-        index = index_from_listing(job, round_name, listed)
+        return index_from_listing(job, round_name, listed)
+
+    def _put(self, job: str, round_name: str, index: RoundIndex) -> None:
+        prefix = self.spec.round_dir(job, round_name)
         self.objects.put_bytes(prefix + index_name(job), index.to_json(), "application/json")
-        return index
 
     def ensure(self, job: str, round_name: str) -> RoundIndex | None:
         """Write the index of a complete round that has none (one GET; without an index
@@ -231,12 +239,10 @@ class RoundIndexes:
         prefix = self.spec.round_dir(job, round_name)
         if self.objects.get_bytes(prefix + index_name(job)) is not None:
             return None
-        blobs, _ = self.objects.listing(prefix, delimiter="/")
-        listed = {b.name[len(prefix) :]: (int(b.size or 0), crc_from_b64(b.crc32c)) for b in blobs}
-        index = index_from_listing(job, round_name, listed)
+        index = self._listed(job, round_name)
         if not index.parts:
             return None
-        self.objects.put_bytes(prefix + index_name(job), index.to_json(), "application/json")
+        self._put(job, round_name, index)
         return index
 
     def read_part(
