@@ -468,6 +468,7 @@ class NodeDaemon:
             reserved=frozenset({CONTROL_DIR.encode()}),
             virtual=virtual,
             remote=self.parts.remote,
+            controls=self.agent.control_files(),
         )
         self.agent.attach(self.ns)
         self.parts.remote.attach(self.ns)

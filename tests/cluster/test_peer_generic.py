@@ -195,6 +195,74 @@ def test_a_survivors_wait_after_a_node_loss_waits_for_the_round_not_its_fresh_st
     assert w.stdout.strip() == "restored step 4 from peer:0", w.stdout
 
 
+def save_step(c: Cluster, step: int, nodes: list[int]) -> None:
+    """Each of ``nodes`` saves its part of ``checkpoint-<step>/`` (temp dir, rename)."""
+    for i in nodes:
+        tmp = c.root(i) / f"tmp-checkpoint-{step}"
+        tmp.mkdir()
+        (tmp / f"weights-{i}.bin").write_bytes(os.urandom(100_000))
+        (tmp / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        os.rename(tmp, c.root(i) / f"checkpoint-{step}")
+
+
+def holds_own(c: Cluster, i: int, step: int) -> bool:
+    """Node ``i``'s RAM store holds its own sealed part of ``step``."""
+    return (c.mounts[i].ram_dir / f"store/shards/hf/{i}/{step}/manifest.json").exists()
+
+
+def test_trainers_restarted_beside_running_daemons_get_one_new_round(make_mount):
+    """#16 sixth trial N4, the remainder: node 0 was summoned into node 1's restore
+    round (step 2) and kept running; the job saved step 4, node 0 sealed step 6 and
+    node 1 died before its part of it; the scheduler restarted both trainers on the
+    daemons that kept running. ``tierfs wait`` on node 0 printed its stale result,
+    ``restored step 2 from local`` (exit 0), while node 1 had no round at all. Now
+    each wait tells its daemon that a trainer starts: one new round, step 4 on both
+    (exit 2, step 6 lacks rank 1), and node 0's part of step 6 is abandoned."""
+    from conftest import TIERFS
+
+    c = Cluster(make_mount, 2, node_args=generic(2))
+    save_step(c, 2, [0, 1])
+    for i in range(2):
+        wait_until(lambda i=i: replicated(c, i, 2), 60, f"node {i}'s step 2 to be replicated")
+    c.lose(1)
+    c.remount(1)
+    assert tierfs("wait", str(c.root(1)), "--timeout", "60").stdout.strip() == (
+        "restored step 2 from peer:0"
+    )
+    wait_until(lambda: c.status(0)["restore"].get("summoned") is True, 60, "node 0 summoned")
+    w0 = tierfs("wait", str(c.root(0)), "--timeout", "60")
+    assert w0.stdout.strip() == "restored step 2 from local", w0.stdout
+    save_step(c, 4, [0, 1])
+    for i in range(2):
+        wait_until(lambda i=i: replicated(c, i, 4), 60, f"node {i}'s step 4 to be replicated")
+    save_step(c, 6, [0])  # node 1's trainer dies before its part of step 6
+    wait_until(lambda: holds_own(c, 0, 6), 60, "node 0's part of step 6")
+    waits = [
+        subprocess.Popen(
+            [*TIERFS, "wait", str(c.root(i)), "--timeout", "120"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = []
+    try:
+        for w in waits:
+            outs.append(w.communicate(timeout=150))
+    finally:
+        for w in waits:
+            if w.poll() is None:
+                w.kill()
+    for i, (w, (out, err)) in enumerate(zip(waits, outs, strict=True)):
+        assert w.returncode == 2, (i, out, err, c.logs())  # an older step: said
+        assert out.strip() == "restored step 4 from local", (i, out, err)
+        assert "step 6 lacks rank(s) [1]" in err, (i, err)
+    # one of the waits started the round (the other joined it, or was asked in first)
+    assert any("a new restore round for the restarted trainer" in err for _, err in outs), outs
+    assert not holds_own(c, 0, 6)  # abandoned: never a restore's candidate again
+
+
 def test_a_step_sealed_while_its_peer_was_down_reaches_it_later(make_mount, monkeypatch):
     """Found by a user: a step whose replication failed while the peer was down
     stayed 'replicating' forever once a newer step had been sent."""

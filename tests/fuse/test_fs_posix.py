@@ -1661,3 +1661,25 @@ def test_kill9_gives_enotconn_quickly_and_mount_again_recovers(fs):
     assert _tree_snapshot(fs.path) == before
     write_file(fs.path / "after", b"alive")
     assert (fs.path / "after").read_bytes() == b"alive"
+
+
+# ---------------------------------------------------------------- control files
+
+
+def test_the_restart_control_file_takes_a_write_open_and_nothing_else(fs):
+    """``.tierfs/restart`` (#16 N4): an open for writing is the trainer-start request
+    (a job-less mount answers ``nothing``); the other daemon files stay read-only."""
+    restart = fs.path / ".tierfs" / "restart"
+    assert oct(restart.stat().st_mode & 0o777) == oct(0o666)
+    os.close(os.open(restart, os.O_WRONLY))
+    answer = json.loads(restart.read_text())
+    assert answer["action"] == "nothing", answer
+    restart.write_text("trainer\n")  # what `echo > .tierfs/restart` does: also a request
+    assert json.loads(restart.read_text())["action"] == "nothing"
+    with pytest.raises(PermissionError) as e:
+        os.open(fs.path / ".tierfs" / "status.json", os.O_WRONLY)
+    assert e.value.errno == errno.EPERM
+    for bad in (lambda: os.unlink(restart), lambda: os.truncate(restart, 0)):
+        with pytest.raises(PermissionError):
+            bad()
+    assert sorted(os.listdir(fs.path / ".tierfs")) == ["fuse.json", "restart", "status.json"]

@@ -7,6 +7,7 @@ The parts are built by the composition root (``build_node``) over a ram-dir in
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -569,3 +570,43 @@ def test_a_restore_links_back_the_files_removed_from_a_sealed_step(tmp_path):
     shutil.rmtree(step)
     assert view.link_missing(shard) == ["step_20"]
     assert sorted(os.listdir(step)) == [".metadata", "__0_0.distcp", "sub"]
+
+
+def test_a_trainer_start_after_later_seals_starts_this_nodes_own_round(tmp_path):
+    """#16 sixth trial N4, the remainder: a node summoned into a round that restored
+    step 2 kept running; the job sealed step 4 here and restarted. ``tierfs wait``
+    printed the stale ``restored step 2``; a trainer start now opens a new round in
+    which this node is a restarted node (its newer steps are abandoned there)."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    driver = parts.agent.restores
+    driver._fresh = False
+    write_step(parts, 4)
+    seal(parts, 4)
+    parts.state.restore_state = {"state": "done", "step": 2, "at": 1.0, "summoned": True}
+    parts.agent.trainer_start()  # what the open of .tierfs/restart for writing calls
+    assert parts.state.restore_state["state"] == "pending"
+    assert parts.state.restore_state["summoned"] is False
+    answer = json.loads(parts.agent.restart_json())
+    assert answer["action"] == "round" and "step 4" in answer["why"]
+    # a second trainer start while that round runs joins it
+    parts.agent.trainer_start()
+    assert json.loads(parts.agent.restart_json())["action"] == "join"
+    assert driver._trainer_waiting is True
+
+
+def test_a_trainer_start_after_a_summoned_round_abandons_the_newer_steps(tmp_path):
+    """Summoned into another node's round that agreed on step 2, the node kept its step
+    4 (its trainer might still run); its trainer starting now resumes from step 2, so
+    step 4 is abandoned as a restarted node's would be."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    write_step(parts, 4)
+    seal(parts, 4)
+    key = ShardKey("j", 0, 4)
+    assert key in parts.catalog
+    parts.state.restore_state = {"state": "done", "step": 2, "at": 4e9, "summoned": True}
+    parts.agent.trainer_start()
+    assert key not in parts.catalog
+    assert parts.state.restore_state["state"] == "done"  # no new round
+    assert json.loads(parts.agent.restart_json())["action"] == "current"

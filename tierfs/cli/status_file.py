@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from tierfs.cli.console import fail
@@ -21,11 +22,14 @@ from tierfs.core.errors import ProtocolError
 
 #: the status file, relative to the mountpoint (the daemon serves it, never stored)
 STATUS_PATH = os.path.join(".tierfs", "status.json")
+#: opened for writing by ``tierfs wait``: a trainer starts here (see :func:`tell_trainer_start`)
+RESTART_PATH = os.path.join(".tierfs", "restart")
 
 #: how long `tierfs status` waits for a daemon to answer (seconds)
 STATUS_TIMEOUT = 10.0
 
 __all__ = [
+    "RESTART_PATH",
     "STATUS_PATH",
     "STATUS_TIMEOUT",
     "DaemonNotAnswering",
@@ -33,11 +37,41 @@ __all__ = [
     "read_json",
     "read_status",
     "read_status_file",
+    "tell_trainer_start",
 ]
 
 
 class DaemonNotAnswering(ProtocolError):
     """The status file did not open within the time given: the daemon is stopped or stuck."""
+
+
+def _bounded(call: Callable[[], Any], path: str, timeout: float | None) -> Any:
+    """``call()``, given up after ``timeout`` seconds (None: no limit): it then runs on in
+    a daemon thread that is left behind.
+
+    Raises:
+        DaemonNotAnswering: no answer within ``timeout`` (``path`` in the message).
+        What ``call`` raises.
+    """
+    if timeout is None:
+        return call()
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as exc:
+            error.append(exc)
+
+    t = threading.Thread(target=run, name="tierfs-status", daemon=True)
+    t.start()
+    t.join(max(0.0, timeout))
+    if t.is_alive():
+        raise DaemonNotAnswering(path)
+    if error:
+        raise error[0]
+    return result[0]
 
 
 def read_json(path: str, timeout: float | None) -> Any:
@@ -52,25 +86,34 @@ def read_json(path: str, timeout: float | None) -> Any:
         with open(path, "rb") as f:
             return json.loads(f.read())
 
-    if timeout is None:
-        return read()
-    result: list[Any] = []
-    error: list[BaseException] = []
+    return _bounded(read, path, timeout)
 
-    def run() -> None:
-        try:
-            result.append(read())
-        except BaseException as exc:
-            error.append(exc)
 
-    t = threading.Thread(target=run, name="tierfs-status", daemon=True)
-    t.start()
-    t.join(max(0.0, timeout))
-    if t.is_alive():
-        raise DaemonNotAnswering(path)
-    if error:
-        raise error[0]
-    return result[0]
+def tell_trainer_start(mountpoint: str, timeout: float | None = None) -> dict[str, Any]:
+    """Tell the daemon at ``mountpoint`` that a trainer starts on this node: open its
+    ``.tierfs/restart`` for writing (the daemon decides at the open,
+    :mod:`tierfs.node.trainer_start`), then read its answer from the same file.
+
+    Returns:
+        The answer: ``action`` (``join``, ``current``, ``round``, ``nothing``),
+        ``why``, ``at`` (Unix seconds); {} if unreadable.
+
+    Raises:
+        DaemonNotAnswering: no answer within ``timeout`` seconds.
+        OSError: ENOENT or EPERM from a daemon older than the file; as ``open``.
+    """
+    path = os.path.join(mountpoint, RESTART_PATH)
+
+    def tell() -> Any:
+        os.close(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+        with open(path, "rb") as f:
+            return json.loads(f.read() or b"{}")
+
+    try:
+        answer = _bounded(tell, path, timeout)
+    except ValueError:
+        return {}
+    return answer if isinstance(answer, dict) else {}
 
 
 def read_status_file(mountpoint: str, timeout: float | None = None) -> dict[str, Any] | None:

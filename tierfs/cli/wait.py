@@ -19,6 +19,7 @@ from tierfs.cli.status_file import (
     not_answering,
     read_status,
     read_status_file,
+    tell_trainer_start,
 )
 from tierfs.core.status import NodeStatus, RestoreStatus
 from tierfs.core.types import SAVED_AGAIN
@@ -221,14 +222,29 @@ def _poll_or_give_up(deadline: float, why: str) -> None:
     "job restarted on another node count: not the previous daemon's restore); until "
     "then a mountpoint that does not answer counts as not there yet. 0: any.",
 )
+@click.option(
+    "--no-restart",
+    is_flag=True,
+    help="Only report: do not tell the daemon that a trainer starts on this node (for "
+    "scripts that watch a running job; `tierfs status` is the better tool there).",
+)
 def wait_cmd(
-    mountpoint: str, timeout: float, all_bytes: bool, accept_older: bool, nodes: int
+    mountpoint: str,
+    timeout: float,
+    all_bytes: bool,
+    accept_older: bool,
+    nodes: int,
+    no_restart: bool,
 ) -> None:
     """Wait until the node's restore has finished; print what it restored.
 
     Use it between `tierfs mount` and starting a trainer that lists its own
     checkpoint directory (generic mode): after a node loss the restored step
-    appears in the mount only when the cluster has agreed on it. Exit status
+    appears in the mount only when the cluster has agreed on it. It tells the
+    daemon that a trainer starts here: on a node whose daemon kept running
+    while the job went on and restarted, that starts a new restore round (the
+    other nodes join it), so every trainer of the new run gets one agreed
+    step; steps newer than that step are abandoned on this node. Exit status
     0: the newest step was restored, or nothing of the job exists anywhere
     (a fresh start); 2: an older step was restored, as newer ones are
     incomplete or would not load (0 with --accept-older); 1: the restore
@@ -240,6 +256,8 @@ def wait_cmd(
     start while it holds steps of the job now and no restore round came).
     """
     deadline = time.monotonic() + timeout
+    told = no_restart  # the daemon heard of this trainer start (or is not to)
+    answered = False  # ... and answered (a daemon older than .tierfs/restart does not)
     while True:
         try:
             # never past --timeout, even when the daemon does not answer at all
@@ -262,12 +280,25 @@ def wait_cmd(
                 f"{mountpoint} serves a job of {serving} nodes, not {nodes}, after {timeout:.0f}s",
             )
             continue
+        if not told:
+            told = True
+            try:
+                answer = tell_trainer_start(mountpoint, max(1.0, deadline - time.monotonic()))
+            except DaemonNotAnswering:
+                click.echo(f"tierfs: error: {not_answering(mountpoint, timeout)}", err=True)
+                sys.exit(WAIT_STILL_RUNNING)
+            except OSError:
+                answer = {}  # a daemon without .tierfs/restart: report what it restored
+            answered = bool(answer)
+            if answer.get("action") == "round" or "abandoned" in str(answer.get("why", "")):
+                click.echo(f"tierfs: note: {answer.get('why')}", err=True)
+            continue  # read the status again: a round it started is running now
         state = restore.state
         if state not in RESTORE_SETTLED:
             why = restore.phase or "tierfs status " + mountpoint
             _poll_or_give_up(deadline, f"restore still {state} after {timeout:.0f}s ({why})")
             continue
-        stale = stale_fresh_start(status)
+        stale = None if answered else stale_fresh_start(status)
         if stale is not None:
             _poll_or_give_up(deadline, f"{stale}; none after {timeout:.0f}s")
             continue

@@ -83,6 +83,8 @@ class Inode:
         backing_id: the kernel passthrough id while passthrough handles are open.
         reserved: the object lies under a daemon-managed top-level name (read-only).
         virtual: generator of the content, for daemon-generated files.
+        control: called when a client opens the file for writing: a daemon-generated
+            file that is also a request (``.tierfs/restart``); None for others.
         orphan: unlinked while open; the budget keeps counting it until the last
             handle is closed (managed budget only).
     """
@@ -97,6 +99,7 @@ class Inode:
     backing_id: int = 0
     reserved: bool = False
     virtual: Callable[[], bytes] | None = None
+    control: Callable[[], None] | None = None
     fhandle: bytes | None = None
     evicted_ctime_ns: int = -1
     orphan: bool = False
@@ -113,6 +116,8 @@ class InodeTable:
             generated when opened (``Inode.virtual``).
         max_fds: descriptors the namespace may hold (``O_PATH`` pool plus open
             handles) before :meth:`trim` evicts.
+        controls: relative paths (bytes) under reserved names that a client may open
+            for writing: the open calls the function (``Inode.control``).
 
     Raises:
         OSError: ``view_dir`` cannot be opened.
@@ -124,10 +129,12 @@ class InodeTable:
         reserved: frozenset[bytes],
         virtual: dict[bytes, Callable[[], bytes]],
         max_fds: int,
+        controls: dict[bytes, Callable[[], None]] | None = None,
     ) -> None:
         self.view_prefix = os.fsencode(view_dir) + b"/"
         self.reserved = reserved
         self.virtual = virtual
+        self.controls = controls or {}
         self.max_fds = max_fds
         root_fd = os.open(view_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         st = os.fstat(root_fd)
@@ -272,9 +279,11 @@ class InodeTable:
         reserved = access.is_reserved_child(
             parent.reserved, parent is self.root, name, self.reserved
         )
-        virtual = None
-        if reserved and self.virtual:
-            virtual = self.virtual.get(self.child_relpath(parent, name) or b"")
+        virtual = control = None
+        if reserved and (self.virtual or self.controls):
+            rel = self.child_relpath(parent, name) or b""
+            virtual = self.virtual.get(rel)
+            control = self.controls.get(rel)
         inode = Inode(
             next(self._next_node),
             st.st_ino,
@@ -283,6 +292,7 @@ class InodeTable:
             lookups=1,
             reserved=reserved,
             virtual=virtual,
+            control=control,
         )
         self._by_node[inode.nodeid] = inode
         self._by_ino[inode.ino] = inode

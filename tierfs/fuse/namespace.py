@@ -72,6 +72,9 @@ class Namespace:
         events: receiver of namespace events (the node agent); default: none.
         reserved: top-level names the daemon owns; clients cannot modify them (EPERM).
         virtual: relative paths (bytes) whose content is generated when opened.
+        controls: relative paths (bytes) under reserved names whose open for writing
+            is a request to the daemon (the function is called on the FUSE thread and
+            must not block); the file's bytes are the daemon's.
         max_fds: how many descriptors the namespace may hold (``O_PATH`` pool plus
             open handles) before it evicts; default: RLIMIT_NOFILE minus a reserve.
         remote: other ranks' files in the view (:mod:`tierfs.fuse.remote`);
@@ -96,6 +99,7 @@ class Namespace:
         virtual: dict[bytes, Callable[[], bytes]] | None = None,
         max_fds: int | None = None,
         remote: RemoteFiles | None = None,
+        controls: dict[bytes, Callable[[], None]] | None = None,
     ) -> None:
         self.view_dir = os.path.abspath(view_dir)
         self._view_prefix = os.fsencode(self.view_dir) + b"/"
@@ -110,6 +114,7 @@ class Namespace:
             reserved,
             dict(virtual or {}),
             max_fds if max_fds is not None else default_max_fds(),
+            controls=dict(controls or {}),
         )
         self.root = inodes.root
         self.handles = handles = HandleTable(self.kernel)

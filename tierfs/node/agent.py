@@ -40,6 +40,7 @@ capacity limiter.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import time
@@ -75,6 +76,9 @@ __all__ = ["AgentEvents", "NodeAgent", "RestorePlan", "Tier"]
 log = logging.getLogger(__name__)
 
 STATUS_FILE = b".tierfs/status.json"
+#: opened for writing by ``tierfs wait``: a trainer starts on this node (its content:
+#: the daemon's last answer, JSON)
+RESTART_FILE = b".tierfs/restart"
 CONTROL_DIR = ".tierfs"
 
 
@@ -207,7 +211,21 @@ class NodeAgent:
 
     def virtual_files(self) -> dict[bytes, Callable[[], bytes]]:
         """Daemon-generated files in the mount (relative path -> content generator)."""
-        return {STATUS_FILE: self.status_json}
+        return {STATUS_FILE: self.status_json, RESTART_FILE: self.restart_json}
+
+    def control_files(self) -> dict[bytes, Callable[[], None]]:
+        """Daemon-generated files whose open for writing is a request (FUSE thread):
+        ``.tierfs/restart``, a trainer starts (:meth:`RestoreDriver.trainer_start`)."""
+        return {RESTART_FILE: self.trainer_start}
+
+    def trainer_start(self) -> None:
+        """A trainer starts on this node (``.tierfs/restart`` opened for writing)."""
+        self.restores.trainer_start()
+
+    def restart_json(self) -> bytes:
+        """``.tierfs/restart``: the daemon's answer to the last trainer start, JSON
+        (``{}`` before the first): ``at`` (Unix seconds), ``action``, ``why``."""
+        return json.dumps(self.restores.last_trainer_start).encode() + b"\n"
 
     def attach(self, ns: Namespace) -> None:
         """Bind the namespace and prepare the daemon-managed ``.tierfs/`` directory."""
@@ -216,11 +234,14 @@ class NodeAgent:
         control_dir = os.path.join(self.store.view, CONTROL_DIR)
         os.makedirs(control_dir, exist_ok=True)
         os.chmod(control_dir, 0o755)
-        path = os.path.join(self.store.view, os.fsdecode(STATUS_FILE))
-        if not os.path.exists(path):
-            with open(path, "wb") as f:
-                f.write(b"{}\n")
-            os.chmod(path, 0o444)
+        for name, mode in ((STATUS_FILE, 0o444), (RESTART_FILE, 0o666)):
+            path = os.path.join(self.store.view, os.fsdecode(name))
+            if not os.path.exists(path):
+                with open(path, "wb") as f:
+                    f.write(b"{}\n")
+            # restart: any user of the mount may say its trainer starts, as anyone
+            # who can write replicator.yaml starts a restore in protocol mode
+            os.chmod(path, mode)
 
     # ------------------------------------------------------------------ status
 

@@ -28,9 +28,11 @@ from tierfs.core.control import JobSpec
 from tierfs.core.types import RestorePlan
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.jobstate import JobState
+from tierfs.node.resave import sealed_at
 from tierfs.node.restorer import Restorer
 from tierfs.node.steps import StepBook
 from tierfs.node.tasks import TaskSpawner
+from tierfs.node.trainer_start import JOIN, ROUND, TrainerStart, trainer_start_action
 from tierfs.node.view import SIBLING_GRACE, ClientView, Published
 
 __all__ = [
@@ -115,6 +117,11 @@ class RestoreDriver:
         #: no generic restore has ended since this daemon started: the first one is
         #: this node's own (a restarted node), even when a summons starts it
         self._fresh = True
+        #: a trainer started while the running restore ran (:meth:`trainer_start`):
+        #: the restore is its own, newer steps are abandoned even when summoned
+        self._trainer_waiting = False
+        #: the last trainer start (``.tierfs/restart``): plain data
+        self.last_trainer_start: dict[str, Any] = {}
         state.on_summoned(self.summoned)
 
     def cancel(self) -> None:
@@ -236,6 +243,9 @@ class RestoreDriver:
             if plan.step and not summoned:
                 self.keeper.drop_abandoned(job, plan.step)
             await self.restorer.finish(job, plan)
+            if plan.step and summoned and self._trainer_waiting:
+                # a trainer started here during the round: it is this trainer's restore
+                self.keeper.drop_abandoned(job, plan.step)
         except Exception as exc:
             log.exception("generic restore failed")
             self.reporter.error(f"restore failed: {exc}")
@@ -250,6 +260,7 @@ class RestoreDriver:
         finally:
             self._generic_running = False
             self._fresh = False
+            self._trainer_waiting = False
         outcome = self.report_plan(plan)
         if plan.shard is None:
             # None, or a step written by fewer nodes than this node's rank (issue #16):
@@ -317,6 +328,36 @@ class RestoreDriver:
         own = self._fresh or (last.get("state") == "failed" and last.get("summoned") is False)
         if self.start_generic(job, not own):
             log.info("the coordinator asks this node to join a restore round")
+
+    def trainer_start(self) -> TrainerStart:
+        """A trainer starts on this node (``tierfs wait`` opened ``.tierfs/restart`` for
+        writing; FUSE thread, never blocks): join the running restore, keep the settled
+        one, or start a new round when the job went on since it settled
+        (:func:`tierfs.node.trainer_start.trainer_start_action`; #16 sixth trial N4).
+        The decision is also :attr:`last_trainer_start`."""
+        job = self.state.job
+        own: list[tuple[int, float]] = []
+        if job is not None:
+            own = [(s.key.step, sealed_at(s.manifest)) for s in self.catalog.own_shards(job)]
+        decision = trainer_start_action(
+            self.state.mode if job is not None else "none",
+            self._generic_running,
+            self.state.restore_state,
+            own,
+        )
+        if job is not None and decision.action == JOIN:
+            self._trainer_waiting = True
+        elif job is not None and decision.action == ROUND:
+            self.start_generic(job, summoned=False)
+        elif job is not None and decision.drop_after is not None:
+            self.keeper.drop_abandoned(job, decision.drop_after)
+        log.info("trainer start: %s (%s)", decision.action, decision.why)
+        self.last_trainer_start = {
+            "at": time.time(),
+            "action": decision.action,
+            "why": decision.why,
+        }
+        return decision
 
     def start_generic(self, job: JobSpec, summoned: bool = False) -> bool:
         """Start a generic restore unless one runs (one at a time: two restore ids of one

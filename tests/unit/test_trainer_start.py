@@ -1,0 +1,62 @@
+"""A trainer starting beside a daemon that kept running (#16 sixth trial N4): the pure
+decision of :mod:`tierfs.node.trainer_start`."""
+
+from __future__ import annotations
+
+from tierfs.node.trainer_start import CURRENT, JOIN, NOTHING, ROUND, trainer_start_action
+
+SETTLED = 1000.0
+
+
+def done(step: int | None, summoned: bool = False) -> dict:
+    return {"state": "done", "step": step, "at": SETTLED, "summoned": summoned}
+
+
+def test_a_restore_running_here_is_the_trainers():
+    d = trainer_start_action("generic", True, {"state": "planning"}, [(4, SETTLED + 5)])
+    assert (d.action, d.drop_after) == (JOIN, None)
+
+
+def test_nothing_sealed_since_the_restore_keeps_it():
+    d = trainer_start_action("generic", False, done(2), [(2, SETTLED - 50)])
+    assert (d.action, d.drop_after) == (CURRENT, None)
+
+
+def test_a_step_sealed_after_the_restore_starts_a_round():
+    """The exact N4 input: the survivor's restore (step 2, summoned) settled, then
+    the job sealed 4 and 6 here and restarted: the old result is stale."""
+    d = trainer_start_action(
+        "generic", False, done(2, summoned=True), [(6, SETTLED + 20), (4, SETTLED + 10)]
+    )
+    assert d.action == ROUND
+    assert "step 6" in d.why and "step 2" in d.why
+
+
+def test_a_fresh_start_followed_by_saves_starts_a_round():
+    d = trainer_start_action("generic", False, done(None), [(2, SETTLED + 1)])
+    assert d.action == ROUND and "(nothing)" in d.why
+
+
+def test_a_summoned_round_drops_the_newer_steps_held_from_before_it():
+    """Summoned into another node's round that agreed on 4, this node keeps its step 6
+    (sealed before the round) until its own trainer starts: then 6 is abandoned."""
+    d = trainer_start_action("generic", False, done(4, summoned=True), [(6, SETTLED - 1)])
+    assert (d.action, d.drop_after) == (CURRENT, 4)
+    assert "[6]" in d.why
+
+
+def test_an_own_restore_never_drops_at_a_trainer_start():
+    d = trainer_start_action("generic", False, done(4), [(6, SETTLED - 1)])
+    assert (d.action, d.drop_after) == (CURRENT, None)
+
+
+def test_a_summoned_fresh_start_drops_nothing():
+    d = trainer_start_action("generic", False, done(None, summoned=True), [(6, SETTLED - 1)])
+    assert (d.action, d.drop_after) == (CURRENT, None)
+
+
+def test_protocol_mode_failed_and_unknown_restores_do_nothing():
+    assert trainer_start_action("protocol", False, done(2), [(4, SETTLED + 1)]).action == NOTHING
+    failed = {"state": "failed", "outcome": "missing", "at": SETTLED}
+    assert trainer_start_action("generic", False, failed, [(4, SETTLED + 1)]).action == NOTHING
+    assert trainer_start_action("generic", False, {}, []).action == NOTHING

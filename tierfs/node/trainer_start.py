@@ -1,0 +1,103 @@
+"""What a trainer starting on a node that kept running asks of its restore (generic mode).
+
+``tierfs wait`` is run where a trainer starts (README "tierfs wait"). On a node
+whose daemon started with the job, the restore at the mount is that trainer's
+restore. On a node whose daemon kept running while the job restarted (a
+scheduler restarts every worker after one node's loss, or the trainers
+crashed and restart on the same nodes), the last restore settled before the
+job wrote the steps it holds now: that result is stale, and the trainers of
+the new incarnation must get one agreed step from a new round (#16 sixth trial
+N4: survivors printed the result of their mount-time restore, ``nothing to
+restore`` or an older step, while the restarted node resumed from another).
+
+So the wait opens ``.tierfs/restart`` for writing, and the daemon decides with
+:func:`trainer_start_action` (pure):
+
+* a restore runs here: the trainer waits for it; it is this trainer's restore
+  (:data:`JOIN`), so steps newer than the agreed one are abandoned at its end
+  even when the coordinator summoned this node;
+* the last restore settled after every step this node sealed: it stands
+  (:data:`CURRENT`); if this node was summoned into it and holds steps newer
+  than the agreed one, they are abandoned now (the trainer restarts from the
+  agreed step);
+* this node sealed a step newer than the restored one after the restore
+  settled (the job went on and restarted since): a new round starts with this
+  node as a restarted node (:data:`ROUND`); the coordinator summons the others
+  and a node whose trainer starts later joins it (:data:`JOIN`) or finds it
+  settled (:data:`CURRENT`), so one incarnation gets one round;
+* anything else (protocol mode, where ``replicator.yaml`` is the trainer's
+  signal; no job; a failed restore, which the wait reports): :data:`NOTHING`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CURRENT", "JOIN", "NOTHING", "ROUND", "TrainerStart", "trainer_start_action"]
+
+#: what a trainer start does (see the module docstring)
+JOIN, CURRENT, ROUND, NOTHING = "join", "current", "round", "nothing"
+
+
+@dataclass(frozen=True)
+class TrainerStart:
+    """The decision for one trainer start.
+
+    Attributes:
+        action: :data:`JOIN`, :data:`CURRENT`, :data:`ROUND` or :data:`NOTHING`.
+        drop_after: steps newer than this one are abandoned on this node now
+            (:data:`CURRENT` after a summoned round); None: nothing to drop now.
+        why: one line for the log and ``.tierfs/restart``.
+    """
+
+    action: str
+    drop_after: int | None
+    why: str
+
+
+def trainer_start_action(
+    mode: str,
+    running: bool,
+    last: Mapping[str, Any],
+    own_seals: Iterable[tuple[int, float]],
+) -> TrainerStart:
+    """Decide what a trainer start does (pure; see the module docstring).
+
+    Args:
+        mode: the job's mode (``generic``, ``protocol``, ``none``).
+        running: a restore runs on this node now (pending, planning or fetching).
+        last: the restore state (``JobState.restore_state``): ``state``, ``step``
+            (None: nothing restored), ``at`` (Unix seconds it settled),
+            ``summoned``.
+        own_seals: (step, seal time in Unix seconds) of this node's own parts of
+            the job held now.
+    """
+    if mode != "generic":
+        return TrainerStart(NOTHING, None, f"{mode} mode: the trainer's control file restores")
+    if running:
+        return TrainerStart(JOIN, None, "a restore runs on this node: the trainer waits for it")
+    state = last.get("state")
+    if state != "done":
+        return TrainerStart(NOTHING, None, f"the last restore is {state or 'unknown'}")
+    step = last.get("step") or 0
+    settled = float(last.get("at") or 0.0)
+    newer = [(s, t) for s, t in own_seals if s > step]
+    later = [s for s, t in newer if t >= settled]
+    if later:
+        what = f"step {step}" if step else "nothing"
+        return TrainerStart(
+            ROUND,
+            None,
+            f"the last restore ({what}) settled before this node sealed step "
+            f"{max(later)}: a new restore round for the restarted trainer",
+        )
+    if newer and step and last.get("summoned"):
+        return TrainerStart(
+            CURRENT,
+            step,
+            f"the round this node was summoned into restored step {step}: its newer "
+            f"step(s) {sorted(s for s, _ in newer)} are abandoned as the trainer restarts",
+        )
+    return TrainerStart(CURRENT, None, "the last restore stands")
