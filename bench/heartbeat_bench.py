@@ -25,12 +25,19 @@ the member's own peers). Configurations (``--config``, comma-separated):
 * ``active``: the same with a backup round running all along (node-rank 0's
   job asks for a round every synced step).
 
+Rounds start at most once per ``--period`` seconds (default: the heartbeat
+period, :data:`tierfs.replication.heartbeat.HEARTBEAT`, 1 s), as real
+heartbeats come: the coordinator's backup book is ticked by calls at most
+every 0.5 s above 256 nodes, so rounds run back to back (a batched round takes
+~0.25 s) would share a tick between two rounds and show less than a real round
+costs (up to stop 38 the bench ran them back to back).
+
 ``--gone G`` declares the last G ranks gone for good first (a lost rack); the
 other nodes carry the ``gone_tag`` of their last reply as real nodes do, so the
 gone ranks are listed to each node once, not in every reply.
 
 Usage: ``python bench/heartbeat_bench.py [--nodes 1000,10000] [--repeat 3] [--group 100]
-[--config book] [--gone 0]``.
+[--config book] [--gone 0] [--period 1.0]``.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ import grpc.aio  # noqa: E402
 from coord_bench import CHANNELS, JOB, Server, holdings, join_request  # noqa: E402
 
 from tierfs.replication.groups import GROUP_SIZE  # noqa: E402
+from tierfs.replication.heartbeat import HEARTBEAT  # noqa: E402
 from tierfs.rpc import peer_pb2, peer_pb2_grpc  # noqa: E402
 
 
@@ -151,7 +159,12 @@ class Nodes:
 
 
 async def measure(
-    nodes: int, group: int, repeat: int, config: str = "book", gone: int = 0
+    nodes: int,
+    group: int,
+    repeat: int,
+    config: str = "book",
+    gone: int = 0,
+    period: float = HEARTBEAT,
 ) -> dict[str, Any]:
     server = Server("new", "main", book=config != "plain")
     sim = Nodes(server.address, nodes, group, gone)
@@ -166,8 +179,12 @@ async def measure(
         await sim.batched()
         runs: dict[str, list[dict[str, float]]] = {"direct": [], "batched": []}
         load = [os.getloadavg()[0]]
+        started = 0.0
         for _ in range(repeat):
             for kind in ("direct", "batched"):
+                # a round at most once per heartbeat period, as real heartbeats come
+                await asyncio.sleep(max(0.0, started + period - time.monotonic()))
+                started = time.monotonic()
                 cpu0, t = server.cpu(), time.monotonic()
                 calls = await (sim.direct() if kind == "direct" else sim.batched())
                 runs[kind].append(
@@ -205,12 +222,15 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=GROUP_SIZE, help="members per batch")
     ap.add_argument("--config", default="book", help="plain, book, active (comma-separated)")
     ap.add_argument("--gone", type=int, default=0, help="ranks declared gone for good")
+    ap.add_argument(
+        "--period", type=float, default=HEARTBEAT, help="seconds from a round's start to the next"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     results = []
     for n in [int(x) for x in args.nodes.split(",") if x]:
         for config in args.config.split(","):
-            r = asyncio.run(measure(n, args.group, args.repeat, config, args.gone))
+            r = asyncio.run(measure(n, args.group, args.repeat, config, args.gone, args.period))
             results.append(r)
             if not args.json:
                 report(r)

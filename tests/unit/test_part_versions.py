@@ -84,3 +84,25 @@ def test_the_membership_numbers_the_changes_of_its_members_inventories():
     epoch = roster.parts.epoch
     roster.clear()
     assert roster.parts.epoch != epoch and roster.parts.version == 0
+
+
+def test_the_holders_index_follows_inventories_replacements_and_clears():
+    """``Membership.holders`` is an index kept as inventories change (#17 review: a walk
+    of every member per backup-book tick); it must say what a walk would."""
+    roster = Membership(lambda: 0.0, 10.0)
+    m0, _ = roster.admit(0, "a:0", "i0")
+    m1, _ = roster.admit(1, "a:1", "i1")
+    roster.set_inventory(m0, (own(0, 5, "d0"), own(0, 6, "e0"), own(1, 5, "replica")))
+    roster.set_inventory(m1, (own(1, 5, ""), own(0, 5, "replica-of-0")))
+    assert roster.holders(5) == {0: "d0", 1: None}  # own parts only; "" is unknown
+    assert roster.holders(6) == {0: "e0"} and roster.holders(7) == {}
+    roster.holders(5)[0] = "changed by a caller"  # a copy
+    assert roster.holders(5)[0] == "d0"
+    roster.set_inventory(m0, (own(0, 6, "e0-again"),))  # step 5 dropped, 6 saved again
+    assert roster.holders(5) == {1: None} and roster.holders(6) == {0: "e0-again"}
+    m1b, replaced = roster.admit(1, "a:1", "i1-restarted")  # a restarted daemon: empty
+    assert replaced and roster.holders(5) == {}
+    roster.set_inventory(m1b, (own(1, 6, "f1"),))
+    assert roster.holders(6) == {0: "e0-again", 1: "f1"}
+    roster.clear()
+    assert roster.holders(6) == {}

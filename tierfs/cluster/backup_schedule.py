@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from tierfs.core import settings
 from tierfs.core.rounds import DEFAULT_INTERVAL_MINUTES as DEFAULT_INTERVAL_MINUTES
@@ -85,6 +85,16 @@ class ActiveRound:
     lacking: dict[int, str] = field(default_factory=dict)
 
 
+def known_parts(parts: Mapping[int, str | None] | None) -> dict[int, str]:
+    """``parts`` (rank -> digest, None unknown) without the unknown digests (pure; the
+    mapping itself when every digest is known, as at every tick of a healthy job)."""
+    if not parts:
+        return {}
+    if None in parts.values() or "" in parts.values():
+        return {r: d for r, d in parts.items() if d}
+    return cast(dict[int, str], parts)
+
+
 class RoundBook:
     """The coordinator's backup rounds of one job (pure; not thread-safe).
 
@@ -119,6 +129,7 @@ class RoundBook:
         #: node ranks declared gone for good (issue #16): rounds neither wait for
         #: nor plan them
         self.gone: frozenset[int] = frozenset()
+        self._ranks: tuple[int, frozenset[int], list[int]] | None = None
         self.state = ScheduleState(started_at=0.0)
         self.seeded = False
         self.previous_name: str | None = None
@@ -136,8 +147,13 @@ class RoundBook:
         self.gone = gone
 
     def ranks(self) -> list[int]:
-        """The ranks a backup round waits for: every rank of the job but the gone ones."""
-        return [r for r in range(self.nodes) if r not in self.gone]
+        """The ranks a backup round waits for: every rank of the job but the gone ones
+        (built once per node count and gone set: a tick asks for it; do not modify)."""
+        hit = self._ranks
+        if hit is None or hit[0] != self.nodes or hit[1] is not self.gone:
+            ranks = [r for r in range(self.nodes) if r not in self.gone]
+            hit = self._ranks = (self.nodes, self.gone, ranks)
+        return hit[2]
 
     def reset(self, job: str, nodes: int, now: float) -> None:
         """Take up ``job`` of ``nodes`` nodes from scratch (unseeded, no round, none gone)."""
@@ -291,7 +307,7 @@ class RoundBook:
             interval_minutes=minutes,
             interval_steps=steps,
             previous_name=self.previous_name,
-            parts={r: d for r, d in (now_parts or {}).items() if d},
+            parts=known_parts(now_parts),
         )
         note_settling(self.state, decision, now)
         if decision.action == SKIP:
@@ -328,13 +344,15 @@ class RoundBook:
         return decision
 
     def _stuck(self, a: ActiveRound | None, holders: Holders | None) -> bool:
-        """Some rank cannot finish ``a`` because it no longer holds its step."""
+        """Some rank cannot finish ``a`` because it no longer holds its step (set
+        operations: a tick of a running round at 10,000 nodes walks no rank in Python)."""
         if a is None:
             return False
         if holders is not None:
             held = holders(a.step)
-            for r in self.ranks():
-                if r not in held and r not in a.outcomes:
+            ranks = self.ranks()
+            if len(held) < len(ranks):
+                for r in sorted(set(ranks) - held.keys() - a.outcomes.keys()):
                     a.lacking.setdefault(r, f"step {a.step} is no longer held on node-rank {r}")
         return bool(a.lacking)
 

@@ -54,8 +54,10 @@ class Membership:
         #: reported step -> how many ranks reported it
         self.step_counts: collections.Counter[int] = collections.Counter()
         self._live_count: tuple[float, int] | None = None
-        #: rank -> (the inventory it was built from, own step -> digest), see holders()
-        self._own_steps: dict[int, tuple[tuple[Holding, ...], dict[int, str]]] = {}
+        #: rank -> own step -> digest, from its latest inventory (see holders())
+        self._own_steps: dict[int, dict[int, str]] = {}
+        #: own step -> rank -> digest ("" unknown): the index holders() copies
+        self._holders: dict[int, dict[int, str]] = {}
         #: the own-part digests reported, numbered (the nodes' whole-step views)
         self.parts = PartVersions()
 
@@ -66,6 +68,7 @@ class Membership:
         self.requested.clear()
         self._live_count = None
         self._own_steps.clear()
+        self._holders.clear()
         self.clear_steps()
 
     def add(self, rank: int, address: str, incarnation: str) -> Member:
@@ -134,12 +137,33 @@ class Membership:
             return
         m.inventory = inventory
         self.parts.update(m.rank, inventory)
+        self._index_own(m.rank, {h.step: h.digest for h in inventory if h.rank == m.rank})
         requested = frozenset(h.step for h in inventory if h.backup_requested and h.rank == m.rank)
         if requested != m.requested:
             self.requested.subtract(m.requested)
             self.requested.update(requested)
             self.requested += collections.Counter()  # drops counts of zero
             m.requested = requested
+
+    def _index_own(self, rank: int, own: dict[int, str]) -> None:
+        """``rank`` now holds its own parts ``own`` (step -> digest): the holders index
+        follows (O(steps held), once per inventory change)."""
+        old = self._own_steps.get(rank, {})
+        if own == old:
+            return
+        index = self._holders
+        for step in old.keys() - own.keys():
+            ranks = index.get(step)
+            if ranks is not None:
+                ranks.pop(rank, None)
+                if not ranks:
+                    del index[step]
+        for step, digest in own.items():
+            index.setdefault(step, {})[rank] = digest
+        if own:
+            self._own_steps[rank] = own
+        else:
+            self._own_steps.pop(rank, None)
 
     # ------------------------------------------------------------------ sync round
 
@@ -217,18 +241,14 @@ class Membership:
         ]
 
     def holders(self, step: int) -> dict[int, str | None]:
-        """Rank -> the digest of its own shard of ``step``, for every member whose
-        latest inventory holds it (the backup book's view of who can upload).
-        O(members): each member's index is rebuilt only when its inventory changed."""
-        cache = self._own_steps
-        out: dict[int, str | None] = {}
-        for m in self.members.values():
-            hit = cache.get(m.rank)
-            if hit is None or hit[0] is not m.inventory:
-                hit = cache[m.rank] = (
-                    m.inventory,
-                    {h.step: h.digest for h in m.inventory if h.rank == m.rank},
-                )
-            if step in hit[1]:
-                out[m.rank] = hit[1][step] or None
-        return out
+        """Rank -> the digest of its own shard of ``step`` (None: unknown), for every
+        member whose latest inventory holds it (the backup book's view of who can
+        upload). A copy of an index kept as inventories change (review of #17: a walk
+        of every member per backup-book tick was a quarter of a heartbeat round's
+        coordinator CPU at 10,000 nodes)."""
+        ranks = self._holders.get(step)
+        if not ranks:
+            return {}
+        if "" in ranks.values():
+            return {r: d or None for r, d in ranks.items()}
+        return dict(ranks)
