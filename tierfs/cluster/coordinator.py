@@ -778,6 +778,8 @@ class Coordinator:
         due = self._book_calls >= max(1, self.nodes // BOOK_TICKS_PER_ROUND)
         if due and self.nodes > BOOK_TICK_NODES:
             due = self.clock() - self._book_ticked >= BOOK_TICK_SECONDS
+            if not due:
+                self._book_calls = 0  # the clock is read once per nodes/64 calls, not per call
         if due or self.synced_step != self._book_synced:
             self._book_calls = 0
             self._book_synced = self.synced_step

@@ -117,6 +117,10 @@ class CoordinatorServicer:
         self._gone: tuple[frozenset[int], list[int]] | None = None
         #: the gone set, (generation, parts epoch) and its gone_tag (:meth:`_gone_tag`)
         self._gone_tags: tuple[frozenset[int], tuple[int, str], str] | None = None
+        #: (round, step, state, dedup) -> its BackupRound message (:meth:`_backup_round`)
+        self._rounds_pb: dict[tuple[str, int, str, bool], Any] = {}
+        #: the fields of a reply every member gets alike -> serialized (:meth:`_common_reply`)
+        self._commons: dict[tuple[Any, ...], bytes] = {}
         self._nudger: Callable[[str, str, int], Coroutine[Any, Any, bool]] | None = None
         self._nudging: set[asyncio.Task[bool]] = set()
         #: nudges sent (:meth:`tierfs.cluster.coordinator.Coordinator.nudges`)
@@ -413,8 +417,10 @@ class CoordinatorServicer:
         add = out.replies.add
         with self.lock:
             try:
+                c = self.coordinator
+                counts = (c.live_count(), len(c.members))  # once per batch, not per member
                 for m in request.members:
-                    self._sync_reply(m, add())  # built in place: no copy per member
+                    self._sync_reply(m, add(), counts)  # built in place: no copy per member
             finally:
                 self._after()
         return out
@@ -452,9 +458,12 @@ class CoordinatorServicer:
             hit = self._gone_tags = (gone, (generation, epoch), f"{epoch}:{generation}:{len(gone)}")
         return hit[2]
 
-    def _sync_reply(self, request: Any, reply: Any = None) -> Any:
+    def _sync_reply(
+        self, request: Any, reply: Any = None, counts: tuple[int, int] | None = None
+    ) -> Any:
         """The SyncReply to one SyncRequest, filled into ``reply`` (an empty SyncReply;
-        None: a new one) and returned (under the lock)."""
+        None: a new one) and returned (under the lock). ``counts``: (live, known)
+        members, counted once for a batch (None: counted here)."""
         backup = None
         if request.HasField("backup") and request.backup.round:
             b = request.backup
@@ -470,17 +479,26 @@ class CoordinatorServicer:
             request.data_parallelism,
             compact=request.compact,
         )
-        # (only the fields set: building a reply is a good part of a heartbeat's cost)
         if reply is None:
             reply = peer_pb2.SyncReply()
-        reply.known = view.known
-        reply.synced_step = view.synced_step
-        reply.synced_at = view.synced_at
-        reply.restore_round = view.restore_round
-        reply.summoned = view.summoned
-        reply.live_nodes = c.live_count()
-        reply.known_nodes = len(c.members)
-        reply.reported = view.reported
+        live, known = counts if counts is not None else (c.live_count(), len(c.members))
+        # the fields every member of a round gets alike, merged from one serialized
+        # reply (one call instead of a setattr each: half of a reply's cost)
+        reply.MergeFromString(
+            self._common_reply(
+                (
+                    view.known,
+                    view.synced_step,
+                    view.synced_at,
+                    view.restore_round,
+                    view.summoned,
+                    live,
+                    known,
+                    view.reported,
+                    view.backup_last,
+                )
+            )
+        )
         add = reply.peers.add
         if request.compact:
             for rank, address, incarnation, live in c.roster.peer_rows(request.want_peers):
@@ -507,20 +525,50 @@ class CoordinatorServicer:
             )
             reply.parts_version, reply.parts_epoch = parts.version, parts.epoch
         if view.backup_order is not None:
+            order = view.backup_order
             reply.backup_order.CopyFrom(
-                peer_pb2.BackupRound(
-                    round=view.backup_order[0],
-                    step=view.backup_order[1],
-                    state="running",
-                    dedup=view.backup_dedup,
-                )
-            )
-        if view.backup_last is not None:
-            last = view.backup_last
-            reply.backup_last.CopyFrom(
-                peer_pb2.BackupRound(round=last.round, step=last.step, state=last.state)
+                self._backup_round(order[0], order[1], "running", view.backup_dedup)
             )
         return reply
+
+    def _common_reply(self, key: tuple[Any, ...]) -> bytes:
+        """The serialized SyncReply holding only the fields of ``key``: (known, synced
+        step, synced at, restore round, summoned, live nodes, known nodes, reported,
+        backup_last RoundView or None); built once per distinct key (a handful per
+        heartbeat round)."""
+        data = self._commons.get(key)
+        if data is None:
+            known, synced, at, number, summoned, live, members, reported, last = key
+            msg = peer_pb2.SyncReply(
+                known=known,
+                synced_step=synced,
+                synced_at=at,
+                restore_round=number,
+                summoned=summoned,
+                live_nodes=live,
+                known_nodes=members,
+                reported=reported,
+            )
+            if last is not None:
+                msg.backup_last.CopyFrom(self._backup_round(last.round, last.step, last.state))
+            if len(self._commons) >= 64:
+                self._commons.clear()
+            data = self._commons[key] = msg.SerializeToString()
+        return data
+
+    def _backup_round(self, name: str, step: int, state: str, dedup: bool = False) -> Any:
+        """The BackupRound message of these fields, built once (every member's reply
+        carries the same one or two while a backup round runs: building them per
+        member was a third of a heartbeat round's handler time at 10,000 nodes)."""
+        key = (name, step, state, dedup)
+        msg = self._rounds_pb.get(key)
+        if msg is None:
+            if len(self._rounds_pb) >= 64:
+                self._rounds_pb.clear()
+            msg = self._rounds_pb[key] = peer_pb2.BackupRound(
+                round=name, step=step, state=state, dedup=dedup
+            )
+        return msg
 
     async def Gone(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         """Declare node ranks gone for good (``tierfs nodes gone``; see
