@@ -263,6 +263,63 @@ def test_trainers_restarted_beside_running_daemons_get_one_new_round(make_mount)
     assert not holds_own(c, 0, 6)  # abandoned: never a restore's candidate again
 
 
+def waits_at_once(c: Cluster, nodes: list[int]) -> list[tuple[int, str, str]]:
+    """``tierfs wait`` on ``nodes`` started together (a scheduler restarting every
+    trainer); (exit code, stdout, stderr) of each."""
+    from conftest import TIERFS
+
+    procs = [
+        subprocess.Popen(
+            [*TIERFS, "wait", str(c.root(i)), "--timeout", "120"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in nodes
+    ]
+    out = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=150)
+            out.append((p.returncode, o, e))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
+def test_a_restart_where_only_one_node_saved_on_gets_one_step_everywhere(make_mount, monkeypatch):
+    """#16 seventh trial C: both trainers started from step 2 (exit 0); node 0 then
+    saved step 4 alone and every trainer crashed. Restarted together, node 0 opened a
+    round (exit 2, step 4 lacks rank 1) while node 1, holding nothing newer, answered
+    at once with its old result (exit 0): with ``tierfs wait && train`` only node 1's
+    trainer started. A trainer start more than TIERFS_TRAINER_SAME_START seconds
+    after the one that got the last result is a restart: every node takes part."""
+    monkeypatch.setenv("TIERFS_TRAINER_SAME_START", "0")  # (with 3600 this test fails)
+    c = Cluster(make_mount, 2, node_args=generic(2))
+    save_step(c, 2, [0, 1])
+    for i in range(2):
+        wait_until(lambda i=i: replicated(c, i, 2), 60, f"node {i}'s step 2 to be replicated")
+    c.lose(1)
+    c.remount(1)
+    first = waits_at_once(c, [0, 1])
+    assert [(code, out.strip()) for code, out, _ in first] == [
+        (0, "restored step 2 from local"),
+        (0, "restored step 2 from peer:0"),
+    ], (first, c.logs())
+    save_step(c, 4, [0])  # node 1's trainer dies before its part of step 4
+    wait_until(lambda: holds_own(c, 0, 4), 60, "node 0's part of step 4")
+    # every trainer crashes and restarts (TIERFS_TRAINER_SAME_START=0: any later start
+    # is a restart, not another local rank of the first)
+    # node 1's trainer comes back first (it answered at once, before node 0's round)
+    again = waits_at_once(c, [1]) + waits_at_once(c, [0])
+    for i, (code, out, err) in enumerate(again):
+        assert (code, out.strip()) == (2, "restored step 2 from local"), (i, again, c.logs())
+        assert "step 4 lacks rank(s) [1]" in err, (i, err)
+    assert not holds_own(c, 0, 4)
+
+
 def test_a_step_sealed_while_its_peer_was_down_reaches_it_later(make_mount, monkeypatch):
     """Found by a user: a step whose replication failed while the peer was down
     stayed 'replicating' forever once a newer step had been sent."""

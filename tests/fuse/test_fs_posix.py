@@ -1676,6 +1676,17 @@ def test_the_restart_control_file_takes_a_write_open_and_nothing_else(fs):
     assert answer["action"] == "nothing", answer
     restart.write_text("trainer\n")  # what `echo > .tierfs/restart` does: also a request
     assert json.loads(restart.read_text())["action"] == "nothing"
+    # #16 seventh trial A: what a client writes is discarded, never stored (a 0666 file
+    # in the RAM store let any user fill the budget: the trainer's next save, ENOSPC)
+    backing = fs.view / ".tierfs" / "restart"
+    before = backing.stat().st_size
+    fd = os.open(restart, os.O_RDWR)
+    try:
+        assert os.write(fd, b"x" * (4 * MiB)) == 4 * MiB
+        assert json.loads(os.pread(fd, 4096, 0))["action"] == "nothing"  # the answer
+    finally:
+        os.close(fd)
+    assert backing.stat().st_size == before < 4096
     with pytest.raises(PermissionError) as e:
         os.open(fs.path / ".tierfs" / "status.json", os.O_WRONLY)
     assert e.value.errno == errno.EPERM

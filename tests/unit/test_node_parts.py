@@ -592,7 +592,7 @@ def test_a_trainer_start_after_later_seals_starts_this_nodes_own_round(tmp_path)
     # a second trainer start while that round runs joins it
     parts.agent.trainer_start()
     assert json.loads(parts.agent.restart_json())["action"] == "join"
-    assert driver._trainer_waiting is True
+    assert driver._waiting_start is not None
 
 
 def test_a_trainer_start_after_a_summoned_round_abandons_the_newer_steps(tmp_path):
@@ -610,3 +610,21 @@ def test_a_trainer_start_after_a_summoned_round_abandons_the_newer_steps(tmp_pat
     assert key not in parts.catalog
     assert parts.state.restore_state["state"] == "done"  # no new round
     assert json.loads(parts.agent.restart_json())["action"] == "current"
+
+
+def test_trainer_starts_of_one_burst_share_a_result_and_a_later_one_restarts(tmp_path):
+    """#16 seventh trial C: local ranks of one start (seconds apart) get the settled
+    result; a start SAME_START later is a restart of the job and opens a round, so a
+    node without newer steps no longer answers apart from one that has them."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    driver = parts.agent.restores
+    driver._fresh = False
+    parts.state.restore_state = {"state": "done", "step": 2, "at": 100.0, "summoned": False}
+    assert driver.trainer_start().action == "current"
+    assert driver.trainer_start().action == "current"  # another local rank
+    assert parts.state.restore_state["state"] == "done"
+    assert driver._handed is not None
+    driver._handed = (100.0, driver._handed[1] - 3600)  # that start was an hour ago
+    assert driver.trainer_start().action == "round"
+    assert parts.state.restore_state["state"] == "pending"

@@ -3,7 +3,14 @@ decision of :mod:`tierfs.node.trainer_start`."""
 
 from __future__ import annotations
 
-from tierfs.node.trainer_start import CURRENT, JOIN, NOTHING, ROUND, trainer_start_action
+from tierfs.node.trainer_start import (
+    CURRENT,
+    JOIN,
+    NOTHING,
+    ROUND,
+    SAME_START,
+    trainer_start_action,
+)
 
 SETTLED = 1000.0
 
@@ -60,3 +67,27 @@ def test_protocol_mode_failed_and_unknown_restores_do_nothing():
     failed = {"state": "failed", "outcome": "missing", "at": SETTLED}
     assert trainer_start_action("generic", False, failed, [(4, SETTLED + 1)]).action == NOTHING
     assert trainer_start_action("generic", False, {}, []).action == NOTHING
+
+
+def test_a_trainer_start_long_after_the_last_one_is_a_restart_even_without_newer_steps():
+    """#16 seventh trial C, the exact input: the previous restore (step 10) was handed
+    to the trainers (exit 0); the job saved step 50 on node 0 only and every trainer
+    crashed. Node 1 holds nothing newer than 10, so it answered ``current`` at once
+    (exit 0) while node 0 started a round (exit 2): two resume steps. A trainer start
+    more than SAME_START after the one that got the result is a restart: a round."""
+    d = trainer_start_action("generic", False, done(10), [(10, SETTLED - 5)], handed_ago=600.0)
+    assert d.action == ROUND and "600 s ago" in d.why
+
+
+def test_the_other_local_ranks_of_one_start_get_the_same_result():
+    d = trainer_start_action("generic", False, done(10), [(10, SETTLED - 5)], handed_ago=3.0)
+    assert (d.action, d.drop_after) == (CURRENT, None)
+    edge = trainer_start_action("generic", False, done(10), [], handed_ago=SAME_START)
+    assert edge.action == ROUND
+
+
+def test_a_failed_restore_is_reported_first_and_retried_at_the_next_start():
+    failed = {"state": "failed", "outcome": "missing", "at": SETTLED}
+    assert trainer_start_action("generic", False, failed, []).action == NOTHING
+    assert trainer_start_action("generic", False, failed, [], handed_ago=5.0).action == NOTHING
+    assert trainer_start_action("generic", False, failed, [], handed_ago=120.0).action == ROUND

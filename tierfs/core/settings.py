@@ -292,6 +292,15 @@ REVERIFY_AFTER = _seconds(
     _PEER,
     zero_ok=True,
 )
+TRAINER_SAME_START = _seconds(
+    "TIERFS_TRAINER_SAME_START",
+    60.0,
+    "trainer starts (tierfs wait) on one node within this many seconds of the one that "
+    "got the last restore are the same start (its other local ranks) and get that "
+    "result; a later one is a restart of the job and opens a new restore round",
+    _PEER,
+    zero_ok=True,
+)
 REFUSAL_GRACE = _seconds(
     "TIERFS_REFUSAL_GRACE",
     30.0,
@@ -354,6 +363,7 @@ ALL: tuple[Setting[int] | Setting[float] | Setting[str], ...] = (
     EARLY_READ_MIB,
     EARLY_READ_WAIT,
     REVERIFY_AFTER,
+    TRAINER_SAME_START,
     REFUSAL_GRACE,
     BUCKET,
     IMAGE,

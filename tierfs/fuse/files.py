@@ -88,21 +88,28 @@ class FileOps(DataOps):
                 if fetch is not None:
                     raise Deferred(fetch)
         partial = self._remote.partial(inode.ino)
+        backing = flags & BACKING_FLAGS
+        control = False
         if access.opens_for_write(flags):
             if not inode.reserved:
                 self._events.opening_for_write(inode.ino)
             elif inode.control is None:
                 raise access.managed_error()
             else:
-                inode.control()  # a request to the daemon (``.tierfs/restart``)
+                # a request to the daemon (``.tierfs/restart``): the handle reads its
+                # answer, what the client writes is discarded (never stored: a client
+                # could otherwise fill the RAM budget through a 0666 file)
+                inode.control()
+                control = True
+                backing = os.O_RDONLY
         content = None
-        if not access.opens_for_write(flags) and inode.virtual is not None:
+        if (control or not access.opens_for_write(flags)) and inode.virtual is not None:
             content = self._regenerate(inode)
         # No O_NOFOLLOW: /proc/self/fd/N is a magic link (the kernel resolves
         # client symlinks itself and never opens one through FUSE).
-        fd = os.open(proc(self._fd_of(inode)), (flags & BACKING_FLAGS) | os.O_CLOEXEC)
+        fd = os.open(proc(self._fd_of(inode)), backing | os.O_CLOEXEC)
         try:
-            if flags & os.O_TRUNC and stat.S_ISREG(inode.mode):
+            if flags & os.O_TRUNC and stat.S_ISREG(inode.mode) and not control:
                 before = self._space.allocated(fd)
                 if (flags & os.O_ACCMODE) == os.O_RDONLY:
                     # Linux truncates on O_RDONLY|O_TRUNC too; the fd cannot.
@@ -177,10 +184,15 @@ class FileOps(DataOps):
         mmap'd pages through whichever handle it holds) always lands at
         ``offset``, also through an O_APPEND handle.
 
+        A write into a control file (``.tierfs/restart``, opened for writing as a
+        request) is discarded: ``len(data)`` is returned, nothing is stored.
+
         Raises:
             OSError: ENOSPC past the budget (nothing written), EBADF.
         """
         handle = self._file(fh)
+        if handle.content is not None:
+            return len(data)  # a control file (``.tierfs/restart``): discarded
         self._space.check_write(handle.fd, offset, len(data))
         if cached and handle.flags & os.O_APPEND:
             return pwrite_noappend(handle.fd, data, offset)

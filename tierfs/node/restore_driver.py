@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import trio
 
-from tierfs.core import control
+from tierfs.core import control, settings
 from tierfs.core.control import JobSpec
 from tierfs.core.types import RestorePlan
 from tierfs.node.catalog import ShardCatalog
@@ -32,7 +32,14 @@ from tierfs.node.resave import sealed_at
 from tierfs.node.restorer import Restorer
 from tierfs.node.steps import StepBook
 from tierfs.node.tasks import TaskSpawner
-from tierfs.node.trainer_start import JOIN, ROUND, TrainerStart, trainer_start_action
+from tierfs.node.trainer_start import (
+    CURRENT,
+    JOIN,
+    NOTHING,
+    ROUND,
+    TrainerStart,
+    trainer_start_action,
+)
 from tierfs.node.view import SIBLING_GRACE, ClientView, Published
 
 __all__ = [
@@ -117,9 +124,12 @@ class RestoreDriver:
         #: no generic restore has ended since this daemon started: the first one is
         #: this node's own (a restarted node), even when a summons starts it
         self._fresh = True
-        #: a trainer started while the running restore ran (:meth:`trainer_start`):
-        #: the restore is its own, newer steps are abandoned even when summoned
-        self._trainer_waiting = False
+        #: when the first trainer start waiting for the running restore came (Unix
+        #: seconds; :meth:`trainer_start`): the restore is that trainer's, newer
+        #: steps are abandoned even when summoned; None: no trainer waits
+        self._waiting_start: float | None = None
+        #: (``at`` of the settled restore a trainer start got, when that start came)
+        self._handed: tuple[float, float] | None = None
         #: the last trainer start (``.tierfs/restart``): plain data
         self.last_trainer_start: dict[str, Any] = {}
         state.on_summoned(self.summoned)
@@ -243,7 +253,7 @@ class RestoreDriver:
             if plan.step and not summoned:
                 self.keeper.drop_abandoned(job, plan.step)
             await self.restorer.finish(job, plan)
-            if plan.step and summoned and self._trainer_waiting:
+            if plan.step and summoned and self._waiting_start is not None:
                 # a trainer started here during the round: it is this trainer's restore
                 self.keeper.drop_abandoned(job, plan.step)
         except Exception as exc:
@@ -260,7 +270,6 @@ class RestoreDriver:
         finally:
             self._generic_running = False
             self._fresh = False
-            self._trainer_waiting = False
         outcome = self.report_plan(plan)
         if plan.shard is None:
             # None, or a step written by fewer nodes than this node's rank (issue #16):
@@ -336,22 +345,36 @@ class RestoreDriver:
         (:func:`tierfs.node.trainer_start.trainer_start_action`; #16 sixth trial N4).
         The decision is also :attr:`last_trainer_start`."""
         job = self.state.job
+        now = time.time()
+        last = self.state.restore_state
         own: list[tuple[int, float]] = []
         if job is not None:
             own = [(s.key.step, sealed_at(s.manifest)) for s in self.catalog.own_shards(job)]
+        handed = self._handed
+        handed_ago = None
+        if handed is not None and last.get("at") is not None and handed[0] == last.get("at"):
+            handed_ago = now - handed[1]
         decision = trainer_start_action(
             self.state.mode if job is not None else "none",
             self._generic_running,
-            self.state.restore_state,
+            last,
             own,
+            handed_ago,
+            settings.TRAINER_SAME_START.get(),
         )
-        if job is not None and decision.action == JOIN:
-            self._trainer_waiting = True
-        elif job is not None and decision.action == ROUND:
-            self.start_generic(job, summoned=False)
-        elif job is not None and decision.drop_after is not None:
-            self.keeper.drop_abandoned(job, decision.drop_after)
-        log.info("trainer start: %s (%s)", decision.action, decision.why)
+        if job is not None and decision.action in (JOIN, ROUND):
+            if self._waiting_start is None:
+                self._waiting_start = now  # the first start of a burst of local ranks
+            if decision.action == ROUND:
+                self.start_generic(job, summoned=False)
+        elif job is not None and last.get("state") in ("done", "failed"):
+            if handed_ago is None:
+                self._handed = (float(last.get("at") or 0.0), now)
+            if decision.drop_after is not None:
+                self.keeper.drop_abandoned(job, decision.drop_after)
+        quiet = decision.action in (CURRENT, NOTHING) and decision.drop_after is None
+        # (another local rank of the same start: no line each)
+        (log.debug if quiet else log.info)("trainer start: %s (%s)", decision.action, decision.why)
         self.last_trainer_start = {
             "at": time.time(),
             "action": decision.action,
@@ -370,8 +393,19 @@ class RestoreDriver:
             "since": time.time(),
             "summoned": summoned,
         }
-        self.tasks.spawn(self._generic_restore, job, summoned)
+        self.tasks.spawn(self._generic_restore_for_trainer, job, summoned)
         return True
+
+    async def _generic_restore_for_trainer(self, job: JobSpec, summoned: bool) -> None:
+        """:meth:`_generic_restore`; its result is then the one handed to the trainer
+        start that waited for it, if any (:meth:`trainer_start`)."""
+        try:
+            await self._generic_restore(job, summoned)
+        finally:
+            if self._waiting_start is not None:
+                at = self.state.restore_state.get("at")
+                self._handed = (float(at or 0.0), self._waiting_start)
+                self._waiting_start = None
 
     async def materialize(self, name: str, pub: Published) -> None:
         """After the client renamed a marker to ``name``: make ``name`` a real entry
