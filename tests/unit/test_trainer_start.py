@@ -91,3 +91,10 @@ def test_a_failed_restore_is_reported_first_and_retried_at_the_next_start():
     assert trainer_start_action("generic", False, failed, []).action == NOTHING
     assert trainer_start_action("generic", False, failed, [], handed_ago=5.0).action == NOTHING
     assert trainer_start_action("generic", False, failed, [], handed_ago=120.0).action == ROUND
+
+
+def test_a_restore_about_to_start_is_joined():
+    """A daemon that just mounted shows ``pending`` before its start-up restore runs:
+    the trainer's start is that restore's (its result is then handed to it)."""
+    d = trainer_start_action("generic", False, {"state": "pending"}, [])
+    assert d.action == JOIN

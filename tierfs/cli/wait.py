@@ -289,7 +289,9 @@ def wait_cmd(
                 sys.exit(WAIT_STILL_RUNNING)
             except OSError:
                 answer = {}  # a daemon without .tierfs/restart: report what it restored
-            answered = bool(answer)
+            # the daemon decided for this start (a "nothing", e.g. protocol mode, keeps
+            # the fresh-start check below)
+            answered = answer.get("action") not in (None, "nothing")
             if answer.get("action") == "round" or "abandoned" in str(answer.get("why", "")):
                 click.echo(f"tierfs: note: {answer.get('why')}", err=True)
             continue  # read the status again: a round it started is running now

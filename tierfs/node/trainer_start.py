@@ -41,6 +41,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tierfs.node.jobstate import RESTORING_STATES
+
 __all__ = [
     "CURRENT",
     "JOIN",
@@ -102,9 +104,10 @@ def trainer_start_action(
     """
     if mode != "generic":
         return TrainerStart(NOTHING, None, f"{mode} mode: the trainer's control file restores")
-    if running:
-        return TrainerStart(JOIN, None, "a restore runs on this node: the trainer waits for it")
     state = last.get("state")
+    if running or state in RESTORING_STATES:
+        # (also one about to start: a daemon that just mounted shows ``pending``)
+        return TrainerStart(JOIN, None, "a restore runs on this node: the trainer waits for it")
     restart = handed_ago is not None and handed_ago >= same_start
     if state == "failed" and restart:
         return TrainerStart(
