@@ -628,3 +628,18 @@ def test_trainer_starts_of_one_burst_share_a_result_and_a_later_one_restarts(tmp
     driver._handed = (100.0, driver._handed[1] - 3600)  # that start was an hour ago
     assert driver.trainer_start().action == "round"
     assert parts.state.restore_state["state"] == "pending"
+
+
+def test_a_step_waiting_for_its_seal_at_a_trainer_start_opens_a_round(tmp_path):
+    """#16 seventh trial B: node 0 renamed step 20 into place while a file of it was
+    still open, so its seal waited; its trainer start answered ``current`` with the
+    old step 10 while node 1, which had sealed 20, opened a round. A pending seal of a
+    newer step counts as written since the restore."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    driver = parts.agent.restores
+    driver._fresh = False
+    parts.state.restore_state = {"state": "done", "step": 10, "at": 100.0, "summoned": False}
+    assert driver.trainer_start().action == "current"  # the first start: it stands
+    parts.agent.book.pending["20"] = candidate(20)  # (within the same-start window)
+    assert driver.trainer_start().action == "round"

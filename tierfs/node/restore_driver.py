@@ -350,6 +350,9 @@ class RestoreDriver:
         own: list[tuple[int, float]] = []
         if job is not None:
             own = [(s.key.step, sealed_at(s.manifest)) for s in self.catalog.own_shards(job)]
+            # a step renamed into place whose seal waits (a file of it still open) is
+            # written since, too (#16 seventh trial B)
+            own += [(c.step, now) for c in self.book.pending.values()]
         handed = self._handed
         handed_ago = None
         if handed is not None and last.get("at") is not None and handed[0] == last.get("at"):
