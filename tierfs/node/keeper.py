@@ -105,6 +105,39 @@ class ShardKeeper:
             self.drop_shard(key, f"abandoned: the job restored step {step}")
         self.book.save()
 
+    def superseded(self, job: JobSpec, step: int, writers: int) -> list[Shard]:
+        """The parts of ``step`` held here that the restored save of it, by ``writers``
+        nodes, supersedes (#16 sixth trial N2): this node's own part when its rank is
+        ``>= writers`` (that save has no part of it), and every other rank's part
+        whose manifest says another node count wrote it (an earlier save's replica).
+        Parts of unknown node count (``nodes`` 0) are kept."""
+        out = []
+        for key in [k for k in self.catalog if k.job == job.name and k.step == step]:
+            shard = self.catalog.get(key)
+            if shard is None:
+                continue
+            if key.rank == job.node_rank:
+                if job.node_rank >= writers:
+                    out.append(shard)
+            elif key.rank >= writers or (shard.manifest.nodes and shard.manifest.nodes != writers):
+                out.append(shard)
+        return out
+
+    def drop_superseded(self, job: JobSpec, shards: list[Shard], writers: int) -> None:
+        """Drop the superseded parts ``shards`` (:meth:`superseded`; the caller took
+        their files out of the view first): like an abandoned step's parts, the next
+        save of the step number replaces them (F9)."""
+        for shard in shards:
+            own = ShardKey(job.name, job.node_rank, shard.key.step)
+            self.book.earlier.setdefault(own, EarlierSave()).abandoned.append(shard.manifest)
+            self.drop_shard(
+                shard.key,
+                f"superseded: the job restored the save of step {shard.key.step} by "
+                f"{writers} nodes",
+            )
+        if shards:
+            self.book.save()
+
     def withdraw(self, key: ShardKey, reason: str) -> None:
         """Withdraw a seal: the snapshot no longer matches the client's bytes.
 

@@ -728,13 +728,29 @@ class RemoteView:
         flipped byte; its restore found it and discarded the copy, while its
         mount kept serving the file (a hard link to it) and ``dcp.load`` on node
         0 returned the corrupt value."""
+        await self._discard_linked(shard, shard.bad, "the replica held here failed verification")
+
+    async def discard_superseded(self, shard: Shard) -> None:
+        """A restore superseded this replica (trio thread; before it is dropped): it is
+        of an earlier save of the restored step by another node count. Each placed
+        file that is a hard link to it leaves the view and its rank is looked at
+        again (#16 sixth trial N2: node 3 showed rank 2's ``__2_0.distcp`` of the
+        4-node save beside the 3-node save's ``.metadata``)."""
+        files = [f.path for f in shard.manifest.files if f.kind == "file"]
+        await self._discard_linked(
+            shard, files, "the replica held here is of an earlier save of the step"
+        )
+
+    async def _discard_linked(self, shard: Shard, paths: Collection[str], why: str) -> None:
+        """Unlink the placed files of ``paths`` that are hard links to ``shard``'s bytes
+        and look at its rank again (``why``: the log's reason)."""
         job = self.current.job
         union = self.steps.get(shard.key.step)
-        if job is None or union is None or shard.key.job != job.name or not shard.bad:
+        if job is None or union is None or shard.key.job != job.name or not paths:
             return
         bad = [
             rf
-            for rf in (union.files.get(path) for path in shard.bad)
+            for rf in (union.files.get(path) for path in paths)
             if rf is not None and rf.rank == shard.key.rank
         ]
         if not bad:
@@ -742,11 +758,11 @@ class RemoteView:
         gone = await trio.to_thread.run_sync(self._unlink_bad, shard, bad)
         if gone:
             log.warning(
-                "step %d: rank %d's %s taken out of the view: the replica held here "
-                "failed verification; asked again",
+                "step %d: rank %d's %s taken out of the view: %s; asked again",
                 shard.key.step,
                 shard.key.rank,
                 ", ".join(gone),
+                why,
             )
             union.recheck.add(shard.key.rank)
             self._wake.set()

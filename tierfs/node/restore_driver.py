@@ -41,6 +41,7 @@ from tierfs.node.trainer_start import (
     trainer_start_action,
 )
 from tierfs.node.view import SIBLING_GRACE, ClientView, Published
+from tierfs.store.shards import Shard
 
 __all__ = [
     "FAILED",
@@ -71,6 +72,10 @@ class Abandoner(Protocol):
     """Drops this node's shards newer than the restored step (the keeper)."""
 
     def drop_abandoned(self, job: JobSpec, step: int) -> None: ...
+
+    def superseded(self, job: JobSpec, step: int, writers: int) -> list[Shard]: ...
+
+    def drop_superseded(self, job: JobSpec, shards: list[Shard], writers: int) -> None: ...
 
 
 class RestoreReporter(Protocol):
@@ -132,7 +137,15 @@ class RestoreDriver:
         self._handed: tuple[float, float] | None = None
         #: the last trainer start (``.tierfs/restart``): plain data
         self.last_trainer_start: dict[str, Any] = {}
+        #: told of each other rank's part a restore supersedes, before it is dropped
+        self._on_superseded: list[Callable[[Shard], Awaitable[None]]] = []
         state.on_summoned(self.summoned)
+
+    def on_superseded(self, listener: Callable[[Shard], Awaitable[None]]) -> None:
+        """Await ``listener(shard)`` for each other rank's part held here that a generic
+        restore supersedes (an earlier save of the restored step by another node
+        count), before it is dropped: the whole-step view unlinks its files."""
+        self._on_superseded.append(listener)
 
     def cancel(self) -> None:
         """Cancel the protocol restore that runs now, if any (a new yaml arrived)."""
@@ -271,6 +284,18 @@ class RestoreDriver:
             self._generic_running = False
             self._fresh = False
         outcome = self.report_plan(plan)
+        if plan.step and plan.writers:
+            # parts of an earlier save of the step by another node count must not
+            # anchor or fill this node's view of the save restored (#16 sixth trial
+            # N2: they kept the view on the earlier save's files and bytes)
+            stale = self.keeper.superseded(job, plan.step, plan.writers)
+            for old in stale:
+                if old.key.rank == job.node_rank:
+                    await trio.to_thread.run_sync(self.view.withdraw_superseded, old)
+                else:
+                    for listener in self._on_superseded:
+                        await listener(old)
+            self.keeper.drop_superseded(job, stale, plan.writers)
         if plan.shard is None:
             # None, or a step written by fewer nodes than this node's rank (issue #16):
             # the step is restored, this node has no part of it (the whole-step view

@@ -22,7 +22,7 @@ import logging
 import os
 import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import trio
@@ -263,8 +263,40 @@ class ClientView:
         :meth:`tierfs.node.remote_view.RemoteView.discard_bad`. An open handle
         keeps the inode it opened. Returns the view paths taken out.
         """
+        out = self._take_out(shard, shard.bad)
+        if out:
+            log.warning(
+                "step %d: %s taken out of the view: the copy of rank %d behind them "
+                "failed verification",
+                shard.key.step,
+                ", ".join(out),
+                shard.key.rank,
+            )
+        return out
+
+    def withdraw_superseded(self, shard: Shard) -> list[str]:
+        """Take out of the view (into the trash) ``shard``'s files that are still the
+        sealed ones: this node's own part of a step from an earlier save, which a
+        restore superseded by a newer save of the step by another node count in which
+        this node has no part (#16 sixth trial N2). A worker thread. Returns the view
+        paths taken out; a file the client rewrote since the seal stays."""
+        rels = [f.path for f in shard.manifest.files if f.kind == "file"]
+        out = self._take_out(shard, rels)
+        if out:
+            log.warning(
+                "step %d: %s taken out of the view: this node's part of an earlier save "
+                "of the step (rank %d), superseded by the save restored",
+                shard.key.step,
+                ", ".join(out),
+                shard.key.rank,
+            )
+        return out
+
+    def _take_out(self, shard: Shard, rels: Iterable[str]) -> list[str]:
+        """Move each view entry of ``rels`` that is still ``shard``'s sealed file (the
+        same inode) into the trash; returns the paths moved."""
         out = []
-        for rel in shard.bad:
+        for rel in rels:
             try:
                 ino = os.lstat(os.path.join(shard.data, rel)).st_ino
                 st = os.lstat(self._p(rel))
@@ -281,14 +313,6 @@ class ClientView:
                 continue
             self.notify(rel)
             out.append(rel)
-        if out:
-            log.warning(
-                "step %d: %s taken out of the view: the copy of rank %d behind them "
-                "failed verification",
-                shard.key.step,
-                ", ".join(out),
-                shard.key.rank,
-            )
         return out
 
     def link_missing(self, shard: Shard) -> list[str]:
