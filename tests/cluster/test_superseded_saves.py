@@ -133,6 +133,9 @@ def test_a_node_rejoining_with_its_old_part_shows_only_the_newer_save_of_the_ste
 
     views = {i: {name: which(name, h) for name, h in contents(c, i, 20).items()} for i in range(4)}
     assert views == {i: {name: "new" for name in want} for i in range(4)}, said
+    # the newest save restored, said as such (regression: every wait exited 2, "step 20
+    # was saved again by 4 node(s) after the save restored", the earlier save named newer)
+    assert {i: s[0] for i, s in said.items()} == dict.fromkeys(range(4), 0), said
 
 
 def renumber(c: Cluster, ranks: dict[int, int], lost: tuple[int, ...] = ()) -> None:

@@ -316,3 +316,25 @@ def test_waiting_nodes_are_told_a_missing_rank_came_with_another_count():
     )
     t[0] += 61  # an old refusal is not named any more
     assert c.decide("job", 0, "r0").waiting_for == ""
+
+
+def test_a_save_in_place_keeps_its_first_seal_time_and_is_still_the_newer_save():
+    """#16 N2 repro: step 20 saved by 4 nodes, then again in place by 3 (each part
+    re-sealed keeps the step's first seal time, for retention, and lists the 4-node
+    parts it replaced); node 3 rejoined holding its 4-node part, sealed a little later.
+    By seal times alone the 4-node save looked newer: every node's wait exited 2 with
+    ``step 20 was saved again by 4 node(s) after the save restored``."""
+    replaced = tuple((r, f"d{r}-20-4") for r in range(4))
+
+    def new(rank: int) -> Holding:
+        return Holding(rank, 20, True, f"d{rank}-20-3", created=100, nodes=3, replaces=replaced)
+
+    inv = {
+        0: [new(0), new(2)],
+        1: [new(1), new(0)],
+        2: [new(2), new(1)],
+        3: [H(3, 20, 4, created=101), H(2, 20, 4, created=101)],
+    }
+    c = choose_restore(4, inv)
+    assert (c.step, c.writers, c.outcome) == (20, 3, RESTORED), c
+    assert not c.problems, c.problems

@@ -470,7 +470,11 @@ def choose_restore(
     warnings: list[str] = []
     if bucket is not None and bucket.error:
         warnings.append(f"the bucket could not be read ({bucket.error}); deciding without it")
-    saved_at = _saved_at(nodes, parts, _seals(inventories, nodes))
+    saved_at = _after_replaced(
+        nodes,
+        _saved_at(nodes, parts, _seals(inventories, nodes)),
+        [h for held in inventories.values() for h in held] + list(parts),
+    )
     #: (step, writers) -> why, of the saves skipped so far
     passed: dict[tuple[int, int], str] = {}
     for step, w in _candidates(nodes, table, kept, saved_at):
@@ -590,6 +594,31 @@ def _saved_at(
             continue
         at = round_time(p.round) or 0.0
         out[key] = max(out.get(key, 0.0), at)
+    return out
+
+
+def _after_replaced(
+    nodes: int, saved_at: dict[tuple[int, int], float], copies: Iterable[Holding | BucketPart]
+) -> dict[tuple[int, int], float]:
+    """``saved_at`` with every save of a step ordered after the saves of that step whose
+    parts its copies list as replaced (:attr:`Holding.replaces`): a step saved again in
+    place keeps its first seal time (retention), so seal times alone can put the
+    earlier save of another node count last (#16 N2 repro: every node's wait exited 2,
+    ``step 20 was saved again by 4 node(s) after the save restored``, naming the
+    earlier 4-node save as the newer one). Pure."""
+    copies = list(copies)
+    owner: dict[tuple[int, int, str], set[int]] = {}  # (step, rank, digest) -> writers
+    for c in copies:
+        owner.setdefault((c.step, c.rank, c.digest), set()).add(writers_of(c, nodes))
+    out = dict(saved_at)
+    for c in copies:
+        w = writers_of(c, nodes)
+        for rank, digest in c.replaces:
+            for earlier in owner.get((c.step, rank, digest), ()):
+                if earlier != w:
+                    mine, theirs = out.get((c.step, w), 0.0), out.get((c.step, earlier), 0.0)
+                    if mine <= theirs:
+                        out[(c.step, w)] = theirs + 0.001
     return out
 
 
