@@ -12,6 +12,7 @@ import os
 import pathlib
 import shutil
 import stat
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 
@@ -625,7 +626,7 @@ def test_trainer_starts_of_one_burst_share_a_result_and_a_later_one_restarts(tmp
     assert driver.trainer_start().action == "current"  # another local rank
     assert parts.state.restore_state["state"] == "done"
     assert driver._handed is not None
-    driver._handed = (100.0, driver._handed[1] - 3600)  # that start was an hour ago
+    driver._handed = (100.0, driver._handed[1] - 3600, frozenset())  # an hour ago
     assert driver.trainer_start().action == "round"
     assert parts.state.restore_state["state"] == "pending"
 
@@ -643,3 +644,29 @@ def test_a_step_waiting_for_its_seal_at_a_trainer_start_opens_a_round(tmp_path):
     assert driver.trainer_start().action == "current"  # the first start: it stands
     parts.agent.book.pending["20"] = candidate(20)  # (within the same-start window)
     assert driver.trainer_start().action == "round"
+
+
+def test_local_ranks_around_a_seal_that_completes_between_them_share_one_round(tmp_path):
+    """#16 eighth trial D: rank A starts while step 20 waits for its seal (a round
+    opens); the seal completes after the round; rank B, seconds later, gets the same
+    result instead of opening a second round."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    driver = parts.agent.restores
+    driver._fresh = False
+    parts.state.restore_state = {"state": "done", "step": 10, "at": 100.0, "summoned": False}
+    driver.trainer_start()  # the first start ever: it stands
+    parts.agent.book.pending["20"] = candidate(20)
+    driver._handed = (100.0, driver._handed[1] - 3600, frozenset())  # restarted later
+    assert driver.trainer_start().action == "round"  # rank A
+    # the round ends (step 10); step 20's seal completes after it
+    del parts.agent.book.pending["20"]
+    write_step(parts, 20)
+    driver._generic_running = False
+    parts.state.restore_state = {"state": "done", "step": 10, "at": time.time() - 1}
+    assert driver._waiting_start is not None
+    at = parts.state.restore_state["at"]
+    driver._handed = (at, driver._waiting_start, driver._waiting_steps)
+    driver._waiting_start = None
+    seal(parts, 20)
+    assert driver.trainer_start().action == "current"  # rank B: the same start

@@ -98,3 +98,18 @@ def test_a_restore_about_to_start_is_joined():
     the trainer's start is that restore's (its result is then handed to it)."""
     d = trainer_start_action("generic", False, {"state": "pending"}, [])
     assert d.action == JOIN
+
+
+def test_a_seal_the_first_local_rank_saw_pending_opens_no_second_round():
+    """#16 eighth trial D, the exact input: rank A's start saw step 20 still sealing and
+    opened a round (step 10); the seal completed after that round settled; rank B,
+    3 s after A, opened a second round because step 20 now counted as sealed since."""
+    d = trainer_start_action(
+        "generic", False, done(10), [(20, SETTLED + 2)], handed_ago=3.0, known={20}
+    )
+    assert (d.action, d.drop_after) == (CURRENT, None)
+    # a step this start did not know of still counts (the job went on since)
+    d = trainer_start_action(
+        "generic", False, done(10), [(30, SETTLED + 2)], handed_ago=3.0, known={20}
+    )
+    assert d.action == ROUND

@@ -133,8 +133,11 @@ class RestoreDriver:
         #: seconds; :meth:`trainer_start`): the restore is that trainer's, newer
         #: steps are abandoned even when summoned; None: no trainer waits
         self._waiting_start: float | None = None
-        #: (``at`` of the settled restore a trainer start got, when that start came)
-        self._handed: tuple[float, float] | None = None
+        #: (``at`` of the settled restore a trainer start got, when that start came,
+        #: the steps this node held or was sealing then)
+        self._handed: tuple[float, float, frozenset[int]] | None = None
+        #: the steps held or sealing at the first trainer start waiting for a restore
+        self._waiting_steps: frozenset[int] = frozenset()
         #: the last trainer start (``.tierfs/restart``): plain data
         self.last_trainer_start: dict[str, Any] = {}
         #: told of each other rank's part a restore supersedes, before it is dropped
@@ -380,8 +383,9 @@ class RestoreDriver:
             own += [(c.step, now) for c in self.book.pending.values()]
         handed = self._handed
         handed_ago = None
+        known: frozenset[int] = frozenset()
         if handed is not None and last.get("at") is not None and handed[0] == last.get("at"):
-            handed_ago = now - handed[1]
+            handed_ago, known = now - handed[1], handed[2]
         decision = trainer_start_action(
             self.state.mode if job is not None else "none",
             self._generic_running,
@@ -389,15 +393,18 @@ class RestoreDriver:
             own,
             handed_ago,
             settings.TRAINER_SAME_START.get(),
+            known,
         )
+        steps = frozenset(s for s, _ in own)
         if job is not None and decision.action in (JOIN, ROUND):
             if self._waiting_start is None:
-                self._waiting_start = now  # the first start of a burst of local ranks
+                # the first start of a burst of local ranks
+                self._waiting_start, self._waiting_steps = now, steps
             if decision.action == ROUND:
                 self.start_generic(job, summoned=False)
         elif job is not None and last.get("state") in ("done", "failed"):
             if handed_ago is None:
-                self._handed = (float(last.get("at") or 0.0), now)
+                self._handed = (float(last.get("at") or 0.0), now, steps)
             if decision.drop_after is not None:
                 self.keeper.drop_abandoned(job, decision.drop_after)
         quiet = decision.action in (CURRENT, NOTHING) and decision.drop_after is None
@@ -432,7 +439,7 @@ class RestoreDriver:
         finally:
             if self._waiting_start is not None:
                 at = self.state.restore_state.get("at")
-                self._handed = (float(at or 0.0), self._waiting_start)
+                self._handed = (float(at or 0.0), self._waiting_start, self._waiting_steps)
                 self._waiting_start = None
 
     async def materialize(self, name: str, pub: Published) -> None:

@@ -37,7 +37,7 @@ So the wait opens ``.tierfs/restart`` for writing, and the daemon decides with
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +86,7 @@ def trainer_start_action(
     own_seals: Iterable[tuple[int, float]],
     handed_ago: float | None = None,
     same_start: float = SAME_START,
+    known: Collection[int] = (),
 ) -> TrainerStart:
     """Decide what a trainer start does (pure; see the module docstring).
 
@@ -101,6 +102,10 @@ def trainer_start_action(
             (None: no trainer start got it yet).
         same_start: seconds (:data:`SAME_START`) within which another trainer start
             is the same start (another local rank).
+        known: the steps this node held or was sealing when the trainer start that
+            got ``last`` came: their seals are not "written since" (#16 eighth trial
+            D: a seal pending at the first local rank's start completed before the
+            second's, which opened a second round).
     """
     if mode != "generic":
         return TrainerStart(NOTHING, None, f"{mode} mode: the trainer's control file restores")
@@ -118,7 +123,7 @@ def trainer_start_action(
     step = last.get("step") or 0
     settled = float(last.get("at") or 0.0)
     newer = [(s, t) for s, t in own_seals if s > step]
-    later = [s for s, t in newer if t >= settled]
+    later = [s for s, t in newer if t >= settled and s not in known]
     what = f"step {step}" if step else "nothing"
     if later:
         return TrainerStart(
