@@ -183,3 +183,29 @@ def test_a_fresh_start_is_no_answer_on_a_node_that_holds_steps_now():
     assert stale_fresh_start(status(restored, [(20, "replicated")])) is None
     running = {"state": "planning"}
     assert stale_fresh_start(status(running, [(20, "replicated")])) is None
+
+
+def test_a_restored_step_dropped_since_is_not_waited_for():
+    """#16 eighth trial N7: retention (--keep-local) dropped the restored step 60 while
+    the job saved 120-140; ``tierfs wait --no-restart`` waited for "the other ranks'
+    files of step 60" that no view shows any more and exited 7 after --timeout."""
+    from tierfs.cli.wait import whole_step_unready
+
+    def status(steps: list[int]) -> NodeStatus:
+        return NodeStatus.from_json(
+            {
+                "mode": "generic",
+                "restore": {"state": "done", "step": 60, "source": "local"},
+                "whole_view": {"active": True, "steps": []},
+                "steps": [
+                    {"step": s, "name": f"checkpoint-{s}", "state": "replicated"} for s in steps
+                ],
+            }
+        )
+
+    assert whole_step_unready(status([140, 130, 120]), False) is None
+    # just restored, the view has not looked at it yet: still waited for
+    assert whole_step_unready(status([60]), False) == (
+        "the other ranks' files of step 60 are not in the view yet"
+    )
+    assert whole_step_unready(status([]), False) is not None  # a node added since
