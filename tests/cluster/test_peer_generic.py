@@ -218,7 +218,6 @@ def test_trainers_restarted_beside_running_daemons_get_one_new_round(make_mount)
     ``restored step 2 from local`` (exit 0), while node 1 had no round at all. Now
     each wait tells its daemon that a trainer starts: one new round, step 4 on both
     (exit 2, step 6 lacks rank 1), and node 0's part of step 6 is abandoned."""
-    from conftest import TIERFS
 
     c = Cluster(make_mount, 2, node_args=generic(2))
     save_step(c, 2, [0, 1])
@@ -237,29 +236,13 @@ def test_trainers_restarted_beside_running_daemons_get_one_new_round(make_mount)
         wait_until(lambda i=i: replicated(c, i, 4), 60, f"node {i}'s step 4 to be replicated")
     save_step(c, 6, [0])  # node 1's trainer dies before its part of step 6
     wait_until(lambda: holds_own(c, 0, 6), 60, "node 0's part of step 6")
-    waits = [
-        subprocess.Popen(
-            [*TIERFS, "wait", str(c.root(i)), "--timeout", "120"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outs = []
-    try:
-        for w in waits:
-            outs.append(w.communicate(timeout=150))
-    finally:
-        for w in waits:
-            if w.poll() is None:
-                w.kill()
-    for i, (w, (out, err)) in enumerate(zip(waits, outs, strict=True)):
-        assert w.returncode == 2, (i, out, err, c.logs())  # an older step: said
+    outs = waits_at_once(c, [0, 1])
+    for i, (code, out, err) in enumerate(outs):
+        assert code == 2, (i, out, err, c.logs())  # an older step: said
         assert out.strip() == "restored step 4 from local", (i, out, err)
         assert "step 6 lacks rank(s) [1]" in err, (i, err)
     # one of the waits started the round (the other joined it, or was asked in first)
-    assert any("a new restore round for the restarted trainer" in err for _, err in outs), outs
+    assert any("a new restore round for the restarted trainer" in err for *_, err in outs), outs
     assert not holds_own(c, 0, 6)  # abandoned: never a restore's candidate again
 
 
