@@ -334,6 +334,13 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         bucket=BucketRestoreSide(gcs, verifier, state) if backup is not None else None,
         agreement=agreement,
     )
+
+    def restored_round(step: int) -> str:
+        r = state.restore_state
+        if r.get("state") != "done" or r.get("step") != step:
+            return ""
+        return str(r.get("backup") or "")
+
     tiers: list[Tier] = [peer, gcs] if peer is not None else [gcs]
     background: list[Callable[[], Awaitable[None]]] = []
     if peer is not None:
@@ -349,6 +356,9 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
                 files=peer,
                 parts=coordinator,
                 gone=lambda: peer.book.gone,
+                more_manifests=[gcs] if backup is not None else [],
+                more_files=[gcs] if backup is not None else [],
+                restored_round=restored_round,
             ).run
         )
     # other ranks' files of a step in this node's view (issue #14)
@@ -361,12 +371,6 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         if r.get("state") != "done" or not r.get("step"):
             return None
         return float(r.get("at") or 0.0), int(r["step"]), int(r.get("writers") or 0)
-
-    def restored_round(step: int) -> str:
-        r = state.restore_state
-        if r.get("state") != "done" or r.get("step") != step:
-            return ""
-        return str(r.get("backup") or "")
 
     remote = RemoteView(
         store.view,

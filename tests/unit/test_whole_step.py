@@ -557,3 +557,50 @@ def test_the_coordinator_reports_each_ranks_own_part_digest():
     servicer.locked(join)
     assert servicer.own_part_digests(JOB, [20, 30]) == {20: {0: "d0", 1: "d1"}, 30: {}}
     assert servicer.own_part_digests("other", [20]) == {}
+
+
+class RoundManifests(Manifests):
+    """The bucket's :class:`tierfs.core.ports.ManifestSource`: answers only when asked
+    for the round the test names (``round_name``)."""
+
+    def __init__(self, round_name: str) -> None:
+        super().__init__()
+        self.round_name = round_name
+        self.rounds: list[str] = []
+
+    async def part_manifest(
+        self, job: str, rank: int, step: int, *, writers: int = 0, round_name: str = ""
+    ) -> Manifest | None:
+        self.rounds.append(round_name)
+        if round_name != self.round_name:
+            return None
+        return await super().part_manifest(job, rank, step, writers=writers)
+
+
+@pytest.mark.parametrize("restored", ["r-20", ""])
+def test_a_step_restored_from_a_round_is_judged_with_that_rounds_part_of_a_gone_node(
+    tmp_path, restored
+):
+    """Regression (#16 eighth trial N5): after a restore from the bucket on fewer nodes,
+    node 0's status said ``rank 1's part: no copy found on a live node`` for the
+    restored step: the judge asked only the nodes. It now takes the part's manifest
+    and files from the round the restore decided; a step restored from no round is
+    still left unjudged (another save of the step in the bucket is never used)."""
+    shards, p0, p1 = metadata_on_rank_1(tmp_path, W1[:500])
+    judge, catalog, job, peers = judge_of(shards, p0, {}, settle=0)
+    bucket = RoundManifests("r-20")
+    bucket.parts[(1, 20)] = p1.manifest
+    judge.more_manifests = (bucket,)
+    judge.files = Files({})  # no node holds rank 1's part
+    judge.more_files = (Files({1: p1.data}),)
+    judge.restored_round = lambda step: restored if step == 20 else ""
+    whole = judged_after_two_looks(judge, job, p0)
+    assert peers.asked == [(1, 20), (1, 20)]  # its node is asked first
+    if restored:
+        assert bucket.rounds == ["r-20", "r-20"]
+        assert whole is not None and whole.unloadable.startswith("damaged: 20/__1_0.distcp")
+        assert judge.more_files[0].asked == [(1, "20/.metadata")]
+        assert catalog.unjudged(p0.key) == ""
+    else:
+        assert bucket.rounds == [] and whole is None
+        assert catalog.unjudged(p0.key).startswith("rank 1's part: no copy found on a live node")

@@ -43,7 +43,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import trio
 
@@ -99,6 +99,14 @@ class WholeStepJudge:
             (with ``parts``).
         gone: the node ranks declared gone for good (issue #16): a rank of them
             whose part is nowhere makes the step "never complete", not "not yet".
+        more_manifests: further sources (the bucket's backup rounds) asked for a
+            part no node can say, only for a step this node restored from a
+            backup round (``restored_round``), and only that round's save of it:
+            after a restore from the bucket, a rank whose node is gone is judged
+            from the round's manifest, not left "no copy found on a live node".
+        more_files: further file sources (the bucket), tried after ``files``.
+        restored_round: step -> the backup round this node's restore of that step
+            decided ("" when it restored another step, or none from the bucket).
     """
 
     def __init__(
@@ -118,8 +126,14 @@ class WholeStepJudge:
         idle: float = 30.0,
         recheck: float = 5.0,
         gone: Callable[[], Collection[int]] = frozenset,
+        more_manifests: Sequence[ManifestSource] = (),
+        more_files: Sequence[FileSource] = (),
+        restored_round: Callable[[int], str] = lambda step: "",
     ) -> None:
         self.gone = gone
+        self.more_manifests = tuple(more_manifests)
+        self.more_files = tuple(more_files)
+        self.restored_round = restored_round
         self.shards = shards
         self.catalog = catalog
         self.current = job
@@ -245,19 +259,37 @@ class WholeStepJudge:
     ) -> bytes | None:
         """One small file of another rank's part, from its nearest copy (trio thread);
         None if no copy could serve it (logged)."""
-        assert self.files is not None
+        sources = [*([self.files] if self.files is not None else []), *self.more_files]
         fd = os.memfd_create("tierfs-judge", os.MFD_CLOEXEC)
         try:
-            try:
-                await self.files.fetch_file(
-                    job, manifest.rank, step, manifest.digest, path, fd, writers=writers
-                )
-            except FetchFailed as exc:
-                log.info("judging step %d: %s of rank %d: %s", step, path, manifest.rank, exc)
-                return None
-            return await trio.to_thread.run_sync(_read_all, fd)
+            for source in sources:
+                try:
+                    os.ftruncate(fd, 0)
+                    await source.fetch_file(
+                        job, manifest.rank, step, manifest.digest, path, fd, writers=writers
+                    )
+                except FetchFailed as exc:
+                    log.info("judging step %d: %s of rank %d: %s", step, path, manifest.rank, exc)
+                    continue
+                return await trio.to_thread.run_sync(_read_all, fd)
+            return None
         finally:
             os.close(fd)
+
+    async def _from_backup(self, job: str, rank: int, step: int, writers: int) -> Manifest | None:
+        """Rank ``rank``'s manifest of ``step`` from the backup round this node's restore
+        of ``step`` decided (:attr:`more_manifests`), None when it restored no round
+        of that step or the round holds no such part of ``writers`` nodes."""
+        round_name = self.restored_round(step)
+        if not round_name:
+            return None
+        for source in self.more_manifests:
+            got = await source.part_manifest(
+                job, rank, step, writers=writers, round_name=round_name
+            )
+            if got is not None and (got.nodes or writers) == writers:
+                return got
+        return None
 
     async def judge(self, job: JobSpec, shard: Shard) -> WholeVerdict | None:
         """Look at ``shard``'s step across ranks; the verdict once the parts held still
@@ -276,6 +308,9 @@ class WholeStepJudge:
             got = await self.manifests.part_manifest(job.name, rank, step, writers=writers)
             if got is None and held is not None:
                 got = held.manifest  # its node is not reachable: the copy held here
+            if got is None:
+                # its node is gone or lost the part: the backup round this step came from
+                got = await self._from_backup(job.name, rank, step, writers)
             if got is None:
                 self.catalog.set_unjudged(
                     shard.key,
@@ -310,7 +345,7 @@ class WholeStepJudge:
         readers = {
             m.rank: self._remote_reader(job.name, step, writers, m)
             for m in manifests
-            if m.rank not in dirs and self.files is not None
+            if m.rank not in dirs and (self.files is not None or self.more_files)
         }
         async with self.io_limiter:
             whole = await trio.to_thread.run_sync(judge_whole, manifests, dirs, readers)
