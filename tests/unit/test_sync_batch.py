@@ -181,3 +181,100 @@ def test_the_gone_ranks_are_sent_again_only_when_they_changed():
     assert book.gone == frozenset({7, 9, 10, 11}) and book.gone_tag == changed.gone_tag
     # a node of before the tag (none sent) always gets the list
     assert list(asyncio.run(s.Sync(_requests(7)[3], None)).gone) == [7, 9, 10, 11]
+
+
+def test_a_kept_peers_reply_always_equals_the_peers_built_afresh():
+    """A node's peers are answered from its last reply's bytes while they are exact
+    (issue #17): at every heartbeat they must equal the rows built afresh, through a
+    peer going silent and being heard again, a peer's daemon restarting,
+    and the node asking for other peers."""
+    clock = [100.0]
+    s, fresh = _servicer(clock), _servicer(clock)  # fresh: builds every reply's peers
+    reqs = _requests(5)
+    quiet: set[int] = set()
+    live: dict[tuple[int, int], dict[int, bool]] = {}
+    for t in range(101, 130):
+        clock[0] = float(t)
+        if t == 104:
+            quiet.add(1)  # node-rank 1 stops heartbeating: not live from t=109
+        if t == 115:
+            quiet.discard(1)  # heard again
+        if t == 118:
+            # node-rank 6's daemon restarts (a join: every kept reply is stale)
+            for one in (s, fresh):
+                asyncio.run(
+                    one.Join(
+                        peer_pb2.JoinRequest(
+                            job=JOB,
+                            nodes=NODES,
+                            rank=6,
+                            address="10.0.0.6:7000",
+                            incarnation="i6b",
+                            mode="protocol",
+                        ),
+                        None,
+                    )
+                )
+            reqs[6].incarnation = "i6b"
+        if t == 120:
+            del reqs[0].want_peers[:]
+            reqs[0].want_peers.extend([6, 9])
+        members = [q for q in reqs if q.rank not in quiet]
+        batch = peer_pb2.SyncBatchRequest(members=members)
+        got = asyncio.run(s.SyncBatch(batch, None))
+        fresh._peer_replies.clear()
+        want = asyncio.run(fresh.SyncBatch(batch, None))
+        for q, a, b in zip(members, got.replies, want.replies, strict=True):
+            assert list(a.peers) == list(b.peers), (t, q.rank)
+            live[(t, q.rank)] = {p.rank: p.live for p in a.peers}
+    # the replies went through those states (the test can fail)
+    assert live[(108, 0)][1] and not live[(109, 0)][1] and not live[(115, 0)][1]
+    assert live[(116, 0)][1]
+    assert [p.incarnation for p in got.replies[5].peers if p.rank == 6] == ["i6b"]
+    assert live[(119, 0)].keys() == {1, 5}
+    assert live[(120, 0)].keys() == {6, 9}
+
+
+def test_the_synced_step_follows_every_report_though_it_is_kept_between_them():
+    clock = [100.0]
+    c = Coordinator(clock=lambda: clock[0], live_seconds=5.0)
+    roster = c.roster
+    for r in range(3):
+        roster.add(r, f"a{r}", f"i{r}")
+    assert roster.least_step(3) is None
+    roster.report_step(0, 4)
+    roster.report_step(1, 6)
+    assert roster.least_step(3) is None and roster.least_step(2) == 4
+    roster.report_step(2, 5)
+    assert roster.least_step(3) == 4
+    roster.report_step(0, 7)
+    assert roster.least_step(3) == 5
+    roster.forget_step(2)
+    assert roster.least_step(3) is None and roster.least_step(2) == 6
+    roster.clear_steps()
+    assert roster.least_step(0) is None
+
+
+def test_a_peer_that_joins_after_a_kept_reply_is_named_at_the_next_heartbeat():
+    """Regression (found by tests/unit/test_replication_inprocess.py): a reply kept
+    while an asked-for peer had not joined yet left that peer out for good, and the
+    nodes waited for their joins forever."""
+    clock = [100.0]
+    s = CoordinatorServicer(Coordinator(clock=lambda: clock[0], live_seconds=5.0))
+
+    def join(r: int) -> None:
+        q = peer_pb2.JoinRequest(
+            job=JOB, nodes=3, rank=r, address=f"10.0.0.{r}:7000", incarnation=f"i{r}"
+        )
+        asyncio.run(s.Join(q, None))
+
+    def peers_of_0() -> list[int]:
+        q = sync_request(JOB, 0, "i0", -1, (), want_peers=[1, 2])
+        return [p.rank for p in asyncio.run(s.Sync(q, None)).peers]
+
+    join(0)
+    join(1)
+    assert peers_of_0() == [1]
+    assert peers_of_0() == [1]  # kept
+    join(2)
+    assert peers_of_0() == [1, 2]

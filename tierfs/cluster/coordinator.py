@@ -582,7 +582,9 @@ class Coordinator:
         if restarted and self.backups is not None:
             self.backups.member_restarted(rank)
         self.roster.set_inventory(m, inv)
-        m.address, m.last_seen, m.mode = address, now, mode
+        self.roster.set_address(m, address)
+        self.roster.heard(m, now)
+        m.mode = mode
         m.backup_interval_minutes = backup_interval_minutes or None
         m.backup_interval_steps = backup_interval_steps or None
         if not restore_id:
@@ -600,7 +602,7 @@ class Coordinator:
         r = self.restores.participant(rank, restore_id)
         m = self.members.get(rank)
         if r is not None and m is not None:
-            m.last_seen = self.clock()
+            self.roster.heard(m, self.clock())
         return r
 
     def bucket_wanted(self) -> tuple[int, str, int, int] | None:
@@ -751,7 +753,7 @@ class Coordinator:
         m = self.members.get(rank)
         if job != self.job or m is None or m.incarnation != incarnation or rank in self.gone:
             return SyncView(False)  # join (again); a gone rank's join is refused
-        m.last_seen = self.clock()
+        self.roster.heard(m, self.clock())
         self.roster.set_inventory(m, tuple(inventory))
         m.replicated_step = step
         m.data_parallelism = data_parallelism or None

@@ -60,6 +60,16 @@ class Membership:
         self._holders: dict[int, dict[int, str]] = {}
         #: the own-part digests reported, numbered (the nodes' whole-step views)
         self.parts = PartVersions()
+        #: bumped when every peer row may have changed (another job, or more row
+        #: changes than :meth:`take_changed_rows` keeps): rows built before are stale
+        self.version = 0
+        #: ranks whose peer row (address, incarnation, liveness) changed since the last
+        #: :meth:`take_changed_rows`
+        self._changed_rows: list[int] = []
+        #: ranks found not live by the last count (and not heard from since)
+        self._silent: set[int] = set()
+        #: (nodes, least_step(nodes)) until the sync reports change
+        self._least: tuple[int, int | None] | None = None
 
     def clear(self) -> None:
         """Forget every member (another job)."""
@@ -69,6 +79,9 @@ class Membership:
         self._live_count = None
         self._own_steps.clear()
         self._holders.clear()
+        self._silent.clear()
+        self._changed_rows.clear()
+        self.version += 1
         self.clear_steps()
 
     def add(self, rank: int, address: str, incarnation: str) -> Member:
@@ -77,6 +90,7 @@ class Membership:
         if old is not None:
             self.set_inventory(old, ())
         m = self.members[rank] = Member(rank, address, incarnation)
+        self._row_changed(rank)
         hit = self._live_count
         if hit is not None:
             # counted, not walked again (a walk per join made a join storm O(N²): ~10 s of
@@ -129,6 +143,39 @@ class Membership:
             )
         return self.add(rank, address, incarnation), m is not None
 
+    def heard(self, m: Member, now: float) -> None:
+        """``m`` was heard from at ``now`` (clock seconds): it is live again if the last
+        count found it silent (its peer row changed)."""
+        m.last_seen = now
+        silent = self._silent
+        if silent and m.rank in silent:
+            silent.discard(m.rank)
+            self._row_changed(m.rank)
+
+    def set_address(self, m: Member, address: str) -> None:
+        """``m``'s daemon now listens at ``address`` (a join of the same incarnation)."""
+        if m.address != address:
+            m.address = address
+            self._row_changed(m.rank)
+
+    def _row_changed(self, rank: int) -> None:
+        rows = self._changed_rows
+        rows.append(rank)
+        if len(rows) > 4 * len(self.members) + 64:
+            # nobody takes them (a coordinator without a servicer): say "all" instead
+            rows.clear()
+            self.version += 1
+
+    def take_changed_rows(self) -> list[int]:
+        """The ranks whose peer row (:meth:`peer_rows`: address, incarnation, liveness)
+        changed since the last call, in order, repeats possible; every row may have
+        changed when :attr:`version` changed since. A row's liveness changes when
+        :meth:`heard` finds the member silent, or a count (:meth:`live_count`, at most
+        every :data:`LIVE_COUNT_TTL` seconds) finds it silent or heard again: the change
+        of a member going silent is seen up to that much late."""
+        rows, self._changed_rows = self._changed_rows, []
+        return rows
+
     def set_inventory(self, m: Member, inventory: tuple[Holding, ...]) -> None:
         """``m``'s inventory is ``inventory`` (O(inventory): keeps the request counts).
         Nothing to do when it is the very tuple already held (a heartbeat whose
@@ -171,6 +218,7 @@ class Membership:
         """Forget the sync reports (a restore decision starts a new timeline)."""
         self.sync_steps.clear()
         self.step_counts.clear()
+        self._least = None
 
     def report_step(self, rank: int, step: int) -> None:
         """``rank``'s newest replicated step is ``step`` (-1: none; ignored)."""
@@ -178,6 +226,7 @@ class Membership:
         if step < 0 or old == step:
             return
         self.sync_steps[rank] = step
+        self._least = None
         counts = self.step_counts
         counts[step] += 1
         if old is not None:
@@ -189,16 +238,23 @@ class Membership:
         """Drop ``rank``'s sync report (the rank was declared gone, issue #16)."""
         old = self.sync_steps.pop(rank, None)
         if old is not None:
+            self._least = None
             self.step_counts[old] -= 1
             if not self.step_counts[old]:
                 del self.step_counts[old]
 
     def least_step(self, nodes: int) -> int | None:
         """The least step reported, once all ``nodes`` ranks reported one (ranks are
-        ``< nodes``: checked at join), else None."""
-        if len(self.sync_steps) < nodes or not self.step_counts:
-            return None
-        return min(self.step_counts)
+        ``< nodes``: checked at join), else None. Kept until a report changes (every
+        heartbeat asks; most change nothing)."""
+        hit = self._least
+        if hit is not None and hit[0] == nodes:
+            return hit[1]
+        least = None
+        if len(self.sync_steps) >= nodes and self.step_counts:
+            least = min(self.step_counts)
+        self._least = (nodes, least)
+        return least
 
     # ------------------------------------------------------------------ liveness, peers
 
@@ -213,8 +269,12 @@ class Membership:
         now = self.clock()
         hit = self._live_count
         if hit is None or now - hit[0] >= LIVE_COUNT_TTL:
-            n = sum(1 for m in self.members.values() if now - m.last_seen <= self.live_seconds)
-            hit = self._live_count = (now, n)
+            limit = self.live_seconds
+            silent = {m.rank for m in self.members.values() if now - m.last_seen > limit}
+            if silent != self._silent:
+                self._changed_rows.extend(silent ^ self._silent)
+                self._silent = silent
+            hit = self._live_count = (now, len(self.members) - len(silent))
         return hit[1]
 
     def peers(self, ranks: Iterable[int] | None = None) -> list[PeerView]:
