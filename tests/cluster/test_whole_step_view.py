@@ -186,6 +186,11 @@ def test_a_flipped_byte_in_every_peer_copy_is_read_from_the_bucket(make_mount, f
             30,
             "the fetch of .metadata to start",
         )
+        # the reader itself waits in its open: a ^C sent before cat's exec is lost
+        # (regression, CI of stop 40: the fetch above was the read-ahead's, cat was not
+        # running yet, and its open then waited in an interruptible sleep, state S,
+        # with no signal pending)
+        wait_for(lambda: _in_fuse_open(reader.pid), 30, "the reader to wait in its open")
         assert reader.poll() is None
         reader.send_signal(signal.SIGINT)
         # well below the hung holder's gRPC timeout (about 80 s); 20 s was once too
@@ -340,6 +345,15 @@ def test_the_first_chunk_is_served_while_the_rest_is_fetched_and_a_bad_middle_ch
     errors = c.errors(2)
     assert "step 10: rank 1's 10/__1_0.distcp was read from bucket round" in errors, errors
     assert "chunk 1 (offset 4194304)" in errors, errors
+
+
+def _in_fuse_open(pid: int) -> bool:
+    """Process ``pid`` waits for the answer to a FUSE OPEN (its kernel stack; root)."""
+    try:
+        stack = Path(f"/proc/{pid}/stack").read_text()
+    except OSError:
+        return False
+    return "request_wait_answer" in stack and "fuse_open" in stack
 
 
 def _where(pid: int) -> str:
