@@ -69,6 +69,10 @@ log = logging.getLogger(__name__)
 MAX_DECISIONS = 64
 #: a restore round not heard from for this many seconds no longer pauses retention
 ROUND_IDLE = 60.0
+#: seconds a bucket answer read while ranks were still joining stays good for the
+#: decision once the last rank joined; an older one is read again (a backup round
+#: may have finished meanwhile)
+BUCKET_EARLY_FRESH = 30.0
 
 __all__ = ["MAX_DECISIONS", "ROUND_IDLE", "RestoreRounds"]
 
@@ -172,6 +176,9 @@ class RestoreRounds:
         if r.missing_count:
             r.waiting_for = ""
             return
+        if r.bucket_early is not None and self.clock() - r.bucket_early > BUCKET_EARLY_FRESH:
+            # read while the round waited long for its last ranks: read it again
+            r.bucket, r.bucket_early = None, None
         if self._bucket_pending(r):
             return  # cheap while it waits: the inventories are gathered once it answered
         r.inventories = {rank: p.inventory for rank, p in r.joined.items()}
@@ -187,9 +194,16 @@ class RestoreRounds:
 
     def bucket_wanted(self) -> tuple[int, int] | None:
         """``(round, depth)``: the bucket read the open round waits for (None: none), to be
-        run outside the lock; depth is the complete backup rounds the read looks for."""
+        run outside the lock; depth is the complete backup rounds the read looks for.
+
+        The read starts at the round's first join, not after its last (issue #17): it
+        does not depend on who joined, and judging a round of 10,000 parts takes
+        node-rank 0 about 13 s of CPU, which would otherwise come between the last
+        join and every plan. An answer that came while ranks were missing is read
+        again when the last rank joins more than :data:`BUCKET_EARLY_FRESH` seconds
+        later."""
         r = self.round
-        if not self.bucket or r is None or r.choice is not None or r.missing_count or not r.joined:
+        if not self.bucket or r is None or r.choice is not None or not r.joined:
             return None
         if r.bucket is not None and r.bucket.depth >= r.bucket_depth:
             return None
@@ -205,6 +219,7 @@ class RestoreRounds:
                 "coordinator: round %d: the bucket could not be read: %s", round_no, view.error
             )
         r.bucket = view
+        r.bucket_early = self.clock() if r.missing_count else None
         self._try_decide(r)
 
     def _decide(self, r: Round) -> None:

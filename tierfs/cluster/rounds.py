@@ -148,6 +148,8 @@ class Round:
         present: the ranks that joined (same keys as ``joined``, with a count).
         ready, done: the ranks past each barrier phase of the current decision.
         bucket: the bucket's answer for this round (None: not read yet).
+        bucket_early: clock time of that answer when it came while ranks were still
+            missing (the read starts at the round's first join, issue #17), else None.
         bucket_depth: the complete rounds the decision needs the read to look for.
         bad: copies found bad or unusable during this round.
         notes: lines from the nodes (discarded copies, failed fetches).
@@ -169,6 +171,7 @@ class Round:
     done: RankSet = field(init=False)
     decided_at: float | None = None
     bucket: BucketView | None = None
+    bucket_early: float | None = None
     bucket_depth: int = BUCKET_DEPTH
     notes: list[str] = field(default_factory=list)
     waiting_for: str = ""
