@@ -53,9 +53,10 @@ the next ``Decide``.
 The bucket is read outside the coordinator's lock, from the round's first join
 on (its answer does not depend on who joined; an answer older than
 :data:`tierfs.cluster.restore_rounds.BUCKET_EARLY_FRESH` when the last rank
-joins is read again): :meth:`Coordinator.bucket_wanted` says which read a round waits for, the servicer runs the reader the GCS tier
-installed (:meth:`tierfs.cluster.servicer.CoordinatorServicer.set_bucket_reader`)
-in a thread of its own and hands the answer in with :meth:`Coordinator.bucket_answered`.
+joins is read again): :meth:`Coordinator.bucket_wanted` says which read a
+round waits for, the servicer runs the reader the GCS tier installed
+(:meth:`tierfs.cluster.servicer.CoordinatorServicer.set_bucket_reader`) in a
+thread of its own and hands the answer in with :meth:`Coordinator.bucket_answered`.
 
 :class:`Coordinator` is pure policy over plain data (:mod:`tierfs.cluster.rounds`),
 unit-tested without gRPC (tests/unit/test_coordinator.py). It is not
