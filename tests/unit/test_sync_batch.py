@@ -23,23 +23,24 @@ NODES = 12
 JOB = "job"
 
 
+def _join(s: CoordinatorServicer, rank: int, incarnation: str, *held: Holding) -> None:
+    """Node ``rank``'s daemon ``incarnation`` joins at 10.0.0.<rank>:7000 holding ``held``."""
+    q = peer_pb2.JoinRequest(
+        job=JOB,
+        nodes=NODES,
+        rank=rank,
+        address=f"10.0.0.{rank}:7000",
+        incarnation=incarnation,
+        mode="protocol",
+        inventory=[peer_wire.held_shard(h) for h in held],
+    )
+    asyncio.run(s.Join(q, None))
+
+
 def _servicer(clock: list[float]) -> CoordinatorServicer:
     s = CoordinatorServicer(Coordinator(clock=lambda: clock[0], live_seconds=5.0))
     for r in range(NODES):
-        asyncio.run(
-            s.Join(
-                peer_pb2.JoinRequest(
-                    job=JOB,
-                    nodes=NODES,
-                    rank=r,
-                    address=f"10.0.0.{r}:7000",
-                    incarnation=f"i{r}",
-                    mode="protocol",
-                    inventory=[peer_wire.held_shard(Holding(r, 3, True, f"d{r}-3"))],
-                ),
-                None,
-            )
-        )
+        _join(s, r, f"i{r}", Holding(r, 3, True, f"d{r}-3"))
     s.coordinator.declare_gone(JOB, [7], "test")
     return s
 
@@ -135,20 +136,7 @@ def test_a_join_between_two_equal_heartbeats_does_not_keep_the_joins_inventory()
     clock = [100.0]
     s = _servicer(clock)
     asyncio.run(s.SyncBatch(peer_pb2.SyncBatchRequest(members=_requests(5)), None))
-    asyncio.run(
-        s.Join(
-            peer_pb2.JoinRequest(
-                job=JOB,
-                nodes=NODES,
-                rank=2,
-                address="10.0.0.2:7000",
-                incarnation="i2",
-                mode="protocol",
-                inventory=[peer_wire.held_shard(Holding(2, 9, True, "joined"))],
-            ),
-            None,
-        )
-    )
+    _join(s, 2, "i2", Holding(2, 9, True, "joined"))
     assert [h.digest for h in s.coordinator.members[2].inventory] == ["joined"]
     asyncio.run(s.SyncBatch(peer_pb2.SyncBatchRequest(members=_requests(5)), None))
     assert [h.digest for h in s.coordinator.members[2].inventory] == ["d2-3", "d2-5"]
@@ -202,19 +190,7 @@ def test_a_kept_peers_reply_always_equals_the_peers_built_afresh():
         if t == 118:
             # node-rank 6's daemon restarts (a join: every kept reply is stale)
             for one in (s, fresh):
-                asyncio.run(
-                    one.Join(
-                        peer_pb2.JoinRequest(
-                            job=JOB,
-                            nodes=NODES,
-                            rank=6,
-                            address="10.0.0.6:7000",
-                            incarnation="i6b",
-                            mode="protocol",
-                        ),
-                        None,
-                    )
-                )
+                _join(one, 6, "i6b")
             reqs[6].incarnation = "i6b"
         if t == 120:
             del reqs[0].want_peers[:]
