@@ -14,6 +14,7 @@ and read every file from their peers, and the 5 ranks load it resharded.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -436,3 +437,70 @@ def test_a_load_right_after_a_save_in_place_reads_every_ranks_new_bytes(make_mou
     assert out == ["SAVED\nLOADED_OK"] * 3, out
     for i in range(3):
         assert "showed no part" not in c.errors(i), c.errors(i)
+
+
+def test_a_rank_whose_new_save_never_came_is_never_read_beside_the_new_save(make_mount, tmp_path):
+    """Regression (issue #16, ninth trial FAIL 15/16, silent wrong data): 3 nodes
+    saved step 30 with stock DCP and loaded it (every node read every rank's file);
+    then the job saved step 30 again in place, but rank 2's new part never reached its
+    node (here its process writes into a scratch directory: a trainer whose save never
+    reached tierfs). Nodes 0 and 1 kept serving rank 2's part of the first save beside
+    the new parts, an open waiting for rank 2's new part failed once and then served
+    the old bytes, and node 0 judged the mix ``loads: yes``. Now rank 2's files are
+    not served (EIO, said in ``replicator.errors`` and status) and node 0 judges the
+    step not loadable: its parts are of two saves."""
+    from tierfs.node.resave import RESAVE_GAP
+
+    c = Cluster(make_mount, 3, node_args=elastic(3))
+    assert dcp(c, "save", 30, [0, 1, 2]) == ["SAVED"] * 3
+    for i in range(3):
+        wait_for(lambda i=i: whole(c, i, 30, 3), 90, f"the whole step 30 on node {i}")
+    wait_for(
+        lambda: dcp(c, "load", 30, [0, 1, 2]) == ["LOADED_OK"] * 3,
+        90,
+        "step 30 loaded on every rank",
+        poll=2,
+    )
+    sealed = max(own_manifest(c, i, i, 30).sealed for i in range(3))  # type: ignore[union-attr]
+    wait_for(lambda: time.time() > sealed + RESAVE_GAP + 0.5, RESAVE_GAP + 30, "the interval")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+
+    def again(r: int, world: int, port: int) -> list[str]:
+        root = scratch if r == 2 else c.root(r)
+        return ["save", str(r), str(world), str(port), str(root), "30"]
+
+    assert run_ranks(c, CLIENT, again, [0, 1, 2], {"DCP_RESHARD_SEED": "1"}) == ["SAVED"] * 3
+
+    def refused(i: int) -> bool:
+        steps = c.status(i)["whole_view"]["steps"]
+        return any(s["step"] == 30 and s.get("refused") == [2] for s in steps)
+
+    for i in (0, 1):
+        wait_for(lambda i=i: refused(i), 120, f"node {i} refusing rank 2's earlier part")
+        with pytest.raises(OSError) as read:
+            (c.root(i) / "checkpoint-30" / "__2_0.distcp").read_bytes()
+        assert read.value.errno == errno.EIO, read.value
+        assert "rank 2's files are not served" in c.errors(i), c.errors(i)
+        # a load of the new save fails; it never returns rank 2's rows of the first one
+        out = run_ranks(
+            c,
+            CLIENT,
+            lambda r, world, port, i=i: ["load", "0", "1", str(port), str(c.root(i)), "30"],
+            [i],
+            {"DCP_RESHARD_SEED": "1"},
+        )
+        assert out[0].startswith("LOAD_FAILED") and "ValueError" not in out[0], out
+    wait_for(
+        lambda: "its parts are of two saves" in loads(c, 0, 30),
+        120,
+        "node 0 judging step 30's parts to be of two saves",
+    )
+    assert loads(c, 0, 30).startswith("no, across its 3 ranks"), loads(c, 0, 30)
+
+
+def loads(c: Cluster, i: int, step: int) -> str:
+    for s in c.status(i)["steps"]:
+        if s["step"] == step:
+            return s.get("loads") or ""
+    return ""

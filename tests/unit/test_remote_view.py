@@ -253,6 +253,38 @@ def test_other_ranks_files_appear_with_size_and_mode_and_are_fetched_verified(tm
     assert [f.path for f in resealed.manifest.files] == ["10", "10/__1_0.distcp"]
 
 
+def test_fetched_bytes_changed_while_no_daemon_ran_are_fetched_again(tmp_path):
+    """Regression (#16 ninth trial FAIL 14): a byte flipped in another rank's file that
+    the view had fetched was served as it was after a daemon restart: the restarted
+    daemon knew the file again as fetched from its mark and never checked its bytes.
+    Now the fetched files are checked when they are known again; wrong ones are
+    remote again and fetched (verified) on their next open; right ones stay."""
+    peer = Source("peer", BYTES, ["peer node-rank 0", "peer node-rank 2"])
+    rv, ram, _shards, catalog, own, job = view_of(tmp_path, PARTS, [peer])
+    meta, two = Path(ram.view) / "10" / ".metadata", Path(ram.view) / "10" / "__2_0.distcp"
+
+    async def main() -> None:
+        await rv.look(own)
+        await rv.prefetch(10)
+
+    trio.run(main)
+    assert meta.read_bytes() == B and two.read_bytes() == B
+    with open(meta, "r+b") as f:
+        f.seek(10)
+        f.write(bytes([B[10] ^ 0x20]))
+    again = RemoteView(
+        ram.view, ram.incoming, catalog, job, Manifests(PARTS), [peer], job, trio.CapacityLimiter(1)
+    )
+    assert again.reload() == 3
+    assert not has_data(meta) and meta.stat().st_size == len(B)  # remote again
+    assert json.loads(os.getxattr(meta, XATTR))["state"] == "remote"
+    assert has_data(two) and again.missing(two.stat().st_ino) is None  # right: kept
+    fetch = again.missing(meta.stat().st_ino)
+    assert fetch is not None
+    trio.run(fetch)
+    assert meta.read_bytes() == B
+
+
 def test_a_corrupt_copy_is_skipped_for_the_next_one_and_said_once(tmp_path):
     peer = Source("peer", BYTES, ["peer node-rank 0", "peer node-rank 2"])
     peer.corrupt.add("peer node-rank 0")
@@ -1161,6 +1193,89 @@ def test_an_open_waits_for_the_new_save_of_the_other_ranks_after_this_node_began
     trio.run(main)
 
 
+@pytest.mark.parametrize("sign", ["listed", "older"])
+def test_a_rank_whose_new_save_never_came_is_not_served_beside_the_new_save(
+    tmp_path, monkeypatch, sign
+):
+    """Regression (#16 ninth trial FAIL 15/16, silent wrong data): every rank saved
+    step 10 again in place but rank 2's new save never came (its trainer crashed, or
+    its node died before its new part was copied): node 2 still showed its part of the
+    earlier save. The view went on serving rank 2's earlier files (the log said "not
+    shown"), an open waiting for rank 2's new part failed only once and then served
+    them, and ``dcp.load`` returned two saves' values with exit 0. Now rank 2's files
+    are not served (EIO, said once) until its node shows a part of the new save, for
+    every open; status and ``tierfs wait`` say so. The sign of the earlier save: rank
+    0's new part lists rank 2's part as replaced (it held a replica), or rank 2's part
+    was sealed before the others began saving again (no copy held anywhere)."""
+    monkeypatch.setattr("tierfs.node.remote_view.SUSPECT_WAIT", 0.5)
+    B2, C2, B3 = os.urandom(len(B)), os.urandom(len(C)), os.urandom(len(B) + 3)
+    old2 = dataclasses.replace(PARTS[2], created=time.time() - 120, sealed=time.time() - 120)
+    parts = {0: PARTS[0], 2: old2}
+    peer = Source("peer", dict(BYTES), ["peer node-rank 0", "peer node-rank 2"])
+    rv, ram, shards, catalog, own, job = view_of(tmp_path, dict(parts), [peer])
+    view = Path(ram.view) / "10"
+    shard2 = view / "__2_0.distcp"
+
+    async def main() -> None:
+        await rv.look(own)
+        await rv.missing(shard2.stat().st_ino)()
+        assert shard2.read_bytes() == B  # the first save, read by an earlier load
+        # the save again: this node and rank 0 write new parts, rank 2 never does
+        began = time.time()
+        (view / "__1_0.distcp").write_bytes(A[::-1])
+        again = shards.snapshot(
+            ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic", foreign=rv.is_remote
+        )
+        again = dataclasses.replace(
+            again, manifest=dataclasses.replace(again.manifest, began=began)
+        )
+        catalog.add(again)
+        new0 = dataclasses.replace(
+            manifest(0, {".metadata": B2, "__0_0.distcp": C2}),
+            began=began + 0.1,
+            sealed=began + 1,
+            replaces=((0, PARTS[0].digest), (2, old2.digest)) if sign == "listed" else (),
+        )
+        rv.manifests = Manifests({0: new0, 2: old2})
+        peer.files = {**BYTES, "10/.metadata": B2, "10/__0_0.distcp": C2}
+        assert await rv.look(again) is True  # rank 2 is looked for again
+        union = rv.steps[10]
+        assert union.parts[0] == new0.digest and union.parts[2] == old2.digest
+        assert 2 in union.suspect and 2 not in union.refused
+        wait = rv.opening(shard2.stat().st_ino)
+        assert wait is not None  # its bytes are here, but of the earlier save
+        with pytest.raises(OSError) as first:
+            await wait()  # waits SUSPECT_WAIT for rank 2's new part, which never shows
+        assert first.value.errno == errno.EIO
+        assert union.refused.keys() == {2}
+        said = [e for e in job.errors if "rank 2's files are not served" in e]
+        assert len(said) == 1, job.errors
+        # every later open fails too (it failed only the first one before the fix)
+        for _ in range(3):
+            await rv.look(again)
+            for gate in (rv.opening, rv.missing):
+                with pytest.raises(OSError) as later:
+                    await gate(shard2.stat().st_ino)()
+                assert later.value.errno == errno.EIO
+                assert "earlier save" in later.value.strerror or "earlier save" in str(later.value)
+        assert len([e for e in job.errors if "rank 2's files are not served" in e]) == 1
+        s = rv.status().step(10)
+        assert s is not None and s.refused == (2,) and not s.names_ready
+        # node 2 saves its part of the new save at last: served, the new bytes
+        new2 = dataclasses.replace(
+            manifest(2, {"__2_0.distcp": B3}), began=began + 30, sealed=began + 31
+        )
+        rv.manifests.parts[2] = new2
+        peer.files["10/__2_0.distcp"] = B3
+        assert await rv.look(again) is False
+        assert union.refused == {} and union.parts[2] == new2.digest
+        await rv.missing(shard2.stat().st_ino)()
+        assert shard2.read_bytes() == B3
+        assert rv.status().step(10).names_ready
+
+    trio.run(main)
+
+
 def test_a_step_a_restore_abandoned_shows_only_this_nodes_own_files(tmp_path):
     """Regression (#16 fifth trial F4): step 20 saved again in place, a node lost before
     its new part was copied; the restore took step 10 and abandoned step 20, which
@@ -1264,7 +1379,8 @@ def test_a_bucket_round_of_an_earlier_save_is_never_shown_beside_the_new_save(tm
     )
     rounds = Manifests({2: old2})
     peer = Source("peer", {**BYTES, "10/__2_0.distcp": C}, ["peer node-rank 2"])
-    rv, ram, _shards, catalog, own, _job = view_of(tmp_path, {0: PARTS[0]}, [peer])
+    new0 = dataclasses.replace(PARTS[0], began=began + 0.05, sealed=began + 1)  # saved again too
+    rv, ram, _shards, catalog, own, _job = view_of(tmp_path, {0: new0}, [peer])
     rv.more_manifests = [rounds]
     resaved = dataclasses.replace(own, manifest=dataclasses.replace(own.manifest, began=began))
     catalog.add(resaved)

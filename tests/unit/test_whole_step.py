@@ -604,3 +604,55 @@ def test_a_step_restored_from_a_round_is_judged_with_that_rounds_part_of_a_gone_
     else:
         assert bucket.rounds == [] and whole is None
         assert catalog.unjudged(p0.key).startswith("rank 1's part: no copy found on a live node")
+
+
+@pytest.mark.parametrize("sign", ["listed", "older"])
+def test_a_step_whose_parts_are_of_two_saves_is_never_judged_loadable(tmp_path, monkeypatch, sign):
+    """Regression (#16 ninth trial FAIL 15/16): both ranks saved step 20, then saved it
+    again in place, but rank 1's new save never came (its trainer crashed): node 1
+    showed its part of the first save. Node-rank 0 judged the mix ``loads: yes``, and a
+    restore used it. Now such parts wait MIXED_WAIT seconds for the new save, said in
+    ``loads``, then the step is judged not loadable (said once); a new part of rank 1
+    is judged again."""
+    import dataclasses
+    import time
+
+    monkeypatch.setattr("tierfs.node.whole_step.MIXED_WAIT", 0.3)
+    shards, p0 = node_part(tmp_path, 0, 20, rank0_files())
+    _, p1 = node_part(tmp_path / "b", 1, 20, {"__1_0.distcp": W1})
+    began = time.time() + 60  # node 0 began its save again a minute later
+    old1 = dataclasses.replace(p1.manifest, created=began - 60, sealed=began - 60)
+    new0 = dataclasses.replace(
+        p0.manifest,
+        began=began,
+        sealed=began + 1,
+        replaces=((0, "first"), (1, old1.digest)) if sign == "listed" else ((0, "first"),),
+    )
+    p0 = dataclasses.replace(p0, manifest=new0)
+    judge, catalog, job, source = judge_of(shards, p0, {1: old1}, retry=0.01, settle=0)
+
+    async def main() -> None:
+        assert await judge.judge(job.job, p0) is None  # the first look
+        assert await judge.judge(job.job, p0) is None  # mixed: waits for rank 1
+        assert catalog.unjudged(p0.key).startswith("its parts are of two saves: rank 1's part"), (
+            catalog.unjudged(p0.key)
+        )
+        assert catalog.whole_verdict(p0.key) is None
+        await trio.sleep(0.35)
+        whole = await judge.judge(job.job, p0)
+        assert whole is not None and whole.unloadable.startswith("its parts are of two saves")
+        assert catalog.whole_verdict(p0.key) == whole
+        assert loads_across(whole, 2).startswith("no, across its 2 ranks: its parts are of two")
+        # rank 1 saves its part of the new save: judged again, it may load
+        _, saved = node_part(tmp_path / "c", 1, 20, {"__1_0.distcp": b"c" * len(W1)})
+        new1 = dataclasses.replace(
+            saved.manifest, began=began + 1, sealed=began + 2, replaces=((1, old1.digest),)
+        )
+        source.parts[(1, 20)] = new1
+        judge._rejudge.add(p0.key)
+        assert await judge.judge(job.job, p0) is None  # the first look at the new parts
+        again = await judge.judge(job.job, p0)
+        assert again is not None and again.unloadable == ""
+
+    trio.run(main)
+    assert len(job.errors) == 1 and "is not loadable across its 2 ranks: its parts" in job.errors[0]

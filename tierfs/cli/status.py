@@ -114,6 +114,11 @@ def _whole_view_lines(st: NodeStatus) -> list[str]:
         )
         if s.resaved:
             text += f"; saved again: rank(s) {','.join(map(str, s.resaved))}"
+        if s.refused:
+            text += (
+                f"; NOT SERVED (an earlier save than the other parts): rank(s) "
+                f"{','.join(map(str, s.refused))}"
+            )
         if s.conflicts:
             text += f"; conflicts: {', '.join(s.conflicts[:3])}"
         if s.failed:

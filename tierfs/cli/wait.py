@@ -145,6 +145,12 @@ def whole_step_unready(status: NodeStatus, all_bytes: bool) -> str | None:
             return None
         # generic mode restores in place: the view has not looked at the step yet
         return f"the other ranks' files of step {step} are not in the view yet"
+    if s.refused:
+        refused = ", ".join(map(str, s.refused))
+        return (
+            f"the files of rank(s) {refused} of step {step} are not served: their part is of "
+            "an earlier save of the step than the other parts (see replicator.errors)"
+        )
     if not s.names_ready:
         missing = ", ".join(map(str, s.ranks_missing))
         return f"the files of rank(s) {missing} of step {step} are not in the view yet"

@@ -91,6 +91,7 @@ from tierfs.node.resave import RESAVE_GAP, sealed_at
 from tierfs.node.union import changed_ranks, union_plan
 from tierfs.node.verified_writer import VerifiedWriter
 from tierfs.store.manifest import FileEntry, Manifest
+from tierfs.store.saves import earlier_parts
 from tierfs.store.shards import Shard, ShardKey
 
 log = logging.getLogger(__name__)
@@ -207,6 +208,13 @@ class StepUnion:
             before, is of that save (:meth:`StepUnion.current`).
         suspect_until: trio time until which opens wait for the suspect ranks.
         confirmed: set (and replaced) whenever a suspect rank is confirmed.
+        refused: rank -> why its files are not served (ninth trial FAIL 15/16): the
+            part its node shows is of an earlier save of the step than the other
+            parts (:func:`tierfs.store.saves.earlier_parts`), and no part of the
+            new save showed within :data:`SUSPECT_WAIT`; every open of its files
+            fails with EIO (said once in ``replicator.errors``) until its node
+            shows a part of the new save. Its files stay listed (a load fails
+            loudly, never with the earlier save's bytes).
     """
 
     step: int
@@ -235,6 +243,10 @@ class StepUnion:
     sealed: dict[int, float] = field(default_factory=dict)
     #: set (and replaced) at the end of every look at the step
     looked: trio.Event = field(default_factory=trio.Event)
+    refused: dict[int, str] = field(default_factory=dict)
+    #: the latest ``began`` of the parts judged at a look (a later one: every rank is
+    #: asked again, its part may be of the earlier save now)
+    began_max: float = 0.0
 
     def current(self, m: Manifest) -> bool:
         """True if part ``m`` is of the save this node began (not an earlier one, even
@@ -283,23 +295,6 @@ def _of_writers(m: Manifest, writers: int) -> bool:
     of that earlier save: node 0 showed it beside the 3-node save's parts and
     ``dcp.load`` returned rank 2's earlier values without an error."""
     return not m.nodes or not writers or m.nodes == writers
-
-
-def _replaced(own: Shard | None, *groups: Collection[Manifest]) -> set[tuple[int, str]]:
-    """The (rank, digest) pairs that this node's own part or any of the manifests in
-    ``groups`` (other ranks' parts of the step: found now, held here) list as
-    replaced by their save (:attr:`tierfs.store.manifest.Manifest.replaces`): parts of
-    an earlier save of the step, never shown beside them (F5; the restore's rule,
-    :func:`tierfs.cluster.restore_choice.replaced_copies`): less the pairs a part of
-    those very bytes lists itself (its rank saved identical bytes again)."""
-    listed: set[tuple[int, str]] = set()
-    renewed: set[tuple[int, str]] = set()
-    mine = [own.manifest] if own is not None else []
-    for m in [*mine, *(m for g in groups for m in g)]:
-        listed.update(m.replaces)
-        if (m.rank, m.digest) in m.replaces:
-            renewed.add((m.rank, m.digest))
-    return listed - renewed
 
 
 def _mark(rf: RemoteFile) -> bytes:
@@ -504,6 +499,8 @@ class RemoteView:
         if rf is None:
             return None
         union = self.steps.get(rf.step)
+        if union is not None and rf.rank in union.refused:
+            return lambda: self._refused(union, rf)
         if union is not None and rf.rank in union.suspect:
             return lambda: self._current(union, rf)
         if rf.state == LOCAL:
@@ -525,6 +522,8 @@ class RemoteView:
         if rf is None or rf.chunks is None or rf.state == LOCAL:
             return self.missing(ino)
         union = self.steps.get(rf.step)
+        if union is not None and rf.rank in union.refused:
+            return lambda: self._refused(union, rf)
         if union is not None and rf.rank in union.suspect:
             return lambda: self._current(union, rf)
         first = min(rf.size, rf.chunk_size)
@@ -564,14 +563,39 @@ class RemoteView:
         if self._by_ino.get(rf.ino) is not rf:
             raise OSError(errno.ESTALE, f"{rf.path}: replaced by rank {rf.rank}'s new part")
         if rf.rank in union.suspect:
-            union.confirm(rf.rank)  # said once; later opens read the part shown
-            why = (
-                f"step {rf.step}: rank {rf.rank} showed no part of the save this node began "
-                f"within {SUSPECT_WAIT:.0f} s; {rf.path} failed (its files here may be of "
-                "an earlier save of the step)"
+            self._refuse(
+                union,
+                rf.rank,
+                f"rank {rf.rank} showed no part of the save this node began within "
+                f"{SUSPECT_WAIT:.0f} s (its files here may be of an earlier save of the step)",
             )
-            self.reporter.error(why)
-            raise OSError(errno.EIO, why)
+        if rf.rank in union.refused:
+            await self._refused(union, rf)
+
+    async def _refused(self, union: StepUnion, rf: RemoteFile) -> None:
+        """The open of a file of a refused rank (:attr:`StepUnion.refused`) fails.
+
+        Raises:
+            OSError: EIO naming why (said in ``replicator.errors`` when refused).
+        """
+        raise OSError(
+            errno.EIO, f"step {union.step}: {rf.path} is not served: {union.refused[rf.rank]}"
+        )
+
+    def _refuse(self, union: StepUnion, rank: int, why: str) -> None:
+        """Serve no file of ``rank``'s part of ``union``'s step until its node shows a part
+        of the save the other parts are of (trio thread): opens fail with EIO; said
+        once in ``replicator.errors``; waiting opens are woken."""
+        if rank not in union.refused:
+            union.refused[rank] = why
+            self.reporter.error(
+                f"step {union.step}: rank {rank}'s files are not served (EIO) until its "
+                f"node shows its part of the new save: {why}"
+            )
+            log.warning("step %d: rank %d's files are refused: %s", union.step, rank, why)
+        union.confirm(rank)
+        union.recheck.add(rank)
+        self._wake.set()
 
     async def _whole_or_first_chunk(self, rf: RemoteFile, first: int, until: float) -> None:
         """Wait for all of ``rf``'s bytes until :attr:`RemoteFile.whole_until`, then for
@@ -1165,10 +1189,7 @@ class RemoteView:
             # may be new too), or this daemon knows the placed parts only from their
             # marks (a restart): every rank is asked again, changed files replaced
             placed, union.parts = dict(union.parts), {}
-        if union.suspect and trio.current_time() > union.suspect_until:
-            for rank in list(union.suspect):
-                union.confirm(rank)  # waited long enough (the opens said so)
-        union.recheck |= union.suspect
+        union.recheck |= union.suspect | set(union.refused)
         for rank in union.recheck:
             if rank in union.parts:
                 placed[rank] = union.parts.pop(rank)
@@ -1235,24 +1256,47 @@ class RemoteView:
             found[rank] = manifest
             union.sealed[rank] = sealed_at(manifest)
             union.wanted.pop(rank, None)
-        replaced = (
-            _replaced(own, found.values(), self.catalog.step_manifests(job.name, step, writers))
+        judged = [*found.values(), *([own.manifest] if own is not None else [])]
+        earlier = (
+            earlier_parts(judged, self.catalog.step_manifests(job.name, step, writers))
             if found
-            else set()
+            else {}
         )
-        for rank in sorted(r for r, m in found.items() if (r, m.digest) in replaced):
-            # a part of this step that another part of the same save lists as replaced
-            # (F5): never shown; its node is asked again
-            log.info(
-                "step %d: rank %d's part %s is of an earlier save of the step (another "
-                "part lists it as replaced): not shown",
-                step,
-                rank,
-                found[rank].digest[:12],
-            )
+        newest = max((m.began for m in judged), default=0.0)
+        if newest > union.began_max:
+            if union.began_max or own is not None:
+                # a part of a newer save of the step: the parts shown and not asked now
+                # may be of the earlier one; every rank is asked again at once
+                again = {r for r in union.parts if r not in found}
+                union.recheck |= again
+                self._soon = self._soon or bool(again)
+            union.began_max = newest
+        now = trio.current_time()
+        for rank in sorted(r for r in earlier if r in found):
+            # a part of an earlier save of this step than the other parts (F5; ninth
+            # trial FAIL 15/16: a rank whose new save never came): never placed; opens
+            # of its files shown wait for its part of the new save, then fail (EIO)
+            log.info("step %d: %s: not shown; its node is asked again", step, earlier[rank])
             del found[rank]
             current = [r for r in current if r != rank]
             waiting = True
+            if rank not in union.refused and rank not in union.suspect:
+                if not union.suspect or now > union.suspect_until:
+                    union.suspect_until = now + SUSPECT_WAIT
+                union.suspect.add(rank)
+        for rank in sorted(union.suspect - set(current)):
+            if now > union.suspect_until:
+                self._refuse(
+                    union,
+                    rank,
+                    earlier.get(rank)
+                    or f"rank {rank} showed no part of the save this node began within "
+                    f"{SUSPECT_WAIT:.0f} s (its files here may be of an earlier save of the step)",
+                )
+        for rank, manifest in found.items():
+            if rank in union.refused and (union.own_began <= 0 or union.current(manifest)):
+                log.info("step %d: rank %d shows its part of the new save: served", step, rank)
+                del union.refused[rank]
         stale = {r: m for r, m in found.items() if r in placed}
         for rank, manifest in sorted(stale.items()):
             if placed[rank] != manifest.digest:
@@ -1982,6 +2026,8 @@ class RemoteView:
                     if rf is None:
                         os.unlink(path)
                         continue
+                    if rf.state == LOCAL and rf.source != REPLICA:
+                        self._recheck_fetched(path, rf)
                     if rf.state != LOCAL:
                         with open(path, "r+b") as f:
                             self._punch(f.fileno(), rf.size)
@@ -1995,6 +2041,40 @@ class RemoteView:
                 union.parts.setdefault(rf.rank, rf.digest)
                 known += 1
         return known
+
+    @staticmethod
+    def _recheck_fetched(path: str, rf: RemoteFile) -> None:
+        """Check the bytes a previous daemon fetched into ``path`` against ``rf``'s size
+        and crc32c (blocking; :meth:`reload`): wrong ones make the file remote again
+        (``rf.state``; fetched again on its next open), its mark updated.
+
+        Regression (#16 ninth trial FAIL 14): a byte flipped in another rank's file
+        fetched into the view was served as it was after a daemon restart (the file
+        was known again as fetched from its mark and never checked again), although
+        every held copy is checked at a restart.
+
+        Raises:
+            OSError: the file cannot be read or marked.
+        """
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            n, crc = _read_crc(fd, rf.size)
+            if (n, crc) == (rf.size, rf.crc32c):
+                return
+            log.warning(
+                "%s of rank %d's part of step %d fetched by a previous daemon has other "
+                "bytes than its manifest (%d bytes, crc32c %08x): fetched again on its next "
+                "open",
+                rf.path,
+                rf.rank,
+                rf.step,
+                n,
+                crc,
+            )
+            rf.state, rf.source = REMOTE, ""
+            os.setxattr(fd, XATTR, _mark(rf))
+        finally:
+            os.close(fd)
 
     def status(self) -> WholeViewStatus:
         """Per step, newest first: other ranks' files placed, by state (trio thread)."""
@@ -2025,6 +2105,7 @@ class RemoteView:
                     writers=writers,
                     own_part=mine,
                     resaved=tuple(sorted(union.resaved)),
+                    refused=tuple(sorted(union.refused)),
                 )
             )
         return WholeViewStatus(

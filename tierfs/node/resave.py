@@ -40,19 +40,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierfs.store.manifest import Manifest
+from tierfs.store.saves import RESAVE_GAP, sealed_at
 
-__all__ = ["MAX_REPLACED", "RESAVE_GAP", "EarlierSave", "replaced_pairs"]
+__all__ = ["MAX_REPLACED", "RESAVE_GAP", "EarlierSave", "replaced_pairs", "sealed_at"]
 
-#: seconds after its seal from which a write into a sealed part begins another save
-#: of the step (earlier: a late write of the same save, e.g. a file rewritten)
-RESAVE_GAP = 10.0
 #: at most this many (rank, digest) pairs a manifest records as replaced
 MAX_REPLACED = 256
-
-
-def sealed_at(m: Manifest) -> float:
-    """When ``m`` was sealed (Unix seconds): its ``sealed``, else its ``created``."""
-    return m.sealed or m.created
 
 
 @dataclass

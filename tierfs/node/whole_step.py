@@ -53,6 +53,7 @@ from tierfs.core.ports import CurrentJob, FileSource, ManifestSource, PartReport
 from tierfs.core.types import WholeVerdict
 from tierfs.node.catalog import ShardCatalog
 from tierfs.store.manifest import Manifest
+from tierfs.store.saves import earlier_parts
 from tierfs.store.shards import Shard, ShardKey, ShardStore
 from tierfs.store.validators import READ_LIMIT as VALIDATOR_READ_LIMIT
 from tierfs.store.validators import Reader, checked_reader
@@ -64,6 +65,9 @@ log = logging.getLogger(__name__)
 JUDGE_RANK = 0
 #: bytes of another rank's file the judgement fetches to read it (larger: judged by size)
 READ_LIMIT = VALIDATOR_READ_LIMIT
+#: seconds a step whose parts are of two saves waits for the earlier part's rank to
+#: save it again before it is judged unloadable (the whole-step view's wait)
+MIXED_WAIT = 40.0
 
 
 class WholeStepJudge:
@@ -156,6 +160,8 @@ class WholeStepJudge:
         self._given_up: set[tuple[ShardKey, str]] = set()
         #: the parts' digests at the last look, and since when they were the same
         self._seen: dict[tuple[ShardKey, str], tuple[tuple[str, ...], float]] = {}
+        #: steps whose parts were of two saves at a look, and since when (trio time)
+        self._mixed: dict[tuple[ShardKey, str], float] = {}
         catalog.on_sealed(self.on_sealed)
 
     def on_sealed(self, shard: Shard) -> None:
@@ -342,6 +348,22 @@ class WholeStepJudge:
             return None
         if now - seen[1] < self.settle:
             return None
+        mixed = earlier_parts(manifests, self.catalog.step_manifests(job.name, step, writers))
+        if mixed:
+            # ninth trial FAIL 15/16: a rank's part is of an earlier save of the step than
+            # the others (its new save never came, or its node died before copying it):
+            # a load of these parts would mix two saves. A rank still saving gets
+            # MIXED_WAIT seconds; then the step is judged unloadable (said once)
+            why = "its parts are of two saves: " + "; ".join(mixed[r] for r in sorted(mixed))
+            since = self._mixed.setdefault(ident, now)
+            if now - since < MIXED_WAIT:
+                self.catalog.set_unjudged(shard.key, f"{why} (waiting for the new save)")
+                return None
+            self._mixed.pop(ident, None)
+            self._forget(ident, given_up=False)
+            self._rejudge.discard(shard.key)
+            return await self._record(shard, WholeVerdict(digests, why, "unknown"), writers)
+        self._mixed.pop(ident, None)
         readers = {
             m.rank: self._remote_reader(job.name, step, writers, m)
             for m in manifests
@@ -353,6 +375,13 @@ class WholeStepJudge:
         self._rejudge.discard(shard.key)
         if whole is None:
             return None
+        return await self._record(shard, whole, writers)
+
+    async def _record(self, shard: Shard, whole: WholeVerdict, writers: int) -> WholeVerdict | None:
+        """Keep ``whole`` as ``shard``'s verdict across its ``writers`` ranks (catalog,
+        ``whole.json``), say an unloadable step once; None if ``shard`` was dropped or
+        replaced meanwhile."""
+        step = shard.key.step
         why, unread = whole.unloadable, whole.unread
         if self.catalog.get(shard.key) is not shard:
             return None  # dropped or replaced while judged

@@ -43,11 +43,14 @@ class WholeStepStatus:
     #: ranks whose part was placed again here with other bytes (that rank saved the
     #: step again; its changed files were replaced), since this daemon started
     resaved: tuple[int, ...] = ()
+    #: ranks whose files are not served (EIO): the part their node shows is of an
+    #: earlier save of the step than the other parts (ascending; issue #16)
+    refused: tuple[int, ...] = ()
 
     @property
     def names_ready(self) -> bool:
-        """Every rank's files are in the view."""
-        return not self.ranks_missing
+        """Every rank's files are in the view, and served."""
+        return not self.ranks_missing and not self.refused
 
     @property
     def bytes_ready(self) -> bool:
@@ -68,6 +71,7 @@ class WholeStepStatus:
             # written only when known (a daemon from before issue #16 wrote neither)
             **({"writers": self.writers, "own_part": self.own_part} if self.writers else {}),
             **({"resaved": list(self.resaved)} if self.resaved else {}),
+            **({"refused": list(self.refused)} if self.refused else {}),
         }
 
     @classmethod
@@ -85,6 +89,7 @@ class WholeStepStatus:
             writers=d.get("writers", 0),
             own_part=d.get("own_part", True),
             resaved=tuple(d.get("resaved") or ()),
+            refused=tuple(d.get("refused") or ()),
         )
 
 
