@@ -386,7 +386,9 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         more_manifests=[gcs] if backup is not None else [],
     )
     background.append(remote.run)
+    background.append(verifier.run)  # copies a peer's pull found damaged (FAIL 13)
     if peer is not None:
+        peer.holdings.on_damaged(verifier.suspect)
         peer.watch_parts(remote)  # a rank saving a step again is noticed on every node
     view.foreign = remote.is_remote  # the seal rules skip other ranks' files
     verifier.on_bad(remote.discard_bad)  # a discarded replica's files too (F7)

@@ -139,3 +139,44 @@ def test_a_bad_replica_behind_another_ranks_file_is_placed_again_and_fetched(tmp
     assert replica.key not in catalog
     # the good file of the discarded replica stays shown (its bytes were right)
     assert (Path(ram.view) / "10" / "__0_0.distcp").read_bytes() == BYTES["10/__0_0.distcp"]
+
+
+def test_a_copy_a_peer_found_damaged_is_checked_at_once_and_discarded(tmp_path):
+    """Regression (#16 ninth trial FAIL 13): a byte flipped in node 1's replica of
+    rank 2's part; node 0 read that file through its view, refused node 1's bytes and
+    was served by another copy, but node 1 kept its copy (checked again only at a
+    restart past ``$TIERFS_REVERIFY_AFTER``), offered it in every inventory and a
+    restore used it. Now the holder checks the copy as soon as a pull served from it
+    sends a chunk with other bytes than its manifest: discarded, said once; a good
+    copy named the same way is kept, and a copy no longer held is skipped."""
+    ram = RamStore(str(tmp_path / "node1"))
+    shards = ShardStore(ram)
+    replica = sealed(ram, shards, 2, {"__2_0.distcp": A})
+    catalog = ShardCatalog(shards, 3)
+    catalog.add(replica)
+    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 1, 3))
+    check = verifier(shards, catalog, job)
+    flip(Path(replica.data, "10", "__2_0.distcp"))
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(check.run)
+            check.suspect(replica.key, "10/__2_0.distcp")
+            check.suspect(replica.key, "10/__2_0.distcp")  # one check for both
+            with trio.fail_after(30):
+                while replica.key in catalog:
+                    await trio.sleep(0.01)
+            # a good copy is kept; an unknown key is skipped
+            good = sealed(RamStore(str(tmp_path / "node1b")), shards, 0, {"x": B})
+            catalog.add(good)
+            check.suspect(good.key, "10/x")
+            check.suspect(ShardKey(JOB, 5, 10), "10/y")
+            with trio.fail_after(30):
+                while check._suspects:
+                    await trio.sleep(0.01)
+            assert good.key in catalog
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    said = [e for e in job.errors if "failed verification" in e]
+    assert len(said) == 1 and "step 10 of rank 2" in said[0], job.errors

@@ -255,6 +255,9 @@ def test_an_unknown_path_or_a_directory_is_not_found_and_named(net, tmp_path):
 def test_a_corrupt_copy_is_refused_and_the_next_holder_serves(net, tmp_path):
     async def test(nodes: list[Node], shard: Shard) -> None:
         client = nodes[0].tier.client
+        damaged: dict[int, list[tuple[ShardKey, str]]] = {2: [], 3: []}
+        for r, seen in damaged.items():
+            nodes[r].tier.holdings.on_damaged(lambda k, p, seen=seen: seen.append((k, p)))
         fd = target(tmp_path)
         try:
             # a bit flipped in transit: the chunk's crc32c refuses it
@@ -285,6 +288,11 @@ def test_a_corrupt_copy_is_refused_and_the_next_holder_serves(net, tmp_path):
             )
             assert served == label(1)
             assert contents(fd) == FILES[SMALL]
+            # node 2 read the wrong bytes from its RAM and told its node to check that
+            # copy (#16 ninth trial FAIL 13); bytes flipped on the wire are no damage
+            # of node 3's copy
+            await wait_for(lambda: damaged[2], "node 2 to notice its damaged copy")
+            assert damaged == {2: [(shard.key, SMALL)], 3: []}
         finally:
             os.close(fd)
         # (node 2's rotten file arrived whole; the client refused it at its end)

@@ -219,6 +219,9 @@ class ShardVerifier:
         self.reporter = reporter
         self.limiter = limiter
         self._bad: list[Callable[[Shard], Awaitable[None]]] = []
+        #: copies to check soon (:meth:`suspect`), in order, and why
+        self._suspects: dict[ShardKey, str] = {}
+        self._wake = trio.Event()
 
     def on_bad(self, listener: Callable[[Shard], Awaitable[None]]) -> None:
         """Await ``listener(shard)`` (trio thread; its file work in worker threads) when
@@ -227,6 +230,42 @@ class ShardVerifier:
         view takes back its entries that are these files (hard links to the bad
         bytes)."""
         self._bad.append(listener)
+
+    def suspect(self, key: ShardKey, path: str) -> None:
+        """A node pulling file ``path`` of the copy of ``key`` held here got a chunk with
+        other bytes than its manifest (trio thread; never blocks): :meth:`run` checks
+        that copy soon, whenever it was checked last.
+
+        Regression (#16 ninth trial FAIL 13): a flipped byte in a replica held here
+        was refused by the node that read it (another copy served it), but this node
+        kept its copy, counted it in every inventory and, after a restart within
+        ``$TIERFS_REVERIFY_AFTER``, restored it "from local" (exit 0, wrong values)."""
+        if key not in self._suspects:
+            self._suspects[key] = path
+            self._wake.set()
+
+    async def run(self) -> None:
+        """Check the copies :meth:`suspect` names, one at a time, forever (trio task);
+        a copy no longer held is skipped."""
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            while self._suspects:
+                key, path = next(iter(self._suspects.items()))
+                shard = self.catalog.get(key)
+                if shard is not None:
+                    log.warning(
+                        "checking the copy of step %d of rank %d held here: a node reading "
+                        "its %s got other bytes",
+                        key.step,
+                        key.rank,
+                        path,
+                    )
+                    try:
+                        await self.verify(shard)
+                    except Exception:
+                        log.exception("checking the copy of %s", key)
+                del self._suspects[key]
 
     async def verify(self, shard: Shard) -> bool:
         """True if every file of ``shard`` matches its crc32c (worker thread); a bad

@@ -80,6 +80,7 @@ class Holdings(PeerHost):
         self._linked: dict[ShardKey, ShardKey] = {}
         self._digests: dict[ShardKey, tuple[int, str]] = {}
         self._token: trio.lowlevel.TrioToken | None = None
+        self._damage_listeners: list[Callable[[ShardKey, str], None]] = []
         #: other nodes' manifests of their parts this node was told (newest last)
         self._manifests: collections.OrderedDict[ShardKey, Manifest] = collections.OrderedDict()
 
@@ -246,6 +247,22 @@ class Holdings(PeerHost):
 
     def pin(self, key: ShardKey, delta: int) -> None:
         self._on_trio(self.pin_now, key, delta)
+
+    def damaged(self, key: ShardKey, path: str) -> None:
+        try:
+            self._on_trio(self._damaged_now, key, path)
+        except HostGone:
+            pass  # stopping: the next daemon verifies its copies at its restore
+
+    def on_damaged(self, listener: Callable[[ShardKey, str], None]) -> None:
+        """Call ``listener(key, path)`` (trio thread; must not block) when a pull served
+        from this node found a chunk of file ``path`` of its copy of ``key`` with other
+        bytes than its manifest (:meth:`PeerHost.damaged`)."""
+        self._damage_listeners.append(listener)
+
+    def _damaged_now(self, key: ShardKey, path: str) -> None:
+        for listener in self._damage_listeners:
+            listener(key, path)
 
     def check_space(self, nbytes: int) -> None:
         self.budget.check_growth(nbytes)
