@@ -382,7 +382,7 @@ class NodeBackup:
         if not isinstance(d, dict) or d.get("format") != BACKUP_FORMAT:
             raise LayoutError("not a tierfs backup manifest")
         try:
-            manifest = Manifest.from_json(json.dumps(d["manifest"]))
+            manifest = Manifest.from_obj(d["manifest"])
             hashes = {int(k): check_meta_content(str(v)) for k, v in d["hashes"].items()}
             objects = {str(k): str(v) for k, v in d["objects"].items()}
             nb = cls(

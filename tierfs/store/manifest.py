@@ -279,6 +279,26 @@ class Manifest:
             doc = ManifestDoc.model_validate_json(data)
         except ValidationError as exc:
             raise ManifestError(_manifest_problem(exc)) from None
+        return cls._checked(doc)
+
+    @classmethod
+    def from_obj(cls, obj: object) -> Manifest:
+        """As :meth:`from_json`, from the manifest already parsed from JSON (a dict, e.g.
+        nested in a backup manifest object): not serialized and parsed again (at
+        10,000 parts of a backup round, that doubled the restore's bucket read).
+
+        Raises:
+            ManifestError: as :meth:`from_json`.
+        """
+        try:
+            doc = ManifestDoc.model_validate(obj)
+        except ValidationError as exc:
+            raise ManifestError(_manifest_problem(exc)) from None
+        return cls._checked(doc)
+
+    @classmethod
+    def _checked(cls, doc: ManifestDoc) -> Manifest:
+        """The manifest ``doc`` describes, its paths and chunk checksums checked."""
         m = doc.manifest()
         check_entries(m.files, m.chunk_size)
         if doc.chunks and len(doc.chunks) != sum(1 for f in m.files if f.chunks is not None):
