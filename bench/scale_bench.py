@@ -20,8 +20,16 @@ For each N (default 100, 1,000, 10,000) and F data objects per node part
   requests the fake counted (they must equal the counted ones), the 429s it
   answered, the wall time, and the time at the rate (wall x rate scale).
 
+* **judged** for N up to ``--judge`` (default 0: off): the coordinator's read of
+  one complete round of N parts (``inspect_round``: one listing, N manifest GETs,
+  every manifest parsed and checked against the listing), the round's objects
+  written straight into the fake (rates unlimited: this is the CPU of the read;
+  building 10,000 parts by uploading them would take an hour). Printed: wall and
+  CPU seconds of the read, the requests, and a profile's top entries with
+  ``--profile``.
+
 Usage: ``.venv/bin/python bench/scale_bench.py [--nodes 100,1000,10000] [--files 64]
-[--measure 100] [--parallel 16] [--rate-scale 1]``.
+[--measure 100] [--parallel 16] [--rate-scale 1] [--judge 10000] [--profile]``.
 """
 
 from __future__ import annotations
@@ -114,6 +122,95 @@ def measured(nodes: int, files: int, parallel: int, scale: float, tmp: str) -> N
         report(what, t0, B.restore(nodes, files, index=new).total)
 
 
+def _synthetic_round(server: RatedGcs, nodes: int, files: int) -> None:
+    """Write a complete round of ``nodes`` parts of ``files`` tiny data objects each into
+    ``server`` directly: what :meth:`GcsBackend.upload_shard` writes (data objects, the
+    ``.meta`` pointer, the ``.tierfs.json`` manifest), without the requests."""
+    import hashlib
+
+    import google_crc32c
+
+    from tierfs.backup.layout import NodeBackup
+    from tierfs.store.manifest import FileEntry, Manifest
+
+    prefix = f"{JOB}/{RND}/"
+    for rank in range(nodes):
+        data_name = "D" + hashlib.sha256(b"%d" % rank).hexdigest()
+        entries = [FileEntry(str(STEP), "dir", mode=0o755)]
+        objects = {}
+        for i in range(files):
+            body = b"%d/%d" % (rank, i)
+            crc = google_crc32c.value(body)
+            path = f"{STEP}/f{i:02d}"
+            entries.append(FileEntry(path, "file", len(body), 0o644, crc))
+            objects[path] = f"{data_name}.data/f{i:02d}"
+            server._store("bkt", prefix + objects[path], body, crc, "application/octet-stream")
+        m = Manifest(
+            JOB,
+            rank,
+            STEP,
+            str(STEP),
+            "generic",
+            tuple(entries),
+            created=1.0,
+            nodes=nodes,
+            chunk_size=4 << 20,
+        )
+        nb = NodeBackup(m, RND, nodes, rank, None, {0: data_name}, objects, created=1.0)
+        meta = data_name.encode()
+        server._store(
+            "bkt",
+            f"{prefix}{JOB}-s{STEP}-n{rank}-w0.meta",
+            meta,
+            google_crc32c.value(meta),
+            "text/plain",
+        )
+        doc = nb.to_json()
+        server._store(
+            "bkt",
+            f"{prefix}{JOB}-s{STEP}-n{rank}.tierfs.json",
+            doc,
+            google_crc32c.value(doc),
+            "application/json",
+        )
+
+
+def judged(nodes: int, files: int, profile: bool) -> None:
+    server = RatedGcs(1e12, 1e12)
+    t0 = time.monotonic()
+    _synthetic_round(server, nodes, files)
+    built = time.monotonic() - t0
+    be = GcsBackend(
+        "bkt",
+        client=FakeClient(server),
+        settings=fast_settings(600.0, threads=2),
+        widen_pool=False,
+    )
+    server.reset_counts()
+    prof = None
+    if profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    w0, c0 = time.monotonic(), time.process_time()
+    info = be.inspect_round(JOB, RND, fallback=nodes)
+    wall, cpu = time.monotonic() - w0, time.process_time() - c0
+    if prof is not None:
+        prof.disable()
+    assert info.complete_step == STEP, info
+    got = server.reset_counts()
+    print(
+        f"  judged   N={nodes:>6,} x {files} files: inspect_round {wall:6.2f} s wall, "
+        f"{cpu:6.2f} s CPU (this process, the fake bucket's handling included); "
+        f"{_fmt(got)}; round built in {built:.1f} s"
+    )
+    if prof is not None:
+        import pstats
+
+        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", default="100,1000,10000")
@@ -121,12 +218,16 @@ def main() -> None:
     ap.add_argument("--measure", type=int, default=100, help="measure N up to this")
     ap.add_argument("--parallel", type=int, default=16, help="simulated nodes at once")
     ap.add_argument("--rate-scale", type=float, default=1.0)
+    ap.add_argument("--judge", type=int, default=0, help="judge a round of N parts, N up to this")
+    ap.add_argument("--profile", action="store_true", help="profile the judged read")
     args = ap.parse_args()
     for n in (int(x) for x in args.nodes.split(",")):
         counted(n, args.files)
         if n <= args.measure:
             with tempfile.TemporaryDirectory() as tmp:
                 measured(n, args.files, args.parallel, args.rate_scale, tmp)
+        if n <= args.judge:
+            judged(n, args.files, args.profile)
 
 
 if __name__ == "__main__":
