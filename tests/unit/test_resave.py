@@ -304,3 +304,62 @@ def test_the_record_round_trips_through_state_json_and_a_bad_one_is_left_out():
     bad["withdrawn"] = [["j", 0]]
     back = statefile.decode(bad)
     assert back.earlier == {} and back.withdrawn == {}
+
+
+def _part(rank: int, body: bytes, *, sealed: float, began: float = 0.0, replaces=()) -> Manifest:
+    import google_crc32c
+
+    entries = (
+        FileEntry(f"20/__{rank}_0.distcp", "file", len(body), 0o644, google_crc32c.value(body)),
+    )
+    return Manifest(
+        "j",
+        rank,
+        20,
+        "20",
+        "generic",
+        entries,
+        created=sealed,
+        sealed=sealed,
+        began=began,
+        replaces=tuple(replaces),
+    )
+
+
+def test_earlier_parts_names_a_part_of_an_earlier_save_and_never_one_of_the_same_save():
+    """The two signs of tierfs.store.saves.earlier_parts (ninth trial FAIL 15/16): a part
+    another part lists as replaced (unless a part of those very bytes lists itself),
+    and a part sealed before the newest save began whose own save began RESAVE_GAP or
+    more before it; ranks of one save staggered by less than the gap are one save."""
+    from tierfs.store.saves import RESAVE_GAP, earlier_parts
+
+    t = 1_000_000.0
+    first = {r: _part(r, b"first %d" % r, sealed=t) for r in range(3)}
+    again = {
+        r: _part(r, b"again %d" % r, sealed=t + 60 + r, began=t + 50 + 2 * r) for r in range(3)
+    }
+    # one save, first or again, staggered: nothing earlier
+    assert earlier_parts(first.values()) == {}
+    assert earlier_parts(again.values()) == {}
+    # rank 2's new save never came: its first part is older than the others' new save
+    mixed = earlier_parts([again[0], again[1], first[2]])
+    assert list(mixed) == [2] and "sealed before rank 1 began saving it again" in mixed[2]
+    # ... also when only a part held elsewhere lists it (the listed sign)
+    lister = dataclasses.replace(again[0], replaces=((2, first[2].digest),))
+    close = dataclasses.replace(first[2], sealed=again[0].began + 1, began=again[0].began - 1)
+    assert earlier_parts([close], also_listed=[lister]).keys() == {2}
+    assert "lists it as replaced" in earlier_parts([close], also_listed=[lister])[2]
+    # rank 2 saved identical bytes again: a part of those bytes lists itself
+    renewed = dataclasses.replace(
+        first[2], began=t + 52, sealed=t + 61, replaces=((2, first[2].digest),)
+    )
+    assert earlier_parts([lister, again[1], renewed]) == {}
+    # a part that began just under the gap before the newest one is of the same save
+    slow = _part(2, b"x", sealed=t + 49, began=t + 54 - RESAVE_GAP + 0.5)
+    assert earlier_parts([again[0], again[1], slow]) == {}
+    # the boundary: rank 1's new save began at t + 52; a part of rank 2 sealed before
+    # it that began RESAVE_GAP or more before it is of an earlier save
+    at_gap = _part(2, b"x", sealed=t + 51, began=t + 52 - RESAVE_GAP)
+    assert earlier_parts([again[0], again[1], at_gap]).keys() == {2}
+    under = dataclasses.replace(at_gap, began=t + 52 - RESAVE_GAP + 0.5)
+    assert earlier_parts([again[0], again[1], under]) == {}

@@ -15,9 +15,9 @@ claim of the job):
   new save began, :mod:`tierfs.node.resave`), unless a part of those very
   bytes lists itself (the rank saved identical bytes again);
 * **older**: the newest save's start among the parts (:attr:`Manifest.began`,
-  the writer's clock; 0 for a first save) is later than the part's seal and
-  its own start by more than ``RESAVE_GAP / 2`` (two saves of a step are
-  :data:`RESAVE_GAP` or more apart, far above NTP skew).
+  the writer's clock; 0 for a first save) is later than the part's seal, and
+  later than its own start by :data:`RESAVE_GAP` or more (two saves of a step
+  are that far apart, far above NTP skew; :func:`older_than`).
 
 :func:`earlier_parts` is used by the whole-step view (the node's opens of such
 a part's files fail with EIO, :mod:`tierfs.node.remote_view`) and by the
@@ -58,9 +58,15 @@ def listed_replaced(manifests: Iterable[Manifest]) -> set[tuple[int, str]]:
 
 def older_than(m: Manifest, began: float) -> bool:
     """True if part ``m`` is of a save earlier than one begun at ``began`` (Unix
-    seconds; 0: no save began again): sealed before it, and its own save began more
-    than ``RESAVE_GAP / 2`` before it."""
-    return began > 0 and sealed_at(m) < began and m.began < began - RESAVE_GAP / 2
+    seconds; 0: no save began again): sealed before it, and its own save began at
+    least ``RESAVE_GAP`` before it (a part of a first save began at 0).
+
+    The margin is the whole gap between two saves of a step: a part of the same
+    save as ``began`` would have to start writing 10 s before that save's other
+    rank and finish before it started (DCP's ranks start writing together, after
+    its collective plan), while an earlier save's part began at least that long
+    before."""
+    return began > 0 and sealed_at(m) < began and m.began <= began - RESAVE_GAP
 
 
 def earlier_parts(
