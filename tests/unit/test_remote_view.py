@@ -1193,6 +1193,60 @@ def test_an_open_waits_for_the_new_save_of_the_other_ranks_after_this_node_began
     trio.run(main)
 
 
+def test_a_rank_of_the_same_save_that_wrote_seconds_before_this_node_is_served(
+    tmp_path, monkeypatch
+):
+    """Regression (#16 tenth trial, a false refusal): every rank saved step 10 again in
+    place, this node 8 s after the others (it began writing late). Rank 0's new part
+    was sealed before this node began and its save began more than RESAVE_GAP / 2
+    earlier, so by the timestamps it looked like the earlier save: opens of its files
+    waited 40 s, then failed with EIO for good, and ``dcp.load`` failed on this node.
+    Its bytes changed since this node's save began (another digest than the part shown
+    then): it is of the same save, placed and served at once."""
+    monkeypatch.setattr("tierfs.node.remote_view.SUSPECT_WAIT", 0.3)
+    C2 = os.urandom(len(C))
+    peer = Source("peer", dict(BYTES), ["peer node-rank 0"])
+    rv, ram, shards, catalog, own, job = view_of(tmp_path, dict(PARTS), [peer])
+    shard0 = Path(ram.view) / "10" / "__0_0.distcp"
+
+    async def main() -> None:
+        await rv.look(own)
+        began = time.time()
+        rv.new_save = lambda step: (began - 30.0, began)
+        catalog.drop(own.key, "a sealed file was opened for writing")  # this node begins
+        union = rv.steps[10]
+        assert union.suspect == {0, 2} and union.prior == {0: PARTS[0].digest, 2: PARTS[2].digest}
+        # rank 0 began 8 s earlier and finished before this node began
+        new0 = dataclasses.replace(
+            manifest(0, {".metadata": B, "__0_0.distcp": C2}), began=began - 8, sealed=began - 7.9
+        )
+        new2 = dataclasses.replace(
+            manifest(2, {"__2_0.distcp": C}), began=began - 7, sealed=began - 6.5
+        )
+        rv.manifests = Manifests({0: new0, 2: new2})
+        peer.files = {**BYTES, "10/__0_0.distcp": C2, "10/__2_0.distcp": C}
+        (Path(ram.view) / "10" / "__1_0.distcp").write_bytes(A[::-1])
+        own2 = shards.snapshot(
+            ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic", foreign=rv.is_remote
+        )
+        own2 = dataclasses.replace(own2, manifest=dataclasses.replace(own2.manifest, began=began))
+        catalog.add(own2)
+        assert await rv.look(own2) is False
+        assert union.suspect == set() and union.refused == {}
+        assert union.parts == {0: new0.digest, 2: new2.digest}
+        await trio.sleep(0.4)  # past the wait: still nothing refused
+        await rv.look(own2)
+        assert union.refused == {}
+        await rv.opening(shard0.stat().st_ino)()  # fetches it: no wait, no EIO
+        wait = rv.missing(shard0.stat().st_ino)
+        if wait is not None:
+            await wait()
+        assert shard0.read_bytes() == C2
+
+    trio.run(main)
+    assert job.errors == []
+
+
 @pytest.mark.parametrize("sign", ["listed", "older"])
 def test_a_rank_whose_new_save_never_came_is_not_served_beside_the_new_save(
     tmp_path, monkeypatch, sign

@@ -329,37 +329,41 @@ def _part(rank: int, body: bytes, *, sealed: float, began: float = 0.0, replaces
 def test_earlier_parts_names_a_part_of_an_earlier_save_and_never_one_of_the_same_save():
     """The two signs of tierfs.store.saves.earlier_parts (ninth trial FAIL 15/16): a part
     another part lists as replaced (unless a part of those very bytes lists itself),
-    and a part sealed before the newest save began whose own save began RESAVE_GAP or
-    more before it; ranks of one save staggered by less than the gap are one save."""
+    and a part unchanged since before the newest save began (the prior digests the
+    judging node saw), sealed before it, its own save RESAVE_GAP or more before it.
+    A rank of the same save that began writing late has other bytes: never earlier
+    (tenth trial: one rank 8-25 s late was refused)."""
     from tierfs.store.saves import RESAVE_GAP, earlier_parts
 
     t = 1_000_000.0
     first = {r: _part(r, b"first %d" % r, sealed=t) for r in range(3)}
+    prior = {r: m.digest for r, m in first.items()}
     again = {
         r: _part(r, b"again %d" % r, sealed=t + 60 + r, began=t + 50 + 2 * r) for r in range(3)
     }
     # one save, first or again, staggered: nothing earlier
-    assert earlier_parts(first.values()) == {}
-    assert earlier_parts(again.values()) == {}
-    # rank 2's new save never came: its first part is older than the others' new save
-    mixed = earlier_parts([again[0], again[1], first[2]])
-    assert list(mixed) == [2] and "sealed before rank 1 began saving it again" in mixed[2]
-    # ... also when only a part held elsewhere lists it (the listed sign)
+    assert earlier_parts(first.values(), prior=prior) == {}
+    assert earlier_parts(again.values(), prior=prior) == {}
+    # one rank 25 s late, sealed after or even before... its bytes changed: the same save
+    late = _part(2, b"again 2", sealed=t + 80, began=t + 75)
+    assert earlier_parts([again[0], again[1], late], prior=prior) == {}
+    early = dataclasses.replace(again[0], began=t + 20, sealed=t + 21)
+    assert earlier_parts([early, again[1], late], prior=prior) == {}
+    # rank 2's new save never came: its part is the one seen before the new save
+    mixed = earlier_parts([again[0], again[1], first[2]], prior=prior)
+    assert list(mixed) == [2] and "unchanged since before rank 1 began" in mixed[2]
+    # ... not said without the prior digests (a daemon restarted since)
+    assert earlier_parts([again[0], again[1], first[2]]) == {}
+    # ... and when a part held elsewhere lists it (the listed sign), with or without
     lister = dataclasses.replace(again[0], replaces=((2, first[2].digest),))
-    close = dataclasses.replace(first[2], sealed=again[0].began + 1, began=again[0].began - 1)
-    assert earlier_parts([close], also_listed=[lister]).keys() == {2}
-    assert "lists it as replaced" in earlier_parts([close], also_listed=[lister])[2]
+    assert earlier_parts([again[1], first[2]], also_listed=[lister]).keys() == {2}
+    assert "lists it as replaced" in earlier_parts([first[2]], also_listed=[lister])[2]
     # rank 2 saved identical bytes again: a part of those bytes lists itself
     renewed = dataclasses.replace(
         first[2], began=t + 52, sealed=t + 61, replaces=((2, first[2].digest),)
     )
-    assert earlier_parts([lister, again[1], renewed]) == {}
-    # a part that began just under the gap before the newest one is of the same save
-    slow = _part(2, b"x", sealed=t + 49, began=t + 54 - RESAVE_GAP + 0.5)
-    assert earlier_parts([again[0], again[1], slow]) == {}
-    # the boundary: rank 1's new save began at t + 52; a part of rank 2 sealed before
-    # it that began RESAVE_GAP or more before it is of an earlier save
-    at_gap = _part(2, b"x", sealed=t + 51, began=t + 52 - RESAVE_GAP)
-    assert earlier_parts([again[0], again[1], at_gap]).keys() == {2}
-    under = dataclasses.replace(at_gap, began=t + 52 - RESAVE_GAP + 0.5)
-    assert earlier_parts([again[0], again[1], under]) == {}
+    assert earlier_parts([lister, again[1], renewed], prior=prior) == {}
+    # the timestamps must agree: an unchanged part whose save began less than the gap
+    # before the newest one (two saves are never that close) is not called earlier
+    near = dataclasses.replace(first[2], sealed=t + 51, began=t + 52 - RESAVE_GAP + 0.5)
+    assert earlier_parts([again[0], again[1], near], prior={**prior, 2: near.digest}) == {}

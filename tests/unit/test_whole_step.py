@@ -629,9 +629,16 @@ def test_a_step_whose_parts_are_of_two_saves_is_never_judged_loadable(tmp_path, 
         replaces=((0, "first"), (1, old1.digest)) if sign == "listed" else ((0, "first"),),
     )
     p0 = dataclasses.replace(p0, manifest=new0)
+    # node 0's part of the first save (other bytes than its new one)
+    _, first0 = node_part(tmp_path / "a", 0, 20, {**rank0_files(), "__0_0.distcp": b"z" * len(W0)})
     judge, catalog, job, source = judge_of(shards, p0, {1: old1}, retry=0.01, settle=0)
 
     async def main() -> None:
+        # the first save was judged: its parts are what node 0 knew before its new save
+        catalog.add(first0)
+        assert await judge.judge(job.job, first0) is None
+        assert (await judge.judge(job.job, first0)) is not None
+        catalog.add(p0)
         assert await judge.judge(job.job, p0) is None  # the first look
         assert await judge.judge(job.job, p0) is None  # mixed: waits for rank 1
         assert catalog.unjudged(p0.key).startswith("its parts are of two saves: rank 1's part"), (

@@ -247,11 +247,30 @@ class StepUnion:
     #: the latest ``began`` of the parts judged at a look (a later one: every rank is
     #: asked again, its part may be of the earlier save now)
     began_max: float = 0.0
+    #: rank -> digest of the part shown when this node began its current save of the
+    #: step (``prior_began``, Unix seconds): a rank showing the same digest since has
+    #: not saved again (:func:`tierfs.store.saves.earlier_parts`); None: not known
+    #: (no new save began while this daemon ran)
+    prior: dict[int, str] | None = None
+    prior_began: float = 0.0
 
     def current(self, m: Manifest) -> bool:
         """True if part ``m`` is of the save this node began (not an earlier one, even
-        one sealed late, e.g. after a marker's grace)."""
+        one sealed late, e.g. after a marker's grace): its rank's part changed since
+        that save began (:attr:`prior`; a rank that began writing several seconds
+        later or earlier is of the same save, tenth trial), or it was sealed since,
+        or its save began at most ``RESAVE_GAP / 2`` before."""
+        if self.prior is not None and self.prior_began == self.own_began:
+            was = self.prior.get(m.rank)
+            if was is not None and was != m.digest:
+                return True
         return sealed_at(m) >= self.own_began or m.began >= self.own_began - RESAVE_GAP / 2
+
+    def began_saving(self, began: float) -> None:
+        """This node began another save of the step at ``began`` (Unix seconds): keep
+        the digests shown now as :attr:`prior` (once per save)."""
+        if began > 0 and began != self.prior_began:
+            self.prior, self.prior_began = dict(self.parts), began
 
     def confirm(self, rank: int) -> None:
         """Rank ``rank``'s part is current (or no longer waited for): wake its opens."""
@@ -812,6 +831,7 @@ class RemoteView:
     def _suspect(self, union: StepUnion, ranks: set[int], began: float) -> None:
         """This node began another save of ``union``'s step at ``began`` (Unix seconds):
         opens of ``ranks``' files wait for their parts of that save (F1)."""
+        union.began_saving(began)
         union.own_began = began
         union.suspect = ranks
         union.suspect_until = trio.current_time() + SUSPECT_WAIT
@@ -1188,6 +1208,8 @@ class RemoteView:
             # the own part changed (the step number saved again: the other ranks' parts
             # may be new too), or this daemon knows the placed parts only from their
             # marks (a restart): every rank is asked again, changed files replaced
+            if union.own_digest is not None and own is not None:
+                union.began_saving(own.manifest.began)  # what was shown before it
             placed, union.parts = dict(union.parts), {}
         union.recheck |= union.suspect | set(union.refused)
         for rank in union.recheck:
@@ -1257,8 +1279,10 @@ class RemoteView:
             union.sealed[rank] = sealed_at(manifest)
             union.wanted.pop(rank, None)
         judged = [*found.values(), *([own.manifest] if own is not None else [])]
+        began = own.manifest.began if own is not None else union.own_began
+        prior = union.prior if began > 0 and union.prior_began == began else None
         earlier = (
-            earlier_parts(judged, self.catalog.step_manifests(job.name, step, writers))
+            earlier_parts(judged, self.catalog.step_manifests(job.name, step, writers), prior)
             if found
             else {}
         )

@@ -68,6 +68,8 @@ READ_LIMIT = VALIDATOR_READ_LIMIT
 #: seconds a step whose parts are of two saves waits for the earlier part's rank to
 #: save it again before it is judged unloadable (the whole-step view's wait)
 MIXED_WAIT = 40.0
+#: steps whose last verdict (and prior parts) the judge keeps in memory
+KEPT_STEPS = 64
 
 
 class WholeStepJudge:
@@ -162,6 +164,11 @@ class WholeStepJudge:
         self._seen: dict[tuple[ShardKey, str], tuple[tuple[str, ...], float]] = {}
         #: steps whose parts were of two saves at a look, and since when (trio time)
         self._mixed: dict[tuple[ShardKey, str], float] = {}
+        #: (job, step) -> the digests of the last verdict recorded for the step
+        self._last: dict[tuple[str, int], tuple[str, ...]] = {}
+        #: (job, step) -> (this node's own digest, rank -> digest of the parts judged
+        #: before that own part's save: :func:`tierfs.store.saves.earlier_parts`' prior)
+        self._priors: dict[tuple[str, int], tuple[str, dict[int, str] | None]] = {}
         catalog.on_sealed(self.on_sealed)
 
     def on_sealed(self, shard: Shard) -> None:
@@ -348,7 +355,11 @@ class WholeStepJudge:
             return None
         if now - seen[1] < self.settle:
             return None
-        mixed = earlier_parts(manifests, self.catalog.step_manifests(job.name, step, writers))
+        mixed = earlier_parts(
+            manifests,
+            self.catalog.step_manifests(job.name, step, writers),
+            self._prior(job.name, step, shard.manifest.digest),
+        )
         if mixed:
             # ninth trial FAIL 15/16: a rank's part is of an earlier save of the step than
             # the others (its new save never came, or its node died before copying it):
@@ -385,6 +396,9 @@ class WholeStepJudge:
         why, unread = whole.unloadable, whole.unread
         if self.catalog.get(shard.key) is not shard:
             return None  # dropped or replaced while judged
+        self._last[(shard.key.job, step)] = whole.digests
+        while len(self._last) > KEPT_STEPS:
+            del self._last[next(iter(self._last))]
         self.catalog.set_whole_verdict(shard.key, whole)
         try:
             await trio.to_thread.run_sync(self.shards.save_whole, shard, whole)
@@ -403,6 +417,19 @@ class WholeStepJudge:
             why or (f"sizes only for {unread}" if unread else "it may load"),
         )
         return whole
+
+    def _prior(self, job: str, step: int, own: str) -> dict[int, str] | None:
+        """The parts of ``step`` judged before this node's own part ``own`` (digest) was
+        saved: rank -> digest of the last verdict recorded for an earlier own part;
+        None when this daemon recorded none (kept per own part, across rejudges)."""
+        got = self._priors.get((job, step))
+        if got is None or got[0] != own:
+            last = self._last.get((job, step))
+            prior = dict(enumerate(last)) if last is not None and last[JUDGE_RANK] != own else None
+            got = self._priors[(job, step)] = (own, prior)
+            while len(self._priors) > KEPT_STEPS:
+                del self._priors[next(iter(self._priors))]
+        return got[1]
 
     def _forget(self, ident: tuple[ShardKey, str], given_up: bool) -> None:
         """Drop what was kept for judging ``ident``; remember a step given up on."""

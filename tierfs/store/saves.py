@@ -14,10 +14,14 @@ claim of the job):
   :attr:`tierfs.store.manifest.Manifest.replaces` (that node held it when its
   new save began, :mod:`tierfs.node.resave`), unless a part of those very
   bytes lists itself (the rank saved identical bytes again);
-* **older**: the newest save's start among the parts (:attr:`Manifest.began`,
-  the writer's clock; 0 for a first save) is later than the part's seal, and
-  later than its own start by :data:`RESAVE_GAP` or more (two saves of a step
-  are that far apart, far above NTP skew; :func:`older_than`).
+* **unchanged**: the part has the very digest its rank's part had before the
+  newest save of the step began (``prior``: what the judging node saw of the
+  earlier save), and is not a part of identical bytes saved again (one that
+  lists itself as replaced); and, as a check, it was sealed before that save
+  began, its own save :data:`RESAVE_GAP` or more before it (:func:`older_than`).
+  A rank that saved the step again has other bytes, however late it began
+  (tenth trial: a rank 8-25 s late is of the same save). Without ``prior``
+  (a daemon restarted since) only the first sign is used.
 
 :func:`earlier_parts` is used by the whole-step view (the node's opens of such
 a part's files fail with EIO, :mod:`tierfs.node.remote_view`) and by the
@@ -27,7 +31,7 @@ judge across ranks (such a step is not judged loadable,
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from tierfs.store.manifest import Manifest
 
@@ -70,7 +74,9 @@ def older_than(m: Manifest, began: float) -> bool:
 
 
 def earlier_parts(
-    manifests: Iterable[Manifest], also_listed: Iterable[Manifest] = ()
+    manifests: Iterable[Manifest],
+    also_listed: Iterable[Manifest] = (),
+    prior: Mapping[int, str] | None = None,
 ) -> dict[int, str]:
     """The parts among ``manifests`` (one per rank of one step and node count) that are
     of an earlier save of the step than another part of them (see the module doc).
@@ -79,6 +85,9 @@ def earlier_parts(
         manifests: the parts to judge (rank -> at most one).
         also_listed: more parts of the step whose ``replaces`` lists count (copies
             held here of other saves, this node's own part); they are not judged.
+        prior: rank -> the digest of its part of the step the judging node knew
+            before the newest save began (None: not known; then only the
+            ``replaces`` sign).
 
     Returns:
         node rank -> why, one line naming the part and the sign (empty: one save).
@@ -86,6 +95,7 @@ def earlier_parts(
     """
     parts = list(manifests)
     listed = listed_replaced([*parts, *also_listed])
+    renewed = {(m.rank, m.digest) for m in parts if (m.rank, m.digest) in m.replaces}
     newest = max(parts, key=lambda m: m.began, default=None)
     out: dict[int, str] = {}
     for m in parts:
@@ -95,9 +105,16 @@ def earlier_parts(
                 f"rank {m.rank}'s part {m.digest[:12]} is of an earlier save of the step "
                 "(another part lists it as replaced)"
             )
-        elif newest is not None and m is not newest and older_than(m, newest.began):
+        elif (
+            prior is not None
+            and prior.get(m.rank) == m.digest
+            and (m.rank, m.digest) not in renewed
+            and newest is not None
+            and m is not newest
+            and older_than(m, newest.began)
+        ):
             out[m.rank] = (
                 f"rank {m.rank}'s part {m.digest[:12]} is of an earlier save of the step "
-                f"(sealed before rank {newest.rank} began saving it again)"
+                f"(unchanged since before rank {newest.rank} began saving it again)"
             )
     return out
