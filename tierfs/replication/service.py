@@ -378,6 +378,7 @@ class PeerServicer:
         self.host.pin(key, +1)
         sent = 0
         failed = None
+        check = _ChunkCheck(shard.manifest)
         try:
             if request.paths and request.trim_manifest:
                 # only the entries of the files sent, and the whole manifest's digest
@@ -390,19 +391,11 @@ class PeerServicer:
             yield peer_pb2.PullMessage(manifest=head).SerializeToString()
             if request.manifest_only:
                 return
-            check = _ChunkCheck(shard.manifest)
             for path, off, data, crc in iter_chunks(
                 shard.data, files, cancelled=lambda: not context.is_active()
             ):
                 if check.wrong(path, off, crc):
-                    # the puller refuses these bytes and reads another copy; this node
-                    # checks its copy at once (ninth trial FAIL 13: it was found bad only
-                    # by the puller, and a restore used it "from local")
                     log.warning("serving %s of %s: a chunk at %d is damaged here", path, key, off)
-                    try:
-                        self.host.damaged(key, path)
-                    except Exception:
-                        log.exception("reporting the damaged copy of %s", key)
                 yield peer_wire.encode_chunk(path, off, data, crc)  # a PullMessage
                 sent += len(data)
             self.host.stats.add("pulls_served")
@@ -414,6 +407,15 @@ class PeerServicer:
                 self.host.pin(key, -1)
             except HostGone:
                 pass
+            if check.damaged:
+                # the puller refused those bytes (its own check) and reads another copy;
+                # this node checks its copy now, once the stream is over, so the puller
+                # sees the damage, not the copy vanishing under it (ninth trial FAIL 13:
+                # only the puller knew, and a restore used the copy "from local")
+                try:
+                    self.host.damaged(key, check.damaged)
+                except Exception:
+                    log.exception("reporting the damaged copy of %s", key)
         if failed:
             context.abort(grpc.StatusCode.NOT_FOUND, failed)
 
@@ -429,6 +431,8 @@ class _ChunkCheck:
         self.path = ""
         self.chunks: tuple[int, ...] | None = None
         self.said = False
+        #: the file of the first damaged chunk ("" none)
+        self.damaged = ""
 
     def wrong(self, path: str, offset: int, crc: int) -> bool:
         """True the first time a chunk of the pull (``path`` at ``offset`` bytes, its
@@ -443,7 +447,7 @@ class _ChunkCheck:
             return False
         k = offset // CHUNK
         if k < len(self.chunks) and self.chunks[k] != crc:
-            self.said = True
+            self.said, self.damaged = True, path
             return True
         return False
 
