@@ -127,6 +127,13 @@ def test_corrupt_replica_falls_back_to_the_newest_complete_older_step(
         errors = c.errors(3)
         assert "the copy of step 5 of rank 3 on node-rank 2 is bad" in errors
         assert "crc32c" in errors
+        # node 2 checked its copy once the reader's pull of it was over (#16 ninth
+        # trial FAIL 13: it kept offering the damaged copy until a restart)
+        wait_until(
+            lambda: "step 5 of rank 3 failed verification" in c.errors(2),
+            60,
+            "node 2 to find its damaged copy",
+        )
 
 
 @WHO_FINDS
