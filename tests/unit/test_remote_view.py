@@ -1247,6 +1247,59 @@ def test_a_rank_of_the_same_save_that_wrote_seconds_before_this_node_is_served(
     assert job.errors == []
 
 
+def test_a_node_that_writes_late_does_not_take_the_others_new_parts_for_the_earlier_save(
+    tmp_path, monkeypatch
+):
+    """Regression (#16 tenth trial FAIL E): every rank saved step 10 again in place,
+    this node 20 s after the others. By then the others' new parts were already in its
+    view (the coordinator's notice), so when it began its save, the digests it kept as
+    "shown before the new save" were the new ones: they looked unchanged, and opens of
+    their files failed with EIO for good. Now the digests kept are those of the parts
+    of this node's own (earlier) save."""
+    monkeypatch.setattr("tierfs.node.remote_view.SUSPECT_WAIT", 0.3)
+    C2, B2 = os.urandom(len(C)), os.urandom(len(B))
+    peer = Source("peer", dict(BYTES), ["peer node-rank 0", "peer node-rank 2"])
+    rv, ram, shards, catalog, own, job = view_of(tmp_path, dict(PARTS), [peer])
+    shard0 = Path(ram.view) / "10" / "__0_0.distcp"
+
+    async def main() -> None:
+        await rv.look(own)
+        union = rv.steps[10]
+        began = time.time()
+        new0 = dataclasses.replace(
+            manifest(0, {".metadata": B, "__0_0.distcp": C2}), began=began - 20, sealed=began - 19
+        )
+        new2 = dataclasses.replace(
+            manifest(2, {"__2_0.distcp": B2}), began=began - 20, sealed=began - 19
+        )
+        rv.manifests = Manifests({0: new0, 2: new2})
+        peer.files = {**BYTES, "10/__0_0.distcp": C2, "10/__2_0.distcp": B2}
+        union.recheck |= {0, 2}  # the coordinator's notice: ranks 0 and 2 saved again
+        await rv.look(own)
+        assert union.parts == {0: new0.digest, 2: new2.digest}
+        # this node begins its part of the same save, 20 s late
+        rv.new_save = lambda step: (began - 30.0, began)
+        catalog.drop(own.key, "a sealed file was opened for writing")
+        assert union.prior == {0: PARTS[0].digest, 2: PARTS[2].digest}
+        (Path(ram.view) / "10" / "__1_0.distcp").write_bytes(A[::-1])
+        own2 = shards.snapshot(
+            ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic", foreign=rv.is_remote
+        )
+        own2 = dataclasses.replace(own2, manifest=dataclasses.replace(own2.manifest, began=began))
+        catalog.add(own2)
+        assert await rv.look(own2) is False
+        await trio.sleep(0.4)  # past the wait
+        await rv.look(own2)
+        assert union.suspect == set() and union.refused == {}
+        wait = rv.opening(shard0.stat().st_ino)
+        if wait is not None:
+            await wait()
+        assert shard0.read_bytes() == C2
+
+    trio.run(main)
+    assert job.errors == []
+
+
 @pytest.mark.parametrize("sign", ["listed", "older"])
 def test_a_rank_whose_new_save_never_came_is_not_served_beside_the_new_save(
     tmp_path, monkeypatch, sign

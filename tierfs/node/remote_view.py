@@ -253,6 +253,12 @@ class StepUnion:
     #: (no new save began while this daemon ran)
     prior: dict[int, str] | None = None
     prior_began: float = 0.0
+    #: rank -> digest of the parts shown that are of the same save as this node's own
+    #: part (``save_of``: its ``began``, 0 a first save): what :attr:`prior` becomes
+    #: when this node begins its next save (a node writing late has the others' new
+    #: parts in its view by then; they are not what it saw of the earlier save)
+    same_save: dict[int, str] = field(default_factory=dict)
+    save_of: float | None = None
 
     def current(self, m: Manifest) -> bool:
         """True if part ``m`` is of the save this node began (not an earlier one, even
@@ -270,7 +276,19 @@ class StepUnion:
         """This node began another save of the step at ``began`` (Unix seconds): keep
         the digests shown now as :attr:`prior` (once per save)."""
         if began > 0 and began != self.prior_began:
-            self.prior, self.prior_began = dict(self.parts), began
+            seen = self.same_save if self.save_of is not None else self.parts
+            self.prior, self.prior_began = dict(seen), began
+
+    def shown(self, own_began: float, parts: dict[int, Manifest]) -> None:
+        """Record the parts just placed that are of the save of this node's own part
+        (begun at ``own_began``: both first saves, or begun less than ``RESAVE_GAP``
+        apart), for :meth:`began_saving` (tenth trial FAIL E)."""
+        if self.save_of != own_began:
+            self.same_save, self.save_of = {}, own_began
+        for rank, m in parts.items():
+            first = own_began <= 0 and m.began <= 0
+            if first or (own_began > 0 and abs(m.began - own_began) < RESAVE_GAP):
+                self.same_save[rank] = m.digest
 
     def confirm(self, rank: int) -> None:
         """Rank ``rank``'s part is current (or no longer waited for): wake its opens."""
@@ -1300,7 +1318,8 @@ class RemoteView:
             # a part of an earlier save of this step than the other parts (F5; ninth
             # trial FAIL 15/16: a rank whose new save never came): never placed; opens
             # of its files shown wait for its part of the new save, then fail (EIO)
-            log.info("step %d: %s: not shown; its node is asked again", step, earlier[rank])
+            if rank not in union.suspect and rank not in union.refused:
+                log.info("step %d: %s: not shown; its node is asked again", step, earlier[rank])
             del found[rank]
             current = [r for r in current if r != rank]
             waiting = True
@@ -1348,6 +1367,8 @@ class RemoteView:
             said = await trio.to_thread.run_sync(self._place, job.name, own, union, found)
             for rank, manifest in found.items():
                 union.parts[rank] = manifest.digest
+            if own is not None:
+                union.shown(own.manifest.began, found)
             union.tops |= {p.split("/", 1)[0] for p in union.files}
             for line in said:
                 self.reporter.error(line)
