@@ -1193,6 +1193,15 @@ def test_an_open_waits_for_the_new_save_of_the_other_ranks_after_this_node_began
     trio.run(main)
 
 
+def resealed(shards: ShardStore, ram: RamStore, rv: RemoteView, began: float) -> Shard:
+    """This node's part of step 10 sealed again, as a seal of a save begun at ``began``
+    (Unix seconds) records it (other ranks' files of the view left out)."""
+    own = shards.snapshot(
+        ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic", foreign=rv.is_remote
+    )
+    return dataclasses.replace(own, manifest=dataclasses.replace(own.manifest, began=began))
+
+
 def test_a_rank_of_the_same_save_that_wrote_seconds_before_this_node_is_served(
     tmp_path, monkeypatch
 ):
@@ -1226,10 +1235,7 @@ def test_a_rank_of_the_same_save_that_wrote_seconds_before_this_node_is_served(
         rv.manifests = Manifests({0: new0, 2: new2})
         peer.files = {**BYTES, "10/__0_0.distcp": C2, "10/__2_0.distcp": C}
         (Path(ram.view) / "10" / "__1_0.distcp").write_bytes(A[::-1])
-        own2 = shards.snapshot(
-            ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic", foreign=rv.is_remote
-        )
-        own2 = dataclasses.replace(own2, manifest=dataclasses.replace(own2.manifest, began=began))
+        own2 = resealed(shards, ram, rv, began)
         catalog.add(own2)
         assert await rv.look(own2) is False
         assert union.suspect == set() and union.refused == {}
@@ -1282,10 +1288,7 @@ def test_a_node_that_writes_late_does_not_take_the_others_new_parts_for_the_earl
         catalog.drop(own.key, "a sealed file was opened for writing")
         assert union.prior == {0: PARTS[0].digest, 2: PARTS[2].digest}
         (Path(ram.view) / "10" / "__1_0.distcp").write_bytes(A[::-1])
-        own2 = shards.snapshot(
-            ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic", foreign=rv.is_remote
-        )
-        own2 = dataclasses.replace(own2, manifest=dataclasses.replace(own2.manifest, began=began))
+        own2 = resealed(shards, ram, rv, began)
         catalog.add(own2)
         assert await rv.look(own2) is False
         await trio.sleep(0.4)  # past the wait
@@ -1330,12 +1333,7 @@ def test_a_rank_whose_new_save_never_came_is_not_served_beside_the_new_save(
         # the save again: this node and rank 0 write new parts, rank 2 never does
         began = time.time()
         (view / "__1_0.distcp").write_bytes(A[::-1])
-        again = shards.snapshot(
-            ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic", foreign=rv.is_remote
-        )
-        again = dataclasses.replace(
-            again, manifest=dataclasses.replace(again.manifest, began=began)
-        )
+        again = resealed(shards, ram, rv, began)
         catalog.add(again)
         new0 = dataclasses.replace(
             manifest(0, {".metadata": B2, "__0_0.distcp": C2}),
