@@ -504,3 +504,69 @@ def loads(c: Cluster, i: int, step: int) -> str:
         if s["step"] == step:
             return s.get("loads") or ""
     return ""
+
+
+def test_a_restart_soon_after_a_resave_a_rank_never_made_restores_the_older_step(
+    make_mount, tmp_path
+):
+    """Regression (tenth #16 trial FAIL A, silent wrong data, exit 0): with the default
+    ``--peers-per-node 0`` no node holds another rank's part, so no new part listed
+    rank 2's part of the first save as replaced; a job restarted within a minute of a
+    re-save of step 30 in place that rank 2 never made (before node 0's verdict)
+    restored step 30 from local on every node, and ``dcp.load`` returned rank 2's rows
+    of the first save beside the others' new ones. Now every new part lists the parts
+    its node's whole-step view showed when its save began: the restore takes step 20
+    and says why (exit 2)."""
+    from tierfs.node.resave import RESAVE_GAP
+
+    def ppn0(n: int) -> Callable[[int], list[str]]:
+        return job_args(JOB, n, "--peers-per-node", "0")
+
+    c = Cluster(make_mount, 3, node_args=ppn0(3))
+    for step in (20, 30):
+        assert dcp(c, "save", step, [0, 1, 2]) == ["SAVED"] * 3
+    for i in range(3):
+        wait_for(lambda i=i: whole(c, i, 30, 3), 90, f"the whole step 30 on node {i}")
+    wait_for(
+        lambda: dcp(c, "load", 30, [0, 1, 2]) == ["LOADED_OK"] * 3,
+        90,
+        "step 30 loaded on every rank",
+        poll=2,
+    )
+    first = {i: own_manifest(c, i, i, 30) for i in range(3)}
+    assert all(m is not None for m in first.values())
+    sealed = max(m.sealed for m in first.values())  # type: ignore[union-attr]
+    wait_for(lambda: time.time() > sealed + RESAVE_GAP + 0.5, RESAVE_GAP + 30, "the interval")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+
+    def again(r: int, world: int, port: int) -> list[str]:
+        root = scratch if r == 2 else c.root(r)
+        return ["save", str(r), str(world), str(port), str(root), "30"]
+
+    assert run_ranks(c, CLIENT, again, [0, 1, 2], {"DCP_RESHARD_SEED": "1"}) == ["SAVED"] * 3
+    old2 = first[2].digest  # type: ignore[union-attr]
+    for i in (0, 1):
+
+        def resealed(i: int = i) -> bool:
+            m = own_manifest(c, i, i, 30)
+            return m is not None and m.digest != first[i].digest  # type: ignore[union-attr]
+
+        wait_for(resealed, 90, f"node {i}'s new part of step 30 sealed")
+        m = own_manifest(c, i, i, 30)
+        assert (2, old2) in m.replaces, (i, m.replaces)  # type: ignore[union-attr]
+    assert own_manifest(c, 2, 2, 30).digest == old2  # type: ignore[union-attr]
+    # the job restarts at once (node 0 has not judged the step yet), RAM kept
+    for i in range(3):
+        c.mounts[i].unmount()
+    for i in range(3):
+        c.remount(i)
+    for i in range(3):
+        w = tierfs("wait", str(c.root(i)), "--timeout", "180", check=False, timeout=240)
+        assert (w.returncode, w.stdout.strip()) == (2, "restored step 20 from local"), (
+            i,
+            w.stdout,
+            w.stderr,
+        )
+        assert "earlier save of step 30" in w.stderr, w.stderr
+    assert dcp(c, "load", 20, [0, 1, 2]) == ["LOADED_OK"] * 3

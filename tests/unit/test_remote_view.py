@@ -243,10 +243,16 @@ def test_other_ranks_files_appear_with_size_and_mode_and_are_fetched_verified(tm
     )
     assert again_view.reload() == 3
     assert not has_data(partial) and partial.stat().st_size == len(B)
-    assert again_view.missing(partial.stat().st_ino) is not None
+
+    async def opened() -> object:
+        return again_view.missing(partial.stat().st_ino)
+
+    assert trio.run(opened) is not None
     assert all(again_view.is_remote((Path(ram.view) / p).stat().st_ino) for p in BYTES)
     s = again_view.status().step(10)
-    assert (s.ranks_known, s.ranks_missing, s.remote) == ((0, 2), (), 3), s
+    # known from their marks only: not known until a source names those parts again
+    # (tenth #16 trial FAIL B), so `tierfs wait` waits for them
+    assert (s.ranks_known, s.ranks_missing, s.remote) == ((), (0, 2), 3), s
     resealed = shards.snapshot(
         ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic", foreign=again_view.is_remote
     )
@@ -278,11 +284,170 @@ def test_fetched_bytes_changed_while_no_daemon_ran_are_fetched_again(tmp_path):
     assert again.reload() == 3
     assert not has_data(meta) and meta.stat().st_size == len(B)  # remote again
     assert json.loads(os.getxattr(meta, XATTR))["state"] == "remote"
+    assert trio.run(again.look, own) is False  # the ranks name their parts again
     assert has_data(two) and again.missing(two.stat().st_ino) is None  # right: kept
     fetch = again.missing(meta.stat().st_ino)
     assert fetch is not None
     trio.run(fetch)
     assert meta.read_bytes() == B
+
+
+def test_a_part_known_from_marks_is_asked_again_until_its_node_names_it(tmp_path):
+    """Regression (tenth #16 trial FAIL B): after a job restart that restored rank 2's
+    new save of step 10, node 0's restarted daemon knew rank 2's earlier file from its
+    mark, rank 2's node did not answer its first look (it was restarting), and the view
+    kept serving the earlier bytes for good (``dcp.load`` on node 0 returned a mix,
+    exit 0). Now a part known from marks only is asked again at every look until a
+    source names it, counts as not known in status (``tierfs wait`` waits), and an
+    open of its files waits for the answer; the changed file is replaced."""
+    peer = Source("peer", BYTES, ["peer node-rank 2"])
+    rv, ram, _shards, catalog, own, job = view_of(tmp_path, PARTS, [peer])
+
+    async def first() -> None:
+        await rv.look(own)
+        await rv.prefetch(10)
+
+    trio.run(first)
+    two = Path(ram.view) / "10" / "__2_0.distcp"
+    assert two.read_bytes() == B
+    # every daemon restarts; rank 2 saves its part again meanwhile (other bytes)
+    new_two = manifest(2, {"__2_0.distcp": A})
+    asked = Manifests({0: PARTS[0]})  # rank 2's node is still starting
+    again = RemoteView(
+        ram.view, ram.incoming, catalog, job, asked, [peer], job, trio.CapacityLimiter(1)
+    )
+    assert again.reload() == 3
+    ino = two.stat().st_ino
+
+    async def restarted() -> None:
+        assert await again.look(own) is True  # rank 2 to be asked again
+        s = again.status().step(10)
+        assert (s.ranks_known, s.ranks_missing) == ((0,), (2,)), s
+        opened = again.missing(ino)
+        assert opened is not None  # waits for rank 2 to be named
+        assert again.missing((Path(ram.view) / "10" / ".metadata").stat().st_ino) is None
+        peer.files = {**BYTES, "10/__2_0.distcp": A}
+        outcome: list[BaseException | None] = []
+
+        async def open_two() -> None:
+            try:
+                await opened()
+                outcome.append(None)
+            except OSError as exc:
+                outcome.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(open_two)
+            await trio.testing.wait_all_tasks_blocked()
+            assert outcome == []
+            assert await again.look(own) is True  # still not answering
+            assert 2 in asked.asked[-1:] and outcome == []
+            asked.parts[2] = new_two  # its node is up: the new part
+            assert await again.look(own) is False
+        assert len(outcome) == 1 and isinstance(outcome[0], OSError)
+        assert outcome[0].errno == errno.ESTALE  # the kernel looks the path up again
+        s = again.status().step(10)
+        assert (s.ranks_known, s.ranks_missing) == ((0, 2), ()), s
+        ino2 = two.stat().st_ino
+        fetch = again.missing(ino2)
+        assert fetch is not None
+        await fetch()
+
+    trio.run(restarted)
+    assert two.read_bytes() == A
+    assert job.errors == []
+
+
+def test_a_part_no_source_names_is_served_as_placed_after_the_wait(tmp_path, monkeypatch):
+    """The wait for a part known from marks is bounded: with no source naming it (its
+    node down for good, no copy anywhere) an open serves the placed bytes after
+    UNCONFIRMED_WAIT, and the status keeps the rank as not known."""
+    from tierfs.node import remote_view as rv_mod
+
+    monkeypatch.setattr(rv_mod, "UNCONFIRMED_WAIT", 0.5)
+    peer = Source("peer", BYTES, ["peer node-rank 2"])
+    rv, ram, _shards, catalog, own, job = view_of(tmp_path, PARTS, [peer])
+
+    async def first() -> None:
+        await rv.look(own)
+        await rv.prefetch(10)
+
+    trio.run(first)
+    again = RemoteView(
+        ram.view,
+        ram.incoming,
+        catalog,
+        job,
+        Manifests({0: PARTS[0]}),
+        [peer],
+        job,
+        trio.CapacityLimiter(1),
+    )
+    assert again.reload() == 3
+    two = Path(ram.view) / "10" / "__2_0.distcp"
+
+    async def restarted() -> None:
+        await again.look(own)
+        opened = again.missing(two.stat().st_ino)
+        assert opened is not None
+        await opened()  # returns after the wait: served as placed
+        assert again.missing(two.stat().st_ino) is None
+        assert again.status().step(10).ranks_missing == (2,)
+
+    trio.run(restarted)
+    assert two.read_bytes() == B
+
+
+def test_the_parts_shown_are_what_a_new_save_replaces(tmp_path):
+    """FAIL A (tenth #16 trial): the parts the view placed (rank, digest, began) are
+    what this node's next save of the step records as replaced; none for another
+    node count, none known only from marks."""
+    rv, ram, _shards, catalog, own, job = view_of(tmp_path, PARTS, [])
+    trio.run(rv.look, own)
+    shown = rv.shown_parts(10, 3)
+    assert {(p.rank, p.digest, p.began) for p in shown} == {
+        (0, PARTS[0].digest, 0.0),
+        (2, PARTS[2].digest, 0.0),
+    }
+    assert rv.shown_parts(10, 4) == [] and rv.shown_parts(20, 3) == []
+    again = RemoteView(
+        ram.view, ram.incoming, catalog, job, Manifests({}), [], job, trio.CapacityLimiter(1)
+    )
+    assert again.reload() == 3 and again.shown_parts(10, 3) == []
+
+
+@pytest.mark.parametrize("saved_late", [False, True])
+def test_an_own_part_the_other_parts_replace_is_said_once(tmp_path, monkeypatch, saved_late):
+    """Tenth #16 trial NOTE F: the node whose client never saved the step again served
+    its own earlier file beside the other ranks' new ones and said nothing, although
+    their parts list its part as replaced. Now it is said once in replicator.errors
+    unless this node seals a new part within SUSPECT_WAIT (a rank writing late)."""
+    from tierfs.node import remote_view as rv_mod
+
+    monkeypatch.setattr(rv_mod, "SUSPECT_WAIT", 0.3)
+    rv, ram, shards, catalog, own, job = view_of(tmp_path, {}, [])
+    listing = dataclasses.replace(PARTS[0], replaces=((1, own.manifest.digest),))
+    rv.manifests.parts.update({0: listing, 2: PARTS[2]})
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            rv._fetches = nursery
+            await rv.look(own)
+            if saved_late:
+                (Path(ram.view) / "10" / "__1_0.distcp").write_bytes(C)
+                again = shards.snapshot(
+                    ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic", foreign=rv.is_remote
+                )
+                catalog.add(again)
+            await rv.look(own)  # said once, not at every look
+
+    trio.run(main)
+    if saved_late:
+        assert job.errors == []
+    else:
+        assert len(job.errors) == 1, job.errors
+        assert "this node's own part is of an earlier save" in job.errors[0]
+        assert "another part lists it as replaced" in job.errors[0]
 
 
 def test_a_corrupt_copy_is_skipped_for_the_next_one_and_said_once(tmp_path):
@@ -412,6 +577,7 @@ def test_a_replica_held_here_is_linked_not_fetched(tmp_path):
     # a new daemon knows the replica's names in the view again: read-only, not fetched
     again = RemoteView(ram.view, ram.incoming, catalog, _job, Manifests({}), [], _job, None)
     assert again.reload() == 3
+    trio.run(again.look, own)  # rank 0's node does not answer: the replica here names it
     assert again.is_remote(meta.stat().st_ino) and again.missing(meta.stat().st_ino) is None
     assert shards.verify(replica) == []
 

@@ -22,7 +22,7 @@ from tierfs.cluster.restore_choice import OLDER, RESTORED, choose_restore, repla
 from tierfs.core.control import JobSpec
 from tierfs.core.types import BucketPart, BucketView, Holding
 from tierfs.node import resave, statefile
-from tierfs.node.resave import EarlierSave, replaced_pairs
+from tierfs.node.resave import EarlierSave, SeenPart, replaced_pairs, sealed_at
 from tierfs.node.sealing import SealCandidate
 from tierfs.store.manifest import FileEntry, Manifest
 from tierfs.store.shards import ShardKey
@@ -67,6 +67,27 @@ def test_a_part_of_the_new_save_that_arrived_early_is_not_replaced():
     late_b2 = M(2, "b2", began=111.5, sealed=114.0)  # held at the seal
     pairs = set(replaced_pairs(save, [late_b2]))
     assert pairs == {(0, a0.digest), (2, a2.digest)}
+
+
+def test_a_new_save_replaces_the_parts_the_view_showed_when_it_began():
+    """Tenth #16 trial FAIL A: with ``--peers-per-node 0`` no node holds another rank's
+    part, so only the parts the whole-step view showed say what the new save replaced
+    (a restart before node-rank 0's verdict restored rank 2's earlier part beside the
+    new ones). A shown part of the new save (begun after the own part's seal) and the
+    node's own rank are never recorded; neither are shown parts of a late write."""
+    a0, a2 = M(0, "a0"), M(2, "a2")
+    shown = [SeenPart(2, a2.digest, 0.0), SeenPart(1, "b1", 111.0), SeenPart(0, "x", 0.0)]
+    save = EarlierSave()
+    save.withdrawn(a0, [], now=113.0, seen=shown)
+    assert set(replaced_pairs(save)) == {(0, a0.digest), (2, a2.digest)}
+    # shown at the seal: a rank's earlier part placed since (a first save's, began 0)
+    pairs = replaced_pairs(save, seen_now=[SeenPart(3, "a3", 0.0), SeenPart(2, "b2", 112.0)])
+    assert set(pairs) == {(0, a0.digest), (2, a2.digest), (3, "a3")}
+    # recorded for a daemon restarted before the seal
+    assert {tuple(p) for p in save.to_dict()["replaces"]} == {(0, a0.digest), (2, a2.digest)}
+    late = EarlierSave()
+    late.withdrawn(a0, [], now=100.0 + resave.RESAVE_GAP / 2, seen=shown)
+    assert late.seen == [] and replaced_pairs(late) == ((0, a0.digest),)
 
 
 def test_a_write_soon_after_the_seal_continues_the_save_and_replaces_only_the_own_part():
@@ -160,6 +181,37 @@ def test_a_step_saved_again_in_place_records_the_earlier_save_it_replaced(tmp_pa
     assert (0, b0.digest) in final.replaces and (1, a1.digest) in final.replaces
     assert (1, b1.digest) not in final.replaces
     assert final.began == b0.began
+
+
+def test_a_new_save_records_the_parts_its_view_showed(tmp_path, monkeypatch):
+    """The node-level form of FAIL A: no replica held here, the view shows rank 1's
+    part of the earlier save; the new part lists it as replaced (the restore never
+    combines it with the new save), from the withdraw through the seal."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    path = write_step(parts, 20)
+    seal(parts, 20)
+    key = ShardKey("j", 0, 20)
+    a0 = parts.catalog[key].manifest
+    asked: list[tuple[int, int]] = []
+
+    def shown(step: int, nodes: int) -> list[SeenPart]:
+        asked.append((step, nodes))
+        return [SeenPart(1, "rank-1-first-save", 0.0)]
+
+    parts.agent.book.shown = shown
+    monkeypatch.setattr(resave, "RESAVE_GAP", 0.0)
+    parts.agent.intake.write_opening(os.stat(path).st_ino)
+    pathlib.Path(path).write_bytes(b"rank 0, second save")
+
+    async def body() -> None:
+        parts.agent.sealer.retry_pending("20")
+        await trio.testing.wait_all_tasks_blocked()
+
+    run_with_tasks(parts, body)
+    b0 = parts.catalog[key].manifest
+    assert set(b0.replaces) == {(0, a0.digest), (1, "rank-1-first-save")}
+    assert asked and all(a == (20, a0.nodes) for a in asked)
 
 
 # ---------------------------------------------------------------------- the restore
@@ -287,6 +339,69 @@ def test_a_daemon_restarted_before_the_reseal_still_records_the_earlier_save(tmp
     assert set(b0.replaces) == {(0, a0.digest), (1, a1.digest)}
     assert b0.created == a0.created and b0.began > 0
     assert again.agent.book.earlier == {} and again.agent.book.withdrawn_created == {}
+
+
+def test_a_daemon_killed_before_the_withdraw_was_recorded_seals_the_new_save_at_start(
+    tmp_path, monkeypatch
+):
+    """Regression (tenth #16 trial NOTE C): node 2's daemon was killed milliseconds
+    after the write that began a new save of step 30, before ``state.json`` recorded
+    the withdraw; the restarted daemon took the complete new part in its RAM for the
+    step retention had dropped ("not sealed again"), so it was never replicated and
+    the restore took an older step. Now the files written after the recorded seal
+    time say it is a new save: it is sealed again at start."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    path = write_step(parts, 20)
+    (pathlib.Path(path).parent / "commit_success.txt").write_bytes(b"ok")  # found at start
+    seal(parts, 20)
+    key = ShardKey("j", 0, 20)
+    a0 = parts.catalog[key].manifest
+    parts.agent.book.save()  # state.json as of the seal
+    monkeypatch.setattr(resave, "RESAVE_GAP", 0.0)
+    parts.agent.intake.write_opening(os.stat(path).st_ino)  # no event handled: killed
+    pathlib.Path(path).write_bytes(b"rank 0, second save")
+    os.utime(path, (a0.sealed + 1, a0.sealed + 1))  # written after the seal (coarse clocks)
+
+    again = build(tmp_path)
+    again.agent.control.set_job(JOB, "generic")
+    again.agent.book.load()
+    assert key not in again.agent.book.withdrawn_created  # the record was lost
+    assert again.agent.book.sealed_times == {key: sealed_at(a0)}
+
+    async def body() -> None:
+        await again.agent.sealer.reconcile()
+        await trio.testing.wait_all_tasks_blocked()
+
+    run_with_tasks(again, body)
+    b0 = again.catalog[key].manifest
+    assert b0.digest != a0.digest
+    assert [f.size for f in b0.files if f.path == "20/" + os.path.basename(path)] == [19]
+
+
+def test_a_step_retention_dropped_and_nobody_wrote_is_not_sealed_again_at_start(tmp_path):
+    """The other side of NOTE C's fix (#16 fourth trial F7 kept): a step whose snapshot
+    retention dropped, its files not written since, is not sealed again at start."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    path = write_step(parts, 20)
+    (pathlib.Path(path).parent / "commit_success.txt").write_bytes(b"ok")  # found at start
+    seal(parts, 20)
+    key = ShardKey("j", 0, 20)
+    parts.agent.keeper.drop_shard(key, "retention")
+    parts.agent.book.save()
+
+    again = build(tmp_path)
+    again.agent.control.set_job(JOB, "generic")
+    again.agent.book.load()
+    assert key in again.agent.book.sealed_times
+
+    async def body() -> None:
+        await again.agent.sealer.reconcile()
+        await trio.testing.wait_all_tasks_blocked()
+
+    run_with_tasks(again, body)
+    assert key not in again.catalog
 
 
 def test_the_record_round_trips_through_state_json_and_a_bad_one_is_left_out():

@@ -144,7 +144,8 @@ class ShardKeeper:
         The step's view names are remembered in ``book.withdrawn_names`` (sealed
         again when the writer closes), its first seal time in
         ``book.withdrawn_created``, and the step's parts held here (this node's
-        and the other ranks') in ``book.earlier``: the next seal may record them as
+        and the other ranks') and those the whole-step view shows (``book.shown``)
+        in ``book.earlier``: the next seal may record them as
         replaced by another save (:mod:`tierfs.node.resave`). Also called on the FUSE
         thread (a write opening).
         """
@@ -152,9 +153,11 @@ class ShardKeeper:
         shard = self.catalog.get(key)
         if shard is not None:
             self.book.withdrawn_created[key] = shard.manifest.created
-            held = self.catalog.step_manifests(key.job, key.step, shard.manifest.nodes)
+            nodes = shard.manifest.nodes
+            held = self.catalog.step_manifests(key.job, key.step, nodes)
+            seen = self.book.shown(key.step, nodes) if nodes else []
             earlier = self.book.earlier.setdefault(key, EarlierSave())
-            earlier.withdrawn(shard.manifest, held, time.time())
+            earlier.withdrawn(shard.manifest, held, time.time(), seen)
         self.drop_shard(key, reason)
         for name in names:
             self.book.withdrawn_names[name] = key

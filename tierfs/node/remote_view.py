@@ -87,7 +87,7 @@ from tierfs.core.status.whole import WholeStepStatus, WholeViewStatus
 from tierfs.fuse.inodes import proc
 from tierfs.fuse.namespace import Namespace
 from tierfs.node.catalog import ShardCatalog
-from tierfs.node.resave import RESAVE_GAP, sealed_at
+from tierfs.node.resave import RESAVE_GAP, SeenPart, sealed_at
 from tierfs.node.union import changed_ranks, union_plan
 from tierfs.node.verified_writer import VerifiedWriter
 from tierfs.store.manifest import FileEntry, Manifest
@@ -108,6 +108,10 @@ SOON, SOON_FOR = 0.1, 10.0
 #: seconds an open of a rank's file waits for that rank's part of the save this node
 #: began (F1): past the marker grace a part is sealed (:data:`sealing.MARKER_GRACE`)
 SUSPECT_WAIT = 40.0
+#: seconds an open of a file a previous daemon placed waits for a source to name its
+#: rank's part again (:attr:`StepUnion.unconfirmed`): the nodes of a restarted job
+#: answer within a few seconds of their start
+UNCONFIRMED_WAIT = 20.0
 #: seconds after this node's first look at a step (right after its own part sealed)
 #: during which a LOOKUP of DCP's ``.metadata`` missing here waits for the other
 #: ranks' parts (fifth trial F1: save, barrier, load on every rank)
@@ -259,6 +263,21 @@ class StepUnion:
     #: parts in its view by then; they are not what it saw of the earlier save)
     same_save: dict[int, str] = field(default_factory=dict)
     save_of: float | None = None
+    #: rank -> its part as placed by this daemon (digest and ``began``), kept through a
+    #: look (unlike :attr:`parts`, emptied while every rank is asked again): what a
+    #: new save of this node replaces (:meth:`RemoteView.shown_parts`)
+    seen: dict[int, SeenPart] = field(default_factory=dict)
+    #: ranks whose placed part this daemon knows only from the files' marks (a
+    #: restart) and no source has named since: asked again at every look, counted
+    #: as not known in status (``tierfs wait`` waits for them), and an open of their
+    #: files waits for an answer until :attr:`unconfirmed_until` (tenth #16 trial
+    #: FAIL B: after a restart node 0 served rank 2's earlier file, its mark's part,
+    #: beside the restored new save; rank 2's node did not answer its first look)
+    unconfirmed: set[int] = field(default_factory=set)
+    unconfirmed_until: float | None = None
+    #: the digest of this node's own part found of an earlier save than the other
+    #: parts (:meth:`RemoteView._own_earlier`), "" none
+    own_earlier: str = ""
 
     def current(self, m: Manifest) -> bool:
         """True if part ``m`` is of the save this node began (not an earlier one, even
@@ -540,6 +559,8 @@ class RemoteView:
             return lambda: self._refused(union, rf)
         if union is not None and rf.rank in union.suspect:
             return lambda: self._current(union, rf)
+        if union is not None and self._unconfirmed(union, rf.rank):
+            return lambda: self._named(union, rf)
         if rf.state == LOCAL:
             self._read_ahead(rf)
             return None
@@ -563,6 +584,8 @@ class RemoteView:
             return lambda: self._refused(union, rf)
         if union is not None and rf.rank in union.suspect:
             return lambda: self._current(union, rf)
+        if union is not None and self._unconfirmed(union, rf.rank):
+            return lambda: self._named(union, rf)
         first = min(rf.size, rf.chunk_size)
         if early_read(rf.size, rf.verified if rf.state == FETCHING else 0) is False:
             # little left: the whole file, then passthrough, but only for a bounded
@@ -608,6 +631,69 @@ class RemoteView:
             )
         if rf.rank in union.refused:
             await self._refused(union, rf)
+
+    def _unconfirmed(self, union: StepUnion, rank: int) -> bool:
+        """True while an open of ``rank``'s files waits for its part to be named again
+        (:attr:`StepUnion.unconfirmed`; at most :data:`UNCONFIRMED_WAIT` seconds from
+        the first such open). Trio thread."""
+        if rank not in union.unconfirmed:
+            return False
+        now = trio.current_time()
+        if union.unconfirmed_until is None:
+            union.unconfirmed_until = now + UNCONFIRMED_WAIT
+        return now < union.unconfirmed_until
+
+    async def _named(self, union: StepUnion, rf: RemoteFile) -> None:
+        """Wait until a source names rank ``rf.rank``'s part again (a restarted daemon
+        knew its placed files only from their marks), at most until
+        :attr:`StepUnion.unconfirmed_until`; the open is retried after (served as
+        placed if no source answered in time: said in the log). Trio thread.
+
+        Raises:
+            OSError: ESTALE when the file was replaced by the part its node names now
+                (the kernel looks the path up again and opens the new file).
+        """
+        self._wake.set()
+        assert union.unconfirmed_until is not None
+        with trio.move_on_at(union.unconfirmed_until):
+            while rf.rank in union.unconfirmed:
+                await union.looked.wait()
+        if self._by_ino.get(rf.ino) is not rf:
+            raise OSError(errno.ESTALE, f"{rf.path}: replaced by rank {rf.rank}'s current part")
+        if rf.rank in union.unconfirmed:
+            log.warning(
+                "step %d: no source named rank %d's part within %.0f s of this daemon's "
+                "start: its files are served as a previous daemon placed them (part %s)",
+                union.step,
+                rf.rank,
+                UNCONFIRMED_WAIT,
+                rf.digest[:12],
+            )
+
+    def _own_earlier(self, union: StepUnion, key: ShardKey, digest: str, why: str) -> None:
+        """This node's own part ``digest`` of ``union``'s step is of an earlier save than
+        the other ranks' parts shown (they list it as replaced): its client did not save
+        the step again here. Its files are the client's own and stay served; unless
+        this node seals another part within :data:`SUSPECT_WAIT` (a rank that writes
+        late), it is said once in ``replicator.errors`` (tenth #16 trial NOTE F: the
+        missing rank's own node served its earlier file beside the others' new ones
+        and said nothing). Trio thread."""
+        if union.own_earlier == digest or self._fetches is None:
+            return
+        union.own_earlier = digest
+
+        async def later() -> None:
+            await trio.sleep(SUSPECT_WAIT)
+            own = self.catalog.get(key)
+            if own is None or own.manifest.digest != digest:
+                return  # saved again (or dropped) since
+            self.reporter.error(
+                f"step {union.step}: this node's own part is of an earlier save of the step "
+                f"than the other ranks' parts ({why}): this node's files of the step are "
+                "not of its newest save; a load of the step here mixes two saves"
+            )
+
+        self._fetches.start_soon(later)
 
     async def _refused(self, union: StepUnion, rf: RemoteFile) -> None:
         """The open of a file of a refused rank (:attr:`StepUnion.refused`) fails.
@@ -967,6 +1053,17 @@ class RemoteView:
         """Look again now (a restore put a step in place). Trio thread."""
         self._wake.set()
 
+    def shown_parts(self, step: int, nodes: int) -> list[SeenPart]:
+        """The other ranks' parts of ``step`` this view shows, as placed by this daemon,
+        when the step is shown as written by ``nodes`` nodes (else none): what a new
+        save of this node's part replaces (:attr:`tierfs.node.steps.StepBook.shown`;
+        tenth #16 trial FAIL A). Parts known only from a previous daemon's marks are
+        left out (their ``began`` is not known). Trio thread; O(ranks shown)."""
+        union = self.steps.get(step)
+        if union is None or union.writers != nodes:
+            return []
+        return list(union.seen.values())
+
     def _on_added(self, shard: Shard) -> None:
         """A shard entered the catalog (trio thread): a restored step is looked at now,
         and a replica of another rank's part whose bytes differ from the part placed
@@ -1206,6 +1303,8 @@ class RemoteView:
             kept_beyond = await trio.to_thread.run_sync(self._unplace, union, {}, beyond)
             for rank in beyond - kept_beyond:
                 union.parts.pop(rank, None)
+                union.seen.pop(rank, None)
+                union.unconfirmed.discard(rank)
             self._soon = self._soon or bool(kept_beyond)
         tops = (
             own.manifest.top_level
@@ -1229,7 +1328,7 @@ class RemoteView:
             if union.own_digest is not None and own is not None:
                 union.began_saving(own.manifest.began)  # what was shown before it
             placed, union.parts = dict(union.parts), {}
-        union.recheck |= union.suspect | set(union.refused)
+        union.recheck |= union.suspect | set(union.refused) | union.unconfirmed
         for rank in union.recheck:
             if rank in union.parts:
                 placed[rank] = union.parts.pop(rank)
@@ -1255,6 +1354,8 @@ class RemoteView:
                 manifest = None  # an older replica than the part its node reported
             if manifest is not None and rank in union.suspect and not union.current(manifest):
                 manifest = None  # a replica of the earlier save: its node is asked
+            if manifest is not None and rank in union.unconfirmed:
+                manifest = None  # known from marks only: its node is asked (FAIL B)
             if manifest is not None and not _of_writers(manifest, writers):
                 manifest = None  # a replica of another node count's save (F8)
             if manifest is None and self.manifests is not None:
@@ -1296,6 +1397,11 @@ class RemoteView:
             found[rank] = manifest
             union.sealed[rank] = sealed_at(manifest)
             union.wanted.pop(rank, None)
+        # named again: no longer waited for once its changed files are replaced (end
+        # of this look; an open woken earlier would serve the earlier file)
+        answered = set(found) & union.unconfirmed
+        if union.unconfirmed - answered:
+            waiting = True  # asked again at the next look
         judged = [*found.values(), *([own.manifest] if own is not None else [])]
         began = own.manifest.began if own is not None else union.own_began
         prior = union.prior if began > 0 and union.prior_began == began else None
@@ -1304,6 +1410,8 @@ class RemoteView:
             if found
             else {}
         )
+        if own is not None and job.node_rank in earlier:
+            self._own_earlier(union, own.key, own.manifest.digest, earlier[job.node_rank])
         newest = max((m.began for m in judged), default=0.0)
         if newest > union.began_max:
             if union.began_max or own is not None:
@@ -1367,6 +1475,7 @@ class RemoteView:
             said = await trio.to_thread.run_sync(self._place, job.name, own, union, found)
             for rank, manifest in found.items():
                 union.parts[rank] = manifest.digest
+                union.seen[rank] = SeenPart(rank, manifest.digest, manifest.began)
             if own is not None:
                 union.shown(own.manifest.began, found)
             union.tops |= {p.split("/", 1)[0] for p in union.files}
@@ -1378,6 +1487,14 @@ class RemoteView:
         for rank in current:
             if rank not in union.recheck:  # an old file kept open: confirmed when replaced
                 union.confirm(rank)
+        answered -= union.recheck  # an earlier file kept open: replaced at a later look
+        union.unconfirmed -= answered
+        if answered:
+            log.info(
+                "step %d: rank(s) %s named their parts again since this daemon started",
+                step,
+                sorted(answered),
+            )
         union.looked.set()
         union.looked = trio.Event()
         return waiting
@@ -2084,6 +2201,7 @@ class RemoteView:
                 union.files.setdefault(rf.path, rf)
                 union.order = None
                 union.parts.setdefault(rf.rank, rf.digest)
+                union.unconfirmed.add(rf.rank)
                 known += 1
         return known
 
@@ -2139,8 +2257,10 @@ class RemoteView:
             steps.append(
                 WholeStepStatus(
                     step=step,
-                    ranks_known=tuple(sorted(union.parts)),
-                    ranks_missing=tuple(r for r in others if r not in union.parts),
+                    ranks_known=tuple(sorted(set(union.parts) - union.unconfirmed)),
+                    ranks_missing=tuple(
+                        r for r in others if r not in union.parts or r in union.unconfirmed
+                    ),
                     local=sum(1 for f in files if f.state == LOCAL),
                     remote=sum(1 for f in files if f.state == REMOTE),
                     fetching=sum(1 for f in files if f.state == FETCHING),

@@ -18,7 +18,11 @@ So every seal records what it replaced
   late write of the same save), the other ranks' parts of the step it held
   then and holds at the seal, except those whose writer began its save after
   this node's former part was sealed (a part of the new save that arrived
-  early);
+  early), and the same of the other ranks' parts its whole-step view showed
+  then and shows at the seal (:class:`SeenPart`; tenth #16 trial FAIL A: with
+  ``--peers-per-node 0`` no node holds another rank's part, and a restart
+  before node-rank 0's verdict restored a rank's earlier part beside the
+  others' new ones);
 * the parts a restore abandoned (a save of the step in the new history
   replaces them).
 
@@ -42,10 +46,28 @@ from typing import Any
 from tierfs.store.manifest import Manifest
 from tierfs.store.saves import RESAVE_GAP, sealed_at
 
-__all__ = ["MAX_REPLACED", "RESAVE_GAP", "EarlierSave", "replaced_pairs", "sealed_at"]
+__all__ = [
+    "MAX_REPLACED",
+    "RESAVE_GAP",
+    "EarlierSave",
+    "SeenPart",
+    "replaced_pairs",
+    "sealed_at",
+]
 
 #: at most this many (rank, digest) pairs a manifest records as replaced
 MAX_REPLACED = 256
+
+
+@dataclass(frozen=True, slots=True)
+class SeenPart:
+    """Another rank's part of a step as this node's whole-step view shows it: node rank
+    ``rank``, manifest ``digest``, and ``began`` (the writer's :attr:`Manifest.began`,
+    Unix seconds; 0.0 a first save)."""
+
+    rank: int
+    digest: str
+    began: float
 
 
 @dataclass
@@ -60,6 +82,7 @@ class EarlierSave:
             save; 0.0: record no held parts (no new save began).
         own: this node's former parts of the step (withdrawn or sealed again).
         held: other ranks' parts of the step held when the new save began.
+        seen: other ranks' parts of the step the whole-step view showed then.
         abandoned: parts of the step a restore abandoned.
         recorded: (node rank, manifest digest) pairs a previous daemon had gathered
             (``state.json``, :meth:`to_dict`): replaced as well.
@@ -70,6 +93,7 @@ class EarlierSave:
     cutoff: float = 0.0
     own: list[Manifest] = field(default_factory=list)
     held: list[Manifest] = field(default_factory=list)
+    seen: list[SeenPart] = field(default_factory=list)
     abandoned: list[Manifest] = field(default_factory=list)
     recorded: list[tuple[int, str]] = field(default_factory=list)
     former_files: list[str] = field(default_factory=list)
@@ -104,14 +128,22 @@ class EarlierSave:
             former_files=[str(f) for f in d.get("files", ())],
         )
 
-    def withdrawn(self, own: Manifest, held: Iterable[Manifest], now: float) -> None:
+    def withdrawn(
+        self,
+        own: Manifest,
+        held: Iterable[Manifest],
+        now: float,
+        seen: Iterable[SeenPart] = (),
+    ) -> None:
         """A write withdrew this node's part ``own`` at ``now`` (Unix seconds);
-        ``held``: the other ranks' parts of the step (same node count) held here."""
+        ``held``: the other ranks' parts of the step (same node count) held here;
+        ``seen``: those the whole-step view shows (same node count)."""
         self.own.append(own)
         if now - sealed_at(own) >= RESAVE_GAP:
             self.began = self.began or now
             self.cutoff = max(self.cutoff, sealed_at(own))
             self.held.extend(m for m in held if m.rank != own.rank)
+            self.seen.extend(p for p in seen if p.rank != own.rank)
         else:
             self.began = self.began or own.began
 
@@ -123,13 +155,14 @@ class EarlierSave:
 
 
 def replaced_pairs(
-    save: EarlierSave, held_now: Iterable[Manifest] = ()
+    save: EarlierSave, held_now: Iterable[Manifest] = (), seen_now: Iterable[SeenPart] = ()
 ) -> tuple[tuple[int, str], ...]:
     """The (node rank, manifest digest) pairs the next seal records as replaced (see
-    the module doc): ``held_now`` are the parts of the step held at the seal (this
-    node's own rank among them is left out). At most :data:`MAX_REPLACED`, the most
-    recent first. Reads every file entry of the manifests (their digests): call it
-    from a worker thread for large ones."""
+    the module doc): ``held_now`` are the parts of the step held at the seal and
+    ``seen_now`` those the whole-step view shows then (this node's own rank among
+    them is left out). At most :data:`MAX_REPLACED`, the most recent first. Reads
+    every file entry of the manifests (their digests): call it from a worker thread
+    for large ones."""
     out: dict[tuple[int, str], None] = {}
     for m in reversed(save.own):
         out.setdefault((m.rank, m.digest), None)
@@ -140,6 +173,9 @@ def replaced_pairs(
         for m in [*save.held, *held_now]:
             if m.rank not in own_ranks and m.began <= save.cutoff:
                 out.setdefault((m.rank, m.digest), None)
+        for p in [*save.seen, *seen_now]:
+            if p.rank not in own_ranks and p.began <= save.cutoff:
+                out.setdefault((p.rank, p.digest), None)
     for m in save.abandoned:
         out.setdefault((m.rank, m.digest), None)
     for m in reversed(save.own):

@@ -323,6 +323,7 @@ class RestoreDriver:
         shard = plan.shard
         created = await trio.to_thread.run_sync(self.view.link_missing, shard)
         self.book.view_steps[shard.manifest.name] = shard.key
+        self.book.sealed_times[shard.key] = time.time()  # files placed now are not a save
         state.restore_state = {
             "state": "done",
             "step": shard.key.step,
@@ -448,6 +449,7 @@ class RestoreDriver:
         shard = self.catalog.get(pub.key)
         if await trio.to_thread.run_sync(self.view.materialize, name, pub, shard):
             self.book.view_steps[name] = pub.key
+            self.book.sealed_times[pub.key] = time.time()  # as placed, not a save
             log.info("restored step %d presented as %s", pub.key.step, name)
             # the sibling stays a while for readers that resolved the symlink before
             self.tasks.spawn(self.view.hide_after, pub.sibling, SIBLING_GRACE)

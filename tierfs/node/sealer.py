@@ -27,7 +27,7 @@ import trio
 from tierfs.core.config import NodeConfig
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.jobstate import JobState
-from tierfs.node.resave import EarlierSave, replaced_pairs
+from tierfs.node.resave import EarlierSave, replaced_pairs, sealed_at
 from tierfs.node.sealing import MARKER_GRACE, TRACKERS, SealCandidate
 from tierfs.node.steps import StepBook, top_of
 from tierfs.node.tasks import TaskSpawner
@@ -216,6 +216,7 @@ class Sealer:
                 )
                 if m.rank != key.rank  # a daemon restarted since knows its own parts by pairs
             ]
+            seen_now = book.shown(key.step, job.nodes) if earlier.cutoff else []
 
             def work() -> Shard:
                 return self.shards.snapshot(
@@ -234,7 +235,7 @@ class Sealer:
                     copied=[e for e in cand.entries if e in TRACKERS],
                     foreign=self.foreign,
                     nodes=job.nodes,
-                    replaces=replaced_pairs(earlier, held_now),
+                    replaces=replaced_pairs(earlier, held_now, seen_now),
                     began=earlier.began,
                 )
 
@@ -290,6 +291,7 @@ class Sealer:
             book.abandoned.pop(cand.name, None)  # saved again since
             self.keeper.add_shard(shard)
             book.view_steps[cand.name] = key
+            book.sealed_times[key] = sealed_at(shard.manifest)
             log.info(
                 "sealed step %d (%s, %d files, %d bytes): %s",
                 key.step,
@@ -310,6 +312,35 @@ class Sealer:
         sealing = self.book.sealing_inos
         for ino in [i for i, t in sealing.items() if t == token]:
             del sealing[ino]
+
+    def _written_since(self, cand: SealCandidate, sealed: float | None) -> bool:
+        """True if a file of ``cand`` in the view (this node's own, not another rank's
+        file of the whole-step view, not a tracker) was modified after ``sealed`` (Unix
+        seconds; None: not known, False). Blocking (an lstat per entry).
+
+        A daemon killed right after a write began another save of the step (its
+        withdraw's record not yet in ``state.json``) took the new save found at start
+        for the earlier one retention dropped, and never sealed it (tenth #16 trial
+        NOTE C); the files' modification times say the step was written since."""
+        if sealed is None:
+            return False
+        for entry in cand.entries:
+            if entry in TRACKERS:
+                continue
+            top = os.path.join(self.store.view, entry)
+            for root, _dirs, files in os.walk(top) if os.path.isdir(top) else [("", [], [top])]:
+                for name in files:
+                    try:
+                        st = os.lstat(os.path.join(root, name))
+                    except OSError:
+                        continue
+                    if (
+                        stat.S_ISREG(st.st_mode)
+                        and st.st_mtime > sealed
+                        and (self.foreign is None or not self.foreign(st.st_ino))
+                    ):
+                        return True
+        return False
 
     def _not_own(self, others: list[Shard], cand: SealCandidate) -> str:
         """Why ``cand``'s files in the view are not this node's own part ("" if they may
@@ -391,6 +422,9 @@ class Sealer:
                 and (before.job, before.step) == (job.name, cand.step)
                 and before not in self.catalog
                 and before not in book.withdrawn_created
+                and not await trio.to_thread.run_sync(
+                    self._written_since, cand, book.sealed_times.get(before)
+                )
             ):
                 # sealed by an earlier daemon, its snapshot dropped since (--keep-local);
                 # the directory stayed (generic mode hides nothing). Sealed again it was

@@ -50,6 +50,9 @@ class SavedState:
             a restart before the re-seal seals the step again at start.
         earlier: this node's parts -> what their next seal replaces (issue #16 F9,
             :meth:`tierfs.node.resave.EarlierSave.to_dict`).
+        sealed: this node's parts shown in the view -> when this daemon sealed them
+            (Unix seconds): a step written since is sealed again at a start even when
+            the withdraw's record was lost (tenth #16 trial NOTE C).
     """
 
     mode: str = "none"
@@ -61,6 +64,7 @@ class SavedState:
     abandoned: dict[str, ShardKey] = field(default_factory=dict)
     withdrawn: dict[ShardKey, float] = field(default_factory=dict)
     earlier: dict[ShardKey, EarlierSave] = field(default_factory=dict)
+    sealed: dict[ShardKey, float] = field(default_factory=dict)
 
 
 def encode(saved: SavedState) -> bytes:
@@ -83,6 +87,10 @@ def encode(saved: SavedState) -> bytes:
         state["withdrawn"] = [[k.job, k.rank, k.step, t] for k, t in saved.withdrawn.items()]
     if saved.earlier:
         state["earlier"] = [[k.job, k.rank, k.step, e.to_dict()] for k, e in saved.earlier.items()]
+    shown = set(saved.view_steps.values())
+    sealed = [[k.job, k.rank, k.step, t] for k, t in saved.sealed.items() if k in shown]
+    if sealed:  # new key (tenth #16 trial NOTE C): a file without it reads the same
+        state["sealed"] = sealed
     return json.dumps(state, indent=1, sort_keys=True).encode()
 
 
@@ -133,6 +141,12 @@ def decode(state: dict[str, Any]) -> SavedState:
         }
     except (AttributeError, KeyError, TypeError, ValueError):
         saved.earlier = {}
+    try:
+        saved.sealed = {
+            ShardKey(str(j), int(r), int(s)): float(t) for j, r, s, t in state.get("sealed") or ()
+        }
+    except (TypeError, ValueError):
+        saved.sealed = {}
     return saved
 
 

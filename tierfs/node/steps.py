@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import collections
 import os
+from collections.abc import Callable
 
 from tierfs.core.control import JobSpec
 from tierfs.fuse.namespace import Namespace
 from tierfs.node import statefile
 from tierfs.node.jobstate import JobState
-from tierfs.node.resave import EarlierSave
+from tierfs.node.resave import EarlierSave, SeenPart
 from tierfs.node.sealing import SealCandidate, SealRules
 from tierfs.node.view import ClientView
 from tierfs.store.manifest import CrcCache
@@ -89,9 +90,15 @@ class StepBook:
         self.withdrawn_names: dict[str, ShardKey] = {}
         self.withdrawn_created: dict[ShardKey, float] = {}
         self.earlier: dict[ShardKey, EarlierSave] = {}
+        #: this node's parts shown in the view -> their seal time (Unix seconds)
+        self.sealed_times: dict[ShardKey, float] = {}
         self.abandoned: dict[str, ShardKey] = {}
         self.crc_cache: CrcCache = {}
         self.rules: SealRules | None = None
+        #: (step, node count) -> the other ranks' parts of that step the whole-step
+        #: view shows (set by the composition root; trio thread): what a new save of
+        #: the step replaces (:mod:`tierfs.node.resave`, tenth #16 trial FAIL A)
+        self.shown: Callable[[int, int], list[SeenPart]] = lambda step, nodes: []
 
     def new_save(self, step: int) -> tuple[float, float] | None:
         """(cutoff, began) when a write began another save of this node's part of
@@ -132,6 +139,7 @@ class StepBook:
                 abandoned=self.abandoned,
                 withdrawn=dict(self.withdrawn_created),
                 earlier=dict(self.earlier),
+                sealed=dict(self.sealed_times),
             ),
         )
 
@@ -166,4 +174,5 @@ class StepBook:
         self.earlier = {
             k: e for k, e in saved.earlier.items() if k in shown or k in self.abandoned.values()
         }
+        self.sealed_times = {k: t for k, t in saved.sealed.items() if k in shown}
         return saved.job
