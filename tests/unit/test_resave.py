@@ -90,6 +90,26 @@ def test_a_new_save_replaces_the_parts_the_view_showed_when_it_began():
     assert late.seen == [] and replaced_pairs(late) == ((0, a0.digest),)
 
 
+def test_in_a_large_job_each_node_lists_the_ranks_after_its_own():
+    """At most MAX_REPLACED pairs: in a 1,000-node job the parts shown are listed
+    nearest ranks after this node's own first (a ring), so every rank's earlier part is
+    listed by the ~255 nodes before it; an abandoned part is never crowded out."""
+    own = dataclasses.replace(M(500, "a500"), rank=500, nodes=1000)
+    gone = M(7, "abandoned")
+    seen = [SeenPart(r, f"d{r}", 0.0) for r in range(1000) if r != 500]
+    save = EarlierSave(abandoned=[gone])
+    save.withdrawn(own, [], now=100.0 + resave.RESAVE_GAP, seen=seen)
+    pairs = replaced_pairs(save)
+    assert len(pairs) == resave.MAX_REPLACED
+    assert pairs[:2] == ((500, own.digest), (7, gone.digest))
+    assert [r for r, _ in pairs[2:]] == list(range(501, 501 + resave.MAX_REPLACED - 2))
+    wrap = dataclasses.replace(own, rank=900)
+    save = EarlierSave()
+    save.withdrawn(wrap, [], now=100.0 + resave.RESAVE_GAP, seen=seen)
+    ranks = [r for r, _ in replaced_pairs(save)[1:]]
+    assert ranks[:99] == list(range(901, 1000)) and ranks[99:101] == [0, 1]
+
+
 def test_a_write_soon_after_the_seal_continues_the_save_and_replaces_only_the_own_part():
     a0, a1 = M(0, "a0", began=50.0, replaces=((1, "old1"),)), M(1, "a1")
     save = EarlierSave()

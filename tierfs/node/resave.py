@@ -160,9 +160,13 @@ def replaced_pairs(
     """The (node rank, manifest digest) pairs the next seal records as replaced (see
     the module doc): ``held_now`` are the parts of the step held at the seal and
     ``seen_now`` those the whole-step view shows then (this node's own rank among
-    them is left out). At most :data:`MAX_REPLACED`, the most recent first. Reads
-    every file entry of the manifests (their digests): call it from a worker thread
-    for large ones."""
+    them is left out). At most :data:`MAX_REPLACED`: this node's own former parts,
+    those recorded before a restart, the held and the abandoned parts first, then
+    the parts the view showed, nearest ranks after this node's own first (on a ring
+    of the node count: in a job of more than ``MAX_REPLACED`` nodes each node lists
+    another window of ranks, so every rank's earlier part is listed by about that
+    many nodes), then what this node's former parts listed. Reads every file entry
+    of the manifests (their digests): call it from a worker thread for large ones."""
     out: dict[tuple[int, str], None] = {}
     for m in reversed(save.own):
         out.setdefault((m.rank, m.digest), None)
@@ -173,11 +177,23 @@ def replaced_pairs(
         for m in [*save.held, *held_now]:
             if m.rank not in own_ranks and m.began <= save.cutoff:
                 out.setdefault((m.rank, m.digest), None)
-        for p in [*save.seen, *seen_now]:
-            if p.rank not in own_ranks and p.began <= save.cutoff:
-                out.setdefault((p.rank, p.digest), None)
     for m in save.abandoned:
         out.setdefault((m.rank, m.digest), None)
+    if save.cutoff > 0 and save.own:
+        me = save.own[-1]
+        ring = max(me.nodes, 1 + max((p.rank for p in [*save.seen, *seen_now]), default=0))
+        seen = sorted(
+            (
+                p
+                for p in [*save.seen, *seen_now]
+                if p.rank not in own_ranks and p.began <= save.cutoff
+            ),
+            key=lambda p: ((p.rank - me.rank) % ring, p.rank),
+        )
+        for p in seen:
+            if len(out) >= MAX_REPLACED:
+                break
+            out.setdefault((p.rank, p.digest), None)
     for m in reversed(save.own):
         for pair in m.replaces:
             out.setdefault(pair, None)
