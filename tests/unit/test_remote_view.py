@@ -450,6 +450,42 @@ def test_an_own_part_the_other_parts_replace_is_said_once(tmp_path, monkeypatch,
         assert "another part lists it as replaced" in job.errors[0]
 
 
+def test_a_save_begun_while_a_look_asks_every_rank_again_suspects_every_placed_rank(tmp_path):
+    """A look that asks ranks again takes their digests out of ``parts`` until they
+    answer; a write beginning a new save of the step at that moment made only the ranks
+    still in ``parts`` suspect, so an open of another rank's earlier file did not wait
+    for its new part (found while chasing the tenth trial's G). Every placed rank is
+    suspect now, and what was shown is the prior."""
+    rv, _ram, _shards, catalog, own, _job = view_of(tmp_path, PARTS, [])
+    trio.run(rv.look, own)
+
+    class Slow(Manifests):
+        release: trio.Event
+
+        async def part_manifest(self, job, rank, step, *, writers=0, round_name=""):
+            await self.release.wait()
+            return await super().part_manifest(job, rank, step, writers=writers)
+
+    async def main() -> None:
+        slow = Slow(PARTS)
+        slow.release = trio.Event()
+        rv.manifests = slow
+        union = rv.steps[10]
+        union.recheck |= {0, 2}
+        began = time.time()
+        rv.new_save = lambda step: (began - 30.0, began)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rv.look, own)
+            await trio.testing.wait_all_tasks_blocked()
+            assert 0 not in union.parts  # being asked again
+            catalog.drop(own.key, "a sealed file was opened for writing")
+            assert union.suspect == {0, 2}
+            assert union.prior == {0: PARTS[0].digest, 2: PARTS[2].digest}
+            slow.release.set()
+
+    trio.run(main)
+
+
 def test_a_corrupt_copy_is_skipped_for_the_next_one_and_said_once(tmp_path):
     peer = Source("peer", BYTES, ["peer node-rank 0", "peer node-rank 2"])
     peer.corrupt.add("peer node-rank 0")
@@ -1471,7 +1507,7 @@ def test_a_node_that_writes_late_does_not_take_the_others_new_parts_for_the_earl
 
 @pytest.mark.parametrize("sign", ["listed", "older"])
 def test_a_rank_whose_new_save_never_came_is_not_served_beside_the_new_save(
-    tmp_path, monkeypatch, sign
+    tmp_path, monkeypatch, sign, caplog
 ):
     """Regression (#16 ninth trial FAIL 15/16, silent wrong data): every rank saved
     step 10 again in place but rank 2's new save never came (its trainer crashed, or
@@ -1491,6 +1527,7 @@ def test_a_rank_whose_new_save_never_came_is_not_served_beside_the_new_save(
     rv, ram, shards, catalog, own, job = view_of(tmp_path, dict(parts), [peer])
     view = Path(ram.view) / "10"
     shard2 = view / "__2_0.distcp"
+    caplog.set_level("INFO", logger="tierfs.node.remote_view")
 
     async def main() -> None:
         await rv.look(own)
@@ -1545,6 +1582,9 @@ def test_a_rank_whose_new_save_never_came_is_not_served_beside_the_new_save(
         assert rv.status().step(10).names_ready
 
     trio.run(main)
+    # said once in the log, not at every look (tenth trial G: ten lines a second)
+    lines = [r for r in caplog.records if "not shown; its node is asked again" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
 
 
 def test_a_step_a_restore_abandoned_shows_only_this_nodes_own_files(tmp_path):

@@ -278,6 +278,8 @@ class StepUnion:
     #: the digest of this node's own part found of an earlier save than the other
     #: parts (:meth:`RemoteView._own_earlier`), "" none
     own_earlier: str = ""
+    #: (rank, digest) of the parts of an earlier save already said in the log
+    said: set[tuple[int, str]] = field(default_factory=set)
 
     def current(self, m: Manifest) -> bool:
         """True if part ``m`` is of the save this node began (not an earlier one, even
@@ -295,7 +297,10 @@ class StepUnion:
         """This node began another save of the step at ``began`` (Unix seconds): keep
         the digests shown now as :attr:`prior` (once per save)."""
         if began > 0 and began != self.prior_began:
-            seen = self.same_save if self.save_of is not None else self.parts
+            # :attr:`parts` is emptied while a look asks every rank again: what was
+            # placed (:attr:`seen`) stands in for it
+            placed = {r: p.digest for r, p in self.seen.items()} | self.parts
+            seen = self.same_save if self.save_of is not None else placed
             self.prior, self.prior_began = dict(seen), began
 
     def shown(self, own_began: float, parts: dict[int, Manifest]) -> None:
@@ -861,7 +866,9 @@ class RemoteView:
         save = self.new_save(key.step)
         if save is None:
             return
-        self._suspect(union, {r for r in union.parts if r != job.node_rank}, save[1])
+        # the ranks placed (``parts`` is emptied while a look asks every rank again)
+        shown = set(union.parts) | set(union.seen) | {rf.rank for rf in union.files.values()}
+        self._suspect(union, shown - {job.node_rank}, save[1])
 
     async def discard_bad(self, shard: Shard) -> None:
         """A replica held here failed verification (trio thread; before it is dropped,
@@ -1426,7 +1433,9 @@ class RemoteView:
             # a part of an earlier save of this step than the other parts (F5; ninth
             # trial FAIL 15/16: a rank whose new save never came): never placed; opens
             # of its files shown wait for its part of the new save, then fail (EIO)
-            if rank not in union.suspect and rank not in union.refused:
+            if (rank, found[rank].digest) not in union.said:
+                # once per part (tenth trial G: ten lines a second while it waited)
+                union.said.add((rank, found[rank].digest))
                 log.info("step %d: %s: not shown; its node is asked again", step, earlier[rank])
             del found[rank]
             current = [r for r in current if r != rank]
