@@ -410,6 +410,7 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
     )
     remote.new_save = agent.book.new_save  # the view's opens wait for a new save (F1)
     agent.book.shown = remote.shown_parts  # a new save replaces the parts shown (FAIL A)
+    remote.own_replaced = agent.book.own_replaced  # a part listing them is current (E2)
     agent.restores.on_superseded(remote.discard_superseded)  # an earlier save's replicas (N2)
     remote.abandoned = agent.book.is_abandoned  # such a step shows only its own files
     agent.intake.on_change = remote.own_change  # a save begun in a step shown without a part

@@ -615,6 +615,13 @@ def test_a_replica_held_here_is_linked_not_fetched(tmp_path):
     assert again.reload() == 3
     trio.run(again.look, own)  # rank 0's node does not answer: the replica here names it
     assert again.is_remote(meta.stat().st_ino) and again.missing(meta.stat().st_ino) is None
+    # a job shrunk to one node asks no node at all: the replica here names it (CI
+    # regression: `tierfs wait` waited 180 s for rank 1 of a 2-node step restored alone)
+    alone = RemoteView(ram.view, ram.incoming, catalog, _job, None, [], _job, None)
+    assert alone.reload() == 3
+    trio.run(alone.look, own)
+    assert 0 in alone.status().step(10).ranks_known
+    assert alone.missing(meta.stat().st_ino) is None
     assert shards.verify(replica) == []
 
 
@@ -1500,6 +1507,121 @@ def test_a_node_that_writes_late_does_not_take_the_others_new_parts_for_the_earl
         if wait is not None:
             await wait()
         assert shard0.read_bytes() == C2
+
+    trio.run(main)
+    assert job.errors == []
+
+
+def test_a_rank_late_in_one_save_is_current_in_the_next_one_this_node_writes_late(
+    tmp_path, monkeypatch
+):
+    """Regression (eleventh #16 trial E2): step 10 saved again in place twice; in the
+    first re-save rank 2 wrote 20 s after this node, in the second this node wrote 25 s
+    after the others. The digests this node kept of its own save (the same-save parts)
+    had none for rank 2 (begun too far from this node's part), so rank 2's newest part
+    never counted as current: opens of its files failed with EIO for good and a load on
+    this node failed. A part that lists this node's part the save replaced (the part
+    its view showed when its save began) is of that save or a later one: current."""
+    monkeypatch.setattr("tierfs.node.remote_view.SUSPECT_WAIT", 0.3)
+    C2, B2, C3, B3 = (os.urandom(n) for n in (len(C), len(B), len(C) + 1, len(B) + 1))
+    peer = Source("peer", dict(BYTES), ["peer node-rank 0", "peer node-rank 2"])
+    rv, ram, shards, catalog, own, job = view_of(tmp_path, dict(PARTS), [peer])
+    shard2 = Path(ram.view) / "10" / "__2_0.distcp"
+    t0 = time.time() - 200
+
+    async def main() -> None:
+        await rv.look(own)
+        union = rv.steps[10]
+        # the first re-save: this node and rank 0 at t0, rank 2 20 s late
+        (Path(ram.view) / "10" / "__1_0.distcp").write_bytes(A[::-1])
+        own2 = resealed(shards, ram, rv, t0)
+        catalog.add(own2)
+        p0 = dataclasses.replace(
+            manifest(0, {".metadata": B, "__0_0.distcp": C2}), began=t0, sealed=t0 + 1
+        )
+        p2 = dataclasses.replace(manifest(2, {"__2_0.distcp": B2}), began=t0 + 20, sealed=t0 + 21)
+        rv.manifests = Manifests({0: p0, 2: p2})
+        peer.files = {**BYTES, "10/__0_0.distcp": C2, "10/__2_0.distcp": B2}
+        await rv.look(own2)
+        assert union.parts == {0: p0.digest, 2: p2.digest} and union.refused == {}
+        # the second re-save: ranks 0 and 2 at began - 25, this node 25 s late; their
+        # views showed this node's part own2 when they began (it is what they replace)
+        began = time.time()
+        lists = ((1, own2.manifest.digest),)
+        q0 = dataclasses.replace(
+            manifest(0, {".metadata": B, "__0_0.distcp": C3}),
+            began=began - 25,
+            sealed=began - 24,
+            replaces=((0, p0.digest), *lists),
+        )
+        q2 = dataclasses.replace(
+            manifest(2, {"__2_0.distcp": B3}),
+            began=began - 25,
+            sealed=began - 24,
+            replaces=((2, p2.digest), *lists),
+        )
+        rv.manifests = Manifests({0: q0, 2: q2})
+        peer.files = {**BYTES, "10/__0_0.distcp": C3, "10/__2_0.distcp": B3}
+        union.recheck |= {0, 2}  # the coordinator's notice
+        await rv.look(own2)
+        assert union.parts == {0: q0.digest, 2: q2.digest}
+        rv.new_save = lambda step: (t0 + 1, began)
+        rv.own_replaced = lambda step: frozenset(lists)
+        catalog.drop(own2.key, "a sealed file was opened for writing")  # this node begins
+        assert 2 not in (union.prior or {})  # rank 2 was late in the save shown before
+        (Path(ram.view) / "10" / "__1_0.distcp").write_bytes(A)
+        own3 = resealed(shards, ram, rv, began)
+        catalog.add(own3)
+        await rv.look(own3)
+        await trio.sleep(0.4)  # past the wait
+        await rv.look(own3)
+        assert union.suspect == set() and union.refused == {}
+        wait = rv.opening(shard2.stat().st_ino)
+        if wait is not None:
+            await wait()
+        assert shard2.read_bytes() == B3
+        # a part listing only an older part of this node is not taken for current
+        older = dataclasses.replace(q2, replaces=((1, own.manifest.digest),))
+        assert not union.current(older)
+
+    trio.run(main)
+    assert job.errors == []
+
+
+def test_a_rank_that_no_longer_writes_the_step_is_never_waited_for(tmp_path, monkeypatch):
+    """Regression (CI, a busy machine): a job renumbered onto 3 nodes saved step 30 of
+    the 4-node save again; the node began its save while rank 3's files were placed, so
+    rank 3 became suspect, its files then left the view (the step now written by 3
+    nodes), yet rank 3 stayed suspect and was refused 40 s later, a false line in
+    ``replicator.errors``. A rank beyond the step's node count is never waited for."""
+    monkeypatch.setattr("tierfs.node.remote_view.SUSPECT_WAIT", 0.3)
+    peer = Source("peer", dict(BYTES), ["peer node-rank 0", "peer node-rank 2"])
+    rv, ram, shards, catalog, own, job = view_of(tmp_path, dict(PARTS), [peer])
+
+    async def main() -> None:
+        await rv.look(own)
+        union = rv.steps[10]
+        began = time.time()
+        rv.new_save = lambda step: (began - 30.0, began)
+        catalog.drop(own.key, "a sealed file was opened for writing")
+        assert union.suspect == {0, 2}
+        new0 = dataclasses.replace(
+            manifest(0, {".metadata": B, "__0_0.distcp": C[::-1]}),
+            began=began + 0.1,
+            sealed=began + 1,
+            nodes=2,
+        )
+        rv.manifests = Manifests({0: new0})
+        peer.files = {**BYTES, "10/__0_0.distcp": C[::-1]}
+        (Path(ram.view) / "10" / "__1_0.distcp").write_bytes(A[::-1])
+        own2 = resealed(shards, ram, rv, began)
+        own2 = dataclasses.replace(own2, manifest=dataclasses.replace(own2.manifest, nodes=2))
+        catalog.add(own2)
+        await rv.look(own2)  # the step is written by 2 nodes now: rank 2's files leave
+        assert 2 not in union.suspect and not (Path(ram.view) / "10" / "__2_0.distcp").exists()
+        await trio.sleep(0.4)  # past the wait
+        await rv.look(own2)
+        assert union.refused == {} and union.suspect == set()
 
     trio.run(main)
     assert job.errors == []

@@ -280,13 +280,25 @@ class StepUnion:
     own_earlier: str = ""
     #: (rank, digest) of the parts of an earlier save already said in the log
     said: set[tuple[int, str]] = field(default_factory=set)
+    #: (node rank, digest) of this node's own parts the save it began replaces (its
+    #: part withdrawn when the save began): a part listing one of them as replaced
+    #: was begun after this node's former part, so it is of that save or a later one
+    own_former: frozenset[tuple[int, str]] = frozenset()
 
     def current(self, m: Manifest) -> bool:
         """True if part ``m`` is of the save this node began (not an earlier one, even
-        one sealed late, e.g. after a marker's grace): its rank's part changed since
+        one sealed late, e.g. after a marker's grace): it lists this node's part the
+        save replaced as replaced (:attr:`own_former`), its rank's part changed since
         that save began (:attr:`prior`; a rank that began writing several seconds
         later or earlier is of the same save, tenth trial), or it was sealed since,
-        or its save began at most ``RESAVE_GAP / 2`` before."""
+        or its save began at most ``RESAVE_GAP / 2`` before.
+
+        Regression (eleventh #16 trial E2): rank 2 wrote 20 s late in one save of
+        step 30 and node 1 25 s late in the next; node 1's record of the earlier
+        save had no digest for rank 2 (begun too far from its own), so rank 2's new
+        part never counted as current there and was refused for good."""
+        if self.own_former and not self.own_former.isdisjoint(m.replaces):
+            return True
         if self.prior is not None and self.prior_began == self.own_began:
             was = self.prior.get(m.rank)
             if was is not None and was != m.digest:
@@ -533,6 +545,10 @@ class RemoteView:
         #: (cutoff, began) of a new save of this node's part of a step, else None: set
         #: by the composition root (:meth:`tierfs.node.steps.StepBook.new_save`)
         self.new_save: Callable[[int], tuple[float, float] | None] = lambda step: None
+        #: step -> (node rank, digest) of this node's own parts the save of the step it
+        #: is writing replaces (set by the composition root:
+        #: :meth:`tierfs.node.steps.StepBook.own_replaced`)
+        self.own_replaced: Callable[[int], frozenset[tuple[int, str]]] = lambda step: frozenset()
         #: True for a step whose own part a restore abandoned (issue #16 trial F4): set
         #: by the composition root (:meth:`tierfs.node.steps.StepBook.is_abandoned`)
         self.abandoned: Callable[[int], bool] = lambda step: False
@@ -866,6 +882,7 @@ class RemoteView:
         save = self.new_save(key.step)
         if save is None:
             return
+        union.own_former = self.own_replaced(key.step)
         # the ranks placed (``parts`` is emptied while a look asks every rank again)
         shown = set(union.parts) | set(union.seen) | {rf.rank for rf in union.files.values()}
         self._suspect(union, shown - {job.node_rank}, save[1])
@@ -1312,6 +1329,12 @@ class RemoteView:
                 union.parts.pop(rank, None)
                 union.seen.pop(rank, None)
                 union.unconfirmed.discard(rank)
+        for rank in [r for r in union.suspect | set(union.refused) if r >= writers]:
+            # a rank that no longer writes the step is never waited for (its files
+            # leave; CI regression: a renumbered 3-node job saving step 30 again
+            # refused the 4-node save's rank 3 after 40 s, said in replicator.errors)
+            union.refused.pop(rank, None)
+            union.confirm(rank)
             self._soon = self._soon or bool(kept_beyond)
         tops = (
             own.manifest.top_level
@@ -1361,8 +1384,10 @@ class RemoteView:
                 manifest = None  # an older replica than the part its node reported
             if manifest is not None and rank in union.suspect and not union.current(manifest):
                 manifest = None  # a replica of the earlier save: its node is asked
+            unconfirmed_held = None
             if manifest is not None and rank in union.unconfirmed:
-                manifest = None  # known from marks only: its node is asked (FAIL B)
+                # known from marks only: its node is asked first (FAIL B)
+                unconfirmed_held, manifest = manifest, None
             if manifest is not None and not _of_writers(manifest, writers):
                 manifest = None  # a replica of another node count's save (F8)
             if manifest is None and self.manifests is not None:
@@ -1380,6 +1405,9 @@ class RemoteView:
                         writers,
                     )
                     manifest = None  # its node's part of another save (F8)
+            if manifest is None and unconfirmed_held is not None:
+                # no node named it (a job shrunk to one node asks none): the copy here
+                manifest = unconfirmed_held
             for more in self.more_manifests:
                 if manifest is not None:
                     break

@@ -112,6 +112,19 @@ class StepBook:
             return None
         return earlier.cutoff, earlier.began
 
+    def own_replaced(self, step: int) -> frozenset[tuple[int, str]]:
+        """(node rank, digest) of this node's own parts of ``step`` that the save being
+        written replaces (withdrawn or sealed again since its last seal by this
+        daemon; not the older parts they replaced in turn), empty when no save of it
+        is being written."""
+        job = self.state.job
+        if job is None:
+            return frozenset()
+        earlier = self.earlier.get(ShardKey(job.name, job.node_rank, step))
+        if earlier is None:
+            return frozenset()
+        return frozenset((m.rank, m.digest) for m in earlier.own)
+
     def is_abandoned(self, step: int) -> bool:
         """True if a restore abandoned this node's own part of ``step`` of the running
         job and it was not saved again since (:attr:`abandoned`)."""

@@ -12,6 +12,7 @@ incarnation changed restarted: the book tells its restart listeners
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -77,6 +78,8 @@ class AddressBook:
         #: ranks asked for beyond the replica targets (the whole-step view reads
         #: other ranks' parts from their nodes), per job name
         self.extra: dict[str, set[int]] = {}
+        #: (job, rank) -> when :meth:`also_want` first asked for it (monotonic seconds)
+        self.wanted_at: dict[tuple[str, int], float] = {}
 
     def also_want(self, job: str, rank: int) -> bool:
         """Ask the coordinator for node ``rank``'s address from the next heartbeat on
@@ -85,6 +88,7 @@ class AddressBook:
         if rank in ranks:
             return False
         ranks.add(rank)
+        self.wanted_at[(job, rank)] = time.monotonic()
         return True
 
     def update(self, peers: Iterable[Any], reply: Any = None) -> None:

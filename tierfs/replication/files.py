@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -231,11 +232,14 @@ class PeerFiles:
         for r in dict.fromkeys(ranks):
             if r == me:
                 continue
-            new = r not in self.book.extra.get(job, ())
             address = await self.address_of(job, r)
-            if address is None and new:
-                # asked for just now: the next heartbeat (about a second) brings it
-                with trio.move_on_after(ADDRESS_WAIT):
+            since = self.book.wanted_at.get((job, r))
+            left = ADDRESS_WAIT - (time.monotonic() - since) if since is not None else 0.0
+            if address is None and left > 0:
+                # asked for lately (here, or by a manifest asked of that node just
+                # before: eleventh #16 trial NOTE H, a prefetch right after a restart
+                # failed at once): the next heartbeat (about a second) brings it
+                with trio.move_on_after(left):
                     while address is None:
                         await trio.sleep(0.1)
                         peer = self.book.reachable(r)
