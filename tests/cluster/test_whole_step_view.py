@@ -235,6 +235,13 @@ def test_a_rank_saving_a_step_again_is_served_anew_on_a_node_without_its_replica
     wait_for(target.exists, 60, "rank 1's shard in node 2's view")
     assert target.read_bytes() == W1  # fetched from node 1, kept in node 2's RAM
     replica = c.mounts[2].ram_dir / "store" / "shards" / "dcp" / "1" / "10"
+    # node 1's view has placed the other ranks' files (a client's rmtree racing the
+    # placement of the last one failed with ENOTEMPTY in CI on a busy machine)
+    wait_for(
+        lambda: {".metadata", "__0_0.distcp", "x"} <= set(os.listdir(c.root(1) / "10")),
+        60,
+        "the other ranks' files in node 1's view",
+    )
     # rank 1 saves step 10 again: its directory removed and renamed into place anew
     W1b = os.urandom(len(W1))
     shutil.rmtree(c.root(1) / "10")
