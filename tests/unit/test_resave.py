@@ -162,6 +162,20 @@ def replica(parts, tmp_path: pathlib.Path, rank: int, step: int, data: bytes) ->
     return shard.manifest
 
 
+def save_again(parts, path: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """This node saves step 20 again (a training interval after its seal): a write into
+    its sealed file ``path``, then the seal."""
+    monkeypatch.setattr(resave, "RESAVE_GAP", 0.0)
+    parts.agent.intake.write_opening(os.stat(path).st_ino)
+    pathlib.Path(path).write_bytes(b"rank 0, second save")
+
+    async def body() -> None:
+        parts.agent.sealer.retry_pending("20")
+        await trio.testing.wait_all_tasks_blocked()
+
+    run_with_tasks(parts, body)
+
+
 def test_a_step_saved_again_in_place_records_the_earlier_save_it_replaced(tmp_path, monkeypatch):
     parts = build(tmp_path)
     parts.agent.control.set_job(JOB, "generic")
@@ -171,15 +185,7 @@ def test_a_step_saved_again_in_place_records_the_earlier_save_it_replaced(tmp_pa
     a0 = parts.catalog[key].manifest
     assert a0.replaces == () and a0.began == 0.0 and a0.sealed > 0
     a1 = replica(parts, tmp_path, 1, 20, b"rank 1, first save")
-    monkeypatch.setattr(resave, "RESAVE_GAP", 0.0)  # the next save, a training interval later
-    parts.agent.intake.write_opening(os.stat(path).st_ino)
-    pathlib.Path(path).write_bytes(b"rank 0, second save")
-
-    async def body() -> None:
-        parts.agent.sealer.retry_pending("20")
-        await trio.testing.wait_all_tasks_blocked()
-
-    run_with_tasks(parts, body)
+    save_again(parts, path, monkeypatch)
     b0 = parts.catalog[key].manifest
     assert b0.digest != a0.digest
     assert set(b0.replaces) == {(0, a0.digest), (1, a1.digest)}
@@ -220,15 +226,7 @@ def test_a_new_save_records_the_parts_its_view_showed(tmp_path, monkeypatch):
         return [SeenPart(1, "rank-1-first-save", 0.0)]
 
     parts.agent.book.shown = shown
-    monkeypatch.setattr(resave, "RESAVE_GAP", 0.0)
-    parts.agent.intake.write_opening(os.stat(path).st_ino)
-    pathlib.Path(path).write_bytes(b"rank 0, second save")
-
-    async def body() -> None:
-        parts.agent.sealer.retry_pending("20")
-        await trio.testing.wait_all_tasks_blocked()
-
-    run_with_tasks(parts, body)
+    save_again(parts, path, monkeypatch)
     b0 = parts.catalog[key].manifest
     assert set(b0.replaces) == {(0, a0.digest), (1, "rank-1-first-save")}
     assert asked and all(a == (20, a0.nodes) for a in asked)
