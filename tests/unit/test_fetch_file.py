@@ -46,6 +46,7 @@ from tierfs.cluster.servicer import CoordinatorServicer
 from tierfs.core.config import NodeConfig
 from tierfs.core.control import JobSpec
 from tierfs.core.errors import FetchFailed
+from tierfs.core.ports import FileTarget
 from tierfs.node.catalog import ShardCatalog
 from tierfs.replication import heartbeat
 from tierfs.replication.client import PeerClient
@@ -849,3 +850,105 @@ def test_the_status_names_the_ranks_a_shrunk_jobs_round_lacks(tmp_path, monkeypa
     )
     tier.memory.cluster_last = RoundView(R1, 20, "incomplete")
     assert f"last round {R1} step 20: incomplete;" in tier.status().summary + ";"
+
+
+# ---------------------------------------------------------------------- batches (goal 2)
+
+
+class Into:
+    """A :class:`tierfs.core.ports.FileTarget` ``write`` into a fresh file each."""
+
+    def __init__(self, tmp_path: Path, path: str) -> None:
+        self.fd = target(tmp_path, path.replace("/", "_"))
+
+    def __call__(self, data: bytes, offset: int) -> None:
+        os.pwrite(self.fd, data, offset)
+
+
+def targets(tmp_path: Path, paths: list[str], wrong: str = "") -> dict[str, FileTarget]:
+    """FileTargets of ``paths`` by :data:`FILES` (``wrong``: that one's crc32c is not
+    the holder's, as after a re-save the caller has not seen)."""
+    out = {}
+    for p in paths:
+        crc = google_crc32c.value(FILES[p]) ^ (1 if p == wrong else 0)
+        out[p] = FileTarget(p, len(FILES[p]), crc, Into(tmp_path, p))
+    return out
+
+
+def test_pull_files_brings_several_files_in_one_call_each_landed_as_it_ends(served, tmp_path):
+    at, host = served(PeerServicer)
+    client = PeerClient(TOKEN, WireStats())
+    key, digest = host.shard.key, host.shard.manifest.digest
+    want = targets(tmp_path, [SMALL, BIG, "7/meta.json"])
+    landed: list[tuple[str, int]] = []
+
+    def on_landed(path: str) -> None:  # every byte of it is written when it lands
+        landed.append((path, os.fstat(want[path].write.fd).st_size))  # type: ignore[attr-defined]
+
+    try:
+        got = client.pull_files(at, key, digest, list(want.values()), threading.Event(), on_landed)
+        assert got == set(want)
+        # in the holder's manifest order, one call
+        assert landed == [("7/meta.json", 11), (BIG, len(FILES[BIG])), (SMALL, 20)]
+        for p, t in want.items():
+            assert contents(t.write.fd) == FILES[p]  # type: ignore[attr-defined]
+        assert host.stats.snapshot()["pulls_served"] == 1
+        assert host.stats.snapshot()["served_bytes"] == sum(len(d) for d in FILES.values())
+        # a file whose bytes are not the caller's is not written; the others are
+        (tmp_path / "again").mkdir()
+        other = targets(tmp_path / "again", [SMALL, "7/meta.json"], wrong=SMALL)
+        landed.clear()
+        got = client.pull_files(
+            at, key, "", list(other.values()), threading.Event(), lambda p: landed.append((p, 0))
+        )
+        assert got == {"7/meta.json"} and landed == [("7/meta.json", 0)]
+        assert os.fstat(other[SMALL].write.fd).st_size == 0  # type: ignore[attr-defined]
+        # another digest than the holder's: refused before any byte
+        with pytest.raises(grpc.RpcError) as err:
+            client.pull_files(at, key, "0badd1e5-10", list(want.values()), threading.Event(), print)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        for t in want.values():
+            os.close(t.write.fd)  # type: ignore[attr-defined]
+        client.close()
+
+
+def test_a_batch_whose_copy_breaks_midway_keeps_what_landed_and_asks_the_next_copy(net, tmp_path):
+    async def test(nodes: list[Node], shard: Shard) -> None:
+        want = targets(tmp_path, [SMALL, BIG, "7/meta.json"])
+        by: dict[str, str] = {}
+        try:
+            # the second chunk of node 3's stream (the big file's first) flipped: the
+            # first file landed from node 3, the rest come from node 2
+            net.corrupt("PullShard", callee=address(3), chunk=1, at=5)
+            await nodes[0].tier.fetch_files(
+                JOB,
+                3,
+                STEP,
+                shard.manifest.digest,
+                list(want.values()),
+                lambda p, label: by.__setitem__(p, label),
+            )
+            assert by == {"7/meta.json": label(3), BIG: label(2), SMALL: label(2)}
+            for p, t in want.items():
+                assert contents(t.write.fd) == FILES[p]  # type: ignore[attr-defined]
+        finally:
+            for t in want.values():
+                os.close(t.write.fd)  # type: ignore[attr-defined]
+        assert pulls(net) == [(address(3), "corrupt"), (address(2), "ok")]
+        # no copy reachable: nothing lands, nothing is raised (each file's own fetch
+        # then tries every tier and reports)
+        for r in (3, 2, 1):
+            net.down(address(r))
+        (tmp_path / "down").mkdir()
+        again = targets(tmp_path / "down", [SMALL])
+        by.clear()
+        try:
+            await nodes[0].tier.fetch_files(
+                JOB, 3, STEP, "", list(again.values()), lambda p, lb: by.__setitem__(p, lb)
+            )
+        finally:
+            os.close(again[SMALL].write.fd)  # type: ignore[attr-defined]
+        assert by == {}
+
+    cluster(net, tmp_path, test)

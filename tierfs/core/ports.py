@@ -27,7 +27,8 @@ Implementations today:
 * :class:`BucketRestore`: :class:`tierfs.node.sources.BucketRestoreSide`;
 * :class:`Agreement`: :class:`tierfs.node.agreement.CoordinatorAgreement`;
 * :class:`FileSource`: :class:`tierfs.replication.peer.PeerTier` (peers' RAM),
-  :class:`tierfs.backup.tier.GcsTier` (bucket rounds).
+  :class:`tierfs.backup.tier.GcsTier` (bucket rounds);
+* :class:`BatchFileSource`: :class:`tierfs.replication.peer.PeerTier`.
 """
 
 from __future__ import annotations
@@ -224,6 +225,56 @@ class FileSource(Protocol):
             tierfs.core.errors.FetchFailed: no copy in this tier could be read (the
                 reason names each copy tried). Never anything else but
                 ``trio.Cancelled``.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class FileTarget:
+    """One file of a batched fetch (:meth:`BatchFileSource.fetch_files`).
+
+    Attributes:
+        path: relative to the part's root, as its manifest lists it.
+        size: bytes; crc32c: of the whole file, by the caller's manifest (a copy
+            whose entry differs is not written).
+        write: ``write(data, offset)`` of each piece of the file's bytes, in offset
+            order from 0, in a worker thread (the caller checks chunks against its
+            manifest and writes them; what it raises ends that copy's call).
+    """
+
+    path: str
+    size: int
+    crc32c: int
+    write: PositionalWrite
+
+
+class BatchFileSource(Protocol):
+    """A :class:`FileSource` that also hands over several small files of one part in
+    one call (issue #14 goal 2: a call per small file costs more than its bytes)."""
+
+    async def fetch_files(
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        digest: str,
+        files: Sequence[FileTarget],
+        landed: Callable[[str, str], None],
+        *,
+        writers: int = 0,
+    ) -> None:
+        """Bring as many of ``files`` (of node ``rank``'s part of ``step`` with
+        manifest ``digest``) as one copy serves whole and right, best effort.
+
+        ``landed(path, label)`` is called from a worker thread as soon as a file's
+        every byte went through its ``write`` and its size and crc32c are the
+        target's (``label`` names the copy, as :meth:`FileSource.fetch_file`
+        returns it). A file never landed may hold some verified pieces: the
+        caller fetches it on its own (which reports what failed).
+
+        Raises:
+            tierfs.core.errors.FetchFailed: a write found no room (ENOSPC), with
+                the ``OSError`` as its cause. Nothing else but ``trio.Cancelled``.
         """
         ...
 

@@ -282,6 +282,17 @@ EARLY_READ_WAIT = _seconds(
     _PEER,
     zero_ok=True,
 )
+FETCH_BATCH = Setting(
+    "TIERFS_FETCH_BATCH",
+    int,
+    64,
+    "files",
+    "the whole-step view fetches another rank's file of at most 4 MiB together with the "
+    "next such files of that rank's part (path order, at most 64 MiB) in one call to a "
+    "peer, at most this many files per call; 1: one call per file",
+    _PEER,
+    minimum=1,
+)
 REVERIFY_AFTER = _seconds(
     "TIERFS_REVERIFY_AFTER",
     600.0,
@@ -362,6 +373,7 @@ ALL: tuple[Setting[int] | Setting[float] | Setting[str], ...] = (
     PEER_PUSH_PATIENCE,
     EARLY_READ_MIB,
     EARLY_READ_WAIT,
+    FETCH_BATCH,
     REVERIFY_AFTER,
     TRAINER_SAME_START,
     REFUSAL_GRACE,

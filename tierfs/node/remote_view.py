@@ -65,6 +65,7 @@ parts changed since (:mod:`tierfs.cluster.part_versions`).
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import errno
 import json
@@ -75,13 +76,21 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import google_crc32c
 import trio
 
 from tierfs.core import control, settings
 from tierfs.core.errors import NO_ROOM_ERRNOS, FetchFailed
-from tierfs.core.ports import CurrentJob, FileSource, ManifestSource, Reporter
+from tierfs.core.ports import (
+    BatchFileSource,
+    CurrentJob,
+    FileSource,
+    FileTarget,
+    ManifestSource,
+    Reporter,
+)
 from tierfs.core.priority import fetch_hold, fetch_urgent
 from tierfs.core.status.whole import WholeStepStatus, WholeViewStatus
 from tierfs.fuse.inodes import proc
@@ -122,6 +131,15 @@ EXPECT_POLL = 0.25
 DCP_METADATA = ".metadata"
 #: bytes read per call when checking fetched bytes
 READ_CHUNK = 1 << 20
+#: a remote file of at most this many bytes is fetched together with the next remote
+#: small files of its part (path order) in one call (issue #14 goal 2: per call, the
+#: round trips and thread hops cost more than a small file's bytes)
+BATCH_FILE_MAX = 4 * MIB
+#: bytes of one such batch at most (files: ``$TIERFS_FETCH_BATCH``)
+BATCH_BYTES = 64 * MIB
+#: view entries looked at past the first file for its batch, per file of a batch
+#: (other ranks' files interleave in path order)
+BATCH_SCAN = 4
 
 LOCAL, REMOTE, FETCHING = "local", "remote", "fetching"
 #: the ``source`` of a file hard-linked from a replica held here (never dropped)
@@ -1940,29 +1958,169 @@ class RemoteView:
 
         self._fetches.start_soon(ahead, nxt)
 
-    async def _fetch_task(self, rf: RemoteFile) -> None:
-        """One fetch of ``rf``; its outcome is left in ``rf`` (state, errno, error)."""
+    async def _fetch_task(self, rf: RemoteFile, batch: bool = True) -> None:
+        """One fetch of ``rf``; its outcome is left in ``rf`` (state, errno, error).
+        ``batch``: small files after it in its part may come in the same call
+        (:meth:`_batched`)."""
         assert rf.done is not None
         token = fetch_urgent.set(lambda: rf.urgent)
         # a fetch no reader waits for pauses between chunks while a reader waits
         held = fetch_hold.set(lambda: self._readers > 0 and not rf.urgent)
         try:
-            await self._fetch(rf)
+            if not (batch and await self._batched(rf)):
+                await self._fetch(rf)
         except OSError as exc:
             rf.errno = exc.errno or errno.EIO
         except Exception:
             log.exception("fetching %s of rank %d failed", rf.path, rf.rank)
             rf.errno, rf.error = errno.EIO, rf.error or "internal error (see the log)"
         finally:
-            if rf.state == FETCHING:
-                rf.state = REMOTE
-                rf.verified = 0
-            rf.whole_until = None  # the next fetch's opens wait afresh
-            rf.urgent = False
             fetch_urgent.reset(token)
             fetch_hold.reset(held)
-            rf.done.set()
-            rf.moved()
+            self._fetch_ended(rf)
+
+    @staticmethod
+    def _fetch_ended(rf: RemoteFile) -> None:
+        """``rf``'s fetch ended (LOCAL, or REMOTE with its errno): wake its waiters."""
+        assert rf.done is not None
+        if rf.state == FETCHING:
+            rf.state = REMOTE
+            rf.verified = 0
+        rf.whole_until = None  # the next fetch's opens wait afresh
+        rf.urgent = False
+        rf.done.set()
+        rf.moved()
+
+    def _batch_of(self, rf: RemoteFile) -> list[RemoteFile]:
+        """``rf`` and the remote small files of its part after it in path order, to
+        fetch in one call (at most ``$TIERFS_FETCH_BATCH`` files and
+        :data:`BATCH_BYTES` bytes, looking at :data:`BATCH_SCAN` entries per file;
+        only files whose manifest has
+        chunk checksums: each chunk is checked before it is written): just ``rf``
+        when it is not such a file or its step is not in the view."""
+        union = self.steps.get(rf.step)
+        if (
+            rf.size > BATCH_FILE_MAX
+            or rf.chunks is None
+            or union is None
+            or union.files.get(rf.path) is not rf
+        ):
+            return [rf]
+        if union.order is None:
+            union.order = sorted(union.files)
+        most = settings.FETCH_BATCH.get()
+        at = bisect.bisect_right(union.order, rf.path)
+        batch, total = [rf], rf.size
+        for path in union.order[at : at + BATCH_SCAN * most]:
+            f = union.files.get(path)
+            if (
+                f is None
+                or f.state != REMOTE
+                or (f.rank, f.digest) != (rf.rank, rf.digest)
+                or f.size > BATCH_FILE_MAX
+                or f.chunks is None
+            ):
+                continue
+            if total + f.size > BATCH_BYTES:
+                break
+            if len(batch) >= most:
+                break
+            batch.append(f)
+            total += f.size
+        return batch
+
+    async def _batched(self, rf: RemoteFile) -> bool:
+        """Fetch ``rf`` together with the next small files of its part (:meth:`_batch_of`)
+        in one call of the first source that batches (:class:`BatchFileSource`):
+        True when ``rf`` landed whole and verified (LOCAL). Every other file of the
+        batch that landed is LOCAL and its waiters woken at once; one that did not is
+        fetched on its own (:meth:`_fetch`, which tries every source and reports),
+        as is ``rf`` when this returns False. Trio thread.
+
+        Raises:
+            OSError: ENOENT when ``rf`` left the view (its own fetch says the same).
+        """
+        source = next((s for s in self.sources if hasattr(s, "fetch_files")), None)
+        batch = self._batch_of(rf) if source is not None else [rf]
+        if len(batch) < 2 or self._fetches is None:
+            return False
+        for f in batch[1:]:
+            f.urgent = rf.urgent
+            f.state, f.done, f.errno = FETCHING, trio.Event(), 0
+        job = self.current.job
+        fds: dict[str, int] = {}
+        writers: list[VerifiedWriter] = []
+        targets: list[FileTarget] = []
+        by_path = {f.path: f for f in batch}
+        try:
+            for f in batch:
+                try:
+                    fd = self._open_rw(f)
+                except OSError:
+                    continue  # gone from the view: its own fetch says so
+                fds[f.path] = fd
+                f.verified = 0
+                w = self._writer(f, fd)
+                assert w is not None  # a batch has chunk checksums (_batch_of)
+                writers.append(w)
+                targets.append(FileTarget(f.path, f.size, f.crc32c, w))
+            token = trio.lowlevel.current_trio_token()
+            name = getattr(source, "name", "peer")
+
+            def on_landed(path: str, label: str) -> None:
+                try:
+                    trio.lowlevel.current_task()
+                except RuntimeError:  # a worker thread: handed over to the trio thread
+                    try:
+                        token.run_sync_soon(self._landed, by_path[path], label, fds, name)
+                    except trio.RunFinishedError:
+                        pass
+                else:
+                    self._landed(by_path[path], label, fds, name)
+
+            if targets:
+                await cast(BatchFileSource, source).fetch_files(
+                    job.name if job else "",
+                    rf.rank,
+                    rf.step,
+                    rf.digest,
+                    targets,
+                    on_landed,
+                    writers=self._writers(rf.step),
+                )
+        except FetchFailed as exc:
+            log.info("%d files of rank %d's step %d: %s", len(batch), rf.rank, rf.step, exc)
+        finally:
+            for w in writers:
+                w.close()
+            for f in batch:
+                if f.state != LOCAL:
+                    f.verified = 0
+            for fd in fds.values():
+                os.close(fd)
+            fds.clear()  # a landing told late (an abandoned pull) changes nothing
+            for f in batch[1:]:
+                if f.state == FETCHING:
+                    # its own fetch: every source tried, failures reported
+                    self._fetches.start_soon(self._fetch_task, f, False)
+        return rf.state == LOCAL
+
+    def _landed(self, rf: RemoteFile, label: str, fds: dict[str, int], source: str) -> None:
+        """A batched fetch wrote ``rf`` whole and verified (trio thread; ``fds``: the
+        batch's open descriptors, empty once it ended): marked, LOCAL, its waiters
+        woken at once (the batch goes on for the next files)."""
+        fd = fds.get(rf.path)
+        if rf.state != FETCHING or fd is None:
+            return
+        try:
+            os.setxattr(fd, XATTR, _mark(rf))  # a restart keeps the bytes
+        except OSError as exc:
+            log.info("marking the fetched %s: %s", rf.path, exc)
+            return  # its own fetch brings it again
+        rf.state, rf.source, rf.error = LOCAL, label, ""
+        rf.verified = rf.size
+        self.fetched_bytes[source] = self.fetched_bytes.get(source, 0) + rf.size
+        self._fetch_ended(rf)
 
     def _writers(self, step: int) -> int:
         """The node count that wrote ``step`` (0: not known here, the job's)."""
@@ -2171,12 +2329,18 @@ class RemoteView:
 
     async def prefetch(self, step: int) -> None:
         """Fetch every remote file of ``step`` in the background: ``prefetch_width`` at
-        a time, round-robin over the ranks. Failures are reported like any fetch's."""
+        a time, round-robin over the ranks, big files first and small ones in path
+        order (batched). Failures are reported like any fetch's."""
         union = self.steps.get(step)
         if union is None:
             return
         by_rank: dict[int, list[RemoteFile]] = {}
-        for rf in sorted(union.files.values(), key=lambda f: -f.size):
+        # big files first, largest first; then the small ones in path order, so that
+        # each fetch brings the next small files of its part with it (:meth:`_batched`)
+        for rf in sorted(
+            union.files.values(),
+            key=lambda f: (0, -f.size, "") if f.size > BATCH_FILE_MAX else (1, 0, f.path),
+        ):
             if rf.state != LOCAL:
                 by_rank.setdefault(rf.rank, []).append(rf)
         order: list[RemoteFile] = []
@@ -2185,10 +2349,14 @@ class RemoteView:
             for q in queues:
                 if q:
                     order.append(q.pop(0))
-        limiter = trio.CapacityLimiter(self.prefetch_width)
+        pending = collections.deque(order)
 
-        async def one(rf: RemoteFile) -> None:
-            async with limiter:
+        async def worker() -> None:
+            # in order (a file of a batch under way is waited for, not fetched again)
+            while pending:
+                rf = pending.popleft()
+                if rf.state == LOCAL:
+                    continue
                 while self._readers:  # a reader's open waits: it goes first
                     if self._no_readers.is_set():
                         self._no_readers = trio.Event()
@@ -2199,8 +2367,8 @@ class RemoteView:
                     log.info("prefetch of %s: %s", rf.path, exc)
 
         async with trio.open_nursery() as nursery:
-            for rf in order:
-                nursery.start_soon(one, rf)
+            for _ in range(max(1, self.prefetch_width)):
+                nursery.start_soon(worker)
 
     # ------------------------------------------------------------------ start and status
 

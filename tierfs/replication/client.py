@@ -19,12 +19,13 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import google_crc32c
 import grpc
 
+from tierfs.core.ports import FileTarget
 from tierfs.core.types import CopyId, Holding, Outcome
 from tierfs.replication.transfer import (
     REPLICATION_NICE,
@@ -41,7 +42,7 @@ from tierfs.replication.transfer import (
 from tierfs.rpc import peer_pb2, peer_pb2_grpc
 from tierfs.rpc import wire as peer_wire
 from tierfs.rpc.wire import WireStats
-from tierfs.store.manifest import Manifest
+from tierfs.store.manifest import FileEntry, Manifest
 from tierfs.store.shards import Shard, ShardKey
 
 #: longest long poll of a Decide/Barrier call (milliseconds): a waiting call costs the
@@ -295,34 +296,9 @@ class PeerClient:
                 longer than ``timeout`` (DEADLINE_EXCEEDED).
             OSError: writing to ``fd`` failed (ENOSPC...).
         """
-        req = peer_pb2.PullRequest(
-            job=key.job,
-            rank=key.rank,
-            step=key.step,
-            digest=digest,
-            puller_rank=-1,
-            paths=[path],
-            trim_manifest=True,
-        )
-        pull = self.channel(address).unary_stream(
-            "/tierfs.peer.v1.Peer/PullShard",
-            request_serializer=peer_wire.serialize,
-            response_deserializer=peer_wire.chunk_deserializer(peer_pb2.PullMessage),
-        )
-        call = pull(req, metadata=self.md, timeout=timeout)
+        call, entries = self._pull_paths(address, key, digest, [path], timeout)
         try:
-            first = next(call, None)
-            if first is None or peer_wire.kind_of(first) != "manifest":
-                raise Refused("PullShard must start with the manifest")
-            manifest = parse_manifest(first.manifest.json)
-            if first.manifest.digest:
-                # a trimmed manifest: its own digest is not the part's
-                check_identity(manifest, key, "")
-                if digest and first.manifest.digest != digest:
-                    raise BadCopy(f"manifest digest {first.manifest.digest} != announced {digest}")
-            else:
-                check_identity(manifest, key, digest)
-            entry = next((f for f in manifest.files if f.path == path), None)
+            entry = entries.get(path)
             if entry is None or entry.kind != "file":
                 raise Refused(f"{path!r} is not a file of the manifest sent")
             if expect is not None and (entry.size, entry.crc32c) != expect:
@@ -363,6 +339,136 @@ class PeerClient:
             if crc != entry.crc32c:
                 raise BadCopy(f"{path}: crc32c {crc:08x} != {(entry.crc32c or 0):08x}")
             return written
+        finally:
+            call.cancel()  # a no-op once the stream ended
+
+    def _pull_paths(
+        self, address: str, key: ShardKey, digest: str, paths: list[str], timeout: float
+    ) -> tuple[Any, dict[str, FileEntry]]:
+        """Start one PullShard call for ``paths`` (``trim_manifest``) and read its
+        manifest: the call (its chunks follow) and the manifest's entries by path.
+
+        Raises:
+            Refused: the first message is no manifest. BadCopy: the manifest names
+                another shard or digest. grpc.RpcError: as the call failed.
+        """
+        req = peer_pb2.PullRequest(
+            job=key.job,
+            rank=key.rank,
+            step=key.step,
+            digest=digest,
+            puller_rank=-1,
+            paths=paths,
+            trim_manifest=True,
+        )
+        pull = self.channel(address).unary_stream(
+            "/tierfs.peer.v1.Peer/PullShard",
+            request_serializer=peer_wire.serialize,
+            response_deserializer=peer_wire.chunk_deserializer(peer_pb2.PullMessage),
+        )
+        call = pull(req, metadata=self.md, timeout=timeout)
+        try:
+            first = next(call, None)
+            if first is None or peer_wire.kind_of(first) != "manifest":
+                raise Refused("PullShard must start with the manifest")
+            manifest = parse_manifest(first.manifest.json)
+            if first.manifest.digest:
+                # a trimmed manifest: its own digest is not the part's
+                check_identity(manifest, key, "")
+                if digest and first.manifest.digest != digest:
+                    raise BadCopy(f"manifest digest {first.manifest.digest} != announced {digest}")
+            else:
+                check_identity(manifest, key, digest)
+        except BaseException:
+            call.cancel()
+            raise
+        return call, {f.path: f for f in manifest.files}
+
+    def pull_files(
+        self,
+        address: str,
+        key: ShardKey,
+        digest: str,
+        files: Sequence[FileTarget],
+        cancel: threading.Event,
+        landed: Callable[[str], None],
+        timeout: float = FILE_PULL_TIMEOUT,
+        hold: Callable[[], bool] | None = None,
+    ) -> set[str]:
+        """Pull several files of the holder's copy of ``key`` in one PullShard call
+        (issue #14 goal 2: a whole-step view reading many small files of a part).
+
+        The holder streams the files in its manifest's order; each chunk's crc32c is
+        checked, then it goes through its target's ``write``. When a file's last
+        byte is written and its size and crc32c are the target's, ``landed(path)``
+        is called (in this thread). A file whose entry in the holder's manifest is
+        not the target's (other bytes) is not written; its chunks are skipped.
+
+        Args:
+            digest: the manifest digest the copy must have ("": any).
+            timeout: seconds the whole call may take.
+            hold: as for :meth:`pull_file`.
+
+        Returns:
+            the paths landed (all of ``files`` but those with other bytes, unless
+            an error is raised).
+
+        Raises:
+            BadCopy: a chunk failed its crc32c or a file ended with the wrong size or
+                crc32c; Refused: the holder broke the protocol (a file not asked
+                for, chunks out of order); Cancelled: ``cancel`` was set;
+                grpc.RpcError: as the call failed; whatever a ``write`` raised
+                (ChunkMismatch, OSError). Files landed before it stay landed.
+        """
+        targets = {f.path: f for f in files}
+        done: set[str] = set()
+        call, entries = self._pull_paths(address, key, digest, list(targets), timeout)
+        try:
+            wanted: dict[str, FileTarget] = {}
+            for path, target in targets.items():
+                entry = entries.get(path)
+                if entry is None or entry.kind != "file":
+                    raise Refused(f"{path!r} is not a file of the manifest sent")
+                if (entry.size, entry.crc32c) == (target.size, target.crc32c):
+                    wanted[path] = target
+            written = dict.fromkeys(targets, 0)
+            crcs = dict.fromkeys(targets, 0)
+            for msg in call:
+                if peer_wire.kind_of(msg) != "chunk":
+                    raise Refused("PullShard sent a second manifest")
+                c = peer_wire.as_chunk(msg)
+                at = written.get(c.path)
+                if at is None:
+                    raise Refused(f"PullShard sent {c.path!r}, which was not asked for")
+                if c.offset != at:
+                    raise Refused(f"{c.path!r}: chunk at offset {c.offset}, expected {at}")
+                if google_crc32c.value(c.data) != c.crc32c:
+                    raise BadCopy(f"{c.path} at offset {c.offset}: chunk crc32c mismatch")
+                written[c.path] = at + len(c.data)
+                target = wanted.get(c.path)
+                if target is None:
+                    continue  # other bytes than the caller's: not written
+                if written[c.path] > target.size:
+                    raise BadCopy(f"{c.path}: more bytes than the manifest's {target.size}")
+                while hold is not None and hold() and not cancel.is_set():
+                    time.sleep(HOLD_POLL)
+                if cancel.is_set():
+                    raise Cancelled("transfer cancelled")
+                target.write(c.data, c.offset)
+                crcs[c.path] = google_crc32c.extend(crcs[c.path], c.data)
+                self.stats.add("pulled_bytes", len(c.data))
+                if written[c.path] == target.size:
+                    if crcs[c.path] != target.crc32c:
+                        raise BadCopy(f"{c.path}: crc32c {crcs[c.path]:08x} != {target.crc32c:08x}")
+                    done.add(c.path)
+                    landed(c.path)
+            for path, target in wanted.items():
+                if target.size == 0 and path not in done:  # no chunk is sent for it
+                    if target.crc32c != 0:
+                        raise BadCopy(f"{path}: an empty file with crc32c {target.crc32c:08x}")
+                    done.add(path)
+                    landed(path)
+            return done
         finally:
             call.cancel()  # a no-op once the stream ended
 

@@ -15,14 +15,14 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 import trio
 
 from tierfs.core.control import JobSpec
 from tierfs.core.errors import NO_ROOM_ERRNOS, FetchFailed
-from tierfs.core.ports import CurrentJob, PositionalWrite, Reporter
+from tierfs.core.ports import CurrentJob, FileTarget, PositionalWrite, Reporter
 from tierfs.core.priority import fetch_hold
 from tierfs.replication import placement
 from tierfs.replication.addresses import AddressBook
@@ -207,6 +207,84 @@ class PeerFiles:
             + ("; ".join(tried) or "no copy known"),
             other_bytes=others,
         )
+
+    async def fetch_files(
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        digest: str,
+        files: Sequence[FileTarget],
+        landed: Callable[[str, str], None],
+        *,
+        writers: int = 0,
+    ) -> None:
+        """Several small files of node ``rank``'s part of ``step`` from a peer's RAM in
+        one :meth:`PeerClient.pull_files` call per copy (a
+        :class:`tierfs.core.ports.BatchFileSource`; trio thread).
+
+        The copies are :meth:`fetch_file`'s, in its order, with ``digest`` only;
+        each copy is asked for the files not landed yet, in one slot of the file
+        fetch lane. Best effort: a copy that fails is logged, not reported (the
+        caller fetches what did not land on its own, which reports).
+
+        Raises:
+            tierfs.core.errors.FetchFailed: a write found no room (ENOSPC...).
+        """
+        key = ShardKey(job, rank, step)
+        left = {f.path: f for f in files}
+        for r, address in await self._file_copies(job, rank, writers):
+            if left and address is not None:
+                await self._pull_batch(
+                    address, key, digest, left, landed, f"peer node-rank {r} ({address})"
+                )
+
+    async def _pull_batch(
+        self,
+        address: str,
+        key: ShardKey,
+        digest: str,
+        left: dict[str, FileTarget],
+        landed: Callable[[str, str], None],
+        label: str,
+    ) -> None:
+        """One copy's :meth:`PeerClient.pull_files` of the files in ``left`` (those that
+        land are taken out of it) in one slot of the file fetch lane; its failure is
+        logged.
+
+        Raises:
+            FetchFailed: a write found no room (ENOSPC, EDQUOT, EFBIG).
+        """
+
+        def one(path: str) -> None:
+            left.pop(path, None)
+            landed(path, label)
+
+        batch = list(left.values())
+        cancel = threading.Event()
+        hold = fetch_hold.get()  # the caller's (a prefetch gives way to readers)
+
+        def pull() -> set[str]:
+            return self.client.pull_files(address, key, digest, batch, cancel, one, hold=hold)
+
+        try:
+            async with self.lane.slot():
+                await trio.to_thread.run_sync(pull, abandon_on_cancel=True)
+            return
+        except OSError as exc:
+            if exc.errno in NO_ROOM_ERRNOS:
+                raise FetchFailed(
+                    f"{len(batch)} files of step {key.step} of node-rank {key.rank}: no "
+                    f"room for them here ({exc.strerror or exc})"
+                ) from exc
+            why = str(exc)
+        except grpc.RpcError as exc:
+            why = rpc_reason(exc)
+        except Exception as exc:  # BadCopy, Refused, ChunkMismatch: the next copy
+            why = f"{type(exc).__name__}: {exc}"
+        finally:
+            cancel.set()
+        log.info("%d files of %s from %s: %s", len(batch), key, address, why)
 
     def _say_bad(self, key: ShardKey, path: str, label: str, tried: list[str]) -> None:
         """A nearer copy served wrong bytes (a checksum failed): one line in

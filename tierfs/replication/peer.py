@@ -57,6 +57,7 @@ from tierfs.core.ports import (
     BackupOrders,
     Catalog,
     CurrentJob,
+    FileTarget,
     PartWatch,
     PositionalWrite,
     RamBudget,
@@ -525,6 +526,21 @@ class PeerTier:
             expect=expect,
             write=write,
         )
+
+    async def fetch_files(
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        digest: str,
+        files: Sequence[FileTarget],
+        landed: Callable[[str, str], None],
+        *,
+        writers: int = 0,
+    ) -> None:
+        """Several small files of node ``rank``'s part in one call per copy: a
+        :class:`tierfs.core.ports.BatchFileSource`, see :meth:`PeerFiles.fetch_files`."""
+        await self.files.fetch_files(job, rank, step, digest, files, landed, writers=writers)
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a blocking control call in a worker thread."""

@@ -1,0 +1,316 @@
+"""Issue #14 goal 2 without a mount: the whole-step view fetches a small remote file
+together with the next small files of the same part (path order) in one call of a
+source that batches (:class:`tierfs.core.ports.BatchFileSource`). Each file is LOCAL
+and its opens woken as soon as it landed, before the batch ends; a file the batch did
+not bring (a copy failed midway, a corrupt chunk) is fetched on its own and its
+bytes are still the manifest's; other ranks' files, big files and files without
+chunk checksums are not batched; the background prefetch batches too."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import fake_ports
+import google_crc32c
+import pytest
+import trio
+
+from tierfs.core.control import JobSpec
+from tierfs.core.errors import FetchFailed
+from tierfs.node import remote_view
+from tierfs.node.catalog import ShardCatalog
+from tierfs.node.remote_view import LOCAL, REMOTE, RemoteView
+from tierfs.store.chunks import ChunkMismatch
+from tierfs.store.manifest import FileEntry, Manifest
+from tierfs.store.ramstore import RamStore
+from tierfs.store.shards import ShardKey, ShardStore
+
+JOB = "train"
+CH = 4096
+#: rank 0's small files (one chunk each), a big one (six chunks) and an empty one
+SMALL = {f"s/f{i:02d}": os.urandom(3000 + i) for i in range(10)}
+BIG = os.urandom(5 * CH + 100)
+RANK0 = {**SMALL, "s/f04big": BIG, "s/f07empty": b""}
+#: rank 2's file between rank 0's in path order
+RANK2 = {"s/f05x": os.urandom(2000)}
+COPY = "peer node-rank 0 (10.0.0.1:7000)"
+
+
+def crc(data: bytes) -> int:
+    return int(google_crc32c.value(data))
+
+
+def manifest(rank: int, files: dict[str, bytes], chunked: bool = True) -> Manifest:
+    entries = [FileEntry("10", "dir", mode=0o755), FileEntry("10/s", "dir", mode=0o755)]
+    for p, d in sorted(files.items()):
+        chunks = tuple(crc(d[i : i + CH]) for i in range(0, len(d), CH))
+        entries.append(
+            FileEntry(
+                f"10/{p}",
+                "file",
+                len(d),
+                0o640,
+                crc(d),
+                chunks=chunks if len(chunks) > 1 else None,
+            )
+        )
+    return Manifest(JOB, rank, 10, "10", "generic", tuple(entries), chunk_size=CH if chunked else 0)
+
+
+class Manifests:
+    def __init__(self, parts: dict[int, Manifest]) -> None:
+        self.parts = parts
+
+    async def part_manifest(
+        self, job: str, rank: int, step: int, *, writers: int = 0, round_name: str = ""
+    ) -> Manifest | None:
+        return self.parts.get(rank)
+
+
+BYTES = {f"10/{p}": d for p, d in {**RANK0, **RANK2}.items()}
+
+
+class BatchSource:
+    """A BatchFileSource: ``fetch_files`` writes each target's bytes through its
+    ``write`` in 1000-byte pieces and says it landed; ``stop_at`` (a path) ends the
+    call there (a copy failing midway); ``flip`` (a path) corrupts a byte of it;
+    ``park_after`` (a path) parks the call on ``gate`` once that file landed."""
+
+    name = "peer"
+    chunk_writes = True
+    checks_written = True
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.singles: list[str] = []
+        self.stop_at = ""
+        self.flip = ""
+        self.park_after = ""
+        self.parked = trio.Event()
+        self.gate = trio.Event()
+
+    async def fetch_files(self, job, rank, step, digest, files, landed, *, writers=0) -> None:
+        self.batches.append([f.path for f in files])
+        for f in files:
+            if f.path == self.stop_at:
+                return
+            data = bytearray(BYTES[f.path])
+            if f.path == self.flip:
+                data[10] ^= 0x01
+            try:
+                for off in range(0, len(data), 1000):
+                    f.write(bytes(data[off : off + 1000]), off)
+            except ChunkMismatch:
+                return  # the copy is refused: the rest is not asked of it
+            landed(f.path, COPY)
+            if f.path == self.park_after:
+                self.parked.set()
+                await self.gate.wait()
+
+    async def fetch_file(
+        self, job, rank, step, digest, path, fd, *, skip=frozenset(), writers=0, **more
+    ) -> str:
+        self.singles.append(path)
+        data = BYTES.get(path)
+        if data is None:
+            raise FetchFailed(f"no copy of {path}")
+        write = more.get("write")
+        if write is not None:
+            for off in range(0, len(data), 1000):
+                write(data[off : off + 1000], off)
+        else:
+            os.pwrite(fd, data, 0)
+        return COPY
+
+
+def view_of(tmp: Path, source: BatchSource, chunked: bool = True):
+    ram = RamStore(str(tmp / "node1"))
+    own_file = Path(ram.view) / "10" / "__1_0.distcp"
+    own_file.parent.mkdir(parents=True)
+    own_file.write_bytes(b"own")
+    shards = ShardStore(ram)
+    own = shards.snapshot(ram.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic")
+    catalog = ShardCatalog(shards, 2)
+    catalog.add(own)
+    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 1, 3))
+    parts = {0: manifest(0, RANK0, chunked), 2: manifest(2, RANK2, chunked)}
+    rv = RemoteView(
+        ram.view,
+        ram.incoming,
+        catalog,
+        job,
+        Manifests(parts),
+        [source],
+        job,
+        trio.CapacityLimiter(1),
+    )
+    return rv, ram, own, job
+
+
+def run(rv: RemoteView, own, body) -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            rv._fetches = nursery
+            await rv.look(own)
+            with trio.fail_after(30):
+                await body()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def rf_of(rv: RemoteView, path: str):
+    return rv.steps[10].files[f"10/{path}"]
+
+
+def states(rv: RemoteView) -> dict[str, str]:
+    return {p.removeprefix("10/"): f.state for p, f in sorted(rv.steps[10].files.items())}
+
+
+def on_disk(ram: RamStore, path: str) -> bytes:
+    return (Path(ram.view) / "10" / path).read_bytes()
+
+
+@pytest.fixture(autouse=True)
+def small_is_below_the_big_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(remote_view, "BATCH_FILE_MAX", 10_000)
+
+
+def test_opening_a_small_file_brings_the_next_small_files_of_its_part_in_one_call(tmp_path):
+    source = BatchSource()
+    rv, ram, own, job = view_of(tmp_path, source)
+
+    async def body() -> None:
+        await rv.fetch(rf_of(rv, "s/f00"), urgent=True)
+        await wait_local(rv, [f"s/f{i:02d}" for i in range(10)] + ["s/f07empty"])
+
+    run(rv, own, body)
+    # rank 2's file in between and the big file are not in it; the empty file is
+    assert source.batches == [
+        [f"10/s/f{i:02d}" for i in range(5)]
+        + [
+            "10/s/f05",
+            "10/s/f06",
+            "10/s/f07",
+            "10/s/f07empty",
+            "10/s/f08",
+            "10/s/f09",
+        ]
+    ]
+    assert source.singles == []
+    for p, d in {**SMALL, "s/f07empty": b""}.items():
+        assert on_disk(ram, p) == d, p
+        assert rf_of(rv, p).source == COPY
+    # not asked for: the next file in path order was in the batch (no read-ahead)
+    assert states(rv)["s/f04big"] == states(rv)["s/f05x"] == REMOTE
+    assert rv.fetched_bytes["peer"] >= sum(len(d) for d in SMALL.values())
+    assert job.errors == []
+
+
+async def wait_local(rv: RemoteView, paths: list[str]) -> None:
+    while any(rf_of(rv, p).state != LOCAL for p in paths):
+        await trio.sleep(0.01)
+
+
+def test_an_open_is_served_as_soon_as_its_file_landed_while_the_batch_goes_on(tmp_path):
+    source = BatchSource()
+    source.park_after = "10/s/f00"
+    rv, ram, own, job = view_of(tmp_path, source)
+
+    async def body() -> None:
+        await rv.fetch(rf_of(rv, "s/f00"), urgent=True)  # returns while the call is parked
+        assert source.parked.is_set() and not source.gate.is_set()
+        assert rf_of(rv, "s/f00").state == LOCAL and on_disk(ram, "s/f00") == SMALL["s/f00"]
+        assert rf_of(rv, "s/f01").state == "fetching"
+        # an open of the next file waits for the batch, not for a call of its own
+        done = trio.Event()
+
+        async def second() -> None:
+            await rv.fetch(rf_of(rv, "s/f01"), urgent=True)
+            done.set()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(second)
+            await trio.sleep(0.05)
+            assert not done.is_set()
+            source.gate.set()
+        assert on_disk(ram, "s/f01") == SMALL["s/f01"]
+
+    run(rv, own, body)
+    assert len(source.batches) == 1 and source.singles == []
+    assert job.errors == []
+
+
+@pytest.mark.parametrize("fault", ["stop_at", "flip"])
+def test_files_the_batch_did_not_bring_are_fetched_on_their_own_with_the_right_bytes(
+    tmp_path, fault
+):
+    source = BatchSource()
+    setattr(source, fault, "10/s/f03")
+    rv, ram, own, job = view_of(tmp_path, source)
+
+    async def body() -> None:
+        await rv.fetch(rf_of(rv, "s/f00"), urgent=True)
+        await wait_local(rv, [f"s/f{i:02d}" for i in range(10)])
+
+    run(rv, own, body)
+    assert len(source.batches) == 1
+    # f03 and every file after it in the batch, each in a call of its own
+    assert sorted(source.singles) == [
+        "10/s/f03",
+        "10/s/f04",
+        "10/s/f05",
+        "10/s/f06",
+        "10/s/f07",
+        "10/s/f07empty",
+        "10/s/f08",
+        "10/s/f09",
+    ]
+    for p, d in SMALL.items():
+        assert on_disk(ram, p) == d, p  # never the flipped byte
+    assert job.errors == []
+
+
+def test_an_open_of_a_file_that_is_not_first_in_the_batch_still_gets_it(tmp_path):
+    source = BatchSource()
+    source.stop_at = "10/s/f00"  # the batch brings nothing, not even the opened file
+    rv, ram, own, job = view_of(tmp_path, source)
+
+    async def body() -> None:
+        await rv.fetch(rf_of(rv, "s/f00"), urgent=True)
+
+    run(rv, own, body)
+    assert on_disk(ram, "s/f00") == SMALL["s/f00"]
+    assert source.singles[0] == "10/s/f00"
+    assert job.errors == []
+
+
+def test_files_without_chunk_checksums_are_not_batched(tmp_path):
+    source = BatchSource()
+    rv, ram, own, job = view_of(tmp_path, source, chunked=False)
+
+    async def body() -> None:
+        await rv.fetch(rf_of(rv, "s/f00"), urgent=True)
+
+    run(rv, own, body)
+    assert source.batches == [] and source.singles[0] == "10/s/f00"
+    assert on_disk(ram, "s/f00") == SMALL["s/f00"]
+    assert job.errors == []
+
+
+def test_the_prefetch_batches_the_small_files(tmp_path):
+    source = BatchSource()
+    rv, ram, own, job = view_of(tmp_path, source)
+
+    async def body() -> None:
+        await rv.prefetch(10)
+
+    run(rv, own, body)
+    assert set(states(rv).values()) == {LOCAL}
+    # the big file and rank 2's file on their own, rank 0's small files in one call
+    assert len(source.batches) == 1 and len(source.batches[0]) == 11
+    assert sorted(source.singles) == ["10/s/f04big", "10/s/f05x"]
+    for p, d in {**RANK0, **RANK2}.items():
+        assert on_disk(ram, p) == d, p
+    assert job.errors == []
