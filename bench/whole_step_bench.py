@@ -657,6 +657,13 @@ def main() -> None:
     p.add_argument("--small-files", type=int, default=200, help="files of 1 MiB (0: none)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json", default="bench-out/whole_step_bench.json")
+    p.add_argument(
+        "--only",
+        choices=("all", "small"),
+        default="all",
+        help="small: only the full reads of the small-file step (an A/B of a setting: "
+        "run it alternately with and without, e.g. TIERFS_FETCH_BATCH=1)",
+    )
     a = p.parse_args()
 
     def big_files(gib: float) -> list[int]:
@@ -678,6 +685,10 @@ def main() -> None:
             for r in range(a.repeat):
                 print(f"repeat {r + 1}", flush=True)
                 rf = r % 2 == 1  # every second repeat measures the raw stream first
+                if a.only == "small":
+                    b.full_read(f"{len(small)} x 1 MiB step", small, 1, rf)
+                    b.full_read(f"{len(small)} x 1 MiB step", small, 4, rf)
+                    continue
                 b.first_byte(f"{a.gib:g} GiB step, 256 MiB file", step_files, rf)
                 if a.big_gib:
                     b.first_byte(f"{a.big_gib:g} GiB step, 256 MiB file", big_files(a.big_gib), rf)

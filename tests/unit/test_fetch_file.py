@@ -936,6 +936,10 @@ def test_a_batch_whose_copy_breaks_midway_keeps_what_landed_and_asks_the_next_co
             for t in want.values():
                 os.close(t.write.fd)  # type: ignore[attr-defined]
         assert pulls(net) == [(address(3), "corrupt"), (address(2), "ok")]
+        # said once, as a single file's fetch says it (review of 2569809: only logged)
+        said = [e for e in nodes[0].job.errors if "a nearer copy is damaged" in e]
+        assert len(said) == 1 and f"read from {label(2)}" in said[0], nodes[0].job.errors
+        assert "2 of rank 3's files" in said[0] and f"{label(3)}: bad copy" in said[0]
         # no copy reachable: nothing lands, nothing is raised (each file's own fetch
         # then tries every tier and reports)
         for r in (3, 2, 1):

@@ -9,6 +9,7 @@ chunk checksums are not batched; the background prefetch batches too."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import fake_ports
@@ -18,6 +19,7 @@ import trio
 
 from tierfs.core.control import JobSpec
 from tierfs.core.errors import FetchFailed
+from tierfs.core.priority import fetch_hold
 from tierfs.node import remote_view
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.remote_view import LOCAL, REMOTE, RemoteView
@@ -92,6 +94,7 @@ class BatchSource:
 
     async def fetch_files(self, job, rank, step, digest, files, landed, *, writers=0) -> None:
         self.batches.append([f.path for f in files])
+        hold = fetch_hold.get()  # as PeerClient.pull_files: paused while it says so
         for f in files:
             if f.path == self.stop_at:
                 return
@@ -100,6 +103,8 @@ class BatchSource:
                 data[10] ^= 0x01
             try:
                 for off in range(0, len(data), 1000):
+                    while hold():
+                        await trio.sleep(0.005)
                     f.write(bytes(data[off : off + 1000]), off)
             except ChunkMismatch:
                 return  # the copy is refused: the rest is not asked of it
@@ -236,6 +241,7 @@ def test_an_open_is_served_as_soon_as_its_file_landed_while_the_batch_goes_on(tm
             assert not done.is_set()
             source.gate.set()
         assert on_disk(ram, "s/f01") == SMALL["s/f01"]
+        await wait_local(rv, [f"s/f{i:02d}" for i in range(10)])
 
     run(rv, own, body)
     assert len(source.batches) == 1 and source.singles == []
@@ -313,4 +319,177 @@ def test_the_prefetch_batches_the_small_files(tmp_path):
     assert sorted(source.singles) == ["10/s/f04big", "10/s/f05x"]
     for p, d in {**RANK0, **RANK2}.items():
         assert on_disk(ram, p) == d, p
+    assert job.errors == []
+
+
+# ---------------------------------------------------------------------- review regressions
+
+
+def test_a_reader_of_a_later_file_of_a_batch_is_not_held_by_its_own_batch(tmp_path):
+    """Review of 2569809: the batch paused for readers unless its first file was waited
+    for; a reader opening the second file (the first had landed) waited for a batch
+    that waited for readers: forever. A reader of any file of a batch makes it urgent."""
+    source = BatchSource()
+    source.park_after = "10/s/f00"
+    rv, ram, own, job = view_of(tmp_path, source)
+
+    async def body() -> None:
+        await rv.fetch(rf_of(rv, "s/f00"), urgent=True)
+        assert rf_of(rv, "s/f01").state == "fetching"
+
+        async def release() -> None:
+            await trio.sleep(0.05)
+            source.gate.set()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(release)
+            with trio.fail_after(5):
+                await rv.fetch(rf_of(rv, "s/f01"), urgent=True)
+        assert on_disk(ram, "s/f01") == SMALL["s/f01"]
+
+    run(rv, own, body)
+    assert job.errors == []
+
+
+def test_a_reader_of_a_file_of_a_prefetch_batch_is_not_held(tmp_path):
+    source = BatchSource()
+    source.park_after = "10/s/f00"
+    rv, ram, own, _job = view_of(tmp_path, source)
+
+    async def body() -> None:
+        rv._fetches.start_soon(rv.fetch, rf_of(rv, "s/f00"))  # a prefetch: not urgent
+        await source.parked.wait()
+
+        async def release() -> None:
+            await trio.sleep(0.05)
+            source.gate.set()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(release)
+            with trio.fail_after(5):
+                await rv.fetch(rf_of(rv, "s/f03"), urgent=True)
+        assert on_disk(ram, "s/f03") == SMALL["s/f03"]
+
+    run(rv, own, body)
+
+
+class SecondCallFails(BatchSource):
+    """``fetch_file`` takes a while; a second call for a path fails (the copy went away)."""
+
+    async def fetch_file(self, job, rank, step, digest, path, fd, **more) -> str:
+        n = self.singles.count(path)
+        self.singles.append(path)
+        await trio.sleep(0.1 if n == 0 else 0.3)
+        if n:
+            raise FetchFailed(f"{path}: the copy went away")
+        more["write"](BYTES[path], 0)
+        return COPY
+
+
+def test_a_file_dropped_and_opened_again_while_its_batch_runs_is_fetched_once(tmp_path):
+    """Review of 2569809: a landed file of a running batch, dropped to make room and
+    opened again, was fetched twice (the batch's task fetched it again at its end) and
+    the failing second fetch punched the bytes of a file then LOCAL: zeros served."""
+    source = SecondCallFails()
+    source.park_after = "10/s/f00"
+    rv, ram, own, job = view_of(tmp_path, source)
+
+    async def body() -> None:
+        f00 = rf_of(rv, "s/f00")
+        await rv.fetch(f00, urgent=True)  # landed; the call parks after it
+        assert f00.state == LOCAL
+        assert await rv.drop(10) and f00.state == REMOTE  # no handle open: dropped
+        async with trio.open_nursery() as n:
+            n.start_soon(rv._reader_fetch, f00)  # opened again while the batch runs
+            await trio.sleep(0.01)
+            source.gate.set()
+        await wait_local(rv, [f"s/f{i:02d}" for i in range(10)])
+
+    run(rv, own, body)
+    assert source.singles == ["10/s/f00"]
+    assert rf_of(rv, "s/f00").state == LOCAL and on_disk(ram, "s/f00") == SMALL["s/f00"]
+    assert job.errors == []
+
+
+class NoRoomAtF02(BatchSource):
+    """The batch finds no room at f02 (after f00 and f01 landed)."""
+
+    async def fetch_files(self, job, rank, step, digest, files, landed, *, writers=0) -> None:
+        self.batches.append([f.path for f in files])
+        for f in files:
+            if f.path == "10/s/f02":
+                raise FetchFailed("no room") from OSError(28, "No space left on device")
+            f.write(BYTES[f.path], 0)
+            landed(f.path, COPY)
+
+
+def test_no_room_in_a_batch_leaves_the_files_nobody_waits_for_remote(tmp_path):
+    """Review of 2569809: after no room, every file of the batch was fetched on its own
+    at once, urgent, each making room by dropping the others and writing a line."""
+    source = NoRoomAtF02()
+    rv, ram, own, job = view_of(tmp_path, source)
+
+    async def body() -> None:
+        await rv.fetch(rf_of(rv, "s/f00"), urgent=True)
+        while any(f.state == "fetching" for f in rv.steps[10].files.values()):
+            await trio.sleep(0.01)
+        assert rf_of(rv, "s/f01").state == LOCAL
+        assert rf_of(rv, "s/f02").state == REMOTE and rf_of(rv, "s/f02").errno == 28
+        assert source.singles == [] and job.errors == []
+        # a later open of one of them fetches it (room was made meanwhile)
+        await rv.fetch(rf_of(rv, "s/f05"), urgent=True)
+        assert on_disk(ram, "s/f05") == SMALL["s/f05"]
+
+    run(rv, own, body)
+
+
+class Down(BatchSource):
+    """No copy anywhere."""
+
+    async def fetch_files(self, job, rank, step, digest, files, landed, *, writers=0) -> None:
+        self.batches.append([f.path for f in files])
+
+    async def fetch_file(self, job, rank, step, digest, path, fd, **more) -> str:
+        self.singles.append(path)
+        raise FetchFailed(f"{path}: no copy")
+
+
+def test_with_every_copy_down_the_prefetch_asks_for_each_file_once(tmp_path):
+    """Review of 2569809: each failed single fetch's file was batched again by the next
+    prefetch step, and its tail restarted: 36 fetches and error lines for 13 files."""
+    source = Down()
+    rv, _ram, own, job = view_of(tmp_path, source)
+
+    async def body() -> None:
+        await rv.prefetch(10)
+
+    run(rv, own, body)
+    files = sorted(f"10/{p}" for p in {**RANK0, **RANK2})
+    assert sorted(source.singles) == files
+    assert len(job.errors) == len(files)
+
+
+def test_a_batch_keeps_to_the_directory_of_the_file_opened(tmp_path, monkeypatch):
+    """The holder streams a directory's entries by name, a subdirectory's files at the
+    subdirectory's place: ``s/g/x`` is sent before ``s/g-1`` although a flat sort puts
+    it after, so a batch of ``s/g-1`` with it would send the file opened after it. A
+    batch keeps to the directory of the file opened."""
+    more = {"s/g-1": os.urandom(100), "s/g-2": os.urandom(100), "s/g/x": os.urandom(100)}
+    monkeypatch.setattr(
+        sys.modules[__name__], "BYTES", {**BYTES, **{f"10/{p}": d for p, d in more.items()}}
+    )
+    for p, d in more.items():
+        monkeypatch.setitem(RANK0, p, d)
+    source = BatchSource()
+    rv, ram, own, job = view_of(tmp_path, source)
+
+    async def body() -> None:
+        await rv.fetch(rf_of(rv, "s/g-1"), urgent=True)
+        await wait_local(rv, ["s/g-1", "s/g-2"])
+        await rv.fetch(rf_of(rv, "s/g/x"), urgent=True)
+
+    run(rv, own, body)
+    assert source.batches == [["10/s/g-1", "10/s/g-2"]]
+    for p, d in more.items():
+        assert on_disk(ram, p) == d
     assert job.errors == []

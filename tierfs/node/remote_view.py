@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import dataclasses
 import errno
 import json
@@ -1958,26 +1959,42 @@ class RemoteView:
 
         self._fetches.start_soon(ahead, nxt)
 
-    async def _fetch_task(self, rf: RemoteFile, batch: bool = True) -> None:
+    async def _fetch_task(
+        self,
+        rf: RemoteFile,
+        batch: bool = True,
+        urgent: Callable[[], bool] | None = None,
+    ) -> None:
         """One fetch of ``rf``; its outcome is left in ``rf`` (state, errno, error).
+
         ``batch``: small files after it in its part may come in the same call
-        (:meth:`_batched`)."""
-        assert rf.done is not None
-        token = fetch_urgent.set(lambda: rf.urgent)
+        (:meth:`_batched`). ``urgent``: whether a reader waits for this fetch (its
+        lane slot first, and it does not pause for readers); default ``rf.urgent``.
+        The fetch is the one whose ``rf.done`` was set when it began: once the file
+        landed, was dropped and a new fetch began, this one leaves it alone."""
+        done = rf.done
+        assert done is not None
+        is_urgent = urgent if urgent is not None else (lambda: rf.urgent)
+        token = fetch_urgent.set(is_urgent)
         # a fetch no reader waits for pauses between chunks while a reader waits
-        held = fetch_hold.set(lambda: self._readers > 0 and not rf.urgent)
+        held = fetch_hold.set(lambda: self._readers > 0 and not is_urgent())
         try:
-            if not (batch and await self._batched(rf)):
+            if batch:
+                await self._batched(rf)
+            if rf.done is done and rf.state == FETCHING:
                 await self._fetch(rf)
         except OSError as exc:
-            rf.errno = exc.errno or errno.EIO
+            if rf.done is done:
+                rf.errno = exc.errno or errno.EIO
         except Exception:
             log.exception("fetching %s of rank %d failed", rf.path, rf.rank)
-            rf.errno, rf.error = errno.EIO, rf.error or "internal error (see the log)"
+            if rf.done is done:
+                rf.errno, rf.error = errno.EIO, rf.error or "internal error (see the log)"
         finally:
             fetch_urgent.reset(token)
             fetch_hold.reset(held)
-            self._fetch_ended(rf)
+            if rf.done is done:
+                self._fetch_ended(rf)
 
     @staticmethod
     def _fetch_ended(rf: RemoteFile) -> None:
@@ -1992,12 +2009,14 @@ class RemoteView:
         rf.moved()
 
     def _batch_of(self, rf: RemoteFile) -> list[RemoteFile]:
-        """``rf`` and the remote small files of its part after it in path order, to
-        fetch in one call (at most ``$TIERFS_FETCH_BATCH`` files and
-        :data:`BATCH_BYTES` bytes, looking at :data:`BATCH_SCAN` entries per file;
-        only files whose manifest has
-        chunk checksums: each chunk is checked before it is written): just ``rf``
-        when it is not such a file or its step is not in the view."""
+        """``rf`` and the remote small files of its part after it in its directory
+        (name order, which is the order the holder streams them in: its manifest
+        lists a directory's entries by name), to fetch in one call: at most
+        ``$TIERFS_FETCH_BATCH`` files and :data:`BATCH_BYTES` bytes, looking at
+        :data:`BATCH_SCAN` view entries per file; only files whose manifest has
+        chunk checksums (each chunk is checked before it is written) and whose last
+        fetch did not fail (a failed tail is not asked for again and again). Just
+        ``rf`` when it is not such a file or its step is not in the view."""
         union = self.steps.get(rf.step)
         if (
             rf.size > BATCH_FILE_MAX
@@ -2006,77 +2025,91 @@ class RemoteView:
             or union.files.get(rf.path) is not rf
         ):
             return [rf]
-        if union.order is None:
-            union.order = sorted(union.files)
+        order = union.order if union.order is not None else sorted(union.files)
+        union.order = order
         most = settings.FETCH_BATCH.get()
-        at = bisect.bisect_right(union.order, rf.path)
+        parent = os.path.dirname(rf.path)
+        at = bisect.bisect_right(order, rf.path)
         batch, total = [rf], rf.size
-        for path in union.order[at : at + BATCH_SCAN * most]:
+        for path in order[at : at + BATCH_SCAN * most]:
             f = union.files.get(path)
             if (
                 f is None
                 or f.state != REMOTE
+                or f.error
                 or (f.rank, f.digest) != (rf.rank, rf.digest)
                 or f.size > BATCH_FILE_MAX
                 or f.chunks is None
+                or os.path.dirname(path) != parent
             ):
                 continue
-            if total + f.size > BATCH_BYTES:
-                break
-            if len(batch) >= most:
+            if total + f.size > BATCH_BYTES or len(batch) >= most:
                 break
             batch.append(f)
             total += f.size
         return batch
 
-    async def _batched(self, rf: RemoteFile) -> bool:
-        """Fetch ``rf`` together with the next small files of its part (:meth:`_batch_of`)
-        in one call of the first source that batches (:class:`BatchFileSource`):
-        True when ``rf`` landed whole and verified (LOCAL). Every other file of the
-        batch that landed is LOCAL and its waiters woken at once; one that did not is
-        fetched on its own (:meth:`_fetch`, which tries every source and reports),
-        as is ``rf`` when this returns False. Trio thread.
+    async def _batched(self, rf: RemoteFile) -> None:
+        """Fetch ``rf`` (FETCHING) together with the next small files of its part
+        (:meth:`_batch_of`) in one call of the first source that batches
+        (:class:`BatchFileSource`). Every file that landed whole and verified is LOCAL
+        and its waiters woken at once (``rf`` too: its fetch task then ends); ``rf``
+        still FETCHING on return is fetched on its own by the caller, the others
+        that did not land by :meth:`_leftovers` (each through every source, which
+        reports). A no-op for a file that is not batched. Trio thread.
 
-        Raises:
-            OSError: ENOENT when ``rf`` left the view (its own fetch says the same).
-        """
+        The call pauses for readers (``fetch_hold``) only while none of its files
+        is waited for by one (``urgent``): a reader of any file of a batch makes the
+        whole batch urgent."""
         source = next((s for s in self.sources if hasattr(s, "fetch_files")), None)
         batch = self._batch_of(rf) if source is not None else [rf]
         if len(batch) < 2 or self._fetches is None:
-            return False
+            return
         for f in batch[1:]:
-            f.urgent = rf.urgent
             f.state, f.done, f.errno = FETCHING, trio.Event(), 0
+        mine = {f.path: f.done for f in batch}
+
+        def ours(f: RemoteFile) -> bool:
+            return f.done is mine[f.path] and f.state == FETCHING
+
+        def urgent() -> bool:
+            return any(f.urgent for f in batch if ours(f))
+
         job = self.current.job
         fds: dict[str, int] = {}
-        writers: list[VerifiedWriter] = []
-        targets: list[FileTarget] = []
-        by_path = {f.path: f for f in batch}
+        writers: dict[str, VerifiedWriter] = {}
+        no_room = False
+        token = fetch_urgent.set(urgent)
+        held = fetch_hold.set(lambda: self._readers > 0 and not urgent())
         try:
+            targets: list[FileTarget] = []
             for f in batch:
                 try:
-                    fd = self._open_rw(f)
-                except OSError:
-                    continue  # gone from the view: its own fetch says so
-                fds[f.path] = fd
+                    fds[f.path] = self._open_rw(f)
+                    w = self._writer(f, fds[f.path])
+                except (OSError, ValueError) as exc:
+                    log.info("fetching %s with others: %s", f.path, exc)
+                    continue  # its own fetch says what is wrong
+                if w is None:
+                    continue
                 f.verified = 0
-                w = self._writer(f, fd)
-                assert w is not None  # a batch has chunk checksums (_batch_of)
-                writers.append(w)
+                writers[f.path] = w
                 targets.append(FileTarget(f.path, f.size, f.crc32c, w))
-            token = trio.lowlevel.current_trio_token()
+            trio_token = trio.lowlevel.current_trio_token()
             name = getattr(source, "name", "peer")
+            by_path = {f.path: f for f in batch}
 
             def on_landed(path: str, label: str) -> None:
+                args = (by_path[path], label, fds, writers, name)
                 try:
                     trio.lowlevel.current_task()
                 except RuntimeError:  # a worker thread: handed over to the trio thread
                     try:
-                        token.run_sync_soon(self._landed, by_path[path], label, fds, name)
+                        trio_token.run_sync_soon(self._landed, *args)
                     except trio.RunFinishedError:
                         pass
                 else:
-                    self._landed(by_path[path], label, fds, name)
+                    self._landed(*args)
 
             if targets:
                 await cast(BatchFileSource, source).fetch_files(
@@ -2088,29 +2121,73 @@ class RemoteView:
                     on_landed,
                     writers=self._writers(rf.step),
                 )
-        except FetchFailed as exc:
+        except FetchFailed as exc:  # no room: the files that do not fit fail alone
+            no_room = True
             log.info("%d files of rank %d's step %d: %s", len(batch), rf.rank, rf.step, exc)
         finally:
-            for w in writers:
+            fetch_urgent.reset(token)
+            fetch_hold.reset(held)
+            for w in writers.values():
                 w.close()
             for f in batch:
-                if f.state != LOCAL:
+                if ours(f):
                     f.verified = 0
             for fd in fds.values():
                 os.close(fd)
             fds.clear()  # a landing told late (an abandoned pull) changes nothing
-            for f in batch[1:]:
-                if f.state == FETCHING:
-                    # its own fetch: every source tried, failures reported
-                    self._fetches.start_soon(self._fetch_task, f, False)
-        return rf.state == LOCAL
+            left = [f for f in batch[1:] if ours(f)]
+            if left:
+                self._fetches.start_soon(self._leftovers, left, mine, no_room)
 
-    def _landed(self, rf: RemoteFile, label: str, fds: dict[str, int], source: str) -> None:
+    async def _leftovers(
+        self, files: list[RemoteFile], mine: dict[str, trio.Event | None], no_room: bool
+    ) -> None:
+        """The files of a batch that did not land (``mine``: the ``done`` event of the
+        batch's fetch of each), fetched one at a time on their own, those a reader
+        waits for first; the whole group is urgent while a reader waits for any of
+        them. After no room (``no_room``), a file no reader waits for is left remote
+        (its waiters, a prefetch, get ENOSPC) and its verified chunks punched out."""
+
+        def ours(f: RemoteFile) -> bool:
+            return f.done is mine[f.path] and f.state == FETCHING
+
+        def urgent() -> bool:
+            return any(f.urgent for f in files if ours(f))
+
+        pending = list(files)
+        while True:
+            pending = [f for f in pending if ours(f)]
+            if not pending:
+                return
+            f = next((f for f in pending if f.urgent), pending[0])
+            pending.remove(f)
+            if no_room and not f.urgent:
+                f.errno = errno.ENOSPC
+                self._fetch_ended(f)  # REMOTE
+                with contextlib.suppress(OSError):
+                    fd = self._open_rw(f)
+                    try:
+                        await trio.to_thread.run_sync(self._punch, fd, f.size)
+                    finally:
+                        os.close(fd)
+                continue
+            await self._fetch_task(f, batch=False, urgent=urgent)
+
+    def _landed(
+        self,
+        rf: RemoteFile,
+        label: str,
+        fds: dict[str, int],
+        writers: dict[str, VerifiedWriter],
+        source: str,
+    ) -> None:
         """A batched fetch wrote ``rf`` whole and verified (trio thread; ``fds``: the
-        batch's open descriptors, empty once it ended): marked, LOCAL, its waiters
+        batch's open descriptors, empty once it ended; ``writers``: its checking
+        writers, which must have verified every byte): marked, LOCAL, its waiters
         woken at once (the batch goes on for the next files)."""
         fd = fds.get(rf.path)
-        if rf.state != FETCHING or fd is None:
+        w = writers.get(rf.path)
+        if rf.state != FETCHING or fd is None or w is None or w.verified != rf.size:
             return
         try:
             os.setxattr(fd, XATTR, _mark(rf))  # a restart keeps the bytes

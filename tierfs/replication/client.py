@@ -419,7 +419,10 @@ class PeerClient:
                 for, chunks out of order); Cancelled: ``cancel`` was set;
                 grpc.RpcError: as the call failed; whatever a ``write`` raised
                 (ChunkMismatch, OSError). Files landed before it stay landed.
+            ValueError: ``files`` is empty.
         """
+        if not files:
+            raise ValueError("pull_files needs at least one file (no paths: the whole part)")
         targets = {f.path: f for f in files}
         done: set[str] = set()
         call, entries = self._pull_paths(address, key, digest, list(targets), timeout)
@@ -436,6 +439,8 @@ class PeerClient:
             for msg in call:
                 if peer_wire.kind_of(msg) != "chunk":
                     raise Refused("PullShard sent a second manifest")
+                if cancel.is_set():
+                    raise Cancelled("transfer cancelled")
                 c = peer_wire.as_chunk(msg)
                 at = written.get(c.path)
                 if at is None:

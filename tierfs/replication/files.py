@@ -226,18 +226,30 @@ class PeerFiles:
         The copies are :meth:`fetch_file`'s, in its order, with ``digest`` only;
         each copy is asked for the files not landed yet, in one slot of the file
         fetch lane. Best effort: a copy that fails is logged, not reported (the
-        caller fetches what did not land on its own, which reports).
+        caller fetches what did not land on its own, which reports), except a copy
+        with wrong bytes when a farther copy then served files: one line in
+        ``replicator.errors`` as :meth:`fetch_file` writes it.
 
         Raises:
             tierfs.core.errors.FetchFailed: a write found no room (ENOSPC...).
         """
         key = ShardKey(job, rank, step)
         left = {f.path: f for f in files}
+        bad: list[str] = []  # nearer copies that served wrong bytes
         for r, address in await self._file_copies(job, rank, writers):
-            if left and address is not None:
-                await self._pull_batch(
-                    address, key, digest, left, landed, f"peer node-rank {r} ({address})"
+            if not left or address is None:
+                continue
+            label = f"peer node-rank {r} ({address})"
+            before = len(left)
+            why = await self._pull_batch(address, key, digest, left, landed, label)
+            if bad and len(left) < before:
+                # as fetch_file says it: the files were read, a nearer copy is damaged
+                self.reporter.error(
+                    f"step {step}: {before - len(left)} of rank {rank}'s files were read "
+                    f"from {label}; a nearer copy is damaged: {'; '.join(bad)}"
                 )
+            if why is not None and why.startswith(BAD):
+                bad.append(f"{label}: {why}")
 
     async def _pull_batch(
         self,
@@ -247,10 +259,10 @@ class PeerFiles:
         left: dict[str, FileTarget],
         landed: Callable[[str, str], None],
         label: str,
-    ) -> None:
+    ) -> str | None:
         """One copy's :meth:`PeerClient.pull_files` of the files in ``left`` (those that
-        land are taken out of it) in one slot of the file fetch lane; its failure is
-        logged.
+        land are taken out of it) in one slot of the file fetch lane: None when the
+        call ended well, else why not (logged; :data:`BAD` first for wrong bytes).
 
         Raises:
             FetchFailed: a write found no room (ENOSPC, EDQUOT, EFBIG).
@@ -270,7 +282,9 @@ class PeerFiles:
         try:
             async with self.lane.slot():
                 await trio.to_thread.run_sync(pull, abandon_on_cancel=True)
-            return
+            return None
+        except (BadCopy, ChunkMismatch) as exc:
+            why = f"{BAD}: {exc}"
         except OSError as exc:
             if exc.errno in NO_ROOM_ERRNOS:
                 raise FetchFailed(
@@ -280,11 +294,12 @@ class PeerFiles:
             why = str(exc)
         except grpc.RpcError as exc:
             why = rpc_reason(exc)
-        except Exception as exc:  # BadCopy, Refused, ChunkMismatch: the next copy
+        except Exception as exc:  # Refused, OtherBytes...: the next copy
             why = f"{type(exc).__name__}: {exc}"
         finally:
             cancel.set()
         log.info("%d files of %s from %s: %s", len(batch), key, address, why)
+        return why
 
     def _say_bad(self, key: ShardKey, path: str, label: str, tried: list[str]) -> None:
         """A nearer copy served wrong bytes (a checksum failed): one line in
