@@ -11,7 +11,10 @@ path (a placeholder, fetched whole on the first open over one peer PullShard
 ``paths`` call with a trimmed manifest, written into node 2's RAM store with
 its crc32c checked against the manifest's as it is written, then served by
 passthrough; the "read back + crc32c" column is what that check cost when it
-read the file back, before 284774a). Before each timed
+read the file back, before 284774a). Since the batched fetch (2569809), a file
+of at most 4 MiB comes with the next small files of its part in the same call
+(``$TIERFS_FETCH_BATCH`` files; ``TIERFS_FETCH_BATCH=1``: one call per file,
+as before), while the raw baseline still makes one call per file. Before each timed
 read the benchmark waits until node 2's ``.tierfs/status.json`` shows the
 step with no ``ranks_missing``, until the step is replicated on every node,
 and until the daemons are idle.

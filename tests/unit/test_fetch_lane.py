@@ -91,3 +91,39 @@ def test_a_cancelled_waiter_leaves_no_slot_taken():
     trio.run(main)
     with pytest.raises(ValueError):
         PriorityLane(0)
+
+
+def test_a_paused_transfer_goes_on_while_an_urgent_fetch_waits_for_its_slot():
+    """Second review of the batched fetch: a prefetch paused for readers kept its slot
+    (the pause has no end of its own); with every slot held so, a reader whose file
+    is in none of them waited for a slot forever. While an urgent fetch waits for a
+    slot, the paused transfer's hold is off, so it ends and frees its slot."""
+    from tierfs.core.priority import fetch_hold
+    from tierfs.replication.files import PeerFiles
+
+    async def main() -> None:
+        lane = PriorityLane(1)
+        files = PeerFiles.__new__(PeerFiles)  # only its lane is used by _hold
+        files.lane = lane
+        readers = {"n": 1}  # a reader waits: a prefetch pauses
+        fetch_hold.set(lambda: readers["n"] > 0)
+        hold = files._hold()
+        assert hold() is True and lane.urgent_waiting() is False
+        got = trio.Event()
+
+        async def reader() -> None:
+            fetch_urgent.set(lambda: True)
+            async with lane.slot():
+                got.set()
+
+        async with trio.open_nursery() as nursery:
+            async with lane.slot():  # the paused prefetch's transfer
+                nursery.start_soon(reader)
+                await trio.testing.wait_all_tasks_blocked()
+                assert lane.urgent_waiting() is True
+                assert hold() is False  # goes on, and ends
+            with trio.fail_after(5):
+                await got.wait()
+        assert lane.urgent_waiting() is False and hold() is True
+
+    trio.run(main)

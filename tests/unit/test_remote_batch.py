@@ -411,6 +411,30 @@ def test_a_file_dropped_and_opened_again_while_its_batch_runs_is_fetched_once(tm
     assert job.errors == []
 
 
+def test_a_file_dropped_and_fetched_again_by_a_prefetch_while_its_batch_runs(tmp_path):
+    """As above, the second fetch not a reader's (the batch is not paused for it): the
+    batch's task must leave the file to that fetch (second review of the batch)."""
+    source = SecondCallFails()
+    source.park_after = "10/s/f00"
+    rv, ram, own, job = view_of(tmp_path, source)
+
+    async def body() -> None:
+        f00 = rf_of(rv, "s/f00")
+        await rv.fetch(f00, urgent=True)
+        assert await rv.drop(10) and f00.state == REMOTE
+        async with trio.open_nursery() as n:
+            n.start_soon(rv.fetch, f00)  # a prefetch or read-ahead: not urgent
+            await trio.sleep(0.01)
+            source.gate.set()
+        await wait_local(rv, [f"s/f{i:02d}" for i in range(10)])
+        await trio.sleep(0.5)  # a second fetch of f00 (the bug) would end by now
+
+    run(rv, own, body)
+    assert source.singles == ["10/s/f00"]
+    assert rf_of(rv, "s/f00").state == LOCAL and on_disk(ram, "s/f00") == SMALL["s/f00"]
+    assert job.errors == []
+
+
 class NoRoomAtF02(BatchSource):
     """The batch finds no room at f02 (after f00 and f01 landed)."""
 
@@ -456,17 +480,21 @@ class Down(BatchSource):
 
 def test_with_every_copy_down_the_prefetch_asks_for_each_file_once(tmp_path):
     """Review of 2569809: each failed single fetch's file was batched again by the next
-    prefetch step, and its tail restarted: 36 fetches and error lines for 13 files."""
-    source = Down()
-    rv, _ram, own, job = view_of(tmp_path, source)
-
-    async def body() -> None:
-        await rv.prefetch(10)
-
-    run(rv, own, body)
+    prefetch step, and its tail restarted: 36 fetches and error lines for 13 files.
+    Second review: the prefetch's worker, behind the batch's files left over, fetched
+    those the leftovers had already failed again (23 of 13, in 9 of 10 runs): 10 runs."""
     files = sorted(f"10/{p}" for p in {**RANK0, **RANK2})
-    assert sorted(source.singles) == files
-    assert len(job.errors) == len(files)
+    for i in range(10):
+        source = Down()
+        (tmp_path / str(i)).mkdir()
+        rv, _ram, own, job = view_of(tmp_path / str(i), source)
+
+        async def body(rv: RemoteView = rv) -> None:
+            await rv.prefetch(10)
+
+        run(rv, own, body)
+        assert sorted(source.singles) == files, i
+        assert len(job.errors) == len(files), i
 
 
 def test_a_batch_keeps_to_the_directory_of_the_file_opened(tmp_path, monkeypatch):
@@ -493,3 +521,65 @@ def test_a_batch_keeps_to_the_directory_of_the_file_opened(tmp_path, monkeypatch
     for p, d in more.items():
         assert on_disk(ram, p) == d
     assert job.errors == []
+
+
+def test_a_file_left_remote_for_no_room_is_punched_before_an_open_can_fetch_it(
+    tmp_path, monkeypatch
+):
+    """Second review: after no room, a file nobody waited for was ended (REMOTE, its
+    waiters woken) before its punch; an open in between fetched it, LOCAL, and the
+    late punch emptied it: zeros served. The punch now comes first."""
+    import time
+
+    real = RemoteView._punch
+
+    def slow_punch(fd: int, size: int) -> None:
+        time.sleep(0.3)  # a busy machine: the worker thread runs late
+        real(fd, size)
+
+    monkeypatch.setattr(RemoteView, "_punch", staticmethod(slow_punch))
+    source = NoRoomAtF02()
+    rv, ram, own, job = view_of(tmp_path, source)
+
+    async def body() -> None:
+        await rv.fetch(rf_of(rv, "s/f00"), urgent=True)
+        f02 = rf_of(rv, "s/f02")
+        while f02.state != "fetching":
+            await trio.sleep(0)
+        await trio.sleep(0.05)  # the leftovers' punch of f02 under way
+        await rv.fetch(f02, urgent=True)  # a reader opens it meanwhile
+        assert f02.state == LOCAL and on_disk(ram, "s/f02") == SMALL["s/f02"]
+        await trio.sleep(0.5)  # every punch has ended
+
+    run(rv, own, body)
+    assert rf_of(rv, "s/f02").state == LOCAL
+    assert on_disk(ram, "s/f02") == SMALL["s/f02"], "LOCAL with zeros"
+    assert job.errors == []
+
+
+class NoRoomAnywhere(BatchSource):
+    async def fetch_files(self, job, rank, step, digest, files, landed, *, writers=0) -> None:
+        self.batches.append([f.path for f in files])
+        raise FetchFailed("no room") from OSError(28, "No space left on device")
+
+    async def fetch_file(self, job, rank, step, digest, path, fd, **more) -> str:
+        self.singles.append(path)
+        raise FetchFailed("no room") from OSError(28, "No space left on device")
+
+
+def test_no_room_for_a_prefetch_batch_leaves_its_first_file_remote_too(tmp_path):
+    """Second review: after no room, the first file of a batch nobody waited for was
+    still fetched alone, made room (dropping files just fetched) and wrote a line."""
+    source = NoRoomAnywhere()
+    rv, _ram, own, job = view_of(tmp_path, source)
+
+    async def body() -> None:
+        with pytest.raises(OSError) as exc:
+            await rv.fetch(rf_of(rv, "s/f00"))  # a prefetch: nobody waits
+        assert exc.value.errno == 28
+        while any(f.state == "fetching" for f in rv.steps[10].files.values()):
+            await trio.sleep(0.01)
+
+    run(rv, own, body)
+    assert source.singles == [] and job.errors == []
+    assert rf_of(rv, "s/f00").state == REMOTE

@@ -1979,10 +1979,14 @@ class RemoteView:
         # a fetch no reader waits for pauses between chunks while a reader waits
         held = fetch_hold.set(lambda: self._readers > 0 and not is_urgent())
         try:
-            if batch:
-                await self._batched(rf)
+            no_room = await self._batched(rf) if batch else False
             if rf.done is done and rf.state == FETCHING:
-                await self._fetch(rf)
+                if no_room and not rf.urgent:
+                    # nobody waits for it: left remote, no room made for it, no line
+                    await self._punch_fetching(rf)
+                    rf.errno = errno.ENOSPC
+                else:
+                    await self._fetch(rf)
         except OSError as exc:
             if rf.done is done:
                 rf.errno = exc.errno or errno.EIO
@@ -2049,7 +2053,7 @@ class RemoteView:
             total += f.size
         return batch
 
-    async def _batched(self, rf: RemoteFile) -> None:
+    async def _batched(self, rf: RemoteFile) -> bool:
         """Fetch ``rf`` (FETCHING) together with the next small files of its part
         (:meth:`_batch_of`) in one call of the first source that batches
         (:class:`BatchFileSource`). Every file that landed whole and verified is LOCAL
@@ -2058,13 +2062,17 @@ class RemoteView:
         that did not land by :meth:`_leftovers` (each through every source, which
         reports). A no-op for a file that is not batched. Trio thread.
 
+        Returns:
+            True when the call found no room for a file (ENOSPC): the caller leaves
+            ``rf`` remote unless a reader waits for it.
+
         The call pauses for readers (``fetch_hold``) only while none of its files
         is waited for by one (``urgent``): a reader of any file of a batch makes the
         whole batch urgent."""
         source = next((s for s in self.sources if hasattr(s, "fetch_files")), None)
         batch = self._batch_of(rf) if source is not None else [rf]
         if len(batch) < 2 or self._fetches is None:
-            return
+            return False
         for f in batch[1:]:
             f.state, f.done, f.errno = FETCHING, trio.Event(), 0
         mine = {f.path: f.done for f in batch}
@@ -2124,6 +2132,8 @@ class RemoteView:
         except FetchFailed as exc:  # no room: the files that do not fit fail alone
             no_room = True
             log.info("%d files of rank %d's step %d: %s", len(batch), rf.rank, rf.step, exc)
+        except Exception:  # a source's bug: every file is fetched on its own
+            log.exception("fetching %d files of rank %d's step %d", len(batch), rf.rank, rf.step)
         finally:
             fetch_urgent.reset(token)
             fetch_hold.reset(held)
@@ -2138,6 +2148,7 @@ class RemoteView:
             left = [f for f in batch[1:] if ours(f)]
             if left:
                 self._fetches.start_soon(self._leftovers, left, mine, no_room)
+        return no_room
 
     async def _leftovers(
         self, files: list[RemoteFile], mine: dict[str, trio.Event | None], no_room: bool
@@ -2162,16 +2173,26 @@ class RemoteView:
             f = next((f for f in pending if f.urgent), pending[0])
             pending.remove(f)
             if no_room and not f.urgent:
-                f.errno = errno.ENOSPC
-                self._fetch_ended(f)  # REMOTE
-                with contextlib.suppress(OSError):
-                    fd = self._open_rw(f)
-                    try:
-                        await trio.to_thread.run_sync(self._punch, fd, f.size)
-                    finally:
-                        os.close(fd)
-                continue
+                # its verified chunks out first, while it is still this fetch's (an
+                # open meanwhile waits for it: ended first, a new fetch could have
+                # made it LOCAL before the punch emptied it)
+                await self._punch_fetching(f)
+                if ours(f) and not f.urgent:
+                    f.errno = errno.ENOSPC
+                    self._fetch_ended(f)  # REMOTE
+                    continue
+                if not ours(f):
+                    continue
             await self._fetch_task(f, batch=False, urgent=urgent)
+
+    async def _punch_fetching(self, rf: RemoteFile) -> None:
+        """Punch out whatever a fetch of ``rf`` (still FETCHING) left in it."""
+        with contextlib.suppress(OSError):
+            fd = self._open_rw(rf)
+            try:
+                await trio.to_thread.run_sync(self._punch, fd, rf.size)
+            finally:
+                os.close(fd)
 
     def _landed(
         self,
@@ -2427,12 +2448,14 @@ class RemoteView:
                 if q:
                     order.append(q.pop(0))
         pending = collections.deque(order)
+        began = {id(rf): rf.done for rf in order}
 
         async def worker() -> None:
-            # in order (a file of a batch under way is waited for, not fetched again)
+            # in order (a file of a batch under way is waited for, not fetched again;
+            # one whose fetch ended since the prefetch began, failed, is not either)
             while pending:
                 rf = pending.popleft()
-                if rf.state == LOCAL:
+                if rf.state == LOCAL or (rf.state == REMOTE and rf.done is not began[id(rf)]):
                     continue
                 while self._readers:  # a reader's open waits: it goes first
                     if self._no_readers.is_set():

@@ -251,6 +251,15 @@ class PeerFiles:
             if why is not None and why.startswith(BAD):
                 bad.append(f"{label}: {why}")
 
+    def _hold(self) -> Callable[[], bool]:
+        """The pause of a transfer: the caller's (a prefetch gives way to readers),
+        except while an urgent fetch waits for a lane slot: then the paused transfer
+        goes on and frees its slot (else that reader would wait for a slot held by
+        a transfer waiting for readers)."""
+        caller = fetch_hold.get()
+        lane = self.lane
+        return lambda: caller() and not lane.urgent_waiting()
+
     async def _pull_batch(
         self,
         address: str,
@@ -274,7 +283,7 @@ class PeerFiles:
 
         batch = list(left.values())
         cancel = threading.Event()
-        hold = fetch_hold.get()  # the caller's (a prefetch gives way to readers)
+        hold = self._hold()
 
         def pull() -> set[str]:
             return self.client.pull_files(address, key, digest, batch, cancel, one, hold=hold)
@@ -360,7 +369,7 @@ class PeerFiles:
         cancel = threading.Event()
         code: grpc.StatusCode | str | None = None
         try:
-            hold = fetch_hold.get()  # the caller's (a prefetch gives way to readers)
+            hold = self._hold()
             async with self.lane.slot():
                 own = os.dup(fd)
 

@@ -98,6 +98,12 @@ class PriorityLane:
         finally:
             self._release()
 
+    def urgent_waiting(self) -> bool:
+        """True while an urgent body waits for a slot (any thread: a paused transfer
+        asks it so that it goes on and frees its slot instead of holding it while
+        the reader it pauses for waits for that very slot)."""
+        return any(urgent() for urgent, _ in list(self._waiting))
+
     def _release(self) -> None:
         self.busy -= 1
         if not self._waiting:
