@@ -575,9 +575,29 @@ class _Stream:
                 continue
         return False
 
-    def _produce(self, behavior: Callable[..., Any], request: Any) -> None:
+    def _replies(self, behavior: Callable[..., Any], request: Any) -> Iterator[Any]:
+        """The handler's replies: a plain generator's, or an async generator's (as
+        :func:`tierfs.rpc.aio_server.with_sync_context` serves streams) stepped on the
+        network's loop and closed there when the caller stops early."""
+        if not inspect.isasyncgenfunction(behavior):
+            yield from behavior(request, self.context)
+            return
+        loop = self.channel.network.loop
+        agen = behavior(request, self.context)
         try:
-            for reply in behavior(request, self.context):
+            while True:
+                try:
+                    reply = asyncio.run_coroutine_threadsafe(agen.__anext__(), loop).result()
+                except StopAsyncIteration:
+                    return
+                yield reply
+        finally:
+            asyncio.run_coroutine_threadsafe(agen.aclose(), loop).result()
+
+    def _produce(self, behavior: Callable[..., Any], request: Any) -> None:
+        replies = self._replies(behavior, request)
+        try:
+            for reply in replies:
                 if not self._put(("msg", _apply(self._handler.response_serializer, reply))):
                     return
             self._put(("end", None))
@@ -587,6 +607,7 @@ class _Stream:
             self._put(("error", FakeRpcError(grpc.StatusCode.UNKNOWN, str(exc))))
         finally:
             self.context.end()
+            replies.close()
 
     def __iter__(self) -> _Stream:
         return self

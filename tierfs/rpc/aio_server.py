@@ -33,6 +33,8 @@ import grpc
 import grpc.aio
 from grpc.experimental import wrap_server_method_handler
 
+from tierfs.core.errors import ProtocolError
+
 log = logging.getLogger(__name__)
 
 #: seconds :meth:`AioServer.start` waits for the loop thread to bind the port
@@ -143,8 +145,100 @@ class _SyncContext:
         return getattr(self._context, name)
 
 
-def with_sync_context(handler: grpc.GenericRpcHandler) -> grpc.GenericRpcHandler:
-    """``handler`` (of plain, blocking behaviours) with :class:`_SyncContext` contexts."""
+class _Abort(ProtocolError):
+    """``context.abort`` of a streaming handler run by :func:`_streamed` (its thread
+    cannot await the loop's abort; the loop side does it)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class _StreamContext:
+    """What a plain server-streaming handler sees of its ``grpc.aio`` context when
+    :func:`_streamed` runs it: ``is_active()``, ``abort()`` (raises, as the sync
+    server's does) and the context's other synchronous methods."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+        self._done = threading.Event()
+
+    def end(self) -> None:
+        """The call is over (any thread)."""
+        self._done.set()
+
+    def is_active(self) -> bool:
+        """False once the call ended (cancelled by the client, deadline, or finished:
+        the loop side closes the stream and says so with :meth:`end`)."""
+        return not self._done.is_set()
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        """End the call with ``code`` and ``details``.
+
+        Raises:
+            _Abort: always (the loop side aborts the call with it).
+        """
+        raise _Abort(code, details)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
+#: what ``next(generator, _END)`` returns once a streaming handler's generator ended
+_END = object()
+
+
+def _streamed(
+    behavior: Callable[[Any, Any], Any], pool: futures.Executor
+) -> Callable[[Any, Any], Any]:
+    """A plain server-streaming ``behavior`` as an async generator for ``grpc.aio``.
+
+    ``grpc.aio`` runs a plain streaming handler's generator in a thread that waits,
+    with no end, to hand each message to a full send queue once the client
+    cancelled (grpc/grpc#22874, #25327, #28999): every cancelled stream kept one of
+    the server's threads for good, and after as many as the pool has, the server
+    answered no blocking call any more (#14 trial 43: batched file pulls given up
+    after their first file). Here each step of the generator (``next``) is one
+    task of ``pool``, awaited on the loop; when the call ends (done, cancelled,
+    aborted) the generator is closed in ``pool`` after its step under way, so its
+    ``finally`` blocks run (a pull unpins its copy)."""
+
+    async def call(request: Any, context: Any) -> Any:
+        ctx = _StreamContext(context)
+        gen = behavior(request, ctx)
+        loop = asyncio.get_running_loop()
+        step: futures.Future[Any] | None = None
+        try:
+            while True:
+                step = pool.submit(next, gen, _END)
+                item = await asyncio.wrap_future(step, loop=loop)
+                if item is _END:
+                    return
+                yield item
+        except _Abort as exc:
+            await context.abort(exc.code, exc.details)
+        finally:
+            ctx.end()
+            last = step
+
+            def close() -> None:
+                if last is not None:
+                    futures.wait([last])  # a step under way ends first
+                gen.close()
+
+            pool.submit(close)
+
+    return call
+
+
+def with_sync_context(
+    handler: grpc.GenericRpcHandler, pool: futures.Executor | None = None
+) -> grpc.GenericRpcHandler:
+    """``handler`` (of plain, blocking behaviours) with :class:`_SyncContext` contexts;
+    its server-streaming (unary request) behaviours are run by :func:`_streamed` in
+    ``pool`` (default: a pool of 32 daemon threads of this module)."""
+    streams = pool if pool is not None else _stream_pool()
 
     def wrap(behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         def call(request: Any, context: Any) -> Any:
@@ -159,9 +253,24 @@ def with_sync_context(handler: grpc.GenericRpcHandler) -> grpc.GenericRpcHandler
             h = handler.service(handler_call_details)
             if h is None:
                 return None
+            if h.response_streaming and not h.request_streaming and h.unary_stream:
+                return h._replace(unary_stream=_streamed(h.unary_stream, streams))  # type: ignore[attr-defined,no-any-return]
             return wrap_server_method_handler(wrap, h)  # type: ignore[no-untyped-call,no-any-return]
 
     return _Wrapped()
+
+
+_STREAM_POOL: DaemonThreadPool | None = None
+_STREAM_POOL_LOCK = threading.Lock()
+
+
+def _stream_pool() -> DaemonThreadPool:
+    """The threads that run streaming handlers' steps (one per process, made on use)."""
+    global _STREAM_POOL
+    with _STREAM_POOL_LOCK:
+        if _STREAM_POOL is None:
+            _STREAM_POOL = DaemonThreadPool(32, "tierfs-stream")
+        return _STREAM_POOL
 
 
 class AioServer:
