@@ -593,8 +593,8 @@ def test_a_held_pull_writes_nothing_until_released(served, tmp_path):
 
 
 def test_a_holder_that_ignores_paths_is_refused(net, tmp_path):
-    # on the in-process transport: a real server would keep its handler thread
-    # blocked on the cancelled stream (grpc/grpc#28999), and the test process with it
+    # on the in-process transport, the handler served as it is (a plain generator;
+    # a real AioServer steps it through with_sync_context, see test_aio_stream_cancel)
     shard = make_shard(tmp_path / "holder", JOB, 3, STEP, dict(FILES))
     handlers = peer_handlers(IgnoresPaths(Host(shard)))  # type: ignore[arg-type]
     server = net.server(lambda srv, loop: srv.add_generic_rpc_handlers((handlers,)))

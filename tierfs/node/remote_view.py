@@ -2210,12 +2210,15 @@ class RemoteView:
         w = writers.get(rf.path)
         if rf.state != FETCHING or fd is None or w is None or w.verified != rf.size:
             return
+        rf.state, rf.source, rf.error = LOCAL, label, ""
         try:
+            # marked as here (trial 43: marked while still fetching, a restarted daemon
+            # punched the batch's files out and fetched them again)
             os.setxattr(fd, XATTR, _mark(rf))  # a restart keeps the bytes
         except OSError as exc:
+            rf.state, rf.source = FETCHING, ""
             log.info("marking the fetched %s: %s", rf.path, exc)
             return  # its own fetch brings it again
-        rf.state, rf.source, rf.error = LOCAL, label, ""
         rf.verified = rf.size
         self.fetched_bytes[source] = self.fetched_bytes.get(source, 0) + rf.size
         self._fetch_ended(rf)
