@@ -134,6 +134,9 @@ class _ServerContext:
     def is_active(self) -> bool:
         return not self._done.is_set()
 
+    def done(self) -> bool:
+        return self._done.is_set()
+
     def add_callback(self, callback: Callable[..., None]) -> bool:
         with self._lock:
             if self._done.is_set():

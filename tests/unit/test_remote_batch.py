@@ -464,7 +464,9 @@ def test_no_room_in_a_batch_leaves_the_files_nobody_waits_for_remote(tmp_path):
             await trio.sleep(0.01)
         assert rf_of(rv, "s/f01").state == LOCAL
         assert rf_of(rv, "s/f02").state == REMOTE and rf_of(rv, "s/f02").errno == 28
-        assert source.singles == [] and job.errors == []
+        # an empty file needs no room: fetched (trial 43b: ENOSPC for a 0-byte file)
+        assert rf_of(rv, "s/f07empty").state == LOCAL
+        assert source.singles == ["10/s/f07empty"] and job.errors == []
         # a later open of one of them fetches it (room was made meanwhile)
         await rv.fetch(rf_of(rv, "s/f05"), urgent=True)
         assert on_disk(ram, "s/f05") == SMALL["s/f05"]
@@ -569,6 +571,8 @@ class NoRoomAnywhere(BatchSource):
 
     async def fetch_file(self, job, rank, step, digest, path, fd, **more) -> str:
         self.singles.append(path)
+        if not BYTES[path]:
+            return COPY  # writing nothing never finds no room
         raise FetchFailed("no room") from OSError(28, "No space left on device")
 
 
@@ -586,5 +590,39 @@ def test_no_room_for_a_prefetch_batch_leaves_its_first_file_remote_too(tmp_path)
             await trio.sleep(0.01)
 
     run(rv, own, body)
-    assert source.singles == [] and job.errors == []
-    assert rf_of(rv, "s/f00").state == REMOTE
+    assert source.singles == ["10/s/f07empty"] and job.errors == []  # it needs no room
+    assert rf_of(rv, "s/f00").state == REMOTE and rf_of(rv, "s/f07empty").state == LOCAL
+
+
+class DroppedOnLanding(BatchSource):
+    """Lands each file, and the first one is dropped at once (``make_room`` for another
+    fetch sets it REMOTE) before its waiter wakes: ``view`` is the view."""
+
+    view: RemoteView | None = None
+
+    async def fetch_files(self, job, rank, step, digest, files, landed, *, writers=0) -> None:
+        self.batches.append([f.path for f in files])
+        for f in files:
+            f.write(BYTES[f.path], 0)
+            landed(f.path, COPY)
+            if len(self.batches) == 1 and f.path == "10/s/f00":
+                assert self.view is not None
+                self.view.steps[10].files[f.path].state = REMOTE  # _drop_files' first step
+
+
+def test_a_file_dropped_right_after_it_landed_is_fetched_again_for_its_waiter(tmp_path):
+    """Trial 43b: with a small budget and several readers, a file that landed was
+    dropped to make room before the open waiting for it woke; the open failed with
+    EIO (errno 0: nothing failed) and no line. It is fetched again."""
+    source = DroppedOnLanding()
+    rv, ram, own, job = view_of(tmp_path, source)
+    source.view = rv
+
+    async def body() -> None:
+        await rv.fetch(rf_of(rv, "s/f00"), urgent=True)  # no OSError
+
+    run(rv, own, body)
+    assert on_disk(ram, "s/f00") == SMALL["s/f00"]
+    assert rf_of(rv, "s/f00").state == LOCAL
+    assert len(source.batches) == 1 and source.singles == ["10/s/f00"]  # the rest stayed
+    assert job.errors == []

@@ -132,6 +132,8 @@ EXPECT_POLL = 0.25
 DCP_METADATA = ".metadata"
 #: bytes read per call when checking fetched bytes
 READ_CHUNK = 1 << 20
+#: times a waiter fetches again a file dropped (to make room) before it woke, then ENOSPC
+FETCH_AGAIN = 3
 #: a remote file of at most this many bytes is fetched together with the next remote
 #: small files of its part (path order) in one call (issue #14 goal 2: per call, the
 #: round trips and thread hops cost more than a small file's bytes)
@@ -849,12 +851,17 @@ class RemoteView:
             OSError: as :meth:`fetch` when the fetch fails (EIO, ENOSPC, ENOENT).
         """
         started = False
+        dropped = 0
         while True:
             if rf.state == LOCAL or (rf.state == FETCHING and rf.verified >= end):
                 return
             if rf.state != FETCHING:
-                if started:
-                    raise OSError(rf.errno or errno.EIO, rf.error or "the fetch failed")
+                if started and rf.errno:
+                    raise OSError(rf.errno, rf.error or "the fetch failed")
+                if started:  # fetched, then dropped to make room: fetched again
+                    dropped += 1
+                    if dropped > FETCH_AGAIN:
+                        raise OSError(errno.ENOSPC, f"{rf.path} was dropped to make room")
                 started = True
                 if self._fetches is None:
                     await self.fetch(rf, urgent=True)
@@ -1901,32 +1908,36 @@ class RemoteView:
             OSError: EIO when no copy served the right bytes, ENOSPC when they do
                 not fit, ENOENT when the file left the view meanwhile.
         """
-        if rf.state == LOCAL:
+        for _ in range(FETCH_AGAIN + 1):
+            if rf.state == LOCAL:
+                if urgent:
+                    self._read_ahead(rf)
+                return
+            if self._fetches is not None:
+                self._start(rf, urgent)
+            else:
+                rf.urgent = rf.urgent or urgent
+                if rf.state != FETCHING:
+                    rf.state, rf.done, rf.errno = FETCHING, trio.Event(), 0
+                    await self._fetch_task(rf)
+            assert rf.done is not None
             if urgent:
-                self._read_ahead(rf)
-            return
-        if self._fetches is not None:
-            self._start(rf, urgent)
-        else:
-            rf.urgent = rf.urgent or urgent
-            if rf.state != FETCHING:
-                rf.state, rf.done, rf.errno = FETCHING, trio.Event(), 0
-                await self._fetch_task(rf)
-        assert rf.done is not None
-        if urgent:
-            self._readers += 1
-            try:
+                self._readers += 1
+                try:
+                    await rf.done.wait()
+                finally:
+                    self._readers -= 1
+                    if not self._readers:
+                        self._no_readers.set()
+            else:
                 await rf.done.wait()
-            finally:
-                self._readers -= 1
-                if not self._readers:
-                    self._no_readers.set()
-        else:
-            await rf.done.wait()
-        if rf.state != LOCAL:
-            raise OSError(rf.errno or errno.EIO, rf.error or "the fetch failed")
-        if urgent:
-            self._read_ahead(rf)
+            if rf.state != LOCAL and rf.errno:
+                raise OSError(rf.errno, rf.error or "the fetch failed")
+            # LOCAL; or remote with no error: dropped to make room for another fetch
+            # before this waiter woke (trial 43b: EIO at open, nothing reported)
+        raise OSError(
+            errno.ENOSPC, f"{rf.path} was dropped to make room {FETCH_AGAIN + 1} times over"
+        )
 
     def _start(self, rf: RemoteFile, urgent: bool) -> None:
         """Start ``rf``'s fetch in the view's own nursery unless one is under way (a
@@ -1980,13 +1991,13 @@ class RemoteView:
         held = fetch_hold.set(lambda: self._readers > 0 and not is_urgent())
         try:
             no_room = await self._batched(rf) if batch else False
-            if rf.done is done and rf.state == FETCHING:
-                if no_room and not rf.urgent:
-                    # nobody waits for it: left remote, no room made for it, no line
-                    await self._punch_fetching(rf)
+            if rf.done is done and rf.state == FETCHING and no_room and not rf.urgent and rf.size:
+                # nobody waits for it: left remote, no room made for it, no line
+                await self._punch_fetching(rf)
+                if rf.done is done and rf.state == FETCHING and not rf.urgent:
                     rf.errno = errno.ENOSPC
-                else:
-                    await self._fetch(rf)
+            if rf.done is done and rf.state == FETCHING and not rf.errno:
+                await self._fetch(rf)
         except OSError as exc:
             if rf.done is done:
                 rf.errno = exc.errno or errno.EIO
@@ -2172,7 +2183,7 @@ class RemoteView:
                 return
             f = next((f for f in pending if f.urgent), pending[0])
             pending.remove(f)
-            if no_room and not f.urgent:
+            if no_room and not f.urgent and f.size:
                 # its verified chunks out first, while it is still this fetch's (an
                 # open meanwhile waits for it: ended first, a new fetch could have
                 # made it LOCAL before the punch emptied it)

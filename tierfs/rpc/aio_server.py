@@ -213,8 +213,8 @@ def _streamed(
             while True:
                 step = pool.submit(next, gen, _END)
                 item = await asyncio.wrap_future(step, loop=loop)
-                if item is _END:
-                    return
+                if item is _END or context.done():
+                    return  # (a write into an ended call: an error line in grpc's log)
                 yield item
         except _Abort as exc:
             await context.abort(exc.code, exc.details)
