@@ -14,6 +14,7 @@ closes it when the call ends, so the handler's cleanup (unpin) runs.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -90,8 +91,9 @@ def cancelled_pull(client: PeerClient, at: str) -> None:
     call.cancel()
 
 
-def test_pulls_cancelled_mid_stream_leave_the_holder_serving_and_nothing_pinned(holder):
+def test_pulls_cancelled_mid_stream_leave_the_holder_serving_and_nothing_pinned(holder, caplog):
     at, host = holder
+    caplog.set_level(logging.DEBUG, logger="grpc")
     client = PeerClient(TOKEN, WireStats())
     try:
         for _ in range(12):  # three times the server's threads
@@ -104,6 +106,10 @@ def test_pulls_cancelled_mid_stream_leave_the_holder_serving_and_nothing_pinned(
             time.sleep(0.05)  # each cancelled stream's handler ends and unpins
         assert host.pinned() == 0, host.pins
         assert host.pins.count(1) == 13  # 12 pulls, then the manifest asked
+        # a message written into a call its puller cancelled is no error of the holder
+        # (trial 43c: an ERROR traceback from grpc per cancelled pull in its log)
+        noisy = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert noisy == [], [r.getMessage() for r in noisy]
     finally:
         client.close()
 
@@ -127,3 +133,31 @@ def test_an_abort_of_a_streaming_handler_reaches_the_puller(holder, tmp_path):
     finally:
         os.close(fd)
         client.close()
+
+
+def test_grpcs_error_for_a_write_into_a_call_whose_client_went_is_a_debug_line():
+    """Trial 43c: a holder's log got a 9-line ERROR traceback from grpc for every
+    batched pull a reader gave up mid-write (ExecuteBatchError on SendMessage)."""
+    from grpc._cython import cygrpc
+
+    from tierfs.rpc.aio_server import QuietCancelledWrites
+
+    def record(exc: BaseException) -> logging.LogRecord:
+        return logging.LogRecord(
+            "grpc._cython.cygrpc",
+            logging.ERROR,
+            __file__,
+            1,
+            "%s raised in core by servicer method [%s]",
+            (type(exc).__name__, "/tierfs.peer.v1.Peer/PullShard"),
+            (type(exc), exc, None),
+        )
+
+    quiet = QuietCancelledWrites()
+    gone = record(cygrpc.ExecuteBatchError('Failed "execute_batch": (SendMessageOperation,)'))
+    quiet.filter(gone)
+    assert gone.levelno == logging.DEBUG and gone.exc_info is None
+    assert "PullShard" in gone.getMessage() and "the client has gone" in gone.getMessage()
+    other = record(ValueError("a real bug"))
+    assert quiet.filter(other) is True
+    assert other.levelno == logging.ERROR and other.exc_info is not None

@@ -214,7 +214,7 @@ def _streamed(
                 step = pool.submit(next, gen, _END)
                 item = await asyncio.wrap_future(step, loop=loop)
                 if item is _END or context.done():
-                    return  # (a write into an ended call: an error line in grpc's log)
+                    return  # an ended call (a write into it: QuietCancelledWrites)
                 yield item
         except _Abort as exc:
             await context.abort(exc.code, exc.details)
@@ -273,6 +273,31 @@ def _stream_pool() -> DaemonThreadPool:
         return _STREAM_POOL
 
 
+class QuietCancelledWrites(logging.Filter):
+    """Turns grpc's ERROR "ExecuteBatchError raised in core by servicer method" of a
+    streaming handler into a DEBUG line: it is a message written into a call whose
+    client has gone (cancelled, reset), which that client sees as its own error
+    (trial 43c: a 9-line traceback in a holder's log for every batched pull a reader
+    gave up). Attached to the ``grpc._cython.cygrpc`` logger by :class:`AioServer`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if type(exc).__name__ == "ExecuteBatchError" and "servicer method" in str(record.msg):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.exc_info, record.exc_text = None, None
+            record.msg = f"{record.getMessage()} (the client has gone): {exc}"
+            record.args = ()
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+def quiet_cancelled_writes() -> None:
+    """Attach :class:`QuietCancelledWrites` to grpc's server logger (once)."""
+    logger = logging.getLogger("grpc._cython.cygrpc")
+    if not any(isinstance(f, QuietCancelledWrites) for f in logger.filters):
+        logger.addFilter(QuietCancelledWrites())
+
+
 class AioServer:
     """One ``grpc.aio`` server on an asyncio loop in a daemon thread.
 
@@ -300,6 +325,7 @@ class AioServer:
         self._options = list(options)
         self._pool = DaemonThreadPool(workers, name)
         self._name = name
+        quiet_cancelled_writes()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: grpc.aio.Server | None = None
         self._thread: threading.Thread | None = None
