@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 from conftest import tierfs
@@ -23,6 +25,8 @@ from peer_cluster import Cluster
 from test_elastic import dcp, elastic, files, holds, own_manifest, restart, save_files, whole
 
 pytestmark = pytest.mark.slow
+
+T = TypeVar("T")
 
 
 def md5(data: bytes) -> str:
@@ -49,15 +53,20 @@ def contents(c: Cluster, i: int, step: int) -> dict[str, str]:
     return out
 
 
-def settle(c: Cluster, i: int, step: int, want: list[str], timeout: float = 60) -> list[str]:
-    """Node ``i``'s listing of ``step`` once it equals ``want``, else the last one seen
-    after ``timeout`` seconds."""
+def _until(read: Callable[[], T], want: T, timeout: float) -> T:
+    """``read()`` once it equals ``want``, else the last value after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while True:
-        seen = listing(c, i, step)
+        seen = read()
         if seen == want or time.monotonic() > deadline:
             return seen
         time.sleep(0.5)
+
+
+def settle(c: Cluster, i: int, step: int, want: list[str], timeout: float = 60) -> list[str]:
+    """Node ``i``'s listing of ``step`` once it equals ``want``, else the last one seen
+    after ``timeout`` seconds."""
+    return _until(lambda: listing(c, i, step), want, timeout)
 
 
 def settled(c: Cluster, i: int, step: int, want: dict[str, str], timeout: float = 60) -> dict:
@@ -65,12 +74,7 @@ def settled(c: Cluster, i: int, step: int, want: dict[str, str], timeout: float 
     seen after ``timeout`` seconds. The names alone do not tell a re-save from the
     earlier save (same names, other bytes), and while the other ranks' new parts
     travel a listing passes through the earlier names."""
-    deadline = time.monotonic() + timeout
-    while True:
-        seen = contents(c, i, step)
-        if seen == want or time.monotonic() > deadline:
-            return seen
-        time.sleep(0.5)
+    return _until(lambda: contents(c, i, step), want, timeout)
 
 
 def test_a_node_rejoining_with_its_old_part_shows_only_the_newer_save_of_the_step(make_mount):

@@ -330,6 +330,20 @@ def test_the_prefetch_batches_the_small_files(tmp_path):
 # ---------------------------------------------------------------------- review regressions
 
 
+async def read_while_released(rv: RemoteView, source: BatchSource, path: str) -> None:
+    """A reader's open of ``path`` while the parked call is released 0.05 s later;
+    it must end within 5 s (never held by its own batch)."""
+
+    async def release() -> None:
+        await trio.sleep(0.05)
+        source.gate.set()
+
+    async with trio.open_nursery() as n:
+        n.start_soon(release)
+        with trio.fail_after(5):
+            await rv.fetch(rf_of(rv, path), urgent=True)
+
+
 def test_a_reader_of_a_later_file_of_a_batch_is_not_held_by_its_own_batch(tmp_path):
     """Review of 2569809: the batch paused for readers unless its first file was waited
     for; a reader opening the second file (the first had landed) waited for a batch
@@ -342,14 +356,7 @@ def test_a_reader_of_a_later_file_of_a_batch_is_not_held_by_its_own_batch(tmp_pa
         await rv.fetch(rf_of(rv, "s/f00"), urgent=True)
         assert rf_of(rv, "s/f01").state == "fetching"
 
-        async def release() -> None:
-            await trio.sleep(0.05)
-            source.gate.set()
-
-        async with trio.open_nursery() as n:
-            n.start_soon(release)
-            with trio.fail_after(5):
-                await rv.fetch(rf_of(rv, "s/f01"), urgent=True)
+        await read_while_released(rv, source, "s/f01")
         assert on_disk(ram, "s/f01") == SMALL["s/f01"]
 
     run(rv, own, body)
@@ -365,14 +372,7 @@ def test_a_reader_of_a_file_of_a_prefetch_batch_is_not_held(tmp_path):
         rv._fetches.start_soon(rv.fetch, rf_of(rv, "s/f00"))  # a prefetch: not urgent
         await source.parked.wait()
 
-        async def release() -> None:
-            await trio.sleep(0.05)
-            source.gate.set()
-
-        async with trio.open_nursery() as n:
-            n.start_soon(release)
-            with trio.fail_after(5):
-                await rv.fetch(rf_of(rv, "s/f03"), urgent=True)
+        await read_while_released(rv, source, "s/f03")
         assert on_disk(ram, "s/f03") == SMALL["s/f03"]
 
     run(rv, own, body)
