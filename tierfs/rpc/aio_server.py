@@ -200,7 +200,8 @@ def _streamed(
     the server's threads for good, and after as many as the pool has, the server
     answered no blocking call any more (#14 trial 43: batched file pulls given up
     after their first file). Here each step of the generator (``next``) is one
-    task of ``pool``, awaited on the loop; when the call ends (done, cancelled,
+    task of ``pool``, awaited on the loop, the next step under way while a
+    message is written (one message ahead); when the call ends (done, cancelled,
     aborted) the generator is closed in ``pool`` after its step under way, so its
     ``finally`` blocks run (a pull unpins its copy)."""
 
@@ -210,11 +211,14 @@ def _streamed(
         loop = asyncio.get_running_loop()
         step: futures.Future[Any] | None = None
         try:
+            step = pool.submit(next, gen, _END)
             while True:
-                step = pool.submit(next, gen, _END)
                 item = await asyncio.wrap_future(step, loop=loop)
                 if item is _END or context.done():
                     return  # an ended call (a write into it: QuietCancelledWrites)
+                # the next message is made while this one is written (as grpc's own
+                # thread did: without it a big file's pull was about a third slower)
+                step = pool.submit(next, gen, _END)
                 yield item
         except _Abort as exc:
             await context.abort(exc.code, exc.details)
