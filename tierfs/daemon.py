@@ -53,6 +53,7 @@ from tierfs.fuse.session import FuseSession, MountOptions
 from tierfs.node import metrics, statefile
 from tierfs.node.agent import NodeAgent, Tier
 from tierfs.node.agreement import CoordinatorAgreement
+from tierfs.node.cache_room import CacheRoom
 from tierfs.node.catalog import ShardCatalog, ShardVerifier
 from tierfs.node.intake import EventIntake
 from tierfs.node.jobcontrol import JobControl
@@ -386,6 +387,16 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         more_manifests=[gcs] if backup is not None else [],
     )
     background.append(remote.run)
+
+    def own_part() -> int:
+        job = state.job
+        if job is None:
+            return 0
+        return max((s.manifest.total_bytes for s in catalog.own_shards(job)), default=0)
+
+    # fetched files never take the room this node's next save needs (#14 trial 43b)
+    remote.room = CacheRoom(budget, own_part, remote.holds_fetched, remote.make_room)
+    background.append(remote.room.run)
     background.append(verifier.run)  # copies a peer's pull found damaged (FAIL 13)
     if peer is not None:
         peer.holdings.on_damaged(verifier.suspect)

@@ -415,3 +415,32 @@ def _where(pid: int) -> str:
             text = next((x for x in text.splitlines() if x.startswith("State:")), text)
         out.append(f"{name}: {text.strip()}")
     return "; ".join(out)
+
+
+def test_a_node_that_read_the_whole_step_under_a_budget_keeps_room_for_its_own_save(make_mount):
+    """#14 trial 43b: with ``--size``, the other ranks' files a node fetched filled its
+    budget (a cache), and its own next save, written by the kernel through passthrough
+    without asking the daemon, got ENOSPC. The cache now leaves the room of this node's
+    own part free: node 2 (40 MiB) reads ranks 0 and 1's 24 MiB of step 10 beside its
+    own 12 MiB part, then saves 12 MiB of step 20 and reads them back."""
+    base = job_args("dcp", 3, "--peers-per-node", "0")
+    c = Cluster(
+        make_mount, 3, node_args=lambda i: base(i) + (["--size", "40MiB"] if i == 2 else [])
+    )
+    parts = {r: {f"r{r}-{x}.bin": os.urandom(6 << 20) for x in "ab"} for r in range(3)}
+    save(c, 10, parts)
+    top = c.root(2) / "10"
+    names = [n for r in (0, 1) for n in parts[r]]
+    wait_for(lambda: all((top / n).exists() for n in names), 60, "ranks 0 and 1 on node 2")
+    for r in (0, 1):
+        for name, data in parts[r].items():
+            assert (top / name).read_bytes() == data, name
+    new = {f"r2-{x}.bin": os.urandom(6 << 20) for x in "ab"}
+    save(c, 20, {2: new})  # ENOSPC before: 36 of the 40 MiB were held
+    for name, data in new.items():
+        assert (c.root(2) / "20" / name).read_bytes() == data, name
+    assert c.errors(2) == "", c.errors(2)
+    # what was dropped comes back on the next read, verified
+    for r in (0, 1):
+        for name, data in parts[r].items():
+            assert (top / name).read_bytes() == data, name

@@ -582,9 +582,11 @@ def test_fetched_bytes_are_a_cache_dropped_to_make_room(tmp_path):
         await rv.missing((view / "__0_0.distcp").stat().st_ino)()
         await rv.missing((view / "__2_0.distcp").stat().st_ino)()
         assert has_data(view / "__2_0.distcp")
+        assert rv.missing((view / "__0_0.distcp").stat().st_ino) is None  # opened again
         rv.sources = [FullOnce("peer", BYTES, ["peer node-rank 0"])]
         await rv.missing((view / ".metadata").stat().st_ino)()
-        # the largest fetched file went first, and it is fetched again on its next open
+        # the least recently used fetched file went first (not the one opened again),
+        # and it is fetched again on its next open
         assert not has_data(view / "__2_0.distcp")
         assert has_data(view / "__0_0.distcp")
         assert rv.missing((view / "__2_0.distcp").stat().st_ino) is not None

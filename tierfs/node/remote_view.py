@@ -96,6 +96,7 @@ from tierfs.core.priority import fetch_hold, fetch_urgent
 from tierfs.core.status.whole import WholeStepStatus, WholeViewStatus
 from tierfs.fuse.inodes import proc
 from tierfs.fuse.namespace import Namespace
+from tierfs.node.cache_room import CacheRoom
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.resave import RESAVE_GAP, SeenPart, sealed_at
 from tierfs.node.union import changed_ranks, union_plan
@@ -191,6 +192,9 @@ class RemoteFile:
     #: trio time until which opens wait for the whole file (the first such open plus
     #: ``$TIERFS_EARLY_READ_WAIT``); None: no open waits now
     whole_until: float | None = None
+    #: monotonic seconds of its last open or landing (the cache drops the least
+    #: recently used first, :meth:`RemoteView.make_room`)
+    used: float = 0.0
 
     def moved(self) -> None:
         """Wake who waits for ``verified`` to move or the fetch to end (trio thread)."""
@@ -573,6 +577,9 @@ class RemoteView:
         #: True for a step whose own part a restore abandoned (issue #16 trial F4): set
         #: by the composition root (:meth:`tierfs.node.steps.StepBook.is_abandoned`)
         self.abandoned: Callable[[int], bool] = lambda step: False
+        #: keeps room for this node's own saves beside the fetched files (set by the
+        #: composition root; :class:`tierfs.node.cache_room.CacheRoom`)
+        self.room: CacheRoom | None = None
         catalog.on_sealed(self._on_sealed)
         catalog.on_added(self._on_added)
         catalog.on_withdrawn(self._on_withdrawn)
@@ -596,6 +603,7 @@ class RemoteView:
         rf = self._by_ino.get(ino)
         if rf is None:
             return None
+        rf.used = time.monotonic()
         union = self.steps.get(rf.step)
         if union is not None and rf.rank in union.refused:
             return lambda: self._refused(union, rf)
@@ -621,6 +629,7 @@ class RemoteView:
         rf = self._by_ino.get(ino)
         if rf is None or rf.chunks is None or rf.state == LOCAL:
             return self.missing(ino)
+        rf.used = time.monotonic()
         union = self.steps.get(rf.step)
         if union is not None and rf.rank in union.refused:
             return lambda: self._refused(union, rf)
@@ -1006,6 +1015,8 @@ class RemoteView:
         node 3, which held no part of step 30, read rank 0's earlier ``.metadata``
         (a mismatch of keys made it loud; with the same keys the earlier values
         would have come back)."""
+        if self.room is not None:
+            self.room.poke()  # a save of this node's: the reserve is given back now
         top = path.split("/", 1)[0]
         for union in self.steps.values():
             if union.own or union.suspect or top not in union.tops or not union.parts:
@@ -2131,6 +2142,8 @@ class RemoteView:
                     self._landed(*args)
 
             if targets:
+                if self.room is not None:  # the reserve for this node's saves stays
+                    await self.room.fetching(sum(t.size for t in targets))
                 await cast(BatchFileSource, source).fetch_files(
                     job.name if job else "",
                     rf.rank,
@@ -2231,8 +2244,11 @@ class RemoteView:
             log.info("marking the fetched %s: %s", rf.path, exc)
             return  # its own fetch brings it again
         rf.verified = rf.size
+        rf.used = time.monotonic()
         self.fetched_bytes[source] = self.fetched_bytes.get(source, 0) + rf.size
         self._fetch_ended(rf)
+        if self.room is not None:
+            self.room.poke()  # the reserve for this node's saves, kept
 
     def _writers(self, step: int) -> int:
         """The node count that wrote ``step`` (0: not known here, the job's)."""
@@ -2276,6 +2292,8 @@ class RemoteView:
 
     async def _fetch(self, rf: RemoteFile) -> None:
         job = self.current.job
+        if self.room is not None:
+            await self.room.fetching(rf.size)  # the reserve for this node's saves stays
         fd = self._open_rw(rf)
         made_room = False
         mismatched = False
@@ -2335,6 +2353,9 @@ class RemoteView:
                     if size == rf.size and crc == rf.crc32c:
                         rf.state, rf.source, rf.error = LOCAL, label, ""
                         rf.verified = rf.size
+                        rf.used = time.monotonic()
+                        if self.room is not None:
+                            self.room.poke()  # the reserve for this node's saves, kept
                         os.setxattr(fd, XATTR, _mark(rf))  # a restart keeps the bytes
                         self.fetched_bytes[source.name] = (
                             self.fetched_bytes.get(source.name, 0) + size
@@ -2395,17 +2416,29 @@ class RemoteView:
             return 0
         return await self._drop_files(list(union.files.values()), need=None)
 
+    def holds_fetched(self) -> bool:
+        """True while any fetched file's bytes are here (a cache: droppable unless
+        open; a replica's linked file is not one). Trio thread."""
+        return any(
+            rf.state == LOCAL and rf.source != REPLICA
+            for union in self.steps.values()
+            for rf in union.files.values()
+        )
+
     async def make_room(self, need: int, keep: RemoteFile | None = None) -> int:
-        """Drop fetched files no handle holds open, oldest step first and the largest
-        files first within a step, until ``need`` bytes are freed (the budget is a
-        cache for other ranks' bytes: they are fetched again on the next open);
-        ``keep`` is never dropped. Returns the bytes freed. Trio thread."""
-        files = [
-            rf
-            for step in sorted(self.steps)
-            for rf in sorted(self.steps[step].files.values(), key=lambda f: -f.size)
-            if rf is not keep
-        ]
+        """Drop fetched files no handle holds open, the least recently opened or
+        landed first (:attr:`RemoteFile.used`), until ``need`` bytes are freed (the
+        budget is a cache for other ranks' bytes: they are fetched again on the next
+        open); ``keep`` is never dropped. Returns the bytes freed. Trio thread."""
+        files = sorted(
+            (
+                rf
+                for union in self.steps.values()
+                for rf in union.files.values()
+                if rf is not keep and rf.state == LOCAL and rf.source != REPLICA
+            ),
+            key=lambda f: (f.used, f.step),
+        )
         freed = await self._drop_files(files, need)
         if freed:
             log.info("dropped %d bytes of other ranks' files to make room", freed)
@@ -2425,11 +2458,17 @@ class RemoteView:
                 fd = self._open_rw(rf)
             except OSError:
                 continue
-            rf.state = REMOTE
+            # being emptied: an open meanwhile waits for it (FETCHING, nothing verified)
+            # and then fetches it again; marked REMOTE only once the bytes are gone (an
+            # open between the two could have fetched it, and the punch emptied it)
+            rf.state, rf.done, rf.errno, rf.verified = FETCHING, trio.Event(), 0, 0
+            dropping = rf.done
             try:
                 await trio.to_thread.run_sync(self._unfetch, fd, rf)
             finally:
                 os.close(fd)
+                if rf.done is dropping:
+                    self._fetch_ended(rf)  # REMOTE; waiters wake and fetch it again
             freed += rf.size
         return freed
 

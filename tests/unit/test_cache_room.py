@@ -1,0 +1,174 @@
+"""The fetched-file cache beside this node's own saves (tierfs.node.cache_room) and
+the cache's drops in the whole-step view (least recently used first, an open while
+a file is being dropped fetches it again: never a punched file shown as here)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+from test_remote_view import BYTES, PARTS, Source, has_data, view_of
+
+from tierfs.node import remote_view as rv_mod
+from tierfs.node.cache_room import CacheRoom, reserve_bytes, shortfall
+
+MiB = 1 << 20
+
+
+def test_the_reserve_is_the_largest_own_part_within_an_eighth_and_a_half_of_the_budget():
+    assert reserve_bytes(800 * MiB, 0) == 100 * MiB
+    assert reserve_bytes(800 * MiB, 60 * MiB) == 100 * MiB
+    assert reserve_bytes(800 * MiB, 300 * MiB) == 300 * MiB
+    assert reserve_bytes(800 * MiB, 700 * MiB) == 400 * MiB
+
+
+def test_the_shortfall_counts_the_incoming_bytes():
+    assert shortfall(free=50, reserve=40) == 0
+    assert shortfall(free=50, reserve=40, incoming=30) == 20
+    assert shortfall(free=10, reserve=40) == 30
+
+
+class Room:
+    def __init__(self, size: int, free: int) -> None:
+        self.size = size
+        self.free_bytes = free
+
+    def free(self) -> int:
+        return self.free_bytes
+
+
+class Cache:
+    """Cached files of ``sizes`` bytes, dropped in order."""
+
+    def __init__(self, room: Room, sizes: list[int]) -> None:
+        self.room = room
+        self.sizes = sizes
+        self.asked: list[int] = []
+
+    def any(self) -> bool:
+        return bool(self.sizes)
+
+    async def drop(self, need: int) -> int:
+        self.asked.append(need)
+        freed = 0
+        while self.sizes and freed < need:
+            freed += self.sizes.pop(0)
+        self.room.free_bytes += freed
+        return freed
+
+
+def test_a_fetch_drops_what_keeps_the_reserve_free_and_nothing_when_it_fits():
+    room = Room(800, free=300)  # reserve 100 (an eighth), own parts of 50
+    cache = Cache(room, [120, 120, 120])
+    keeper = CacheRoom(room, lambda: 50, cache.any, cache.drop)
+
+    async def main() -> None:
+        await keeper.fetching(150)  # 300 free: fits with 100 left
+        assert cache.asked == []
+        await keeper.fetching(250)  # 50 short: one file goes
+        assert cache.asked == [50] and room.free_bytes == 420
+        assert keeper.dropped == 120
+
+    trio.run(main)
+
+
+def test_a_write_of_this_node_gives_the_reserve_back_at_once():
+    room = Room(800, free=30)
+    cache = Cache(room, [120, 120])
+    keeper = CacheRoom(room, lambda: 200, cache.any, cache.drop, interval=3600)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(keeper.run)
+            keeper.poke()  # a client of this node created a file
+            with trio.fail_after(10):
+                while room.free_bytes < 200:
+                    await trio.sleep(0.001)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert cache.asked == [170] and room.free_bytes == 270
+
+
+def test_the_free_space_is_looked_at_while_files_are_cached_without_a_poke():
+    room = Room(800, free=30)
+    cache = Cache(room, [120])
+    keeper = CacheRoom(room, lambda: 0, cache.any, cache.drop, interval=0.01)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(keeper.run)
+            with trio.fail_after(10):
+                while cache.sizes:
+                    await trio.sleep(0.001)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert cache.asked == [70]
+
+
+def test_the_least_recently_used_fetched_file_is_dropped_first(tmp_path):
+    rv, ram, *_rest, own, _job = view_of(tmp_path, PARTS, [Source("peer", BYTES, ["peer 0"])])
+    view = Path(ram.view) / "10"
+    big, small = view / "__2_0.distcp", view / "__0_0.distcp"
+
+    async def main() -> None:
+        await rv.look(own)
+        await rv.missing(big.stat().st_ino)()
+        await rv.missing(small.stat().st_ino)()
+        assert rv.missing(big.stat().st_ino) is None  # the big one opened again
+        assert await rv.make_room(1) == len(BYTES["10/__0_0.distcp"])
+
+    trio.run(main)
+    assert has_data(big) and not has_data(small)
+
+
+def test_an_open_while_a_file_is_dropped_fetches_it_again_never_the_punched_file(
+    tmp_path, monkeypatch
+):
+    """Regression (stop 43's review): the drop marked the file remote before its
+    punch, so an open in between fetched it, and the punch then emptied the file
+    the view called here: zeros served through passthrough."""
+    rv, ram, *_rest, own, _job = view_of(tmp_path, PARTS, [Source("peer", BYTES, ["peer 0"])])
+    meta = Path(ram.view) / "10" / ".metadata"
+    entered, release = threading.Event(), threading.Event()
+    unfetch = rv_mod.RemoteView._unfetch
+
+    def slow_unfetch(fd, rf):
+        entered.set()
+        release.wait(30)
+        unfetch(fd, rf)
+
+    async def main() -> None:
+        await rv.look(own)
+        ino = meta.stat().st_ino
+        await rv.missing(ino)()
+        rf = rv._by_ino[ino]
+        monkeypatch.setattr(rv_mod.RemoteView, "_unfetch", staticmethod(slow_unfetch))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rv.make_room, 1 << 30)
+            await trio.to_thread.run_sync(entered.wait, 30)
+            opened = rv.missing(ino)
+            assert opened is not None  # being dropped: the open waits
+            nursery.start_soon(opened)
+            # a fetch started now would land before the punch (the bug); give it time
+            with trio.move_on_after(0.5):
+                while rf.state != rv_mod.LOCAL:
+                    await trio.sleep(0.01)
+            assert rf.state == rv_mod.FETCHING
+            release.set()
+        assert rf.state == rv_mod.LOCAL
+
+    trio.run(main)
+    assert meta.read_bytes() == BYTES["10/.metadata"]
+
+
+@pytest.mark.parametrize("own_bytes", [0, 300])
+def test_nothing_is_asked_of_the_cache_when_nothing_is_cached(own_bytes):
+    room = Room(800, free=0)
+    cache = Cache(room, [])
+    keeper = CacheRoom(room, lambda: own_bytes, cache.any, cache.drop)
+    trio.run(keeper.fetching, 500)
+    assert cache.asked == []
