@@ -200,3 +200,36 @@ def test_checker_refuses_gaps_and_excess() -> None:
         c.feed(0, DATA + b"x")
     with pytest.raises(ValueError):
         ChunkChecker(len(DATA), CRCS[:-1], CH)
+
+
+def test_checker_takes_the_callers_own_crc_of_a_whole_chunk_without_a_pass(monkeypatch) -> None:
+    """A peer's chunk is one whole chunk whose crc32c the puller computed anyway (for
+    the wire check): the checker compares that value with the manifest's instead of a
+    second pass over the bytes (three passes per byte before); a value for anything
+    but exactly one whole chunk is ignored, and a wrong one is refused."""
+    passes: list[int] = []
+    real = google_crc32c.extend
+
+    def counted(crc: int, data: bytes) -> int:
+        passes.append(len(data))
+        return int(real(crc, data))
+
+    monkeypatch.setattr("tierfs.store.chunks.google_crc32c.extend", counted)
+    c = ChunkChecker(len(DATA), CRCS, CH)
+    out: list[tuple[int, bytes]] = []
+    for i, off in enumerate(range(0, len(DATA), CH)):
+        piece = DATA[off : off + CH]
+        out += _written(c.feed(off, piece, CRCS[i]))
+    assert passes == [] and c.verified == len(DATA)
+    assert b"".join(d for _, d in out) == DATA
+    # a piece of a chunk: the value is not of a whole chunk, the bytes are checked
+    c = ChunkChecker(len(DATA), CRCS, CH)
+    c.feed(0, DATA[:100], crc(DATA[:100]))
+    c.feed(100, DATA[100:CH], crc(DATA[100:CH]))
+    assert passes == [100, CH - 100] and c.verified == CH
+    # the caller's crc of other bytes than the manifest's: refused, nothing handed on
+    bad = bytearray(DATA[CH : 2 * CH])
+    bad[3] ^= 1
+    with pytest.raises(ChunkMismatch, match="chunk 1"):
+        c.feed(CH, bytes(bad), crc(bytes(bad)))
+    assert c.verified == CH

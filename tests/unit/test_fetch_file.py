@@ -861,7 +861,7 @@ class Into:
     def __init__(self, tmp_path: Path, path: str) -> None:
         self.fd = target(tmp_path, path.replace("/", "_"))
 
-    def __call__(self, data: bytes, offset: int) -> None:
+    def __call__(self, data: bytes, offset: int, crc32c: int | None = None) -> None:
         os.pwrite(self.fd, data, offset)
 
 

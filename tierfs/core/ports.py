@@ -43,8 +43,19 @@ if TYPE_CHECKING:
     from tierfs.store.manifest import Manifest
     from tierfs.store.shards import Shard, ShardKey
 
-#: ``write(data, offset)``: a positional write of a fetched file's bytes (see FileSource)
-PositionalWrite = Callable[[bytes, int], None]
+
+class PositionalWrite(Protocol):
+    """``write(data, offset, crc32c=None)``: a positional write of a fetched file's
+    bytes (see FileSource).
+
+    ``crc32c``, when given, is the crc32c of ``data`` that the caller computed itself
+    from these very bytes (never a value a copy sent), so a writer that checks
+    chunks against the manifest need not pass over the bytes again; None: not known.
+    """
+
+    def __call__(self, data: bytes, offset: int, crc32c: int | None = None) -> None: ...
+
+
 #: a listener of a shard leaving the catalog (withdrawn, dropped by retention, replaced)
 WithdrawnListener = Callable[["ShardKey"], None]
 #: a listener of one of this node's steps being sealed (its shard is in the catalog)

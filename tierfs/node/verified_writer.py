@@ -52,8 +52,10 @@ class VerifiedWriter:
         """Bytes from offset 0 checked and written."""
         return self.checker.verified
 
-    def __call__(self, data: bytes, offset: int) -> None:
-        """Take ``data`` at ``offset`` (a :data:`tierfs.core.ports.PositionalWrite`).
+    def __call__(self, data: bytes, offset: int, crc32c: int | None = None) -> None:
+        """Take ``data`` at ``offset`` (a :class:`tierfs.core.ports.PositionalWrite`;
+        ``crc32c``: the caller's own crc of ``data``, see
+        :meth:`tierfs.store.chunks.ChunkChecker.feed`).
 
         Raises:
             ChunkMismatch: a chunk is not the manifest's (nothing of it written), or
@@ -66,7 +68,7 @@ class VerifiedWriter:
             self._busy = True
         before = self.checker.verified
         try:
-            for start, pieces in self.checker.feed(offset, data):
+            for start, pieces in self.checker.feed(offset, data, crc32c):
                 off = start
                 try:
                     for piece in pieces:

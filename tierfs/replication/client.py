@@ -42,6 +42,7 @@ from tierfs.replication.transfer import (
 from tierfs.rpc import peer_pb2, peer_pb2_grpc
 from tierfs.rpc import wire as peer_wire
 from tierfs.rpc.wire import WireStats
+from tierfs.store.chunks import crc32c_combine
 from tierfs.store.manifest import FileEntry, Manifest
 from tierfs.store.shards import Shard, ShardKey
 
@@ -319,7 +320,10 @@ class PeerClient:
                     )
                 if c.offset != written:
                     raise Refused(f"{path!r}: chunk at offset {c.offset}, expected {written}")
-                if google_crc32c.value(c.data) != c.crc32c:
+                # one pass over the bytes: the wire check, the writer's check against
+                # the manifest and the file's crc all use it (three passes before)
+                got = google_crc32c.value(c.data)
+                if got != c.crc32c:
                     raise BadCopy(f"{path} at offset {c.offset}: chunk crc32c mismatch")
                 if written + len(c.data) > entry.size:
                     raise BadCopy(f"{path}: more bytes than the manifest's {entry.size}")
@@ -328,11 +332,11 @@ class PeerClient:
                 if cancel.is_set():
                     raise Cancelled("transfer cancelled")
                 if write is not None:
-                    write(c.data, c.offset)
+                    write(c.data, c.offset, got)
                 else:
                     _pwrite_all(fd, c.data, c.offset)
                 written += len(c.data)
-                crc = google_crc32c.extend(crc, c.data)
+                crc = crc32c_combine(crc, got, len(c.data))
                 self.stats.add("pulled_bytes", len(c.data))
             if written != entry.size:
                 raise BadCopy(f"{path}: size {written} != {entry.size}")
@@ -447,7 +451,8 @@ class PeerClient:
                     raise Refused(f"PullShard sent {c.path!r}, which was not asked for")
                 if c.offset != at:
                     raise Refused(f"{c.path!r}: chunk at offset {c.offset}, expected {at}")
-                if google_crc32c.value(c.data) != c.crc32c:
+                got = google_crc32c.value(c.data)  # the only pass over the bytes
+                if got != c.crc32c:
                     raise BadCopy(f"{c.path} at offset {c.offset}: chunk crc32c mismatch")
                 written[c.path] = at + len(c.data)
                 target = wanted.get(c.path)
@@ -459,8 +464,8 @@ class PeerClient:
                     time.sleep(HOLD_POLL)
                 if cancel.is_set():
                     raise Cancelled("transfer cancelled")
-                target.write(c.data, c.offset)
-                crcs[c.path] = google_crc32c.extend(crcs[c.path], c.data)
+                target.write(c.data, c.offset, got)
+                crcs[c.path] = crc32c_combine(crcs[c.path], got, len(c.data))
                 self.stats.add("pulled_bytes", len(c.data))
                 if written[c.path] == target.size:
                     if crcs[c.path] != target.crc32c:

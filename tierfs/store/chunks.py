@@ -147,9 +147,16 @@ class ChunkChecker:
             raise ValueError(f"cannot check from offset {offset} (verified {self.verified})")
         self._start, self._pieces, self._have, self._crc = offset, [], 0, 0
 
-    def feed(self, offset: int, data: bytes) -> list[tuple[int, list[bytes]]]:
+    def feed(
+        self, offset: int, data: bytes, crc32c: int | None = None
+    ) -> list[tuple[int, list[bytes]]]:
         """Take ``data`` at ``offset``; returns the newly verified chunks not handed on
         before, as (offset, pieces) in order, whose bytes the caller writes.
+
+        ``crc32c``: the crc32c of ``data``, computed by the caller from these bytes
+        (not a value a copy claimed): when ``data`` is exactly one whole chunk (as a
+        peer sends them) it is compared with the manifest's without a pass over the
+        bytes here; else it is ignored.
 
         Raises:
             ChunkMismatch: a chunk's crc32c is not the manifest's, the bytes go past
@@ -171,9 +178,12 @@ class ChunkChecker:
             # the whole of ``data`` is kept as it is (no copy) when it fits the chunk
             piece = data if take == len(data) else data[done : done + take]
             done += take
+            if crc32c is not None and self._have == 0 and take == end == len(data):
+                self._crc = crc32c  # the caller's own crc of exactly this chunk
+            else:
+                self._crc = google_crc32c.extend(self._crc, piece)
             self._pieces.append(piece)
             self._have += take
-            self._crc = google_crc32c.extend(self._crc, piece)
             if self._have < end:
                 continue
             index, start, crc = self._start // self.chunk, self._start, self._crc
