@@ -14,6 +14,7 @@ from tierfs.store.chunks import (
     ChunkMismatch,
     chunk_count,
     combine_chunks,
+    crc32c_append,
     crc32c_combine,
 )
 from tierfs.store.manifest import (
@@ -233,3 +234,9 @@ def test_checker_takes_the_callers_own_crc_of_a_whole_chunk_without_a_pass(monke
     with pytest.raises(ChunkMismatch, match="chunk 1"):
         c.feed(CH, bytes(bad), crc(bytes(bad)))
     assert c.verified == CH
+
+
+@pytest.mark.parametrize("sizes", [(0, 10), (10, 0), (100, 200), (70_000, 70_000), (5, 1 << 20)])
+def test_append_is_the_crc_of_the_whole_whichever_way_it_is_made(sizes) -> None:
+    a, b = os.urandom(sizes[0]), os.urandom(sizes[1])
+    assert crc32c_append(crc(a), b, crc(b)) == crc(a + b)

@@ -42,7 +42,7 @@ from tierfs.replication.transfer import (
 from tierfs.rpc import peer_pb2, peer_pb2_grpc
 from tierfs.rpc import wire as peer_wire
 from tierfs.rpc.wire import WireStats
-from tierfs.store.chunks import crc32c_combine
+from tierfs.store.chunks import crc32c_append
 from tierfs.store.manifest import FileEntry, Manifest
 from tierfs.store.shards import Shard, ShardKey
 
@@ -336,7 +336,7 @@ class PeerClient:
                 else:
                     _pwrite_all(fd, c.data, c.offset)
                 written += len(c.data)
-                crc = crc32c_combine(crc, got, len(c.data))
+                crc = crc32c_append(crc, c.data, got)
                 self.stats.add("pulled_bytes", len(c.data))
             if written != entry.size:
                 raise BadCopy(f"{path}: size {written} != {entry.size}")
@@ -465,7 +465,7 @@ class PeerClient:
                 if cancel.is_set():
                     raise Cancelled("transfer cancelled")
                 target.write(c.data, c.offset, got)
-                crcs[c.path] = crc32c_combine(crcs[c.path], got, len(c.data))
+                crcs[c.path] = crc32c_append(crcs[c.path], c.data, got)
                 self.stats.add("pulled_bytes", len(c.data))
                 if written[c.path] == target.size:
                     if crcs[c.path] != target.crc32c:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import google_crc32c
 
 from tierfs.core.errors import ClusterError
+from tierfs.store.chunks import crc32c_append
 from tierfs.store.manifest import FileEntry, Manifest, ManifestError, check_entries, check_path
 from tierfs.store.shards import ShardKey, link_tree
 
@@ -167,7 +168,8 @@ class ShardReceiver:
             raise Refused(str(exc)) from None
         if self._expect is not None and path not in self._expect:
             raise Refused(f"{path!r} is not a file of the manifest")
-        if google_crc32c.value(data) != crc:
+        got = google_crc32c.value(data)  # the only pass over the bytes here
+        if got != crc:
             raise BadCopy(f"{path} at offset {offset}: chunk crc32c mismatch")
         st = self._files.get(path)
         if st is None:
@@ -192,7 +194,7 @@ class ShardReceiver:
             n = os.write(st.fd, view)
             view = view[n:]
         st.size += len(data)
-        st.crc = google_crc32c.extend(st.crc, data)
+        st.crc = crc32c_append(st.crc, data, got)  # no second pass
         self.bytes_received += len(data)
 
     def finish(self, manifest: Manifest | None = None) -> Manifest:

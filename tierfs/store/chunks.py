@@ -87,6 +87,22 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
     return _multmodp(_shift(len2), crc1) ^ crc2
 
 
+#: below this many bytes a pass over them (about 2 µs for 4 KiB) is cheaper than a
+#: combine (15-25 µs in Python)
+COMBINE_MIN = 64 * 1024
+
+
+def crc32c_append(crc: int, data: bytes, data_crc: int) -> int:
+    """The crc32c of ``A + data`` from ``crc = crc32c(A)`` and ``data_crc``, the crc32c
+    of ``data`` the caller computed itself: combined without a pass over ``data``
+    when that is cheaper (``data`` of :data:`COMBINE_MIN` bytes or more)."""
+    if not crc:
+        return data_crc  # the combine of 0 and data_crc is data_crc, whatever A is
+    if len(data) < COMBINE_MIN:
+        return int(google_crc32c.extend(crc, data))
+    return crc32c_combine(crc, data_crc, len(data))
+
+
 def chunk_count(size: int, chunk: int = CHUNK) -> int:
     """Chunks of a ``size``-byte file (0 for an empty file)."""
     return (size + chunk - 1) // chunk
