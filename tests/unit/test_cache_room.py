@@ -123,6 +123,7 @@ def test_the_least_recently_used_fetched_file_is_dropped_first(tmp_path):
 
     trio.run(main)
     assert has_data(big) and not has_data(small)
+    assert rv.status().dropped_bytes == len(BYTES["10/__0_0.distcp"])
 
 
 def test_an_open_while_a_file_is_dropped_fetches_it_again_never_the_punched_file(
@@ -172,3 +173,19 @@ def test_nothing_is_asked_of_the_cache_when_nothing_is_cached(own_bytes):
     keeper = CacheRoom(room, lambda: own_bytes, cache.any, cache.drop)
     trio.run(keeper.fetching, 500)
     assert cache.asked == []
+
+
+def test_the_bytes_dropped_for_room_are_in_the_status_line_and_the_metrics():
+    from tierfs.cli.status import _whole_view_lines
+    from tierfs.core.status.node import NodeStatus
+    from tierfs.node.metrics import _whole_view
+
+    view = {"active": True, "steps": [], "fetched_bytes": {"peer": 900}, "dropped_bytes": 700}
+    st = NodeStatus.from_json({"whole_view": view})
+    assert st.whole_view.dropped_bytes == 700
+    assert st.whole_view.to_json()["dropped_bytes"] == 700
+    assert _whole_view_lines(st)[0].endswith(
+        "900 bytes from peer, 700 bytes dropped for room (fetched again when read)"
+    )
+    family = next(f for f in _whole_view({"whole_view": view}) if "dropped" in f.name)
+    assert [s.value for s in family.samples] == [700.0]

@@ -93,6 +93,8 @@ def _whole_view_lines(st: NodeStatus) -> list[str]:
     head = f"others    other ranks' files: {fetched or 'nothing fetched yet'}"
     if view.fetch_errors:
         head += f", {view.fetch_errors} failed fetches"
+    if view.dropped_bytes:
+        head += f", {view.dropped_bytes} bytes dropped for room (fetched again when read)"
     lines = [head]
     peer = st.tiers.get("peer")
     gone = set(peer.gone) if isinstance(peer, PeerStatus) else set()

@@ -86,6 +86,11 @@ def _whole_view(status: dict[str, Any]) -> list[Any]:
         "tierfs_other_ranks_fetch_errors", "Fetches of other ranks' files no copy could serve"
     )
     failed.add_metric([], float(view.get("fetch_errors", 0)))
+    dropped = CounterMetricFamily(
+        "tierfs_other_ranks_dropped_bytes",
+        "Bytes of other ranks' fetched files dropped for room (a cache; fetched again on read)",
+    )
+    dropped.add_metric([], float(view.get("dropped_bytes", 0)))
     files = GaugeMetricFamily(
         "tierfs_other_ranks_files",
         "Other ranks' files of the newest step in this node's view, by state",
@@ -94,7 +99,7 @@ def _whole_view(status: dict[str, Any]) -> list[Any]:
     newest = (view.get("steps") or [{}])[0]
     for state in ("local", "remote", "fetching"):
         files.add_metric([state], float(newest.get(state, 0)))
-    return [fetched, failed, files]
+    return [fetched, failed, dropped, files]
 
 
 class StatusCollector(Collector):

@@ -564,6 +564,8 @@ class RemoteView:
         #: bytes fetched per tier name; fetches that failed
         self.fetched_bytes: dict[str, int] = {}
         self.fetch_errors = 0
+        #: bytes of fetched files dropped (punched out) since the daemon started
+        self.dropped_bytes = 0
         #: the coordinator's parts epoch and version last heard (:meth:`parts_reported`)
         self.parts_epoch = ""
         self.parts_version = 0
@@ -2470,6 +2472,7 @@ class RemoteView:
                 if rf.done is dropping:
                     self._fetch_ended(rf)  # REMOTE; waiters wake and fetch it again
             freed += rf.size
+            self.dropped_bytes += rf.size
         return freed
 
     @staticmethod
@@ -2632,5 +2635,9 @@ class RemoteView:
                 )
             )
         return WholeViewStatus(
-            tuple(steps), dict(self.fetched_bytes), self.fetch_errors, active=self._active()
+            tuple(steps),
+            dict(self.fetched_bytes),
+            self.fetch_errors,
+            dropped_bytes=self.dropped_bytes,
+            active=self._active(),
         )

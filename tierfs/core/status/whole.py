@@ -103,6 +103,9 @@ class WholeViewStatus:
     fetched_bytes: Mapping[str, int] = field(default_factory=dict)
     #: fetches that no copy could serve
     fetch_errors: int = 0
+    #: bytes of fetched files dropped since the daemon started (a cache: room for a
+    #: fetch, or the reserve for this node's own saves; fetched again on the next open)
+    dropped_bytes: int = 0
     #: the running job's steps show other ranks' files here (multi-node, generic or
     #: ``pytorch.distributed`` mode, with a peer tier)
     active: bool = False
@@ -116,6 +119,7 @@ class WholeViewStatus:
             "steps": [s.to_json() for s in self.steps],
             "fetched_bytes": dict(self.fetched_bytes),
             "fetch_errors": self.fetch_errors,
+            "dropped_bytes": self.dropped_bytes,
             "active": self.active,
         }
 
@@ -125,5 +129,6 @@ class WholeViewStatus:
             steps=tuple(WholeStepStatus.from_json(s) for s in objs(d.get("steps"))),
             fetched_bytes=dict(d.get("fetched_bytes") or {}),
             fetch_errors=d.get("fetch_errors", 0),
+            dropped_bytes=d.get("dropped_bytes", 0),
             active=bool(d.get("active", False)),
         )
