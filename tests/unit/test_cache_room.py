@@ -189,3 +189,18 @@ def test_the_bytes_dropped_for_room_are_in_the_status_line_and_the_metrics():
     )
     family = next(f for f in _whole_view({"whole_view": view}) if "dropped" in f.name)
     assert [s.value for s in family.samples] == [700.0]
+
+
+def test_the_view_says_whether_it_holds_fetched_bytes(tmp_path):
+    rv, ram, *_rest, own, _job = view_of(tmp_path, PARTS, [Source("peer", BYTES, ["peer 0"])])
+    meta = Path(ram.view) / "10" / ".metadata"
+
+    async def main() -> None:
+        await rv.look(own)
+        assert not rv.holds_fetched()
+        await rv.missing(meta.stat().st_ino)()
+        assert rv.holds_fetched() and rv.holds_fetched()
+        await rv.drop(10)
+        assert not rv.holds_fetched()
+
+    trio.run(main)
