@@ -204,3 +204,26 @@ def test_the_view_says_whether_it_holds_fetched_bytes(tmp_path):
         assert not rv.holds_fetched()
 
     trio.run(main)
+
+
+def test_a_failing_drop_is_logged_and_the_keeper_goes_on(caplog):
+    room = Room(800, free=0)
+    calls: list[int] = []
+
+    async def broken(need: int) -> int:
+        calls.append(need)
+        raise RuntimeError("a bug in the drop")
+
+    keeper = CacheRoom(room, lambda: 0, lambda: True, broken, interval=0.001)
+
+    async def main() -> None:
+        await keeper.fetching(10)  # logged, not raised: the fetch goes on
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(keeper.run)
+            with trio.fail_after(10):
+                while len(calls) < 3:
+                    await trio.sleep(0.001)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert "a bug in the drop" in caplog.text

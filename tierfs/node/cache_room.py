@@ -115,8 +115,12 @@ class CacheRoom:
 
     async def fetching(self, nbytes: int) -> None:
         """Make room for a fetch of ``nbytes`` with the reserve kept (best effort:
-        what cannot be dropped stays). Trio thread."""
-        await self._keep(nbytes)
+        what cannot be dropped stays, and a failure to look or drop is logged, not
+        raised: the fetch itself then meets ENOSPC or not). Trio thread."""
+        try:
+            await self._keep(nbytes)
+        except Exception:
+            log.exception("making room for a fetch of %d bytes", nbytes)
 
     async def _keep(self, incoming: int = 0) -> int:
         if not self.cached():
@@ -148,3 +152,5 @@ class CacheRoom:
                 await self._keep()
             except OSError as exc:  # the store went away (unmount): look again later
                 log.info("keeping room for this node's saves: %s", exc)
+            except Exception:  # a bug here must not stop the daemon: said, tried again
+                log.exception("keeping room for this node's saves")
