@@ -395,7 +395,9 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         return max((s.manifest.total_bytes for s in catalog.own_shards(job)), default=0)
 
     # fetched files never take the room this node's next save needs (#14 trial 43b)
-    remote.room = CacheRoom(budget, own_part, remote.holds_fetched, remote.make_room)
+    remote.room = CacheRoom(
+        budget, own_part, remote.holds_fetched, remote.make_room, incoming=remote.incoming_bytes
+    )
     background.append(remote.room.run)
     background.append(verifier.run)  # copies a peer's pull found damaged (FAIL 13)
     if peer is not None:

@@ -444,3 +444,33 @@ def test_a_node_that_read_the_whole_step_under_a_budget_keeps_room_for_its_own_s
     for r in (0, 1):
         for name, data in parts[r].items():
             assert (top / name).read_bytes() == data, name
+
+
+def test_a_save_larger_than_the_nodes_earlier_parts_finds_room_among_the_cached_files(
+    make_mount,
+):
+    """#14 trial 44 F2: the room kept free for a node's saves was the size of its
+    earlier parts, so a save that grew got ENOSPC on every try while other ranks'
+    fetched files, open nowhere, held the rest. A create now waits until the cache
+    gave half the budget back: node 2 (64 MiB) caches 48 MiB of ranks 0 and 1 beside
+    its 4 MiB part, then saves 24 MiB at once."""
+    base = job_args("dcp", 3, "--peers-per-node", "0")
+    c = Cluster(
+        make_mount, 3, node_args=lambda i: base(i) + (["--size", "64MiB"] if i == 2 else [])
+    )
+    parts = {r: {f"r{r}-{x}.bin": os.urandom(8 << 20) for x in "abc"} for r in (0, 1)}
+    parts[2] = {"r2.bin": os.urandom(4 << 20)}
+    save(c, 10, parts)
+    top = c.root(2) / "10"
+    names = [n for r in (0, 1) for n in parts[r]]
+    wait_for(lambda: all((top / n).exists() for n in names), 60, "ranks 0 and 1 on node 2")
+    for r in (0, 1):
+        for name, data in parts[r].items():
+            assert (top / name).read_bytes() == data, name
+    grown = os.urandom(24 << 20)
+    save(c, 20, {2: {"r2.bin": grown}})  # ENOSPC before: about 12 MiB were free
+    assert (c.root(2) / "20" / "r2.bin").read_bytes() == grown
+    assert c.errors(2) == "", c.errors(2)
+    wait_for(
+        lambda: c.status(2)["whole_view"].get("dropped_bytes", 0) > 0, 30, "the drops in status"
+    )

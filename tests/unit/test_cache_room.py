@@ -4,6 +4,7 @@ a file is being dropped fetches it again: never a punched file shown as here).""
 
 from __future__ import annotations
 
+import errno
 import threading
 from pathlib import Path
 
@@ -227,3 +228,84 @@ def test_a_failing_drop_is_logged_and_the_keeper_goes_on(caplog):
 
     trio.run(main)
     assert "a bug in the drop" in caplog.text
+
+
+def test_the_bytes_fetches_under_way_will_still_write_are_counted():
+    """#14 trial 44 F1: concurrent fetches each saw the same free space and went
+    ahead, so together they took the room of this node's save."""
+    room = Room(800, free=300)  # reserve 100
+    cache = Cache(room, [120, 120, 120])
+    keeper = CacheRoom(room, lambda: 0, cache.any, cache.drop, incoming=lambda: 150)
+
+    async def main() -> None:
+        assert await keeper.fetching(100) is True  # 100 + 150 under way + 100 kept: 50 short
+        assert cache.asked == [50] and room.free_bytes == 420
+
+    trio.run(main)
+
+
+def test_a_fetch_that_would_eat_into_the_reserve_is_told_so():
+    room = Room(800, free=150)
+    cache = Cache(room, [])  # nothing to drop (all held open, say)
+    keeper = CacheRoom(room, lambda: 0, lambda: False, cache.drop)
+    assert trio.run(keeper.fetching, 40) is True  # 150 - 40 >= 100
+    assert trio.run(keeper.fetching, 60) is False  # 150 - 60 < 100
+
+
+def test_while_this_node_saves_the_reserve_is_half_the_budget():
+    """#14 trial 44 F2: a save larger than the node's earlier parts got ENOSPC on every
+    try (the reserve was the size of those parts, 8 of 64 MiB, 12 MiB free)."""
+    now = [0.0]
+    room = Room(64, free=12)
+    cache = Cache(room, [8, 8, 8, 8, 8, 8])
+    keeper = CacheRoom(room, lambda: 4, cache.any, cache.drop, clock=lambda: now[0])
+    assert keeper.reserve(64) == 8
+    keeper.own_write()  # the client creates a file of its next save
+    assert keeper.saving() and keeper.reserve(64) == 32
+    assert trio.run(keeper.fetching, 0) is True
+    assert room.free_bytes == 36  # 24 dropped: half the budget free for the save
+    now[0] += 5.1
+    assert not keeper.saving() and keeper.reserve(64) == 8
+
+
+def test_a_background_fetch_without_room_is_not_started_and_not_reported(tmp_path):
+    """#14 trial 44: a read-ahead that found no room wrote "could not be read" into
+    replicator.errors although no reader got an error. A reader's own open still
+    gets the file."""
+    rv, ram, *_rest, own, job = view_of(tmp_path, PARTS, [Source("peer", BYTES, ["peer 0"])])
+    meta = Path(ram.view) / "10" / ".metadata"
+    room = Room(8 * len(BYTES["10/.metadata"]), free=0)
+    rv.room = CacheRoom(room, lambda: 0, rv.holds_fetched, rv.make_room)
+
+    async def main() -> None:
+        await rv.look(own)
+        rf = rv._by_ino[meta.stat().st_ino]
+        with pytest.raises(OSError) as exc:
+            await rv.fetch(rf)  # the prefetch's or a read-ahead's call
+        assert exc.value.errno == errno.ENOSPC
+        assert rf.state == rv_mod.REMOTE and not has_data(meta)
+        await rv.missing(meta.stat().st_ino)()  # a reader's open: fetched all the same
+        assert rf.state == rv_mod.LOCAL
+
+    trio.run(main)
+    assert meta.read_bytes() == BYTES["10/.metadata"]
+    assert job.errors == [] and rv.status().fetch_errors == 0
+
+
+def test_a_create_waits_once_for_the_cache_to_give_the_save_half_the_budget():
+    """#14 trial 44 F2: passthrough writes never ask the daemon, so the room is made
+    before the create returns; a create right after finds it made (no second wait),
+    and nothing waits when nothing is cached or the room is there."""
+    now = [0.0]
+    room = Room(64, free=12)
+    cache = Cache(room, [8, 8, 8, 8, 8])
+    keeper = CacheRoom(room, lambda: 4, cache.any, cache.drop, clock=lambda: now[0])
+    wait = keeper.before_write()
+    assert wait is not None and keeper.saving()
+    trio.run(wait)
+    assert room.free_bytes == 36 and cache.asked == [20]
+    assert keeper.before_write() is None  # the create tried again goes ahead
+    now[0] += 1.0
+    assert keeper.before_write() is None  # the last look found the room
+    empty = CacheRoom(Room(64, free=0), lambda: 4, lambda: False, cache.drop)
+    assert empty.before_write() is None

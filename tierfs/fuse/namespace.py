@@ -293,6 +293,9 @@ class Namespace:
         if b"/" in name or name in access.DOTS:
             access.check_name(name)
         self.space.check_new_file()
+        room = self.remote.creating()  # other ranks' cached files give way to a save
+        if room is not None:
+            raise Deferred(room)
         bflags = (flags & (BACKING_FLAGS | os.O_TRUNC)) | os.O_CLOEXEC | os.O_NOFOLLOW
         dirfd = self.fd_of(parent)
         created = True

@@ -81,6 +81,13 @@ class RemoteFiles(Protocol):
         which the lookup is tried again."""
         ...
 
+    def creating(self) -> Callable[[], Awaitable[None]] | None:
+        """A client of this node creates a file (its own: a save): None to create it
+        now; else what to wait for first (other ranks' cached files giving the RAM
+        budget's room back, :class:`tierfs.node.cache_room.CacheRoom`); never
+        raises."""
+        ...
+
     def partial(self, ino: int) -> bool:
         """True if ``ino`` is another rank's file whose bytes are not all here yet: a
         handle opened now is served by the daemon and its reads ask :meth:`readable`."""
@@ -113,6 +120,10 @@ class NoRemoteFiles:
         return None
 
     def expected(self, relpath: bytes) -> Callable[[], Awaitable[None]] | None:
+        """Always None."""
+        return None
+
+    def creating(self) -> Callable[[], Awaitable[None]] | None:
         """Always None."""
         return None
 

@@ -12,24 +12,38 @@ itself could no longer be written).
 :class:`CacheRoom` keeps a *reserve* of the budget free of cached files:
 
 * before a fetch it drops cached files (least recently used first, none that
-  a handle holds open) until the fetch's bytes fit with the reserve still free;
-  a fetch that fits only by eating into the reserve still goes ahead (a reader
-  gets the file), and the reserve is given back once the file is closed;
+  a handle holds open) until the fetch's bytes, and what the fetches under
+  way will still write, fit with the reserve still free. A fetch a reader
+  waits for goes ahead even when they do not (the reader gets the file, and
+  the reserve is given back once it is closed); a background fetch (prefetch,
+  read-ahead, the next files of a batch) is not started (no error: it is
+  fetched when a reader opens it);
 * while any file is cached it looks at the store's free space every
   ``interval`` seconds, and at once when told that a client of this node
-  created or changed a file (:meth:`CacheRoom.poke`), and drops cached files
-  until the reserve is free again.
+  created or changed a file (:meth:`CacheRoom.own_write`), and drops cached
+  files until the reserve is free again;
+* while this node's own client writes (an own change less than
+  :data:`SAVING_HOLD` seconds ago), the reserve is its largest, half of the
+  budget, so a save larger than the node's earlier parts finds room up to
+  that (#14 trial 44 F2: a node whose checkpoint grew got ENOSPC on every
+  try, the reserve being the size of its earlier parts).
 
-The reserve (:func:`reserve_bytes`) is the size of this node's largest own part
-held (its next save needs about as much), at least an eighth and at most half of
-the budget. It guides what is dropped from the cache only: nothing of the
-node's own parts or replicas is ever dropped here.
+Otherwise the reserve (:func:`reserve_bytes`) is the size of this node's largest
+own part held (its next save needs about as much), at least an eighth and at
+most half of the budget. It guides what is dropped from the cache only: nothing
+of the node's own parts or replicas is ever dropped here.
+
+The kernel writes the node's own files without the daemon (passthrough), so
+the room is made at the create of a file and within ``interval`` of its
+writes: a save that writes faster than the cache is dropped, beside files
+readers hold open or fetches they wait for, can still meet ENOSPC.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -40,6 +54,11 @@ log = logging.getLogger(__name__)
 #: the reserve's bounds, as fractions of the budget
 RESERVE_MIN = 1 / 8
 RESERVE_MAX = 1 / 2
+#: seconds after this node's client last created or changed a file during which
+#: the cache gives the whole budget to the save
+SAVING_HOLD = 5.0
+#: seconds between INFO lines about dropped bytes (DEBUG in between)
+LOG_EVERY = 30.0
 
 
 class Room(Protocol):
@@ -80,7 +99,10 @@ class CacheRoom:
         drop: ``drop(nbytes)`` drops cached files no handle holds open, least
             recently used first, until ``nbytes`` are freed; returns the bytes
             freed (:meth:`tierfs.node.remote_view.RemoteView.make_room`). Trio.
+        incoming: bytes the fetches under way will still write (their files are
+            not droppable; :meth:`tierfs.node.remote_view.RemoteView.incoming_bytes`).
         interval: seconds between looks at the free space while files are cached.
+        clock: monotonic seconds (tests).
     """
 
     def __init__(
@@ -90,20 +112,45 @@ class CacheRoom:
         cached: Callable[[], bool],
         drop: Callable[[int], Awaitable[int]],
         *,
+        incoming: Callable[[], int] = lambda: 0,
         interval: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.room = room
         self.own_part = own_part
         self.cached = cached
         self.drop = drop
+        self.incoming = incoming
         self.interval = interval
+        self.clock = clock
         self._poked = trio.Event()
+        self._saving_until = -math.inf
+        #: (free, budget) bytes at the last look; when a create waited for drops last
+        self._seen: tuple[int, int] | None = None
+        self._kept_at = -math.inf
+        self._lock = trio.Lock()
+        self._logged_at = -math.inf
+        self._unlogged = 0
         #: bytes dropped to keep the reserve (status and tests)
         self.dropped = 0
 
+    def saving(self) -> bool:
+        """True while this node's client writes (an own change in the last
+        :data:`SAVING_HOLD` seconds)."""
+        return self.clock() < self._saving_until
+
     def reserve(self, budget: int) -> int:
-        """The reserve of a ``budget`` of that many bytes now (:func:`reserve_bytes`)."""
+        """The reserve of a ``budget`` of that many bytes now: :func:`reserve_bytes`,
+        and its upper bound (half the budget) while this node saves."""
+        if self.saving():
+            return int(budget * RESERVE_MAX)
         return reserve_bytes(budget, self.own_part())
+
+    def own_write(self) -> None:
+        """A client of this node created or changed a file (trio thread): the cache
+        keeps the larger reserve now and for :data:`SAVING_HOLD` seconds."""
+        self._saving_until = self.clock() + SAVING_HOLD
+        self._poked.set()
 
     def _measure(self) -> tuple[int, int]:
         """(free bytes, budget bytes) of the store (blocking: statvfs)."""
@@ -113,38 +160,82 @@ class CacheRoom:
         """Look at the free space now (a client of this node wrote; trio thread)."""
         self._poked.set()
 
-    async def fetching(self, nbytes: int) -> None:
-        """Make room for a fetch of ``nbytes`` with the reserve kept (best effort:
-        what cannot be dropped stays, and a failure to look or drop is logged, not
-        raised: the fetch itself then meets ENOSPC or not). Trio thread."""
+    def before_write(self) -> Callable[[], Awaitable[None]] | None:
+        """A client of this node creates a file (FUSE thread; never blocks): the cache
+        gives way to the save (:meth:`own_write`), and when files are cached and the
+        last look found less free than the reserve, the create first waits for one
+        round of drops (at most once per ``interval``): the kernel then writes the
+        file's bytes into room already made (#14 trial 44 F2)."""
+        self.own_write()
+        now = self.clock()
+        if now - self._kept_at < self.interval or not self.cached():
+            return None
+        if self._seen is not None and self._seen[0] >= self.reserve(self._seen[1]):
+            return None
+        self._kept_at = now
+
+        async def keep() -> None:
+            try:
+                await self._keep()
+            except Exception:
+                log.exception("making room for a save of this node's")
+            finally:
+                self._kept_at = self.clock()  # the create tried again goes ahead
+
+        return keep
+
+    async def fetching(self, nbytes: int) -> bool:
+        """Make room for a fetch of ``nbytes`` with the reserve kept, beside what the
+        fetches under way will still write; True when it then fits, False when it
+        would eat into the reserve (a background fetch is then not started). Best
+        effort: what cannot be dropped stays, and a failure to look or drop is
+        logged, not raised (True: the fetch itself then meets ENOSPC or not). Trio
+        thread."""
         try:
-            await self._keep(nbytes)
+            return await self._keep(nbytes) >= 0
         except Exception:
             log.exception("making room for a fetch of %d bytes", nbytes)
+            return True
 
-    async def _keep(self, incoming: int = 0) -> int:
-        if not self.cached():
-            return 0
-        free, budget = await trio.to_thread.run_sync(self._measure)
-        reserve = self.reserve(budget)
-        need = shortfall(free, reserve, incoming)
-        if not need:
-            return 0
-        freed = await self.drop(need)
+    async def _keep(self, nbytes: int = 0) -> int:
+        """Drop cached files until ``nbytes`` more fit beside the fetches under way
+        with the reserve free; returns 0 when they then fit, else minus the bytes
+        still missing. One at a time (the loop, fetches and creates would each
+        drop for the same shortfall)."""
+        async with self._lock:
+            free, budget = await trio.to_thread.run_sync(self._measure)
+            reserve = self.reserve(budget)
+            need = shortfall(free, reserve, nbytes + self.incoming())
+            if need and self.cached():
+                freed = await self.drop(need)
+                self._dropped(freed, reserve)
+                need -= freed
+                free += freed
+            self._seen = (free, budget)
+            return -need if need > 0 else 0
+
+    def _dropped(self, freed: int, reserve: int) -> None:
         self.dropped += freed
-        if freed:
-            log.info(
-                "dropped %d bytes of other ranks' fetched files: %d bytes of the budget "
-                "stay free for this node's own saves",
-                freed,
-                reserve,
-            )
-        return freed
+        self._unlogged += freed
+        if not self._unlogged:
+            return
+        now = self.clock()
+        if now - self._logged_at < LOG_EVERY:
+            log.debug("dropped %d bytes of other ranks' fetched files", freed)
+            return
+        log.info(
+            "dropped %d bytes of other ranks' fetched files since the last such line: "
+            "%d bytes of the budget stay free for this node's own saves%s",
+            self._unlogged,
+            reserve,
+            " (it is saving)" if self.saving() else "",
+        )
+        self._logged_at, self._unlogged = now, 0
 
     async def run(self) -> None:
         """Keep the reserve for good (a background task of the daemon)."""
         while True:
-            wait = self.interval if self.cached() else math.inf
+            wait = self.interval if self.cached() or self.saving() else math.inf
             with trio.move_on_after(wait):
                 await self._poked.wait()
             self._poked = trio.Event()

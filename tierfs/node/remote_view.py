@@ -568,6 +568,8 @@ class RemoteView:
         self.dropped_bytes = 0
         #: a fetched file found here last (:meth:`holds_fetched`)
         self._cached_hint: RemoteFile | None = None
+        #: files whose fetch is writing them now (:meth:`incoming_bytes`)
+        self._inflight: set[RemoteFile] = set()
         #: the coordinator's parts epoch and version last heard (:meth:`parts_reported`)
         self.parts_epoch = ""
         self.parts_version = 0
@@ -1020,7 +1022,7 @@ class RemoteView:
         (a mismatch of keys made it loud; with the same keys the earlier values
         would have come back)."""
         if self.room is not None:
-            self.room.poke()  # a save of this node's: the reserve is given back now
+            self.room.own_write()  # a save of this node's: the cache gives way now
         top = path.split("/", 1)[0]
         for union in self.steps.values():
             if union.own or union.suspect or top not in union.tops or not union.parts:
@@ -2099,6 +2101,12 @@ class RemoteView:
         batch = self._batch_of(rf) if source is not None else [rf]
         if len(batch) < 2 or self._fetches is None:
             return False
+        if self.room is not None:
+            if not await self.room.fetching(sum(f.size for f in batch)):
+                return False  # ``rf`` alone: its own fetch asks for room again
+            batch = [rf] + [f for f in batch[1:] if f.state == REMOTE]  # after the wait
+            if len(batch) < 2:
+                return False
         for f in batch[1:]:
             f.state, f.done, f.errno = FETCHING, trio.Event(), 0
         mine = {f.path: f.done for f in batch}
@@ -2113,6 +2121,7 @@ class RemoteView:
         fds: dict[str, int] = {}
         writers: dict[str, VerifiedWriter] = {}
         no_room = False
+        self._inflight.update(batch)
         token = fetch_urgent.set(urgent)
         held = fetch_hold.set(lambda: self._readers > 0 and not urgent())
         try:
@@ -2146,8 +2155,6 @@ class RemoteView:
                     self._landed(*args)
 
             if targets:
-                if self.room is not None:  # the reserve for this node's saves stays
-                    await self.room.fetching(sum(t.size for t in targets))
                 await cast(BatchFileSource, source).fetch_files(
                     job.name if job else "",
                     rf.rank,
@@ -2163,6 +2170,7 @@ class RemoteView:
         except Exception:  # a source's bug: every file is fetched on its own
             log.exception("fetching %d files of rank %d's step %d", len(batch), rf.rank, rf.step)
         finally:
+            self._inflight.difference_update(batch)
             fetch_urgent.reset(token)
             fetch_hold.reset(held)
             for w in writers.values():
@@ -2296,9 +2304,12 @@ class RemoteView:
 
     async def _fetch(self, rf: RemoteFile) -> None:
         job = self.current.job
-        if self.room is not None:
-            await self.room.fetching(rf.size)  # the reserve for this node's saves stays
+        if self.room is not None and not await self.room.fetching(rf.size) and not rf.urgent:
+            # a background fetch (prefetch, read-ahead) would eat into the room kept
+            # for this node's saves: not now, no error (a reader's open fetches it)
+            raise OSError(errno.ENOSPC, f"no room for {rf.path} beside this node's own saves")
         fd = self._open_rw(rf)
+        self._inflight.add(rf)
         made_room = False
         mismatched = False
         rf.verified = 0
@@ -2340,8 +2351,12 @@ class RemoteView:
                                 made_room = True  # other fetched files dropped: again
                                 continue
                             # no copy would fit: the open fails with ENOSPC
-                            self._failed(rf, f"it does not fit in the RAM budget ({exc})")
-                            raise OSError(errno.ENOSPC, rf.error) from exc
+                            why = f"it does not fit in the RAM budget ({exc})"
+                            if rf.urgent:
+                                self._failed(rf, why)
+                            else:  # a background fetch: no reader saw an error
+                                log.info("%s of rank %d not fetched: %s", rf.path, rf.rank, why)
+                            raise OSError(errno.ENOSPC, why) from exc
                         tried.append(str(exc))
                         mismatched |= exc.other_bytes
                         break
@@ -2395,6 +2410,7 @@ class RemoteView:
             self._failed(rf, "; ".join(tried) or "no tier holds other ranks' files")
             raise OSError(errno.EIO, rf.error)
         finally:
+            self._inflight.discard(rf)
             if writer is not None:
                 writer.close()
             os.close(fd)
@@ -2419,6 +2435,16 @@ class RemoteView:
         if union is None:
             return 0
         return await self._drop_files(list(union.files.values()), need=None)
+
+    def creating(self) -> Callable[[], Awaitable[None]] | None:
+        """A client of this node creates a file (FUSE thread): the fetched files give
+        way to its save (:meth:`tierfs.node.cache_room.CacheRoom.before_write`)."""
+        return self.room.before_write() if self.room is not None else None
+
+    def incoming_bytes(self) -> int:
+        """Bytes the fetches under way will still write into the store (their files'
+        sizes less what is written and verified so far). Trio thread."""
+        return sum(max(0, f.size - f.verified) for f in self._inflight if f.state == FETCHING)
 
     def holds_fetched(self) -> bool:
         """True while any fetched file's bytes are here (a cache: droppable unless
@@ -2453,7 +2479,7 @@ class RemoteView:
         )
         freed = await self._drop_files(files, need)
         if freed:
-            log.info("dropped %d bytes of other ranks' files to make room", freed)
+            log.debug("dropped %d bytes of other ranks' files to make room", freed)
         return freed
 
     async def _drop_files(self, files: list[RemoteFile], need: int | None) -> int:
