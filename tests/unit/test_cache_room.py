@@ -309,3 +309,39 @@ def test_a_create_waits_once_for_the_cache_to_give_the_save_half_the_budget():
     assert keeper.before_write() is None  # the last look found the room
     empty = CacheRoom(Room(64, free=0), lambda: 4, lambda: False, cache.drop)
     assert empty.before_write() is None
+
+
+def test_a_file_a_readers_open_waits_for_is_not_dropped_before_the_open_runs(tmp_path):
+    """Regression (#14 trial 44b F3): while the node saved in a loop, the room loop
+    dropped files fetched for waiting readers before their opens ran (the waiter
+    wakes a moment after the landing); after 4 drops the opens failed with ENOSPC.
+    A file a reader's open waits for is not dropped; once the open ran, it may be."""
+    rv, ram, *_rest, own, _job = view_of(tmp_path, PARTS, [Source("peer", BYTES, ["peer 0"])])
+    meta = Path(ram.view) / "10" / ".metadata"
+    size = len(BYTES["10/.metadata"])
+
+    async def main() -> None:
+        await rv.look(own)
+        rf = rv._by_ino[meta.stat().st_ino]
+        landed = trio.Event()
+        dropped: list[int] = []
+
+        async def reader() -> None:
+            await rv.missing(meta.stat().st_ino)()
+
+        async def room_loop() -> None:
+            # the drop comes between the landing and the waiter's wake-up
+            while rf.state != rv_mod.LOCAL:
+                await trio.sleep(0)
+            dropped.append(await rv.make_room(1 << 30))
+            landed.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(room_loop)
+            nursery.start_soon(reader)
+        await landed.wait()
+        assert dropped == [0] and rf.state == rv_mod.LOCAL and has_data(meta)
+        assert rf.waiters == 0
+        assert await rv.make_room(1 << 30) == size  # no open waits any more
+
+    trio.run(main)

@@ -1951,10 +1951,18 @@ def test_a_load_right_after_a_save_waits_for_rank_0s_metadata(tmp_path):
         await rv2.look(own2)
         wait = rv2.expected(b"10/.metadata")
         assert wait is not None
-        rv2.steps[10].first_look = trio.current_time() - 9.9  # EXPECT_FOR is 10 s
+        rv2.steps[10].expect_since = trio.current_time() - 9.9  # EXPECT_FOR is 10 s
         with trio.fail_after(1):
             await wait()
         assert rv2.expected(b"10/.metadata") is None
+        # the step saved again in place: this node's new part waits again (#16 twelfth
+        # trial D2: the wait counted from the first save's look, and a load right
+        # after a second save found no .metadata while rank 0's new part was coming)
+        (Path(_ram2.view) / "10" / "__1_0.distcp").write_bytes(b"saved again")
+        again = _s2.snapshot(_ram2.view, ShardKey(JOB, 1, 10), "10", ["10"], "generic")
+        assert again.manifest.digest != own2.manifest.digest
+        await rv2.look(again)
+        assert rv2.expected(b"10/.metadata") is not None
 
     trio.run(bounded)
 

@@ -23,7 +23,7 @@ import trio
 from tierfs.core.control import JobSpec
 from tierfs.core.errors import NO_ROOM_ERRNOS, FetchFailed
 from tierfs.core.ports import CurrentJob, FileTarget, PositionalWrite, Reporter
-from tierfs.core.priority import fetch_hold
+from tierfs.core.priority import fetch_hold, fetch_urgent
 from tierfs.replication import placement
 from tierfs.replication.addresses import AddressBook
 from tierfs.replication.client import PeerClient, rpc_code, rpc_reason
@@ -42,6 +42,12 @@ OTHER = "other bytes"
 
 #: seconds a file fetch waits for the address of a holder asked for just now
 ADDRESS_WAIT = 3.0
+#: seconds a background fetch (no reader waits: the prefetch after a restore) waits
+#: for a holder's address it does not know (a node of the job mounting a few seconds
+#: after this one: #16 twelfth trial NOTE H, a false "could not be read" line)
+BACKGROUND_ADDRESS_WAIT = 30.0
+#: seconds after such a wait ran out during which no fetch waits for that address
+GAVE_UP_FOR = 60.0
 
 
 def receivers_of(job: JobSpec, rank: int, writers: int = 0) -> list[int]:
@@ -124,6 +130,8 @@ class PeerFiles:
         self.address_of = address_of
         self.client = client
         self.lane = lane
+        #: (job, rank) -> when a wait for that node's address ran out (monotonic s)
+        self._gave_up: dict[tuple[str, int], float] = {}
         self.job = job
 
     async def fetch_file(
@@ -335,9 +343,8 @@ class PeerFiles:
             if r == me:
                 continue
             address = await self.address_of(job, r)
-            since = self.book.wanted_at.get((job, r))
-            left = ADDRESS_WAIT - (time.monotonic() - since) if since is not None else 0.0
-            if address is None and left > 0:
+            left = self._address_wait(job, r) if address is None else 0.0
+            if left > 0:
                 # asked for lately (here, or by a manifest asked of that node just
                 # before: eleventh #16 trial NOTE H, a prefetch right after a restart
                 # failed at once): the next heartbeat (about a second) brings it
@@ -346,8 +353,25 @@ class PeerFiles:
                         await trio.sleep(0.1)
                         peer = self.book.reachable(r)
                         address = peer.address if peer is not None else None
+                if address is None:
+                    self._gave_up[(job, r)] = time.monotonic()
             out.append((r, address))
         return out
+
+    def _address_wait(self, job: str, rank: int) -> float:
+        """Seconds a fetch waits for node ``rank``'s unknown address: a reader's
+        :data:`ADDRESS_WAIT` from when it was first asked for (the next copy serves
+        sooner), a background fetch :data:`BACKGROUND_ADDRESS_WAIT` (that node may
+        mount later than this one); none for :data:`GAVE_UP_FOR` seconds after such a
+        wait ran out."""
+        now = time.monotonic()
+        gave_up = self._gave_up.get((job, rank))
+        if gave_up is not None and now - gave_up < GAVE_UP_FOR:
+            return 0.0
+        if not fetch_urgent.get()():
+            return BACKGROUND_ADDRESS_WAIT
+        since = self.book.wanted_at.get((job, rank))
+        return ADDRESS_WAIT - (now - since) if since is not None else 0.0
 
     async def _pull_file(
         self,
