@@ -417,33 +417,48 @@ def _where(pid: int) -> str:
     return "; ".join(out)
 
 
+def budgeted(make_mount, size: str) -> Cluster:
+    """3 nodes of a generic job, no replicas; node 2 with a RAM budget of ``size``."""
+    base = job_args("dcp", 3, "--peers-per-node", "0")
+    return Cluster(
+        make_mount, 3, node_args=lambda i: base(i) + (["--size", size] if i == 2 else [])
+    )
+
+
+def assert_others_read(top: Path, parts: dict[int, dict[str, bytes]]) -> None:
+    """Ranks 0 and 1's files of ``parts`` read byte-exact under ``top``."""
+    for r in (0, 1):
+        for name, data in parts[r].items():
+            assert (top / name).read_bytes() == data, name
+
+
+def read_others_on_node_2(c: Cluster, parts: dict[int, dict[str, bytes]]) -> Path:
+    """Save step 10 of ``parts``, then read ranks 0 and 1's files on node 2 (they are
+    fetched into its RAM budget); returns node 2's step directory."""
+    save(c, 10, parts)
+    top = c.root(2) / "10"
+    names = [n for r in (0, 1) for n in parts[r]]
+    wait_for(lambda: all((top / n).exists() for n in names), 60, "ranks 0 and 1 on node 2")
+    assert_others_read(top, parts)
+    return top
+
+
 def test_a_node_that_read_the_whole_step_under_a_budget_keeps_room_for_its_own_save(make_mount):
     """#14 trial 43b: with ``--size``, the other ranks' files a node fetched filled its
     budget (a cache), and its own next save, written by the kernel through passthrough
     without asking the daemon, got ENOSPC. The cache now leaves the room of this node's
     own part free: node 2 (40 MiB) reads ranks 0 and 1's 24 MiB of step 10 beside its
     own 12 MiB part, then saves 12 MiB of step 20 and reads them back."""
-    base = job_args("dcp", 3, "--peers-per-node", "0")
-    c = Cluster(
-        make_mount, 3, node_args=lambda i: base(i) + (["--size", "40MiB"] if i == 2 else [])
-    )
+    c = budgeted(make_mount, "40MiB")
     parts = {r: {f"r{r}-{x}.bin": os.urandom(6 << 20) for x in "ab"} for r in range(3)}
-    save(c, 10, parts)
-    top = c.root(2) / "10"
-    names = [n for r in (0, 1) for n in parts[r]]
-    wait_for(lambda: all((top / n).exists() for n in names), 60, "ranks 0 and 1 on node 2")
-    for r in (0, 1):
-        for name, data in parts[r].items():
-            assert (top / name).read_bytes() == data, name
+    top = read_others_on_node_2(c, parts)
     new = {f"r2-{x}.bin": os.urandom(6 << 20) for x in "ab"}
     save(c, 20, {2: new})  # ENOSPC before: 36 of the 40 MiB were held
     for name, data in new.items():
         assert (c.root(2) / "20" / name).read_bytes() == data, name
     assert c.errors(2) == "", c.errors(2)
     # what was dropped comes back on the next read, verified
-    for r in (0, 1):
-        for name, data in parts[r].items():
-            assert (top / name).read_bytes() == data, name
+    assert_others_read(top, parts)
 
 
 def test_a_save_larger_than_the_nodes_earlier_parts_finds_room_among_the_cached_files(
@@ -454,19 +469,10 @@ def test_a_save_larger_than_the_nodes_earlier_parts_finds_room_among_the_cached_
     fetched files, open nowhere, held the rest. A create now waits until the cache
     gave half the budget back: node 2 (64 MiB) caches 48 MiB of ranks 0 and 1 beside
     its 4 MiB part, then saves 24 MiB at once."""
-    base = job_args("dcp", 3, "--peers-per-node", "0")
-    c = Cluster(
-        make_mount, 3, node_args=lambda i: base(i) + (["--size", "64MiB"] if i == 2 else [])
-    )
+    c = budgeted(make_mount, "64MiB")
     parts = {r: {f"r{r}-{x}.bin": os.urandom(8 << 20) for x in "abc"} for r in (0, 1)}
     parts[2] = {"r2.bin": os.urandom(4 << 20)}
-    save(c, 10, parts)
-    top = c.root(2) / "10"
-    names = [n for r in (0, 1) for n in parts[r]]
-    wait_for(lambda: all((top / n).exists() for n in names), 60, "ranks 0 and 1 on node 2")
-    for r in (0, 1):
-        for name, data in parts[r].items():
-            assert (top / name).read_bytes() == data, name
+    read_others_on_node_2(c, parts)
     grown = os.urandom(24 << 20)
     save(c, 20, {2: {"r2.bin": grown}})  # ENOSPC before: about 12 MiB were free
     assert (c.root(2) / "20" / "r2.bin").read_bytes() == grown
