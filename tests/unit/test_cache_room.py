@@ -323,23 +323,33 @@ def test_a_file_a_readers_open_waits_for_is_not_dropped_before_the_open_runs(tmp
     async def main() -> None:
         await rv.look(own)
         rf = rv._by_ino[meta.stat().st_ino]
-        landed = trio.Event()
         dropped: list[int] = []
+        woken = trio.Event()  # the reader's wake-up after the landing, held back
+
+        def held(wait):  # the reader's wait returns only once woken is set
+            async def waiting(*args):
+                await wait(*args)
+                await woken.wait()
+
+            return waiting
+
+        rv._fetch_for = held(rv._fetch_for)
+        rv._wait_verified = held(rv._wait_verified)
 
         async def reader() -> None:
             await rv.missing(meta.stat().st_ino)()
 
         async def room_loop() -> None:
-            # the drop comes between the landing and the waiter's wake-up
+            # the drop comes between the landing and the waiter's wake-up (held back
+            # here: on a busy loop the reader may wake before or after the room loop)
             while rf.state != rv_mod.LOCAL:
                 await trio.sleep(0)
             dropped.append(await rv.make_room(1 << 30))
-            landed.set()
+            woken.set()
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(room_loop)
             nursery.start_soon(reader)
-        await landed.wait()
         assert dropped == [0] and rf.state == rv_mod.LOCAL and has_data(meta)
         assert rf.waiters == 0
         assert await rv.make_room(1 << 30) == size  # no open waits any more
