@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -94,6 +95,10 @@ def tierfs_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[
     )
 
 
+#: more arguments of every ``tierfs mount`` (``--mount-arg``)
+MOUNT_ARGS: list[str] = []
+
+
 class Cluster:
     """Three nodes of one generic job on loopback (node 0 serves the coordinator)."""
 
@@ -111,7 +116,7 @@ class Cluster:
             "--coordinator", f"127.0.0.1:{self.ports[0]}",
             "--peer-token", "bench", "--join-timeout", "120",
             "--job", JOB, "--nodes", str(NODES), "--node-rank", str(i),
-            "--peers-per-node", "1", "--keep-local", "1",
+            "--peers-per-node", "1", "--keep-local", "1", *MOUNT_ARGS,
         )  # fmt: skip
         if p.returncode:
             raise SystemExit(f"tierfs mount of node {i} failed: {p.stderr}")
@@ -418,6 +423,60 @@ class Raw:
         shutil.rmtree(self.sinks, ignore_errors=True)
 
 
+RAW_TCP_SERVER = r"""
+import os, socket, sys, threading
+def serve(conn):
+    with conn:
+        path = conn.makefile("rb").readline().decode().strip()
+        with open(path, "rb") as f:
+            conn.sendfile(f)
+srv = socket.create_server(("127.0.0.1", 0))
+print(srv.getsockname()[1], flush=True)
+threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
+while True:
+    c, _ = srv.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+
+
+class RawTcp(Raw):
+    """A raw TCP stream of a file's bytes from another process: ``sendfile`` on the
+    server, ``recv`` of 4 MiB into ``bytes`` and ``pwrite`` on the client, no
+    framing and no checksums (the data lane's ceiling on this machine)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", RAW_TCP_SERVER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.port = int(self.proc.stdout.readline())
+        self.sinks = Path(tempfile.mkdtemp(prefix="tierfs-wsb-sink-", dir="/dev/shm"))
+
+    def one(self, path: str, write: bool) -> int:
+        n = 0
+        fd = -1
+        if write:
+            fd = os.open(self.sinks / uuid.uuid4().hex, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            with socket.create_connection(("127.0.0.1", self.port)) as s:
+                s.sendall(path.encode() + b"\n")
+                while data := s.recv(CHUNK, socket.MSG_WAITALL):
+                    if fd >= 0:
+                        os.pwrite(fd, data, n)
+                    n += len(data)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        return n
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=10)
+        shutil.rmtree(self.sinks, ignore_errors=True)
+
+
 # ---------------------------------------------------------------------- measurements
 
 
@@ -431,9 +490,10 @@ def shm_used() -> float:
 
 
 class Bench:
-    def __init__(self, c: Cluster, raw: Raw, block: bytes) -> None:
+    def __init__(self, c: Cluster, raw: Raw, block: bytes, tcp: RawTcp) -> None:
         self.c = c
         self.raw = raw
+        self.tcp = tcp
         self.block = block
         self.step = 0
         self.results: dict[str, list[float]] = {}
@@ -488,12 +548,13 @@ class Bench:
             quiesce(c.pids())
             got["raw"] = self.raw.run(raw, threads, write=False)
             got["raw_write"] = self.raw.run(raw, threads, write=True)
+            got["tcp_write"] = self.tcp.run(raw, threads, write=True)
 
         for part in (raw_read, tierfs_read) if raw_first else (tierfs_read, raw_read):
             part()
         n, dt, cpu = got["n"], got["dt"], got["cpu"]
-        (rn, rdt), (wn, wdt) = got["raw"], got["raw_write"]
-        assert n == sum(sizes) == rn == wn, (n, sum(sizes), rn, wn)
+        (rn, rdt), (wn, wdt), (tn, tdt) = got["raw"], got["raw_write"], got["tcp_write"]
+        assert n == sum(sizes) == rn == wn == tn, (n, sum(sizes), rn, wn, tn)
         view = status(c.mounts[OWNER])["whole_view"]
         check_bytes(files, self.block)
         if threads == 1:
@@ -506,10 +567,12 @@ class Bench:
         self.add(f"{label}: CPU s/GiB node 2 (fetcher)", cpu[OWNER] / (n / GiB))
         self.add(f"{label}: raw, {threads} stream(s), discarded (MB/s)", rn / rdt / 1e6)
         self.add(f"{label}: raw, {threads} stream(s), into tmpfs (MB/s)", wn / wdt / 1e6)
+        self.add(f"{label}: raw TCP, {threads} stream(s), into tmpfs (MB/s)", tn / tdt / 1e6)
         print(
             f"  {label}, {threads} reader(s): tierfs {n / dt / 1e6:6.0f} MB/s   raw "
             f"{rn / rdt / 1e6:6.0f} MB/s (ratio {(n / dt) / (rn / rdt):.2f})   raw into tmpfs "
-            f"{wn / wdt / 1e6:6.0f} MB/s (ratio {(n / dt) / (wn / wdt):.2f})   "
+            f"{wn / wdt / 1e6:6.0f} MB/s (ratio {(n / dt) / (wn / wdt):.2f})   raw TCP into tmpfs "
+            f"{tn / tdt / 1e6:6.0f} MB/s (ratio {(n / dt) / (tn / tdt):.2f})   "
             f"CPU/GiB node1 {cpu[BIG] / (n / GiB):.2f} s node2 {cpu[OWNER] / (n / GiB):.2f} s"
             f"   fetched {view['fetched_bytes']} errors {view['fetch_errors']}"
             + ("   (raw first)" if raw_first else ""),
@@ -667,7 +730,15 @@ def main() -> None:
         help="small: only the full reads of the small-file step (an A/B of a setting: "
         "run it alternately with and without, e.g. TIERFS_FETCH_BATCH=1)",
     )
+    p.add_argument(
+        "--mount-arg",
+        action="append",
+        default=[],
+        help="one more argument of every tierfs mount (repeatable; an A/B of a "
+        "setting, e.g. --mount-arg=--data-port=-1: every byte over gRPC)",
+    )
     a = p.parse_args()
+    MOUNT_ARGS.extend(a.mount_arg)
 
     def big_files(gib: float) -> list[int]:
         total = int(gib * GiB)
@@ -682,8 +753,8 @@ def main() -> None:
         flush=True,
     )
     with cluster() as c:
-        raw = Raw()
-        b = Bench(c, raw, block)
+        raw, tcp = Raw(), RawTcp()
+        b = Bench(c, raw, block, tcp)
         try:
             for r in range(a.repeat):
                 print(f"repeat {r + 1}", flush=True)
@@ -707,6 +778,7 @@ def main() -> None:
             errors = {i: c.errors(i) for i in range(NODES)}
         finally:
             raw.close()
+            tcp.close()
 
     print("medians:")
     for k, v in b.results.items():

@@ -317,7 +317,7 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
             budget=budget,
             summons=state,
             plane=plane,
-            client=PeerClient(config.peer_token, WireStats()),
+            client=PeerClient(config.peer_token, WireStats(), lane=config.data_port >= 0),
             coordinator=coordinator,
             rendezvous=rendezvous,
             backup=backup,

@@ -261,6 +261,17 @@ class NodeConfig(BaseModel):
         Field(description="Address peers use to reach this node."),
         Where(flag="--advertise", keys=("advertise",), metavar="HOST:PORT", default_doc="--listen"),
     ] = None
+    data_port: Annotated[
+        Count,
+        Field(
+            ge=-1,
+            le=65535,
+            description="TCP port of the data lane, a stream beside gRPC that serves "
+            "other nodes' file pulls with sendfile (on --listen's host; 0: any free "
+            "port; -1: off, every byte over gRPC).",
+        ),
+        Where(flag="--data-port", keys=("dataPort",), metavar="PORT", default_doc="any free"),
+    ] = 0
     coordinator: Annotated[
         HostPort | None,
         Field(

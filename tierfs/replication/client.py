@@ -15,6 +15,7 @@ handlers directly, so the same client code runs without sockets.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -27,7 +28,9 @@ import grpc
 
 from tierfs.core.ports import FileTarget
 from tierfs.core.types import CopyId, Holding, Outcome
+from tierfs.replication.lane import LaneFailed, LaneStream
 from tierfs.replication.transfer import (
+    CHUNK,
     REPLICATION_NICE,
     BadCopy,
     Cancelled,
@@ -42,9 +45,11 @@ from tierfs.replication.transfer import (
 from tierfs.rpc import peer_pb2, peer_pb2_grpc
 from tierfs.rpc import wire as peer_wire
 from tierfs.rpc.wire import WireStats
-from tierfs.store.chunks import crc32c_append
+from tierfs.store.chunks import ChunkMismatch, crc32c_append
 from tierfs.store.manifest import FileEntry, Manifest
 from tierfs.store.shards import Shard, ShardKey
+
+log = logging.getLogger(__name__)
 
 #: longest long poll of a Decide/Barrier call (milliseconds): a waiting call costs the
 #: coordinator no thread and no CPU (#17), so it may wait long; the coordinator caps it
@@ -52,6 +57,8 @@ from tierfs.store.shards import Shard, ShardKey
 POLL_MS = 25_000
 #: seconds one file pull (:meth:`PeerClient.pull_file`) may take, its bytes included
 FILE_PULL_TIMEOUT = 600.0
+#: seconds a holder whose data lane could not be reached is asked for none
+LANE_RETRY = 300.0
 #: seconds between looks while a file pull is held (:meth:`PeerClient.pull_file` ``hold``)
 HOLD_POLL = 0.005
 
@@ -64,6 +71,8 @@ class PeerClient:
         stats: counters to update (the peer tier's wire counters).
         connect: ``connect(address)`` -> a ``grpc.Channel`` to ``HOST:PORT`` (called
             once per address; None: :func:`insecure_channel`).
+        lane: ask holders for their data lane in file pulls
+            (:mod:`tierfs.replication.lane`; a holder without one streams over gRPC).
     """
 
     def __init__(
@@ -71,11 +80,15 @@ class PeerClient:
         token: str | None,
         stats: WireStats,
         connect: Callable[[str], grpc.Channel] | None = None,
+        lane: bool = True,
     ) -> None:
         self.md = peer_wire.metadata(token)
         self.stats = stats
+        self.lane = lane
         self._connect = connect or insecure_channel
         self._channels: dict[str, grpc.Channel] = {}
+        #: addresses whose data lane could not be reached, and when (monotonic s)
+        self._lane_down: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def channel(self, address: str) -> grpc.Channel:
@@ -203,17 +216,24 @@ class PeerClient:
             Cancelled: ``cancel`` was set.
             grpc.RpcError: the holder is unreachable or has no such copy.
         """
+        lane = self.lane and self._lane_ok(address)
         req = peer_pb2.PullRequest(
-            job=key.job, rank=key.rank, step=key.step, digest=digest, puller_rank=puller_rank
+            job=key.job,
+            rank=key.rank,
+            step=key.step,
+            digest=digest,
+            puller_rank=puller_rank,
+            lane=lane,
         )
         pull = self.channel(address).unary_stream(
             "/tierfs.peer.v1.Peer/PullShard",
             request_serializer=peer_wire.serialize,
             response_deserializer=peer_wire.chunk_deserializer(peer_pb2.PullMessage),
         )
-        call = pull(req, metadata=self.md)
+        call: Any = pull(req, metadata=self.md)
         inc = ram.new_incoming(f"pull-{key.rank}-{key.step}")
         rx: ShardReceiver | None = None
+        c: peer_wire.Chunk | None = None
         try:
             first = next(call)
             if peer_wire.kind_of(first) != "manifest":
@@ -221,6 +241,18 @@ class PeerClient:
             manifest = parse_manifest(first.manifest.json)
             check_identity(manifest, key, digest)
             rx = ShardReceiver(inc, manifest)
+            if lane and first.manifest.lane_port > 0 and first.manifest.lane_ticket:
+                call.cancel()  # it ended after the manifest
+                files = [f.path for f in manifest.files if f.kind == "file"]
+                try:
+                    call = LaneStream(
+                        address, first.manifest.lane_port, first.manifest.lane_ticket, files
+                    )
+                except LaneFailed as exc:
+                    self._lane_unreachable(address, exc)
+                    rx.abort()
+                    rx = None
+                    return self.pull(address, key, digest, puller_rank, ram, shards, cancel)
             for msg in call:
                 if cancel.is_set():
                     raise Cancelled("transfer cancelled")
@@ -229,11 +261,14 @@ class PeerClient:
                 c = peer_wire.as_chunk(msg)
                 rx.chunk(c.path, c.offset, c.data, c.crc32c)
                 self.stats.add("pulled_bytes", len(c.data))
+            c = None
             rx.finish()
             shard = shards.commit(inc, manifest, verified=True)
             self.stats.add("pulls")
             return shard
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(call, LaneStream) and isinstance(exc, BadCopy) and c is not None:
+                call.damaged(c.path)  # the holder checks its copy
             call.cancel()
             if rx is not None:
                 rx.abort()
@@ -324,7 +359,7 @@ class PeerClient:
                 # the manifest and the file's crc all use it (three passes before)
                 got = google_crc32c.value(c.data)
                 if got != c.crc32c:
-                    raise BadCopy(f"{path} at offset {c.offset}: chunk crc32c mismatch")
+                    raise BadCopy(f"{path}: {_chunk_at(c.offset)}: chunk crc32c mismatch")
                 if written + len(c.data) > entry.size:
                     raise BadCopy(f"{path}: more bytes than the manifest's {entry.size}")
                 while hold is not None and hold() and not cancel.is_set():
@@ -343,19 +378,34 @@ class PeerClient:
             if crc != entry.crc32c:
                 raise BadCopy(f"{path}: crc32c {crc:08x} != {(entry.crc32c or 0):08x}")
             return written
+        except (BadCopy, ChunkMismatch):
+            if isinstance(call, LaneStream):
+                call.damaged(path)  # the holder checks its copy (the gRPC path's own check)
+            raise
         finally:
             call.cancel()  # a no-op once the stream ended
 
     def _pull_paths(
-        self, address: str, key: ShardKey, digest: str, paths: list[str], timeout: float
+        self,
+        address: str,
+        key: ShardKey,
+        digest: str,
+        paths: list[str],
+        timeout: float,
+        lane: bool = True,
     ) -> tuple[Any, dict[str, FileEntry]]:
         """Start one PullShard call for ``paths`` (``trim_manifest``) and read its
-        manifest: the call (its chunks follow) and the manifest's entries by path.
+        manifest: the chunks' source (the call, or a
+        :class:`tierfs.replication.lane.LaneStream` when the holder offered its data
+        lane; both iterate chunk messages and have ``cancel()``) and the manifest's
+        entries by path. A lane that cannot be reached is not asked for again for
+        :data:`LANE_RETRY` seconds (logged once); the files then come over gRPC.
 
         Raises:
             Refused: the first message is no manifest. BadCopy: the manifest names
                 another shard or digest. grpc.RpcError: as the call failed.
         """
+        lane = lane and self.lane and self._lane_ok(address)
         req = peer_pb2.PullRequest(
             job=key.job,
             rank=key.rank,
@@ -364,6 +414,7 @@ class PeerClient:
             puller_rank=-1,
             paths=paths,
             trim_manifest=True,
+            lane=lane,
         )
         pull = self.channel(address).unary_stream(
             "/tierfs.peer.v1.Peer/PullShard",
@@ -386,7 +437,33 @@ class PeerClient:
         except BaseException:
             call.cancel()
             raise
-        return call, {f.path: f for f in manifest.files}
+        entries = {f.path: f for f in manifest.files}
+        port, ticket = first.manifest.lane_port, first.manifest.lane_ticket
+        if not (lane and port > 0 and ticket):
+            return call, entries
+        call.cancel()  # it ended after the manifest
+        try:
+            stream = LaneStream(address, port, ticket, [f.path for f in manifest.files])
+        except LaneFailed as exc:
+            self._lane_unreachable(address, exc)
+            return self._pull_paths(address, key, digest, paths, timeout, lane=False)
+        return stream, entries
+
+    def _lane_unreachable(self, address: str, exc: LaneFailed) -> None:
+        """``address``'s data lane could not be reached: ask it for none for
+        :data:`LANE_RETRY` seconds (one warning, later ones are debug lines)."""
+        with self._lock:
+            said = address in self._lane_down
+            self._lane_down[address] = time.monotonic()
+        (log.debug if said else log.warning)(
+            "%s; pulling over gRPC from %s for %.0f s", exc, address, LANE_RETRY
+        )
+
+    def _lane_ok(self, address: str) -> bool:
+        """Whether to ask ``address`` for its data lane (not unreachable lately)."""
+        with self._lock:
+            down = self._lane_down.get(address)
+        return down is None or time.monotonic() - down >= LANE_RETRY
 
     def pull_files(
         self,
@@ -440,6 +517,7 @@ class PeerClient:
                     wanted[path] = target
             written = dict.fromkeys(targets, 0)
             crcs = dict.fromkeys(targets, 0)
+            c: peer_wire.Chunk | None = None
             for msg in call:
                 if peer_wire.kind_of(msg) != "chunk":
                     raise Refused("PullShard sent a second manifest")
@@ -453,7 +531,7 @@ class PeerClient:
                     raise Refused(f"{c.path!r}: chunk at offset {c.offset}, expected {at}")
                 got = google_crc32c.value(c.data)  # the only pass over the bytes
                 if got != c.crc32c:
-                    raise BadCopy(f"{c.path} at offset {c.offset}: chunk crc32c mismatch")
+                    raise BadCopy(f"{c.path}: {_chunk_at(c.offset)}: chunk crc32c mismatch")
                 written[c.path] = at + len(c.data)
                 target = wanted.get(c.path)
                 if target is None:
@@ -472,6 +550,7 @@ class PeerClient:
                         raise BadCopy(f"{c.path}: crc32c {crcs[c.path]:08x} != {target.crc32c:08x}")
                     done.add(c.path)
                     landed(c.path)
+            c = None  # every chunk was right
             for path, target in wanted.items():
                 if target.size == 0 and path not in done:  # no chunk is sent for it
                     if target.crc32c != 0:
@@ -479,6 +558,10 @@ class PeerClient:
                     done.add(path)
                     landed(path)
             return done
+        except (BadCopy, ChunkMismatch):
+            if isinstance(call, LaneStream) and c is not None:
+                call.damaged(c.path)  # the holder checks its copy
+            raise
         finally:
             call.cancel()  # a no-op once the stream ended
 
@@ -693,6 +776,12 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
+
+
+def _chunk_at(offset: int) -> str:
+    """``chunk K (offset N)`` as the manifest checks name a chunk (the wire's chunks
+    are the manifest's :data:`tierfs.replication.transfer.CHUNK` bytes)."""
+    return f"chunk {offset // CHUNK} (offset {offset})"
 
 
 def insecure_channel(address: str) -> grpc.Channel:

@@ -71,6 +71,7 @@ from tierfs.replication.client import PeerClient
 from tierfs.replication.files import PeerFiles, holders_of
 from tierfs.replication.heartbeat import Heartbeat
 from tierfs.replication.holdings import Holdings, retention_pins
+from tierfs.replication.lane import LaneServer, lane_host
 from tierfs.replication.lanes import (
     CONTROL_CALLS,
     FILE_FETCHES,
@@ -238,6 +239,9 @@ class PeerTier:
         self.me = Endpoint(c.listen, c.advertise or c.listen or "")
         self.incarnation = self.me.incarnation
         self.listen = c.listen
+        self.data_port = c.data_port
+        #: the data lane serving file pulls (started with the server; None: off)
+        self.lane: LaneServer | None = None
         self.static_coordinator = c.coordinator
         self.token = c.peer_token
         self.join_timeout = float(c.join_timeout)
@@ -569,12 +573,15 @@ class PeerTier:
             if self._server is not None:
                 self._server.stop(0)
                 self.plane.server_up = False
+            if self.lane is not None:
+                self.lane.stop()
             self.client.close()
 
     def _start_server(self) -> None:
         # every node registers the coordinator service: which node serves it
         # may be known only once a job starts (the gate answers the others)
-        peer = with_sync_context(peer_handlers(PeerServicer(self.holdings)))
+        self.lane = self._start_lane()
+        peer = with_sync_context(peer_handlers(PeerServicer(self.holdings, self.lane)))
         coordinator = self.coordinator
         relay = self.relay
 
@@ -611,6 +618,24 @@ class PeerTier:
             if self.static_coordinator
             else "; the coordinator is found through the bucket (node-rank 0 serves it)",
         )
+
+    def _start_lane(self) -> LaneServer | None:
+        """The data lane on ``--listen``'s host and ``--data-port`` (None when -1, or
+        when the port cannot be bound: then every byte goes over gRPC; logged)."""
+        if self.data_port < 0 or not self.listen:
+            return None
+        lane = LaneServer(lane_host(self.listen), self.data_port)
+        try:
+            port = lane.start()
+        except OSError as exc:
+            log.error(
+                "data lane on port %d: %s; serving file pulls over gRPC only",
+                self.data_port,
+                exc.strerror or exc,
+            )
+            return None
+        log.info("data lane on port %d", port)
+        return lane
 
     def _own_rank(self) -> int:
         """This node's node rank in the current job (-1: none; any thread)."""

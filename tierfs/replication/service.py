@@ -22,13 +22,14 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import grpc
 
 from tierfs.core.errors import ClusterError
 from tierfs.core.types import Holding
+from tierfs.replication.lane import Grant, LaneServer
 from tierfs.replication.transfer import (
     CHUNK,
     REPLICATION_NICE,
@@ -154,8 +155,10 @@ class PeerServicer:
         host: the node (see :class:`PeerHost`).
     """
 
-    def __init__(self, host: PeerHost) -> None:
+    def __init__(self, host: PeerHost, lane: LaneServer | None = None) -> None:
         self.host = host
+        #: the data lane offered to file pulls that ask for it (None: gRPC only)
+        self.lane = lane
 
     def Inventory(self, request: Any, context: Any) -> Any:
         """What this node holds of ``request.job``; optionally wait (dedup decision)."""
@@ -378,6 +381,7 @@ class PeerServicer:
         self.host.pin(key, +1)
         sent = 0
         failed = None
+        handed = False  # the pin went with a data lane grant (released by it)
         check = _ChunkCheck(shard.manifest)
         try:
             if request.paths and request.trim_manifest:
@@ -388,6 +392,13 @@ class PeerServicer:
                 )
             else:
                 head = peer_pb2.ShardManifest(json=shard.manifest.to_json())
+            if request.lane and not request.manifest_only and self.lane:
+                ticket = self.lane.offer(self._grant(key, shard, files))
+                if ticket is not None:
+                    head.lane_port, head.lane_ticket = self.lane.port, ticket
+                    handed = True
+                    yield peer_pb2.PullMessage(manifest=head).SerializeToString()
+                    return
             yield peer_pb2.PullMessage(manifest=head).SerializeToString()
             if request.manifest_only:
                 return
@@ -402,22 +413,44 @@ class PeerServicer:
         except (OSError, Cancelled) as exc:
             failed = f"the copy of {key} vanished while being sent: {exc}"
         finally:
-            self.host.stats.add("served_bytes", sent)
-            try:
-                self.host.pin(key, -1)
-            except HostGone:
-                pass
-            if check.damaged:
-                # the puller refused those bytes (its own check) and reads another copy;
-                # this node checks its copy now, once the stream is over, so the puller
-                # sees the damage, not the copy vanishing under it (ninth trial FAIL 13:
-                # only the puller knew, and a restore used the copy "from local")
-                try:
-                    self.host.damaged(key, check.damaged)
-                except Exception:
-                    log.exception("reporting the damaged copy of %s", key)
+            if not handed:
+                self._served(key, sent, check.damaged)
         if failed:
             context.abort(grpc.StatusCode.NOT_FOUND, failed)
+
+    def _grant(self, key: ShardKey, shard: Shard, files: Sequence[FileEntry]) -> Grant:
+        """A data lane grant for ``files`` of ``shard`` (pinned by the caller; the
+        grant's release unpins it)."""
+        files = [f for f in files if f.kind == "file"]
+        crcs: list[tuple[int, ...] | None] = []
+        for entry in files:
+            found = shard.manifest.chunks_of(entry)
+            crcs.append(found[1] if found is not None and found[0] == CHUNK else None)
+
+        def release(damaged: str, sent: int) -> None:
+            if sent:
+                self.host.stats.add("pulls_served")
+            self._served(key, sent, damaged)
+
+        return Grant(shard.data, files, crcs, release)
+
+    def _served(self, key: ShardKey, sent: int, damaged: str) -> None:
+        """A pull of ``key`` ended (``sent`` bytes; ``damaged``: a file whose bytes
+        failed a check, "" none): count it, unpin, have a damaged copy checked."""
+        self.host.stats.add("served_bytes", sent)
+        try:
+            self.host.pin(key, -1)
+        except HostGone:
+            pass
+        if damaged:
+            # the puller refused those bytes (its own check) and reads another copy;
+            # this node checks its copy now, once the stream is over, so the puller
+            # sees the damage, not the copy vanishing under it (ninth trial FAIL 13:
+            # only the puller knew, and a restore used the copy "from local")
+            try:
+                self.host.damaged(key, damaged)
+            except Exception:
+                log.exception("reporting the damaged copy of %s", key)
 
 
 class _ChunkCheck:

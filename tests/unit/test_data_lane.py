@@ -1,0 +1,330 @@
+"""The data lane (tierfs/replication/lane.py): file pulls whose bytes come over a TCP
+stream beside gRPC, with every check of the gRPC path (issue #18 item 2, #14 goal 2).
+
+A real :class:`AioServer` with the peer service and a real :class:`LaneServer` on
+loopback; the puller is the real :class:`PeerClient`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from gcs_fixtures import make_shard
+
+from tierfs.core.ports import FileTarget
+from tierfs.replication import lane as lane_mod
+from tierfs.replication.client import PeerClient
+from tierfs.replication.lane import LaneServer, LaneStream
+from tierfs.replication.service import PeerServicer, peer_handlers
+from tierfs.replication.transfer import BadCopy
+from tierfs.rpc import wire as peer_wire
+from tierfs.rpc.aio_server import AioServer, with_sync_context
+from tierfs.rpc.wire import WireStats
+from tierfs.store.chunks import CHUNK
+from tierfs.store.shards import Shard, ShardKey
+
+JOB, TOKEN, STEP, RANK = "job", "secret", 7, 3
+BIG = bytes(range(256)) * ((2 * CHUNK + 12345) // 256 + 1)  # three chunks, the last short
+FILES = {
+    "7/big.bin": BIG,
+    "7/empty": b"",
+    **{f"7/small/f{i:02d}": bytes([i]) * (1000 + i) for i in range(20)},
+}
+KEY = ShardKey(JOB, RANK, STEP)
+
+
+class Host:
+    """The PeerHost the servicer asks (pins and damage reports recorded)."""
+
+    incarnation = "inc"
+
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+        self.stats = WireStats()
+        self.pins: list[int] = []
+        self.damages: list[tuple[ShardKey, str]] = []
+        self.lock = threading.Lock()
+
+    def find(self, key: ShardKey) -> Shard | None:
+        return self.shard if key == self.shard.key else None
+
+    def pin(self, key: ShardKey, delta: int) -> None:
+        with self.lock:
+            self.pins.append(delta)
+
+    def known_manifest(self, key: ShardKey) -> None:
+        return None
+
+    def damaged(self, key: ShardKey, path: str) -> None:
+        with self.lock:
+            self.damages.append((key, path))
+
+    def pinned(self) -> int:
+        with self.lock:
+            return sum(self.pins)
+
+
+class Holder:
+    def __init__(self, tmp_path, lane: LaneServer | None) -> None:
+        self.shard = make_shard(tmp_path / "holder", JOB, RANK, STEP, dict(FILES))
+        self.host = Host(self.shard)
+        self.lane = lane
+        handlers = with_sync_context(peer_handlers(PeerServicer(self.host, lane)))  # type: ignore[arg-type]
+        self.server = AioServer(
+            lambda srv, loop: srv.add_generic_rpc_handlers((handlers,)),
+            interceptors=[peer_wire.AioTokenInterceptor(TOKEN)],
+            options=peer_wire.SERVER_OPTIONS,
+            workers=4,
+        )
+        self.address = f"127.0.0.1:{self.server.start('127.0.0.1:0')}"
+
+    def entry(self, path: str):
+        return next(f for f in self.shard.manifest.files if f.path == path)
+
+    def stop(self) -> None:
+        self.server.stop(0)
+        if self.lane is not None:
+            self.lane.stop()
+
+
+@pytest.fixture
+def holder(tmp_path):
+    lane = LaneServer("127.0.0.1")
+    lane.start()
+    h = Holder(tmp_path, lane)
+    yield h
+    h.stop()
+
+
+def wait_for(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def pull_one(client: PeerClient, h: Holder, path: str, dest) -> int:
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        e = h.entry(path)
+        return client.pull_file(
+            h.address, KEY, "", path, fd, threading.Event(), expect=(e.size, e.crc32c)
+        )
+    finally:
+        os.close(fd)
+
+
+def target(path: str, size: int, crc32c: int, fd: int) -> FileTarget:
+    def write(data: bytes, offset: int, crc: int | None = None) -> None:
+        os.pwrite(fd, data, offset)
+
+    return FileTarget(path, size, crc32c, write)
+
+
+def test_a_file_pull_comes_over_the_lane_with_its_bytes_checked(holder, tmp_path):
+    client = PeerClient(TOKEN, WireStats())
+    try:
+        n = pull_one(client, holder, "7/big.bin", tmp_path / "big")
+    finally:
+        client.close()
+    assert n == len(BIG) and (tmp_path / "big").read_bytes() == BIG
+    wait_for(lambda: holder.lane.served == 1)
+    assert holder.lane.sent_bytes == len(BIG)
+    wait_for(lambda: holder.host.pinned() == 0)
+    assert holder.host.pins == [1, -1] and holder.host.damages == []
+    assert holder.lane.outstanding() == 0
+
+
+def test_a_batch_over_the_lane_lands_every_file_the_empty_one_too(holder, tmp_path):
+    client = PeerClient(TOKEN, WireStats())
+    targets, landed, fds = [], [], []
+    for path in sorted(FILES):
+        e = holder.entry(path)
+        fds.append(os.open(tmp_path / path.replace("/", "_"), os.O_WRONLY | os.O_CREAT, 0o600))
+        targets.append(target(path, e.size, e.crc32c, fds[-1]))
+    try:
+        done = client.pull_files(holder.address, KEY, "", targets, threading.Event(), landed.append)
+    finally:
+        client.close()
+        for fd in fds:
+            os.close(fd)
+    assert done == set(FILES) and sorted(landed) == sorted(FILES)
+    for path, data in FILES.items():
+        assert (tmp_path / path.replace("/", "_")).read_bytes() == data
+    wait_for(lambda: holder.lane.served == 1)
+    wait_for(lambda: holder.host.pinned() == 0)
+
+
+def test_a_damaged_byte_is_refused_and_the_holder_told(holder, tmp_path):
+    """The holder sends the manifest's chunk crc32c and sendfile's bytes: a byte
+    flipped in its copy after the seal fails the puller's check, which reports
+    it; the holder checks its copy (PeerHost.damaged), as on the gRPC path."""
+    f = os.path.join(holder.shard.data, "7/big.bin")
+    with open(f, "r+b") as fh:
+        fh.seek(CHUNK + 7)
+        b = fh.read(1)
+        fh.seek(CHUNK + 7)
+        fh.write(bytes([b[0] ^ 0x40]))
+    client = PeerClient(TOKEN, WireStats())
+    try:
+        with pytest.raises(BadCopy, match="crc32c mismatch"):
+            pull_one(client, holder, "7/big.bin", tmp_path / "big")
+    finally:
+        client.close()
+    wait_for(lambda: holder.host.damages == [(KEY, "7/big.bin")])
+    wait_for(lambda: holder.host.pinned() == 0)
+
+
+def test_a_lane_that_cannot_be_reached_falls_back_to_grpc_once(holder, tmp_path, caplog):
+    with socket.socket() as s:  # offered on a port where nothing listens: refused
+        s.bind(("127.0.0.1", 0))
+        holder.lane.port = s.getsockname()[1]
+    client = PeerClient(TOKEN, WireStats())
+    try:
+        with caplog.at_level("WARNING", logger="tierfs.replication.client"):
+            assert pull_one(client, holder, "7/small/f03", tmp_path / "a") == 1003
+            assert pull_one(client, holder, "7/small/f04", tmp_path / "b") == 1004
+    finally:
+        client.close()
+    assert (tmp_path / "a").read_bytes() == FILES["7/small/f03"]
+    assert (tmp_path / "b").read_bytes() == FILES["7/small/f04"]
+    said = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(said) == 1 and "pulling over gRPC" in said[0].getMessage()
+    assert holder.lane.served == 0
+    holder.lane.stop()  # the one unused ticket is released
+    wait_for(lambda: holder.host.pinned() == 0)
+
+
+def test_an_unused_ticket_expires_and_unpins(holder, tmp_path, monkeypatch):
+    monkeypatch.setattr(lane_mod, "TICKET_TTL", 0.2)
+    grant = lane_mod.Grant(holder.shard.data, [], [], lambda d, s: released.append((d, s)))
+    released: list[tuple[str, int]] = []
+    assert holder.lane.offer(grant) is not None
+    assert holder.lane.outstanding() == 1
+    wait_for(lambda: released == [("", 0)])  # the accept loop's sweep, about a second
+    assert holder.lane.outstanding() == 0
+
+
+def test_a_wrong_ticket_gets_nothing(holder):
+    released: list[tuple[str, int]] = []
+    grant = lane_mod.Grant(
+        holder.shard.data, [holder.entry("7/big.bin")], [None], lambda d, s: released.append(1)
+    )
+    ticket = holder.lane.offer(grant)
+    assert ticket is not None
+    with socket.create_connection(("127.0.0.1", holder.lane.port), timeout=10) as s:
+        s.sendall(lane_mod.MAGIC + bytes(a ^ 1 for a in ticket))
+        assert s.recv(100) == b""  # closed, nothing sent
+    assert released == [] and holder.lane.outstanding() == 1
+    stream = LaneStream("127.0.0.1:1", holder.lane.port, ticket, ["x"])
+    got = list(stream)  # the right ticket still works, once
+    stream.cancel()
+    assert b"".join(c.data for c in got) == BIG and {c.path for c in got} == {"x"}
+    wait_for(lambda: released == [1])
+
+
+def test_a_puller_that_goes_away_mid_stream_unpins(holder, tmp_path):
+    e = holder.entry("7/big.bin")
+    grant_released: list[int] = []
+    real_grant = holder.lane.offer
+    offered = []
+
+    def offer(grant):
+        inner = grant.release
+
+        def release(d: str, s: int) -> None:
+            inner(d, s)
+            grant_released.append(s)
+
+        grant.release = release
+        ticket = real_grant(grant)
+        offered.append(ticket)
+        return ticket
+
+    holder.lane.offer = offer  # type: ignore[method-assign]
+    client = PeerClient(TOKEN, WireStats())
+    call, entries = client._pull_paths(holder.address, KEY, "", ["7/big.bin"], 30)
+    assert isinstance(call, LaneStream) and entries["7/big.bin"].size == e.size
+    first = next(iter(call))
+    assert first.offset == 0 and len(first.data) == CHUNK
+    call.cancel()
+    client.close()
+    wait_for(lambda: len(grant_released) == 1)
+    assert grant_released[0] < len(BIG)
+    wait_for(lambda: holder.host.pinned() == 0)
+    assert holder.host.damages == []
+
+
+def test_a_busy_lane_serves_over_grpc(tmp_path):
+    lane = LaneServer("127.0.0.1", streams=1)
+    lane.start()
+    h = Holder(tmp_path, lane)
+    try:
+        held = lane.offer(lane_mod.Grant(h.shard.data, [], [], lambda d, s: None))
+        assert held is not None
+        client = PeerClient(TOKEN, WireStats())
+        try:
+            assert pull_one(client, h, "7/big.bin", tmp_path / "big") == len(BIG)
+        finally:
+            client.close()
+        assert (tmp_path / "big").read_bytes() == BIG and lane.served == 0
+        wait_for(lambda: h.host.pinned() == 0)
+    finally:
+        h.stop()
+
+
+def test_a_puller_with_the_lane_off_asks_for_none(holder, tmp_path):
+    client = PeerClient(TOKEN, WireStats(), lane=False)
+    try:
+        assert pull_one(client, holder, "7/big.bin", tmp_path / "big") == len(BIG)
+    finally:
+        client.close()
+    assert (tmp_path / "big").read_bytes() == BIG and holder.lane.served == 0
+
+
+def test_a_whole_part_pull_over_the_lane_commits_the_same_part(holder, tmp_path):
+    """A restore's pull of a whole part (no ``paths``) takes the lane too; the part
+    committed on the puller has the holder's manifest and bytes."""
+    from tierfs.store.ramstore import RamStore
+    from tierfs.store.shards import ShardStore
+
+    ram = RamStore(str(tmp_path / "puller"))
+    shards = ShardStore(ram)
+    client = PeerClient(TOKEN, WireStats())
+    try:
+        got = client.pull(
+            holder.address, KEY, holder.shard.manifest.digest, 0, ram, shards, threading.Event()
+        )
+    finally:
+        client.close()
+    assert got.manifest.digest == holder.shard.manifest.digest
+    for path, data in FILES.items():
+        assert Path(got.data, path).read_bytes() == data
+    wait_for(lambda: holder.lane.served == 1)
+    assert holder.lane.sent_bytes == sum(len(d) for d in FILES.values())
+    wait_for(lambda: holder.host.pinned() == 0)
+
+
+def test_a_whole_part_pull_of_a_damaged_copy_commits_nothing(holder, tmp_path):
+    from tierfs.store.ramstore import RamStore
+    from tierfs.store.shards import ShardStore
+
+    f = Path(holder.shard.data, "7/small/f05")
+    f.write_bytes(b"\x00" + f.read_bytes()[1:])  # same size, other bytes
+    ram = RamStore(str(tmp_path / "puller"))
+    shards = ShardStore(ram)
+    client = PeerClient(TOKEN, WireStats())
+    try:
+        with pytest.raises(BadCopy):
+            client.pull(holder.address, KEY, "", 0, ram, shards, threading.Event())
+    finally:
+        client.close()
+    assert not os.path.exists(shards.path_of(KEY))
+    assert os.listdir(ram.incoming) == []
+    wait_for(lambda: holder.host.damages == [(KEY, "7/small/f05")])
+    wait_for(lambda: holder.host.pinned() == 0)
