@@ -72,6 +72,7 @@ from tierfs.node.verdicts import SealVerdicts
 from tierfs.node.view import ClientView
 from tierfs.node.whole_step import WholeStepJudge
 from tierfs.replication.client import PeerClient
+from tierfs.replication.lane import LaneServer
 from tierfs.replication.peer import PeerTier
 from tierfs.replication.plane import PlaneState
 from tierfs.rpc.wire import WireStats
@@ -321,6 +322,7 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
             coordinator=coordinator,
             rendezvous=rendezvous,
             backup=backup,
+            lane=LaneServer,
         )
         peers = PeerSources(peer, catalog, state)
         if plane.has_plane():

@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from gcs_fixtures import make_shard
 
@@ -328,3 +329,111 @@ def test_a_whole_part_pull_of_a_damaged_copy_commits_nothing(holder, tmp_path):
     assert os.listdir(ram.incoming) == []
     wait_for(lambda: holder.host.damages == [(KEY, "7/small/f05")])
     wait_for(lambda: holder.host.pinned() == 0)
+
+
+# ---------------------------------------------------------------------- Replicate
+
+
+class ReceiverHost(Host):
+    """A node taking replicas: a real RAM store and shard store, adoptions recorded."""
+
+    def __init__(self, root: Path) -> None:
+        from tierfs.store.ramstore import RamStore
+        from tierfs.store.shards import ShardStore
+
+        self.ram = RamStore(str(root))
+        self.shards = ShardStore(self.ram)
+        self.adopted: list[Shard] = []
+        self.space_asked: list[int] = []
+        super().__init__(None)  # type: ignore[arg-type]
+
+    def find(self, key: ShardKey) -> Shard | None:
+        return next((s for s in self.adopted if s.key == key), None)
+
+    def own_rank(self, job: str) -> int:
+        return 0
+
+    def check_space(self, nbytes: int) -> None:
+        self.space_asked.append(nbytes)
+
+    def adopt(self, shard: Shard, linked_from: ShardKey | None = None) -> None:
+        self.adopted.append(shard)
+
+
+@pytest.fixture
+def receiver(tmp_path):
+    host = ReceiverHost(tmp_path / "receiver")
+    puller = PeerClient(TOKEN, WireStats())
+    handlers = with_sync_context(peer_handlers(PeerServicer(host, None, puller)))  # type: ignore[arg-type]
+    server = AioServer(
+        lambda srv, loop: srv.add_generic_rpc_handlers((handlers,)),
+        interceptors=[peer_wire.AioTokenInterceptor(TOKEN)],
+        options=peer_wire.SERVER_OPTIONS,
+        workers=4,
+    )
+    port = server.start("127.0.0.1:0")
+    yield f"127.0.0.1:{port}", host
+    server.stop(0)
+    puller.close()
+
+
+def test_a_replica_is_handed_over_by_its_receiver_pulling_it_over_the_lane(holder, receiver):
+    """#18 item 2: with a data lane, the sender's push is one Replicate call and the
+    receiver pulls the bytes over the sender's lane, checks them, commits them."""
+    address, host = receiver
+    sender = PeerClient(TOKEN, WireStats())
+    sender.pull_from = holder.address
+    try:
+        reply = sender.push(address, holder.shard, RANK, False, threading.Event())
+    finally:
+        sender.close()
+    assert reply.committed and reply.bytes_received == sum(len(d) for d in FILES.values())
+    [got] = host.adopted
+    assert got.key == KEY and got.manifest.digest == holder.shard.manifest.digest
+    for path, data in FILES.items():
+        assert Path(got.data, path).read_bytes() == data
+    assert host.space_asked == [reply.bytes_received]
+    wait_for(lambda: holder.lane.served == 1)
+    wait_for(lambda: holder.host.pinned() == 0)
+    assert sender.stats.snapshot()["sent_bytes"] == reply.bytes_received
+
+
+def test_a_replica_with_a_damaged_byte_is_refused_with_data_loss(holder, receiver):
+    address, host = receiver
+    f = Path(holder.shard.data, "7/small/f07")
+    f.write_bytes(b"\xff" + f.read_bytes()[1:])
+    sender = PeerClient(TOKEN, WireStats())
+    sender.pull_from = holder.address
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            sender.push(address, holder.shard, RANK, False, threading.Event())
+    finally:
+        sender.close()
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    assert "7/small/f07" in err.value.details() and host.adopted == []
+    assert os.listdir(host.ram.incoming) == []
+    wait_for(lambda: holder.host.damages == [(KEY, "7/small/f07")])
+
+
+def test_a_receiver_without_replicate_gets_a_push(holder, tmp_path):
+    """An older receiver (or one without a lane) answers UNIMPLEMENTED: the sender
+    pushes with PushShard, and remembers it."""
+    host = ReceiverHost(tmp_path / "old")
+    handlers = with_sync_context(peer_handlers(PeerServicer(host)))  # type: ignore[arg-type]
+    server = AioServer(
+        lambda srv, loop: srv.add_generic_rpc_handlers((handlers,)),
+        interceptors=[peer_wire.AioTokenInterceptor(TOKEN)],
+        options=peer_wire.SERVER_OPTIONS,
+        workers=4,
+    )
+    address = f"127.0.0.1:{server.start('127.0.0.1:0')}"
+    sender = PeerClient(TOKEN, WireStats())
+    sender.pull_from = holder.address
+    try:
+        assert sender.push(address, holder.shard, RANK, False, threading.Event()).committed
+        assert address in sender._push_only
+    finally:
+        sender.close()
+        server.stop(0)
+    [got] = host.adopted
+    assert Path(got.data, "7/big.bin").read_bytes() == BIG and holder.lane.served == 0

@@ -89,6 +89,11 @@ class PeerClient:
         self._channels: dict[str, grpc.Channel] = {}
         #: addresses whose data lane could not be reached, and when (monotonic s)
         self._lane_down: dict[str, float] = {}
+        #: this node's peer address while its data lane serves: a replica is then
+        #: handed over by its receiver pulling it from here (:meth:`push`)
+        self.pull_from: str | None = None
+        #: receivers that answered Replicate with UNIMPLEMENTED (they get pushes)
+        self._push_only: set[str] = set()
         self._lock = threading.Lock()
 
     def channel(self, address: str) -> grpc.Channel:
@@ -137,12 +142,27 @@ class PeerClient:
     ) -> Any:
         """Push ``shard`` (or only its manifest with ``dedup``); returns the PushReply.
 
+        While this node's data lane serves (:attr:`pull_from`), the bytes are
+        handed over by the receiver pulling them from here (``Replicate``: one
+        call, the bytes over this node's lane, every crc32c checked there as in
+        any pull); a receiver that does not know ``Replicate`` gets a
+        ``PushShard`` stream, as does a ``dedup`` push.
+
         Raises:
             Cancelled: ``cancel`` was set.
             grpc.RpcError: the peer refused (DATA_LOSS for a checksum mismatch,
                 RESOURCE_EXHAUSTED for a full RAM budget...) or is unreachable.
             OSError: the snapshot vanished while it was read.
         """
+        if not dedup and self.pull_from and address not in self._push_only:
+            try:
+                return self._replicate(address, shard, sender_rank, cancel)
+            except grpc.RpcError as exc:
+                if rpc_code(exc) != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                with self._lock:
+                    self._push_only.add(address)
+                log.info("%s takes replicas by push only: %s", address, rpc_reason(exc))
         m = shard.manifest
         problem: list[BaseException] = []
 
@@ -194,6 +214,36 @@ class PeerClient:
             self.stats.add("manifest_only_sent")
         return reply
 
+    def _replicate(
+        self, address: str, shard: Shard, sender_rank: int, cancel: threading.Event
+    ) -> Any:
+        """One ``Replicate`` call: the receiver at ``address`` pulls ``shard`` from
+        :attr:`pull_from`; its PushReply (raises as :meth:`push`)."""
+        m = shard.manifest
+        req = peer_pb2.ReplicateRequest(
+            header=peer_pb2.PushHeader(
+                job=m.job,
+                rank=m.rank,
+                step=m.step,
+                digest=m.digest,
+                sender_rank=sender_rank,
+                total_bytes=m.total_bytes,
+            ),
+            pull_from=self.pull_from,
+        )
+        fut = self.peer(address).Replicate.future(req, metadata=self.md)
+        while True:
+            try:
+                reply = fut.result(timeout=0.25)
+                break
+            except grpc.FutureTimeoutError:
+                if cancel.is_set():
+                    fut.cancel()
+                    raise Cancelled("transfer cancelled") from None
+        self.stats.add("pushes_sent")
+        self.stats.add("sent_bytes", m.total_bytes)
+        return reply
+
     def pull(
         self,
         address: str,
@@ -202,9 +252,18 @@ class PeerClient:
         puller_rank: int,
         ram: Any,
         shards: Any,
-        cancel: threading.Event,
+        cancel: threading.Event | Any,
+        before_commit: Callable[[Manifest], None] | None = None,
     ) -> Shard:
         """Pull ``key`` from a holder, verify it and commit it to ``shards``.
+
+        The bytes come over the holder's data lane when it offers one
+        (:mod:`tierfs.replication.lane`), else in the PullShard call.
+
+        Args:
+            cancel: anything with ``is_set()`` (checked before every chunk).
+            before_commit: called with the verified manifest just before the
+                commit; what it raises ends the pull with nothing committed.
 
         Returns:
             The committed shard (not yet in the agent's catalog).
@@ -215,6 +274,8 @@ class PeerClient:
             Refused: the holder broke the protocol (unsafe paths...).
             Cancelled: ``cancel`` was set.
             grpc.RpcError: the holder is unreachable or has no such copy.
+            LaneFailed: the holder's data lane broke mid-stream.
+            whatever ``before_commit`` raised.
         """
         lane = self.lane and self._lane_ok(address)
         req = peer_pb2.PullRequest(
@@ -252,7 +313,9 @@ class PeerClient:
                     self._lane_unreachable(address, exc)
                     rx.abort()
                     rx = None
-                    return self.pull(address, key, digest, puller_rank, ram, shards, cancel)
+                    return self.pull(
+                        address, key, digest, puller_rank, ram, shards, cancel, before_commit
+                    )
             for msg in call:
                 if cancel.is_set():
                     raise Cancelled("transfer cancelled")
@@ -263,6 +326,8 @@ class PeerClient:
                 self.stats.add("pulled_bytes", len(c.data))
             c = None
             rx.finish()
+            if before_commit is not None:
+                before_commit(manifest)
             shard = shards.commit(inc, manifest, verified=True)
             self.stats.add("pulls")
             return shard

@@ -223,6 +223,7 @@ class PeerTier:
         rendezvous: Rendezvous | None = None,
         backup: BackupOrders | None = None,
         server: ServerFactory = AioServer,
+        lane: Callable[[str, int], LaneServer] | None = None,
     ) -> None:
         c = config
         self.ram = store
@@ -240,7 +241,8 @@ class PeerTier:
         self.incarnation = self.me.incarnation
         self.listen = c.listen
         self.data_port = c.data_port
-        #: the data lane serving file pulls (started with the server; None: off)
+        self._lane_factory = lane
+        #: the data lane serving pulls (started with the server; None: off)
         self.lane: LaneServer | None = None
         self.static_coordinator = c.coordinator
         self.token = c.peer_token
@@ -581,7 +583,10 @@ class PeerTier:
         # every node registers the coordinator service: which node serves it
         # may be known only once a job starts (the gate answers the others)
         self.lane = self._start_lane()
-        peer = with_sync_context(peer_handlers(PeerServicer(self.holdings, self.lane)))
+        # with a lane, receivers pull this node's replicas over it (Replicate), and
+        # this node pulls the replicas offered to it
+        puller = self.client if self.lane is not None else None
+        peer = with_sync_context(peer_handlers(PeerServicer(self.holdings, self.lane, puller)))
         coordinator = self.coordinator
         relay = self.relay
 
@@ -605,6 +610,8 @@ class PeerTier:
         if self.address.endswith(":0"):
             self.address = f"{self.address[:-2]}:{self.port}"  # --listen HOST:0
         self._server = server
+        if self.lane is not None:
+            self.client.pull_from = self.address
         self.plane.server_up = True
         if not self.token:
             log.warning("peer plane without --peer-token: any client can call this node")
@@ -622,9 +629,9 @@ class PeerTier:
     def _start_lane(self) -> LaneServer | None:
         """The data lane on ``--listen``'s host and ``--data-port`` (None when -1, or
         when the port cannot be bound: then every byte goes over gRPC; logged)."""
-        if self.data_port < 0 or not self.listen:
+        if self.data_port < 0 or not self.listen or self._lane_factory is None:
             return None
-        lane = LaneServer(lane_host(self.listen), self.data_port)
+        lane = self._lane_factory(lane_host(self.listen), self.data_port)
         try:
             port = lane.start()
         except OSError as exc:

@@ -37,6 +37,7 @@ from tierfs.replication.transfer import (
     Cancelled,
     Refused,
     ShardReceiver,
+    TransferError,
     check_identity,
     identical_content,
     iter_chunks,
@@ -155,10 +156,16 @@ class PeerServicer:
         host: the node (see :class:`PeerHost`).
     """
 
-    def __init__(self, host: PeerHost, lane: LaneServer | None = None) -> None:
+    def __init__(
+        self, host: PeerHost, lane: LaneServer | None = None, puller: Any | None = None
+    ) -> None:
         self.host = host
-        #: the data lane offered to file pulls that ask for it (None: gRPC only)
+        #: the data lane offered to pulls that ask for it (None: gRPC only)
         self.lane = lane
+        #: pulls a replica a Replicate call hands over (a
+        #: :class:`tierfs.replication.client.PeerClient`; None: Replicate is
+        #: UNIMPLEMENTED here and senders push)
+        self.puller = puller
 
     def Inventory(self, request: Any, context: Any) -> Any:
         """What this node holds of ``request.job``; optionally wait (dedup decision)."""
@@ -192,17 +199,7 @@ class PeerServicer:
         if first is None or peer_wire.kind_of(first) != "header":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PushShard must start with a header")
         h = first.header
-        if not _valid_job(h.job) or h.rank < 0 or h.step < 0:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"bad shard identity job={h.job!r} rank={h.rank} step={h.step}",
-            )
-        key = ShardKey(h.job, h.rank, h.step)
-        if self.host.own_rank(h.job) == h.rank:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"node-rank {h.rank} does not take replicas of its own rank",
-            )
+        key = self._replica_key(h, context)
         code, detail = None, ""
         inc = None
         old_nice = set_thread_nice(REPLICATION_NICE)
@@ -248,26 +245,10 @@ class PeerServicer:
                 rx.bytes_received,
             )
             return peer_pb2.PushReply(committed=True, bytes_received=rx.bytes_received)
-        except BadCopy as exc:
-            self.host.stats.add("corrupt_copies")
-            code, detail = grpc.StatusCode.DATA_LOSS, f"step {h.step} of rank {h.rank}: {exc}"
-        except Refused as exc:
-            self.host.stats.add("refused")
-            code, detail = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-        except Superseded as exc:
-            self.host.stats.add("refused")
-            code, detail = grpc.StatusCode.ALREADY_EXISTS, str(exc)
-        except OSError as exc:
-            code = (
-                grpc.StatusCode.RESOURCE_EXHAUSTED
-                if exc.errno == errno.ENOSPC
-                else grpc.StatusCode.INTERNAL
-            )
-            detail = f"step {h.step} of rank {h.rank}: {exc.strerror or exc}"
+        except (BadCopy, Refused, Superseded, OSError, HostGone) as exc:
+            code, detail = self._refusal(h, exc)
         except grpc.RpcError:
             code, detail = grpc.StatusCode.CANCELLED, "sender went away"
-        except HostGone:
-            code, detail = grpc.StatusCode.UNAVAILABLE, "daemon is stopping"
         finally:
             if inc is not None:
                 shutil.rmtree(inc, ignore_errors=True)
@@ -275,6 +256,100 @@ class PeerServicer:
                 set_thread_nice(old_nice)
         log.warning("refused a replica from node-rank %d: %s", h.sender_rank, detail)
         context.abort(code, detail)
+
+    def Replicate(self, request: Any, context: Any) -> Any:
+        """Take a replica by pulling it from its sender (``request.pull_from``, over the
+        sender's data lane when it offers one): the header is checked as for
+        :meth:`PushShard`, every crc32c as for any pull, and the copy is committed
+        only if all pass and no later save of that step by another node count is
+        held here. Answers a :class:`PushReply` (committed), or aborts with the
+        codes of :meth:`PushShard`; UNAVAILABLE when the sender cannot be
+        reached or its stream broke, CANCELLED when the sender gave up,
+        UNIMPLEMENTED on a node without a puller."""
+        h = request.header
+        if self.puller is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node takes replicas by push")
+        key = self._replica_key(h, context)
+        if h.dedup or not request.pull_from:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "Replicate needs pull_from and no dedup"
+            )
+        own = self.host.own_rank(h.job)
+        old_nice = set_thread_nice(REPLICATION_NICE)
+        try:
+            self.host.check_space(h.total_bytes)
+            shard = self.puller.pull(
+                request.pull_from,
+                key,
+                h.digest,
+                own if own is not None else -1,
+                self.host.ram,
+                self.host.shards,
+                _CallGone(context),
+                before_commit=lambda m: self._not_superseded(key, m),
+            )
+            self.host.adopt(shard)
+            got = shard.manifest.total_bytes
+            self.host.stats.add("received_bytes", got)
+            self.host.stats.add("pushes_received")
+            log.info(
+                "received step %d of rank %d from node-rank %d (%d bytes, pulled)",
+                h.step,
+                h.rank,
+                h.sender_rank,
+                got,
+            )
+            return peer_pb2.PushReply(committed=True, bytes_received=got)
+        except (BadCopy, Refused, Superseded, OSError, HostGone) as exc:
+            code, detail = self._refusal(h, exc)
+        except Cancelled:
+            code, detail = grpc.StatusCode.CANCELLED, "sender went away"
+        except (TransferError, grpc.RpcError) as exc:
+            code = grpc.StatusCode.UNAVAILABLE
+            detail = f"pulling step {h.step} of rank {h.rank} from {request.pull_from}: " + (
+                rpc_text(exc)
+            )
+        finally:
+            if old_nice is not None:
+                set_thread_nice(old_nice)
+        log.warning("refused a replica from node-rank %d: %s", h.sender_rank, detail)
+        context.abort(code, detail)
+
+    def _replica_key(self, h: Any, context: Any) -> ShardKey:
+        """The key of the replica header ``h`` names; aborts INVALID_ARGUMENT for a bad
+        identity, FAILED_PRECONDITION for this node's own rank."""
+        if not _valid_job(h.job) or h.rank < 0 or h.step < 0:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"bad shard identity job={h.job!r} rank={h.rank} step={h.step}",
+            )
+        if self.host.own_rank(h.job) == h.rank:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node-rank {h.rank} does not take replicas of its own rank",
+            )
+        return ShardKey(h.job, h.rank, h.step)
+
+    def _refusal(self, h: Any, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+        """The status code and detail a refused replica is answered with (counted)."""
+        if isinstance(exc, BadCopy):
+            self.host.stats.add("corrupt_copies")
+            return grpc.StatusCode.DATA_LOSS, f"step {h.step} of rank {h.rank}: {exc}"
+        if isinstance(exc, Refused):
+            self.host.stats.add("refused")
+            return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        if isinstance(exc, Superseded):
+            self.host.stats.add("refused")
+            return grpc.StatusCode.ALREADY_EXISTS, str(exc)
+        if isinstance(exc, HostGone):
+            return grpc.StatusCode.UNAVAILABLE, "daemon is stopping"
+        assert isinstance(exc, OSError)
+        code = (
+            grpc.StatusCode.RESOURCE_EXHAUSTED
+            if exc.errno == errno.ENOSPC
+            else grpc.StatusCode.INTERNAL
+        )
+        return code, f"step {h.step} of rank {h.rank}: {exc.strerror or exc}"
 
     def _not_superseded(self, key: ShardKey, manifest: Manifest) -> None:
         """Raise :class:`Superseded` if the copy of ``key`` held here is of a later save
@@ -453,6 +528,23 @@ class PeerServicer:
                 log.exception("reporting the damaged copy of %s", key)
 
 
+class _CallGone:
+    """``is_set()`` of a pull's cancel event: the call was cancelled or timed out."""
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    def is_set(self) -> bool:
+        return not self.context.is_active()
+
+
+def rpc_text(exc: BaseException) -> str:
+    """One line for a failed pull: the gRPC status and details, else the message."""
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc) or type(exc).__name__
+
+
 class _ChunkCheck:
     """Compares the crc32c of each chunk a pull sends with the manifest's per-chunk
     crc32c (:meth:`tierfs.store.manifest.Manifest.chunks_of`), where the manifest has
@@ -552,6 +644,11 @@ def peer_handlers(servicer: PeerServicer) -> grpc.GenericRpcHandler:
             "PullShard": grpc.unary_stream_rpc_method_handler(
                 servicer.PullShard,
                 request_deserializer=peer_pb2.PullRequest.FromString,
+                response_serializer=peer_wire.serialize,
+            ),
+            "Replicate": grpc.unary_unary_rpc_method_handler(
+                servicer.Replicate,
+                request_deserializer=peer_pb2.ReplicateRequest.FromString,
                 response_serializer=peer_wire.serialize,
             ),
         },

@@ -39,7 +39,7 @@ MAX_MESSAGE = 16 << 20
 #: chunk size of shard transfers (the issue asks for 1-4 MiB)
 CHUNK = 4 << 20
 
-PEER_METHODS = ("Inventory", "PushShard", "PullShard")
+PEER_METHODS = ("Inventory", "PushShard", "PullShard", "Replicate")
 COORDINATOR_METHODS = (
     "Join",
     "Decide",
