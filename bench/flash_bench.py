@@ -556,6 +556,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--json", default="")
+    p.add_argument(
+        "--mount-arg",
+        action="append",
+        default=[],
+        help="one more argument of both tierfs mounts (repeatable; an A/B of a "
+        "setting, e.g. --mount-arg=--data-port=-1: replicas pushed over gRPC)",
+    )
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
@@ -578,7 +585,7 @@ def main() -> None:
         f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}",
         flush=True,
     )
-    with two_nodes("flash-bench", "--size=8GiB") as nodes:
+    with two_nodes("flash-bench", "--size=8GiB", *a.mount_arg) as nodes:
         step = 0
         for r in range(a.repeats):
             for system in systems:

@@ -243,7 +243,7 @@ def test_trainers_restarted_beside_running_daemons_get_one_new_round(make_mount)
         assert "step 6 lacks rank(s) [1]" in err, (i, err)
     # one of the waits started the round (the other joined it, or was asked in first)
     assert any("a new restore round for the restarted trainer" in err for *_, err in outs), outs
-    assert not holds_own(c, 0, 6)  # abandoned: never a restore's candidate again
+    assert not holds_own(c, 0, 6), c.logs()  # abandoned: never a restore's candidate again
 
 
 def waits_at_once(c: Cluster, nodes: list[int]) -> list[tuple[int, str, str]]:

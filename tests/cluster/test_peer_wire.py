@@ -24,6 +24,7 @@ def test_method_paths_are_pinned():
         "/tierfs.peer.v1.Peer/Inventory",
         "/tierfs.peer.v1.Peer/PushShard",
         "/tierfs.peer.v1.Peer/PullShard",
+        "/tierfs.peer.v1.Peer/Replicate",
         "/tierfs.peer.v1.Coordinator/Join",
         "/tierfs.peer.v1.Coordinator/Decide",
         "/tierfs.peer.v1.Coordinator/Barrier",

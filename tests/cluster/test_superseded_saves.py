@@ -234,4 +234,4 @@ def test_a_node_renumbered_back_to_its_rank_of_an_earlier_save_shows_the_newer_s
         return "OLD 4-node save" if old.get(name) == h else h
 
     views = {i: {name: which(name, h) for name, h in contents(c, i, 20).items()} for i in second}
-    assert views == {i: {name: "new" for name in files(3)} for i in second}, said
+    assert views == {i: {name: "new" for name in files(3)} for i in second}, (said, c.logs())
