@@ -437,3 +437,34 @@ def test_a_receiver_without_replicate_gets_a_push(holder, tmp_path):
         server.stop(0)
     [got] = host.adopted
     assert Path(got.data, "7/big.bin").read_bytes() == BIG and holder.lane.served == 0
+
+
+def test_a_file_shorter_than_its_manifest_ends_the_stream_with_the_reason(holder, tmp_path):
+    """The holder's copy lost bytes after the seal (truncated): sendfile sends fewer
+    than the frame promised, so the holder fills the frame and ends the stream
+    with an error frame; the puller's check refuses the chunk (BadCopy, the next
+    copy is tried); the holder has its copy checked; nothing stays pinned."""
+    os.truncate(Path(holder.shard.data, "7/big.bin"), CHUNK + 10)
+    client = PeerClient(TOKEN, WireStats())
+    try:
+        with pytest.raises(BadCopy, match=r"chunk 1 \(offset 4194304\): chunk crc32c mismatch"):
+            pull_one(client, holder, "7/big.bin", tmp_path / "big")
+    finally:
+        client.close()
+    wait_for(lambda: holder.host.damages == [(KEY, "7/big.bin")])
+    wait_for(lambda: holder.host.pinned() == 0)
+    assert holder.lane.outstanding() == 0
+
+
+def test_a_vanished_file_is_named_in_the_error_frame(holder, tmp_path):
+    from tierfs.replication.lane import LaneFailed
+
+    os.unlink(Path(holder.shard.data, "7/small/f02"))
+    client = PeerClient(TOKEN, WireStats())
+    try:
+        with pytest.raises(LaneFailed, match="7/small/f02 vanished here"):
+            pull_one(client, holder, "7/small/f02", tmp_path / "x")
+    finally:
+        client.close()
+    wait_for(lambda: holder.host.damages == [(KEY, "7/small/f02")])
+    wait_for(lambda: holder.host.pinned() == 0)

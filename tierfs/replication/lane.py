@@ -276,8 +276,10 @@ def _send_files(conn: socket.socket, grant: Grant) -> tuple[str, int]:
             try:
                 f = open(os.path.join(grant.root, entry.path), "rb", buffering=0)  # noqa: SIM115
             except OSError as exc:
+                # this copy is damaged (a file of its manifest is gone): the holder
+                # checks it, as for a damage report
                 _error(conn, f"{entry.path} vanished here: {exc.strerror or exc}")
-                return "", sent
+                return entry.path, sent
             with f:
                 for k, offset in enumerate(range(0, entry.size, CHUNK)):
                     n = min(CHUNK, entry.size - offset)
@@ -285,11 +287,16 @@ def _send_files(conn: socket.socket, grant: Grant) -> tuple[str, int]:
                         conn.sendall(HEADER.pack(CHUNK_FRAME, index, offset, n, crcs[k]))
                         done = conn.sendfile(f, offset, n)  # type: ignore[arg-type]
                         if done != n:
-                            raise _Vanished(f"{entry.path} is shorter here than its manifest")
+                            # the frame promised n bytes: fill it (the puller's check
+                            # refuses the chunk), then say why and end
+                            conn.sendall(bytes(n - done))
+                            _error(conn, f"{entry.path} is shorter here than its manifest")
+                            return entry.path, sent
                     else:
                         data = os.pread(f.fileno(), n, offset)
                         if len(data) != n:
-                            raise _Vanished(f"{entry.path} is shorter here than its manifest")
+                            _error(conn, f"{entry.path} is shorter here than its manifest")
+                            return entry.path, sent
                         head = HEADER.pack(CHUNK_FRAME, index, offset, n, google_crc32c.value(data))
                         conn.sendall(head)
                         conn.sendall(data)
@@ -303,16 +310,8 @@ def _send_files(conn: socket.socket, grant: Grant) -> tuple[str, int]:
         conn.settimeout(HANDSHAKE_TIMEOUT)
         report = _damage_report(conn, grant)
         return report or "", sent
-    except _Vanished as exc:
-        _error(conn, str(exc))
-        return "", sent
     except OSError:
         return "", sent  # the puller went away (cancelled, no room, its own timeout)
-
-
-class _Vanished(TransferError):
-    """A file of a grant is gone or shorter here than its manifest (sent to the
-    puller as an error frame)."""
 
 
 def _error(conn: socket.socket, why: str) -> None:
