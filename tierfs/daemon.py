@@ -55,6 +55,7 @@ from tierfs.node.agent import NodeAgent, Tier
 from tierfs.node.agreement import CoordinatorAgreement
 from tierfs.node.cache_room import CacheRoom
 from tierfs.node.catalog import ShardCatalog, ShardVerifier
+from tierfs.node.crc_ahead import CrcAhead
 from tierfs.node.intake import EventIntake
 from tierfs.node.jobcontrol import JobControl
 from tierfs.node.jobstate import JobState
@@ -213,6 +214,8 @@ def build_agent(
     )
     control = JobControl(config, store, state, view, book, reporter, restores, tasks)
     intake = EventIntake(store, book, view, catalog, sealer, keeper, control, restores, tasks)
+    # a big file is checksummed as its writer closes it: the seal finds its crc32c
+    intake.on_closed = CrcAhead(store.view, book.crc_cache, tasks.spawn).closed
     status = StatusBuilder(
         config, store, budget, state, book, catalog, tiers, reporter.errors, whole_view
     )

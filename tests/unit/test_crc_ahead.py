@@ -1,0 +1,107 @@
+"""CrcAhead: a big file is checksummed as its writer closes it, so the seal finds its
+crc32c in the cache and does not read it again (issue #18 item 1)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import trio
+
+from tierfs.node import crc_ahead as ca
+from tierfs.store import manifest as mf
+from tierfs.store.manifest import crc32c_chunks, scan_tree
+
+BIG = os.urandom(ca.MIN_BYTES + 12345)
+
+
+def run(ahead: ca.CrcAhead, *paths: str) -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            ahead.spawn = nursery.start_soon  # type: ignore[assignment]
+            for p in paths:
+                ahead.closed(p)
+
+    trio.run(main)
+
+
+def test_a_closed_big_file_is_in_the_cache_the_seal_reads(tmp_path, monkeypatch):
+    (tmp_path / "step").mkdir()
+    f = tmp_path / "step" / "big.bin"
+    f.write_bytes(BIG)
+    (tmp_path / "step" / "small").write_bytes(b"x" * 100)
+    cache: mf.CrcCache = {}
+    ahead = ca.CrcAhead(str(tmp_path), cache, lambda fn: None)
+    run(ahead, "step/big.bin", "step/small")
+    st = f.stat()
+    crc, _, chunks = crc32c_chunks(str(f))
+    assert cache == {(st.st_ino, st.st_size, st.st_mtime_ns): (crc, chunks)}
+    assert ahead.files == 1 and ahead.bytes == len(BIG)
+
+    read: list[str] = []
+    real = mf.crc32c_chunks
+
+    def counting(path, *a, **k):
+        read.append(os.path.basename(str(path)))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(mf, "crc32c_chunks", counting)
+    entries = {e.path: e for e in scan_tree(str(tmp_path), ["step"], cache=cache)}
+    assert read == ["small"]  # the big file's bytes were not read again
+    assert entries["step/big.bin"].crc32c == crc and entries["step/big.bin"].chunks == chunks
+
+
+def test_a_file_written_while_it_is_read_is_not_cached(tmp_path, monkeypatch):
+    f = tmp_path / "big.bin"
+    f.write_bytes(BIG)
+    real = ca.crc32c_chunks
+
+    def writing(fd, *a, **k):
+        out = real(fd, *a, **k)
+        with open(f, "r+b") as w:  # a write lands while the file is read
+            w.seek(10)
+            w.write(b"changed")
+        return out
+
+    monkeypatch.setattr(ca, "crc32c_chunks", writing)
+    cache: mf.CrcCache = {}
+    ahead = ca.CrcAhead(str(tmp_path), cache, lambda fn: None)
+    run(ahead, "big.bin")
+    assert cache == {} and ahead.files == 0
+
+
+def test_a_file_gone_before_it_is_read_is_skipped(tmp_path):
+    cache: mf.CrcCache = {}
+    ahead = ca.CrcAhead(str(tmp_path), cache, lambda fn: None)
+    run(ahead, "gone.bin")
+    assert cache == {} and ahead.files == 0
+
+
+def test_a_just_written_file_is_read_once_the_clock_moved_past_its_mtime(tmp_path, monkeypatch):
+    """The read starts QUIET after the file's mtime: a later write then gets a later
+    mtime even with coarse timestamps."""
+    f = tmp_path / "big.bin"
+    f.write_bytes(BIG)
+    mtime = f.stat().st_mtime_ns
+    started: list[int] = []
+    real = ca.crc32c_chunks
+
+    def timed(fd, *a, **k):
+        started.append(time.time_ns())
+        return real(fd, *a, **k)
+
+    monkeypatch.setattr(ca, "crc32c_chunks", timed)
+    run(ca.CrcAhead(str(tmp_path), {}, lambda fn: None), "big.bin")
+    assert started and started[0] - mtime >= ca.QUIET * 1e9
+
+
+@pytest.mark.parametrize("n", [ca.PENDING + 5])
+def test_a_burst_beyond_the_pending_bound_is_left_to_the_seal(tmp_path, n):
+    cache: mf.CrcCache = {}
+    ahead = ca.CrcAhead(str(tmp_path), cache, lambda fn: None)
+    started: list[object] = []
+    ahead.spawn = started.append  # type: ignore[assignment]
+    for i in range(n):
+        ahead.closed(f"f{i}")
+    assert len(ahead._pending) == ca.PENDING and len(started) == 1

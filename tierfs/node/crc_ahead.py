@@ -1,0 +1,136 @@
+"""Checksum a file when its last writer closes it, before its step is sealed (issue
+#18 item 1: the crc32c computed on the way, not after the save).
+
+A seal reads every byte of the step once for its manifest's crc32c
+(:func:`tierfs.store.manifest.scan_tree`), and replication starts only after
+that. Most files of a step are closed well before the step is complete (DCP
+writes ``.metadata`` after every rank's data files; HF, NeMo and Orbax rename
+the step directory last), so :class:`CrcAhead` reads each big file as its last
+write handle closes, in one worker thread at a time, and puts its crc32c (and
+its chunks') into the seals' cache, keyed by (inode, size, mtime in ns) exactly
+as the seal looks it up. The seal then only stats that file.
+
+Trust: the value is kept only if nothing wrote the file while it was read:
+its inode, size and mtime are the same before and after the read, and the
+read starts only once the clock has moved :data:`QUIET` past the file's
+mtime, so a write after the first look gets a later mtime even on a kernel
+whose file timestamps are coarse (tmpfs stamps writes with the coarse
+clock before Linux 6.13's multigrain timestamps). A file written after
+it was read has another mtime; the seal reads it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from tierfs.store.manifest import CrcCache, crc32c_chunks
+
+log = logging.getLogger(__name__)
+
+#: files smaller than this (bytes) are left to the seal (reading them is cheap)
+MIN_BYTES = 4 << 20
+#: seconds the clock must be past a file's mtime before it is read (a coarse
+#: timestamp tick is at most 10 ms)
+QUIET = 0.02
+#: files waiting to be read at most (a burst beyond it is left to the seal)
+PENDING = 256
+#: entries of the cache this fills, at most (oldest forgotten first)
+KEPT = 4096
+
+
+class CrcAhead:
+    """Checksums big files as their last writer closes them (see the module docstring).
+
+    Args:
+        root: the directory the view-relative paths are under (the RAM store's view).
+        cache: the seals' crc32c cache (:attr:`tierfs.node.steps.StepBook.crc_cache`);
+            filled on the trio thread.
+        spawn: starts a background task (``TaskSpawner.spawn``).
+    """
+
+    def __init__(
+        self,
+        root: str,
+        cache: CrcCache,
+        spawn: Callable[[Callable[..., Awaitable[object]]], Any],
+    ) -> None:
+        self.root = root
+        self.cache = cache
+        self.spawn = spawn
+        self._pending: dict[str, None] = {}
+        self._running = False
+        self._added: dict[tuple[int, int, int], None] = {}
+        #: files read here, and their bytes (status and tests)
+        self.files = 0
+        self.bytes = 0
+
+    def closed(self, path: str) -> None:
+        """The last write handle of the view file ``path`` closed (trio thread; never
+        blocks): read it in the background when it is big enough."""
+        if path in self._pending or len(self._pending) >= PENDING:
+            return
+        self._pending[path] = None
+        if not self._running:
+            self._running = True
+            self.spawn(self._drain)
+
+    async def _drain(self) -> None:
+        try:
+            while self._pending:
+                path = next(iter(self._pending))
+                try:
+                    found = await trio.to_thread.run_sync(self._checksum, path)
+                except OSError as exc:
+                    log.debug("checksum ahead of the seal of %s: %s", path, exc)
+                    found = None
+                finally:
+                    self._pending.pop(path, None)
+                if found is not None:
+                    key, value, size = found
+                    self.cache[key] = value
+                    self._added[key] = None
+                    self.files += 1
+                    self.bytes += size
+                    while len(self._added) > KEPT:
+                        old = next(iter(self._added))
+                        del self._added[old]
+                        self.cache.pop(old, None)
+        finally:
+            self._running = False
+
+    def _checksum(
+        self, path: str
+    ) -> tuple[tuple[int, int, int], tuple[int, tuple[int, ...] | None], int] | None:
+        """(cache key, cache value, bytes) of the view file ``path``, or None when it
+        is small, not a regular file, already known, or was written while read
+        (worker thread).
+
+        Raises:
+            OSError: the file is gone or unreadable.
+        """
+        fd = os.open(os.path.join(self.root, path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            before = os.fstat(fd)
+            if not stat.S_ISREG(before.st_mode) or before.st_size < MIN_BYTES:
+                return None
+            age = time.time_ns() - before.st_mtime_ns
+            if age < QUIET * 1e9:
+                time.sleep(QUIET - age / 1e9)
+                before = os.fstat(fd)
+            key = (before.st_ino, before.st_size, before.st_mtime_ns)
+            if key in self.cache:
+                return None
+            crc, size, crcs = crc32c_chunks(fd)
+            after = os.fstat(fd)
+            if size != before.st_size or (after.st_ino, after.st_size, after.st_mtime_ns) != key:
+                return None  # written meanwhile: the seal reads it
+            return key, (crc, crcs if len(crcs) > 1 else None), size
+        finally:
+            os.close(fd)
