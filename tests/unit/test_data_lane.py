@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import threading
 import time
 from pathlib import Path
@@ -468,3 +469,22 @@ def test_a_vanished_file_is_named_in_the_error_frame(holder, tmp_path):
         client.close()
     wait_for(lambda: holder.host.damages == [(KEY, "7/small/f02")])
     wait_for(lambda: holder.host.pinned() == 0)
+
+
+def test_a_stall_mid_frame_fails_within_the_timeout_not_twice_it():
+    """Trial 46: part of a chunk arrived, then the holder stalled; the puller noticed
+    only after twice its receive timeout (the partial recv, then a full one more)."""
+    from tierfs.replication.lane import LaneFailed, _recv_exact
+
+    a, b = socket.socketpair()
+    with a, b:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 2, 0))
+        b.sendall(b"x" * 1000)  # part of a 4 MiB chunk, then nothing
+        t = time.monotonic()
+        with pytest.raises(LaneFailed, match="stalled for 2 s mid-frame"):
+            _recv_exact(a, 4 << 20)
+        took = time.monotonic() - t
+        assert took < 3.5, took  # one timeout (it was two, 4 s, before)
+        # the socket's timeout is the whole one again for the next frame
+        sec, _ = struct.unpack("ll", a.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))
+        assert sec == 2

@@ -66,8 +66,10 @@ STREAMS = 16
 HANDSHAKES = 64
 #: seconds a connection may take to send its ticket
 HANDSHAKE_TIMEOUT = 5.0
-#: seconds a send or receive may wait without progress before the stream fails
-IDLE_TIMEOUT = 60.0
+#: seconds one frame (a header, a chunk) may take to arrive, or a send to go out,
+#: before the stream fails (a dead peer is noticed as soon as gRPC's keepalive would:
+#: 20 s between pings and 10 s for the answer)
+IDLE_TIMEOUT = 30.0
 #: seconds a puller waits for the TCP connection
 CONNECT_TIMEOUT = 5.0
 #: the largest chunk a puller accepts (the holder sends :data:`CHUNK`-byte chunks)
@@ -435,21 +437,55 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     """Exactly ``n`` bytes from ``sock`` (one ``recv`` with ``MSG_WAITALL`` on a
     blocking socket, the usual case: no join).
 
+    On a socket with a kernel receive timeout (``SO_RCVTIMEO``, the puller's) the
+    whole frame must arrive within that timeout from the first ``recv``: a
+    stream that stalls after part of a frame fails then, not a timeout later
+    (trial 46: a stall mid-chunk took twice the timeout to notice).
+
     Raises:
-        LaneFailed: the peer closed first. OSError: the socket failed or timed out.
+        LaneFailed: the peer closed first, or the frame did not arrive in time.
+        OSError: the socket failed (or, on a socket with a Python timeout, timed out).
     """
+    start = time.monotonic()
     data = sock.recv(n, socket.MSG_WAITALL)
     if len(data) == n:
         return data
     parts = [data]
     got = len(data)
-    while got < n:
-        if not parts[-1]:
-            raise LaneFailed("the other end closed the data lane mid-frame")
-        more = sock.recv(n - got, socket.MSG_WAITALL)
-        parts.append(more)
-        got += len(more)
+    limit = _rcvtimeo(sock)
+    try:
+        while got < n:
+            if not parts[-1]:
+                raise LaneFailed("the other end closed the data lane mid-frame")
+            if limit:
+                left = limit - (time.monotonic() - start)
+                if left <= 0:
+                    raise LaneFailed(f"the data lane stalled for {limit:.0f} s mid-frame")
+                _set_rcvtimeo(sock, left)
+            try:
+                more = sock.recv(n - got, socket.MSG_WAITALL)
+            except BlockingIOError:  # SO_RCVTIMEO ran out with nothing more
+                raise LaneFailed(f"the data lane stalled for {limit:.0f} s mid-frame") from None
+            parts.append(more)
+            got += len(more)
+    finally:
+        if limit:
+            _set_rcvtimeo(sock, limit)
     return b"".join(parts)
+
+
+def _rcvtimeo(sock: socket.socket) -> float:
+    """``sock``'s kernel receive timeout in seconds (0: none)."""
+    if sock.gettimeout() is not None:
+        return 0.0  # Python's own timeout (the holder's sockets): it governs each call
+    sec, usec = struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))
+    return sec + usec / 1e6
+
+
+def _set_rcvtimeo(sock: socket.socket, seconds: float) -> None:
+    whole = int(seconds)
+    micro = max(int((seconds - whole) * 1e6), 1000 if not whole else 0)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, micro))
 
 
 __all__ = [
