@@ -70,6 +70,11 @@ HANDSHAKE_TIMEOUT = 5.0
 #: before the stream fails (a dead peer is noticed as soon as gRPC's keepalive would:
 #: 20 s between pings and 10 s for the answer)
 IDLE_TIMEOUT = 30.0
+#: seconds the holder's send may wait: a puller pauses a background pull while a
+#: reader's fetch waits (``hold``), and the stream then stalls, as a gRPC stream
+#: stalls under flow control; a puller that is gone is noticed at this timeout at
+#: the latest (its pin on the copy with it)
+SEND_TIMEOUT = 600.0
 #: seconds a puller waits for the TCP connection
 CONNECT_TIMEOUT = 5.0
 #: the largest chunk a puller accepts (the holder sends :data:`CHUNK`-byte chunks)
@@ -244,7 +249,7 @@ class LaneServer:
             if grant.expires <= time.monotonic():
                 _release(grant, "", 0)
                 return
-            conn.settimeout(IDLE_TIMEOUT)
+            conn.settimeout(SEND_TIMEOUT)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             damaged, sent = _send_files(conn, grant)
             with self._lock:
