@@ -488,3 +488,22 @@ def test_a_stall_mid_frame_fails_within_the_timeout_not_twice_it():
         # the socket's timeout is the whole one again for the next frame
         sec, _ = struct.unpack("ll", a.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))
         assert sec == 2
+
+
+def test_a_receiver_that_cannot_reach_the_sender_gets_a_push(holder, receiver):
+    """A one-way network (the receiver cannot reach the sender's address): Replicate
+    fails UNAVAILABLE; the sender pushes the replica instead, and keeps pushing to
+    that receiver for a while."""
+    address, host = receiver
+    sender = PeerClient(TOKEN, WireStats())
+    with socket.socket() as s:  # an address where nothing listens
+        s.bind(("127.0.0.1", 0))
+        sender.pull_from = f"127.0.0.1:{s.getsockname()[1]}"
+    try:
+        assert sender.push(address, holder.shard, RANK, False, threading.Event()).committed
+        assert sender._push_only[address] is not None  # for LANE_RETRY seconds
+        assert not sender._pulls_from_here(address)
+    finally:
+        sender.close()
+    [got] = host.adopted
+    assert Path(got.data, "7/big.bin").read_bytes() == BIG

@@ -92,8 +92,9 @@ class PeerClient:
         #: this node's peer address while its data lane serves: a replica is then
         #: handed over by its receiver pulling it from here (:meth:`push`)
         self.pull_from: str | None = None
-        #: receivers that answered Replicate with UNIMPLEMENTED (they get pushes)
-        self._push_only: set[str] = set()
+        #: receivers that get pushes: answered Replicate with UNIMPLEMENTED (None: for
+        #: good) or could not pull from here (when, monotonic seconds)
+        self._push_only: dict[str, float | None] = {}
         self._lock = threading.Lock()
 
     def channel(self, address: str) -> grpc.Channel:
@@ -154,15 +155,30 @@ class PeerClient:
                 RESOURCE_EXHAUSTED for a full RAM budget...) or is unreachable.
             OSError: the snapshot vanished while it was read.
         """
-        if not dedup and self.pull_from and address not in self._push_only:
+        if not dedup and self.pull_from and self._pulls_from_here(address):
             try:
                 return self._replicate(address, shard, sender_rank, cancel)
             except grpc.RpcError as exc:
-                if rpc_code(exc) != grpc.StatusCode.UNIMPLEMENTED:
+                code = rpc_code(exc)
+                if code == grpc.StatusCode.UNIMPLEMENTED:
+                    with self._lock:
+                        self._push_only[address] = None  # for good: it has no Replicate
+                    log.info("%s takes replicas by push only: %s", address, rpc_reason(exc))
+                elif code == grpc.StatusCode.UNAVAILABLE and (exc.details() or "").startswith(
+                    "pulling "
+                ):
+                    # it could not reach this node (a one-way network, another
+                    # --advertise): push to it, as before Replicate, for a while
+                    with self._lock:
+                        self._push_only[address] = time.monotonic()
+                    log.warning(
+                        "%s cannot pull replicas from here (%s); pushing to it for %.0f s",
+                        address,
+                        rpc_reason(exc),
+                        LANE_RETRY,
+                    )
+                else:
                     raise
-                with self._lock:
-                    self._push_only.add(address)
-                log.info("%s takes replicas by push only: %s", address, rpc_reason(exc))
         m = shard.manifest
         problem: list[BaseException] = []
 
@@ -523,6 +539,17 @@ class PeerClient:
         (log.debug if said else log.warning)(
             "%s; pulling over gRPC from %s for %.0f s", exc, address, LANE_RETRY
         )
+
+    def _pulls_from_here(self, address: str) -> bool:
+        """Whether the receiver at ``address`` is asked to pull replicas (Replicate)."""
+        with self._lock:
+            if address not in self._push_only:
+                return True
+            since = self._push_only[address]
+            if since is not None and time.monotonic() - since >= LANE_RETRY:
+                del self._push_only[address]
+                return True
+            return False
 
     def _lane_ok(self, address: str) -> bool:
         """Whether to ask ``address`` for its data lane (not unreachable lately)."""
