@@ -135,8 +135,11 @@ def test_a_file_pull_comes_over_the_lane_with_its_bytes_checked(holder, tmp_path
     finally:
         client.close()
     assert n == len(BIG) and (tmp_path / "big").read_bytes() == BIG
+    assert client.stats.snapshot()["lane_pulls"] == 1
     wait_for(lambda: holder.lane.served == 1)
     assert holder.lane.sent_bytes == len(BIG)
+    wait_for(lambda: holder.host.stats.snapshot()["lane_served"] == 1)
+    assert holder.host.stats.snapshot()["lane_served_bytes"] == len(BIG)
     wait_for(lambda: holder.host.pinned() == 0)
     assert holder.host.pins == [1, -1] and holder.host.damages == []
     assert holder.lane.outstanding() == 0

@@ -325,6 +325,7 @@ class PeerClient:
                     call = LaneStream(
                         address, first.manifest.lane_port, first.manifest.lane_ticket, files
                     )
+                    self.stats.add("lane_pulls")
                 except LaneFailed as exc:
                     self._lane_unreachable(address, exc)
                     rx.abort()
@@ -528,6 +529,7 @@ class PeerClient:
         except LaneFailed as exc:
             self._lane_unreachable(address, exc)
             return self._pull_paths(address, key, digest, paths, timeout, lane=False)
+        self.stats.add("lane_pulls")
         return stream, entries
 
     def _lane_unreachable(self, address: str, exc: LaneFailed) -> None:

@@ -505,6 +505,8 @@ class PeerServicer:
         def release(damaged: str, sent: int) -> None:
             if sent:
                 self.host.stats.add("pulls_served")
+                self.host.stats.add("lane_served")
+                self.host.stats.add("lane_served_bytes", sent)
             self._served(key, sent, damaged)
 
         return Grant(shard.data, files, crcs, release)

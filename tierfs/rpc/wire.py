@@ -208,6 +208,12 @@ class WireStats:
         "served_bytes",
         "pulls",
         "pulled_bytes",
+        # the data lane (docs/PROTOCOL.md "Data lane"): pulls whose bytes came over a
+        # holder's lane (file and part pulls, replicas pulled for a Replicate), and
+        # the lane streams this node served with their bytes
+        "lane_pulls",
+        "lane_served",
+        "lane_served_bytes",
         "corrupt_copies",
         "refused",
         # heartbeats (issue #17 item 2): this node's own, and the batches it sent as
