@@ -32,8 +32,11 @@ def test_families_from_a_status_snapshot():
         "errors": ["e1"],
         "restore": {"state": "done", "step": 5},
         "passthrough": True,
+        "tiers": {"peer": {"wire": {"lane_served_bytes": 4096, "lane_pulls": 2}}},
     }
     v = sample_values(families(status))
+    assert v[("tierfs_peer_bytes_total", (("counter", "lane_served"),))] == 4096
+    assert v[("tierfs_peer_calls_total", (("counter", "lane_pulls"),))] == 2
     assert v[("tierfs_ram_bytes", (("kind", "used"),))] == 40
     assert v[("tierfs_steps", (("state", "replicated"),))] == 1
     assert v[("tierfs_steps", (("state", "writing"),))] == 1

@@ -68,7 +68,38 @@ def families(status: dict[str, Any]) -> list[Any]:
     restored.add_metric([], float(restore.get("step") or 0))
     up = GaugeMetricFamily("tierfs_passthrough", "1 if FUSE passthrough serves file data")
     up.add_metric([], 1.0 if status.get("passthrough") else 0.0)
-    return [ram, info, by_state, newest, held, errors, restored, up, *_whole_view(status)]
+    return [
+        ram,
+        info,
+        by_state,
+        newest,
+        held,
+        errors,
+        restored,
+        up,
+        *_whole_view(status),
+        *_peer_wire(status),
+    ]
+
+
+def _peer_wire(status: dict[str, Any]) -> list[Any]:
+    """The peer plane's counters (``tiers.peer.wire``): bytes and calls, one sample
+    per counter (``tierfs_peer_bytes`` for the ``*_bytes`` ones, in bytes)."""
+    wire = ((status.get("tiers") or {}).get("peer") or {}).get("wire") or {}
+    nbytes = CounterMetricFamily(
+        "tierfs_peer_bytes",
+        "Bytes moved by the peer plane (sent, received, pulled, served; over the data lane)",
+        labels=["counter"],
+    )
+    calls = CounterMetricFamily(
+        "tierfs_peer_calls", "Calls and events of the peer plane", labels=["counter"]
+    )
+    for name, n in sorted(wire.items()):
+        if name.endswith("_bytes"):
+            nbytes.add_metric([name.removesuffix("_bytes")], float(n))
+        else:
+            calls.add_metric([name], float(n))
+    return [nbytes, calls]
 
 
 def _whole_view(status: dict[str, Any]) -> list[Any]:
