@@ -1982,3 +1982,37 @@ def test_a_load_right_after_a_save_waits_for_rank_0s_metadata(tmp_path):
         assert rv3.expected(b"10/.metadata") is None
 
     trio.run(coordinator_rank)
+
+
+def test_a_fetch_given_up_for_room_keeps_the_bytes_an_open_handle_reads(tmp_path):
+    """Regression (#14 trial 46): a fetch given up for lack of room punched its file
+    (emptied, then made a hole of its size again) while a reader that opened it
+    during the fetch read its verified bytes: a read of a 256 MiB file ended at 160
+    MiB with no error. A file a handle holds open is not punched; otherwise nothing
+    counts as verified while the punch runs, so an open meanwhile waits."""
+    from tierfs.node import remote_view as rv_mod
+
+    rv, ram, *_rest, own, _job = view_of(tmp_path, dict(PARTS), [Source("peer", BYTES, ["p"])])
+    path = Path(ram.view) / "10" / "__0_0.distcp"
+    files = OpenFiles()
+
+    async def main() -> None:
+        await rv.look(own)
+        rv.attach(files)  # type: ignore[arg-type]
+        rf = rv._by_ino[path.stat().st_ino]
+
+        def fetching_with_bytes() -> None:  # as a fetch leaves it: all verified
+            rf.state, rf.done, rf.verified = rv_mod.FETCHING, trio.Event(), rf.size
+            with open(path, "r+b") as f:
+                f.write(C)
+
+        fetching_with_bytes()
+        files.open.add(rf.ino)  # a reader opened it during the fetch
+        await rv._punch_fetching(rf)
+        assert path.read_bytes() == C and rf.verified == rf.size  # left alone
+        files.open.clear()
+        await rv._punch_fetching(rf)
+        assert rf.verified == 0 and path.stat().st_size == len(C)
+        assert path.read_bytes() == bytes(len(C))  # the bytes are out
+
+    trio.run(main)

@@ -2255,13 +2255,28 @@ class RemoteView:
             await self._fetch_task(f, batch=False, urgent=urgent)
 
     async def _punch_fetching(self, rf: RemoteFile) -> None:
-        """Punch out whatever a fetch of ``rf`` (still FETCHING) left in it."""
+        """Punch out whatever a fetch of ``rf`` (still FETCHING) left in it; not while a
+        handle holds it open (a reader of its verified bytes: its next read waits for
+        the next fetch, which writes them again).
+
+        Regression (#14 trial 46): the punch empties the file for a moment
+        (:meth:`_punch`), and a reader that opened the file during its fetch read
+        its verified bytes meanwhile: a read of a 256 MiB file ended at 160 MiB
+        without an error. Nothing counts as verified while the punch runs."""
+        if self._held_open(rf):
+            return
+        rf.verified = 0  # an open meanwhile waits (FETCHING, nothing verified)
         with contextlib.suppress(OSError):
             fd = self._open_rw(rf)
             try:
                 await trio.to_thread.run_sync(self._punch, fd, rf.size)
             finally:
                 os.close(fd)
+
+    def _held_open(self, rf: RemoteFile) -> bool:
+        """Whether a handle of this node's clients holds ``rf`` open."""
+        inode = self.ns.inodes.by_ino(rf.ino) if self.ns is not None else None
+        return inode is not None and bool(inode.handles)
 
     def _landed(
         self,
@@ -2530,8 +2545,7 @@ class RemoteView:
                 # while the node saved in a loop, files fetched for waiting readers
                 # were dropped 4 times over before the opens ran, which got ENOSPC)
                 continue
-            inode = self.ns.inodes.by_ino(rf.ino) if self.ns is not None else None
-            if inode is not None and inode.handles:
+            if self._held_open(rf):
                 continue  # open: a reader's passthrough file must keep its bytes
             try:
                 fd = self._open_rw(rf)
