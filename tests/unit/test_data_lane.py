@@ -510,3 +510,28 @@ def test_a_receiver_that_cannot_reach_the_sender_gets_a_push(holder, receiver):
         sender.close()
     [got] = host.adopted
     assert Path(got.data, "7/big.bin").read_bytes() == BIG
+
+
+def test_a_lane_flooded_with_idle_connections_serves_over_grpc(tmp_path, monkeypatch, caplog):
+    """Trial 46: idle connections without a ticket filled the lane's handshake slots;
+    the real puller's connection was closed at once, which it took for a broken
+    stream (the pull failed, and replication from that node for as long as the
+    flood lasted). A lane that sends no first frame is now taken as unreachable:
+    the bytes come over gRPC."""
+    monkeypatch.setattr(lane_mod, "HANDSHAKES", 2)
+    lane = LaneServer("127.0.0.1")
+    lane.start()
+    h = Holder(tmp_path, lane)
+    idle = [socket.create_connection(("127.0.0.1", lane.port)) for _ in range(2)]
+    client = PeerClient(TOKEN, WireStats())
+    try:
+        wait_for(lambda: lane._handshakes._value == 0)  # both slots taken
+        with caplog.at_level("WARNING", logger="tierfs.replication.client"):
+            assert pull_one(client, h, "7/big.bin", tmp_path / "big") == len(BIG)
+        assert (tmp_path / "big").read_bytes() == BIG and lane.served == 0
+        assert any("served nothing" in r.getMessage() for r in caplog.records)
+    finally:
+        client.close()
+        for s in idle:
+            s.close()
+        h.stop()

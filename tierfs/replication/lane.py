@@ -364,7 +364,8 @@ class LaneStream:
 
     Raises:
         LaneFailed: (from the constructor) the lane cannot be reached in
-            :data:`CONNECT_TIMEOUT` seconds, or (while iterating) the stream broke,
+            :data:`CONNECT_TIMEOUT` seconds or sends no first frame (the holder
+            closed at once), or (while iterating) the stream broke,
             sent an error frame, stalled for :data:`IDLE_TIMEOUT` seconds or
             broke the protocol.
     """
@@ -383,9 +384,13 @@ class LaneStream:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
             sock.sendall(MAGIC + ticket)
-        except OSError as exc:
+            # the first frame's header: a holder that closes before it (its
+            # handshake slots taken by a flood, the ticket expired) did not serve
+            # this stream, and the caller takes the bytes over gRPC (trial 46)
+            self._first: bytes | None = _recv_exact(sock, HEADER.size)
+        except (OSError, LaneFailed) as exc:
             sock.close()
-            raise LaneFailed(f"data lane {host}:{port}: {exc}") from exc
+            raise LaneFailed(f"data lane {host}:{port} served nothing: {exc}") from exc
         self.sock = sock
         self.where = f"{host}:{port}"
         self.ended = False
@@ -393,7 +398,8 @@ class LaneStream:
     def __iter__(self) -> Iterator[Chunk]:
         try:
             while True:
-                kind, index, offset, n, crc = HEADER.unpack(_recv_exact(self.sock, HEADER.size))
+                head, self._first = self._first or _recv_exact(self.sock, HEADER.size), None
+                kind, index, offset, n, crc = HEADER.unpack(head)
                 if kind == CHUNK_FRAME:
                     if index >= len(self.paths) or not 0 < n <= MAX_CHUNK:
                         raise LaneFailed(f"data lane {self.where}: a frame out of protocol")
