@@ -92,9 +92,10 @@ class PeerClient:
         #: this node's peer address while its data lane serves: a replica is then
         #: handed over by its receiver pulling it from here (:meth:`push`)
         self.pull_from: str | None = None
-        #: receivers that get pushes: answered Replicate with UNIMPLEMENTED (None: for
-        #: good) or could not pull from here (when, monotonic seconds)
-        self._push_only: dict[str, float | None] = {}
+        #: receivers that get pushes for :data:`LANE_RETRY` seconds, and since when
+        #: (monotonic s): they answered Replicate with UNIMPLEMENTED or could not pull
+        #: from here
+        self._push_only: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def channel(self, address: str) -> grpc.Channel:
@@ -161,8 +162,10 @@ class PeerClient:
             except grpc.RpcError as exc:
                 code = rpc_code(exc)
                 if code == grpc.StatusCode.UNIMPLEMENTED:
+                    # an older daemon, or one without a lane: asked again after a while
+                    # (it may restart with one; trial 46)
                     with self._lock:
-                        self._push_only[address] = None  # for good: it has no Replicate
+                        self._push_only[address] = time.monotonic()
                     log.info("%s takes replicas by push only: %s", address, rpc_reason(exc))
                 elif code == grpc.StatusCode.UNAVAILABLE and (exc.details() or "").startswith(
                     "pulling "
@@ -547,8 +550,7 @@ class PeerClient:
         with self._lock:
             if address not in self._push_only:
                 return True
-            since = self._push_only[address]
-            if since is not None and time.monotonic() - since >= LANE_RETRY:
+            if time.monotonic() - self._push_only[address] >= LANE_RETRY:
                 del self._push_only[address]
                 return True
             return False

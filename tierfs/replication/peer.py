@@ -635,10 +635,10 @@ class PeerTier:
         try:
             port = lane.start()
         except OSError as exc:
-            log.error(
-                "data lane on port %d: %s; serving file pulls over gRPC only",
-                self.data_port,
-                exc.strerror or exc,
+            # a config problem the user must see (trial 46: only a log line said it)
+            self.reporter.error(
+                f"data lane on port {self.data_port}: {exc.strerror or exc}; other nodes "
+                "pull this node's bytes over gRPC only (slower; see --data-port)"
             )
             return None
         log.info("data lane on port %d", port)
