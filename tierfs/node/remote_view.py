@@ -2352,10 +2352,21 @@ class RemoteView:
 
     async def _fetch(self, rf: RemoteFile) -> None:
         job = self.current.job
-        if self.room is not None and not await self.room.fetching(rf.size) and not rf.urgent:
-            # a background fetch (prefetch, read-ahead) would eat into the room kept
-            # for this node's saves: not now, no error (a reader's open fetches it)
-            raise OSError(errno.ENOSPC, f"no room for {rf.path} beside this node's own saves")
+        if self.room is not None and not await self.room.fetching(rf.size):
+            if not rf.urgent:
+                # a background fetch (prefetch, read-ahead) would eat into the room kept
+                # for this node's saves: not now, no error (a reader's open fetches it)
+                raise OSError(errno.ENOSPC, f"no room for {rf.path} beside this node's own saves")
+            if self.room.saving():
+                # a reader's fetch, while this node saves: the save keeps its room and
+                # the reader gets ENOSPC, with a line (#14 trial 46 FAIL 6: readers of
+                # the previous step took the room of the save under way, which failed)
+                why = (
+                    "it does not fit in the RAM budget beside the save this node is "
+                    "writing (read it again once the save is done)"
+                )
+                self._failed(rf, why)
+                raise OSError(errno.ENOSPC, why)
         fd = self._open_rw(rf)
         self._inflight.add(rf)
         made_room = False
