@@ -13,7 +13,7 @@ import trio
 from test_remote_view import BYTES, PARTS, Source, has_data, view_of
 
 from tierfs.node import remote_view as rv_mod
-from tierfs.node.cache_room import SAVING_HOLD, CacheRoom, reserve_bytes, shortfall
+from tierfs.node.cache_room import CacheRoom, reserve_bytes, shortfall
 
 MiB = 1 << 20
 
@@ -357,27 +357,48 @@ def test_a_file_a_readers_open_waits_for_is_not_dropped_before_the_open_runs(tmp
     trio.run(main)
 
 
+class Writers:
+    """The namespace's port as far as the view uses it: ``writing`` handles open for
+    writing, no inode held open."""
+
+    def __init__(self) -> None:
+        self.writing = 0
+        self.inodes = self
+
+    def by_ino(self, ino: int) -> None:
+        return None
+
+    def handles_open_for_write(self) -> int:
+        return self.writing
+
+    def notify_changed(self, path: str) -> None:
+        pass
+
+
 def test_a_readers_fetch_while_this_node_saves_gives_way_to_the_save(tmp_path):
     """#14 trial 46 FAIL 6: a budgeted node's readers fetched other ranks' files of the
     previous step while the node saved the next one; the reads took the room and
     the save got ENOSPC (2 of 9 steps). While the node saves, a reader's fetch that
     would eat into the reserve gets ENOSPC (a line says why); once the save is
-    over (SAVING_HOLD later), the same open fetches it."""
+    over (its files closed), the same open fetches it."""
     rv, ram, *_rest, own, job = view_of(tmp_path, PARTS, [Source("peer", BYTES, ["peer 0"])])
     meta = Path(ram.view) / "10" / ".metadata"
     room = Room(8 * len(BYTES["10/.metadata"]), free=0)
-    now = [0.0]
-    rv.room = CacheRoom(room, lambda: 0, rv.holds_fetched, rv.make_room, clock=lambda: now[0])
+    rv.room = CacheRoom(room, lambda: 0, rv.holds_fetched, rv.make_room)
+
+    ns = Writers()
 
     async def main() -> None:
         await rv.look(own)
+        rv.attach(ns)  # type: ignore[arg-type]
         rf = rv._by_ino[meta.stat().st_ino]
         rv.room.own_write()  # this node's client writes its next step
+        ns.writing = 1
         with pytest.raises(OSError) as exc:
             await rv.missing(meta.stat().st_ino)()  # a reader's open
         assert exc.value.errno == errno.ENOSPC
         assert rf.state == rv_mod.REMOTE and not has_data(meta)
-        now[0] += SAVING_HOLD + 1  # the save is over
+        ns.writing = 0  # the save's files are closed (its seal follows)
         await rv.missing(meta.stat().st_ino)()
         assert rf.state == rv_mod.LOCAL
 

@@ -2273,6 +2273,10 @@ class RemoteView:
             finally:
                 os.close(fd)
 
+    def _writing(self) -> bool:
+        """Whether a client of this node holds a file open for writing (trio thread)."""
+        return self.ns is not None and self.ns.handles_open_for_write() > 0
+
     def _held_open(self, rf: RemoteFile) -> bool:
         """Whether a handle of this node's clients holds ``rf`` open."""
         inode = self.ns.inodes.by_ino(rf.ino) if self.ns is not None else None
@@ -2357,10 +2361,12 @@ class RemoteView:
                 # a background fetch (prefetch, read-ahead) would eat into the room kept
                 # for this node's saves: not now, no error (a reader's open fetches it)
                 raise OSError(errno.ENOSPC, f"no room for {rf.path} beside this node's own saves")
-            if self.room.saving():
-                # a reader's fetch, while this node saves: the save keeps its room and
-                # the reader gets ENOSPC, with a line (#14 trial 46 FAIL 6: readers of
-                # the previous step took the room of the save under way, which failed)
+            if self.room.saving() and self._writing():
+                # a reader's fetch while this node's client writes its save: the save
+                # keeps its room and the reader gets ENOSPC, with a line (#14 trial 46
+                # FAIL 6: readers of the previous step took the room of the save under
+                # way, which failed). Once its files are closed (a load right after a
+                # save, #16 D2's flow) the reader's fetch goes ahead.
                 why = (
                     "it does not fit in the RAM budget beside the save this node is "
                     "writing (read it again once the save is done)"
