@@ -375,17 +375,18 @@ class Writers:
         pass
 
 
-def test_a_readers_fetch_while_this_node_saves_gives_way_to_the_save(tmp_path):
+def test_a_readers_fetch_while_this_node_saves_waits_for_the_save(tmp_path):
     """#14 trial 46 FAIL 6: a budgeted node's readers fetched other ranks' files of the
     previous step while the node saved the next one; the reads took the room and
-    the save got ENOSPC (2 of 9 steps). While the node saves, a reader's fetch that
-    would eat into the reserve gets ENOSPC (a line says why); once the save is
-    over (its files closed), the same open fetches it."""
+    the save got ENOSPC (2 of 9 steps). A reader's fetch that would eat into the
+    room kept for saves now waits while a file of this node is open for writing or
+    was created or changed less than SAVE_QUIET ago, then goes ahead; after
+    SAVE_WAIT it gets ENOSPC with a line. (Refusing it at once failed whole steps of
+    reads, and a load right after a save.)"""
     rv, ram, *_rest, own, job = view_of(tmp_path, PARTS, [Source("peer", BYTES, ["peer 0"])])
     meta = Path(ram.view) / "10" / ".metadata"
     room = Room(8 * len(BYTES["10/.metadata"]), free=0)
-    rv.room = CacheRoom(room, lambda: 0, rv.holds_fetched, rv.make_room)
-
+    rv.room = CacheRoom(room, lambda: 0, rv.holds_fetched, rv.make_room, clock=trio.current_time)
     ns = Writers()
 
     async def main() -> None:
@@ -394,14 +395,26 @@ def test_a_readers_fetch_while_this_node_saves_gives_way_to_the_save(tmp_path):
         rf = rv._by_ino[meta.stat().st_ino]
         rv.room.own_write()  # this node's client writes its next step
         ns.writing = 1
-        with pytest.raises(OSError) as exc:
-            await rv.missing(meta.stat().st_ino)()  # a reader's open
-        assert exc.value.errno == errno.ENOSPC
-        assert rf.state == rv_mod.REMOTE and not has_data(meta)
-        ns.writing = 0  # the save's files are closed (its seal follows)
-        await rv.missing(meta.stat().st_ino)()
-        assert rf.state == rv_mod.LOCAL
+        done = trio.Event()
 
-    trio.run(main)
-    assert meta.read_bytes() == BYTES["10/.metadata"]
-    assert any("beside the save" in e for e in job.errors), job.errors
+        async def reader() -> None:
+            await rv.missing(meta.stat().st_ino)()
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await trio.sleep(rv_mod.SAVE_WAIT / 2)
+            assert not done.is_set() and rf.state == rv_mod.FETCHING and not has_data(meta)
+            ns.writing = 0  # the save's files are closed: the reader goes ahead
+            await done.wait()
+        assert rf.state == rv_mod.LOCAL and trio.current_time() >= rv_mod.SAVE_WAIT / 2
+
+        # a save that goes on and on: the reader gets ENOSPC, with a line
+        await rv.drop(10)
+        ns.writing = 1
+        with pytest.raises(OSError) as exc:
+            await rv.missing(meta.stat().st_ino)()
+        assert exc.value.errno == errno.ENOSPC
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert any("saves this node has been writing for 30 s" in e for e in job.errors), job.errors

@@ -125,6 +125,7 @@ class CacheRoom:
         self.clock = clock
         self._poked = trio.Event()
         self._saving_until = -math.inf
+        self._last_write = -math.inf
         #: (free, budget) bytes at the last look; when a create waited for drops last
         self._seen: tuple[int, int] | None = None
         self._kept_at = -math.inf
@@ -149,8 +150,14 @@ class CacheRoom:
     def own_write(self) -> None:
         """A client of this node created or changed a file (trio thread): the cache
         keeps the larger reserve now and for :data:`SAVING_HOLD` seconds."""
-        self._saving_until = self.clock() + SAVING_HOLD
+        self._last_write = self.clock()
+        self._saving_until = self._last_write + SAVING_HOLD
         self._poked.set()
+
+    def wrote_within(self, seconds: float) -> bool:
+        """Whether a client of this node created or changed a file in the last
+        ``seconds`` seconds."""
+        return self.clock() - self._last_write < seconds
 
     def _measure(self) -> tuple[int, int]:
         """(free bytes, budget bytes) of the store (blocking: statvfs)."""

@@ -133,6 +133,12 @@ EXPECT_POLL = 0.25
 DCP_METADATA = ".metadata"
 #: bytes read per call when checking fetched bytes
 READ_CHUNK = 1 << 20
+#: seconds after this node's last create or change that a save counts as under way
+#: (the gap between the files of one save): a reader's fetch that does not fit beside
+#: the room kept for saves waits that long after it
+SAVE_QUIET = 1.0
+#: seconds such a reader's fetch waits for the save under way at most (then ENOSPC)
+SAVE_WAIT = 30.0
 #: times a waiter fetches again a file dropped (to make room) before it woke, then ENOSPC
 FETCH_AGAIN = 3
 #: a remote file of at most this many bytes is fetched together with the next remote
@@ -2273,9 +2279,32 @@ class RemoteView:
             finally:
                 os.close(fd)
 
-    def _writing(self) -> bool:
-        """Whether a client of this node holds a file open for writing (trio thread)."""
+    def _save_under_way(self) -> bool:
+        """Whether a client of this node writes a save now: a file of it is open for
+        writing, or it created or changed one in the last :data:`SAVE_QUIET` seconds
+        (between the files of a save). Trio thread."""
+        if self.room is not None and self.room.wrote_within(SAVE_QUIET):
+            return True
         return self.ns is not None and self.ns.handles_open_for_write() > 0
+
+    async def _after_save(self, rf: RemoteFile) -> None:
+        """Wait (polling every 0.1 s) until no save of this node is under way, for
+        :data:`SAVE_WAIT` seconds at most.
+
+        Raises:
+            OSError: ENOSPC (with a line in ``replicator.errors``) when the node was
+                still saving after :data:`SAVE_WAIT` seconds.
+        """
+        with trio.move_on_after(SAVE_WAIT):
+            while self._save_under_way():
+                await trio.sleep(0.1)
+            return
+        why = (
+            f"it does not fit in the RAM budget beside the saves this node has been "
+            f"writing for {SAVE_WAIT:.0f} s (read it again once they are done)"
+        )
+        self._failed(rf, why)
+        raise OSError(errno.ENOSPC, why)
 
     def _held_open(self, rf: RemoteFile) -> bool:
         """Whether a handle of this node's clients holds ``rf`` open."""
@@ -2361,18 +2390,14 @@ class RemoteView:
                 # a background fetch (prefetch, read-ahead) would eat into the room kept
                 # for this node's saves: not now, no error (a reader's open fetches it)
                 raise OSError(errno.ENOSPC, f"no room for {rf.path} beside this node's own saves")
-            if self.room.saving() and self._writing():
-                # a reader's fetch while this node's client writes its save: the save
-                # keeps its room and the reader gets ENOSPC, with a line (#14 trial 46
+            if self._save_under_way():
+                # a reader's fetch while this node's client writes a save: the reader
+                # waits until the save's files are written, then fetches (#14 trial 46
                 # FAIL 6: readers of the previous step took the room of the save under
-                # way, which failed). Once its files are closed (a load right after a
-                # save, #16 D2's flow) the reader's fetch goes ahead.
-                why = (
-                    "it does not fit in the RAM budget beside the save this node is "
-                    "writing (read it again once the save is done)"
-                )
-                self._failed(rf, why)
-                raise OSError(errno.ENOSPC, why)
+                # way, which failed; refusing them instead failed whole steps of reads
+                # and a load right after a save)
+                await self._after_save(rf)
+                await self.room.fetching(rf.size)  # what room can be made now
         fd = self._open_rw(rf)
         self._inflight.add(rf)
         made_room = False
