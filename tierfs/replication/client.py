@@ -345,6 +345,8 @@ class PeerClient:
                 rx.chunk(c.path, c.offset, c.data, c.crc32c)
                 self.stats.add("pulled_bytes", len(c.data))
             c = None
+            if isinstance(call, LaneStream):
+                call.cancel()  # every frame read: the holder's stream ends now
             rx.finish()
             if before_commit is not None:
                 before_commit(manifest)
