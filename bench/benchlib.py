@@ -141,6 +141,7 @@ def two_nodes(prefix: str, *extra: str) -> Iterator[TwoNodes]:
         for m in mounts:
             unmount(m)
         for ram in rams:
-            shutil.rmtree(ram, ignore_errors=True)
+            shutil.rmtree(ram, ignore_errors=True)  # its files (a --size tmpfs: its content)
             subprocess.run(["umount", str(ram)], check=False, capture_output=True)
+            shutil.rmtree(ram, ignore_errors=True)  # the emptied mount point
         shutil.rmtree(work, ignore_errors=True)
