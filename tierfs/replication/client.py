@@ -218,14 +218,7 @@ class PeerClient:
             response_deserializer=peer_pb2.PushReply.FromString,
         )
         fut = push.future(messages(), metadata=self.md)
-        while True:
-            try:
-                reply = fut.result(timeout=0.25)
-                break
-            except grpc.FutureTimeoutError:
-                if cancel.is_set():
-                    fut.cancel()
-                    raise Cancelled("transfer cancelled") from None
+        reply = _result_unless_cancelled(fut, cancel)
         if problem:
             raise problem[0]
         self.stats.add("pushes_sent")
@@ -251,14 +244,7 @@ class PeerClient:
             pull_from=self.pull_from,
         )
         fut = self.peer(address).Replicate.future(req, metadata=self.md)
-        while True:
-            try:
-                reply = fut.result(timeout=0.25)
-                break
-            except grpc.FutureTimeoutError:
-                if cancel.is_set():
-                    fut.cancel()
-                    raise Cancelled("transfer cancelled") from None
+        reply = _result_unless_cancelled(fut, cancel)
         self.stats.add("pushes_sent")
         self.stats.add("sent_bytes", m.total_bytes)
         return reply
@@ -874,6 +860,22 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
+
+
+def _result_unless_cancelled(fut: Any, cancel: threading.Event) -> Any:
+    """The result of the gRPC future ``fut``, looking at ``cancel`` every 0.25 s.
+
+    Raises:
+        Cancelled: ``cancel`` was set (the call is cancelled). grpc.RpcError: as the
+            call failed.
+    """
+    while True:
+        try:
+            return fut.result(timeout=0.25)
+        except grpc.FutureTimeoutError:
+            if cancel.is_set():
+                fut.cancel()
+                raise Cancelled("transfer cancelled") from None
 
 
 def _chunk_at(offset: int) -> str:
