@@ -401,7 +401,12 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
 
     # fetched files never take the room this node's next save needs (#14 trial 43b)
     remote.room = CacheRoom(
-        budget, own_part, remote.holds_fetched, remote.make_room, incoming=remote.incoming_bytes
+        budget,
+        own_part,
+        remote.holds_fetched,
+        remote.make_room,
+        incoming=remote.incoming_bytes,
+        under_way=remote.save_under_way,
     )
     background.append(remote.room.run)
     background.append(verifier.run)  # copies a peer's pull found damaged (FAIL 13)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from test_remote_view import BYTES, PARTS, Source, has_data, view_of
+from test_remote_view import BYTES, PARTS, Checked, Source, has_data, view_of
 
 from tierfs.node import remote_view as rv_mod
 from tierfs.node.cache_room import CacheRoom, reserve_bytes, shortfall
@@ -418,3 +418,94 @@ def test_a_readers_fetch_while_this_node_saves_waits_for_the_save(tmp_path):
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert any("saves this node has been writing for 30 s" in e for e in job.errors), job.errors
+
+
+def test_fetches_under_way_pause_while_this_node_saves_and_the_reserve_is_short():
+    """#14 trial 46 FAIL 6: fetches begun just before the save went on writing and took
+    its room. While a save is under way and the reserve is short beside what the
+    fetches will still write (after the drops), they pause; not otherwise."""
+    room = Room(800, free=300)
+    cache = Cache(room, [50])
+    saving = {"on": False}
+    incoming = {"n": 250}
+    keeper = CacheRoom(
+        room,
+        lambda: 0,
+        cache.any,
+        cache.drop,
+        incoming=lambda: incoming["n"],
+        under_way=lambda: saving["on"],
+    )
+    trio.run(keeper.fetching, 0)
+    assert keeper.hold_fetches is False  # short (100 kept + 250 > 350), but no save
+    saving["on"] = True
+    keeper.own_write()  # the reserve is half the budget now: 400 + 250 > 350
+    trio.run(keeper.fetching, 0)
+    assert keeper.hold_fetches is True and cache.sizes == []
+    incoming["n"] = 0
+    room.free_bytes = 400
+    trio.run(keeper.fetching, 0)
+    assert keeper.hold_fetches is False  # the fetches ended: the reserve is free
+    incoming["n"] = 250
+    trio.run(keeper.fetching, 0)
+    assert keeper.hold_fetches is True
+    saving["on"] = False  # the save's files are closed
+    trio.run(keeper.fetching, 0)
+    assert keeper.hold_fetches is False
+
+
+def test_a_readers_fetch_under_way_pauses_for_this_nodes_save_and_goes_on_after(tmp_path):
+    """#14 trial 46 FAIL 6, 1 save in 10 after the readers' wait: three readers' fetches
+    of 256 MiB files began half a second before this node's save and went on writing
+    while it wrote; the save got ENOSPC. A fetch under way now pauses between chunks
+    while the save needs the room, and goes on once the save is done; after
+    SAVE_WAIT of pausing it goes on anyway (a client copying another rank's file
+    into its own would otherwise wait for itself)."""
+    peer = Checked("peer", BYTES, ["peer node-rank 0"])
+    rv, ram, *_rest, own, job = view_of(tmp_path, PARTS, [peer])
+    meta = Path(ram.view) / "10" / ".metadata"
+    size = len(BYTES["10/.metadata"])
+    room = Room(8 * size, free=0)
+    rv.room = CacheRoom(
+        room,
+        lambda: 0,
+        rv.holds_fetched,
+        rv.make_room,
+        incoming=rv.incoming_bytes,
+        under_way=rv.save_under_way,
+        clock=trio.current_time,
+    )
+    ns = Writers()
+    peer.gates["10/.metadata"] = trio.Event()
+
+    async def main() -> None:
+        await rv.look(own)
+        rv.attach(ns)  # type: ignore[arg-type]
+        async with trio.open_nursery() as nursery:
+            room.free_bytes = 8 * size  # the reader's fetch finds room
+            nursery.start_soon(rv.missing(meta.stat().st_ino))
+            while "10/.metadata" not in peer.pauses:  # the fetch is at its source
+                await trio.sleep(0.01)
+            pause = peer.pauses["10/.metadata"]
+            assert rv.incoming_bytes() == size
+            assert await rv.room.fetching(0) and pause() is False  # no save: goes on
+            ns.writing = 1  # this node's client creates a file of its save
+            rv.room.own_write()
+            room.free_bytes = 4 * size  # half the budget kept, and the fetch: short
+            await rv.room.fetching(0)
+            assert rv.room.hold_fetches is True and pause() is True
+            ns.writing = 0  # the save's files are closed
+            await trio.sleep(rv_mod.SAVE_QUIET + 0.1)  # (not the float sum at the edge)
+            await rv.room.fetching(0)
+            assert rv.room.hold_fetches is False and pause() is False
+            ns.writing = 1  # the next save: paused again, SAVE_WAIT at most
+            rv.room.own_write()
+            await rv.room.fetching(0)
+            assert pause() is True
+            await trio.sleep(rv_mod.SAVE_WAIT + 0.1)
+            assert rv.room.hold_fetches is True and pause() is False
+            peer.gates["10/.metadata"].set()
+        assert rv.steps[10].files["10/.metadata"].state == rv_mod.LOCAL
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert meta.read_bytes() == BYTES["10/.metadata"] and job.errors == []

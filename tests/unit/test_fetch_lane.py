@@ -127,3 +127,37 @@ def test_a_paused_transfer_goes_on_while_an_urgent_fetch_waits_for_its_slot():
         assert lane.urgent_waiting() is False and hold() is True
 
     trio.run(main)
+
+
+def test_a_pause_for_this_nodes_save_holds_even_while_an_urgent_fetch_waits():
+    """#14 trial 46 FAIL 6: the pause for this node's save (``fetch_pause``) holds every
+    transfer, a reader's too; an urgent fetch waiting for a slot does not lift it
+    (that fetch would pause as well once it had the slot)."""
+    from tierfs.core.priority import fetch_pause
+    from tierfs.replication.files import PeerFiles
+
+    async def main() -> None:
+        lane = PriorityLane(1)
+        files = PeerFiles.__new__(PeerFiles)
+        files.lane = lane
+        saving = {"on": False}
+        fetch_pause.set(lambda: saving["on"])
+        hold = files._hold()  # a reader's fetch: fetch_hold is never
+        assert hold() is False
+        saving["on"] = True
+        assert hold() is True
+
+        async def reader() -> None:
+            fetch_urgent.set(lambda: True)
+            async with lane.slot():
+                pass
+
+        async with trio.open_nursery() as nursery, lane.slot():
+            nursery.start_soon(reader)
+            await trio.testing.wait_all_tasks_blocked()
+            assert lane.urgent_waiting() is True
+            assert hold() is True  # still paused for the save
+            saving["on"] = False
+            assert hold() is False
+
+    trio.run(main)

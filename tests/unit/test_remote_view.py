@@ -23,7 +23,7 @@ import trio.testing
 
 from tierfs.core.control import JobSpec
 from tierfs.core.errors import FetchFailed
-from tierfs.core.priority import fetch_hold, fetch_urgent
+from tierfs.core.priority import fetch_hold, fetch_pause, fetch_urgent
 from tierfs.fuse.inodes import ROOT_ID
 from tierfs.fuse.namespace import Namespace
 from tierfs.fuse.remote import Deferred
@@ -1166,6 +1166,7 @@ class Checked(Source):
         self.urgent: list[tuple[str, bool]] = []
         self.gates: dict[str, trio.Event] = {}
         self.holds: dict[str, Callable[[], bool]] = {}
+        self.pauses: dict[str, Callable[[], bool]] = {}
 
     async def fetch_file(
         self, job, rank, step, digest, path, fd, *, skip=frozenset(), writers=0, expect=None
@@ -1173,6 +1174,7 @@ class Checked(Source):
         self.expects.append(expect)
         self.urgent.append((path, fetch_urgent.get()()))
         self.holds[path] = fetch_hold.get()
+        self.pauses[path] = fetch_pause.get()
         gate = self.gates.get(path)
         if gate is not None:
             await gate.wait()

@@ -35,8 +35,13 @@ of the node's own parts or replicas is ever dropped here.
 
 The kernel writes the node's own files without the daemon (passthrough), so
 the room is made at the create of a file and within ``interval`` of its
-writes: a save that writes faster than the cache is dropped, beside files
-readers hold open or fetches they wait for, can still meet ENOSPC.
+writes. Fetches under way cannot be dropped: while a save of this node is under
+way (``under_way``) and the reserve is short beside what they will still write,
+:attr:`CacheRoom.hold_fetches` is set and every fetch from a peer pauses
+between chunks, a reader's too; a bucket's download does not (#14 trial 46
+FAIL 6: reads of the previous step begun just before the save took its
+room). A save still meets ENOSPC when the files readers hold open and the
+bytes fetched before it began leave no room for it.
 """
 
 from __future__ import annotations
@@ -101,7 +106,11 @@ class CacheRoom:
             freed (:meth:`tierfs.node.remote_view.RemoteView.make_room`). Trio.
         incoming: bytes the fetches under way will still write (their files are
             not droppable; :meth:`tierfs.node.remote_view.RemoteView.incoming_bytes`).
-        interval: seconds between looks at the free space while files are cached.
+        under_way: True while a save of this node is under way (a file open for
+            writing, or one created or changed just now;
+            :meth:`tierfs.node.remote_view.RemoteView.save_under_way`).
+        interval: seconds between looks at the free space while files are cached,
+            fetched or saved.
         clock: monotonic seconds (tests).
     """
 
@@ -113,6 +122,7 @@ class CacheRoom:
         drop: Callable[[int], Awaitable[int]],
         *,
         incoming: Callable[[], int] = lambda: 0,
+        under_way: Callable[[], bool] = lambda: False,
         interval: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -121,6 +131,7 @@ class CacheRoom:
         self.cached = cached
         self.drop = drop
         self.incoming = incoming
+        self.under_way = under_way
         self.interval = interval
         self.clock = clock
         self._poked = trio.Event()
@@ -134,6 +145,11 @@ class CacheRoom:
         self._unlogged = 0
         #: bytes dropped to keep the reserve (status and tests)
         self.dropped = 0
+        #: True while a save of this node is under way and, at the last look, the
+        #: reserve was short beside the bytes the fetches under way will still write
+        #: (after the drops): every fetch then pauses between chunks. Set on the trio
+        #: thread, read by any (a plain attribute: the GIL makes it atomic).
+        self.hold_fetches = False
 
     def saving(self) -> bool:
         """True while this node's client writes (an own change in the last
@@ -212,14 +228,30 @@ class CacheRoom:
         async with self._lock:
             free, budget = await trio.to_thread.run_sync(self._measure)
             reserve = self.reserve(budget)
-            need = shortfall(free, reserve, nbytes + self.incoming())
+            incoming = self.incoming()
+            need = shortfall(free, reserve, nbytes + incoming)
             if need and self.cached():
                 freed = await self.drop(need)
                 self._dropped(freed, reserve)
                 need -= freed
                 free += freed
             self._seen = (free, budget)
+            self._hold(shortfall(free, reserve, incoming) > 0)
             return -need if need > 0 else 0
+
+    def _hold(self, short: bool) -> None:
+        """Pause the fetches under way (:attr:`hold_fetches`) when the reserve is
+        ``short`` beside them while this node saves; go on otherwise."""
+        hold = short and self.under_way()
+        if hold != self.hold_fetches:
+            log.info(
+                "%s other ranks' fetches: %s",
+                "pausing" if hold else "resuming",
+                "this node's save under way needs the room they would take"
+                if hold
+                else "no save of this node needs their room now",
+            )
+        self.hold_fetches = hold
 
     def _dropped(self, freed: int, reserve: int) -> None:
         self.dropped += freed
@@ -242,7 +274,8 @@ class CacheRoom:
     async def run(self) -> None:
         """Keep the reserve for good (a background task of the daemon)."""
         while True:
-            wait = self.interval if self.cached() or self.saving() else math.inf
+            busy = self.cached() or self.saving() or self.incoming() > 0 or self.hold_fetches
+            wait = self.interval if busy else math.inf
             with trio.move_on_after(wait):
                 await self._poked.wait()
             self._poked = trio.Event()

@@ -92,7 +92,7 @@ from tierfs.core.ports import (
     ManifestSource,
     Reporter,
 )
-from tierfs.core.priority import fetch_hold, fetch_urgent
+from tierfs.core.priority import fetch_hold, fetch_pause, fetch_urgent
 from tierfs.core.status.whole import WholeStepStatus, WholeViewStatus
 from tierfs.fuse.inodes import proc
 from tierfs.fuse.namespace import Namespace
@@ -2043,6 +2043,7 @@ class RemoteView:
         assert done is not None
         is_urgent = urgent if urgent is not None else (lambda: rf.urgent)
         token = fetch_urgent.set(is_urgent)
+        paused = fetch_pause.set(self._room_pause(rf))
         # a fetch no reader waits for pauses between chunks while a reader waits
         held = fetch_hold.set(lambda: self._readers > 0 and not is_urgent())
         try:
@@ -2064,8 +2065,36 @@ class RemoteView:
         finally:
             fetch_urgent.reset(token)
             fetch_hold.reset(held)
+            fetch_pause.reset(paused)
             if rf.done is done:
                 self._fetch_ended(rf)
+
+    def _room_pause(self, rf: RemoteFile) -> Callable[[], bool]:
+        """The pause of ``rf``'s fetch (and of the batch it leads) for this node's save:
+        True while :attr:`tierfs.node.cache_room.CacheRoom.hold_fetches` says the
+        save needs the room, for :data:`SAVE_WAIT` seconds at most in a row (a
+        client that writes a file while it reads another rank's, ``cp``, must not
+        wait for itself for long). Any thread calls it.
+
+        #14 trial 46 FAIL 6 (1 save in 10 after the reader's wait): three readers'
+        fetches of 256 MiB files, begun half a second before the save, went on
+        writing while it wrote and took its room."""
+        room = self.room
+        if room is None:
+            return lambda: False
+        first: list[float] = []
+
+        def pause() -> bool:
+            if not room.hold_fetches:
+                first.clear()  # the next save may pause it again
+                return False
+            now = room.clock()
+            if not first:
+                first.append(now)
+                log.debug("the fetch of %s pauses for this node's save", rf.path)
+            return now - first[0] < SAVE_WAIT
+
+        return pause
 
     @staticmethod
     def _fetch_ended(rf: RemoteFile) -> None:
@@ -2279,7 +2308,7 @@ class RemoteView:
             finally:
                 os.close(fd)
 
-    def _save_under_way(self) -> bool:
+    def save_under_way(self) -> bool:
         """Whether a client of this node writes a save now: a file of it is open for
         writing, or it created or changed one in the last :data:`SAVE_QUIET` seconds
         (between the files of a save). Trio thread."""
@@ -2296,7 +2325,7 @@ class RemoteView:
                 still saving after :data:`SAVE_WAIT` seconds.
         """
         with trio.move_on_after(SAVE_WAIT):
-            while self._save_under_way():
+            while self.save_under_way():
                 await trio.sleep(0.1)
             return
         why = (
@@ -2390,7 +2419,7 @@ class RemoteView:
                 # a background fetch (prefetch, read-ahead) would eat into the room kept
                 # for this node's saves: not now, no error (a reader's open fetches it)
                 raise OSError(errno.ENOSPC, f"no room for {rf.path} beside this node's own saves")
-            if self._save_under_way():
+            if self.save_under_way():
                 # a reader's fetch while this node's client writes a save: the reader
                 # waits until the save's files are written, then fetches (#14 trial 46
                 # FAIL 6: readers of the previous step took the room of the save under

@@ -23,7 +23,7 @@ import trio
 from tierfs.core.control import JobSpec
 from tierfs.core.errors import NO_ROOM_ERRNOS, FetchFailed
 from tierfs.core.ports import CurrentJob, FileTarget, PositionalWrite, Reporter
-from tierfs.core.priority import fetch_hold, fetch_urgent
+from tierfs.core.priority import fetch_hold, fetch_pause, fetch_urgent
 from tierfs.replication import placement
 from tierfs.replication.addresses import AddressBook
 from tierfs.replication.client import PeerClient, rpc_code, rpc_reason
@@ -263,10 +263,12 @@ class PeerFiles:
         """The pause of a transfer: the caller's (a prefetch gives way to readers),
         except while an urgent fetch waits for a lane slot: then the paused transfer
         goes on and frees its slot (else that reader would wait for a slot held by
-        a transfer waiting for readers)."""
+        a transfer waiting for readers); and whenever the caller's
+        :data:`tierfs.core.priority.fetch_pause` says so (room for this node's save)."""
         caller = fetch_hold.get()
+        pause = fetch_pause.get()
         lane = self.lane
-        return lambda: caller() and not lane.urgent_waiting()
+        return lambda: pause() or (caller() and not lane.urgent_waiting())
 
     async def _pull_batch(
         self,
