@@ -366,13 +366,18 @@ class Raw:
         self.pull = self.channel.unary_stream("/bench.Raw/Pull")
         self.sinks = Path(tempfile.mkdtemp(prefix="tierfs-wsb-sink-", dir="/dev/shm"))
 
+    def chunks(self, path: str) -> Iterator[bytes]:
+        """The bytes of ``path`` as the server sends them."""
+        yield from self.pull(path.encode(), timeout=600)
+
     def one(self, path: str, write: bool) -> int:
+        """Bytes of ``path`` received (into a fresh tmpfs file when ``write``)."""
         n = 0
         fd = -1
         if write:
             fd = os.open(self.sinks / uuid.uuid4().hex, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
-            for data in self.pull(path.encode(), timeout=600):
+            for data in self.chunks(path):
                 if fd >= 0:
                     os.pwrite(fd, data, n)
                 n += len(data)
@@ -454,22 +459,11 @@ class RawTcp(Raw):
         self.port = int(self.proc.stdout.readline())
         self.sinks = Path(tempfile.mkdtemp(prefix="tierfs-wsb-sink-", dir="/dev/shm"))
 
-    def one(self, path: str, write: bool) -> int:
-        n = 0
-        fd = -1
-        if write:
-            fd = os.open(self.sinks / uuid.uuid4().hex, os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            with socket.create_connection(("127.0.0.1", self.port)) as s:
-                s.sendall(path.encode() + b"\n")
-                while data := s.recv(CHUNK, socket.MSG_WAITALL):
-                    if fd >= 0:
-                        os.pwrite(fd, data, n)
-                    n += len(data)
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        return n
+    def chunks(self, path: str) -> Iterator[bytes]:
+        with socket.create_connection(("127.0.0.1", self.port)) as s:
+            s.sendall(path.encode() + b"\n")
+            while data := s.recv(CHUNK, socket.MSG_WAITALL):
+                yield data
 
     def close(self) -> None:
         self.proc.stdin.close()

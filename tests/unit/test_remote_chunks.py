@@ -400,3 +400,156 @@ def test_a_reader_of_a_file_the_prefetch_is_fetching_makes_that_fetch_its_own(tm
     trio.run(_with_view, rv, body)
     assert peer.pieces[0] is False and not any(peer.pieces[5:]), peer.pieces
     assert path.read_bytes() == BIG
+
+
+class RoomAfterSave(ChunkSource):
+    """The first copy's write finds no room after two chunks (this node's save took
+    it); later calls serve the whole file."""
+
+    def __init__(self) -> None:
+        super().__init__("peer", ["peer node-rank 0"])
+        self.failed_once = trio.Event()
+
+    async def fetch_file(
+        self, job, rank, step, digest, path, fd, *, skip=frozenset(), writers=0, write=None
+    ) -> str:
+        if not self.failed_once.is_set():
+            self.given.append(True)
+            assert write is not None
+            for off in range(0, 2 * CH, 1000):
+                write(bytes(BIG[off : off + 1000]), off)
+            write(bytes(BIG[2 * CH : 2 * CH + 1000]), 2 * CH)  # the third chunk under way
+            self.failed_once.set()
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            except OSError as exc:
+                raise FetchFailed(f"{path}: no room for it here") from exc
+        return await super().fetch_file(
+            job, rank, step, digest, path, fd, skip=skip, writers=writers, write=write
+        )
+
+
+class HeldOpen:
+    """The namespace's port as the view uses it: every inode held open by a reader,
+    ``writing`` handles open for writing."""
+
+    def __init__(self, path: Path) -> None:
+        self.writing = 1
+        self.inodes = self
+        self.handles = {7: object()}
+        self.path = path
+
+    def by_ino(self, ino: int) -> HeldOpen:
+        return self
+
+    def fd_of(self, inode: HeldOpen) -> int:
+        if self.fd < 0:  # the file is placed by the view's look
+            self.fd = os.open(self.path, os.O_RDONLY)
+        return self.fd
+
+    def __enter__(self) -> HeldOpen:
+        self.fd = -1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+
+    def handles_open_for_write(self) -> int:
+        return self.writing
+
+    def notify_changed(self, path: str) -> None:
+        pass
+
+
+class Free:
+    def __init__(self, size: int, free: int) -> None:
+        self.size, self.free_bytes = size, free
+
+    def free(self) -> int:
+        return self.free_bytes
+
+
+def test_a_readers_fetch_without_room_while_this_node_saves_waits_for_the_room(tmp_path):
+    """#14 trial 46 (s6d): with fetches paused for this node's save, three readers'
+    256 MiB fetches resumed while the node still held its new part and the one it
+    replaces; every one failed with ENOSPC at once, and the older part went 4 s
+    later. A reader's fetch that finds no room while this node saves (or just
+    saved) now waits for the room (SAVE_WAIT at most) and goes on; the verified
+    bytes a reader holds open stay served meanwhile."""
+    from tierfs.node import remote_view as rv_mod
+    from tierfs.node.cache_room import CacheRoom
+
+    peer = RoomAfterSave()
+    rv, ram, own, job = view_of(tmp_path, [peer])
+    path = Path(ram.view) / PATH
+    room = Free(64 * len(BIG), free=0)
+    rv.room = CacheRoom(
+        room,
+        lambda: 0,
+        rv.holds_fetched,
+        rv.make_room,
+        incoming=rv.incoming_bytes,
+        under_way=rv.save_under_way,
+        clock=trio.current_time,
+    )
+    ns = HeldOpen(path)
+
+    async def body() -> None:
+        await rv.look(own)
+        rv.attach(ns)  # type: ignore[arg-type]
+        rf = rv._by_ino[path.stat().st_ino]
+        rv.room.own_write()  # this node's client writes its save
+        got = trio.Event()
+
+        async def reader() -> None:
+            await rv.wait_verified(rf, rf.size)
+            got.set()
+
+        room.free_bytes = 64 * len(BIG)  # the fetch's own look finds room
+        rv._fetches.start_soon(reader)
+        await peer.failed_once.wait()
+        room.free_bytes = 0  # the save took it
+        await trio.sleep(0.6)  # the fetch polls the room every 0.25 s meanwhile
+        # waiting for room: the verified chunks stay served, no error said
+        assert rf.state == rv_mod.FETCHING and rf.verified == 2 * CH and not got.is_set()
+        assert job.errors == []
+        ns.writing = 0  # the save is written
+        room.free_bytes = 64 * len(BIG)  # and the part it replaces is dropped
+        with trio.fail_after(10):
+            await got.wait()
+        assert rf.state == rv_mod.LOCAL
+
+    with ns:  # real time: a mock clock jumps while the room is looked at in a thread
+        trio.run(_with_view, rv, body)
+    assert path.read_bytes() == BIG and job.errors == []
+
+
+def test_a_readers_fetch_without_room_and_no_save_of_this_node_fails_at_once(tmp_path):
+    """The wait for room is for a save of this node only: with none under way or just
+    written, no room is coming and the open gets ENOSPC with a line at once."""
+    from tierfs.node import remote_view as rv_mod
+    from tierfs.node.cache_room import CacheRoom
+
+    peer = RoomAfterSave()
+    rv, ram, own, job = view_of(tmp_path, [peer])
+    path = Path(ram.view) / PATH
+
+    room = Free(64 * len(BIG), free=64 * len(BIG))
+    rv.room = CacheRoom(room, lambda: 0, rv.holds_fetched, rv.make_room, clock=trio.current_time)
+    ns = HeldOpen(path)
+    ns.writing = 0
+
+    async def body() -> None:
+        await rv.look(own)
+        rv.attach(ns)  # type: ignore[arg-type]
+        rf = rv._by_ino[path.stat().st_ino]
+        began = trio.current_time()
+        with pytest.raises(OSError) as exc:
+            await rv.wait_verified(rf, rf.size)
+        waited = trio.current_time() - began
+        assert exc.value.errno == errno.ENOSPC and waited < rv_mod.SAVE_WAIT / 3
+
+    with ns:
+        trio.run(_with_view, rv, body)
+    assert "does not fit in the RAM budget" in job.errors[-1], job.errors

@@ -106,6 +106,16 @@ class PeerClient:
                 ch = self._channels[address] = self._connect(address)
             return ch
 
+    def _pull_shard(self, address: str) -> Any:
+        """The ``PullShard`` server-streaming callable on ``address``'s channel (a
+        chunk message arrives as a ``Chunk``, any other as a ``PullMessage``:
+        ``chunk_deserializer`` in :mod:`tierfs.rpc.wire`)."""
+        return self.channel(address).unary_stream(
+            "/tierfs.peer.v1.Peer/PullShard",
+            request_serializer=peer_wire.serialize,
+            response_deserializer=peer_wire.chunk_deserializer(peer_pb2.PullMessage),
+        )
+
     def peer(self, address: str) -> Any:
         return peer_pb2_grpc.PeerStub(self.channel(address))
 
@@ -291,11 +301,7 @@ class PeerClient:
             puller_rank=puller_rank,
             lane=lane,
         )
-        pull = self.channel(address).unary_stream(
-            "/tierfs.peer.v1.Peer/PullShard",
-            request_serializer=peer_wire.serialize,
-            response_deserializer=peer_wire.chunk_deserializer(peer_pb2.PullMessage),
-        )
+        pull = self._pull_shard(address)
         call: Any = pull(req, metadata=self.md)
         inc = ram.new_incoming(f"pull-{key.rank}-{key.step}")
         rx: ShardReceiver | None = None
@@ -489,11 +495,7 @@ class PeerClient:
             trim_manifest=True,
             lane=lane,
         )
-        pull = self.channel(address).unary_stream(
-            "/tierfs.peer.v1.Peer/PullShard",
-            request_serializer=peer_wire.serialize,
-            response_deserializer=peer_wire.chunk_deserializer(peer_pb2.PullMessage),
-        )
+        pull = self._pull_shard(address)
         call = pull(req, metadata=self.md, timeout=timeout)
         try:
             first = next(call, None)
@@ -660,11 +662,7 @@ class PeerClient:
         req = peer_pb2.PullRequest(
             job=key.job, rank=key.rank, step=key.step, puller_rank=-1, manifest_only=True
         )
-        pull = self.channel(address).unary_stream(
-            "/tierfs.peer.v1.Peer/PullShard",
-            request_serializer=peer_wire.serialize,
-            response_deserializer=peer_wire.chunk_deserializer(peer_pb2.PullMessage),
-        )
+        pull = self._pull_shard(address)
         call = pull(req, metadata=self.md, timeout=timeout)
         try:
             first = next(call)
