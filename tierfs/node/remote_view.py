@@ -2335,29 +2335,6 @@ class RemoteView:
         self._failed(rf, why)
         raise OSError(errno.ENOSPC, why)
 
-    async def _room_after_save(self, need: int, until: float) -> bool:
-        """A reader's fetch found no room while this node saves or just saved (its
-        new part and the one it replaces are both held until the new one is
-        sealed, and fetches pause meanwhile): wait until ``need`` bytes are free
-        and no save holds the fetches, polling every 0.25 s until the trio time
-        ``until`` at most. True when they are; False at once when no save of this
-        node is under way or was written in the last few seconds (the room will
-        not come by itself). Trio thread.
-
-        #14 trial 46 (s6d): with fetches paused for the save, three readers'
-        256 MiB fetches resumed while the node held two parts of its own, and
-        every one of them failed with ENOSPC; the older part went 4 s later."""
-        room = self.room
-        if room is None or not (room.saving() or self.save_under_way()):
-            return False
-        with trio.move_on_at(until):
-            while True:
-                free = await room.free_bytes()
-                if free >= need and not room.hold_fetches:
-                    return True
-                await trio.sleep(room.interval)
-        return False
-
     def _held_open(self, rf: RemoteFile) -> bool:
         """Whether a handle of this node's clients holds ``rf`` open."""
         inode = self.ns.inodes.by_ino(rf.ino) if self.ns is not None else None
@@ -2453,7 +2430,6 @@ class RemoteView:
         fd = self._open_rw(rf)
         self._inflight.add(rf)
         made_room = False
-        room_by: float | None = None  # until when a wait for room may go on
         mismatched = False
         rf.verified = 0
         writer = self._writer(rf, fd)
@@ -2488,22 +2464,11 @@ class RemoteView:
                     except FetchFailed as exc:
                         cause = exc.__cause__
                         if isinstance(cause, OSError) and cause.errno in NO_ROOM_ERRNOS:
-                            kept = chunked and self._held_open(rf)
-                            if not kept:
-                                self._unverify(rf, writer)
-                                await trio.to_thread.run_sync(self._punch, fd, rf.size)
-                            # else: a reader may be reading the verified bytes; they stay,
-                            # and the next try checks its bytes below them without
-                            # writing them (:class:`~tierfs.store.chunks.ChunkChecker`)
+                            self._unverify(rf, writer)
+                            await trio.to_thread.run_sync(self._punch, fd, rf.size)
                             if not made_room and await self.make_room(rf.size, rf) > 0:
                                 made_room = True  # other fetched files dropped: again
                                 continue
-                            if rf.urgent and self.room is not None:
-                                if room_by is None:
-                                    room_by = trio.current_time() + SAVE_WAIT
-                                need = rf.size - (rf.verified if kept else 0)
-                                if await self._room_after_save(need, room_by):
-                                    continue
                             # no copy would fit: the open fails with ENOSPC
                             why = f"it does not fit in the RAM budget ({exc})"
                             if rf.urgent:
