@@ -5,12 +5,13 @@ a file is being dropped fetches it again: never a punched file shown as here).""
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from pathlib import Path
 
 import pytest
 import trio
-from test_remote_view import BYTES, PARTS, Checked, Source, has_data, view_of
+from test_remote_view import BYTES, PARTS, A, B, Checked, Source, has_data, view_of
 
 from tierfs.node import remote_view as rv_mod
 from tierfs.node.cache_room import CacheRoom, reserve_bytes, shortfall
@@ -509,3 +510,86 @@ def test_a_readers_fetch_under_way_pauses_for_this_nodes_save_and_goes_on_after(
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert meta.read_bytes() == BYTES["10/.metadata"] and job.errors == []
+
+
+def data_bytes(path: Path) -> int:
+    """Bytes of ``path`` that are data, not holes (xattr blocks not counted)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        n, off, end = 0, 0, os.fstat(fd).st_size
+        while off < end:
+            try:
+                start = os.lseek(fd, off, os.SEEK_DATA)
+            except OSError:
+                break  # ENXIO: holes to the end
+            off = os.lseek(fd, start, os.SEEK_HOLE)
+            n += off - start
+        return n
+    finally:
+        os.close(fd)
+
+
+class Used:
+    """The budget of a store as its files' data bytes say (as tmpfs would)."""
+
+    def __init__(self, root: Path, size: int) -> None:
+        self.root, self.size = root, size
+
+    def free(self) -> int:
+        return self.size - sum(data_bytes(p) for p in self.root.rglob("*") if p.is_file())
+
+
+class NoRoomFirst(Checked):
+    """As Checked; the first fetch of ``full`` finds no room (ENOSPC)."""
+
+    full = "10/__2_0.distcp"
+
+    async def fetch_file(self, job, rank, step, digest, path, fd, **kw) -> str:
+        if path == self.full and not any(p == path for p, _ in self.urgent):
+            self.urgent.append((path, True))
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            except OSError as exc:
+                raise rv_mod.FetchFailed(f"{path}: no room for it here") from exc
+        return await super().fetch_file(job, rank, step, digest, path, fd, **kw)
+
+
+def test_readers_fetches_without_room_retry_in_turn_once_another_readers_file_is_closed(
+    tmp_path,
+):
+    """#14 trial 46 (s6d, s6f): three readers' 256 MiB fetches resumed after this
+    node's save beside its two own parts; the budget held two of them, and all three
+    failed with ENOSPC together (5-6 reads of 216). A reader's fetch that finds no
+    room while another reader's fetch is under way now waits for its turn and for
+    the room: the other file, read and closed, is dropped, and it goes on."""
+    peer = NoRoomFirst("peer", BYTES, ["peer node-rank 0", "peer node-rank 2"])
+    rv, ram, *_rest, own, job = view_of(tmp_path, PARTS, [peer])
+    view = Path(ram.view) / "10"
+    room = Used(Path(ram.view), size=len(A) + len(B) + 4000)  # own part, one file more
+    rv.room = CacheRoom(room, lambda: 0, rv.holds_fetched, rv.make_room, incoming=rv.incoming_bytes)
+    peer.gates["10/.metadata"] = trio.Event()
+    done: list[str] = []
+
+    async def main() -> None:
+        await rv.look(own)
+        first, second = rv.steps[10].files["10/.metadata"], rv.steps[10].files[peer.full]
+
+        async def reader(rf: rv_mod.RemoteFile) -> None:
+            await rv.missing(rf.ino)()
+            done.append(rf.path)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader, first)
+            while "10/.metadata" not in peer.holds:
+                await trio.sleep(0.01)
+            nursery.start_soon(reader, second)
+            while (peer.full, True) not in peer.urgent:
+                await trio.sleep(0.01)
+            await trio.sleep(0.6)  # it looks at the room every 0.25 s meanwhile
+            assert done == [] and second.state == rv_mod.FETCHING and job.errors == []
+            peer.gates["10/.metadata"].set()  # the first lands; its reader is done
+        assert done == ["10/.metadata", peer.full]
+        assert first.state == rv_mod.REMOTE and second.state == rv_mod.LOCAL  # dropped
+
+    trio.run(main)
+    assert (view / "__2_0.distcp").read_bytes() == BYTES[peer.full] and job.errors == []

@@ -175,6 +175,15 @@ class CacheRoom:
         ``seconds`` seconds."""
         return self.clock() - self._last_write < seconds
 
+    async def free_bytes(self) -> int:
+        """Bytes of the budget free now (a ``statvfs`` in a worker thread). Trio
+        thread.
+
+        Raises:
+            OSError: the store cannot be looked at (unmounted)."""
+        free, _budget = await trio.to_thread.run_sync(self._measure)
+        return free
+
     def _measure(self) -> tuple[int, int]:
         """(free bytes, budget bytes) of the store (blocking: statvfs)."""
         return self.room.free(), self.room.size

@@ -586,6 +586,8 @@ class RemoteView:
         self._cached_hint: RemoteFile | None = None
         #: files whose fetch is writing them now (:meth:`incoming_bytes`)
         self._inflight: set[RemoteFile] = set()
+        #: readers' fetches that found no room retry in turn (:meth:`_room_for`)
+        self._room_turn = trio.Lock()
         #: the coordinator's parts epoch and version last heard (:meth:`parts_reported`)
         self.parts_epoch = ""
         self.parts_version = 0
@@ -2335,6 +2337,47 @@ class RemoteView:
         self._failed(rf, why)
         raise OSError(errno.ENOSPC, why)
 
+    def _room_may_come(self, rf: RemoteFile) -> bool:
+        """Whether room for ``rf`` may come without anyone but this node's own clients
+        and fetches doing anything: another fetch is under way (its reader reads
+        it and closes it, then it is droppable), a fetched file is held open (the
+        same once it is closed; or a reader's open waits for it), or this node
+        saves (fetches pause for it and go on after). Trio thread."""
+        if self._inflight - {rf} or self.save_under_way():
+            return True
+        return any(
+            f.waiters or self._held_open(f)
+            for union in self.steps.values()
+            for f in union.files.values()
+            if f is not rf and f.state == LOCAL and f.source != REPLICA
+        )
+
+    async def _room_for(self, rf: RemoteFile, until: float) -> bool:
+        """Wait until ``rf`` fits beside what the other fetches under way will still
+        write (the cache dropping what readers closed meanwhile) while room may come
+        (:meth:`_room_may_come`), until the trio time ``until`` at most; True when
+        it fits. The caller holds ``self._room_turn``: readers' fetches that found
+        no room (their own bytes punched out) retry one at a time. Trio thread.
+
+        #14 trial 46 (s6d, s6f): three readers' 256 MiB fetches of the previous
+        step resumed after this node's save, beside its two own parts; the budget
+        held two of them. All three failed with ENOSPC together, each emptying its
+        file: 5-6 reads of 216 failed."""
+        room = self.room
+        assert room is not None
+        with trio.move_on_at(until):
+            while True:
+                free = await room.free_bytes()
+                need = self.incoming_bytes() - free  # ``rf`` is one of them, empty
+                if need <= 0 and not room.hold_fetches:
+                    return True
+                if need > 0 and await self.make_room(need, rf) > 0:
+                    continue
+                if not self._room_may_come(rf):
+                    return False
+                await trio.sleep(room.interval)
+        return False
+
     def _held_open(self, rf: RemoteFile) -> bool:
         """Whether a handle of this node's clients holds ``rf`` open."""
         inode = self.ns.inodes.by_ino(rf.ino) if self.ns is not None else None
@@ -2430,6 +2473,8 @@ class RemoteView:
         fd = self._open_rw(rf)
         self._inflight.add(rf)
         made_room = False
+        turn = False  # this fetch holds the turn of fetches that found no room
+        room_by = 0.0  # until when (trio time) it may wait for room
         mismatched = False
         rf.verified = 0
         writer = self._writer(rf, fd)
@@ -2469,6 +2514,14 @@ class RemoteView:
                             if not made_room and await self.make_room(rf.size, rf) > 0:
                                 made_room = True  # other fetched files dropped: again
                                 continue
+                            if rf.urgent and self.room is not None:
+                                if not turn and self._room_may_come(rf):
+                                    room_by = trio.current_time() + SAVE_WAIT
+                                    with trio.move_on_at(room_by):
+                                        await self._room_turn.acquire()
+                                        turn = True
+                                if turn and await self._room_for(rf, room_by):
+                                    continue  # the room is there now: again, in turn
                             # no copy would fit: the open fails with ENOSPC
                             why = f"it does not fit in the RAM budget ({exc})"
                             if rf.urgent:
@@ -2530,6 +2583,8 @@ class RemoteView:
             raise OSError(errno.EIO, rf.error)
         finally:
             self._inflight.discard(rf)
+            if turn:
+                self._room_turn.release()
             if writer is not None:
                 writer.close()
             os.close(fd)
