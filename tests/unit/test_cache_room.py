@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from test_remote_view import BYTES, PARTS, A, B, Checked, Source, has_data, view_of
+from test_remote_view import BYTES, PARTS, A, B, Checked, Source, has_data, manifest, view_of
 
 from tierfs.node import remote_view as rv_mod
 from tierfs.node.cache_room import CacheRoom, reserve_bytes, shortfall
@@ -540,12 +540,15 @@ class Used:
 
 
 class NoRoomFirst(Checked):
-    """As Checked; the first fetch of ``full`` finds no room (ENOSPC)."""
+    """As Checked; the first fetch of ``full`` (and of each path in ``fulls``) finds
+    no room (ENOSPC)."""
 
     full = "10/__2_0.distcp"
+    fulls: tuple[str, ...] = ()
 
     async def fetch_file(self, job, rank, step, digest, path, fd, **kw) -> str:
-        if path == self.full and not any(p == path for p, _ in self.urgent):
+        first = not any(p == path for p, _ in self.urgent)
+        if (path == self.full or path in self.fulls) and first:
             self.urgent.append((path, True))
             try:
                 raise OSError(errno.ENOSPC, "No space left on device")
@@ -593,3 +596,45 @@ def test_readers_fetches_without_room_retry_in_turn_once_another_readers_file_is
 
     trio.run(main)
     assert (view / "__2_0.distcp").read_bytes() == BYTES[peer.full] and job.errors == []
+
+
+def test_fetches_waiting_for_room_do_not_wait_for_each_other(tmp_path):
+    """Regression (#14 trial 46 s6g): the three readers' fetches that found no room
+    counted each other's bytes as still to come, so the first in turn waited for
+    room the others would never take (they write nothing before their turn) and
+    every read of the step took 30 s more. The budget holds two of the three
+    files: two are served while the third fetch is still under way."""
+    X, Y, Z = os.urandom(7000), os.urandom(7000), os.urandom(7000)
+    parts = {0: manifest(0, {"x0": X, "x1": Y}), 2: manifest(2, {"x2": Z})}
+    files = {"10/x0": X, "10/x1": Y, "10/x2": Z}
+    peer = NoRoomFirst("peer", files, ["peer node-rank 0", "peer node-rank 2"])
+    peer.fulls = ("10/x1", "10/x2")
+    rv, ram, *_rest, own, job = view_of(tmp_path, parts, [peer])
+    room = Used(Path(ram.view), size=len(A) + 2 * 7000 + 1000)
+    rv.room = CacheRoom(room, lambda: 0, rv.holds_fetched, rv.make_room, incoming=rv.incoming_bytes)
+    peer.gates["10/x0"] = trio.Event()
+    done: list[str] = []
+
+    async def main() -> None:
+        await rv.look(own)
+        union = rv.steps[10]
+
+        async def reader(path: str) -> None:
+            await rv.missing(union.files[path].ino)()
+            done.append(path)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader, "10/x0")
+            while "10/x0" not in peer.holds:
+                await trio.sleep(0.01)
+            nursery.start_soon(reader, "10/x1")
+            nursery.start_soon(reader, "10/x2")
+            with trio.fail_after(rv_mod.SAVE_WAIT / 3):
+                while len(done) < 2:
+                    await trio.sleep(0.01)
+            assert sorted(done) == ["10/x1", "10/x2"] and job.errors == []
+            peer.gates["10/x0"].set()
+        assert sorted(done) == ["10/x0", "10/x1", "10/x2"]
+
+    trio.run(main)
+    assert (Path(ram.view) / "10" / "x0").read_bytes() == X and job.errors == []

@@ -588,6 +588,8 @@ class RemoteView:
         self._inflight: set[RemoteFile] = set()
         #: readers' fetches that found no room retry in turn (:meth:`_room_for`)
         self._room_turn = trio.Lock()
+        #: fetches under way that found no room and wait for it (their bytes punched)
+        self._short: set[RemoteFile] = set()
         #: the coordinator's parts epoch and version last heard (:meth:`parts_reported`)
         self.parts_epoch = ""
         self.parts_version = 0
@@ -2343,7 +2345,7 @@ class RemoteView:
         it and closes it, then it is droppable), a fetched file is held open (the
         same once it is closed; or a reader's open waits for it), or this node
         saves (fetches pause for it and go on after). Trio thread."""
-        if self._inflight - {rf} or self.save_under_way():
+        if self._inflight - self._short or self.save_under_way():
             return True
         return any(
             f.waiters or self._held_open(f)
@@ -2368,7 +2370,9 @@ class RemoteView:
         with trio.move_on_at(until):
             while True:
                 free = await room.free_bytes()
-                need = self.incoming_bytes() - free  # ``rf`` is one of them, empty
+                # ``rf`` and what the fetches under way still write (not those
+                # waiting for room like it: they write nothing before their turn)
+                need = rf.size + self._incoming(self._inflight - self._short) - free
                 if need <= 0 and not room.hold_fetches:
                     return True
                 if need > 0 and await self.make_room(need, rf) > 0:
@@ -2515,12 +2519,17 @@ class RemoteView:
                                 made_room = True  # other fetched files dropped: again
                                 continue
                             if rf.urgent and self.room is not None:
-                                if not turn and self._room_may_come(rf):
-                                    room_by = trio.current_time() + SAVE_WAIT
-                                    with trio.move_on_at(room_by):
-                                        await self._room_turn.acquire()
-                                        turn = True
-                                if turn and await self._room_for(rf, room_by):
+                                self._short.add(rf)
+                                try:
+                                    if not turn and self._room_may_come(rf):
+                                        room_by = trio.current_time() + SAVE_WAIT
+                                        with trio.move_on_at(room_by):
+                                            await self._room_turn.acquire()
+                                            turn = True
+                                    fits = turn and await self._room_for(rf, room_by)
+                                finally:
+                                    self._short.discard(rf)
+                                if fits:
                                     continue  # the room is there now: again, in turn
                             # no copy would fit: the open fails with ENOSPC
                             why = f"it does not fit in the RAM budget ({exc})"
@@ -2618,7 +2627,12 @@ class RemoteView:
     def incoming_bytes(self) -> int:
         """Bytes the fetches under way will still write into the store (their files'
         sizes less what is written and verified so far). Trio thread."""
-        return sum(max(0, f.size - f.verified) for f in self._inflight if f.state == FETCHING)
+        return self._incoming(self._inflight)
+
+    @staticmethod
+    def _incoming(files: Collection[RemoteFile]) -> int:
+        """Bytes the fetches of ``files`` will still write."""
+        return sum(max(0, f.size - f.verified) for f in files if f.state == FETCHING)
 
     def holds_fetched(self) -> bool:
         """True while any fetched file's bytes are here (a cache: droppable unless
