@@ -638,3 +638,24 @@ def test_fetches_waiting_for_room_do_not_wait_for_each_other(tmp_path):
 
     trio.run(main)
     assert (Path(ram.view) / "10" / "x0").read_bytes() == X and job.errors == []
+
+
+def test_a_fetch_behind_one_waiting_for_room_waits_too(tmp_path):
+    """Regression (#14 trial 46 s6h, one read a step): a fetch found no room in the
+    moment between another reader closing its file and the fetch in turn dropping
+    it; nothing else was under way or held open, so it failed with a "could not be
+    read" line (its reader's next read fetched it again). Behind a fetch waiting
+    for room, room may come: the one ahead drops the closed file, fetches, and its
+    reader closes it in turn."""
+    rv, *_rest, own, _job = view_of(tmp_path, PARTS, [Source("peer", BYTES, ["peer 0"])])
+
+    async def main() -> None:
+        await rv.look(own)
+        ahead, this = rv.steps[10].files["10/.metadata"], rv.steps[10].files["10/__2_0.distcp"]
+        assert rv._room_may_come(this, behind=True) is False  # nothing at all
+        rv._inflight |= {ahead, this}
+        rv._short |= {ahead, this}
+        assert rv._room_may_come(this, behind=True) is True
+        assert rv._room_may_come(ahead) is False  # the one in turn: nothing will come
+
+    trio.run(main)

@@ -2339,12 +2339,16 @@ class RemoteView:
         self._failed(rf, why)
         raise OSError(errno.ENOSPC, why)
 
-    def _room_may_come(self, rf: RemoteFile) -> bool:
+    def _room_may_come(self, rf: RemoteFile, behind: bool = False) -> bool:
         """Whether room for ``rf`` may come without anyone but this node's own clients
         and fetches doing anything: another fetch is under way (its reader reads
         it and closes it, then it is droppable), a fetched file is held open (the
         same once it is closed; or a reader's open waits for it), or this node
-        saves (fetches pause for it and go on after). Trio thread."""
+        saves (fetches pause for it and go on after). ``behind``: ``rf`` is about
+        to wait for its turn, and another fetch waiting for room is ahead of it
+        (its file, once fetched, read and closed, is droppable). Trio thread."""
+        if behind and self._short - {rf}:
+            return True
         if self._inflight - self._short or self.save_under_way():
             return True
         return any(
@@ -2521,7 +2525,7 @@ class RemoteView:
                             if rf.urgent and self.room is not None:
                                 self._short.add(rf)
                                 try:
-                                    if not turn and self._room_may_come(rf):
+                                    if not turn and self._room_may_come(rf, behind=True):
                                         room_by = trio.current_time() + SAVE_WAIT
                                         with trio.move_on_at(room_by):
                                             await self._room_turn.acquire()
