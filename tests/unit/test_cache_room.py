@@ -659,3 +659,64 @@ def test_a_fetch_behind_one_waiting_for_room_waits_too(tmp_path):
         assert rv._room_may_come(ahead) is False  # the one in turn: nothing will come
 
     trio.run(main)
+
+
+def test_a_create_waits_for_fetched_files_held_open_to_be_closed_and_dropped():
+    """Regression (#14 trial 46 s6i, 1 save in 10): three readers' 256 MiB files of
+    the previous step, fetched before the save began, were held open when the save
+    created its first file; the save got ENOSPC, and the files were closed and
+    dropped a second later. The create now waits (CREATE_WAIT at most) until its
+    node's largest own part fits, dropping what the readers closed meanwhile."""
+    room = Room(64, free=4)
+    held = {"open": True}
+
+    class Held(Cache):
+        async def drop(self, need: int) -> int:
+            return 0 if held["open"] else await super().drop(need)
+
+    cache = Held(room, [16, 16])
+    keeper = CacheRoom(room, lambda: 12, cache.any, cache.drop, interval=0.05)
+
+    async def main() -> None:
+        wait = keeper.before_write()
+        assert wait is not None
+        async with trio.open_nursery() as nursery:
+            created = trio.Event()
+
+            async def create() -> None:
+                await wait()
+                created.set()
+
+            nursery.start_soon(create)
+            await trio.sleep(0.3)
+            assert not created.is_set() and room.free_bytes == 4  # waits for the readers
+            held["open"] = False  # they close their files
+            with trio.fail_after(5):
+                await created.wait()
+        assert room.free_bytes >= 12
+
+    trio.run(main)
+
+
+def test_a_create_waits_for_held_files_at_most_create_wait(monkeypatch):
+    """Files a reader never closes: the create goes ahead after CREATE_WAIT."""
+    from tierfs.node import cache_room
+
+    monkeypatch.setattr(cache_room, "CREATE_WAIT", 0.3)
+    room = Room(64, free=4)
+
+    class Held(Cache):
+        async def drop(self, need: int) -> int:
+            return 0
+
+    cache = Held(room, [16])
+    keeper = CacheRoom(room, lambda: 12, cache.any, cache.drop, interval=0.05)
+
+    async def main() -> None:
+        wait = keeper.before_write()
+        assert wait is not None
+        with trio.fail_after(5):
+            await wait()
+        assert room.free_bytes == 4
+
+    trio.run(main)

@@ -35,7 +35,9 @@ of the node's own parts or replicas is ever dropped here.
 
 The kernel writes the node's own files without the daemon (passthrough), so
 the room is made at the create of a file and within ``interval`` of its
-writes. Fetches under way cannot be dropped: while a save of this node is under
+writes (a create waits up to :data:`CREATE_WAIT` seconds for fetched files
+readers hold open to be closed while less than the node's largest own part is
+free). Fetches under way cannot be dropped: while a save of this node is under
 way (``under_way``) and the reserve is short beside what they will still write,
 :attr:`CacheRoom.hold_fetches` is set and every fetch from a peer pauses
 between chunks, a reader's too; a bucket's download does not (#14 trial 46
@@ -62,6 +64,9 @@ RESERVE_MAX = 1 / 2
 #: seconds after this node's client last created or changed a file during which
 #: the cache gives the whole budget to the save
 SAVING_HOLD = 5.0
+#: seconds a create of this node's waits at most for fetched files held open to be
+#: closed and dropped, while the free space is below its largest own part
+CREATE_WAIT = 5.0
 #: seconds between INFO lines about dropped bytes (DEBUG in between)
 LOG_EVERY = 30.0
 
@@ -197,7 +202,9 @@ class CacheRoom:
         gives way to the save (:meth:`own_write`), and when files are cached and the
         last look found less free than the reserve, the create first waits for one
         round of drops (at most once per ``interval``): the kernel then writes the
-        file's bytes into room already made (#14 trial 44 F2)."""
+        file's bytes into room already made (#14 trial 44 F2); while less than this
+        node's largest own part is free, it waits for fetched files held open to be
+        closed and dropped, :data:`CREATE_WAIT` seconds at most."""
         self.own_write()
         now = self.clock()
         if now - self._kept_at < self.interval or not self.cached():
@@ -209,12 +216,33 @@ class CacheRoom:
         async def keep() -> None:
             try:
                 await self._keep()
+                await self._room_for_save()
             except Exception:
                 log.exception("making room for a save of this node's")
             finally:
                 self._kept_at = self.clock()  # the create tried again goes ahead
 
         return keep
+
+    async def _room_for_save(self) -> None:
+        """After a round of drops at a create: while the free space is below the size
+        of this node's largest own part (bounded to the budget's eighth and half:
+        :func:`reserve_bytes`) and fetched files are held (open, or waited for:
+        droppable once closed), drop again every ``interval`` seconds, for
+        :data:`CREATE_WAIT` seconds at most; the create waits meanwhile.
+
+        #14 trial 46 (s6i, 1 save in 10): three readers' 256 MiB files of the
+        previous step, fetched before the save began, were held open while the
+        save's first file was created; the save got ENOSPC, and the files were
+        closed and dropped a second later."""
+        deadline = self.clock() + CREATE_WAIT
+        while self.cached() and self.clock() < deadline:
+            assert self._seen is not None
+            free, budget = self._seen
+            if free >= reserve_bytes(budget, self.own_part()):
+                return
+            await trio.sleep(self.interval)
+            await self._keep()
 
     async def fetching(self, nbytes: int) -> bool:
         """Make room for a fetch of ``nbytes`` with the reserve kept, beside what the
