@@ -2018,3 +2018,80 @@ def test_a_fetch_given_up_for_room_keeps_the_bytes_an_open_handle_reads(tmp_path
         assert path.read_bytes() == bytes(len(C))  # the bytes are out
 
     trio.run(main)
+
+
+class FailsFirst(Source):
+    """The first call waits for ``gate`` and fails (every copy); later calls serve."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = trio.Event()
+
+    async def fetch_file(self, job, rank, step, digest, path, fd, *, skip=frozenset(), writers=0):
+        if not self.calls:
+            self.calls.append((path, skip))
+            await self.gate.wait()
+            raise FetchFailed(f"{self.name}: the copy went away")
+        return await super().fetch_file(job, rank, step, digest, path, fd, skip=skip)
+
+
+def test_a_failed_fetch_a_reader_started_again_and_read_says_nothing(tmp_path):
+    """#14 trial 46 (s6h-s6k): "could not be read on this node" lines in
+    replicator.errors for files every reader read: a fetch another task had started
+    failed, and the reader that waited for it started it again and got the bytes.
+    The line is written when a reader gets the error, not when a fetch a reader
+    waits for fails; the failure is still counted."""
+    peer = FailsFirst("peer", BYTES, ["peer node-rank 0"])
+    rv, ram, *_rest, own, job = view_of(tmp_path, PARTS, [peer])
+    meta = Path(ram.view) / "10" / ".metadata"
+
+    async def main() -> None:
+        await rv.look(own)
+        rf = rv._by_ino[meta.stat().st_ino]
+        got: list[OSError] = []
+
+        async def background() -> None:  # a read-ahead's or prefetch's fetch
+            try:
+                await rv.fetch(rf)
+            except OSError as exc:
+                got.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(background)
+            while not peer.calls:
+                await trio.sleep(0.01)
+            nursery.start_soon(rv.wait_verified, rf, rf.size)  # a reader joins it
+            await trio.testing.wait_all_tasks_blocked()
+            assert rf.urgent
+            peer.gate.set()
+        # the background fetch's caller saw the failure, or (when the reader had
+        # started the fetch again before it woke) the bytes
+        assert rf.state == "local" and all(e.errno == errno.EIO for e in got)
+
+    trio.run(main)
+    assert meta.read_bytes() == B
+    assert job.errors == [] and rv.status().fetch_errors == 1
+
+
+def test_the_reader_that_gets_a_failed_fetchs_error_says_it_once(tmp_path):
+    """Two readers of a file whose every copy fails: one line, with the reason."""
+    rv, ram, *_rest, own, job = view_of(tmp_path, PARTS, [Source("peer", {}, ["peer 0"])])
+    meta = Path(ram.view) / "10" / ".metadata"
+    errors: list[int] = []
+
+    async def main() -> None:
+        await rv.look(own)
+
+        async def reader() -> None:
+            try:
+                await rv.missing(meta.stat().st_ino)()
+            except OSError as exc:
+                errors.append(exc.errno)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            nursery.start_soon(reader)
+
+    trio.run(main)
+    assert errors == [errno.EIO, errno.EIO]
+    assert len(job.errors) == 1 and "could not be read on this node" in job.errors[0]

@@ -195,6 +195,10 @@ class RemoteFile:
     chunks: tuple[int, ...] | None = None
     verified: int = 0
     progress: trio.Event = field(default_factory=trio.Event)
+    #: the ``replicator.errors`` line of the last failed fetch a reader waited for,
+    #: said once a reader gets the error ("": none, or said): a reader whose fetch
+    #: was started by another and failed starts it again and may get the bytes
+    unsaid: str = ""
     #: trio time until which opens wait for the whole file (the first such open plus
     #: ``$TIERFS_EARLY_READ_WAIT``); None: no open waits now
     whole_until: float | None = None
@@ -900,11 +904,11 @@ class RemoteView:
                 return
             if rf.state != FETCHING:
                 if started and rf.errno:
-                    raise OSError(rf.errno, rf.error or "the fetch failed")
+                    raise self._reader_error(rf)
                 if started:  # fetched, then dropped to make room: fetched again
                     dropped += 1
                     if dropped > FETCH_AGAIN:
-                        raise OSError(errno.ENOSPC, f"{rf.path} was dropped to make room")
+                        raise self._dropped_error(rf, dropped)
                 started = True
                 if self._fetches is None:
                     await self.fetch(rf, urgent=True)
@@ -1990,12 +1994,16 @@ class RemoteView:
             else:
                 await rf.done.wait()
             if rf.state != LOCAL and rf.errno:
-                raise OSError(rf.errno, rf.error or "the fetch failed")
+                if not urgent:
+                    raise OSError(rf.errno, rf.error or "the fetch failed")
+                raise self._reader_error(rf)
             # LOCAL; or remote with no error: dropped to make room for another fetch
             # before this waiter woke (trial 43b: EIO at open, nothing reported)
-        raise OSError(
-            errno.ENOSPC, f"{rf.path} was dropped to make room {FETCH_AGAIN + 1} times over"
-        )
+        if not urgent:
+            raise OSError(
+                errno.ENOSPC, f"{rf.path} was dropped to make room {FETCH_AGAIN + 1} times over"
+            )
+        raise self._dropped_error(rf, FETCH_AGAIN + 1)
 
     def _start(self, rf: RemoteFile, urgent: bool) -> None:
         """Start ``rf``'s fetch in the view's own nursery unless one is under way (a
@@ -2603,11 +2611,36 @@ class RemoteView:
             os.close(fd)
 
     def _failed(self, rf: RemoteFile, why: str) -> None:
+        """``rf``'s fetch failed because ``why``: counted, and its line written to
+        ``replicator.errors`` now, or, when a reader waits for it, once a reader
+        gets the error (:meth:`_reader_error`; #14 trial 46: "could not be read"
+        lines for fetches whose readers then read the bytes)."""
         self.fetch_errors += 1
         rf.error = why
+        line = f"step {rf.step}: rank {rf.rank}'s {rf.path} could not be read on this node: {why}"
+        if rf.urgent:
+            rf.unsaid = line
+        else:
+            self.reporter.error(line)
+
+    def _reader_error(self, rf: RemoteFile) -> OSError:
+        """The error a reader of ``rf`` gets from its failed fetch (``rf.errno``); the
+        fetch's line is written now if no reader got it yet."""
+        if rf.unsaid:
+            self.reporter.error(rf.unsaid)
+            rf.unsaid = ""
+        return OSError(rf.errno, rf.error or "the fetch failed")
+
+    def _dropped_error(self, rf: RemoteFile, times: int) -> OSError:
+        """ENOSPC for a reader of ``rf``, which was dropped to make room ``times`` times
+        before the reader woke; said in ``replicator.errors``."""
+        why = f"{rf.path} was dropped to make room {times} times over"
+        self.fetch_errors += 1
         self.reporter.error(
-            f"step {rf.step}: rank {rf.rank}'s {rf.path} could not be read on this node: {why}"
+            f"step {rf.step}: rank {rf.rank}'s {rf.path} could not be read on this node: "
+            f"it does not fit in the RAM budget beside the other files read ({why})"
         )
+        return OSError(errno.ENOSPC, why)
 
     @staticmethod
     def _punch(fd: int, size: int) -> None:
