@@ -2095,3 +2095,26 @@ def test_the_reader_that_gets_a_failed_fetchs_error_says_it_once(tmp_path):
     trio.run(main)
     assert errors == [errno.EIO, errno.EIO]
     assert len(job.errors) == 1 and "could not be read on this node" in job.errors[0]
+
+
+def test_emptying_a_fetched_file_never_changes_its_size(tmp_path, monkeypatch):
+    """Regression (#14 trial 46, trial 47 FAIL A): emptying a file whose fetch failed
+    or was dropped was ``ftruncate(0)`` then ``ftruncate(size)``; a reader of the
+    file saw it end at 48, 84 or 160 MiB of 256 MiB with no error. The bytes are
+    punched out with the size kept; a copy that wrote past the size is cut back."""
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(3 * 4096))
+    sizes: list[int] = []
+    real = os.ftruncate
+    monkeypatch.setattr(os, "ftruncate", lambda fd, n: (sizes.append(n), real(fd, n))[1])
+    fd = os.open(path, os.O_RDWR)
+    try:
+        RemoteView._punch(fd, 3 * 4096)
+        assert os.fstat(fd).st_size == 3 * 4096 and not has_data(path)
+        assert sizes == []  # never 0 on the way
+        os.pwrite(fd, b"x" * 8192, 3 * 4096)  # a copy that wrote past the size
+        RemoteView._punch(fd, 3 * 4096)
+        assert os.fstat(fd).st_size == 3 * 4096 and not has_data(path)
+        assert sizes == [3 * 4096]
+    finally:
+        os.close(fd)

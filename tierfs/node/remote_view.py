@@ -82,7 +82,7 @@ from typing import cast
 import google_crc32c
 import trio
 
-from tierfs.core import control, settings
+from tierfs.core import control, settings, syscalls
 from tierfs.core.errors import NO_ROOM_ERRNOS, FetchFailed
 from tierfs.core.ports import (
     BatchFileSource,
@@ -139,6 +139,9 @@ READ_CHUNK = 1 << 20
 SAVE_QUIET = 1.0
 #: seconds such a reader's fetch waits for the save under way at most (then ENOSPC)
 SAVE_WAIT = 30.0
+#: bytes a punch's length is rounded up to (past the end of the file: a partial last
+#: page or block would only be zeroed, not freed)
+PUNCH_ALIGN = 1 << 20
 #: times a waiter fetches again a file dropped (to make room) before it woke, then ENOSPC
 FETCH_AGAIN = 3
 #: a remote file of at most this many bytes is fetched together with the next remote
@@ -2644,9 +2647,26 @@ class RemoteView:
 
     @staticmethod
     def _punch(fd: int, size: int) -> None:
-        """Free the bytes of ``fd`` and make it ``size`` bytes of hole again (blocking)."""
-        os.ftruncate(fd, 0)
-        os.ftruncate(fd, size)
+        """Free the bytes of ``fd`` and make it ``size`` bytes of hole again (blocking).
+
+        The size never changes on the way (``fallocate`` ``PUNCH_HOLE|KEEP_SIZE``;
+        a copy that wrote past ``size`` is cut back after). Regression (#14 trial 46
+        and trial 47 FAIL A): the punch was ``ftruncate(0)`` then ``ftruncate(size)``,
+        and a reader of the file saw it end at 48, 84 or 160 MiB of 256 MiB with no
+        error (its size was 0 for a moment)."""
+        try:
+            if size > 0:
+                # whole blocks to the end (a partial last block is only zeroed)
+                whole = -(-size // PUNCH_ALIGN) * PUNCH_ALIGN
+                syscalls.fallocate(
+                    fd, syscalls.FALLOC_FL_PUNCH_HOLE | syscalls.FALLOC_FL_KEEP_SIZE, 0, whole
+                )
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            os.ftruncate(fd, 0)  # a store without hole punching (never tmpfs)
+        if os.fstat(fd).st_size != size:
+            os.ftruncate(fd, size)
 
     async def drop(self, step: int) -> int:
         """Give back the RAM of ``step``'s fetched files no handle holds open; returns
