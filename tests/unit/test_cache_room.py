@@ -360,10 +360,12 @@ def test_a_file_a_readers_open_waits_for_is_not_dropped_before_the_open_runs(tmp
 
 class Writers:
     """The namespace's port as far as the view uses it: ``writing`` handles open for
-    writing, no inode held open."""
+    writing, whose files grow at every look while ``growing``; no inode held open."""
 
     def __init__(self) -> None:
         self.writing = 0
+        self.growing = True
+        self.written = 0
         self.inodes = self
 
     def by_ino(self, ino: int) -> None:
@@ -371,6 +373,11 @@ class Writers:
 
     def handles_open_for_write(self) -> int:
         return self.writing
+
+    def bytes_open_for_write(self) -> int:
+        if self.writing and self.growing:
+            self.written += 4096
+        return self.written
 
     def notify_changed(self, path: str) -> None:
         pass
@@ -720,3 +727,29 @@ def test_a_create_waits_for_held_files_at_most_create_wait(monkeypatch):
         assert room.free_bytes == 4
 
     trio.run(main)
+
+
+def test_a_file_held_open_for_writing_that_does_not_grow_is_no_save(tmp_path):
+    """Regression (#14 trial 47 FAIL C): ``cat`` of another rank's file into a new
+    file of this node took 30 s and logged a line: the output file, open for
+    writing, counted as a save under way, so the read waited for its own output
+    to be closed. Only a create or change less than SAVE_QUIET ago, or files open
+    for writing that grew in that time, count now."""
+    rv, ram, *_rest, own, job = view_of(tmp_path, PARTS, [Source("peer", BYTES, ["peer 0"])])
+    meta = Path(ram.view) / "10" / ".metadata"
+    room = Room(8 * len(BYTES["10/.metadata"]), free=0)
+    rv.room = CacheRoom(room, lambda: 0, rv.holds_fetched, rv.make_room, clock=trio.current_time)
+    ns = Writers()
+
+    async def main() -> None:
+        await rv.look(own)
+        rv.attach(ns)  # type: ignore[arg-type]
+        rv.room.own_write()  # ``cat`` created its output file
+        ns.writing, ns.growing = 1, False  # and holds it open, waiting for the read
+        assert rv.save_under_way()
+        began = trio.current_time()
+        await rv.missing(meta.stat().st_ino)()
+        assert trio.current_time() - began < 2 * rv_mod.SAVE_QUIET + 0.5
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert meta.read_bytes() == BYTES["10/.metadata"] and job.errors == []

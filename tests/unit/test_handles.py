@@ -92,9 +92,13 @@ def test_daemon_served_opens_without_passthrough(path):
     assert (w.keep_cache, w.direct_io) == (False, True)  # write-only: no mmap can happen
     assert (rw.keep_cache, rw.direct_io) == (True, False)
     assert table.open_for_write() == 2 and table.count() == 3
+    before = table.bytes_open_for_write()  # one inode, counted once
+    assert before == os.stat(path).st_blocks * 512 > 0
+    os.pwrite(w.fd, b"x" * (1 << 20), 0)  # a client writes (#14: a save under way)
+    assert table.bytes_open_for_write() >= 1 << 20 > before
     for h in (r, w, rw):
         table.release_file(h.fh)
-    assert table.count() == 0
+    assert table.count() == 0 and table.bytes_open_for_write() == 0
 
 
 def test_no_passthrough_for_setuid_files_or_beside_daemon_served_handles(path):

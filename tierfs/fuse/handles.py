@@ -116,6 +116,19 @@ class HandleTable:
         """Number of open file handles that may write (status, tests)."""
         return sum(1 for h in self._handles.values() if isinstance(h, Handle) and h.writable)
 
+    def bytes_open_for_write(self) -> int:
+        """Bytes allocated in the files that open handles may write (``st_blocks`` of
+        each backing file, once per inode): it grows while a client writes, also
+        through passthrough, which the daemon never sees."""
+        seen: dict[int, int] = {}
+        for h in self._handles.values():
+            if isinstance(h, Handle) and h.writable and h.inode.ino not in seen:
+                try:
+                    seen[h.inode.ino] = os.fstat(h.fd).st_blocks * 512
+                except OSError:
+                    seen[h.inode.ino] = 0
+        return sum(seen.values())
+
     # ------------------------------------------------------------------ opening
 
     def new_file(self, inode: Inode, fd: int, flags: int, daemon: bool = False) -> Handle:

@@ -135,6 +135,7 @@ class Namespace:
         self.known_inodes = inodes.count
         self.handle = handles.file
         self.handles_open_for_write = handles.open_for_write
+        self.bytes_open_for_write = handles.bytes_open_for_write
         self.open = files.open
         self.read_into = files.read_into
         self.write = files.write

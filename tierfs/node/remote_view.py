@@ -71,6 +71,7 @@ import dataclasses
 import errno
 import json
 import logging
+import math
 import os
 import stat
 import time
@@ -597,6 +598,10 @@ class RemoteView:
         self._room_turn = trio.Lock()
         #: fetches under way that found no room and wait for it (their bytes punched)
         self._short: set[RemoteFile] = set()
+        #: bytes of the files open for writing at the last look, and when they changed
+        #: (:meth:`save_under_way`)
+        self._written_bytes = 0
+        self._written_at = -math.inf
         #: the coordinator's parts epoch and version last heard (:meth:`parts_reported`)
         self.parts_epoch = ""
         self.parts_version = 0
@@ -2324,12 +2329,24 @@ class RemoteView:
                 os.close(fd)
 
     def save_under_way(self) -> bool:
-        """Whether a client of this node writes a save now: a file of it is open for
-        writing, or it created or changed one in the last :data:`SAVE_QUIET` seconds
-        (between the files of a save). Trio thread."""
-        if self.room is not None and self.room.wrote_within(SAVE_QUIET):
+        """Whether a client of this node writes a save now: it created or changed a file
+        in the last :data:`SAVE_QUIET` seconds (between the files of a save), or the
+        files open for writing grew in that time. Trio thread.
+
+        Regression (#14 trial 47 FAIL C): a file merely held open for writing
+        counted, so ``cat`` of another rank's file into a new file of this node
+        waited 30 s for its own output file (the "save") to be closed."""
+        if self.room is None:
+            return False
+        now = self.room.clock()
+        if self.room.wrote_within(SAVE_QUIET):
             return True
-        return self.ns is not None and self.ns.handles_open_for_write() > 0
+        if self.ns is None or self.ns.handles_open_for_write() == 0:
+            return False
+        written = self.ns.bytes_open_for_write()
+        if written != self._written_bytes:
+            self._written_bytes, self._written_at = written, now
+        return now - self._written_at < SAVE_QUIET
 
     async def _after_save(self, rf: RemoteFile) -> None:
         """Wait (polling every 0.1 s) until no save of this node is under way, for
