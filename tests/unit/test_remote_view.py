@@ -2118,3 +2118,61 @@ def test_emptying_a_fetched_file_never_changes_its_size(tmp_path, monkeypatch):
         assert sizes == [3 * 4096]
     finally:
         os.close(fd)
+
+
+class Partial(Remote):
+    """A remote file opened during its fetch: its first 4 bytes are verified, the
+    rest is a hole until the wait ``readable`` returns writes it."""
+
+    def __init__(self, ino: int, path: Path, data: bytes) -> None:
+        super().__init__(ino)
+        self.path, self.data, self.asked = path, data, []
+
+    def opening(self, ino: int):
+        return None  # the open goes on with the first bytes verified
+
+    def creating(self):
+        return None
+
+    def readable(self, ino: int, offset: int, size: int):
+        self.asked.append((offset, size))
+        if ino != self.ino or self.here or offset + size <= 4:
+            return None
+
+        async def fetched() -> None:
+            with open(self.path, "r+b") as f:
+                f.write(self.data)
+            self.here = True
+
+        return fetched
+
+
+def test_copy_file_range_from_a_file_being_fetched_copies_only_verified_bytes(tmp_path):
+    """Regression (#14 trial 48 FAIL E): ``cat`` of another rank's file into the mount
+    (one copy_file_range of 256 MiB) copied the holes past the fetch's watermark: a
+    full-size file of zeros after its first 4 MiB, and exit 0. The copy waits for
+    the bytes as a read does."""
+    view = tmp_path / "view"
+    view.mkdir()
+    data = os.urandom(64 * 1024)
+    src = view / "f"
+    with open(src, "wb") as f:
+        f.write(data[:4])
+        f.truncate(len(data))  # holes past the verified bytes
+    remote = Partial(src.stat().st_ino, src, data)
+    ns = Namespace(str(view), Budget(str(view), None, 0), remote=remote)
+    try:
+        inode, _st = ns.lookup(ROOT_ID, b"f")
+        h_in = ns.open(inode.nodeid, os.O_RDONLY)
+        assert h_in.partial
+        _out, _st, h_out = ns.create(ROOT_ID, b"copy", os.O_WRONLY | os.O_CREAT, 0o644, 0, 0)
+        with pytest.raises(Deferred) as later:
+            ns.copy_file_range(h_in.fh, 0, h_out.fh, 0, len(data))
+        assert remote.asked[-1] == (0, len(data))
+        trio.run(later.value.wait)
+        assert ns.copy_file_range(h_in.fh, 0, h_out.fh, 0, len(data)) == len(data)
+        ns.release(h_in.fh)
+        ns.release(h_out.fh)
+        assert (view / "copy").read_bytes() == data
+    finally:
+        ns.close()

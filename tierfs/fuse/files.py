@@ -280,9 +280,25 @@ class FileOps(DataOps):
     ) -> int:
         """copy_file_range(2) between two open files of the mount; returns bytes copied.
 
+        From another rank's file opened during its fetch (``partial``) only verified
+        bytes are copied: the request waits as a read does (:meth:`read_into`).
+        Regression (#14 trial 48 FAIL E): ``cat`` (one ``copy_file_range``) of such a
+        file into the mount copied the holes past the fetch's watermark, a 256 MiB
+        file of zeros after its first 4 MiB, with exit 0.
+
         Raises:
             OSError: ENOSPC past the budget, EBADF for an unknown handle.
+            Deferred: the source's range is not verified yet (:mod:`tierfs.fuse.remote`).
         """
         src, dst = self._file(fh_in), self._file(fh_out)
+        if src.partial:
+            wait = self._remote.readable(src.inode.ino, off_in, length)
+            if wait is not None:
+                raise Deferred(wait)
+            src.partial = self._remote.partial(src.inode.ino)
+        if src.content is not None:  # a daemon-generated file: its bytes at open
+            chunk = src.content[off_in : off_in + length]
+            self._space.check_write(dst.fd, off_out, len(chunk))
+            return os.pwrite(dst.fd, chunk, off_out)
         self._space.check_write(dst.fd, off_out, length)
         return os.copy_file_range(src.fd, dst.fd, length, off_in, off_out)
