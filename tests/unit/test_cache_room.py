@@ -383,6 +383,17 @@ class Writers:
         pass
 
 
+def budget_full(tmp_path: Path):
+    """A view whose budget has no room left (its room's clock is trio's) and a
+    namespace port of ``Writers``: (view, the path of rank 0's ``.metadata``, the
+    own part, the job, the port)."""
+    rv, ram, *_rest, own, job = view_of(tmp_path, PARTS, [Source("peer", BYTES, ["peer 0"])])
+    meta = Path(ram.view) / "10" / ".metadata"
+    room = Room(8 * len(BYTES["10/.metadata"]), free=0)
+    rv.room = CacheRoom(room, lambda: 0, rv.holds_fetched, rv.make_room, clock=trio.current_time)
+    return rv, meta, own, job, Writers()
+
+
 def test_a_readers_fetch_while_this_node_saves_waits_for_the_save(tmp_path):
     """#14 trial 46 FAIL 6: a budgeted node's readers fetched other ranks' files of the
     previous step while the node saved the next one; the reads took the room and
@@ -391,11 +402,7 @@ def test_a_readers_fetch_while_this_node_saves_waits_for_the_save(tmp_path):
     was created or changed less than SAVE_QUIET ago, then goes ahead; after
     SAVE_WAIT it gets ENOSPC with a line. (Refusing it at once failed whole steps of
     reads, and a load right after a save.)"""
-    rv, ram, *_rest, own, job = view_of(tmp_path, PARTS, [Source("peer", BYTES, ["peer 0"])])
-    meta = Path(ram.view) / "10" / ".metadata"
-    room = Room(8 * len(BYTES["10/.metadata"]), free=0)
-    rv.room = CacheRoom(room, lambda: 0, rv.holds_fetched, rv.make_room, clock=trio.current_time)
-    ns = Writers()
+    rv, meta, own, job, ns = budget_full(tmp_path)
 
     async def main() -> None:
         await rv.look(own)
@@ -735,11 +742,7 @@ def test_a_file_held_open_for_writing_that_does_not_grow_is_no_save(tmp_path):
     writing, counted as a save under way, so the read waited for its own output
     to be closed. Only a create or change less than SAVE_QUIET ago, or files open
     for writing that grew in that time, count now."""
-    rv, ram, *_rest, own, job = view_of(tmp_path, PARTS, [Source("peer", BYTES, ["peer 0"])])
-    meta = Path(ram.view) / "10" / ".metadata"
-    room = Room(8 * len(BYTES["10/.metadata"]), free=0)
-    rv.room = CacheRoom(room, lambda: 0, rv.holds_fetched, rv.make_room, clock=trio.current_time)
-    ns = Writers()
+    rv, meta, own, job, ns = budget_full(tmp_path)
 
     async def main() -> None:
         await rv.look(own)

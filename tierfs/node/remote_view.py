@@ -2637,7 +2637,7 @@ class RemoteView:
         lines for fetches whose readers then read the bytes)."""
         self.fetch_errors += 1
         rf.error = why
-        line = f"step {rf.step}: rank {rf.rank}'s {rf.path} could not be read on this node: {why}"
+        line = self._unread_line(rf, why)
         if rf.urgent:
             rf.unsaid = line
         else:
@@ -2657,10 +2657,16 @@ class RemoteView:
         why = f"{rf.path} was dropped to make room {times} times over"
         self.fetch_errors += 1
         self.reporter.error(
-            f"step {rf.step}: rank {rf.rank}'s {rf.path} could not be read on this node: "
-            f"it does not fit in the RAM budget beside the other files read ({why})"
+            self._unread_line(
+                rf, f"it does not fit in the RAM budget beside the other files read ({why})"
+            )
         )
         return OSError(errno.ENOSPC, why)
+
+    @staticmethod
+    def _unread_line(rf: RemoteFile, why: str) -> str:
+        """The ``replicator.errors`` line of ``rf`` that could not be read because ``why``."""
+        return f"step {rf.step}: rank {rf.rank}'s {rf.path} could not be read on this node: {why}"
 
     @staticmethod
     def _punch(fd: int, size: int) -> None:
