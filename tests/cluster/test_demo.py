@@ -26,6 +26,7 @@ from tierfs.demo.orchestrator import (
     signals_deferred,
 )
 from tierfs.demo.plot import loss_segments
+from tierfs.demo.report import StatusWatcher
 
 needs_demo_parts = pytest.mark.skipif(
     emulator_binary() is None or not os.path.exists("/dev/fuse") or os.geteuid() != 0,
@@ -141,6 +142,20 @@ def test_sigterm_while_a_trainer_starts_leaves_no_unrecorded_trainer(
     assert demo.nodes[0].trainer is started[0]  # the cleanup's kill_trainers sees it
     assert recorded == [4_000_000]  # and so does the reaper
     assert demo.nodes[1].trainer is None
+
+
+def test_sigterm_before_the_status_watcher_starts_still_cleans_up(tmp_path, monkeypatch):
+    """Regression (CI of 01a99f8): SIGTERM right after the "nodes mounted" line, before
+    the status watcher's thread started, made the cleanup's join raise "cannot join
+    thread before it is started": exit 1, not 128 + SIGTERM. The failing input: a
+    shutdown with a created, unstarted watcher."""
+    demo = Demo(DemoConfig(nodes=2, out=tmp_path / "demo"))
+    demo.watcher = StatusWatcher(demo)  # created; the signal came before start()
+    released: list[bool] = []
+    monkeypatch.setattr(demo.reaper, "release", lambda: released.append(True))
+    demo.shutdown()
+    assert released == [True]  # the cleanup ran to its end
+    assert not demo.watcher.is_alive()
 
 
 @needs_demo_parts

@@ -32,6 +32,8 @@ from tierfs.store.shards import Shard, ShardKey
 
 JOB, TOKEN, STEP, RANK = "job", "secret", 7, 3
 BIG = bytes(range(256)) * ((2 * CHUNK + 12345) // 256 + 1)  # three chunks, the last short
+# larger than the sender's and receiver's socket buffers together (tcp_wmem, tcp_rmem)
+HUGE_SIZE = 128 * 1024 * 1024
 FILES = {
     "7/big.bin": BIG,
     "7/empty": b"",
@@ -72,8 +74,8 @@ class Host:
 
 
 class Holder:
-    def __init__(self, tmp_path, lane: LaneServer | None) -> None:
-        self.shard = make_shard(tmp_path / "holder", JOB, RANK, STEP, dict(FILES))
+    def __init__(self, tmp_path, lane: LaneServer | None, files: dict[str, bytes] = FILES) -> None:
+        self.shard = make_shard(tmp_path / "holder", JOB, RANK, STEP, dict(files))
         self.host = Host(self.shard)
         self.lane = lane
         handlers = with_sync_context(peer_handlers(PeerServicer(self.host, lane)))  # type: ignore[arg-type]
@@ -233,8 +235,21 @@ def test_a_wrong_ticket_gets_nothing(holder):
     wait_for(lambda: released == [1])
 
 
-def test_a_puller_that_goes_away_mid_stream_unpins(holder, tmp_path):
-    e = holder.entry("7/big.bin")
+@pytest.fixture
+def huge_holder(tmp_path):
+    lane = LaneServer("127.0.0.1")
+    lane.start()
+    h = Holder(tmp_path, lane, {**FILES, "7/huge.bin": bytes(range(256)) * (HUGE_SIZE // 256)})
+    yield h
+    h.stop()
+
+
+def test_a_puller_that_goes_away_mid_stream_unpins(huge_holder):
+    """Regression (CI of 01a99f8): with the 8 MiB file the kernel's loopback socket
+    buffers (tcp_rmem up to 32 MiB here) took the whole stream before the cancel, so
+    "released mid-stream" did not hold; the file is now larger than any buffers."""
+    holder = huge_holder
+    e = holder.entry("7/huge.bin")
     grant_released: list[int] = []
     real_grant = holder.lane.offer
     offered = []
@@ -253,14 +268,14 @@ def test_a_puller_that_goes_away_mid_stream_unpins(holder, tmp_path):
 
     holder.lane.offer = offer  # type: ignore[method-assign]
     client = PeerClient(TOKEN, WireStats())
-    call, entries = client._pull_paths(holder.address, KEY, "", ["7/big.bin"], 30)
-    assert isinstance(call, LaneStream) and entries["7/big.bin"].size == e.size
+    call, entries = client._pull_paths(holder.address, KEY, "", ["7/huge.bin"], 30)
+    assert isinstance(call, LaneStream) and entries["7/huge.bin"].size == e.size
     first = next(iter(call))
     assert first.offset == 0 and len(first.data) == CHUNK
     call.cancel()
     client.close()
     wait_for(lambda: len(grant_released) == 1)
-    assert grant_released[0] < len(BIG)
+    assert grant_released[0] < HUGE_SIZE
     wait_for(lambda: holder.host.pinned() == 0)
     assert holder.host.damages == []
 

@@ -500,7 +500,8 @@ class Demo:
         (:mod:`tierfs.demo.reaper`), released here only once all of it ran.
         """
         try:
-            if self.watcher is not None:
+            # a signal between the watcher's creation and its start leaves it unstarted
+            if self.watcher is not None and self.watcher.is_alive():
                 self.watcher.stop.set()
                 self.watcher.join(timeout=5)
             self.kill_trainers()
