@@ -215,7 +215,9 @@ def build_agent(
     control = JobControl(config, store, state, view, book, reporter, restores, tasks)
     intake = EventIntake(store, book, view, catalog, sealer, keeper, control, restores, tasks)
     # a big file is checksummed as its writer closes it: the seal finds its crc32c
-    intake.on_closed = CrcAhead(store.view, book.crc_cache, tasks.spawn).closed
+    intake.on_closed = CrcAhead(
+        store.view, book.crc_cache, tasks.spawn, locate=lambda ino: _view_path(book, ino)
+    ).closed
     status = StatusBuilder(
         config, store, budget, state, book, catalog, tiers, reporter.errors, whole_view
     )
@@ -241,6 +243,15 @@ def build_agent(
         status_builder=status,
         background=background,
     )
+
+
+def _view_path(book: StepBook, ino: int) -> str | None:
+    """The current view-relative path of backing inode ``ino`` (trio thread), or None
+    when the namespace holds no such inode or it is unlinked."""
+    ns = book.ns
+    inode = ns.inodes.by_ino(ino) if ns is not None else None
+    path = ns.relpath(inode) if ns is not None and inode is not None else None
+    return os.fsdecode(path) if path is not None else None
 
 
 def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts:

@@ -105,3 +105,70 @@ def test_a_burst_beyond_the_pending_bound_is_left_to_the_seal(tmp_path, n):
     for i in range(n):
         ahead.closed(f"f{i}")
     assert len(ahead._pending) == ca.PENDING and len(started) == 1
+
+
+def test_a_file_renamed_right_after_its_close_is_read_at_its_new_path(tmp_path):
+    """Regression (#18 run R): a plain-files save closes its one file and renames the
+    step directory at once; the read by the path of the close found nothing
+    (ENOENT, "checksum ahead of the seal ... No such file") and the seal read the
+    whole file itself. The failing input: tmp-checkpoint-3/part.bin closed, then
+    tmp-checkpoint-3 renamed to checkpoint-3 before the read."""
+    (tmp_path / "tmp-checkpoint-3").mkdir()
+    f = tmp_path / "tmp-checkpoint-3" / "part.bin"
+    f.write_bytes(BIG)
+    ino = f.stat().st_ino
+    os.rename(tmp_path / "tmp-checkpoint-3", tmp_path / "checkpoint-3")
+    where = {ino: "checkpoint-3/part.bin"}
+    cache: mf.CrcCache = {}
+    ahead = ca.CrcAhead(str(tmp_path), cache, lambda fn: None, locate=where.get)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            ahead.spawn = nursery.start_soon  # type: ignore[assignment]
+            ahead.closed("tmp-checkpoint-3/part.bin", ino)
+
+    trio.run(main)
+    st = (tmp_path / "checkpoint-3" / "part.bin").stat()
+    crc, _, chunks = crc32c_chunks(str(tmp_path / "checkpoint-3" / "part.bin"))
+    assert cache == {(st.st_ino, st.st_size, st.st_mtime_ns): (crc, chunks)}
+    assert ahead.files == 1
+
+
+def test_another_file_under_the_closed_files_name_is_not_taken_for_it(tmp_path):
+    """The name of the close now holds another file (the closed one renamed away and
+    unknown to the namespace): nothing is cached for the closed inode's sake; the
+    other file's own close brings it."""
+    f = tmp_path / "part.bin"
+    f.write_bytes(BIG)
+    ino = f.stat().st_ino
+    os.rename(f, tmp_path / "moved.bin")
+    (tmp_path / "part.bin").write_bytes(BIG[::-1])
+    cache: mf.CrcCache = {}
+    ahead = ca.CrcAhead(str(tmp_path), cache, lambda fn: None, locate=lambda i: None)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            ahead.spawn = nursery.start_soon  # type: ignore[assignment]
+            ahead.closed("part.bin", ino)
+
+    trio.run(main)
+    assert cache == {} and ahead.files == 0
+
+
+def test_a_rename_between_the_look_and_the_open_is_looked_up_again(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    f = tmp_path / "a" / "part.bin"
+    f.write_bytes(BIG)
+    ino = f.stat().st_ino
+    looks = iter(["a/part.bin", "b/part.bin"])
+    os.rename(tmp_path / "a", tmp_path / "b")  # after the first look, before the open
+    cache: mf.CrcCache = {}
+    ahead = ca.CrcAhead(str(tmp_path), cache, lambda fn: None, locate=lambda i: next(looks))
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            ahead.spawn = nursery.start_soon  # type: ignore[assignment]
+            ahead.closed("a/part.bin", ino)
+
+    trio.run(main)
+    assert ahead.files == 1 and len(cache) == 1

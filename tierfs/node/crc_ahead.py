@@ -17,6 +17,12 @@ mtime, so a write after the first look gets a later mtime even on a kernel
 whose file timestamps are coarse (tmpfs stamps writes with the coarse
 clock before Linux 6.13's multigrain timestamps). A file written after
 it was read has another mtime; the seal reads it again.
+
+A file is found by its backing inode, not by the path it had at its close:
+trainers rename the step directory right after the last close (plain
+files, HF, NeMo), and a read by the old path found nothing (ENOENT), so
+the seal read the file itself (#18 run R: one file per rank, renamed at
+once). The current path is asked for just before the read.
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ class CrcAhead:
         cache: the seals' crc32c cache (:attr:`tierfs.node.steps.StepBook.crc_cache`);
             filled on the trio thread.
         spawn: starts a background task (``TaskSpawner.spawn``).
+        locate: the current view-relative path of the file with backing inode
+            number ``ino``, or None when unknown (trio thread); without it the
+            path at the close is read.
     """
 
     def __init__(
@@ -60,23 +69,27 @@ class CrcAhead:
         root: str,
         cache: CrcCache,
         spawn: Callable[[Callable[..., Awaitable[object]]], Any],
+        locate: Callable[[int], str | None] | None = None,
     ) -> None:
         self.root = root
         self.cache = cache
         self.spawn = spawn
-        self._pending: dict[str, None] = {}
+        self.locate = locate or (lambda ino: None)
+        #: view-relative path at the last close -> backing inode number (0: unknown)
+        self._pending: dict[str, int] = {}
         self._running = False
         self._added: dict[tuple[int, int, int], None] = {}
         #: files read here, and their bytes (status and tests)
         self.files = 0
         self.bytes = 0
 
-    def closed(self, path: str) -> None:
-        """The last write handle of the view file ``path`` closed (trio thread; never
-        blocks): read it in the background when it is big enough."""
+    def closed(self, path: str, ino: int = 0) -> None:
+        """The last write handle of the view file ``path`` (backing inode number
+        ``ino``; 0: unknown) closed (trio thread; never blocks): read it in the
+        background when it is big enough."""
         if path in self._pending or len(self._pending) >= PENDING:
             return
-        self._pending[path] = None
+        self._pending[path] = ino
         if not self._running:
             self._running = True
             self.spawn(self._drain)
@@ -84,9 +97,9 @@ class CrcAhead:
     async def _drain(self) -> None:
         try:
             while self._pending:
-                path = next(iter(self._pending))
+                path, ino = next(iter(self._pending.items()))
                 try:
-                    found = await trio.to_thread.run_sync(self._checksum, path)
+                    found = await self._read(ino, path)
                 except OSError as exc:
                     log.debug("checksum ahead of the seal of %s: %s", path, exc)
                     found = None
@@ -105,12 +118,30 @@ class CrcAhead:
         finally:
             self._running = False
 
+    async def _read(
+        self, ino: int, path: str
+    ) -> tuple[tuple[int, int, int], tuple[int, tuple[int, ...] | None], int] | None:
+        """:meth:`_checksum` of the file at its current path; a file renamed between
+        the look and the open is looked up once more.
+
+        Raises:
+            OSError: the file is gone or unreadable.
+        """
+        first = self.locate(ino) if ino > 0 else None
+        try:
+            return await trio.to_thread.run_sync(self._checksum, first or path, ino)
+        except FileNotFoundError:
+            again = self.locate(ino) if ino > 0 else None
+            if again is None or again == (first or path):
+                raise
+            return await trio.to_thread.run_sync(self._checksum, again, ino)
+
     def _checksum(
-        self, path: str
+        self, path: str, ino: int = 0
     ) -> tuple[tuple[int, int, int], tuple[int, tuple[int, ...] | None], int] | None:
         """(cache key, cache value, bytes) of the view file ``path``, or None when it
-        is small, not a regular file, already known, or was written while read
-        (worker thread).
+        is small, not a regular file, another file than backing inode ``ino``
+        (when not 0), already known, or was written while read (worker thread).
 
         Raises:
             OSError: the file is gone or unreadable.
@@ -120,6 +151,8 @@ class CrcAhead:
             before = os.fstat(fd)
             if not stat.S_ISREG(before.st_mode) or before.st_size < MIN_BYTES:
                 return None
+            if ino > 0 and before.st_ino != ino:
+                return None  # another file took the name: its own close brings it here
             age = time.time_ns() - before.st_mtime_ns
             if age < QUIET * 1e9:
                 time.sleep(QUIET - age / 1e9)

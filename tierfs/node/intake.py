@@ -151,10 +151,10 @@ class EventIntake:
         #: whole-step view learns that this node began a save of a step it shows
         #: without a part of its own (:meth:`tierfs.node.remote_view.RemoteView.own_change`)
         self.on_change: Callable[[str], None] = lambda path: None
-        #: told when the last write handle of a view file closed (view-relative path;
-        #: trio thread): :class:`tierfs.node.crc_ahead.CrcAhead` checksums it
-        #: before its step is sealed
-        self.on_closed: Callable[[str], None] = lambda path: None
+        #: told when the last write handle of a view file closed (view-relative path,
+        #: backing inode number; trio thread): :class:`tierfs.node.crc_ahead.CrcAhead`
+        #: checksums it before its step is sealed
+        self.on_closed: Callable[[str, int], None] = lambda path, ino: None
 
     # ------------------------------------------------------------ FUSE thread
 
@@ -245,7 +245,7 @@ class EventIntake:
         if ev.path == control.REPLICATOR_YAML:
             self.control.start_control()
             return
-        self.on_closed(ev.path)
+        self.on_closed(ev.path, ev.ino)
         if self.book.rules is not None:
             cand = self.book.rules.on_release(ev.path, self.view)
             if cand is not None:
