@@ -215,9 +215,9 @@ def build_agent(
     control = JobControl(config, store, state, view, book, reporter, restores, tasks)
     intake = EventIntake(store, book, view, catalog, sealer, keeper, control, restores, tasks)
     # a big file is checksummed as its writer closes it: the seal finds its crc32c
-    intake.on_closed = CrcAhead(
-        store.view, book.crc_cache, tasks.spawn, locate=lambda ino: _view_path(book, ino)
-    ).closed
+    ahead = CrcAhead(store.view, book.crc_cache, tasks.spawn, lambda ino: _view_path(book, ino))
+    intake.on_closed = ahead.closed
+    sealer.checksums_ahead = ahead.settled  # a seal waits for them, not reads beside them
     status = StatusBuilder(
         config, store, budget, state, book, catalog, tiers, reporter.errors, whole_view
     )

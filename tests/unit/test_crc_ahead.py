@@ -4,10 +4,12 @@ crc32c in the cache and does not read it again (issue #18 item 1)."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
 import trio
+import trio.testing
 
 from tierfs.node import crc_ahead as ca
 from tierfs.store import manifest as mf
@@ -172,3 +174,57 @@ def test_a_rename_between_the_look_and_the_open_is_looked_up_again(tmp_path, mon
 
     trio.run(main)
     assert ahead.files == 1 and len(cache) == 1
+
+
+def test_a_seal_waits_for_the_checksums_queued_before_it_not_for_later_ones(tmp_path, monkeypatch):
+    """#18: a seal that started while the file's checksum at close was still being
+    read read the same bytes beside it (twice the CPU on 2 busy vCPUs); it now
+    waits for what was queued before it, and files closed after it do not delay it."""
+    for name in ("a.bin", "b.bin", "later.bin"):
+        (tmp_path / name).write_bytes(BIG)
+    later_ino = (tmp_path / "later.bin").stat().st_ino
+    cache: mf.CrcCache = {}
+    ahead = ca.CrcAhead(str(tmp_path), cache, lambda fn: None)
+    gate = threading.Event()
+    real = ca.crc32c_chunks
+
+    def gated(fd, *a, **k):
+        if os.fstat(fd).st_ino == later_ino:
+            assert gate.wait(30)  # the file closed after the seal began is slow to read
+        return real(fd, *a, **k)
+
+    settled_with: list[int] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            ahead.spawn = nursery.start_soon  # type: ignore[assignment]
+            ahead.closed("a.bin", (tmp_path / "a.bin").stat().st_ino)
+            ahead.closed("b.bin", (tmp_path / "b.bin").stat().st_ino)
+            seal = trio.Event()
+
+            async def sealing() -> None:
+                await ahead.settled()
+                settled_with.append(len(cache))
+                seal.set()
+
+            nursery.start_soon(sealing)
+            await trio.testing.wait_all_tasks_blocked()  # the seal is waiting
+            ahead.closed("later.bin", later_ino)
+            with trio.fail_after(30):
+                await seal.wait()
+            gate.set()
+
+    monkeypatch.setattr(ca, "crc32c_chunks", gated)
+    trio.run(main)
+    assert settled_with == [2]  # both files queued before were in the cache
+    assert len(cache) == 3 and ahead.files == 3
+
+
+def test_settled_returns_at_once_with_nothing_queued():
+    ahead = ca.CrcAhead("/nonexistent", {}, lambda fn: None)
+
+    async def main() -> None:
+        with trio.fail_after(1):
+            await ahead.settled()
+
+    trio.run(main)

@@ -19,7 +19,7 @@ import os
 import stat
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import trio
@@ -39,6 +39,10 @@ from tierfs.store.shards import SealBusy, Shard, ShardKey, ShardStore, file_inod
 __all__ = ["ErrorLines", "Retention", "Sealer"]
 
 log = logging.getLogger(__name__)
+
+#: seconds a seal waits at most for the checksums begun at the close of files
+#: (beyond it the seal reads what is still unread itself)
+AHEAD_WAIT = 5.0
 
 
 class Retention(Protocol):
@@ -111,6 +115,10 @@ class Sealer:
         self._deferred: dict[str, tuple[SealCandidate, trio.Event]] = {}
         #: seconds a re-seal waits for its marker file (a setting for tests)
         self.marker_grace = MARKER_GRACE
+        #: returns once the checksums begun at the close of files are done
+        #: (:meth:`tierfs.node.crc_ahead.CrcAhead.settled`): a seal waits for them
+        #: rather than reading the same bytes beside them
+        self.checksums_ahead: Callable[[], Awaitable[None]] | None = None
 
     def schedule(self, cand: SealCandidate) -> None:
         """Make ``cand`` the pending candidate of its name and start a seal of it.
@@ -196,6 +204,11 @@ class Sealer:
         async with self._limiter:
             if book.pending.get(cand.name) is not cand or self.state.job is not job:
                 return
+            if self.checksums_ahead is not None:
+                with trio.move_on_after(AHEAD_WAIT):
+                    await self.checksums_ahead()
+                if book.pending.get(cand.name) is not cand or self.state.job is not job:
+                    return
             if not all(self.view.exists(e) for e in cand.entries):
                 del book.pending[cand.name]  # renamed or deleted meanwhile
                 return
