@@ -372,18 +372,38 @@ def test_the_first_chunk_is_served_while_the_rest_is_fetched_and_a_bad_middle_ch
             ["dd", f"if={target}", "bs=1M", "skip=9", "count=1", "status=none"],
             stdout=subprocess.PIPE,
         )
-        # past the watermark: it waits for the bucket (it has not answered)
+        # a copy into this mount in one copy_file_range, as cat and cp make it
+        # (trial 48 FAIL E: it copied the holes past the watermark, zeros, exit 0)
+        copy = c.root(2) / "copy.bin"
+        copier = subprocess.Popen([sys.executable, "-c", COPY_FILE_RANGE, str(target), str(copy)])
+        # past the watermark: both wait for the bucket (it has not answered)
         with pytest.raises(subprocess.TimeoutExpired):
             middle.wait(timeout=2)
+        assert copier.poll() is None, "the copy did not wait for the verified bytes"
     finally:
         fake_gcs.thaw()
     out, _ = middle.communicate(timeout=60)
     assert middle.returncode == 0 and out == BIG[9 << 20 : 10 << 20]
+    assert copier.wait(timeout=60) == 0
+    assert copy.read_bytes() == BIG
     data = target.read_bytes()
     assert data[bad] == BIG[bad] and data == BIG  # never the flipped byte
     errors = c.errors(2)
     assert "step 10: rank 1's 10/__1_0.distcp was read from bucket round" in errors, errors
     assert "chunk 1 (offset 4194304)" in errors, errors
+
+
+#: ``python -c`` copying the file argv[1] to argv[2] with copy_file_range (cat's and
+#: cp's way within one file system), in as few calls as the kernel allows
+COPY_FILE_RANGE = (
+    "import os, sys\n"
+    "src, dst = os.open(sys.argv[1], os.O_RDONLY), os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT)\n"
+    "n = os.fstat(src).st_size\n"
+    "while n > 0:\n"
+    "    k = os.copy_file_range(src, dst, n)\n"
+    "    assert k > 0, 'short source'\n"
+    "    n -= k\n"
+)
 
 
 #: ``python -c`` reading the file argv[1] with SIGINT's default action (fatal), as
