@@ -186,3 +186,14 @@ def test_a_step_must_not_link_into_a_sibling_step():
     for target in ("../../checkpoint-1/data.bin", "../..", "../../checkpoint-6x/a"):
         with pytest.raises(ManifestError, match="leaves the step"):
             check_self_contained([*step, link("checkpoint-6/sub/bad", target)])
+
+
+def test_the_crc_cache_keeps_its_newest_entries_up_to_its_limit():
+    """Noticed in #14 trials: the seals' crc32c cache grew by every file ever sealed
+    for as long as the daemon ran; it now keeps the newest entries up to a limit."""
+    from tierfs.store.manifest import trim_crc_cache
+
+    cache = {(i, 10, 1): (i, None) for i in range(10)}
+    assert trim_crc_cache(cache, 4) == 6
+    assert list(cache) == [(6, 10, 1), (7, 10, 1), (8, 10, 1), (9, 10, 1)]
+    assert trim_crc_cache(cache, 4) == 0 and len(cache) == 4

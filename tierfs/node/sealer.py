@@ -32,7 +32,7 @@ from tierfs.node.sealing import MARKER_GRACE, TRACKERS, SealCandidate
 from tierfs.node.steps import StepBook, top_of
 from tierfs.node.tasks import TaskSpawner
 from tierfs.node.view import ClientView
-from tierfs.store.manifest import ManifestError
+from tierfs.store.manifest import ManifestError, trim_crc_cache
 from tierfs.store.ramstore import RamStore
 from tierfs.store.shards import SealBusy, Shard, ShardKey, ShardStore, file_inodes, retention
 
@@ -254,6 +254,7 @@ class Sealer:
 
             try:
                 shard = await trio.to_thread.run_sync(work)
+                trim_crc_cache(book.crc_cache)
             except SealBusy:
                 log.info(
                     "step %d (%s): files still open for writing; sealing when closed",

@@ -532,6 +532,27 @@ def crc32c_chunks(
 #: (ino, size, mtime_ns) -> (crc32c, chunks' crc32c or None for one chunk)
 CrcCache = dict[tuple[int, int, int], tuple[int, tuple[int, ...] | None]]
 
+#: entries a :data:`CrcCache` keeps at most (:func:`trim_crc_cache`): about 40 MiB
+#: with files of a few chunks; a file forgotten is read again at its next seal
+CRC_CACHE_ENTRIES = 200_000
+
+
+def trim_crc_cache(cache: CrcCache, limit: int = CRC_CACHE_ENTRIES) -> int:
+    """Forget the oldest entries of ``cache`` beyond ``limit``; returns how many.
+
+    Without it the cache grew by every file ever sealed for as long as the
+    daemon ran (one entry per (inode, size, mtime)). Safe beside a seal in a
+    worker thread that reads and adds entries (single dict operations).
+    """
+    dropped = 0
+    while len(cache) > limit:
+        try:
+            del cache[next(iter(cache))]
+        except (KeyError, StopIteration, RuntimeError):
+            continue
+        dropped += 1
+    return dropped
+
 
 def scan_tree(
     root: str,
