@@ -209,3 +209,40 @@ def test_a_restored_step_dropped_since_is_not_waited_for():
         "the other ranks' files of step 60 are not in the view yet"
     )
     assert whole_step_unready(status([]), False) is not None  # a node added since
+
+
+def test_wait_bytes_says_when_the_ram_budget_cannot_hold_the_other_ranks_files():
+    """Regression (#14 trial 49 F5): on a node with ``--size 1200Mi``, ``tierfs wait
+    --bytes`` ended with exit 7 and "1 files (268435456 bytes) ... are not fetched yet"
+    and no cause, while the prefetch fetched and dropped the files in turn."""
+    from tierfs.cli.wait import whole_step_unready
+    from tierfs.core.status.whole import WholeStepStatus
+
+    def status(free: int, dropped: int = 0, size: int | None = 1258291200):
+        step = WholeStepStatus(210, ranks_known=(0, 1, 2), remote=1, bytes_remote=268435456)
+        return NodeStatus.from_json(
+            {
+                "mode": "generic",
+                "budget": {"mode": "native", "total_bytes": 1258291200, "free_bytes": free}
+                | ({"size_bytes": size} if size is not None else {}),
+                "restore": {"state": "done", "step": 210, "source": "local"},
+                "whole_view": {
+                    "active": True,
+                    "steps": [step.to_json()],
+                    "dropped_bytes": dropped,
+                },
+            }
+        )
+
+    head = "1 files (268435456 bytes) of other ranks of step 210 are not fetched yet"
+    assert whole_step_unready(status(free=100 << 20), True) == (
+        head + "; the RAM budget (--size 1258291200 bytes, 104857600 free) cannot hold "
+        "them beside this node's own files: a file not kept is fetched when read"
+    )
+    assert whole_step_unready(status(free=600 << 20, dropped=268435456), True) == (
+        head + "; the RAM budget (--size 1258291200 bytes, 629145600 free) may be too "
+        "small to keep them all (268435456 bytes of fetched files were dropped for room): "
+        "a file not kept is fetched when read"
+    )
+    assert whole_step_unready(status(free=600 << 20), True) == head  # room: just not yet
+    assert whole_step_unready(status(free=100 << 20, size=None), True) == head  # no --size

@@ -162,9 +162,27 @@ def whole_step_unready(status: NodeStatus, all_bytes: bool) -> str | None:
             if s.failed
             else ""
         )
+        # a --size budget that cannot hold them beside this node's own parts: said as
+        # such (#14 trial 49 F5: exit 7 named no cause, while the prefetch fetched
+        # and dropped the files in turn)
+        budget = status.budget
+        short = budget.size_bytes is not None and s.bytes_remote > budget.free_bytes
+        dropped = budget.size_bytes is not None and view.dropped_bytes > 0
+        room = (
+            f"; the RAM budget (--size {budget.size_bytes} bytes, {budget.free_bytes} free) "
+            + (
+                "cannot hold them beside this node's own files"
+                if short
+                else f"may be too small to keep them all ({view.dropped_bytes} bytes of "
+                "fetched files were dropped for room)"
+            )
+            + ": a file not kept is fetched when read"
+            if short or dropped
+            else ""
+        )
         return (
             f"{s.remote + s.fetching} files ({s.bytes_remote} bytes) of other ranks of "
-            f"step {step} are not fetched yet{failed}"
+            f"step {step} are not fetched yet{failed}{room}"
         )
     return None
 
