@@ -60,6 +60,7 @@ from tierfs.node.intake import EventIntake
 from tierfs.node.jobcontrol import JobControl
 from tierfs.node.jobstate import JobState
 from tierfs.node.keeper import ShardKeeper
+from tierfs.node.own_repair import OwnRepair
 from tierfs.node.remote_view import RemoteView
 from tierfs.node.reporter import NodeReporter
 from tierfs.node.restore_driver import RestoreDriver
@@ -270,8 +271,13 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
     io_limiter = trio.CapacityLimiter(2)
     verifier = ShardVerifier(shards, catalog, reporter, io_limiter)
 
+    #: told which of this node's own files a discarded copy took out of the view
+    taken_out: list[Callable[[Shard, list[str]], None]] = []
+
     async def withdraw_bad(shard: Shard) -> None:
-        await trio.to_thread.run_sync(view.withdraw_bad, shard)
+        out = await trio.to_thread.run_sync(view.withdraw_bad, shard)
+        for listener in taken_out:
+            listener(shard, out)
 
     verifier.on_bad(withdraw_bad)  # a discarded copy's files leave the view (F6)
     SealVerdicts(catalog, reporter, state)  # a sealed step that would not load: said once
@@ -403,6 +409,18 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         more_manifests=[gcs] if backup is not None else [],
     )
     background.append(remote.run)
+    # this node's own files a discarded copy took out of the view come back from a
+    # verified copy (#14 trial 49 F2)
+    repair = OwnRepair(
+        store.view,
+        os.path.join(store.incoming, "own-repair"),
+        state,
+        sources,
+        reporter.error,
+        view.notify,
+    )
+    taken_out.append(repair.taken_out)
+    background.append(repair.run)
 
     def own_part() -> int:
         job = state.job

@@ -500,3 +500,26 @@ def test_a_save_larger_than_the_nodes_earlier_parts_finds_room_among_the_cached_
     wait_for(
         lambda: c.status(2)["whole_view"].get("dropped_bytes", 0) > 0, 30, "the drops in status"
     )
+
+
+def test_a_nodes_own_file_damaged_in_ram_is_fetched_back_from_its_replica(make_mount):
+    """Regression (#14 trial 49 F2): a byte flipped in node 1's own RAM copy of rank 1's
+    file (hard-linked to its client's file); node 2's read found the bad chunk and node
+    1 discarded its copy and took the file out of its own view, for good: a load of
+    its own shard failed with ENOENT although node 0 held a verified replica. The file
+    now comes back into node 1's view with its sealed bytes, and both nodes say what
+    happened in replicator.errors."""
+    c = Cluster(make_mount, 3, node_args=generic(3))
+    big = os.urandom(3 * CHUNK)
+    save(c, 10, {0: {"r0.bin": W0}, 1: {"r1.bin": big}, 2: {"r2.bin": C}})
+    target = c.root(2) / "10" / "r1.bin"
+    wait_for(target.exists, 60, "rank 1's file in node 2's view")
+    wait_for(lambda: part_file(c, 0, 1, 10, "10/r1.bin").exists(), 60, "rank 1 on node 0")
+    flip_byte(part_file(c, 1, 1, 10, "10/r1.bin"), CHUNK + 1000)  # node 1's own copy
+    assert target.read_bytes() == big  # node 2: from node 0's replica, never the flip
+    own = c.root(1) / "10" / "r1.bin"
+    wait_for(
+        lambda: "fetched back from peer node-rank 0" in c.errors(1), 60, "node 1's repair line"
+    )
+    assert own.read_bytes() == big  # node 1's own file: its sealed bytes again
+    assert "failed verification" in c.errors(1), c.errors(1)
