@@ -54,7 +54,8 @@ def setup(tmp_path, rank: int = 1):
 
 
 def repair(tmp_path, shard, view, state, lines, notified, sources, paths):
-    r = OwnRepair(str(view), str(tmp_path / "scratch"), state, sources, lines.append, notified.append)
+    scratch = str(tmp_path / "scratch")
+    r = OwnRepair(str(view), scratch, state, sources, lines.append, notified.append)
     trio.run(r.repair, shard, paths)
     return r
 
