@@ -36,6 +36,7 @@ import google_crc32c
 import grpc
 import pytest
 import trio
+import trio.testing
 from fake_ports import FakeBudget, FakeJob
 from gcs_fixtures import make_shard
 
@@ -956,3 +957,48 @@ def test_a_batch_whose_copy_breaks_midway_keeps_what_landed_and_asks_the_next_co
         assert by == {}
 
     cluster(net, tmp_path, test)
+
+
+def test_a_nearer_copy_that_kept_the_read_waiting_is_said_once_another_served(monkeypatch):
+    """Regression (#14 trial 49 F6): with the node holding rank 1's part stopped
+    (SIGSTOP), reads of its files waited 77 s for its call to give up, then node 0's
+    replica served, and nothing in replicator.errors said why the read waited. A copy
+    that fails fast (a node known down, NOT_FOUND) stays unsaid, as before."""
+    from tierfs.replication import files as files_mod
+
+    class Lines:
+        def __init__(self) -> None:
+            self.lines: list[str] = []
+
+        def error(self, line: str) -> None:
+            self.lines.append(line)
+
+    def run(first_takes: float) -> list[str]:
+        lines = Lines()
+        pf = files_mod.PeerFiles(None, None, None, None, None, lines)  # type: ignore[arg-type]
+
+        async def copies(job, rank, writers=0):
+            return [(1, "10.0.0.2:7000"), (0, "10.0.0.1:7000")]
+
+        async def pull(address, key, digest, path, fd, expect, write):
+            if address.startswith("10.0.0.2"):
+                await trio.sleep(first_takes)
+                return "UNAVAILABLE: Stream removed (ping timeout)", grpc.StatusCode.UNAVAILABLE
+            return None
+
+        monkeypatch.setattr(pf, "_file_copies", copies)
+        monkeypatch.setattr(pf, "_pull_file", pull)
+
+        async def main() -> str:
+            return await pf.fetch_file("job", 1, 30, "d", "30/r1.bin", -1)
+
+        label = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+        assert label == "peer node-rank 0 (10.0.0.1:7000)"
+        return lines.lines
+
+    assert run(77.5) == [
+        "step 30: rank 1's 30/r1.bin was read from peer node-rank 0 (10.0.0.1:7000); a "
+        "nearer copy kept the read waiting: peer node-rank 1 (10.0.0.2:7000): "
+        "UNAVAILABLE: Stream removed (ping timeout) (after 78 s)"
+    ]
+    assert run(0.2) == []

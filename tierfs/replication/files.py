@@ -42,6 +42,9 @@ OTHER = "other bytes"
 
 #: seconds a file fetch waits for the address of a holder asked for just now
 ADDRESS_WAIT = 3.0
+#: a nearer copy that failed only after this many seconds kept its reader waiting:
+#: said in ``replicator.errors`` once another copy served (a hung holder)
+SLOW_COPY = 5.0
 #: seconds a background fetch (no reader waits: the prefetch after a restore) waits
 #: for a holder's address it does not know (a node of the job mounting a few seconds
 #: after this one: #16 twelfth trial NOTE H, a false "could not be read" line)
@@ -184,6 +187,7 @@ class PeerFiles:
         """
         key = ShardKey(job, rank, step)
         tried: list[str] = []
+        slow: list[str] = []  # nearer copies that failed only after SLOW_COPY seconds
         other: list[tuple[str, str]] = []  # (label, address): holders of other bytes
         others = False  # a holder's file is not ``expect``
         for r, address in await self._file_copies(job, rank, writers):
@@ -194,15 +198,20 @@ class PeerFiles:
             if label in skip:
                 tried.append(f"{label}: skipped (it served wrong bytes before)")
                 continue
+            began = trio.current_time()
             failed = await self._pull_file(address, key, digest, path, fd, expect, write)
             if failed is None:
                 self._say_bad(key, path, label, tried)
+                self._say_slow(key, path, label, slow)
                 return label
             why, code = failed
             others |= code is OTHER
             if digest and code == grpc.StatusCode.FAILED_PRECONDITION:
                 other.append((label, address))  # it holds other bytes of the step
             tried.append(f"{label}: {why}")
+            waited = trio.current_time() - began
+            if waited >= SLOW_COPY and BAD not in why:
+                slow.append(f"{label}: {why} (after {waited:.0f} s)")
         for label, address in other:
             failed = await self._pull_file(address, key, "", path, fd, expect, write)
             if failed is None:
@@ -319,6 +328,17 @@ class PeerFiles:
             cancel.set()
         log.info("%d files of %s from %s: %s", len(batch), key, address, why)
         return why
+
+    def _say_slow(self, key: ShardKey, path: str, label: str, slow: list[str]) -> None:
+        """Nearer copies failed only after :data:`SLOW_COPY` seconds or more (a hung or
+        vanished holder), so the read waited that long: one line in
+        ``replicator.errors`` naming them, although another copy served (#14 trial
+        49 F6: a stopped holder held reads 77 s, and nothing said why)."""
+        if slow:
+            self.reporter.error(
+                f"step {key.step}: rank {key.rank}'s {path} was read from {label}; a "
+                f"nearer copy kept the read waiting: {'; '.join(slow)}"
+            )
 
     def _say_bad(self, key: ShardKey, path: str, label: str, tried: list[str]) -> None:
         """A nearer copy served wrong bytes (a checksum failed): one line in
