@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import pytest
 from conftest import tierfs
 from mtc_clients import wait_for
 from peer_cluster import Cluster, flip_byte, job_args, run_ranks
+from raw_map import RawMap
 from step_bytes import dcp_metadata
 
 pytestmark = pytest.mark.slow
@@ -225,7 +227,6 @@ def test_a_rank_saving_a_step_again_is_served_anew_on_a_node_without_its_replica
     so its view kept serving rank 1's old bytes with no error until its daemon
     restarted. Now the coordinator's report of the changed part (heartbeat) has node
     2 place rank 1's part again within seconds; a re-save is no error."""
-    import shutil
     import time
 
     c = Cluster(make_mount, 3, node_args=generic(3))
@@ -523,3 +524,55 @@ def test_a_nodes_own_file_damaged_in_ram_is_fetched_back_from_its_replica(make_m
     )
     assert own.read_bytes() == big  # node 1's own file: its sealed bytes again
     assert "failed verification" in c.errors(1), c.errors(1)
+
+
+def test_a_memory_map_of_another_ranks_file_keeps_its_bytes_after_the_descriptor_closes(
+    make_mount,
+):
+    """Regression (#14 trial 50): ``safetensors.load_file`` maps another rank's file and
+    closes its descriptor. With passthrough the map holds the store's file itself, so the
+    close released the FUSE handle, and when the node's own save needed room the daemon
+    punched the "unused" file out: the map then read zeros, with no error. A file still
+    mapped (or open by anyone: a write lease on the store's file is refused) is now never
+    dropped. Node 2 (80 MiB) caches ranks 0 and 1's 48 MiB beside its own 12 MiB and maps
+    all four files, their descriptors closed; after its save of 16 MiB the cache wants
+    room for the next one (half the budget while it saves) but drops none of them, and
+    every map keeps its bytes. Once unmapped, they give the room."""
+    c = budgeted(make_mount, "80MiB")
+    parts = {r: {f"r{r}-{x}.bin": os.urandom(12 << 20) for x in "ab"} for r in (0, 1)}
+    parts[2] = {"r2.bin": os.urandom(12 << 20)}
+    top = read_others_on_node_2(c, parts)
+
+    def view() -> dict:
+        return c.status(2)["whole_view"]
+
+    def all_cached() -> bool:
+        # right after node 2's own save the cache leaves half the budget free (and
+        # drops some): read again until all four stay
+        assert_others_read(top, parts)
+        return view()["steps"][0]["local"] == 4
+
+    wait_for(all_cached, 60, "ranks 0 and 1's files all cached on node 2")
+    # mapped as safetensors (Rust memmap2) does, the descriptor closed at once (Python's
+    # mmap module keeps a dup of it, and the open handle hid the bug)
+    maps = {name: RawMap(top / name) for name in [*parts[0], *parts[1]]}
+    dropped = view().get("dropped_bytes", 0)
+    new = {f"r2-{x}.bin": os.urandom(8 << 20) for x in "ab"}
+    try:
+        save(c, 20, {2: new})
+        # the cache looked for room and found every file mapped (before the fix it
+        # punched them out here)
+        wait_for(lambda: view().get("pinned_bytes", 0) == 48 << 20, 30, "the maps kept")
+        for name, m in maps.items():
+            assert m.read() == parts[int(name[1])][name], f"{name}: the map lost its bytes"
+        assert view().get("dropped_bytes", 0) == dropped
+        said = tierfs("status", str(c.root(2))).stdout
+        assert f"{48 << 20} bytes kept by open files or memory maps" in said, said
+    finally:
+        for m in maps.values():
+            m.close()
+    wait_for(lambda: view().get("dropped_bytes", 0) > dropped, 30, "room from the files unmapped")
+    for name, data in new.items():
+        assert (c.root(2) / "20" / name).read_bytes() == data, name
+    assert c.errors(2) == "", c.errors(2)
+    assert_others_read(top, parts)  # what was dropped comes back, verified

@@ -20,6 +20,7 @@ import google_crc32c
 import pytest
 import trio
 import trio.testing
+from raw_map import RawMap
 
 from tierfs.core.control import JobSpec
 from tierfs.core.errors import FetchFailed
@@ -595,6 +596,31 @@ def test_fetched_bytes_are_a_cache_dropped_to_make_room(tmp_path):
 
     trio.run(main)
     assert not has_data(view / ".metadata") and job.errors == []
+
+
+def test_a_fetched_file_mapped_with_its_descriptor_closed_is_never_dropped(tmp_path):
+    """#14 trial 50: a reader's map outlives its descriptor (safetensors); with
+    passthrough the map is of the store's file, so a punch turned it into zeros."""
+    peer = Source("peer", BYTES, ["peer node-rank 0"])
+    rv, ram, _s, _c, own, _job = view_of(tmp_path, PARTS, [peer])
+    view = Path(ram.view) / "10"
+
+    async def main() -> None:
+        await rv.look(own)
+        for name in ("__0_0.distcp", "__2_0.distcp"):
+            await rv.missing((view / name).stat().st_ino)()
+        mapped = RawMap(view / "__2_0.distcp")
+        try:
+            assert await rv.drop(10) == len(C)  # rank 0's file only
+            assert rv.pinned_bytes == len(B) and rv.status().pinned_bytes == len(B)
+            assert mapped.read() == B
+        finally:
+            mapped.close()
+        assert await rv.drop(10) == len(B)
+        assert rv.pinned_bytes == 0
+
+    trio.run(main)
+    assert not has_data(view / "__2_0.distcp")
 
 
 def test_a_replica_held_here_is_linked_not_fetched(tmp_path):

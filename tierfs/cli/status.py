@@ -95,6 +95,8 @@ def _whole_view_lines(st: NodeStatus) -> list[str]:
         head += f", {view.fetch_errors} failed fetches"
     if view.dropped_bytes:
         head += f", {view.dropped_bytes} bytes dropped for room (fetched again when read)"
+    if view.pinned_bytes:
+        head += f", {view.pinned_bytes} bytes kept by open files or memory maps"
     lines = [head]
     peer = st.tiers.get("peer")
     gone = set(peer.gone) if isinstance(peer, PeerStatus) else set()

@@ -122,6 +122,12 @@ def _whole_view(status: dict[str, Any]) -> list[Any]:
         "Bytes of other ranks' fetched files dropped for room (a cache; fetched again on read)",
     )
     dropped.add_metric([], float(view.get("dropped_bytes", 0)))
+    pinned = GaugeMetricFamily(
+        "tierfs_other_ranks_pinned_bytes",
+        "Bytes of other ranks' fetched files the last drop for room kept: open, or "
+        "memory-mapped by a reader",
+    )
+    pinned.add_metric([], float(view.get("pinned_bytes", 0)))
     files = GaugeMetricFamily(
         "tierfs_other_ranks_files",
         "Other ranks' files of the newest step in this node's view, by state",
@@ -130,7 +136,7 @@ def _whole_view(status: dict[str, Any]) -> list[Any]:
     newest = (view.get("steps") or [{}])[0]
     for state in ("local", "remote", "fetching"):
         files.add_metric([state], float(newest.get(state, 0)))
-    return [fetched, failed, dropped, files]
+    return [fetched, failed, dropped, pinned, files]
 
 
 class StatusCollector(Collector):

@@ -83,7 +83,7 @@ from typing import cast
 import google_crc32c
 import trio
 
-from tierfs.core import control, settings, syscalls
+from tierfs.core import control, in_use, settings, syscalls
 from tierfs.core.errors import NO_ROOM_ERRNOS, FetchFailed
 from tierfs.core.ports import (
     BatchFileSource,
@@ -590,6 +590,9 @@ class RemoteView:
         self.fetch_errors = 0
         #: bytes of fetched files dropped (punched out) since the daemon started
         self.dropped_bytes = 0
+        #: bytes of fetched files the last drop had to keep: open, or memory-mapped by
+        #: a reader whose descriptor is closed (:mod:`tierfs.core.in_use`)
+        self.pinned_bytes = 0
         #: a fetched file found here last (:meth:`holds_fetched`)
         self._cached_hint: RemoteFile | None = None
         #: files whose fetch is writing them now (:meth:`incoming_bytes`)
@@ -2751,10 +2754,11 @@ class RemoteView:
         return freed
 
     async def _drop_files(self, files: list[RemoteFile], need: int | None) -> int:
-        """Drop ``files`` (LOCAL, fetched, no handle open, no reader's open waiting for
-        it) until ``need`` bytes are freed (None: all of them). Returns the bytes
-        freed."""
-        freed = 0
+        """Drop ``files`` (LOCAL, fetched, no handle open, not open or mapped elsewhere,
+        no reader's open waiting for it) until ``need`` bytes are freed (None: all of
+        them). Returns the bytes freed; :attr:`pinned_bytes` says what open handles
+        and maps kept."""
+        freed = pinned = 0
         for rf in files:
             if need is not None and freed >= need:
                 break
@@ -2766,10 +2770,23 @@ class RemoteView:
                 # were dropped 4 times over before the opens ran, which got ENOSPC)
                 continue
             if self._held_open(rf):
+                pinned += rf.size
                 continue  # open: a reader's passthrough file must keep its bytes
             try:
                 fd = self._open_rw(rf)
             except OSError:
+                continue
+            try:
+                elsewhere = in_use.open_elsewhere(fd)
+            except OSError as exc:
+                log.info("whether %s is in use: %s", rf.path, exc)
+                elsewhere = True
+            if elsewhere:
+                # memory-mapped by a reader whose descriptor is closed (passthrough maps
+                # the store's file: a punch would turn the map into zeros, #14 trial
+                # 50), or open by another program: it keeps its bytes
+                os.close(fd)
+                pinned += rf.size
                 continue
             # being emptied: an open meanwhile waits for it (FETCHING, nothing verified)
             # and then fetches it again; marked REMOTE only once the bytes are gone (an
@@ -2784,6 +2801,7 @@ class RemoteView:
                     self._fetch_ended(rf)  # REMOTE; waiters wake and fetch it again
             freed += rf.size
             self.dropped_bytes += rf.size
+        self.pinned_bytes = pinned
         return freed
 
     @staticmethod
@@ -2951,5 +2969,6 @@ class RemoteView:
             dict(self.fetched_bytes),
             self.fetch_errors,
             dropped_bytes=self.dropped_bytes,
+            pinned_bytes=self.pinned_bytes,
             active=self._active(),
         )

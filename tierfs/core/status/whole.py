@@ -106,6 +106,9 @@ class WholeViewStatus:
     #: bytes of fetched files dropped since the daemon started (a cache: room for a
     #: fetch, or the reserve for this node's own saves; fetched again on the next open)
     dropped_bytes: int = 0
+    #: bytes of fetched files the last drop for room had to keep because a handle or a
+    #: memory map held them (a map of a closed descriptor holds the RAM too)
+    pinned_bytes: int = 0
     #: the running job's steps show other ranks' files here (multi-node, generic or
     #: ``pytorch.distributed`` mode, with a peer tier)
     active: bool = False
@@ -120,6 +123,7 @@ class WholeViewStatus:
             "fetched_bytes": dict(self.fetched_bytes),
             "fetch_errors": self.fetch_errors,
             "dropped_bytes": self.dropped_bytes,
+            "pinned_bytes": self.pinned_bytes,
             "active": self.active,
         }
 
@@ -130,5 +134,6 @@ class WholeViewStatus:
             fetched_bytes=dict(d.get("fetched_bytes") or {}),
             fetch_errors=d.get("fetch_errors", 0),
             dropped_bytes=d.get("dropped_bytes", 0),
+            pinned_bytes=d.get("pinned_bytes", 0),
             active=bool(d.get("active", False)),
         )
