@@ -106,3 +106,44 @@ def test_another_ranks_replica_is_not_repaired_here(tmp_path):
     r = OwnRepair(str(view), str(tmp_path / "s"), state, [], lines.append, notified.append)
     r.taken_out(shard, ["ckpt-7/big.bin"])  # rank 1's replica: the whole-step view's job
     assert r._receive.statistics().current_buffer_used == 0
+
+
+def test_a_directory_the_client_removed_and_made_again_gets_no_old_file(tmp_path):
+    """Regression (#14 trial 50, F2 variant): right after node 2's own file left the
+    view, its client ran ``rm -rf checkpoint-80 && mkdir checkpoint-80`` and wrote a new
+    file; the repair linked the old file into the NEW directory (it only checked that a
+    directory of that name existed). The directory is now known by its file handle."""
+    shard, view, state, lines, notified = setup(tmp_path)
+    far = Source("bucket round r1", {"ckpt-7/big.bin": GOOD})
+    r = OwnRepair(str(view), str(tmp_path / "scratch"), state, [far], lines.append, notified.append)
+    r.taken_out(shard, ["ckpt-7/big.bin"])  # the directory as it was
+    os.rmdir(view / "ckpt-7")
+    (view / "ckpt-7").mkdir()
+    (view / "ckpt-7" / "new_file.txt").write_bytes(b"new")
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(r.run)
+            await r._send.aclose()
+
+    trio.run(main)
+    assert sorted(os.listdir(view / "ckpt-7")) == ["new_file.txt"]
+    assert lines == [] and notified == [] and r.repaired == 0
+
+
+def test_a_file_comes_back_into_its_directory_after_the_queue(tmp_path):
+    """The same path through :meth:`OwnRepair.taken_out` and the background task, the
+    directory kept: the file comes back."""
+    shard, view, state, lines, notified = setup(tmp_path)
+    far = Source("bucket round r1", {"ckpt-7/big.bin": GOOD})
+    r = OwnRepair(str(view), str(tmp_path / "scratch"), state, [far], lines.append, notified.append)
+    r.taken_out(shard, ["ckpt-7/big.bin"])
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(r.run)
+            await r._send.aclose()
+
+    trio.run(main)
+    assert (view / "ckpt-7" / "big.bin").read_bytes() == GOOD
+    assert r.repaired == 1 and notified == ["ckpt-7/big.bin"]

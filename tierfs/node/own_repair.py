@@ -11,8 +11,11 @@ RAM or in the bucket: a load of the node's own shard failed with ENOENT.
 :class:`OwnRepair` fetches each such file from the whole-step view's file
 sources (:data:`tierfs.core.ports.FileSource`: the peers that hold this node's
 replicas, then the bucket), checks it against the discarded manifest's size and
-crc32c, and links it back into the view where the view still lacks it (a file
-the client wrote or removed meanwhile is left alone). Every outcome is one line
+crc32c, and links it back into the view where the view still lacks it: a file
+the client wrote meanwhile is left alone, and so is one whose directory the
+client removed or replaced (the directory is known by its file handle, taken
+when the file left the view: trial 50 saw ``rm -rf step && mkdir step`` get
+the old file back into the new directory). Every outcome is one line
 in ``replicator.errors``. The part itself is not sealed again here: its replicas
 and backups still protect the step.
 """
@@ -27,6 +30,7 @@ from collections.abc import Callable, Sequence
 
 import trio
 
+from tierfs.core import syscalls
 from tierfs.core.errors import FetchFailed
 from tierfs.core.ports import FileSource
 from tierfs.node.jobstate import JobState
@@ -37,6 +41,17 @@ log = logging.getLogger(__name__)
 
 #: discarded parts waiting to be repaired, at most (more are only logged)
 QUEUE = 64
+
+
+def _identity(fd: int) -> bytes:
+    """What tells the directory ``fd`` from one made later under the same name: its
+    file handle (inode number and generation on tmpfs), else device and inode number
+    where the filesystem has no handles. Raises OSError if ``fd`` cannot be stat'ed."""
+    try:
+        return syscalls.name_to_handle(fd)
+    except OSError:
+        st = os.fstat(fd)
+        return f"{st.st_dev}:{st.st_ino}".encode()
 
 
 class OwnRepair:
@@ -66,7 +81,9 @@ class OwnRepair:
         self.sources = list(sources)
         self.report = report
         self.notify = notify
-        self._send, self._receive = trio.open_memory_channel[tuple[Shard, list[str]]](QUEUE)
+        self._send, self._receive = trio.open_memory_channel[
+            tuple[Shard, list[str], dict[str, bytes | None]]
+        ](QUEUE)
         #: files fetched back, and files no copy could serve (status and tests)
         self.repaired = 0
         self.lost = 0
@@ -79,8 +96,10 @@ class OwnRepair:
             return
         if shard.key.rank != job.node_rank:
             return  # another rank's replica: the whole-step view asks for it again
+        # the directories as they are now (a tmpfs stat each: cheap enough here)
+        parents = {p: self._dir_handle(p) for p in paths}
         try:
-            self._send.send_nowait((shard, list(paths)))
+            self._send.send_nowait((shard, list(paths), parents))
         except trio.WouldBlock:
             log.warning("step %d: %s not fetched back: too many repairs queued",
                         shard.key.step, ", ".join(paths))  # fmt: skip
@@ -88,19 +107,45 @@ class OwnRepair:
     async def run(self) -> None:
         """Repair what :meth:`taken_out` queued, one part at a time (background task)."""
         async with self._receive:
-            async for shard, paths in self._receive:
-                await self.repair(shard, paths)
+            async for shard, paths, parents in self._receive:
+                await self.repair(shard, paths, parents)
 
-    async def repair(self, shard: Shard, paths: Sequence[str]) -> None:
+    def _dir_handle(self, path: str) -> bytes | None:
+        """The file handle of the view directory that holds ``path`` (relative), None
+        if it is gone. Blocking (an open and a ``name_to_handle_at``)."""
+        try:
+            fd = os.open(
+                os.path.dirname(os.path.join(self.view_dir, path)),
+                os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC,
+            )
+        except OSError:
+            return None
+        try:
+            return _identity(fd)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    async def repair(
+        self,
+        shard: Shard,
+        paths: Sequence[str],
+        parents: dict[str, bytes | None] | None = None,
+    ) -> None:
         """Fetch ``paths`` of ``shard`` (this node's own discarded part) back into the
-        view, each from the first source with verified bytes; one line per file in
-        ``replicator.errors`` either way."""
+        view, each from the first source with verified bytes, into the directory it
+        left (``parents``: path → that directory's file handle when it left; taken
+        now if not given); one line per file in ``replicator.errors`` either way."""
         entries = {f.path: f for f in shard.manifest.files if f.kind == "file"}
+        if parents is None:
+            parents = {p: await trio.to_thread.run_sync(self._dir_handle, p) for p in paths}
         for path in paths:
             entry = entries.get(path)
-            if entry is None:
+            parent = parents.get(path)
+            if entry is None or parent is None:
                 continue
-            where, why = await self._fetch_back(shard, entry)
+            where, why = await self._fetch_back(shard, entry, parent)
             step = shard.key.step
             if where:
                 self.repaired += 1
@@ -115,21 +160,19 @@ class OwnRepair:
                     f"is not in the view: {why}"
                 )
 
-    async def _fetch_back(self, shard: Shard, entry: FileEntry) -> tuple[str, str]:
+    async def _fetch_back(self, shard: Shard, entry: FileEntry, parent: bytes) -> tuple[str, str]:
         """(the source that served, "") once ``entry`` is back in the view; ("", why)
-        when no source could serve it; ("", "") when the view no longer lacks it."""
-        dest = os.path.join(self.view_dir, entry.path)
-        if os.path.lexists(dest) or not os.path.isdir(os.path.dirname(dest)):
+        when no source could serve it; ("", "") when the view no longer lacks it (the
+        client wrote it, or removed or replaced its directory ``parent``)."""
+        if not await trio.to_thread.run_sync(self._placeable, entry.path, parent, None):
             return "", ""  # the client wrote or removed it since: theirs
         job = self.state.job
         if job is None:
             return "", "the job ended"
         tmp = os.path.join(self.scratch, f"own-{uuid.uuid4().hex[:12]}")
-        os.makedirs(self.scratch, 0o700, exist_ok=True)
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = await trio.to_thread.run_sync(self._scratch_file, tmp, entry.size)
         tried: list[str] = []
         try:
-            os.ftruncate(fd, entry.size)
             for source in self.sources:
                 checked = bool(getattr(source, "checks_written", False))
                 try:
@@ -150,13 +193,11 @@ class OwnRepair:
                 crc, size, _ = await trio.to_thread.run_sync(crc32c_chunks, fd)
                 if (size, crc) != (entry.size, entry.crc32c):
                     tried.append(f"{label} served other bytes (crc32c {crc:08x})")
-                    os.ftruncate(fd, 0)
-                    os.ftruncate(fd, entry.size)
+                    await trio.to_thread.run_sync(self._emptied, fd, entry.size)
                     continue
                 os.fchmod(fd, entry.mode)
-                if os.path.lexists(dest) or not os.path.isdir(os.path.dirname(dest)):
+                if not await trio.to_thread.run_sync(self._placeable, entry.path, parent, tmp):
                     return "", ""  # the client got there first
-                os.link(tmp, dest)
                 self.notify(entry.path)
                 log.info("step %d: own %s fetched back from %s", shard.key.step, entry.path, label)
                 return label, ""
@@ -171,3 +212,50 @@ class OwnRepair:
                 os.unlink(tmp)
             except OSError:
                 pass
+
+    def _scratch_file(self, tmp: str, size: int) -> int:
+        """A new ``size``-byte scratch file at ``tmp`` (read-write descriptor). Blocking."""
+        os.makedirs(self.scratch, 0o700, exist_ok=True)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    @staticmethod
+    def _emptied(fd: int, size: int) -> None:
+        """Zero ``fd`` back to a ``size``-byte hole (for the next source). Blocking."""
+        os.ftruncate(fd, 0)
+        os.ftruncate(fd, size)
+
+    def _placeable(self, path: str, parent: bytes, tmp: str | None) -> bool:
+        """Whether the view still lacks ``path`` in the directory whose file handle is
+        ``parent`` (the one it left; not a directory the client made anew); with
+        ``tmp``, also link ``tmp`` there as ``path`` (False if the name was taken
+        first). Blocking."""
+        dest = os.path.join(self.view_dir, path)
+        try:
+            dfd = os.open(os.path.dirname(dest), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            if _identity(dfd) != parent:
+                return False
+            name = os.path.basename(dest)
+            if tmp is None:
+                try:
+                    os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    return True
+                return False
+            try:
+                os.link(tmp, name, dst_dir_fd=dfd)
+            except FileExistsError:
+                return False
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(dfd)
