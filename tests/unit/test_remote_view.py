@@ -2202,3 +2202,42 @@ def test_copy_file_range_from_a_file_being_fetched_copies_only_verified_bytes(tm
         assert (view / "copy").read_bytes() == data
     finally:
         ns.close()
+
+
+def test_the_mtime_shown_for_a_file_being_fetched_stays_until_its_bytes_are_here(tmp_path):
+    """Regression (#14 trial 49 F1): a fetch writing into another rank's file changed
+    its mtime; the kernel (auto_inval_data) then dropped the file's page cache at the
+    next READDIRPLUS or GETATTR, waiting on the lock of a page whose READ the daemon
+    held for the fetch: a trainer's `rm -rf` of the step blocked 21-39 s. The mtime
+    first shown now stays while the bytes are not all here."""
+    peer = Source("peer", BYTES, ["peer node-rank 0", "peer node-rank 2"])
+    rv, ram, _shards, _catalog, own, _job = view_of(tmp_path, PARTS, [peer])
+
+    async def main() -> None:
+        assert await rv.look(own) is False
+        meta = Path(ram.view) / "10" / ".metadata"
+        st = meta.stat()
+        first = st.st_mtime_ns
+        assert rv.shown_mtime(st.st_ino, first) == first  # shown once: remembered
+        later = first + 7_000_000_000  # what the backing file says once written into
+        assert rv.shown_mtime(st.st_ino, later) == first
+        fetch = rv.missing(st.st_ino)
+        assert fetch is not None
+        await fetch()
+        assert rv.shown_mtime(st.st_ino, later) == later  # here: the file's own again
+        own_ino = (Path(ram.view) / "10" / "__1_0.distcp").stat().st_ino
+        assert rv.shown_mtime(own_ino, 123) == 123  # this node's own file: as it is
+
+    trio.run(main)
+
+
+def test_an_entry_reply_carries_the_mtime_shown_not_the_backing_files():
+    from tierfs.fuse import protocol as P
+
+    st = os.stat("/")
+    plain = P.pack_attr(st, 5)
+    shown = P.pack_attr(st, 5, mtime_ns=1_700_000_000_123_456_789)
+    fields = P.ATTR.unpack(shown)
+    assert (fields[4], fields[7]) == (1_700_000_000, 123_456_789)  # mtime, mtimensec
+    assert P.ATTR.unpack(plain)[4] == st.st_mtime_ns // 1_000_000_000
+    assert P.pack_attr(st, 5, None) == plain

@@ -78,7 +78,15 @@ class Operations:
     # ------------------------------------------------------------------ helpers
 
     def _entry(self, nodeid: int, st: os.stat_result) -> bytes:
-        return P.pack_entry(nodeid, st, self.ns.entry_timeout, self.ns.attr_timeout)
+        return P.pack_entry(
+            nodeid, st, self.ns.entry_timeout, self.ns.attr_timeout, self._mtime(st)
+        )
+
+    def _mtime(self, st: os.stat_result) -> int | None:
+        """The mtime to show for ``st``: None (its own) but for another rank's file
+        being fetched (:meth:`tierfs.fuse.remote.RemoteFiles.shown_mtime`)."""
+        shown = self.ns.remote.shown_mtime(st.st_ino, st.st_mtime_ns)
+        return None if shown == st.st_mtime_ns else shown
 
     @staticmethod
     def _open_out(handle: Handle) -> bytes:
@@ -125,7 +133,7 @@ class Operations:
     def getattr(self, h: P.RequestHeader, body: memoryview) -> Payload:
         flags, _, fh = P.GETATTR_IN.unpack_from(body)
         inode, st = self.ns.getattr(h.nodeid, fh if flags & P.FUSE_GETATTR_FH else None)
-        return P.pack_attr_out(inode.nodeid, st, self.ns.attr_timeout)
+        return P.pack_attr_out(inode.nodeid, st, self.ns.attr_timeout, self._mtime(st))
 
     def setattr(self, h: P.RequestHeader, body: memoryview) -> Payload:
         (

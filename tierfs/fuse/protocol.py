@@ -213,21 +213,24 @@ def split_names(data: bytes | memoryview, count: int) -> list[bytes]:
     return parts[:count]
 
 
-def pack_attr(st: os.stat_result, nodeid: int) -> bytes:
+def pack_attr(st: os.stat_result, nodeid: int, mtime_ns: int | None = None) -> bytes:
     """Encode ``st`` (an ``os.stat_result`` of the backing object) as ``fuse_attr``.
 
     The inode number reported is the FUSE ``nodeid`` so that ``stat`` through
-    the mount and hard-link identity stay consistent with lookups.
+    the mount and hard-link identity stay consistent with lookups. ``mtime_ns``
+    replaces ``st.st_mtime_ns`` when given (another rank's file being fetched,
+    :meth:`tierfs.fuse.remote.RemoteFiles.shown_mtime`).
     """
+    mtime = st.st_mtime_ns if mtime_ns is None else mtime_ns
     return ATTR.pack(
         nodeid,
         st.st_size,
         st.st_blocks,
         st.st_atime_ns // 1_000_000_000,
-        st.st_mtime_ns // 1_000_000_000,
+        mtime // 1_000_000_000,
         st.st_ctime_ns // 1_000_000_000,
         st.st_atime_ns % 1_000_000_000,
-        st.st_mtime_ns % 1_000_000_000,
+        mtime % 1_000_000_000,
         st.st_ctime_ns % 1_000_000_000,
         st.st_mode,
         st.st_nlink,
@@ -246,17 +249,26 @@ def split_timeout(seconds: float) -> tuple[int, int]:
     return whole, int((seconds - whole) * 1_000_000_000)
 
 
-def pack_entry(nodeid: int, st: os.stat_result, entry_timeout: float, attr_timeout: float) -> bytes:
-    """Encode a ``fuse_entry_out`` for ``nodeid`` with the given cache timeouts (seconds)."""
+def pack_entry(
+    nodeid: int,
+    st: os.stat_result,
+    entry_timeout: float,
+    attr_timeout: float,
+    mtime_ns: int | None = None,
+) -> bytes:
+    """Encode a ``fuse_entry_out`` for ``nodeid`` with the given cache timeouts (seconds)
+    (``mtime_ns``: as :func:`pack_attr`)."""
     es, ens = split_timeout(entry_timeout)
     as_, ans = split_timeout(attr_timeout)
-    return ENTRY_OUT_HEAD.pack(nodeid, 0, es, as_, ens, ans) + pack_attr(st, nodeid)
+    return ENTRY_OUT_HEAD.pack(nodeid, 0, es, as_, ens, ans) + pack_attr(st, nodeid, mtime_ns)
 
 
-def pack_attr_out(nodeid: int, st: os.stat_result, attr_timeout: float) -> bytes:
-    """Encode a ``fuse_attr_out``."""
+def pack_attr_out(
+    nodeid: int, st: os.stat_result, attr_timeout: float, mtime_ns: int | None = None
+) -> bytes:
+    """Encode a ``fuse_attr_out`` (``mtime_ns``: as :func:`pack_attr`)."""
     s, ns = split_timeout(attr_timeout)
-    return ATTR_OUT_HEAD.pack(s, ns, 0) + pack_attr(st, nodeid)
+    return ATTR_OUT_HEAD.pack(s, ns, 0) + pack_attr(st, nodeid, mtime_ns)
 
 
 def dirent_type(mode: int) -> int:

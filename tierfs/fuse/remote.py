@@ -99,6 +99,21 @@ class RemoteFiles(Protocol):
         failed)."""
         ...
 
+    def shown_mtime(self, ino: int, mtime_ns: int) -> int:
+        """The mtime (ns) to tell the kernel for backing inode ``ino``, whose backing
+        file says ``mtime_ns``: for another rank's file whose bytes are not all here,
+        the one first shown, unchanged while its fetch writes into it; else
+        ``mtime_ns``.
+
+        The kernel (``FUSE_AUTO_INVAL_DATA``) drops a file's page cache when a
+        reply shows another mtime, and waits for each page's lock to do so; a
+        page whose READ the daemon holds until the fetch brings its bytes stays
+        locked, so a ``stat``, or the ``READDIRPLUS`` of an ``rm -rf``, of the
+        directory waited for the fetch (#14 trial 49 F1: a trainer's retention
+        ``rm -rf`` of an old step blocked 21-39 s in ``fuse_readdir_uncached``
+        -> ``invalidate_inode_pages2_range`` -> ``__folio_lock``)."""
+        ...
+
 
 class NoRemoteFiles:
     """A view without other ranks' files (a bare RAM filesystem, tests)."""
@@ -134,3 +149,7 @@ class NoRemoteFiles:
     def readable(self, ino: int, offset: int, size: int) -> Callable[[], Awaitable[None]] | None:
         """Always None."""
         return None
+
+    def shown_mtime(self, ino: int, mtime_ns: int) -> int:
+        """Always ``mtime_ns``."""
+        return mtime_ns

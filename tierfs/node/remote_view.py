@@ -211,6 +211,10 @@ class RemoteFile:
     used: float = 0.0
     #: readers' opens waiting for its bytes now (it is not dropped meanwhile)
     waiters: int = 0
+    #: the mtime (ns) the kernel was shown while its bytes are not all here (0: none
+    #: yet): a fetch writing into the file does not change it
+    #: (:meth:`RemoteView.shown_mtime`)
+    shown_mtime: int = 0
 
     def moved(self) -> None:
         """Wake who waits for ``verified`` to move or the fetch to end (trio thread)."""
@@ -873,6 +877,20 @@ class RemoteView:
             rf.rank,
         )
         return None
+
+    def shown_mtime(self, ino: int, mtime_ns: int) -> int:
+        """:meth:`tierfs.fuse.remote.RemoteFiles.shown_mtime` (FUSE/trio thread; O(1)):
+        while ``ino``'s bytes are not all here, the mtime first shown; once they
+        are, the file's own again."""
+        rf = self._by_ino.get(ino)
+        if rf is None:
+            return mtime_ns
+        if rf.state == LOCAL:
+            rf.shown_mtime = 0
+            return mtime_ns
+        if not rf.shown_mtime:
+            rf.shown_mtime = mtime_ns
+        return rf.shown_mtime
 
     def partial(self, ino: int) -> bool:
         """True if ``ino`` is another rank's file whose bytes are not all here (a handle
