@@ -29,7 +29,7 @@ from tierfs.fuse.inodes import ROOT_ID
 from tierfs.fuse.namespace import Namespace
 from tierfs.fuse.remote import Deferred
 from tierfs.node.catalog import ShardCatalog
-from tierfs.node.remote_view import XATTR, RemoteView
+from tierfs.node.remote_view import SWEEP_EVERY, XATTR, RemoteView
 from tierfs.node.resave import sealed_at
 from tierfs.node.union import Conflict, union_plan
 from tierfs.store.manifest import FileEntry, Manifest
@@ -621,6 +621,31 @@ def test_a_fetched_file_mapped_with_its_descriptor_closed_is_never_dropped(tmp_p
 
     trio.run(main)
     assert not has_data(view / "__2_0.distcp")
+
+
+def test_status_leaves_out_the_files_and_steps_the_client_deleted(tmp_path):
+    """Regression (#14 trial 49 F5.2): after ``rm -rf`` of a step, ``tierfs status``
+    went on listing it ("files 1 here, 1 remote"), a failed file of it included."""
+    peer = Source("peer", BYTES, ["peer node-rank 0"])
+    rv, ram, _s, _c, own, _job = view_of(tmp_path, PARTS, [peer])
+    view = Path(ram.view) / "10"
+
+    async def main() -> None:
+        await rv.look(own)
+        await rv.missing((view / "__2_0.distcp").stat().st_ino)()
+        assert rv.status().step(10).local == 1 and rv.status().step(10).remote == 2
+        os.rename(view / ".metadata", tmp_path / "moved-away")
+        await rv._sweep()
+        st = rv.status().step(10)
+        assert (st.local, st.remote) == (1, 1)
+        await rv._sweep()  # at most every SWEEP_EVERY seconds: nothing new yet
+        for name in ("__0_0.distcp", "__2_0.distcp", "__1_0.distcp"):
+            (view / name).unlink()
+        rv._swept_at -= SWEEP_EVERY
+        await rv._sweep()
+        assert rv.status().step(10) is None
+
+    trio.run(main)
 
 
 def test_a_replica_held_here_is_linked_not_fetched(tmp_path):

@@ -130,6 +130,8 @@ UNCONFIRMED_WAIT = 20.0
 EXPECT_FOR = 10.0
 #: seconds between looks while such a lookup waits
 EXPECT_POLL = 0.25
+#: seconds between looks at whether the client deleted or moved placed files (status)
+SWEEP_EVERY = 5.0
 #: DCP's metadata file, written by the coordinator rank (the part holding ``__0_*``)
 DCP_METADATA = ".metadata"
 #: bytes read per call when checking fetched bytes
@@ -215,6 +217,9 @@ class RemoteFile:
     #: yet): a fetch writing into the file does not change it
     #: (:meth:`RemoteView.shown_mtime`)
     shown_mtime: int = 0
+    #: the client deleted or moved its view path (status leaves it out; a handle
+    #: still open reads it as before). Set by :meth:`RemoteView._sweep`.
+    gone: bool = False
 
     def moved(self) -> None:
         """Wake who waits for ``verified`` to move or the fetch to end (trio thread)."""
@@ -589,6 +594,7 @@ class RemoteView:
         self._no_readers.set()
         #: lookups waiting for an expected file (:meth:`expected`): looks come faster
         self._expecting = 0
+        self._swept_at = -math.inf
         #: bytes fetched per tier name; fetches that failed
         self.fetched_bytes: dict[str, int] = {}
         self.fetch_errors = 0
@@ -1336,6 +1342,10 @@ class RemoteView:
                     waiting |= await self._leave_abandoned({t[0] for t in eligible})
                 except Exception:
                     log.exception("removing other ranks' files of abandoned steps failed")
+                try:
+                    await self._sweep()
+                except Exception:
+                    log.exception("looking for placed files the client removed failed")
                 self._fetches = nursery
                 restore = self.restored()
                 union = self.steps.get(restore[1]) if restore is not None else None
@@ -1360,6 +1370,37 @@ class RemoteView:
                 with trio.move_on_after(period):
                     await self._wake.wait()
                 self._wake = trio.Event()
+
+    async def _sweep(self) -> None:
+        """Mark the placed files whose view path the client deleted or moved away
+        (:attr:`RemoteFile.gone`), at most every :data:`SWEEP_EVERY` seconds (an
+        ``lstat`` per file in a worker thread). Status leaves them out.
+
+        Regression (#14 trial 49 F5.2): ``tierfs status`` went on listing a step
+        after ``rm -rf`` of it ("files 1 here, 1 remote"), and a failed file of a
+        step long deleted."""
+        now = trio.current_time()
+        if now < self._swept_at + SWEEP_EVERY:
+            return
+        self._swept_at = now
+        files = [rf for union in self.steps.values() for rf in union.files.values()]
+        if not files:
+            return
+        gone = await trio.to_thread.run_sync(self._gone_of, files)
+        for rf, is_gone in zip(files, gone, strict=True):
+            rf.gone = is_gone
+
+    def _gone_of(self, files: list[RemoteFile]) -> list[bool]:
+        """For each of ``files``: True when its view path no longer names its inode
+        (blocking: an ``lstat`` each)."""
+        out = []
+        for rf in files:
+            try:
+                st = os.lstat(os.path.join(self.view_dir, rf.path))
+                out.append(st.st_ino != rf.ino)
+            except OSError:
+                out.append(True)
+        return out
 
     async def _leave_abandoned(self, shown: Collection[int]) -> bool:
         """Remove the other ranks' files of every step whose own part a restore
@@ -2958,7 +2999,9 @@ class RemoteView:
             union = self.steps.get(step) or StepUnion(step)
             if union.absent or (step not in own and not union.files):
                 continue
-            files = list(union.files.values())
+            files = [f for f in union.files.values() if not f.gone]
+            if union.files and not files:
+                continue  # the client deleted the step (or moved its files away)
             shard, writers = eligible.get(step, (None, union.writers))
             writers = writers or union.writers or (job.nodes if job is not None else 0)
             mine = shard is not None or (step not in eligible and union.own)
