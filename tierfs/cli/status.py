@@ -103,8 +103,9 @@ def _whole_view_lines(st: NodeStatus) -> list[str]:
     for s in view.steps[:3]:
         later = [r for r in s.ranks_missing if r not in gone]
         lost = [r for r in s.ranks_missing if r in gone]
+        kept = "" if s.own_part else "; no sealed part of this node is kept here"
         written = (
-            f" (written by {s.writers} nodes{'' if s.own_part else '; no part here'})"
+            f" (written by {s.writers} nodes{kept})"
             if st.job is not None and s.writers and (s.writers != st.job.nodes or not s.own_part)
             else ""
         )
