@@ -369,6 +369,17 @@ def test_the_first_chunk_is_served_while_the_rest_is_fetched_and_a_bad_middle_ch
         assert head.returncode == 0 and head.stdout == BIG[: 1 << 20], head.stderr
         view = c.status(2)["whole_view"]["steps"][0]
         assert view["fetching"] == 1, view  # the rest is not here: the bucket is held
+        # no hole where bytes are still to come (trial 51: SEEK_HOLE said the watermark
+        # and SEEK_DATA past it ENXIO, so cp's sparse copy wrote zeros there, exit 0)
+        fd = os.open(target, os.O_RDONLY)
+        try:
+            assert os.lseek(fd, 0, os.SEEK_HOLE) == len(BIG)
+            assert os.lseek(fd, 9 << 20, os.SEEK_DATA) == 9 << 20
+            with pytest.raises(OSError) as past:
+                os.lseek(fd, len(BIG), os.SEEK_DATA)
+            assert past.value.errno == errno.ENXIO
+        finally:
+            os.close(fd)
         middle = subprocess.Popen(
             ["dd", f"if={target}", "bs=1M", "skip=9", "count=1", "status=none"],
             stdout=subprocess.PIPE,

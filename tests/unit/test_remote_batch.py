@@ -18,7 +18,6 @@ import google_crc32c
 import pytest
 import trio
 
-from tierfs.core import in_use
 from tierfs.core.control import JobSpec
 from tierfs.core.errors import FetchFailed
 from tierfs.core.priority import fetch_hold
@@ -392,16 +391,10 @@ class SecondCallFails(BatchSource):
         return COPY
 
 
-def test_a_file_dropped_and_opened_again_while_its_batch_runs_is_fetched_once(
-    tmp_path, monkeypatch
-):
+def test_a_file_dropped_and_opened_again_while_its_batch_runs_is_fetched_once(tmp_path):
     """Review of 2569809: a landed file of a running batch, dropped to make room and
     opened again, was fetched twice (the batch's task fetched it again at its end) and
     the failing second fetch punched the bytes of a file then LOCAL: zeros served."""
-    # the batch still holds the landed file's descriptor, so the write lease is refused
-    # and the drop now waits for the batch; where leases are off (the /proc fallback
-    # sees maps only) it does not: that path must still fetch the file once
-    monkeypatch.setattr(in_use, "open_elsewhere", lambda fd: False)
     source = SecondCallFails()
     source.park_after = "10/s/f00"
     rv, ram, own, job = view_of(tmp_path, source)
@@ -423,13 +416,9 @@ def test_a_file_dropped_and_opened_again_while_its_batch_runs_is_fetched_once(
     assert job.errors == []
 
 
-def test_a_file_dropped_and_fetched_again_by_a_prefetch_while_its_batch_runs(tmp_path, monkeypatch):
+def test_a_file_dropped_and_fetched_again_by_a_prefetch_while_its_batch_runs(tmp_path):
     """As above, the second fetch not a reader's (the batch is not paused for it): the
     batch's task must leave the file to that fetch (second review of the batch)."""
-    # the batch still holds the landed file's descriptor, so the write lease is refused
-    # and the drop now waits for the batch; where leases are off (the /proc fallback
-    # sees maps only) it does not: that path must still fetch the file once
-    monkeypatch.setattr(in_use, "open_elsewhere", lambda fd: False)
     source = SecondCallFails()
     source.park_after = "10/s/f00"
     rv, ram, own, job = view_of(tmp_path, source)

@@ -272,8 +272,24 @@ class FileOps(DataOps):
             self._space.shrunk(handle.fd, before)
 
     def lseek(self, fh: int, offset: int, whence: int) -> int:
-        """lseek(2) with SEEK_DATA/SEEK_HOLE (the kernel handles the others); ENXIO past data."""
-        return os.lseek(self._file(fh).fd, offset, whence)
+        """lseek(2) with SEEK_DATA/SEEK_HOLE (the kernel handles the others); ENXIO past data.
+
+        Another rank's file whose fetch is under way (``partial``) is all data: its
+        backing file's holes are bytes still to come, not holes of the file.
+        Regression (#14 trial 51): ``SEEK_HOLE`` answered the fetch's watermark and
+        ``SEEK_DATA`` past it ENXIO, so ``cp``'s sparse-file copy wrote zeros past
+        the fetched part of a 320 MiB file, with exit 0.
+
+        Raises:
+            OSError: ENXIO at or past the end (SEEK_DATA), EBADF for an unknown handle.
+        """
+        handle = self._file(fh)
+        if handle.partial and self._remote.partial(handle.inode.ino):
+            size = os.fstat(handle.fd).st_size
+            if offset >= size or offset < 0:
+                raise OSError(errno.ENXIO, "past the end of the file")
+            return offset if whence == os.SEEK_DATA else size
+        return os.lseek(handle.fd, offset, whence)
 
     def copy_file_range(
         self, fh_in: int, off_in: int, fh_out: int, off_out: int, length: int

@@ -132,6 +132,9 @@ EXPECT_FOR = 10.0
 EXPECT_POLL = 0.25
 #: seconds between looks at whether the client deleted or moved placed files (status)
 SWEEP_EVERY = 5.0
+#: seconds the bytes a drop for room had to keep are shown in status after it (the
+#: cache looks every 0.25 s while it needs room; none since: nothing is short)
+PINNED_FRESH = 5.0
 #: DCP's metadata file, written by the coordinator rank (the part holding ``__0_*``)
 DCP_METADATA = ".metadata"
 #: bytes read per call when checking fetched bytes
@@ -603,6 +606,7 @@ class RemoteView:
         #: bytes of fetched files the last drop had to keep: open, or memory-mapped by
         #: a reader whose descriptor is closed (:mod:`tierfs.core.in_use`)
         self.pinned_bytes = 0
+        self._pinned_at = -math.inf
         #: a fetched file found here last (:meth:`holds_fetched`)
         self._cached_hint: RemoteFile | None = None
         #: files whose fetch is writing them now (:meth:`incoming_bytes`)
@@ -2509,6 +2513,11 @@ class RemoteView:
         rf.verified = rf.size
         rf.used = time.monotonic()
         self.fetched_bytes[source] = self.fetched_bytes.get(source, 0) + rf.size
+        # its descriptors closed now, not when the batch ends: the cache may drop it
+        # (a file open anywhere is kept, :mod:`tierfs.core.in_use`; a CI run under
+        # load saw a budget of 8 MiB stay full of such files, and a save get ENOSPC)
+        w.close()
+        os.close(fds.pop(rf.path))
         self._fetch_ended(rf)
         if self.room is not None:
             self.room.poke()  # the reserve for this node's saves, kept
@@ -2860,7 +2869,7 @@ class RemoteView:
                     self._fetch_ended(rf)  # REMOTE; waiters wake and fetch it again
             freed += rf.size
             self.dropped_bytes += rf.size
-        self.pinned_bytes = pinned
+        self.pinned_bytes, self._pinned_at = pinned, time.monotonic()
         return freed
 
     @staticmethod
@@ -3030,6 +3039,9 @@ class RemoteView:
             dict(self.fetched_bytes),
             self.fetch_errors,
             dropped_bytes=self.dropped_bytes,
-            pinned_bytes=self.pinned_bytes,
+            # as of the last drop for room, if it is recent (none since: no need)
+            pinned_bytes=(
+                self.pinned_bytes if time.monotonic() - self._pinned_at < PINNED_FRESH else 0
+            ),
             active=self._active(),
         )
