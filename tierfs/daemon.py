@@ -272,12 +272,13 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
     verifier = ShardVerifier(shards, catalog, reporter, io_limiter)
 
     #: told which of this node's own files a discarded copy took out of the view
-    taken_out: list[Callable[[Shard, list[str]], None]] = []
+    taken_out: list[Callable[[Shard, list[str], dict[str, bytes | None]], None]] = []
 
     async def withdraw_bad(shard: Shard) -> None:
-        out = await trio.to_thread.run_sync(view.withdraw_bad, shard)
+        parents: dict[str, bytes | None] = {}  # each file's directory, before it left
+        out = await trio.to_thread.run_sync(view.withdraw_bad, shard, parents)
         for listener in taken_out:
-            listener(shard, out)
+            listener(shard, out, parents)
 
     verifier.on_bad(withdraw_bad)  # a discarded copy's files leave the view (F6)
     SealVerdicts(catalog, reporter, state)  # a sealed step that would not load: said once

@@ -11,6 +11,7 @@ import fake_ports
 import trio
 from test_remote_view import BYTES, PARTS, Source, remote_view
 
+from tierfs.core import syscalls
 from tierfs.core.control import JobSpec
 from tierfs.node.catalog import ShardCatalog, ShardVerifier
 from tierfs.node.view import ClientView
@@ -54,16 +55,21 @@ def test_a_bad_own_copy_leaves_the_view_and_the_restored_copy_takes_its_place(tm
     view = ClientView(ram)
     check = verifier(shards, catalog, job)
 
+    parents: dict[str, bytes | None] = {}
+
     async def withdraw(shard: Shard) -> None:
-        await trio.to_thread.run_sync(view.withdraw_bad, shard)
+        await trio.to_thread.run_sync(view.withdraw_bad, shard, parents)
 
     check.on_bad(withdraw)
     bad, good = Path(ram.view) / "10" / "__1_0.distcp", Path(ram.view) / "10" / "extra.bin"
     good_ino = good.stat().st_ino
+    before = syscalls.identity(str(bad.parent))
     flip(bad)  # the view's file is the store's file (a hard link): both are bad
     assert trio.run(check.verify, own) is False
     assert own.bad == ("10/__1_0.distcp",)
     assert not bad.exists()  # never served with the wrong bytes
+    # the directory it left, known before it left (a repair goes back only there)
+    assert parents == {"10/__1_0.distcp": before} and before is not None
     assert good.read_bytes() == B and good.stat().st_ino == good_ino  # a good file stays
     assert own.key not in catalog
     assert any("failed verification" in e for e in job.errors), job.errors

@@ -8,6 +8,7 @@ import os
 import trio
 from gcs_fixtures import make_shard
 
+from tierfs.core import syscalls
 from tierfs.core.control import JobSpec
 from tierfs.core.errors import FetchFailed
 from tierfs.node.jobstate import JobState
@@ -116,10 +117,13 @@ def test_a_directory_the_client_removed_and_made_again_gets_no_old_file(tmp_path
     shard, view, state, lines, notified = setup(tmp_path)
     far = Source("bucket round r1", {"ckpt-7/big.bin": GOOD})
     r = OwnRepair(str(view), str(tmp_path / "scratch"), state, [far], lines.append, notified.append)
-    r.taken_out(shard, ["ckpt-7/big.bin"])  # the directory as it was
+    # the view took the identity before the file left (ClientView.withdraw_bad); the
+    # client replaced the directory before the listener ran (trial 51: 17 ms later)
+    parents = {"ckpt-7/big.bin": syscalls.identity(str(view / "ckpt-7"))}
     os.rmdir(view / "ckpt-7")
     (view / "ckpt-7").mkdir()
     (view / "ckpt-7" / "new_file.txt").write_bytes(b"new")
+    r.taken_out(shard, ["ckpt-7/big.bin"], parents)
 
     async def main() -> None:
         async with trio.open_nursery() as n:

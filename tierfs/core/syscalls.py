@@ -255,3 +255,33 @@ def open_by_handle(mount_fd: int, handle: bytes, flags: int) -> int:
     """
     buf = ctypes.create_string_buffer(handle, len(handle))
     return _check(_libc.open_by_handle_at(mount_fd, buf, flags), "open_by_handle_at")
+
+
+def identity(path: str) -> bytes | None:
+    """What tells the object at ``path`` (not followed if a symlink) from one made
+    later under the same name (:func:`identity_of`); None if nothing is there."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return identity_of(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def identity_of(fd: int) -> bytes:
+    """What tells the object ``fd`` refers to from one made later under its name: its
+    file handle (inode number and generation on tmpfs), else device and inode number
+    where the filesystem has no handles.
+
+    Raises:
+        OSError: ``fd`` cannot be stat'ed (EBADF).
+    """
+    try:
+        return name_to_handle(fd)
+    except OSError:
+        st = os.fstat(fd)
+        return f"{st.st_dev}:{st.st_ino}".encode()

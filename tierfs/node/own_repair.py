@@ -26,7 +26,7 @@ import errno
 import logging
 import os
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import trio
 
@@ -41,17 +41,6 @@ log = logging.getLogger(__name__)
 
 #: discarded parts waiting to be repaired, at most (more are only logged)
 QUEUE = 64
-
-
-def _identity(fd: int) -> bytes:
-    """What tells the directory ``fd`` from one made later under the same name: its
-    file handle (inode number and generation on tmpfs), else device and inode number
-    where the filesystem has no handles. Raises OSError if ``fd`` cannot be stat'ed."""
-    try:
-        return syscalls.name_to_handle(fd)
-    except OSError:
-        st = os.fstat(fd)
-        return f"{st.st_dev}:{st.st_ino}".encode()
 
 
 class OwnRepair:
@@ -88,18 +77,26 @@ class OwnRepair:
         self.repaired = 0
         self.lost = 0
 
-    def taken_out(self, shard: Shard, paths: Sequence[str]) -> None:
+    def taken_out(
+        self,
+        shard: Shard,
+        paths: Sequence[str],
+        parents: Mapping[str, bytes | None] | None = None,
+    ) -> None:
         """``paths`` of ``shard`` left the view because its copy failed verification
-        (trio thread; never blocks): fetch back the ones of this node's own rank."""
+        (trio thread): fetch back the ones of this node's own rank, each into the
+        directory it left (``parents``: path → that directory's identity, taken
+        before the file left, :meth:`tierfs.node.view.ClientView.withdraw_bad`;
+        taken now if not given)."""
         job = self.state.job
         if not paths or job is None or shard.key.job != job.name:
             return
         if shard.key.rank != job.node_rank:
             return  # another rank's replica: the whole-step view asks for it again
-        # the directories as they are now (a tmpfs stat each: cheap enough here)
-        parents = {p: self._dir_handle(p) for p in paths}
+        if parents is None:  # the directories as they are now (tmpfs: cheap)
+            parents = {p: self._dir_handle(p) for p in paths}
         try:
-            self._send.send_nowait((shard, list(paths), parents))
+            self._send.send_nowait((shard, list(paths), dict(parents)))
         except trio.WouldBlock:
             log.warning("step %d: %s not fetched back: too many repairs queued",
                         shard.key.step, ", ".join(paths))  # fmt: skip
@@ -111,21 +108,9 @@ class OwnRepair:
                 await self.repair(shard, paths, parents)
 
     def _dir_handle(self, path: str) -> bytes | None:
-        """The file handle of the view directory that holds ``path`` (relative), None
-        if it is gone. Blocking (an open and a ``name_to_handle_at``)."""
-        try:
-            fd = os.open(
-                os.path.dirname(os.path.join(self.view_dir, path)),
-                os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC,
-            )
-        except OSError:
-            return None
-        try:
-            return _identity(fd)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
+        """The identity of the view directory that holds ``path`` (relative), None if
+        it is gone (:func:`tierfs.core.syscalls.identity`). Blocking."""
+        return syscalls.identity(os.path.dirname(os.path.join(self.view_dir, path)))
 
     async def repair(
         self,
@@ -241,7 +226,7 @@ class OwnRepair:
         except OSError:
             return False
         try:
-            if _identity(dfd) != parent:
+            if syscalls.identity_of(dfd) != parent:
                 return False
             name = os.path.basename(dest)
             if tmp is None:

@@ -251,7 +251,9 @@ class ClientView:
         os.unlink(os.path.join(view, tmp))
         return True
 
-    def withdraw_bad(self, shard: Shard) -> list[str]:
+    def withdraw_bad(
+        self, shard: Shard, parents: dict[str, bytes | None] | None = None
+    ) -> list[str]:
         """Take out of the view (into the trash) each entry that is one of ``shard``'s
         wrong files (:attr:`tierfs.store.shards.Shard.bad`: a hard link to bytes a
         verification found wrong), before that copy is discarded. A worker thread.
@@ -261,9 +263,12 @@ class ClientView:
         not restored, the file is missing (a load fails loudly), never served
         with wrong bytes. Other ranks' files of the whole-step view are left to
         :meth:`tierfs.node.remote_view.RemoteView.discard_bad`. An open handle
-        keeps the inode it opened. Returns the view paths taken out.
+        keeps the inode it opened. Returns the view paths taken out; ``parents``
+        gets, for each, the identity of the directory it left, taken before it left
+        (:func:`tierfs.core.syscalls.identity`: a repair goes back only there, trial
+        51: a client's ``rm -rf step && mkdir step`` 17 ms later got the old file).
         """
-        out = self._take_out(shard, shard.bad)
+        out = self._take_out(shard, shard.bad, parents)
         if out:
             log.warning(
                 "step %d: %s taken out of the view: the copy of rank %d behind them "
@@ -292,9 +297,12 @@ class ClientView:
             )
         return out
 
-    def _take_out(self, shard: Shard, rels: Iterable[str]) -> list[str]:
+    def _take_out(
+        self, shard: Shard, rels: Iterable[str], parents: dict[str, bytes | None] | None = None
+    ) -> list[str]:
         """Move each view entry of ``rels`` that is still ``shard``'s sealed file (the
-        same inode) into the trash; returns the paths moved."""
+        same inode) into the trash; returns the paths moved (``parents``: filled with
+        the identity of each one's directory, taken before the move)."""
         out = []
         for rel in rels:
             try:
@@ -306,6 +314,8 @@ class ClientView:
                 continue  # replaced or rewritten by the client since the seal
             if self.foreign is not None and self.foreign(ino):
                 continue
+            if parents is not None:
+                parents[rel] = syscalls.identity(os.path.dirname(self._p(rel)))
             try:
                 self.store.to_trash(self._p(rel))
             except OSError as exc:
