@@ -421,6 +421,7 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         view.notify,
     )
     taken_out.append(repair.taken_out)
+    taken_out.append(remote.own_part_discarded)  # the step's other ranks still come
     background.append(repair.run)
 
     def own_part() -> int:

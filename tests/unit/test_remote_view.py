@@ -648,6 +648,36 @@ def test_status_leaves_out_the_files_and_steps_the_client_deleted(tmp_path):
     trio.run(main)
 
 
+def test_a_step_whose_own_part_was_discarded_is_still_looked_at(tmp_path):
+    """Regression (#14 trial 52): node 1's own copy of a step failed verification
+    within a second of the last rank's seal and was discarded; the view looked only
+    at steps with an own part held, so rank 2's files never appeared on node 1
+    ("ranks 0 known, 2 not yet" for good). Rank 2's part comes after the discard."""
+    parts = {0: PARTS[0]}
+    peer = Source("peer", BYTES, ["peer node-rank 0"])
+    rv, ram, shards, catalog, own, _job = view_of(tmp_path, parts, [peer])
+    view = Path(ram.view) / "10"
+
+    async def main() -> None:
+        await rv.look(own)
+        assert sorted(os.listdir(view)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        catalog.drop(own.key, "failed verification")  # the daemon discards the copy
+        rv.own_part_discarded(own, [], {})
+        assert [(s, sh) for s, sh, _w in rv._eligible()] == [(10, own)]
+        parts[2] = PARTS[2]  # rank 2's part sealed now
+        for step, shard, writers in rv._eligible():
+            await rv.look(shard, step=step, writers=writers)
+        assert sorted(os.listdir(view)) == WHOLE_STEP
+        assert rv.status().step(10).ranks_known == (0, 2)
+        # once retention passes the step (a newer own part, step 20), it is let go
+        (Path(ram.view) / "20").mkdir()
+        (Path(ram.view) / "20" / "__1_0.distcp").write_bytes(A)
+        catalog.add(shards.snapshot(ram.view, ShardKey(JOB, 1, 20), "20", ["20"], "generic"))
+        assert all(s != 10 for s, _sh, _w in rv._eligible())
+
+    trio.run(main)
+
+
 def test_a_replica_held_here_is_linked_not_fetched(tmp_path):
     rv, ram, shards, catalog, own, _job = view_of(tmp_path, PARTS, [])
     other = tmp_path / "node0-view"  # rank 0's view, on the same filesystem

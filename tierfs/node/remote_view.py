@@ -132,6 +132,8 @@ EXPECT_FOR = 10.0
 EXPECT_POLL = 0.25
 #: seconds between looks at whether the client deleted or moved placed files (status)
 SWEEP_EVERY = 5.0
+#: steps whose own part was discarded that the view keeps looking at, at most
+DISCARDED_KEPT = 16
 #: seconds the bytes a drop for room had to keep are shown in status after it (the
 #: cache looks every 0.25 s while it needs room; none since: nothing is short)
 PINNED_FRESH = 5.0
@@ -598,6 +600,8 @@ class RemoteView:
         #: lookups waiting for an expected file (:meth:`expected`): looks come faster
         self._expecting = 0
         self._swept_at = -math.inf
+        #: steps whose own part was discarded (failed verification): still looked at
+        self._discarded_own: dict[int, Shard] = {}
         #: bytes fetched per tier name; fetches that failed
         self.fetched_bytes: dict[str, int] = {}
         self.fetch_errors = 0
@@ -1324,7 +1328,36 @@ class RemoteView:
         restore = self.restored()
         if restore is not None and restore[2] and all(t[0] != restore[1] for t in out):
             out.append((restore[1], None, restore[2]))
+        held = {t[0] for t in out}
+        oldest = min((s.key.step for s in self.catalog.own_shards(job)), default=None)
+        for step, shard in list(self._discarded_own.items()):
+            if step in held or (oldest is not None and step < oldest):
+                del self._discarded_own[step]  # saved again, or past the retention
+            elif not self.left_behind(step):
+                out.append((step, shard, shard.manifest.nodes or job.nodes))
         return out
+
+    def own_part_discarded(
+        self, shard: Shard, _paths: Sequence[str] = (), _parents: object = None
+    ) -> None:
+        """This node's own part of a step was discarded, its RAM copy having failed
+        verification (trio thread; a listener of the daemon's withdrawal, beside
+        :class:`tierfs.node.own_repair.OwnRepair`, which brings the files back): the
+        step's view keeps looking for the other ranks' parts, with the discarded
+        part's manifest as this node's, until the step is saved again or retention
+        passes it (at most :data:`DISCARDED_KEPT` steps).
+
+        Regression (#14 trial 52): a step whose own copy failed verification within
+        a second of the last rank's seal left the view's looks (only steps with an
+        own part held were looked at), and rank 2's files never appeared on node 1:
+        ``ranks 0 known, 2 not yet`` for good, and no line."""
+        job = self.current.job
+        if job is None or shard.key.job != job.name or shard.key.rank != job.node_rank:
+            return
+        self._discarded_own[shard.key.step] = shard
+        while len(self._discarded_own) > DISCARDED_KEPT:
+            del self._discarded_own[min(self._discarded_own)]
+        self._wake.set()
 
     async def run(self) -> None:
         """Place other ranks' files of this node's steps, forever (trio task).
