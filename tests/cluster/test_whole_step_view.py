@@ -587,3 +587,25 @@ def test_a_memory_map_of_another_ranks_file_keeps_its_bytes_after_the_descriptor
         assert (c.root(2) / "20" / name).read_bytes() == data, name
     assert c.errors(2) == "", c.errors(2)
     assert_others_read(top, parts)  # what was dropped comes back, verified
+
+
+def test_a_rank_sealed_after_a_nodes_own_copy_was_discarded_still_appears_there(make_mount):
+    """Regression (#14 trial 52): node 1's own copy of step 10 failed verification and
+    was discarded (its file fetched back); rank 0 sealed its part of the step after
+    that, and node 1's view never showed rank 0's files (it looked only at steps whose
+    own part it held): "ranks 2 known, 0 not yet" for good."""
+    c = Cluster(make_mount, 3, node_args=generic(3))
+    big = os.urandom(3 * CHUNK)
+    save(c, 10, {1: {"r1.bin": big}, 2: {"r2.bin": C}})
+    target = c.root(2) / "10" / "r1.bin"
+    wait_for(target.exists, 60, "rank 1's file in node 2's view")
+    wait_for(lambda: part_file(c, 0, 1, 10, "10/r1.bin").exists(), 60, "rank 1 on node 0")
+    flip_byte(part_file(c, 1, 1, 10, "10/r1.bin"), CHUNK + 1000)  # node 1's own copy
+    assert target.read_bytes() == big  # node 2: from node 0's replica, never the flip
+    wait_for(
+        lambda: "fetched back from peer node-rank 0" in c.errors(1), 60, "node 1's repair line"
+    )
+    save(c, 10, {0: {"r0.bin": W0}})  # rank 0's part, sealed after the discard
+    wait_for(lambda: (c.root(1) / "10" / "r0.bin").exists(), 60, "rank 0's file in node 1's view")
+    assert (c.root(1) / "10" / "r0.bin").read_bytes() == W0
+    assert (c.root(1) / "10" / "r1.bin").read_bytes() == big
