@@ -296,3 +296,15 @@ def test_no_coordinator_state_off_the_coordinator():
     assert "coordinator_state" not in peer.to_json()
     assert PeerStatus.from_json(peer.to_json()).coordinator_state is None
     assert CoordinatorStatus.from_json({}) == CoordinatorStatus()
+
+
+def test_bytes_beyond_a_stale_count_are_not_all_called_other_programs():
+    """#14 trials 49 F5.4 and 51: right after a save, "912.1 MiB used by other
+    programs" were tierfs's own files, written after its count 2 s ago."""
+    from tierfs.cli.status import others_phrase
+
+    assert others_phrase(100 << 20, 0.4) == "100.0 MiB used by other programs"
+    assert others_phrase(912 << 20, 2.0) == (
+        "912.0 MiB used by other programs or written since tierfs's count 2 s ago"
+    )
+    assert others_phrase(0, 3.0) == "0 B used by other programs"
