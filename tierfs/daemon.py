@@ -421,7 +421,8 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         view.notify,
     )
     taken_out.append(repair.taken_out)
-    taken_out.append(remote.own_part_discarded)  # the step's other ranks still come
+    # the step's other ranks still come into the view
+    taken_out.append(lambda shard, _paths, _parents: remote.own_part_discarded(shard))
     background.append(repair.run)
 
     def own_part() -> int:

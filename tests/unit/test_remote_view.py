@@ -662,7 +662,7 @@ def test_a_step_whose_own_part_was_discarded_is_still_looked_at(tmp_path):
         await rv.look(own)
         assert sorted(os.listdir(view)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
         catalog.drop(own.key, "failed verification")  # the daemon discards the copy
-        rv.own_part_discarded(own, [], {})
+        rv.own_part_discarded(own)
         assert [(s, sh) for s, sh, _w in rv._eligible()] == [(10, own)]
         parts[2] = PARTS[2]  # rank 2's part sealed now
         for step, shard, writers in rv._eligible():

@@ -71,7 +71,7 @@ class OwnRepair:
         self.report = report
         self.notify = notify
         self._send, self._receive = trio.open_memory_channel[
-            tuple[Shard, list[str], dict[str, bytes | None]]
+            tuple[Shard, list[str], dict[str, bytes | None] | None]
         ](QUEUE)
         #: files fetched back, and files no copy could serve (status and tests)
         self.repaired = 0
@@ -87,16 +87,14 @@ class OwnRepair:
         (trio thread): fetch back the ones of this node's own rank, each into the
         directory it left (``parents``: path → that directory's identity, taken
         before the file left, :meth:`tierfs.node.view.ClientView.withdraw_bad`;
-        taken now if not given)."""
+        taken by the repair, in a worker thread, if not given)."""
         job = self.state.job
         if not paths or job is None or shard.key.job != job.name:
             return
         if shard.key.rank != job.node_rank:
             return  # another rank's replica: the whole-step view asks for it again
-        if parents is None:  # the directories as they are now (tmpfs: cheap)
-            parents = {p: self._dir_handle(p) for p in paths}
         try:
-            self._send.send_nowait((shard, list(paths), dict(parents)))
+            self._send.send_nowait((shard, list(paths), None if parents is None else dict(parents)))
         except trio.WouldBlock:
             log.warning("step %d: %s not fetched back: too many repairs queued",
                         shard.key.step, ", ".join(paths))  # fmt: skip

@@ -1337,9 +1337,7 @@ class RemoteView:
                 out.append((step, shard, shard.manifest.nodes or job.nodes))
         return out
 
-    def own_part_discarded(
-        self, shard: Shard, _paths: Sequence[str] = (), _parents: object = None
-    ) -> None:
+    def own_part_discarded(self, shard: Shard) -> None:
         """This node's own part of a step was discarded, its RAM copy having failed
         verification (trio thread; a listener of the daemon's withdrawal, beside
         :class:`tierfs.node.own_repair.OwnRepair`, which brings the files back): the
