@@ -70,27 +70,72 @@ def _parent_death_signal() -> Callable[[], None]:
 #: ports :func:`free_port` handed out in this process (never handed out twice)
 _HANDED_OUT: set[int] = set()
 
+#: the ports :func:`free_port` hands out: below the kernel's ephemeral range, without
+#: the block around torch.distributed's 29500 (programs pick those by hand)
+_FIRST_PORT, _ABOVE_LAST_PORT = 20000, 32768
+_AVOIDED = range(29000, 30000)
+#: the range is cut into this many slices: pytest-xdist worker gwN uses slice N, any
+#: other process a slice drawn from its PID, so concurrent test workers never race
+#: each other for one port
+_SLICES = 16
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (``net.ipv4.ip_local_port_range``),
+    32768 where it cannot be read."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _candidates() -> list[int]:
+    """This process's ports to try, in order: its own slice first, from an offset drawn
+    from its PID, then the rest of the range."""
+    top = min(_ABOVE_LAST_PORT, _ephemeral_start())
+    ports = [p for p in range(_FIRST_PORT, top) if p not in _AVOIDED]
+    if not ports:  # an odd ephemeral range that starts below ours: the whole non-root span
+        ports = list(range(1024, top))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    digits = worker[2:] if worker.startswith("gw") else ""
+    if digits.isdigit() and int(digits) < _SLICES // 2:
+        index = int(digits)
+    else:
+        index = _SLICES // 2 + os.getpid() % (_SLICES // 2)
+    size = max(1, len(ports) // _SLICES)
+    mine = ports[index * size : (index + 1) * size]
+    skip = (os.getpid() * 7919) % len(mine) if mine else 0
+    taken = set(mine)
+    rest = [p for p in ports if p not in taken]
+    return mine[skip:] + mine[:skip] + rest
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now, for a server started next.
 
-    The kernel's choice (bind to port 0), from its ephemeral range, which no
-    server listens on by convention (a range below it held ports that programs
-    pick by hand: torch's 29500 and its neighbours, seen colliding). Never the
-    same port twice in one process: binding port 0 and closing the socket, twice
-    in a row, can give one port both times (two nodes of a test cluster got the
-    same port, 2 December 2026).
+    Taken below the kernel's ephemeral range: every outgoing connection takes its
+    local port from that range, so a port handed out there could be taken by any
+    connection of any process before the server binds it (`cannot listen on
+    127.0.0.1:44769`, a loaded CI run, 7 December 2026). Each pytest-xdist worker has
+    a slice of the range of its own, and the block around torch's 29500 is left out
+    (programs pick those by hand). Never the same port twice in one process (two nodes
+    of a test cluster got the same port, 2 December 2026), and a port is handed out
+    only if a plain bind of it succeeds right now.
 
     Raises:
-        OSError: no new free port in 200 tries.
+        OSError: no free port left in the range.
     """
-    for _ in range(200):
+    for port in _candidates():
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port: int = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
     raise OSError("no free TCP port found on 127.0.0.1")
 
 
