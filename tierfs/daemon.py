@@ -218,6 +218,7 @@ def build_agent(
     # a big file is checksummed as its writer closes it: the seal finds its crc32c
     ahead = CrcAhead(store.view, book.crc_cache, tasks.spawn, lambda ino: _view_path(book, ino))
     intake.on_closed = ahead.closed
+    intake.on_removing = ahead.let_go  # a removed file's RAM is free when rm returns
     sealer.checksums_ahead = ahead.settled  # a seal waits for them, not reads beside them
     status = StatusBuilder(
         config, store, budget, state, book, catalog, tiers, reporter.errors, whole_view

@@ -1540,6 +1540,12 @@ class Campaign:
         for p in (root / f"{v.step}.orbax-checkpoint-tmp", root / f"tmp-checkpoint-{v.step}"):
             shutil.rmtree(p, ignore_errors=True)
         filler.unlink()
+        sv = os.statvfs(root)
+        if sv.f_bavail * sv.f_frsize < written // 2:  # regression: freed after the unlink
+            self.notes.append(
+                f"node {n}: {sv.f_bavail * sv.f_frsize} bytes free right after the filler "
+                f"of {written} bytes was removed"
+            )
         if self.mode == "mtc":
             return self.restore(set())
         try:

@@ -228,3 +228,82 @@ def test_settled_returns_at_once_with_nothing_queued():
             await ahead.settled()
 
     trio.run(main)
+
+
+def _holders(path: str) -> int:
+    """Descriptors of this process open on ``path``."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(path):
+                n += 1
+        except OSError:
+            pass
+    return n
+
+
+def test_a_file_waiting_for_the_quiet_time_holds_no_descriptor_and_lets_go(tmp_path):
+    """Regression (fault campaign seed 19, 7 December 2026): the read held the file open
+    while it waited QUIET after the mtime, so a client's unlink right after its close
+    left the RAM taken; now nothing is open while waiting, and let_go ends the wait."""
+    f = tmp_path / "big.bin"
+    f.write_bytes(BIG)
+    ino = f.stat().st_ino
+    os.utime(f, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))  # QUIET not yet passed
+    ahead = ca.CrcAhead(str(tmp_path), {}, lambda fn: None)
+    seen: list[int] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            ahead.spawn = nursery.start_soon  # type: ignore[assignment]
+            ahead.closed("big.bin", ino)
+            await trio.sleep(0.05)  # the worker waits for the clock
+            seen.append(_holders(str(f)))
+            assert ahead.let_go(ino + 1) is None  # another file: nothing to wait for
+            wait = ahead.let_go(ino)
+            assert wait is not None
+            with trio.fail_after(5):
+                await wait()
+            seen.append(_holders(str(f)))
+
+    trio.run(main)
+    assert seen == [0, 0] and ahead.files == 0
+    assert ahead.let_go(ino) is None  # no read under way
+
+
+def test_let_go_stops_a_read_under_way_at_the_next_chunk(tmp_path, monkeypatch):
+    f = tmp_path / "big.bin"
+    f.write_bytes(os.urandom(8 * (1 << 20)))
+    ino = f.stat().st_ino
+    real = ca.crc32c_chunks
+    reading, chunks_read = threading.Event(), []
+
+    def slow(fd, *a, cancelled=None, **k):
+        def between() -> bool:
+            chunks_read.append(1)
+            reading.set()
+            time.sleep(0.05)
+            return cancelled()
+
+        return real(fd, *a, cancelled=between, chunk=1 << 20, **k)
+
+    monkeypatch.setattr(ca, "crc32c_chunks", slow)
+    monkeypatch.setattr(ca, "QUIET", 0)
+    ahead = ca.CrcAhead(str(tmp_path), {}, lambda fn: None)
+    held: list[int] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            ahead.spawn = nursery.start_soon  # type: ignore[assignment]
+            ahead.closed("big.bin", ino)
+            await trio.to_thread.run_sync(reading.wait)
+            held.append(_holders(str(f)))
+            wait = ahead.let_go(ino)
+            assert wait is not None
+            with trio.fail_after(5):
+                await wait()
+            held.append(_holders(str(f)))
+
+    trio.run(main)
+    assert held == [1, 0]
+    assert len(chunks_read) < 8 and ahead.files == 0  # stopped before the end

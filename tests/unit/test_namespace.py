@@ -12,6 +12,7 @@ import os
 import shutil
 import stat
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,8 @@ class Recorder:
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
+        #: backing inode -> what an unlink of it must wait for (a reader of the daemon)
+        self.holding: dict[int, Callable[[], Awaitable[None]]] = {}
 
     def opening_for_write(self, ino: int) -> None:
         self.calls.append(("opening_for_write", ino))
@@ -43,6 +46,10 @@ class Recorder:
 
     def released(self, relpath: bytes | None, ino: int) -> None:
         self.calls.append(("released", relpath, ino))
+
+    def removing(self, ino: int) -> Callable[[], Awaitable[None]] | None:
+        """Not recorded (the tests check the order of the other calls)."""
+        return self.holding.pop(ino, None)
 
     def take(self) -> list[tuple]:
         out, self.calls = self.calls, []
@@ -434,25 +441,101 @@ def test_descriptor_pool_is_bounded_and_evicted_inodes_still_work(view, events):
         ns.close()
 
 
-def test_unlinked_inodes_keep_their_descriptor(view):
+def test_an_unlinked_file_lets_go_of_its_descriptor_before_the_unlink_is_answered(view):
+    """Regression (fault campaign seed 19, 7 December 2026): the descriptor of a removed
+    file was closed only when the kernel forgot the inode, after the unlink was answered,
+    so tmpfs kept its pages and the client's next write on a full budget got ENOSPC."""
     ns = make_ns(view, max_fds=4)
     try:
         victims = []
         for i in range(6):
             inode, _st, h = ns.create(ROOT_ID, f"v{i}".encode(), RW_CREAT, 0o644, 0, 0)
+            ns.write(h.fh, 0, memoryview(b"x" * PAGE))
             ns.release(h.fh)
             victims.append(inode)
+        held = ns.fds_held()
         for i in range(6):
             ns.unlink(ROOT_ID, f"v{i}".encode())
-        ns.trim_fds()
-        # the kernel still holds them (lookups): they cannot be reopened by handle
-        assert all(v.opath >= 0 for v in victims)
-        assert all(ns.getattr(v.nodeid)[1].st_nlink == 0 for v in victims)
+        assert all(v.opath < 0 for v in victims)
+        assert ns.fds_held() <= held - 6 + 4 and not _deleted_fds()
+        # the kernel still holds them (lookups): asked again, they are gone
+        with pytest.raises(OSError) as err:
+            ns.getattr(victims[0].nodeid)
+        assert err.value.errno == errno.ESTALE
         for v in victims:
             ns.forget(v.nodeid, v.lookups)
         assert ns.fds_held() == 0
+        # open while unlinked: the handle keeps the file (POSIX) until its release
+        f, _st, h = ns.create(ROOT_ID, b"open", RW_CREAT, 0o644, 0, 0)
+        ns.write(h.fh, 0, memoryview(b"kept"))
+        ns.unlink(ROOT_ID, b"open")
+        assert f.opath >= 0 and ns.getattr(f.nodeid)[1].st_nlink == 0
+        buf = memoryview(bytearray(8))
+        assert bytes(buf[: ns.read_into(h.fh, 0, buf)]) == b"kept"
+        ns.release(h.fh)
+        assert f.opath < 0 and not _deleted_fds()
+        ns.forget(f.nodeid, f.lookups)
+        # a file with another link keeps its descriptor (a sealed step's snapshot)
+        g, _st, h = ns.create(ROOT_ID, b"g", RW_CREAT, 0o644, 0, 0)
+        ns.release(h.fh)
+        os.link(view / "g", view / "g.snapshot")
+        ns.unlink(ROOT_ID, b"g")
+        assert g.opath >= 0 and ns.getattr(g.nodeid)[1].st_nlink == 1
     finally:
         ns.close()
+
+
+def test_an_unlink_waits_until_the_daemons_own_reader_let_go(view, events):
+    """The unlink of a file a reader of the daemon holds (the checksum at close) is
+    deferred until that reader let go; then it runs and frees the file at once."""
+    import trio
+
+    from tierfs.fuse.remote import Deferred
+
+    ns = make_ns(view, events)
+    try:
+        f, _st, h = ns.create(ROOT_ID, b"big", RW_CREAT, 0o644, 0, 0)
+        ns.release(h.fh)
+        let_go = trio.Event()
+        events.holding[f.ino] = let_go.wait
+        with pytest.raises(Deferred) as later:
+            ns.unlink(ROOT_ID, b"big")
+        assert (view / "big").exists() and f.opath >= 0  # nothing done yet
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(later.value.wait)
+                await trio.sleep(0.01)
+                let_go.set()
+
+        trio.run(main)
+        ns.unlink(ROOT_ID, b"big")  # the request again: now it goes ahead
+        assert not (view / "big").exists() and f.opath < 0
+        # a rename over a file a reader holds waits the same way
+        a, _st, h = ns.create(ROOT_ID, b"a", RW_CREAT, 0o644, 0, 0)
+        ns.release(h.fh)
+        b, _st, h = ns.create(ROOT_ID, b"b", RW_CREAT, 0o644, 0, 0)
+        ns.release(h.fh)
+        events.holding[b.ino] = let_go.wait
+        with pytest.raises(Deferred):
+            ns.rename(ROOT_ID, b"a", ROOT_ID, b"b", 0)
+        assert (view / "a").exists()
+        ns.rename(ROOT_ID, b"a", ROOT_ID, b"b", 0)
+        assert b.opath < 0 and a.opath >= 0
+    finally:
+        ns.close()
+
+
+def _deleted_fds() -> list[str]:
+    out = []
+    for n in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{n}")
+        except OSError:
+            continue
+        if target.endswith(" (deleted)") and "/dev/shm/" in target:
+            out.append(target)
+    return out
 
 
 def test_an_evicted_inode_number_that_names_another_object_is_a_new_inode(view):

@@ -8,6 +8,7 @@ relative to the mount root.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 
@@ -26,6 +27,11 @@ class FsEvents(Protocol):
     def released(self, relpath: bytes | None, ino: int) -> None:
         """A handle opened for writing was closed; ``relpath`` is None if the file is unlinked."""
 
+    def removing(self, ino: int) -> Callable[[], Awaitable[None]] | None:
+        """The last link of regular file ``ino`` (backing inode number) is about to go:
+        None to go ahead, else what to wait for first (the node's own reader of the
+        file letting go of it, so that its RAM is free once the removal is answered)."""
+
 
 class NullEvents:
     """An :class:`FsEvents` that ignores everything (a bare RAM filesystem)."""
@@ -41,3 +47,7 @@ class NullEvents:
 
     def released(self, relpath: bytes | None, ino: int) -> None:
         """Ignored."""
+
+    def removing(self, ino: int) -> Callable[[], Awaitable[None]] | None:
+        """Nothing to wait for."""
+        return None

@@ -252,6 +252,7 @@ class FileOps(DataOps):
                 self._events.released(self._inodes.relpath(inode), inode.ino)
             except Exception:
                 log.exception("release event failed")
+        self._inodes.closed_last_handle(inode)  # an unlinked file's pages are freed now
         self._inodes.drop_if_unused(inode)
 
     def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:

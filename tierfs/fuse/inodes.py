@@ -87,6 +87,8 @@ class Inode:
             file that is also a request (``.tierfs/restart``); None for others.
         orphan: unlinked while open; the budget keeps counting it until the last
             handle is closed (managed budget only).
+        unlinked: a regular file whose last link is gone: its descriptor is closed with
+            its last handle (:meth:`InodeTable.unlinked`), not when the kernel forgets it.
     """
 
     nodeid: int
@@ -103,6 +105,7 @@ class Inode:
     fhandle: bytes | None = None
     evicted_ctime_ns: int = -1
     orphan: bool = False
+    unlinked: bool = False
 
 
 class InodeTable:
@@ -339,11 +342,53 @@ class InodeTable:
             if inode is not self.root:
                 self._fd_lru.move_to_end(inode.nodeid)
             return fd
-        assert inode.fhandle is not None
+        if inode.unlinked or inode.fhandle is None:
+            raise OSError(errno.ESTALE, "the file was removed")
         fd = syscalls.open_by_handle(self._mount_fd, inode.fhandle, os.O_PATH | os.O_CLOEXEC)
         inode.opath = fd
         self._fd_lru[inode.nodeid] = inode
         return fd
+
+    def unlinked(self, inode: Inode) -> None:
+        """``inode`` may just have lost a link: if it has none left and no handle is open,
+        close its descriptor now (never raises).
+
+        The descriptor held the file's pages: tmpfs frees them only with its last
+        reference, and the kernel forgets an unlinked inode only after the unlink was
+        answered. Without this, a client's ``unlink`` returned before the RAM was
+        free, and its next write could get ENOSPC on a full budget (a trainer removes
+        an old step and saves at once; fault campaign seed 19, 7 December 2026). With
+        handles open the descriptor is closed with the last of them
+        (:meth:`closed_last_handle`). The inode stays known until the kernel forgets
+        it, but no longer by its inode number (tmpfs may reuse it), and
+        :meth:`fd_of` raises ESTALE for it.
+        """
+        if inode is self.root or inode.opath < 0 or not stat.S_ISREG(inode.mode):
+            return
+        try:
+            if os.fstat(inode.opath).st_nlink > 0:
+                return  # another link (the store's snapshot of a sealed step) holds it
+        except OSError:
+            return
+        inode.unlinked = True
+        if inode.handles <= 0:
+            self._let_go(inode)
+
+    def closed_last_handle(self, inode: Inode) -> None:
+        """``inode``'s handles are all closed: an unlinked file's descriptor goes now."""
+        if inode.unlinked and inode.handles <= 0 and inode.opath >= 0:
+            self._let_go(inode)
+
+    def _let_go(self, inode: Inode) -> None:
+        """Close an unlinked inode's descriptor and forget its inode number."""
+        self._fd_lru.pop(inode.nodeid, None)
+        if self._by_ino.get(inode.ino) is inode:
+            del self._by_ino[inode.ino]
+        try:
+            os.close(inode.opath)
+        except OSError:
+            pass
+        inode.opath = -1
 
     def pooled(self) -> int:
         """``O_PATH`` descriptors in the pool now (the root's is not counted)."""

@@ -452,12 +452,39 @@ class Namespace:
         parent = self._directory(parent_id)
         access.check_mutable(parent.reserved, parent is self.root, name, self.reserved)
         dirfd = self.fd_of(parent)
+        gone = self._last_link(dirfd, name) if remove is os.unlink else None
         removed = self.space.before_remove(dirfd, name)
         try:
             remove(name, dir_fd=dirfd)
         finally:
             self.space.after_remove(removed)
+        if gone is not None:
+            self.inodes.unlinked(gone)
         self._changed(parent, name)
+
+    def _last_link(self, dirfd: int, name: bytes, moving: int = -1) -> Inode | None:
+        """Before ``name`` in ``dirfd`` is removed or replaced: if it is a regular file's
+        last link, wait first for the node's own reader of it to let go
+        (:meth:`FsEvents.removing`), and return its known inode, whose descriptor
+        must go at once afterwards (:meth:`InodeTable.unlinked`); else None (also when
+        it is backing inode ``moving``: a rename onto another link of itself).
+
+        Both make the file's RAM free before the removal is answered, as on tmpfs.
+
+        Raises:
+            Deferred: a reader of the daemon holds the file (the request runs again
+                once it let go).
+        """
+        try:
+            st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_ino == moving:
+            return None
+        wait = self.events.removing(st.st_ino)
+        if wait is not None:
+            raise Deferred(wait)
+        return self.inodes.known(st)
 
     def rename(
         self, parent_id: int, name: bytes, newparent_id: int, newname: bytes, flags: int = 0
@@ -476,6 +503,11 @@ class Namespace:
         old_rel = inodes.child_relpath(parent, name)
         new_rel = inodes.child_relpath(newparent, newname)
         # a replaced target loses its name: its bytes may be free afterwards
+        gone = (
+            None
+            if flags & (syscalls.RENAME_EXCHANGE | syscalls.RENAME_NOREPLACE)
+            else self._last_link(inodes.fd_of(newparent), newname, moving=st.st_ino)
+        )
         replaced = (
             -1
             if flags & syscalls.RENAME_EXCHANGE
@@ -485,6 +517,8 @@ class Namespace:
             syscalls.renameat2(inodes.fd_of(parent), name, inodes.fd_of(newparent), newname, flags)
         finally:
             self.space.after_remove(replaced)
+        if gone is not None:
+            inodes.unlinked(gone)
         if old_rel is not None and new_rel is not None:
             self.events.renamed(old_rel, new_rel, st.st_mode)
         if old_rel is not None:

@@ -23,6 +23,13 @@ trainers rename the step directory right after the last close (plain
 files, HF, NeMo), and a read by the old path found nothing (ENOENT), so
 the seal read the file itself (#18 run R: one file per rank, renamed at
 once). The current path is asked for just before the read.
+
+A file the client removes is let go at once: no descriptor is held while the
+read waits for :data:`QUIET`, and an unlink of the file being read waits
+(deferred, never blocking the FUSE thread) until the read stopped and its
+descriptor was closed (:meth:`CrcAhead.let_go`). A held descriptor kept the
+removed file's pages, and the client's next write on a full RAM budget got
+ENOSPC (fault campaign seed 19, 7 December 2026).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -86,6 +94,9 @@ class CrcAhead:
         #: files read here, and their bytes (status and tests)
         self.files = 0
         self.bytes = 0
+        #: the read under way: (backing inode number, stop flag for the worker, set
+        #: once its descriptor is closed), None between reads
+        self._in_read: tuple[int, threading.Event, trio.Event] | None = None
 
     def closed(self, path: str, ino: int = 0) -> None:
         """The last write handle of the view file ``path`` (backing inode number
@@ -151,39 +162,65 @@ class CrcAhead:
             OSError: the file is gone or unreadable.
         """
         first = self.locate(ino) if ino > 0 else None
+        stop, closed = threading.Event(), trio.Event()
+        self._in_read = (ino, stop, closed)
         try:
-            return await trio.to_thread.run_sync(self._checksum, first or path, ino)
-        except FileNotFoundError:
-            again = self.locate(ino) if ino > 0 else None
-            if again is None or again == (first or path):
-                raise
-            return await trio.to_thread.run_sync(self._checksum, again, ino)
+            try:
+                return await trio.to_thread.run_sync(self._checksum, first or path, ino, stop)
+            except FileNotFoundError:
+                again = self.locate(ino) if ino > 0 else None
+                if again is None or again == (first or path):
+                    raise
+                return await trio.to_thread.run_sync(self._checksum, again, ino, stop)
+        finally:
+            self._in_read = None
+            closed.set()
+
+    def let_go(self, ino: int) -> Callable[[], Awaitable[None]] | None:
+        """The client is about to remove the last link of backing inode ``ino`` (FUSE
+        thread, which is the trio thread; never blocks): None if no read here holds
+        it, else the read is told to stop and what to wait for until its descriptor
+        is closed (one chunk of :data:`tierfs.store.chunks.CHUNK` bytes at most).
+        """
+        current = self._in_read
+        if current is None or ino <= 0 or current[0] != ino:
+            return None
+        current[1].set()
+        return current[2].wait
 
     def _checksum(
-        self, path: str, ino: int = 0
+        self, path: str, ino: int = 0, stop: threading.Event | None = None
     ) -> tuple[tuple[int, int, int], tuple[int, tuple[int, ...] | None], int] | None:
         """(cache key, cache value, bytes) of the view file ``path``, or None when it
         is small, not a regular file, another file than backing inode ``ino``
         (when not 0), already known, or was written while read (worker thread).
+        ``stop`` set: the client removes the file; the read ends at the next chunk.
 
         Raises:
-            OSError: the file is gone or unreadable.
+            OSError: the file is gone or unreadable; InterruptedError when ``stop``
+                was set.
         """
-        fd = os.open(os.path.join(self.root, path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        stop = stop or threading.Event()
+        full = os.path.join(self.root, path)
+        look = os.stat(full, follow_symlinks=False)  # no descriptor held while waiting
+        if not stat.S_ISREG(look.st_mode) or look.st_size < MIN_BYTES:
+            return None
+        if ino > 0 and look.st_ino != ino:
+            return None  # another file took the name: its own close brings it here
+        age = time.time_ns() - look.st_mtime_ns
+        if age < QUIET * 1e9 and stop.wait(QUIET - age / 1e9):
+            raise InterruptedError("the file is being removed")
+        fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             before = os.fstat(fd)
             if not stat.S_ISREG(before.st_mode) or before.st_size < MIN_BYTES:
                 return None
-            if ino > 0 and before.st_ino != ino:
+            if before.st_ino != look.st_ino:
                 return None  # another file took the name: its own close brings it here
-            age = time.time_ns() - before.st_mtime_ns
-            if age < QUIET * 1e9:
-                time.sleep(QUIET - age / 1e9)
-                before = os.fstat(fd)
             key = (before.st_ino, before.st_size, before.st_mtime_ns)
             if key in self.cache:
                 return None
-            crc, size, crcs = crc32c_chunks(fd)
+            crc, size, crcs = crc32c_chunks(fd, cancelled=stop.is_set)
             after = os.fstat(fd)
             if size != before.st_size or (after.st_ino, after.st_size, after.st_mtime_ns) != key:
                 return None  # written meanwhile: the seal reads it

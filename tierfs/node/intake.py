@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -155,6 +155,10 @@ class EventIntake:
         #: backing inode number; trio thread): :class:`tierfs.node.crc_ahead.CrcAhead`
         #: checksums it before its step is sealed
         self.on_closed: Callable[[str, int], None] = lambda path, ino: None
+        #: the client is about to remove the last link of backing inode ``ino`` (FUSE
+        #: thread): None, or what to wait for until the node's own reader of it let go
+        #: (:meth:`tierfs.node.crc_ahead.CrcAhead.let_go`)
+        self.on_removing: Callable[[int], Callable[[], Awaitable[None]] | None] = lambda ino: None
 
     # ------------------------------------------------------------ FUSE thread
 
@@ -333,3 +337,7 @@ class AgentEvents:
         if path is not None:
             self.intake.bump(top_of(path))
         self.intake.post(Released(path, ino))
+
+    def removing(self, ino: int) -> Callable[[], Awaitable[None]] | None:
+        """The last link of file ``ino`` is about to go: what to wait for first, or None."""
+        return self.intake.on_removing(ino)
