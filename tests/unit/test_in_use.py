@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -92,5 +93,29 @@ def test_not_a_regular_file_is_an_error(tmp_path: Path) -> None:
     try:
         with pytest.raises(OSError):
             in_use.open_elsewhere(fd)
+    finally:
+        os.close(fd)
+
+
+def test_without_leases_the_proc_maps_answer(shm_file: Path, monkeypatch) -> None:
+    """``fs.leases-enable=0`` (F_SETLEASE fails with EINVAL): lease_refused says it
+    cannot tell, and open_elsewhere asks /proc/*/maps."""
+    real = in_use.fcntl.fcntl
+
+    def no_leases(fd: int, cmd: int, arg: int = 0) -> int:
+        if cmd == in_use.fcntl.F_SETLEASE:
+            raise OSError(errno.EINVAL, "leases off")
+        return real(fd, cmd, arg)
+
+    monkeypatch.setattr(in_use.fcntl, "fcntl", no_leases)
+    fd = os.open(shm_file, os.O_RDWR)
+    try:
+        assert in_use.lease_refused(fd) is None
+        assert in_use.open_elsewhere(fd) is False
+        m = RawMap(shm_file)
+        try:
+            assert in_use.open_elsewhere(fd) is True
+        finally:
+            m.close()
     finally:
         os.close(fd)

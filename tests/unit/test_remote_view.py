@@ -10,6 +10,7 @@ import dataclasses
 import errno
 import json
 import os
+import threading
 import stat
 import time
 from collections.abc import Callable
@@ -598,9 +599,25 @@ def test_fetched_bytes_are_a_cache_dropped_to_make_room(tmp_path):
     assert not has_data(view / ".metadata") and job.errors == []
 
 
-def test_a_fetched_file_mapped_with_its_descriptor_closed_is_never_dropped(tmp_path):
+@pytest.mark.parametrize("leases", [True, False])
+def test_a_fetched_file_mapped_with_its_descriptor_closed_is_never_dropped(
+    tmp_path, monkeypatch, leases
+):
     """#14 trial 50: a reader's map outlives its descriptor (safetensors); with
-    passthrough the map is of the store's file, so a punch turned it into zeros."""
+    passthrough the map is of the store's file, so a punch turned it into zeros.
+    Without leases (``fs.leases-enable=0``) /proc/*/maps is read, in a worker thread."""
+    from tierfs.core import in_use
+
+    threads: list[str] = []
+    if not leases:
+        real = in_use.mapped_by_a_process
+
+        def in_thread(dev: int, ino: int) -> bool:
+            threads.append(threading.current_thread().name)
+            return real(dev, ino)
+
+        monkeypatch.setattr(in_use, "lease_refused", lambda fd: None)
+        monkeypatch.setattr(in_use, "mapped_by_a_process", in_thread)
     peer = Source("peer", BYTES, ["peer node-rank 0"])
     rv, ram, _s, _c, own, _job = view_of(tmp_path, PARTS, [peer])
     view = Path(ram.view) / "10"
@@ -621,6 +638,8 @@ def test_a_fetched_file_mapped_with_its_descriptor_closed_is_never_dropped(tmp_p
 
     trio.run(main)
     assert not has_data(view / "__2_0.distcp")
+    main_thread = threading.main_thread().name
+    assert leases or (threads and main_thread not in threads)  # never on the trio thread
 
 
 def test_status_leaves_out_the_files_and_steps_the_client_deleted(tmp_path):

@@ -42,6 +42,25 @@ def open_elsewhere(fd: int) -> bool:
     description: another ``open(2)`` of it by any process, or a memory map whose
     descriptor was closed (including the backing file a FUSE passthrough map holds).
 
+    :func:`lease_refused`, else (leases off) :func:`mapped_by_a_process`, which
+    blocks: call this from a worker thread, or call the two apart.
+
+    Raises:
+        OSError: EBADF for a closed ``fd``, EINVAL for anything but a regular file.
+    """
+    refused = lease_refused(fd)
+    if refused is not None:
+        return refused
+    st = os.fstat(fd)
+    return mapped_by_a_process(st.st_dev, st.st_ino)
+
+
+def lease_refused(fd: int) -> bool | None:
+    """The lease half of :func:`open_elsewhere`: True if the kernel refuses a write
+    lease on ``fd``'s file (another description has it open or mapped), False if
+    granted (and given back at once), None where leases are not available (then
+    ask :func:`mapped_by_a_process`, in a worker thread).
+
     ``fd`` must be this caller's only description of the file (read-only or
     read-write). Cost: two ``fcntl(2)`` calls (never blocks). If another process
     opens the file in the microseconds the lease is held, the kernel makes that
@@ -62,8 +81,7 @@ def open_elsewhere(fd: int) -> bool:
         if exc.errno not in (errno.EINVAL, errno.ENOLCK, errno.EPERM, errno.EACCES):
             raise
         _warn_once(exc)
-        st = os.fstat(fd)
-        return mapped_by_a_process(st.st_dev, st.st_ino)
+        return None
     fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
     return False
 

@@ -2876,7 +2876,16 @@ class RemoteView:
             except OSError:
                 continue
             try:
-                elsewhere = in_use.open_elsewhere(fd)
+                elsewhere = in_use.lease_refused(fd)
+                if elsewhere is None:  # leases off: /proc/*/maps, read in a worker thread
+                    st = os.fstat(fd)
+                    elsewhere = await trio.to_thread.run_sync(
+                        in_use.mapped_by_a_process, st.st_dev, st.st_ino
+                    )
+                    # looked again after the wait: an open or a drop may have come meanwhile
+                    elsewhere = elsewhere or (
+                        rf.state != LOCAL or bool(rf.waiters) or self._held_open(rf)
+                    )
             except OSError as exc:
                 log.info("whether %s is in use: %s", rf.path, exc)
                 elsewhere = True
