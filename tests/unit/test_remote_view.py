@@ -10,8 +10,8 @@ import dataclasses
 import errno
 import json
 import os
-import threading
 import stat
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
