@@ -440,6 +440,8 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
         remote.make_room,
         incoming=remote.incoming_bytes,
         under_way=remote.save_under_way,
+        kept=lambda: remote.pinned_bytes,
+        report=reporter.error,
     )
     background.append(remote.room.run)
     background.append(verifier.run)  # copies a peer's pull found damaged (FAIL 13)

@@ -43,7 +43,10 @@ way (``under_way``) and the reserve is short beside what they will still write,
 between chunks, a reader's too; a bucket's download does not (#14 trial 46
 FAIL 6: reads of the previous step begun just before the save took its
 room). A save still meets ENOSPC when the files readers hold open and the
-bytes fetched before it began leave no room for it.
+bytes fetched before it began leave no room for it; when a create waited the
+whole :data:`CREATE_WAIT` for that room in vain, ``replicator.errors`` says so
+(at most every :data:`SHORT_SAID_EVERY` seconds), with the bytes readers keep:
+the save's ENOSPC (which the kernel answers without the daemon) has a reason.
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ SAVING_HOLD = 5.0
 CREATE_WAIT = 5.0
 #: seconds between INFO lines about dropped bytes (DEBUG in between)
 LOG_EVERY = 30.0
+#: seconds between ``replicator.errors`` lines about a save left without room
+SHORT_SAID_EVERY = 60.0
 
 
 class Room(Protocol):
@@ -117,6 +122,9 @@ class CacheRoom:
         interval: seconds between looks at the free space while files are cached,
             fetched or saved.
         clock: monotonic seconds (tests).
+        kept: bytes of cached files that open files or memory maps kept at the last
+            drop (:attr:`tierfs.node.remote_view.RemoteView.pinned_bytes`).
+        report: writes a line to ``replicator.errors`` (a save left without room).
     """
 
     def __init__(
@@ -130,7 +138,12 @@ class CacheRoom:
         under_way: Callable[[], bool] = lambda: False,
         interval: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
+        kept: Callable[[], int] = lambda: 0,
+        report: Callable[[str], None] = lambda line: None,
     ) -> None:
+        self.kept = kept
+        self.report = report
+        self._short_said_at = -math.inf
         self.room = room
         self.own_part = own_part
         self.cached = cached
@@ -243,6 +256,31 @@ class CacheRoom:
                 return
             await trio.sleep(self.interval)
             await self._keep()
+        if self._seen is None or not self.cached():
+            return
+        free, budget = self._seen
+        want, kept = reserve_bytes(budget, self.own_part()), self.kept()
+        if free < want and kept > 0:
+            self._said_short(free, want, kept)
+
+    def _said_short(self, free: int, want: int, kept: int) -> None:
+        """A create of this node waited :data:`CREATE_WAIT` s in vain for room: said in
+        ``replicator.errors`` (at most every :data:`SHORT_SAID_EVERY` s)."""
+        now = self.clock()
+        if now - self._short_said_at < SHORT_SAID_EVERY:
+            return
+        self._short_said_at = now
+        line = (
+            f"a save of this node may fail with ENOSPC: {free} bytes of the RAM budget "
+            f"are free, below the {want} its saves need; {kept} bytes of other ranks' "
+            "files fetched here are kept by open files or memory maps of readers (they "
+            f"are dropped once closed); waited {CREATE_WAIT:g} s for them"
+        )
+        log.warning("%s", line)
+        try:
+            self.report(line)
+        except Exception:
+            log.exception("reporting a save without room")
 
     async def fetching(self, nbytes: int) -> bool:
         """Make room for a fetch of ``nbytes`` with the reserve kept, beside what the
