@@ -2051,6 +2051,8 @@ def test_a_load_right_after_a_save_waits_for_rank_0s_metadata(tmp_path):
 
     async def bounded() -> None:
         await rv2.look(own2)
+        old = time.time() - 20  # the own data file's write no longer counts (dcp_expect)
+        os.utime(Path(_ram2.view) / "10" / "__1_0.distcp", (old, old))
         wait = rv2.expected(b"10/.metadata")
         assert wait is not None
         rv2.steps[10].expect_since = trio.current_time() - 9.9  # EXPECT_FOR is 10 s
@@ -2315,3 +2317,43 @@ def test_an_entry_reply_carries_the_mtime_shown_not_the_backing_files():
     assert (fields[4], fields[7]) == (1_700_000_000, 123_456_789)  # mtime, mtimensec
     assert P.ATTR.unpack(plain)[4] == st.st_mtime_ns // 1_000_000_000
     assert P.pack_attr(st, 5, None) == plain
+
+
+def test_a_load_right_after_a_save_where_one_rank_seals_later_waits_for_its_files(tmp_path):
+    """Regression (#14 trial 53 B1): after stock ``dcp.save`` and a barrier, (a) the node
+    of a rank whose part was not sealed yet (its big file still checksummed) answered
+    the lookup of ``.metadata`` with ENOENT, and (b) a node where ``.metadata`` was
+    placed answered ``__2_0.distcp`` of a rank whose part was not known yet with
+    ENOENT. Both now wait until the part brings the file (or every part is known)."""
+    rv, ram, _shards, _catalog, own, _job = view_of(tmp_path, {}, [])
+    step = Path(ram.view) / "10"
+
+    async def main() -> None:
+        # (a) nothing looked at yet (this node's own part not sealed): its own data
+        # file was written just now, so .metadata is expected
+        assert rv.steps == {}
+        wait = rv.expected(b"10/.metadata")
+        assert wait is not None
+        assert rv.expected(b"10/__2_0.distcp") is None  # no .metadata here: no save done
+        rv.manifests.parts[0] = PARTS[0]  # rank 0's part (with .metadata) comes
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            await trio.testing.wait_all_tasks_blocked()
+            assert rv._expecting == 1
+            await rv.look(own)
+        assert (step / ".metadata").exists() and rv._expecting == 0
+        # (b) .metadata placed, rank 2's part not known yet: its data file is expected
+        wait = rv.expected(b"10/__2_0.distcp")
+        assert wait is not None
+        assert rv.expected(b"10/__0_9.distcp") is not None  # any DCP data file name
+        rv.manifests.parts[2] = PARTS[2]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            await trio.testing.wait_all_tasks_blocked()
+            await rv.look(own)
+        assert (step / "__2_0.distcp").exists() and rv._expecting == 0
+        # every part known: a name none of them has is not waited for
+        assert rv.expected(b"10/__0_9.distcp") is None
+        assert rv.expected(b"10/.metadata") is None
+
+    trio.run(main)

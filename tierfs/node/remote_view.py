@@ -97,6 +97,7 @@ from tierfs.core.priority import fetch_hold, fetch_pause, fetch_urgent
 from tierfs.core.status.whole import WholeStepStatus, WholeViewStatus
 from tierfs.fuse.inodes import proc
 from tierfs.fuse.namespace import Namespace
+from tierfs.node import dcp_expect
 from tierfs.node.cache_room import CacheRoom
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.resave import RESAVE_GAP, SeenPart, sealed_at
@@ -127,9 +128,11 @@ UNCONFIRMED_WAIT = 20.0
 #: seconds after this node's first look at a step (right after its own part sealed)
 #: during which a LOOKUP of DCP's ``.metadata`` missing here waits for the other
 #: ranks' parts (fifth trial F1: save, barrier, load on every rank)
-EXPECT_FOR = 10.0
+EXPECT_FOR = dcp_expect.EXPECT_FOR
 #: seconds between looks while such a lookup waits
 EXPECT_POLL = 0.25
+#: seconds a lookup of a missing name waits at most in all (:meth:`RemoteView.expected`)
+EXPECT_MAX = 30.0
 #: seconds between looks at whether the client deleted or moved placed files (status)
 SWEEP_EVERY = 5.0
 #: steps whose own part was discarded that the view keeps looking at, at most
@@ -138,7 +141,7 @@ DISCARDED_KEPT = 16
 #: cache looks every 0.25 s while it needs room; none since: nothing is short)
 PINNED_FRESH = 5.0
 #: DCP's metadata file, written by the coordinator rank (the part holding ``__0_*``)
-DCP_METADATA = ".metadata"
+DCP_METADATA = dcp_expect.DCP_METADATA
 #: bytes read per call when checking fetched bytes
 READ_CHUNK = 1 << 20
 #: seconds after this node's last create or change that a save counts as under way
@@ -1125,27 +1128,75 @@ class RemoteView:
 
     def expected(self, relpath: bytes) -> Callable[[], Awaitable[None]] | None:
         """A LOOKUP of ``relpath`` found nothing (FUSE/trio thread): what to wait for
-        when it is DCP's ``.metadata`` in a directory of a step whose own part this
-        node sealed less than :data:`EXPECT_FOR` s ago, holding DCP data files but
-        not the coordinator rank's (``__0_*``) nor a ``.metadata``, while some other
-        rank's part is not known here yet; else None (``ENOENT`` now). The wait ends
-        once the file is in the view, every rank's part is known, or the time is up;
-        the lookup is then tried again.
+        when another rank's part of a DCP save that just finished will bring it, else
+        None (``ENOENT`` now). Two rules say when (:mod:`tierfs.node.dcp_expect`:
+        ``.metadata`` beside this node's own data files written just now, sealed or
+        not; another rank's data file beside a ``.metadata`` newer than them), and a
+        third: DCP's ``.metadata`` in a directory of a step whose own part this node
+        sealed less than :data:`EXPECT_FOR` s ago, holding DCP data files but not the
+        coordinator rank's (``__0_*``) nor a ``.metadata``. None of them once every
+        rank's part of the step is known here. The wait ends once the file is in the
+        view, every rank's part is known, or the time is up (:data:`EXPECT_MAX` s in
+        all); the lookup is then tried again.
 
-        Regression (#16 fifth trial F1): every rank ran ``dcp.save`` into a new step,
-        a barrier and ``dcp.load``; ranks 1..3 failed with ``FileNotFoundError`` on
-        ``.metadata``, which rank 0's part brought a few seconds later. Other names
-        never wait: the kernel looks a name up before it creates it, and a node's
-        own new files must not stall (the DCP coordinator rank, which writes
-        ``.metadata``, never waits)."""
+        Regressions: #16 fifth trial F1 (``.metadata`` on ranks 1..3 after a save, a
+        barrier and a load); #14 trial 53 B1 (a rank with a bigger file sealed later:
+        its own node found no ``.metadata`` before its own seal, and other nodes no
+        ``__1_0.distcp`` after ``.metadata`` was placed). Other names never wait: the
+        kernel looks a name up before it creates it, and a node's own new files must
+        not stall (the DCP coordinator rank, which writes ``.metadata``, never waits)."""
         rel = os.fsdecode(relpath)
         head, _, name = rel.rpartition("/")
-        if name != DCP_METADATA or not head:
+        if not head or not dcp_expect.may_wait(name):
             return None
-        union = self._awaits_metadata(head)
-        if union is None:
+        if self._expect_until(head, name) is None:
             return None
-        return lambda: self._await_metadata(union, rel)
+        return lambda: self._await_expected(rel)
+
+    def _expect_until(self, head: str, name: str) -> float | None:
+        """The trio time until which a lookup of ``head/name``, missing, waits (see
+        :meth:`expected`); None: not expected."""
+        job = self.current.job
+        if job is None:
+            return None
+        top = head.split("/", 1)[0]
+        union = next((u for u in self.steps.values() if top in u.tops), None)
+        if (
+            union is not None
+            and union.writers > 0
+            and all(r in union.parts for r in range(union.writers) if r != job.node_rank)
+        ):
+            return None  # every part is known: none brings it
+        now = trio.current_time()
+        until: float | None = None
+        if name == DCP_METADATA:
+            by_seal = self._awaits_metadata(head)
+            if by_seal is not None and by_seal.expect_since is not None:
+                until = by_seal.expect_since + EXPECT_FOR
+        left = dcp_expect.expect_left(name, self._dir_look(head), time.time())
+        if left is not None:
+            until = max(until if until is not None else now, now + left)
+        return until
+
+    def _dir_look(self, head: str) -> dcp_expect.DirLook:
+        """The view directory ``head`` as :func:`tierfs.node.dcp_expect.expect_left`
+        sees it (one ``scandir`` of a step directory on tmpfs: a few entries)."""
+        own: dict[str, float] = {}
+        placed: dict[str, float] = {}
+        try:
+            with os.scandir(os.path.join(self.view_dir, head)) as it:
+                for entry in it:
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if not stat.S_ISREG(st.st_mode):
+                        continue
+                    into = placed if st.st_ino in self._by_ino else own
+                    into[entry.name] = st.st_mtime
+        except OSError:
+            pass
+        return dcp_expect.DirLook(own, placed)
 
     def _awaits_metadata(self, head: str) -> StepUnion | None:
         """The step whose view would show another rank's ``head/.metadata`` soon (see
@@ -1176,18 +1227,28 @@ class RemoteView:
                 return union
         return None
 
-    async def _await_metadata(self, union: StepUnion, rel: str) -> None:
-        """Wait until ``rel`` is in the view or :meth:`_awaits_metadata` no longer
-        expects it (trio thread; the looks come every :data:`EXPECT_POLL` s)."""
+    async def _await_expected(self, rel: str) -> None:
+        """Wait until ``rel`` is in the view or :meth:`_expect_until` no longer expects
+        it, :data:`EXPECT_MAX` s at most (trio thread; the view looks every
+        :data:`EXPECT_POLL` s meanwhile)."""
         path = os.path.join(self.view_dir, rel)
-        head = rel.rpartition("/")[0]
-        assert union.expect_since is not None
+        head, _, name = rel.rpartition("/")
+        top = head.split("/", 1)[0]
+        give_up = trio.current_time() + EXPECT_MAX
         self._expecting += 1
         self._wake.set()
         try:
-            with trio.move_on_at(union.expect_since + EXPECT_FOR):
-                while not os.path.lexists(path) and self._awaits_metadata(head) is union:
-                    await union.looked.wait()
+            while not os.path.lexists(path):
+                until = self._expect_until(head, name)
+                now = trio.current_time()
+                if until is None or now >= min(until, give_up):
+                    return
+                union = next((u for u in self.steps.values() if top in u.tops), None)
+                with trio.move_on_at(min(until, give_up, now + EXPECT_POLL)):
+                    if union is not None:
+                        await union.looked.wait()
+                    else:
+                        await trio.sleep_forever()
         finally:
             self._expecting -= 1
 

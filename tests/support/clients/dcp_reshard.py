@@ -13,6 +13,11 @@ current WORLD with ``dcp.load`` from the same path, checks this rank's local sha
 against the same rows of the full tensors and the step, and prints ``LOADED_OK`` (a
 failed load or a wrong value prints ``LOAD_FAILED <type> <why>`` and exits 3).
 ``saveload`` saves, waits for every rank (``dist.barrier``) and loads at once.
+
+``$DCP_RESHARD_BIG_MB`` (default 0): rank 1 also saves ``extra.big``, a tensor of that
+many MiB only it holds, which every rank then loads: rank 1's node seals its part
+later than the others (its checksum at close takes longer), and every other rank
+reads rank 1's file (#14 trial 53 B1).
 """
 
 import os
@@ -37,6 +42,15 @@ def full_state(step: int) -> dict[str, torch.Tensor]:
     }
 
 
+def big(step: int, rank: int) -> dict[str, torch.Tensor]:
+    """``extra.big`` of $DCP_RESHARD_BIG_MB MiB: rank 1's own, and what every rank loads."""
+    mib = int(os.environ.get("DCP_RESHARD_BIG_MB", "0"))
+    if not mib:
+        return {}
+    g = torch.Generator().manual_seed(7 * step + 1)
+    return {"extra.big": torch.randn(mib << 18, generator=g)}
+
+
 def sharded(full: dict[str, torch.Tensor], mesh: DeviceMesh) -> dict[str, DTensor]:
     return {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
 
@@ -56,18 +70,26 @@ def main() -> None:
         mesh = init_device_mesh("cpu", (world,))
         full = full_state(step)
         if mode in ("save", "saveload"):
-            dcp.save({**sharded(full, mesh), "step": torch.tensor(step)}, checkpoint_id=path)
+            extra = big(step, rank) if rank == 1 else {}
+            dcp.save(
+                {**sharded(full, mesh), **extra, "step": torch.tensor(step)}, checkpoint_id=path
+            )
             print("SAVED", flush=True)
             if mode == "save":
                 return
             dist.barrier()
         shards = sharded({k: torch.zeros_like(v) for k, v in full.items()}, mesh)
-        target: dict[str, torch.Tensor] = {**shards, "step": torch.tensor(-1)}
+        expect_big = big(step, 1)
+        loaded_big = {k: torch.zeros_like(v) for k, v in expect_big.items()}
+        target: dict[str, torch.Tensor] = {**shards, **loaded_big, "step": torch.tensor(-1)}
         try:
             dcp.load(target, checkpoint_id=path)
             for key, value in full.items():
                 if not torch.equal(shards[key].to_local(), local_rows(value, rank, world)):
                     raise ValueError(f"{key}: rank {rank}/{world} shard != saved rows")
+            for key, value in expect_big.items():
+                if not torch.equal(target[key], value):
+                    raise ValueError(f"{key}: rank 1's tensor != what it saved")
             if int(target["step"]) != step:
                 raise ValueError(f"step {int(target['step'])} != {step}")
         except BaseException as exc:  # CheckpointException is a BaseException

@@ -1,0 +1,65 @@
+"""One rank of a training loop that saves with stock ``torch.distributed.checkpoint``
+and loads every rank's tensors right after a barrier, step after step in one process
+(no tierfs-specific code; #14 trial 53 B1).
+
+Usage: dcp_race.py RANK WORLD PORT ROOT FIRST LAST BIG_MB
+
+Each step N in FIRST..LAST: remove ``ROOT/checkpoint-(N-2)`` (the trainer's retention),
+``dcp.save`` of ``r<rank>.small`` (256 KiB) into ``ROOT/checkpoint-N`` (rank 1 also
+saves ``r1.big``, BIG_MB MiB, so its node seals its part later than the others),
+``dist.barrier``, then ``dcp.load`` of every rank's ``.small`` tensor (each node reads
+every other rank's file) compared with what was saved. Prints ``OK <steps>``, or
+``LOAD_FAILED <step> <type> <why>`` per failed step and exits 3.
+"""
+
+import os
+import shutil
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+
+def small(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(1 << 16, generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def main() -> None:
+    rank, world, port = map(int, sys.argv[1:4])
+    root, first, last, big_mb = sys.argv[4], *map(int, sys.argv[5:8])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    failed = []
+    try:
+        for step in range(first, last + 1):
+            shutil.rmtree(os.path.join(root, f"checkpoint-{step - 2}"), ignore_errors=True)
+            path = os.path.join(root, f"checkpoint-{step}")
+            state = {f"r{rank}.small": small(step, rank)}
+            if rank == 1:
+                g = torch.Generator().manual_seed(step)
+                state["r1.big"] = torch.randn(big_mb << 18, generator=g)
+            dcp.save(state, checkpoint_id=path)
+            dist.barrier()
+            want = {f"r{r}.small": small(step, r) for r in range(world)}
+            got = {k: torch.zeros_like(v) for k, v in want.items()}
+            try:
+                dcp.load(got, checkpoint_id=path)
+                bad = [k for k in want if not torch.equal(got[k], want[k])]
+                if bad:
+                    raise ValueError(f"wrong values: {bad}")
+            except BaseException as exc:  # CheckpointException is a BaseException
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                failed.append(f"LOAD_FAILED {step} {type(exc).__name__} {str(exc)[:300]}")
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    if failed:
+        print("\n".join(failed), flush=True)
+        sys.exit(3)
+    print(f"OK {last - first + 1}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
