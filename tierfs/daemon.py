@@ -89,6 +89,17 @@ CONTROL_DIR = ".tierfs"
 FUSE_COUNTERS_FILE = b".tierfs/fuse.json"
 
 
+def log_bytes(budget: int | None) -> int:
+    """Bytes of one file of the rotating daemon log (3 files are kept): 16 MiB, or a
+    64th of a RAM budget of ``budget`` bytes (at least 256 KiB) when the log lies in
+    that budget (a ``--size`` mount's own tmpfs; #14 trial 53 D1: 48 MiB of log in a
+    64 MiB budget)."""
+    full = 16 << 20
+    if budget is None:
+        return full
+    return min(full, max(256 << 10, budget // 64))
+
+
 def setup_logging(config: NodeConfig, foreground: bool) -> None:
     """Log to stderr in the foreground, else to a rotating file in the RAM store."""
     root = logging.getLogger()
@@ -100,7 +111,9 @@ def setup_logging(config: NodeConfig, foreground: bool) -> None:
         handler = logging.StreamHandler(sys.stderr)
     else:
         path = config.log_file or RamStore(config.ram_dir).log_file
-        handler = logging.handlers.RotatingFileHandler(path, maxBytes=16 << 20, backupCount=2)
+        handler = logging.handlers.RotatingFileHandler(
+            path, maxBytes=log_bytes(config.size if not config.log_file else None), backupCount=2
+        )
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(handler)
     logging.getLogger("google").setLevel(logging.WARNING)

@@ -326,7 +326,7 @@ def test_a_node_that_is_not_rank_zero_refuses_coordinator_calls(make_mount, fake
     assert "waiting for node-rank 0 to publish" in peer["rendezvous_note"]
     out = " ".join(tierfs("status", str(m.path)).stdout.split())
     assert "coordinator not found yet (waiting for node-rank 0 to publish" in out
-    assert f"gcs gs://{fake_gcs.bucket}/; no round yet" in out
+    assert f"gcs gs://{fake_gcs.bucket}/; no round yet (one every 30 min)" in out
     # generic mode with node 0 absent: the restore waits visibly, looking for it
     state = wait_for(
         lambda: json.loads(tierfs("status", str(m.path), "--json").stdout)["restore"],

@@ -380,3 +380,14 @@ def test_a_starting_node_reports_its_restore_pending_before_its_tiers_started(tm
     state, outcome = seen[0]
     assert state == "pending" and state not in RESTORE_SETTLED, seen
     assert outcome != (0, "no restore needed")
+
+
+def test_the_daemon_log_in_a_small_budget_takes_a_small_part_of_it():
+    """#14 trial 53 D1: with ``--size 64MiB`` the log (3 files of 16 MiB) could take 48 MiB
+    of the budget it lies in."""
+    from tierfs.daemon import log_bytes
+
+    assert log_bytes(None) == 16 << 20  # the ram-dir's own filesystem: the full size
+    assert log_bytes(64 << 20) == 1 << 20
+    assert log_bytes(8 << 20) == 256 << 10
+    assert log_bytes(64 << 30) == 16 << 20

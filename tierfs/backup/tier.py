@@ -361,7 +361,14 @@ class GcsTier:
                 )
             parts.append(f"last round {last['round']} step {last['step']}: {state}")
         else:
-            parts.append("no round yet")
+            first, every = S.intervals(
+                job.backup_interval_minutes if job else None,
+                job.backup_interval_steps if job else None,
+            )
+            when = [f"{first:g} min"] if first else []
+            when += [f"{every} steps"] if every else []
+            # #14 trial 53 D3: the default 30 minutes was shown only in --json
+            parts.append("no round yet" + (f" (one every {' or '.join(when)})" if when else ""))
         problem = self.access.bucket_problem()
         if problem:
             parts.append(f"bucket problem: {problem}")

@@ -179,7 +179,7 @@ def _ram_lines(st: NodeStatus) -> list[str]:
         f"ram        tierfs holds {format_size(usage.total_bytes)}: view "
         f"{format_size(usage.view_bytes)}, snapshots "
         f"{format_size(usage.snapshot_bytes)}, replicas "
-        f"{format_size(usage.replica_bytes)}, trash and transfers "
+        f"{format_size(usage.replica_bytes)}, trash, transfers and log "
         f"{format_size(usage.other_bytes)} (counted {usage.age_seconds:.0f} s ago)"
     ]
     if budget.mode == "managed":

@@ -143,6 +143,7 @@ class CacheRoom:
     ) -> None:
         self.kept = kept
         self.report = report
+        self._hold_said = False  # the last "pausing" line was INFO (fetches ran)
         self._short_said_at = -math.inf
         self.room = room
         self.own_part = own_part
@@ -319,7 +320,12 @@ class CacheRoom:
         ``short`` beside them while this node saves; go on otherwise."""
         hold = short and self.under_way()
         if hold != self.hold_fetches:
-            log.info(
+            # said only where fetches run (#14 trial 53 D2: a node with nothing to fetch
+            # logged a pair per save near a full budget)
+            if hold:
+                self._hold_said = self.incoming() > 0
+            log.log(
+                logging.INFO if self._hold_said else logging.DEBUG,
                 "%s other ranks' fetches: %s",
                 "pausing" if hold else "resuming",
                 "this node's save under way needs the room they would take"
