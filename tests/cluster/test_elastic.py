@@ -433,6 +433,15 @@ def test_a_load_right_after_a_save_where_one_rank_seals_later_finds_every_file(m
     for i in range(3):
         assert c.errors(i) == "", (i, c.errors(i))
 
+    # #14 trial 54 F1: two ranks per node, rank 0 beginning its saves 0.5 s late: node 0
+    # sealed a part with rank 1's file only and sealed it again a moment later; the
+    # other nodes' lookups ended at once on "every part known" (12 of 12 steps failed)
+    def two_per_node(r: int, world: int, port: int) -> list[str]:
+        return [str(r), str(world), str(port), str(c.root(r // 2)), "80", "83", "8"]
+
+    out = run_ranks(c, race, two_per_node, [0, 0, 1, 1, 2, 2], {"DCP_RACE_LATE": "0:0.5"})
+    assert out == ["OK 4"] * 6, out
+
 
 def test_a_load_right_after_a_save_in_place_reads_every_ranks_new_bytes(make_mount):
     """Regression (issue #16, fourth trial F1): every rank saved a step again in place

@@ -29,6 +29,7 @@ from tierfs.core.priority import fetch_hold, fetch_pause, fetch_urgent
 from tierfs.fuse.inodes import ROOT_ID
 from tierfs.fuse.namespace import Namespace
 from tierfs.fuse.remote import Deferred
+from tierfs.node import dcp_expect
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.remote_view import SWEEP_EVERY, XATTR, RemoteView
 from tierfs.node.resave import sealed_at
@@ -2352,8 +2353,50 @@ def test_a_load_right_after_a_save_where_one_rank_seals_later_waits_for_its_file
             await trio.testing.wait_all_tasks_blocked()
             await rv.look(own)
         assert (step / "__2_0.distcp").exists() and rv._expecting == 0
-        # every part known: a name none of them has is not waited for
+        # every part known: a DCP name none of them has still waits out the window (a
+        # node with several ranks may seal its part again with one more file, #14
+        # trial 54 F1), and not past it
+        assert rv.expected(b"10/__0_9.distcp") is not None
+        old = time.time() - 20
+        os.utime(step / ".metadata", (old, old))
         assert rv.expected(b"10/__0_9.distcp") is None
-        assert rv.expected(b"10/.metadata") is None
+
+    trio.run(main)
+
+
+def test_a_part_sealed_again_with_one_more_file_ends_the_wait_and_a_vain_wait_is_said(
+    tmp_path,
+):
+    """#14 trial 54 F1: with 2 ranks per node, node 2 sealed its part with rank 4's file
+    before rank 5 created ``__5_0.distcp``, and sealed it again a moment later; other
+    nodes took "every part known" for the end and answered ENOENT. F5: a lookup that
+    waited in vain left no line anywhere."""
+    early = manifest(2, {"__4_0.distcp": B})
+    full = manifest(2, {"__4_0.distcp": B, "__5_0.distcp": C})
+    rv, ram, _shards, _catalog, own, job = view_of(tmp_path, {0: PARTS[0], 2: early}, [])
+    step = Path(ram.view) / "10"
+
+    async def main() -> None:
+        await rv.look(own)
+        assert (step / ".metadata").exists() and (step / "__4_0.distcp").exists()
+        wait = rv.expected(b"10/__5_0.distcp")
+        assert wait is not None  # every part is known, but the save just finished
+        rv.manifests.parts[2] = full  # node 2 seals its part again, now complete
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            await trio.testing.wait_all_tasks_blocked()
+            rv.steps[10].recheck.add(2)
+            await rv.look(own)
+        assert (step / "__5_0.distcp").exists()
+        assert job.errors == []
+        # a name that never comes: the wait ends with the window, said once
+        (step / ".metadata").touch()
+        vain = rv.expected(b"10/__9_0.distcp")
+        assert vain is not None
+        old = time.time() - dcp_expect.EXPECT_FOR + 0.3
+        os.utime(step / ".metadata", (old, old))
+        with trio.fail_after(5):
+            await vain()
+        assert len(job.errors) == 1 and "10/__9_0.distcp waited" in job.errors[0], job.errors
 
     trio.run(main)

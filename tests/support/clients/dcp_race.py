@@ -10,15 +10,30 @@ saves ``r1.big``, BIG_MB MiB, so its node seals its part later than the others),
 ``dist.barrier``, then ``dcp.load`` of every rank's ``.small`` tensor (each node reads
 every other rank's file) compared with what was saved. Prints ``OK <steps>``, or
 ``LOAD_FAILED <step> <type> <why>`` per failed step and exits 3.
+
+``$DCP_RACE_LATE`` = ``RANK:SECONDS``: that rank creates its file so much later than
+the others, after the save's planning (with several ranks per node, its node seals a
+part without its file first; #14 trial 54 F1).
 """
 
 import os
 import shutil
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+
+class Late(dcp.FileSystemWriter):
+    """A stock writer whose rank creates its data file ``late`` seconds after the plan."""
+
+    late = 0.0
+
+    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        time.sleep(self.late)
+        return super().write_data(plan, planner)
 
 
 def small(step: int, rank: int) -> torch.Tensor:
@@ -39,7 +54,10 @@ def main() -> None:
             if rank == 1:
                 g = torch.Generator().manual_seed(step)
                 state["r1.big"] = torch.randn(big_mb << 18, generator=g)
-            dcp.save(state, checkpoint_id=path)
+            late_rank, _, late = os.environ.get("DCP_RACE_LATE", "-1:0").partition(":")
+            writer = (Late if rank == int(late_rank) else dcp.FileSystemWriter)(path)
+            writer.late = float(late)
+            dcp.save(state, storage_writer=writer)
             dist.barrier()
             want = {f"r{r}.small": small(step, r) for r in range(world)}
             got = {k: torch.zeros_like(v) for k, v in want.items()}
