@@ -131,8 +131,10 @@ def test_changed_local_file_is_refused_by_crc32c(fake_gcs, tmp_path):
     g = backend(fake_gcs)
     shard = make_shard(tmp_path / "n0", "job", 0, 5, orbax_files(3))
     path = os.path.join(shard.data, "5/state/manifest.ocdbt")
-    with open(path, "r+b") as f:
-        f.write(b"X")
+    with open(path, "r+b") as f:  # the first byte flipped (regression: writing b"X"
+        first = f.read(1)[0]  # over random bytes changed nothing 1 time in 256, CI)
+        f.seek(0)
+        f.write(bytes([first ^ 0xFF]))
     with pytest.raises(ChecksumMismatch):
         g.upload_shard(shard, R1, nodes=1)
     info = g.inspect_round("job", R1, nodes=1)

@@ -63,8 +63,12 @@ def test_another_ranks_data_file_beside_a_newer_metadata_waits():
             look({"__2_0.distcp": NOW}, {".metadata": NOW - 5}),
             "an older .metadata: the step saved again in place, this node's create",
         ),
-        (look({}, {".metadata": NOW - EXPECT_FOR - 1}), "a save long finished"),
-        (look({}, {".metadata": NOW, "__1_0.distcp": NOW}), "already there"),
+        (look({"__2_0.distcp": NOW - 20}, {".metadata": NOW - EXPECT_FOR - 1}), "long ago"),
+        (look({"__2_0.distcp": NOW}, {".metadata": NOW, "__1_0.distcp": NOW}), "already there"),
+        # regression (CI, 7 December 2026): a copy in name order (cp -r, rsync) writes
+        # .metadata first; the create of its first data file waited 10 s
+        (look({".metadata": NOW}), "no own data file yet: this node creates one"),
+        (look({}, {".metadata": NOW}), "no own data file here: not part of the save"),
     ],
 )
 def test_a_data_file_is_not_waited_for(d, why):

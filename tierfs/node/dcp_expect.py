@@ -14,8 +14,8 @@ that the save which writes it has just finished:
   rank's (``__0_*``), written less than :data:`EXPECT_FOR` s ago. This holds also
   before this node's own part is sealed (#14 trial 53 B1 (a): the node of a rank
   with a big file checksummed it at its close while the others already loaded).
-* a DCP data file, in a directory whose ``.metadata`` (the save is complete)
-  is newer than every own data file there and less than :data:`EXPECT_FOR` s old
+* a DCP data file, in a directory holding own data files and a ``.metadata`` (the
+  save is complete) newer than all of them and less than :data:`EXPECT_FOR` s old
   (#14 trial 53 B1 (b): ``.metadata`` was placed, the rank with the big file not
   yet known).
 
@@ -75,8 +75,11 @@ def expect_left(name: str, look: DirLook, now: float) -> float | None:
         if name in look.own or name in look.placed:
             return None
         meta = look.own.get(DCP_METADATA, look.placed.get(DCP_METADATA))
-        if meta is None or (data and meta < max(data.values())):
-            return None  # no finished save here, or an older one (a save again in place)
+        if meta is None or not data or meta < max(data.values()):
+            # no finished save here; or no own data file yet: a copy in name order
+            # (``cp -r``, rsync: ``.metadata`` sorts first) creating its first one (a
+            # CI run: a 10 s stall); or an older one (a save again in place)
+            return None
         since = meta
     else:
         return None
