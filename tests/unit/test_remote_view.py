@@ -2333,6 +2333,10 @@ def test_a_load_right_after_a_save_where_one_rank_seals_later_waits_for_its_file
         # (a) nothing looked at yet (this node's own part not sealed): its own data
         # file was written just now, so .metadata is expected
         assert rv.steps == {}
+        spec = _job.job
+        _job.job = JobSpec(JOB, "generic", 0, 1)  # a one-node job: no other part comes
+        assert rv.expected(b"10/.metadata") is None  # (regression: tar x waited 10 s)
+        _job.job = spec
         wait = rv.expected(b"10/.metadata")
         assert wait is not None
         assert rv.expected(b"10/__2_0.distcp") is None  # no .metadata here: no save done

@@ -1151,6 +1151,9 @@ class RemoteView:
         head, _, name = rel.rpartition("/")
         if not head or not dcp_expect.may_wait(name):
             return None
+        job = self.current.job
+        if job is None or job.nodes <= 1:
+            return None  # no other node's part can bring it (a copy into a one-node mount)
         if self._expect_until(head, name) is None:
             return None
         return lambda: self._await_expected(rel)
