@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
@@ -242,6 +243,30 @@ def _holders(path: str) -> int:
     return n
 
 
+def _closed_then_let_go(
+    ahead: ca.CrcAhead, path, ino: int, started: Callable[[], Awaitable[object]]
+) -> list[int]:
+    """Close ``path`` (backing inode ``ino``) into ``ahead``; once ``started()`` returned,
+    let it go; the descriptors held on it then and after the wait."""
+    held: list[int] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            ahead.spawn = nursery.start_soon  # type: ignore[assignment]
+            ahead.closed(path.name, ino)
+            await started()
+            held.append(_holders(str(path)))
+            assert ahead.let_go(ino + 1) is None  # another file: nothing to wait for
+            wait = ahead.let_go(ino)
+            assert wait is not None
+            with trio.fail_after(5):
+                await wait()
+            held.append(_holders(str(path)))
+
+    trio.run(main)
+    return held
+
+
 def test_a_file_waiting_for_the_quiet_time_holds_no_descriptor_and_lets_go(tmp_path):
     """Regression (fault campaign seed 19, 7 December 2026): the read held the file open
     while it waited QUIET after the mtime, so a client's unlink right after its close
@@ -251,22 +276,8 @@ def test_a_file_waiting_for_the_quiet_time_holds_no_descriptor_and_lets_go(tmp_p
     ino = f.stat().st_ino
     os.utime(f, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))  # QUIET not yet passed
     ahead = ca.CrcAhead(str(tmp_path), {}, lambda fn: None)
-    seen: list[int] = []
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            ahead.spawn = nursery.start_soon  # type: ignore[assignment]
-            ahead.closed("big.bin", ino)
-            await trio.sleep(0.05)  # the worker waits for the clock
-            seen.append(_holders(str(f)))
-            assert ahead.let_go(ino + 1) is None  # another file: nothing to wait for
-            wait = ahead.let_go(ino)
-            assert wait is not None
-            with trio.fail_after(5):
-                await wait()
-            seen.append(_holders(str(f)))
-
-    trio.run(main)
+    # the worker waits for the clock
+    seen = _closed_then_let_go(ahead, f, ino, trio.testing.wait_all_tasks_blocked)
     assert seen == [0, 0] and ahead.files == 0
     assert ahead.let_go(ino) is None  # no read under way
 
@@ -290,20 +301,6 @@ def test_let_go_stops_a_read_under_way_at_the_next_chunk(tmp_path, monkeypatch):
     monkeypatch.setattr(ca, "crc32c_chunks", slow)
     monkeypatch.setattr(ca, "QUIET", 0)
     ahead = ca.CrcAhead(str(tmp_path), {}, lambda fn: None)
-    held: list[int] = []
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            ahead.spawn = nursery.start_soon  # type: ignore[assignment]
-            ahead.closed("big.bin", ino)
-            await trio.to_thread.run_sync(reading.wait)
-            held.append(_holders(str(f)))
-            wait = ahead.let_go(ino)
-            assert wait is not None
-            with trio.fail_after(5):
-                await wait()
-            held.append(_holders(str(f)))
-
-    trio.run(main)
+    held = _closed_then_let_go(ahead, f, ino, lambda: trio.to_thread.run_sync(reading.wait))
     assert held == [1, 0]
     assert len(chunks_read) < 8 and ahead.files == 0  # stopped before the end

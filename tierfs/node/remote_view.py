@@ -1234,7 +1234,6 @@ class RemoteView:
         :data:`EXPECT_POLL` s meanwhile)."""
         path = os.path.join(self.view_dir, rel)
         head, _, name = rel.rpartition("/")
-        top = head.split("/", 1)[0]
         began = trio.current_time()
         give_up = began + EXPECT_MAX
         self._expecting += 1
@@ -1246,7 +1245,7 @@ class RemoteView:
                 if until is None or now >= min(until, give_up):
                     self._expect_ended(rel, head, now - began)
                     return
-                union = next((u for u in self.steps.values() if top in u.tops), None)
+                union = self._union_at(head)
                 with trio.move_on_at(min(until, give_up, now + EXPECT_POLL)):
                     if union is not None:
                         await union.looked.wait()
@@ -1255,12 +1254,16 @@ class RemoteView:
         finally:
             self._expecting -= 1
 
+    def _union_at(self, head: str) -> StepUnion | None:
+        """The step whose view directory ``head`` lies in (its top-level name), if any."""
+        top = head.split("/", 1)[0]
+        return next((u for u in self.steps.values() if top in u.tops), None)
+
     def _expect_ended(self, rel: str, head: str, waited: float) -> None:
         """A lookup waited ``waited`` s for ``rel`` and it did not come (ENOENT): said in
         the log and, once per directory, in ``replicator.errors`` (#14 trial 54 F5:
         failed loads left no line anywhere)."""
-        top = head.split("/", 1)[0]
-        union = next((u for u in self.steps.values() if top in u.tops), None)
+        union = self._union_at(head)
         known = sorted(union.parts) if union is not None else []
         writers = union.writers if union is not None else 0
         line = (
