@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -441,6 +442,13 @@ def test_a_load_right_after_a_save_where_one_rank_seals_later_finds_every_file(m
 
     out = run_ranks(c, race, two_per_node, [0, 0, 1, 1, 2, 2], {"DCP_RACE_LATE": "0:0.5"})
     assert out == ["OK 4"] * 6, out
+    # F4: from its second such save on, each node seals its part once, with both ranks'
+    # files (node 0 sealed rank 1's file alone first, then the whole part)
+    for i in range(3):
+        log = c.mounts[i].log()
+        for step in (81, 82, 83):
+            seals = re.findall(rf"sealed step {step} \(checkpoint-{step}, (\d+) files", log)
+            assert seals == [str(3 if i else 4)], (i, step, seals)
 
 
 def test_a_load_right_after_a_save_in_place_reads_every_ranks_new_bytes(make_mount):

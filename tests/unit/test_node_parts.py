@@ -670,3 +670,72 @@ def test_local_ranks_around_a_seal_that_completes_between_them_share_one_round(t
     driver._waiting_start = None
     seal(parts, 20)
     assert driver.trainer_start().action == "current"  # rank B: the same start
+
+
+def dcp_files(parts: NodeParts, step: int) -> list[str]:
+    """The DCP data files of this node's sealed part of ``step``."""
+    files = parts.catalog[ShardKey("j", 0, step)].manifest.files
+    return sorted(f.path for f in files if f.path.endswith(".distcp"))
+
+
+def test_a_dcp_part_of_fewer_ranks_than_the_last_one_waits_for_the_other_ranks_file(tmp_path):
+    """Regression (#14 trial 54 F4): with two ranks per node, rank 2's ``__2_0.distcp``
+    closed before rank 3 had created ``__3_0.distcp``; the part was sealed with rank 2's
+    file alone, replicated and logged "saved again" a moment later. Now a part of fewer
+    of this node's ranks than its previous DCP part waits for the other's file."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    book, sealer, view = parts.agent.book, parts.agent.sealer, parts.view
+    root = pathlib.Path(view.root)
+
+    def closed(rel: str) -> SealCandidate:
+        path = root / rel
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(rel.encode() * 100)
+        assert book.rules is not None
+        cand = book.rules.on_release(rel, view)
+        assert cand is not None and cand.reason.startswith("DCP part")
+        return cand
+
+    async def body() -> None:
+        for rel in ("10/__2_0.distcp", "10/__3_0.distcp"):
+            sealer.schedule(closed(rel))  # no earlier DCP part: sealed at once
+            await trio.testing.wait_all_tasks_blocked()
+        sealer.schedule(closed("20/__2_0.distcp"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert ShardKey("j", 0, 20) not in parts.catalog  # rank 3's file still to come
+        assert "20" in sealer._deferred
+        sealer.schedule(closed("20/__3_0.distcp"))
+        await trio.testing.wait_all_tasks_blocked()
+
+    run_with_tasks(parts, body)
+    assert sealer._deferred == {}
+    assert dcp_files(parts, 20) == ["20/__2_0.distcp", "20/__3_0.distcp"]
+    assert dcp_files(parts, 10) == ["10/__2_0.distcp", "10/__3_0.distcp"]
+
+
+def test_a_dcp_part_of_fewer_ranks_is_sealed_after_the_grace(tmp_path):
+    """The count of the previous DCP part only delays a seal: a node that now runs one
+    rank (the job restarted with fewer processes per node) seals after the grace."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    book, sealer, view = parts.agent.book, parts.agent.sealer, parts.view
+    root = pathlib.Path(view.root)
+    for rel in ("10/__2_0.distcp", "10/__3_0.distcp", "20/__2_0.distcp"):
+        (root / rel).parent.mkdir(exist_ok=True)
+        (root / rel).write_bytes(b"d" * 100)
+        assert book.rules is not None
+        last = book.rules.on_release(rel, view)
+    assert last is not None and book.rules is not None
+    assert book.rules.awaits_ranks(last, view)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            parts.agent.tasks.nursery = nursery
+            sealer.schedule(last)
+            await trio.sleep(sealer.ranks_grace - 1)
+            assert ShardKey("j", 0, 20) not in parts.catalog
+        parts.agent.tasks.nursery = None
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert dcp_files(parts, 20) == ["20/__2_0.distcp"]

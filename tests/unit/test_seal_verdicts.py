@@ -19,7 +19,7 @@ from tierfs.core.control import JobSpec
 from tierfs.core.types import BucketPart, BucketView, Holding, WholeVerdict
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.restorer import own_rank_view
-from tierfs.node.sealing import SealRules
+from tierfs.node.sealing import SealCandidate, SealRules
 from tierfs.node.verdicts import SealVerdicts
 from tierfs.store.manifest import Manifest, StepVerdict, VerdictProblem
 from tierfs.store.ramstore import RamStore
@@ -297,3 +297,37 @@ def test_a_rank_deciding_alone_does_not_hold_another_ranks_file_against_its_part
     view = own_rank_view(BucketView(parts=parts), JobSpec("j", "generic", 1, 2))
     assert [(p.rank, p.missing) for p in view.parts] == [(0, "")]
     assert choose_restore(1, {0: []}, bucket=view).step == 20
+
+
+def test_a_dcp_part_waits_for_as_many_of_this_nodes_ranks_as_its_previous_one():
+    """#14 trial 54 F4: the rule behind the sealer's wait (pure)."""
+    rules = SealRules("generic")
+    two = View({"": ["step_10"], "step_10": ["__2_0.distcp", "__3_0.distcp"]})
+    first = rules.on_release("step_10/__2_0.distcp", two)
+    assert first is not None and not rules.awaits_ranks(first, two)  # nothing earlier
+    rules.on_release("step_10/__3_0.distcp", two)
+    one = View({"": ["step_10", "step_20"], "step_20": ["__2_0.distcp"]})
+    cand = rules.on_release("step_20/__2_0.distcp", one)
+    assert cand is not None and rules.awaits_ranks(cand, one)
+    # another rank's file shown by the whole-step view is not this node's rank
+    shown = View({"": ["step_20"], "step_20": ["__2_0.distcp", "__1_0.distcp"]})
+    shown.others = {"step_20/__1_0.distcp"}
+    assert rules.awaits_ranks(cand, shown)
+    both = View({"": ["step_20"], "step_20": ["__2_0.distcp", "__3_0.distcp"]})
+    cand = rules.on_release("step_20/__3_0.distcp", both)
+    assert cand is not None and not rules.awaits_ranks(cand, both)
+    # a marker's candidate never waits for ranks
+    marker = SealCandidate(20, "step_20", ("step_20",), "marker .metadata")
+    assert not rules.awaits_ranks(marker, one)
+
+
+def test_the_node_of_rank_0_counts_its_ranks_too():
+    """On the node of ranks 0 and 1, rank 1's file closed before rank 0 created its own
+    was a part without rank 0 (sealed at once, then again at ``.metadata``)."""
+    rules = SealRules("generic")
+    full = View({"": ["step_10"], "step_10": ["__0_0.distcp", "__1_0.distcp"]})
+    assert rules.on_release("step_10/__1_0.distcp", full) is None  # rank 0's: .metadata
+    assert rules.on_release("step_10/__0_0.distcp", full) is None
+    early = View({"": ["step_20"], "step_20": ["__1_0.distcp"]})
+    cand = rules.on_release("step_20/__1_0.distcp", early)
+    assert cand is not None and rules.awaits_ranks(cand, early)

@@ -28,7 +28,7 @@ from tierfs.core.config import NodeConfig
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.jobstate import JobState
 from tierfs.node.resave import EarlierSave, replaced_pairs, sealed_at
-from tierfs.node.sealing import MARKER_GRACE, TRACKERS, SealCandidate
+from tierfs.node.sealing import MARKER_GRACE, RANKS_GRACE, TRACKERS, SealCandidate
 from tierfs.node.steps import StepBook, top_of
 from tierfs.node.tasks import TaskSpawner
 from tierfs.node.view import ClientView
@@ -115,6 +115,9 @@ class Sealer:
         self._deferred: dict[str, tuple[SealCandidate, trio.Event]] = {}
         #: seconds a re-seal waits for its marker file (a setting for tests)
         self.marker_grace = MARKER_GRACE
+        #: seconds a DCP part of fewer of this node's ranks than the previous one waits
+        #: for the others' files (:meth:`tierfs.node.sealing.SealRules.awaits_ranks`)
+        self.ranks_grace = RANKS_GRACE
         #: returns once the checksums begun at the close of files are done
         #: (:meth:`tierfs.node.crc_ahead.CrcAhead.settled`): a seal waits for them
         #: rather than reading the same bytes beside them
@@ -124,8 +127,10 @@ class Sealer:
         """Make ``cand`` the pending candidate of its name and start a seal of it.
 
         A re-seal of a step saved again in place whose marker file has not been
-        written again yet waits :attr:`marker_grace` seconds for it (one waiting
-        task per candidate); the marker's own candidate replaces it and seals at once.
+        written again yet waits :attr:`marker_grace` seconds for it, and a DCP part
+        of fewer of this node's ranks than its previous one :attr:`ranks_grace`
+        seconds for theirs (one waiting task per candidate); the candidate of the
+        marker, or of the last rank's file, replaces it and seals at once.
         """
         known = self.book.pending.get(cand.name)
         self.book.pending[cand.name] = cand
@@ -138,19 +143,31 @@ class Sealer:
             del self._deferred[cand.name]
             waiting[1].set()  # replaced (the marker's seal): its task ends now
         rules = self.book.rules
+        grace = 0.0
         if rules is not None and rules.awaits_marker(
             cand, self.view, lambda: self._former_files(cand.step)
         ):
-            until = trio.current_time() + self.marker_grace
-            self._deferred[cand.name] = (cand, trio.Event())
+            grace = self.marker_grace
             log.info(
                 "step %d (%s) written to after its seal: sealing again when its marker "
                 "file is written again, at the latest in %.0f s",
                 cand.step,
                 cand.name,
-                self.marker_grace,
+                grace,
             )
-            self.tasks.spawn(self._seal_after, cand, until)
+        elif rules is not None and rules.awaits_ranks(cand, self.view):
+            grace = self.ranks_grace
+            log.info(
+                "step %d (%s): DCP files of fewer of this node's ranks than in its "
+                "previous DCP part: sealing when the others' files are closed, at the "
+                "latest in %.0f s",
+                cand.step,
+                cand.name,
+                grace,
+            )
+        if grace > 0:
+            self._deferred[cand.name] = (cand, trio.Event())
+            self.tasks.spawn(self._seal_after, cand, trio.current_time() + grace)
             return
         self.tasks.spawn(self._seal, cand)
 

@@ -59,6 +59,13 @@ RESEAL_REASONS = frozenset({"re-seal after write", "changed after seal"})
 #: marker to be written again (:meth:`SealRules.awaits_marker`); a collective save
 #: writes it within seconds of its data files
 MARKER_GRACE = 30.0
+#: seconds a DCP part holding fewer of this node's ranks than its previous DCP part
+#: waits for the others' data files before it is sealed
+#: (:meth:`SealRules.awaits_ranks`); a DCP save creates every rank's file right
+#: after one collective, so they come within a second or two
+RANKS_GRACE = 5.0
+#: the reason of a DCP part's candidate (:meth:`SealRules.on_release`)
+DCP_PART = "DCP part"
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 DEEPSPEED_TRACKER = "latest"
 TRACKERS = frozenset({MEGATRON_TRACKER, DEEPSPEED_TRACKER})
@@ -136,6 +143,10 @@ class SealRules:
         self._save_re = re.compile(
             rf"^{re.escape(job)}-s(?P<step>\d+)-n{rank}-w(?P<worker>\d+)\.save$"
         )
+        #: (step directory, this node's DCP ranks in it) of the newest DCP part seen,
+        #: and of the one before it in another directory (:meth:`awaits_ranks`)
+        self._dcp_now: tuple[str, frozenset[str]] | None = None
+        self._dcp_before: tuple[str, frozenset[str]] | None = None
 
     # ------------------------------------------------------------------ names
 
@@ -194,11 +205,43 @@ class SealRules:
             return None
         if not rest and top in TRACKERS:
             return self._tracker(top, view)
-        if rest and DCP_DATA.match(rest) and self._dcp_part(top, view):
-            step = self.step_of(top)
-            if step is not None:
-                return SealCandidate(step, top, (top,), f"DCP part {rest} (no rank 0 here)")
+        step = self.step_of(top)
+        if rest and DCP_DATA.match(rest) and step is not None and view.is_dir(top):
+            self._saw_dcp_files(top, view)  # rank 0's node too: its ranks are counted
+            if self._dcp_part(top, view):
+                return SealCandidate(step, top, (top,), f"{DCP_PART} {rest} (no rank 0 here)")
         return None
+
+    def awaits_ranks(self, cand: SealCandidate, view: ViewProbe) -> bool:
+        """A DCP part ``cand`` (generic mode, a node without rank 0) should wait up to
+        :data:`RANKS_GRACE` seconds: its directory holds data files of fewer of this
+        node's ranks than this node's previous DCP save in another directory (two
+        ranks per node: ``__2_0.distcp`` closed before ``__3_0.distcp`` was created;
+        on the node of ranks 0 and 1, ``__1_0.distcp`` before ``__0_0.distcp``: the
+        part waits for rank 0's ``.metadata``, whose candidate replaces it).
+
+        The count of earlier saves only delays the seal; the part sealed is always what
+        the directory holds when a file of the last rank closes or the grace ends.
+        Regression (#14 trial 54 F4): with 2 ranks per node a partial part (one rank's
+        file) was sealed, replicated and logged "saved again" before the whole one.
+        """
+        if self.framework != "generic" or not cand.reason.startswith(DCP_PART):
+            return False
+        before = self._dcp_before
+        if before is None or before[0] == cand.name or not view.is_dir(cand.name):
+            return False
+        return len(self._own_dcp_ranks(cand.name, view)) < len(before[1])
+
+    def _saw_dcp_files(self, top: str, view: ViewProbe) -> None:
+        """Count this node's DCP ranks in ``top`` (a DCP data file closed there)."""
+        ranks = self._own_dcp_ranks(top, view)
+        now = self._dcp_now
+        if now is not None and now[0] == top:
+            self._dcp_now = (top, now[1] | ranks)
+            return
+        if now is not None:
+            self._dcp_before = now
+        self._dcp_now = (top, ranks)
 
     def awaits_marker(
         self,
@@ -235,20 +278,25 @@ class SealRules:
             return True
         return any(view.exists(p) and not view.is_other_rank(p) for p in markers)
 
-    @staticmethod
-    def _dcp_part(top: str, view: ViewProbe) -> bool:
+    @classmethod
+    def _dcp_part(cls, top: str, view: ViewProbe) -> bool:
         """``top`` holds DCP data files of this node, none of global rank 0 (whose node
         writes ``.metadata``, the marker there): this node's part is done when they
         are. Other ranks' files of the whole-step view do not count (regression: a
         step saved again into a directory showing rank 0's file never sealed here)."""
         if not view.is_dir(top):
             return False
-        ranks = [
+        ranks = cls._own_dcp_ranks(top, view)
+        return bool(ranks) and "0" not in ranks
+
+    @staticmethod
+    def _own_dcp_ranks(top: str, view: ViewProbe) -> frozenset[str]:
+        """The global ranks (decimal strings) of this node's DCP data files in ``top``."""
+        return frozenset(
             m["rank"]
             for name in view.listdir(top)
             if (m := DCP_DATA.match(name)) and not view.is_other_rank(f"{top}/{name}")
-        ]
-        return bool(ranks) and "0" not in ranks
+        )
 
     def on_remove(self, path: str, view: ViewProbe) -> SealCandidate | None:
         """``path`` was unlinked or removed (NeMo's ``step=N-unfinished`` finalize)."""
