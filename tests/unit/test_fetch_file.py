@@ -828,6 +828,41 @@ def test_a_parts_manifest_comes_from_the_round_the_restore_decided(tmp_path):
     trio.run(main)
 
 
+def test_a_round_holding_another_part_of_the_asking_rank_is_of_another_save(tmp_path):
+    """Regression (fault campaign seed 29 #14): step 5 saved again after a restore to
+    an older step; the abandoned history's save of step 5 was in the newest round.
+    Node 1 was restarting, and node 0's view took rank 1's part from that round beside
+    its own new part. A round whose part of the asking node's rank is not that node's
+    own part is another save of the step: its parts are not taken."""
+    server = fb.FakeGcs()
+    b = fb.backend(server)
+    ram = RamStore(str(tmp_path / "uploader"))
+    own: dict[str, str] = {}
+    other: dict[str, str] = {}
+    for rnd, version in ((R1, 0), (R2, 1)):
+        for rank, into in ((0, own), (1, other)):
+            shard = fb.seal(ram, JOB, rank, 5, part(rank, 5, version))
+            b.upload_shard(shard, rnd, nodes=2)
+            into[rnd] = shard.manifest.digest
+    lone = fb.seal(ram, JOB, 1, 6, part(1, 6, 0))
+    b.upload_shard(lone, R3, nodes=2)  # a round without rank 0's part of step 6
+    tier = bucket_tier(server)
+
+    async def main() -> None:
+        async def digest(step: int = 5, **kw: object) -> str | None:
+            m = await tier.part_manifest(JOB, 1, step, **kw)  # type: ignore[arg-type]
+            return m.digest if m is not None else None
+
+        assert await digest() == other[R2]  # nothing known: the newest round
+        assert await digest(beside=(0, own[R1])) == other[R1]  # R2 is another save
+        assert await digest(beside=(0, own[R2])) == other[R2]
+        assert await digest(beside=(0, "0" * 64)) is None  # no round of this save
+        assert await digest(beside=(1, other[R1])) == other[R2]  # its own rank: ignored
+        assert await digest(6, beside=(0, "0" * 64)) == lone.manifest.digest
+
+    trio.run(main)
+
+
 def test_the_status_names_the_ranks_a_shrunk_jobs_round_lacks(tmp_path, monkeypatch):
     """#16 fourth trial F4: after a 4-node step 20 was restored by a 2-node job, its
     round (ranks 0 and 1 only) was "complete" in `tierfs status` while `tierfs backups

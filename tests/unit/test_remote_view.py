@@ -119,9 +119,17 @@ class Manifests:
         self.asked: list[int] = []
 
     async def part_manifest(
-        self, job: str, rank: int, step: int, *, writers: int = 0, round_name: str = ""
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        *,
+        writers: int = 0,
+        round_name: str = "",
+        beside: tuple[int, str] | None = None,
     ) -> Manifest | None:
         self.asked.append(rank)
+        self.beside = beside
         return self.parts.get(rank)
 
 
@@ -1926,6 +1934,9 @@ def test_a_bucket_round_of_an_earlier_save_is_never_shown_beside_the_new_save(tm
     # this node's part is of the new save: node 2 does not answer, its round is older
     assert trio.run(rv.look, resaved) is True
     assert rounds.asked == [2] and not shard2.exists()
+    # the round is asked for a part beside this node's own one (seed 29 #14: a round
+    # holding another part of this rank is another save; tests/unit/test_fetch_file.py)
+    assert rounds.beside == (1, resaved.manifest.digest)
     # node 2 answers with its part of the new save: shown, its bytes served
     rv.manifests.parts[2] = new2
     assert trio.run(rv.look, resaved) is False

@@ -412,16 +412,31 @@ class BucketRestore:
         raise FetchFailed(f"{what} from {self.spec}{job}: " + "; ".join(tried))
 
     async def part_manifest(
-        self, job: str, rank: int, step: int, *, writers: int = 0, round_name: str = ""
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        *,
+        writers: int = 0,
+        round_name: str = "",
+        beside: tuple[int, str] | None = None,
     ) -> Manifest | None:
         """Node ``rank``'s manifest of its part of ``step`` from a backup round (a
         :class:`tierfs.core.ports.ManifestSource`, for the whole-step view when that
         node cannot say): round ``round_name``'s when given and it holds one (the
         round the restore of ``step`` decided), else the newest round holding one;
         a part written by another node count than ``writers`` (0: any) is another
-        save of the step and never taken. None when no round holds it or the
-        bucket cannot be read. Same cached lookups as :meth:`fetch_file`. Never
-        raises.
+        save of the step and never taken, and so is a round holding another part
+        of rank ``beside[0]`` than digest ``beside[1]`` (the asking node's own
+        part: that round is of another save of the step). None when no round
+        holds it or the bucket cannot be read. Same cached lookups as
+        :meth:`fetch_file`. Never raises.
+
+        Regression (fault campaign seed 29 #14): a step number saved again after a
+        restore to an older step (the abandoned history's save of it was in a
+        round); node 3 was killed and restarting, and the other nodes' views took
+        its part from that round: they showed its ``_BACKUP_REQUESTED``, a file the
+        new save of the step does not have.
 
         Regression (#16 fourth trial): after a restore from round 22-06 (step 20,
         saved by 4 nodes), the view took lost rank 2's part from the newer round
@@ -438,6 +453,19 @@ class BucketRestore:
                 wrote = part.manifest.nodes or part.nodes
                 if writers and wrote and wrote != writers:
                     continue
+                if beside is not None and beside[0] != rank:
+                    mine = await self._files.part(job, name, beside[0], step)
+                    if mine is not None and mine.manifest.digest != beside[1]:
+                        log.debug(
+                            "round %s holds another part of step %d of rank %d than %s: "
+                            "another save; its part of rank %d not taken",
+                            name,
+                            step,
+                            beside[0],
+                            beside[1][:12],
+                            rank,
+                        )
+                        continue
                 return part.manifest
         except Exception as exc:
             log.debug("manifest of step %d of rank %d from the bucket: %s", step, rank, exc)

@@ -452,7 +452,14 @@ class GcsTier:
         return await self.restore.fetch_backup(agent, job, step, backup, digest)
 
     async def part_manifest(
-        self, job: str, rank: int, step: int, *, writers: int = 0, round_name: str = ""
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        *,
+        writers: int = 0,
+        round_name: str = "",
+        beside: tuple[int, str] | None = None,
     ) -> Manifest | None:
         """Node ``rank``'s manifest of its part of ``step`` from a backup round (the
         :class:`tierfs.core.ports.ManifestSource` port): see
@@ -460,7 +467,7 @@ class GcsTier:
         if not self.enabled:
             return None
         return await self.restore.part_manifest(
-            job, rank, step, writers=writers, round_name=round_name
+            job, rank, step, writers=writers, round_name=round_name, beside=beside
         )
 
     async def fetch_file(

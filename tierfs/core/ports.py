@@ -129,7 +129,14 @@ class ManifestSource(Protocol):
     """Other nodes' manifests of their own parts, for judging a step across ranks."""
 
     async def part_manifest(
-        self, job: str, rank: int, step: int, *, writers: int = 0, round_name: str = ""
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        *,
+        writers: int = 0,
+        round_name: str = "",
+        beside: tuple[int, str] | None = None,
     ) -> Manifest | None:
         """Node ``rank``'s manifest of its part of ``step`` (asked of that node; no
         file bytes), or None while it is unreachable or has no such part. Never raises.
@@ -138,7 +145,10 @@ class ManifestSource(Protocol):
         where its replicas are placed; a rank the job no longer has is not asked.
         ``round_name``: a backup source takes that round's part first (the round the
         restore of ``step`` decided: another round of the same step number may be
-        another save of it); other sources ignore it."""
+        another save of it); other sources ignore it. ``beside``: (rank, manifest
+        digest) of the asking node's own part: a backup source never takes a round
+        holding another part of that rank (the round is of another save of the
+        step); other sources ignore it."""
         ...
 
 

@@ -1683,7 +1683,12 @@ class RemoteView:
                 # that node cannot say (down, or its part not back yet): a backup round,
                 # the one this node's restore of the step decided first
                 manifest = await more.part_manifest(
-                    job.name, rank, step, writers=writers, round_name=self.restored_round(step)
+                    job.name,
+                    rank,
+                    step,
+                    writers=writers,
+                    round_name=self.restored_round(step),
+                    beside=(job.node_rank, own.manifest.digest) if own is not None else None,
                 )
                 if manifest is not None and not (
                     _of_this_save(manifest, own, want) and _of_writers(manifest, writers)

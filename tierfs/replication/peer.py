@@ -437,11 +437,18 @@ class PeerTier:
             )
 
     async def part_manifest(
-        self, job: str, rank: int, step: int, *, writers: int = 0, round_name: str = ""
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        *,
+        writers: int = 0,
+        round_name: str = "",
+        beside: tuple[int, str] | None = None,
     ) -> Manifest | None:
         """The manifest of node ``rank``'s own part of ``step``, asked of that node
         (no file bytes); None while it is unreachable or holds no such part
-        (``round_name``, for backup sources, is ignored).
+        (``round_name`` and ``beside``, for backup sources, are ignored).
 
         A node whose address is not known here is added to the ranks the next
         heartbeat asks the coordinator for (:meth:`AddressBook.also_want`);
