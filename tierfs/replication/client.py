@@ -106,6 +106,17 @@ class PeerClient:
                 ch = self._channels[address] = self._connect(address)
             return ch
 
+    def wait_ready(self, address: str, timeout: float) -> bool:
+        """Whether the channel to ``address`` connects within ``timeout`` seconds (it is
+        asked to connect now, not after its reconnect backoff). Blocking."""
+        ready = grpc.channel_ready_future(self.channel(address))
+        try:
+            ready.result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            ready.cancel()
+            return False
+        return True
+
     def _pull_shard(self, address: str) -> Any:
         """The ``PullShard`` server-streaming callable on ``address``'s channel (a
         chunk message arrives as a ``Chunk``, any other as a ``PullMessage``:
@@ -820,10 +831,11 @@ def sync_request(
     view_steps: Iterable[tuple[int, int]] = (),
     parts_epoch: str = "",
     gone_tag: str = "",
+    saving: Iterable[str] = (),
 ) -> Any:
     """The SyncRequest of :meth:`PeerClient.sync` (sent directly or through a leader);
     ``gone_tag``: the tag of the gone ranks this node knows (the reply leaves them out
-    while they are unchanged)."""
+    while they are unchanged); ``saving``: the step directories this node is saving."""
     req = peer_pb2.SyncRequest(
         job=job,
         rank=rank,
@@ -836,6 +848,7 @@ def sync_request(
         view_steps=[peer_pb2.ViewStep(step=s, version=v) for s, v in view_steps],
         parts_epoch=parts_epoch,
         gone_tag=gone_tag,
+        saving=list(saving),
     )
     if backup is not None:
         req.backup.CopyFrom(

@@ -413,6 +413,14 @@ class PeerTier:
         """Pin (+1) or unpin (-1) ``key`` against retention (trio thread)."""
         self.holdings.pin_now(key, delta)
 
+    async def reachable(self, address: str, timeout: float) -> bool:
+        """Whether the peer at ``address`` accepts a connection within ``timeout``
+        seconds (a worker thread waits; asked to connect now, not after the channel's
+        reconnect backoff)."""
+        return await trio.to_thread.run_sync(
+            self.client.wait_ready, address, timeout, abandon_on_cancel=True
+        )
+
     async def pull(
         self, address: str, key: ShardKey, digest: str, cancel: threading.Event
     ) -> Shard:

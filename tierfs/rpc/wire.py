@@ -63,6 +63,12 @@ CHANNEL_OPTIONS = (
     ("grpc.keepalive_time_ms", 20000),
     ("grpc.keepalive_timeout_ms", 10000),
     ("grpc.enable_retries", 0),
+    # a peer back from a restart is reached within about a second: gRPC's default
+    # reconnect backoff (1 s, growing to 120 s) kept failing calls to a daemon that
+    # was listening again (fault campaign seed 29 #4: a restore pull 50 ms after the
+    # restarted holder joined got "Connection refused" from the backoff's last error)
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 )
 SERVER_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE),
