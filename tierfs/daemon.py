@@ -485,6 +485,7 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
     agent.restores.on_superseded(remote.discard_superseded)  # an earlier save's replicas (N2)
     remote.abandoned = agent.book.is_abandoned  # such a step shows only its own files
     agent.intake.on_change = remote.own_change  # a save begun in a step shown without a part
+    remote.saving_now = agent.intake.saving  # up with the heartbeat: DCP lookups wait (F2)
     return NodeParts(
         shards,
         catalog,

@@ -451,6 +451,25 @@ def test_a_load_right_after_a_save_where_one_rank_seals_later_finds_every_file(m
             assert seals == [str(3 if i else 4)], (i, step, seals)
 
 
+def test_a_load_waits_for_a_coordinator_rank_that_writes_long_after_the_others(make_mount):
+    """Regression (#14 trial 54 F2): stock ``dcp.save``, ``dist.barrier`` and ``dcp.load``
+    on 3 nodes, rank 0 (the coordinator, which writes ``.metadata`` last) keeping its data
+    file open 13 s after the others finished theirs, as a rank with a much bigger part
+    would. The other nodes waited for ``.metadata`` only 10 s after their own writes, so
+    their load failed with ``FileNotFoundError``. Now their lookup also waits while node
+    0 reports, through the coordinator's heartbeats, that it is saving that step."""
+    c = Cluster(make_mount, 3, node_args=elastic(3))
+    race = str(Path(CLIENT).with_name("dcp_race.py"))
+
+    def args(r: int, world: int, port: int) -> list[str]:
+        return [str(r), str(world), str(port), str(c.root(r)), "90", "91", "1"]
+
+    out = run_ranks(c, race, args, [0, 1, 2], {"DCP_RACE_SLOW": "0:13"})
+    assert out == ["OK 2"] * 3, out
+    for i in range(3):
+        assert c.errors(i) == "", (i, c.errors(i))
+
+
 def test_a_load_right_after_a_save_in_place_reads_every_ranks_new_bytes(make_mount):
     """Regression (issue #16, fourth trial F1): every rank saved a step again in place
     with stock DCP, waited for the others (``dist.barrier``) and loaded it at once. A

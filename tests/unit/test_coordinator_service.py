@@ -376,3 +376,29 @@ def test_a_join_opening_a_round_nudges_the_summoned_nodes_over_grpc(service):
             assert servicer.nudges == 2  # once per round and node
     finally:
         node_server.stop(0)
+
+
+def test_sync_replies_name_the_step_directories_the_other_nodes_are_saving(service):
+    """#14 trial 54 F2: a node's Sync names the step directories it is saving; every
+    other node's reply lists them (its own never), and a node that stopped saving
+    drops out at its next Sync."""
+    _, address = service
+
+    def sync(rank: int, saving: list[str]):
+        return stub.Sync(
+            peer_pb2.SyncRequest(
+                job=JOB, rank=rank, incarnation=f"inc{rank}", step=5, saving=saving, compact=True
+            ),
+            metadata=MD,
+        )
+
+    with grpc.insecure_channel(address) as ch:
+        stub = peer_pb2_grpc.CoordinatorStub(ch)
+        for r in range(NODES):
+            stub.Join(join_req(r), metadata=MD)
+        first = sync(0, ["checkpoint-20"])
+        assert first.saving_known and list(first.saving) == []
+        assert list(sync(1, []).saving) == ["checkpoint-20"]
+        assert list(sync(0, ["checkpoint-20"]).saving) == []  # never its own
+        sync(0, [])  # rank 0's save ended
+        assert list(sync(1, []).saving) == []

@@ -739,3 +739,58 @@ def test_a_dcp_part_of_fewer_ranks_is_sealed_after_the_grace(tmp_path):
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert dcp_files(parts, 20) == ["20/__2_0.distcp"]
+
+
+def test_the_step_directories_a_node_is_saving(tmp_path):
+    """What the heartbeat reports up (#14 trial 54 F2): a step directory whose seal is
+    still to come (here: waiting for the other rank's DCP file); files opened for
+    writing are looked up in the namespace (none here: no mount), and forgotten once
+    closed for longer than OPEN_GRACE."""
+    from tierfs.node import intake as intake_mod
+
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    book, sealer, view, intake = (
+        parts.agent.book,
+        parts.agent.sealer,
+        parts.view,
+        parts.agent.intake,
+    )
+    root = pathlib.Path(view.root)
+    assert intake.saving() == []
+    intake.write_opening(12345)
+    assert 12345 in intake.write_opened
+    assert intake.saving() == [] and 12345 in intake.write_opened  # its open may count soon
+    intake.write_opened[12345] -= intake_mod.OPEN_GRACE + 1
+    assert intake.saving() == [] and intake.write_opened == {}
+
+    def closed(rel: str) -> SealCandidate:
+        (root / rel).parent.mkdir(exist_ok=True)
+        (root / rel).write_bytes(b"d" * 100)
+        assert book.rules is not None
+        cand = book.rules.on_release(rel, view)
+        assert cand is not None
+        return cand
+
+    for rel in ("10/__2_0.distcp", "10/__3_0.distcp"):
+        cand = closed(rel)
+
+        async def one(cand: SealCandidate = cand) -> None:
+            sealer.schedule(cand)
+
+        run_with_tasks(parts, one)  # its seal is done when the nursery ends
+    assert intake.saving() == []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            parts.agent.tasks.nursery = nursery
+            sealer.schedule(closed("20/__2_0.distcp"))  # waits for rank 3's file
+            assert intake.saving() == ["20"]
+            await trio.sleep(1)
+            assert intake.saving() == ["20"]
+            sealer.schedule(closed("20/__3_0.distcp"))
+        parts.agent.tasks.nursery = None
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert intake.saving() == []
+    assert dcp_files(parts, 20) == ["20/__2_0.distcp", "20/__3_0.distcp"]

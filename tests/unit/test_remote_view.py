@@ -2415,3 +2415,65 @@ def test_a_part_sealed_again_with_one_more_file_ends_the_wait_and_a_vain_wait_is
         assert len(job.errors) == 1 and "10/__9_0.distcp waited" in job.errors[0], job.errors
 
     trio.run(main)
+
+
+def test_a_lookup_of_metadata_waits_while_another_node_saves_its_step(tmp_path):
+    """#14 trial 54 F2: the coordinator rank finished its writes more than 10 s after
+    this node's own (a much bigger part); the others' ``dcp.load`` right after the
+    save found no ``.metadata``: the window counted from their own writes had ended.
+    Now such a lookup also waits while the coordinator reports another node saving
+    that step directory (:mod:`tierfs.cluster.savers`), SAVING_MAX s at most, and
+    ends SAVING_HOLD s after the last such report (regression: a lookup 9 ms after the
+    first reply without it ended at once, before the view had asked for the part)."""
+    from tierfs.node import remote_view as rv_mod
+
+    rv, ram, *_rest, own, _job = view_of(tmp_path, {2: PARTS[2]}, [])
+    old = time.time() - 60
+    os.utime(Path(ram.view) / "10" / "__1_0.distcp", (old, old))  # written a minute ago
+
+    async def main() -> None:
+        await rv.look(own)
+        rv.steps[10].expect_since = trio.current_time() - 60  # sealed a minute ago too
+        assert rv.expected(b"10/.metadata") is None  # no report: ENOENT at once
+        rv.others_saving(["11", "10"])
+        assert rv.expected(b"10/__0_0.distcp") is None  # only .metadata waits
+        assert rv.expected(b"12/.metadata") is None
+        wait = rv.expected(b"10/.metadata")
+        assert wait is not None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            for _ in range(40):  # 40 s of reports: still waiting (EXPECT_MAX is 30 s)
+                await trio.sleep(1)
+                rv.others_saving(["10"])
+            assert rv._expecting == 1
+            rv.manifests.parts[0] = PARTS[0]  # rank 0's node sealed its part
+            await rv.look(own)
+        assert rv._expecting == 0
+        assert (Path(ram.view) / "10" / ".metadata").stat().st_size == len(B)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+    # the reports end and no part brings it: ENOENT SAVING_HOLD s after the last one
+    rv2, ram2, *_r2, own2, _j2 = view_of(tmp_path / "b", {2: PARTS[2]}, [])
+    os.utime(Path(ram2.view) / "10" / "__1_0.distcp", (old, old))
+
+    async def ended() -> None:
+        await rv2.look(own2)
+        rv2.steps[10].expect_since = trio.current_time() - 60
+        rv2.others_saving(["10"])
+        wait = rv2.expected(b"10/.metadata")
+        assert wait is not None
+        began = trio.current_time()
+        await trio.sleep(1)
+        rv2.others_saving([])  # node 0's save ended without a part (a failed save)
+        assert rv2.expected(b"10/.metadata") is not None  # a new lookup waits too
+        await wait()
+        assert 1 <= trio.current_time() - began <= 1 + rv_mod.SAVING_HOLD + 0.5
+        # a report older than SAVING_HOLD is no report, also without a reply since
+        rv2.others_saving(["10"])
+        await trio.sleep(rv_mod.SAVING_HOLD - 0.1)
+        assert rv2.expected(b"10/.metadata") is not None
+        await trio.sleep(0.2)
+        assert rv2.expected(b"10/.metadata") is None
+
+    trio.run(ended, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from tierfs.cluster.part_versions import PartVersions
 from tierfs.cluster.restore_choice import Holding
 from tierfs.cluster.rounds import Member, PeerView, Rejected
+from tierfs.cluster.savers import Savers
 
 log = logging.getLogger("tierfs.cluster.coordinator")
 
@@ -60,6 +61,8 @@ class Membership:
         self._holders: dict[int, dict[int, str]] = {}
         #: the own-part digests reported, numbered (the nodes' whole-step views)
         self.parts = PartVersions()
+        #: the step directories each rank reported saving (the nodes' DCP lookups)
+        self.savers = Savers()
         #: bumped when every peer row may have changed (another job, or more row
         #: changes than :meth:`take_changed_rows` keeps): rows built before are stale
         self.version = 0
@@ -75,6 +78,7 @@ class Membership:
         """Forget every member (another job)."""
         self.members.clear()
         self.parts.clear()
+        self.savers.clear()
         self.requested.clear()
         self._live_count = None
         self._own_steps.clear()

@@ -530,6 +530,14 @@ class CoordinatorServicer:
                 for p in parts.changes(request.parts_epoch, asked)
             )
             reply.parts_version, reply.parts_epoch = parts.version, parts.epoch
+        if view.known:
+            # the step directories the other nodes are saving (a node's lookup of DCP's
+            # .metadata waits while the save that writes it goes on, #14 F2)
+            now = c.clock()
+            savers = c.roster.savers
+            savers.report(request.rank, request.saving, now)
+            reply.saving.extend(savers.others(request.rank, now))
+            reply.saving_known = True
         if view.backup_order is not None:
             order = view.backup_order
             reply.backup_order.CopyFrom(

@@ -167,7 +167,9 @@ class PartReports(Protocol):
 class PartWatch(Protocol):
     """The whole-step view's side of the heartbeat (issue #14): the steps it shows and
     the own-part digests node-rank 0's coordinator reports changed in them (a rank
-    saved a step again), so a node notices without holding a replica of that rank."""
+    saved a step again), so a node notices without holding a replica of that rank;
+    and the step directories being saved, up from this node and down from the
+    others (:mod:`tierfs.cluster.savers`)."""
 
     def watched(self) -> tuple[str, list[tuple[int, int]]]:
         """(parts epoch, [(step, parts version)]): the steps shown and the version of
@@ -186,6 +188,18 @@ class PartWatch(Protocol):
         the own parts reported since (rank -1: that step's changes are lost, ask
         every rank again); they are now known up to ``version`` of ``epoch``.
         Trio thread; never raises."""
+        ...
+
+    def saving(self) -> list[str]:
+        """The top-level step directories this node is saving now (a file in it open
+        for writing, or its seal still to come), for the coordinator. Trio thread;
+        never raises."""
+        ...
+
+    def others_saving(self, names: Sequence[str]) -> None:
+        """The coordinator's answer: the step directories the other live nodes are
+        saving now (a coordinator without this field never calls it). Trio thread;
+        never raises."""
         ...
 
 

@@ -60,15 +60,25 @@ class DirLook:
     placed: Mapping[str, float]
 
 
+def metadata_awaited(look: DirLook) -> bool:
+    """Whether the directory ``look`` describes lacks the ``.metadata`` of a DCP save
+    this node took part in: it holds this node's own DCP data files, none of the
+    coordinator rank's (``__0_*``), and no ``.metadata`` (own or placed). Whatever
+    their age: the node's view waits for it while another node reports saving that
+    step directory (:mod:`tierfs.cluster.savers`, #14 trial 54 F2)."""
+    data = [n for n in look.own if DCP_DATA.match(n)]
+    if not data or any(n.startswith("__0_") for n in data):
+        return False
+    return DCP_METADATA not in look.own and DCP_METADATA not in look.placed
+
+
 def expect_left(name: str, look: DirLook, now: float) -> float | None:
     """Seconds a lookup of ``name``, missing in the directory ``look`` describes, waits
     for another rank's part to bring it at most (``now``: seconds since the epoch);
     None when it is not expected (ENOENT at once). See the module docstring."""
     data = {n: m for n, m in look.own.items() if DCP_DATA.match(n)}
     if name == DCP_METADATA:
-        if not data or any(n.startswith("__0_") for n in data):
-            return None
-        if DCP_METADATA in look.own or DCP_METADATA in look.placed:
+        if not metadata_awaited(look):
             return None
         since = max(data.values())
     elif DCP_DATA.match(name):

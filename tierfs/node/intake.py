@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import stat
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -45,6 +46,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: seconds a file opened for writing counts as such before its open is counted by
+#: the inode table (:meth:`EventIntake.saving` is told of the open just before it)
+OPEN_GRACE = 2.0
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,9 @@ class EventIntake:
         #: thread): None, or what to wait for until the node's own reader of it let go
         #: (:meth:`tierfs.node.crc_ahead.CrcAhead.let_go`)
         self.on_removing: Callable[[int], Callable[[], Awaitable[None]] | None] = lambda ino: None
+        #: backing inode -> monotonic time it was last opened for writing (FUSE thread
+        #: adds; :meth:`saving` drops those closed since)
+        self.write_opened: dict[int, float] = {}
 
     # ------------------------------------------------------------ FUSE thread
 
@@ -179,12 +187,43 @@ class EventIntake:
         A sealed file withdraws its step's seal at once, so no snapshot, replica
         or backup ever carries bytes that differ from its manifest.
         """
+        self.write_opened[ino] = time.monotonic()
         if ino in self.book.sealing_inos:
             self.book.dirty_inos.add(ino)
         key = self.book.sealed_inos.get(ino)
         if key is not None:
             self.keeper.withdraw(key, "a sealed file was opened for writing")
             self.post(Withdrawn(key))
+
+    def saving(self) -> list[str]:
+        """The top-level step directories (names the seal rules give a step) this node
+        is saving now: one holding a file open for writing, or one with a seal still
+        to come (pending or waiting for its marker). Sorted. Trio thread (each
+        heartbeat); O(files opened for writing since the last call).
+
+        Sent up with the heartbeat (:mod:`tierfs.cluster.savers`): another node's
+        lookup of DCP's ``.metadata`` waits while the coordinator rank's node saves
+        the step (#14 trial 54 F2)."""
+        book = self.book
+        rules, ns = book.rules, book.ns
+        if rules is None:
+            return []
+        names = {c.name for c in book.pending.values() if rules.step_of(c.name) is not None}
+        now = time.monotonic()
+        for ino, opened in list(self.write_opened.items()):
+            inode = ns.inodes.by_ino(ino) if ns is not None else None
+            if inode is None or inode.writers <= 0:
+                # the open itself may be under way (this is called before it counts)
+                if now - opened > OPEN_GRACE:
+                    self.write_opened.pop(ino, None)
+                continue
+            path = ns.relpath(inode) if ns is not None else None
+            if path is None:
+                continue
+            top = top_of(os.fsdecode(path))
+            if rules.step_of(top) is not None:
+                names.add(top)
+        return sorted(names)
 
     def close(self) -> None:
         """Stop taking events (the daemon exits); :meth:`process` then returns."""

@@ -133,6 +133,14 @@ EXPECT_FOR = dcp_expect.EXPECT_FOR
 EXPECT_POLL = 0.25
 #: seconds a lookup of a missing name waits at most in all (:meth:`RemoteView.expected`)
 EXPECT_MAX = 30.0
+#: seconds a lookup of DCP's ``.metadata`` waits at most while another node reports
+#: saving its step directory (:mod:`tierfs.cluster.savers`; #14 trial 54 F2)
+SAVING_MAX = 300.0
+#: seconds a step directory counts as being saved elsewhere after the last heartbeat
+#: reply that said so (one comes every second): the node that saved it sealed its
+#: part meanwhile, and a look finds it within a second (regression: a load's lookup
+#: 9 ms after the first reply without it found neither the report nor the part)
+SAVING_HOLD = 3.0
 #: seconds between looks at whether the client deleted or moved placed files (status)
 SWEEP_EVERY = 5.0
 #: steps whose own part was discarded that the view keeps looking at, at most
@@ -602,6 +610,12 @@ class RemoteView:
         self._no_readers.set()
         #: lookups waiting for an expected file (:meth:`expected`): looks come faster
         self._expecting = 0
+        #: step directory -> the trio time of the last heartbeat reply saying another
+        #: node is saving it
+        self._saving_seen: dict[str, float] = {}
+        #: the step directories this node is saving now (the composition root sets
+        #: it: :meth:`tierfs.node.intake.EventIntake.saving`)
+        self.saving_now: Callable[[], list[str]] = list
         #: directories whose lookup that waited in vain was said in replicator.errors
         self._expect_said: dict[str, None] = {}
         self._swept_at = -math.inf
@@ -1139,7 +1153,10 @@ class RemoteView:
         coordinator rank's (``__0_*``) nor a ``.metadata``. None of them once every
         rank's part of the step is known here. The wait ends once the file is in the
         view, every rank's part is known, or the time is up (:data:`EXPECT_MAX` s in
-        all); the lookup is then tried again.
+        all); the lookup is then tried again. A lookup of ``.metadata`` beside this
+        node's own data files (whatever their age) also waits while another node
+        reports saving that step directory, :data:`SAVING_MAX` s at most (#14 trial
+        54 F2: the coordinator rank finished its writes long after this node's).
 
         Regressions: #16 fifth trial F1 (``.metadata`` on ranks 1..3 after a save, a
         barrier and a load); #14 trial 53 B1 (a rank with a bigger file sealed later:
@@ -1151,6 +1168,7 @@ class RemoteView:
         head, _, name = rel.rpartition("/")
         if not head or not dcp_expect.may_wait(name):
             return None
+
         job = self.current.job
         if job is None or job.nodes <= 1:
             return None  # no other node's part can bring it (a copy into a one-node mount)
@@ -1174,10 +1192,43 @@ class RemoteView:
         # known: with several ranks per node, a node seals a part before its last rank
         # created its file and seals it again a moment later (#14 trial 54 F1: 2 ranks
         # per node, the lookup of __3_0.distcp ended at once on "every part known")
-        left = dcp_expect.expect_left(name, self._dir_look(head), time.time())
+        look = self._dir_look(head)
+        left = dcp_expect.expect_left(name, look, time.time())
         if left is not None:
             until = max(until if until is not None else now, now + left)
+        if (
+            name == DCP_METADATA
+            and self._saving_elsewhere(head)
+            and dcp_expect.metadata_awaited(look)
+        ):
+            # the save that writes it goes on on another node (the coordinator rank
+            # finishing long after this node's own writes: #14 trial 54 F2)
+            until = max(until if until is not None else now, now + SAVING_HOLD)
         return until
+
+    def _saving_elsewhere(self, head: str) -> bool:
+        """Whether a heartbeat reply of the last :data:`SAVING_HOLD` s said another node
+        is saving the top-level directory of ``head``."""
+        seen = self._saving_seen.get(head.split("/", 1)[0])
+        return seen is not None and trio.current_time() - seen <= SAVING_HOLD
+
+    def saving(self) -> list[str]:
+        """See :meth:`tierfs.core.ports.PartWatch.saving` (:attr:`saving_now`)."""
+        try:
+            return self.saving_now()
+        except Exception:
+            log.exception("the step directories being saved")
+            return []
+
+    def others_saving(self, names: Sequence[str]) -> None:
+        """See :meth:`tierfs.core.ports.PartWatch.others_saving`: lookups waiting for
+        DCP's ``.metadata`` of those directories go on waiting."""
+        now = trio.current_time()
+        seen = self._saving_seen
+        for name in [n for n, t in seen.items() if now - t > SAVING_HOLD]:
+            del seen[name]
+        for name in names:
+            seen[name] = now
 
     def _dir_look(self, head: str) -> dcp_expect.DirLook:
         """The view directory ``head`` as :func:`tierfs.node.dcp_expect.expect_left`
@@ -1230,7 +1281,8 @@ class RemoteView:
 
     async def _await_expected(self, rel: str) -> None:
         """Wait until ``rel`` is in the view or :meth:`_expect_until` no longer expects
-        it, :data:`EXPECT_MAX` s at most (trio thread; the view looks every
+        it, :data:`EXPECT_MAX` s at most, or while another node reports saving its step
+        directory :data:`SAVING_MAX` s at most (trio thread; the view looks every
         :data:`EXPECT_POLL` s meanwhile)."""
         path = os.path.join(self.view_dir, rel)
         head, _, name = rel.rpartition("/")
@@ -1242,6 +1294,8 @@ class RemoteView:
             while not os.path.lexists(path):
                 until = self._expect_until(head, name)
                 now = trio.current_time()
+                if name == DCP_METADATA and self._saving_elsewhere(head):
+                    give_up = max(give_up, min(now + SAVING_HOLD, began + SAVING_MAX))
                 if until is None or now >= min(until, give_up):
                     self._expect_ended(rel, head, now - began)
                     return

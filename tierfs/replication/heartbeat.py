@@ -230,6 +230,7 @@ class Heartbeat:
             watched,
             epoch,
             self.book.gone_tag,
+            watch.saving() if watch is not None else (),
         )
         async with self.lane.limiter:
             via = self.leader(job)
@@ -271,6 +272,8 @@ class Heartbeat:
                 [s for s, _ in watched],
                 [(int(c.step), int(c.rank), c.digest) for c in reply.part_changes],
             )
+        if watch is not None and reply.saving_known:
+            watch.others_saving(list(reply.saving))
         self._backup_round(job, reply)
 
     def _backup_round(self, job: JobSpec, reply: Any) -> None:

@@ -14,16 +14,23 @@ every other rank's file) compared with what was saved. Prints ``OK <steps>``, or
 ``$DCP_RACE_LATE`` = ``RANK:SECONDS``: that rank creates its file so much later than
 the others, after the save's planning (with several ranks per node, its node seals a
 part without its file first; #14 trial 54 F1).
+
+``$DCP_RACE_SLOW`` = ``RANK:SECONDS``: that rank keeps each of its data files open so
+much longer after writing it, as a rank with a much bigger part would (the coordinator
+rank finishing more than 10 s after the others: #14 trial 54 F2).
 """
 
+import io
 import os
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 
 class Late(dcp.FileSystemWriter):
@@ -34,6 +41,36 @@ class Late(dcp.FileSystemWriter):
     def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
         time.sleep(self.late)
         return super().write_data(plan, planner)
+
+
+class SlowClose(io.FileIO):
+    """A file whose close waits ``slow`` seconds first (DCP closes its data file
+    itself, inside ``create_stream``)."""
+
+    slow = 0.0
+
+    def close(self) -> None:
+        if not self.closed:
+            time.sleep(self.slow)
+        super().close()
+
+
+class SlowFs(FileSystem):
+    """The stock file system, keeping each data file open ``slow`` seconds after it
+    was written (``.metadata`` is written at once)."""
+
+    slow = 0.0
+
+    @contextmanager
+    def create_stream(self, path, mode):  # type: ignore[no-untyped-def]
+        if "w" not in mode or not str(path).endswith(".distcp"):
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        raw = SlowClose(str(path), mode.replace("b", ""))
+        raw.slow = self.slow
+        with io.BufferedWriter(raw) as stream:
+            yield stream
 
 
 def small(step: int, rank: int) -> torch.Tensor:
@@ -57,6 +94,10 @@ def main() -> None:
             late_rank, _, late = os.environ.get("DCP_RACE_LATE", "-1:0").partition(":")
             writer = (Late if rank == int(late_rank) else dcp.FileSystemWriter)(path)
             writer.late = float(late)
+            slow_rank, _, slow = os.environ.get("DCP_RACE_SLOW", "-1:0").partition(":")
+            if rank == int(slow_rank):
+                writer.fs = SlowFs()
+                writer.fs.slow = float(slow)
             dcp.save(state, storage_writer=writer)
             dist.barrier()
             want = {f"r{r}.small": small(step, r) for r in range(world)}
