@@ -229,6 +229,16 @@ class Sealer:
             if not all(self.view.exists(e) for e in cand.entries):
                 del book.pending[cand.name]  # renamed or deleted meanwhile
                 return
+            rules = book.rules
+            if rules is not None and not rules.still_holds(cand, self.view):
+                del book.pending[cand.name]  # rank 0's file came: its marker seals it
+                log.info(
+                    "step %d (%s): this node's file of DCP rank 0 is here now: sealed when "
+                    "the coordinator writes .metadata",
+                    cand.step,
+                    cand.name,
+                )
+                return
             gens = {t: book.generation[t] for t in tops}
             ns = book.ns
             writers = ns.writers_of if ns is not None else None
