@@ -457,7 +457,9 @@ def test_a_load_waits_for_a_coordinator_rank_that_writes_long_after_the_others(m
     file open 13 s after the others finished theirs, as a rank with a much bigger part
     would. The other nodes waited for ``.metadata`` only 10 s after their own writes, so
     their load failed with ``FileNotFoundError``. Now their lookup also waits while node
-    0 reports, through the coordinator's heartbeats, that it is saving that step."""
+    0 reports, through the coordinator's heartbeats, that it is saving that step; and a
+    lookup past its window waits for two heartbeat replies, which name the directories
+    the other nodes changed in the last seconds (trial 55 F1: a rank 12 s late)."""
     c = Cluster(make_mount, 3, node_args=elastic(3))
     race = str(Path(CLIENT).with_name("dcp_race.py"))
 
@@ -468,6 +470,15 @@ def test_a_load_waits_for_a_coordinator_rank_that_writes_long_after_the_others(m
     assert out == ["OK 2"] * 3, out
     for i in range(3):
         assert c.errors(i) == "", (i, c.errors(i))
+
+    # #14 trial 55 F1: rank 1 begins writing 12 s after the others; its node and the
+    # coordinator's save in milliseconds, between two heartbeats, and node 2 (holding
+    # none of the late data) answered .metadata with ENOENT at once
+    def later(r: int, world: int, port: int) -> list[str]:
+        return [str(r), str(world), str(port), str(c.root(r)), "92", "93", "1"]
+
+    out = run_ranks(c, race, later, [0, 1, 2], {"DCP_RACE_LATE": "1:12"})
+    assert out == ["OK 2"] * 3, out
 
 
 def test_a_load_right_after_a_save_in_place_reads_every_ranks_new_bytes(make_mount):

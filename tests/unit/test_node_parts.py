@@ -794,3 +794,51 @@ def test_the_step_directories_a_node_is_saving(tmp_path):
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert intake.saving() == []
     assert dcp_files(parts, 20) == ["20/__2_0.distcp", "20/__3_0.distcp"]
+
+
+def test_a_dcp_part_that_got_rank_0s_file_is_left_to_its_marker(tmp_path):
+    """#14 trial 55 F4: on the node of ranks 0 and 1, rank 1's file closed before rank 0
+    created its own; the part waited for the rank grace, then was sealed without
+    ``.metadata`` (rank 3 was 15 s late), and the cross-rank judge wrote "step 54 is
+    not loadable" to replicator.errors. A DCP part whose directory holds this node's
+    file of rank 0 when its seal begins is left to ``.metadata``."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    book, sealer, view = parts.agent.book, parts.agent.sealer, parts.view
+    root = pathlib.Path(view.root)
+    (root / "20").mkdir()
+    (root / "20/__1_0.distcp").write_bytes(b"d" * 100)
+    assert book.rules is not None
+    cand = book.rules.on_release("20/__1_0.distcp", view)
+    assert cand is not None and cand.reason == "DCP part __1_0.distcp (no rank 0's file here)"
+    (root / "20/__0_0.distcp").write_bytes(b"d" * 100)  # rank 0 created its file since
+
+    async def body() -> None:
+        sealer.schedule(cand)
+
+    run_with_tasks(parts, body)
+    assert ShardKey("j", 0, 20) not in parts.catalog and "20" not in book.pending
+    (root / "20/.metadata").write_bytes(b"m")
+    marker = book.rules.on_release("20/.metadata", view)
+    assert marker is not None
+
+    async def sealed() -> None:
+        sealer.schedule(marker)
+
+    run_with_tasks(parts, sealed)
+    assert dcp_files(parts, 20) == ["20/__0_0.distcp", "20/__1_0.distcp"]
+
+
+def test_a_recently_changed_step_directory_counts_as_being_saved(tmp_path):
+    """#14 trial 55 F1: a save of a few milliseconds falls between two heartbeats; the
+    step directories the client changed in the last RECENT s are reported too."""
+    from tierfs.node import intake as intake_mod
+
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    intake = parts.agent.intake
+    intake.bump("20")
+    intake.bump("notes")  # not a step directory
+    assert intake.saving() == ["20"]
+    intake.touched["20"] -= intake_mod.RECENT + 1
+    assert intake.saving() == [] and "20" not in intake.touched

@@ -2469,11 +2469,55 @@ def test_a_lookup_of_metadata_waits_while_another_node_saves_its_step(tmp_path):
         assert rv2.expected(b"10/.metadata") is not None  # a new lookup waits too
         await wait()
         assert 1 <= trio.current_time() - began <= 1 + rv_mod.SAVING_HOLD + 0.5
-        # a report older than SAVING_HOLD is no report, also without a reply since
-        rv2.others_saving(["10"])
-        await trio.sleep(rv_mod.SAVING_HOLD - 0.1)
-        assert rv2.expected(b"10/.metadata") is not None
-        await trio.sleep(0.2)
+        # no heartbeat reply for REPLIES_LIVE s (no coordinator): ENOENT at once
+        await trio.sleep(rv_mod.REPLIES_LIVE + 0.1)
         assert rv2.expected(b"10/.metadata") is None
 
     trio.run(ended, clock=trio.testing.MockClock(autojump_threshold=0))
+
+    # #14 trial 55 F1: a rank began writing 12 s late, and its node and the
+    # coordinator's saved in milliseconds, between two heartbeats: the lookup waits for
+    # the next two replies, and one names the directory
+    rv3, ram3, *_r3, own3, _j3 = view_of(tmp_path / "c", {2: PARTS[2]}, [])
+    os.utime(Path(ram3.view) / "10" / "__1_0.distcp", (old, old))
+
+    async def fresh() -> None:
+        await rv3.look(own3)
+        rv3.steps[10].expect_since = trio.current_time() - 60
+        assert rv3.expected(b"10/.metadata") is None  # no reply yet: no heartbeat
+        rv3.others_saving([])
+        await trio.sleep(0.5)
+        wait = rv3.expected(b"10/.metadata")
+        assert wait is not None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            for _ in range(5):  # node 0 reports the directory it changed a moment ago
+                await trio.sleep(1)
+                rv3.others_saving(["10"])
+            assert rv3._expecting == 1  # still waiting, 5 s after the lookup
+            rv3.manifests.parts[0] = PARTS[0]
+            await rv3.look(own3)
+        assert (Path(ram3.view) / "10" / ".metadata").stat().st_size == len(B)
+
+    trio.run(fresh, clock=trio.testing.MockClock(autojump_threshold=0))
+
+    # two replies that name nothing: ENOENT after the second, said in replicator.errors
+    rv4, ram4, *_r4, own4, job4 = view_of(tmp_path / "d", {2: PARTS[2]}, [])
+    os.utime(Path(ram4.view) / "10" / "__1_0.distcp", (old, old))
+
+    async def nothing() -> None:
+        await rv4.look(own4)
+        rv4.steps[10].expect_since = trio.current_time() - 60
+        rv4.others_saving([])
+        began = trio.current_time()
+        wait = rv4.expected(b"10/.metadata")
+        assert wait is not None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            for _ in range(2):
+                await trio.sleep(1)
+                rv4.others_saving([])
+        assert trio.current_time() - began == pytest.approx(2, abs=0.3)
+        assert any("10/.metadata waited" in e for e in job4.errors)
+
+    trio.run(nothing, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -141,6 +141,17 @@ SAVING_MAX = 300.0
 #: part meanwhile, and a look finds it within a second (regression: a load's lookup
 #: 9 ms after the first reply without it found neither the report nor the part)
 SAVING_HOLD = 3.0
+#: heartbeat replies a lookup of ``.metadata`` beside this node's own DCP data files,
+#: past its window, waits for before it is answered ENOENT: the second reply after
+#: the lookup began holds what every node reported after the save that wrote
+#: ``.metadata`` returned (#14 trial 55 F1: a rank that began writing more than 10 s
+#: late; its node and the coordinator's saved in milliseconds, between heartbeats)
+FRESH_REPLIES = 2
+#: seconds such a lookup waits for those replies at most
+FRESH_MAX = 3.5
+#: seconds since the last heartbeat reply within which replies count as flowing
+#: (without them, e.g. no coordinator, the lookup is answered at once as before)
+REPLIES_LIVE = 5.0
 #: seconds between looks at whether the client deleted or moved placed files (status)
 SWEEP_EVERY = 5.0
 #: steps whose own part was discarded that the view keeps looking at, at most
@@ -613,6 +624,9 @@ class RemoteView:
         #: step directory -> the trio time of the last heartbeat reply saying another
         #: node is saving it
         self._saving_seen: dict[str, float] = {}
+        #: heartbeat replies taken (:meth:`others_saving`) and when the last came
+        self._replies = 0
+        self._reply_at: float | None = None
         #: the step directories this node is saving now (the composition root sets
         #: it: :meth:`tierfs.node.intake.EventIntake.saving`)
         self.saving_now: Callable[[], list[str]] = list
@@ -1172,9 +1186,19 @@ class RemoteView:
         job = self.current.job
         if job is None or job.nodes <= 1:
             return None  # no other node's part can bring it (a copy into a one-node mount)
-        if self._expect_until(head, name) is None:
+        if self._expect_until(head, name) is None and not self._awaits_report(head, name):
             return None
         return lambda: self._await_expected(rel)
+
+    def _awaits_report(self, head: str, name: str) -> bool:
+        """Whether a lookup of ``head/name``, missing and not expected by the rules of
+        :meth:`_expect_until`, waits for :data:`FRESH_REPLIES` heartbeat replies first:
+        ``.metadata`` beside this node's own DCP data files (none of the coordinator
+        rank's, no ``.metadata``), while the coordinator's replies come."""
+        at = self._reply_at
+        if name != DCP_METADATA or at is None or trio.current_time() - at > REPLIES_LIVE:
+            return False
+        return dcp_expect.metadata_awaited(self._dir_look(head))
 
     def _expect_until(self, head: str, name: str) -> float | None:
         """The trio time until which a lookup of ``head/name``, missing, waits (see
@@ -1224,6 +1248,8 @@ class RemoteView:
         """See :meth:`tierfs.core.ports.PartWatch.others_saving`: lookups waiting for
         DCP's ``.metadata`` of those directories go on waiting."""
         now = trio.current_time()
+        self._replies += 1
+        self._reply_at = now
         seen = self._saving_seen
         for name in [n for n, t in seen.items() if now - t > SAVING_HOLD]:
             del seen[name]
@@ -1288,6 +1314,7 @@ class RemoteView:
         head, _, name = rel.rpartition("/")
         began = trio.current_time()
         give_up = began + EXPECT_MAX
+        replies = self._replies
         self._expecting += 1
         self._wake.set()
         try:
@@ -1296,6 +1323,14 @@ class RemoteView:
                 now = trio.current_time()
                 if name == DCP_METADATA and self._saving_elsewhere(head):
                     give_up = max(give_up, min(now + SAVING_HOLD, began + SAVING_MAX))
+                if (
+                    until is None
+                    and self._replies < replies + FRESH_REPLIES
+                    and now < began + FRESH_MAX
+                    and self._awaits_report(head, name)
+                ):
+                    # what the other nodes saved since: the next heartbeat replies say
+                    until = began + FRESH_MAX
                 if until is None or now >= min(until, give_up):
                     self._expect_ended(rel, head, now - began)
                     return
