@@ -2521,3 +2521,23 @@ def test_a_lookup_of_metadata_waits_while_another_node_saves_its_step(tmp_path):
         assert any("10/.metadata waited" in e for e in job4.errors)
 
     trio.run(nothing, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_an_old_step_without_metadata_is_answered_at_once(tmp_path):
+    """A checkpoint scan looking for ``.metadata`` in an old step whose save failed (own
+    data files FRESH_FOR s old or more) does not wait for heartbeat replies."""
+    from tierfs.node import remote_view as rv_mod
+
+    rv, ram, *_rest, own, _job = view_of(tmp_path, {2: PARTS[2]}, [])
+    data = Path(ram.view) / "10" / "__1_0.distcp"
+
+    async def main() -> None:
+        await rv.look(own)
+        rv.steps[10].expect_since = trio.current_time() - 3600
+        rv.others_saving([])
+        for age, waits in ((rv_mod.FRESH_FOR + 60, False), (60, True)):
+            t = time.time() - age
+            os.utime(data, (t, t))
+            assert (rv.expected(b"10/.metadata") is not None) is waits, age
+
+    trio.run(main)

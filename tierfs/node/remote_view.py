@@ -152,6 +152,10 @@ FRESH_MAX = 3.5
 #: seconds since the last heartbeat reply within which replies count as flowing
 #: (without them, e.g. no coordinator, the lookup is answered at once as before)
 REPLIES_LIVE = 5.0
+#: seconds after this node's newest own DCP data file in a directory during which a
+#: lookup of its missing ``.metadata`` waits for those replies (an old step whose save
+#: failed, looked at by a checkpoint scan, is answered at once)
+FRESH_FOR = 600.0
 #: seconds between looks at whether the client deleted or moved placed files (status)
 SWEEP_EVERY = 5.0
 #: steps whose own part was discarded that the view keeps looking at, at most
@@ -1194,11 +1198,16 @@ class RemoteView:
         """Whether a lookup of ``head/name``, missing and not expected by the rules of
         :meth:`_expect_until`, waits for :data:`FRESH_REPLIES` heartbeat replies first:
         ``.metadata`` beside this node's own DCP data files (none of the coordinator
-        rank's, no ``.metadata``), while the coordinator's replies come."""
+        rank's, no ``.metadata``) written less than :data:`FRESH_FOR` s ago, while the
+        coordinator's replies come."""
         at = self._reply_at
         if name != DCP_METADATA or at is None or trio.current_time() - at > REPLIES_LIVE:
             return False
-        return dcp_expect.metadata_awaited(self._dir_look(head))
+        look = self._dir_look(head)
+        if not dcp_expect.metadata_awaited(look):
+            return False
+        newest = max(m for n, m in look.own.items() if dcp_expect.DCP_DATA.match(n))
+        return time.time() - newest < FRESH_FOR
 
     def _expect_until(self, head: str, name: str) -> float | None:
         """The trio time until which a lookup of ``head/name``, missing, waits (see
