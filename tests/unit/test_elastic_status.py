@@ -145,11 +145,11 @@ def test_wait_says_where_the_other_ranks_files_of_the_restored_step_come_from():
 
     assert whole_step_note(status({"gcs": 1048576, "peer": 0}, local=4, remote=1, fetching=1)) == (
         "the other ranks' files of step 30: 4 here, 2 fetched on first read "
-        "(3 ranks: 0, 2, 3); fetched so far: 1048576 bytes from gcs"
+        "(3 ranks: 0, 2, 3); fetched by this daemon since its start: 1048576 bytes from gcs"
     )
     assert whole_step_note(status({"peer": 5}, local=6)) == (
         "the other ranks' files of step 30: 6 here, 0 fetched on first read "
-        "(3 ranks: 0, 2, 3); fetched so far: 5 bytes from peer"
+        "(3 ranks: 0, 2, 3); fetched by this daemon since its start: 5 bytes from peer"
     )
     # every file here from the start (regression: a note on every plain restore)
     assert whole_step_note(status({}, local=6)) is None

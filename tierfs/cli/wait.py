@@ -190,8 +190,9 @@ def whole_step_unready(status: NodeStatus, all_bytes: bool) -> str | None:
 def whole_step_note(status: NodeStatus) -> str | None:
     """Where the restored step's other-rank files come from (pure), for a note after
     ``restored step N from local``: ``the other ranks' files of step 30: 4 here, 2
-    fetched on first read (3 ranks: 0, 2, 3); fetched so far: 1048576 bytes from
-    gcs`` (new-user trial of #16: the line named only this node's own part). None
+    fetched on first read (3 ranks: 0, 2, 3); fetched by this daemon since its start:
+    1048576 bytes from gcs`` (new-user trial of #16: the line named only this node's
+    own part; #14 trial 55 F6: the count is the daemon's, not this restore's). None
     when the view shows no other rank's files of the step, or all of them were here
     from the start (own copies, replicas: a plain restore keeps its one line)."""
     step = status.restore.step
@@ -208,7 +209,7 @@ def whole_step_note(status: NodeStatus) -> str | None:
         f"read ({len(s.ranks_known)} ranks: {', '.join(map(str, s.ranks_known))})"
     )
     if got:
-        text += f"; fetched so far: {', '.join(got)}"
+        text += f"; fetched by this daemon since its start: {', '.join(got)}"
     return text
 
 
