@@ -480,6 +480,18 @@ def test_a_load_waits_for_a_coordinator_rank_that_writes_long_after_the_others(m
     out = run_ranks(c, race, later, [0, 1, 2], {"DCP_RACE_LATE": "1:12"})
     assert out == ["OK 2"] * 3, out
 
+    # #14 trial 56 N1: in the directory of a failed save (own data file, no .metadata
+    # ever), a lookup of .metadata waited afresh each time the session ran it again and
+    # was answered EIO; DCP's save retried into it failed on every non-coordinator rank
+    failed = c.root(1) / "checkpoint-99"
+    failed.mkdir()
+    (failed / "__1_0.distcp").write_bytes(b"a failed save's data")
+    began = time.monotonic()
+    with pytest.raises(FileNotFoundError):  # not EIO
+        os.stat(failed / ".metadata")
+    # the 10 s after its part's seal, then two heartbeat replies (3.5 s at most)
+    assert time.monotonic() - began < 20
+
 
 def test_a_load_right_after_a_save_in_place_reads_every_ranks_new_bytes(make_mount):
     """Regression (issue #16, fourth trial F1): every rank saved a step again in place

@@ -2541,3 +2541,58 @@ def test_an_old_step_without_metadata_is_answered_at_once(tmp_path):
             assert (rv.expected(b"10/.metadata") is not None) is waits, age
 
     trio.run(main)
+
+
+def test_a_lookup_run_again_after_its_wait_ended_is_answered_enoent(tmp_path):
+    """Regression (#14 trial 56 N1, HIGH): the FUSE session runs a lookup answered
+    later again once its wait ends (up to 3 times, then EIO). The wait for two
+    heartbeat replies began afresh at each run, so ``stat checkpoint-52/.metadata`` in
+    the directory of a failed save got EIO after 5 s, and a DCP save retried into it
+    failed on every rank but the coordinator's. Now the run after a wait that ended in
+    vain is answered ENOENT, as the session would do."""
+    from tierfs.fuse.remote import Deferred
+
+    rv, ram, *_rest, own, _job = view_of(tmp_path, {2: PARTS[2]}, [])
+    old = time.time() - 60
+    os.utime(Path(ram.view) / "10" / "__1_0.distcp", (old, old))
+
+    def lookup() -> None:  # what the namespace does with a missing name
+        wait = rv.expected(b"10/.metadata")
+        if wait is not None:
+            raise Deferred(wait)
+        raise OSError(errno.ENOENT, "10/.metadata")
+
+    async def session_loop() -> int:  # tierfs.fuse.session's _wait_and_answer
+        try:
+            lookup()
+        except Deferred as first:
+            later = first
+        for _ in range(3):
+            try:
+                await later.wait()
+                lookup()
+            except Deferred as again:
+                later = again
+                continue
+            except OSError as exc:
+                return exc.errno
+        return errno.EIO
+
+    async def main() -> None:
+        await rv.look(own)
+        rv.steps[10].expect_since = trio.current_time() - 60
+        async with trio.open_nursery() as nursery:
+
+            async def replies() -> None:
+                while True:
+                    rv.others_saving([])
+                    await trio.sleep(1)
+
+            nursery.start_soon(replies)
+            await trio.sleep(0.5)  # heartbeat replies come
+            began = trio.current_time()
+            assert await session_loop() == errno.ENOENT
+            assert trio.current_time() - began < 3
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -156,6 +156,11 @@ REPLIES_LIVE = 5.0
 #: lookup of its missing ``.metadata`` waits for those replies (an old step whose save
 #: failed, looked at by a checkpoint scan, is answered at once)
 FRESH_FOR = 600.0
+#: seconds after a lookup's wait ended in vain during which the next lookup of the same
+#: name (the FUSE session's run of that lookup again, right after the wait) is answered
+#: ENOENT at once: a rule that waits afresh made it wait three times and then answer
+#: EIO (#14 trial 56 N1)
+ENDED_HOLD = 1.0
 #: seconds between looks at whether the client deleted or moved placed files (status)
 SWEEP_EVERY = 5.0
 #: steps whose own part was discarded that the view keeps looking at, at most
@@ -628,6 +633,8 @@ class RemoteView:
         #: step directory -> the trio time of the last heartbeat reply saying another
         #: node is saving it
         self._saving_seen: dict[str, float] = {}
+        #: view-relative path -> trio time a lookup's wait for it ended in vain
+        self._expect_ended_at: dict[str, float] = {}
         #: heartbeat replies taken (:meth:`others_saving`) and when the last came
         self._replies = 0
         self._reply_at: float | None = None
@@ -1190,6 +1197,9 @@ class RemoteView:
         job = self.current.job
         if job is None or job.nodes <= 1:
             return None  # no other node's part can bring it (a copy into a one-node mount)
+        ended = self._expect_ended_at.pop(rel, None)
+        if ended is not None and trio.current_time() - ended < ENDED_HOLD:
+            return None  # the session's run of the lookup after its wait: ENOENT now
         if self._expect_until(head, name) is None and not self._awaits_report(head, name):
             return None
         return lambda: self._await_expected(rel)
@@ -1361,6 +1371,11 @@ class RemoteView:
         """A lookup waited ``waited`` s for ``rel`` and it did not come (ENOENT): said in
         the log and, once per directory, in ``replicator.errors`` (#14 trial 54 F5:
         failed loads left no line anywhere)."""
+        now = trio.current_time()
+        ended = self._expect_ended_at
+        for old in [r for r, t in ended.items() if now - t >= ENDED_HOLD]:
+            del ended[old]
+        ended[rel] = now
         union = self._union_at(head)
         known = sorted(union.parts) if union is not None else []
         writers = union.writers if union is not None else 0
