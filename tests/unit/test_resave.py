@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import time
 
 import pytest
 import trio.testing
@@ -500,3 +501,36 @@ def test_earlier_parts_names_a_part_of_an_earlier_save_and_never_one_of_the_same
     # before the newest one (two saves are never that close) is not called earlier
     near = dataclasses.replace(first[2], sealed=t + 51, began=t + 52 - RESAVE_GAP + 0.5)
     assert earlier_parts([again[0], again[1], near], prior={**prior, 2: near.digest}) == {}
+
+
+def test_another_ranks_first_save_sealed_after_this_node_began_again_is_not_replaced(
+    tmp_path, monkeypatch
+):
+    """Regression (#14 trial 57 H1, HIGH): rank 0 was killed before DCP's ``.metadata``
+    and the save was retried into the same directory. Node 0 had never sealed a part of
+    the step, so its part of the retry was a first save (``began`` 0); node 1 sealed its
+    own part of the retry after it arrived and listed it as replaced ("of an earlier
+    save"), and every node refused rank 0's new part: ``dcp.load`` failed although the
+    save had succeeded. A first save of another rank sealed after this node began its
+    new save is of the new save."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    path = write_step(parts, 20)
+    seal(parts, 20)
+    key = ShardKey("j", 0, 20)
+    a0 = parts.catalog[key].manifest
+    old1 = replica(parts, tmp_path, 1, 20, b"rank 1, the failed save")  # sealed before
+    monkeypatch.setattr(resave, "RESAVE_GAP", 0.0)
+    parts.agent.intake.write_opening(os.stat(path).st_ino)  # this node saves again
+    pathlib.Path(path).write_bytes(b"rank 0, the retried save")
+    time.sleep(0.01)
+    new1 = replica(parts, tmp_path, 1, 20, b"rank 1, its first seal: of the retry")
+
+    async def body() -> None:
+        parts.agent.sealer.retry_pending("20")
+        await trio.testing.wait_all_tasks_blocked()
+
+    run_with_tasks(parts, body)
+    b0 = parts.catalog[key].manifest
+    assert (0, a0.digest) in b0.replaces and (1, old1.digest) in b0.replaces
+    assert (1, new1.digest) not in b0.replaces

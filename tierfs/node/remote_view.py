@@ -1899,7 +1899,9 @@ class RemoteView:
             said = await trio.to_thread.run_sync(self._place, job.name, own, union, found)
             for rank, manifest in found.items():
                 union.parts[rank] = manifest.digest
-                union.seen[rank] = SeenPart(rank, manifest.digest, manifest.began)
+                union.seen[rank] = SeenPart(
+                    rank, manifest.digest, manifest.began, sealed_at(manifest)
+                )
             if own is not None:
                 union.shown(own.manifest.began, found)
             union.tops |= {p.split("/", 1)[0] for p in union.files}

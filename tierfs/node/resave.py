@@ -62,12 +62,40 @@ MAX_REPLACED = 256
 @dataclass(frozen=True, slots=True)
 class SeenPart:
     """Another rank's part of a step as this node's whole-step view shows it: node rank
-    ``rank``, manifest ``digest``, and ``began`` (the writer's :attr:`Manifest.began`,
-    Unix seconds; 0.0 a first save)."""
+    ``rank``, manifest ``digest``, ``began`` (the writer's :attr:`Manifest.began`,
+    Unix seconds; 0.0 a first save) and ``sealed`` (when it was sealed, Unix seconds;
+    0.0 unknown)."""
 
     rank: int
     digest: str
     began: float
+    sealed: float = 0.0
+
+
+#: the part of :data:`RESAVE_GAP` (1 s of 10 s) before this node began its new save by
+#: which another rank's first save of the step (``began`` 0) must have been sealed to
+#: count as of the earlier save: the parts of one save are sealed within a second or
+#: two of each other, and a new save begins at least RESAVE_GAP after the earlier one
+FIRST_SAVE_SLACK = 0.1
+
+
+def _of_earlier_save(began: float, sealed: float, save: EarlierSave) -> bool:
+    """Whether another rank's part (its save ``began``, ``sealed``, Unix seconds) is of
+    the save this node's new one replaces: its save began by :attr:`EarlierSave.cutoff`;
+    a first save (``began`` 0, its start unknown) by its seal: sealed by the cutoff,
+    or more than :data:`FIRST_SAVE_SLACK` × :data:`RESAVE_GAP` s before this node began
+    the new save.
+
+    Regression (#14 trial 57 H1): rank 0 was killed before ``.metadata``; DCP retried
+    the save at once. Node 0 had never sealed a part of the step, so its part of the
+    retry was a first save (``began`` 0) and node 1, sealing its own (200 MB) part of
+    the retry after it, listed it as replaced: every node then refused rank 0's new
+    part "of an earlier save" and ``dcp.load`` failed although the save succeeded."""
+    if began > 0:
+        return began <= save.cutoff
+    if sealed <= 0 or sealed <= save.cutoff:
+        return True
+    return save.began > 0 and sealed < save.began - FIRST_SAVE_SLACK * RESAVE_GAP
 
 
 @dataclass
@@ -175,7 +203,7 @@ def replaced_pairs(
     own_ranks = {m.rank for m in save.own}
     if save.cutoff > 0:
         for m in [*save.held, *held_now]:
-            if m.rank not in own_ranks and m.began <= save.cutoff:
+            if m.rank not in own_ranks and _of_earlier_save(m.began, sealed_at(m), save):
                 out.setdefault((m.rank, m.digest), None)
     for m in save.abandoned:
         out.setdefault((m.rank, m.digest), None)
@@ -186,7 +214,7 @@ def replaced_pairs(
             (
                 p
                 for p in [*save.seen, *seen_now]
-                if p.rank not in own_ranks and p.began <= save.cutoff
+                if p.rank not in own_ranks and _of_earlier_save(p.began, p.sealed, save)
             ),
             key=lambda p: ((p.rank - me.rank) % ring, p.rank),
         )
