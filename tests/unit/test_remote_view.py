@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import fake_ports
 import google_crc32c
@@ -2417,6 +2418,23 @@ def test_a_part_sealed_again_with_one_more_file_ends_the_wait_and_a_vain_wait_is
     trio.run(main)
 
 
+def saved_a_minute_ago(path: Path) -> tuple[Any, RamStore, Any, Any]:
+    """A view of node 1 whose own DCP data file of step 10 was written a minute ago,
+    rank 2's part known and rank 0's (the coordinator's) not: (view, RAM store, own
+    part, job). Its first look goes through :func:`looked_a_minute_ago`."""
+    rv, ram, *_rest, own, job = view_of(path, {2: PARTS[2]}, [])
+    old = time.time() - 60
+    os.utime(Path(ram.view) / "10" / "__1_0.distcp", (old, old))
+    return rv, ram, own, job
+
+
+async def looked_a_minute_ago(rv: Any, own: Any) -> None:
+    """The first look of :func:`saved_a_minute_ago`'s view, its part sealed a minute
+    before (the 10 s windows of the DCP rules are over)."""
+    await rv.look(own)
+    rv.steps[10].expect_since = trio.current_time() - 60
+
+
 def test_a_lookup_of_metadata_waits_while_another_node_saves_its_step(tmp_path):
     """#14 trial 54 F2: the coordinator rank finished its writes more than 10 s after
     this node's own (a much bigger part); the others' ``dcp.load`` right after the
@@ -2427,13 +2445,10 @@ def test_a_lookup_of_metadata_waits_while_another_node_saves_its_step(tmp_path):
     first reply without it ended at once, before the view had asked for the part)."""
     from tierfs.node import remote_view as rv_mod
 
-    rv, ram, *_rest, own, _job = view_of(tmp_path, {2: PARTS[2]}, [])
-    old = time.time() - 60
-    os.utime(Path(ram.view) / "10" / "__1_0.distcp", (old, old))  # written a minute ago
+    rv, ram, own, _job = saved_a_minute_ago(tmp_path)
 
     async def main() -> None:
-        await rv.look(own)
-        rv.steps[10].expect_since = trio.current_time() - 60  # sealed a minute ago too
+        await looked_a_minute_ago(rv, own)
         assert rv.expected(b"10/.metadata") is None  # no report: ENOENT at once
         rv.others_saving(["11", "10"])
         assert rv.expected(b"10/__0_0.distcp") is None  # only .metadata waits
@@ -2454,12 +2469,10 @@ def test_a_lookup_of_metadata_waits_while_another_node_saves_its_step(tmp_path):
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
     # the reports end and no part brings it: ENOENT SAVING_HOLD s after the last one
-    rv2, ram2, *_r2, own2, _j2 = view_of(tmp_path / "b", {2: PARTS[2]}, [])
-    os.utime(Path(ram2.view) / "10" / "__1_0.distcp", (old, old))
+    rv2, _ram2, own2, _j2 = saved_a_minute_ago(tmp_path / "b")
 
     async def ended() -> None:
-        await rv2.look(own2)
-        rv2.steps[10].expect_since = trio.current_time() - 60
+        await looked_a_minute_ago(rv2, own2)
         rv2.others_saving(["10"])
         wait = rv2.expected(b"10/.metadata")
         assert wait is not None
@@ -2478,12 +2491,10 @@ def test_a_lookup_of_metadata_waits_while_another_node_saves_its_step(tmp_path):
     # #14 trial 55 F1: a rank began writing 12 s late, and its node and the
     # coordinator's saved in milliseconds, between two heartbeats: the lookup waits for
     # the next two replies, and one names the directory
-    rv3, ram3, *_r3, own3, _j3 = view_of(tmp_path / "c", {2: PARTS[2]}, [])
-    os.utime(Path(ram3.view) / "10" / "__1_0.distcp", (old, old))
+    rv3, ram3, own3, _j3 = saved_a_minute_ago(tmp_path / "c")
 
     async def fresh() -> None:
-        await rv3.look(own3)
-        rv3.steps[10].expect_since = trio.current_time() - 60
+        await looked_a_minute_ago(rv3, own3)
         assert rv3.expected(b"10/.metadata") is None  # no reply yet: no heartbeat
         rv3.others_saving([])
         await trio.sleep(0.5)
@@ -2502,12 +2513,10 @@ def test_a_lookup_of_metadata_waits_while_another_node_saves_its_step(tmp_path):
     trio.run(fresh, clock=trio.testing.MockClock(autojump_threshold=0))
 
     # two replies that name nothing: ENOENT after the second, said in replicator.errors
-    rv4, ram4, *_r4, own4, job4 = view_of(tmp_path / "d", {2: PARTS[2]}, [])
-    os.utime(Path(ram4.view) / "10" / "__1_0.distcp", (old, old))
+    rv4, _ram4, own4, job4 = saved_a_minute_ago(tmp_path / "d")
 
     async def nothing() -> None:
-        await rv4.look(own4)
-        rv4.steps[10].expect_since = trio.current_time() - 60
+        await looked_a_minute_ago(rv4, own4)
         rv4.others_saving([])
         began = trio.current_time()
         wait = rv4.expected(b"10/.metadata")
@@ -2552,9 +2561,7 @@ def test_a_lookup_run_again_after_its_wait_ended_is_answered_enoent(tmp_path):
     vain is answered ENOENT, as the session would do."""
     from tierfs.fuse.remote import Deferred
 
-    rv, ram, *_rest, own, _job = view_of(tmp_path, {2: PARTS[2]}, [])
-    old = time.time() - 60
-    os.utime(Path(ram.view) / "10" / "__1_0.distcp", (old, old))
+    rv, _ram, own, _job = saved_a_minute_ago(tmp_path)
 
     def lookup() -> None:  # what the namespace does with a missing name
         wait = rv.expected(b"10/.metadata")
@@ -2579,8 +2586,7 @@ def test_a_lookup_run_again_after_its_wait_ended_is_answered_enoent(tmp_path):
         return errno.EIO
 
     async def main() -> None:
-        await rv.look(own)
-        rv.steps[10].expect_since = trio.current_time() - 60
+        await looked_a_minute_ago(rv, own)
         async with trio.open_nursery() as nursery:
 
             async def replies() -> None:
