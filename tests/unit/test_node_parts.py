@@ -692,6 +692,7 @@ def test_a_dcp_part_of_fewer_ranks_than_the_last_one_waits_for_the_other_ranks_f
         path = root / rel
         path.parent.mkdir(exist_ok=True)
         path.write_bytes(rel.encode() * 100)
+        book.generation[rel.partition("/")[0]] += 1  # as the close's event does
         assert book.rules is not None
         cand = book.rules.on_release(rel, view)
         assert cand is not None and cand.reason.startswith("DCP part")
@@ -842,3 +843,45 @@ def test_a_recently_changed_step_directory_counts_as_being_saved(tmp_path):
     assert intake.saving() == ["20"]
     intake.touched["20"] -= intake_mod.RECENT + 1
     assert intake.saving() == [] and "20" not in intake.touched
+
+
+def test_a_close_handled_after_a_seal_that_took_its_file_does_not_seal_again(tmp_path):
+    """Regression (#14, stop 50 CI, test_a_load_right_after_a_save_where_one_rank_seals_
+    later_finds_every_file): two ranks per node; rank 3 closed ``__3_0.distcp`` while
+    the seal of rank 2's close began, the seal took both files, and the close event,
+    handled after it, sealed and replicated the same part a second time. A candidate
+    of an entry unchanged since its seal is that seal; a change after it seals again."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    book, sealer, view = parts.agent.book, parts.agent.sealer, parts.view
+    root = pathlib.Path(view.root)
+    (root / "20").mkdir()
+    for rank in (2, 3):
+        (root / f"20/__{rank}_0.distcp").write_bytes(b"d" * 100)
+    assert book.rules is not None
+    first = book.rules.on_release("20/__2_0.distcp", view)
+    late = book.rules.on_release("20/__3_0.distcp", view)
+    assert first is not None and late is not None
+    key = ShardKey("j", 0, 20)
+
+    async def settled() -> None:  # the seal's snapshot runs in a worker thread
+        with trio.fail_after(10):
+            while book.pending:
+                await trio.sleep(0.01)
+
+    async def body() -> None:
+        sealer.schedule(first)
+        await settled()
+        sealed = parts.catalog.get(key)
+        assert sealed is not None
+        sealer.schedule(late)  # no change since the seal: the same part
+        await settled()
+        assert parts.catalog.get(key) is sealed
+        (root / "20/__3_0.distcp").write_bytes(b"e" * 100)
+        book.generation["20"] += 1  # the close of a write bumps it (AgentEvents)
+        sealer.schedule(late)
+        await settled()
+        again = parts.catalog.get(key)
+        assert again is not None and again is not sealed
+
+    run_with_tasks(parts, body)

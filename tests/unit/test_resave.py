@@ -197,6 +197,7 @@ def test_a_step_saved_again_in_place_records_the_earlier_save_it_replaced(tmp_pa
     b1 = replica(parts, tmp_path, 1, 20, b"rank 1, second save, longer")
     assert b1.digest != a1.digest
     (pathlib.Path(path).parent / "extra.bin").write_bytes(b"added")
+    parts.agent.book.generation["20"] += 1  # as the creation's event does
 
     async def added() -> None:  # what the intake schedules for a file added to a sealed step
         parts.agent.sealer.schedule(SealCandidate(20, "20", ("20",), "changed after seal"))

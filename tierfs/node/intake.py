@@ -327,6 +327,7 @@ class EventIntake:
         if ev.path == top and not self.view.exists(top):
             book.view_steps.pop(top, None)
             book.pending.pop(top, None)
+            book.sealed_gens.pop(top, None)
             if book.rules is not None:
                 cand = book.rules.on_remove(top, self.view)
                 if cand is not None:

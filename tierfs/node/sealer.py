@@ -229,6 +229,10 @@ class Sealer:
             if not all(self.view.exists(e) for e in cand.entries):
                 del book.pending[cand.name]  # renamed or deleted meanwhile
                 return
+            if self._sealed_as_is(cand, key, tops):
+                del book.pending[cand.name]
+                log.debug("step %d (%s): sealed already as it is", cand.step, cand.name)
+                return
             rules = book.rules
             if rules is not None and not rules.still_holds(cand, self.view):
                 del book.pending[cand.name]  # rank 0's file came: its marker seals it
@@ -332,6 +336,7 @@ class Sealer:
             book.abandoned.pop(cand.name, None)  # saved again since
             self.keeper.add_shard(shard)
             book.view_steps[cand.name] = key
+            book.sealed_gens[cand.name] = gens
             book.sealed_times[key] = sealed_at(shard.manifest)
             log.info(
                 "sealed step %d (%s, %d files, %d bytes): %s",
@@ -344,6 +349,27 @@ class Sealer:
             self.catalog.sealed(shard)
             await self.keeper.apply_retention()
             book.save()
+
+    def _sealed_as_is(self, cand: SealCandidate, key: ShardKey, tops: set[str]) -> bool:
+        """True if this node's seal of ``key`` held here took ``cand``'s entries and
+        nothing changed under them since (:attr:`tierfs.node.steps.StepBook.generation`
+        as that seal took it; a write opening withdraws a seal, its close bumps the
+        count). Sealing again would give the same manifest a second time.
+
+        Regression (#14, stop 50 CI): with two ranks per node, rank 3's file closed
+        while rank 2's close was being sealed; the seal took both files, and the close
+        event, handled after it, sealed and replicated the same part again.
+        """
+        book = self.book
+        taken = book.sealed_gens.get(cand.name)
+        held = self.catalog.get(key)
+        if taken is None or held is None or held.manifest.name != cand.name:
+            return False
+        if key in book.earlier or cand.name in book.withdrawn_names:
+            return False
+        if not set(cand.entries) <= set(held.manifest.top_level):
+            return False
+        return all(t in taken and taken[t] == book.generation[t] for t in tops)
 
     def _mark_sealing(self, inos: set[int], token: str) -> None:
         for ino in inos:

@@ -65,6 +65,8 @@ class StepBook:
         sealing_inos: inode -> token of the seal snapshotting it right now.
         dirty_inos: inodes opened for writing while being sealed.
         generation: top-level entry -> count of changes under it.
+        sealed_gens: entry name -> the :attr:`generation` of each top-level entry its
+            last seal took (a candidate of an unchanged entry is that seal again).
         crc_cache: crc32c of unchanged files, shared by the seals.
         rules: the job's seal rules (None without a job).
     """
@@ -84,6 +86,7 @@ class StepBook:
         self.sealing_inos: dict[int, str] = {}
         self.dirty_inos: set[int] = set()
         self.generation: collections.Counter[str] = collections.Counter()
+        self.sealed_gens: dict[str, dict[str, int]] = {}
         self.view_steps: dict[str, ShardKey] = {}
         self.pending: dict[str, SealCandidate] = {}
         self.pending_at_start: list[SealCandidate] = []
