@@ -467,9 +467,10 @@ class Coordinator:
             self.synced_step = synced
             self.synced_at = self.wall()
             log.info(
-                "coordinator: sync round complete: step %d on all %d live nodes",
-                synced,
+                "coordinator: sync round complete: each of the %d live nodes sealed a "
+                "part of step %d (whether the step loads is judged per node)",
                 self.nodes - len(self.gone),
+                synced,
             )
 
     def _clear_sync(self, r: Round | None = None) -> None:
