@@ -656,3 +656,24 @@ def test_a_restart_soon_after_a_resave_a_rank_never_made_restores_the_older_step
         )
         assert "earlier save of step 30" in w.stderr, w.stderr
     assert dcp(c, "load", 20, [0, 1, 2]) == ["LOADED_OK"] * 3
+
+
+def test_a_step_saved_again_at_once_after_its_load_is_read_from_the_new_save(make_mount):
+    """Regression (#14 trial 55 F3, HIGH): stock ``dcp.save``, barrier, ``dcp.load`` of
+    every rank's tensors, then the same step saved again into the same directory at once
+    with new values, and loaded again (3 saves per step). The second save's writes came
+    less than RESAVE_GAP after the first seal and counted as the same save: a node's
+    load returned other ranks' values of the earlier save with no error (``wrong values:
+    ['r1.small']``), or EIO. A write into a node's part after its client read other
+    ranks' files of the step now begins another save, and opens of those ranks' files
+    wait for their parts of it."""
+    c = Cluster(make_mount, 3, node_args=elastic(3))
+    race = str(Path(CLIENT).with_name("dcp_race.py"))
+
+    def args(r: int, world: int, port: int) -> list[str]:
+        return [str(r), str(world), str(port), str(c.root(r)), "40", "41", "8"]
+
+    out = run_ranks(c, race, args, [0, 1, 2], {"DCP_RACE_REPEAT": "3"})
+    assert out == ["OK 2"] * 3, out
+    for i in range(3):
+        assert c.errors(i) == "", (i, c.errors(i))

@@ -498,6 +498,31 @@ def test_a_save_begun_while_a_look_asks_every_rank_again_suspects_every_placed_r
     trio.run(main)
 
 
+def test_the_parts_whose_files_a_client_opened_are_known_by_time(tmp_path):
+    """#14 trial 55 F3: a write into this node's part after its client read other ranks'
+    files of the step begins another save (tierfs.node.resave); the view says which
+    parts were read since a time: an open of a placed file counts, fetched or not."""
+    peer = Source("peer", BYTES, ["peer node-rank 0", "peer node-rank 2"])
+    rv, ram, _s, _c, own, _job = view_of(tmp_path, PARTS, [peer])
+
+    async def main() -> None:
+        await rv.look(own)
+        before = time.time()
+        assert rv.read_parts(10, 0.0) == [] and rv.read_parts(11, 0.0) == []
+        meta = (Path(ram.view) / "10" / ".metadata").stat().st_ino
+        fetch = rv.opening(meta)
+        assert fetch is not None
+        await fetch()
+        assert rv.read_parts(10, before) == [(0, PARTS[0].digest)]
+        assert rv.read_parts(10, time.time() + 1) == []  # none since then
+        assert rv.missing(meta) is None  # opened again, its bytes here
+        two = (Path(ram.view) / "10" / "__2_0.distcp").stat().st_ino
+        rv.missing(two)
+        assert rv.read_parts(10, before) == [(0, PARTS[0].digest), (2, PARTS[2].digest)]
+
+    trio.run(main)
+
+
 def test_a_corrupt_copy_is_skipped_for_the_next_one_and_said_once(tmp_path):
     peer = Source("peer", BYTES, ["peer node-rank 0", "peer node-rank 2"])
     peer.corrupt.add("peer node-rank 0")

@@ -120,6 +120,23 @@ def test_a_write_soon_after_the_seal_continues_the_save_and_replaces_only_the_ow
     assert replaced_pairs(save, [a1]) == ((0, a0.digest), (1, "old1"))
 
 
+def test_a_write_soon_after_a_load_of_other_ranks_files_begins_another_save():
+    """Regression (#14 trial 55 F3): save, barrier, load, save again at once. The second
+    save's writes came less than RESAVE_GAP after the first seal and counted as the same
+    save, so another node's load right after it read the earlier save's files of other
+    ranks with no error. The parts this node's client read since its seal are of the
+    earlier save: the write begins another one, and the parts read are replaced."""
+    a0, a1, a2 = M(0, "a0"), M(1, "a1", sealed=101.0), M(2, "a2", sealed=101.5)
+    save = EarlierSave()
+    now = 100.0 + resave.RESAVE_GAP / 5
+    save.withdrawn(a0, [a1], now=now, read=[(0, a0.digest), (1, a1.digest), (2, a2.digest)])
+    assert save.began == now and save.cutoff == 100.0
+    # rank 1's part held here was sealed after this node's part (a bigger file) and
+    # less than a second before the new save began, yet it was read: replaced
+    assert set(replaced_pairs(save, [a1])) == {(0, a0.digest), (1, a1.digest), (2, a2.digest)}
+    assert save.read == [(1, a1.digest), (2, a2.digest)]  # never this node's own rank
+
+
 def test_a_file_added_continues_the_save_and_abandoned_parts_are_replaced():
     torn = M(0, "torn", began=90.0)
     old2 = M(2, "abandoned")
@@ -232,6 +249,38 @@ def test_a_new_save_records_the_parts_its_view_showed(tmp_path, monkeypatch):
     b0 = parts.catalog[key].manifest
     assert set(b0.replaces) == {(0, a0.digest), (1, "rank-1-first-save")}
     assert asked and all(a == (20, a0.nodes) for a in asked)
+
+
+def test_a_save_again_at_once_after_a_load_records_the_parts_read(tmp_path):
+    """The node-level form of F3 (#14 trial 55): this node's client read rank 1's part
+    after its own seal and wrote its part again less than RESAVE_GAP later; the write
+    began another save (its ``began`` is set) that replaces the part read."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    path = write_step(parts, 20)
+    seal(parts, 20)
+    key = ShardKey("j", 0, 20)
+    a0 = parts.catalog[key].manifest
+    asked: list[tuple[int, float]] = []
+
+    def read_parts(step: int, since: float) -> list[tuple[int, str]]:
+        asked.append((step, since))
+        return [(1, "rank-1-read")]
+
+    parts.agent.book.read_parts = read_parts
+    parts.agent.intake.write_opening(os.stat(path).st_ino)  # RESAVE_GAP as it is
+    pathlib.Path(path).write_bytes(b"rank 0, saved again at once")
+    parts.agent.book.generation["20"] += 1  # as the close's event does
+
+    async def body() -> None:
+        parts.agent.sealer.retry_pending("20")
+        await trio.testing.wait_all_tasks_blocked()
+
+    run_with_tasks(parts, body)
+    b0 = parts.catalog[key].manifest
+    assert asked == [(20, sealed_at(a0))]
+    assert set(b0.replaces) == {(0, a0.digest), (1, "rank-1-read")}
+    assert b0.began >= a0.sealed > 0
 
 
 # ---------------------------------------------------------------------- the restore

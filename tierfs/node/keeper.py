@@ -20,7 +20,7 @@ from tierfs.core.config import NodeConfig
 from tierfs.core.control import JobSpec
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.jobstate import RESTORING_STATES, JobState
-from tierfs.node.resave import EarlierSave
+from tierfs.node.resave import EarlierSave, sealed_at
 from tierfs.node.steps import StepBook
 from tierfs.node.tasks import TaskSpawner
 from tierfs.node.view import ClientView
@@ -156,8 +156,16 @@ class ShardKeeper:
             nodes = shard.manifest.nodes
             held = self.catalog.step_manifests(key.job, key.step, nodes)
             seen = self.book.shown(key.step, nodes) if nodes else []
+            read = self.book.read_parts(key.step, sealed_at(shard.manifest))
             earlier = self.book.earlier.setdefault(key, EarlierSave())
-            earlier.withdrawn(shard.manifest, held, time.time(), seen)
+            earlier.withdrawn(shard.manifest, held, time.time(), seen, read)
+            if read and earlier.read:
+                log.info(
+                    "step %d: written again after this node read rank(s) %s's files of "
+                    "it: another save of the step (their parts shown are of the earlier one)",
+                    key.step,
+                    sorted({r for r, _ in earlier.read}),
+                )
         self.drop_shard(key, reason)
         for name in names:
             self.book.withdrawn_names[name] = key

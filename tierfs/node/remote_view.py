@@ -378,6 +378,9 @@ class StepUnion:
     #: part withdrawn when the save began): a part listing one of them as replaced
     #: was begun after this node's former part, so it is of that save or a later one
     own_former: frozenset[tuple[int, str]] = frozenset()
+    #: rank -> (digest of its part, Unix time) of the last open of one of its files
+    #: by a client of this node (:meth:`RemoteView.read_parts`)
+    read: dict[int, tuple[str, float]] = field(default_factory=dict)
 
     def current(self, m: Manifest) -> bool:
         """True if part ``m`` is of the save this node began (not an earlier one, even
@@ -708,6 +711,8 @@ class RemoteView:
             return None
         rf.used = time.monotonic()
         union = self.steps.get(rf.step)
+        if union is not None:
+            union.read[rf.rank] = (rf.digest, time.time())
         if union is not None and rf.rank in union.refused:
             return lambda: self._refused(union, rf)
         if union is not None and rf.rank in union.suspect:
@@ -734,6 +739,8 @@ class RemoteView:
             return self.missing(ino)
         rf.used = time.monotonic()
         union = self.steps.get(rf.step)
+        if union is not None:
+            union.read[rf.rank] = (rf.digest, time.time())
         if union is not None and rf.rank in union.refused:
             return lambda: self._refused(union, rf)
         if union is not None and rf.rank in union.suspect:
@@ -1394,6 +1401,17 @@ class RemoteView:
     def wake(self) -> None:
         """Look again now (a restore put a step in place). Trio thread."""
         self._wake.set()
+
+    def read_parts(self, step: int, since: float) -> list[tuple[int, str]]:
+        """(node rank, digest) of the other ranks' parts of ``step`` whose files a
+        client of this node opened at or after ``since`` (Unix seconds), as placed
+        then: a write into this node's own part after them begins another save of
+        the step (:meth:`tierfs.node.resave.EarlierSave.withdrawn`, #14 trial 55 F3).
+        FUSE/trio thread; O(ranks read)."""
+        union = self.steps.get(step)
+        if union is None:
+            return []
+        return sorted((r, d) for r, (d, at) in union.read.items() if at >= since)
 
     def shown_parts(self, step: int, nodes: int) -> list[SeenPart]:
         """The other ranks' parts of ``step`` this view shows, as placed by this daemon,

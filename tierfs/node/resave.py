@@ -112,6 +112,9 @@ class EarlierSave:
         held: other ranks' parts of the step held when the new save began.
         seen: other ranks' parts of the step the whole-step view showed then.
         abandoned: parts of the step a restore abandoned.
+        read: (node rank, manifest digest) of the other ranks' parts whose files this
+            node's client opened after its former part was sealed and before it
+            wrote that part again (a load between two saves): of the earlier save.
         recorded: (node rank, manifest digest) pairs a previous daemon had gathered
             (``state.json``, :meth:`to_dict`): replaced as well.
         former_files: file paths of this node's former parts a previous daemon knew.
@@ -123,6 +126,7 @@ class EarlierSave:
     held: list[Manifest] = field(default_factory=list)
     seen: list[SeenPart] = field(default_factory=list)
     abandoned: list[Manifest] = field(default_factory=list)
+    read: list[tuple[int, str]] = field(default_factory=list)
     recorded: list[tuple[int, str]] = field(default_factory=list)
     former_files: list[str] = field(default_factory=list)
 
@@ -162,16 +166,28 @@ class EarlierSave:
         held: Iterable[Manifest],
         now: float,
         seen: Iterable[SeenPart] = (),
+        read: Iterable[tuple[int, str]] = (),
     ) -> None:
         """A write withdrew this node's part ``own`` at ``now`` (Unix seconds);
         ``held``: the other ranks' parts of the step (same node count) held here;
-        ``seen``: those the whole-step view shows (same node count)."""
+        ``seen``: those the whole-step view shows (same node count); ``read``: (node
+        rank, digest) of the other ranks' parts whose files the client opened since
+        ``own`` was sealed.
+
+        The write begins another save when ``own`` was sealed at least
+        :data:`RESAVE_GAP` s before, or when the client read other ranks' files of
+        the step since (a save, a load, a save again at once: the parts read are of
+        the earlier save; #14 trial 55 F3: another node's load right after returned
+        the earlier save's values of other ranks, with no error). Otherwise it is a
+        late write of the same save."""
         self.own.append(own)
-        if now - sealed_at(own) >= RESAVE_GAP:
+        others = [p for p in read if p[0] != own.rank]
+        if others or now - sealed_at(own) >= RESAVE_GAP:
             self.began = self.began or now
             self.cutoff = max(self.cutoff, sealed_at(own))
             self.held.extend(m for m in held if m.rank != own.rank)
             self.seen.extend(p for p in seen if p.rank != own.rank)
+            self.read.extend(p for p in others if p not in self.read)
         else:
             self.began = self.began or own.began
 
@@ -205,6 +221,10 @@ def replaced_pairs(
         for m in [*save.held, *held_now]:
             if m.rank not in own_ranks and _of_earlier_save(m.began, sealed_at(m), save):
                 out.setdefault((m.rank, m.digest), None)
+        for pair in save.read:
+            if len(out) >= MAX_REPLACED:
+                break
+            out.setdefault(pair, None)
     for m in save.abandoned:
         out.setdefault((m.rank, m.digest), None)
     if save.cutoff > 0 and save.own:

@@ -102,6 +102,10 @@ class StepBook:
         #: view shows (set by the composition root; trio thread): what a new save of
         #: the step replaces (:mod:`tierfs.node.resave`, tenth #16 trial FAIL A)
         self.shown: Callable[[int, int], list[SeenPart]] = lambda step, nodes: []
+        #: (step, since) -> (node rank, digest) of the other ranks' parts of that step
+        #: whose files the client opened at or after ``since`` (Unix seconds; set by
+        #: the composition root, :meth:`tierfs.node.remote_view.RemoteView.read_parts`)
+        self.read_parts: Callable[[int, float], list[tuple[int, str]]] = lambda step, since: []
 
     def new_save(self, step: int) -> tuple[float, float] | None:
         """(cutoff, began) when a write began another save of this node's part of

@@ -18,6 +18,10 @@ part without its file first; #14 trial 54 F1).
 ``$DCP_RACE_SLOW`` = ``RANK:SECONDS``: that rank keeps each of its data files open so
 much longer after writing it, as a rank with a much bigger part would (the coordinator
 rank finishing more than 10 s after the others: #14 trial 54 F2).
+
+``$DCP_RACE_REPEAT`` = ``N``: each step is saved N times in a row into the same
+directory, with new values each time, each save followed by the barrier and the load
+(a step saved again in place right after its load: #14 trial 55 F3).
 """
 
 import io
@@ -73,8 +77,9 @@ class SlowFs(FileSystem):
             yield stream
 
 
-def small(step: int, rank: int) -> torch.Tensor:
-    return torch.randn(1 << 16, generator=torch.Generator().manual_seed(10 * step + rank))
+def small(step: int, rank: int, save: int = 0) -> torch.Tensor:
+    seed = 10 * step + rank + 100_000 * save
+    return torch.randn(1 << 16, generator=torch.Generator().manual_seed(seed))
 
 
 def main() -> None:
@@ -84,34 +89,38 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     failed = []
     try:
+        repeat = int(os.environ.get("DCP_RACE_REPEAT", "1"))
         for step in range(first, last + 1):
             shutil.rmtree(os.path.join(root, f"checkpoint-{step - 2}"), ignore_errors=True)
             path = os.path.join(root, f"checkpoint-{step}")
-            state = {f"r{rank}.small": small(step, rank)}
-            if rank == 1:
-                g = torch.Generator().manual_seed(step)
-                state["r1.big"] = torch.randn(big_mb << 18, generator=g)
-            late_rank, _, late = os.environ.get("DCP_RACE_LATE", "-1:0").partition(":")
-            writer = (Late if rank == int(late_rank) else dcp.FileSystemWriter)(path)
-            writer.late = float(late)
-            slow_rank, _, slow = os.environ.get("DCP_RACE_SLOW", "-1:0").partition(":")
-            if rank == int(slow_rank):
-                writer.fs = SlowFs()
-                writer.fs.slow = float(slow)
-            dcp.save(state, storage_writer=writer)
-            dist.barrier()
-            want = {f"r{r}.small": small(step, r) for r in range(world)}
-            got = {k: torch.zeros_like(v) for k, v in want.items()}
-            try:
-                dcp.load(got, checkpoint_id=path)
-                bad = [k for k in want if not torch.equal(got[k], want[k])]
-                if bad:
-                    raise ValueError(f"wrong values: {bad}")
-            except BaseException as exc:  # CheckpointException is a BaseException
-                if isinstance(exc, KeyboardInterrupt):
-                    raise
-                failed.append(f"LOAD_FAILED {step} {type(exc).__name__} {str(exc)[:300]}")
-            dist.barrier()
+            for save in range(repeat):
+                state = {f"r{rank}.small": small(step, rank, save)}
+                if rank == 1:
+                    g = torch.Generator().manual_seed(step + 100_000 * save)
+                    state["r1.big"] = torch.randn(big_mb << 18, generator=g)
+                late_rank, _, late = os.environ.get("DCP_RACE_LATE", "-1:0").partition(":")
+                writer = (Late if rank == int(late_rank) else dcp.FileSystemWriter)(path)
+                writer.late = float(late)
+                slow_rank, _, slow = os.environ.get("DCP_RACE_SLOW", "-1:0").partition(":")
+                if rank == int(slow_rank):
+                    writer.fs = SlowFs()
+                    writer.fs.slow = float(slow)
+                dcp.save(state, storage_writer=writer)
+                dist.barrier()
+                want = {f"r{r}.small": small(step, r, save) for r in range(world)}
+                got = {k: torch.zeros_like(v) for k, v in want.items()}
+                try:
+                    dcp.load(got, checkpoint_id=path)
+                    bad = [k for k in want if not torch.equal(got[k], want[k])]
+                    if bad:
+                        raise ValueError(f"wrong values: {bad}")
+                except BaseException as exc:  # CheckpointException is a BaseException
+                    if isinstance(exc, KeyboardInterrupt):
+                        raise
+                    failed.append(
+                        f"LOAD_FAILED {step}.{save} {type(exc).__name__} {str(exc)[:300]}"
+                    )
+                dist.barrier()
     finally:
         dist.destroy_process_group()
     if failed:
