@@ -32,7 +32,7 @@ from tierfs.fuse.namespace import Namespace
 from tierfs.fuse.remote import Deferred
 from tierfs.node import dcp_expect
 from tierfs.node.catalog import ShardCatalog
-from tierfs.node.remote_view import SWEEP_EVERY, XATTR, RemoteView
+from tierfs.node.remote_view import SAY_AFTER, SWEEP_EVERY, XATTR, RemoteView
 from tierfs.node.resave import sealed_at
 from tierfs.node.union import Conflict, union_plan
 from tierfs.store.manifest import FileEntry, Manifest
@@ -2441,6 +2441,34 @@ def test_a_part_sealed_again_with_one_more_file_ends_the_wait_and_a_vain_wait_is
         assert len(job.errors) == 1 and "10/__9_0.distcp waited" in job.errors[0], job.errors
 
     trio.run(main)
+
+
+def test_a_lookup_that_waited_in_vain_before_a_save_into_its_directory_is_not_an_error(
+    tmp_path,
+):
+    """#14 trial 57 L1: DCP's save retried into a failed save's directory first looks
+    for an earlier ``.metadata``; that lookup waits and ends in vain on every node, and
+    each retry left a line per node in ``replicator.errors``. The line now waits
+    SAY_AFTER s and is left out when this node's client writes into the directory
+    meanwhile (a save began: the lookup was its check); otherwise it is said."""
+    rv, _ram, _shards, _catalog, own, job = view_of(tmp_path, PARTS, [])
+
+    async def main() -> None:
+        await rv.look(own)
+        async with trio.open_nursery() as nursery:
+            rv._fetches = nursery
+            rv._expect_ended("10/.metadata", "10", 4.0)
+            await trio.sleep(1)
+            assert job.errors == []
+            rv.own_change("10/__1_0.distcp")  # the retried save writes
+            await trio.sleep(SAY_AFTER)
+            assert job.errors == []
+            rv._expect_ended("11/sub/.metadata", "11/sub", 4.0)  # no save follows
+            await trio.sleep(SAY_AFTER + 1)
+            assert len(job.errors) == 1 and "11/sub/.metadata waited 4.0 s" in job.errors[0]
+            rv._fetches = None
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def saved_a_minute_ago(path: Path) -> tuple[Any, RamStore, Any, Any]:
