@@ -487,6 +487,7 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
     remote.abandoned = agent.book.is_abandoned  # such a step shows only its own files
     agent.intake.on_change = remote.own_change  # a save begun in a step shown without a part
     remote.saving_now = agent.intake.saving  # up with the heartbeat: DCP lookups wait (F2)
+    remote.load_began = agent.sealer.save_done  # a DCP load ends the rank grace (trial 58 H1)
     return NodeParts(
         shards,
         catalog,

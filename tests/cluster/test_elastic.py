@@ -450,6 +450,24 @@ def test_a_load_right_after_a_save_where_one_rank_seals_later_finds_every_file(m
             seals = re.findall(rf"sealed step {step} \(checkpoint-{step}, (\d+) files", log)
             assert seals == [str(3 if i else 4)], (i, step, seals)
 
+    # #14 trial 58 H1: back to one rank per node on the same daemons, rank 1's part big.
+    # Nodes 1 and 2 held their first such part the whole 15 s rank grace (fewer of their
+    # ranks than in their previous DCP part); node 0's lookup of __1_0.distcp beside
+    # .metadata waited 10 s and answered ENOENT. A load's lookup of .metadata now ends
+    # the grace.
+    def one_per_node(r: int, world: int, port: int) -> list[str]:
+        return [str(r), str(world), str(port), str(c.root(r)), "84", "85", "100"]
+
+    out = run_ranks(c, race, one_per_node, [0, 1, 2])
+    assert out == ["OK 2"] * 3, out
+    for i in range(3):
+        assert c.errors(i) == "", (i, c.errors(i))
+    for i in (1, 2):  # whether the ENOENT came depended on timing; the 15 s hold did not
+        log = c.mounts[i].log()
+        assert "step 84 (checkpoint-84): a load of it began here: sealed now" in log, i
+        seals = re.findall(r"sealed step 84 \(checkpoint-84, (\d+) files", log)
+        assert len(seals) == 1, (i, seals)  # once, not again when the grace ends
+
 
 def test_a_load_waits_for_a_coordinator_rank_that_writes_long_after_the_others(make_mount):
     """Regression (#14 trial 54 F2): stock ``dcp.save``, ``dist.barrier`` and ``dcp.load``

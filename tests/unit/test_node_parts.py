@@ -742,6 +742,46 @@ def test_a_dcp_part_of_fewer_ranks_is_sealed_after_the_grace(tmp_path):
     assert dcp_files(parts, 20) == ["20/__2_0.distcp"]
 
 
+def test_a_load_of_the_step_ends_the_wait_for_the_other_ranks_files(tmp_path):
+    """Regression (#14 trial 58 H1): a job moved from 2 ranks per node to 1 on the same
+    daemons; each node's first DCP part waited the whole rank grace (15 s) and the
+    coordinator node's lookup of its file, waiting 10 s, answered ENOENT: ``dcp.load``
+    failed after a save that succeeded. A lookup of ``.metadata`` by this node's client
+    (a load began: the save returned on every rank) seals such a part at once; a
+    candidate waiting for its marker is not concerned."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    book, sealer, view = parts.agent.book, parts.agent.sealer, parts.view
+    root = pathlib.Path(view.root)
+    for rel in ("10/__2_0.distcp", "10/__3_0.distcp", "20/__2_0.distcp"):
+        (root / rel).parent.mkdir(exist_ok=True)
+        (root / rel).write_bytes(b"d" * 100)
+        assert book.rules is not None
+        last = book.rules.on_release(rel, view)
+    assert last is not None and book.rules is not None
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            parts.agent.tasks.nursery = nursery
+            sealer.schedule(last)
+            await trio.sleep(1)
+            sealer.save_done("10")  # another directory: nothing
+            sealer.save_done("30")
+            await trio.sleep(1)
+            assert ShardKey("j", 0, 20) not in parts.catalog and "20" in sealer._deferred
+            began = trio.current_time()
+            sealer.save_done("20")
+            with trio.fail_after(sealer.ranks_grace / 2):
+                while ShardKey("j", 0, 20) not in parts.catalog:
+                    await trio.sleep(0.01)
+            assert trio.current_time() - began < sealer.ranks_grace / 2
+            assert sealer._deferred == {} and book.pending == {}
+        parts.agent.tasks.nursery = None
+
+    trio.run(main)
+    assert dcp_files(parts, 20) == ["20/__2_0.distcp"]
+
+
 def test_the_step_directories_a_node_is_saving(tmp_path):
     """What the heartbeat reports up (#14 trial 54 F2): a step directory whose seal is
     still to come (here: waiting for the other rank's DCP file); files opened for

@@ -2065,13 +2065,17 @@ def test_a_load_right_after_a_save_waits_for_rank_0s_metadata(tmp_path):
     known, or the time is up. Other names, and the node that writes ``.metadata``,
     never wait (the kernel looks a name up before creating it)."""
     rv, ram, _shards, _catalog, own, _job = view_of(tmp_path, {}, [])
+    loads: list[str] = []
+    rv.load_began = loads.append  # the sealer ends a rank grace (#14 trial 58 H1)
 
     async def main() -> None:
         assert await rv.look(own) is True  # ranks 0 and 2 not known yet
         assert rv.expected(b"10/__0_0.distcp") is None  # only .metadata waits
+        assert loads == []
         assert rv.expected(b"11/.metadata") is None  # another step
         wait = rv.expected(b"10/.metadata")
         assert wait is not None
+        assert loads == ["11", "10"]
         rv.manifests.parts.update(PARTS)  # their nodes sealed their parts
         async with trio.open_nursery() as nursery:
             nursery.start_soon(wait)

@@ -130,7 +130,7 @@ def test_status_says_in_a_few_words_whether_a_part_loads():
     # regression: "with the other ranks (missing: 9/.metadata: absent; ...)" read like
     # an error on every node but node-rank 0 (new-user trial)
     assert loads_summary(needs, whole=False) == (
-        "part ok (dcp), with the other ranks: judged whole on node-rank 0 "
+        "part ok (dcp); the whole step: judged by node-rank 0 once its part is sealed "
         "(9/.metadata is in another rank's part)"
     )
 

@@ -649,6 +649,11 @@ class RemoteView:
         #: the step directories this node is saving now (the composition root sets
         #: it: :meth:`tierfs.node.intake.EventIntake.saving`)
         self.saving_now: Callable[[], list[str]] = list
+        #: told of a lookup of DCP's ``.metadata`` missing in the view (the step
+        #: directory's top-level name; trio thread): a load began, the save returned on
+        #: every rank (the composition root sets it:
+        #: :meth:`tierfs.node.sealer.Sealer.save_done`, #14 trial 58 H1)
+        self.load_began: Callable[[str], None] = lambda top: None
         #: directories whose lookup that waited in vain was said in replicator.errors
         self._expect_said: dict[str, None] = {}
         #: top-level directory -> False once this node's client changed something
@@ -1214,6 +1219,8 @@ class RemoteView:
         job = self.current.job
         if job is None or job.nodes <= 1:
             return None  # no other node's part can bring it (a copy into a one-node mount)
+        if name == DCP_METADATA:
+            self.load_began(head.split("/", 1)[0])
         ended = self._expect_ended_at.pop(rel, None)
         if ended is not None and trio.current_time() - ended < ENDED_HOLD:
             return None  # the session's run of the lookup after its wait: ENOENT now

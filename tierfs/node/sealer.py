@@ -113,6 +113,9 @@ class Sealer:
         #: step name -> (the re-seal candidate waiting for its marker, set when another
         #: candidate replaced it); see :meth:`tierfs.node.sealing.SealRules.awaits_marker`
         self._deferred: dict[str, tuple[SealCandidate, trio.Event]] = {}
+        #: names in :attr:`_deferred` whose candidate waits for its node's other ranks'
+        #: files (:meth:`tierfs.node.sealing.SealRules.awaits_ranks`), not for a marker
+        self._ranks_deferred: set[str] = set()
         #: seconds a re-seal waits for its marker file (a setting for tests)
         self.marker_grace = MARKER_GRACE
         #: seconds a DCP part of fewer of this node's ranks than the previous one waits
@@ -144,6 +147,7 @@ class Sealer:
             waiting[1].set()  # replaced (the marker's seal): its task ends now
         rules = self.book.rules
         grace = 0.0
+        for_ranks = False
         if rules is not None and rules.awaits_marker(
             cand, self.view, lambda: self._former_files(cand.step)
         ):
@@ -156,7 +160,7 @@ class Sealer:
                 grace,
             )
         elif rules is not None and rules.awaits_ranks(cand, self.view):
-            grace = self.ranks_grace
+            grace, for_ranks = self.ranks_grace, True
             log.info(
                 "step %d (%s): DCP files of fewer of this node's ranks than in its "
                 "previous DCP part: sealing when the others' files are closed, at the "
@@ -167,8 +171,39 @@ class Sealer:
             )
         if grace > 0:
             self._deferred[cand.name] = (cand, trio.Event())
+            if for_ranks:
+                self._ranks_deferred.add(cand.name)
+            else:
+                self._ranks_deferred.discard(cand.name)
             self.tasks.spawn(self._seal_after, cand, trio.current_time() + grace)
             return
+        self._ranks_deferred.discard(cand.name)
+        self.tasks.spawn(self._seal, cand)
+
+    def save_done(self, top: str) -> None:
+        """A client of this node looked up DCP's ``.metadata`` in the step directory
+        ``top`` (trio thread): a load of it began, so the save that wrote it returned
+        on every rank, this node's ranks' files included. A DCP part of ``top``
+        waiting for more of this node's ranks' files (:attr:`ranks_grace`) is sealed
+        now: they will not come.
+
+        Regression (#14 trial 58 H1): a job moved from 2 ranks per node to 1 on the
+        same daemons. Each node's first DCP part waited the 15 s rank grace; its
+        ranks' loads waited for it, and the coordinator node's lookup of another
+        rank's file beside ``.metadata``, waiting 10 s, answered ENOENT: ``dcp.load``
+        failed after a save that succeeded."""
+        waiting = self._deferred.get(top)
+        if waiting is None or top not in self._ranks_deferred:
+            return
+        cand, ended = waiting
+        del self._deferred[top]
+        self._ranks_deferred.discard(top)
+        ended.set()  # its task ends without a seal: this one seals it
+        log.info(
+            "step %d (%s): a load of it began here: sealed now with the ranks' files it has",
+            cand.step,
+            cand.name,
+        )
         self.tasks.spawn(self._seal, cand)
 
     def _former_files(self, step: int) -> list[str]:
@@ -192,6 +227,7 @@ class Sealer:
         waiting = self._deferred.get(cand.name)
         if waiting is not None and waiting[0] is cand:
             del self._deferred[cand.name]
+            self._ranks_deferred.discard(cand.name)
             await self._seal(cand)
 
     def retry_pending(self, top: str) -> None:

@@ -119,11 +119,13 @@ def loads_summary(verdict: StepVerdict | None, whole: bool) -> str | None:
 
     Returns:
         ``"yes (dcp)"``; ``"no: damaged: 200/__0_0.distcp: ..."`` (never the
-        last known good); ``"part ok (dcp), with the other ranks: judged whole
-        on node-rank 0 (9/.metadata is in another rank's part)"`` (a part of a
-        multi-node step that needs another rank's files: node-rank 0 judges the
-        whole step; before, this read ``with the other ranks (missing: ...)``,
-        which users took for an error);
+        last known good); ``"part ok (dcp); the whole step: judged by node-rank 0
+        once its part is sealed (9/.metadata is in another rank's part)"`` (a part
+        of a multi-node step that needs another rank's files: node-rank 0 judges
+        the whole step; before, this read ``with the other ranks (missing: ...)``,
+        which users took for an error, then ``judged whole on node-rank 0``, which
+        read as a verdict for a failed save node-rank 0 never sealed, #14 trial 58
+        L2);
         ``"rename rule (no known format)"``; None when not judged.
     """
     if verdict is None:
@@ -143,8 +145,8 @@ def loads_summary(verdict: StepVerdict | None, whole: bool) -> str | None:
             "is in another rank's part" if p.kind == "missing" else "is read with the whole step"
         )
         return (
-            f"part ok ({verdict.format}), with the other ranks: judged whole on node-rank 0 "
-            f"({p.path} {where})"
+            f"part ok ({verdict.format}); the whole step: judged by node-rank 0 once its "
+            f"part is sealed ({p.path} {where})"
         )
     return f"no ({verdict.format})"
 
