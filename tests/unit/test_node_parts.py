@@ -740,6 +740,10 @@ def test_a_dcp_part_of_fewer_ranks_is_sealed_after_the_grace(tmp_path):
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert dcp_files(parts, 20) == ["20/__2_0.distcp"]
+    (root / "30").mkdir()
+    (root / "30/__2_0.distcp").write_bytes(b"e" * 100)
+    nxt = book.rules.on_release("30/__2_0.distcp", view)
+    assert nxt is not None and not book.rules.awaits_ranks(nxt, view)  # one rank now
 
 
 def test_a_load_of_the_step_ends_the_wait_for_the_other_ranks_files(tmp_path):
@@ -780,6 +784,13 @@ def test_a_load_of_the_step_ends_the_wait_for_the_other_ranks_files(tmp_path):
 
     trio.run(main)
     assert dcp_files(parts, 20) == ["20/__2_0.distcp"]
+    # the node runs one rank now: neither a save of step 20 again nor of another step
+    # waits for a second rank (#14 trial 58 L1: every re-save waited the grace again)
+    (root / "30").mkdir()
+    (root / "30/__2_0.distcp").write_bytes(b"e" * 100)
+    for rel in ("20/__2_0.distcp", "30/__2_0.distcp"):
+        cand = book.rules.on_release(rel, view)
+        assert cand is not None and not book.rules.awaits_ranks(cand, view), rel
 
 
 def test_the_step_directories_a_node_is_saving(tmp_path):

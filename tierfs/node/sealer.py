@@ -198,6 +198,7 @@ class Sealer:
         cand, ended = waiting
         del self._deferred[top]
         self._ranks_deferred.discard(top)
+        self._ranks_settled(top)
         ended.set()  # its task ends without a seal: this one seals it
         log.info(
             "step %d (%s): a load of it began here: sealed now with the ranks' files it has",
@@ -227,8 +228,16 @@ class Sealer:
         waiting = self._deferred.get(cand.name)
         if waiting is not None and waiting[0] is cand:
             del self._deferred[cand.name]
-            self._ranks_deferred.discard(cand.name)
+            if cand.name in self._ranks_deferred:
+                self._ranks_deferred.discard(cand.name)
+                self._ranks_settled(cand.name)
             await self._seal(cand)
+
+    def _ranks_settled(self, name: str) -> None:
+        """A DCP part waiting for more of this node's ranks is sealed without them."""
+        rules = self.book.rules
+        if rules is not None:
+            rules.ranks_settled(name, self.view)
 
     def retry_pending(self, top: str) -> None:
         """Something under the top-level entry ``top`` changed: try again the candidates

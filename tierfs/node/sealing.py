@@ -245,6 +245,14 @@ class SealRules:
             return True
         return self._dcp_part(cand.name, view)
 
+    def ranks_settled(self, top: str, view: ViewProbe) -> None:
+        """A DCP part of ``top`` that waited for more of this node's ranks is sealed
+        without them (the grace ended, or a load began): the job runs that many ranks
+        on this node now. Saves after it, into ``top`` again or another directory,
+        compare with this count and do not wait (#14 trial 58 L1: every re-save of the
+        step waited the whole grace again)."""
+        self._dcp_before = (top, self._own_dcp_ranks(top, view))
+
     def _saw_dcp_files(self, top: str, view: ViewProbe) -> None:
         """Count this node's DCP ranks in ``top`` (a DCP data file closed there)."""
         ranks = self._own_dcp_ranks(top, view)
