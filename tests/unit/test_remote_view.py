@@ -2467,6 +2467,13 @@ def test_a_lookup_that_waited_in_vain_before_a_save_into_its_directory_is_not_an
             rv.own_change("10/__1_0.distcp")  # the retried save writes
             await trio.sleep(SAY_AFTER)
             assert job.errors == []
+            # the retried save rewrites its files in place (no creation): the node
+            # reports saving the directory (a file open for writing)
+            rv.saving_now = lambda: ["12"]
+            rv._expect_ended("12/.metadata", "12", 4.0)
+            await trio.sleep(SAY_AFTER + 1)
+            assert job.errors == []
+            rv.saving_now = list
             rv._expect_ended("11/sub/.metadata", "11/sub", 4.0)  # no save follows
             await trio.sleep(SAY_AFTER + 1)
             assert len(job.errors) == 1 and "11/sub/.metadata waited 4.0 s" in job.errors[0]

@@ -1423,13 +1423,17 @@ class RemoteView:
     async def _say_unless_saved(self, top: str, line: str) -> None:
         """Say ``line`` (a lookup under ``top`` that waited in vain) in
         ``replicator.errors`` after :data:`SAY_AFTER` s, unless this node's client
-        changed something under ``top`` meanwhile (:meth:`own_change`): a save began
-        there, so the lookup was its check for an earlier save's file (#14 trial 57 L1:
-        every retried DCP save left one such line per node)."""
+        created something under ``top`` meanwhile (:meth:`own_change`) or this node is
+        saving ``top`` then (a file open for writing, a seal to come, a change in the
+        last seconds: :attr:`saving_now`; a file rewritten in place is no creation): a
+        save began there, so the lookup was its check for an earlier save's file (#14
+        trial 57 L1: every retried DCP save left one such line per node)."""
         try:
             await trio.sleep(SAY_AFTER)
         finally:
             say = self._unsaid.pop(top, True)
+        if say and top in self.saving():
+            say = False
         if say:
             self.reporter.error(line)
         else:
