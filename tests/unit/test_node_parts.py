@@ -936,3 +936,83 @@ def test_a_close_handled_after_a_seal_that_took_its_file_does_not_seal_again(tmp
         assert again is not None and again is not sealed
 
     run_with_tasks(parts, body)
+
+
+def test_a_part_saved_again_waits_for_its_other_ranks_files_of_the_earlier_save(
+    tmp_path, monkeypatch
+):
+    """Regression (#14 trial 59 H1, HIGH): two ranks per node, a step saved again in
+    place (another save: its part was withdrawn). The part was sealed 8 ms after rank 3
+    rewrote its file, with rank 2's file of the earlier save; the job was then killed
+    and every load, the verdict and a restart took the mix of two saves. Such a part
+    now waits for the other rank's file to be written again; if that never comes, it is
+    sealed after the grace with a line in replicator.errors (a save cut short)."""
+    from tierfs.node import resave
+
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    book, sealer, view = parts.agent.book, parts.agent.sealer, parts.view
+    root = pathlib.Path(view.root)
+    (root / "20").mkdir()
+    for rank in (2, 3):
+        (root / f"20/__{rank}_0.distcp").write_bytes(b"first save" * 10)
+    assert book.rules is not None
+    seal(parts, 20)
+    key = ShardKey("j", 0, 20)
+    first = parts.catalog[key]
+    monkeypatch.setattr(resave, "RESAVE_GAP", 0.0)  # another save (as after a load)
+    time.sleep(0.05)  # the earlier save's files are older than the new save's start
+    three = root / "20/__3_0.distcp"
+    parts.agent.intake.write_opening(three.stat().st_ino)  # withdraws the part
+    assert key not in parts.catalog and book.earlier[key].began > 0
+    three.write_bytes(b"second save" * 10)
+    book.generation["20"] += 1
+    late = book.rules.on_release("20/__3_0.distcp", view)
+    assert late is not None
+    lines: list[str] = []
+    sealer.reporter = type("R", (), {"error": lambda self, m: lines.append(m)})()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            parts.agent.tasks.nursery = nursery
+            sealer.schedule(late)
+            await trio.sleep(1)
+            assert key not in parts.catalog and "20" in sealer._deferred  # rank 2 to come
+            # rank 2 writes again: sealed at once with both files of the new save
+            two = root / "20/__2_0.distcp"
+            two.write_bytes(b"second save" * 10)
+            book.generation["20"] += 1
+            cand = book.rules.on_release("20/__2_0.distcp", view)
+            assert cand is not None
+            sealer.schedule(cand)
+            with trio.fail_after(5):
+                while key not in parts.catalog:
+                    await trio.sleep(0.01)
+        parts.agent.tasks.nursery = None
+
+    trio.run(main)
+    assert parts.catalog[key] is not first and lines == []
+    assert sorted(
+        f.path for f in parts.catalog[key].manifest.files if f.path.endswith(".distcp")
+    ) == ["20/__2_0.distcp", "20/__3_0.distcp"]
+
+    # the next save again is cut short: rank 3 writes, rank 2 never does
+    second = parts.catalog[key]
+    time.sleep(0.05)  # the earlier save's files are older than the new save's start
+    parts.agent.intake.write_opening(three.stat().st_ino)
+    three.write_bytes(b"third save" * 10)
+    book.generation["20"] += 1
+    cut = book.rules.on_release("20/__3_0.distcp", view)
+    assert cut is not None
+
+    async def grace() -> None:
+        async with trio.open_nursery() as nursery:
+            parts.agent.tasks.nursery = nursery
+            sealer.schedule(cut)
+            await trio.sleep(sealer.ranks_grace - 1)
+            assert key not in parts.catalog
+        parts.agent.tasks.nursery = None
+
+    trio.run(grace, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert parts.catalog[key] is not second  # sealed after the grace, and said
+    assert len(lines) == 1 and "__2_0.distcp of the earlier save" in lines[0], lines

@@ -28,7 +28,7 @@ from tierfs.core.config import NodeConfig
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.jobstate import JobState
 from tierfs.node.resave import EarlierSave, replaced_pairs, sealed_at
-from tierfs.node.sealing import MARKER_GRACE, RANKS_GRACE, TRACKERS, SealCandidate
+from tierfs.node.sealing import DCP_DATA, MARKER_GRACE, RANKS_GRACE, TRACKERS, SealCandidate
 from tierfs.node.steps import StepBook, top_of
 from tierfs.node.tasks import TaskSpawner
 from tierfs.node.view import ClientView
@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 #: seconds a seal waits at most for the checksums begun at the close of files
 #: (beyond it the seal reads what is still unread itself)
 AHEAD_WAIT = 5.0
+
+
+#: seconds a file's modification time may lie before the moment it was written (tmpfs
+#: takes the coarse clock, one scheduler tick behind; :meth:`Sealer._not_rewritten`)
+MTIME_SLACK = 0.02
 
 
 class Retention(Protocol):
@@ -169,6 +174,17 @@ class Sealer:
                 cand.name,
                 grace,
             )
+        elif self._not_rewritten(cand):
+            grace, for_ranks = self.ranks_grace, True
+            log.info(
+                "step %d (%s): saved again, but this node's DCP file(s) %s are of the "
+                "earlier save still: sealing when they are written again (or a load "
+                "begins), at the latest in %.0f s",
+                cand.step,
+                cand.name,
+                ", ".join(self._not_rewritten(cand)),
+                grace,
+            )
         if grace > 0:
             self._deferred[cand.name] = (cand, trio.Event())
             if for_ranks:
@@ -207,6 +223,46 @@ class Sealer:
         )
         self.tasks.spawn(self._seal, cand)
 
+    def _not_rewritten(self, cand: SealCandidate) -> list[str]:
+        """The names of this node's own DCP data files in ``cand``'s directory (generic
+        mode) not written since this node began a new save of the step (older than
+        :attr:`tierfs.node.resave.EarlierSave.began`), when another of them was: the
+        part would mix two saves. Empty otherwise. Trio thread; one ``scandir`` of a
+        step directory on tmpfs (a few entries).
+
+        Regression (#14 trial 59 H1, HIGH): with two ranks per node, a step saved
+        again in place was sealed 8 ms after one rank rewrote its file, with the other
+        rank's file of the earlier save; the job was then killed, and a load, the
+        whole-step verdict and a restart (exit 0) all took the mix of two saves."""
+        rules, job = self.book.rules, self.state.job
+        if rules is None or job is None or rules.framework != "generic":
+            return []
+        earlier = self.book.earlier.get(ShardKey(job.name, job.node_rank, cand.step))
+        if earlier is None or earlier.began <= 0 or earlier.cutoff <= 0:
+            return []
+        stale: list[str] = []
+        fresh = False
+        try:
+            with os.scandir(os.path.join(self.store.view, cand.name)) as it:
+                for entry in it:
+                    if not DCP_DATA.match(entry.name):
+                        continue
+                    if self.view.is_other_rank(f"{cand.name}/{entry.name}"):
+                        continue
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    # tmpfs stamps with the coarse clock (a tick behind): a file
+                    # written right as the save began is not taken for an old one
+                    if st.st_mtime < earlier.began - MTIME_SLACK:
+                        stale.append(entry.name)
+                    else:
+                        fresh = True
+        except OSError:
+            return []
+        return sorted(stale) if fresh else []
+
     def _former_files(self, step: int) -> list[str]:
         """The file paths of this node's former parts of ``step``: the one sealed, and
         those a write withdrew (:attr:`tierfs.node.steps.StepBook.earlier`)."""
@@ -231,6 +287,16 @@ class Sealer:
             if cand.name in self._ranks_deferred:
                 self._ranks_deferred.discard(cand.name)
                 self._ranks_settled(cand.name)
+            stale = self._not_rewritten(cand)
+            if stale:
+                # the save was cut short on this node (a rank died before it wrote):
+                # said, so that a load or restore of the mix is never silent
+                self.reporter.error(
+                    f"step {cand.step} ({cand.name}): this node's part is sealed with "
+                    f"{', '.join(stale)} of the earlier save of the step, not written "
+                    "again since this node began saving it again (a save cut short?): "
+                    "a load of the step may mix two saves"
+                )
             await self._seal(cand)
 
     def _ranks_settled(self, name: str) -> None:
