@@ -31,6 +31,7 @@ from tierfs.fuse.inodes import ROOT_ID
 from tierfs.fuse.namespace import Namespace
 from tierfs.fuse.remote import Deferred
 from tierfs.node import dcp_expect
+from tierfs.node import remote_view as view_module
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.remote_view import SAY_AFTER, SWEEP_EVERY, XATTR, RemoteView
 from tierfs.node.resave import sealed_at
@@ -546,7 +547,10 @@ def test_a_corrupt_copy_is_skipped_for_the_next_one_and_said_once(tmp_path):
     ), job.errors
 
 
-def test_no_copy_serving_the_right_bytes_is_eio_with_every_reason_and_no_bytes_kept(tmp_path):
+def test_no_copy_serving_the_right_bytes_is_eio_with_every_reason_and_no_bytes_kept(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(view_module, "REPLACED_WAIT", 0.05)  # no new part comes
     peer = Source("peer", BYTES, ["peer node-rank 0"])
     peer.corrupt.add("peer node-rank 0")
     bucket = Source("gcs", {}, ["bucket round r1"])
@@ -1260,7 +1264,8 @@ def test_a_step_saved_again_shows_the_new_files_of_the_other_ranks(tmp_path):
     assert job.errors == []
 
 
-def test_other_bytes_in_every_copy_ask_for_the_part_again(tmp_path):
+def test_other_bytes_in_every_copy_ask_for_the_part_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(view_module, "REPLACED_WAIT", 0.05)  # no new part comes
     # regression: rank 0 saved the step again after this node had read its manifest
     # (its own part unchanged): every copy served the new bytes, and the old file
     # failed with EIO for good
@@ -1284,6 +1289,43 @@ def test_other_bytes_in_every_copy_ask_for_the_part_again(tmp_path):
     trio.run(main)
     assert meta.read_bytes() == B2
     assert "its manifest is asked for again" in job.errors[0], job.errors
+
+
+def test_a_reader_of_a_file_saved_again_meanwhile_waits_for_the_new_part(tmp_path):
+    """Regression (#14 trial 59 M1): ``dcp.save`` twice in a row into one directory, then
+    a load; another node opened ``.metadata`` 9 ms before it learned of rank 0's new
+    part, every copy held the new bytes, and the open failed with EIO (12 of 13 steps).
+    The reader now waits for the look that asks that rank again; the file replaced, it
+    gets ESTALE (the kernel opens the new file), and no line is written."""
+    B2 = os.urandom(len(B))
+    peer = Source("peer", {**BYTES, "10/.metadata": B2}, ["peer node-rank 0"])
+    rv, ram, _shards, _catalog, own, job = view_of(tmp_path, dict(PARTS), [peer])
+    meta = Path(ram.view) / "10" / ".metadata"
+
+    async def main() -> None:
+        await rv.look(own)
+        ino = meta.stat().st_ino
+        rv.manifests = Manifests(
+            {0: manifest(0, {".metadata": B2, "__0_0.distcp": C}), 2: PARTS[2]}
+        )
+        async with trio.open_nursery() as nursery:
+
+            async def looks() -> None:  # the view's loop: a look when woken
+                while True:
+                    await rv._wake.wait()
+                    rv._wake = trio.Event()
+                    await rv.look(own)
+
+            nursery.start_soon(looks)
+            with pytest.raises(OSError) as exc, trio.fail_after(view_module.REPLACED_WAIT):
+                await rv.missing(ino)()
+            assert exc.value.errno == errno.ESTALE
+            nursery.cancel_scope.cancel()
+        await rv.missing(meta.stat().st_ino)()  # the kernel's lookup again: the new file
+
+    trio.run(main)
+    assert meta.read_bytes() == B2
+    assert job.errors == []
 
 
 # ---------------------------------------------------------------------- a source that checks
@@ -1339,7 +1381,8 @@ def test_a_source_that_checks_as_it_writes_is_given_the_manifest_entry_and_not_r
     assert rv.status().fetched_bytes == {"peer": len(B)}
 
 
-def test_other_bytes_said_by_a_checking_source_ask_for_the_part_again(tmp_path):
+def test_other_bytes_said_by_a_checking_source_ask_for_the_part_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(view_module, "REPLACED_WAIT", 0.05)  # no new part comes
     B2 = os.urandom(len(B))
     peer = Checked("peer", {**BYTES, "10/.metadata": B2}, ["peer node-rank 0"])
     rv, ram, _s, _c, own, job = view_of(tmp_path, dict(PARTS), [peer])

@@ -166,6 +166,9 @@ ENDED_HOLD = 1.0
 #: directory meanwhile (DCP's check for an earlier save's ``.metadata`` at the start of
 #: a save retried into a failed save's directory, not a failed load; #14 trial 57 L1)
 SAY_AFTER = 5.0
+#: seconds a reader whose fetch found other bytes in every copy (the rank saved the
+#: step again) waits for the look that replaces the file before it gets EIO
+REPLACED_WAIT = 5.0
 #: seconds between looks at whether the client deleted or moved placed files (status)
 SWEEP_EVERY = 5.0
 #: steps whose own part was discarded that the view keeps looking at, at most
@@ -249,6 +252,9 @@ class RemoteFile:
     #: trio time until which opens wait for the whole file (the first such open plus
     #: ``$TIERFS_EARLY_READ_WAIT``); None: no open waits now
     whole_until: float | None = None
+    #: the last fetch failed because every copy held other bytes (the rank saved the
+    #: step again since its manifest was read here): a reader waits for the new part
+    mismatch: bool = False
     #: monotonic seconds of its last open or landing (the cache drops the least
     #: recently used first, :meth:`RemoteView.make_room`)
     used: float = 0.0
@@ -1011,7 +1017,7 @@ class RemoteView:
                 return
             if rf.state != FETCHING:
                 if started and rf.errno:
-                    raise self._reader_error(rf)
+                    raise await self._reader_failed(rf)
                 if started:  # fetched, then dropped to make room: fetched again
                     dropped += 1
                     if dropped > FETCH_AGAIN:
@@ -2351,7 +2357,7 @@ class RemoteView:
             else:
                 rf.urgent = rf.urgent or urgent
                 if rf.state != FETCHING:
-                    rf.state, rf.done, rf.errno = FETCHING, trio.Event(), 0
+                    rf.state, rf.done, rf.errno, rf.mismatch = FETCHING, trio.Event(), 0, False
                     await self._fetch_task(rf)
             assert rf.done is not None
             if urgent:
@@ -2367,7 +2373,7 @@ class RemoteView:
             if rf.state != LOCAL and rf.errno:
                 if not urgent:
                     raise OSError(rf.errno, rf.error or "the fetch failed")
-                raise self._reader_error(rf)
+                raise await self._reader_failed(rf)
             # LOCAL; or remote with no error: dropped to make room for another fetch
             # before this waiter woke (trial 43b: EIO at open, nothing reported)
         if not urgent:
@@ -2383,7 +2389,7 @@ class RemoteView:
         assert self._fetches is not None
         rf.urgent = rf.urgent or urgent
         if rf.state != FETCHING:
-            rf.state, rf.done, rf.errno = FETCHING, trio.Event(), 0
+            rf.state, rf.done, rf.errno, rf.mismatch = FETCHING, trio.Event(), 0, False
             self._fetches.start_soon(self._fetch_task, rf)
 
     def _read_ahead(self, rf: RemoteFile) -> None:
@@ -2988,6 +2994,7 @@ class RemoteView:
                     union.recheck.add(rf.rank)
                     self._wake.set()
                 tried.append("its manifest is asked for again (the step may have been saved again)")
+            rf.mismatch = mismatched
             self._failed(rf, "; ".join(tried) or "no tier holds other ranks' files")
             raise OSError(errno.EIO, rf.error)
         finally:
@@ -3010,6 +3017,30 @@ class RemoteView:
             rf.unsaid = line
         else:
             self.reporter.error(line)
+
+    async def _reader_failed(self, rf: RemoteFile) -> OSError:
+        """The error a reader of ``rf`` gets from its failed fetch. When every copy held
+        other bytes (:attr:`RemoteFile.mismatch`: the rank saved the step again since
+        its manifest was read here), the reader first waits, :data:`REPLACED_WAIT` s
+        at most, for the look that asks that rank again; if it replaced the file, the
+        error is ESTALE (the kernel looks the path up again and opens the new file)
+        and no line is written. Trio thread.
+
+        Regression (#14 trial 59 M1): ``dcp.save`` twice in a row into one directory,
+        then a load: another node opened ``.metadata`` 9 ms before it learned of rank
+        0's new part, and every copy held the new bytes: EIO (12 of 13 steps)."""
+        union = self.steps.get(rf.step)
+        if rf.mismatch and union is not None:
+            with trio.move_on_after(REPLACED_WAIT):
+                while self._by_ino.get(rf.ino) is rf:
+                    union.recheck.add(rf.rank)
+                    self._wake.set()
+                    await union.looked.wait()
+            if self._by_ino.get(rf.ino) is not rf:
+                log.info("%s: replaced by rank %d's new part while read", rf.path, rf.rank)
+                rf.unsaid = ""
+                return OSError(errno.ESTALE, f"{rf.path}: replaced by rank {rf.rank}'s new part")
+        return self._reader_error(rf)
 
     def _reader_error(self, rf: RemoteFile) -> OSError:
         """The error a reader of ``rf`` gets from its failed fetch (``rf.errno``); the
