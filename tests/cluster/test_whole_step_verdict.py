@@ -80,7 +80,9 @@ def test_a_short_shard_of_rank_1_makes_the_step_unloadable_across_ranks(make_mou
     wait_for(lambda: loads(c, 0, 20).startswith("no, across its 2 ranks"), 60, "step 20 judged")
     assert "damaged: 20/__1_0.distcp" in loads(c, 0, 20), loads(c, 0, 20)
     # node 1 alone cannot tell: its part has no .metadata
-    assert loads(c, 1, 20).startswith("part ok (dcp), with the other ranks"), loads(c, 1, 20)
+    assert loads(c, 1, 20).startswith("part ok (dcp); the whole step: judged by node-rank 0"), (
+        loads(c, 1, 20)
+    )
     line = "step 20 (20, dcp) is not loadable across its 2 ranks: damaged: 20/__1_0.distcp"
     assert c.errors(0).count(line) == 1, c.errors(0)
     out = " ".join(

@@ -3009,12 +3009,18 @@ class RemoteView:
         """``rf``'s fetch failed because ``why``: counted, and its line written to
         ``replicator.errors`` now, or, when a reader waits for it, once a reader
         gets the error (:meth:`_reader_error`; #14 trial 46: "could not be read"
-        lines for fetches whose readers then read the bytes)."""
+        lines for fetches whose readers then read the bytes). A background fetch
+        that found other bytes in every copy (:attr:`RemoteFile.mismatch`: the rank
+        saved the step again; its part is asked for again) is said only if a reader
+        gets that error too (#14 trial 59 M1: a read-ahead's line for a file whose
+        reader then read the new part)."""
         self.fetch_errors += 1
         rf.error = why
         line = self._unread_line(rf, why)
-        if rf.urgent:
+        if rf.urgent or rf.mismatch:
             rf.unsaid = line
+            if not rf.urgent:
+                log.warning("%s", line)
         else:
             self.reporter.error(line)
 
@@ -3024,7 +3030,9 @@ class RemoteView:
         its manifest was read here), the reader first waits, :data:`REPLACED_WAIT` s
         at most, for the look that asks that rank again; if it replaced the file, the
         error is ESTALE (the kernel looks the path up again and opens the new file)
-        and no line is written. Trio thread.
+        and no line is written; so too for any failure of a file replaced by then
+        (a fetch that began after the replacement: ENOENT for the old inode). Trio
+        thread.
 
         Regression (#14 trial 59 M1): ``dcp.save`` twice in a row into one directory,
         then a load: another node opened ``.metadata`` 9 ms before it learned of rank
@@ -3036,10 +3044,12 @@ class RemoteView:
                     union.recheck.add(rf.rank)
                     self._wake.set()
                     await union.looked.wait()
-            if self._by_ino.get(rf.ino) is not rf:
-                log.info("%s: replaced by rank %d's new part while read", rf.path, rf.rank)
-                rf.unsaid = ""
-                return OSError(errno.ESTALE, f"{rf.path}: replaced by rank {rf.rank}'s new part")
+        # replaced meanwhile (also while its fetch began: ENOENT for the old inode)
+        now = union.files.get(rf.path) if union is not None else None
+        if now is not None and now is not rf and self._by_ino.get(rf.ino) is not rf:
+            log.info("%s: replaced by rank %d's new part while read", rf.path, rf.rank)
+            rf.unsaid = ""
+            return OSError(errno.ESTALE, f"{rf.path}: replaced by rank {rf.rank}'s new part")
         return self._reader_error(rf)
 
     def _reader_error(self, rf: RemoteFile) -> OSError:
