@@ -715,19 +715,31 @@ def test_a_dcp_part_of_fewer_ranks_than_the_last_one_waits_for_the_other_ranks_f
     assert dcp_files(parts, 10) == ["10/__2_0.distcp", "10/__3_0.distcp"]
 
 
-def test_a_dcp_part_of_fewer_ranks_is_sealed_after_the_grace(tmp_path):
-    """The count of the previous DCP part only delays a seal: a node that now runs one
-    rank (the job restarted with fewer processes per node) seals after the grace."""
+def one_rank_fewer(tmp_path: pathlib.Path) -> tuple[NodeParts, SealCandidate]:
+    """A node whose DCP part of step 10 had ranks 2 and 3 and whose part of step 20 has
+    rank 2's file only (the job runs one rank per node now): (parts, the candidate of
+    that file's close)."""
     parts = build(tmp_path)
     parts.agent.control.set_job(JOB, "generic")
-    book, sealer, view = parts.agent.book, parts.agent.sealer, parts.view
+    book, view = parts.agent.book, parts.view
     root = pathlib.Path(view.root)
+    last = None
     for rel in ("10/__2_0.distcp", "10/__3_0.distcp", "20/__2_0.distcp"):
         (root / rel).parent.mkdir(exist_ok=True)
         (root / rel).write_bytes(b"d" * 100)
         assert book.rules is not None
         last = book.rules.on_release(rel, view)
-    assert last is not None and book.rules is not None
+    assert last is not None
+    return parts, last
+
+
+def test_a_dcp_part_of_fewer_ranks_is_sealed_after_the_grace(tmp_path):
+    """The count of the previous DCP part only delays a seal: a node that now runs one
+    rank (the job restarted with fewer processes per node) seals after the grace."""
+    parts, last = one_rank_fewer(tmp_path)
+    book, sealer, view = parts.agent.book, parts.agent.sealer, parts.view
+    root = pathlib.Path(view.root)
+    assert book.rules is not None
     assert book.rules.awaits_ranks(last, view)
 
     async def main() -> None:
@@ -753,16 +765,10 @@ def test_a_load_of_the_step_ends_the_wait_for_the_other_ranks_files(tmp_path):
     failed after a save that succeeded. A lookup of ``.metadata`` by this node's client
     (a load began: the save returned on every rank) seals such a part at once; a
     candidate waiting for its marker is not concerned."""
-    parts = build(tmp_path)
-    parts.agent.control.set_job(JOB, "generic")
+    parts, last = one_rank_fewer(tmp_path)
     book, sealer, view = parts.agent.book, parts.agent.sealer, parts.view
     root = pathlib.Path(view.root)
-    for rel in ("10/__2_0.distcp", "10/__3_0.distcp", "20/__2_0.distcp"):
-        (root / rel).parent.mkdir(exist_ok=True)
-        (root / rel).write_bytes(b"d" * 100)
-        assert book.rules is not None
-        last = book.rules.on_release(rel, view)
-    assert last is not None and book.rules is not None
+    assert book.rules is not None
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
