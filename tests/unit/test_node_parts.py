@@ -902,19 +902,27 @@ def test_a_recently_changed_step_directory_counts_as_being_saved(tmp_path):
     assert intake.saving() == [] and "20" not in intake.touched
 
 
+def two_ranks_part(tmp_path: pathlib.Path, data: bytes) -> NodeParts:
+    """A node of ranks 2 and 3 whose view holds ``20/__2_0.distcp`` and
+    ``20/__3_0.distcp`` (``data`` each), not sealed yet."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    root = pathlib.Path(parts.view.root)
+    (root / "20").mkdir()
+    for rank in (2, 3):
+        (root / f"20/__{rank}_0.distcp").write_bytes(data)
+    return parts
+
+
 def test_a_close_handled_after_a_seal_that_took_its_file_does_not_seal_again(tmp_path):
     """Regression (#14, stop 50 CI, test_a_load_right_after_a_save_where_one_rank_seals_
     later_finds_every_file): two ranks per node; rank 3 closed ``__3_0.distcp`` while
     the seal of rank 2's close began, the seal took both files, and the close event,
     handled after it, sealed and replicated the same part a second time. A candidate
     of an entry unchanged since its seal is that seal; a change after it seals again."""
-    parts = build(tmp_path)
-    parts.agent.control.set_job(JOB, "generic")
+    parts = two_ranks_part(tmp_path, b"d" * 100)
     book, sealer, view = parts.agent.book, parts.agent.sealer, parts.view
     root = pathlib.Path(view.root)
-    (root / "20").mkdir()
-    for rank in (2, 3):
-        (root / f"20/__{rank}_0.distcp").write_bytes(b"d" * 100)
     assert book.rules is not None
     first = book.rules.on_release("20/__2_0.distcp", view)
     late = book.rules.on_release("20/__3_0.distcp", view)
@@ -955,13 +963,9 @@ def test_a_part_saved_again_waits_for_its_other_ranks_files_of_the_earlier_save(
     sealed after the grace with a line in replicator.errors (a save cut short)."""
     from tierfs.node import resave
 
-    parts = build(tmp_path)
-    parts.agent.control.set_job(JOB, "generic")
+    parts = two_ranks_part(tmp_path, b"first save" * 10)
     book, sealer, view = parts.agent.book, parts.agent.sealer, parts.view
     root = pathlib.Path(view.root)
-    (root / "20").mkdir()
-    for rank in (2, 3):
-        (root / f"20/__{rank}_0.distcp").write_bytes(b"first save" * 10)
     assert book.rules is not None
     seal(parts, 20)
     key = ShardKey("j", 0, 20)

@@ -728,10 +728,7 @@ class RemoteView:
         rf = self._by_ino.get(ino)
         if rf is None:
             return None
-        rf.used = time.monotonic()
-        union = self.steps.get(rf.step)
-        if union is not None:
-            union.read[rf.rank] = (rf.digest, time.time())
+        union = self._opened(rf)
         if union is not None and rf.rank in union.refused:
             return lambda: self._refused(union, rf)
         if union is not None and rf.rank in union.suspect:
@@ -747,6 +744,15 @@ class RemoteView:
 
         return fetch
 
+    def _opened(self, rf: RemoteFile) -> StepUnion | None:
+        """A client opens ``rf``: it was used now, and its part was read now (what
+        :meth:`read_parts` gives). Returns its step's union, if any."""
+        rf.used = time.monotonic()
+        union = self.steps.get(rf.step)
+        if union is not None:
+            union.read[rf.rank] = (rf.digest, time.time())
+        return union
+
     def opening(self, ino: int) -> Callable[[], Awaitable[None]] | None:
         """None if ``ino`` may be opened now: its bytes are here, or its fetch has
         verified the first chunk (the handle's reads then wait for the watermark,
@@ -756,10 +762,7 @@ class RemoteView:
         rf = self._by_ino.get(ino)
         if rf is None or rf.chunks is None or rf.state == LOCAL:
             return self.missing(ino)
-        rf.used = time.monotonic()
-        union = self.steps.get(rf.step)
-        if union is not None:
-            union.read[rf.rank] = (rf.digest, time.time())
+        union = self._opened(rf)
         if union is not None and rf.rank in union.refused:
             return lambda: self._refused(union, rf)
         if union is not None and rf.rank in union.suspect:

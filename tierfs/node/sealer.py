@@ -174,7 +174,7 @@ class Sealer:
                 cand.name,
                 grace,
             )
-        elif self._not_rewritten(cand):
+        elif stale := self._not_rewritten(cand):
             grace, for_ranks = self.ranks_grace, True
             log.info(
                 "step %d (%s): saved again, but this node's DCP file(s) %s are of the "
@@ -182,7 +182,7 @@ class Sealer:
                 "begins), at the latest in %.0f s",
                 cand.step,
                 cand.name,
-                ", ".join(self._not_rewritten(cand)),
+                ", ".join(stale),
                 grace,
             )
         if grace > 0:
