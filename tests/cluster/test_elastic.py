@@ -695,3 +695,51 @@ def test_a_step_saved_again_at_once_after_its_load_is_read_from_the_new_save(mak
     assert out == ["OK 2"] * 3, out
     for i in range(3):
         assert c.errors(i) == "", (i, c.errors(i))
+
+
+def test_a_save_cut_short_on_a_node_of_two_ranks_is_never_loaded_nor_restored(make_mount):
+    """Regression (#14 trial 60, silent wrong data): two ranks per node, stock DCP, a step
+    saved, loaded and saved again in place; the trainers died in the second save after
+    rank 3 (node 1) wrote its file and before rank 2 (node 1) wrote its own. Node 1
+    sealed its part with rank 2's file of the first save after the rank grace and said
+    so in its own replicator.errors only; node-rank 0 judged the step ``yes (dcp, all 3
+    ranks)``, a restart restored it with exit 0 and every load returned rank 2's values
+    of the first save beside the others' second. Now the part's verdict names rank 2's
+    file as of an earlier save: node-rank 0 judges the step not loadable and a restart
+    restores the step before, exit 2, saying why."""
+    c = Cluster(make_mount, 3, node_args=elastic(3))
+    race = str(Path(CLIENT).with_name("dcp_race.py"))
+
+    def two_per_node(r: int, world: int, port: int) -> list[str]:
+        return [str(r), str(world), str(port), str(c.root(r // 2)), "40", "41", "1"]
+
+    env = {"DCP_RACE_REPEAT": "2", "DCP_RACE_CUT": "2"}
+    out = run_ranks(c, race, two_per_node, [0, 0, 1, 1, 2, 2], env)
+    assert out == ["CUT"] * 6, out
+    wait_for(
+        lambda: "__2_0.distcp of the earlier save" in c.errors(1),
+        90,
+        "node 1 sealing its part with rank 2's file of the first save",
+    )
+    wait_for(
+        lambda: loads(c, 0, 41).startswith("no, across its 3 ranks: unfinished: "),
+        120,
+        "node 0 judging step 41 not loadable",
+    )
+    assert "checkpoint-41/__2_0.distcp: of an earlier save" in loads(c, 0, 41), loads(c, 0, 41)
+    assert loads(c, 0, 40).startswith("yes (dcp, all 3 ranks)"), loads(c, 0, 40)
+    # the job restarts (RAM kept): step 40, the last complete one, with the reason
+    for i in range(3):
+        c.mounts[i].unmount()
+    for i in range(3):
+        c.remount(i)
+    for i in range(3):
+        w = tierfs("wait", str(c.root(i)), "--timeout", "180", check=False, timeout=240)
+        assert (w.returncode, w.stdout.strip()) == (2, "restored step 40 from local"), (
+            i,
+            w.stdout,
+            w.stderr,
+        )
+        assert "step 41" in w.stderr and "__2_0.distcp" in w.stderr, (i, w.stderr)
+    for i in range(3):
+        wait_for(lambda i=i: whole(c, i, 40, 6), 90, f"the whole step 40 on node {i}")

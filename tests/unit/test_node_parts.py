@@ -33,6 +33,7 @@ from tierfs.node.tasks import TaskSpawner
 from tierfs.node.view import ClientView, Published
 from tierfs.store.ramstore import Budget, RamStore
 from tierfs.store.shards import ShardKey
+from tierfs.store.verdicts import eligibility
 
 JOB = JobSpec("j", "generic", 0, 1)
 
@@ -1026,3 +1027,31 @@ def test_a_part_saved_again_waits_for_its_other_ranks_files_of_the_earlier_save(
     trio.run(grace, clock=trio.testing.MockClock(autojump_threshold=0))
     assert parts.catalog[key] is not second  # sealed after the grace, and said
     assert len(lines) == 1 and "__2_0.distcp of the earlier save" in lines[0], lines
+    # trial 60: and the part never loads: node-rank 0's verdict and a restore skip it
+    cut_part = parts.catalog[key]
+    unloadable, _ = eligibility(cut_part.manifest)
+    assert unloadable.startswith("unfinished: 20/__2_0.distcp: of an earlier save"), unloadable
+    assert "not loadable and not restored" in lines[0]
+
+    # rank 2 was only late (past the grace): its write continues the save cut short,
+    # which is now whole; rank 3's file is not taken for one of an earlier save
+    time.sleep(0.05)
+    two = root / "20/__2_0.distcp"
+    parts.agent.intake.write_opening(two.stat().st_ino)
+    two.write_bytes(b"third save" * 10)
+    book.generation["20"] += 1
+    came = book.rules.on_release("20/__2_0.distcp", view)
+    assert came is not None
+
+    async def late_rank() -> None:
+        async with trio.open_nursery() as nursery:
+            parts.agent.tasks.nursery = nursery
+            sealer.schedule(came)
+            with trio.fail_after(5):
+                while parts.catalog.get(key) in (None, cut_part):
+                    await trio.sleep(0.01)
+        parts.agent.tasks.nursery = None
+
+    trio.run(late_rank)
+    assert eligibility(parts.catalog[key].manifest)[0] == ""
+    assert len(lines) == 1, lines

@@ -23,7 +23,14 @@ from tierfs.cluster.restore_choice import OLDER, RESTORED, choose_restore, repla
 from tierfs.core.control import JobSpec
 from tierfs.core.types import BucketPart, BucketView, Holding
 from tierfs.node import resave, statefile
-from tierfs.node.resave import EarlierSave, SeenPart, replaced_pairs, sealed_at
+from tierfs.node.resave import (
+    CutShort,
+    EarlierSave,
+    SeenPart,
+    not_rewritten,
+    replaced_pairs,
+    sealed_at,
+)
 from tierfs.node.sealing import SealCandidate
 from tierfs.store.manifest import FileEntry, Manifest
 from tierfs.store.shards import ShardKey
@@ -144,6 +151,31 @@ def test_a_file_added_continues_the_save_and_abandoned_parts_are_replaced():
     save.resealed(torn)
     assert save.began == 90.0
     assert set(replaced_pairs(save)) == {(0, torn.digest), (2, old2.digest)}
+
+
+def test_files_not_written_since_the_save_began_are_of_the_earlier_save():
+    """#14 trial 60: a node of ranks 2 and 3 began saving the step again at t=100; rank
+    3 wrote, rank 2 never did (a save cut short): rank 2's file is of the earlier save.
+    None when every file or none was written (a save that has not begun writing)."""
+    assert not_rewritten({"__2_0.distcp": 90.0, "__3_0.distcp": 100.5}, 100.0) == ["__2_0.distcp"]
+    assert not_rewritten({"__2_0.distcp": 101.0, "__3_0.distcp": 100.5}, 100.0) == []
+    assert not_rewritten({"__2_0.distcp": 90.0, "__3_0.distcp": 91.0}, 100.0) == []
+    # tmpfs stamps with the coarse clock: a file written as the save began is fresh
+    assert not_rewritten({"__2_0.distcp": 99.99, "__3_0.distcp": 100.5}, 100.0) == []
+
+
+def test_a_rank_late_past_the_grace_continues_the_save_cut_short():
+    """A part sealed at the end of the rank grace with rank 2's file of the earlier save
+    (cut short, save began at 100); rank 2 writes 60 s later, which counts as another
+    save (began 160). Only the missing file came: the save cut short goes on, and rank
+    3's file, written at 100.5, is not "of an earlier save". A later save that writes
+    rank 3's file again is a new save judged on its own start."""
+    cut = CutShort(100.0, frozenset({"__2_0.distcp"}))
+    late = {"__2_0.distcp": 160.2, "__3_0.distcp": 100.5}
+    assert not_rewritten(late, 160.0) == ["__3_0.distcp"]  # without the record
+    assert not_rewritten(late, 160.0, cut) == []
+    again = {"__2_0.distcp": 90.0, "__3_0.distcp": 200.3}
+    assert not_rewritten(again, 200.0, cut) == ["__2_0.distcp"]
 
 
 def test_the_record_is_bounded():

@@ -24,7 +24,7 @@ from tierfs.node.verdicts import SealVerdicts
 from tierfs.store.manifest import Manifest, StepVerdict, VerdictProblem
 from tierfs.store.ramstore import RamStore
 from tierfs.store.shards import ShardKey, ShardStore
-from tierfs.store.verdicts import eligibility, loads_summary, step_loads
+from tierfs.store.verdicts import eligibility, judge_whole, loads_summary, step_loads
 
 JOB = "train"
 
@@ -102,6 +102,41 @@ def test_a_dcp_part_without_rank_0_needs_another_rank_but_is_not_damaged(store):
     assert v.reason(whole=True).startswith("missing: step_10/.metadata")
     assert eligibility(s.manifest)[0] == ""
     assert eligibility(s.manifest)[1].startswith("missing: step_10/.metadata")
+
+
+def test_a_part_sealed_with_files_of_an_earlier_save_never_loads(store):
+    """#14 trial 60: a node of ranks 2 and 3, a save of the step cut short (rank 3 wrote
+    its file again, rank 2 never did): the part's verdict says rank 2's file is of the
+    earlier save, a fatal problem whatever the other ranks hold, so node-rank 0's
+    verdict across ranks and the restore choice skip the step."""
+    ram, shards = store
+    write(Path(ram.view), {"30/__2_0.distcp": b"a" * 500, "30/__3_0.distcp": b"b" * 500})
+    s = shards.snapshot(
+        ram.view,
+        ShardKey(JOB, 1, 30),
+        "30",
+        ["30"],
+        "generic",
+        earlier_files=["30/__2_0.distcp"],
+    )
+    v = s.manifest.verdict
+    assert v is not None and (v.state, v.format) == ("incomplete", "dcp")
+    assert [(p.kind, p.path) for p in v.problems] == [
+        ("unfinished", "30/__2_0.distcp"),
+        ("missing", "30/.metadata"),
+    ]
+    unloadable, _ = eligibility(s.manifest)
+    assert unloadable.startswith("unfinished: 30/__2_0.distcp: of an earlier save of the step")
+    assert loads_summary(v, whole=False).startswith("no: unfinished: 30/__2_0.distcp")  # type: ignore[union-attr]
+    assert shards.load()[s.key].manifest.verdict == v  # kept on disk
+    # across ranks: rank 0's part brings a .metadata naming both files, sizes right
+    md = dcp_metadata([("a", "__2_0.distcp", 0, 500), ("b", "__3_0.distcp", 0, 500)])
+    ram0 = RamStore(str(Path(ram.view).parent.parent / "ram0"))
+    write(Path(ram0.view), {"30/.metadata": md})
+    zero = ShardStore(ram0).snapshot(ram0.view, ShardKey(JOB, 0, 30), "30", ["30"], "generic")
+    whole = judge_whole([zero.manifest, s.manifest], {0: zero.data, 1: s.data})
+    assert whole is not None
+    assert whole.unloadable.startswith("unfinished: 30/__2_0.distcp: of an earlier save"), whole
 
 
 def test_a_damaged_dcp_shard_is_judged_against_the_metadata(store):

@@ -49,8 +49,10 @@ from tierfs.store.saves import RESAVE_GAP, sealed_at
 __all__ = [
     "MAX_REPLACED",
     "RESAVE_GAP",
+    "CutShort",
     "EarlierSave",
     "SeenPart",
+    "not_rewritten",
     "replaced_pairs",
     "sealed_at",
 ]
@@ -246,3 +248,46 @@ def replaced_pairs(
         for pair in m.replaces:
             out.setdefault(pair, None)
     return tuple(list(out)[:MAX_REPLACED])
+
+
+#: seconds a file's modification time may lie before the moment it was written (tmpfs
+#: takes the coarse clock, one scheduler tick behind)
+MTIME_SLACK = 0.02
+
+
+@dataclass(frozen=True)
+class CutShort:
+    """A part sealed with files of an earlier save of its step (a save cut short).
+
+    Attributes:
+        began: when this node began the save the part is of (Unix seconds).
+        files: the names of the files of the earlier save it was sealed with.
+    """
+
+    began: float
+    files: frozenset[str]
+
+
+def not_rewritten(
+    mtimes: Mapping[str, float], began: float, cut: CutShort | None = None
+) -> list[str]:
+    """The names in ``mtimes`` (a node's own data files of one save kind, e.g. DCP's
+    ``__<rank>_0.distcp``, name -> modification time in Unix seconds) not written
+    since ``began`` (when the node began saving the step again) while another was:
+    a part of them would mix two saves. Empty when none or all were written (pure).
+
+    ``cut``: the node's part last sealed was of a save cut short (sealed with files
+    of the save before). When only those missing files were written since ``began``,
+    the save cut short goes on (a rank late by more than the rank grace), and the
+    files are judged against its start instead: a late rank never turns its
+    node's files of the same save into an "earlier save".
+    """
+
+    def stale_since(since: float) -> tuple[list[str], list[str]]:
+        old = sorted(n for n, t in mtimes.items() if t < since - MTIME_SLACK)
+        return old, [n for n in mtimes if n not in old]
+
+    stale, fresh = stale_since(began)
+    if cut is not None and cut.began < began and fresh and set(fresh) <= cut.files:
+        stale, fresh = stale_since(cut.began)
+    return stale if fresh else []

@@ -27,7 +27,7 @@ import trio
 from tierfs.core.config import NodeConfig
 from tierfs.node.catalog import ShardCatalog
 from tierfs.node.jobstate import JobState
-from tierfs.node.resave import EarlierSave, replaced_pairs, sealed_at
+from tierfs.node.resave import CutShort, EarlierSave, not_rewritten, replaced_pairs, sealed_at
 from tierfs.node.sealing import DCP_DATA, MARKER_GRACE, RANKS_GRACE, TRACKERS, SealCandidate
 from tierfs.node.steps import StepBook, top_of
 from tierfs.node.tasks import TaskSpawner
@@ -43,11 +43,6 @@ log = logging.getLogger(__name__)
 #: seconds a seal waits at most for the checksums begun at the close of files
 #: (beyond it the seal reads what is still unread itself)
 AHEAD_WAIT = 5.0
-
-
-#: seconds a file's modification time may lie before the moment it was written (tmpfs
-#: takes the coarse clock, one scheduler tick behind; :meth:`Sealer._not_rewritten`)
-MTIME_SLACK = 0.02
 
 
 class Retention(Protocol):
@@ -227,8 +222,9 @@ class Sealer:
         """The names of this node's own DCP data files in ``cand``'s directory (generic
         mode) not written since this node began a new save of the step (older than
         :attr:`tierfs.node.resave.EarlierSave.began`), when another of them was: the
-        part would mix two saves. Empty otherwise. Trio thread; one ``scandir`` of a
-        step directory on tmpfs (a few entries).
+        part would mix two saves (:func:`tierfs.node.resave.not_rewritten`). Empty
+        otherwise. Trio thread; one ``scandir`` of a step directory on tmpfs (a few
+        entries).
 
         Regression (#14 trial 59 H1, HIGH): with two ranks per node, a step saved
         again in place was sealed 8 ms after one rank rewrote its file, with the other
@@ -237,11 +233,11 @@ class Sealer:
         rules, job = self.book.rules, self.state.job
         if rules is None or job is None or rules.framework != "generic":
             return []
-        earlier = self.book.earlier.get(ShardKey(job.name, job.node_rank, cand.step))
+        key = ShardKey(job.name, job.node_rank, cand.step)
+        earlier = self.book.earlier.get(key)
         if earlier is None or earlier.began <= 0 or earlier.cutoff <= 0:
             return []
-        stale: list[str] = []
-        fresh = False
+        mtimes: dict[str, float] = {}
         try:
             with os.scandir(os.path.join(self.store.view, cand.name)) as it:
                 for entry in it:
@@ -250,18 +246,12 @@ class Sealer:
                     if self.view.is_other_rank(f"{cand.name}/{entry.name}"):
                         continue
                     try:
-                        st = entry.stat(follow_symlinks=False)
+                        mtimes[entry.name] = entry.stat(follow_symlinks=False).st_mtime
                     except OSError:
                         continue
-                    # tmpfs stamps with the coarse clock (a tick behind): a file
-                    # written right as the save began is not taken for an old one
-                    if st.st_mtime < earlier.began - MTIME_SLACK:
-                        stale.append(entry.name)
-                    else:
-                        fresh = True
         except OSError:
             return []
-        return sorted(stale) if fresh else []
+        return not_rewritten(mtimes, earlier.began, self.book.cut_short.get(key))
 
     def _former_files(self, step: int) -> list[str]:
         """The file paths of this node's former parts of ``step``: the one sealed, and
@@ -287,16 +277,6 @@ class Sealer:
             if cand.name in self._ranks_deferred:
                 self._ranks_deferred.discard(cand.name)
                 self._ranks_settled(cand.name)
-            stale = self._not_rewritten(cand)
-            if stale:
-                # the save was cut short on this node (a rank died before it wrote):
-                # said, so that a load or restore of the mix is never silent
-                self.reporter.error(
-                    f"step {cand.step} ({cand.name}): this node's part is sealed with "
-                    f"{', '.join(stale)} of the earlier save of the step, not written "
-                    "again since this node began saving it again (a save cut short?): "
-                    "a load of the step may mix two saves"
-                )
             await self._seal(cand)
 
     def _ranks_settled(self, name: str) -> None:
@@ -355,6 +335,8 @@ class Sealer:
                 )
                 return
             gens = {t: book.generation[t] for t in tops}
+            # after gens: a file written from here on cancels this seal
+            stale = self._not_rewritten(cand)
             ns = book.ns
             writers = ns.writers_of if ns is not None else None
             token = uuid.uuid4().hex
@@ -392,6 +374,7 @@ class Sealer:
                     nodes=job.nodes,
                     replaces=replaced_pairs(earlier, held_now, seen_now),
                     began=earlier.began,
+                    earlier_files=[f"{cand.name}/{n}" for n in stale],
                 )
 
             try:
@@ -444,6 +427,12 @@ class Sealer:
             book.withdrawn_names.pop(cand.name, None)
             book.withdrawn_created.pop(key, None)
             book.earlier.pop(key, None)
+            if stale:
+                prev = book.cut_short.get(key)
+                began = prev.began if prev and set(stale) <= prev.files else earlier.began
+                book.cut_short[key] = CutShort(began, frozenset(stale))
+            else:
+                book.cut_short.pop(key, None)
             book.abandoned.pop(cand.name, None)  # saved again since
             self.keeper.add_shard(shard)
             book.view_steps[cand.name] = key
@@ -457,6 +446,18 @@ class Sealer:
                 shard.bytes,
                 cand.reason,
             )
+            if stale:
+                # the save was cut short on this node (a rank died before it wrote):
+                # said, and the part's verdict says the step never loads with these
+                # files, so neither a load's verdict nor a restore takes the mix
+                self.reporter.error(
+                    f"step {cand.step} ({cand.name}): this node's part is sealed with "
+                    f"{', '.join(stale)} of the earlier save of the step, not written "
+                    "again since this node began saving it again (a save cut short?): "
+                    "the step is not loadable and not restored while an older complete "
+                    "step exists (sealed again, and judged again, if the file is "
+                    "written)"
+                )
             self.catalog.sealed(shard)
             await self.keeper.apply_retention()
             book.save()

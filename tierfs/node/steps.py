@@ -22,7 +22,7 @@ from tierfs.core.control import JobSpec
 from tierfs.fuse.namespace import Namespace
 from tierfs.node import statefile
 from tierfs.node.jobstate import JobState
-from tierfs.node.resave import EarlierSave, SeenPart
+from tierfs.node.resave import CutShort, EarlierSave, SeenPart
 from tierfs.node.sealing import SealCandidate, SealRules
 from tierfs.node.view import ClientView
 from tierfs.store.manifest import CrcCache
@@ -67,6 +67,9 @@ class StepBook:
         generation: top-level entry -> count of changes under it.
         sealed_gens: entry name -> the :attr:`generation` of each top-level entry its
             last seal took (a candidate of an unchanged entry is that seal again).
+        cut_short: this node's parts last sealed with files of an earlier save of
+            their step (:class:`tierfs.node.resave.CutShort`; not kept across
+            daemon restarts).
         crc_cache: crc32c of unchanged files, shared by the seals.
         rules: the job's seal rules (None without a job).
     """
@@ -93,6 +96,7 @@ class StepBook:
         self.withdrawn_names: dict[str, ShardKey] = {}
         self.withdrawn_created: dict[ShardKey, float] = {}
         self.earlier: dict[ShardKey, EarlierSave] = {}
+        self.cut_short: dict[ShardKey, CutShort] = {}
         #: this node's parts shown in the view -> their seal time (Unix seconds)
         self.sealed_times: dict[ShardKey, float] = {}
         self.abandoned: dict[str, ShardKey] = {}

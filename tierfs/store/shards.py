@@ -40,7 +40,7 @@ from tierfs.store.manifest import (
     scan_tree,
 )
 from tierfs.store.ramstore import RamStore
-from tierfs.store.verdicts import judge_part
+from tierfs.store.verdicts import judge_part, with_earlier_files
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +249,7 @@ class ShardStore:
         nodes: int = 0,
         replaces: Iterable[tuple[int, str]] = (),
         began: float = 0.0,
+        earlier_files: Iterable[str] = (),
     ) -> Shard:
         """Seal: hard-link ``view/<entry>`` for each entry into a new shard and checksum it.
 
@@ -280,6 +281,11 @@ class ShardStore:
                 step this one replaces (:attr:`tierfs.store.manifest.Manifest.replaces`).
             began: when this node began the save (Unix seconds; 0.0 a first save,
                 :attr:`tierfs.store.manifest.Manifest.began`).
+            earlier_files: paths (relative to ``view``) of this part's files that
+                are of an earlier save of the step than its others (a save cut short
+                on this node): each an ``unfinished`` problem of the verdict
+                (:func:`tierfs.store.verdicts.with_earlier_files`), so the step is
+                never judged loadable nor restored with them.
 
         Raises:
             SealBusy: a file is still open for writing.
@@ -332,6 +338,9 @@ class ShardStore:
             if judge:
                 siblings = [n for n in os.listdir(view) if n not in entries]
                 verdict = judge_part(manifest, data, siblings)
+                manifest = dataclasses.replace(manifest, verdict=verdict)
+            if earlier := sorted(set(earlier_files)):
+                verdict = with_earlier_files(manifest.verdict, earlier)
                 manifest = dataclasses.replace(manifest, verdict=verdict)
             # the crc32c were computed from these bytes just now: checked
             return self._install(inc, manifest, inodes, verified=False, checked=time.monotonic())

@@ -50,6 +50,33 @@ def from_verdict(verdict: Verdict) -> StepVerdict:
     return StepVerdict(state, verdict.format, problems)
 
 
+def with_earlier_files(verdict: StepVerdict | None, paths: Sequence[str]) -> StepVerdict | None:
+    """``verdict`` with one ``unfinished`` problem per file in ``paths`` (paths
+    relative to the mount root): files of a part that are of an earlier save of the
+    step than the part's other files (the node began saving the step again and wrote
+    the others, never these: a save cut short on this node, #14 trial 60). Such a
+    part never loads with the rest, whatever the other ranks hold (pure).
+
+    Returns ``verdict`` unchanged when ``paths`` is empty; else an
+    :data:`INCOMPLETE` verdict (format kept; ``"unknown"`` when ``verdict`` is None)
+    listing these problems first, at most :data:`MAX_REASONS` problems in all.
+    """
+    if not paths:
+        return verdict
+    ours = tuple(
+        VerdictProblem(
+            "unfinished",
+            path,
+            "of an earlier save of the step: not written again since this node began "
+            "saving the step again, while its other files were (a save cut short)",
+        )
+        for path in paths
+    )
+    fmt = verdict.format if verdict is not None else "unknown"
+    rest = verdict.problems if verdict is not None else ()
+    return StepVerdict(INCOMPLETE, fmt, (ours + rest)[:MAX_REASONS])
+
+
 def judge_parts(
     manifests: Iterable[Manifest],
     data_dirs: Mapping[int, str],

@@ -22,8 +22,14 @@ rank finishing more than 10 s after the others: #14 trial 54 F2).
 ``$DCP_RACE_REPEAT`` = ``N``: each step is saved N times in a row into the same
 directory, with new values each time, each save followed by the barrier and the load
 (a step saved again in place right after its load: #14 trial 55 F3).
+
+``$DCP_RACE_CUT`` = ``RANK``: the last save of the last step is cut short: that rank's
+process dies (``os._exit``) before it writes its data file, the others' saves fail
+(their data files written, no ``.metadata``); each prints ``CUT`` and exits 0 (a
+trainer killed mid-save: #14 trial 60).
 """
 
+import datetime
 import io
 import os
 import shutil
@@ -45,6 +51,14 @@ class Late(dcp.FileSystemWriter):
     def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
         time.sleep(self.late)
         return super().write_data(plan, planner)
+
+
+class Cut(dcp.FileSystemWriter):
+    """A stock writer whose rank dies after the save's planning, before it writes."""
+
+    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        print("CUT", flush=True)
+        os._exit(0)
 
 
 class SlowClose(io.FileIO):
@@ -86,7 +100,10 @@ def main() -> None:
     rank, world, port = map(int, sys.argv[1:4])
     root, first, last, big_mb = sys.argv[4], *map(int, sys.argv[5:8])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cut = int(os.environ.get("DCP_RACE_CUT", "-1"))
+    # a cut save: the others learn of the dead rank within this time at the latest
+    timeout = datetime.timedelta(seconds=60 if cut >= 0 else 1800)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     failed = []
     try:
         repeat = int(os.environ.get("DCP_RACE_REPEAT", "1"))
@@ -105,6 +122,15 @@ def main() -> None:
                 if rank == int(slow_rank):
                     writer.fs = SlowFs()
                     writer.fs.slow = float(slow)
+                if cut >= 0 and step == last and save == repeat - 1:
+                    if rank == cut:
+                        writer = Cut(path)
+                    try:
+                        dcp.save(state, storage_writer=writer)
+                    except BaseException:  # CheckpointException: the dead rank's part
+                        pass
+                    print("CUT", flush=True)
+                    os._exit(0)
                 dcp.save(state, storage_writer=writer)
                 dist.barrier()
                 want = {f"r{r}.small": small(step, r, save) for r in range(world)}
