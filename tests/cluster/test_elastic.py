@@ -705,8 +705,9 @@ def test_a_save_cut_short_on_a_node_of_two_ranks_is_never_loaded_nor_restored(ma
     so in its own replicator.errors only; node-rank 0 judged the step ``yes (dcp, all 3
     ranks)``, a restart restored it with exit 0 and every load returned rank 2's values
     of the first save beside the others' second. Now the part's verdict names rank 2's
-    file as of an earlier save: node-rank 0 judges the step not loadable and a restart
-    restores the step before, exit 2, saying why."""
+    file as of an earlier save: the other nodes refuse that file (EIO), node-rank 0
+    judges the step not loadable and a restart restores the step before, exit 2, saying
+    why."""
     c = Cluster(make_mount, 3, node_args=elastic(3))
     race = str(Path(CLIENT).with_name("dcp_race.py"))
 
@@ -728,6 +729,19 @@ def test_a_save_cut_short_on_a_node_of_two_ranks_is_never_loaded_nor_restored(ma
     )
     assert "checkpoint-41/__2_0.distcp: of an earlier save" in loads(c, 0, 41), loads(c, 0, 41)
     assert loads(c, 0, 40).startswith("yes (dcp, all 3 ranks)"), loads(c, 0, 40)
+    # the other nodes never serve that file beside the new save (node 1 shows its own)
+    for i in (0, 2):
+
+        def refused(i: int = i) -> bool:
+            try:
+                (c.root(i) / "checkpoint-41" / "__2_0.distcp").read_bytes()
+            except OSError as exc:
+                assert exc.errno == errno.EIO, exc
+                return True
+            return False
+
+        wait_for(refused, 60, f"node {i} refusing rank 2's file of the first save")
+        assert "checkpoint-41/__2_0.distcp is not served (EIO)" in c.errors(i), c.errors(i)
     # the job restarts (RAM kept): step 40, the last complete one, with the reason
     for i in range(3):
         c.mounts[i].unmount()

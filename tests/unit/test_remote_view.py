@@ -272,6 +272,47 @@ def test_other_ranks_files_appear_with_size_and_mode_and_are_fetched_verified(tm
     assert [f.path for f in resealed.manifest.files] == ["10", "10/__1_0.distcp"]
 
 
+def test_a_file_its_part_names_of_an_earlier_save_is_not_served(tmp_path):
+    """#14 trial 60: rank 2's node sealed its part of a save cut short with a file of
+    the earlier save (its verdict says so). Other nodes' opens of that file fail with
+    EIO, said once, instead of a load mixing two saves; once the part is sealed whole
+    (the late rank wrote after all), its new file is served."""
+    from tierfs.store.verdicts import with_earlier_files
+
+    cut = dataclasses.replace(PARTS[2], verdict=with_earlier_files(None, ["10/__2_0.distcp"]))
+    peer = Source("peer", BYTES, ["peer node-rank 0", "peer node-rank 2"])
+    rv, ram, _shards, _catalog, own, job = view_of(tmp_path, {**PARTS, 2: cut}, [peer])
+    two = Path(ram.view) / "10" / "__2_0.distcp"
+
+    async def main() -> None:
+        await rv.look(own)
+        for _ in range(2):
+            opened = rv.missing(two.stat().st_ino)
+            assert opened is not None
+            with pytest.raises(OSError) as err:
+                await opened()
+            assert err.value.errno == errno.EIO
+            assert "of an earlier save of the step" in str(err.value)
+        meta = rv.missing((Path(ram.view) / "10" / ".metadata").stat().st_ino)
+        assert meta is not None
+        await meta()  # the other files of the step are served
+        # the late rank wrote after all: its part sealed again, whole; the coordinator
+        # reports it, the view asks again and serves the new file
+        B2 = os.urandom(len(B))
+        whole = manifest(2, {"__2_0.distcp": B2})
+        rv.manifests = Manifests({**PARTS, 2: whole})
+        peer.files = {**BYTES, "10/__2_0.distcp": B2}
+        rv.parts_reported("e1", 1, [10], [(10, 2, whole.digest)])
+        await rv.look(own)
+        opened = rv.missing(two.stat().st_ino)
+        assert opened is not None
+        await opened()
+        assert two.read_bytes() == B2
+
+    trio.run(main)
+    assert len(job.errors) == 1 and "10/__2_0.distcp is not served (EIO)" in job.errors[0]
+
+
 def test_fetched_bytes_changed_while_no_daemon_ran_are_fetched_again(tmp_path):
     """Regression (#16 ninth trial FAIL 14): a byte flipped in another rank's file that
     the view had fetched was served as it was after a daemon restart: the restarted

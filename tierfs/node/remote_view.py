@@ -106,6 +106,7 @@ from tierfs.node.verified_writer import VerifiedWriter
 from tierfs.store.manifest import FileEntry, Manifest
 from tierfs.store.saves import earlier_parts
 from tierfs.store.shards import Shard, ShardKey
+from tierfs.store.verdicts import earlier_save_files
 
 log = logging.getLogger(__name__)
 
@@ -267,6 +268,10 @@ class RemoteFile:
     #: the client deleted or moved its view path (status leaves it out; a handle
     #: still open reads it as before). Set by :meth:`RemoteView._sweep`.
     gone: bool = False
+    #: its part's verdict names it a file of an earlier save of the step than the
+    #: part's other files (a save cut short on its node): opens fail with EIO
+    #: (:meth:`RemoteView._of_earlier_save`)
+    earlier: bool = False
 
     def moved(self) -> None:
         """Wake who waits for ``verified`` to move or the fetch to end (trio thread)."""
@@ -685,6 +690,8 @@ class RemoteView:
         self._room_turn = trio.Lock()
         #: fetches under way that found no room and wait for it (their bytes punched)
         self._short: set[RemoteFile] = set()
+        #: (step, path) of the files of an earlier save already said (:meth:`_of_earlier_save`)
+        self._earlier_said: set[tuple[int, str]] = set()
         #: bytes of the files open for writing at the last look, and when they changed
         #: (:meth:`save_under_way`)
         self._written_bytes = 0
@@ -731,6 +738,8 @@ class RemoteView:
         union = self._opened(rf)
         if union is not None and rf.rank in union.refused:
             return lambda: self._refused(union, rf)
+        if rf.earlier:
+            return lambda: self._of_earlier_save(rf)
         if union is not None and rf.rank in union.suspect:
             return lambda: self._current(union, rf)
         if union is not None and self._unconfirmed(union, rf.rank):
@@ -765,6 +774,8 @@ class RemoteView:
         union = self._opened(rf)
         if union is not None and rf.rank in union.refused:
             return lambda: self._refused(union, rf)
+        if rf.earlier:
+            return lambda: self._of_earlier_save(rf)
         if union is not None and rf.rank in union.suspect:
             return lambda: self._current(union, rf)
         if union is not None and self._unconfirmed(union, rf.rank):
@@ -887,6 +898,24 @@ class RemoteView:
         raise OSError(
             errno.EIO, f"step {union.step}: {rf.path} is not served: {union.refused[rf.rank]}"
         )
+
+    async def _of_earlier_save(self, rf: RemoteFile) -> None:
+        """The open of a file its part's verdict names as of an earlier save of the step
+        than the part's other files (a save cut short on its node, #14 trial 60) fails:
+        a load would mix two saves. Said once per file in ``replicator.errors``.
+
+        Raises:
+            OSError: EIO naming why.
+        """
+        why = (
+            f"step {rf.step}: {rf.path} is not served (EIO): rank {rf.rank}'s part holds "
+            "it of an earlier save of the step than its other files (a save cut short "
+            "on that node); save the step again from every rank, or restart"
+        )
+        if (rf.step, rf.path) not in self._earlier_said:
+            self._earlier_said.add((rf.step, rf.path))
+            self.reporter.error(why)
+        raise OSError(errno.EIO, why)
 
     def _refuse(self, union: StepUnion, rank: int, why: str) -> None:
         """Serve no file of ``rank``'s part of ``union``'s step until its node shows a part
@@ -2198,8 +2227,12 @@ class RemoteView:
                     log.debug("symlink %s of the whole-step view: %s", path_rel, exc)
                     continue
                 self._notify(path_rel)
+        earlier = {rank: earlier_save_files(m) for rank, m in parts.items()}
         for path_rel, (rank, entry) in plan.files.items():
-            if path_rel in union.files:
+            placed = union.files.get(path_rel)
+            if placed is not None:
+                if placed.rank == rank:  # the same bytes in the part now shown
+                    placed.earlier = path_rel in earlier[rank]
                 continue
             digest = parts[rank].digest
             try:
@@ -2210,6 +2243,7 @@ class RemoteView:
                 log.warning("placing %s of rank %d: %s", path_rel, rank, exc)
                 continue
             if rf is not None:
+                rf.earlier = path_rel in earlier[rank]
                 self._notify(path_rel)
         return said
 

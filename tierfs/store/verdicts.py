@@ -50,6 +50,25 @@ def from_verdict(verdict: Verdict) -> StepVerdict:
     return StepVerdict(state, verdict.format, problems)
 
 
+#: the message of a verdict problem naming a file of an earlier save of the step
+#: (:func:`with_earlier_files`, :func:`earlier_save_files`)
+EARLIER_SAVE = (
+    "of an earlier save of the step: not written again since this node began "
+    "saving the step again, while its other files were (a save cut short)"
+)
+
+
+def earlier_save_files(manifest: Manifest) -> frozenset[str]:
+    """The paths ``manifest``'s verdict names as files of an earlier save of the step
+    than the part's others (:func:`with_earlier_files`); empty for most parts (pure)."""
+    v = manifest.verdict
+    if v is None:
+        return frozenset()
+    return frozenset(
+        p.path for p in v.problems if p.kind == "unfinished" and p.message == EARLIER_SAVE
+    )
+
+
 def with_earlier_files(verdict: StepVerdict | None, paths: Sequence[str]) -> StepVerdict | None:
     """``verdict`` with one ``unfinished`` problem per file in ``paths`` (paths
     relative to the mount root): files of a part that are of an earlier save of the
@@ -63,15 +82,7 @@ def with_earlier_files(verdict: StepVerdict | None, paths: Sequence[str]) -> Ste
     """
     if not paths:
         return verdict
-    ours = tuple(
-        VerdictProblem(
-            "unfinished",
-            path,
-            "of an earlier save of the step: not written again since this node began "
-            "saving the step again, while its other files were (a save cut short)",
-        )
-        for path in paths
-    )
+    ours = tuple(VerdictProblem("unfinished", path, EARLIER_SAVE) for path in paths)
     fmt = verdict.format if verdict is not None else "unknown"
     rest = verdict.problems if verdict is not None else ()
     return StepVerdict(INCOMPLETE, fmt, (ours + rest)[:MAX_REASONS])
