@@ -335,6 +335,43 @@ def test_skip_is_honoured_and_holders_of_other_bytes_are_asked_last(net, tmp_pat
     cluster(net, tmp_path, test)
 
 
+def test_the_owners_newer_part_ends_a_fetch_of_the_earlier_one(net, tmp_path):
+    """Regression (#14 trial 60 M1a, silent wrong values): rank 3's node sealed a newer
+    part of the step (the step saved again); node 0's view still knew the earlier
+    part. Node 3 refused the earlier digest, the replica on node 2 served the earlier
+    bytes, checked against the earlier manifest: a load read the first save's values.
+    Now node 3 is asked again for the file itself: the same bytes are served from it,
+    other bytes end the fetch (``superseded``) and no replica is asked."""
+
+    def crc(data: bytes) -> tuple[int, int]:
+        return len(data), google_crc32c.value(data)
+
+    async def test(nodes: list[Node], shard: Shard) -> None:
+        newer = make_shard(nodes[3].ram_dir, JOB, 3, STEP, {**FILES, SMALL: b"saved again"})
+        nodes[3].catalog.add(newer)  # held by its node only: the replicas are the earlier
+        assert nodes[3].catalog[ShardKey(JOB, 3, STEP)].manifest.digest != shard.manifest.digest
+        fd = target(tmp_path)
+        try:
+            with pytest.raises(FetchFailed) as failed:
+                await nodes[0].tier.fetch_file(
+                    JOB, 3, STEP, shard.manifest.digest, SMALL, fd, expect=crc(FILES[SMALL])
+                )
+            assert failed.value.superseded and failed.value.other_bytes, failed.value
+            assert "newer part" in str(failed.value)
+            assert [c for c, _ in pulls(net)] == [address(3), address(3)]  # no replica
+            assert contents(fd) == b""
+            # a file the newer part holds as it was: served by the owner
+            served = await nodes[0].tier.fetch_file(
+                JOB, 3, STEP, shard.manifest.digest, BIG, fd, expect=crc(FILES[BIG])
+            )
+            assert served == label(3) and contents(fd) == FILES[BIG]
+            assert [c for c, _ in pulls(net)][2:] == [address(3), address(3)]
+        finally:
+            os.close(fd)
+
+    cluster(net, tmp_path, test)
+
+
 def test_every_holder_down_fails_naming_each_of_them(net, tmp_path):
     async def test(nodes: list[Node], shard: Shard) -> None:
         for r in (1, 2, 3):

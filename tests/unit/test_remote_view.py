@@ -1332,6 +1332,73 @@ def test_other_bytes_in_every_copy_ask_for_the_part_again(tmp_path, monkeypatch)
     assert "its manifest is asked for again" in job.errors[0], job.errors
 
 
+class Superseded(Source):
+    """A peer tier whose rank's own node holds a newer part with other bytes."""
+
+    async def fetch_file(
+        self, job, rank, step, digest, path, fd, *, skip=frozenset(), writers=0
+    ) -> str:
+        self.calls.append((path, skip))
+        raise FetchFailed(f"{path}: its node holds a newer part of the step", superseded=True)
+
+
+def test_a_file_its_ranks_node_saved_again_is_never_read_from_a_later_source(tmp_path, monkeypatch):
+    """Regression (#14 trial 60 M1a): after two saves in a row the rank's own node held a
+    newer part; a later source (another copy, the bucket's round of the earlier save)
+    served the earlier bytes, checked against the earlier manifest. A fetch the rank's
+    node ended as superseded asks no further source: the part is asked for again."""
+    monkeypatch.setattr(view_module, "REPLACED_WAIT", 0.05)  # no new part comes here
+    peer = Superseded("peer", BYTES, ["peer node-rank 0"])
+    bucket = Source("bucket", BYTES, ["gcs round-1"])
+    rv, ram, _shards, _catalog, own, job = view_of(tmp_path, dict(PARTS), [peer, bucket])
+    meta = Path(ram.view) / "10" / ".metadata"
+
+    async def main() -> None:
+        await rv.look(own)
+        with pytest.raises(OSError) as exc:
+            await rv.missing(meta.stat().st_ino)()
+        assert exc.value.errno == errno.EIO
+        assert rv.steps[10].recheck == {0}  # its part is asked for again
+
+    trio.run(main)
+    assert peer.calls and bucket.calls == []
+    assert not has_data(meta)
+    assert len(job.errors) == 1 and "newer part" in job.errors[0], job.errors
+
+
+def test_a_file_saved_again_is_replaced_in_one_step_and_its_name_never_goes_missing(tmp_path):
+    """Regression (#14 trial 60 M1b): rank 0 saved the step again; the look removed
+    the old placed file, and placed the new one in a second step. A load's lookup in
+    between was answered ENOENT (``FileNotFoundError`` on ``__1_0.distcp``). The new
+    file is now renamed over the old name: a lookup finds the old inode or the new."""
+    B2 = os.urandom(len(B))
+    peer = Source("peer", {**BYTES, "10/.metadata": B2}, ["peer node-rank 0"])
+    rv, ram, _shards, _catalog, own, job = view_of(tmp_path, dict(PARTS), [peer])
+    meta = Path(ram.view) / "10" / ".metadata"
+    seen: list[bool] = []
+    place = rv._place
+
+    def placing(*args: object) -> list[str]:
+        seen.append(meta.exists())  # between the removal of stale files and placing
+        return place(*args)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        await rv.look(own)
+        old = meta.stat().st_ino
+        rv._place = placing  # type: ignore[method-assign]
+        new0 = manifest(0, {".metadata": B2, "__0_0.distcp": C})
+        rv.manifests = Manifests({**PARTS, 0: new0})
+        rv.parts_reported("e1", 1, [10], [(10, 0, new0.digest)])
+        await rv.look(own)
+        assert seen == [True]
+        assert meta.stat().st_ino != old and not rv.is_remote(old)
+        assert rv.steps[10].replacing == {}
+        await rv.missing(meta.stat().st_ino)()
+
+    trio.run(main)
+    assert meta.read_bytes() == B2 and job.errors == []
+
+
 def test_a_reader_of_a_file_saved_again_meanwhile_waits_for_the_new_part(tmp_path):
     """Regression (#14 trial 59 M1): ``dcp.save`` twice in a row into one directory, then
     a load; another node opened ``.metadata`` 9 ms before it learned of rank 0's new

@@ -105,8 +105,14 @@ class FetchFailed(TierfsError):
         other_bytes: a copy holds other bytes of the file than the caller's
             manifest says (the part saved again since it was read), as opposed to
             no copy, a damaged one or an unreachable one.
+        superseded: the part's own node holds a newer part of the step whose file
+            has other bytes: every other copy of the caller's part is of an earlier
+            save, and no further source may serve it (#14 trial 60 M1a).
     """
 
-    def __init__(self, message: str, *, other_bytes: bool = False) -> None:
+    def __init__(
+        self, message: str, *, other_bytes: bool = False, superseded: bool = False
+    ) -> None:
         super().__init__(message)
-        self.other_bytes = other_bytes
+        self.other_bytes = other_bytes or superseded
+        self.superseded = superseded

@@ -397,6 +397,11 @@ class StepUnion:
     #: rank -> (digest of its part, Unix time) of the last open of one of its files
     #: by a client of this node (:meth:`RemoteView.read_parts`)
     read: dict[int, tuple[str, float]] = field(default_factory=dict)
+    #: path -> a placed file of a part saved again whose new part still lists the
+    #: path with other bytes: its name stays (still registered) until the new file
+    #: is renamed over it in the same look (:meth:`RemoteView._place_file`), so a
+    #: lookup never finds the name missing (#14 trial 60 M1b: ENOENT in a load)
+    replacing: dict[str, RemoteFile] = field(default_factory=dict)
 
     def current(self, m: Manifest) -> bool:
         """True if part ``m`` is of the save this node began (not an earlier one, even
@@ -2004,6 +2009,8 @@ class RemoteView:
             union.tops |= {p.split("/", 1)[0] for p in union.files}
             for line in said:
                 self.reporter.error(line)
+        if union.replacing:  # not placed again (the part not found now): removed
+            await trio.to_thread.run_sync(self._drop_replacing, union)
         adoptable = self._adoptable(job.name, union)
         if adoptable:
             await trio.to_thread.run_sync(self._adopt, union, adoptable)
@@ -2174,6 +2181,13 @@ class RemoteView:
                 if rf.state == FETCHING or (inode is not None and inode.handles):
                     kept.add(rf.rank)
                     continue
+                if entry is not None and entry.kind == "file":
+                    # other bytes under the same name: the new file replaces it by a
+                    # rename when it is placed (the name never goes missing)
+                    union.replacing[rf.path] = rf
+                    del union.files[rf.path]
+                    union.order = None
+                    continue
                 try:
                     os.unlink(path)
                 except OSError as exc:
@@ -2186,6 +2200,21 @@ class RemoteView:
             if here and self._by_ino.get(rf.ino) is rf:
                 del self._by_ino[rf.ino]
         return kept
+
+    def _drop_replacing(self, union: StepUnion) -> None:
+        """Remove the files :meth:`_unplace` left for a replacement that did not come
+        (a worker thread): as :meth:`_unplace` removes a stale file."""
+        for path_rel, rf in list(union.replacing.items()):
+            del union.replacing[path_rel]
+            path = os.path.join(self.view_dir, path_rel)
+            try:
+                if os.lstat(path).st_ino == rf.ino:
+                    os.unlink(path)
+                    self._notify(path_rel)
+            except OSError as exc:
+                log.debug("removing the old %s of rank %d: %s", path_rel, rf.rank, exc)
+            if self._by_ino.get(rf.ino) is rf:
+                del self._by_ino[rf.ino]
 
     def _place(
         self, job: str, own: Shard | None, union: StepUnion, parts: dict[int, Manifest]
@@ -2282,8 +2311,14 @@ class RemoteView:
         appears in the view: a client can never open it as a plain file.
         """
         path = os.path.join(self.view_dir, path_rel)
-        if os.path.lexists(path):
+        old = union.replacing.pop(path_rel, None)
+        try:
+            here = os.lstat(path).st_ino
+        except FileNotFoundError:
+            here = None
+        if here is not None and (old is None or here != old.ino):
             return None  # a client's entry of that name
+        replaced = old if here is not None else None
         parent = os.path.dirname(path)
         if not os.path.isdir(parent):
             top = os.path.join(self.view_dir, path_rel.split("/", 1)[0])
@@ -2301,6 +2336,10 @@ class RemoteView:
             rf = _held_file(step, held, entry, os.lstat(source).st_ino)
             ino = rf.ino
             made = None
+            if replaced is not None:  # renamed over the old name: linked here first
+                made = os.path.join(self._scratch(), f"{rank}-{step}-{uuid.uuid4().hex[:12]}")
+                os.link(source, made)
+                source = made
         else:
             made = os.path.join(self._scratch(), f"{rank}-{step}-{uuid.uuid4().hex[:12]}")
             fd = os.open(made, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -2319,7 +2358,13 @@ class RemoteView:
             source = made
         self._by_ino[ino] = rf  # read-only before anyone can open it
         try:
-            os.link(source, path)  # never replaces a name a client created meanwhile
+            if replaced is not None:
+                # the old placed file's name: replaced in one step (a lookup finds the
+                # old inode or the new one, never nothing); its reader gets ESTALE
+                os.rename(source, path)
+                made = None
+            else:
+                os.link(source, path)  # never replaces a name a client created meanwhile
         except OSError:
             if self._by_ino.get(ino) is rf:
                 del self._by_ino[ino]
@@ -2327,6 +2372,8 @@ class RemoteView:
         finally:
             if made is not None:
                 os.unlink(made)
+        if replaced is not None and self._by_ino.get(replaced.ino) is replaced:
+            del self._by_ino[replaced.ino]
         union.files[path_rel] = rf
         union.order = None
         return rf
@@ -2927,6 +2974,7 @@ class RemoteView:
         writer = self._writer(rf, fd)
         try:
             tried: list[str] = []
+            superseded = False
             for source in self.sources:
                 skip: set[str] = set()
                 # a source that checks the bytes as they are written: no read-back
@@ -2983,6 +3031,7 @@ class RemoteView:
                             raise OSError(errno.ENOSPC, why) from exc
                         tried.append(str(exc))
                         mismatched |= exc.other_bytes
+                        superseded = exc.superseded
                         break
                     if chunked:
                         assert writer is not None
@@ -3020,6 +3069,8 @@ class RemoteView:
                     mismatched = True
                     if not chunked:
                         await trio.to_thread.run_sync(self._punch, fd, rf.size)
+                if superseded:
+                    break  # the rank's node moved on: no later source's copy is current
             self._unverify(rf, writer)
             await trio.to_thread.run_sync(self._punch, fd, rf.size)
             if mismatched:

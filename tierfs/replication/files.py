@@ -170,7 +170,12 @@ class PeerFiles:
         cancelled fetch's abandoned thread stops at its next chunk). Copies with
         ``digest`` first; holders of other bytes of the step
         (FAILED_PRECONDITION) are asked again without it after every other
-        copy failed. A corrupt copy (BadCopy, or a chunk ``write`` refused:
+        copy failed, except node ``rank`` itself, which is asked again at once
+        (with ``expect``, the file's bytes): its part is the current one, so when
+        its file has other bytes the fetch ends there (``superseded``), never
+        served from a copy of the earlier part (#14 trial 60 M1a: after two saves
+        in a row a node read another node's ranks' first-save bytes from a
+        replica, silently). A corrupt copy (BadCopy, or a chunk ``write`` refused:
         :class:`tierfs.store.chunks.ChunkMismatch`) or one with other bytes than
         ``expect`` only moves on to the next one.
 
@@ -183,7 +188,8 @@ class PeerFiles:
                 copy and why (``"peer node-rank 1 (10.0.0.2:7000): NOT_FOUND: ..."``).
                 A write into ``fd`` that found no room (ENOSPC) ends the fetch
                 at once (no copy would fit), with the ``OSError`` as its cause.
-                ``other_bytes``: a holder's file was not ``expect``.
+                ``other_bytes``: a holder's file was not ``expect``;
+                ``superseded``: node ``rank``'s own file was not (only with ``expect``).
         """
         key = ShardKey(job, rank, step)
         tried: list[str] = []
@@ -206,6 +212,24 @@ class PeerFiles:
                 return label
             why, code = failed
             others |= code is OTHER
+            owner = r == rank and expect is not None
+            if digest and code == grpc.StatusCode.FAILED_PRECONDITION and owner:
+                # the part's own node sealed another part of the step since the caller's
+                # manifest was read: its file, if still these bytes, is served from
+                # there; if not, every other copy holds the earlier save's bytes
+                again = await self._pull_file(address, key, "", path, fd, expect, write)
+                if again is None:
+                    self._say_bad(key, path, label, tried)
+                    return label
+                if again[1] is OTHER:
+                    raise FetchFailed(
+                        f"{path} of step {step} of node-rank {rank}: its node holds a newer "
+                        f"part of the step with other bytes in it ({why}); the copies of "
+                        "the earlier part are not served",
+                        superseded=True,
+                    )
+                tried.append(f"{label}: {why}; (any bytes): {again[0]}")
+                continue
             if digest and code == grpc.StatusCode.FAILED_PRECONDITION:
                 other.append((label, address))  # it holds other bytes of the step
             tried.append(f"{label}: {why}")
