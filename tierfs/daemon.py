@@ -482,6 +482,8 @@ def build_node(config: NodeConfig, store: RamStore, budget: Budget) -> NodeParts
     remote.new_save = agent.book.new_save  # the view's opens wait for a new save (F1)
     agent.book.shown = remote.shown_parts  # a new save replaces the parts shown (FAIL A)
     agent.book.read_parts = remote.read_parts  # a load between two saves: another save (F3)
+    if peer is not None:  # a part being saved again is not served from older copies (M1a)
+        peer.holdings.resaving_now = agent.book.resaving
     remote.own_replaced = agent.book.own_replaced  # a part listing them is current (E2)
     agent.restores.on_superseded(remote.discard_superseded)  # an earlier save's replicas (N2)
     remote.abandoned = agent.book.is_abandoned  # such a step shows only its own files

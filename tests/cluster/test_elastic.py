@@ -757,3 +757,28 @@ def test_a_save_cut_short_on_a_node_of_two_ranks_is_never_loaded_nor_restored(ma
         assert "step 41" in w.stderr and "__2_0.distcp" in w.stderr, (i, w.stderr)
     for i in range(3):
         wait_for(lambda i=i: whole(c, i, 40, 6), 90, f"the whole step 40 on node {i}")
+
+
+def test_a_load_right_after_two_saves_of_a_step_in_a_row_reads_the_second(make_mount):
+    """Regression (#14 trial 60 M1a/M1b, silent wrong values): stock ``dcp.save`` of a
+    step twice in a row (no load between, less than RESAVE_GAP apart: one save by the
+    rules), then ``dist.barrier`` and ``dcp.load``. A node holding another rank's part of
+    the first save (its replica, or a copy fetched) served those bytes until it learned
+    of the second save, and a fetch the rank's node refused fell back on a replica of the
+    first save: the load returned the first save's values with no error (several steps
+    of 10 here); a file replaced meanwhile made a load fail with ENOENT. Now an open of
+    a part sealed moments before asks that rank's node what it holds, a fetch ends at a
+    node holding a newer part, and a replaced file is renamed over its name."""
+    c = Cluster(make_mount, 3, node_args=elastic(3))
+    race = str(Path(CLIENT).with_name("dcp_race.py"))
+    env = {"DCP_RACE_REPEAT": "2", "DCP_RACE_NOLOAD": "1"}
+    for per_node, first, last in ((1, 230, 235), (2, 240, 245)):
+
+        def args(r: int, world: int, port: int, n: int = per_node, a: int = first) -> list[str]:
+            return [str(r), str(world), str(port), str(c.root(r // n)), str(a), str(a + 5), "8"]
+
+        nodes = [r // per_node for r in range(3 * per_node)]
+        out = run_ranks(c, race, args, nodes, env)
+        assert out == [f"OK {last - first + 1}"] * (3 * per_node), out
+    for i in range(3):
+        assert c.errors(i) == "", (i, c.errors(i))

@@ -54,6 +54,9 @@ class Host:
     def known_manifest(self, key: ShardKey) -> None:
         return None
 
+    def resaving(self, key: ShardKey) -> bool:
+        return False
+
     def pinned(self) -> int:
         with self.lock:
             return sum(self.pins)

@@ -64,6 +64,9 @@ class Host:
     def known_manifest(self, key: ShardKey) -> None:
         return None
 
+    def resaving(self, key: ShardKey) -> bool:
+        return False
+
     def damaged(self, key: ShardKey, path: str) -> None:
         with self.lock:
             self.damages.append((key, path))

@@ -47,7 +47,7 @@ from tierfs.cluster.servicer import CoordinatorServicer
 from tierfs.core.config import NodeConfig
 from tierfs.core.control import JobSpec
 from tierfs.core.errors import FetchFailed
-from tierfs.core.ports import FileTarget
+from tierfs.core.ports import PART_SAVING, FileTarget
 from tierfs.node.catalog import ShardCatalog
 from tierfs.replication import heartbeat
 from tierfs.replication.client import PeerClient
@@ -368,6 +368,43 @@ def test_the_owners_newer_part_ends_a_fetch_of_the_earlier_one(net, tmp_path):
             assert [c for c, _ in pulls(net)][2:] == [address(3), address(3)]
         finally:
             os.close(fd)
+
+    cluster(net, tmp_path, test)
+
+
+def test_a_part_its_node_writes_again_is_never_served_from_its_replicas(net, tmp_path):
+    """#14 trial 60 M1a: rank 3's node withdrew its part (its client writes the step
+    again, the seal to come). Its node answers "being saved again" to a file pull and
+    to the question what part it holds (``owner_part``); the fetch ends there
+    (``superseded``): the replicas on nodes 2 and 1 hold the save before."""
+
+    async def test(nodes: list[Node], shard: Shard) -> None:
+        key = ShardKey(JOB, 3, STEP)
+        nodes[3].tier.holdings.resaving_now = lambda k: k == key
+        nodes[3].catalog.drop(key, "a sealed file was opened for writing")
+        owner = await nodes[0].tier.owner_part(JOB, 3, STEP)
+        assert owner == PART_SAVING
+        fd = target(tmp_path)
+        try:
+            with pytest.raises(FetchFailed) as failed:
+                await nodes[0].tier.fetch_file(
+                    JOB,
+                    3,
+                    STEP,
+                    shard.manifest.digest,
+                    SMALL,
+                    fd,
+                    expect=(len(FILES[SMALL]), google_crc32c.value(FILES[SMALL])),
+                )
+            assert failed.value.superseded, failed.value
+            assert [c for c, _ in pulls(net)] == [address(3)] * 3  # owner_part, no replica
+        finally:
+            os.close(fd)
+        # sealed again: its node names the part it holds
+        again = make_shard(nodes[3].ram_dir, JOB, 3, STEP, {**FILES, SMALL: b"saved again"})
+        nodes[3].tier.holdings.resaving_now = None
+        nodes[3].catalog.add(again)
+        assert await nodes[0].tier.owner_part(JOB, 3, STEP) == again.manifest.digest
 
     cluster(net, tmp_path, test)
 

@@ -26,6 +26,7 @@ from raw_map import RawMap
 
 from tierfs.core.control import JobSpec
 from tierfs.core.errors import FetchFailed
+from tierfs.core.ports import PART_SAVING
 from tierfs.core.priority import fetch_hold, fetch_pause, fetch_urgent
 from tierfs.fuse.inodes import ROOT_ID
 from tierfs.fuse.namespace import Namespace
@@ -1391,12 +1392,124 @@ def test_a_file_saved_again_is_replaced_in_one_step_and_its_name_never_goes_miss
         rv.parts_reported("e1", 1, [10], [(10, 0, new0.digest)])
         await rv.look(own)
         assert seen == [True]
-        assert meta.stat().st_ino != old and not rv.is_remote(old)
-        assert rv.steps[10].replacing == {}
+        assert meta.stat().st_ino != old and rv.steps[10].replacing == {}
+        # an open of the old inode (a name looked up before) is told to look it up
+        # again, never served the old placeholder's holes
+        assert rv.is_remote(old)
+        stale = rv.missing(old)
+        assert stale is not None
+        with pytest.raises(OSError) as err:
+            await stale()
+        assert err.value.errno == errno.ESTALE
         await rv.missing(meta.stat().st_ino)()
 
     trio.run(main)
     assert meta.read_bytes() == B2 and job.errors == []
+
+
+class Owners(Manifests):
+    """Manifests whose ranks' nodes also say what part they hold now (``owner_part``):
+    ``saving`` answers :data:`PART_SAVING` that many times first, then ``after`` (rank
+    -> manifest) becomes the part held."""
+
+    def __init__(self, parts: dict[int, Manifest], saving: int = 0, after=None) -> None:
+        super().__init__(parts)
+        self.saving = saving
+        self.after = after or {}
+        self.owner_asked: list[int] = []
+
+    async def owner_part(self, job: str, rank: int, step: int) -> str | None:
+        self.owner_asked.append(rank)
+        if self.saving > 0:
+            self.saving -= 1
+            return PART_SAVING
+        self.parts.update(self.after)
+        part = self.parts.get(rank)
+        return part.digest if part is not None else None
+
+
+def test_an_open_right_after_a_seal_asks_the_ranks_node_and_waits_for_its_new_save(tmp_path):
+    """Regression (#14 trial 60 M1a): ``dcp.save`` twice in a row, then barrier and load.
+    A node showing rank 0's part of the first save (sealed a moment before) served its
+    bytes until it learned of the second save 0.1-0.2 s later: the load returned the
+    first save's values. An open of a file of a part sealed less than RESAVE_GAP ago now
+    asks the rank's node what it holds: while it writes the step again the open waits,
+    and a newer part there has the file replaced first (ESTALE: the kernel looks the
+    path up again and opens the new file)."""
+    B2 = os.urandom(len(B))
+    peer = Source("peer", dict(BYTES), ["peer node-rank 0"])
+    rv, ram, _shards, _catalog, own, job = view_of(tmp_path, dict(PARTS), [peer])
+    meta = Path(ram.view) / "10" / ".metadata"
+    new0 = manifest(0, {".metadata": B2, "__0_0.distcp": C})
+    owners = Owners(dict(PARTS), saving=3, after={0: new0})
+    rv.manifests = owners
+
+    async def main() -> None:
+        await rv.look(own)
+        old = meta.stat().st_ino
+        # the peer holds the first save's bytes (a replica of the earlier part)
+        opened = rv.missing(old)
+        assert opened is not None
+        async with trio.open_nursery() as nursery:
+
+            async def looks() -> None:  # the view's loop: a look when woken
+                while True:
+                    await rv._wake.wait()
+                    rv._wake = trio.Event()
+                    await rv.look(own)
+
+            nursery.start_soon(looks)
+            with pytest.raises(OSError) as err, trio.fail_after(view_module.REPLACED_WAIT):
+                await opened()
+            assert err.value.errno == errno.ESTALE  # replaced by rank 0's new part
+            nursery.cancel_scope.cancel()
+        assert owners.owner_asked == [0] * 4  # 3 answers "saving", then the new part
+        peer.files = {**BYTES, "10/.metadata": B2}  # the new part's replica
+        new = meta.stat().st_ino
+        assert new != old
+        opened = rv.missing(new)
+        assert opened is not None
+        await opened()  # its node confirms the part shown now
+        fetch = rv.missing(new)
+        assert fetch is not None
+        await fetch()
+
+    trio.run(main)
+    assert meta.read_bytes() == B2 and job.errors == []
+
+
+def test_a_part_sealed_long_before_is_served_without_asking_its_node(tmp_path):
+    """The question is for parts sealed less than RESAVE_GAP before the open (two saves
+    of a step closer than that count as one save elsewhere); an older part's files are
+    served at once, and a node that cannot answer (down) does not hold them up."""
+    old = {
+        r: dataclasses.replace(m, created=time.time() - 60, sealed=time.time() - 60)
+        for r, m in PARTS.items()
+    }
+    peer = Source("peer", dict(BYTES), ["peer node-rank 0"])
+    rv, ram, _shards, _catalog, own, _job = view_of(tmp_path, dict(old), [peer])
+    owners = Owners(dict(old))
+    rv.manifests = owners
+    meta = Path(ram.view) / "10" / ".metadata"
+
+    async def main() -> None:
+        await rv.look(own)
+        await rv.missing(meta.stat().st_ino)()
+        assert owners.owner_asked == []
+        # a recent part whose node cannot say: served as placed
+        rv.steps[10].sealed[2] = time.time()
+        two = Path(ram.view) / "10" / "__2_0.distcp"
+        owners.parts.pop(2)
+        opened = rv.missing(two.stat().st_ino)
+        assert opened is not None
+        await opened()
+        assert owners.owner_asked == [2]
+        fetch = rv.missing(two.stat().st_ino)
+        assert fetch is not None
+        await fetch()
+
+    trio.run(main)
+    assert meta.read_bytes() == B
 
 
 def test_a_reader_of_a_file_saved_again_meanwhile_waits_for_the_new_part(tmp_path):

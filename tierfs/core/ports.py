@@ -152,6 +152,20 @@ class ManifestSource(Protocol):
         ...
 
 
+#: :meth:`OwnerParts.owner_part`'s answer while the node's client writes the step again
+PART_SAVING = "saving"
+
+
+class OwnerParts(Protocol):
+    """What a node holds of its own part now, asked of that node alone."""
+
+    async def owner_part(self, job: str, rank: int, step: int) -> str | None:
+        """The digest of node ``rank``'s own part of ``step`` as that node holds it now;
+        :data:`PART_SAVING` while its client writes the step again (its seal to
+        come); None when it cannot say (unreachable, no such part). Never raises."""
+        ...
+
+
 class PartReports(Protocol):
     """The digests the nodes report of their own parts (node-rank 0's coordinator:
     each node's inventory arrives with its heartbeat, about every second)."""

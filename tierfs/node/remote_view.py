@@ -86,6 +86,7 @@ import trio
 from tierfs.core import control, in_use, settings, syscalls
 from tierfs.core.errors import NO_ROOM_ERRNOS, FetchFailed
 from tierfs.core.ports import (
+    PART_SAVING,
     BatchFileSource,
     CurrentJob,
     FileSource,
@@ -170,6 +171,15 @@ SAY_AFTER = 5.0
 #: seconds a reader whose fetch found other bytes in every copy (the rank saved the
 #: step again) waits for the look that replaces the file before it gets EIO
 REPLACED_WAIT = 5.0
+#: seconds an open of another rank's file waits while that rank's node writes the step
+#: again (:meth:`RemoteView._confirm`; past it: EIO)
+CONFIRM_WAIT = 10.0
+#: seconds between two questions to a node writing its part again
+CONFIRM_POLL = 0.05
+#: seconds a rank's part confirmed by its node stays confirmed for opens
+CONFIRM_FOR = 1.0
+#: inodes of placed files the view removed or replaced that it still recognises
+RETIRED_KEPT = 65536
 #: seconds between looks at whether the client deleted or moved placed files (status)
 SWEEP_EVERY = 5.0
 #: steps whose own part was discarded that the view keeps looking at, at most
@@ -402,6 +412,9 @@ class StepUnion:
     #: is renamed over it in the same look (:meth:`RemoteView._place_file`), so a
     #: lookup never finds the name missing (#14 trial 60 M1b: ENOENT in a load)
     replacing: dict[str, RemoteFile] = field(default_factory=dict)
+    #: rank -> (digest, trio time) of its part as its node confirmed it to an open
+    #: (:meth:`RemoteView._confirm`)
+    owner_ok: dict[int, tuple[str, float]] = field(default_factory=dict)
 
     def current(self, m: Manifest) -> bool:
         """True if part ``m`` is of the save this node began (not an earlier one, even
@@ -695,6 +708,9 @@ class RemoteView:
         self._room_turn = trio.Lock()
         #: fetches under way that found no room and wait for it (their bytes punched)
         self._short: set[RemoteFile] = set()
+        #: inode -> path of placed files the view removed or replaced (opens of them
+        #: answer ESTALE), the newest :data:`RETIRED_KEPT`
+        self._retired: dict[int, str] = {}
         #: (step, path) of the files of an earlier save already said (:meth:`_of_earlier_save`)
         self._earlier_said: set[tuple[int, str]] = set()
         #: bytes of the files open for writing at the last look, and when they changed
@@ -728,8 +744,9 @@ class RemoteView:
         self.ns = ns
 
     def is_remote(self, ino: int) -> bool:
-        """True if view inode ``ino`` is another rank's file (read-only, never sealed here)."""
-        return ino in self._by_ino
+        """True if view inode ``ino`` is another rank's file (read-only, never sealed here),
+        or was one the view removed or replaced (an open of it answers ESTALE)."""
+        return ino in self._by_ino or ino in self._retired
 
     def missing(self, ino: int) -> Callable[[], Awaitable[None]] | None:
         """None if ``ino``'s bytes are here, else the fetch to wait for (FUSE thread,
@@ -739,12 +756,14 @@ class RemoteView:
         (:attr:`StepUnion.suspect`) first waits for that rank's current part."""
         rf = self._by_ino.get(ino)
         if rf is None:
-            return None
+            return self._stale(ino) if ino in self._retired else None
         union = self._opened(rf)
         if union is not None and rf.rank in union.refused:
             return lambda: self._refused(union, rf)
         if rf.earlier:
             return lambda: self._of_earlier_save(rf)
+        if union is not None and self._to_confirm(union, rf.rank):
+            return lambda: self._confirm(union, rf)
         if union is not None and rf.rank in union.suspect:
             return lambda: self._current(union, rf)
         if union is not None and self._unconfirmed(union, rf.rank):
@@ -781,6 +800,8 @@ class RemoteView:
             return lambda: self._refused(union, rf)
         if rf.earlier:
             return lambda: self._of_earlier_save(rf)
+        if union is not None and self._to_confirm(union, rf.rank):
+            return lambda: self._confirm(union, rf)
         if union is not None and rf.rank in union.suspect:
             return lambda: self._current(union, rf)
         if union is not None and self._unconfirmed(union, rf.rank):
@@ -903,6 +924,119 @@ class RemoteView:
         raise OSError(
             errno.EIO, f"step {union.step}: {rf.path} is not served: {union.refused[rf.rank]}"
         )
+
+    def _stale(self, ino: int) -> Callable[[], Awaitable[None]]:
+        """The open of a placed file the view removed or replaced since the kernel
+        looked its name up (:attr:`_retired`) fails with ESTALE: the kernel looks the
+        path up again and opens what is there now. Never the removed placeholder,
+        whose bytes may be holes."""
+        path = self._retired.get(ino, "")
+
+        async def stale() -> None:
+            raise OSError(errno.ESTALE, f"{path}: replaced or removed in the whole-step view")
+
+        return stale
+
+    def _retire(self, rf: RemoteFile) -> None:
+        """Forget ``rf``'s inode, which the view just removed or replaced in the view
+        (any thread: one dict update); opens of it answer ESTALE (:meth:`_stale`)."""
+        if self._by_ino.get(rf.ino) is rf:
+            del self._by_ino[rf.ino]
+        self._retired[rf.ino] = rf.path
+        while len(self._retired) > RETIRED_KEPT:
+            del self._retired[next(iter(self._retired))]
+
+    def _to_confirm(self, union: StepUnion, rank: int) -> bool:
+        """Whether an open of a file of ``rank``'s part asks that rank's node first: the
+        part was sealed less than :data:`RESAVE_GAP` s ago (a save of the step right
+        after it, with no load between, counts as the same save everywhere else) and
+        its node has not confirmed it in the last :data:`CONFIRM_FOR` s."""
+        if getattr(self.manifests, "owner_part", None) is None:
+            return False
+        sealed = union.sealed.get(rank, 0.0)
+        if sealed <= 0 or time.time() - sealed >= RESAVE_GAP:
+            return False
+        ok = union.owner_ok.get(rank)
+        return (
+            ok is None
+            or ok[0] != union.parts.get(rank)
+            or trio.current_time() - ok[1] > CONFIRM_FOR
+        )
+
+    async def _confirm(self, union: StepUnion, rf: RemoteFile) -> None:
+        """Ask ``rf``'s rank's node whether the part shown here is still its part (trio
+        thread; the open is retried after). While that node's client writes the step
+        again, ask again every :data:`CONFIRM_POLL` s; when it holds another part,
+        have the rank asked again and wait for the look that replaces the file.
+
+        Regression (#14 trial 60 M1a): ``dcp.save`` twice in a row, then barrier and
+        load: a node holding rank 1's replica of the first save (or its bytes fetched)
+        served them, verified against the first save's manifest, until the replica of
+        the second save arrived 0.1-0.2 s later; the load returned the first save's
+        values, silently (several of 10 steps in a row on 3 nodes).
+
+        Raises:
+            OSError: ESTALE when the file was replaced by the rank's new part (the
+                kernel looks the path up again); EIO when its node still writes the
+                step after :data:`CONFIRM_WAIT` s, or holds another part and no look
+                brought it (said in ``replicator.errors``).
+        """
+        job = self.current.job
+        owner_part = getattr(self.manifests, "owner_part", None)
+        if job is None or owner_part is None:
+            return
+        until = trio.current_time() + CONFIRM_WAIT
+        shown = union.parts.get(rf.rank)
+        while True:
+            got = await owner_part(job.name, rf.rank, rf.step)
+            if got != PART_SAVING or trio.current_time() >= until:
+                break
+            await trio.sleep(CONFIRM_POLL)
+        if got is None or got == shown:
+            # None: its node cannot say (down, or the part gone): its copies are what
+            # the view is for
+            union.owner_ok[rf.rank] = (shown or "", trio.current_time())
+            return
+        if got != PART_SAVING:
+            log.info(
+                "%s: rank %d's node holds another part of step %d than shown here: "
+                "asking for it again",
+                rf.path,
+                rf.rank,
+                rf.step,
+            )
+
+            def current() -> RemoteFile | None:
+                """The file the view shows at the path once it shows the new part."""
+                cur = union.files.get(rf.path)
+                if cur is not None and cur.digest == got:
+                    return cur
+                if cur is None and union.parts.get(rf.rank) == got:
+                    return rf  # the new part has no such file: looked up again below
+                return None
+
+            with trio.move_on_at(max(until, trio.current_time() + REPLACED_WAIT)):
+                while current() is None:
+                    union.recheck.add(rf.rank)
+                    self._wake.set()
+                    await union.looked.wait()
+            cur = current()
+            if cur is rf and union.files.get(rf.path) is rf:
+                union.owner_ok[rf.rank] = (got, trio.current_time())
+                return  # the same bytes in the new part: this file is it
+            if cur is not None:
+                raise OSError(errno.ESTALE, f"{rf.path}: replaced by rank {rf.rank}'s new part")
+        why = (
+            f"step {rf.step}: rank {rf.rank}'s {rf.path} is not served (EIO): "
+            + (
+                f"its node has been saving the step again for {CONFIRM_WAIT:.0f} s"
+                if got == PART_SAVING
+                else "its node holds another part of the step, not known here yet"
+            )
+            + " (the bytes here are of the earlier save)"
+        )
+        self.reporter.error(why)
+        raise OSError(errno.EIO, why)
 
     async def _of_earlier_save(self, rf: RemoteFile) -> None:
         """The open of a file its part's verdict names as of an earlier save of the step
@@ -2197,8 +2331,8 @@ class RemoteView:
             del union.files[rf.path]
             union.order = None
             # an entry the client removed may still be open: its inode keeps its rules
-            if here and self._by_ino.get(rf.ino) is rf:
-                del self._by_ino[rf.ino]
+            if here:
+                self._retire(rf)
         return kept
 
     def _drop_replacing(self, union: StepUnion) -> None:
@@ -2213,8 +2347,7 @@ class RemoteView:
                     self._notify(path_rel)
             except OSError as exc:
                 log.debug("removing the old %s of rank %d: %s", path_rel, rf.rank, exc)
-            if self._by_ino.get(rf.ino) is rf:
-                del self._by_ino[rf.ino]
+            self._retire(rf)
 
     def _place(
         self, job: str, own: Shard | None, union: StepUnion, parts: dict[int, Manifest]
@@ -2372,8 +2505,8 @@ class RemoteView:
         finally:
             if made is not None:
                 os.unlink(made)
-        if replaced is not None and self._by_ino.get(replaced.ino) is replaced:
-            del self._by_ino[replaced.ino]
+        if replaced is not None:
+            self._retire(replaced)
         union.files[path_rel] = rf
         union.order = None
         return rf

@@ -111,6 +111,11 @@ class StepBook:
         #: the composition root, :meth:`tierfs.node.remote_view.RemoteView.read_parts`)
         self.read_parts: Callable[[int, float], list[tuple[int, str]]] = lambda step, since: []
 
+    def resaving(self, key: ShardKey) -> bool:
+        """True while this node's part ``key`` is withdrawn by a write of its client
+        and not sealed again yet (trio thread)."""
+        return key in self.withdrawn_names.values()
+
     def new_save(self, step: int) -> tuple[float, float] | None:
         """(cutoff, began) when a write began another save of this node's part of
         ``step`` and it is not sealed yet (:class:`tierfs.node.resave.EarlierSave`:

@@ -39,6 +39,9 @@ BAD = "bad copy"
 
 #: the "code" of a copy whose file is not the caller's ``expect`` (:meth:`PeerFiles._pull_file`)
 OTHER = "other bytes"
+#: how :meth:`PeerFiles._pull_batch` begins its answer for a holder of another part
+#: of the step (FAILED_PRECONDITION)
+MOVED_ON = "another part held"
 
 #: seconds a file fetch waits for the address of a holder asked for just now
 ADDRESS_WAIT = 3.0
@@ -171,9 +174,10 @@ class PeerFiles:
         ``digest`` first; holders of other bytes of the step
         (FAILED_PRECONDITION) are asked again without it after every other
         copy failed, except node ``rank`` itself, which is asked again at once
-        (with ``expect``, the file's bytes): its part is the current one, so when
-        its file has other bytes the fetch ends there (``superseded``), never
-        served from a copy of the earlier part (#14 trial 60 M1a: after two saves
+        (with ``expect``, the file's bytes): its part is the current one (or its
+        client is writing it again), so unless it serves the expected bytes the
+        fetch ends there (``superseded``), never served from a copy of the
+        earlier part (#14 trial 60 M1a: after two saves
         in a row a node read another node's ranks' first-save bytes from a
         replica, silently). A corrupt copy (BadCopy, or a chunk ``write`` refused:
         :class:`tierfs.store.chunks.ChunkMismatch`) or one with other bytes than
@@ -221,15 +225,12 @@ class PeerFiles:
                 if again is None:
                     self._say_bad(key, path, label, tried)
                     return label
-                if again[1] is OTHER:
-                    raise FetchFailed(
-                        f"{path} of step {step} of node-rank {rank}: its node holds a newer "
-                        f"part of the step with other bytes in it ({why}); the copies of "
-                        "the earlier part are not served",
-                        superseded=True,
-                    )
-                tried.append(f"{label}: {why}; (any bytes): {again[0]}")
-                continue
+                raise FetchFailed(
+                    f"{path} of step {step} of node-rank {rank}: its node holds a newer "
+                    f"part of the step ({why}; its file: {again[0]}); the copies of the "
+                    "earlier part are not served",
+                    superseded=True,
+                )
             if digest and code == grpc.StatusCode.FAILED_PRECONDITION:
                 other.append((label, address))  # it holds other bytes of the step
             tried.append(f"{label}: {why}")
@@ -266,7 +267,10 @@ class PeerFiles:
 
         The copies are :meth:`fetch_file`'s, in its order, with ``digest`` only;
         each copy is asked for the files not landed yet, in one slot of the file
-        fetch lane. Best effort: a copy that fails is logged, not reported (the
+        fetch lane. When node ``rank`` itself holds another part of the step
+        (FAILED_PRECONDITION), no further copy is asked: they hold the earlier part
+        (#14 trial 60 M1a), and the caller's :meth:`fetch_file` of each file left
+        asks that node for the file's bytes.
         caller fetches what did not land on its own, which reports), except a copy
         with wrong bytes when a farther copy then served files: one line in
         ``replicator.errors`` as :meth:`fetch_file` writes it.
@@ -291,6 +295,11 @@ class PeerFiles:
                 )
             if why is not None and why.startswith(BAD):
                 bad.append(f"{label}: {why}")
+            if r == rank and why is not None and why.startswith(MOVED_ON):
+                # the part's own node holds a newer part: the other copies are of the
+                # earlier one; the caller fetches what is left file by file, which
+                # asks that node for each file's bytes (fetch_file, trial 60 M1a)
+                return
 
     def _hold(self) -> Callable[[], bool]:
         """The pause of a transfer: the caller's (a prefetch gives way to readers),
@@ -346,6 +355,8 @@ class PeerFiles:
             why = str(exc)
         except grpc.RpcError as exc:
             why = rpc_reason(exc)
+            if rpc_code(exc) == grpc.StatusCode.FAILED_PRECONDITION:
+                why = f"{MOVED_ON}: {why}"
         except Exception as exc:  # Refused, OtherBytes...: the next copy
             why = f"{type(exc).__name__}: {exc}"
         finally:

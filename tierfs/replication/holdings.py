@@ -76,6 +76,10 @@ class Holdings(PeerHost):
         self.incarnation = me.incarnation  # answers every inventory
         self.keep_local = keep_local
         self.pins: collections.Counter[ShardKey] = collections.Counter()
+        #: ``resaving_now(key)`` (trio thread): this node's own part ``key`` is
+        #: withdrawn by a write of its client, its seal to come (set by the
+        #: composition root; None: never)
+        self.resaving_now: Callable[[ShardKey], bool] | None = None
         self._trusted: set[ShardKey] = set()
         self._linked: dict[ShardKey, ShardKey] = {}
         self._digests: dict[ShardKey, tuple[int, str]] = {}
@@ -228,6 +232,10 @@ class Holdings(PeerHost):
 
     def find(self, key: ShardKey) -> Shard | None:
         return self._on_trio(self.catalog.get, key)  # type: ignore[no-any-return]
+
+    def resaving(self, key: ShardKey) -> bool:
+        test = self.resaving_now
+        return test is not None and bool(self._on_trio(test, key))
 
     def find_digest(self, job: str, digest: str) -> tuple[Shard, bool] | None:
         def look() -> tuple[Shard, bool] | None:

@@ -54,6 +54,7 @@ import trio
 
 from tierfs.core.config import NodeConfig
 from tierfs.core.ports import (
+    PART_SAVING,
     BackupOrders,
     Catalog,
     CurrentJob,
@@ -67,7 +68,7 @@ from tierfs.core.ports import (
 )
 from tierfs.core.status import PeerMemberStatus, PeerStatus, PeerStepStatus, SyncStatus
 from tierfs.replication.addresses import AddressBook, Endpoint, replica_peers
-from tierfs.replication.client import PeerClient
+from tierfs.replication.client import PeerClient, rpc_code, rpc_reason
 from tierfs.replication.files import PeerFiles, holders_of
 from tierfs.replication.heartbeat import Heartbeat
 from tierfs.replication.holdings import Holdings, retention_pins
@@ -84,7 +85,7 @@ from tierfs.replication.relay import SyncRelay
 from tierfs.replication.rendezvous import CoordinatorFinder
 from tierfs.replication.replicator import Replicator
 from tierfs.replication.replicator import delivered as _done
-from tierfs.replication.service import PeerServicer, peer_handlers
+from tierfs.replication.service import RESAVING, PeerServicer, peer_handlers
 from tierfs.replication.transfer import BadCopy, Refused
 from tierfs.rpc import wire as peer_wire
 from tierfs.rpc.aio_server import AioServer, with_sync_context
@@ -495,6 +496,31 @@ class PeerTier:
                 if manifest is not None:
                     return manifest
         return None
+
+    async def owner_part(self, job: str, rank: int, step: int) -> str | None:
+        """The digest of node ``rank``'s own part of ``step`` as that node holds it now,
+        asked of that node only (no relay, no replica holder); :data:`SAVING` while
+        its client writes the step again (its seal to come); None when it cannot say
+        (unreachable, no such part, an address not known here). Trio thread; never
+        raises. (:meth:`tierfs.node.remote_view.RemoteView` confirms a part sealed
+        moments before an open: #14 trial 60 M1a.)"""
+        address = await self._address_of(job, rank)
+        if not address or address == self.address:
+            return None
+        key = ShardKey(job, rank, step)
+        try:
+            manifest: Manifest = await self.call(self.client.manifest, address, key, 5.0)
+        except grpc.RpcError as exc:
+            if rpc_code(exc) == grpc.StatusCode.FAILED_PRECONDITION and RESAVING in (
+                rpc_reason(exc)
+            ):
+                return PART_SAVING
+            log.debug("the part of step %d of rank %d: %s", step, rank, exc)
+            return None
+        except (Refused, BadCopy) as exc:
+            log.debug("the part of step %d of rank %d: %s", step, rank, exc)
+            return None
+        return manifest.digest
 
     async def _manifest_from(self, address: str | None, key: ShardKey) -> Manifest | None:
         """The manifest of the copy of ``key`` at ``address`` (None: no answer)."""

@@ -59,6 +59,11 @@ _JOB_RE = re.compile(r"^[^/\0]+$")
 # ---------------------------------------------------------------------- host
 
 
+#: how a PullShard refused for a part its node's client is writing again begins its
+#: details (:meth:`PeerHost.resaving`)
+RESAVING = "being saved again"
+
+
 class PeerHost:
     """What the servicer may ask of its node; every method is safe from any thread.
 
@@ -103,6 +108,11 @@ class PeerHost:
         """Another node's manifest of its part ``key`` this node was told, if kept (a
         relay for nodes that cannot reach that node; any thread)."""
         return None
+
+    def resaving(self, key: ShardKey) -> bool:
+        """True while this node's own part ``key`` is withdrawn because its client
+        writes the step again (its next seal is to come); any thread."""
+        return False
 
     def damaged(self, key: ShardKey, path: str) -> None:
         """A chunk of file ``path`` of the copy of ``key`` held here was read for a pull
@@ -421,8 +431,10 @@ class PeerServicer:
         A ``manifest_only`` request for a part not held here is answered with the
         manifest its node sent this one, if kept (:meth:`PeerHost.known_manifest`).
 
-        Aborts (before any message): UNAVAILABLE while the daemon stops; NOT_FOUND
-        without a copy of the shard, or for a path of ``request.paths`` the
+        Aborts (before any message): UNAVAILABLE while the daemon stops;
+        FAILED_PRECONDITION for this node's own part while its client writes the
+        step again (:meth:`PeerHost.resaving`); NOT_FOUND without a copy of the
+        shard, or for a path of ``request.paths`` the
         manifest does not list as a file (the details name it);
         FAILED_PRECONDITION for a copy with another digest than ``request.digest``.
         """
@@ -432,6 +444,13 @@ class PeerServicer:
         except HostGone:
             context.abort(grpc.StatusCode.UNAVAILABLE, "daemon is stopping")
         if shard is None:
+            if self.host.resaving(key):
+                # the earlier part's copies elsewhere are of the save before: a
+                # fetcher must not take them for this part (#14 trial 60 M1a)
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{RESAVING}: the part {key} here is being saved again (its seal is to come)",
+                )
             relayed = self.host.known_manifest(key) if request.manifest_only else None
             if relayed is not None:
                 # only the manifest, as its node sent it here (the whole-step view of

@@ -23,6 +23,9 @@ rank finishing more than 10 s after the others: #14 trial 54 F2).
 directory, with new values each time, each save followed by the barrier and the load
 (a step saved again in place right after its load: #14 trial 55 F3).
 
+``$DCP_RACE_NOLOAD`` = ``1``: with ``$DCP_RACE_REPEAT``, only the last save of each
+step is followed by the barrier and the load (saves in a row: #14 trial 60 M1).
+
 ``$DCP_RACE_CUT`` = ``RANK``: the last save of the last step is cut short: that rank's
 process dies (``os._exit``) before it writes its data file, the others' saves fail
 (their data files written, no ``.metadata``); each prints ``CUT`` and exits 0 (a
@@ -107,6 +110,7 @@ def main() -> None:
     failed = []
     try:
         repeat = int(os.environ.get("DCP_RACE_REPEAT", "1"))
+        noload = os.environ.get("DCP_RACE_NOLOAD") == "1"
         for step in range(first, last + 1):
             shutil.rmtree(os.path.join(root, f"checkpoint-{step - 2}"), ignore_errors=True)
             path = os.path.join(root, f"checkpoint-{step}")
@@ -132,6 +136,8 @@ def main() -> None:
                     print("CUT", flush=True)
                     os._exit(0)
                 dcp.save(state, storage_writer=writer)
+                if noload and save < repeat - 1:
+                    continue
                 dist.barrier()
                 want = {f"r{r}.small": small(step, r, save) for r in range(world)}
                 got = {k: torch.zeros_like(v) for k, v in want.items()}
@@ -144,7 +150,7 @@ def main() -> None:
                     if isinstance(exc, KeyboardInterrupt):
                         raise
                     failed.append(
-                        f"LOAD_FAILED {step}.{save} {type(exc).__name__} {str(exc)[:300]}"
+                        f"LOAD_FAILED {step}.{save} {type(exc).__name__} {str(exc)[-400:]}"
                     )
                 dist.barrier()
     finally:
