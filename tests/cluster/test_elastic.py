@@ -81,6 +81,26 @@ def restart(c: Cluster, n: int, nodes: list[int]) -> None:
         c.remount(i)
 
 
+def restart_restores_older(c: Cluster, step: int) -> list[str]:
+    """The 3 nodes restart (RAM kept); each one's ``tierfs wait`` must restore ``step``
+    from local with exit 2 (an older step than the newest). Returns each one's stderr
+    (the reason)."""
+    for i in range(3):
+        c.mounts[i].unmount()
+    for i in range(3):
+        c.remount(i)
+    said = []
+    for i in range(3):
+        w = tierfs("wait", str(c.root(i)), "--timeout", "180", check=False, timeout=240)
+        assert (w.returncode, w.stdout.strip()) == (2, f"restored step {step} from local"), (
+            i,
+            w.stdout,
+            w.stderr,
+        )
+        said.append(w.stderr)
+    return said
+
+
 def wait_restore(c: Cluster, i: int) -> str:
     w = tierfs("wait", str(c.root(i)), "--timeout", "180", check=False, timeout=240)
     assert w.returncode == 0, (i, w.stdout, w.stderr, c.logs())
@@ -661,18 +681,8 @@ def test_a_restart_soon_after_a_resave_a_rank_never_made_restores_the_older_step
         assert (2, old2) in m.replaces, (i, m.replaces)  # type: ignore[union-attr]
     assert own_manifest(c, 2, 2, 30).digest == old2  # type: ignore[union-attr]
     # the job restarts at once (node 0 has not judged the step yet), RAM kept
-    for i in range(3):
-        c.mounts[i].unmount()
-    for i in range(3):
-        c.remount(i)
-    for i in range(3):
-        w = tierfs("wait", str(c.root(i)), "--timeout", "180", check=False, timeout=240)
-        assert (w.returncode, w.stdout.strip()) == (2, "restored step 20 from local"), (
-            i,
-            w.stdout,
-            w.stderr,
-        )
-        assert "earlier save of step 30" in w.stderr, w.stderr
+    for why in restart_restores_older(c, 20):
+        assert "earlier save of step 30" in why, why
     assert dcp(c, "load", 20, [0, 1, 2]) == ["LOADED_OK"] * 3
 
 
@@ -743,18 +753,8 @@ def test_a_save_cut_short_on_a_node_of_two_ranks_is_never_loaded_nor_restored(ma
         wait_for(refused, 60, f"node {i} refusing rank 2's file of the first save")
         assert "checkpoint-41/__2_0.distcp is not served (EIO)" in c.errors(i), c.errors(i)
     # the job restarts (RAM kept): step 40, the last complete one, with the reason
-    for i in range(3):
-        c.mounts[i].unmount()
-    for i in range(3):
-        c.remount(i)
-    for i in range(3):
-        w = tierfs("wait", str(c.root(i)), "--timeout", "180", check=False, timeout=240)
-        assert (w.returncode, w.stdout.strip()) == (2, "restored step 40 from local"), (
-            i,
-            w.stdout,
-            w.stderr,
-        )
-        assert "step 41" in w.stderr and "__2_0.distcp" in w.stderr, (i, w.stderr)
+    for i, why in enumerate(restart_restores_older(c, 40)):
+        assert "step 41" in why and "__2_0.distcp" in why, (i, why)
     for i in range(3):
         wait_for(lambda i=i: whole(c, i, 40, 6), 90, f"the whole step 40 on node {i}")
 

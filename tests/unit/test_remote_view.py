@@ -1407,6 +1407,14 @@ def test_a_file_saved_again_is_replaced_in_one_step_and_its_name_never_goes_miss
     assert meta.read_bytes() == B2 and job.errors == []
 
 
+async def looks(rv: RemoteView, own: Shard) -> None:
+    """The view's loop as far as these tests need it: a look whenever it is woken."""
+    while True:
+        await rv._wake.wait()
+        rv._wake = trio.Event()
+        await rv.look(own)
+
+
 class Owners(Manifests):
     """Manifests whose ranks' nodes also say what part they hold now (``owner_part``):
     ``saving`` answers :data:`PART_SAVING` that many times first, then ``after`` (rank
@@ -1451,14 +1459,7 @@ def test_an_open_right_after_a_seal_asks_the_ranks_node_and_waits_for_its_new_sa
         opened = rv.missing(old)
         assert opened is not None
         async with trio.open_nursery() as nursery:
-
-            async def looks() -> None:  # the view's loop: a look when woken
-                while True:
-                    await rv._wake.wait()
-                    rv._wake = trio.Event()
-                    await rv.look(own)
-
-            nursery.start_soon(looks)
+            nursery.start_soon(looks, rv, own)
             with pytest.raises(OSError) as err, trio.fail_after(view_module.REPLACED_WAIT):
                 await opened()
             assert err.value.errno == errno.ESTALE  # replaced by rank 0's new part
@@ -1530,14 +1531,7 @@ def test_a_reader_of_a_file_saved_again_meanwhile_waits_for_the_new_part(tmp_pat
             {0: manifest(0, {".metadata": B2, "__0_0.distcp": C}), 2: PARTS[2]}
         )
         async with trio.open_nursery() as nursery:
-
-            async def looks() -> None:  # the view's loop: a look when woken
-                while True:
-                    await rv._wake.wait()
-                    rv._wake = trio.Event()
-                    await rv.look(own)
-
-            nursery.start_soon(looks)
+            nursery.start_soon(looks, rv, own)
             with pytest.raises(OSError) as exc, trio.fail_after(view_module.REPLACED_WAIT):
                 await rv.missing(ino)()
             assert exc.value.errno == errno.ESTALE

@@ -39,7 +39,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import stamina
 import stamina.instrumentation
@@ -140,7 +140,9 @@ class Policy:
         retry at once.
         """
         return stamina.retry_context(
-            on=on,
+            # stamina 26.2 widened its type of ``on`` (BaseException, timedelta);
+            # ``Retried`` fits every release since 25.1
+            on=cast(Any, on),
             attempts=self.attempts,
             timeout=self.deadline,
             wait_initial=self.first,
