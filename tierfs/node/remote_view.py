@@ -951,8 +951,11 @@ class RemoteView:
         part was sealed less than :data:`RESAVE_GAP` s ago (a save of the step right
         after it, with no load between, counts as the same save everywhere else) and
         its node has not confirmed it in the last :data:`CONFIRM_FOR` s."""
-        if getattr(self.manifests, "owner_part", None) is None:
+        job = self.current.job
+        if getattr(self.manifests, "owner_part", None) is None or job is None:
             return False
+        if union.writers and union.writers != job.nodes:
+            return False  # a step of another node count: its ranks are other nodes now
         sealed = union.sealed.get(rank, 0.0)
         if sealed <= 0 or time.time() - sealed >= RESAVE_GAP:
             return False

@@ -504,6 +504,9 @@ class PeerTier:
         (unreachable, no such part, an address not known here). Trio thread; never
         raises. (:meth:`tierfs.node.remote_view.RemoteView` confirms a part sealed
         moments before an open: #14 trial 60 M1a.)"""
+        spec = self.current.job
+        if spec is None or spec.name != job or rank >= spec.nodes or rank in self.book.gone:
+            return None
         address = await self._address_of(job, rank)
         if not address or address == self.address:
             return None
