@@ -1464,16 +1464,15 @@ def test_an_open_right_after_a_seal_asks_the_ranks_node_and_waits_for_its_new_sa
                 await opened()
             assert err.value.errno == errno.ESTALE  # replaced by rank 0's new part
             nursery.cancel_scope.cancel()
-        assert owners.owner_asked == [0] * 4  # 3 answers "saving", then the new part
+        # 3 answers "saving", the new part, and the new part again once shown here
+        assert owners.owner_asked == [0] * 5
         peer.files = {**BYTES, "10/.metadata": B2}  # the new part's replica
         new = meta.stat().st_ino
         assert new != old
-        opened = rv.missing(new)
-        assert opened is not None
-        await opened()  # its node confirms the part shown now
-        fetch = rv.missing(new)
+        fetch = rv.missing(new)  # the open again: confirmed just now, fetched
         assert fetch is not None
         await fetch()
+        assert owners.owner_asked == [0] * 5
 
     trio.run(main)
     assert meta.read_bytes() == B2 and job.errors == []

@@ -174,6 +174,10 @@ REPLACED_WAIT = 5.0
 #: seconds an open of another rank's file waits while that rank's node writes the step
 #: again (:meth:`RemoteView._confirm`; past it: EIO)
 CONFIRM_WAIT = 10.0
+#: seconds after a part's seal during which an open of one of its files asks its node
+#: first: a save of the step again begun less than RESAVE_GAP after the seal is one
+#: save by the seal rules, and may take a while (#14 trial 61: 9.9 s apart)
+CONFIRM_WINDOW = 60.0
 #: seconds between two questions to a node writing its part again
 CONFIRM_POLL = 0.05
 #: seconds a rank's part confirmed by its node stays confirmed for opens
@@ -948,16 +952,17 @@ class RemoteView:
 
     def _to_confirm(self, union: StepUnion, rank: int) -> bool:
         """Whether an open of a file of ``rank``'s part asks that rank's node first: the
-        part was sealed less than :data:`RESAVE_GAP` s ago (a save of the step right
-        after it, with no load between, counts as the same save everywhere else) and
-        its node has not confirmed it in the last :data:`CONFIRM_FOR` s."""
+        part was sealed less than :data:`CONFIRM_WINDOW` s ago (a save of the step
+        begun less than RESAVE_GAP after it, with no load between, counts as the same
+        save everywhere else) and its node has not confirmed it in the last
+        :data:`CONFIRM_FOR` s."""
         job = self.current.job
         if getattr(self.manifests, "owner_part", None) is None or job is None:
             return False
         if union.writers and union.writers != job.nodes:
             return False  # a step of another node count: its ranks are other nodes now
         sealed = union.sealed.get(rank, 0.0)
-        if sealed <= 0 or time.time() - sealed >= RESAVE_GAP:
+        if sealed <= 0 or time.time() - sealed >= CONFIRM_WINDOW:
             return False
         ok = union.owner_ok.get(rank)
         return (
@@ -970,7 +975,9 @@ class RemoteView:
         """Ask ``rf``'s rank's node whether the part shown here is still its part (trio
         thread; the open is retried after). While that node's client writes the step
         again, ask again every :data:`CONFIRM_POLL` s; when it holds another part,
-        have the rank asked again and wait for the look that replaces the file.
+        have the rank asked again, wait for the look that replaces the file, and ask
+        the node again until it names the part the view shows (a step saved three
+        times in a row: the kernel retries an open once after ESTALE, trial 61).
 
         Regression (#14 trial 60 M1a): ``dcp.save`` twice in a row, then barrier and
         load: a node holding rank 1's replica of the first save (or its bytes fetched)
@@ -990,17 +997,29 @@ class RemoteView:
             return
         until = trio.current_time() + CONFIRM_WAIT
         shown = union.parts.get(rf.rank)
+        cur: RemoteFile | None = rf
+        got: str | None = None
         while True:
             got = await owner_part(job.name, rf.rank, rf.step)
-            if got != PART_SAVING or trio.current_time() >= until:
+            now = trio.current_time()
+            if got == PART_SAVING:
+                if now >= until:
+                    break
+                await trio.sleep(CONFIRM_POLL)
+                continue
+            cur = union.files.get(rf.path)
+            if got is None or (cur is not None and cur.digest == got):
+                # None: its node cannot say (down, or the part gone): its copies are
+                # what the view is for
+                union.owner_ok[rf.rank] = (union.parts.get(rf.rank) or "", now)
+                if cur is rf:
+                    return
+                raise OSError(errno.ESTALE, f"{rf.path}: replaced by rank {rf.rank}'s new part")
+            if cur is None and union.parts.get(rf.rank) == got:
+                # the new part has no such file: the kernel looks the name up again
+                raise OSError(errno.ESTALE, f"{rf.path}: not in rank {rf.rank}'s new part")
+            if now >= until:
                 break
-            await trio.sleep(CONFIRM_POLL)
-        if got is None or got == shown:
-            # None: its node cannot say (down, or the part gone): its copies are what
-            # the view is for
-            union.owner_ok[rf.rank] = (shown or "", trio.current_time())
-            return
-        if got != PART_SAVING:
             log.info(
                 "%s: rank %d's node holds another part of step %d than shown here: "
                 "asking for it again",
@@ -1008,35 +1027,24 @@ class RemoteView:
                 rf.rank,
                 rf.step,
             )
-
-            def current() -> RemoteFile | None:
-                """The file the view shows at the path once it shows the new part."""
-                cur = union.files.get(rf.path)
-                if cur is not None and cur.digest == got:
-                    return cur
-                if cur is None and union.parts.get(rf.rank) == got:
-                    return rf  # the new part has no such file: looked up again below
-                return None
-
-            with trio.move_on_at(max(until, trio.current_time() + REPLACED_WAIT)):
-                while current() is None:
+            # a look that shows another part than the one asked about: ask again
+            with trio.move_on_at(until):
+                while union.files.get(rf.path) is cur and union.parts.get(rf.rank) in (
+                    shown,
+                    None,
+                ):
                     union.recheck.add(rf.rank)
                     self._wake.set()
                     await union.looked.wait()
-            cur = current()
-            if cur is rf and union.files.get(rf.path) is rf:
-                union.owner_ok[rf.rank] = (got, trio.current_time())
-                return  # the same bytes in the new part: this file is it
-            if cur is not None:
-                raise OSError(errno.ESTALE, f"{rf.path}: replaced by rank {rf.rank}'s new part")
+            shown = union.parts.get(rf.rank)
         why = (
             f"step {rf.step}: rank {rf.rank}'s {rf.path} is not served (EIO): "
             + (
                 f"its node has been saving the step again for {CONFIRM_WAIT:.0f} s"
                 if got == PART_SAVING
-                else "its node holds another part of the step, not known here yet"
+                else f"its node's part changed again and again for {CONFIRM_WAIT:.0f} s"
             )
-            + " (the bytes here are of the earlier save)"
+            + " (the bytes here are of an earlier save)"
         )
         self.reporter.error(why)
         raise OSError(errno.EIO, why)

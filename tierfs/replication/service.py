@@ -439,12 +439,19 @@ class PeerServicer:
         FAILED_PRECONDITION for a copy with another digest than ``request.digest``.
         """
         key = ShardKey(request.job, request.rank, request.step)
+        resaving = False
         try:
             shard = self.host.find(key)
+            if shard is None:
+                resaving = self.host.resaving(key)
+                if not resaving:
+                    # sealed between the two questions (its withdraw ends as the seal
+                    # adds the part: trial 61 saw NOT_FOUND 9 ms after a re-seal)
+                    shard = self.host.find(key)
         except HostGone:
             context.abort(grpc.StatusCode.UNAVAILABLE, "daemon is stopping")
         if shard is None:
-            if self.host.resaving(key):
+            if resaving:
                 # the earlier part's copies elsewhere are of the save before: a
                 # fetcher must not take them for this part (#14 trial 60 M1a)
                 context.abort(
