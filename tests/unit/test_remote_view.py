@@ -1478,6 +1478,55 @@ def test_an_open_right_after_a_seal_asks_the_ranks_node_and_waits_for_its_new_sa
     assert meta.read_bytes() == B2 and job.errors == []
 
 
+class OwnerSequence(Owners):
+    """Owners whose rank-0 node names the parts in ``names`` in turn (each becomes the
+    part held as it is named), then the last one."""
+
+    def __init__(self, parts: dict[int, Manifest], names: list[Manifest]) -> None:
+        super().__init__(parts)
+        self.names = names
+
+    async def owner_part(self, job: str, rank: int, step: int) -> str | None:
+        self.owner_asked.append(rank)
+        m = self.names.pop(0) if len(self.names) > 1 else self.names[0]
+        self.parts[rank] = m
+        return m.digest
+
+
+def test_a_step_saved_three_times_in_a_row_gets_one_estale_for_the_last_save(tmp_path):
+    """#14 trial 61: three ``dcp.save`` in a row; the open's question named the second
+    save's part, the file was replaced by it, then by the third: the kernel retries an
+    open once after ESTALE, and the second ESTALE reached the application. The node is
+    now asked again until it names the part the view shows: one ESTALE, the last save."""
+    B2, B3 = os.urandom(len(B)), os.urandom(len(B))
+    peer = Source("peer", dict(BYTES), ["peer node-rank 0"])
+    rv, ram, _shards, _catalog, own, job = view_of(tmp_path, dict(PARTS), [peer])
+    meta = Path(ram.view) / "10" / ".metadata"
+    second = manifest(0, {".metadata": B2, "__0_0.distcp": C})
+    third = manifest(0, {".metadata": B3, "__0_0.distcp": C})
+    owners = OwnerSequence(dict(PARTS), [second, third, third])
+    rv.manifests = owners
+
+    async def main() -> None:
+        await rv.look(own)
+        opened = rv.missing(meta.stat().st_ino)
+        assert opened is not None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(looks, rv, own)
+            with pytest.raises(OSError) as err, trio.fail_after(view_module.REPLACED_WAIT):
+                await opened()
+            assert err.value.errno == errno.ESTALE
+            nursery.cancel_scope.cancel()
+        assert rv.steps[10].parts[0] == third.digest and owners.owner_asked == [0] * 3
+        peer.files = {**BYTES, "10/.metadata": B3}
+        fetch = rv.missing(meta.stat().st_ino)  # the kernel's one retry: served
+        assert fetch is not None
+        await fetch()
+
+    trio.run(main)
+    assert meta.read_bytes() == B3 and job.errors == []
+
+
 def test_a_part_sealed_long_before_is_served_without_asking_its_node(tmp_path):
     """The question is for parts sealed less than RESAVE_GAP before the open (two saves
     of a step closer than that count as one save elsewhere); an older part's files are
