@@ -1415,6 +1415,53 @@ async def looks(rv: RemoteView, own: Shard) -> None:
         await rv.look(own)
 
 
+def recent(parts: dict[int, Manifest]) -> dict[int, Manifest]:
+    """``parts`` sealed just now (PARTS were made at import: a worker may run a test a
+    minute later, past the window in which an open asks a part's node)."""
+    return {r: dataclasses.replace(m, created=time.time()) for r, m in parts.items()}
+
+
+def test_a_file_whose_replacement_failed_is_removed_never_left_with_its_old_bytes(tmp_path):
+    """Regression (#14 trial 62, silent wrong values): three saves of a step in a row;
+    placing rank 2's new file failed (``[Errno 2]``: the replica it was to link was
+    replaced meanwhile), and the old file stayed in the view, no longer tracked, its
+    first-save bytes served to a load. Now it is removed after that look (a lookup
+    until the next look finds nothing: never the old bytes) and placed again then."""
+    B2 = os.urandom(len(B))
+    peer = Source("peer", {**BYTES, "10/.metadata": B2}, ["peer node-rank 0"])
+    rv, ram, _shards, _catalog, own, _job = view_of(tmp_path, dict(PARTS), [peer])
+    meta = Path(ram.view) / "10" / ".metadata"
+    place_new = rv._place_new
+    fail = [True]
+
+    def failing(*args: object) -> object:
+        if fail and args[4] == "10/.metadata":
+            fail.clear()
+            raise FileNotFoundError(errno.ENOENT, "the replica was replaced meanwhile")
+        return place_new(*args)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        await rv.look(own)
+        old = meta.stat().st_ino
+        rv._place_new = failing  # type: ignore[method-assign]
+        new0 = manifest(0, {".metadata": B2, "__0_0.distcp": C})
+        rv.manifests = Manifests({**PARTS, 0: new0})
+        rv.parts_reported("e1", 1, [10], [(10, 0, new0.digest)])
+        await rv.look(own)
+        assert not meta.exists() and rv.steps[10].replacing == {}
+        stale = rv.missing(old)  # an open of the old inode: looked up again
+        assert stale is not None
+        with pytest.raises(OSError) as err:
+            await stale()
+        assert err.value.errno == errno.ESTALE
+        rv.steps[10].recheck.add(0)
+        await rv.look(own)  # placed at the next look
+        await rv.missing(meta.stat().st_ino)()
+
+    trio.run(main)
+    assert meta.read_bytes() == B2
+
+
 class Owners(Manifests):
     """Manifests whose ranks' nodes also say what part they hold now (``owner_part``):
     ``saving`` answers :data:`PART_SAVING` that many times first, then ``after`` (rank
@@ -1446,10 +1493,10 @@ def test_an_open_right_after_a_seal_asks_the_ranks_node_and_waits_for_its_new_sa
     path up again and opens the new file)."""
     B2 = os.urandom(len(B))
     peer = Source("peer", dict(BYTES), ["peer node-rank 0"])
-    rv, ram, _shards, _catalog, own, job = view_of(tmp_path, dict(PARTS), [peer])
+    rv, ram, _shards, _catalog, own, job = view_of(tmp_path, recent(PARTS), [peer])
     meta = Path(ram.view) / "10" / ".metadata"
     new0 = manifest(0, {".metadata": B2, "__0_0.distcp": C})
-    owners = Owners(dict(PARTS), saving=3, after={0: new0})
+    owners = Owners(recent(PARTS), saving=3, after={0: new0})
     rv.manifests = owners
 
     async def main() -> None:
@@ -1500,11 +1547,11 @@ def test_a_step_saved_three_times_in_a_row_gets_one_estale_for_the_last_save(tmp
     now asked again until it names the part the view shows: one ESTALE, the last save."""
     B2, B3 = os.urandom(len(B)), os.urandom(len(B))
     peer = Source("peer", dict(BYTES), ["peer node-rank 0"])
-    rv, ram, _shards, _catalog, own, job = view_of(tmp_path, dict(PARTS), [peer])
+    rv, ram, _shards, _catalog, own, job = view_of(tmp_path, recent(PARTS), [peer])
     meta = Path(ram.view) / "10" / ".metadata"
     second = manifest(0, {".metadata": B2, "__0_0.distcp": C})
     third = manifest(0, {".metadata": B3, "__0_0.distcp": C})
-    owners = OwnerSequence(dict(PARTS), [second, third, third])
+    owners = OwnerSequence(recent(PARTS), [second, third, third])
     rv.manifests = owners
 
     async def main() -> None:

@@ -2454,8 +2454,30 @@ class RemoteView:
         The inode is registered (read-only, fetched on open) before its name
         appears in the view: a client can never open it as a plain file.
         """
-        path = os.path.join(self.view_dir, path_rel)
         old = union.replacing.pop(path_rel, None)
+        try:
+            return self._place_new(job, union, rank, digest, path_rel, entry, owner, chunks, old)
+        except BaseException:
+            if old is not None and self._by_ino.get(old.ino) is old:
+                # not replaced (a replica dropped meanwhile...): the old file is removed
+                # after this look (_drop_replacing), never left in the view untracked
+                union.replacing[path_rel] = old
+            raise
+
+    def _place_new(
+        self,
+        job: str,
+        union: StepUnion,
+        rank: int,
+        digest: str,
+        path_rel: str,
+        entry: FileEntry,
+        owner: tuple[int, int] | None,
+        chunks: tuple[int, tuple[int, ...]] | None,
+        old: RemoteFile | None,
+    ) -> RemoteFile | None:
+        """:meth:`_place_file`'s work; ``old``: the placed file it replaces, if any."""
+        path = os.path.join(self.view_dir, path_rel)
         try:
             here = os.lstat(path).st_ino
         except FileNotFoundError:
