@@ -834,6 +834,16 @@ class Remote:
     def __init__(self, ino: int) -> None:
         self.ino = ino
         self.here = False
+        self.lookup_waits = 0  # lookups of ino to defer first (its part confirmed)
+
+    def looking_up(self, ino: int):
+        if ino != self.ino or self.lookup_waits <= 0:
+            return None
+
+        async def confirmed() -> None:
+            self.lookup_waits -= 1
+
+        return confirmed
 
     def is_remote(self, ino: int) -> bool:
         return ino == self.ino
@@ -885,6 +895,12 @@ def test_the_namespace_defers_the_open_of_a_missing_file_and_refuses_writes(tmp_
             ns.lookup(ROOT_ID, b"later")
         trio.run(later.value.wait)
         assert ns.lookup(ROOT_ID, b"later")[1].st_size == 1
+        # another rank's file whose part its node may have replaced: confirmed first
+        remote.lookup_waits = 1
+        with pytest.raises(Deferred) as later:
+            ns.lookup(ROOT_ID, b"f")
+        trio.run(later.value.wait)
+        assert remote.lookup_waits == 0
         inode, _st = ns.lookup(ROOT_ID, b"f")
         with pytest.raises(OSError) as exc:
             ns.open(inode.nodeid, os.O_WRONLY)
@@ -1540,38 +1556,155 @@ class OwnerSequence(Owners):
         return m.digest
 
 
+def saves_in_a_row(tmp_path: Path, names: list[int]):
+    """A view of ``PARTS`` sealed just now whose rank-0 node then names, in turn, the
+    parts of saves ``names`` (1: the one shown; 2 and 3: two saves of the step again,
+    whose ``.metadata`` holds new bytes). Returns the view, its own part, the job, the
+    peer source, the path of ``.metadata`` in the view, the owners and the three
+    saves' ``.metadata`` bytes."""
+    saved = [B, os.urandom(len(B)), os.urandom(len(B))]
+    parts = [manifest(0, {".metadata": b, "__0_0.distcp": C}) for b in saved]
+    peer = Source("peer", dict(BYTES), ["peer node-rank 0"])
+    rv, ram, _shards, _catalog, own, job = view_of(tmp_path, recent(PARTS), [peer])
+    owners = OwnerSequence(recent(PARTS), [parts[n - 1] for n in names])
+    rv.manifests = owners
+    return rv, own, job, peer, Path(ram.view) / "10" / ".metadata", owners, parts, saved
+
+
+async def estale_of_the_first_open(rv: RemoteView, own: Shard, meta: Path) -> None:
+    """The look, then the open of ``meta`` with looks in the background: ESTALE."""
+    await rv.look(own)
+    opened = rv.missing(meta.stat().st_ino)
+    assert opened is not None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(looks, rv, own)
+        with pytest.raises(OSError) as err, trio.fail_after(view_module.REPLACED_WAIT):
+            await opened()
+        assert err.value.errno == errno.ESTALE
+        nursery.cancel_scope.cancel()
+
+
 def test_a_step_saved_three_times_in_a_row_gets_one_estale_for_the_last_save(tmp_path):
     """#14 trial 61: three ``dcp.save`` in a row; the open's question named the second
     save's part, the file was replaced by it, then by the third: the kernel retries an
     open once after ESTALE, and the second ESTALE reached the application. The node is
     now asked again until it names the part the view shows: one ESTALE, the last save."""
-    B2, B3 = os.urandom(len(B)), os.urandom(len(B))
-    peer = Source("peer", dict(BYTES), ["peer node-rank 0"])
-    rv, ram, _shards, _catalog, own, job = view_of(tmp_path, recent(PARTS), [peer])
-    meta = Path(ram.view) / "10" / ".metadata"
-    second = manifest(0, {".metadata": B2, "__0_0.distcp": C})
-    third = manifest(0, {".metadata": B3, "__0_0.distcp": C})
-    owners = OwnerSequence(recent(PARTS), [second, third, third])
-    rv.manifests = owners
+    rv, own, job, peer, meta, owners, parts, saved = saves_in_a_row(tmp_path, [2, 3, 3])
 
     async def main() -> None:
-        await rv.look(own)
-        opened = rv.missing(meta.stat().st_ino)
-        assert opened is not None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(looks, rv, own)
-            with pytest.raises(OSError) as err, trio.fail_after(view_module.REPLACED_WAIT):
-                await opened()
-            assert err.value.errno == errno.ESTALE
-            nursery.cancel_scope.cancel()
-        assert rv.steps[10].parts[0] == third.digest and owners.owner_asked == [0] * 3
-        peer.files = {**BYTES, "10/.metadata": B3}
+        await estale_of_the_first_open(rv, own, meta)
+        assert rv.steps[10].parts[0] == parts[2].digest and owners.owner_asked == [0] * 3
+        peer.files = {**BYTES, "10/.metadata": saved[2]}
         fetch = rv.missing(meta.stat().st_ino)  # the kernel's one retry: served
         assert fetch is not None
         await fetch()
 
     trio.run(main)
-    assert meta.read_bytes() == B3 and job.errors == []
+    assert meta.read_bytes() == saved[2] and job.errors == []
+
+
+def test_the_lookup_after_an_open_s_estale_waits_for_the_part_the_ranks_node_names(tmp_path):
+    """Regression (#14, stop 52 CI): a step saved again right after its load, then
+    loaded; the open of ``.metadata`` got ESTALE (its file replaced by rank 0's new
+    part), and the kernel's one retry got ESTALE again: ``metadata is None; ... [Errno
+    116] Stale file handle``. The lookup the kernel makes after an ESTALE now asks the
+    rank's node first (its confirmation of a moment ago expired, and it names yet
+    another part): it waits until the view shows that part, the lookup run again
+    finds it, and its open is served without another question or ESTALE."""
+    rv, own, job, peer, meta, owners, parts, saved = saves_in_a_row(tmp_path, [2, 2, 3, 3])
+
+    async def main() -> None:
+        await estale_of_the_first_open(rv, own, meta)
+        assert rv.steps[10].parts[0] == parts[1].digest
+        rv.steps[10].owner_ok.clear()  # a busy machine: more than CONFIRM_FOR since
+        looked_up = rv.looking_up(meta.stat().st_ino)  # the kernel's retry
+        assert looked_up is not None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(looks, rv, own)
+            with trio.fail_after(view_module.REPLACED_WAIT):
+                await looked_up()  # never raises
+            nursery.cancel_scope.cancel()
+        assert rv.steps[10].parts[0] == parts[2].digest and owners.owner_asked == [0] * 4
+        assert rv.looking_up(meta.stat().st_ino) is None  # the lookup run again
+        peer.files = {**BYTES, "10/.metadata": saved[2]}
+        fetch = rv.missing(meta.stat().st_ino)  # its open: confirmed just now, fetched
+        assert fetch is not None
+        await fetch()
+        assert owners.owner_asked == [0] * 4
+
+    trio.run(main)
+    assert meta.read_bytes() == saved[2] and job.errors == []
+
+
+def test_a_lookup_and_the_open_after_it_share_one_deadline_for_a_node_still_saving(
+    tmp_path, monkeypatch
+):
+    """A lookup waits for a node that writes the step again at most CONFIRM_WAIT s, never
+    failing; the open right after it does not wait that long again: EIO at once, said
+    once in ``replicator.errors``. A later open asks afresh."""
+    monkeypatch.setattr(view_module, "CONFIRM_WAIT", 0.2)
+    peer = Source("peer", dict(BYTES), ["peer node-rank 0"])
+    rv, ram, _shards, _catalog, own, job = view_of(tmp_path, recent(PARTS), [peer])
+    meta = Path(ram.view) / "10" / ".metadata"
+    owners = Owners(recent(PARTS), saving=10**6)
+    rv.manifests = owners
+
+    async def main() -> None:
+        await rv.look(own)
+        ino = meta.stat().st_ino
+        looked_up = rv.looking_up(ino)
+        assert looked_up is not None
+        with trio.fail_after(5):
+            await looked_up()
+        asked = len(owners.owner_asked)
+        assert asked >= 2 and rv.looking_up(ino) is None  # the lookup run again: answered
+        opened = rv.missing(ino)
+        assert opened is not None
+        with pytest.raises(OSError) as err:
+            await opened()
+        assert err.value.errno == errno.EIO and len(owners.owner_asked) == asked + 1
+        assert len(job.errors) == 1 and "saving the step again" in job.errors[0]
+        owners.saving = 0  # saved: a later open is served
+        await trio.sleep(0.3)
+        opened = rv.missing(ino)
+        assert opened is not None
+        await opened()
+
+    trio.run(main)
+
+
+def test_the_name_of_a_file_of_a_part_sealed_moments_ago_is_not_cached_by_the_kernel(tmp_path):
+    """An open whose name the kernel cached reaches the inode it found then: a file the
+    view replaced since answers ESTALE, and the kernel retries only once. The entry of
+    another rank's file whose part was sealed less than CONFIRM_WINDOW s ago is
+    answered with no entry timeout, so each open looks the name up (and the lookup
+    resolves it to the part its node holds); an older part's, or the node's own
+    file's, keeps the mount's timeout."""
+    from tierfs.fuse import protocol as P
+    from tierfs.fuse.operations import Operations
+
+    rv, ram, _shards, _catalog, own, _job = view_of(tmp_path, recent(PARTS), [])
+    rv.manifests = Owners(recent(PARTS))
+    view = Path(ram.view)
+    trio.run(rv.look, own)
+    meta, mine = view / "10" / ".metadata", view / "10" / "__1_0.distcp"
+    assert rv.uncached(meta.stat().st_ino) and not rv.uncached(mine.stat().st_ino)
+    ns = Namespace(str(view), Budget(str(view), None, 0), remote=rv)
+    ops = Operations(ns)
+    ns.entry_timeout = 10.0
+
+    def entry_valid(path: Path) -> float:
+        _nodeid, _gen, valid, _attr, nsec, _ = P.ENTRY_OUT_HEAD.unpack_from(
+            ops._entry(1, path.stat())
+        )
+        return valid + nsec / 1e9
+
+    try:
+        assert entry_valid(meta) == 0.0 and entry_valid(mine) == 10.0
+        rv.steps[10].sealed[0] = time.time() - view_module.CONFIRM_WINDOW
+        assert not rv.uncached(meta.stat().st_ino) and entry_valid(meta) == 10.0
+    finally:
+        ns.close()
 
 
 def test_a_part_sealed_long_before_is_served_without_asking_its_node(tmp_path):

@@ -209,7 +209,9 @@ class Namespace:
                 EINVAL for an invalid name, EXDEV for an object on another
                 filesystem (a mount inside the RAM store).
             Deferred: absent, but another rank's file of that name is expected
-                soon (:meth:`tierfs.fuse.remote.RemoteFiles.expected`).
+                soon (:meth:`tierfs.fuse.remote.RemoteFiles.expected`); or another
+                rank's file whose part may have been replaced since
+                (:meth:`tierfs.fuse.remote.RemoteFiles.looking_up`).
         """
         inodes = self.inodes
         parent = inodes.directory(parent_id)
@@ -225,6 +227,10 @@ class Namespace:
             raise
         if st.st_dev != inodes.dev:
             raise OSError(errno.EXDEV, "foreign filesystem in the RAM store")
+        if stat.S_ISREG(st.st_mode) and self.remote.is_remote(st.st_ino):
+            wait = self.remote.looking_up(st.st_ino)
+            if wait is not None:
+                raise Deferred(wait)
         known = inodes.known(st)
         if known is not None:
             known.lookups += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from collections.abc import Callable
 
 from tierfs.fuse import protocol as P
@@ -78,8 +79,17 @@ class Operations:
     # ------------------------------------------------------------------ helpers
 
     def _entry(self, nodeid: int, st: os.stat_result) -> bytes:
+        """A FUSE entry reply for ``st``; the kernel caches the name
+        :attr:`Namespace.entry_timeout` seconds, not at all for another rank's file
+        whose part its node may replace (:meth:`RemoteFiles.uncached`): each open
+        then looks the name up, and the lookup resolves it to the current file."""
+        uncached = stat.S_ISREG(st.st_mode) and self.ns.remote.uncached(st.st_ino)
         return P.pack_entry(
-            nodeid, st, self.ns.entry_timeout, self.ns.attr_timeout, self._mtime(st)
+            nodeid,
+            st,
+            0.0 if uncached else self.ns.entry_timeout,
+            self.ns.attr_timeout,
+            self._mtime(st),
         )
 
     def _mtime(self, st: os.stat_result) -> int | None:

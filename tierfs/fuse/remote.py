@@ -10,6 +10,10 @@ whose bytes are fetched on first open. The namespace sees them only through
   SETATTR fail with ``EROFS`` (its bytes belong to another rank's sealed part);
   an open for writing with ``O_TRUNC`` (the node saving that path of the step
   again) makes it the node's own file (:meth:`RemoteFiles.taking_over`);
+* a LOOKUP that finds another rank's file whose part its node may have
+  replaced since (a part sealed moments ago) raises :class:`Deferred` until the
+  view shows the part that node names (:meth:`RemoteFiles.looking_up`): the
+  lookup the kernel makes after an open's ``ESTALE`` finds the file current;
 * a LOOKUP of a name another rank's part is expected to hold soon (DCP's
   ``.metadata`` right after this node's part of a new step sealed,
   :meth:`RemoteFiles.expected`) raises :class:`Deferred` until it is placed
@@ -81,6 +85,19 @@ class RemoteFiles(Protocol):
         which the lookup is tried again."""
         ...
 
+    def looking_up(self, ino: int) -> Callable[[], Awaitable[None]] | None:
+        """A LOOKUP found ``ino``, another rank's file: None to answer it now; else
+        what to wait for first (that rank's node may hold a newer part, whose file
+        then replaces this one under the same name), after which the lookup is tried
+        again; the wait never raises."""
+        ...
+
+    def uncached(self, ino: int) -> bool:
+        """True if the kernel must not cache the name of ``ino`` (another rank's file
+        whose part its node may have replaced since: a part sealed moments ago): each
+        open then looks the name up (:meth:`looking_up`)."""
+        ...
+
     def creating(self) -> Callable[[], Awaitable[None]] | None:
         """A client of this node creates a file (its own: a save): None to create it
         now; else what to wait for first (other ranks' cached files giving the RAM
@@ -137,6 +154,14 @@ class NoRemoteFiles:
     def expected(self, relpath: bytes) -> Callable[[], Awaitable[None]] | None:
         """Always None."""
         return None
+
+    def looking_up(self, ino: int) -> Callable[[], Awaitable[None]] | None:
+        """Always None."""
+        return None
+
+    def uncached(self, ino: int) -> bool:
+        """Always False."""
+        return False
 
     def creating(self) -> Callable[[], Awaitable[None]] | None:
         """Always None."""

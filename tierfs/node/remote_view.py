@@ -419,6 +419,9 @@ class StepUnion:
     #: rank -> (digest, trio time) of its part as its node confirmed it to an open
     #: (:meth:`RemoteView._confirm`)
     owner_ok: dict[int, tuple[str, float]] = field(default_factory=dict)
+    #: rank -> the trio time until which a lookup or an open asks its node
+    #: (:meth:`RemoteView._owner_shown`): one deadline for both
+    asking: dict[int, float] = field(default_factory=dict)
 
     def current(self, m: Manifest) -> bool:
         """True if part ``m`` is of the save this node began (not an earlier one, even
@@ -676,6 +679,9 @@ class RemoteView:
         self._saving_seen: dict[str, float] = {}
         #: view-relative path -> trio time a lookup's wait for it ended in vain
         self._expect_ended_at: dict[str, float] = {}
+        #: inode -> trio time a lookup's wait for its rank's node ended
+        #: (:meth:`looking_up`)
+        self._lookup_ended: dict[int, float] = {}
         #: heartbeat replies taken (:meth:`others_saving`) and when the last came
         self._replies = 0
         self._reply_at: float | None = None
@@ -950,19 +956,35 @@ class RemoteView:
         while len(self._retired) > RETIRED_KEPT:
             del self._retired[next(iter(self._retired))]
 
-    def _to_confirm(self, union: StepUnion, rank: int) -> bool:
-        """Whether an open of a file of ``rank``'s part asks that rank's node first: the
-        part was sealed less than :data:`CONFIRM_WINDOW` s ago (a save of the step
-        begun less than RESAVE_GAP after it, with no load between, counts as the same
-        save everywhere else) and its node has not confirmed it in the last
-        :data:`CONFIRM_FOR` s."""
+    def uncached(self, ino: int) -> bool:
+        """True while ``ino`` is a file of a part its node may replace (:meth:`_recent`):
+        the kernel does not cache its name, so every open looks it up and
+        :meth:`looking_up` resolves it to the file of the part that node holds. FUSE
+        (trio) thread; O(1)."""
+        rf = self._by_ino.get(ino)
+        if rf is None:
+            return False
+        union = self.steps.get(rf.step)
+        return union is not None and self._recent(union, rf.rank)
+
+    def _recent(self, union: StepUnion, rank: int) -> bool:
+        """Whether ``rank``'s part shown was sealed less than :data:`CONFIRM_WINDOW` s
+        ago, in a step of the job's node count, and its node can be asked (a save of
+        the step begun less than RESAVE_GAP after the seal, with no load between,
+        counts as the same save everywhere else)."""
         job = self.current.job
         if getattr(self.manifests, "owner_part", None) is None or job is None:
             return False
         if union.writers and union.writers != job.nodes:
             return False  # a step of another node count: its ranks are other nodes now
         sealed = union.sealed.get(rank, 0.0)
-        if sealed <= 0 or time.time() - sealed >= CONFIRM_WINDOW:
+        return sealed > 0 and time.time() - sealed < CONFIRM_WINDOW
+
+    def _to_confirm(self, union: StepUnion, rank: int) -> bool:
+        """Whether an open (or lookup) of a file of ``rank``'s part asks that rank's
+        node first: the part is recent (:meth:`_recent`) and its node has not
+        confirmed it in the last :data:`CONFIRM_FOR` s."""
+        if not self._recent(union, rank):
             return False
         ok = union.owner_ok.get(rank)
         return (
@@ -971,13 +993,46 @@ class RemoteView:
             or trio.current_time() - ok[1] > CONFIRM_FOR
         )
 
+    def looking_up(self, ino: int) -> Callable[[], Awaitable[None]] | None:
+        """A LOOKUP found ``ino`` (FUSE/trio thread; O(1)): None to answer it now; for
+        another rank's file whose part its node may have replaced (:meth:`_to_confirm`),
+        what to wait for first: that node is asked until the view shows the part it
+        names (:meth:`_owner_shown`); the lookup is then tried again and finds the
+        file now in the view. Never raises: a wait in vain is the open's to report.
+
+        Regression (#14 stop 52 CI): a step saved again right after its load, then
+        loaded: an open of ``.metadata`` got ESTALE (its file replaced by rank 0's new
+        part), and the kernel's one retry, which looks the name up again, got ESTALE
+        a second time (``metadata is None; ... [Errno 116] Stale file handle``). The
+        kernel's lookup after an ESTALE now waits here, so the open after it finds
+        the confirmed file."""
+        rf = self._by_ino.get(ino)
+        if rf is None:
+            return None
+        union = self.steps.get(rf.step)
+        if union is None or rf.earlier or rf.rank in union.refused:
+            return None
+        now = trio.current_time()
+        ended = self._lookup_ended
+        at = ended.pop(ino, None)
+        if at is not None and now - at < ENDED_HOLD:
+            return None  # the session's run of the lookup again, right after its wait
+        if not self._to_confirm(union, rf.rank):
+            return None
+
+        async def wait() -> None:
+            try:
+                await self._owner_shown(union, rf)
+            finally:
+                for old in [i for i, t in ended.items() if now - t >= ENDED_HOLD]:
+                    del ended[old]
+                ended[ino] = trio.current_time()
+
+        return wait
+
     async def _confirm(self, union: StepUnion, rf: RemoteFile) -> None:
         """Ask ``rf``'s rank's node whether the part shown here is still its part (trio
-        thread; the open is retried after). While that node's client writes the step
-        again, ask again every :data:`CONFIRM_POLL` s; when it holds another part,
-        have the rank asked again, wait for the look that replaces the file, and ask
-        the node again until it names the part the view shows (a step saved three
-        times in a row: the kernel retries an open once after ESTALE, trial 61).
+        thread; the open is retried after), as :meth:`_owner_shown`.
 
         Regression (#14 trial 60 M1a): ``dcp.save`` twice in a row, then barrier and
         load: a node holding rank 1's replica of the first save (or its bytes fetched)
@@ -988,38 +1043,71 @@ class RemoteView:
         Raises:
             OSError: ESTALE when the file was replaced by the rank's new part (the
                 kernel looks the path up again); EIO when its node still writes the
-                step after :data:`CONFIRM_WAIT` s, or holds another part and no look
-                brought it (said in ``replicator.errors``).
+                step :data:`CONFIRM_WAIT` s after the first question, or holds another
+                part and no look brought it (said in ``replicator.errors``).
+        """
+        failed = await self._owner_shown(union, rf)
+        if failed is None:
+            if union.files.get(rf.path) is rf:
+                return
+            raise OSError(errno.ESTALE, f"{rf.path}: replaced by rank {rf.rank}'s new part")
+        union.asking.pop(rf.rank, None)
+        why = (
+            f"step {rf.step}: rank {rf.rank}'s {rf.path} is not served (EIO): "
+            + (
+                f"its node has been saving the step again for {CONFIRM_WAIT:.0f} s"
+                if failed == PART_SAVING
+                else f"its node's part changed again and again for {CONFIRM_WAIT:.0f} s"
+            )
+            + " (the bytes here are of an earlier save)"
+        )
+        self.reporter.error(why)
+        raise OSError(errno.EIO, why)
+
+    async def _owner_shown(self, union: StepUnion, rf: RemoteFile) -> str | None:
+        """Ask ``rf``'s rank's node which part it holds until the view shows that part
+        (trio thread). While the node's client writes the step again, ask again every
+        :data:`CONFIRM_POLL` s; when it holds another part, have the rank asked again
+        and wait for the look that replaces the file, then ask again (a step saved
+        three times in a row, trial 61). The lookup and the open of one name share
+        one deadline, :data:`CONFIRM_WAIT` s after the first question
+        (:attr:`StepUnion.asking`).
+
+        Returns:
+            None once the node names the part shown (or cannot say: down, or the part
+            gone; its copies are what the view is for), remembered for
+            :data:`CONFIRM_FOR` s (:attr:`StepUnion.owner_ok`); else, at the deadline,
+            :data:`PART_SAVING` (still writing) or the digest it names.
         """
         job = self.current.job
         owner_part = getattr(self.manifests, "owner_part", None)
         if job is None or owner_part is None:
-            return
-        until = trio.current_time() + CONFIRM_WAIT
+            return None
+        until = union.asking.get(rf.rank)
+        if until is None or trio.current_time() > until + ENDED_HOLD:
+            until = union.asking[rf.rank] = trio.current_time() + CONFIRM_WAIT
         shown = union.parts.get(rf.rank)
-        cur: RemoteFile | None = rf
-        got: str | None = None
         while True:
-            got = await owner_part(job.name, rf.rank, rf.step)
+            got: str | None = await owner_part(job.name, rf.rank, rf.step)
             now = trio.current_time()
             if got == PART_SAVING:
                 if now >= until:
-                    break
+                    return got
                 await trio.sleep(CONFIRM_POLL)
                 continue
             cur = union.files.get(rf.path)
-            if got is None or (cur is not None and cur.digest == got):
-                # None: its node cannot say (down, or the part gone): its copies are
-                # what the view is for
+            if (
+                got is None
+                or (cur is not None and cur.digest == got)
+                or (cur is None and union.parts.get(rf.rank) == got)
+            ):
+                # the last: the node's part shown has no such file (the name looked up
+                # again finds nothing)
                 union.owner_ok[rf.rank] = (union.parts.get(rf.rank) or "", now)
-                if cur is rf:
-                    return
-                raise OSError(errno.ESTALE, f"{rf.path}: replaced by rank {rf.rank}'s new part")
-            if cur is None and union.parts.get(rf.rank) == got:
-                # the new part has no such file: the kernel looks the name up again
-                raise OSError(errno.ESTALE, f"{rf.path}: not in rank {rf.rank}'s new part")
+                union.asking.pop(rf.rank, None)
+                return None
             if now >= until:
-                break
+                return got
             log.info(
                 "%s: rank %d's node holds another part of step %d than shown here: "
                 "asking for it again",
@@ -1037,17 +1125,6 @@ class RemoteView:
                     self._wake.set()
                     await union.looked.wait()
             shown = union.parts.get(rf.rank)
-        why = (
-            f"step {rf.step}: rank {rf.rank}'s {rf.path} is not served (EIO): "
-            + (
-                f"its node has been saving the step again for {CONFIRM_WAIT:.0f} s"
-                if got == PART_SAVING
-                else f"its node's part changed again and again for {CONFIRM_WAIT:.0f} s"
-            )
-            + " (the bytes here are of an earlier save)"
-        )
-        self.reporter.error(why)
-        raise OSError(errno.EIO, why)
 
     async def _of_earlier_save(self, rf: RemoteFile) -> None:
         """The open of a file its part's verdict names as of an earlier save of the step
