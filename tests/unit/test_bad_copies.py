@@ -38,6 +38,25 @@ def sealed(ram: RamStore, shards: ShardStore, rank: int, files: dict[str, bytes]
     return shards.snapshot(ram.view, ShardKey(JOB, rank, 10), "10", ["10"], "generic")
 
 
+def with_replica(tmp_path: Path):
+    """Node 1 of 3 holding its own part of step 10 and a replica of rank 0's (``.metadata``
+    and ``__0_0.distcp`` of ``BYTES``). Returns its RAM store, shard store, own part,
+    catalog, the replica and the job."""
+    ram = RamStore(str(tmp_path / "node1"))
+    shards = ShardStore(ram)
+    own = sealed(ram, shards, 1, {"__1_0.distcp": A})
+    catalog = ShardCatalog(shards, 3)
+    catalog.add(own)
+    other = tmp_path / "node0-view"  # rank 0's view, on the same filesystem
+    (other / "10").mkdir(parents=True)
+    (other / "10" / ".metadata").write_bytes(BYTES["10/.metadata"])
+    (other / "10" / "__0_0.distcp").write_bytes(BYTES["10/__0_0.distcp"])
+    replica = shards.snapshot(str(other), ShardKey(JOB, 0, 10), "10", ["10"], "generic")
+    catalog.add(replica)
+    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 1, 3))
+    return ram, shards, own, catalog, replica, job
+
+
 def verifier(shards: ShardStore, catalog: ShardCatalog, job) -> ShardVerifier:
     return ShardVerifier(shards, catalog, job, trio.CapacityLimiter(2))
 
@@ -101,18 +120,7 @@ def test_a_file_the_client_rewrote_since_the_seal_is_left_alone(tmp_path):
 def test_a_bad_replica_behind_another_ranks_file_is_placed_again_and_fetched(tmp_path):
     """F7: node 0 held a replica of rank 2 with a flipped byte; its restore discarded
     the copy, while the whole-step view kept serving the file (a hard link to it)."""
-    ram = RamStore(str(tmp_path / "node1"))
-    shards = ShardStore(ram)
-    own = sealed(ram, shards, 1, {"__1_0.distcp": A})
-    catalog = ShardCatalog(shards, 3)
-    catalog.add(own)
-    other = tmp_path / "node0-view"  # rank 0's view, on the same filesystem
-    (other / "10").mkdir(parents=True)
-    (other / "10" / ".metadata").write_bytes(BYTES["10/.metadata"])
-    (other / "10" / "__0_0.distcp").write_bytes(BYTES["10/__0_0.distcp"])
-    replica = shards.snapshot(str(other), ShardKey(JOB, 0, 10), "10", ["10"], "generic")
-    catalog.add(replica)
-    job = fake_ports.FakeJob(JobSpec(JOB, "generic", 1, 3))
+    ram, shards, own, catalog, replica, job = with_replica(tmp_path)
     peer = Source("peer", BYTES, ["peer node-rank 0"])
     rv = remote_view(ram, catalog, job, {**PARTS, 0: replica.manifest}, [peer])
     check = verifier(shards, catalog, job)
@@ -186,3 +194,47 @@ def test_a_copy_a_peer_found_damaged_is_checked_at_once_and_discarded(tmp_path):
     trio.run(main)
     said = [e for e in job.errors if "failed verification" in e]
     assert len(said) == 1 and "step 10 of rank 2" in said[0], job.errors
+
+
+def test_a_replica_superseded_while_a_look_links_it_leaves_the_view_after_that_look(
+    tmp_path,
+):
+    """CI regression (#16 N2 test, stop 52): a restore superseded node 3's replica of
+    rank 2's 4-node part 6 ms after a look began to link it into the view (its file
+    out of the view's books between the old file's removal and the new one's
+    placement); the discard found nothing to take out and node 3 kept showing the
+    4-node save's ``__2_0.distcp``. The discard now waits for the look under way."""
+    import threading
+
+    ram, _shards, own, catalog, replica, job = with_replica(tmp_path)
+    rv = remote_view(ram, catalog, job, {**PARTS, 0: replica.manifest}, [])
+    entered, release = threading.Event(), threading.Event()
+    place = rv._place
+
+    def held_place(*args):  # type: ignore[no-untyped-def]
+        entered.set()
+        release.wait(10)
+        return place(*args)
+
+    rv._place = held_place  # type: ignore[method-assign]
+    meta = Path(ram.view) / "10" / ".metadata"
+    discarded = []
+
+    async def discard() -> None:
+        await rv.discard_superseded(replica)
+        discarded.append(True)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rv.look, own)
+            with trio.fail_after(10):
+                while not entered.is_set():
+                    await trio.sleep(0.01)
+            nursery.start_soon(discard)
+            await trio.sleep(0.1)
+            assert not discarded  # waits for the look
+            release.set()
+        assert discarded and not meta.exists()  # taken out once placed
+        assert 0 in rv.steps[10].recheck
+
+    trio.run(main)
