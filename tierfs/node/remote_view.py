@@ -180,7 +180,8 @@ CONFIRM_WAIT = 10.0
 CONFIRM_WINDOW = 60.0
 #: seconds between two questions to a node writing its part again
 CONFIRM_POLL = 0.05
-#: seconds a rank's part confirmed by its node stays confirmed for opens
+#: seconds a file whose part its node named (to the lookup of its name, or to an open
+#: before it waited) stays confirmed for opens of it
 CONFIRM_FOR = 1.0
 #: seconds a discard of a replica's files in the view waits for a look under way
 DISCARD_WAIT = 30.0
@@ -288,6 +289,9 @@ class RemoteFile:
     #: part's other files (a save cut short on its node): opens fail with EIO
     #: (:meth:`RemoteView._of_earlier_save`)
     earlier: bool = False
+    #: trio time its rank's node last named its part as the one it holds, to a
+    #: lookup of its name or to an open of it (:meth:`RemoteView._owner_shown`)
+    confirmed_at: float = -math.inf
 
     def moved(self) -> None:
         """Wake who waits for ``verified`` to move or the fetch to end (trio thread)."""
@@ -418,9 +422,6 @@ class StepUnion:
     #: is renamed over it in the same look (:meth:`RemoteView._place_file`), so a
     #: lookup never finds the name missing (#14 trial 60 M1b: ENOENT in a load)
     replacing: dict[str, RemoteFile] = field(default_factory=dict)
-    #: rank -> (digest, trio time) of its part as its node confirmed it to an open
-    #: (:meth:`RemoteView._confirm`)
-    owner_ok: dict[int, tuple[str, float]] = field(default_factory=dict)
     #: rank -> the trio time until which a lookup or an open asks its node
     #: (:meth:`RemoteView._owner_shown`): one deadline for both
     asking: dict[int, float] = field(default_factory=dict)
@@ -776,7 +777,7 @@ class RemoteView:
             return lambda: self._refused(union, rf)
         if rf.earlier:
             return lambda: self._of_earlier_save(rf)
-        if union is not None and self._to_confirm(union, rf.rank):
+        if union is not None and self._to_confirm(union, rf):
             return lambda: self._confirm(union, rf)
         if union is not None and rf.rank in union.suspect:
             return lambda: self._current(union, rf)
@@ -814,7 +815,7 @@ class RemoteView:
             return lambda: self._refused(union, rf)
         if rf.earlier:
             return lambda: self._of_earlier_save(rf)
-        if union is not None and self._to_confirm(union, rf.rank):
+        if union is not None and self._to_confirm(union, rf):
             return lambda: self._confirm(union, rf)
         if union is not None and rf.rank in union.suspect:
             return lambda: self._current(union, rf)
@@ -984,24 +985,23 @@ class RemoteView:
         sealed = union.sealed.get(rank, 0.0)
         return sealed > 0 and time.time() - sealed < CONFIRM_WINDOW
 
-    def _to_confirm(self, union: StepUnion, rank: int) -> bool:
-        """Whether an open (or lookup) of a file of ``rank``'s part asks that rank's
-        node first: the part is recent (:meth:`_recent`) and its node has not
-        confirmed it in the last :data:`CONFIRM_FOR` s."""
-        if not self._recent(union, rank):
-            return False
-        ok = union.owner_ok.get(rank)
-        return (
-            ok is None
-            or ok[0] != union.parts.get(rank)
-            or trio.current_time() - ok[1] > CONFIRM_FOR
-        )
+    def _to_confirm(self, union: StepUnion, rf: RemoteFile) -> bool:
+        """Whether an open of ``rf`` asks its rank's node first: its part is recent
+        (:meth:`_recent`) and that node did not name it to the lookup of its name
+        (or to this open, before a wait) in the last :data:`CONFIRM_FOR` s. Every
+        open of such a file looks its name up first (:meth:`uncached`), and every
+        lookup asks (:meth:`looking_up`): a confirmation never outlives the open
+        it was asked for by more than that (trial 63 HIGH: the lookup of DCP's
+        check for ``.metadata`` at a save's start confirmed rank 0's part, and the
+        load's opens within the next second trusted it after rank 0's new save)."""
+        return self._recent(union, rf.rank) and trio.current_time() - rf.confirmed_at > CONFIRM_FOR
 
     def looking_up(self, ino: int) -> Callable[[], Awaitable[None]] | None:
         """A LOOKUP found ``ino`` (FUSE/trio thread; O(1)): None to answer it now; for
         another rank's file whose part its node may have replaced (:meth:`_to_confirm`),
         what to wait for first: that node is asked until the view shows the part it
-        names (:meth:`_owner_shown`); the lookup is then tried again and finds the
+        names (:meth:`_owner_shown`; not while that node's client writes the step
+        again: the open waits then); the lookup is then tried again and finds the
         file now in the view. Never raises: a wait in vain is the open's to report.
 
         Regression (#14 stop 52 CI): a step saved again right after its load, then
@@ -1021,16 +1021,19 @@ class RemoteView:
         at = ended.pop(ino, None)
         if at is not None and now - at < ENDED_HOLD:
             return None  # the session's run of the lookup again, right after its wait
-        if not self._to_confirm(union, rf.rank):
+        if not self._recent(union, rf.rank):
             return None
 
         async def wait() -> None:
             try:
-                await self._owner_shown(union, rf)
+                await self._owner_shown(union, rf, lookup=True)
             finally:
                 for old in [i for i, t in ended.items() if now - t >= ENDED_HOLD]:
                     del ended[old]
                 ended[ino] = trio.current_time()
+                cur = union.files.get(rf.path)
+                if cur is not None:  # what the lookup run again finds: answered then
+                    ended[cur.ino] = ended[ino]
 
         return wait
 
@@ -1068,10 +1071,14 @@ class RemoteView:
         self.reporter.error(why)
         raise OSError(errno.EIO, why)
 
-    async def _owner_shown(self, union: StepUnion, rf: RemoteFile) -> str | None:
+    async def _owner_shown(
+        self, union: StepUnion, rf: RemoteFile, lookup: bool = False
+    ) -> str | None:
         """Ask ``rf``'s rank's node which part it holds until the view shows that part
         (trio thread). While the node's client writes the step again, ask again every
-        :data:`CONFIRM_POLL` s; when it holds another part, have the rank asked again
+        :data:`CONFIRM_POLL` s (an open; a ``lookup`` returns at once: the open after
+        it waits, and DCP's check for ``.metadata`` at a save's start is not held up,
+        trial 63 MEDIUM-2); when it holds another part, have the rank asked again
         and wait for the look that replaces the file, then ask again (a step saved
         three times in a row, trial 61). The lookup and the open of one name share
         one deadline, :data:`CONFIRM_WAIT` s after the first question
@@ -1079,9 +1086,10 @@ class RemoteView:
 
         Returns:
             None once the node names the part shown (or cannot say: down, or the part
-            gone; its copies are what the view is for), remembered for
-            :data:`CONFIRM_FOR` s (:attr:`StepUnion.owner_ok`); else, at the deadline,
-            :data:`PART_SAVING` (still writing) or the digest it names.
+            gone; its copies are what the view is for): the file now at ``rf``'s path
+            is confirmed (:attr:`RemoteFile.confirmed_at`); else, at the deadline (or
+            at once for a lookup), :data:`PART_SAVING` (still writing) or the digest
+            it names.
         """
         job = self.current.job
         owner_part = getattr(self.manifests, "owner_part", None)
@@ -1095,7 +1103,7 @@ class RemoteView:
             got: str | None = await owner_part(job.name, rf.rank, rf.step)
             now = trio.current_time()
             if got == PART_SAVING:
-                if now >= until:
+                if now >= until or lookup:
                     return got
                 await trio.sleep(CONFIRM_POLL)
                 continue
@@ -1107,7 +1115,8 @@ class RemoteView:
             ):
                 # the last: the node's part shown has no such file (the name looked up
                 # again finds nothing)
-                union.owner_ok[rf.rank] = (union.parts.get(rf.rank) or "", now)
+                if cur is not None:
+                    cur.confirmed_at = now
                 union.asking.pop(rf.rank, None)
                 return None
             if now >= until:
