@@ -1670,6 +1670,33 @@ def test_every_lookup_asks_so_a_save_begun_after_an_earlier_lookup_is_never_miss
     assert meta.read_bytes() == saved[1]
 
 
+def test_a_lookup_told_the_node_is_saving_again_leaves_its_file_unconfirmed(tmp_path):
+    """An answer is trusted only until the next question: a lookup confirmed the file
+    (DCP's check at a save's start), then the load's lookup was told "being saved
+    again" and answered at once; the open after it must ask (and wait), never trust
+    the earlier confirmation."""
+    rv, ram, _shards, _catalog, own, _job = view_of(tmp_path, recent(PARTS), [])
+    owners = Owners(recent(PARTS))
+    rv.manifests = owners
+    meta = Path(ram.view) / "10" / ".metadata"
+
+    async def main() -> None:
+        await rv.look(own)
+        ino = meta.stat().st_ino
+        await rv.looking_up(ino)()  # confirmed
+        rv.looking_up(ino)  # the session's run again
+        owners.saving = 1
+        await rv.looking_up(ino)()  # "being saved again": answered at once
+        assert owners.owner_asked == [0, 0]
+        rv.looking_up(ino)
+        opened = rv.missing(ino)
+        assert opened is not None
+        await opened()  # asks: saved meanwhile (the part shown), served
+        assert owners.owner_asked == [0, 0, 0]
+
+    trio.run(main)
+
+
 def test_a_lookup_is_not_held_up_by_a_node_still_saving_and_the_open_after_it_waits(
     tmp_path, monkeypatch
 ):

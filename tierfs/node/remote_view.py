@@ -1095,6 +1095,7 @@ class RemoteView:
         owner_part = getattr(self.manifests, "owner_part", None)
         if job is None or owner_part is None:
             return None
+        rf.confirmed_at = -math.inf  # a question supersedes the last answer
         until = union.asking.get(rf.rank)
         if until is None or trio.current_time() > until + ENDED_HOLD:
             until = union.asking[rf.rank] = trio.current_time() + CONFIRM_WAIT
