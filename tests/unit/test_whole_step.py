@@ -5,6 +5,7 @@ parts together, and the verdict survives a restart of node-rank 0 (no mount, no 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import fake_ports
@@ -663,3 +664,25 @@ def test_a_step_whose_parts_are_of_two_saves_is_never_judged_loadable(tmp_path, 
 
     trio.run(main)
     assert len(job.errors) == 1 and "is not loadable across its 2 ranks: its parts" in job.errors[0]
+
+
+def test_a_part_dropped_while_its_verdict_is_kept_is_not_warned_about(tmp_path, caplog):
+    """#14 trial 63 LOW: a step saved again while node-rank 0 kept its verdict of the
+    earlier part: ``whole.json.tmp: No such file or directory`` as a WARNING, for a
+    part withdrawn meanwhile (nothing to keep it for)."""
+    import logging
+
+    shards, p0 = node_part(tmp_path, 0, 20, rank0_files())
+    _, p1 = node_part(tmp_path, 1, 20, {"__1_0.distcp": W1})
+    judge, catalog, job, _source = judge_of(shards, p0, {1: p1.manifest}, settle=0)
+    save_whole = shards.save_whole
+
+    def dropped_meanwhile(shard, whole):  # type: ignore[no-untyped-def]
+        catalog.drop(shard.key, "a sealed file was opened for writing")
+        shutil.rmtree(shard.path)
+        save_whole(shard, whole)
+
+    shards.save_whole = dropped_meanwhile  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="tierfs.node.whole_step"):
+        assert judged_after_two_looks(judge, job, p0) is None
+    assert "keeping the verdict" not in caplog.text and job.errors == []

@@ -403,6 +403,8 @@ class WholeStepJudge:
         try:
             await trio.to_thread.run_sync(self.shards.save_whole, shard, whole)
         except OSError as exc:
+            if self.catalog.get(shard.key) is not shard:
+                return None  # dropped meanwhile (saved again: trial 63 LOW, ENOENT)
             log.warning("keeping the verdict of step %d across ranks: %s", step, exc)
         if why:
             self.reporter.error(
