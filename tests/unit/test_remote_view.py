@@ -1543,20 +1543,22 @@ def test_an_open_right_after_a_seal_asks_the_ranks_node_and_waits_for_its_new_sa
 
 class OwnerSequence(Owners):
     """Owners whose rank-0 node names the parts in ``names`` in turn (each becomes the
-    part held as it is named), then the last one."""
+    part held as it is named; None: "being saved again"), then the last one."""
 
-    def __init__(self, parts: dict[int, Manifest], names: list[Manifest]) -> None:
+    def __init__(self, parts: dict[int, Manifest], names: list[Manifest | None]) -> None:
         super().__init__(parts)
         self.names = names
 
     async def owner_part(self, job: str, rank: int, step: int) -> str | None:
         self.owner_asked.append(rank)
         m = self.names.pop(0) if len(self.names) > 1 else self.names[0]
+        if m is None:
+            return PART_SAVING
         self.parts[rank] = m
         return m.digest
 
 
-def saves_in_a_row(tmp_path: Path, names: list[int]):
+def saves_in_a_row(tmp_path: Path, names: list[int | None]):
     """A view of ``PARTS`` sealed just now whose rank-0 node then names, in turn, the
     parts of saves ``names`` (1: the one shown; 2 and 3: two saves of the step again,
     whose ``.metadata`` holds new bytes). Returns the view, its own part, the job, the
@@ -1566,7 +1568,7 @@ def saves_in_a_row(tmp_path: Path, names: list[int]):
     parts = [manifest(0, {".metadata": b, "__0_0.distcp": C}) for b in saved]
     peer = Source("peer", dict(BYTES), ["peer node-rank 0"])
     rv, ram, _shards, _catalog, own, job = view_of(tmp_path, recent(PARTS), [peer])
-    owners = OwnerSequence(recent(PARTS), [parts[n - 1] for n in names])
+    owners = OwnerSequence(recent(PARTS), [None if n is None else parts[n - 1] for n in names])
     rv.manifests = owners
     return rv, own, job, peer, Path(ram.view) / "10" / ".metadata", owners, parts, saved
 
@@ -1630,6 +1632,40 @@ def test_the_lookup_after_an_open_s_estale_waits_for_the_part_the_ranks_node_nam
         assert fetch is not None
         await fetch()
         assert owners.owner_asked == [0] * 4
+
+    trio.run(main)
+    assert meta.read_bytes() == saved[2] and job.errors == []
+
+
+def test_the_kernels_retry_after_an_estale_waits_while_the_ranks_node_seals_again(tmp_path):
+    """Regression (#14 trial 64 HIGH-1, ESTALE with no line, 1 step in 840): three saves
+    of a step in a row, then a load; the open of ``.metadata`` was answered ESTALE
+    (replaced by the second save's file), and the kernel's retry looked the name up
+    while rank 0's node had not sealed the third save yet ("being saved again"): the
+    lookup was answered at once with the second save's file, its open waited, the file
+    was replaced again, and the second ESTALE reached the application. The lookup
+    that follows an open's ESTALE now waits like the open."""
+    rv, own, job, peer, meta, owners, parts, saved = saves_in_a_row(
+        tmp_path, [2, 2, None, None, 3, 3]
+    )
+
+    async def main() -> None:
+        await estale_of_the_first_open(rv, own, meta)
+        assert rv.steps[10].parts[0] == parts[1].digest
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(looks, rv, own)
+            retry = rv.looking_up(meta.stat().st_ino)  # the kernel's retry
+            assert retry is not None
+            with trio.fail_after(view_module.REPLACED_WAIT):
+                await retry()
+            nursery.cancel_scope.cancel()
+        assert rv.steps[10].parts[0] == parts[2].digest and owners.owner_asked == [0] * 6
+        assert rv.looking_up(meta.stat().st_ino) is None  # the session's run again
+        peer.files = {**BYTES, "10/.metadata": saved[2]}
+        fetch = rv.missing(meta.stat().st_ino)  # its open: confirmed, fetched
+        assert fetch is not None
+        await fetch()
+        assert owners.owner_asked == [0] * 6
 
     trio.run(main)
     assert meta.read_bytes() == saved[2] and job.errors == []

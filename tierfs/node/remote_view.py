@@ -183,6 +183,9 @@ CONFIRM_POLL = 0.05
 #: seconds a file whose part its node named (to the lookup of its name, or to an open
 #: before it waited) stays confirmed for opens of it
 CONFIRM_FOR = 1.0
+#: seconds after an open's ESTALE during which a lookup of its path is the kernel's
+#: retry of that open (it waits while the rank's node writes, :meth:`RemoteView._estale`)
+RETRY_HOLD = 5.0
 #: seconds a discard of a replica's files in the view waits for a look under way
 DISCARD_WAIT = 30.0
 #: inodes of placed files the view removed or replaced that it still recognises
@@ -687,6 +690,9 @@ class RemoteView:
         #: inode -> trio time a lookup's wait for its rank's node ended
         #: (:meth:`looking_up`)
         self._lookup_ended: dict[int, float] = {}
+        #: view-relative path -> trio time an open of it was answered ESTALE
+        #: (:meth:`_estale`)
+        self._estale_at: dict[str, float] = {}
         #: heartbeat replies taken (:meth:`others_saving`) and when the last came
         self._replies = 0
         self._reply_at: float | None = None
@@ -856,7 +862,7 @@ class RemoteView:
             while rf.rank in union.suspect:
                 await union.confirmed.wait()
         if self._by_ino.get(rf.ino) is not rf:
-            raise OSError(errno.ESTALE, f"{rf.path}: replaced by rank {rf.rank}'s new part")
+            raise self._estale(rf.path, f"{rf.path}: replaced by rank {rf.rank}'s new part")
         if rf.rank in union.suspect:
             self._refuse(
                 union,
@@ -894,7 +900,7 @@ class RemoteView:
             while rf.rank in union.unconfirmed:
                 await union.looked.wait()
         if self._by_ino.get(rf.ino) is not rf:
-            raise OSError(errno.ESTALE, f"{rf.path}: replaced by rank {rf.rank}'s current part")
+            raise self._estale(rf.path, f"{rf.path}: replaced by rank {rf.rank}'s current part")
         if rf.rank in union.unconfirmed:
             log.warning(
                 "step %d: no source named rank %d's part within %.0f s of this daemon's "
@@ -948,9 +954,22 @@ class RemoteView:
         path = self._retired.get(ino, "")
 
         async def stale() -> None:
-            raise OSError(errno.ESTALE, f"{path}: replaced or removed in the whole-step view")
+            raise self._estale(path, f"{path}: replaced or removed in the whole-step view")
 
         return stale
+
+    def _estale(self, path: str, why: str) -> OSError:
+        """The ESTALE an open of ``path`` (view-relative) gets: the kernel looks the path
+        up again at once, and that lookup waits even while the rank's node writes
+        (:meth:`looking_up`): the kernel retries an open only once (#14 trial 64:
+        the retry's lookup, answered while rank 0's node had not sealed a third save
+        yet, found the second save's file, replaced again before its open)."""
+        now = trio.current_time()
+        at = self._estale_at
+        for old in [p for p, t in at.items() if now - t > RETRY_HOLD]:
+            del at[old]
+        at[path] = now
+        return OSError(errno.ESTALE, why)
 
     def _retire(self, rf: RemoteFile) -> None:
         """Forget ``rf``'s inode, which the view just removed or replaced in the view
@@ -1001,7 +1020,8 @@ class RemoteView:
         another rank's file whose part its node may have replaced (:meth:`_to_confirm`),
         what to wait for first: that node is asked until the view shows the part it
         names (:meth:`_owner_shown`; not while that node's client writes the step
-        again: the open waits then); the lookup is then tried again and finds the
+        again, the open waits then, unless the lookup is the kernel's retry of an
+        open answered ESTALE: :meth:`_estale`); the lookup is then tried again and finds the
         file now in the view. Never raises: a wait in vain is the open's to report.
 
         Regression (#14 stop 52 CI): a step saved again right after its load, then
@@ -1021,12 +1041,14 @@ class RemoteView:
         at = ended.pop(ino, None)
         if at is not None and now - at < ENDED_HOLD:
             return None  # the session's run of the lookup again, right after its wait
+        retry = self._estale_at.pop(rf.path, None)
+        quick = retry is None or now - retry > RETRY_HOLD  # not the retry of an ESTALE
         if not self._recent(union, rf.rank):
             return None
 
         async def wait() -> None:
             try:
-                await self._owner_shown(union, rf, lookup=True)
+                await self._owner_shown(union, rf, lookup=quick)
             finally:
                 for old in [i for i, t in ended.items() if now - t >= ENDED_HOLD]:
                     del ended[old]
@@ -1057,14 +1079,15 @@ class RemoteView:
         if failed is None:
             if union.files.get(rf.path) is rf:
                 return
-            raise OSError(errno.ESTALE, f"{rf.path}: replaced by rank {rf.rank}'s new part")
+            raise self._estale(rf.path, f"{rf.path}: replaced by rank {rf.rank}'s new part")
         union.asking.pop(rf.rank, None)
         why = (
             f"step {rf.step}: rank {rf.rank}'s {rf.path} is not served (EIO): "
             + (
                 f"its node has been saving the step again for {CONFIRM_WAIT:.0f} s"
                 if failed == PART_SAVING
-                else f"its node's part changed again and again for {CONFIRM_WAIT:.0f} s"
+                else f"its node holds another part ({failed[:12]}) than the one shown "
+                f"here, not placed here within {CONFIRM_WAIT:.0f} s"
             )
             + " (the bytes here are of an earlier save)"
         )
@@ -1185,7 +1208,7 @@ class RemoteView:
         # ``whole_until`` (regression: an assert failed the open with EIO when the
         # placed file's fetch failed because its rank had saved the step again)
         if self._by_ino.get(rf.ino) is not rf:
-            raise OSError(errno.ESTALE, f"{rf.path}: replaced by rank {rf.rank}'s new part")
+            raise self._estale(rf.path, f"{rf.path}: replaced by rank {rf.rank}'s new part")
         with trio.move_on_at(until):
             await self.fetch(rf, urgent=True)
             return
@@ -3414,7 +3437,7 @@ class RemoteView:
         if now is not None and now is not rf and self._by_ino.get(rf.ino) is not rf:
             log.info("%s: replaced by rank %d's new part while read", rf.path, rf.rank)
             rf.unsaid = ""
-            return OSError(errno.ESTALE, f"{rf.path}: replaced by rank {rf.rank}'s new part")
+            return self._estale(rf.path, f"{rf.path}: replaced by rank {rf.rank}'s new part")
         return self._reader_error(rf)
 
     def _reader_error(self, rf: RemoteFile) -> OSError:
