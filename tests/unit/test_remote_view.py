@@ -778,6 +778,30 @@ def test_a_step_whose_own_part_was_discarded_is_still_looked_at(tmp_path):
     trio.run(main)
 
 
+def test_a_discard_told_before_the_catalog_drops_the_copy_keeps_the_step_looked_at(tmp_path):
+    """Regression (CI ci20, test_a_rank_sealed_after_a_nodes_own_copy_was_discarded_...):
+    the daemon tells the view of a discarded own part before the catalog drops it; a
+    look in between found the part still held, took that for "saved again" and
+    forgot the discard, so rank 2's part sealed afterwards never appeared."""
+    parts = {0: PARTS[0]}
+    peer = Source("peer", BYTES, ["peer node-rank 0"])
+    rv, ram, _shards, catalog, own, _job = view_of(tmp_path, parts, [peer])
+    view = Path(ram.view) / "10"
+
+    async def main() -> None:
+        await rv.look(own)
+        rv.own_part_discarded(own)  # the daemon's order: the listener first
+        assert [(s, sh) for s, sh, _w in rv._eligible()] == [(10, own)]  # still held
+        catalog.drop(own.key, "failed verification")
+        assert [(s, sh) for s, sh, _w in rv._eligible()] == [(10, own)]
+        parts[2] = PARTS[2]  # rank 2's part sealed now
+        for step, shard, writers in rv._eligible():
+            await rv.look(shard, step=step, writers=writers)
+        assert sorted(os.listdir(view)) == WHOLE_STEP
+
+    trio.run(main)
+
+
 def test_a_replica_held_here_is_linked_not_fetched(tmp_path):
     rv, ram, shards, catalog, own, _job = view_of(tmp_path, PARTS, [])
     other = tmp_path / "node0-view"  # rank 0's view, on the same filesystem

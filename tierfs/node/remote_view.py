@@ -1899,11 +1899,17 @@ class RemoteView:
         restore = self.restored()
         if restore is not None and restore[2] and all(t[0] != restore[1] for t in out):
             out.append((restore[1], None, restore[2]))
-        held = {t[0] for t in out}
+        held = {t[0]: t[1] for t in out}
         oldest = min((s.key.step for s in self.catalog.own_shards(job)), default=None)
         for step, shard in list(self._discarded_own.items()):
-            if step in held or (oldest is not None and step < oldest):
-                del self._discarded_own[step]  # saved again, or past the retention
+            if step in held:
+                own = held[step]
+                if own is None or own.manifest.digest != shard.manifest.digest:
+                    del self._discarded_own[step]  # saved again
+                # else: the discarded copy itself, still in the catalog for a moment
+                # (its withdrawal is told before the catalog drops it)
+            elif oldest is not None and step < oldest:
+                del self._discarded_own[step]  # past the retention
             elif not self.left_behind(step):
                 out.append((step, shard, shard.manifest.nodes or job.nodes))
         return out
