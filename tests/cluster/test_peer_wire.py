@@ -427,11 +427,9 @@ def test_two_nodes_with_one_rank_is_a_refusal(make_mount):
         )
         os.replace(root / "replicator.yaml.tmp", root / "replicator.yaml")
         if i == 1:
-            wait_until(
-                lambda: "joining" not in c.status(1)["restore"].get("phase", "joining"),
-                60,
-                "node 1 joined",
-            )
+            # joined, not merely begun (CI ci20: node 2's yaml, written 11 ms after
+            # node 1's, registered rank 1 first and node 1 was the one refused)
+            wait_until(lambda: "round" in c.status(1)["restore"], 60, "node 1 joined")
     waited = tierfs("wait", str(c.root(2)), "--timeout", "60", check=False)
     assert waited.returncode == 5, (waited.returncode, waited.stderr)
     assert "node-rank 1 is taken" in waited.stderr
