@@ -245,6 +245,19 @@ def test_later_save_held_needs_another_node_count_and_a_later_seal():
     assert not later_save_held(dataclasses.replace(a, created=300.0, nodes=3), a)  # same bytes
 
 
+def test_later_save_held_when_it_lists_the_incoming_part_as_replaced():
+    """Regression (#14 trial 65): three saves of a step in a row; the pull of rank 1's
+    second save ended after the pull of its third and replaced it on node 0."""
+    second = Manifest(JOB, 1, 20, "20", "generic", (), created=100.0, sealed=101.0, nodes=3)
+    third = dataclasses.replace(
+        second, files=(FileEntry("20", "dir"),), sealed=102.0, replaces=((1, second.digest),)
+    )
+    assert later_save_held(third, second) and not later_save_held(second, third)
+    # identical bytes saved again: each lists the other, the later seal wins
+    again = dataclasses.replace(second, sealed=103.0, replaces=((1, third.digest),))
+    assert not later_save_held(third, again) and later_save_held(again, third)
+
+
 def test_a_copy_corrupted_in_transit_is_refused_and_sent_again(net, tmp_path):
     net.corrupt("PushShard", callee=address(1), at=7)
 

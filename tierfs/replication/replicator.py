@@ -289,8 +289,9 @@ class Replicator:
                             )
                             continue
                         if code == grpc.StatusCode.ALREADY_EXISTS:
-                            # the peer holds a later save of this step by another node
-                            # count (a renumbered node's old part, #16 F8): nothing to send
+                            # the peer holds a later save of this step (a renumbered
+                            # node's old part, #16 F8; this node's next save of the
+                            # step, pulled first, #14 trial 65): nothing to send
                             send.states[peer] = "superseded"
                             log.info(
                                 "node-rank %d keeps its later save of %s: %s",

@@ -129,27 +129,34 @@ class HostGone(ClusterError):
 
 
 class Superseded(ClusterError):
-    """This node holds a later save of the pushed part's step by another node count
-    (:func:`later_save_held`): the push is refused with ``ALREADY_EXISTS``."""
+    """This node holds a later save of the pushed part's step (:func:`later_save_held`):
+    the push is refused with ``ALREADY_EXISTS``."""
 
 
 def later_save_held(held: Manifest, incoming: Manifest) -> bool:
     """Whether a copy ``held`` here of the same (job, rank, step) as ``incoming`` is of
-    a later save of that step by another node count (pure): then ``incoming`` must not
-    replace it. Both node counts must be known; seal times are the writers' clocks
-    (``sealed``, else ``created``; Unix seconds).
+    a later save of that step (pure): then ``incoming`` must not replace it.
 
-    Regression (#16 fifth trial F8): renumbered again, the node that was rank 2 of
+    * ``held`` lists ``incoming``'s bytes as a part it replaced
+      (:attr:`Manifest.replaces`: a seal records the node's own former part of the
+      step) and ``incoming`` does not list ``held``'s; when each lists the other
+      (a rank that saved identical bytes again), the later seal wins (one writer's
+      clock: ``sealed``, else ``created``; Unix seconds).
+    * Or both were written by known, different node counts and ``held`` was sealed
+      later (the writers' clocks).
+
+    Regressions: (#16 fifth trial F8) renumbered again, the node that was rank 2 of
     a 4-node save of step 20 became rank 2 of a 3-node job and pushed that old part
-    to node 0, replacing node 0's replica of the 3-node save's rank 2 (which the
-    3-node job had saved later): its view then showed the older part."""
-    return (
-        held.digest != incoming.digest
-        and held.nodes > 0
-        and incoming.nodes > 0
-        and held.nodes != incoming.nodes
-        and (held.sealed or held.created) > (incoming.sealed or incoming.created)
-    )
+    to node 0, replacing node 0's replica of the 3-node save's rank 2: its view then
+    showed the older part. (#14 trial 65) a step saved three times in a row: the
+    pull of rank 1's second save ended after the pull of its third and replaced
+    it, so node 0 held an earlier save than rank 1's node."""
+    if held.digest == incoming.digest:
+        return False
+    later = (held.sealed or held.created) > (incoming.sealed or incoming.created)
+    if (incoming.rank, incoming.digest) in held.replaces:
+        return (held.rank, held.digest) not in incoming.replaces or later
+    return held.nodes > 0 and incoming.nodes > 0 and held.nodes != incoming.nodes and later
 
 
 def _valid_job(job: str) -> bool:
@@ -264,7 +271,9 @@ class PeerServicer:
                 shutil.rmtree(inc, ignore_errors=True)
             if old_nice is not None:
                 set_thread_nice(old_nice)
-        log.warning("refused a replica from node-rank %d: %s", h.sender_rank, detail)
+        # a later save held here is no fault of either node
+        level = logging.INFO if code == grpc.StatusCode.ALREADY_EXISTS else logging.WARNING
+        log.log(level, "refused a replica from node-rank %d: %s", h.sender_rank, detail)
         context.abort(code, detail)
 
     def Replicate(self, request: Any, context: Any) -> Any:
@@ -322,7 +331,9 @@ class PeerServicer:
         finally:
             if old_nice is not None:
                 set_thread_nice(old_nice)
-        log.warning("refused a replica from node-rank %d: %s", h.sender_rank, detail)
+        # a later save held here is no fault of either node
+        level = logging.INFO if code == grpc.StatusCode.ALREADY_EXISTS else logging.WARNING
+        log.log(level, "refused a replica from node-rank %d: %s", h.sender_rank, detail)
         context.abort(code, detail)
 
     def _replica_key(self, h: Any, context: Any) -> ShardKey:
@@ -363,13 +374,13 @@ class PeerServicer:
 
     def _not_superseded(self, key: ShardKey, manifest: Manifest) -> None:
         """Raise :class:`Superseded` if the copy of ``key`` held here is of a later save
-        by another node count than ``manifest`` (:func:`later_save_held`)."""
+        than ``manifest`` (:func:`later_save_held`)."""
         held = self.host.find(key)
         if held is not None and later_save_held(held.manifest, manifest):
             raise Superseded(
-                f"step {key.step} of rank {key.rank}: this node holds a later save of "
-                f"it by {held.manifest.nodes} nodes; this copy is of the save by "
-                f"{manifest.nodes}"
+                f"step {key.step} of rank {key.rank}: this node holds a later save of it "
+                f"({held.manifest.digest[:12]}, by {held.manifest.nodes} nodes) than this "
+                f"copy ({manifest.digest[:12]}, by {manifest.nodes})"
             )
 
     def _dedup(self, h: Any, key: ShardKey, it: Any, inc: str) -> Any:
