@@ -1695,6 +1695,50 @@ def test_the_kernels_retry_after_an_estale_waits_while_the_ranks_node_seals_agai
     assert meta.read_bytes() == saved[2] and job.errors == []
 
 
+def test_a_replica_of_an_earlier_save_held_here_is_not_placed_for_the_part_the_node_names(
+    tmp_path,
+):
+    """Regression (#14 trial 65 MEDIUM-1, EIO after 10 s, 1 step in 1,520): three saves
+    of a step in a row; the replica of rank 0's second save landed here after the
+    third's and replaced it. An open's question named the third save, but every look
+    placed the replica held here again (it was trusted before the node was asked), and
+    the open failed with EIO after 10 s. The part an open's question names is now
+    wanted: a held replica of other bytes is passed over and the node asked."""
+    saved = [B, os.urandom(len(B)), os.urandom(len(B))]
+    parts = [manifest(0, {".metadata": b, "__0_0.distcp": C}) for b in saved]
+    peer = Source("peer", dict(BYTES), ["peer node-rank 0"])
+    rv, ram, shards, catalog, own, job = view_of(tmp_path, recent({2: PARTS[2]}), [peer])
+    holder = tmp_path / "replicas"  # the second save's replica, on the same filesystem
+    (holder / "10").mkdir(parents=True)
+    (holder / "10" / ".metadata").write_bytes(saved[1])
+    (holder / "10" / "__0_0.distcp").write_bytes(C)
+    second = shards.snapshot(str(holder), ShardKey(JOB, 0, 10), "10", ["10"], "generic")
+    catalog.add(second)
+    owners = OwnerSequence(recent({2: PARTS[2]}), [parts[2]])  # the node: its third save
+    rv.manifests = owners
+    meta = Path(ram.view) / "10" / ".metadata"
+
+    async def main() -> None:
+        await rv.look(own)
+        assert rv.steps[10].parts[0] == second.manifest.digest  # linked from the replica
+        opened = rv.missing(meta.stat().st_ino)
+        assert opened is not None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(looks, rv, own)
+            with pytest.raises(OSError) as err, trio.fail_after(view_module.REPLACED_WAIT):
+                await opened()
+            assert err.value.errno == errno.ESTALE  # replaced by the third save's file
+            nursery.cancel_scope.cancel()
+        assert rv.steps[10].parts[0] == parts[2].digest
+        peer.files = {**BYTES, "10/.metadata": saved[2]}
+        fetch = rv.missing(meta.stat().st_ino)
+        assert fetch is not None
+        await fetch()
+
+    trio.run(main)
+    assert meta.read_bytes() == saved[2] and job.errors == []
+
+
 def test_every_lookup_asks_so_a_save_begun_after_an_earlier_lookup_is_never_missed(tmp_path):
     """Regression (#14 trial 63 HIGH, silent wrong values): DCP's check for
     ``.metadata`` at a save's start looked the name up and rank 0's node confirmed the

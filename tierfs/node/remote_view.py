@@ -328,8 +328,9 @@ class StepUnion:
             other bytes in every copy, a replica with other bytes arrived, the
             coordinator reported another digest, or an open file of an older part
             was kept).
-        wanted: rank -> the digest its node reported (a replica held here with
-            another digest is older: that node is asked).
+        wanted: rank -> the digest its node reported, to the coordinator or to an
+            open's question (a replica held here with another digest is older:
+            that node is asked).
         covered: the parts version (of :attr:`RemoteView.parts_epoch`) up to which
             the coordinator's reports of changed parts of this step are known.
         resaved: ranks whose part was placed again with other bytes (saved again).
@@ -1152,7 +1153,11 @@ class RemoteView:
                 rf.rank,
                 rf.step,
             )
-            # a look that shows another part than the one asked about: ask again
+            # a look that shows another part than the one asked about: ask again, for
+            # the part named (a replica held here of another save is not it: trial 65,
+            # the replica of rank 1's second save landed after its third's and the
+            # looks kept placing it, EIO after 10 s)
+            union.wanted[rf.rank] = got
             with trio.move_on_at(until):
                 while union.files.get(rf.path) is cur and union.parts.get(rf.rank) in (
                     shown,
