@@ -1471,19 +1471,19 @@ def test_a_file_whose_replacement_failed_is_removed_never_left_with_its_old_byte
     peer = Source("peer", {**BYTES, "10/.metadata": B2}, ["peer node-rank 0"])
     rv, ram, _shards, _catalog, own, _job = view_of(tmp_path, dict(PARTS), [peer])
     meta = Path(ram.view) / "10" / ".metadata"
-    place_new = rv._place_new
+    place_file = rv._place_file
     fail = [True]
 
     def failing(*args: object) -> object:
         if fail and args[4] == "10/.metadata":
             fail.clear()
             raise FileNotFoundError(errno.ENOENT, "the replica was replaced meanwhile")
-        return place_new(*args)  # type: ignore[arg-type]
+        return place_file(*args)  # type: ignore[arg-type]
 
     async def main() -> None:
         await rv.look(own)
         old = meta.stat().st_ino
-        rv._place_new = failing  # type: ignore[method-assign]
+        rv._place_file = failing  # type: ignore[method-assign]
         new0 = manifest(0, {".metadata": B2, "__0_0.distcp": C})
         rv.manifests = Manifests({**PARTS, 0: new0})
         rv.parts_reported("e1", 1, [10], [(10, 0, new0.digest)])

@@ -2553,13 +2553,28 @@ class RemoteView:
                     placed.earlier = path_rel in earlier[rank]
                 continue
             digest = parts[rank].digest
+            old = union.replacing.pop(path_rel, None)
+            rf = None
             try:
                 rf = self._place_file(
-                    job, union, rank, digest, path_rel, entry, owner, parts[rank].chunks_of(entry)
+                    job,
+                    union,
+                    rank,
+                    digest,
+                    path_rel,
+                    entry,
+                    owner,
+                    parts[rank].chunks_of(entry),
+                    old,
                 )
             except OSError as exc:
                 log.warning("placing %s of rank %d: %s", path_rel, rank, exc)
-                continue
+            finally:
+                if rf is None and old is not None and self._by_ino.get(old.ino) is old:
+                    # not replaced (a replica dropped meanwhile...): the old file is
+                    # removed after this look (_drop_replacing), never left in the
+                    # view untracked
+                    union.replacing[path_rel] = old
             if rf is not None:
                 rf.earlier = path_rel in earlier[rank]
                 self._notify(path_rel)
@@ -2591,37 +2606,24 @@ class RemoteView:
         path_rel: str,
         entry: FileEntry,
         owner: tuple[int, int] | None,
-        chunks: tuple[int, tuple[int, ...]] | None = None,
-    ) -> RemoteFile | None:
-        """One file: a hard link to a replica held here, else a sparse placeholder
-        (``chunks``: the manifest's (chunk size, per-chunk crc32c) of the file).
-
-        The inode is registered (read-only, fetched on open) before its name
-        appears in the view: a client can never open it as a plain file.
-        """
-        old = union.replacing.pop(path_rel, None)
-        try:
-            return self._place_new(job, union, rank, digest, path_rel, entry, owner, chunks, old)
-        except BaseException:
-            if old is not None and self._by_ino.get(old.ino) is old:
-                # not replaced (a replica dropped meanwhile...): the old file is removed
-                # after this look (_drop_replacing), never left in the view untracked
-                union.replacing[path_rel] = old
-            raise
-
-    def _place_new(
-        self,
-        job: str,
-        union: StepUnion,
-        rank: int,
-        digest: str,
-        path_rel: str,
-        entry: FileEntry,
-        owner: tuple[int, int] | None,
         chunks: tuple[int, tuple[int, ...]] | None,
         old: RemoteFile | None,
     ) -> RemoteFile | None:
-        """:meth:`_place_file`'s work; ``old``: the placed file it replaces, if any."""
+        """One file: a hard link to a replica held here, else a sparse placeholder
+        (``chunks``: the manifest's (chunk size, per-chunk crc32c) of the file;
+        ``old``: the placed file it replaces by a rename, if any). A worker thread.
+
+        The inode is registered (read-only, fetched on open) before its name
+        appears in the view: a client can never open it as a plain file.
+
+        Returns:
+            The placed file; None when a client's entry holds the name or the client
+            removed the step meanwhile.
+
+        Raises:
+            OSError: the link, placeholder or rename failed (the caller keeps
+                ``old`` for removal).
+        """
         path = os.path.join(self.view_dir, path_rel)
         try:
             here = os.lstat(path).st_ino
