@@ -2470,6 +2470,18 @@ class RemoteView:
                 inode = self.ns.inodes.by_ino(rf.ino) if self.ns is not None else None
                 if rf.state == FETCHING or (inode is not None and inode.handles):
                     kept.add(rf.rank)
+                    if (rf.rank, f"kept {rf.path} {rf.digest}") not in union.said:
+                        # said once per file and part (trial 65: a newer part was not
+                        # placed for 10 s, and nothing in the log said why)
+                        union.said.add((rf.rank, f"kept {rf.path} {rf.digest}"))
+                        log.info(
+                            "step %d: rank %d's %s stays as placed until its %s ends "
+                            "(its part changed)",
+                            union.step,
+                            rf.rank,
+                            rf.path,
+                            "fetch" if rf.state == FETCHING else "last open handle",
+                        )
                     continue
                 if entry is not None and entry.kind == "file":
                     # other bytes under the same name: the new file replaces it by a
