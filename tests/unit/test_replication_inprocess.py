@@ -236,6 +236,39 @@ def test_a_later_save_by_another_node_count_is_kept_against_an_older_push(net, t
     cluster(net, tmp_path, test)
 
 
+def test_a_later_save_of_the_same_count_is_kept_against_a_late_push_of_the_earlier(net, tmp_path):
+    """Regression (#14 trial 65, EIO after 10 s): a step saved three times in a row;
+    node 0's pull of rank 1's second save ended after its pull of the third and
+    replaced it, so node 0 held an earlier save than rank 1's node. A part that lists
+    the pushed part as replaced is kept (ALREADY_EXISTS, ``superseded``, no error)."""
+    later = time.time()
+
+    async def test(nodes: list[Node]) -> None:
+        old = make_shard(nodes[0].ram_dir, JOB, 0, 5, files(5), nodes=3, created=later - 1)
+        kept = make_shard(
+            nodes[1].ram_dir,
+            JOB,
+            0,
+            5,
+            files(5, 9),
+            nodes=3,
+            created=later,
+            replaces=[(0, old.manifest.digest)],
+        )
+        nodes[1].catalog.add(kept)
+        nodes[0].catalog.add(old)
+        nodes[0].catalog.sealed(old)
+        await wait_for(
+            lambda: nodes[0].states(5) == {1: "superseded", 2: "replicated"},
+            "the pushes",
+            debug=lambda: nodes[0].states(5),
+        )
+        assert nodes[1].catalog[ShardKey(JOB, 0, 5)].manifest.digest == kept.manifest.digest
+        assert not any("replication of step 5" in e for e in nodes[0].job.errors)
+
+    cluster(net, tmp_path, test)
+
+
 def test_later_save_held_needs_another_node_count_and_a_later_seal():
     a = Manifest(JOB, 2, 20, "20", "generic", (), created=100.0, nodes=4)
     b = dataclasses.replace(a, files=(FileEntry("20", "dir"),), created=200.0, nodes=3)
