@@ -1407,6 +1407,15 @@ def test_a_file_its_ranks_node_saved_again_is_never_read_from_a_later_source(tmp
     assert len(job.errors) == 1 and "newer part" in job.errors[0], job.errors
 
 
+async def rank_0_saved_again(rv: RemoteView, own: Shard, meta: bytes) -> None:
+    """Rank 0 saves step 10 of ``PARTS`` again with ``.metadata`` holding ``meta``: its
+    node names the new part, the coordinator reports it, and the view looks again."""
+    new0 = manifest(0, {".metadata": meta, "__0_0.distcp": C})
+    rv.manifests = Manifests({**PARTS, 0: new0})
+    rv.parts_reported("e1", 1, [10], [(10, 0, new0.digest)])
+    await rv.look(own)
+
+
 def test_a_file_saved_again_is_replaced_in_one_step_and_its_name_never_goes_missing(tmp_path):
     """Regression (#14 trial 60 M1b): rank 0 saved the step again; the look removed
     the old placed file, and placed the new one in a second step. A load's lookup in
@@ -1427,10 +1436,7 @@ def test_a_file_saved_again_is_replaced_in_one_step_and_its_name_never_goes_miss
         await rv.look(own)
         old = meta.stat().st_ino
         rv._place = placing  # type: ignore[method-assign]
-        new0 = manifest(0, {".metadata": B2, "__0_0.distcp": C})
-        rv.manifests = Manifests({**PARTS, 0: new0})
-        rv.parts_reported("e1", 1, [10], [(10, 0, new0.digest)])
-        await rv.look(own)
+        await rank_0_saved_again(rv, own, B2)
         assert seen == [True]
         assert meta.stat().st_ino != old and rv.steps[10].replacing == {}
         # an open of the old inode (a name looked up before) is told to look it up
@@ -1484,10 +1490,7 @@ def test_a_file_whose_replacement_failed_is_removed_never_left_with_its_old_byte
         await rv.look(own)
         old = meta.stat().st_ino
         rv._place_file = failing  # type: ignore[method-assign]
-        new0 = manifest(0, {".metadata": B2, "__0_0.distcp": C})
-        rv.manifests = Manifests({**PARTS, 0: new0})
-        rv.parts_reported("e1", 1, [10], [(10, 0, new0.digest)])
-        await rv.look(own)
+        await rank_0_saved_again(rv, own, B2)
         assert not meta.exists() and rv.steps[10].replacing == {}
         stale = rv.missing(old)  # an open of the old inode: looked up again
         assert stale is not None
