@@ -78,7 +78,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TypeVar, cast
 
 import google_crc32c
 import trio
@@ -110,6 +110,8 @@ from tierfs.store.shards import Shard, ShardKey
 from tierfs.store.verdicts import earlier_save_files
 
 log = logging.getLogger(__name__)
+
+_K = TypeVar("_K")
 
 MIB = 1 << 20
 
@@ -575,6 +577,15 @@ def _held_file(step: int, held: Shard, entry: FileEntry, ino: int) -> RemoteFile
     return rf
 
 
+def _stamp(times: dict[_K, float], key: _K, now: float, hold: float) -> None:
+    """Record ``key`` at ``now`` (trio seconds) in ``times``, first forgetting the
+    entries ``hold`` seconds old or older: such a map holds only what ``hold`` seconds
+    brought."""
+    for old in [k for k, t in times.items() if now - t >= hold]:
+        del times[old]
+    times[key] = now
+
+
 def _read_crc(fd: int, size: int) -> tuple[int, int]:
     """(bytes, crc32c) of the first ``size`` bytes of ``fd`` and what follows (blocking)."""
     crc = 0
@@ -965,11 +976,7 @@ class RemoteView:
         (:meth:`looking_up`): the kernel retries an open only once (#14 trial 64:
         the retry's lookup, answered while rank 0's node had not sealed a third save
         yet, found the second save's file, replaced again before its open)."""
-        now = trio.current_time()
-        at = self._estale_at
-        for old in [p for p, t in at.items() if now - t > RETRY_HOLD]:
-            del at[old]
-        at[path] = now
+        _stamp(self._estale_at, path, trio.current_time(), RETRY_HOLD)
         return OSError(errno.ESTALE, why)
 
     def _retire(self, rf: RemoteFile) -> None:
@@ -1051,9 +1058,7 @@ class RemoteView:
             try:
                 await self._owner_shown(union, rf, lookup=quick)
             finally:
-                for old in [i for i, t in ended.items() if now - t >= ENDED_HOLD]:
-                    del ended[old]
-                ended[ino] = trio.current_time()
+                _stamp(ended, ino, trio.current_time(), ENDED_HOLD)
                 cur = union.files.get(rf.path)
                 if cur is not None:  # what the lookup run again finds: answered then
                     ended[cur.ino] = ended[ino]
