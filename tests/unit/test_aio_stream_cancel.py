@@ -25,6 +25,7 @@ from gcs_fixtures import make_shard
 
 from tierfs.replication.client import PeerClient
 from tierfs.replication.service import PeerServicer, peer_handlers
+from tierfs.replication.transfer import parse_manifest
 from tierfs.rpc import peer_pb2
 from tierfs.rpc import wire as peer_wire
 from tierfs.rpc.aio_server import AioServer, with_sync_context
@@ -164,3 +165,32 @@ def test_grpcs_error_for_a_write_into_a_call_whose_client_went_is_a_debug_line()
     other = record(ValueError("a real bug"))
     assert quiet.filter(other) is True
     assert other.levelno == logging.ERROR and other.exc_info is not None
+
+
+def test_which_part_is_held_is_answered_by_the_digest_without_the_file_entries(holder):
+    """An open's question of which part a rank's node holds (``owner_part``, #14) costs
+    one small message whatever the part's file count: the manifest-only reply to
+    ``trim_manifest`` lists no file and carries the whole manifest's digest."""
+    at, host = holder
+    client = PeerClient(TOKEN, WireStats())
+    try:
+        pull = client.channel(at).unary_stream(
+            "/tierfs.peer.v1.Peer/PullShard",
+            request_serializer=peer_wire.serialize,
+            response_deserializer=peer_wire.chunk_deserializer(peer_pb2.PullMessage),
+        )
+        req = peer_pb2.PullRequest(
+            job=JOB, rank=3, step=STEP, puller_rank=-1, manifest_only=True, trim_manifest=True
+        )
+        replies = list(pull(req, metadata=client.md, timeout=10))
+        assert len(replies) == 1
+        head = replies[0].manifest
+        assert parse_manifest(head.json).files == ()
+        assert head.digest == host.shard.manifest.digest
+        assert len(head.json) < len(host.shard.manifest.to_json()) / 10  # 40 files left out
+        assert client.part_digest(at, host.shard.key) == host.shard.manifest.digest
+        with pytest.raises(grpc.RpcError) as err:
+            client.part_digest(at, ShardKey(JOB, 3, STEP + 1))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        client.close()

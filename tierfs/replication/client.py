@@ -685,6 +685,37 @@ class PeerClient:
         finally:
             call.cancel()  # an older holder streams the files too: not wanted
 
+    def part_digest(self, address: str, key: ShardKey, timeout: float = 10.0) -> str:
+        """The digest of the holder's copy of ``key``: a manifest-only pull asking for
+        no file entries (``trim_manifest``), so a question costs the same for a part
+        of 2 files or 10,000; an older holder's whole manifest is read as well.
+
+        Raises:
+            Refused: the holder broke the protocol (the first message is no manifest).
+            BadCopy: the manifest does not parse or names another shard.
+            grpc.RpcError: unreachable (after ``timeout`` seconds), NOT_FOUND, or
+                FAILED_PRECONDITION (its client writes that part again).
+        """
+        req = peer_pb2.PullRequest(
+            job=key.job,
+            rank=key.rank,
+            step=key.step,
+            puller_rank=-1,
+            manifest_only=True,
+            trim_manifest=True,
+        )
+        pull = self._pull_shard(address)
+        call = pull(req, metadata=self.md, timeout=timeout)
+        try:
+            first = next(call)
+            if peer_wire.kind_of(first) != "manifest":
+                raise Refused("PullShard must start with the manifest")
+            manifest = parse_manifest(first.manifest.json)
+            check_identity(manifest, key, "")
+            return first.manifest.digest or manifest.digest
+        finally:
+            call.cancel()
+
     # ------------------------------------------------------------------ coordinator
 
     def join(self, coord: str, **fields: Any) -> Any:

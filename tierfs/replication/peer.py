@@ -512,7 +512,7 @@ class PeerTier:
             return None
         key = ShardKey(job, rank, step)
         try:
-            manifest: Manifest = await self.call(self.client.manifest, address, key, 5.0)
+            digest: str = await self.call(self.client.part_digest, address, key, 5.0)
         except grpc.RpcError as exc:
             if rpc_code(exc) == grpc.StatusCode.FAILED_PRECONDITION and RESAVING in (
                 rpc_reason(exc)
@@ -523,7 +523,7 @@ class PeerTier:
         except (Refused, BadCopy) as exc:
             log.debug("the part of step %d of rank %d: %s", step, rank, exc)
             return None
-        return manifest.digest
+        return digest
 
     async def _manifest_from(self, address: str | None, key: ShardKey) -> Manifest | None:
         """The manifest of the copy of ``key`` at ``address`` (None: no answer)."""

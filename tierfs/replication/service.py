@@ -437,7 +437,9 @@ class PeerServicer:
         ``request.paths`` names, in manifest order, when it names any).
 
         With ``request.trim_manifest`` (and ``paths``) the manifest sent lists only
-        those files and ``ShardManifest.digest`` carries the whole manifest's digest.
+        those files and ``ShardManifest.digest`` carries the whole manifest's digest;
+        with ``manifest_only`` and no ``paths`` it lists no file (the digest answers
+        which part is held, whatever the part's size).
 
         A ``manifest_only`` request for a part not held here is answered with the
         manifest its node sent this one, if kept (:meth:`PeerHost.known_manifest`).
@@ -496,9 +498,10 @@ class PeerServicer:
         handed = False  # the pin went with a data lane grant (released by it)
         check = _ChunkCheck(shard.manifest)
         try:
-            if request.paths and request.trim_manifest:
-                # only the entries of the files sent, and the whole manifest's digest
-                trimmed = dataclasses.replace(shard.manifest, files=files)
+            if request.trim_manifest and (request.paths or request.manifest_only):
+                # only the entries of the files sent (none for a manifest-only question:
+                # which part is held), and the whole manifest's digest
+                trimmed = dataclasses.replace(shard.manifest, files=files if request.paths else ())
                 head = peer_pb2.ShardManifest(
                     json=trimmed.to_json(), digest=_index(shard.manifest).digest
                 )
