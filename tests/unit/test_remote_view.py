@@ -1742,6 +1742,43 @@ def test_a_replica_of_an_earlier_save_held_here_is_not_placed_for_the_part_the_n
     assert meta.read_bytes() == saved[2] and job.errors == []
 
 
+class SlowOwners(Owners):
+    """Owners whose answer takes 0.1 s (a question on the wire)."""
+
+    async def owner_part(self, job: str, rank: int, step: int) -> str | None:
+        await trio.sleep(0.1)
+        return await super().owner_part(job, rank, step)
+
+
+def test_opens_of_a_ranks_files_at_once_share_the_question_to_its_node(tmp_path):
+    """Six opens of rank 0's files at once (several ranks per node reading
+    ``.metadata``, a reader's threads) ask rank 0's node twice, not six times: the
+    first open's question, then one shared by the opens that came while it was under
+    way (begun after each of them)."""
+    peer = Source("peer", dict(BYTES), ["peer node-rank 0"])
+    rv, ram, _shards, _catalog, own, job = view_of(tmp_path, recent(PARTS), [peer])
+    owners = SlowOwners(recent(PARTS))
+    rv.manifests = owners
+    view = Path(ram.view) / "10"
+
+    async def main() -> None:
+        await rv.look(own)
+        inos = [(view / n).stat().st_ino for n in (".metadata", "__0_0.distcp")] * 3
+        async with trio.open_nursery() as nursery:
+            for ino in inos:
+                opened = rv.missing(ino)
+                assert opened is not None
+                nursery.start_soon(opened)  # all six begin before the first answer
+        assert owners.owner_asked == [0, 0]
+        fetch = rv.missing(inos[0])  # the open run again: confirmed just now, fetched
+        assert fetch is not None
+        await fetch()
+        assert owners.owner_asked == [0, 0]
+
+    trio.run(main)
+    assert (view / ".metadata").read_bytes() == B and job.errors == []
+
+
 def test_every_lookup_asks_so_a_save_begun_after_an_earlier_lookup_is_never_missed(tmp_path):
     """Regression (#14 trial 63 HIGH, silent wrong values): DCP's check for
     ``.metadata`` at a save's start looked the name up and rank 0's node confirmed the

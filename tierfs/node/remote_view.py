@@ -85,6 +85,7 @@ import trio
 
 from tierfs.core import control, in_use, settings, syscalls
 from tierfs.core.errors import NO_ROOM_ERRNOS, FetchFailed
+from tierfs.core.fresh import FreshCalls
 from tierfs.core.ports import (
     PART_SAVING,
     BatchFileSource,
@@ -705,6 +706,9 @@ class RemoteView:
         #: view-relative path -> trio time an open of it was answered ESTALE
         #: (:meth:`_estale`)
         self._estale_at: dict[str, float] = {}
+        #: which part a rank's node holds, asked once for the opens waiting at once
+        #: (each answer from a question begun after its open asked)
+        self._owner_answers: FreshCalls[tuple[str, int, int], str | None] = FreshCalls()
         #: heartbeat replies taken (:meth:`others_saving`) and when the last came
         self._replies = 0
         self._reply_at: float | None = None
@@ -1130,7 +1134,11 @@ class RemoteView:
             until = union.asking[rf.rank] = trio.current_time() + CONFIRM_WAIT
         shown = union.parts.get(rf.rank)
         while True:
-            got: str | None = await owner_part(job.name, rf.rank, rf.step)
+            # opens of the rank's files at once share a question begun after each
+            # (several ranks per node reading .metadata, a reader's many threads)
+            got: str | None = await self._owner_answers.ask(
+                (job.name, rf.rank, rf.step), lambda: owner_part(job.name, rf.rank, rf.step)
+            )
             now = trio.current_time()
             if got == PART_SAVING:
                 if now >= until or lookup:
