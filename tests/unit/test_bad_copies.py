@@ -155,6 +155,39 @@ def test_a_bad_replica_behind_another_ranks_file_is_placed_again_and_fetched(tmp
     assert (Path(ram.view) / "10" / "__0_0.distcp").read_bytes() == BYTES["10/__0_0.distcp"]
 
 
+def test_a_file_a_bad_replica_took_out_comes_back_once_its_part_is_named_again(tmp_path):
+    """Regression (#14 trial 66 M2): node 0's replica of rank 1 failed verification while
+    rank 1's node and the bucket were down; its file left the view, and it stayed
+    missing for 70 s after both were back (``FileNotFoundError`` in ``dcp.load``, no
+    line; status "0 remote"): the look kept the part "as placed" and never asked again.
+    A rank whose files a bad copy took out is now asked at every look until named."""
+    ram, shards, own, catalog, replica, job = with_replica(tmp_path)
+    peer = Source("peer", BYTES, ["peer node-rank 0"])
+    parts = {**PARTS, 0: replica.manifest}
+    rv = remote_view(ram, catalog, job, parts, [peer])
+    check = verifier(shards, catalog, job)
+    check.on_bad(rv.discard_bad)
+    meta = Path(ram.view) / "10" / ".metadata"
+
+    async def main() -> None:
+        await rv.look(own)
+        flip(meta)  # the replica's bytes, seen through the view's hard link
+        del parts[0]  # rank 0's node (and every other source) cannot name its part now
+        assert await check.verify(replica) is False
+        assert not meta.exists()
+        assert await rv.look(own) is True  # not found: looked at again soon
+        assert not meta.exists()
+        parts[0] = replica.manifest  # rank 0's node is back
+        await rv.look(own)
+        fetch = rv.missing(meta.stat().st_ino)  # placed again, fetched on open
+        assert fetch is not None
+        await fetch()
+        assert 0 not in rv.steps[10].discarded
+
+    trio.run(main)
+    assert meta.read_bytes() == BYTES["10/.metadata"]
+
+
 def test_a_copy_a_peer_found_damaged_is_checked_at_once_and_discarded(tmp_path):
     """Regression (#16 ninth trial FAIL 13): a byte flipped in node 1's replica of
     rank 2's part; node 0 read that file through its view, refused node 1's bytes and

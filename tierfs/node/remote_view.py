@@ -334,6 +334,8 @@ class StepUnion:
         wanted: rank -> the digest its node reported, to the coordinator or to an
             open's question (a replica held here with another digest is older:
             that node is asked).
+        discarded: ranks whose placed files a discarded copy took out of the view,
+            asked again at every look until a source names their part.
         covered: the parts version (of :attr:`RemoteView.parts_epoch`) up to which
             the coordinator's reports of changed parts of this step are known.
         resaved: ranks whose part was placed again with other bytes (saved again).
@@ -369,6 +371,7 @@ class StepUnion:
     own_digest: str | None = None
     recheck: set[int] = field(default_factory=set)
     wanted: dict[int, str] = field(default_factory=dict)
+    discarded: set[int] = field(default_factory=set)
     covered: int = 0
     resaved: set[int] = field(default_factory=set)
     claimed: bool = False
@@ -1446,6 +1449,7 @@ class RemoteView:
                 why,
             )
             union.recheck.add(shard.key.rank)
+            union.discarded.add(shard.key.rank)
             self._wake.set()
 
     def _unlink_bad(self, shard: Shard, files: list[RemoteFile]) -> list[str]:
@@ -2224,6 +2228,7 @@ class RemoteView:
             found[rank] = manifest
             union.sealed[rank] = sealed_at(manifest)
             union.wanted.pop(rank, None)
+            union.discarded.discard(rank)
         # named again: no longer waited for once its changed files are replaced (end
         # of this look; an open woken earlier would serve the earlier file)
         answered = set(found) & union.unconfirmed
@@ -2300,6 +2305,12 @@ class RemoteView:
         for rank, digest in placed.items():
             if rank not in found:
                 union.parts.setdefault(rank, digest)  # not answering now: as placed
+                if rank in union.discarded:
+                    # its files were taken out (a bad copy): asked again until a
+                    # source names the part (trial 66 M2: missing for 70 s after the
+                    # rank's node and the bucket were back, with no line)
+                    union.recheck.add(rank)
+                    waiting = True
         if found:
             said = await trio.to_thread.run_sync(self._place, job.name, own, union, found)
             for rank, manifest in found.items():
@@ -2666,9 +2677,13 @@ class RemoteView:
         step = union.step
         held = self.catalog.get(ShardKey(job, rank, step))
         crc = entry.crc32c or 0
-        if held is not None and any(
-            f.path == path_rel and f.size == entry.size and f.crc32c == entry.crc32c
-            for f in held.manifest.files
+        if (
+            held is not None
+            and path_rel not in held.bad  # failed verification, being dropped: fetched
+            and any(
+                f.path == path_rel and f.size == entry.size and f.crc32c == entry.crc32c
+                for f in held.manifest.files
+            )
         ):
             source = os.path.join(held.data, path_rel)
             rf = _held_file(step, held, entry, os.lstat(source).st_ino)
