@@ -267,6 +267,27 @@ def test_a_step_abandoned_by_a_restore_is_not_sealed_again_at_the_next_start(mak
         wait_for(lambda i=i: holds(c, i, i, 40), 60, f"node {i}'s part of step 40 again")
 
 
+def test_a_step_removed_on_every_node_and_saved_again_loads_the_new_values(make_mount):
+    """Regression (#14 trial 66 H1, silent wrong values in 2 of 6 runs): ``rm -rf`` of a
+    loaded step on every node, then a stock ``dcp.save`` of that step number and a load
+    right after. A node went on naming its earlier part until its new seal (new files
+    are no write into a sealed one), and a rank loaded rank 0's earlier values from a
+    replica. Making the step directory again now begins another save on each node
+    (said in its log); the load reads the new values everywhere."""
+    c = Cluster(make_mount, 3, node_args=elastic(3))
+    assert dcp(c, "save", 30, [0, 1, 2]) == ["SAVED"] * 3
+    for i in range(3):
+        wait_for(lambda i=i: whole(c, i, 30, 3), 90, f"the whole step 30 on node {i}")
+    assert dcp(c, "load", 30, [0, 1, 2]) == ["LOADED_OK"] * 3
+    for i in range(3):
+        shutil.rmtree(c.root(i) / "checkpoint-30")
+    assert dcp(c, "save", 30, [0, 1, 2], seed=1) == ["SAVED"] * 3
+    assert dcp(c, "load", 30, [0, 1, 2], seed=1) == ["LOADED_OK"] * 3
+    for i in range(3):
+        assert "checkpoint-30 made again after its removal" in c.mounts[i].log()
+        assert c.errors(i) == "", (i, c.errors(i))
+
+
 def part_digest(c: Cluster, holder: int, rank: int, step: int) -> str:
     """The manifest digest of rank ``rank``'s part of ``step`` held by node ``holder``."""
     from tierfs.store.manifest import Manifest

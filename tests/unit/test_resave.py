@@ -23,6 +23,7 @@ from tierfs.cluster.restore_choice import OLDER, RESTORED, choose_restore, repla
 from tierfs.core.control import JobSpec
 from tierfs.core.types import BucketPart, BucketView, Holding
 from tierfs.node import resave, statefile
+from tierfs.node.intake import Changed
 from tierfs.node.resave import (
     CutShort,
     EarlierSave,
@@ -616,3 +617,67 @@ def test_another_ranks_first_save_sealed_after_this_node_began_again_is_not_repl
     b0 = parts.catalog[key].manifest
     assert (0, a0.digest) in b0.replaces and (1, old1.digest) in b0.replaces
     assert (1, new1.digest) not in b0.replaces
+
+
+def test_a_step_removed_and_made_again_is_another_save_of_it(tmp_path, monkeypatch):
+    """Regression (#14 trial 66 H1, silent wrong values): ``rm -rf`` of a sealed step on
+    every node, then the step saved again. The new files are new inodes (no write into
+    a sealed file), so this node went on naming its earlier part until the new seal,
+    and another node placed that part's files. Making the step directory again now
+    withdraws the part (the node answers "being saved again"), and the new seal
+    records the parts it replaces. A change of the sealed directory's attributes, or a
+    file made in it, withdraws nothing."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    path = write_step(parts, 20)
+    seal(parts, 20)
+    key = ShardKey("j", 0, 20)
+    a0 = parts.catalog[key].manifest
+    a1 = replica(parts, tmp_path, 1, 20, b"rank 1, first save")
+    events = parts.agent.fs_events()
+    top = pathlib.Path(path).parent
+    events.changed(b"20")  # the sealed directory's attributes (chmod, utime)
+    (top / "other.bin").write_bytes(b"added")
+    events.changed(b"20/other.bin")
+    assert parts.catalog.get(key) is not None and not parts.agent.book.resaving(key)
+    monkeypatch.setattr(resave, "RESAVE_GAP", 0.0)
+    for p in top.iterdir():
+        p.unlink()
+    top.rmdir()  # the client removes the step: the snapshot stays
+    events.changed(b"20")
+    assert parts.catalog.get(key) is not None and not parts.agent.book.resaving(key)
+    top.mkdir()  # and makes it again: another save
+    events.changed(b"20")
+    assert parts.catalog.get(key) is None and parts.agent.book.resaving(key)
+    pathlib.Path(path).write_bytes(b"rank 0, second save")
+
+    async def body() -> None:
+        for event in (b"20", b"20/data.bin"):
+            await parts.agent.intake.handle(Changed(os.fsdecode(event)))
+        parts.agent.sealer.retry_pending("20")
+        await trio.testing.wait_all_tasks_blocked()
+
+    run_with_tasks(parts, body)
+    b0 = parts.catalog[key].manifest
+    assert b0.digest != a0.digest and b0.began >= a0.sealed
+    assert set(b0.replaces) == {(0, a0.digest), (1, a1.digest)}
+
+
+def test_a_directory_renamed_into_a_removed_steps_name_is_another_save_of_it(tmp_path):
+    """Orbax writes a step into a temporary directory and renames it into place: after
+    the step was removed, that rename begins another save of it as ``mkdir`` does."""
+    parts = build(tmp_path)
+    parts.agent.control.set_job(JOB, "generic")
+    path = write_step(parts, 20)
+    seal(parts, 20)
+    key = ShardKey("j", 0, 20)
+    top = pathlib.Path(path).parent
+    for p in top.iterdir():
+        p.unlink()
+    top.rmdir()
+    tmp = top.parent / "20.orbax-checkpoint-tmp-1"
+    tmp.mkdir()
+    (tmp / "data.bin").write_bytes(b"rank 0, second save")
+    os.rename(tmp, top)
+    parts.agent.fs_events().renamed(b"20.orbax-checkpoint-tmp-1", b"20", 0o040755)
+    assert parts.catalog.get(key) is None and parts.agent.book.resaving(key)

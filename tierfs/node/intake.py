@@ -16,7 +16,7 @@ import math
 import os
 import stat
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -101,7 +101,7 @@ class SealScheduler(Protocol):
 class Withdrawer(Protocol):
     """What the intake needs of :class:`tierfs.node.keeper.ShardKeeper`."""
 
-    def withdraw(self, key: ShardKey, reason: str) -> None: ...
+    def withdraw(self, key: ShardKey, reason: str, names: Sequence[str] = ()) -> None: ...
 
     def drop_shard(self, key: ShardKey, reason: str) -> None: ...
 
@@ -201,6 +201,52 @@ class EventIntake:
         if key is not None:
             self.keeper.withdraw(key, "a sealed file was opened for writing")
             self.post(Withdrawn(key))
+
+    def made(self, top: str, changed: bool = False) -> None:
+        """The client made the top-level entry ``top`` (``mkdir``, or a rename into that
+        name; FUSE thread, before the reply; ``changed``: told only that ``top``
+        changed, so an existing entry whose attributes changed, a directory with
+        entries or a file this node sealed, is left alone). When this node holds a sealed part of
+        the step that name denotes, listing ``top``, the step directory was removed
+        and a new save of the step began: that part is withdrawn, as a write into a
+        sealed file withdraws it (:meth:`write_opening`), so this node answers "being
+        saved again" until the new seal, which records the parts it replaces.
+
+        Regression (#14 trial 66 H1, silent wrong values in 2 of 6 runs): ``rm -rf
+        checkpoint-280`` on every node, then ``dcp.save`` of step 280 again more than
+        60 s after the first, then a load: node 0 went on naming its earlier part until
+        its new seal, another node placed that part's files, and a rank loaded rank
+        0's earlier values from a replica, with no line anywhere."""
+        book = self.book
+        job = book.state.job
+        if book.rules is None or job is None:
+            return
+        step = book.rules.step_of(top)
+        if step is None:
+            return
+        key = ShardKey(job.name, job.node_rank, step)
+        shard = self.catalog.get(key)
+        if shard is None or top not in shard.manifest.top_level or book.resaving(key):
+            return
+        if changed and not self._new_entry(top):
+            return
+        log.info("step %d: %s made again after its removal: another save of it", step, top)
+        self.keeper.withdraw(key, f"{top} was removed and made again", names=[top])
+        self.post(Withdrawn(key))
+
+    def _new_entry(self, top: str) -> bool:
+        """True if the top-level entry ``top`` is an empty directory, or a file this node
+        never sealed (FUSE thread; one ``lstat``, and a directory scan that stops at
+        its first entry)."""
+        path = os.path.join(self.store.view, top)
+        try:
+            st = os.lstat(path)
+            if stat.S_ISDIR(st.st_mode):
+                with os.scandir(path) as entries:
+                    return next(entries, None) is None
+        except OSError:
+            return False
+        return st.st_ino not in self.book.sealed_inos
 
     def saving(self) -> list[str]:
         """The top-level step directories (names the seal rules give a step) this node
@@ -377,6 +423,8 @@ class AgentEvents:
         """Something at ``relpath`` changed."""
         path = os.fsdecode(relpath)
         self.intake.bump(top_of(path))
+        if "/" not in path:
+            self.intake.made(path, changed=True)  # a removed step made again: withdrawn
         self.intake.post(Changed(path))
 
     def renamed(self, old: bytes, new: bytes, mode: int) -> None:
@@ -384,6 +432,8 @@ class AgentEvents:
         o, n = os.fsdecode(old), os.fsdecode(new)
         self.intake.bump(top_of(o))
         self.intake.bump(top_of(n))
+        if "/" not in n and stat.S_ISDIR(mode):
+            self.intake.made(n)  # e.g. Orbax's temporary directory renamed into place
         self.intake.post(Renamed(o, n, mode))
 
     def released(self, relpath: bytes | None, ino: int) -> None:

@@ -138,10 +138,11 @@ class ShardKeeper:
         if shards:
             self.book.save()
 
-    def withdraw(self, key: ShardKey, reason: str) -> None:
+    def withdraw(self, key: ShardKey, reason: str, names: Sequence[str] = ()) -> None:
         """Withdraw a seal: the snapshot no longer matches the client's bytes.
 
-        The step's view names are remembered in ``book.withdrawn_names`` (sealed
+        The step's view names (``names``, else the entries the book maps to ``key``)
+        are remembered in ``book.withdrawn_names`` (sealed
         again when the writer closes), its first seal time in
         ``book.withdrawn_created``, and the step's parts held here (this node's
         and the other ranks') and those the whole-step view shows (``book.shown``)
@@ -149,7 +150,7 @@ class ShardKeeper:
         replaced by another save (:mod:`tierfs.node.resave`). Also called on the FUSE
         thread (a write opening).
         """
-        names = self.book.names_of(key)
+        names = list(names) or self.book.names_of(key)
         shard = self.catalog.get(key)
         if shard is not None:
             self.book.withdrawn_created[key] = shard.manifest.created

@@ -42,6 +42,7 @@ from tierfs.replication.client import PeerClient, rpc_code, rpc_reason
 from tierfs.replication.holdings import Holdings
 from tierfs.replication.lanes import Lane
 from tierfs.replication.transfer import Cancelled
+from tierfs.store.saves import sealed_at
 from tierfs.store.shards import Shard, ShardKey
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,10 @@ class Replicator:
         peers = replica_peers(job, self.book.gone)
         since = self.current.timeline_since
         for shard in self.catalog.own_shards(job):
-            if shard.manifest.created < since:
+            if sealed_at(shard.manifest) < since:
+                # this seal's time, not the step's first (``created`` is kept across
+                # saves of the step: a step saved again after a restore is of the
+                # new timeline)
                 break
             if not peers:
                 return shard.key.step
