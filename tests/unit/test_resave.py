@@ -637,6 +637,9 @@ def test_a_step_removed_and_made_again_is_another_save_of_it(tmp_path, monkeypat
     events = parts.agent.fs_events()
     top = pathlib.Path(path).parent
     events.changed(b"20")  # the sealed directory's attributes (chmod, utime)
+    marker = top.parent / "20.marker"  # a restore marker renamed into a step's name
+    marker.symlink_to(".sibling")
+    assert parts.agent.intake._new_entry("20.marker") is False
     (top / "other.bin").write_bytes(b"added")
     events.changed(b"20/other.bin")
     assert parts.catalog.get(key) is not None and not parts.agent.book.resaving(key)

@@ -246,7 +246,7 @@ class EventIntake:
                     return next(entries, None) is None
         except OSError:
             return False
-        return st.st_ino not in self.book.sealed_inos
+        return stat.S_ISREG(st.st_mode) and st.st_ino not in self.book.sealed_inos
 
     def saving(self) -> list[str]:
         """The top-level step directories (names the seal rules give a step) this node
